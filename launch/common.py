@@ -1,0 +1,74 @@
+"""Shared launcher plumbing: config from flags, runner selection, device setup.
+
+A *runner* is one way of executing the train step (single device, or a
+strategy twin). Every runner has the same interface, so the training loop
+never knows which one it drives:
+
+    runner.init_state(seed) -> TrainState      (created sharded, on device)
+    runner.abstract_state() -> TrainState      (ShapeDtypeStructs + shardings)
+    runner.place_batch(x, y) -> (x, y)         (numpy -> device arrays, per strategy)
+    runner.train_step(state, x, y) -> (state, metrics)
+    runner.eval_loss(params, x, y) -> loss
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from absl import flags
+
+from twinshard.config import Config, ModelConfig, TrainConfig, preset
+
+STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp")
+IMPLS = ("auto", "manual")
+
+
+def define_model_flags() -> None:
+    flags.DEFINE_string("preset", "small", "Named preset from twinshard.config (tiny, small, gpt2_125m, ...).")
+    flags.DEFINE_integer("steps", None, "Training steps (default: the preset's).")
+    flags.DEFINE_integer("batch_size", None, "Global batch size in sequences.")
+    flags.DEFINE_integer("context_length", None, "Sequence length (at most the preset's context).")
+    flags.DEFINE_float("lr", None, "Peak learning rate.")
+    flags.DEFINE_integer("seed", None, "Seed for init and batches.")
+    flags.DEFINE_enum("strategy", "single", STRATEGIES, "Parallelism strategy.")
+    flags.DEFINE_enum("impl", "auto", IMPLS, "auto (GSPMD annotations) or manual (shard_map collectives).")
+    flags.DEFINE_string("mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
+
+
+def config_from_flags(FLAGS) -> Config:
+    """The preset with flag overrides; invalid values raise ValueError here, before any work."""
+    cfg = preset(FLAGS.preset)
+    model: ModelConfig = cfg.model
+    if FLAGS.context_length is not None:
+        model = dataclasses.replace(model, context_length=FLAGS.context_length)
+    overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed")
+                 if getattr(FLAGS, k) is not None}
+    train: TrainConfig = cfg.train
+    if overrides:
+        if "lr" in overrides:  # keep the preset's lr/min_lr ratio
+            overrides["min_lr"] = train.min_lr * overrides["lr"] / train.lr
+        if "steps" in overrides:
+            overrides["warmup_steps"] = min(train.warmup_steps, overrides["steps"])
+        train = dataclasses.replace(train, **overrides)
+    return Config(model, train)
+
+
+def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config):
+    """Build the runner for a strategy; validation errors are ValueErrors naming the fix."""
+    from twinshard.trainer import SingleDevice
+
+    if strategy == "single":
+        return SingleDevice(cfg.model, cfg.train)
+    if impl == "auto":
+        from auto_parallel import make_runner as make_auto
+        return make_auto(strategy, mesh_spec, cfg)
+    from manual_parallel import make_runner as make_manual
+    return make_manual(strategy, mesh_spec, cfg)
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Ask XLA for n CPU devices; must run before jax initialises its backend."""
+    if n > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={n}").strip()

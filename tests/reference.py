@@ -1,0 +1,88 @@
+"""Independent NumPy float64 reference of the JAX-LM model, written from the spec.
+
+Nothing here imports twinshard's math: it works on the CS336 state dict
+(PyTorch layout: Linear weights [out, in]) so it also checks the interop layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def linear(x, w_out_in):
+    return x @ w_out_in.T
+
+
+def rms_norm(x, g, eps=1e-5):
+    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * g
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def swiglu(x, w1, w2, w3):
+    return linear(silu(linear(x, w1)) * linear(x, w3), w2)
+
+
+def softmax(x, axis=-1):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def rope(x, positions, theta):
+    """x: [..., T, d]; rotate pairs (x[2k], x[2k+1]) by angle pos * theta^(-2k/d), one by one."""
+    out = np.empty_like(x)
+    d = x.shape[-1]
+    for i, pos in enumerate(positions):
+        for k in range(d // 2):
+            a = pos / theta ** (2 * k / d)
+            c, s = np.cos(a), np.sin(a)
+            x0, x1 = x[..., i, 2 * k], x[..., i, 2 * k + 1]
+            out[..., i, 2 * k] = c * x0 - s * x1
+            out[..., i, 2 * k + 1] = s * x0 + c * x1
+    return out
+
+
+def attention(q, k, v, mask):
+    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    scores = np.where(mask, scores, -np.inf)
+    return softmax(scores) @ v
+
+
+def mha(x, wq, wk, wv, wo, num_heads, theta):
+    b, t, d = x.shape
+    dh = wq.shape[0] // num_heads
+    heads = lambda y: y.reshape(b, t, num_heads, dh).transpose(0, 2, 1, 3)  # noqa: E731
+    pos = np.arange(t)
+    q, k, v = rope(heads(linear(x, wq)), pos, theta), rope(heads(linear(x, wk)), pos, theta), heads(linear(x, wv))
+    out = attention(q, k, v, np.tril(np.ones((t, t), bool)))
+    return linear(out.transpose(0, 2, 1, 3).reshape(b, t, num_heads * dh), wo)
+
+
+def transformer_lm(sd, tokens, num_layers, num_heads, theta, eps=1e-5):
+    """Logits [B, T, V] (unpadded) from a CS336 state dict of float64 arrays."""
+    x = sd["token_embeddings.weight"][tokens]
+    for i in range(num_layers):
+        p = lambda n: sd[f"layers.{i}.{n}"]  # noqa: E731
+        h = rms_norm(x, p("ln1.weight"), eps)
+        x = x + mha(h, p("attn.q_proj.weight"), p("attn.k_proj.weight"), p("attn.v_proj.weight"),
+                    p("attn.output_proj.weight"), num_heads, theta)
+        x = x + swiglu(rms_norm(x, p("ln2.weight"), eps), p("ffn.w1.weight"), p("ffn.w2.weight"), p("ffn.w3.weight"))
+    return linear(rms_norm(x, sd["ln_final.weight"], eps), sd["lm_head.weight"])
+
+
+def cross_entropy(logits, targets):
+    m = logits.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+    return np.mean(lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0])
+
+
+def cs336_lr(t, a_max, a_min, tw, tc):
+    """The CS336 get_lr_cosine_schedule, as written in the assignment."""
+    import math
+    if t < tw:
+        return t / tw * a_max
+    if t <= tc:
+        return a_min + 0.5 * (1 + math.cos((t - tw) / (tc - tw) * math.pi)) * (a_max - a_min)
+    return a_min

@@ -1,0 +1,100 @@
+"""Every layer against the NumPy float64 reference (tests/reference.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import reference as ref
+from twinshard import layers
+
+RTOL, ATOL = 2e-5, 2e-5  # float32 vs float64 on O(1) values
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def f32(a):
+    return jnp.asarray(a, jnp.float32)
+
+
+def test_linear_stores_in_out(rng):
+    x, w = rng.normal(size=(2, 3, 5)), rng.normal(size=(5, 7))  # w: [in, out]
+    np.testing.assert_allclose(layers.linear(f32(x), f32(w)), ref.linear(x, w.T), rtol=RTOL, atol=ATOL)
+
+
+def test_embedding(rng):
+    table, ids = rng.normal(size=(11, 4)), rng.integers(0, 11, (2, 6))
+    np.testing.assert_array_equal(layers.embedding(jnp.asarray(ids), f32(table)), f32(table[ids]))
+
+
+def test_rms_norm(rng):
+    x, g = rng.normal(size=(2, 3, 8)) * 5, rng.normal(size=8)
+    np.testing.assert_allclose(layers.rms_norm(f32(x), f32(g), 1e-5), ref.rms_norm(x, g), rtol=RTOL, atol=ATOL)
+
+
+def test_rms_norm_computes_in_float32():
+    x = jnp.full((1, 64), 300.0, jnp.bfloat16)  # x^2 summed overflows nothing in f32
+    out = layers.rms_norm(x, jnp.ones(64), 1e-5)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), 1.0, rtol=1e-2)
+
+
+def test_swiglu(rng):
+    x = rng.normal(size=(2, 3, 8))
+    w1, w3, w2 = rng.normal(size=(8, 16)), rng.normal(size=(8, 16)), rng.normal(size=(16, 8))
+    got = layers.swiglu(f32(x), f32(w1), f32(w2), f32(w3))
+    np.testing.assert_allclose(got, ref.swiglu(x, w1.T, w2.T, w3.T), rtol=1e-4, atol=1e-4)
+
+
+def test_softmax_is_stable_and_matches(rng):
+    x = rng.normal(size=(3, 10)) * 1000
+    got = layers.softmax(f32(x))
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, ref.softmax(x), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_matches_pairwise_rotation(rng):
+    x = rng.normal(size=(2, 3, 7, 8))
+    pos = np.arange(7)
+    got = layers.apply_rope(f32(x), jnp.asarray(pos), 10000.0, 16)
+    np.testing.assert_allclose(got, ref.rope(x, pos, 10000.0), rtol=RTOL, atol=ATOL)
+
+
+def test_rope_preserves_norm_and_relative_position(rng):
+    q, k = rng.normal(size=(1, 16)), rng.normal(size=(1, 16))
+    rot = lambda v, p: layers.apply_rope(f32(np.repeat(v, 1, 0)), jnp.asarray([p]), 10000.0, 64)  # noqa: E731
+    np.testing.assert_allclose(np.linalg.norm(rot(q, 5)), np.linalg.norm(q), rtol=1e-5)
+    dot = lambda a, b: float(jnp.sum(rot(q, a) * rot(k, b)))  # noqa: E731
+    np.testing.assert_allclose(dot(3, 1), dot(12, 10), rtol=1e-4)
+
+
+def test_sdpa_respects_mask(rng):
+    q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 6, 4)), rng.normal(size=(2, 6, 3))
+    mask = rng.random((5, 6)) > 0.3
+    mask[:, 0] = True  # every query keeps at least one key
+    got = layers.scaled_dot_product_attention(f32(q), f32(k), f32(v), jnp.asarray(mask))
+    np.testing.assert_allclose(got, ref.attention(q, k, v, mask), rtol=1e-4, atol=1e-5)
+
+
+def test_causal_self_attention(rng):
+    b, t, d, h = 2, 6, 16, 4
+    x = rng.normal(size=(b, t, d))
+    wq, wk, wv, wo = (rng.normal(size=(d, d)) / 4 for _ in range(4))  # [in, out]
+    got = layers.causal_self_attention(f32(x), f32(wq), f32(wk), f32(wv), f32(wo), d // h, 10000.0, t)
+    want = ref.mha(x, wq.T, wk.T, wv.T, wo.T, h, 10000.0)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_causal_attention_ignores_the_future(rng):
+    d = 8
+    ws = [f32(rng.normal(size=(d, d))) for _ in range(4)]
+    x = rng.normal(size=(1, 5, d))
+    x2 = x.copy()
+    x2[:, 3:] = rng.normal(size=(1, 2, d))  # change only positions 3, 4
+    a = layers.causal_self_attention(f32(x), *ws, 4, 10000.0, 5)
+    b = layers.causal_self_attention(f32(x2), *ws, 4, 10000.0, 5)
+    np.testing.assert_array_equal(a[:, :3], b[:, :3])
+    assert not np.allclose(a[:, 3:], b[:, 3:])

@@ -1,0 +1,157 @@
+"""Typed configuration and named presets.
+
+A preset is a `Config` = `ModelConfig` (the architecture) + `TrainConfig` (the
+optimisation run). `preset(name)` returns a fresh copy; launchers override
+single fields with `dataclasses.replace`.
+
+    >>> from twinshard.config import preset
+    >>> cfg = preset("tiny")
+    >>> cfg.model.d_ff, cfg.model.padded_vocab_size
+    (192, 384)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+VOCAB_MULTIPLE = 128  # pad the vocab so it splits over any power-of-two tensor axis <= 128
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return multiple * math.ceil(x / multiple)
+
+
+def default_d_ff(d_model: int) -> int:
+    """SwiGLU width: 8/3 d_model rounded up to a multiple of 64 (JAX-LM spec)."""
+    return _round_up(math.ceil(8 * d_model / 3), 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int  # real tokenizer vocab; the embedding is padded to `padded_vocab_size`
+    context_length: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    d_ff: int = 0  # 0 -> default_d_ff(d_model)
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive.")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
+                f"choose num_heads from {_divisors(self.d_model)} or change d_model."
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = d_model/num_heads = {self.head_dim} is odd; RoPE rotates "
+                "pairs of features, so pick d_model and num_heads giving an even head_dim."
+            )
+        if self.d_ff == 0:
+            object.__setattr__(self, "d_ff", default_d_ff(self.d_model))
+        elif self.d_ff < 0:
+            raise ValueError(f"ModelConfig.d_ff={self.d_ff} must be positive (or 0 for 8/3 d_model).")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return _round_up(self.vocab_size, VOCAB_MULTIPLE)
+
+    def num_params(self, padded: bool = True) -> int:
+        """Exact parameter count of `TransformerLM` (embedding and lm_head untied)."""
+        v = self.padded_vocab_size if padded else self.vocab_size
+        d, f = self.d_model, self.d_ff
+        per_layer = 4 * d * d + 3 * d * f + 2 * d
+        return 2 * v * d + self.num_layers * per_layer + d
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 8  # global batch, in sequences
+    steps: int = 100
+    lr: float = 1e-3  # peak learning rate (alpha_max)
+    min_lr: float = 1e-4  # alpha_min, reached at `steps` (cosine end)
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global L2 norm; 0 disables clipping
+    skip_nonfinite: bool = True  # skip (and count) updates whose gradient norm is inf/nan
+    seed: int = 0
+    tokenizer: str = "gpt2"
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 0  # 0: only at the end
+
+    def __post_init__(self):
+        for name in ("batch_size", "steps", "eval_batches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be positive.")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]."
+            )
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    train: TrainConfig
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+_PRESETS: dict[str, Config] = {
+    # Tests: byte-level vocab (257, padded to 384) so padded logits are always exercised.
+    "tiny": Config(
+        ModelConfig(vocab_size=257, context_length=32, d_model=64, num_layers=2, num_heads=4),
+        TrainConfig(batch_size=8, steps=20, lr=3e-3, min_lr=3e-4, warmup_steps=2,
+                    tokenizer="bytes", log_every=5, eval_every=10, eval_batches=2),
+    ),
+    # The CPU demo: a 4096-token BPE trained on the corpus; loss falls within minutes on 2 cores.
+    "small": Config(
+        ModelConfig(vocab_size=4096, context_length=128, d_model=256, num_layers=4, num_heads=8),
+        TrainConfig(batch_size=16, steps=200, lr=3e-3, min_lr=3e-4, warmup_steps=20,
+                    tokenizer="shakespeare4096", log_every=10, eval_every=100),
+    ),
+    # Accelerator presets (GPT-2-like shapes, r50k vocab 50257 -> 50304 padded).
+    "gpt2_125m": Config(
+        ModelConfig(vocab_size=50257, context_length=1024, d_model=768, num_layers=12, num_heads=12),
+        TrainConfig(batch_size=64, steps=5000, lr=6e-4, min_lr=6e-5, warmup_steps=200,
+                    tokenizer="gpt2", log_every=10, eval_every=500),
+    ),
+    "gpt2_350m": Config(
+        ModelConfig(vocab_size=50257, context_length=1024, d_model=1024, num_layers=24, num_heads=16),
+        TrainConfig(batch_size=64, steps=5000, lr=3e-4, min_lr=3e-5, warmup_steps=200,
+                    tokenizer="gpt2", log_every=10, eval_every=500),
+    ),
+    "llm_1b": Config(
+        ModelConfig(vocab_size=50257, context_length=2048, d_model=2048, num_layers=20, num_heads=16),
+        TrainConfig(batch_size=64, steps=5000, lr=2e-4, min_lr=2e-5, warmup_steps=500,
+                    tokenizer="gpt2", log_every=10, eval_every=500),
+    ),
+}
+
+PRESETS: tuple[str, ...] = tuple(_PRESETS)
+
+
+def preset(name: str) -> Config:
+    """The named preset (configs are frozen, so sharing the instance is safe)."""
+    try:
+        return _PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}.") from None

@@ -1,0 +1,116 @@
+"""Corpus -> uint16 token memmap (tokenized once, cached) -> random training windows."""
+
+import gzip
+import hashlib
+import os
+import pathlib
+import re
+import tempfile
+
+import numpy as np
+
+from twinshard import tokenizer
+
+DEFAULT_CORPUS = tokenizer.ASSETS / "shakespeare.txt.gz"
+_CHUNK_CHARS = 1 << 20
+# A newline between printable ASCII characters always ends a pre-token under
+# GPT2_PATTERN (no letter, digit or punctuation run crosses a newline, and the
+# whitespace run stops at the next character), so cutting after it leaves the
+# encoding of the whole text unchanged.
+_SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """Reads a UTF-8 .txt or .txt.gz file byte-exactly (no newline translation)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"corpus {str(path)!r} not found: pass --data=PATH to a UTF-8 .txt or .txt.gz, "
+            "or omit it for the default corpus"
+        )
+    raw = path.read_bytes()
+    return (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
+
+
+def _chunks(text: str) -> list[str]:
+    """Cuts text at safe newlines about every _CHUNK_CHARS, so chunks encode in parallel."""
+    pieces, start = [], 0
+    while start < len(text):
+        cut = _SAFE_CUT.search(text, start + _CHUNK_CHARS)
+        end = cut.start() if cut else len(text)
+        pieces.append(text[start:end])
+        start = end
+    return pieces
+
+
+def encode(text: str, tokenizer_name: str) -> list[int]:
+    """Encodes ordinary text (special-token strings are plain text) with tiktoken's threads."""
+    enc = tokenizer.get_encoding(tokenizer_name)
+    batches = enc.encode_ordinary_batch(_chunks(text), num_threads=os.cpu_count() or 1)
+    return [t for batch in batches for t in batch]
+
+
+def tokenize_to_memmap(
+    text_path: str | os.PathLike, tokenizer_name: str, cache_dir: str | os.PathLike
+) -> np.memmap:
+    """Returns the corpus as a read-only uint16 memmap, tokenizing only on a cache miss.
+
+    The cache name `<stem>.<tokenizer>.<sha256(file)[:16]>.u16` changes with the
+    file's bytes, and the file appears only complete (temp file + os.replace).
+    """
+    text_path, cache_dir = pathlib.Path(text_path), pathlib.Path(cache_dir)
+    enc = tokenizer.get_encoding(tokenizer_name)
+    if enc.n_vocab > 65536:
+        raise ValueError(
+            f"tokenizer {tokenizer_name!r} has n_vocab {enc.n_vocab} > 65536: ids do not fit uint16"
+        )
+    text = read_text(text_path)
+    digest = hashlib.sha256(text_path.read_bytes()).hexdigest()[:16]
+    stem = text_path.name.removesuffix(".gz").removesuffix(".txt")
+    out = cache_dir / f"{stem}.{enc.name}.{digest}.u16"
+    if not out.is_file():
+        tokens = np.asarray(encode(text, tokenizer_name), dtype=np.uint16)
+        if tokens.size == 0:
+            raise ValueError(
+                f"corpus {str(text_path)!r} has no tokens: pass --data=PATH to a non-empty text file"
+            )
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=f".{out.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(tokens.tobytes())
+            os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
+            os.replace(tmp, out)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    return np.memmap(out, dtype=np.uint16, mode="r")
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """Splits off the tail as validation, so the two never share a window's text."""
+    n_val = round(len(tokens) * val_fraction)
+    if not 0 < n_val < len(tokens):
+        raise ValueError(
+            f"val_fraction {val_fraction} of {len(tokens)} tokens leaves an empty split"
+        )
+    return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+
+
+def get_batch(
+    tokens: np.ndarray, batch_size: int, context_length: int, seed: int, step: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Samples int32 windows x: [B, T] and next-token targets y: [B, T].
+
+    Starts are uniform over all len(tokens) - T valid offsets, drawn from a
+    generator seeded by (seed, step) alone, so a resumed run sees the same data.
+    """
+    n_starts = len(tokens) - context_length
+    if n_starts < 1:
+        raise ValueError(
+            f"corpus has {len(tokens)} tokens, fewer than context_length + 1 = {context_length + 1}: "
+            "use a smaller --context_length or a larger corpus"
+        )
+    starts = np.random.default_rng([seed, step]).integers(0, n_starts, size=batch_size)
+    windows = np.asarray(tokens[starts[:, None] + np.arange(context_length + 1)], dtype=np.int32)
+    return windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,120 @@
+"""Layer math, once: pure functions on arrays (JAX-LM / CS336 spec).
+
+Every strategy (single device, GSPMD, shard_map) calls these. They take local
+sizes from array shapes, never from a world size: under Megatron TP the same
+`attention` runs on H/tensor heads because `wq` arrives as [D, H/tensor * dh].
+
+Notation: B batch, T sequence, D d_model, H heads, dh head dim, F d_ff, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def linear(x: Array, w: Array) -> Array:
+    """y = x W with W stored [in, out] (bias-free). x: [..., in] -> [..., out]."""
+    return jnp.einsum("...i,io->...o", x, w)
+
+
+def embedding(ids: Array, table: Array) -> Array:
+    """Row lookup. ids: [...] int, table: [V, D] -> [..., D]."""
+    return jnp.take(table, ids, axis=0)
+
+
+def rms_norm(x: Array, gain: Array, eps: float) -> Array:
+    """x / sqrt(mean(x^2) + eps) * g, computed in float32, returned in x.dtype."""
+    x32 = x.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * inv_rms * gain.astype(jnp.float32)).astype(x.dtype)
+
+
+def silu(x: Array) -> Array:
+    return x * jax.nn.sigmoid(x)
+
+
+def swiglu(x: Array, w1: Array, w2: Array, w3: Array) -> Array:
+    """W2 (SiLU(x W1) * x W3). x: [..., D], w1/w3: [D, F], w2: [F, D] -> [..., D]."""
+    return linear(silu(linear(x, w1)) * linear(x, w3), w2)
+
+
+def softmax(x: Array, axis: int = -1) -> Array:
+    """Numerically stable softmax: subtract the max before exp."""
+    z = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    e = jnp.exp(z)
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+@functools.lru_cache(maxsize=None)
+def rope_tables(head_dim: int, theta: float, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cached cos/sin tables, each [max_len, head_dim/2] float32 (constants under jit).
+
+    Pair k of position i is rotated by angle i * theta^(-2k/head_dim).
+    """
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.arange(max_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: Array, positions: Array, theta: float, max_len: int) -> Array:
+    """Rotate interleaved (even, odd) feature pairs. x: [..., T, dh], positions: [T]."""
+    cos_table, sin_table = rope_tables(x.shape[-1], float(theta), int(max_len))
+    cos, sin = jnp.asarray(cos_table)[positions], jnp.asarray(sin_table)[positions]  # [T, dh/2]
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]
+    rot_even = x_even * cos - x_odd * sin
+    rot_odd = x_even * sin + x_odd * cos
+    return jnp.stack([rot_even, rot_odd], axis=-1).reshape(x.shape).astype(x.dtype)
+
+
+def causal_mask(t: int) -> Array:
+    """[T, T] boolean keep-mask: query i sees keys j <= i."""
+    return jnp.tril(jnp.ones((t, t), dtype=bool))
+
+
+def scaled_dot_product_attention(q: Array, k: Array, v: Array, mask: Array | None = None) -> Array:
+    """softmax(q k^T / sqrt(dk), masked) v. q: [..., Tq, dk], k: [..., Tk, dk], v: [..., Tk, dv].
+
+    mask: boolean [Tq, Tk] (broadcastable), True = keep. Masked scores get -inf,
+    so they carry exactly zero probability.
+    """
+    scores = jnp.einsum("...qd,...kd->...qk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    if mask is not None:
+        scores = jnp.where(mask, scores, -jnp.inf)
+    return jnp.einsum("...qk,...kd->...qd", softmax(scores, axis=-1), v)
+
+
+def split_heads(x: Array, head_dim: int) -> Array:
+    """[B, T, h*dh] -> [B, h, T, dh]."""
+    b, t, hd = x.shape
+    return x.reshape(b, t, hd // head_dim, head_dim).transpose(0, 2, 1, 3)
+
+
+def merge_heads(x: Array) -> Array:
+    """[B, h, T, dh] -> [B, T, h*dh]."""
+    b, h, t, dh = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b, t, h * dh)
+
+
+def causal_self_attention(
+    x: Array, wq: Array, wk: Array, wv: Array, wo: Array,
+    head_dim: int, theta: float, max_len: int,
+) -> Array:
+    """Causal multi-head self-attention with RoPE on q and k.
+
+    x: [B, T, D]; wq/wk/wv: [D, h*dh]; wo: [h*dh, D]; h = wq.shape[1] // head_dim
+    (all H heads on one device, H/tensor under Megatron TP). Returns [B, T, D]
+    (a partial sum over heads under TP: the caller reduces it).
+    """
+    t = x.shape[-2]
+    positions = jnp.arange(t)
+    q = apply_rope(split_heads(linear(x, wq), head_dim), positions, theta, max_len)
+    k = apply_rope(split_heads(linear(x, wk), head_dim), positions, theta, max_len)
+    v = split_heads(linear(x, wv), head_dim)
+    out = scaled_dot_product_attention(q, k, v, causal_mask(t))  # [B, h, T, dh]
+    return linear(merge_heads(out), wo)

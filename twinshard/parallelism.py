@@ -1,0 +1,58 @@
+"""The seam between the model and a parallelism strategy.
+
+The model (twinshard/model.py) is mesh-free. At the few points where a strategy
+must act, it calls a method of a `Parallelism` object. This base class is the
+single-device behaviour (every hook is the identity or the plain layer), so
+`TransformerLM(...)(tokens)` is ordinary single-device code. Strategies
+override only what they need:
+
+    hook                    auto_parallel (GSPMD)        manual_parallel (shard_map)
+    weight(w, axes)         -                            FSDP: all_gather over data
+    constrain(x, axes)      with_sharding_constraint     -
+    enter_tensor_parallel   -                            Megatron f: identity / psum
+    exit_tensor_parallel    -                            Megatron g: psum / identity
+    embed(ids, table)       -                            vocab-parallel lookup + psum
+    token_loss(...)         -                            vocab-parallel cross-entropy
+
+Logical axis names (on params and activations): vocab, embed, heads, mlp,
+norm (params); batch, seq, embed, heads, mlp, vocab (activations).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from twinshard import layers, loss
+
+Array = jax.Array
+Axes = tuple[str | None, ...]
+
+
+class Parallelism:
+    """Single-device behaviour; subclasses add sharding or collectives."""
+
+    def weight(self, w: Array, axes: Axes) -> Array:
+        """The full weight for a matmul (FSDP gathers its shards here)."""
+        return w
+
+    def constrain(self, x: Array, axes: Axes) -> Array:
+        """Pin an activation's layout (GSPMD hint); identity elsewhere."""
+        return x
+
+    def enter_tensor_parallel(self, x: Array) -> Array:
+        """Before a column-parallel matmul (Megatron's f)."""
+        return x
+
+    def exit_tensor_parallel(self, x: Array) -> Array:
+        """After a row-parallel matmul (Megatron's g)."""
+        return x
+
+    def embed(self, ids: Array, table: Array) -> Array:
+        return layers.embedding(ids, table)
+
+    def token_loss(self, logits: Array, targets: Array, vocab_size: int) -> Array:
+        """Per-token cross-entropy [B, T] from logits [B, T, V(_local)]."""
+        return loss.token_cross_entropy(logits, targets, vocab_size)
+
+
+SINGLE_DEVICE = Parallelism()
