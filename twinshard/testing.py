@@ -1,0 +1,79 @@
+"""pytest helpers over the collective ledger (MaxText `hlo_test_utils` style).
+
+Each helper raises `AssertionError` whose message starts with what was expected
+and what was found, followed by the full `ledger.table()`, so a failing test
+shows every collective of the program:
+
+    led = hlo.ledger(step.lower(*args).compile(), mesh)
+    expect_parsed(led)
+    expect_collectives(led, "all-gather", axes=("data",), count=2 * n_layers)
+    expect_no_collective(led, "all-reduce", larger_than=1024)
+    expect_bytes(led, ("tensor",), bytes=4 * B * T * D, op="all-reduce")
+
+`axes` selects records whose axes equal exactly that set of mesh axes
+(`'data'` == `('data',)`; order is normalised to mesh order); `axes=None`
+means any axes. Counts and byte totals are multiplicity-weighted (a
+collective in a scan of length 3 counts 3 times).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from twinshard.hlo import Ledger
+
+Axes = str | Iterable[str] | None
+
+
+def _fail(ledger: Ledger, message: str) -> None:
+    raise AssertionError(f"{message}\n{ledger.table()}")
+
+
+def _what(op: str | None, axes: Axes, ledger: Ledger) -> str:
+    want = ledger.norm_axes(axes)
+    return f"{op or 'any collective'} over {'any axes' if want is None else want}"
+
+
+def expect_collectives(ledger: Ledger, op: str, axes: Axes = None, count: int | None = None,
+                       min_count: int | None = None, max_count: int | None = None) -> Ledger:
+    """Assert how many `op` collectives run over `axes` (at least one if no bound given)."""
+    found = ledger.filter(op=op, axes=axes)
+    n = sum(r.multiplicity for r in found)
+    if count is None and min_count is None and max_count is None:
+        min_count = 1
+    bad = ((count is not None and n != count) or (min_count is not None and n < min_count)
+           or (max_count is not None and n > max_count))
+    if bad:
+        bounds = " ".join(f"{k}={v}" for k, v in
+                          (("count", count), ("min_count", min_count), ("max_count", max_count))
+                          if v is not None)
+        _fail(ledger, f"expected {_what(op, axes, ledger)} with {bounds}; found {n}")
+    return found
+
+
+def expect_no_collective(ledger: Ledger, op: str | None = None, axes: Axes = None,
+                         larger_than: int | None = None) -> None:
+    """Assert no `op` over `axes` exists (or none whose result exceeds `larger_than` bytes)."""
+    found = [r for r in ledger.filter(op=op, axes=axes)
+             if larger_than is None or r.bytes > larger_than]
+    if found:
+        size = "" if larger_than is None else f" larger than {larger_than} bytes"
+        names = ", ".join(f"%{r.name} ({r.bytes} B, {r.source or r.op_name})" for r in found[:5])
+        _fail(ledger, f"expected no {_what(op, axes, ledger)}{size}; found {len(found)}: {names}")
+
+
+def expect_bytes(ledger: Ledger, axes: Axes, bytes: float, rel: float = 0.01,
+                 op: str | None = None, kind: str = "bytes") -> float:
+    """Assert the multiplicity-weighted `kind` total over `axes` is within `rel` of `bytes`."""
+    got = ledger.total_bytes(axes=axes, op=op, kind=kind)
+    if abs(got - bytes) > rel * abs(bytes) or (bytes == 0 and got != 0):
+        _fail(ledger, f"expected {kind} of {_what(op, axes, ledger)} = {bytes:.6g} "
+                      f"(rel {rel:g}); got {got:.6g} ({(got - bytes) / bytes:+.2%})"
+              if bytes else f"expected {kind} of {_what(op, axes, ledger)} = 0; got {got:.6g}")
+    return got
+
+
+def expect_parsed(ledger: Ledger) -> None:
+    """Assert every collective-looking HLO line was read."""
+    if ledger.unparsed:
+        _fail(ledger, f"{len(ledger.unparsed)} collective-looking HLO lines were not parsed")
