@@ -1,0 +1,29 @@
+"""The GSPMD twin: each strategy is a placement table; XLA inserts the collectives."""
+
+from __future__ import annotations
+
+import jax
+
+from auto_parallel import dp, fsdp, fsdp_tp, tp
+from auto_parallel.runner import AutoRunner, logical_dims
+from twinshard import mesh as mesh_lib
+from twinshard.config import Config
+
+STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}
+
+
+def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> dict[str, int]:
+    """Parse (or default) and validate the mesh for a strategy; shared by both twins."""
+    mesh_lib.check_strategy(strategy)
+    shape = mesh_lib.parse_mesh(mesh_spec) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
+    mesh_lib.check_mesh(strategy, shape, n_devices)
+    module = STRATEGIES[strategy]
+    rules = {**module.PARAM_RULES, **module.ACTIVATION_RULES}
+    mesh_lib.check_divisible(logical_dims(cfg), rules, shape)
+    return shape
+
+
+def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None) -> AutoRunner:
+    devices = jax.devices() if devices is None else devices
+    shape = resolve_mesh(strategy, mesh_spec, cfg, len(devices))
+    return AutoRunner(strategy, STRATEGIES[strategy], shape, cfg, devices)

@@ -34,6 +34,7 @@ from twinshard.parallelism import SINGLE_DEVICE, Parallelism
 
 Array = jax.Array
 ACTIVATION = ("batch", "seq", "embed")  # logical axes of the residual stream [B, T, D]
+LOGITS = ("batch", "seq", "vocab")  # [B, T, V_pad]
 
 
 def _param(value: Array, axes: tuple[str, ...]) -> nnx.Param:
@@ -152,7 +153,7 @@ class TransformerLM(nnx.Module):
         for block in self.layers:
             x = block(x, par)
         x = self.ln_final(x, par)
-        return self.lm_head(par.enter_tensor_parallel(x), par)
+        return par.constrain(self.lm_head(par.enter_tensor_parallel(x), par), LOGITS)
 
     def loss(self, tokens: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """Mean next-token cross-entropy over this program's (local) tokens."""

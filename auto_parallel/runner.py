@@ -1,0 +1,103 @@
+"""The GSPMD machinery shared by the four auto strategies.
+
+A strategy is two tables (auto_parallel/<strategy>.py): PARAM_RULES and
+ACTIVATION_RULES, logical axis -> mesh axis. From them this module builds
+NamedShardings for the params, the optimizer state (moments sharded exactly
+like their params), the batch and the residual stream, then jits the
+single-device train step (twinshard/trainer.py) with those shardings. XLA's
+SPMD partitioner inserts every collective.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Mapping
+
+import jax
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from twinshard import mesh as mesh_lib
+from twinshard.config import Config
+from twinshard.optim import make_optimizer
+from twinshard.parallelism import Parallelism
+from twinshard.trainer import TrainState, init_state, logical_axes, loss_fn, train_step
+
+Rules = Mapping[str, str]
+
+
+def spec(axes: tuple[str | None, ...], rules: Rules) -> P:
+    """Logical axes -> PartitionSpec, e.g. ('embed', 'mlp') with {'embed': 'data'} -> P('data', None)."""
+    return P(*(rules.get(a) for a in axes))
+
+
+def param_specs(cfg: Config, rules: Rules):
+    """PartitionSpec for every parameter, same tree as the params."""
+    return jax.tree.map(lambda ax: spec(ax, rules), logical_axes(cfg.model),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def logical_dims(cfg: Config) -> dict[str, int]:
+    """Sizes of every logical dimension a strategy may split (for divisibility checks)."""
+    m = cfg.model
+    return {"batch": cfg.train.batch_size, "embed": m.d_model, "heads": m.num_heads,
+            "mlp": m.d_ff, "vocab": m.padded_vocab_size}
+
+
+class GSPMD(Parallelism):
+    """Single-device math plus sharding constraints on activations."""
+
+    def __init__(self, mesh: jax.sharding.Mesh, activation_rules: Rules):
+        self.mesh, self.rules = mesh, activation_rules
+
+    def constrain(self, x, axes):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec(axes, self.rules)))
+
+
+class AutoRunner:
+    """Runs one strategy with GSPMD; the interface of trainer.SingleDevice."""
+
+    def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
+                 devices=None):
+        self.name, self.cfg = name, cfg
+        self.mesh = mesh_lib.make_mesh(mesh_shape, jax.sharding.AxisType.Auto, devices)
+        self.param_rules, self.activation_rules = strategy.PARAM_RULES, strategy.ACTIVATION_RULES
+        self.tx = make_optimizer(cfg.train)
+        self.state_shardings = self._state_shardings()
+        self.batch_sharding = NamedSharding(self.mesh, spec(("batch", "seq"), self.activation_rules))
+        par = GSPMD(self.mesh, self.activation_rules)
+        step = functools.partial(train_step, cfg=cfg.model, train_cfg=cfg.train, tx=self.tx, par=par)
+        replicated = NamedSharding(self.mesh, P())
+        self.train_step = jax.jit(
+            step, in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self.eval_loss = jax.jit(
+            functools.partial(loss_fn, cfg=cfg.model, par=par),
+            in_shardings=(self.state_shardings.params, self.batch_sharding, self.batch_sharding),
+            out_shardings=replicated)
+
+    def _state_shardings(self) -> TrainState:
+        named = lambda s: NamedSharding(self.mesh, s)  # noqa: E731
+        params = jax.tree.map(named, param_specs(self.cfg, self.param_rules))
+        # Optimizer moments mirror their params; counters and scalars are replicated.
+        opt = optax.tree_map_params(
+            self.tx, lambda _, sharding: sharding, self._unsharded_abstract_state().opt_state, params,
+            transform_non_params=lambda _: named(P()))
+        return TrainState(params, opt, named(P()))
+
+    def _unsharded_abstract_state(self) -> TrainState:
+        return jax.eval_shape(functools.partial(init_state, self.cfg.model, self.tx, 0))
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs carrying this strategy's shardings (checkpoint restore target)."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self._unsharded_abstract_state(), self.state_shardings)
+
+    def init_state(self, seed: int) -> TrainState:
+        """Created sharded: each device computes only its shards (no full copy anywhere)."""
+        init = functools.partial(init_state, self.cfg.model, self.tx, seed)
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def place_batch(self, x, y):
+        return jax.device_put(x, self.batch_sharding), jax.device_put(y, self.batch_sharding)
