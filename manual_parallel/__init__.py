@@ -1,0 +1,18 @@
+"""The shard_map twin: the same strategies with every collective written out."""
+
+from __future__ import annotations
+
+import jax
+
+from auto_parallel import resolve_mesh
+from manual_parallel import dp, fsdp, fsdp_tp, tp
+from manual_parallel.runner import ManualRunner
+from twinshard.config import Config
+
+STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}
+
+
+def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None) -> ManualRunner:
+    devices = jax.devices() if devices is None else devices
+    shape = resolve_mesh(strategy, mesh_spec, cfg, len(devices))
+    return ManualRunner(strategy, STRATEGIES[strategy], shape, cfg, devices)

@@ -1,0 +1,131 @@
+"""The shard_map machinery shared by the four manual strategies.
+
+The whole train step - forward, backward, gradient synchronization, global-norm
+clipping and the AdamW update - is ONE `jax.shard_map` over the mesh with
+`check_vma=True`. Inside it every array is a local shard (shapes in comments
+are per device) and the only communication is what the code names:
+
+- the strategy's `Parallelism` hooks (manual_parallel/<strategy>.py): FSDP
+  gathers, Megatron f/g, vocab-parallel embedding and cross-entropy;
+- `mean_over_data` below: the data-parallel gradient mean (`pmean` over
+  `data`) of every parameter that is replicated over `data`;
+- `global_norm` below: one `psum` of partial squared norms per group of
+  gradients sharded over the same mesh axes;
+- `lax.pmean(loss, 'data')`: the reported loss.
+
+Why params are `pcast` to varying before `grad` (measured, JAX 0.12): with
+`check_vma=True`, differentiating a loss that varies over `data` with respect
+to params that are *invariant* over `data` makes autodiff insert a `psum` over
+`data` silently (the transpose of the implicit broadcast). Casting them to
+varying first keeps each device's gradient local, so the mean is our own line.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from twinshard import mesh as mesh_lib, placement
+from twinshard.config import Config
+from twinshard.optim import make_optimizer
+from twinshard.trainer import TrainState, apply_gradients, init_state, loss_fn
+
+DATA, TENSOR = "data", "tensor"
+
+
+def _active(axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes of size > 1 among `axes`, in mesh order (so P('tensor','data') and
+    P('data','tensor') gradients share one psum)."""
+    return tuple(a for a in sizes if a in axes and sizes[a] > 1)
+
+
+class ManualRunner:
+    """Runs one strategy as a shard_map program; the interface of trainer.SingleDevice."""
+
+    def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
+                 devices=None):
+        self.name, self.cfg, self.sizes = name, cfg, dict(mesh_shape)
+        self.mesh = mesh_lib.make_mesh(mesh_shape, jax.sharding.AxisType.Explicit, devices)
+        self.par = strategy.PARALLELISM(strategy.PARAM_RULES)
+        self.param_specs = placement.param_specs(cfg, strategy.PARAM_RULES)
+        self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm)
+        self.state_specs = placement.state_specs(cfg, self.tx, strategy.PARAM_RULES)
+        # True for params replicated over a data axis of size > 1 (they need the DP mean)
+        self.replicated_over_data = jax.tree.map(
+            lambda s: DATA not in placement.sharded_axes(s) and self.sizes[DATA] > 1,
+            self.param_specs, is_leaf=lambda x: isinstance(x, P))
+        self.batch_spec = placement.spec(("batch", "seq"), strategy.ACTIVATION_RULES)
+        self.state_shardings = jax.tree.map(self._named, self.state_specs,
+                                            is_leaf=lambda x: isinstance(x, P))
+        self.batch_sharding = self._named(self.batch_spec)
+        smap = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=True)
+        b = self.batch_spec
+        self.train_step = jax.jit(smap(self._train_step, in_specs=(self.state_specs, b, b),
+                                       out_specs=(self.state_specs, P())), donate_argnums=0)
+        self.loss_and_grads = jax.jit(smap(self._loss_and_grads, in_specs=(self.param_specs, b, b),
+                                           out_specs=(P(), self.param_specs)))
+        self.eval_loss = jax.jit(smap(self._eval_loss, in_specs=(self.param_specs, b, b), out_specs=P()))
+
+    def _named(self, s: P) -> NamedSharding:
+        return NamedSharding(self.mesh, s)
+
+    # --- inside shard_map: local shards only ---------------------------------
+
+    def _local_loss(self, params, x, y):
+        """Mean loss over this device's tokens. x, y: [B/data, T]."""
+        return self.par.remat(loss_fn)(params, x, y, self.cfg.model, self.par)
+
+    def _loss_and_grads(self, params, x, y):
+        replicated = self.replicated_over_data
+        params = jax.tree.map(lambda p, r: lax.pcast(p, DATA, to="varying") if r else p,
+                              params, replicated)
+        loss, grads = jax.value_and_grad(self._local_loss)(params, x, y)
+        return self._mean_over_data(loss), self.mean_over_data(grads, replicated)
+
+    def mean_over_data(self, grads, replicated):
+        """Data-parallel gradient sync: all-reduce (mean) over `data` of every
+        gradient whose param is replicated over `data` (DP: all of them; FSDP:
+        the norm gains; sharded weights were already reduce-scattered by
+        fsdp_gather's backward)."""
+        return jax.tree.map(lambda g, r: lax.pmean(g, DATA) if r else g, grads, replicated)
+
+    def _mean_over_data(self, loss):
+        return lax.pmean(loss, DATA) if self.sizes[DATA] > 1 else loss
+
+    def global_norm(self, grads) -> jax.Array:
+        """sqrt(sum of squares of the full gradient): local partial sums, one psum
+        per group of gradients sharded over the same mesh axes."""
+        groups: dict[tuple[str, ...], jax.Array] = {}
+        for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, P))):
+            axes = _active(placement.sharded_axes(s), self.sizes)
+            groups[axes] = groups.get(axes, 0.0) + jnp.sum(jnp.square(g.astype(jnp.float32)))
+        total = sum(lax.psum(sq, axes) if axes else sq for axes, sq in groups.items())
+        return jnp.sqrt(total)
+
+    def _train_step(self, state: TrainState, x, y):
+        loss, grads = self._loss_and_grads(state.params, x, y)
+        state, metrics = apply_gradients(state, grads, self.tx, self.cfg.train)
+        return state, {"loss": loss, **metrics}
+
+    def _eval_loss(self, params, x, y):
+        return self._mean_over_data(loss_fn(params, x, y, self.cfg.model, self.par))
+
+    # --- outside: the runner interface ----------------------------------------
+
+    def abstract_state(self) -> TrainState:
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            placement.abstract_state(self.cfg, self.tx), self.state_shardings)
+
+    def init_state(self, seed: int) -> TrainState:
+        """Created sharded (same init function and seed as every other runner)."""
+        init = functools.partial(init_state, self.cfg.model, self.tx, seed)
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def place_batch(self, x, y):
+        return jax.device_put(x, self.batch_sharding), jax.device_put(y, self.batch_sharding)
