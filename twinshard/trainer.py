@@ -90,6 +90,7 @@ class SingleDevice:
         step = functools.partial(train_step, cfg=model_cfg, train_cfg=train_cfg, tx=self.tx)
         self.train_step = jax.jit(step, donate_argnums=0)
         self.eval_loss = jax.jit(functools.partial(loss_fn, cfg=model_cfg))
+        self.loss_and_grads = jax.jit(jax.value_and_grad(functools.partial(loss_fn, cfg=model_cfg)))
 
     def init_state(self, seed: int) -> TrainState:
         return jax.jit(functools.partial(init_state, self.model_cfg, self.tx, seed))()

@@ -1,0 +1,144 @@
+"""Run single-device, auto (GSPMD) and manual (shard_map) training side by side.
+
+    python -m launch.compare --strategy=fsdp_tp --mesh=data:2,tensor:4 --preset=tiny --steps=10 \
+        --plot=compare.png --json=compare.json
+
+All three start from the same init (same seed) and see the same batches of the
+preset's corpus. Prints per-step losses, the largest gradient difference at
+step 1 and parameter difference at the end, and both twins' collective ledgers
+beside the analytic cost model.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags, logging
+
+from launch import common
+
+flags.DEFINE_string("data", None, "Corpus (.txt/.txt.gz; default: the embedded Shakespeare).")
+flags.DEFINE_string("cache_dir", None, "Token cache directory (default: ~/.cache/twinshard).")
+flags.DEFINE_string("json", None, "Write the comparison as JSON here.")
+flags.DEFINE_string("plot", None, "Write a PNG of the loss curves and their differences here.")
+flags.DEFINE_integer("devices", 8, "Simulated CPU devices (CPU only).")
+common.define_model_flags()
+FLAGS = flags.FLAGS
+
+
+def _batches(cfg, steps: int):
+    import os
+
+    from twinshard import data
+
+    cache = FLAGS.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "twinshard")
+    tokens = data.tokenize_to_memmap(FLAGS.data or data.DEFAULT_CORPUS, cfg.train.tokenizer, cache)
+    train, _ = data.split_tokens(tokens)
+    t = cfg.train
+    return [data.get_batch(train, t.batch_size, cfg.model.context_length, t.seed, s) for s in range(steps)]
+
+
+def _max_abs_diff(a, b) -> float:
+    import jax
+    import numpy as np
+
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def run_three(strategy: str, mesh_spec: str | None, cfg, batches) -> dict:
+    """Train single/auto/manual on `batches`; return losses, diffs and ledgers."""
+    import jax
+    import numpy as np
+
+    from twinshard import hlo
+
+    runners = {impl: common.make_runner(strategy if impl != "single" else "single", impl, mesh_spec, cfg)
+               for impl in ("single", "auto", "manual")}
+    out: dict = {"strategy": strategy, "mesh": dict(runners["manual"].sizes), "losses": {}, "ledgers": {}}
+    params, grads = {}, {}
+    for impl, r in runners.items():
+        state = r.init_state(cfg.train.seed)
+        grads[impl] = jax.device_get(r.loss_and_grads(state.params, *r.place_batch(*batches[0]))[1])
+        losses = []
+        for x, y in batches:
+            state, m = r.train_step(state, *r.place_batch(x, y))
+            losses.append(float(m["loss"]))
+        out["losses"][impl], params[impl] = losses, jax.device_get(state.params)
+        if impl != "single":
+            xs = jax.ShapeDtypeStruct(np.shape(batches[0][0]), np.int32, sharding=r.batch_sharding)
+            compiled = r.train_step.lower(r.abstract_state(), xs, xs).compile()
+            out["ledgers"][impl] = hlo.ledger(compiled, r.mesh)
+    for impl in ("auto", "manual"):
+        out[f"max_param_diff_{impl}_vs_single"] = _max_abs_diff(params[impl], params["single"])
+        out[f"max_grad_diff_{impl}_vs_single"] = _max_abs_diff(grads[impl], grads["single"])
+    out["max_param_diff_manual_vs_auto"] = _max_abs_diff(params["manual"], params["auto"])
+    return out
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    losses = {k: np.asarray(v) for k, v in result["losses"].items()}
+    steps = np.arange(1, len(losses["single"]) + 1)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    styles = {"single": ("k", "-", 3.0), "auto": ("tab:blue", "--", 1.8), "manual": ("tab:orange", ":", 1.8)}
+    for impl, curve in losses.items():
+        color, ls, lw = styles[impl]
+        top.plot(steps, curve, color=color, ls=ls, lw=lw, label=impl)
+    top.set_ylabel("training loss")
+    top.set_title(f"{result['strategy']} on mesh {result['mesh']}: single vs auto vs manual")
+    top.legend()
+    for impl in ("auto", "manual"):
+        bottom.semilogy(steps, np.abs(losses[impl] - losses["single"]) + 1e-12,
+                        color=styles[impl][0], marker="o", ms=3, label=f"|{impl} - single|")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("|loss difference|")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(result: dict, cost_table: str | None) -> str:
+    lines = [f"{'step':>5} {'single':>10} {'auto':>10} {'manual':>10}"]
+    for i, (s, a, m) in enumerate(zip(*(result["losses"][k] for k in ("single", "auto", "manual"))), 1):
+        lines.append(f"{i:5d} {s:10.6f} {a:10.6f} {m:10.6f}")
+    for key in sorted(k for k in result if k.startswith("max_")):
+        lines.append(f"{key}: {result[key]:.3e}")
+    for impl, led in result["ledgers"].items():
+        lines += ["", f"{impl} ledger:", led.table()]
+    if cost_table:
+        lines += ["", "cost model:", cost_table]
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    if FLAGS.strategy == "single":
+        raise ValueError("--strategy=single has nothing to compare; pick one of dp, fsdp, tp, fsdp_tp.")
+    cfg = common.config_from_flags(FLAGS)
+    steps = FLAGS.steps or 10
+    common.simulate_cpu_devices(FLAGS.devices)
+    batches = _batches(cfg, steps)
+    result = run_three(FLAGS.strategy, FLAGS.mesh, cfg, batches)
+    print(report(result, None))
+    if FLAGS.plot:
+        plot(result, FLAGS.plot)
+        print(f"plot: {FLAGS.plot}")
+    if FLAGS.json:
+        serial = {k: v for k, v in result.items() if k != "ledgers"}
+        serial["ledgers"] = {k: v.as_dict() for k, v in result["ledgers"].items()}
+        with open(FLAGS.json, "w") as f:
+            json.dump(serial, f, indent=1)
+        print(f"json: {FLAGS.json}")
+
+
+if __name__ == "__main__":
+    app.run(main)

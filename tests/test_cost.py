@@ -1,0 +1,197 @@
+"""The analytic cost model (twinshard/cost.py) against numbers derived by hand.
+
+tiny preset: V = 384 (257 padded), D = 64, L = 2, H = 4, dh = 16, F = 192,
+T = 32, B = 8. Per-weight bytes (f32):
+
+    embedding [384,64] 98304   q/k/v [64,64] 16384 (x6)   o [64,64] 16384 (x2)
+    w1/w3 [64,192] 49152 (x4)  w2 [192,64] 49152 (x2)     lm_head [64,384] 98304
+    norms [64] 256 (x5)
+
+    matrices M = 98304 + 6*16384 + 2*16384 + 4*49152 + 2*49152 + 98304 = 622592
+    norms      = 5 * 256 = 1280;     M + norms = 623872 = 4 * num_params (155968)
+"""
+
+import functools
+import json
+from collections import Counter
+
+import jax
+import pytest
+
+from twinshard import cost
+from twinshard.config import preset
+
+CFG = preset("tiny").model
+B, T = 8, 32
+M, NORMS, EMB = 622592, 1280, 98304  # matrix bytes, norm bytes, one embedding-sized matrix
+A = B * T * 64 * 4  # one [8, 32, 64] f32 activation = 65536
+
+
+def test_tiny_constants_are_what_the_docstring_says():
+    assert (CFG.padded_vocab_size, CFG.d_model, CFG.num_layers, CFG.num_heads, CFG.d_ff,
+            CFG.context_length) == (384, 64, 2, 4, 192, 32)
+    assert M + NORMS == 4 * CFG.num_params() == 623872
+
+
+def test_weights_match_the_real_parameter_tree():
+    from twinshard import trainer
+
+    shapes = jax.eval_shape(functools.partial(trainer.create_params, CFG, 0))
+    axes = trainer.logical_axes(CFG)
+    real = Counter((tuple(s.shape), a) for s, a in zip(
+        jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))))
+    model = Counter()
+    for w in cost.weights(CFG):
+        model[(w.shape, w.axes)] += w.count
+    assert model == real
+    assert sum(w.count * w.size for w in cost.weights(CFG)) == CFG.num_params()
+    assert sum(w.count for w in cost.weights(CFG) if w.is_matrix) == 7 * 2 + 2  # 7L + 2
+    assert sum(w.count for w in cost.weights(CFG) if not w.is_matrix) == 2 * 2 + 1  # 2L + 1
+
+
+def test_rules_are_the_auto_twins_placement_tables():
+    from auto_parallel import STRATEGIES
+
+    for name, module in STRATEGIES.items():
+        assert cost.RULES[name] == {**module.PARAM_RULES, **module.ACTIVATION_RULES}, name
+
+
+def test_dp_all_reduces_every_parameter_once():
+    c = cost.cost(CFG, "dp", {"data": 8, "tensor": 1}, B)
+    # 9L+3 = 21 gradient leaves + the loss; bytes = all params + 4.
+    assert c.summary() == {("all-reduce", ("data",)): {
+        "count": 22, "bytes": 623876, "ring_bytes": 2 * 7 / 8 * 623876}}
+    grads = [r for r in c.collectives if r.phase == "backward"]
+    assert sum(r.bytes for r in grads) == CFG.num_params() * 4
+    assert sum(r.count for r in grads) == 9 * CFG.num_layers + 3
+    assert not [r for r in c.collectives if r.phase == "optimizer"]
+
+
+def test_fsdp_gathers_twice_and_scatters_once():
+    c = cost.cost(CFG, "fsdp", {"data": 8}, B)  # a missing axis is 1
+    assert c.summary() == {
+        # forward 16 gathers (M) + backward 15 re-gathers (M minus the embedding, whose
+        # gradient is a scatter-add that never reads the gathered table).
+        ("all-gather", ("data",)): {"count": 31, "bytes": 2 * M - EMB, "ring_bytes": 7 / 8 * (2 * M - EMB)},
+        ("reduce-scatter", ("data",)): {"count": 16, "bytes": M // 8, "ring_bytes": 7 * M // 8},
+        # 5 norm gradients (1280) + the squared-norm scalar + the loss
+        ("all-reduce", ("data",)): {"count": 7, "bytes": NORMS + 8, "ring_bytes": 2 * 7 / 8 * (NORMS + 8)},
+    }
+    assert [r.phase for r in c.collectives if r.op == "all-reduce"][-2:] == ["optimizer", "metrics"]
+
+
+def test_tp_is_megatron():
+    c = cost.cost(CFG, "tp", {"data": 1, "tensor": 4}, B)
+    # forward: embedding psum + 2 per layer (A each) + 3 CE statistics [8,32] f32 (1024 each);
+    # backward: 2 per layer + before lm_head; optimizer: the squared-norm scalar.
+    count, nbytes = (1 + 4 + 3) + (4 + 1) + 1, (1 + 4 + 4 + 1) * A + 3 * 1024 + 4
+    assert (count, nbytes) == (14, 658436)
+    assert c.summary() == {("all-reduce", ("tensor",)): {
+        "count": count, "bytes": nbytes, "ring_bytes": 2 * 3 / 4 * nbytes}}
+    assert not [r for r in c.collectives if r.phase == "metrics"]
+
+
+def test_fsdp_tp_combines_both_on_local_shapes():
+    c = cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B)
+    a = A // 2  # per-device batch B/d = 4
+    assert c.summary() == {
+        ("all-gather", ("data",)): {"count": 31, "bytes": (2 * M - EMB) // 4,
+                                    "ring_bytes": 1 / 2 * (2 * M - EMB) // 4},
+        ("reduce-scatter", ("data",)): {"count": 16, "bytes": M // 8, "ring_bytes": M // 8},
+        ("all-reduce", ("data",)): {"count": 6, "bytes": NORMS + 4, "ring_bytes": NORMS + 4},
+        ("all-reduce", ("tensor",)): {"count": 13, "bytes": 10 * a + 3 * 512,
+                                      "ring_bytes": 1.5 * (10 * a + 3 * 512)},
+        ("all-reduce", ("data", "tensor")): {"count": 1, "bytes": 4, "ring_bytes": 2 * 7 / 8 * 4},
+    }
+    assert c.by_axes()[("data",)]["count"] == 31 + 16 + 6
+
+
+def test_ring_bytes_follow_the_ledger_convention():
+    c = cost.cost(CFG, "fsdp", {"data": 4, "tensor": 1}, B)
+    for r in c.collectives:
+        n = 4
+        want = {"all-gather": (n - 1) / n * r.bytes, "reduce-scatter": (n - 1) * r.bytes,
+                "all-reduce": 2 * (n - 1) / n * r.bytes}[r.op]
+        assert r.ring_bytes == pytest.approx(want)
+
+
+def test_flops_hand_count():
+    f = cost.flops(CFG, B, T)
+    n_mm = CFG.num_params() - 384 * 64 - 5 * 64  # no matmul: embedding lookup, norm gains
+    assert f.matmul_params == n_mm == 131072
+    attention = 2 * 2 * 2 * B * T * T * 64  # L * (QK^T + AV) * 2BT^2D, causal half included
+    assert f.forward == 2 * B * T * n_mm + attention == 67108864 + 4194304
+    assert f.total == 3 * f.forward == 6 * n_mm * B * T + 3 * attention
+    # 6 N tokens (N with the embedding) overestimates by the embedding + norms, ~16% here.
+    assert 6 * CFG.num_params() * B * T == pytest.approx(f.total, rel=0.2)
+    assert cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B).flops.per_device == f.total / 8
+
+
+def test_flops_match_xlas_count():
+    """XLA's cost analysis of the single-device step (it also counts elementwise ops: +3%)."""
+    import jax.numpy as jnp
+
+    from twinshard import trainer
+
+    params = jax.eval_shape(functools.partial(trainer.create_params, CFG, 0))
+    x = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    loss = functools.partial(trainer.loss_fn, cfg=CFG)
+    xla = jax.jit(jax.value_and_grad(loss)).lower(params, x, x).compile().cost_analysis()["flops"]
+    assert xla == pytest.approx(cost.flops(CFG, B, T).total, rel=0.05)
+
+
+def test_memory_per_device():
+    dp = cost.cost(CFG, "dp", {"data": 8, "tensor": 1}, B).memory
+    assert dp.params == dp.grads == M + NORMS and dp.optimizer == 2 * (M + NORMS)
+    # b = 1: per layer 32*(4*64 + 4*64 + 3*192) + 4*32*32 = 38912; final 2*32*64 + 2*32*384 = 28672
+    assert dp.activations == 4 * (2 * 38912 + 28672) == 425984
+    assert dp.gathered_weights == 0
+    fsdp = cost.cost(CFG, "fsdp", {"data": 8, "tensor": 1}, B).memory
+    assert fsdp.params == M // 8 + NORMS == 79104
+    assert fsdp.gathered_weights == 4 * max(4 * 64 * 64 + 3 * 64 * 192, 384 * 64)
+    tp = cost.cost(CFG, "tp", {"data": 1, "tensor": 4}, B).memory
+    assert tp.params == M // 4 + NORMS
+    fsdp_tp = cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B).memory
+    assert fsdp_tp.params == M // 8 + NORMS and fsdp_tp.total > fsdp_tp.params * 4
+
+
+@pytest.mark.parametrize("strategy, mesh, kwargs, match", [
+    ("zero3", {"data": 8}, {}, r"unknown strategy 'zero3'.*dp, fsdp, tp, fsdp_tp"),
+    ("tp", {"data": 2, "tensor": 4}, {}, r"tp needs data = 1.*--mesh=data:1,tensor:8"),
+    ("dp", {"data": 1}, {}, r"dp needs data > 1"),
+    ("tp", {"tensor": 8}, {}, r"heads=4 is not divisible by mesh axis tensor=8; use a tensor size in \[2, 4\]"),
+    ("fsdp", {"data": 3}, {}, r"batch=8 is not divisible by mesh axis data=3"),
+    ("dp", {"data": 2, "pipeline": 2}, {}, r"mesh axis 'pipeline' is not one of"),
+    ("dp", {"data": 2}, {"seq_len": 64}, r"seq_len=64 must be in \[1, context_length=32\]"),
+    ("dp", {"data": 2}, {"dtype_bytes": 3}, r"dtype_bytes=3"),
+])
+def test_bad_input_names_the_value_and_the_fix(strategy, mesh, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cost.cost(CFG, strategy, mesh, B, **kwargs)
+
+
+def test_shorter_sequence_and_bf16_scale():
+    full = cost.cost(CFG, "tp", {"data": 1, "tensor": 2}, B)
+    half = cost.cost(CFG, "tp", {"data": 1, "tensor": 2}, B, seq_len=16, dtype_bytes=2)
+    act = next(r for r in half.collectives if "Megatron g" in r.what)
+    assert act.count == 4 and act.bytes == 4 * (B * 16 * 64) * 2  # 2 per layer x L=2, [8,16,64] x 2 bytes
+    assert half.flops.forward_attention * 4 == full.flops.forward_attention
+
+
+def test_text_json_and_compare():
+    c = cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B)
+    text = c.table()
+    assert "reduce-scatter" in text and "total over tensor" in text and "flops/step" in text
+    doc = json.loads(c.to_json())
+    assert doc["summary"] and doc["collectives"][0]["phase"] == "forward"
+    assert [r["phase"] for r in doc["collectives"]] == sorted(
+        (r["phase"] for r in doc["collectives"]), key=cost.PHASES.index)
+    measured = {k: dict(v) for k, v in c.summary().items()}
+    assert all(r["match"] for r in cost.compare(measured, c.summary()))
+    del measured[("reduce-scatter", ("data",))]
+    measured[("all-to-all", ("tensor",))] = {"count": 1, "bytes": 8, "ring_bytes": 4.0}
+    rows = {(r["op"], tuple(r["axes"])): r for r in cost.compare(measured, c.summary())}
+    assert not rows[("reduce-scatter", ("data",))]["match"]
+    assert rows[("all-to-all", ("tensor",))]["model_count"] == 0
+    table = cost.compare_table(list(rows.values()))
+    assert "DIFFERS" in table and "TOTAL" in table

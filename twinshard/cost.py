@@ -1,0 +1,582 @@
+"""The analytic cost model: collectives, FLOPs and memory of one train step.
+
+`cost(model_cfg, strategy, mesh, batch_size)` says, for our exact layers
+(twinshard/model.py), which collectives the *manual* twin
+(manual_parallel/) runs per step, how many FLOPs the step does and how much
+memory each device holds. It is plain arithmetic (no JAX is run), written in
+the scaling book's notation (Austin et al., "How to Scale Your Model",
+the training chapter), and it is what the collective ledger of the compiled
+HLO (twinshard/hlo.py) is compared with (`compare`, `launch/collectives.py`).
+
+    >>> from twinshard.config import preset
+    >>> c = cost(preset("tiny").model, "fsdp", {"data": 8, "tensor": 1}, batch_size=8)
+    >>> c.summary()[("reduce-scatter", ("data",))]["count"]   # one per matrix: 7L + 2
+    16
+    >>> text = c.table()                                       # rows, totals, FLOPs, memory
+
+Notation
+--------
+    B  global batch (sequences)        d  size of mesh axis `data`
+    T  sequence length                 t  size of mesh axis `tensor`
+    D  d_model (= H*dh)                b  per-device batch: B/d (dp, fsdp, fsdp_tp), B (tp)
+    H  heads, dh head dim              L  num_layers
+    F  d_ff                            V  padded vocab (multiple of 128)
+    s  bytes per element (dtype_bytes; 4 = float32)
+
+The parameter tree (`weights(cfg)`; leaf names as in twinshard/model.py):
+
+    kind    leaf                     shape        logical axes     count
+    matrix  token_embeddings         [V, D]       (vocab, embed)   1
+    matrix  attn.{q,k,v}_proj        [D, H*dh]    (embed, heads)   3L
+    matrix  attn.output_proj         [H*dh, D]    (heads, embed)   L
+    matrix  ffn.{w1,w3}              [D, F]       (embed, mlp)     2L
+    matrix  ffn.w2                   [F, D]       (mlp, embed)     L
+    matrix  lm_head                  [D, V]       (embed, vocab)   1
+    norm    ln1, ln2, ln_final       [D]          (norm,)          2L + 1
+
+so there are 7L + 2 matrices and 2L + 1 norm vectors: 9L + 3 leaves,
+N = 2VD + L(4D^2 + 3DF + 2D) + D parameters (= `ModelConfig.num_params()`).
+
+Collective rows (one `Row` per kind of collective; `count` collectives of
+`bytes / count` bytes each). Byte conventions are the ledger's: `bytes` is the
+array size of the collective's RESULT, summed over `count`:
+
+    all-gather      the gathered (full) array
+    reduce-scatter  the scattered shard (the result), = operand / n
+    all-reduce      the array
+
+and `ring_bytes` is what one device sends with a ring algorithm on a group of
+n devices: all-gather (n-1)/n x result, reduce-scatter (n-1) x result,
+all-reduce 2(n-1)/n x bytes (`twinshard.hlo.ring_bytes`).
+
+Scalars (the loss, a squared gradient norm) and the cross-entropy statistics
+are float32 (4 bytes) whatever `dtype_bytes` says: the loss is computed in f32.
+
+Per strategy (each is one small function below: `_dp`, `_fsdp`, `_tp`,
+`_fsdp_tp`; each row names the manual twin's line in `what`):
+
+dp (data=d). backward: one all-reduce (pmean) over data of every gradient
+    leaf, 9L+3 all-reduces of N*s bytes in total (scaling book: 2N(d-1)/d*s
+    ring bytes per device). metrics: all-reduce (pmean) of the f32 loss.
+    optimizer: none (gradients are replicated after the mean, so the global
+    norm is local).
+fsdp (data=d; each matrix sharded over data on its D dim, norms replicated).
+    forward: all-gather of each matrix (7L+2), bytes = the full matrix.
+    backward: all-gather again (gathered weights are rematerialized, not
+    saved) of every matrix but the embedding (7L+1): the backward of a lookup
+    is a scatter-add of the output gradient that never reads the table, so
+    its re-gather is dead code (measured: the manual twin's compiled step has
+    2(7L+2)-1 all-gathers); reduce-scatter of each matrix gradient (result =
+    matrix/d); all-reduce of each norm gradient (2L+1, D*s each).
+    optimizer: all-reduce of the f32 partial sum of squared (sharded)
+    gradients for the global norm. metrics: all-reduce of the loss. Per step
+    each matrix (but the embedding) moves 3x its size through the ring
+    ((d-1)/d * (2 gathers + 1 scatter)), the scaling book's FSDP volume.
+tp (tensor=t; Megatron). Activation A = B*T*D*s bytes, token stats B*T*4.
+    forward: per layer 2 all-reduces of A (Megatron g after output_proj and
+    after w2); 1 all-reduce of A for the vocab-parallel embedding (masked
+    local lookup + psum); the vocab-parallel cross-entropy: 1 all-reduce with
+    max (pmax) of the per-token max and 2 all-reduces (psum) of per-token
+    sum-exp and target logit, B*T*4 bytes each. backward: per layer 2
+    all-reduces of A (Megatron f before attention and before the MLP) + 1 (f
+    before lm_head). Weight gradients need no communication. optimizer:
+    all-reduce over tensor of the f32 squared-norm partial sum. metrics: none
+    (the loss is already identical on every device).
+fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
+    vocab dim) and over data (its D dim). fsdp's rows over data, but each
+    gathered array is the matrix's TENSOR shard (full/t bytes) and each
+    reduce-scatter result is full/(t*d); tp's rows over tensor with the
+    per-device batch b = B/d (A = (B/d)*T*D*s, stats (B/d)*T*4); the
+    squared-norm all-reduce runs over (data, tensor); the loss is all-reduced
+    over data.
+
+FLOPs (`Flops`): a matmul [m,k]x[k,n] costs 2mkn.
+    forward  = 2 * B*T * N_mm + L * 2 * 2 * B * T^2 * D
+    with N_mm = L(4D*H*dh + 3DF) + DV the matmul parameters (the embedding is a
+    lookup: 0 FLOPs; norms, RoPE, softmax, SiLU are elementwise and ignored).
+    The attention term is QK^T and AV, 2*B*T*T*D each per layer; it is NOT
+    halved for causality (our attention computes the full T x T scores and
+    masks them). backward = 2 x forward (grad wrt inputs + grad wrt weights).
+    total = 3 x forward; per device = total / (d*t) (every strategy splits all
+    matmuls evenly: batch over data, heads / d_ff / vocab over tensor).
+
+Memory per device (`Memory`, bytes):
+    params     sum over leaves of leaf bytes / (its data shards x tensor shards)
+    grads      = params (same sharding)
+    optimizer  = 2 x params (AdamW moments mu, nu; the O(1) counters are ignored)
+    activations, saved for the backward pass, no rematerialization:
+        per layer  b*T*(4D + 4D/t + 3F/t) + b*(H/t)*T^2  elements:
+                   residual in, ln1 out, residual mid, ln2 out (4 x [b,T,D]);
+                   q, k, v and the merged attention output (4 x [b,T,D/t]);
+                   w1 out, w3 out, silu(w1)*w3 (3 x [b,T,F/t]);
+                   softmax probabilities [b,H/t,T,T]
+        final      2*b*T*D (ln_final in/out) + 2*b*T*V/t (logits and exp(z - max))
+        x s bytes. An estimate: XLA fuses, recomputes and frees buffers (compare
+        with `compiled.memory_analysis()`).
+    gathered_weights (fsdp, fsdp_tp: transient) one layer's gathered matrices or
+        the gathered embedding / lm_head, whichever is larger: 7 per layer at
+        full/t bytes each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinshard import mesh as mesh_lib
+from twinshard.config import ModelConfig
+from twinshard.hlo import ring_bytes as _ring_bytes
+
+PHASES = ("forward", "backward", "optimizer", "metrics")
+OPS = ("all-gather", "reduce-scatter", "all-reduce")
+AXES = mesh_lib.AXES  # ('data', 'tensor'): mesh order
+F32 = 4  # bytes of the loss, the squared-norm scalar and the cross-entropy statistics
+
+# logical axis -> mesh axis, per strategy (the placement table of DESIGN.md; both twins use it).
+RULES: dict[str, dict[str, str]] = {
+    "dp": {"batch": "data"},
+    "fsdp": {"batch": "data", "embed": "data"},
+    "tp": {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
+    "fsdp_tp": {"batch": "data", "embed": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
+}
+
+
+# Matrices whose gathered value the backward pass never reads, so FSDP does not re-gather them:
+# d(take(table, ids))/d(table) is a scatter-add of the output gradient, independent of the table.
+NOT_REGATHERED: frozenset[str] = frozenset({"token_embeddings"})
+
+
+# ----------------------------------------------------------------------------- the parameter tree
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A group of identical parameter leaves (e.g. the 3L q/k/v projections)."""
+
+    name: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]  # logical axes
+    count: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_matrix(self) -> bool:
+        return len(self.shape) == 2
+
+
+def weights(cfg: ModelConfig) -> list[Weight]:
+    """The parameter leaves of `TransformerLM`, grouped by shape and role."""
+    v, d, f, hd, n = cfg.padded_vocab_size, cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.head_dim, cfg.num_layers
+    return [
+        Weight("token_embeddings", (v, d), ("vocab", "embed"), 1),
+        Weight("attn.{q,k,v}_proj", (d, hd), ("embed", "heads"), 3 * n),
+        Weight("attn.output_proj", (hd, d), ("heads", "embed"), n),
+        Weight("ffn.{w1,w3}", (d, f), ("embed", "mlp"), 2 * n),
+        Weight("ffn.w2", (f, d), ("mlp", "embed"), n),
+        Weight("lm_head", (d, v), ("embed", "vocab"), 1),
+        Weight("ln1, ln2, ln_final", (d,), ("norm",), 2 * n + 1),
+    ]
+
+
+# ----------------------------------------------------------------------------- result types
+
+
+@dataclass(frozen=True)
+class Row:
+    """`count` collectives `op` over `axes`; `bytes` and `ring_bytes` summed over count."""
+
+    phase: str
+    op: str
+    axes: tuple[str, ...]
+    count: int
+    bytes: int
+    ring_bytes: float
+    what: str
+
+
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs of one train step (see the module docstring for the formula)."""
+
+    matmul_params: int  # N_mm: parameters that take part in a matmul
+    forward_matmul: int  # 2 * B*T * N_mm
+    forward_attention: int  # L * 2 * 2 * B * T^2 * D (QK^T and AV, causal mask not exploited)
+    forward: int
+    backward: int  # 2 x forward
+    total: int  # 3 x forward
+    per_device: float  # total / number of devices
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device (see the module docstring for the formula)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    gathered_weights: int  # transient FSDP working set (0 without FSDP)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.gathered_weights
+
+
+@dataclass(frozen=True)
+class Cost:
+    strategy: str
+    mesh: dict[str, int]
+    batch_size: int
+    seq_len: int
+    dtype_bytes: int
+    collectives: list[Row]
+    flops: Flops
+    memory: Memory
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[tuple[str, tuple[str, ...]], dict[str, float]]:
+        """(op, axes) -> {count, bytes, ring_bytes} (the shape of `Ledger.summary()`)."""
+        return summarize(self.collectives)
+
+    def by_axes(self) -> dict[tuple[str, ...], dict[str, float]]:
+        """axes -> {count, bytes, ring_bytes}, all ops together."""
+        out: dict[tuple[str, ...], dict[str, float]] = {}
+        for (_, axes), s in self.summary().items():
+            acc = out.setdefault(axes, {"count": 0, "bytes": 0, "ring_bytes": 0.0})
+            for k in acc:
+                acc[k] += s[k]
+        return out
+
+    def table(self) -> str:
+        """Fixed-width text: one line per row, then per-axis totals, FLOPs and memory."""
+        head = ("phase", "op", "axes", "count", "bytes", "ring bytes", "what")
+        lines = [(r.phase, r.op, ",".join(r.axes), str(r.count), human(r.bytes), human(r.ring_bytes), r.what)
+                 for r in self.collectives]
+        out = _fmt_table(head, lines) if lines else ["(no collectives)"]
+        for axes, s in self.by_axes().items():
+            out.append(f"total over {','.join(axes)}: {s['count']} collectives, {human(s['bytes'])}, "
+                       f"ring {human(s['ring_bytes'])} per device")
+        f, m = self.flops, self.memory
+        out.append(f"flops/step: {f.total:.4g} total (forward {f.forward:.4g} = matmul {f.forward_matmul:.4g} "
+                   f"+ attention {f.forward_attention:.4g}; backward 2x), {f.per_device:.4g} per device")
+        out.append(f"memory/device: params {human(m.params)}, grads {human(m.grads)}, optimizer "
+                   f"{human(m.optimizer)}, activations ~{human(m.activations)}"
+                   + (f", gathered weights ~{human(m.gathered_weights)}" if m.gathered_weights else "")
+                   + f"; total ~{human(m.total)}")
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy, "mesh": dict(self.mesh), "batch_size": self.batch_size,
+            "seq_len": self.seq_len, "dtype_bytes": self.dtype_bytes,
+            "collectives": [{**dataclasses.asdict(r), "axes": list(r.axes)} for r in self.collectives],
+            "summary": [{"op": op, "axes": list(axes), **v} for (op, axes), v in self.summary().items()],
+            "flops": dataclasses.asdict(self.flops),
+            "memory": {**dataclasses.asdict(self.memory), "total": self.memory.total},
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.as_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# ----------------------------------------------------------------------------- row builders
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """Everything a strategy's rows need."""
+
+    cfg: ModelConfig
+    mesh: dict[str, int]
+    batch: int  # global B
+    seq: int  # T
+    s: int  # dtype bytes
+
+    @property
+    def d(self) -> int:
+        return self.mesh["data"]
+
+    @property
+    def t(self) -> int:
+        return self.mesh["tensor"]
+
+    @property
+    def L(self) -> int:  # noqa: N802
+        return self.cfg.num_layers
+
+    def activation(self, batch: int) -> int:
+        """A = batch * T * D * s: one residual-stream tensor."""
+        return batch * self.seq * self.cfg.d_model * self.s
+
+
+def row(ctx: _Ctx, phase: str, op: str, axes: tuple[str, ...], count: int, each: int, what: str) -> Row:
+    """`count` collectives of `each` result bytes over `axes` (ring bytes from the group size)."""
+    assert phase in PHASES and op in OPS and all(a in AXES for a in axes), (phase, op, axes)
+    n = math.prod(ctx.mesh[a] for a in axes)
+    total = count * each
+    return Row(phase, op, tuple(a for a in AXES if a in axes), count, total, _ring_bytes(op, total, n), what)
+
+
+def _matrices(ctx: _Ctx) -> list[Weight]:
+    return [w for w in weights(ctx.cfg) if w.is_matrix]
+
+
+def _norms(ctx: _Ctx) -> list[Weight]:
+    return [w for w in weights(ctx.cfg) if not w.is_matrix]
+
+
+def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
+    """ZeRO-3 over data: gather each matrix (forward, again in backward), scatter its gradient,
+    all-reduce each replicated norm gradient. `tensor_shards` = t under fsdp_tp (each device
+    gathers only its tensor shard), 1 under fsdp."""
+    gather = lambda phase, w, what: row(  # noqa: E731
+        ctx, phase, "all-gather", ("data",), w.count, w.size * ctx.s // tensor_shards,
+        what.format(f"{w.name} {_shape(w, tensor_shards)}"))
+    rows = [gather("forward", w, "fsdp_gather: all_gather {} over data before its use") for w in _matrices(ctx)]
+    rows += [gather("backward", w, "fsdp_gather re-gathers {} (remat: gathered weights not saved)")
+             for w in _matrices(ctx) if w.name not in NOT_REGATHERED]
+    rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.count,
+                 w.size * ctx.s // (tensor_shards * ctx.d),
+                 f"fsdp_gather backward: psum_scatter of d({w.name}) over data") for w in _matrices(ctx)]
+    rows += [row(ctx, "backward", "all-reduce", ("data",), w.count, w.size * ctx.s,
+                 f"pmean over data of d({w.name}) (replicated norm gains)") for w in _norms(ctx)]
+    return rows
+
+
+def _tp_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """Megatron over tensor with `batch` sequences per device (B under tp, B/d under fsdp_tp)."""
+    a, stats, L = ctx.activation(batch), batch * ctx.seq * F32, ctx.L
+    act = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]"
+    tok = f"[{batch},{ctx.seq}] f32"
+    return [
+        row(ctx, "forward", "all-reduce", ("tensor",), 1, a,
+            f"vocab-parallel embedding: masked local lookup + psum {act}"),
+        row(ctx, "forward", "all-reduce", ("tensor",), 2 * L, a,
+            f"Megatron g: psum {act} after output_proj and after w2 (2 per layer)"),
+        row(ctx, "forward", "all-reduce", ("tensor",), 1, stats,
+            f"vocab-parallel cross-entropy: pmax of the per-token max {tok} (an all-reduce with max)"),
+        row(ctx, "forward", "all-reduce", ("tensor",), 2, stats,
+            f"vocab-parallel cross-entropy: psum of sum-exp and of the target logit {tok}"),
+        row(ctx, "backward", "all-reduce", ("tensor",), 2 * L, a,
+            f"Megatron f: psum of d{act} before attention and before the MLP (2 per layer)"),
+        row(ctx, "backward", "all-reduce", ("tensor",), 1, a,
+            f"Megatron f: psum of d{act} before lm_head"),
+    ]
+
+
+def _norm_row(ctx: _Ctx, axes: tuple[str, ...]) -> Row:
+    return row(ctx, "optimizer", "all-reduce", axes, 1, F32,
+               f"global grad norm: psum over {','.join(axes)} of the local sum of squares (f32 scalar)")
+
+
+def _loss_row(ctx: _Ctx) -> Row:
+    return row(ctx, "metrics", "all-reduce", ("data",), 1, F32, "pmean over data of the loss (f32 scalar)")
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def _dp(ctx: _Ctx) -> list[Row]:
+    """Gradients averaged over data, leaf by leaf; the loss averaged for the metrics."""
+    grads = [row(ctx, "backward", "all-reduce", ("data",), w.count, w.size * ctx.s,
+                 f"pmean over data of d({w.name}) {_shape(w, 1)}") for w in weights(ctx.cfg)]
+    return grads + [_loss_row(ctx)]
+
+
+def _fsdp(ctx: _Ctx) -> list[Row]:
+    return _fsdp_rows(ctx, tensor_shards=1) + [_norm_row(ctx, ("data",)), _loss_row(ctx)]
+
+
+def _tp(ctx: _Ctx) -> list[Row]:
+    return _tp_rows(ctx, batch=ctx.batch) + [_norm_row(ctx, ("tensor",))]
+
+
+def _fsdp_tp(ctx: _Ctx) -> list[Row]:
+    return (_fsdp_rows(ctx, tensor_shards=ctx.t) + _tp_rows(ctx, batch=ctx.batch // ctx.d)
+            + [_norm_row(ctx, ("data", "tensor")), _loss_row(ctx)])
+
+
+STRATEGY_ROWS: dict[str, Callable[[_Ctx], list[Row]]] = {
+    "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp,
+}
+
+
+# ----------------------------------------------------------------------------- flops and memory
+
+
+def flops(cfg: ModelConfig, batch: int, seq: int, n_devices: int = 1) -> Flops:
+    d, hd, f, v, n = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.d_ff, cfg.padded_vocab_size, cfg.num_layers
+    n_mm = n * (4 * d * hd + 3 * d * f) + d * v  # q,k,v,o + w1,w2,w3 per layer, + lm_head
+    fwd_mm = 2 * batch * seq * n_mm
+    fwd_attn = n * 2 * 2 * batch * seq * seq * hd  # QK^T and AV; the causal half is computed too
+    fwd = fwd_mm + fwd_attn
+    return Flops(n_mm, fwd_mm, fwd_attn, fwd, 2 * fwd, 3 * fwd, 3 * fwd / n_devices)
+
+
+def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int:
+    return math.prod(mesh[rules[a]] for a in w.axes if a in rules)
+
+
+def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
+           dtype_bytes: int = 4) -> Memory:
+    mesh_lib.check_strategy(strategy)
+    rules = RULES[strategy]
+    params = sum(w.count * w.size * dtype_bytes // _shards(w, rules, mesh) for w in weights(cfg))
+    t = mesh["tensor"] if "heads" in rules else 1
+    b = batch // mesh["data"] if "batch" in rules else batch
+    d, f, h, v = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.padded_vocab_size
+    per_layer = b * seq * (4 * d + 4 * d // t + 3 * f // t) + b * (h // t) * seq * seq
+    final = 2 * b * seq * d + 2 * b * seq * v // t
+    acts = (cfg.num_layers * per_layer + final) * dtype_bytes
+    gathered = 0
+    if "embed" in rules:
+        layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
+        gathered = max(layer, v * d) * dtype_bytes // t
+    return Memory(params, params, 2 * params, acts, gathered)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _shape(w: Weight, tensor_shards: int) -> str:
+    return "[" + ",".join(str(n) for n in w.shape) + "]" + (f"/{tensor_shards}" if tensor_shards > 1 else "")
+
+
+def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
+    unknown = [a for a in mesh if a not in AXES]
+    if unknown:
+        raise ValueError(f"mesh axis {unknown[0]!r} is not one of {AXES}; write the mesh as "
+                         "{'data': d, 'tensor': t}.")
+    shape = {a: int(mesh.get(a, 1)) for a in AXES}
+    for a, n in shape.items():
+        if n < 1:
+            raise ValueError(f"mesh axis {a}={n} must be >= 1.")
+    mesh_lib.check_mesh(strategy, shape, math.prod(shape.values()))
+    return shape
+
+
+def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
+         seq_len: int | None = None, dtype_bytes: int = 4) -> Cost:
+    """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
+
+    mesh: {'data': d, 'tensor': t} (a missing axis is 1). Invalid input raises
+    ValueError naming the value and the fix (unknown strategy, wrong axes for the
+    strategy, a dimension not divisible by its mesh axis, seq_len > context_length).
+    """
+    mesh_lib.check_strategy(strategy)
+    if strategy not in STRATEGY_ROWS:
+        raise ValueError(f"strategy {strategy!r} has no cost model; choose one of {', '.join(STRATEGY_ROWS)}.")
+    shape = _normalize_mesh(strategy, mesh)
+    seq = cfg.context_length if seq_len is None else int(seq_len)
+    if not 1 <= seq <= cfg.context_length:
+        raise ValueError(f"seq_len={seq} must be in [1, context_length={cfg.context_length}]; "
+                         "pass a smaller seq_len or a model with a longer context.")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be positive.")
+    if dtype_bytes not in (1, 2, 4, 8):
+        raise ValueError(f"dtype_bytes={dtype_bytes} must be 1, 2, 4 or 8 (4 for float32).")
+    dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads,
+            "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size}
+    mesh_lib.check_divisible(dims, RULES[strategy], shape)
+    ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes)
+    rows = sorted(STRATEGY_ROWS[strategy](ctx), key=lambda r: PHASES.index(r.phase))  # stable
+    notes = [n for n in _NOTES.get(strategy, ())]
+    return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
+                flops(cfg, batch_size, seq, math.prod(shape.values())),
+                memory(cfg, strategy, shape, batch_size, seq, dtype_bytes), notes)
+
+
+_NOTES = {
+    "tp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
+    "fsdp_tp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
+}
+
+
+# ----------------------------------------------------------------------------- comparing with a ledger
+
+
+def summarize(rows: list[Row]) -> dict[tuple[str, tuple[str, ...]], dict[str, float]]:
+    out: dict[tuple[str, tuple[str, ...]], dict[str, float]] = {}
+    for r in rows:
+        s = out.setdefault((r.op, r.axes), {"count": 0, "bytes": 0, "ring_bytes": 0.0})
+        s["count"] += r.count
+        s["bytes"] += r.bytes
+        s["ring_bytes"] += r.ring_bytes
+    return out
+
+
+def compare(measured: Mapping[tuple[str, tuple[str, ...]], Mapping[str, float]],
+            model: Mapping[tuple[str, tuple[str, ...]], Mapping[str, float]]) -> list[dict[str, Any]]:
+    """One row per (op, axes) in either summary: measured and model count/bytes/ring bytes.
+
+    `measured` is `Ledger.summary()`, `model` is `Cost.summary()`; `match` is True when
+    count and bytes agree exactly.
+    """
+    zero = {"count": 0, "bytes": 0, "ring_bytes": 0.0}
+    keys = list(model) + [k for k in measured if k not in model]
+    out = []
+    for op, axes in keys:
+        got, want = measured.get((op, axes), zero), model.get((op, axes), zero)
+        out.append({
+            "op": op, "axes": list(axes),
+            "measured_count": got["count"], "model_count": want["count"],
+            "measured_bytes": got["bytes"], "model_bytes": want["bytes"],
+            "measured_ring_bytes": got["ring_bytes"], "model_ring_bytes": want["ring_bytes"],
+            "match": got["count"] == want["count"] and got["bytes"] == want["bytes"],
+        })
+    return out
+
+
+def compare_table(rows: list[dict[str, Any]]) -> str:
+    """`compare` rows as text, with measured/model ratios and per-axis totals."""
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.3f}" if b else ("-" if not a else "inf")
+
+    head = ("op", "axes", "count meas/model", "bytes meas", "bytes model", "meas/model",
+            "ring meas", "ring model", "")
+    lines = [(r["op"], ",".join(r["axes"]) or "-", f"{r['measured_count']}/{r['model_count']}",
+              human(r["measured_bytes"]), human(r["model_bytes"]), ratio(r["measured_bytes"], r["model_bytes"]),
+              human(r["measured_ring_bytes"]), human(r["model_ring_bytes"]), "ok" if r["match"] else "DIFFERS")
+             for r in rows]
+    totals: dict[tuple[str, ...], list[float]] = {}
+    for r in rows:
+        acc = totals.setdefault(tuple(r["axes"]), [0, 0, 0, 0, 0.0, 0.0])
+        for i, k in enumerate(("measured_count", "model_count", "measured_bytes", "model_bytes",
+                               "measured_ring_bytes", "model_ring_bytes")):
+            acc[i] += r[k]
+    for axes, (mc, wc, mb, wb, mr, wr) in totals.items():
+        lines.append(("TOTAL", ",".join(axes) or "-", f"{mc}/{wc}", human(mb), human(wb), ratio(mb, wb),
+                      human(mr), human(wr), "ok" if (mc, mb) == (wc, wb) else "DIFFERS"))
+    return "\n".join(_fmt_table(head, lines) if lines else ["(no collectives)"])
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def _fmt_table(head: tuple[str, ...], lines: list[tuple]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+
+    def fmt(r) -> str:
+        return "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
+
+    return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines]
