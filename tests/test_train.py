@@ -93,3 +93,17 @@ def test_sample_generates_from_a_checkpoint(full_run):
                           "--prompt=ROMEO:", "--max_new_tokens=8"],
                          capture_output=True, text=True, check=True, env={**os.environ, "XLA_FLAGS": ""}).stdout
     assert out.startswith("ROMEO:") and len(out.rstrip("\n")) > len("ROMEO:")
+
+
+def test_strategies_train_through_the_launcher_and_checkpoints_reshard(full_run, tmp_path_factory):
+    """Manual FSDP trains to step 6 and checkpoints; auto DP resumes it (Orbax reads the
+    FSDP-sharded arrays into the replicated layout); both match the single-device run."""
+    workdir = str(tmp_path_factory.mktemp("strategies"))
+    run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", "--stop_after=6",
+              "--strategy=fsdp", "--impl=manual")
+    run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", "--resume",
+              "--strategy=dp", "--impl=auto")
+    for ra, rb in zip(metrics(full_run), metrics(workdir)):
+        assert rb["loss"] == pytest.approx(ra["loss"], abs=1e-4), ra["step"]
+        assert rb["eval_loss" if "eval_loss" in ra else "loss"] == pytest.approx(
+            ra.get("eval_loss", ra["loss"]), abs=1e-4)
