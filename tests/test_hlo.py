@@ -161,6 +161,56 @@ def test_tpu_async_collective_fusion_counted_once() -> None:
     assert r.is_async and r.multiplicity == 1
 
 
+TPU_16 = {"data": 16, "tensor": 1}  # tpu_async_collective_done_fusion.hlo: v5e:4x4, 16 partitions
+DONE_FUSION = "tpu_async_collective_done_fusion.hlo"
+
+
+def test_tpu_async_collective_done_fusion_counted_once() -> None:
+    # Real v5e:4x4 HLO: one async all-gather printed in three computations (start,
+    # continuation, done; same channel_id) and one sync all-gather. Before the fix:
+    # 4 records and "%fused_computation.18 has no caller" (the done's computation).
+    led = hlo.ledger((SNIPPETS / DONE_FUSION).read_text(), TPU_16)
+    expect_parsed(led)
+    assert not led.warnings, led.table()
+    assert {r.name: r.multiplicity for r in led} == {"all-gather.25": 1, "all-gather.30": 1}
+    assert led.count("all-gather", axes="data") == 2
+    ag = {r.name: r for r in led}
+    start, sync = ag["all-gather.25"], ag["all-gather.30"]
+    assert start.computation == "fused_computation.16" and start.is_async and not sync.is_async
+    for r in (start, sync):
+        assert (r.dtype, r.shape, r.bytes, r.axes, r.group_size) == (
+            "bf16", (256, 256), 131072, ("data",), 16)
+        assert r.source == "/tmp/acd/gen.py:13"
+
+
+def test_tpu_async_done_fusion_found_by_root_custom_call() -> None:
+    # The done computation is recognised by its ROOT custom-call, not only by the
+    # caller's name: rename the done fusion and the count is unchanged.
+    text = (SNIPPETS / DONE_FUSION).read_text().replace("%async-collective-done", "%fusion.99")
+    led = hlo.ledger(text, TPU_16)
+    assert not led.warnings and sorted(r.name for r in led) == ["all-gather.25", "all-gather.30"]
+
+
+def test_tpu_async_done_fusion_without_start_is_counted_with_warning() -> None:
+    # A done-side collective that matches no start (by channel_id) is not dropped.
+    text = (SNIPPETS / DONE_FUSION).read_text()
+    done = text.index("%fused_computation.18 (")
+    text = text[:done] + text[done:].replace("channel_id=4,", "channel_id=44,", 1)
+    led = hlo.ledger(text, TPU_16)
+    assert sorted(r.name for r in led) == ["all-gather.25", "all-gather.29", "all-gather.30"]
+    assert len(led.warnings) == 1 and "%all-gather.29 matches no async start" in led.warnings[0]
+
+
+def test_tpu_async_continuation_not_fed_by_start_is_counted_with_warning() -> None:
+    # Copies are found by data flow from the start fusion. Cut the flow into the
+    # continuation: its all-gather now counts (warned); the done is still a copy.
+    text = (SNIPPETS / DONE_FUSION).read_text().replace(
+        "fusion(%get-tuple-element.4,", "fusion(%convert_element_type.13,", 1)
+    led = hlo.ledger(text, TPU_16)
+    assert sorted(r.name for r in led) == ["all-gather.25", "all-gather.27", "all-gather.30"]
+    assert len(led.warnings) == 1 and "%all-gather.27 in %async_collective_fusion.19" in led.warnings[0]
+
+
 def test_while_known_trip_count_and_nesting() -> None:
     led = hlo.ledger((SNIPPETS / "nested_while.hlo").read_text(), MESH)
     expect_parsed(led)
@@ -275,7 +325,8 @@ def test_snippets_are_valid_hlo_and_survive_xla_reprint(name: str, text: str) ->
         return sorted((r.op, r.axes, r.shape, r.bytes, r.multiplicity,
                        tuple(sorted(r.replica_groups)), r.source_target_pairs) for r in led)
 
-    a, b = hlo.ledger(text, MESH), hlo.ledger(printed, MESH)
+    mesh = TPU_16 if name == DONE_FUSION else MESH
+    a, b = hlo.ledger(text, mesh), hlo.ledger(printed, mesh)
     expect_parsed(a)
     expect_parsed(b)
     assert key(a) == key(b), f"{a.table()}\n---\n{b.table()}"

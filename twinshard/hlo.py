@@ -68,16 +68,50 @@ Ops and forms:
   Measured: XLA's printer turns a hand-written `async-start(...),
   calls=%comp` wrapping a reduce-scatter into `reduce-scatter-start` /
   `reduce-scatter-done` and stops printing `%comp`.
-- generic `async-start(...), calls=%comp` and TPU fusions such as
-  `%async-collective-start = (...) fusion(...), calls=%comp`: the collective is
-  the instruction inside `%comp`; it is counted there, once. Call edges from
-  `*-done` / `async-update` ops and from fusions named `*done*` are ignored
-  (XLA prints `calls=` on async-done too). Measured surprise: real TPU
-  compiles here (libtpu 0.0.50.1 on v5e 2x4 / 4x4 and v5p 2x2x2 topologies,
-  even with LIBTPU_INIT_ARGS=--xla_tpu_enable_async_collective_fusion...=true)
+- generic `async-start(...), calls=%comp`: the collective is the instruction
+  inside `%comp`; it is counted there, once. XLA prints `calls=` on async-done
+  too: call edges from `*-done` / `async-update` ops and from fusions named
+  `*done*` are not call sites, unless the done side is the computation's only
+  caller (next item).
+- TPU async collective fusions (measured, libtpu 0.0.50.1 on v5e:4x4, for both
+  GSPMD FSDP and shard_map all_gather programs): ONE collective is printed in
+  every computation of its chain::
+
+    %fused_computation.16 (...) -> (...) {            <- start: counted here
+      %all-gather.25 = bf16[256,256]{...} all-gather(%param_0.42), channel_id=4, ...
+      ROOT %custom-call.1 = (...) custom-call(%all-gather.25),
+          custom_call_target="AsyncCollectiveStart" }
+    %async_collective_fusion.19 (...) {              <- continuation: a copy
+      ... compute overlapped with the gather ...
+      %all-gather.27 = ... all-gather(%param_0.45), channel_id=4, ... }
+    %fused_computation.18 (...) -> bf16[256,256] {    <- done: a copy
+      %all-gather.29 = ... all-gather(%param_0.47), channel_id=4, ...
+      ROOT %custom-call.3 = ... custom-call(..., %all-gather.29, ...),
+          custom_call_target="AsyncCollectiveDone" }
+    ENTRY ... {
+      %async-collective-start = (...) fusion(%convert_element_type.13), kind=kCustom,
+          calls=%fused_computation.16
+      %fusion.19 = (...) fusion(%get-tuple-element.4, ...), kind=kOutput, calls=%async_collective_fusion.19
+      %async-collective-done = bf16[256,256]{...} fusion(%get-tuple-element.19, ...),
+          kind=kCustom, calls=%fused_computation.18
+
+  Start computations: ROOT custom-call "AsyncCollectiveStart", or called by a
+  fusion named `*async*start*`. Done computations: ROOT custom-call
+  "AsyncCollectiveDone", or called only from the done side (whose fusion is
+  then their call site: multiplicity as usual, no "no caller" warning).
+  Continuations: 0 or more per collective (3 seen in one FSDP step). The
+  collective is counted once, at the start. The copies are found by data flow:
+  fusions that take the start's results (through get-tuple-element, then each
+  continuation's) and whose computation holds a collective with the same op,
+  channel_id, groups, dimensions and shape applied to those values. channel_id
+  alone does not identify it: in a shard_map program three different
+  all-gathers (two async) all printed channel_id=1. Where the flow does not
+  reach, a done's collective with a start's key is still a copy; one with none
+  is counted at the done, and a continuation-like one is counted, both with a
+  ledger warning. Other TPU compiles here (v5e 2x4 / 4x4 and v5p 2x2x2, even
+  with LIBTPU_INIT_ARGS=--xla_tpu_enable_async_collective_fusion...=true)
   printed plain sync all-gather / reduce-scatter / all-reduce and only
-  `collective-permute-start/done`; the fusion form is covered by a
-  hand-written fixture.
+  `collective-permute-start/done`.
 
 Loops. A collective inside a `while` body (a `lax.scan`) prints once; its
 `multiplicity` is the product of the enclosing loops' trip counts, read from
@@ -564,13 +598,24 @@ _CALL_KEYS = re.compile(
 )
 
 
+def _is_done_side(instr: _Instr) -> bool:
+    """`*-done`, `async-update`/`async-done`, and fusions named `*done*` (TPU)."""
+    op = instr.opcode
+    return (op.endswith("-done") or op in ("async-update", "async-done")
+            or (op == "fusion" and "done" in instr.name))
+
+
 def _call_edges(instr: _Instr) -> list[tuple[str, str]]:
     """(attribute, callee) edges of an instruction, minus async-done style back edges."""
-    op = instr.opcode
-    if op.endswith("-done") or op in ("async-update", "async-done"):
-        return []
-    if op == "fusion" and "done" in instr.name:
-        return []
+    return [] if _is_done_side(instr) else _edges(instr)
+
+
+def _done_edges(instr: _Instr) -> list[tuple[str, str]]:
+    """The edges `_call_edges` leaves out: those of done-side ops."""
+    return _edges(instr) if _is_done_side(instr) else []
+
+
+def _edges(instr: _Instr) -> list[tuple[str, str]]:
     if not _CALL_KEYS.search(instr.attr_text):
         return []
     edges = []
@@ -605,10 +650,18 @@ def _trip_count(w: _Instr, mod: _Module) -> tuple[int | None, bool]:
 def _multiplicities(mod: _Module, warnings: list[str]) -> dict[str, tuple[int, bool, bool]]:
     """computation -> (times run per call of ENTRY, exact?, reached through async?)."""
     callers: dict[str, list[tuple[str, _Instr, str]]] = {}
+    done_callers: dict[str, list[tuple[str, _Instr, str]]] = {}
     for comp, instrs in mod.computations.items():
         for instr in instrs:
             for key, callee in _call_edges(instr):
                 callers.setdefault(callee, []).append((comp, instr, key))
+            for key, callee in _done_edges(instr):
+                done_callers.setdefault(callee, []).append((comp, instr, key))
+    # A computation called only from the done side (TPU `%async-collective-done =
+    # fusion(...), calls=%c`) runs once per done: that is its caller. Where the
+    # start also calls it (generic async-start/-done), the done edge is a back edge.
+    for callee, sites in done_callers.items():
+        callers.setdefault(callee, sites)
     memo: dict[str, tuple[int, bool, bool]] = {}
     warned: set[str] = set()
 
@@ -649,6 +702,131 @@ def _multiplicities(mod: _Module, warnings: list[str]) -> dict[str, tuple[int, b
         return memo[comp]
 
     return {comp: visit(comp, frozenset()) for comp in mod.computations}
+
+
+# ----------------------------------------------------------------------------- TPU async collective fusions
+
+
+def _root_call_target(instrs: list[_Instr]) -> str:
+    """custom_call_target of a computation's ROOT custom-call ('' if none)."""
+    root = next((i for i in instrs if i.is_root), None)
+    if root is None or root.opcode != "custom-call":
+        return ""
+    return root.attrs.get("custom_call_target", "").strip('"')
+
+
+def _copy_key(instr: _Instr) -> tuple | None:
+    """What every printed copy of one async collective shares (None: not a collective).
+
+    channel_id alone is not enough: measured (libtpu 0.0.50.1, shard_map FSDP on
+    v5e:4x4), three distinct all-gathers, two of them async, all had channel_id=1.
+    """
+    op = _base_op(instr.opcode)[0]
+    if op is None:
+        return None
+    a = instr.attrs
+    try:
+        shape = repr(_parse_shape(instr.shape_text))  # layouts differ between copies
+    except ValueError:
+        shape = instr.shape_text
+    return (op, a.get("channel_id"), a.get("replica_groups"), a.get("source_target_pairs"),
+            a.get("dimensions"), shape)
+
+
+def _chain_copies(start: _Instr, instrs: list[_Instr], keys: set[tuple], mod: _Module,
+                  dones: set[str]) -> set[tuple[str, str]]:
+    """Copies of the start's collective along its chain, followed by data flow.
+
+    The chain's values are the start fusion, each continuation fusion, and their
+    get-tuple-elements. A fusion that takes chain values is a continuation (or the
+    done, which ends the chain) when its computation holds a collective with the
+    start's key whose operands are all parameters bound to chain values.
+    """
+    state, found, changed = {start.name}, set(), True
+    while changed:
+        changed = False
+        for i in instrs:
+            if i.name in state:
+                continue
+            bound = {n for n, o in enumerate(i.operands) if o in state}
+            if not bound:
+                continue
+            if i.opcode == "get-tuple-element":
+                state.add(i.name)
+                changed = True
+            if i.opcode != "fusion":
+                continue
+            hits = []
+            for key, c in _edges(i):
+                body = mod.computations.get(c, []) if key == "calls" else []
+                params = {x.name: int(x.operands[0]) for x in body
+                          if x.opcode == "parameter" and x.operands and x.operands[0].isdigit()}
+                hits += [(c, x.name) for x in body if x.operands and _copy_key(x) in keys
+                         and all(params.get(o) in bound for o in x.operands)]
+            found.update(hits)
+            if hits and not (_is_done_side(i) or any(c in dones for c, _ in hits)):
+                state.add(i.name)
+                changed = True
+    return found
+
+
+def _async_fusion_copies(mod: _Module, warnings: list[str]) -> tuple[set[str], set[tuple[str, str]]]:
+    """(start computations, {(computation, instr)} of copies) of TPU async collective fusions.
+
+    One async collective is printed once per computation of its chain: the
+    start's (ROOT custom-call "AsyncCollectiveStart", or called by a fusion named
+    *async*start*), each continuation's (compute fused with the in-flight
+    collective, called by a plain fusion) and the done's (ROOT custom-call
+    "AsyncCollectiveDone", or called only from the done side). It is counted at
+    the start; the others are copies, found by data flow from the start fusion.
+    Fallbacks, where data flow does not reach (e.g. state carried through a
+    loop): a done's collective with a start's key is a copy; one without is
+    counted at the done, with a warning; a continuation-like one is counted,
+    with a warning.
+    """
+    regular, done_only, fusion_only = set(), set(), {}
+    for instrs in mod.computations.values():
+        for i in instrs:
+            for _, callee in _call_edges(i):
+                regular.add(callee)
+                fusion_only[callee] = fusion_only.get(callee, True) and i.opcode == "fusion"
+            done_only.update(c for _, c in _done_edges(i))
+    done_only -= regular
+    starts, dones = set(), set()
+    for comp, instrs in mod.computations.items():
+        target = _root_call_target(instrs)
+        if target == "AsyncCollectiveStart":
+            starts.add(comp)
+        elif target == "AsyncCollectiveDone" or comp in done_only:
+            dones.add(comp)
+        for i in instrs:
+            if i.opcode == "fusion" and "async" in i.name and "start" in i.name:
+                starts.update(c for k, c in _call_edges(i) if k == "calls")
+    keys_of = {c: {k for i in mod.computations.get(c, []) if (k := _copy_key(i))} for c in starts}
+    all_keys = set().union(*keys_of.values())
+    copies: set[tuple[str, str]] = set()
+    for instrs in mod.computations.values():
+        for i in instrs:
+            if i.opcode == "fusion":
+                keys = set().union(*(keys_of.get(c, set()) for k, c in _edges(i) if k == "calls"))
+                if keys:
+                    copies |= _chain_copies(i, instrs, keys, mod, dones)
+    for comp, instrs in mod.computations.items():
+        if comp in starts or not (comp in dones or fusion_only.get(comp)):
+            continue
+        for i in instrs:
+            k = _copy_key(i)
+            if k is None or (comp, i.name) in copies:
+                continue
+            if comp in dones and k in all_keys:
+                copies.add((comp, i.name))
+            elif comp in dones:
+                warnings.append(f"async done %{comp}: %{i.name} matches no async start; "
+                                f"counted at the done")
+            elif k in all_keys:
+                warnings.append(f"%{i.name} in %{comp} looks like a copy of an async start's "
+                                f"collective but does not take its state; counted")
+    return starts, copies
 
 
 # ----------------------------------------------------------------------------- ledger
@@ -900,6 +1078,7 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
         )
     warnings: list[str] = []
     mults = _multiplicities(mod, warnings)
+    async_starts, async_copies = _async_fusion_copies(mod, warnings)
     done_of: dict[tuple[str, str], _Instr] = {}
     gte_meta: dict[tuple[str, int], dict[str, str]] = {}
     for instrs in mod.computations.values():
@@ -923,13 +1102,16 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
                         name in i.line for name in OPS):
                     unparsed.append(i.line)  # wrapped computation not printed
                 continue
-            if form in ("done", "update"):
+            if form in ("done", "update") or (comp, i.name) in async_copies:
                 continue
             if form == "start" and any(c in mod.computations and _has_collective(mod.computations[c])
                                        for k, c in _call_edges(i) if k == "calls"):
                 continue  # sugared async wrapper whose computation is printed: counted inside
             try:
-                records += _records(i, op, mod, spec, mults[comp], done_of.get((comp, i.name)), gte_meta)
+                mult = mults[comp]
+                if comp in async_starts:
+                    mult = (mult[0], mult[1], True)
+                records += _records(i, op, mod, spec, mult, done_of.get((comp, i.name)), gte_meta)
             except (ValueError, KeyError, IndexError) as e:
                 unparsed.append(f"{i.line}  [{e}]")
     return Ledger(records, spec, unparsed, warnings)
