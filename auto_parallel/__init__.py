@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import optax
 
 from auto_parallel import dp, fsdp, fsdp_tp, tp
 from auto_parallel.runner import AutoRunner, logical_dims
@@ -23,7 +24,11 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     return shape
 
 
-def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None) -> AutoRunner:
+def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None,
+                tx: optax.GradientTransformation | None = None) -> AutoRunner:
+    """The GSPMD runner of `strategy` on `mesh_spec` (None: the strategy's default mesh).
+
+    `tx` overrides the optimizer built from `cfg.train` (see `AutoRunner`)."""
     devices = jax.devices() if devices is None else devices
     shape = resolve_mesh(strategy, mesh_spec, cfg, len(devices))
-    return AutoRunner(strategy, STRATEGIES[strategy], shape, cfg, devices)
+    return AutoRunner(strategy, STRATEGIES[strategy], shape, cfg, devices, tx=tx)

@@ -3,9 +3,10 @@
 A strategy is two tables (auto_parallel/<strategy>.py): PARAM_RULES and
 ACTIVATION_RULES, logical axis -> mesh axis. From them this module builds
 NamedShardings for the params, the optimizer state (moments sharded exactly
-like their params), the batch and the residual stream, then jits the
-single-device train step (twinshard/trainer.py) with those shardings. XLA's
-SPMD partitioner inserts every collective.
+like their params), the batch, the residual stream and each weight where it is
+used (`GSPMD.weight`: the activation rules, so FSDP's shards are gathered and
+TP's kept), then jits the single-device train step (twinshard/trainer.py) with
+those shardings. XLA's SPMD partitioner inserts every collective.
 """
 
 from __future__ import annotations
@@ -54,16 +55,30 @@ class GSPMD(Parallelism):
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec(axes, self.rules)))
 
+    def weight(self, w, axes):
+        """Pin the layout a weight is used in: its logical axes under the activation rules.
+
+        FSDP's 'embed' -> 'data' split is absent from those rules, so this is the
+        GSPMD form of FSDP's all-gather (and its gradient's reduce-scatter), while
+        TP's heads/mlp/vocab splits are kept. Without it GSPMD planned the
+        vocab-sharded embedding lookup around the weight instead (all-gathered
+        token ids, all-to-all of activations, an involuntary full
+        rematerialization in the backward pass; measured in fsdp_tp.py).
+        """
+        return self.constrain(w, axes)
+
 
 class AutoRunner:
     """Runs one strategy with GSPMD; the interface of trainer.SingleDevice."""
 
     def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
-                 devices=None):
+                 devices=None, tx: optax.GradientTransformation | None = None):
+        """`tx` replaces the AdamW of `cfg.train` (tests pass SGD); its state must be a
+        `GuardState` (wrap it in `optim.clip_and_guard`), as `trainer.apply_gradients` reads it."""
         self.name, self.cfg = name, cfg
         self.mesh = mesh_lib.make_mesh(mesh_shape, jax.sharding.AxisType.Auto, devices)
         self.param_rules, self.activation_rules = strategy.PARAM_RULES, strategy.ACTIVATION_RULES
-        self.tx = make_optimizer(cfg.train)
+        self.tx = make_optimizer(cfg.train) if tx is None else tx
         self.state_shardings = self._state_shardings()
         self.batch_sharding = NamedSharding(self.mesh, spec(("batch", "seq"), self.activation_rules))
         par = GSPMD(self.mesh, self.activation_rules)

@@ -29,18 +29,26 @@ def check_strategy(strategy: str) -> None:
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    """'data:4,tensor:2' -> {'data': 4, 'tensor': 2}."""
+    """'data:4,tensor:2' -> {'data': 4, 'tensor': 2} (either order, spaces allowed)."""
     shape: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, size = part.partition(":")
-        if name not in AXES or not size.isdigit() or int(size) < 1 or name in shape:
-            raise ValueError(f"bad mesh {spec!r} at {part!r}: write it as data:N,tensor:M with "
-                             "each axis once and N, M >= 1 (e.g. data:4,tensor:2).")
-        shape[name] = int(size)
+        name, colon, size = (x.strip() for x in part.partition(":"))
+        if name not in AXES:
+            why = f"unknown axis {name!r} (the axes are {', '.join(AXES)})"
+        elif name in shape:
+            why = f"axis {name!r} appears twice"
+        elif not colon or not size.isdigit() or int(size) < 1:
+            why = f"size {size!r} of axis {name!r} is not an integer >= 1"
+        else:
+            shape[name] = int(size)
+            continue
+        raise ValueError(f"bad mesh {spec!r} at {part!r}: {why}; write it as data:N,tensor:M with "
+                         "each axis once and N, M >= 1 (e.g. data:4,tensor:2).")
     missing = [a for a in AXES if a not in shape]
     if missing:
-        raise ValueError(f"mesh {spec!r} lacks axis {missing[0]!r}; name both axes, e.g. "
-                         f"{','.join(f'{a}:{shape.get(a, 1)}' for a in AXES)}.")
+        example = ",".join(f"{a}:{shape.get(a, 1)}" for a in AXES) if shape else "data:4,tensor:2"
+        raise ValueError(f"mesh {spec!r} lacks axis {missing[0]!r}; name both axes (size 1 allowed), "
+                         f"e.g. {example}.")
     return shape
 
 
@@ -59,16 +67,47 @@ def _mesh_str(shape: Mapping[str, int]) -> str:
     return ",".join(f"{a}:{shape[a]}" for a in AXES)
 
 
+def _fits(strategy: str, shape: Mapping[str, int]) -> bool:
+    """Does `shape` give each axis of the strategy the size it needs (> 1 or == 1)?"""
+    return all((shape[a] > 1) if many else (shape[a] == 1) for a, many in zip(AXES, _NEEDS[strategy]))
+
+
+def _fix(strategy: str, n_devices: int) -> str:
+    """A valid alternative: the default mesh, or (if there is none on n devices) what is needed."""
+    default = default_mesh(strategy, n_devices)
+    if _fits(strategy, default):
+        return f"try --mesh={_mesh_str(default)}"
+    fits = [s for s in STRATEGIES if _fits(s, default_mesh(s, n_devices))]
+    need = "a device count with a factor pair data, tensor > 1 (4, 6, 8, ...)" if strategy == "fsdp_tp" \
+        else "at least 2 devices"
+    return (f"strategy {strategy} needs {need}, have {n_devices}; run on more devices or use "
+            + (f"strategy {' or '.join(fits)}" if fits else "the single-device runner"))
+
+
 def check_mesh(strategy: str, shape: Mapping[str, int], n_devices: int) -> None:
+    """Both axes present with sizes >= 1, each sized as the strategy needs, using every device."""
     check_strategy(strategy)
+    unknown, missing = [a for a in shape if a not in AXES], [a for a in AXES if a not in shape]
+    if unknown or missing:
+        what = f"has axis {unknown[0]!r}, not one of {', '.join(AXES)}" if unknown else f"lacks axis {missing[0]!r}"
+        raise ValueError(f"mesh {dict(shape)} {what}; name both axes (size 1 allowed): "
+                         f"{_fix(strategy, n_devices)}.")
+    for axis in AXES:
+        if not isinstance(shape[axis], (int, np.integer)) or shape[axis] < 1:
+            raise ValueError(f"mesh axis {axis}={shape[axis]!r} must be an integer >= 1; "
+                             f"{_fix(strategy, n_devices)}.")
     for axis, needs_many in zip(AXES, _NEEDS[strategy]):
         if needs_many and shape[axis] < 2 or not needs_many and shape[axis] != 1:
             want = "> 1" if needs_many else "= 1"
             raise ValueError(f"strategy {strategy} needs {axis} {want}, got mesh {_mesh_str(shape)}; "
-                             f"try --mesh={_mesh_str(default_mesh(strategy, n_devices))}.")
+                             f"{_fix(strategy, n_devices)}.")
     if math.prod(shape.values()) != n_devices:
         raise ValueError(f"mesh {_mesh_str(shape)} has {math.prod(shape.values())} devices but "
-                         f"{n_devices} are available; try --mesh={_mesh_str(default_mesh(strategy, n_devices))}.")
+                         f"{n_devices} are available; {_fix(strategy, n_devices)}.")
+
+
+# What to change in the config for each splittable logical dimension.
+_FIELDS = {"batch": "batch_size", "embed": "d_model", "heads": "num_heads", "mlp": "d_ff"}
 
 
 def check_divisible(dims: Mapping[str, int], rules: Mapping[str, str], shape: Mapping[str, int]) -> None:
@@ -80,9 +119,12 @@ def check_divisible(dims: Mapping[str, int], rules: Mapping[str, str], shape: Ma
         axis = rules.get(name)
         if axis is None or size % shape[axis] == 0:
             continue
-        ok = [k for k in range(1, size + 1) if size % k == 0 and k > 1][:6]
-        raise ValueError(f"{name}={size} is not divisible by mesh axis {axis}={shape[axis]}; "
-                         f"use a {axis} size in {ok} or change {name}.")
+        n, devices = shape[axis], math.prod(shape.values())
+        ok = [k for k in range(2, size + 1) if size % k == 0 and devices % k == 0][:6]  # fit the devices too
+        change = (f"pick a vocab_size whose padded size (a multiple of 128) is a multiple of {n}"
+                  if name == "vocab" else f"make {name} ({_FIELDS.get(name, name)}) a multiple of {n}")
+        raise ValueError(f"{name}={size} is not divisible by mesh axis {axis}={n}; "
+                         + (f"use a {axis} size in {ok} or " if ok else "") + f"{change}.")
 
 
 def make_mesh(shape: Mapping[str, int], axis_type: AxisType = AxisType.Auto,

@@ -1,0 +1,232 @@
+"""Mesh parsing, per-strategy defaults and every validation error (twinshard/mesh.py,
+auto_parallel.resolve_mesh, shared by both twins).
+
+Each error is a ValueError raised before anything compiles, and its message names
+the offending value, the mesh axis involved and a valid alternative; the `match=`
+patterns below check all three. `resolve_mesh` takes a device count, so meshes of
+any size are validated here without those devices existing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from auto_parallel import resolve_mesh
+from twinshard import mesh as mesh_lib
+from twinshard.config import preset
+
+TINY = preset("tiny")  # d_model 64, num_heads 4, d_ff 192, padded vocab 384, batch 8
+
+
+def cfg(batch: int | None = None, **model):
+    """The tiny preset with some model fields (and the global batch) replaced."""
+    train = TINY.train if batch is None else dataclasses.replace(TINY.train, batch_size=batch)
+    return dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, **model), train=train)
+
+
+TP8 = cfg(num_heads=8)  # tp over 8 devices needs num_heads % 8 == 0 (head_dim 8)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("spec, shape", [
+    ("data:4,tensor:2", {"data": 4, "tensor": 2}),
+    ("tensor:2,data:4", {"data": 4, "tensor": 2}),
+    (" data : 8 , tensor : 1 ", {"data": 8, "tensor": 1}),
+    ("data:1,tensor:8,", {"data": 1, "tensor": 8}),
+])
+def test_parse_mesh(spec, shape):
+    assert mesh_lib.parse_mesh(spec) == shape
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("data:4", r"mesh 'data:4' lacks axis 'tensor'; name both axes.*e\.g\. data:4,tensor:1"),
+    ("tensor:8", r"lacks axis 'data'.*e\.g\. data:1,tensor:8"),
+    ("", r"mesh '' lacks axis 'data'.*e\.g\. data:4,tensor:2"),
+    ("data:4,pipe:2", r"at 'pipe:2': unknown axis 'pipe' \(the axes are data, tensor\).*e\.g\. data:4,tensor:2"),
+    ("data:4,data:2", r"at 'data:2': axis 'data' appears twice.*each axis once"),
+    ("data:0,tensor:8", r"at 'data:0': size '0' of axis 'data' is not an integer >= 1.*e\.g\. data:4,tensor:2"),
+    ("data:x,tensor:8", r"size 'x' of axis 'data' is not an integer >= 1"),
+    ("data:-2,tensor:8", r"size '-2' of axis 'data' is not an integer >= 1"),
+    ("data4,tensor:2", r"at 'data4': unknown axis 'data4'.*write it as data:N,tensor:M"),
+    ("data=4,tensor=2", r"unknown axis 'data=4'.*write it as data:N,tensor:M"),
+])
+def test_parse_mesh_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        mesh_lib.parse_mesh(spec)
+
+
+# ----------------------------------------------------------------------------- defaults
+
+
+@pytest.mark.parametrize("strategy, shape", [
+    ("dp", {"data": 8, "tensor": 1}),
+    ("fsdp", {"data": 8, "tensor": 1}),
+    ("tp", {"data": 1, "tensor": 8}),
+    ("fsdp_tp", {"data": 4, "tensor": 2}),
+])
+def test_default_mesh_for_8_devices(strategy, shape):
+    assert mesh_lib.default_mesh(strategy, 8) == shape
+    assert resolve_mesh(strategy, None, TP8, 8) == shape  # the default passes its own validation
+
+
+@pytest.mark.parametrize("strategy, n, shape", [
+    ("fsdp_tp", 6, {"data": 3, "tensor": 2}),
+    ("fsdp_tp", 4, {"data": 2, "tensor": 2}),
+    ("fsdp_tp", 9, {"data": 3, "tensor": 3}),
+    ("tp", 2, {"data": 1, "tensor": 2}),
+    ("dp", 2, {"data": 2, "tensor": 1}),
+])
+def test_default_mesh_other_device_counts(strategy, n, shape):
+    assert mesh_lib.default_mesh(strategy, n) == shape
+
+
+@pytest.mark.parametrize("strategy, spec", [
+    ("dp", "data:8,tensor:1"), ("fsdp", "data:8,tensor:1"), ("tp", "data:1,tensor:8"),
+    ("fsdp_tp", "data:2,tensor:4"), ("fsdp_tp", "data:4,tensor:2"),
+])
+def test_valid_meshes_resolve(strategy, spec):
+    assert resolve_mesh(strategy, spec, TP8, 8) == mesh_lib.parse_mesh(spec)
+
+
+# ----------------------------------------------------------------------------- strategy vs mesh
+
+
+@pytest.mark.parametrize("strategy, spec, match", [
+    ("dp", "data:4,tensor:2", r"strategy dp needs tensor = 1, got mesh data:4,tensor:2; try --mesh=data:8,tensor:1"),
+    ("dp", "data:1,tensor:8", r"strategy dp needs data > 1, got mesh data:1,tensor:8; try --mesh=data:8,tensor:1"),
+    ("fsdp", "data:2,tensor:4", (r"strategy fsdp needs tensor = 1, got mesh data:2,tensor:4; "
+                                 r"try --mesh=data:8,tensor:1")),
+    ("fsdp", "data:1,tensor:8", r"strategy fsdp needs data > 1.*try --mesh=data:8,tensor:1"),
+    ("tp", "data:2,tensor:4", r"strategy tp needs data = 1, got mesh data:2,tensor:4; try --mesh=data:1,tensor:8"),
+    ("tp", "data:8,tensor:1", r"strategy tp needs data = 1.*try --mesh=data:1,tensor:8"),
+    ("fsdp_tp", "data:8,tensor:1", (r"strategy fsdp_tp needs tensor > 1, got mesh data:8,tensor:1; "
+                                    r"try --mesh=data:4,tensor:2")),
+    ("fsdp_tp", "data:1,tensor:8", (r"strategy fsdp_tp needs data > 1, got mesh data:1,tensor:8; "
+                                    r"try --mesh=data:4,tensor:2")),
+])
+def test_strategy_needs_its_axes(strategy, spec, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_mesh(strategy, spec, TP8, 8)
+
+
+def test_tp_needs_tensor_above_one():
+    # Only reachable on one device (data must be 1): no valid mesh exists there.
+    with pytest.raises(ValueError, match=r"strategy tp needs tensor > 1, got mesh data:1,tensor:1; "
+                                         r"strategy tp needs at least 2 devices, have 1; run on more devices "
+                                         r"or use the single-device runner"):
+        resolve_mesh("tp", "data:1,tensor:1", TINY, 1)
+
+
+@pytest.mark.parametrize("strategy, n, match", [
+    ("fsdp_tp", 7, (r"strategy fsdp_tp needs data > 1, got mesh data:1,tensor:7; strategy fsdp_tp needs a device "
+                    r"count with a factor pair data, tensor > 1 \(4, 6, 8, \.\.\.\), have 7; run on more devices "
+                    r"or use strategy dp or fsdp or tp")),
+    ("fsdp_tp", 2, r"needs data > 1.*have 2; run on more devices or use strategy dp or fsdp or tp"),
+    ("dp", 1, (r"strategy dp needs data > 1, got mesh data:1,tensor:1; strategy dp needs at least 2 devices, "
+               r"have 1; run on more devices or use the single-device runner")),
+])
+def test_default_mesh_impossible_on_this_device_count(strategy, n, match):
+    # The default mesh is invalid here, so the message must not suggest it.
+    with pytest.raises(ValueError, match=match) as err:
+        resolve_mesh(strategy, None, TINY, n)
+    assert "try --mesh" not in str(err.value)
+
+
+@pytest.mark.parametrize("strategy, spec, match", [
+    ("dp", "data:4,tensor:1", r"mesh data:4,tensor:1 has 4 devices but 8 are available; try --mesh=data:8,tensor:1"),
+    ("dp", "data:16,tensor:1", r"mesh data:16,tensor:1 has 16 devices but 8 are available; try --mesh=data:8,tensor:1"),
+    ("tp", "data:1,tensor:4", r"has 4 devices but 8 are available; try --mesh=data:1,tensor:8"),
+    ("fsdp_tp", "data:4,tensor:4", (r"mesh data:4,tensor:4 has 16 devices but 8 are available; "
+                                    r"try --mesh=data:4,tensor:2")),
+])
+def test_mesh_must_use_every_device(strategy, spec, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_mesh(strategy, spec, TP8, 8)
+
+
+@pytest.mark.parametrize("shape, match", [
+    ({"data": 8}, (r"mesh \{'data': 8\} lacks axis 'tensor'; name both axes \(size 1 allowed\): "
+                   r"try --mesh=data:8,tensor:1")),
+    ({"data": 4, "tensor": 1, "pipeline": 2},
+     r"has axis 'pipeline', not one of data, tensor.*try --mesh=data:8,tensor:1"),
+    ({"data": 0, "tensor": 1}, r"mesh axis data=0 must be an integer >= 1; try --mesh=data:8,tensor:1"),
+    ({"data": 8.0, "tensor": 1}, r"mesh axis data=8\.0 must be an integer >= 1"),
+])
+def test_check_mesh_needs_both_axes_as_positive_integers(shape, match):
+    with pytest.raises(ValueError, match=match):
+        mesh_lib.check_mesh("dp", shape, 8)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: resolve_mesh("zero3", None, TINY, 8),
+    lambda: resolve_mesh("zero3", "data:8,tensor:1", TINY, 8),
+    lambda: mesh_lib.default_mesh("pp", 8),
+    lambda: mesh_lib.check_mesh("DP", {"data": 8, "tensor": 1}, 8),
+])
+def test_unknown_strategy(call):
+    with pytest.raises(ValueError, match=r"unknown strategy '(zero3|pp|DP)'; choose one of dp, fsdp, tp, fsdp_tp"):
+        call()
+
+
+# ----------------------------------------------------------------------------- divisibility
+
+
+@pytest.mark.parametrize("strategy, spec, n, config, match", [
+    # heads over tensor (tiny has 4 heads; tp takes all 8 devices)
+    ("tp", None, 8, TINY,
+     (r"heads=4 is not divisible by mesh axis tensor=8; use a tensor size in \[2, 4\] or make heads \(num_heads\) "
+      r"a multiple of 8")),
+    ("fsdp_tp", "data:1,tensor:8", 8, TINY, r"needs data > 1"),  # the axis rule is checked first
+    ("fsdp_tp", "data:2,tensor:4", 8, cfg(num_heads=2),
+     (r"heads=2 is not divisible by mesh axis tensor=4; use a tensor size in \[2\] or make heads \(num_heads\) "
+      r"a multiple of 4")),
+    # d_ff over tensor
+    ("tp", None, 8, cfg(num_heads=8, d_ff=196),
+     (r"mlp=196 is not divisible by mesh axis tensor=8; use a tensor size in \[2, 4\] or make mlp "
+      r"\(d_ff\) a multiple of 8")),
+    # the padded vocab (257 -> 384 = 3 * 128) over tensor: 5 devices, heads and d_ff divisible by 5
+    ("tp", None, 5, cfg(d_model=80, num_heads=5, d_ff=320),
+     (r"vocab=384 is not divisible by mesh axis tensor=5; pick a "
+      r"vocab_size whose padded size \(a multiple of 128\) is a multiple of 5")),
+    # d_model over data (FSDP shards the embed dimension): 6 devices, batch 12, d_model 64
+    ("fsdp", None, 6, cfg(batch=12),
+     (r"embed=64 is not divisible by mesh axis data=6; use a data size in \[2\] or make embed "
+      r"\(d_model\) a multiple of 6")),
+    ("fsdp_tp", "data:3,tensor:2", 6, cfg(batch=12),
+     r"embed=64 is not divisible by mesh axis data=3; .* make embed \(d_model\) a multiple of 3"),
+    # global batch over data
+    ("dp", "data:3,tensor:1", 3, TINY,
+     (r"batch=8 is not divisible by mesh axis data=3; make batch "
+      r"\(batch_size\) a multiple of 3")),
+    ("fsdp", None, 16, TINY,
+     r"batch=8 is not divisible by mesh axis data=16; use a data size in \[2, 4, 8\] or .* a multiple of 16"),
+    ("fsdp_tp", "data:2,tensor:2", 4, cfg(batch=7),
+     (r"batch=7 is not divisible by mesh axis data=2; make batch \(batch_size\) "
+      r"a multiple of 2")),
+])
+def test_split_dimensions_must_divide(strategy, spec, n, config, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_mesh(strategy, spec, config, n)
+
+
+def test_suggested_axis_sizes_divide_the_dimension_and_the_device_count():
+    # heads=12 on tensor=8: 2 and 4 divide both (3, 6, 12 divide 12 but not 8 devices).
+    with pytest.raises(ValueError, match=r"heads=12 is not divisible by mesh axis tensor=8; "
+                                         r"use a tensor size in \[2, 4\] or"):
+        resolve_mesh("tp", None, cfg(d_model=96, num_heads=12), 8)
+
+
+def test_unsplit_dimensions_need_not_divide():
+    # dp splits only the batch (d_model 36, 1 head, d_ff 100 on 8 devices); tp splits no batch.
+    assert resolve_mesh("dp", None, cfg(d_model=36, num_heads=1, d_ff=100), 8) == {"data": 8, "tensor": 1}
+    assert resolve_mesh("tp", None, cfg(batch=3, num_heads=8), 8) == {"data": 1, "tensor": 8}
+
+
+def test_prime_dimension_offers_only_the_config_fix():
+    with pytest.raises(ValueError, match=r"heads=1 is not divisible by mesh axis tensor=2; make heads \(num_heads\) "
+                                         r"a multiple of 2\.$"):
+        mesh_lib.check_divisible({"heads": 1}, {"heads": "tensor"}, {"data": 1, "tensor": 2})
