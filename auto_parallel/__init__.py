@@ -6,8 +6,9 @@ import jax
 import optax
 
 from auto_parallel import dp, fsdp, fsdp_tp, tp
-from auto_parallel.runner import AutoRunner, logical_dims
+from auto_parallel.runner import AutoRunner
 from twinshard import mesh as mesh_lib
+from twinshard.placement import logical_dims
 from twinshard.config import Config
 
 STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}

@@ -19,31 +19,14 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twinshard import mesh as mesh_lib
+from twinshard import mesh as mesh_lib, placement
 from twinshard.config import Config
 from twinshard.optim import make_optimizer
 from twinshard.parallelism import Parallelism
-from twinshard.trainer import TrainState, init_state, logical_axes, loss_fn, train_step
+from twinshard.placement import spec
+from twinshard.trainer import TrainState, init_state, loss_fn, train_step
 
 Rules = Mapping[str, str]
-
-
-def spec(axes: tuple[str | None, ...], rules: Rules) -> P:
-    """Logical axes -> PartitionSpec, e.g. ('embed', 'mlp') with {'embed': 'data'} -> P('data', None)."""
-    return P(*(rules.get(a) for a in axes))
-
-
-def param_specs(cfg: Config, rules: Rules):
-    """PartitionSpec for every parameter, same tree as the params."""
-    return jax.tree.map(lambda ax: spec(ax, rules), logical_axes(cfg.model),
-                        is_leaf=lambda x: isinstance(x, tuple))
-
-
-def logical_dims(cfg: Config) -> dict[str, int]:
-    """Sizes of every logical dimension a strategy may split (for divisibility checks)."""
-    m = cfg.model
-    return {"batch": cfg.train.batch_size, "embed": m.d_model, "heads": m.num_heads,
-            "mlp": m.d_ff, "vocab": m.padded_vocab_size}
 
 
 class GSPMD(Parallelism):
@@ -87,27 +70,22 @@ class AutoRunner:
         self.train_step = jax.jit(
             step, in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        self.eval_loss = jax.jit(
-            functools.partial(loss_fn, cfg=cfg.model, par=par),
-            in_shardings=(self.state_shardings.params, self.batch_sharding, self.batch_sharding),
-            out_shardings=replicated)
+        loss = functools.partial(loss_fn, cfg=cfg.model, par=par)
+        batch_in = (self.state_shardings.params, self.batch_sharding, self.batch_sharding)
+        self.eval_loss = jax.jit(loss, in_shardings=batch_in, out_shardings=replicated)
+        self.loss_and_grads = jax.jit(jax.value_and_grad(loss), in_shardings=batch_in,
+                                      out_shardings=(replicated, self.state_shardings.params))
 
     def _state_shardings(self) -> TrainState:
-        named = lambda s: NamedSharding(self.mesh, s)  # noqa: E731
-        params = jax.tree.map(named, param_specs(self.cfg, self.param_rules))
-        # Optimizer moments mirror their params; counters and scalars are replicated.
-        opt = optax.tree_map_params(
-            self.tx, lambda _, sharding: sharding, self._unsharded_abstract_state().opt_state, params,
-            transform_non_params=lambda _: named(P()))
-        return TrainState(params, opt, named(P()))
-
-    def _unsharded_abstract_state(self) -> TrainState:
-        return jax.eval_shape(functools.partial(init_state, self.cfg.model, self.tx, 0))
+        """Moments mirror their params; counters and scalars are replicated (twinshard/placement.py)."""
+        specs = placement.state_specs(self.cfg, self.tx, self.param_rules)
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
+                            is_leaf=lambda x: isinstance(x, P))
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs carrying this strategy's shardings (checkpoint restore target)."""
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            self._unsharded_abstract_state(), self.state_shardings)
+                            placement.abstract_state(self.cfg, self.tx), self.state_shardings)
 
     def init_state(self, seed: int) -> TrainState:
         """Created sharded: each device computes only its shards (no full copy anywhere)."""

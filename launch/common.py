@@ -24,16 +24,44 @@ STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp")
 IMPLS = ("auto", "manual")
 
 
+def define(definer, name: str, *args, **kwargs) -> None:
+    """Define a flag once per process: launchers share these, and tests import several."""
+    if name not in flags.FLAGS:
+        definer(name, *args, **kwargs)
+
+
 def define_model_flags() -> None:
-    flags.DEFINE_string("preset", "small", "Named preset from twinshard.config (tiny, small, gpt2_125m, ...).")
-    flags.DEFINE_integer("steps", None, "Training steps (default: the preset's).")
-    flags.DEFINE_integer("batch_size", None, "Global batch size in sequences.")
-    flags.DEFINE_integer("context_length", None, "Sequence length (at most the preset's context).")
-    flags.DEFINE_float("lr", None, "Peak learning rate.")
-    flags.DEFINE_integer("seed", None, "Seed for init and batches.")
-    flags.DEFINE_enum("strategy", "single", STRATEGIES, "Parallelism strategy.")
-    flags.DEFINE_enum("impl", "auto", IMPLS, "auto (GSPMD annotations) or manual (shard_map collectives).")
-    flags.DEFINE_string("mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
+    define(flags.DEFINE_string, "preset", "small", "Named preset from twinshard.config (tiny, small, gpt2_125m, ...).")
+    define(flags.DEFINE_integer, "steps", None, "Training steps (default: the preset's).")
+    define(flags.DEFINE_integer, "batch_size", None, "Global batch size in sequences.")
+    define(flags.DEFINE_integer, "context_length", None, "Sequence length (at most the preset's context).")
+    define(flags.DEFINE_float, "lr", None, "Peak learning rate.")
+    define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
+    define(flags.DEFINE_enum, "strategy", "single", STRATEGIES, "Parallelism strategy.")
+    define(flags.DEFINE_enum, "impl", "auto", IMPLS, "auto (GSPMD annotations) or manual (shard_map collectives).")
+    define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
+    define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU.")
+
+
+def define_data_flags() -> None:
+    define(flags.DEFINE_string, "data", None, "UTF-8 .txt or .txt.gz corpus (default: the embedded Shakespeare).")
+    define(flags.DEFINE_string, "cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "twinshard"),
+            "Where tokenized corpora are cached (uint16 memmaps).")
+
+
+def load_splits(cfg: Config, data_path: str | None, cache_dir: str):
+    """(train, validation) token arrays of the corpus; both must hold a full window."""
+    from twinshard import data
+
+    path = data_path or data.DEFAULT_CORPUS
+    tokens = data.tokenize_to_memmap(path, cfg.train.tokenizer, cache_dir)
+    train, val = data.split_tokens(tokens)
+    for name, part in (("training", train), ("validation", val)):
+        if len(part) < cfg.model.context_length + 1:
+            raise ValueError(
+                f"the {name} split of {path} has {len(part)} tokens, fewer than context_length+1 = "
+                f"{cfg.model.context_length + 1}; pass a smaller --context_length or a larger --data.")
+    return train, val
 
 
 def config_from_flags(FLAGS) -> Config:

@@ -17,23 +17,17 @@ from absl import app, flags, logging
 
 from launch import common
 
-flags.DEFINE_string("data", None, "Corpus (.txt/.txt.gz; default: the embedded Shakespeare).")
-flags.DEFINE_string("cache_dir", None, "Token cache directory (default: ~/.cache/twinshard).")
 flags.DEFINE_string("json", None, "Write the comparison as JSON here.")
 flags.DEFINE_string("plot", None, "Write a PNG of the loss curves and their differences here.")
-flags.DEFINE_integer("devices", 8, "Simulated CPU devices (CPU only).")
 common.define_model_flags()
+common.define_data_flags()
 FLAGS = flags.FLAGS
 
 
 def _batches(cfg, steps: int):
-    import os
-
     from twinshard import data
 
-    cache = FLAGS.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "twinshard")
-    tokens = data.tokenize_to_memmap(FLAGS.data or data.DEFAULT_CORPUS, cfg.train.tokenizer, cache)
-    train, _ = data.split_tokens(tokens)
+    train, _ = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)
     t = cfg.train
     return [data.get_batch(train, t.batch_size, cfg.model.context_length, t.seed, s) for s in range(steps)]
 
@@ -97,12 +91,23 @@ def plot(result: dict, path: str) -> None:
     for impl in ("auto", "manual"):
         bottom.semilogy(steps, np.abs(losses[impl] - losses["single"]) + 1e-12,
                         color=styles[impl][0], marker="o", ms=3, label=f"|{impl} - single|")
-    bottom.set_xlabel("step")
+    bottom.set_xlabel("step (points at the 1e-12 floor: bitwise equal)")
     bottom.set_ylabel("|loss difference|")
     bottom.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def model_comparison(result: dict, cfg) -> str:
+    """The analytic cost model beside each twin's ledger, per (op, mesh axes)."""
+    from twinshard import cost
+
+    model = cost.cost(cfg.model, result["strategy"], result["mesh"], cfg.train.batch_size)
+    parts = [model.table()]
+    for impl, led in result["ledgers"].items():
+        parts += ["", f"{impl} ledger vs cost model:", cost.compare_table(cost.compare(led.summary(), model.summary()))]
+    return "\n".join(parts)
 
 
 def report(result: dict, cost_table: str | None) -> str:
@@ -128,7 +133,7 @@ def main(argv):
     common.simulate_cpu_devices(FLAGS.devices)
     batches = _batches(cfg, steps)
     result = run_three(FLAGS.strategy, FLAGS.mesh, cfg, batches)
-    print(report(result, None))
+    print(report(result, model_comparison(result, cfg)))
     if FLAGS.plot:
         plot(result, FLAGS.plot)
         print(f"plot: {FLAGS.plot}")

@@ -10,12 +10,14 @@ import os
 
 from absl import app, flags, logging
 
-flags.DEFINE_string("workdir", "runs/small", "Run directory written by launch.train.")
+from launch import common
+
+common.define(flags.DEFINE_string, "workdir", "runs/small", "Run directory written by launch.train.")
 flags.DEFINE_string("prompt", "ROMEO:", "Text to continue.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.8, "Softmax temperature (0: greedy).")
 flags.DEFINE_integer("top_k", 40, "Sample among the k most likely tokens (0: all).")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
+common.define(flags.DEFINE_integer, "seed", None, "Sampling seed (default 0).")
 FLAGS = flags.FLAGS
 
 
@@ -82,7 +84,7 @@ def main(argv):
     if not prompt:
         raise ValueError("--prompt is empty; give at least one character to continue.")
     ids = generate(state.params, model_cfg, prompt, FLAGS.max_new_tokens, FLAGS.temperature,
-                   FLAGS.top_k, FLAGS.seed)
+                   FLAGS.top_k, FLAGS.seed or 0)
     print(enc.decode(ids))
 
 

@@ -19,18 +19,15 @@ from absl import app, flags, logging
 
 from launch import common
 
-flags.DEFINE_string("workdir", "runs/default", "Output directory: metrics.jsonl and checkpoints/.")
-flags.DEFINE_string("data", None, "UTF-8 .txt or .txt.gz corpus (default: the embedded Shakespeare).")
-flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "twinshard"),
-                    "Where tokenized corpora are cached (uint16 memmaps).")
+common.define(flags.DEFINE_string, "workdir", "runs/default", "Output directory: metrics.jsonl and checkpoints/.")
 flags.DEFINE_integer("log_every", None, "Log every N steps (default: the preset's).")
 flags.DEFINE_integer("eval_every", None, "Held-out eval every N steps (0: never; default: the preset's).")
 flags.DEFINE_integer("checkpoint_every", None, "Checkpoint every N steps (0: only at the end).")
 flags.DEFINE_bool("resume", False, "Resume from the latest checkpoint in --workdir.")
 flags.DEFINE_integer("stop_after", None, "Stop (with a checkpoint) after this step, as a preemption "
                      "would; the schedule still runs to --steps, so --resume continues it exactly.")
-flags.DEFINE_integer("devices", 8, "Simulated CPU devices when running on CPU with a strategy.")
 common.define_model_flags()
+common.define_data_flags()
 FLAGS = flags.FLAGS
 
 
@@ -39,20 +36,6 @@ def _intervals(cfg):
     pick = lambda flag, default: default if flag is None else flag  # noqa: E731
     return (max(1, pick(FLAGS.log_every, t.log_every)), pick(FLAGS.eval_every, t.eval_every),
             pick(FLAGS.checkpoint_every, t.checkpoint_every))
-
-
-def _load_tokens(cfg):
-    from twinshard import data
-
-    path = FLAGS.data or data.DEFAULT_CORPUS
-    tokens = data.tokenize_to_memmap(path, cfg.train.tokenizer, FLAGS.cache_dir)
-    train, val = data.split_tokens(tokens)
-    for name, part in (("training", train), ("validation", val)):
-        if len(part) < cfg.model.context_length + 1:
-            raise ValueError(
-                f"the {name} split of {path} has {len(part)} tokens, fewer than context_length+1 = "
-                f"{cfg.model.context_length + 1}; pass a smaller --context_length or a larger --data.")
-    return train, val
 
 
 def _write_metrics(path: str, records: list[dict]) -> None:
@@ -77,7 +60,7 @@ def main(argv):
     log_every, eval_every, ckpt_every = _intervals(cfg)
     if FLAGS.strategy != "single":
         common.simulate_cpu_devices(FLAGS.devices)
-    train_tokens, val_tokens = _load_tokens(cfg)
+    train_tokens, val_tokens = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)
 
     import jax
     import numpy as np

@@ -7,7 +7,7 @@ single-device behaviour (every hook is the identity or the plain layer), so
 override only what they need:
 
     hook                    auto_parallel (GSPMD)        manual_parallel (shard_map)
-    weight(w, axes)         -                            FSDP: all_gather over data
+    weight(w, axes)         constraint to the use layout FSDP: all_gather over data
     constrain(x, axes)      with_sharding_constraint     -
     enter_tensor_parallel   -                            Megatron f: identity / psum
     exit_tensor_parallel    -                            Megatron g: psum / identity
