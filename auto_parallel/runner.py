@@ -19,12 +19,12 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twinshard import mesh as mesh_lib, placement
+from twinshard import placement
 from twinshard.config import Config
 from twinshard.optim import make_optimizer
 from twinshard.parallelism import Parallelism
 from twinshard.placement import spec
-from twinshard.trainer import TrainState, init_state, loss_fn, train_step
+from twinshard.trainer import loss_fn, train_step
 
 Rules = Mapping[str, str]
 
@@ -51,22 +51,20 @@ class GSPMD(Parallelism):
         return self.constrain(w, axes)
 
 
-class AutoRunner:
+class AutoRunner(placement.PlacedRunner):
     """Runs one strategy with GSPMD; the interface of trainer.SingleDevice."""
 
     def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
                  devices=None, tx: optax.GradientTransformation | None = None):
         """`tx` replaces the AdamW of `cfg.train` (tests pass SGD); its state must be a
         `GuardState` (wrap it in `optim.clip_and_guard`), as `trainer.apply_gradients` reads it."""
-        self.name, self.cfg = name, cfg
-        self.mesh = mesh_lib.make_mesh(mesh_shape, jax.sharding.AxisType.Auto, devices)
-        self.param_rules, self.activation_rules = strategy.PARAM_RULES, strategy.ACTIVATION_RULES
+        self.name = name
         self.tx = make_optimizer(cfg.train) if tx is None else tx
-        self.state_shardings = self._state_shardings()
-        self.batch_sharding = NamedSharding(self.mesh, spec(("batch", "seq"), self.activation_rules))
-        par = GSPMD(self.mesh, self.activation_rules)
+        self._place(cfg, mesh_shape, jax.sharding.AxisType.Auto, devices,
+                    strategy.PARAM_RULES, strategy.ACTIVATION_RULES)
+        par = GSPMD(self.mesh, strategy.ACTIVATION_RULES)
         step = functools.partial(train_step, cfg=cfg.model, train_cfg=cfg.train, tx=self.tx, par=par)
-        replicated = NamedSharding(self.mesh, P())
+        replicated = self.named(P())
         self.train_step = jax.jit(
             step, in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
@@ -75,22 +73,3 @@ class AutoRunner:
         self.eval_loss = jax.jit(loss, in_shardings=batch_in, out_shardings=replicated)
         self.loss_and_grads = jax.jit(jax.value_and_grad(loss), in_shardings=batch_in,
                                       out_shardings=(replicated, self.state_shardings.params))
-
-    def _state_shardings(self) -> TrainState:
-        """Moments mirror their params; counters and scalars are replicated (twinshard/placement.py)."""
-        specs = placement.state_specs(self.cfg, self.tx, self.param_rules)
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
-                            is_leaf=lambda x: isinstance(x, P))
-
-    def abstract_state(self) -> TrainState:
-        """ShapeDtypeStructs carrying this strategy's shardings (checkpoint restore target)."""
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            placement.abstract_state(self.cfg, self.tx), self.state_shardings)
-
-    def init_state(self, seed: int) -> TrainState:
-        """Created sharded: each device computes only its shards (no full copy anywhere)."""
-        init = functools.partial(init_state, self.cfg.model, self.tx, seed)
-        return jax.jit(init, out_shardings=self.state_shardings)()
-
-    def place_batch(self, x, y):
-        return jax.device_put(x, self.batch_sharding), jax.device_put(y, self.batch_sharding)

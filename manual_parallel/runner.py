@@ -29,12 +29,12 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from twinshard import mesh as mesh_lib, placement
+from twinshard import placement
 from twinshard.config import Config
 from twinshard.optim import make_optimizer
-from twinshard.trainer import TrainState, apply_gradients, init_state, loss_fn
+from twinshard.trainer import TrainState, apply_gradients, loss_fn
 
 DATA, TENSOR = "data", "tensor"
 
@@ -45,25 +45,20 @@ def _active(axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[str, ...]:
     return tuple(a for a in sizes if a in axes and sizes[a] > 1)
 
 
-class ManualRunner:
+class ManualRunner(placement.PlacedRunner):
     """Runs one strategy as a shard_map program; the interface of trainer.SingleDevice."""
 
     def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
                  devices=None):
-        self.name, self.cfg, self.sizes = name, cfg, dict(mesh_shape)
-        self.mesh = mesh_lib.make_mesh(mesh_shape, jax.sharding.AxisType.Explicit, devices)
+        self.name = name
         self.par = strategy.PARALLELISM(strategy.PARAM_RULES)
-        self.param_specs = placement.param_specs(cfg, strategy.PARAM_RULES)
         self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm)
-        self.state_specs = placement.state_specs(cfg, self.tx, strategy.PARAM_RULES)
+        self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices,
+                    strategy.PARAM_RULES, strategy.ACTIVATION_RULES)
         # True for params replicated over a data axis of size > 1 (they need the DP mean)
         self.replicated_over_data = jax.tree.map(
             lambda s: DATA not in placement.sharded_axes(s) and self.sizes[DATA] > 1,
             self.param_specs, is_leaf=lambda x: isinstance(x, P))
-        self.batch_spec = placement.spec(("batch", "seq"), strategy.ACTIVATION_RULES)
-        self.state_shardings = jax.tree.map(self._named, self.state_specs,
-                                            is_leaf=lambda x: isinstance(x, P))
-        self.batch_sharding = self._named(self.batch_spec)
         smap = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=True)
         b = self.batch_spec
         self.train_step = jax.jit(smap(self._train_step, in_specs=(self.state_specs, b, b),
@@ -71,9 +66,6 @@ class ManualRunner:
         self.loss_and_grads = jax.jit(smap(self._loss_and_grads, in_specs=(self.param_specs, b, b),
                                            out_specs=(P(), self.param_specs)))
         self.eval_loss = jax.jit(smap(self._eval_loss, in_specs=(self.param_specs, b, b), out_specs=P()))
-
-    def _named(self, s: P) -> NamedSharding:
-        return NamedSharding(self.mesh, s)
 
     # --- inside shard_map: local shards only ---------------------------------
 
@@ -115,17 +107,3 @@ class ManualRunner:
 
     def _eval_loss(self, params, x, y):
         return self._mean_over_data(loss_fn(params, x, y, self.cfg.model, self.par))
-
-    # --- outside: the runner interface ----------------------------------------
-
-    def abstract_state(self) -> TrainState:
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            placement.abstract_state(self.cfg, self.tx), self.state_shardings)
-
-    def init_state(self, seed: int) -> TrainState:
-        """Created sharded (same init function and seed as every other runner)."""
-        init = functools.partial(init_state, self.cfg.model, self.tx, seed)
-        return jax.jit(init, out_shardings=self.state_shardings)()
-
-    def place_batch(self, x, y):
-        return jax.device_put(x, self.batch_sharding), jax.device_put(y, self.batch_sharding)

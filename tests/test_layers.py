@@ -1,6 +1,5 @@
 """Every layer against the NumPy float64 reference (tests/reference.py)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -16,7 +16,6 @@ import dataclasses
 import os
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 from twinshard.config import ModelConfig
