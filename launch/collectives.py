@@ -2,7 +2,8 @@
 
     python -m launch.collectives --strategy=fsdp --impl=auto --mesh=data:8,tensor:1 --preset=tiny
     python -m launch.collectives --strategy=fsdp_tp --mesh=data:2,tensor:4 --json=out.json --hlo=step.hlo
-    python -m launch.collectives --strategy=fsdp --mesh=data:16,tensor:1 --topology=v5e:4x4   # needs libtpu
+    uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=manual --topology=v5e:4x4
+        # 16 TPU v5e chips on 4 hosts, compiled here; needs libtpu (the tpu extra)
 
 Nothing runs: the train step is lowered on abstract inputs (ShapeDtypeStructs
 carrying the strategy's shardings) and compiled. The collective ledger of the
@@ -11,9 +12,15 @@ compiled HLO (twinshard/hlo.py) is printed, then the analytic model
 count, bytes and ring bytes, and totals per axis.
 
 On CPU the step is compiled for `--devices` simulated devices (8). With
-`--topology` it is compiled for a TPU pod that is not here (DESIGN.md:
-`jax.experimental.topologies.get_topology_desc`), which needs libtpu
-(`uv sync --extra tpu`).
+`--topology` it is compiled for a TPU pod that is not here, multi-host
+included (twinshard/topology.py: v5e:4x4 is 16 chips on 4 hosts, 2x2 chips per
+host), which needs libtpu (the tpu extra: `uv run --extra tpu ...`). Per-chip
+memory comes from `compiled.memory_analysis()`, printed beside the cost
+model's: params and optimizer moments as shard bytes (what the model counts)
+and as stored (TPU pads every array to its layout tile). On TPU the manual
+twin is also compared with the model as the TPU compiler prints it
+(`topology.tpu_expected`: bf16 weight gathers, some reduce-scatters compiled
+as all-reduce + slice).
 
 The model describes the manual (shard_map) twin's collectives. GSPMD is free
 to choose differently; in particular XLA:CPU never emits reduce-scatter for
@@ -23,7 +30,7 @@ auto rows differ from the model there, and the output says so.
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import json
 import os
 import time
@@ -32,13 +39,13 @@ from absl import app, flags, logging
 
 from launch import common
 
-flags.DEFINE_string("json", None, "Write ledger, model and comparison as JSON to this path.")
-flags.DEFINE_string("hlo", None, "Write the compiled (optimized) HLO text to this path.")
-flags.DEFINE_string("topology", None, "Compile for a TPU topology instead of CPU, e.g. v5e:4x4 "
-                    "(needs libtpu: uv sync --extra tpu).")
-flags.DEFINE_string("chips_per_host_bounds", "2,2,1", "With --topology: chips per host, x,y,z.")
-flags.DEFINE_integer("devices", 8, "Simulated CPU devices (ignored with --topology).")
-common.define_model_flags()
+common.define(flags.DEFINE_string, "json", None, "Write ledger, model and comparison as JSON to this path.")
+common.define(flags.DEFINE_string, "hlo", None, "Write the compiled (optimized) HLO text to this path.")
+common.define(flags.DEFINE_string, "topology", None, "Compile for a TPU topology instead of CPU, e.g. "
+              "v5e:4x4 (16 chips, 4 hosts; needs libtpu: uv run --extra tpu ...).")
+common.define(flags.DEFINE_string, "chips_per_host_bounds", None, "With --topology: chips per host x,y,z "
+              "(default 2,2,1, each lowered to 1 where it does not divide the topology's grid).")
+common.define_model_flags()  # --devices: simulated CPU devices (ignored with --topology)
 FLAGS = flags.FLAGS
 
 CPU_REDUCE_SCATTER_NOTE = (
@@ -64,17 +71,18 @@ def _check_output_path(path: str | None, flag: str) -> None:
 
 def _topology_devices(name: str):
     """Devices of a TPU pod that is not here (AOT only). Needs libtpu."""
-    if importlib.util.find_spec("libtpu") is None:
-        raise ValueError(f"--topology={name} needs libtpu, which is not installed: install the tpu "
-                         "extra: uv sync --extra tpu (or drop --topology to compile for CPU).")
-    from jax.experimental import topologies
+    from twinshard import topology
 
-    bounds = tuple(int(x) for x in FLAGS.chips_per_host_bounds.split(","))
-    chip_config = "megacore" if name.startswith(("v4", "v5p")) else "default"
-    topo = topologies.get_topology_desc(
-        topology_name=name, platform="tpu", chip_config_name=chip_config,
-        chips_per_host_bounds=bounds, num_slices=1, wrap=(False,) * 3)
-    return list(topo.devices)
+    bounds = None
+    if FLAGS.chips_per_host_bounds:
+        try:
+            bounds = tuple(int(x) for x in FLAGS.chips_per_host_bounds.split(","))
+        except ValueError:
+            bounds = ()
+        if len(bounds) != 3 or min(bounds) < 1:
+            raise ValueError(f"--chips_per_host_bounds={FLAGS.chips_per_host_bounds} must be three "
+                             "integers >= 1, x,y,z (e.g. 2,2,1).")
+    return topology.devices(name, bounds)
 
 
 def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
@@ -82,16 +90,15 @@ def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
     try:
         if devices is None:
             return common.make_runner(strategy, impl, mesh_spec, cfg)
-        from jax.experimental import mesh_utils
-
         from twinshard import mesh as mesh_lib
+        from twinshard import topology
 
         if mesh_spec is None:
             mesh_spec = ",".join(f"{a}:{n}" for a, n in
                                  mesh_lib.default_mesh(strategy, len(devices)).items())
         shape = mesh_lib.parse_mesh(mesh_spec)
         mesh_lib.check_mesh(strategy, shape, len(devices))
-        ordered = mesh_utils.create_device_mesh(tuple(shape[a] for a in mesh_lib.AXES), devices).ravel()
+        ordered = topology.mesh_devices(shape, devices)
         if impl == "auto":
             from auto_parallel import make_runner
         else:
@@ -108,40 +115,94 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     """Compile the train step AOT; return ledger, model, comparison, notes, HLO text, timings."""
     import jax
 
-    from twinshard import cost, hlo
+    from twinshard import cost, hlo, topology
 
     runner = _runner(strategy, impl, mesh_spec, cfg, devices)
     mesh = {a: int(n) for a, n in runner.mesh.shape.items()}
     model = cost.cost(cfg.model, strategy, mesh, cfg.train.batch_size, cfg.model.context_length)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
                                   sharding=runner.batch_sharding)
+    state = runner.abstract_state()
     t0 = time.perf_counter()
-    compiled = runner.train_step.lower(runner.abstract_state(), tokens, tokens).compile()
+    compiled = runner.train_step.lower(state, tokens, tokens).compile()
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     led = hlo.ledger(text, runner.mesh)
-    platform = runner.mesh.devices.flat[0].platform
+    first = runner.mesh.devices.flat[0]
+    platform = first.platform
     notes = list(model.notes)
     has_rs = any(r.op == "reduce-scatter" for r in model.collectives)
     if impl == "auto":
         notes[:0] = [AUTO_NOTE] + ([CPU_REDUCE_SCATTER_NOTE] if platform == "cpu" and has_rs else [])
+    tpu_comparison = None
+    if platform == "tpu":
+        notes += list(topology.TPU_NOTES)
+        if impl == "manual":
+            tpu_comparison = cost.compare(led.summary(), topology.tpu_expected(cfg.model, model, led))
+    ma = compiled.memory_analysis()
+    memory = {"analysis": {k: int(getattr(ma, k)) for k in MEMORY_FIELDS},
+              "arguments": topology.argument_bytes(compiled, state, tokens, tokens),
+              "model": {**dataclasses.asdict(model.memory), "total": model.memory.total}}
     return {"strategy": strategy, "impl": impl, "mesh": mesh, "platform": platform,
+            "device_kind": first.device_kind, "hosts": len({d.process_index for d in runner.mesh.devices.flat}),
             "batch_size": cfg.train.batch_size, "seq_len": cfg.model.context_length,
-            "compile_s": compile_s, "ledger": led, "model": model,
-            "comparison": cost.compare(led.summary(), model.summary()), "notes": notes, "hlo": text}
+            "compile_s": compile_s, "ledger": led, "model": model, "memory": memory,
+            "comparison": cost.compare(led.summary(), model.summary()),
+            "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text}
 
 
 def report(res: dict) -> str:
     from twinshard import cost
 
     mesh = ",".join(f"{a}:{n}" for a, n in res["mesh"].items())
-    title = (f"{res['strategy']}/{res['impl']} on {res['platform']} mesh {mesh}, batch "
+    where = res["platform"] if res["platform"] == "cpu" else \
+        f"{res['device_kind']} ({res['hosts']} host{'s' * (res['hosts'] > 1)})"
+    title = (f"{res['strategy']}/{res['impl']} on {where} mesh {mesh}, batch "
              f"{res['batch_size']}x{res['seq_len']} (compiled in {res['compile_s']:.1f}s)")
     out = [title,
            "", "== measured: collectives of the compiled train step (ledger) ==", res["ledger"].table(),
            "", "== model: twinshard.cost (what the manual twin does) ==", res["model"].table(),
            "", "== measured vs model, per (op, axes) ==", cost.compare_table(res["comparison"])]
+    if res["tpu_comparison"] is not None:
+        out += ["", "== measured vs model as the TPU compiler prints it (twinshard.topology.tpu_expected) ==",
+                cost.compare_table(res["tpu_comparison"])]
+    out += ["", "== memory per device: compiled.memory_analysis() beside the model ==", memory_table(res)]
     out += ["", *(f"NOTE: {n}" for n in res["notes"])] if res["notes"] else []
+    return "\n".join(out)
+
+
+MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                 "temp_size_in_bytes", "generated_code_size_in_bytes")
+
+
+def memory_table(res: dict) -> str:
+    """Arguments by part (model / shard bytes / as stored), then memory_analysis() totals."""
+    from twinshard.cost import human
+
+    mem = res["memory"]
+    args, ma, model = mem["arguments"], mem["analysis"], mem["model"]
+    rows = [("params", human(model["params"])), ("optimizer (mu, nu)", human(model["optimizer"])),
+            ("counters", "-"), ("batch", "-")]
+    keys = ("params", "optimizer", "counters", "batch")
+    w = [22, 12, 14, 14]
+
+    def line(cells) -> str:
+        return "".join(str(c).ljust(n) for c, n in zip(cells, w)).rstrip()
+
+    out = [line(("argument", "model", "shard bytes", "as stored")), line(["-" * (n - 2) for n in w])]
+    out += [line((name, m, human(args[k]["bytes"]), human(args[k]["padded"]))) for (name, m), k in zip(rows, keys)]
+    out.append(line(("total", human(model["params"] + model["optimizer"]), human(args["total"]["bytes"]),
+                     human(args["total"]["padded"]))))
+    out.append(f"memory_analysis: arguments {human(ma['argument_size_in_bytes'])}, outputs "
+               f"{human(ma['output_size_in_bytes'])} (aliased to arguments {human(ma['alias_size_in_bytes'])}), "
+               f"temporaries {human(ma['temp_size_in_bytes'])}, code {human(ma['generated_code_size_in_bytes'])}")
+    out.append(f"model: grads {human(model['grads'])} (live among the temporaries), activations "
+               f"~{human(model['activations'])}"
+               + (f", gathered weights ~{human(model['gathered_weights'])}" if model["gathered_weights"] else "")
+               + f"; total ~{human(model['total'])}")
+    if args["total"]["padded"] != args["total"]["bytes"]:
+        out.append("'as stored' pads every array to its TPU layout tile (f32 (8,128), 1-D (128,)): "
+                   "small shards take much more than their bytes")
     return "\n".join(out)
 
 
@@ -149,6 +210,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # jax logs each backend it cannot open at INFO
+    from twinshard import topology
+
+    topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
     if FLAGS.strategy == "single":
         raise ValueError("--strategy=single has no collectives; choose one of dp, fsdp, tp, fsdp_tp.")
     cfg = common.config_from_flags(FLAGS)
@@ -156,7 +220,12 @@ def main(argv):
     _check_output_path(FLAGS.hlo, "hlo")
     devices = None
     if FLAGS.topology:
+        import jax
+
         devices = _topology_devices(FLAGS.topology)
+        # JAX writes compile-only TPU executables to a persistent cache (if one is set) but
+        # cannot read them back: a warning and a recompile. Do not write them.
+        jax.config.update("jax_enable_compilation_cache", False)
     else:
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     res = collectives(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)
@@ -166,7 +235,7 @@ def main(argv):
             f.write(res["hlo"])
         print(f"wrote HLO to {FLAGS.hlo}")
     if FLAGS.json:
-        doc = {k: v for k, v in res.items() if k not in ("ledger", "model", "hlo")}
+        doc = {k: v for k, v in res.items() if k not in ("ledger", "model", "hlo")}  # memory: plain data
         doc.update(preset=FLAGS.preset, ledger=res["ledger"].as_dict(), model=res["model"].as_dict())
         with open(FLAGS.json, "w") as f:
             json.dump(doc, f, indent=1)

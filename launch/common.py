@@ -95,6 +95,15 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config):
     return make_manual(strategy, mesh_spec, cfg)
 
 
+def default_platform() -> None:
+    """On a machine with libtpu installed (the tpu extra) but no TPU chip or GPU, use the
+    CPU without letting JAX probe libtpu (it prints TPU_WORKER_HOSTNAMES errors and
+    holds /tmp/libtpu_lockfile). A set JAX_PLATFORMS, a TPU chip or a GPU: left alone."""
+    from twinshard import topology
+
+    topology.default_to_cpu()
+
+
 def simulate_cpu_devices(n: int) -> None:
     """Ask XLA for n CPU devices; must run before jax initialises its backend."""
     if n > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

@@ -17,8 +17,8 @@ from absl import app, flags, logging
 
 from launch import common
 
-flags.DEFINE_string("json", None, "Write the comparison as JSON here.")
-flags.DEFINE_string("plot", None, "Write a PNG of the loss curves and their differences here.")
+common.define(flags.DEFINE_string, "json", None, "Write the comparison as JSON here.")
+common.define(flags.DEFINE_string, "plot", None, "Write a PNG of the loss curves and their differences here.")
 common.define_model_flags()
 common.define_data_flags()
 FLAGS = flags.FLAGS
@@ -126,6 +126,7 @@ def report(result: dict, cost_table: str | None) -> str:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    common.default_platform()
     if FLAGS.strategy == "single":
         raise ValueError("--strategy=single has nothing to compare; pick one of dp, fsdp, tp, fsdp_tp.")
     cfg = common.config_from_flags(FLAGS)

@@ -66,6 +66,7 @@ def generate(params, model_cfg, prompt_ids: list[int], max_new_tokens: int, temp
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    common.default_platform()
     from twinshard.checkpoint import Checkpointer
     from twinshard.config import ModelConfig, TrainConfig
     from twinshard.tokenizer import get_encoding

@@ -56,6 +56,7 @@ def _previous_metrics(path: str, upto_step: int) -> list[dict]:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file rename at INFO
+    common.default_platform()
     cfg = common.config_from_flags(FLAGS)
     log_every, eval_every, ckpt_every = _intervals(cfg)
     if FLAGS.strategy != "single":

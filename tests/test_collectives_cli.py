@@ -1,4 +1,5 @@
-"""launch/collectives.py end to end: auto dp and auto fsdp on tiny, plus its input errors.
+"""launch/collectives.py end to end: auto dp and auto fsdp on tiny, manual fsdp compiled for a
+v5e:4x4 TPU pod (16 chips, 4 hosts; needs libtpu, the `tpu` extra), plus its input errors.
 
 absl flags are process-global and launch.train (imported by other test modules)
 defines flags of the same names, so the CLI runs in one subprocess, which parses
@@ -15,6 +16,9 @@ import sys
 
 import pytest
 
+from twinshard import topology
+
+TPU = topology.libtpu_installed()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = r"""
 import json, sys
@@ -41,8 +45,14 @@ def runs(tmp_path_factory):
         ["--strategy=single", "--preset=tiny"],
         ["--strategy=tp", "--preset=tiny", "--mesh=data:1,tensor:8"],
         ["--strategy=dp", "--preset=tiny", "--json=/no/such/dir/x.json"],
-        ["--strategy=fsdp", "--preset=tiny", "--topology=v5e:4x4"],
+        ["--strategy=fsdp", "--preset=tiny", "--topology=v5e-16"],
     ]
+    if TPU:  # batch 16: one sequence per chip
+        # Load libtpu here first, as a test run does before this subprocess: two processes that
+        # load libtpu must not fight over /tmp/libtpu_lockfile (twinshard.topology.devices).
+        topology.devices("v5e:4x4")
+        argvs.append(["--strategy=fsdp", "--impl=manual", "--preset=tiny", "--batch_size=16",
+                      "--mesh=data:16,tensor:1", "--topology=v5e:4x4", f"--json={out}/tpu.json"])
     env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
@@ -84,9 +94,41 @@ def test_fsdp_shows_the_cpu_reduce_scatter_note(runs):
     assert "DIFFERS" in runs["texts"][1]
 
 
+def test_memory_per_device_beside_the_model(runs):
+    doc = load(runs, "dp")  # CPU: no tile padding, so every column agrees
+    mem = doc["memory"]
+    assert mem["arguments"]["params"]["bytes"] == mem["model"]["params"] == 155968 * 4
+    assert mem["arguments"]["optimizer"]["bytes"] == mem["model"]["optimizer"]
+    assert mem["analysis"]["argument_size_in_bytes"] == mem["arguments"]["total"]["padded"] \
+        == mem["arguments"]["total"]["bytes"]
+    assert "== memory per device: compiled.memory_analysis() beside the model ==" in runs["texts"][0]
+
+
+@pytest.mark.skipif(not TPU, reason="needs libtpu: uv run --locked --extra tpu pytest")
+def test_topology_compiles_for_a_multi_host_tpu_pod(runs):
+    text = runs["texts"][6]
+    assert (runs["out"] / "tpu.json").exists(), text[-3000:]
+    doc = load(runs, "tpu")
+    assert (doc["platform"], doc["device_kind"], doc["hosts"]) == ("tpu", "TPU v5 lite", 4)
+    assert doc["mesh"] == {"data": 16, "tensor": 1}
+    assert doc["ledger"]["records"] and doc["ledger"]["unparsed"] == []
+    # the raw model differs (bf16 gathers, reduce-scatters as all-reduce + slice) and says so;
+    # the model as TPU compiles the manual twin matches row for row
+    assert not all(r["match"] for r in doc["comparison"])
+    assert doc["tpu_comparison"] and all(r["match"] for r in doc["tpu_comparison"])
+    assert any("TPU gathers the weights a matmul reads in bf16" in n for n in doc["notes"])
+    mem = doc["memory"]  # per chip: 1/16 of the weights, each shard padded to its TPU tile
+    assert mem["arguments"]["params"]["bytes"] == mem["model"]["params"]
+    assert mem["arguments"]["optimizer"]["bytes"] == mem["model"]["optimizer"]
+    assert mem["analysis"]["argument_size_in_bytes"] == mem["arguments"]["total"]["padded"] \
+        > mem["arguments"]["total"]["bytes"]
+    assert "fsdp/manual on TPU v5 lite (4 hosts) mesh data:16,tensor:1" in text
+    assert "== measured vs model as the TPU compiler prints it" in text and "as stored" in text
+
+
 def test_bad_input_is_a_clear_error(runs):
-    single, tp8, bad_dir, topo = runs["texts"][2:]
+    single, tp8, bad_dir, topo = runs["texts"][2:6]
     assert "ValueError: --strategy=single has no collectives" in single
     assert "ValueError: heads=4 is not divisible by mesh axis tensor=8" in tp8
     assert "ValueError: --json=/no/such/dir/x.json: directory /no/such/dir does not exist" in bad_dir
-    assert "install the tpu extra: uv sync --extra tpu" in topo or "compiled in" in topo
+    assert "ValueError: TPU topology 'v5e-16' is not of the form GENERATION:AxB[xC]" in topo

@@ -1,0 +1,203 @@
+"""TPU pods without TPUs: the train step compiled ahead of time for a v5e:4x4 pod (16 chips on
+4 hosts, 2x2 chips per host) on this CPU machine, its TPU collective ledger and per-chip memory.
+
+Needs libtpu (the `tpu` extra; CI runs `uv run --locked --extra tpu pytest`); without it these
+tests are skipped, except the one for the error message. The 8 simulated CPU devices of
+conftest stay the default backend: the pod's devices are compile-only.
+
+Meshes that fit the tiny preset on 16 chips (both axes must multiply to 16):
+fsdp data:16 (batch 16; d_model 64 -> 4 rows per shard), tp tensor:16 (num_heads 16, head
+dim 4; d_ff 192 and vocab 384 divide by 16), fsdp_tp data:4,tensor:4 (tiny as it is).
+
+What TPU prints differently from the cost model (measured, libtpu 0.0.50.1; DESIGN.md warns of
+both): FSDP weight gathers in bf16 (the embedding in f32), and reduce-scatters compiled as
+all-reduce + slice: all 16 on data:16, 3 of 16 on data:4,tensor:4.
+`twinshard.topology.tpu_expected` is the model with exactly those two changes; the manual
+twin's ledger equals it per (op, axes) in count and bytes. Without FSDP (tp) the ledger equals
+the model itself.
+"""
+
+import dataclasses
+import sys
+
+import jax
+import pytest
+
+from twinshard import cost, hlo, topology
+from twinshard.config import Config, preset
+
+needs_libtpu = pytest.mark.skipif(not topology.libtpu_installed(),
+                                  reason="needs libtpu: uv run --locked --extra tpu pytest")
+
+TOPOLOGY = "v5e:4x4"
+CASES = {  # name: (impl, strategy, mesh, model overrides, batch)
+    "auto_fsdp": ("auto", "fsdp", {"data": 16, "tensor": 1}, {}, 16),
+    "manual_fsdp": ("manual", "fsdp", {"data": 16, "tensor": 1}, {}, 16),
+    "manual_tp": ("manual", "tp", {"data": 1, "tensor": 16}, {"num_heads": 16}, 8),
+    "manual_fsdp_tp": ("manual", "fsdp_tp", {"data": 4, "tensor": 4}, {}, 8),
+}
+MANUAL = [n for n in CASES if n.startswith("manual")]
+# Reduce-scatters TPU compiled as all-reduce of the full gradient + slice (of 7L+2 = 16).
+DECOMPOSED = {"manual_fsdp": 16, "manual_fsdp_tp": 3, "manual_tp": 0}
+
+
+@dataclasses.dataclass
+class Step:
+    cfg: Config
+    strategy: str
+    mesh: dict
+    runner: object
+    state: object
+    tokens: object
+    compiled: object
+    ledger: hlo.Ledger
+    model: cost.Cost
+
+
+@pytest.fixture(scope="module")
+def pod():
+    return topology.devices(TOPOLOGY, (2, 2, 1))
+
+
+@pytest.fixture(scope="module")
+def step(pod):
+    """name -> Step, each compiled once for the whole module.
+
+    The persistent compilation cache (conftest) is off meanwhile: JAX writes compile-only TPU
+    executables to it but cannot read them back ('PjRtCompiler must be constructed with a
+    Client to call DeserializeLoadedExecutable': a warning and a recompile)."""
+    import auto_parallel
+    import manual_parallel
+
+    done: dict[str, Step] = {}
+
+    def get(name: str) -> Step:
+        if name not in done:
+            impl, strategy, mesh, over, batch = CASES[name]
+            base = preset("tiny")
+            cfg = Config(dataclasses.replace(base.model, **over),
+                         dataclasses.replace(base.train, batch_size=batch))
+            make = auto_parallel.make_runner if impl == "auto" else manual_parallel.make_runner
+            spec = ",".join(f"{a}:{n}" for a, n in mesh.items())
+            runner = make(strategy, spec, cfg, devices=topology.mesh_devices(mesh, pod))
+            tokens = jax.ShapeDtypeStruct((batch, cfg.model.context_length), jax.numpy.int32,
+                                          sharding=runner.batch_sharding)
+            state = runner.abstract_state()
+            compiled = runner.train_step.lower(state, tokens, tokens).compile()
+            done[name] = Step(cfg, strategy, mesh, runner, state, tokens, compiled,
+                              hlo.ledger(compiled.as_text(), runner.mesh),
+                              cost.cost(cfg.model, strategy, mesh, batch, cfg.model.context_length))
+        return done[name]
+
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield get
+    jax.config.update("jax_enable_compilation_cache", cache)
+
+
+@needs_libtpu
+def test_pod_is_16_chips_on_4_hosts(pod):
+    assert len(pod) == 16 and {d.platform for d in pod} == {"tpu"}
+    assert {d.device_kind for d in pod} == {"TPU v5 lite"}
+    hosts = {}
+    for d in pod:
+        hosts.setdefault(d.process_index, []).append(d)
+    assert sorted(hosts) == [0, 1, 2, 3] and all(len(v) == 4 for v in hosts.values())
+    assert jax.devices()[0].platform == "cpu" and jax.device_count() == 8  # CPU stays the default
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_tpu_ledger_reads_every_line(step, name):
+    s = step(name)
+    assert s.runner.mesh.devices.flat[0].platform == "tpu"
+    assert s.ledger.records and s.ledger.unparsed == [] and s.ledger.warnings == []
+    assert "AsyncCollectiveStart" in s.compiled.as_text() or name == "manual_tp"  # TPU async fusions
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", MANUAL)
+def test_manual_ledger_is_the_model_as_tpu_compiles_it(step, name):
+    s = step(name)
+    rows = cost.compare(s.ledger.summary(), topology.tpu_expected(s.cfg.model, s.model, s.ledger))
+    assert [r for r in rows if not r["match"]] == []
+    if name == "manual_tp":  # no FSDP: nothing for TPU to change
+        assert all(r["match"] for r in cost.compare(s.ledger.summary(), s.model.summary()))
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", ["manual_fsdp", "manual_fsdp_tp"])
+def test_tpu_differences_are_exactly_bf16_gathers_and_decomposed_reduce_scatters(step, name):
+    s = step(name)
+    d, t = s.mesh["data"], s.mesh["tensor"]
+    model = s.model.summary()
+    # 1. every gather is one the model has; all bf16 but one f32: the embedding table [V, D/t]
+    gathers = list(s.ledger.filter(op="all-gather", axes="data"))
+    assert len(gathers) == model[("all-gather", ("data",))]["count"] == 2 * (7 * 2 + 2) - 1
+    f32 = [g for g in gathers if g.dtype == "f32"]
+    assert {g.dtype for g in gathers} == {"bf16", "f32"} and len(f32) == 1
+    assert f32[0].bytes == s.cfg.model.padded_vocab_size * s.cfg.model.d_model * 4 // t
+    # 2. each data all-reduce of a matrix is a reduce-scatter done in full: |data| x its bytes
+    full = [r for r in s.ledger.filter(op="all-reduce", axes="data") if len(r.shape) == 2]
+    assert len(full) == DECOMPOSED[name]
+    scattered = s.ledger.filter(op="reduce-scatter", axes="data")
+    want = model[("reduce-scatter", ("data",))]
+    assert len(scattered) + len(full) == want["count"]
+    assert scattered.total_bytes() + sum(r.bytes for r in full) // d == want["bytes"]
+    # the rest of the data all-reduces are the model's: norm gains, grad norm (fsdp), loss
+    rest = [r for r in s.ledger.filter(op="all-reduce", axes="data") if len(r.shape) < 2]
+    assert (len(rest), sum(r.bytes for r in rest)) == (model[("all-reduce", ("data",))]["count"],
+                                                       model[("all-reduce", ("data",))]["bytes"])
+
+
+@needs_libtpu
+def test_auto_fsdp_on_tpu_keeps_gathered_weights_and_all_reduces_gradients(step):
+    """GSPMD's own plan on the pod (measured): each matrix gathered once (bf16; the embedding
+    f32) and kept for the backward pass; every gradient all-reduced in full over data (no
+    reduce-scatter, as on CPU); the squared norm is then local, so one scalar: the loss."""
+    s = step("auto_fsdp")
+    m = s.cfg.model
+    gathers = s.ledger.filter(op="all-gather", axes="data")
+    assert len(gathers) == 7 * m.num_layers + 2
+    assert [g.dtype for g in gathers].count("f32") == 1
+    assert s.ledger.count("reduce-scatter") == 0
+    ar = s.ledger.filter(op="all-reduce", axes="data")
+    assert len(ar) == 9 * m.num_layers + 3 + 1
+    assert ar.total_bytes() == m.num_params() * 4 + 4
+    assert set(s.ledger.summary()) == {("all-gather", ("data",)), ("all-reduce", ("data",))}
+
+
+@needs_libtpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_per_chip_memory_is_the_models_params_and_moments(step, name):
+    """memory_analysis() is per chip. Its argument bytes are the state + local batch, each
+    array padded to its TPU tile; unpadded, params and moments are exactly the cost model's
+    (params, 2 x params). Gradients are not arguments (they live among the temporaries). The
+    whole state is donated: every state byte is aliased to an output."""
+    s = step(name)
+    ma = s.compiled.memory_analysis()
+    args = topology.argument_bytes(s.compiled, s.state, s.tokens, s.tokens)
+    mem = s.model.memory
+    assert args["params"]["bytes"] == mem.params
+    assert args["optimizer"]["bytes"] == mem.optimizer == 2 * mem.params
+    assert args["batch"]["bytes"] == 2 * s.tokens.shape[0] // s.mesh["data"] * s.tokens.shape[1] * 4
+    assert args["total"]["padded"] == ma.argument_size_in_bytes
+    assert ma.alias_size_in_bytes == args["total"]["padded"] - args["batch"]["padded"]
+    assert args["params"]["padded"] > args["params"]["bytes"]  # tiny shards: tile padding shows
+
+
+def test_without_libtpu_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError
+    assert not topology.libtpu_installed()
+    with pytest.raises(ValueError, match=r"needs libtpu.*install the tpu extra \(uv sync --extra tpu"):
+        topology.devices(TOPOLOGY)
+
+
+@needs_libtpu
+def test_bad_topology_is_a_clear_error():
+    with pytest.raises(ValueError, match="is not of the form GENERATION:AxB"):
+        topology.devices("v5e-16")
+    with pytest.raises(ValueError, match=r"rejected by libtpu.*1,1,1 always divides"):
+        topology.devices("v5e:4x4", (3, 3, 1))
+    assert topology.chips_per_host("v5e:1x1") == (1, 1, 1)
+    assert topology.chips_per_host("v5e:4x4") == (2, 2, 1)
