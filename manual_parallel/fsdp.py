@@ -2,9 +2,11 @@
 d_model dimension; it is all-gathered right before its matmul and its gradient
 is reduce-scattered straight back to the slice.
 
-Forward: `fsdp_gather` = all_gather over `data` of each weight (9L+2 of them).
-Backward: all_gather again (gathered weights are not saved: `remat`), then
-psum_scatter over `data` of each weight gradient (fsdp_gather's backward);
+Forward: `fsdp_gather` = all_gather over `data` of each weight matrix (7L+2).
+Backward: all_gather again (gathered weights are not saved: `remat`) of every
+matrix but the embedding table (its gradient is a scatter-add that reads no
+table values), then psum_scatter over `data` of each weight gradient
+(fsdp_gather's backward: 7L+2);
 the replicated RMSNorm gains get the DP mean (manual_parallel/runner.py).
 Optimizer: one psum over `data` of the shards' squared norms.
 """
