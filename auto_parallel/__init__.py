@@ -30,6 +30,6 @@ def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None,
     """The GSPMD runner of `strategy` on `mesh_spec` (None: the strategy's default mesh).
 
     `tx` overrides the optimizer built from `cfg.train` (see `AutoRunner`)."""
-    devices = jax.devices() if devices is None else devices
-    shape = resolve_mesh(strategy, mesh_spec, cfg, len(devices))
+    n_devices = len(jax.devices() if devices is None else devices)  # None: jax.make_mesh orders them
+    shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
     return AutoRunner(strategy, STRATEGIES[strategy], shape, cfg, devices, tx=tx)

@@ -12,7 +12,7 @@ from absl import app, flags, logging
 
 from launch import common
 
-common.define(flags.DEFINE_string, "workdir", "runs/small", "Run directory written by launch.train.")
+common.define(flags.DEFINE_string, "workdir", "runs/default", "Run directory written by launch.train.")
 flags.DEFINE_string("prompt", "ROMEO:", "Text to continue.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.8, "Softmax temperature (0: greedy).")
@@ -31,7 +31,7 @@ def _next_token(logits, vocab_size: int, temperature: float, top_k: int, key):
     if temperature == 0:
         return jnp.argmax(logits)
     logits = logits / temperature
-    if top_k:
+    if top_k and top_k < vocab_size:
         kth = jax.lax.top_k(logits, top_k)[0][-1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     return jax.random.categorical(key, logits)
@@ -72,6 +72,10 @@ def main(argv):
     from twinshard.tokenizer import get_encoding
     from twinshard.trainer import SingleDevice
 
+    if FLAGS.temperature < 0:
+        raise ValueError(f"--temperature={FLAGS.temperature} must be >= 0 (0: greedy).")
+    if FLAGS.top_k < 0 or FLAGS.max_new_tokens < 0:
+        raise ValueError(f"--top_k={FLAGS.top_k} and --max_new_tokens={FLAGS.max_new_tokens} must be >= 0.")
     ckpt_dir = os.path.join(FLAGS.workdir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
         raise ValueError(f"no checkpoints in {ckpt_dir!r}: train first with "
@@ -79,7 +83,7 @@ def main(argv):
     ckpt = Checkpointer(ckpt_dir)
     meta = ckpt.read_meta()
     model_cfg, train_cfg = ModelConfig(**meta["model"]), TrainConfig(**meta["train"])
-    state, _ = ckpt.restore(SingleDevice(model_cfg, train_cfg).abstract_state(), model_cfg)
+    state, _ = ckpt.restore(SingleDevice(model_cfg, train_cfg).abstract_state(), {"model": meta["model"]})
     enc = get_encoding(train_cfg.tokenizer)
     prompt = enc.encode_ordinary(FLAGS.prompt)
     if not prompt:

@@ -28,14 +28,50 @@ flags.DEFINE_integer("stop_after", None, "Stop (with a checkpoint) after this st
                      "would; the schedule still runs to --steps, so --resume continues it exactly.")
 common.define_model_flags()
 common.define_data_flags()
+common.define_distributed_flags()
 FLAGS = flags.FLAGS
 
 
-def _intervals(cfg):
+# Settings a resumed run may change: how often it reports, not what it computes.
+_REPORTING = ("log_every", "eval_every", "eval_batches", "checkpoint_every")
+
+
+def _intervals(cfg) -> tuple[int, int, int]:
+    """(log_every, eval_every, checkpoint_every), validated; 0 disables eval / periodic checkpoints."""
     t = cfg.train
     pick = lambda flag, default: default if flag is None else flag  # noqa: E731
-    return (max(1, pick(FLAGS.log_every, t.log_every)), pick(FLAGS.eval_every, t.eval_every),
-            pick(FLAGS.checkpoint_every, t.checkpoint_every))
+    log_every, eval_every, ckpt_every = (pick(FLAGS.log_every, t.log_every), pick(FLAGS.eval_every, t.eval_every),
+                                         pick(FLAGS.checkpoint_every, t.checkpoint_every))
+    if log_every < 1:
+        raise ValueError(f"--log_every={log_every} must be >= 1.")
+    for name, value in (("eval_every", eval_every), ("checkpoint_every", ckpt_every)):
+        if value < 0:
+            raise ValueError(f"--{name}={value} must be >= 0 (0 turns it off).")
+    return log_every, eval_every, ckpt_every
+
+
+def _check_flags(cfg) -> str:
+    """Everything that can be checked before touching devices or disk; returns the checkpoint dir."""
+    if FLAGS.strategy == "single" and FLAGS.mesh:
+        raise ValueError(f"--mesh={FLAGS.mesh} needs a parallel --strategy (dp, fsdp, tp, fsdp_tp); "
+                         "drop it for single-device training.")
+    if FLAGS.stop_after is not None and not 0 < FLAGS.stop_after < cfg.train.steps:
+        raise ValueError(f"--stop_after={FLAGS.stop_after} must be between 1 and steps-1 = "
+                         f"{cfg.train.steps - 1}; drop it to train to the end.")
+    ckpt_dir = os.path.join(FLAGS.workdir, "checkpoints")
+    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    if FLAGS.resume and not has_ckpt:
+        raise ValueError(f"--resume: no checkpoint in {ckpt_dir!r}; pass the --workdir of an earlier "
+                         "run, or drop --resume to start a new one.")
+    if not FLAGS.resume and has_ckpt:
+        raise ValueError(f"{FLAGS.workdir} already holds checkpoints; pass --resume to continue, "
+                         "or a new --workdir.")
+    return ckpt_dir
+
+
+def _scalar(x) -> float:
+    """A replicated scalar as a Python number; on a pod, from this host's own copy."""
+    return float(x.addressable_data(0))
 
 
 def _write_metrics(path: str, records: list[dict]) -> None:
@@ -59,8 +95,11 @@ def main(argv):
     common.default_platform()
     cfg = common.config_from_flags(FLAGS)
     log_every, eval_every, ckpt_every = _intervals(cfg)
+    ckpt_dir = _check_flags(cfg)
     if FLAGS.strategy != "single":
-        common.simulate_cpu_devices(FLAGS.devices)
+        common.simulate_cpu_devices(FLAGS.devices)  # per process
+    common.init_distributed(FLAGS)
+    runner = common.make_runner(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg)  # validates the mesh
     train_tokens, val_tokens = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)
 
     import jax
@@ -69,35 +108,40 @@ def main(argv):
     from twinshard import data
     from twinshard.checkpoint import Checkpointer
 
-    runner = common.make_runner(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg)
+    main_process = jax.process_index() == 0  # every host runs this loop; one reports
+    log = print if main_process else (lambda *a, **k: None)  # noqa: E731
     t, m = cfg.train, cfg.model
-    os.makedirs(FLAGS.workdir, exist_ok=True)
-    ckpt = Checkpointer(os.path.join(FLAGS.workdir, "checkpoints"))
     meta = {"model": dataclasses.asdict(m), "train": dataclasses.asdict(t),
             "data": str(FLAGS.data or "default"), "strategy": FLAGS.strategy, "impl": FLAGS.impl}
     metrics_path = os.path.join(FLAGS.workdir, "metrics.jsonl")
+    ckpt = Checkpointer(ckpt_dir)
 
     if FLAGS.resume:
-        state, _ = ckpt.restore(runner.abstract_state(), m)
-        start = int(state.step)
+        same_run = {k: v for k, v in meta["train"].items() if k not in _REPORTING}
+        state, saved = ckpt.restore(runner.abstract_state(), {"model": meta["model"], "data": meta["data"]})
+        # the strategy may change (Orbax reshards); the optimisation may not
+        saved_run = {k: v for k, v in saved["train"].items() if k not in _REPORTING}
+        if saved_run != same_run:
+            diff = {k: (saved_run.get(k), v) for k, v in same_run.items() if saved_run.get(k) != v}
+            raise ValueError(f"--resume with different training settings ((checkpoint, now) = {diff}): "
+                             "an exact continuation needs the same ones; use a new --workdir to change them.")
+        start = int(_scalar(state.step))
+        if FLAGS.stop_after is not None and FLAGS.stop_after <= start:
+            raise ValueError(f"--stop_after={FLAGS.stop_after} is not after the resumed step {start}.")
         records = _previous_metrics(metrics_path, start)
-        print(f"resumed from {ckpt.directory} at step {start}")
+        log(f"resumed from {ckpt.directory} at step {start}")
     else:
-        if ckpt.latest_step() is not None:
-            raise ValueError(f"{FLAGS.workdir} already holds checkpoints (latest step "
-                             f"{ckpt.latest_step()}); pass --resume to continue, or a new --workdir.")
         state, start, records = runner.init_state(t.seed), 0, []
 
-    n_params = m.num_params()
     label = FLAGS.strategy if FLAGS.strategy == "single" else f"{FLAGS.strategy}/{FLAGS.impl}"
-    print(f"{label} preset={FLAGS.preset} params={n_params:,} "
-          f"devices={jax.device_count()} batch={t.batch_size}x{m.context_length} steps={t.steps}")
+    log(f"{label} preset={FLAGS.preset} params={m.num_params():,} "
+        f"devices={jax.device_count()} batch={t.batch_size}x{m.context_length} steps={t.steps}")
 
     def eval_loss(params):
         losses = [runner.eval_loss(params, *runner.place_batch(
             *data.get_batch(val_tokens, t.batch_size, m.context_length, t.seed + 1, i)))
             for i in range(t.eval_batches)]
-        return float(np.mean([float(l) for l in losses]))
+        return float(np.mean([_scalar(l) for l in losses]))
 
     tick, tick_step, done = time.perf_counter(), start, start
     for step in range(start, t.steps):
@@ -107,31 +151,32 @@ def main(argv):
         if step == start:  # the first step compiles: keep it out of the throughput
             jax.block_until_ready(state)
             compile_s = time.perf_counter() - tick
-            print(f"first step (compile + run): {compile_s:.1f}s", flush=True)
+            log(f"first step (compile + run): {compile_s:.1f}s", flush=True)
             tick, tick_step = time.perf_counter(), done
-        if done % log_every == 0 or done == t.steps:
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        last = done == t.steps
+        do_log, do_eval = done % log_every == 0 or last, eval_every and (done % eval_every == 0 or last)
+        if do_log or do_eval:
             now = time.perf_counter()
             step_time = (now - tick) / (done - tick_step) if done > tick_step else compile_s
-            rec = {"step": done, **metrics, "step_time": step_time,
+            rec = {"step": done, **{k: _scalar(v) for k, v in metrics.items()}, "step_time": step_time,
                    "tokens_per_s": t.batch_size * m.context_length / step_time}
-            if eval_every and (done % eval_every == 0 or done == t.steps):
+            if do_eval:
                 rec["eval_loss"] = eval_loss(state.params)
             records.append(rec)
-            _write_metrics(metrics_path, records)
-            eta = (t.steps - done) * step_time
-            print(f"step {done:6d} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
-                  f"{rec['tokens_per_s']:9.0f} tok/s | {1e3 * step_time:7.1f} ms/step | "
-                  f"ETA {eta:6.0f}s" + (f" | eval {rec['eval_loss']:.4f}" if "eval_loss" in rec else ""),
-                  flush=True)
-        stop = done == t.steps or done == FLAGS.stop_after
+            if main_process:
+                _write_metrics(metrics_path, records)
+            log(f"step {done:6d} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+                f"{rec['tokens_per_s']:9.0f} tok/s | {1e3 * step_time:7.1f} ms/step | "
+                f"ETA {(t.steps - done) * step_time:6.0f}s"
+                + (f" | eval {rec['eval_loss']:.4f}" if do_eval else ""), flush=True)
+        stop = last or done == FLAGS.stop_after
         if (ckpt_every and done % ckpt_every == 0) or stop:
             ckpt.save(done, state, meta)
-        if done % log_every == 0:  # eval and checkpoint time stay out of the throughput
+        if do_log or do_eval:  # eval and checkpoint time stay out of the throughput
             tick, tick_step = time.perf_counter(), done
         if stop:
             break
-    print(f"done: step {done} of {t.steps}; metrics in {metrics_path}; checkpoints in {ckpt.directory}")
+    log(f"done: step {done} of {t.steps}; metrics in {metrics_path}; checkpoints in {ckpt.directory}")
 
 
 if __name__ == "__main__":

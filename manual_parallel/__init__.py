@@ -13,6 +13,6 @@ STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}
 
 
 def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None) -> ManualRunner:
-    devices = jax.devices() if devices is None else devices
-    shape = resolve_mesh(strategy, mesh_spec, cfg, len(devices))
+    n_devices = len(jax.devices() if devices is None else devices)  # None: jax.make_mesh orders them
+    shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
     return ManualRunner(strategy, STRATEGIES[strategy], shape, cfg, devices)

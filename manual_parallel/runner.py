@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from twinshard import placement
+from twinshard import mesh as mesh_lib, placement
 from twinshard.config import Config
 from twinshard.optim import make_optimizer
 from twinshard.trainer import TrainState, apply_gradients, loss_fn
@@ -42,7 +42,7 @@ DATA, TENSOR = "data", "tensor"
 def _active(axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[str, ...]:
     """The axes of size > 1 among `axes`, in mesh order (so P('tensor','data') and
     P('data','tensor') gradients share one psum)."""
-    return tuple(a for a in sizes if a in axes and sizes[a] > 1)
+    return tuple(a for a in mesh_lib.AXES if a in axes and sizes[a] > 1)
 
 
 class ManualRunner(placement.PlacedRunner):
@@ -78,7 +78,7 @@ class ManualRunner(placement.PlacedRunner):
         params = jax.tree.map(lambda p, r: lax.pcast(p, DATA, to="varying") if r else p,
                               params, replicated)
         loss, grads = jax.value_and_grad(self._local_loss)(params, x, y)
-        return self._mean_over_data(loss), self.mean_over_data(grads, replicated)
+        return self._mean_loss(loss), self.mean_over_data(grads, replicated)
 
     def mean_over_data(self, grads, replicated):
         """Data-parallel gradient sync: all-reduce (mean) over `data` of every
@@ -87,7 +87,7 @@ class ManualRunner(placement.PlacedRunner):
         fsdp_gather's backward)."""
         return jax.tree.map(lambda g, r: lax.pmean(g, DATA) if r else g, grads, replicated)
 
-    def _mean_over_data(self, loss):
+    def _mean_loss(self, loss):
         return lax.pmean(loss, DATA) if self.sizes[DATA] > 1 else loss
 
     def global_norm(self, grads) -> jax.Array:
@@ -106,4 +106,4 @@ class ManualRunner(placement.PlacedRunner):
         return state, {"loss": loss, **metrics}
 
     def _eval_loss(self, params, x, y):
-        return self._mean_over_data(loss_fn(params, x, y, self.cfg.model, self.par))
+        return self._mean_loss(loss_fn(params, x, y, self.cfg.model, self.par))

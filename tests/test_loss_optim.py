@@ -110,3 +110,19 @@ def test_nonfinite_updates_are_skipped_and_counted():
     jax.tree.map(np.testing.assert_array_equal, state2.inner, state.inner)  # moments untouched
     u, state3 = tx.update(jnp.ones(3), state2, p)
     assert int(state3.skipped) == 2 and np.isfinite(np.asarray(u)).all() and np.abs(np.asarray(u)).sum() > 0
+
+
+def test_reported_lr_follows_applied_updates_after_a_skip():
+    """A skipped (non-finite) update does not advance optax's count, so the schedule
+    runs on applied updates; the reported lr is the one the update used."""
+    from twinshard.trainer import TrainState, apply_gradients
+
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4, steps=10, grad_clip=0.0)
+    tx = make_optimizer(cfg)
+    params = {"w": jnp.ones(2)}
+    state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    lrs = []
+    for g in ([jnp.nan, 1.0], [1.0, 1.0], [1.0, 1.0]):
+        state, m = apply_gradients(state, {"w": jnp.array(g)}, tx, cfg)
+        lrs.append(float(m["lr"]))
+    assert lrs == [0.0, 0.0, 0.25] and int(m["skipped"]) == 1 and int(state.step) == 3

@@ -58,6 +58,30 @@ def test_refuses_to_overwrite_checkpoints(full_run, tmp_path_factory):
 def test_incompatible_checkpoint_is_a_clear_error(full_run, tmp_path_factory):
     with pytest.raises(ValueError, match="different model.*context_length"):
         run_train(tmp_path_factory, f"--workdir={full_run}", "--steps=12", "--resume", "--context_length=16")
+    with pytest.raises(ValueError, match=r"different training settings.*'batch_size': \(8, 4\)"):
+        run_train(tmp_path_factory, f"--workdir={full_run}", "--steps=12", "--resume", "--batch_size=4")
+
+
+def test_bad_flags_fail_before_anything_is_written(tmp_path, tmp_path_factory):
+    workdir = tmp_path / "never"
+    cases = [(["--stop_after=12"], "stop_after=12 must be between 1 and steps-1"),
+             (["--log_every=0"], "log_every=0 must be >= 1"),
+             (["--eval_every=-1"], "eval_every=-1 must be >= 0"),
+             (["--mesh=data:8,tensor:1"], "needs a parallel --strategy"),
+             (["--resume"], "no checkpoint in"),
+             (["--strategy=fsdp", "--mesh=data:3,tensor:1"], "3 devices but 8"),
+             (["--preset=huge"], "unknown preset 'huge'")]
+    for extra, message in cases:
+        with pytest.raises(ValueError, match=message):
+            run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", *extra)
+        assert not workdir.exists(), extra
+
+
+def test_eval_runs_on_its_own_schedule(tmp_path, tmp_path_factory):
+    run_train(tmp_path_factory, f"--workdir={tmp_path}", "--steps=8", "--log_every=3", "--eval_every=4")
+    recs = metrics(tmp_path)
+    assert [r["step"] for r in recs] == [3, 4, 6, 8]
+    assert [r["step"] for r in recs if "eval_loss" in r] == [4, 8]
 
 
 def test_missing_data_and_short_corpus_fail_before_writing(tmp_path, tmp_path_factory):
@@ -103,7 +127,10 @@ def test_strategies_train_through_the_launcher_and_checkpoints_reshard(full_run,
               "--strategy=fsdp", "--impl=manual")
     run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", "--resume",
               "--strategy=dp", "--impl=auto")
-    for ra, rb in zip(metrics(full_run), metrics(workdir)):
+    a, b = metrics(full_run), metrics(workdir)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6, 8, 10, 12]
+    for ra, rb in zip(a, b):
         assert rb["loss"] == pytest.approx(ra["loss"], abs=1e-4), ra["step"]
-        assert rb["eval_loss" if "eval_loss" in ra else "loss"] == pytest.approx(
-            ra.get("eval_loss", ra["loss"]), abs=1e-4)
+        assert ("eval_loss" in ra) == ("eval_loss" in rb)
+        if "eval_loss" in ra:
+            assert rb["eval_loss"] == pytest.approx(ra["eval_loss"], abs=1e-4), ra["step"]

@@ -12,13 +12,11 @@ Orbax reads each shard where the target sharding wants it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
 import orbax.checkpoint as ocp
 
-from twinshard.config import ModelConfig
 from twinshard.trainer import TrainState
 
 
@@ -45,15 +43,20 @@ class Checkpointer:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         self._mgr.wait_until_finished()
 
-    def restore(self, abstract: TrainState, model_cfg: ModelConfig, step: int | None = None
+    def restore(self, abstract: TrainState, expect: dict[str, Any], step: int | None = None
                 ) -> tuple[TrainState, dict[str, Any]]:
-        """Restore `step` (default: latest) into the layout of `abstract`."""
+        """Restore `step` (default: latest) into the layout of `abstract`.
+
+        `expect` maps metadata keys to what this run needs, e.g. {"model": asdict(model_cfg)};
+        any difference is a CheckpointError naming the fields, raised before reading arrays.
+        """
         step = self._mgr.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no checkpoint in {self.directory!r}; drop --resume or pass "
                                   "the --workdir of an earlier run.")
         meta = self.read_meta(step)
-        _check_compatible(meta, model_cfg, self.directory, step)
+        for key, want in expect.items():
+            _check_same(key, meta.get(key), want, f"{self.directory}/{step}")
         try:
             restored = self._mgr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract)))
@@ -78,14 +81,13 @@ class Checkpointer:
                 "it is corrupt or not a twinshard checkpoint: delete it or use a fresh --workdir.") from e
 
 
-def _check_compatible(meta: dict[str, Any], model_cfg: ModelConfig, directory: str, step: int):
-    saved = meta.get("model")
-    want = dataclasses.asdict(model_cfg)
-    if saved != want:
-        diff = {k: (saved.get(k) if saved else None, v) for k, v in want.items()
-                if not saved or saved.get(k) != v}
-        raise CheckpointError(
-            f"checkpoint {directory}/{step} was written for a different model "
-            f"(field: (checkpoint, this run) = {diff}); use the same --preset/model flags "
-            "as the run that wrote it, or a fresh --workdir.")
-
+def _check_same(key: str, saved: Any, want: Any, where: str) -> None:
+    if saved == want:
+        return
+    if isinstance(want, dict) and isinstance(saved, dict):
+        diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+    else:
+        diff = {key: (saved, want)}
+    raise CheckpointError(
+        f"checkpoint {where} was written with a different {key} ((checkpoint, this run) = {diff}); "
+        "pass the same settings as the run that wrote it, or use a fresh --workdir.")

@@ -1,8 +1,8 @@
 """Typed configuration and named presets.
 
 A preset is a `Config` = `ModelConfig` (the architecture) + `TrainConfig` (the
-optimisation run). `preset(name)` returns a fresh copy; launchers override
-single fields with `dataclasses.replace`.
+optimisation run). `preset(name)` returns the (frozen) preset; launchers
+override single fields with `dataclasses.replace`.
 
     >>> from twinshard.config import preset
     >>> cfg = preset("tiny")
@@ -52,6 +52,8 @@ class ModelConfig:
                 f"head_dim = d_model/num_heads = {self.head_dim} is odd; RoPE rotates "
                 "pairs of features, so pick d_model and num_heads giving an even head_dim."
             )
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be positive.")
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", default_d_ff(self.d_model))
         elif self.d_ff < 0:
@@ -101,8 +103,17 @@ class TrainConfig:
             raise ValueError(
                 f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]."
             )
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be positive.")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}).")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0 (numpy's generators take non-negative seeds).")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"AdamW needs 0 <= beta1, beta2 < 1, eps > 0, weight_decay >= 0; got "
+                             f"{self.beta1}, {self.beta2}, {self.eps}, {self.weight_decay}.")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,10 @@ def apply_gradients(state: TrainState, grads: Params, tx: optax.GradientTransfor
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     guard: GuardState = opt_state
-    metrics = {"grad_norm": guard.grad_norm, "lr": lr_schedule(train_cfg)(state.step),
+    # A skipped update leaves optax's step count behind, so the schedule runs on
+    # the count of applied updates: report the lr this update used (or would have).
+    applied_before = state.step - state.opt_state.skipped
+    metrics = {"grad_norm": guard.grad_norm, "lr": lr_schedule(train_cfg)(applied_before),
                "skipped": guard.skipped}
     return TrainState(params, opt_state, state.step + 1), metrics
 
