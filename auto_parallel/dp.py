@@ -1,11 +1,12 @@
 """Data parallelism, GSPMD twin: replicate every weight, split the batch over `data`.
 
-Placement only; XLA derives the communication. Per step it inserts one
-all-reduce of the gradients over `data` (the backward pass of the implicit
-broadcast of replicated weights to batch shards), usually combined into a few
-large tuple all-reduces. No weight is ever gathered. Measured (tiny preset,
-data=8, JAX 0.12.0.1): 22 all-reduced arrays (16 weights, 5 norm gains, the
-loss) holding exactly the parameter bytes + 4 (the loss).
+Placement only; XLA derives the communication from the tables below.
+Forward: no communication.
+Backward: an all-reduce over `data` of every gradient (the transpose of the
+implicit broadcast of replicated weights to batch shards).
+Optimizer: gradients are replicated, so the global norm is local.
+Measured (tiny preset, data=8, JAX 0.12.0.1, XLA:CPU): 22 all-reduces over
+data - 16 weights, 5 norm gains, the loss - moving exactly the parameter bytes + 4.
 """
 
 # logical axis -> mesh axis for parameters (absent: replicated)

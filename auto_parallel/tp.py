@@ -1,21 +1,17 @@
 """Megatron tensor parallelism, GSPMD twin: split heads, d_ff and the vocabulary
 over `tensor`; every device sees the whole batch.
 
-Q, K, V, W1, W3 are column-parallel ([D, out/tensor]); O and W2 row-parallel
-([in/tensor, D]); the embedding and lm_head are vocab-parallel. Placement
-only; XLA derives the communication, all of it all-reduces over `tensor` and
-none weight-sized. Measured (tiny preset, num_heads=8, tensor=8, JAX 0.12.0.1):
-35 all-reduces per step:
-  forward, [B, T, D]: 1 after the vocab-parallel embedding lookup (masked local
-    lookup + sum), 1 after each row-parallel O and W2 (2 per layer);
-  forward, [B, T]: 3 for the vocab-parallel softmax (max, sum of exp, target
-    logit), never the logits;
-  backward, [B, T, D]: 1 for the lm_head's input gradient and 5 per layer:
-    GSPMD all-reduces the input gradient of each column-parallel matmul (q, k,
-    v, w1, w3) separately, where Megatron's f (the manual twin) sums them first
-    and all-reduces twice per layer;
-  16 scalars: the global gradient norm's partial sums of the 16 tensor-sharded weights.
-Pinning the weights' use layout (runner.GSPMD.weight) changes none of these.
+Placement only; XLA derives the communication from the tables below: Q, K,
+V, W1, W3 column-parallel [D, out/tensor], O and W2 row-parallel
+[in/tensor, D], embedding and lm_head vocab-parallel.
+Forward: an all-reduce of [B, T, D] after the embedding lookup and after each
+O and W2 (2 per layer); 3 all-reduces of [B, T] softmax statistics (never the logits).
+Backward: an all-reduce of [B, T, D] for the lm_head input gradient and 5 per
+layer - GSPMD all-reduces the input gradient of q, k, v, w1 and w3 separately,
+where Megatron's f (the manual twin) sums them first and all-reduces twice.
+Optimizer: one scalar all-reduce per tensor-sharded gradient (global norm).
+Measured (tiny, num_heads=8, tensor=8, XLA:CPU): 35 all-reduces over tensor,
+none larger than [B, T, D]; no weight-sized collective.
 """
 
 PARAM_RULES: dict[str, str] = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}

@@ -12,6 +12,7 @@ Optimizer: one psum over `data` of the shards' squared norms.
 """
 
 import jax
+from jax import lax
 
 from auto_parallel.fsdp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
 from manual_parallel.base import ManualParallelism
@@ -25,7 +26,9 @@ class FullyShardedDataParallel(ManualParallelism):
         """w: the local slice, e.g. W1 [D/data, F] -> gathered [D, F]."""
         for dim, logical in enumerate(axes):
             if self.param_rules.get(logical) == "data":
-                return fsdp_gather(w, "data", dim)
+                full = fsdp_gather(w, "data", dim)
+                assert full.shape[dim] == w.shape[dim] * lax.axis_size("data"), (w.shape, full.shape)
+                return full
         return w  # RMSNorm gains are replicated
 
     def remat(self, loss_fn):

@@ -15,7 +15,6 @@ Optimizer: one psum over `tensor` of the shards' squared norms.
 
 import functools
 
-
 import jax.numpy as jnp
 from jax import lax
 
@@ -37,7 +36,8 @@ class TensorParallel(ManualParallelism):
         return reduce_from_tp(x, TENSOR)  # g
 
     def embed(self, ids, table):
-        """ids: [B, T] (global ids); table: this device's rows [V/tensor, D]."""
+        """ids: [B/data, T] (global ids); table: this device's rows [V/tensor, D]."""
+        assert ids.ndim == 2 and table.ndim == 2, (ids.shape, table.shape)
         v_local = table.shape[0]
         local = ids - lax.axis_index(TENSOR) * v_local
         mine = (local >= 0) & (local < v_local)
@@ -45,7 +45,8 @@ class TensorParallel(ManualParallelism):
         return reduce_from_tp(jnp.where(mine[..., None], rows, 0.0), TENSOR)
 
     def token_loss(self, logits, targets, vocab_size):
-        """logits: [B, T, V/tensor] for global ids offset + [0, V/tensor)."""
+        """logits: [B/data, T, V/tensor] for global ids offset + [0, V/tensor); targets: [B/data, T]."""
+        assert logits.shape[:-1] == targets.shape, (logits.shape, targets.shape)
         offset = lax.axis_index(TENSOR) * logits.shape[-1]
         return loss.token_cross_entropy(
             logits, targets, vocab_size, offset,
