@@ -16,7 +16,7 @@ import auto_parallel
 import manual_parallel
 from twinshard import hlo, testing
 from twinshard.config import Config, preset
-from twinshard.trainer import SingleDevice, loss_fn
+from twinshard.trainer import SingleDevice
 
 BASE = preset("tiny")
 CFG = Config(dataclasses.replace(BASE.model, num_heads=8), BASE.train)
@@ -43,41 +43,31 @@ def batches(n=STEPS):
 
 
 def run(runner):
-    """Losses and final params of STEPS steps, plus step-1 gradients when available."""
-    state, losses = runner.init_state(CFG.train.seed), []
+    """Step-1 gradients, then losses and final params of STEPS training steps."""
+    state = runner.init_state(CFG.train.seed)
     init = jax.device_get(state.params)
+    grads = jax.device_get(runner.loss_and_grads(state.params, *runner.place_batch(*batches(1)[0]))[1])
+    losses = []
     for x, y in batches():
         state, m = runner.train_step(state, *runner.place_batch(x, y))
         losses.append(float(m["loss"]))
-    return {"init": init, "losses": np.array(losses), "params": jax.device_get(state.params), "state": state}
+    return {"init": init, "grads": grads, "losses": np.array(losses), "params": jax.device_get(state.params),
+            "state": state, "runner": runner}
 
 
 @functools.cache
 def single():
-    r = SingleDevice(CFG.model, CFG.train)
-    out = run(r)
-    grad = jax.jit(jax.grad(functools.partial(loss_fn, cfg=CFG.model)))
-    out["grads"] = jax.device_get(grad(r.init_state(CFG.train.seed).params, *batches(1)[0]))
-    return out
+    return run(SingleDevice(CFG.model, CFG.train))
 
 
 @functools.cache
 def manual(strategy):
-    r = manual_parallel.make_runner(strategy, MESHES[strategy], CFG)
-    out = run(r)
-    p0 = r.init_state(CFG.train.seed).params
-    out["grads"] = jax.device_get(r.loss_and_grads(p0, *r.place_batch(*batches(1)[0]))[1])
-    out["runner"] = r
-    return out
+    return run(manual_parallel.make_runner(strategy, MESHES[strategy], CFG))
 
 
 @functools.cache
 def auto(strategy):
-    r = auto_parallel.make_runner(strategy, MESHES[strategy], CFG)
-    out = run(r)
-    p0 = r.init_state(CFG.train.seed).params
-    out["grads"] = jax.device_get(r.loss_and_grads(p0, *r.place_batch(*batches(1)[0]))[1])
-    return out
+    return run(auto_parallel.make_runner(strategy, MESHES[strategy], CFG))
 
 
 def max_diff(a, b):
