@@ -86,29 +86,14 @@ def _topology_devices(name: str):
 
 
 def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
-    """The runner, for CPU (launch.common) or for topology devices (mesh ordered by mesh_utils)."""
-    try:
-        if devices is None:
-            return common.make_runner(strategy, impl, mesh_spec, cfg)
-        from twinshard import mesh as mesh_lib
-        from twinshard import topology
+    """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils."""
+    from auto_parallel import resolve_mesh
+    from twinshard import topology
 
-        if mesh_spec is None:
-            mesh_spec = ",".join(f"{a}:{n}" for a, n in
-                                 mesh_lib.default_mesh(strategy, len(devices)).items())
-        shape = mesh_lib.parse_mesh(mesh_spec)
-        mesh_lib.check_mesh(strategy, shape, len(devices))
-        ordered = topology.mesh_devices(shape, devices)
-        if impl == "auto":
-            from auto_parallel import make_runner
-        else:
-            from manual_parallel import make_runner
-        return make_runner(strategy, mesh_spec, cfg, devices=list(ordered))
-    except ImportError as e:
-        if impl != "manual":
-            raise
-        raise ValueError(f"--impl=manual: the shard_map twin could not be imported ({e}); it may not "
-                         "exist yet in this checkout. Use --impl=auto.") from e
+    if devices is not None:
+        shape = resolve_mesh(strategy, mesh_spec, cfg, len(devices))
+        devices = list(topology.mesh_devices(shape, devices))
+    return common.make_runner(strategy, impl, mesh_spec, cfg, devices)
 
 
 def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None) -> dict:

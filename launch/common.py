@@ -111,17 +111,19 @@ def config_from_flags(FLAGS) -> Config:
     return Config(model, train)
 
 
-def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config):
-    """Build the runner for a strategy; validation errors are ValueErrors naming the fix."""
+def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None):
+    """Build the runner for a strategy; validation errors are ValueErrors naming the fix.
+
+    devices: None (all of jax.devices(), ordered by jax.make_mesh) or an explicit, ordered list."""
     from twinshard.trainer import SingleDevice
 
     if strategy == "single":
         return SingleDevice(cfg.model, cfg.train)
     if impl == "auto":
         from auto_parallel import make_runner as make_auto
-        return make_auto(strategy, mesh_spec, cfg)
+        return make_auto(strategy, mesh_spec, cfg, devices)
     from manual_parallel import make_runner as make_manual
-    return make_manual(strategy, mesh_spec, cfg)
+    return make_manual(strategy, mesh_spec, cfg, devices)
 
 
 def default_platform() -> None:

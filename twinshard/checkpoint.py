@@ -35,9 +35,6 @@ class Checkpointer:
         self.directory = directory
         self._mgr = _manager(directory, create=True)
 
-    def latest_step(self) -> int | None:
-        return self._mgr.latest_step()
-
     def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
         self._mgr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))

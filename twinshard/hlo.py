@@ -239,44 +239,37 @@ def mesh_spec(mesh: Any) -> MeshSpec:
 
 # ----------------------------------------------------------------------------- text utils
 
-_CLOSE = {"(": ")", "[": "]", "{": "}"}
+
+
+def _unquoted(s: str, start: int = 0):
+    """(index, char, bracket depth after it) for every character outside double quotes."""
+    depth, quote = 0, False
+    for j in range(start, len(s)):
+        c = s[j]
+        if quote:
+            if c == '"' and s[j - 1] != "\\":
+                quote = False
+            continue
+        if c == '"':
+            quote = True
+            continue
+        depth += (c in "([{") - (c in ")]}")
+        yield j, c, depth
 
 
 def _match_close(s: str, i: int) -> int:
     """Index of the bracket closing s[i], skipping double-quoted strings."""
-    depth, quote = 0, False
-    for j in range(i, len(s)):
-        c = s[j]
-        if quote:
-            if c == "\\":
-                continue
-            if c == '"' and s[j - 1] != "\\":
-                quote = False
-        elif c == '"':
-            quote = True
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return j
+    for j, c, depth in _unquoted(s, i):
+        if depth == 0 and c in ")]}":
+            return j
     raise ValueError(f"unbalanced brackets in {s[i:i + 80]!r}")
 
 
 def _split_top(s: str, sep: str = ",") -> list[str]:
     """Split on `sep` outside brackets and double quotes."""
-    parts, depth, quote, start = [], 0, False, 0
-    for j, c in enumerate(s):
-        if quote:
-            if c == '"' and s[j - 1] != "\\":
-                quote = False
-        elif c == '"':
-            quote = True
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == sep and depth == 0:
+    parts, start = [], 0
+    for j, c, depth in _unquoted(s):
+        if c == sep and depth == 0:
             parts.append(s[start:j])
             start = j + 1
     parts.append(s[start:])

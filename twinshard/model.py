@@ -41,6 +41,11 @@ def _param(value: Array, axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(value, logical_axes=axes)
 
 
+def _use(var: nnx.Param, par: Parallelism) -> Array:
+    """A weight as the strategy hands it to the math (FSDP: gathered), keyed by its logical axes."""
+    return par.weight(var[...], var.logical_axes)
+
+
 def _truncated_normal(key: Array, shape: tuple[int, ...], std: float) -> Array:
     """N(0, std^2) truncated at +-3 std."""
     return std * jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32)
@@ -60,35 +65,30 @@ class Linear(nnx.Module):
         if valid_out is not None:
             w = jnp.where(jnp.arange(d_out) < valid_out, w, 0.0)
         self.weight = _param(w, axes)
-        self.axes = axes
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        return layers.linear(x, par.weight(self.weight[...], self.axes))
+        return layers.linear(x, _use(self.weight, par))
 
 
 class Embedding(nnx.Module):
     """Lookup table [V_pad, D], N(0, 1) truncated at +-3; padded rows are zero."""
 
-    axes = ("vocab", "embed")
-
     def __init__(self, vocab_size: int, padded_vocab: int, d_model: int, *, rngs: nnx.Rngs):
         w = jax.random.truncated_normal(rngs.params(), -3.0, 3.0, (padded_vocab, d_model), jnp.float32)
         w = jnp.where(jnp.arange(padded_vocab)[:, None] < vocab_size, w, 0.0)
-        self.weight = _param(w, self.axes)
+        self.weight = _param(w, ("vocab", "embed"))
 
     def __call__(self, ids: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        return par.embed(ids, par.weight(self.weight[...], self.axes))
+        return par.embed(ids, _use(self.weight, par))
 
 
 class RMSNorm(nnx.Module):
-    axes = ("norm",)
-
     def __init__(self, d_model: int, eps: float):
-        self.weight = _param(jnp.ones((d_model,), jnp.float32), self.axes)
+        self.weight = _param(jnp.ones((d_model,), jnp.float32), ("norm",))
         self.eps = eps
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        return layers.rms_norm(x, par.weight(self.weight[...], self.axes), self.eps)
+        return layers.rms_norm(x, _use(self.weight, par), self.eps)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -103,7 +103,7 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel."""
         x = par.enter_tensor_parallel(x)
-        w = [par.weight(m.weight[...], m.axes) for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj)]
+        w = [_use(m.weight, par) for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj)]
         out = layers.causal_self_attention(x, *w, self.head_dim, self.theta, self.max_len)
         return par.exit_tensor_parallel(out)
 
@@ -117,7 +117,7 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """x: [B, T, D] -> [B, T, D]; w1/w3 column-parallel, w2 row-parallel."""
         x = par.enter_tensor_parallel(x)
-        w1, w2, w3 = (par.weight(m.weight[...], m.axes) for m in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (_use(m.weight, par) for m in (self.w1, self.w2, self.w3))
         return par.exit_tensor_parallel(layers.swiglu(x, w1, w2, w3))
 
 

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 
 from twinshard import mesh as mesh_lib
 from twinshard.config import Config
+from twinshard import trainer
 from twinshard.trainer import TrainState, init_state, logical_axes
 
 Rules = Mapping[str, str]
@@ -33,16 +34,11 @@ def param_specs(cfg: Config, rules: Rules):
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def abstract_state(cfg: Config, tx: optax.GradientTransformation) -> TrainState:
-    """Shapes and dtypes of the train state (nothing is allocated)."""
-    return jax.eval_shape(functools.partial(init_state, cfg.model, tx, 0))
-
-
 def state_specs(cfg: Config, tx: optax.GradientTransformation, rules: Rules) -> TrainState:
     """PartitionSpecs of the whole train state: optimizer moments mirror their
     params; counters and scalars are replicated."""
     params = param_specs(cfg, rules)
-    opt = optax.tree_map_params(tx, lambda _, s: s, abstract_state(cfg, tx).opt_state, params,
+    opt = optax.tree_map_params(tx, lambda _, s: s, trainer.abstract_state(cfg.model, tx).opt_state, params,
                                 transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
     return TrainState(params, opt, P())
 
@@ -95,7 +91,7 @@ class PlacedRunner:
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs carrying this strategy's shardings (checkpoint restore target)."""
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract_state(self.cfg, self.tx), self.state_shardings)
+                            trainer.abstract_state(self.cfg.model, self.tx), self.state_shardings)
 
     def init_state(self, seed: int) -> TrainState:
         """Created sharded: each device computes only its own shards (no full copy

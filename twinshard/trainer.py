@@ -54,6 +54,11 @@ def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: i
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
 
+def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+    """Shapes and dtypes of the train state (nothing is allocated)."""
+    return jax.eval_shape(functools.partial(init_state, model_cfg, tx, 0))
+
+
 def loss_fn(params: Params, x: jax.Array, y: jax.Array, cfg: ModelConfig,
             par: Parallelism = SINGLE_DEVICE) -> jax.Array:
     """Mean next-token loss of the model with `params` on tokens x [B, T], targets y [B, T]."""
@@ -103,4 +108,4 @@ class SingleDevice:
 
     def abstract_state(self) -> TrainState:
         """Shapes/dtypes (with shardings, for strategies) of the state, for checkpoint restore."""
-        return jax.eval_shape(functools.partial(init_state, self.model_cfg, self.tx, 0))
+        return abstract_state(self.model_cfg, self.tx)
