@@ -156,6 +156,7 @@ def main(argv):
         last = done == t.steps
         do_log, do_eval = done % log_every == 0 or last, eval_every and (done % eval_every == 0 or last)
         if do_log or do_eval:
+            jax.block_until_ready(metrics)  # dispatch is async: time finished steps, not queued ones
             now = time.perf_counter()
             step_time = (now - tick) / (done - tick_step) if done > tick_step else compile_s
             rec = {"step": done, **{k: _scalar(v) for k, v in metrics.items()}, "step_time": step_time,
