@@ -195,3 +195,33 @@ def test_text_json_and_compare():
     assert rows[("all-to-all", ("tensor",))]["model_count"] == 0
     table = cost.compare_table(list(rows.values()))
     assert "DIFFERS" in table and "TOTAL" in table
+
+
+def test_memory_at_tensor_greater_than_one():
+    """Per-device activation and gathered-weight bytes at tensor > 1, by hand (tiny, B=8, T=32)."""
+    tp = cost.cost(CFG, "tp", {"data": 1, "tensor": 4}, B).memory
+    # b = 8 (tp keeps the whole batch), t = 4: per layer 8*32*(4*64 + 4*64/4 + 3*192/4) + 8*(4/4)*32*32
+    per_layer, final = 8 * 32 * (256 + 64 + 144) + 8 * 1 * 32 * 32, 2 * 8 * 32 * 64 + 2 * 8 * 32 * 384 // 4
+    assert (per_layer, final) == (126976, 81920)
+    assert tp.activations == 4 * (2 * per_layer + final) == 1343488
+    assert tp.gathered_weights == 0
+    ftp = cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B).memory
+    # b = 8/2 = 4: half of tp's per-layer and final terms
+    assert ftp.activations == 4 * (2 * 63488 + 40960) == 671744
+    # one layer's matrices (q,k,v,o: 4*64*64, w1,w2,w3: 3*64*192 = 53248 elements) beat the
+    # embedding (384*64 = 24576); each device gathers only its tensor shard: /4
+    assert ftp.gathered_weights == 4 * 53248 // 4 == 53248
+
+
+def test_bf16_sizes_activations_but_not_the_float32_statistics():
+    """dtype_bytes=2: activation collectives and memory halve; the cross-entropy statistics,
+    the loss and the squared-norm scalar stay float32 (4 bytes)."""
+    f32, bf16 = (cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B, dtype_bytes=s) for s in (4, 2))
+    stats = [r for r in bf16.collectives if "cross-entropy" in r.what]
+    assert sorted((r.count, r.bytes) for r in stats) == [(1, 4 * 32 * 4), (2, 2 * 4 * 32 * 4)]  # [B/d, T] f32
+    scalars = [r for r in bf16.collectives if r.phase in ("optimizer", "metrics")]
+    assert [(r.count, r.bytes) for r in scalars] == [(1, 4), (1, 4)]
+    g = next(r for r in bf16.collectives if "Megatron g" in r.what)
+    assert g.bytes == 2 * 2 * (4 * 32 * 64) * 2  # 2 per layer x L=2, [4,32,64] x 2 bytes
+    assert bf16.memory.activations * 2 == f32.memory.activations
+    assert bf16.memory.gathered_weights * 2 == f32.memory.gathered_weights

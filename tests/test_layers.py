@@ -34,6 +34,17 @@ def test_rms_norm(rng):
     np.testing.assert_allclose(layers.rms_norm(f32(x), f32(g), 1e-5), ref.rms_norm(x, g), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("eps", [1e-5, 1e-3])
+def test_rms_norm_where_eps_matters(rng, eps):
+    """Inputs of RMS ~1e-3 (mean square 1e-6, below eps): eps sets the output, so using
+    another eps (1e-6, or none) is far outside the tolerance (checked below)."""
+    x, g = rng.normal(size=(2, 3, 8)) * 1e-3, rng.normal(size=8)
+    got = np.asarray(layers.rms_norm(f32(x), f32(g), eps))
+    np.testing.assert_allclose(got, ref.rms_norm(x, g, eps), rtol=RTOL, atol=ATOL * 1e-3)
+    for other in (eps / 10, 0.0):
+        assert np.max(np.abs(ref.rms_norm(x, g, other) - ref.rms_norm(x, g, eps))) > 100 * ATOL * 1e-3
+
+
 def test_rms_norm_computes_in_float32():
     x = jnp.full((1, 64), 300.0, jnp.bfloat16)  # x^2 summed overflows nothing in f32
     out = layers.rms_norm(x, jnp.ones(64), 1e-5)

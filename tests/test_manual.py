@@ -19,7 +19,11 @@ from twinshard.config import Config, preset
 from twinshard.trainer import SingleDevice
 
 BASE = preset("tiny")
-CFG = Config(dataclasses.replace(BASE.model, num_heads=8), BASE.train)
+# grad_clip 0.25 < the gradient norm (~0.7 at init, measured), so every step runs the
+# clipped branch: the twins' global norms (manual: psum of partial squared norms) must
+# agree with single device for the clipped updates, and the reported norms are compared.
+CLIP = 0.25
+CFG = Config(dataclasses.replace(BASE.model, num_heads=8), dataclasses.replace(BASE.train, grad_clip=CLIP))
 MESHES = {"dp": "data:8,tensor:1", "fsdp": "data:8,tensor:1", "tp": "data:1,tensor:8",
           "fsdp_tp": "data:2,tensor:4"}
 STEPS = 5
@@ -31,6 +35,7 @@ STEPS = 5
 PARAM_ATOL = 2e-5
 LOSS_ATOL = 2e-5
 GRAD_ATOL = 2e-7
+NORM_RTOL = 1e-6  # grad norms: measured max relative difference 8.8e-8 (f32 sums in another order)
 
 
 def batches(n=STEPS):
@@ -47,12 +52,13 @@ def run(runner):
     state = runner.init_state(CFG.train.seed)
     init = jax.device_get(state.params)
     grads = jax.device_get(runner.loss_and_grads(state.params, *runner.place_batch(*batches(1)[0]))[1])
-    losses = []
+    losses, norms = [], []
     for x, y in batches():
         state, m = runner.train_step(state, *runner.place_batch(x, y))
         losses.append(float(m["loss"]))
-    return {"init": init, "grads": grads, "losses": np.array(losses), "params": jax.device_get(state.params),
-            "state": state, "runner": runner}
+        norms.append(float(m["grad_norm"]))
+    return {"init": init, "grads": grads, "losses": np.array(losses), "grad_norms": np.array(norms),
+            "params": jax.device_get(state.params), "state": state, "runner": runner}
 
 
 @functools.cache
@@ -82,6 +88,19 @@ def test_manual_matches_single_device(strategy):
     np.testing.assert_allclose(m["losses"], s["losses"], atol=LOSS_ATOL, rtol=0)
     assert max_diff(m["grads"], s["grads"]) < GRAD_ATOL
     assert max_diff(m["params"], s["params"]) < PARAM_ATOL
+    np.testing.assert_allclose(m["grad_norms"], s["grad_norms"], rtol=NORM_RTOL)
+
+
+def test_reported_grad_norm_is_the_unclipped_float64_norm():
+    """Step 1's reported grad_norm is the L2 norm of the step-1 gradient, computed here in
+    NumPy float64 from the single-device gradients (before clipping), and clipping engaged."""
+    s = single()
+    want = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(s["grads"])))
+    assert want > 2 * CLIP, want  # the clipped branch ran
+    np.testing.assert_allclose(s["grad_norms"][0], want, rtol=1e-6)
+    for strategy in MESHES:
+        np.testing.assert_allclose(manual(strategy)["grad_norms"][0], want, rtol=NORM_RTOL)
+        np.testing.assert_allclose(auto(strategy)["grad_norms"][0], want, rtol=NORM_RTOL)
 
 
 @pytest.mark.parametrize("strategy", MESHES)
@@ -90,6 +109,7 @@ def test_manual_matches_auto(strategy):
     np.testing.assert_allclose(m["losses"], a["losses"], atol=LOSS_ATOL, rtol=0)
     assert max_diff(m["grads"], a["grads"]) < GRAD_ATOL
     assert max_diff(m["params"], a["params"]) < PARAM_ATOL
+    np.testing.assert_allclose(m["grad_norms"], a["grad_norms"], rtol=NORM_RTOL)
     # both twins use the same placement for params and optimizer moments
     specs = lambda st: [x.sharding.spec for x in jax.tree.leaves(st)]  # noqa: E731
     assert specs(m["state"]) == specs(a["state"])

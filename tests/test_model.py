@@ -125,3 +125,16 @@ def test_bad_config_errors():
         preset("huge")
     with pytest.raises(ValueError, match="d_model=64 is not divisible by num_heads=5"):
         ModelConfig(vocab_size=10, context_length=8, d_model=64, num_layers=1, num_heads=5)
+
+
+def test_norm_eps_reaches_every_norm():
+    """With norm_eps=1.0 (comparable to the residual stream's mean square) the logits
+    change far beyond the float32 tolerance, so a norm that ignored cfg.norm_eps fails."""
+    cfg = dataclasses.replace(CFG, norm_eps=1.0)
+    model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, cfg.context_length))
+    logits = np.asarray(model(jnp.asarray(tokens)))[..., :cfg.vocab_size]
+    sd64 = {k: v.astype(np.float64) for k, v in state_dict(model).items()}
+    lm = lambda eps: ref.transformer_lm(sd64, tokens, cfg.num_layers, cfg.num_heads, cfg.rope_theta, eps)  # noqa: E731
+    np.testing.assert_allclose(logits, lm(1.0), rtol=2e-4, atol=2e-4)
+    assert np.max(np.abs(lm(1e-5) - lm(1.0))) > 100 * 2e-4

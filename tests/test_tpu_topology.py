@@ -2,7 +2,7 @@
 4 hosts, 2x2 chips per host) on this CPU machine, its TPU collective ledger and per-chip memory.
 
 Needs libtpu (the `tpu` extra; CI runs `uv run --locked --extra tpu pytest`); without it these
-tests are skipped, except the one for the error message. The 8 simulated CPU devices of
+tests are skipped, except those for error messages. The 8 simulated CPU devices of
 conftest stay the default backend: the pod's devices are compile-only.
 
 Meshes that fit the tiny preset on 16 chips (both axes must multiply to 16):
@@ -193,11 +193,19 @@ def test_without_libtpu_the_error_names_the_extra(monkeypatch):
         topology.devices(TOPOLOGY)
 
 
-@needs_libtpu
-def test_bad_topology_is_a_clear_error():
-    with pytest.raises(ValueError, match="is not of the form GENERATION:AxB"):
-        topology.devices("v5e-16")
-    with pytest.raises(ValueError, match=r"rejected by libtpu.*1,1,1 always divides"):
-        topology.devices("v5e:4x4", (3, 3, 1))
+def test_bad_topology_name_is_a_clear_error(monkeypatch):
+    """The name's format is checked before libtpu is needed (so also without it)."""
+    monkeypatch.setitem(sys.modules, "libtpu", None)
+    for bad in ("v5e-16", "v5e:4", "4x4", "v5e:4x4x4x4", ""):
+        with pytest.raises(ValueError, match="is not of the form GENERATION:AxB"):
+            topology.devices(bad)
     assert topology.chips_per_host("v5e:1x1") == (1, 1, 1)
     assert topology.chips_per_host("v5e:4x4") == (2, 2, 1)
+    assert topology.chips_per_host("v5p:2x2x2") == (2, 2, 1)
+    assert topology.chips_per_host("v5e:1x4") == (1, 2, 1)
+
+
+@needs_libtpu
+def test_bad_host_bounds_are_a_clear_error():
+    with pytest.raises(ValueError, match=r"rejected by libtpu.*1,1,1 always divides"):
+        topology.devices("v5e:4x4", (3, 3, 1))
