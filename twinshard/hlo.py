@@ -1062,7 +1062,7 @@ class NotCompiledHLO(ValueError, TypeError):
     A ValueError; also a TypeError, which is what a `Lowered` used to raise."""
 
 
-PASS_COMPILED = "pass `jax.jit(f).lower(*args).compile()` (a jax.stages.Compiled) or its `.as_text()`"
+_PASS_COMPILED = "pass `jax.jit(f).lower(*args).compile()` (a jax.stages.Compiled) or its `.as_text()`"
 # StableHLO / MLIR text, what `lowered.as_text()` prints (measured, JAX 0.12):
 #   module @jit_f attributes {mhlo.num_partitions = 8 : i32, ...} {
 #     func.func public @main(%arg0: tensor<8x4xf32> {...}) -> (tensor<f32> ...) {
@@ -1074,8 +1074,9 @@ _MLIR = re.compile(r'^\s*(?:module\s+(?:@|attributes\b)|func\.func\b'
 # partitioned yet, so GSPMD's collectives do not exist. Measured, JAX 0.12: its
 # header holds `frontend_attributes={xla.sdy.meshes=...}` and shard_map bodies sit
 # between `custom_call_target="xla.sdy.GlobalToLocalShape"` / `"...LocalToGlobalShape"`;
-# no compiled module (CPU GSPMD and shard_map; the TPU dumps in tests/hlo_snippets)
-# prints `xla.sdy.`. The last three are the same markers without Shardy (GSPMD).
+# no compiled module prints `xla.sdy.` (measured: CPU GSPMD and shard_map programs,
+# every train step in tests/, the v5e:4x4 AOT compiles of tests/test_tpu_topology.py).
+# The other three are GSPMD's markers when Shardy is off (inferred, not seen here).
 _UNCOMPILED = re.compile(r'xla\.sdy\.|custom_call_target="(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape)"')
 
 
@@ -1086,12 +1087,12 @@ def _hlo_text(compiled_or_text: Any) -> str:
         return obj
     if hasattr(obj, "compile"):  # jax.stages.Lowered (a Compiled has no .compile)
         raise NotCompiledHLO(f"ledger got a {kind}, which is not compiled yet (XLA inserts the "
-                             f"collectives when it compiles): call its `.compile()`; {PASS_COMPILED}.")
+                             f"collectives when it compiles): call its `.compile()`; {_PASS_COMPILED}.")
     if hasattr(obj, "lower"):  # a jitted function or jax.stages.Traced
-        raise NotCompiledHLO(f"ledger got a {kind} (a function, not a compiled program); {PASS_COMPILED}.")
+        raise NotCompiledHLO(f"ledger got a {kind} (a function, not a compiled program); {_PASS_COMPILED}.")
     text = obj.as_text() if hasattr(obj, "as_text") else None
     if not isinstance(text, str):
-        raise NotCompiledHLO(f"ledger got a {kind}; {PASS_COMPILED}.")
+        raise NotCompiledHLO(f"ledger got a {kind}; {_PASS_COMPILED}.")
     return text
 
 
@@ -1100,18 +1101,18 @@ def _parsed_module(text: str) -> _Module:
     if _MLIR.search(text):
         raise NotCompiledHLO(
             "ledger got StableHLO/MLIR text (what `jax.jit(f).lower(x).as_text()` returns, before XLA "
-            f"compiles and partitions the program, so before its collectives exist); {PASS_COMPILED}.")
+            f"compiles and partitions the program, so before its collectives exist); {_PASS_COMPILED}.")
     if not text.strip():
-        raise NotCompiledHLO(f"ledger got empty text; {PASS_COMPILED}.")
+        raise NotCompiledHLO(f"ledger got empty text; {_PASS_COMPILED}.")
     if _UNCOMPILED.search(text):
         raise NotCompiledHLO(
             "ledger got HLO that XLA has not compiled yet (it still carries xla.sdy / sharding "
             "custom-calls, as `lowered.as_text(dialect='hlo')` prints); the collectives of a "
-            f"GSPMD program exist only after compilation: {PASS_COMPILED}.")
+            f"GSPMD program exist only after compilation: {_PASS_COMPILED}.")
     mod = _parse_module(text)
     if not any(mod.computations.values()):
         raise NotCompiledHLO(f"ledger read no HLO instruction in this text (it starts "
-                             f"{text.strip()[:60]!r}): it is not an HLO module; {PASS_COMPILED}.")
+                             f"{text.strip()[:60]!r}): it is not an HLO module; {_PASS_COMPILED}.")
     return mod
 
 
