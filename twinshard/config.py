@@ -4,6 +4,12 @@ A preset is a `Config` = `ModelConfig` (the architecture) + `TrainConfig` (the
 optimisation run). `preset(name)` returns the (frozen) preset; launchers
 override single fields with `dataclasses.replace`.
 
+Every field is checked when a config is built: its type first (an `int` field
+takes an int, not a bool or 64.0; a `float` field takes any finite int or
+float; `bool` takes True/False; `str` a non-empty string), then its range. A bad
+value is a ValueError naming the field as `ModelConfig.d_model`, the value and
+what is accepted (launchers translate the name to their flag).
+
     >>> from twinshard.config import preset
     >>> cfg = preset("tiny")
     >>> cfg.model.d_ff, cfg.model.padded_vocab_size
@@ -14,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+from typing import Any
 
 VOCAB_MULTIPLE = 128  # pad the vocab so it splits over any power-of-two tensor axis <= 128
 
@@ -25,6 +33,43 @@ def _round_up(x: int, multiple: int) -> int:
 def default_d_ff(d_model: int) -> int:
     """SwiGLU width: 8/3 d_model rounded up to a multiple of 64 (JAX-LM spec)."""
     return _round_up(math.ceil(8 * d_model / 3), 64)
+
+
+def _checked(where: str, value: Any, kind: str) -> Any:
+    """`value` as the annotated type `kind` ('int', 'float', 'bool' or 'str'), or a ValueError."""
+    got = f"{where}={value!r} ({type(value).__name__})"
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{got}: expected an int (a whole number such as 64, not a bool, "
+                             "a float like 64.0 or a string).")
+        return int(value)  # numpy integers become Python ints
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{got}: expected a finite number such as 1e-3 (an int or float, not a bool).")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ValueError(f"{got}: expected a finite number (not nan or inf).")
+        return number
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{got}: expected True or False.")
+        return value
+    if kind == "str":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{got}: expected a non-empty string.")
+        return value
+    raise TypeError(f"{where}: no check for annotation {kind!r}")  # a new field needs a kind here
+
+
+def _check_types(config: Any) -> None:
+    """Check (and normalise: numpy ints -> int, ints -> float) every field by its annotation."""
+    cls = type(config).__name__
+    for f in dataclasses.fields(config):  # annotations are strings: `from __future__ import annotations`
+        value = _checked(f"{cls}.{f.name}", getattr(config, f.name), str(f.type))
+        object.__setattr__(config, f.name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +84,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self):
+        _check_types(self)
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive.")
         if self.d_model % self.num_heads:
             raise ValueError(
-                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
+                f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
                 f"choose num_heads from {_divisors(self.d_model)} or change d_model."
             )
         if self.head_dim % 2:
@@ -52,8 +98,9 @@ class ModelConfig:
                 f"head_dim = d_model/num_heads = {self.head_dim} is odd; RoPE rotates "
                 "pairs of features, so pick d_model and num_heads giving an even head_dim."
             )
-        if self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ValueError(f"rope_theta={self.rope_theta} and norm_eps={self.norm_eps} must be positive.")
+        for name in ("rope_theta", "norm_eps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive.")
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", default_d_ff(self.d_model))
         elif self.d_ff < 0:
@@ -96,24 +143,30 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end
 
     def __post_init__(self):
-        for name in ("batch_size", "steps", "eval_batches"):
+        _check_types(self)
+        for name in ("batch_size", "steps", "eval_batches", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be positive.")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
             raise ValueError(
-                f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]."
+                f"TrainConfig.warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]."
             )
         if self.lr <= 0:
-            raise ValueError(f"lr={self.lr} must be positive.")
+            raise ValueError(f"TrainConfig.lr={self.lr} must be positive.")
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}).")
+            raise ValueError(f"TrainConfig.min_lr={self.min_lr}: need 0 <= min_lr <= lr ({self.lr}).")
         if self.seed < 0:
-            raise ValueError(f"seed={self.seed} must be >= 0 (numpy's generators take non-negative seeds).")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.eps <= 0 or self.weight_decay < 0:
-            raise ValueError(f"AdamW needs 0 <= beta1, beta2 < 1, eps > 0, weight_decay >= 0; got "
-                             f"{self.beta1}, {self.beta2}, {self.eps}, {self.weight_decay}.")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping).")
+            raise ValueError(f"TrainConfig.seed={self.seed} must be >= 0 (numpy's generators take "
+                             "non-negative seeds).")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)}: AdamW needs 0 <= {name} < 1.")
+        if self.eps <= 0:
+            raise ValueError(f"TrainConfig.eps={self.eps}: AdamW needs eps > 0.")
+        for name, meaning in (("weight_decay", ""), ("grad_clip", " (0 disables clipping)"),
+                              ("eval_every", " (0: never)"), ("checkpoint_every", " (0: only at the end)")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be >= 0{meaning}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,9 @@
 (or any HLO module text) and returns a `Ledger` of `Collective` records: which
 op, over which mesh axes, how many bytes, how many times per step, and which
 line of our code asked for it. Tests assert on it (see `twinshard.testing`).
+What is not a compiled program's HLO raises `NotCompiledHLO` (a ValueError)
+saying what to pass: a `Lowered`, StableHLO text (`lowered.as_text()`), HLO
+not yet compiled (`lowered.as_text(dialect='hlo')`), empty or unreadable text.
 
 HLO formats handled (real lines, JAX 0.12.0.1 / XLA:CPU unless marked):
 
@@ -858,12 +861,19 @@ def _result_shapes(instr: _Instr, base_op: str, done: _Instr | None) -> list[_Sh
 
 @dataclass
 class Ledger:
-    """All collectives of one compiled program, plus what could not be read."""
+    """All collectives of one compiled program, plus what could not be read.
+
+    `instructions` is how many HLO instructions `ledger()` parsed from the
+    module (> 0 for any real program, even one with no collectives). A Ledger
+    built by hand has 0, and every `twinshard.testing.expect_*` refuses it: an
+    empty ledger proves "no collectives" only when a module was actually read.
+    """
 
     records: list[Collective]
     mesh: MeshSpec
     unparsed: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    instructions: int = 0
 
     def __iter__(self) -> Iterator[Collective]:
         return iter(self.records)
@@ -895,7 +905,7 @@ class Ledger:
         keep = [r for r in self.records
                 if (ops is None or r.op in ops) and (want is None or r.axes == want)
                 and (dtype is None or r.dtype == dtype)]
-        return Ledger(keep, self.mesh, self.unparsed, self.warnings)
+        return Ledger(keep, self.mesh, self.unparsed, self.warnings, self.instructions)
 
     def count(self, op: str | None = None, axes: str | Iterable[str] | None = None) -> int:
         """Multiplicity-weighted number of collectives."""
@@ -948,16 +958,18 @@ class Ledger:
         if not lines:
             out.append("(no collectives)")
         mesh = ",".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.shape))
-        out.append(f"mesh: {mesh}   collectives: {sum(r.multiplicity for r in self.records)}"
+        out.append(f"mesh: {mesh}   instructions: {self.instructions}"
+                   f"   collectives: {sum(r.multiplicity for r in self.records)}"
                    f"   records: {len(self.records)}   unparsed: {len(self.unparsed)}")
         out += [f"  unparsed: {u[:200]}" for u in self.unparsed]
         out += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(out)
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain-data form: mesh, records, summary rows, unparsed lines, warnings."""
+        """Plain-data form: mesh, instruction count, records, summary rows, unparsed lines, warnings."""
         return {
             "mesh": dict(zip(self.mesh.names, self.mesh.shape)),
+            "instructions": self.instructions,
             "records": [dataclasses.asdict(r) for r in self.records],
             "summary": [{"op": op, "axes": list(axes), **v} for (op, axes), v in self.summary().items()],
             "unparsed": list(self.unparsed),
@@ -1044,16 +1056,64 @@ def _records(instr: _Instr, op: str, mod: _Module, mesh: MeshSpec, mult: tuple[i
     return out
 
 
+class NotCompiledHLO(ValueError, TypeError):
+    """`ledger` was given something that is not the optimized HLO of a compiled program.
+
+    A ValueError; also a TypeError, which is what a `Lowered` used to raise."""
+
+
+_PASS_COMPILED = "pass `jax.jit(f).lower(*args).compile()` (a jax.stages.Compiled) or its `.as_text()`"
+# StableHLO / MLIR text, what `lowered.as_text()` prints (measured, JAX 0.12):
+#   module @jit_f attributes {mhlo.num_partitions = 8 : i32, ...} {
+#     func.func public @main(%arg0: tensor<8x4xf32> {...}) -> (tensor<f32> ...) {
+#       %0 = stablehlo.sine %arg0 : tensor<8x4xf32>
+# No line of HLO text starts like these (HLO instructions are `name = shape opcode(...)`).
+_MLIR = re.compile(r'^\s*(?:module\s+(?:@|attributes\b)|func\.func\b'
+                   r'|%[\w#:]+\s*=\s*"?(?:stablehlo|mhlo|sdy|func)\.)', re.M)
+# HLO of a `Lowered` before compilation (`lowered.as_text(dialect="hlo")`): not
+# partitioned yet, so GSPMD's collectives do not exist. Measured, JAX 0.12: its
+# header holds `frontend_attributes={xla.sdy.meshes=...}` and shard_map bodies sit
+# between `custom_call_target="xla.sdy.GlobalToLocalShape"` / `"...LocalToGlobalShape"`;
+# no compiled module prints `xla.sdy.` (measured: CPU GSPMD and shard_map programs,
+# every train step in tests/, the v5e:4x4 AOT compiles of tests/test_tpu_topology.py).
+# The other three are GSPMD's markers when Shardy is off (inferred, not seen here).
+_UNCOMPILED = re.compile(r'xla\.sdy\.|custom_call_target="(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape)"')
+
+
 def _hlo_text(compiled_or_text: Any) -> str:
-    if isinstance(compiled_or_text, str):
-        return compiled_or_text
-    if type(compiled_or_text).__name__ == "Lowered":
-        raise TypeError("ledger needs the optimized HLO: pass `lowered.compile()`, not a Lowered")
-    if hasattr(compiled_or_text, "as_text"):
-        text = compiled_or_text.as_text()
-        if isinstance(text, str):
-            return text
-    raise TypeError(f"ledger takes a jax.stages.Compiled or HLO text, got {type(compiled_or_text).__name__}")
+    """The HLO module text of a `Compiled` (or the text itself); anything else is refused."""
+    obj, kind = compiled_or_text, type(compiled_or_text).__name__
+    if isinstance(obj, str):
+        return obj
+    if hasattr(obj, "compile"):  # jax.stages.Lowered (a Compiled has no .compile)
+        raise NotCompiledHLO(f"ledger got a {kind}, which is not compiled yet (XLA inserts the "
+                             f"collectives when it compiles): call its `.compile()`; {_PASS_COMPILED}.")
+    if hasattr(obj, "lower"):  # a jitted function or jax.stages.Traced
+        raise NotCompiledHLO(f"ledger got a {kind} (a function, not a compiled program); {_PASS_COMPILED}.")
+    text = obj.as_text() if hasattr(obj, "as_text") else None
+    if not isinstance(text, str):
+        raise NotCompiledHLO(f"ledger got a {kind}; {_PASS_COMPILED}.")
+    return text
+
+
+def _parsed_module(text: str) -> _Module:
+    """Parse HLO module text, refusing text that is not a compiled program's HLO."""
+    if _MLIR.search(text):
+        raise NotCompiledHLO(
+            "ledger got StableHLO/MLIR text (what `jax.jit(f).lower(x).as_text()` returns, before XLA "
+            f"compiles and partitions the program, so before its collectives exist); {_PASS_COMPILED}.")
+    if not text.strip():
+        raise NotCompiledHLO(f"ledger got empty text; {_PASS_COMPILED}.")
+    if _UNCOMPILED.search(text):
+        raise NotCompiledHLO(
+            "ledger got HLO that XLA has not compiled yet (it still carries xla.sdy / sharding "
+            "custom-calls, as `lowered.as_text(dialect='hlo')` prints); the collectives of a "
+            f"GSPMD program exist only after compilation: {_PASS_COMPILED}.")
+    mod = _parse_module(text)
+    if not any(mod.computations.values()):
+        raise NotCompiledHLO(f"ledger read no HLO instruction in this text (it starts "
+                             f"{text.strip()[:60]!r}): it is not an HLO module; {_PASS_COMPILED}.")
+    return mod
 
 
 def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
@@ -1061,9 +1121,13 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
 
     Group ids are read as partition ids = row-major positions in `mesh`
     (`jax.sharding.Mesh`, `AbstractMesh`, or `{'data': 2, 'tensor': 4}`).
+    Raises `NotCompiledHLO` for anything but a compiled program's HLO; a module
+    with no collectives (a single-device step) gives an empty Ledger whose
+    `instructions` is > 0.
     """
     spec = mesh_spec(mesh)
-    mod = _parse_module(_hlo_text(compiled_or_hlo_text))
+    mod = _parsed_module(_hlo_text(compiled_or_hlo_text))
+    instructions = sum(len(instrs) for instrs in mod.computations.values())
     if mod.num_partitions not in (None, 1) and mod.num_partitions != spec.size:
         raise ValueError(
             f"the program has num_partitions={mod.num_partitions} but the mesh "
@@ -1107,7 +1171,7 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
                 records += _records(i, op, mod, spec, mult, done_of.get((comp, i.name)), gte_meta)
             except (ValueError, KeyError, IndexError) as e:
                 unparsed.append(f"{i.line}  [{e}]")
-    return Ledger(records, spec, unparsed, warnings)
+    return Ledger(records, spec, unparsed, warnings, instructions)
 
 
 def _has_collective(instrs: list[_Instr]) -> bool:

@@ -181,14 +181,39 @@ def state_dict(model: TransformerLM) -> dict[str, np.ndarray]:
     return out
 
 
+def _checked_weight(name: str, value: object) -> np.ndarray:
+    """`value` as a numpy array if it is a finite floating-point numpy/jax array, else ValueError.
+
+    Python lists, strings, scalars and torch tensors are refused rather than
+    converted: a list may hold anything, and `np.asarray(torch_tensor)` silently
+    copies through the CPU; the caller converts knowingly (`t.float().numpy()`).
+    """
+    if not isinstance(value, (np.ndarray, jax.Array)):
+        raise ValueError(f"state dict entry {name!r} is a {type(value).__name__}, not an array; pass a "
+                         "numpy or jax array (np.asarray(x, np.float32); a torch tensor: t.float().numpy()).")
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise ValueError(f"state dict entry {name!r} has dtype {value.dtype}; weights must be floating "
+                         "point (float32, bfloat16, float16, float64): cast with .astype(np.float32).")
+    w = np.asarray(value)
+    bad = w.size - int(np.count_nonzero(np.isfinite(w)))
+    if bad:
+        raise ValueError(f"state dict entry {name!r} has {bad} non-finite values (nan or inf) out of "
+                         f"{w.size}; a model cannot train or sample from them.")
+    return w
+
+
 def load_state_dict(model: TransformerLM, sd: dict[str, np.ndarray]) -> None:
-    """Load CS336-named weights in place. Raises ValueError on missing/extra names or shapes."""
+    """Load CS336-named weights in place. Raises ValueError, before any weight changes, on
+    missing/extra names, a value that is not a finite floating-point numpy/jax array, or a shape."""
+    if not hasattr(sd, "keys"):
+        raise ValueError(f"the state dict is a {type(sd).__name__}; pass a dict of name -> array "
+                         "(as twinshard.model.state_dict returns).")
     current = state_dict(model)
     missing, extra = sorted(set(current) - set(sd)), sorted(set(sd) - set(current))
     if missing or extra:
         raise ValueError(f"state dict does not match the model: missing {missing[:5]}, unexpected {extra[:5]}.")
     for name, want in current.items():
-        got = np.asarray(sd[name])
+        got = _checked_weight(name, sd[name])
         if got.shape != want.shape:
             raise ValueError(f"{name}: shape {got.shape} in the state dict, the model needs {want.shape}.")
     params = nnx.state(model, nnx.Param)

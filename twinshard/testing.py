@@ -10,6 +10,12 @@ shows every collective of the program:
     expect_no_collective(led, "all-reduce", larger_than=1024)
     expect_bytes(led, ("tensor",), bytes=4 * B * T * D, op="all-reduce")
 
+Every helper first refuses a ledger that did not come from a parsed HLO
+module (`ledger.instructions == 0`, e.g. `Ledger([], mesh)` built by hand):
+"no collectives" and "count=0" mean something only if a program was read.
+`expect_no_collective` also refuses while a collective-looking line it could
+match was left unparsed (that line may be the very collective).
+
 `axes` selects records whose axes equal exactly that set of mesh axes
 (`'data'` == `('data',)`; order is normalised to mesh order); `axes=None`
 means any axes. Counts and byte totals are multiplicity-weighted (a
@@ -20,13 +26,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from twinshard.hlo import Ledger
+from twinshard.hlo import OPS, Ledger
 
 Axes = str | Iterable[str] | None
 
 
 def _fail(ledger: Ledger, message: str) -> None:
     raise AssertionError(f"{message}\n{ledger.table()}")
+
+
+def _require_module(ledger: Ledger) -> None:
+    if not isinstance(ledger, Ledger):
+        raise AssertionError(f"expected a twinshard.hlo.Ledger (from hlo.ledger(compiled, mesh)), "
+                             f"got {type(ledger).__name__}")
+    if ledger.instructions <= 0:
+        _fail(ledger, "this ledger parsed no HLO instructions (instructions=0): it did not come "
+                      "from hlo.ledger() on a compiled program, so it proves nothing; build it "
+                      "with hlo.ledger(jax.jit(f).lower(*args).compile(), mesh)")
 
 
 def _what(op: str | None, axes: Axes, ledger: Ledger) -> str:
@@ -37,6 +53,7 @@ def _what(op: str | None, axes: Axes, ledger: Ledger) -> str:
 def expect_collectives(ledger: Ledger, op: str, axes: Axes = None, count: int | None = None,
                        min_count: int | None = None, max_count: int | None = None) -> Ledger:
     """Assert how many `op` collectives run over `axes` (at least one if no bound given)."""
+    _require_module(ledger)
     found = ledger.filter(op=op, axes=axes)
     n = sum(r.multiplicity for r in found)
     if count is None and min_count is None and max_count is None:
@@ -54,6 +71,12 @@ def expect_collectives(ledger: Ledger, op: str, axes: Axes = None, count: int | 
 def expect_no_collective(ledger: Ledger, op: str | None = None, axes: Axes = None,
                          larger_than: int | None = None) -> None:
     """Assert no `op` over `axes` exists (or none whose result exceeds `larger_than` bytes)."""
+    _require_module(ledger)
+    ops = OPS if op is None else (op,)
+    hidden = [u for u in ledger.unparsed if any(o in u for o in ops)]
+    if hidden:
+        _fail(ledger, f"cannot assert no {op or 'collective'}: {len(hidden)} collective-looking "
+                      f"HLO line(s) were not parsed and may be one")
     found = [r for r in ledger.filter(op=op, axes=axes)
              if larger_than is None or r.bytes > larger_than]
     if found:
@@ -65,6 +88,7 @@ def expect_no_collective(ledger: Ledger, op: str | None = None, axes: Axes = Non
 def expect_bytes(ledger: Ledger, axes: Axes, bytes: float, rel: float = 0.01,
                  op: str | None = None, kind: str = "bytes") -> float:
     """Assert the multiplicity-weighted `kind` total over `axes` is within `rel` of `bytes`."""
+    _require_module(ledger)
     got = ledger.total_bytes(axes=axes, op=op, kind=kind)
     if abs(got - bytes) > rel * abs(bytes) or (bytes == 0 and got != 0):
         _fail(ledger, f"expected {kind} of {_what(op, axes, ledger)} = {bytes:.6g} "
@@ -74,6 +98,7 @@ def expect_bytes(ledger: Ledger, axes: Axes, bytes: float, rel: float = 0.01,
 
 
 def expect_parsed(ledger: Ledger) -> None:
-    """Assert every collective-looking HLO line was read."""
+    """Assert a module was read and every collective-looking HLO line in it was parsed."""
+    _require_module(ledger)
     if ledger.unparsed:
         _fail(ledger, f"{len(ledger.unparsed)} collective-looking HLO lines were not parsed")
