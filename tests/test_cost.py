@@ -214,8 +214,9 @@ def test_memory_at_tensor_greater_than_one():
 
 
 def test_bf16_sizes_activations_but_not_the_float32_statistics():
-    """dtype_bytes=2: activation collectives and memory halve; the cross-entropy statistics,
-    the loss and the squared-norm scalar stay float32 (4 bytes)."""
+    """dtype_bytes=2 (bf16 compute): activation collectives, FSDP gathers and scatters halve;
+    the cross-entropy statistics, the loss, the squared-norm scalar, the norm gains' gradient
+    mean and the master params / grads / moments stay float32 (4 bytes)."""
     f32, bf16 = (cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B, dtype_bytes=s) for s in (4, 2))
     stats = [r for r in bf16.collectives if "cross-entropy" in r.what]
     assert sorted((r.count, r.bytes) for r in stats) == [(1, 4 * 32 * 4), (2, 2 * 4 * 32 * 4)]  # [B/d, T] f32
@@ -223,5 +224,15 @@ def test_bf16_sizes_activations_but_not_the_float32_statistics():
     assert [(r.count, r.bytes) for r in scalars] == [(1, 4), (1, 4)]
     g = next(r for r in bf16.collectives if "Megatron g" in r.what)
     assert g.bytes == 2 * 2 * (4 * 32 * 64) * 2  # 2 per layer x L=2, [4,32,64] x 2 bytes
-    assert bf16.memory.activations * 2 == f32.memory.activations
+    norms = [r for r in bf16.collectives if "norm gains" in r.what]
+    assert [(r.count, r.bytes) for r in norms] == [(5, 5 * 64 * 4)]
+    for op, f32_bytes in (("all-gather", (2 * M - EMB) // 4), ("reduce-scatter", M // 8)):
+        assert bf16.summary()[(op, ("data",))]["bytes"] * 2 == f32_bytes == f32.summary()[(op, ("data",))]["bytes"]
+    # b = 4, t = 4: 2 layers x 63488 elements x 2 bytes + ln_final in/out and logits (bf16)
+    # + exp(z - max) of the f32 loss
+    assert bf16.memory.activations == (2 * 63488 + 2 * 4 * 32 * 64 + 4 * 32 * 96) * 2 + 4 * 32 * 96 * 4 == 360448
     assert bf16.memory.gathered_weights * 2 == f32.memory.gathered_weights
+    assert (bf16.memory.params, bf16.memory.grads, bf16.memory.optimizer) == (
+        f32.memory.params, f32.memory.grads, f32.memory.optimizer) == (M // 8 + NORMS, M // 8 + NORMS, 2 * (M // 8 + NORMS))
+    dp = cost.cost(CFG, "dp", {"data": 8}, B, dtype_bytes=2)
+    assert dp.summary()[("all-reduce", ("data",))]["bytes"] == 4 * CFG.num_params() + 4  # f32 master grads

@@ -18,6 +18,7 @@ the model itself.
 """
 
 import dataclasses
+import math
 import sys
 
 import jax
@@ -35,6 +36,11 @@ CASES = {  # name: (impl, strategy, mesh, model overrides, batch)
     "manual_fsdp": ("manual", "fsdp", {"data": 16, "tensor": 1}, {}, 16),
     "manual_tp": ("manual", "tp", {"data": 1, "tensor": 16}, {"num_heads": 16}, 8),
     "manual_fsdp_tp": ("manual", "fsdp_tp", {"data": 4, "tensor": 4}, {}, 8),
+    # bf16 compute: the program asks for bf16 gathers, scatters and TP all-reduces; XLA:CPU
+    # promotes bf16 collectives to f32 (passes all-reduce-promotion, float-normalization-bf16,
+    # measured) and its runtime has no bf16 reduce-scatter, so the TPU compile is the proof.
+    "manual_fsdp_bf16": ("manual", "fsdp", {"data": 16, "tensor": 1}, {"dtype": "bfloat16"}, 16),
+    "manual_tp_bf16": ("manual", "tp", {"data": 1, "tensor": 16}, {"num_heads": 16, "dtype": "bfloat16"}, 8),
 }
 MANUAL = [n for n in CASES if n.startswith("manual")]
 # Reduce-scatters TPU compiled as all-reduce of the full gradient + slice (of 7L+2 = 16).
@@ -112,7 +118,7 @@ def test_tpu_ledger_reads_every_line(step, name):
     s = step(name)
     assert s.runner.mesh.devices.flat[0].platform == "tpu"
     assert s.ledger.records and s.ledger.unparsed == [] and s.ledger.warnings == []
-    assert "AsyncCollectiveStart" in s.compiled.as_text() or name == "manual_tp"  # TPU async fusions
+    assert "AsyncCollectiveStart" in s.compiled.as_text() or name.startswith("manual_tp")  # TPU async fusions
 
 
 @needs_libtpu
@@ -121,7 +127,7 @@ def test_manual_ledger_is_the_model_as_tpu_compiles_it(step, name):
     s = step(name)
     rows = cost.compare(s.ledger.summary(), topology.tpu_expected(s.cfg.model, s.model, s.ledger))
     assert [r for r in rows if not r["match"]] == []
-    if name == "manual_tp":  # no FSDP: nothing for TPU to change
+    if name.startswith("manual_tp"):  # no FSDP: nothing for TPU to change
         assert all(r["match"] for r in cost.compare(s.ledger.summary(), s.model.summary()))
 
 
@@ -184,6 +190,22 @@ def test_per_chip_memory_is_the_models_params_and_moments(step, name):
     assert args["total"]["padded"] == ma.argument_size_in_bytes
     assert ma.alias_size_in_bytes == args["total"]["padded"] - args["batch"]["padded"]
     assert args["params"]["padded"] > args["params"]["bytes"]  # tiny shards: tile padding shows
+
+
+@needs_libtpu
+def test_bf16_compute_moves_bf16(step):
+    """dtype=bfloat16: every FSDP gather is bf16 (the embedding table too, which f32 runs
+    gather in f32) and TP's activation all-reduces are bf16: half the bytes of the f32 run's."""
+    fsdp, fsdp32 = step("manual_fsdp_bf16"), step("manual_fsdp")
+    gathers = list(fsdp.ledger.filter(op="all-gather", axes="data"))
+    assert len(gathers) == len(list(fsdp32.ledger.filter(op="all-gather", axes="data"))) > 0
+    assert all(r.bytes == 2 * math.prod(r.shape) for r in gathers), fsdp.ledger.table()
+    tp, tp32 = step("manual_tp_bf16"), step("manual_tp")
+    act = (8, 32, 64)  # [B, T, D]
+    acts = [r for r in tp.ledger.filter(op="all-reduce", axes="tensor") if tuple(r.shape) == act]
+    acts32 = [r for r in tp32.ledger.filter(op="all-reduce", axes="tensor") if tuple(r.shape) == act]
+    assert len(acts) == len(acts32) == 4 * 2 + 2  # 4 per layer, the embedding, f before lm_head
+    assert {r.bytes for r in acts} == {2 * math.prod(act)} and {r.bytes for r in acts32} == {4 * math.prod(act)}
 
 
 def test_without_libtpu_the_error_names_the_extra(monkeypatch):

@@ -23,6 +23,7 @@ import math
 import numbers
 from typing import Any
 
+COMPUTE_DTYPES = ("float32", "bfloat16")
 VOCAB_MULTIPLE = 128  # pad the vocab so it splits over any power-of-two tensor axis <= 128
 
 
@@ -82,9 +83,16 @@ class ModelConfig:
     d_ff: int = 0  # 0 -> default_d_ff(d_model)
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
+    # Compute dtype of activations and matmul inputs ("float32" or "bfloat16"). Params and
+    # optimizer state stay float32 (master weights); matmuls accumulate in float32; norms,
+    # softmax statistics and the loss are float32 (DESIGN.md, Precision).
+    dtype: str = "float32"
 
     def __post_init__(self):
         _check_types(self)
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"ModelConfig.dtype={self.dtype!r} is not supported; choose one of "
+                             f"{', '.join(COMPUTE_DTYPES)}.")
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive.")

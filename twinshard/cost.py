@@ -21,7 +21,7 @@ Notation
     D  d_model (= H*dh)                b  per-device batch: B/d (dp, fsdp, fsdp_tp), B (tp)
     H  heads, dh head dim              L  num_layers
     F  d_ff                            V  padded vocab (multiple of 128)
-    s  bytes per element (dtype_bytes; 4 = float32)
+    s  bytes per element of the COMPUTE dtype (dtype_bytes: 4 = float32, 2 = bfloat16)
 
 The parameter tree (`weights(cfg)`; leaf names as in twinshard/model.py):
 
@@ -51,6 +51,11 @@ all-reduce 2(n-1)/n x bytes (`twinshard.hlo.ring_bytes`).
 
 Scalars (the loss, a squared gradient norm) and the cross-entropy statistics
 are float32 (4 bytes) whatever `dtype_bytes` says: the loss is computed in f32.
+So are the master params, their gradients and the optimizer state (DP's
+gradient all-reduce and the norm gains' mean move f32). What
+`s` sizes is what the compute dtype touches: activations (TP's all-reduces),
+FSDP's gathered weights (cast to bf16 before the gather) and their gradients
+(reduce-scattered in bf16, cast to f32 after).
 
 Per strategy (each is one small function below: `_dp`, `_fsdp`, `_tp`,
 `_fsdp_tp`; each row names the manual twin's line in `what`):
@@ -101,7 +106,7 @@ FLOPs (`Flops`): a matmul [m,k]x[k,n] costs 2mkn.
     matmuls evenly: batch over data, heads / d_ff / vocab over tensor).
 
 Memory per device (`Memory`, bytes):
-    params     sum over leaves of leaf bytes / (its data shards x tensor shards)
+    params     sum over leaves of f32 leaf bytes / (its data shards x tensor shards)
     grads      = params (same sharding)
     optimizer  = 2 x params (AdamW moments mu, nu; the O(1) counters are ignored)
     activations, saved for the backward pass, no rematerialization:
@@ -110,12 +115,12 @@ Memory per device (`Memory`, bytes):
                    q, k, v and the merged attention output (4 x [b,T,D/t]);
                    w1 out, w3 out, silu(w1)*w3 (3 x [b,T,F/t]);
                    softmax probabilities [b,H/t,T,T]
-        final      2*b*T*D (ln_final in/out) + 2*b*T*V/t (logits and exp(z - max))
-        x s bytes. An estimate: XLA fuses, recomputes and frees buffers (compare
-        with `compiled.memory_analysis()`).
+        final      2*b*T*D (ln_final in/out) + b*T*V/t (logits) x s, and b*T*V/t x 4
+        (exp(z - max) in the f32 loss); the rest x s bytes. An estimate: XLA
+        fuses, recomputes and frees buffers (compare with `compiled.memory_analysis()`).
     gathered_weights (fsdp, fsdp_tp: transient) one layer's gathered matrices or
         the gathered embedding / lm_head, whichever is larger: 7 per layer at
-        full/t bytes each.
+        full/t elements each, x s bytes (gathered in the compute dtype).
 """
 
 from __future__ import annotations
@@ -134,6 +139,7 @@ from twinshard.hlo import ring_bytes as _ring_bytes
 PHASES = ("forward", "backward", "optimizer", "metrics")
 OPS = ("all-gather", "reduce-scatter", "all-reduce")
 AXES = mesh_lib.AXES  # ('data', 'tensor'): mesh order
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # ModelConfig.dtype -> bytes per element
 F32 = 4  # bytes of the loss, the squared-norm scalar and the cross-entropy statistics
 
 # logical axis -> mesh axis, per strategy (the placement table of DESIGN.md; both twins use it).
@@ -350,8 +356,8 @@ def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
     rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.count,
                  w.size * ctx.s // (tensor_shards * ctx.d),
                  f"fsdp_gather backward: psum_scatter of d({w.name}) over data") for w in _matrices(ctx)]
-    rows += [row(ctx, "backward", "all-reduce", ("data",), w.count, w.size * ctx.s,
-                 f"pmean over data of d({w.name}) (replicated norm gains)") for w in _norms(ctx)]
+    rows += [row(ctx, "backward", "all-reduce", ("data",), w.count, w.size * F32,
+                 f"pmean over data of d({w.name}) (replicated f32 norm gains)") for w in _norms(ctx)]
     return rows
 
 
@@ -390,7 +396,7 @@ def _loss_row(ctx: _Ctx) -> Row:
 
 def _dp(ctx: _Ctx) -> list[Row]:
     """Gradients averaged over data, leaf by leaf; the loss averaged for the metrics."""
-    grads = [row(ctx, "backward", "all-reduce", ("data",), w.count, w.size * ctx.s,
+    grads = [row(ctx, "backward", "all-reduce", ("data",), w.count, w.size * F32,  # f32 master grads
                  f"pmean over data of d({w.name}) {_shape(w, 1)}") for w in weights(ctx.cfg)]
     return grads + [_loss_row(ctx)]
 
@@ -433,13 +439,13 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
            dtype_bytes: int = 4) -> Memory:
     mesh_lib.check_strategy(strategy)
     rules = RULES[strategy]
-    params = sum(w.count * w.size * dtype_bytes // _shards(w, rules, mesh) for w in weights(cfg))
+    params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
     t = mesh["tensor"] if "heads" in rules else 1
     b = batch // mesh["data"] if "batch" in rules else batch
     d, f, h, v = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.padded_vocab_size
     per_layer = b * seq * (4 * d + 4 * d // t + 3 * f // t) + b * (h // t) * seq * seq
-    final = 2 * b * seq * d + 2 * b * seq * v // t
-    acts = (cfg.num_layers * per_layer + final) * dtype_bytes
+    final = (2 * b * seq * d + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
+    acts = cfg.num_layers * per_layer * dtype_bytes + final
     gathered = 0
     if "embed" in rules:
         layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
@@ -468,7 +474,7 @@ def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
 
 
 def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
-         seq_len: int | None = None, dtype_bytes: int = 4) -> Cost:
+         seq_len: int | None = None, dtype_bytes: int | None = None) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     mesh: {'data': d, 'tensor': t} (a missing axis is 1). Invalid input raises
@@ -485,6 +491,8 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
                          "pass a smaller seq_len or a model with a longer context.")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be positive.")
+    if dtype_bytes is None:  # the config's compute dtype
+        dtype_bytes = DTYPE_BYTES[cfg.dtype]
     if dtype_bytes not in (1, 2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes} must be 1, 2, 4 or 8 (4 for float32).")
     dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads,

@@ -19,7 +19,12 @@ Array = jax.Array
 
 
 def linear(x: Array, w: Array) -> Array:
-    """y = x W with W stored [in, out] (bias-free). x: [..., in] -> [..., out]."""
+    """y = x W with W stored [in, out] (bias-free). x: [..., in] -> [..., out].
+
+    In bf16 the dot is bf16 x bf16 -> bf16 and the backend accumulates in float32
+    (TPU MXU, cuBLAS/cuDNN bf16 GEMMs; XLA:CPU upcasts). Asking for a float32 result
+    (`preferred_element_type`) instead made JAX run BOTH backward matmuls in f32 x f32
+    (the f32 cotangent promotes the bf16 operand; measured, JAX 0.12)."""
     return jnp.einsum("...i,io->...o", x, w)
 
 
@@ -83,10 +88,11 @@ def scaled_dot_product_attention(q: Array, k: Array, v: Array, mask: Array | Non
     mask: boolean [Tq, Tk] (broadcastable), True = keep. Masked scores get -inf,
     so they carry exactly zero probability.
     """
-    scores = jnp.einsum("...qd,...kd->...qk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    scores = jnp.einsum("...qd,...kd->...qk", q, k).astype(jnp.float32)  # softmax in f32
+    scores = scores / np.sqrt(q.shape[-1]).astype(np.float32)
     if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf)
-    return jnp.einsum("...qk,...kd->...qd", softmax(scores, axis=-1), v)
+    return jnp.einsum("...qk,...kd->...qd", softmax(scores, axis=-1).astype(v.dtype), v)
 
 
 def split_heads(x: Array, head_dim: int) -> Array:

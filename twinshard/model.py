@@ -41,9 +41,12 @@ def _param(value: Array, axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(value, logical_axes=axes)
 
 
-def _use(var: nnx.Param, par: Parallelism) -> Array:
-    """A weight as the strategy hands it to the math (FSDP: gathered), keyed by its logical axes."""
-    return par.weight(var[...], var.logical_axes)
+def _use(var: nnx.Param, par: Parallelism, dtype: str = "float32") -> Array:
+    """A weight as the strategy hands it to the math (FSDP: gathered), keyed by its logical axes.
+
+    Cast to the compute dtype BEFORE the hook, so FSDP gathers the bf16 copy (half the bytes)
+    and its gradient comes back through the cast as float32 for the float32 master weight."""
+    return par.weight(var[...].astype(dtype), var.logical_axes)
 
 
 def _truncated_normal(key: Array, shape: tuple[int, ...], std: float) -> Array:
@@ -59,27 +62,31 @@ class Linear(nnx.Module):
     """
 
     def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, rngs: nnx.Rngs,
-                 fan_out: int | None = None, valid_out: int | None = None):
+                 fan_out: int | None = None, valid_out: int | None = None, dtype: str = "float32"):
         std = math.sqrt(2.0 / (d_in + (fan_out or d_out)))
         w = _truncated_normal(rngs.params(), (d_in, d_out), std)
         if valid_out is not None:
             w = jnp.where(jnp.arange(d_out) < valid_out, w, 0.0)
         self.weight = _param(w, axes)
+        self.dtype = dtype
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        return layers.linear(x, _use(self.weight, par))
+        return layers.linear(x, _use(self.weight, par, self.dtype))
 
 
 class Embedding(nnx.Module):
     """Lookup table [V_pad, D], N(0, 1) truncated at +-3; padded rows are zero."""
 
-    def __init__(self, vocab_size: int, padded_vocab: int, d_model: int, *, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, padded_vocab: int, d_model: int, *, rngs: nnx.Rngs,
+                 dtype: str = "float32"):
         w = jax.random.truncated_normal(rngs.params(), -3.0, 3.0, (padded_vocab, d_model), jnp.float32)
         w = jnp.where(jnp.arange(padded_vocab)[:, None] < vocab_size, w, 0.0)
         self.weight = _param(w, ("vocab", "embed"))
+        self.dtype = dtype
 
     def __call__(self, ids: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        return par.embed(ids, _use(self.weight, par))
+        """ids: [B, T] -> [B, T, D] in the compute dtype (the residual stream's dtype)."""
+        return par.embed(ids, _use(self.weight, par, self.dtype))
 
 
 class RMSNorm(nnx.Module):
@@ -94,30 +101,32 @@ class RMSNorm(nnx.Module):
 class CausalSelfAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, hd = cfg.d_model, cfg.num_heads * cfg.head_dim
-        self.q_proj = Linear(d, hd, ("embed", "heads"), rngs=rngs)
-        self.k_proj = Linear(d, hd, ("embed", "heads"), rngs=rngs)
-        self.v_proj = Linear(d, hd, ("embed", "heads"), rngs=rngs)
-        self.output_proj = Linear(hd, d, ("heads", "embed"), rngs=rngs)
+        self.q_proj = Linear(d, hd, ("embed", "heads"), rngs=rngs, dtype=cfg.dtype)
+        self.k_proj = Linear(d, hd, ("embed", "heads"), rngs=rngs, dtype=cfg.dtype)
+        self.v_proj = Linear(d, hd, ("embed", "heads"), rngs=rngs, dtype=cfg.dtype)
+        self.output_proj = Linear(hd, d, ("heads", "embed"), rngs=rngs, dtype=cfg.dtype)
         self.head_dim, self.theta, self.max_len = cfg.head_dim, cfg.rope_theta, cfg.context_length
+        self.dtype = cfg.dtype
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel."""
         x = par.enter_tensor_parallel(x)
-        w = [_use(m.weight, par) for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj)]
+        w = [_use(m.weight, par, self.dtype) for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj)]
         out = layers.causal_self_attention(x, *w, self.head_dim, self.theta, self.max_len)
         return par.exit_tensor_parallel(out)
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs):
-        self.w1 = Linear(d_model, d_ff, ("embed", "mlp"), rngs=rngs)
-        self.w2 = Linear(d_ff, d_model, ("mlp", "embed"), rngs=rngs)
-        self.w3 = Linear(d_model, d_ff, ("embed", "mlp"), rngs=rngs)
+    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype: str = "float32"):
+        self.w1 = Linear(d_model, d_ff, ("embed", "mlp"), rngs=rngs, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, ("mlp", "embed"), rngs=rngs, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, ("embed", "mlp"), rngs=rngs, dtype=dtype)
+        self.dtype = dtype
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """x: [B, T, D] -> [B, T, D]; w1/w3 column-parallel, w2 row-parallel."""
         x = par.enter_tensor_parallel(x)
-        w1, w2, w3 = (_use(m.weight, par) for m in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (_use(m.weight, par, self.dtype) for m in (self.w1, self.w2, self.w3))
         return par.exit_tensor_parallel(layers.swiglu(x, w1, w2, w3))
 
 
@@ -128,7 +137,7 @@ class Block(nnx.Module):
         self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg, rngs=rngs)
         self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, rngs=rngs)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, rngs=rngs, dtype=cfg.dtype)
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         x = par.constrain(x + self.attn(self.ln1(x, par), par), ACTIVATION)
@@ -139,10 +148,10 @@ class TransformerLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         v, vp, d = cfg.vocab_size, cfg.padded_vocab_size, cfg.d_model
-        self.token_embeddings = Embedding(v, vp, d, rngs=rngs)
+        self.token_embeddings = Embedding(v, vp, d, rngs=rngs, dtype=cfg.dtype)
         self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.ln_final = RMSNorm(d, cfg.norm_eps)
-        self.lm_head = Linear(d, vp, ("embed", "vocab"), rngs=rngs, fan_out=v, valid_out=v)
+        self.lm_head = Linear(d, vp, ("embed", "vocab"), rngs=rngs, fan_out=v, valid_out=v, dtype=cfg.dtype)
 
     def __call__(self, tokens: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """tokens: [B, T] int -> logits [B, T, V_pad] (V_pad/tensor under vocab parallelism).
@@ -153,7 +162,10 @@ class TransformerLM(nnx.Module):
         for block in self.layers:
             x = block(x, par)
         x = self.ln_final(x, par)
-        return par.constrain(self.lm_head(par.enter_tensor_parallel(x), par), LOGITS)
+        # Logits in the compute dtype (so the lm_head's backward matmuls stay bf16 too: with
+        # float32 logits JAX ran both of them in f32, measured), then float32 for the loss.
+        logits = self.lm_head(par.enter_tensor_parallel(x), par).astype(jnp.float32)
+        return par.constrain(logits, LOGITS)
 
     def loss(self, tokens: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """Mean next-token cross-entropy over this program's (local) tokens."""
