@@ -24,6 +24,7 @@ import numbers
 from typing import Any
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")  # twinshard.layers.causal_attention
 VOCAB_MULTIPLE = 128  # pad the vocab so it splits over any power-of-two tensor axis <= 128
 
 
@@ -87,12 +88,16 @@ class ModelConfig:
     # optimizer state stay float32 (master weights); matmuls accumulate in float32; norms,
     # softmax statistics and the loss are float32 (DESIGN.md, Precision).
     dtype: str = "float32"
+    # Attention kernel (twinshard.layers.causal_attention): "auto" = cuDNN flash attention on a
+    # GPU in bf16, XLA's elsewhere; "reference" = the readable layers.scaled_dot_product_attention.
+    attention: str = "auto"
 
     def __post_init__(self):
         _check_types(self)
-        if self.dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"ModelConfig.dtype={self.dtype!r} is not supported; choose one of "
-                             f"{', '.join(COMPUTE_DTYPES)}.")
+        for name, choices in (("dtype", COMPUTE_DTYPES), ("attention", ATTENTION_IMPLS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not supported; choose one of "
+                                 f"{', '.join(choices)}.")
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive.")

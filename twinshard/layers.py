@@ -95,6 +95,23 @@ def scaled_dot_product_attention(q: Array, k: Array, v: Array, mask: Array | Non
     return jnp.einsum("...qk,...kd->...qd", softmax(scores, axis=-1).astype(v.dtype), v)
 
 
+def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto") -> Array:
+    """Causal attention of q, k, v: [B, h, T, dh] -> [B, h, T, dh] (h local heads under TP).
+
+    impl: "reference" is `scaled_dot_product_attention` above, the readable one every
+    other is tested against; "xla" and "cudnn" are `jax.nn.dot_product_attention`'s
+    implementations (cuDNN flash attention: GPU, bf16/fp16 only; it never builds the
+    [T, T] scores); "auto" is cudnn on a GPU in bf16/fp16, xla elsewhere.
+    """
+    if impl == "reference":
+        return scaled_dot_product_attention(q, k, v, causal_mask(q.shape[-2]))
+    if impl == "auto":
+        half = q.dtype in (jnp.bfloat16, jnp.float16)
+        impl = "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+    bthd = lambda t: t.transpose(0, 2, 1, 3)  # noqa: E731  [B, h, T, dh] <-> [B, T, h, dh]
+    return bthd(jax.nn.dot_product_attention(bthd(q), bthd(k), bthd(v), is_causal=True, implementation=impl))
+
+
 def split_heads(x: Array, head_dim: int) -> Array:
     """[B, T, h*dh] -> [B, h, T, dh]."""
     b, t, hd = x.shape
@@ -109,7 +126,7 @@ def merge_heads(x: Array) -> Array:
 
 def causal_self_attention(
     x: Array, wq: Array, wk: Array, wv: Array, wo: Array,
-    head_dim: int, theta: float, max_len: int,
+    head_dim: int, theta: float, max_len: int, attention: str = "auto",
 ) -> Array:
     """Causal multi-head self-attention with RoPE on q and k.
 
@@ -122,5 +139,5 @@ def causal_self_attention(
     q = apply_rope(split_heads(linear(x, wq), head_dim), positions, theta, max_len)
     k = apply_rope(split_heads(linear(x, wk), head_dim), positions, theta, max_len)
     v = split_heads(linear(x, wv), head_dim)
-    out = scaled_dot_product_attention(q, k, v, causal_mask(t))  # [B, h, T, dh]
+    out = causal_attention(q, k, v, attention)  # [B, h, T, dh]
     return linear(merge_heads(out), wo)

@@ -106,13 +106,13 @@ class CausalSelfAttention(nnx.Module):
         self.v_proj = Linear(d, hd, ("embed", "heads"), rngs=rngs, dtype=cfg.dtype)
         self.output_proj = Linear(hd, d, ("heads", "embed"), rngs=rngs, dtype=cfg.dtype)
         self.head_dim, self.theta, self.max_len = cfg.head_dim, cfg.rope_theta, cfg.context_length
-        self.dtype = cfg.dtype
+        self.dtype, self.attention = cfg.dtype, cfg.attention
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel."""
         x = par.enter_tensor_parallel(x)
         w = [_use(m.weight, par, self.dtype) for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj)]
-        out = layers.causal_self_attention(x, *w, self.head_dim, self.theta, self.max_len)
+        out = layers.causal_self_attention(x, *w, self.head_dim, self.theta, self.max_len, self.attention)
         return par.exit_tensor_parallel(out)
 
 
