@@ -54,8 +54,8 @@ def define_distributed_flags() -> None:
     define(flags.DEFINE_integer, "num_processes", None, "With --coordinator_address: number of processes.")
     define(flags.DEFINE_integer, "process_id", None, "With --coordinator_address: this process's index.")
     define(flags.DEFINE_integer, "init_timeout", 300,
-           "Seconds every process waits for all --num_processes to join at the coordinator; then it exits "
-           f"(code {EXIT_JOIN_FAILED}) with one line saying so.")
+           "Seconds every process waits for all --num_processes to join at the coordinator; about 5 s later "
+           f"it exits (code {EXIT_JOIN_FAILED}) with one line saying so.")
     define(flags.DEFINE_integer, "heartbeat_timeout", 10,
            "Seconds without a heartbeat after which a process counts as lost; every other process then "
            f"exits (code {EXIT_PEER_LOST}) with one line naming it. The coordinator's (process 0's) loss "

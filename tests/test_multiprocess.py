@@ -92,7 +92,7 @@ def test_an_unreachable_coordinator_fails_after_init_timeout(tmp_path):
     err = proc.communicate(timeout=120)[1]
     seconds = time.monotonic() - joining
     assert proc.returncode == distributed.EXIT_JOIN_FAILED, err[-3000:]
-    assert 2 <= seconds < 12, seconds
+    assert 2 <= seconds < 2 + 10, seconds  # measured: --init_timeout + 5.2 s
     assert err.splitlines() == [
         f"process 1: the run at --coordinator_address=127.0.0.1:{port} did not form within --init_timeout=2 s: "
         "start all --num_processes=2 processes with the same address (process 0 serves it) and check that it "
