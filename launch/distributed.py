@@ -112,9 +112,15 @@ def initialize(run: Run, log_dir: str) -> None:
     _native_stderr_to(run.log_path)
     _on_abort(run)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU: cross-process collectives
-    jax.distributed.initialize(coordinator_address=run.coordinator, num_processes=run.num_processes,
-                               process_id=run.process_id, initialization_timeout=run.init_timeout,
-                               heartbeat_timeout_seconds=run.heartbeat_timeout)
+    try:
+        jax.distributed.initialize(coordinator_address=run.coordinator, num_processes=run.num_processes,
+                                   process_id=run.process_id, initialization_timeout=run.init_timeout,
+                                   heartbeat_timeout_seconds=run.heartbeat_timeout)
+    except ValueError as e:  # measured: "coordinator_address should be defined." when nothing is detected
+        if run.coordinator is not None:
+            raise
+        raise ValueError("--distributed found no cluster to join (TPU pod, SLURM, Open MPI); elsewhere pass "
+                         "--coordinator_address=HOST:PORT --num_processes=N --process_id=I instead.") from e
     run.process_id, run.num_processes = jax.process_index(), jax.process_count()
     run.joined = True
 

@@ -99,6 +99,17 @@ def test_an_unreachable_coordinator_fails_after_init_timeout(tmp_path):
         "is reachable, or raise --init_timeout."]
 
 
+def test_distributed_without_a_cluster_says_what_to_pass(tmp_path):
+    code = ("import sys; from launch import distributed as d; "
+            "d.initialize(d.Run(None, None, None, 5, 10, sys.argv[1] + '/logs/p.log'), sys.argv[1] + '/logs')")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=_ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        "ValueError: --distributed found no cluster to join (TPU pod, SLURM, Open MPI); elsewhere pass "
+        "--coordinator_address=HOST:PORT --num_processes=N --process_id=I instead.")
+
+
 # The C++ client's fatal log text, as measured in the runs above (JAX 0.12), trimmed.
 _LOST_TASK = (f"F1130 client.h:86] {distributed._FATAL} This most likely indicates that another task died. "
               "absl::Status: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n"
