@@ -1,14 +1,26 @@
 """Multi-host launch, on one machine: two processes x 4 CPU devices (gloo) train one
-8-device FSDP mesh with the unchanged launcher and match the single-device run."""
+8-device FSDP mesh with the unchanged launcher and match the single-device run; when
+one process dies, the other stops within seconds with one line (launch/distributed.py)."""
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
+import jax
 import pytest
 
+from launch import distributed
 from test_train import metrics, run_train
+
+# XLA_FLAGS: each process asks for its own 4 devices; opt level 0 and the compilation cache
+# as in conftest (after the first run, the processes start training in seconds)
+_ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0",
+        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def _free_port() -> int:
@@ -17,18 +29,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch(tmp_path, port: int, process_id: int, *args: str) -> subprocess.Popen:
+    """One process of a 2-process tiny fsdp/manual run of launch.train."""
+    cmd = [sys.executable, "-m", "launch.train", "--preset=tiny", "--strategy=fsdp", "--impl=manual",
+           "--devices=4", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+           f"--process_id={process_id}", f"--cache_dir={tmp_path / 'cache'}", *args]
+    return subprocess.Popen(cmd, env=_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_two_processes_train_one_mesh_like_a_single_device(tmp_path, tmp_path_factory):
     port, workdir = _free_port(), tmp_path / "mp"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # each process asks for its own 4 devices
-    args = [sys.executable, "-m", "launch.train", "--preset=tiny", "--strategy=fsdp", "--impl=manual",
-            "--devices=4", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-            f"--workdir={workdir}", "--steps=6", "--log_every=2", "--eval_every=6",
-            f"--cache_dir={tmp_path / 'cache'}"]
-    procs = [subprocess.Popen(args + [f"--process_id={i}"], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    assert "step      6" in outs[0] and "step      6" not in outs[1]  # only process 0 reports
+    procs = [_launch(tmp_path, port, i, f"--workdir={workdir}", "--steps=6", "--log_every=2", "--eval_every=6")
+             for i in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[0][-3000:] + e[-3000:] for o, e in outs)
+    assert "step      6" in outs[0][0] and "step      6" not in outs[1][0]  # only process 0 reports
 
     single = tmp_path / "single"
     run_train(tmp_path_factory, f"--workdir={single}", "--steps=6", "--eval_every=6")
@@ -36,3 +51,131 @@ def test_two_processes_train_one_mesh_like_a_single_device(tmp_path, tmp_path_fa
         assert b["loss"] == pytest.approx(a["loss"], abs=2e-5), a["step"]
     assert metrics(workdir)[-1]["eval_loss"] == pytest.approx(metrics(single)[-1]["eval_loss"], abs=2e-5)
     assert (workdir / "checkpoints" / "6").is_dir()
+
+
+# (victim, the line of process 0 after which it is killed): process 1 mid-training; the
+# coordinator right after the run formed, while process 1 still builds and compiles.
+@pytest.mark.parametrize("victim, kill_after", [(1, "step      1 "), (0, "fsdp/manual preset=tiny")])
+def test_a_lost_process_stops_the_other_with_one_line(tmp_path, victim, kill_after):
+    workdir = tmp_path / "run"
+    port = _free_port()
+    procs = [_launch(tmp_path, port, i, f"--workdir={workdir}", "--steps=100000", "--log_every=1",
+                     "--eval_every=0") for i in range(2)]
+    survivor = procs[1 - victim]
+    try:
+        for line in procs[0].stdout:
+            if line.startswith(kill_after):
+                break
+        procs[victim].kill()
+        killed = time.monotonic()
+        err = survivor.communicate(timeout=90)[1]
+        seconds = time.monotonic() - killed
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert survivor.returncode == distributed.EXIT_PEER_LOST, err[-3000:]
+    assert seconds < 30, seconds  # default --heartbeat_timeout=10; the coordinator's loss is seen at once
+    line, = err.splitlines()  # one line, the C++ runtime's ~40 lines went to the log it names
+    assert line.startswith(f"process {1 - victim}: lost process {victim} (")
+    assert "--resume" in line and str(workdir / "logs" / f"process{1 - victim}.log") in line
+    assert distributed._FATAL in (workdir / "logs" / f"process{1 - victim}.log").read_text()
+
+
+def test_an_unreachable_coordinator_fails_after_init_timeout(tmp_path):
+    port, workdir = _free_port(), tmp_path / "run"  # nobody listens there
+    proc = _launch(tmp_path, port, 1, f"--workdir={workdir}", "--init_timeout=2")
+    log = workdir / "logs" / "process1.log"
+    while not log.exists() and proc.poll() is None:  # created just before jax.distributed.initialize
+        time.sleep(0.05)
+    joining = time.monotonic()
+    err = proc.communicate(timeout=120)[1]
+    seconds = time.monotonic() - joining
+    assert proc.returncode == distributed.EXIT_JOIN_FAILED, err[-3000:]
+    assert 2 <= seconds < 2 + 10, seconds  # measured: --init_timeout + 5.2 s
+    assert err.splitlines() == [
+        f"process 1: the run at --coordinator_address=127.0.0.1:{port} did not form within --init_timeout=2 s: "
+        "start all --num_processes=2 processes with the same address (process 0 serves it) and check that it "
+        "is reachable, or raise --init_timeout."]
+
+
+def test_distributed_without_a_cluster_says_what_to_pass(tmp_path):
+    code = ("import sys; from launch import distributed as d; "
+            "d.initialize(d.Run(None, None, None, 5, 10, sys.argv[1] + '/logs/p.log'), sys.argv[1] + '/logs')")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=_ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1] == (
+        "ValueError: --distributed found no cluster to join (TPU pod, SLURM, Open MPI); elsewhere pass "
+        "--coordinator_address=HOST:PORT --num_processes=N --process_id=I instead.")
+
+
+# The C++ client's fatal log text, as measured in the runs above (JAX 0.12), trimmed.
+_LOST_TASK = (f"F1130 client.h:86] {distributed._FATAL} This most likely indicates that another task died. "
+              "absl::Status: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n"
+              "{tasks}\nThe tasks have crashed. Check the task logs for an earlier error.\n\n"
+              "RPC: /xla.coordination.CoordinationService/PollForError\n*** Check failure stack trace: ***\n")
+_LOST_LEADER = (f"F1130 client.h:86] {distributed._FATAL} absl::Status: UNAVAILABLE: Failed to send RPC to "
+                "coordination service. Either the leader task was preempted/died/restarted unexpectedly or "
+                "this task is experiencing network issues.\n:UNAVAILABLE:Stream removed (Socket closed)\n")
+
+
+@pytest.mark.parametrize("text, me, lost", [
+    (_LOST_TASK.format(tasks="1"), 0, "process 1 (no heartbeat for 10 s)"),
+    (_LOST_TASK.format(tasks="/job:jax_worker/replica:0/task:2\n/job:jax_worker/replica:0/task:3"), 0,
+     "process 2, 3 (no heartbeat for 10 s)"),
+    (_LOST_LEADER, 1, "process 0 (the coordinator at h:1 is gone)")])
+def test_verdict_names_the_lost_process(text, me, lost):
+    run = distributed.Run("h:1", 4, me, 300, 10, "L", joined=True)
+    code, line = distributed.verdict("E1130 earlier noise\n" + text, run)
+    assert code == distributed.EXIT_PEER_LOST
+    assert line == (f"process {me}: lost {lost}; stopping. Run the same command with --resume on every "
+                    "process to continue from the last checkpoint (runtime log: L).")
+
+
+def test_verdict_leaves_other_aborts_alone():
+    run = distributed.Run("h:1", 2, 0, 300, 10, "L", joined=True)
+    assert distributed.verdict("F1130 some_pass.cc:12] Check failed: x == y\n*** Check failure ***", run) is None
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("coordinator", "10.0.0.1", "--coordinator_address=10.0.0.1 is not HOST:PORT"),
+    ("coordinator", "h:99999", "is not HOST:PORT"),
+    ("process_id", 2, "--process_id=2 must be one of 0..1"),
+    ("num_processes", None, "needs --num_processes and --process_id"),
+    ("heartbeat_timeout", 0, "--heartbeat_timeout=0 must be at least 1"),
+    ("init_timeout", -5, "--init_timeout=-5 must be at least 1")])
+def test_bad_distributed_flags_are_named(flag, value, says):
+    run = distributed.Run("h:1", 2, 1, 300, 10, "L")
+    setattr(run, flag, value)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        distributed.check(run)
+
+
+# The handler's mechanics without a run: fd 2 goes to the log, Python's stderr stays,
+# and abort() after the C++ client's fatal text becomes the one line and exit code.
+_ABORT = """
+import os, sys
+from launch import distributed
+run = distributed.Run("h:1", 2, 1, 300, 10, sys.argv[1], joined=True)
+distributed._native_stderr_to(run.log_path)
+distributed._on_abort(run)
+print("python's stderr", file=sys.stderr, flush=True)
+os.write(2, sys.argv[2].encode())  # as the C++ runtime writes before it abort()s
+os.abort()
+"""
+
+
+@pytest.mark.parametrize("native", [_LOST_LEADER, "F1130 pass.cc:12] Check failed: x == y\n"])
+def test_abort_handler_replaces_a_coordination_abort_only(tmp_path, native):
+    log = tmp_path / "process1.log"
+    proc = subprocess.run([sys.executable, "-c", _ABORT, str(log), native], env=_ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert log.read_text() == native  # the C++ text went to the log, not the terminal
+    expected = distributed.verdict(native, distributed.Run("h:1", 2, 1, 300, 10, str(log), joined=True))
+    if expected:
+        assert proc.returncode == expected[0] == distributed.EXIT_PEER_LOST
+        assert proc.stderr.splitlines() == ["python's stderr", expected[1]]
+    else:  # any other abort: its log is shown, and it still aborts
+        assert proc.returncode == -signal.SIGABRT
+        assert proc.stderr == "python's stderr\n" + native
