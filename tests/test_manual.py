@@ -128,8 +128,9 @@ def test_fsdp_gathers_each_weight_forward_and_backward_and_scatters_each_gradien
     # a scatter-add, needs no table values), re-gathered because remat drops it.
     testing.expect_collectives(led, "all-gather", ("data",), count=2 * N_MATRICES - 1)
     testing.expect_collectives(led, "reduce-scatter", ("data",), count=N_MATRICES)
-    # DP mean of the RMSNorm gains + the loss + the global-norm psum
-    testing.expect_collectives(led, "all-reduce", ("data",), count=N_NORMS + 2)
+    # DP mean of the RMSNorm gains (one per leaf: ln1, ln2 stacked [L, D], ln_final) + the loss
+    # + the global-norm psum
+    testing.expect_collectives(led, "all-reduce", ("data",), count=3 + 2)
     weight_bytes = 4 * (CFG.model.num_params() - CFG.model.d_model * N_NORMS)
     embed_bytes = 4 * CFG.model.padded_vocab_size * CFG.model.d_model
     testing.expect_bytes(led, ("data",), 2 * weight_bytes - embed_bytes, rel=0, op="all-gather")
