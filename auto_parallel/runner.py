@@ -41,6 +41,11 @@ class GSPMD(Parallelism):
     def weight(self, w, axes):
         """Pin the layout a weight is used in: its logical axes under the activation rules.
 
+        Inside the layer scan `w` is one layer's slice of the stacked [L, ...] param
+        (e.g. W1 [D/data, F] in FSDP's storage layout), so the pin is per layer: GSPMD
+        gathers one layer's weight per loop iteration (measured: a [1, D, F] all-gather
+        in the while body, multiplicity L), not the whole stack before the loop.
+
         FSDP's 'embed' -> 'data' split is absent from those rules, so this is the
         GSPMD form of FSDP's all-gather (and its gradient's reduce-scatter), while
         TP's heads/mlp/vocab splits are kept. Without it GSPMD planned the

@@ -2,7 +2,9 @@
 d_model dimension; it is all-gathered right before its matmul and its gradient
 is reduce-scattered straight back to the slice.
 
-Forward: `fsdp_gather` = all_gather over `data` of each weight matrix (7L+2).
+Forward: `fsdp_gather` = all_gather over `data` of each weight matrix (7L+2):
+inside the layer scan, one layer's 7 matrices per iteration (W1: [D/data, F]
+-> [D, F]), so at most one layer's gathered weights exist at a time.
 Backward: all_gather again (gathered weights are not saved: `remat`) of every
 matrix but the embedding table (its gradient is a scatter-add that reads no
 table values), then psum_scatter over `data` of each weight gradient
@@ -35,6 +37,11 @@ class FullyShardedDataParallel(ManualParallelism):
         """Save only matmul outputs for the backward pass; everything else - the
         gathered weights included - is recomputed, so the backward pass
         all-gathers each weight again and no full weight outlives its layer.
+
+        The policy reaches into the layer scan: the forward loop saves per layer
+        only the allowed residuals (stacked [L, ...]), and the backward loop
+        re-gathers each layer's 7 matrices in its body (measured at L=8: 7
+        all-gathers in each loop, multiplicity 8; tests/test_scan.py).
 
         Measured (JAX 0.12): `save_anything_except_these_names` on a
         checkpoint_name'd gathered weight does NOT re-gather - autodiff saves a

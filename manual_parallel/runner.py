@@ -3,7 +3,8 @@
 The whole train step - forward, backward, gradient synchronization, global-norm
 clipping and the AdamW update - is ONE `jax.shard_map` over the mesh with
 `check_vma=True`. Inside it every array is a local shard (shapes in comments
-are per device) and the only communication is what the code names:
+are per device; inside the layer scan, per device and per layer) and the only
+communication is what the code names:
 
 - the strategy's `Parallelism` hooks (manual_parallel/<strategy>.py): FSDP
   gathers, Megatron f/g, vocab-parallel embedding and cross-entropy;

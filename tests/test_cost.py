@@ -41,8 +41,8 @@ def test_weights_match_the_real_parameter_tree():
     real = Counter((tuple(s.shape), a) for s, a in zip(
         jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))))
     model = Counter()
-    for w in cost.weights(CFG):
-        model[(w.shape, w.axes)] += w.count
+    for w in cost.weights(CFG):  # block weights are stacked leaves [L, ...] ('layers', ...)
+        model[(w.leaf_shape, w.leaf_axes)] += w.leaves
     assert model == real
     assert sum(w.count * w.size for w in cost.weights(CFG)) == CFG.num_params()
     assert sum(w.count for w in cost.weights(CFG) if w.is_matrix) == 7 * 2 + 2  # 7L + 2
@@ -58,12 +58,13 @@ def test_rules_are_the_auto_twins_placement_tables():
 
 def test_dp_all_reduces_every_parameter_once():
     c = cost.cost(CFG, "dp", {"data": 8, "tensor": 1}, B)
-    # 9L+3 = 21 gradient leaves + the loss; bytes = all params + 4.
+    # 12 gradient leaves (9 stacked [L, ...] block leaves + embedding, ln_final, lm_head)
+    # + the loss; bytes = all params + 4.
     assert c.summary() == {("all-reduce", ("data",)): {
-        "count": 22, "bytes": 623876, "ring_bytes": 2 * 7 / 8 * 623876}}
+        "count": 13, "bytes": 623876, "ring_bytes": 2 * 7 / 8 * 623876}}
     grads = [r for r in c.collectives if r.phase == "backward"]
     assert sum(r.bytes for r in grads) == CFG.num_params() * 4
-    assert sum(r.count for r in grads) == 9 * CFG.num_layers + 3
+    assert sum(r.count for r in grads) == 9 + 3
     assert not [r for r in c.collectives if r.phase == "optimizer"]
 
 
@@ -74,8 +75,8 @@ def test_fsdp_gathers_twice_and_scatters_once():
         # gradient is a scatter-add that never reads the gathered table).
         ("all-gather", ("data",)): {"count": 31, "bytes": 2 * M - EMB, "ring_bytes": 7 / 8 * (2 * M - EMB)},
         ("reduce-scatter", ("data",)): {"count": 16, "bytes": M // 8, "ring_bytes": 7 * M // 8},
-        # 5 norm gradients (1280) + the squared-norm scalar + the loss
-        ("all-reduce", ("data",)): {"count": 7, "bytes": NORMS + 8, "ring_bytes": 2 * 7 / 8 * (NORMS + 8)},
+        # 3 norm gradient leaves (ln1, ln2 [L, D], ln_final [D]: 1280) + the squared-norm scalar + the loss
+        ("all-reduce", ("data",)): {"count": 5, "bytes": NORMS + 8, "ring_bytes": 2 * 7 / 8 * (NORMS + 8)},
     }
     assert [r.phase for r in c.collectives if r.op == "all-reduce"][-2:] == ["optimizer", "metrics"]
 
@@ -98,12 +99,13 @@ def test_fsdp_tp_combines_both_on_local_shapes():
         ("all-gather", ("data",)): {"count": 31, "bytes": (2 * M - EMB) // 4,
                                     "ring_bytes": 1 / 2 * (2 * M - EMB) // 4},
         ("reduce-scatter", ("data",)): {"count": 16, "bytes": M // 8, "ring_bytes": M // 8},
-        ("all-reduce", ("data",)): {"count": 6, "bytes": NORMS + 4, "ring_bytes": NORMS + 4},
+        # 3 norm gradient leaves (ln1, ln2 [L, D], ln_final) + the loss
+        ("all-reduce", ("data",)): {"count": 4, "bytes": NORMS + 4, "ring_bytes": NORMS + 4},
         ("all-reduce", ("tensor",)): {"count": 13, "bytes": 10 * a + 3 * 512,
                                       "ring_bytes": 1.5 * (10 * a + 3 * 512)},
         ("all-reduce", ("data", "tensor")): {"count": 1, "bytes": 4, "ring_bytes": 2 * 7 / 8 * 4},
     }
-    assert c.by_axes()[("data",)]["count"] == 31 + 16 + 6
+    assert c.by_axes()[("data",)]["count"] == 31 + 16 + 4
 
 
 def test_ring_bytes_follow_the_ledger_convention():
@@ -128,16 +130,24 @@ def test_flops_hand_count():
 
 
 def test_flops_match_xlas_count():
-    """XLA's cost analysis of the single-device step (it also counts elementwise ops: +3%)."""
+    """XLA's cost analysis of the single-device step (it also counts elementwise ops: +3%).
+
+    Measured (XLA:CPU, JAX 0.12): cost_analysis() counts a `while` body ONCE, whatever its
+    trip count, so with the scanned layer stack it reports the flops of a 1-layer model
+    (tiny, L=2: 129.7M where the model says 213.9M). Compare on L=1, where once is right.
+    """
+    import dataclasses
+
     import jax.numpy as jnp
 
     from twinshard import trainer
 
-    params = jax.eval_shape(functools.partial(trainer.create_params, CFG, 0))
+    cfg = dataclasses.replace(CFG, num_layers=1)
+    params = jax.eval_shape(functools.partial(trainer.create_params, cfg, 0))
     x = jax.ShapeDtypeStruct((B, T), jnp.int32)
-    loss = functools.partial(trainer.loss_fn, cfg=CFG)
+    loss = functools.partial(trainer.loss_fn, cfg=cfg)
     xla = jax.jit(jax.value_and_grad(loss)).lower(params, x, x).compile().cost_analysis()["flops"]
-    assert xla == pytest.approx(cost.flops(CFG, B, T).total, rel=0.05)
+    assert xla == pytest.approx(cost.flops(cfg, B, T).total, rel=0.05)
 
 
 def test_memory_per_device():

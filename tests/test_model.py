@@ -50,7 +50,7 @@ def test_padded_logits_take_no_probability(model):
 def test_init_distributions():
     cfg = dataclasses.replace(CFG, d_model=256, num_heads=4)
     p = create_params(cfg, seed=3)
-    w = np.asarray(p["layers"][0]["ffn"]["w1"]["weight"])  # [256, d_ff]
+    w = np.asarray(p["layers"]["ffn"]["w1"]["weight"][0])  # layer 0 of the stack [L, 256, d_ff]
     std = np.sqrt(2.0 / (256 + cfg.d_ff))
     assert np.abs(w).max() <= 3 * std + 1e-6
     assert w.std() / std == pytest.approx(0.9866, abs=0.02)  # std of N(0,1) cut at +-3
@@ -71,10 +71,12 @@ def test_every_param_has_logical_axes():
     axes = logical_axes(CFG)
     params = create_params(CFG, 0)
     flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-    assert len(flat_axes) == len(jax.tree.leaves(params)) == 3 + 9 * CFG.num_layers
+    # the L blocks are one stack: 9 leaves of [L, ...] (not 9L), + embedding, ln_final, lm_head
+    assert len(flat_axes) == len(jax.tree.leaves(params)) == 3 + 9
     for ax, p in zip(flat_axes, jax.tree.leaves(params)):
-        assert len(ax) == p.ndim and set(ax) <= {"vocab", "embed", "heads", "mlp", "norm"}
-    assert axes["layers"][0]["attn"]["output_proj"]["weight"] == ("heads", "embed")
+        assert len(ax) == p.ndim and set(ax) <= {"vocab", "embed", "heads", "mlp", "norm", "layers"}
+        assert ("layers" in ax) == (ax[0] == "layers") and (ax[0] != "layers" or p.shape[0] == CFG.num_layers)
+    assert axes["layers"]["attn"]["output_proj"]["weight"] == ("layers", "heads", "embed")
 
 
 def test_state_dict_names_layout_and_exact_round_trip(model):

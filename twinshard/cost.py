@@ -23,19 +23,27 @@ Notation
     F  d_ff                            V  padded vocab (multiple of 128)
     s  bytes per element of the COMPUTE dtype (dtype_bytes: 4 = float32, 2 = bfloat16)
 
-The parameter tree (`weights(cfg)`; leaf names as in twinshard/model.py):
+The parameter tree (`weights(cfg)`; leaf names as in twinshard/model.py). The
+blocks are one stack scanned over L (model.scan_layers): each block weight is
+a leaf [L, ...] with logical axes ('layers', ...), and the scan body uses one
+layer's slice (the shape below):
 
-    kind    leaf                     shape        logical axes     count
-    matrix  token_embeddings         [V, D]       (vocab, embed)   1
-    matrix  attn.{q,k,v}_proj        [D, H*dh]    (embed, heads)   3L
-    matrix  attn.output_proj         [H*dh, D]    (heads, embed)   L
-    matrix  ffn.{w1,w3}              [D, F]       (embed, mlp)     2L
-    matrix  ffn.w2                   [F, D]       (mlp, embed)     L
-    matrix  lm_head                  [D, V]       (embed, vocab)   1
-    norm    ln1, ln2, ln_final       [D]          (norm,)          2L + 1
+    kind    weight                   shape        logical axes     count   leaves
+    matrix  token_embeddings         [V, D]       (vocab, embed)   1       1
+    matrix  attn.{q,k,v}_proj        [D, H*dh]    (embed, heads)   3L      3 x [L, D, H*dh]
+    matrix  attn.output_proj         [H*dh, D]    (heads, embed)   L       1 x [L, H*dh, D]
+    matrix  ffn.{w1,w3}              [D, F]       (embed, mlp)     2L      2 x [L, D, F]
+    matrix  ffn.w2                   [F, D]       (mlp, embed)     L       1 x [L, F, D]
+    matrix  lm_head                  [D, V]       (embed, vocab)   1       1
+    norm    ln1, ln2                 [D]          (norm,)          2L      2 x [L, D]
+    norm    ln_final                 [D]          (norm,)          1       1
 
-so there are 7L + 2 matrices and 2L + 1 norm vectors: 9L + 3 leaves,
+so there are 7L + 2 matrices and 2L + 1 norm vectors in 12 leaves,
 N = 2VD + L(4D^2 + 3DF + 2D) + D parameters (= `ModelConfig.num_params()`).
+A collective in the scan body (FSDP's gather and scatter, Megatron's f/g)
+runs once per layer: `count` times per step (the ledger multiplies by the
+while loop's trip count); one on a whole gradient leaf (the DP mean) runs
+once per leaf.
 
 Collective rows (one `Row` per kind of collective; `count` collectives of
 `bytes / count` bytes each). Byte conventions are the ledger's: `bytes` is the
@@ -61,7 +69,7 @@ Per strategy (each is one small function below: `_dp`, `_fsdp`, `_tp`,
 `_fsdp_tp`; each row names the manual twin's line in `what`):
 
 dp (data=d). backward: one all-reduce (pmean) over data of every gradient
-    leaf, 9L+3 all-reduces of N*s bytes in total (scaling book: 2N(d-1)/d*s
+    leaf, 12 all-reduces (9 stacked + 3) of N*s bytes in total (scaling book: 2N(d-1)/d*s
     ring bytes per device). metrics: all-reduce (pmean) of the f32 loss.
     optimizer: none (gradients are replicated after the mean, so the global
     norm is local).
@@ -72,7 +80,8 @@ fsdp (data=d; each matrix sharded over data on its D dim, norms replicated).
     is a scatter-add of the output gradient that never reads the table, so
     its re-gather is dead code (measured: the manual twin's compiled step has
     2(7L+2)-1 all-gathers); reduce-scatter of each matrix gradient (result =
-    matrix/d); all-reduce of each norm gradient (2L+1, D*s each).
+    matrix/d); all-reduce of each norm gradient leaf (ln1 and ln2 [L, D],
+    ln_final [D]: 3, (2L+1)*D*s bytes in total).
     optimizer: all-reduce of the f32 partial sum of squared (sharded)
     gradients for the global norm. metrics: all-reduce of the loss. Per step
     each matrix (but the embedding) moves 3x its size through the ring
@@ -161,16 +170,37 @@ NOT_REGATHERED: frozenset[str] = frozenset({"token_embeddings"})
 
 @dataclass(frozen=True)
 class Weight:
-    """A group of identical parameter leaves (e.g. the 3L q/k/v projections)."""
+    """A group of identical per-layer weights (e.g. the 3L q/k/v projections).
+
+    `count` weights of `shape` are used per forward pass. A `stacked` group
+    lives in `count // layers` parameter leaves of shape [layers, *shape] (the
+    scanned block stack: e.g. q, k, v are 3 leaves [L, D, H*dh]); collectives
+    inside the scan body act on one layer's weight (`count` of them per
+    step), those on whole gradients on one leaf (`leaves` of them).
+    """
 
     name: str
-    shape: tuple[int, ...]
-    axes: tuple[str, ...]  # logical axes
+    shape: tuple[int, ...]  # one layer's weight
+    axes: tuple[str, ...]  # its logical axes
     count: int
+    layers: int = 1  # L for the stacked block params, 1 otherwise
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def leaves(self) -> int:
+        """Number of parameter arrays (a stacked leaf holds `layers` weights)."""
+        return self.count // self.layers
+
+    @property
+    def leaf_shape(self) -> tuple[int, ...]:
+        return self.shape if self.layers == 1 else (self.layers, *self.shape)
+
+    @property
+    def leaf_axes(self) -> tuple[str, ...]:
+        return self.axes if self.layers == 1 else ("layers", *self.axes)
 
     @property
     def is_matrix(self) -> bool:
@@ -178,16 +208,17 @@ class Weight:
 
 
 def weights(cfg: ModelConfig) -> list[Weight]:
-    """The parameter leaves of `TransformerLM`, grouped by shape and role."""
+    """The weights of `TransformerLM`, grouped by shape and role (block weights stacked [L, ...])."""
     v, d, f, hd, n = cfg.padded_vocab_size, cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.head_dim, cfg.num_layers
     return [
         Weight("token_embeddings", (v, d), ("vocab", "embed"), 1),
-        Weight("attn.{q,k,v}_proj", (d, hd), ("embed", "heads"), 3 * n),
-        Weight("attn.output_proj", (hd, d), ("heads", "embed"), n),
-        Weight("ffn.{w1,w3}", (d, f), ("embed", "mlp"), 2 * n),
-        Weight("ffn.w2", (f, d), ("mlp", "embed"), n),
+        Weight("attn.{q,k,v}_proj", (d, hd), ("embed", "heads"), 3 * n, layers=n),
+        Weight("attn.output_proj", (hd, d), ("heads", "embed"), n, layers=n),
+        Weight("ffn.{w1,w3}", (d, f), ("embed", "mlp"), 2 * n, layers=n),
+        Weight("ffn.w2", (f, d), ("mlp", "embed"), n, layers=n),
         Weight("lm_head", (d, v), ("embed", "vocab"), 1),
-        Weight("ln1, ln2, ln_final", (d,), ("norm",), 2 * n + 1),
+        Weight("ln1, ln2", (d,), ("norm",), 2 * n, layers=n),
+        Weight("ln_final", (d,), ("norm",), 1),
     ]
 
 
@@ -356,8 +387,9 @@ def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
     rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.count,
                  w.size * ctx.s // (tensor_shards * ctx.d),
                  f"fsdp_gather backward: psum_scatter of d({w.name}) over data") for w in _matrices(ctx)]
-    rows += [row(ctx, "backward", "all-reduce", ("data",), w.count, w.size * F32,
-                 f"pmean over data of d({w.name}) (replicated f32 norm gains)") for w in _norms(ctx)]
+    rows += [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32,
+                 f"pmean over data of d({w.name}) {_leaf_shape(w)} (replicated f32 norm gains)")
+             for w in _norms(ctx)]
     return rows
 
 
@@ -396,8 +428,8 @@ def _loss_row(ctx: _Ctx) -> Row:
 
 def _dp(ctx: _Ctx) -> list[Row]:
     """Gradients averaged over data, leaf by leaf; the loss averaged for the metrics."""
-    grads = [row(ctx, "backward", "all-reduce", ("data",), w.count, w.size * F32,  # f32 master grads
-                 f"pmean over data of d({w.name}) {_shape(w, 1)}") for w in weights(ctx.cfg)]
+    grads = [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32,
+                 f"pmean over data of d({w.name}) {_leaf_shape(w)}") for w in weights(ctx.cfg)]
     return grads + [_loss_row(ctx)]
 
 
@@ -454,6 +486,10 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
 
 
 # ----------------------------------------------------------------------------- entry point
+
+
+def _leaf_shape(w: Weight) -> str:
+    return "[" + ",".join(str(n) for n in w.leaf_shape) + "]"
 
 
 def _shape(w: Weight, tensor_shards: int) -> str:

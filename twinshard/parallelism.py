@@ -15,7 +15,13 @@ override only what they need:
     token_loss(...)         -                            vocab-parallel cross-entropy
 
 Logical axis names (on params and activations): vocab, embed, heads, mlp,
-norm (params); batch, seq, embed, heads, mlp, vocab (activations).
+norm, layers (params); batch, seq, embed, heads, mlp, vocab (activations).
+
+The blocks run inside a `jax.lax.scan` over the stacked [L, ...] params
+(model.scan_layers): the hooks are called in the scan body, on ONE layer's
+weight (`weight(w, axes)` sees W1 as [D, F] with axes ('embed', 'mlp'), never
+the [L, D, F] stack), so a collective a hook adds runs once per layer, in a
+`while` loop of trip count L.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class Parallelism:
     """Single-device behaviour; subclasses add sharding or collectives."""
 
     def weight(self, w: Array, axes: Axes) -> Array:
-        """The full weight for a matmul (FSDP gathers its shards here)."""
+        """The full weight for a matmul (FSDP gathers its shards here); one layer's, in the scan."""
         return w
 
     def constrain(self, x: Array, axes: Axes) -> Array:

@@ -55,7 +55,7 @@ def logical_dims(cfg: Config) -> dict[str, int]:
     """Sizes of every logical dimension a strategy may split (for divisibility checks)."""
     m = cfg.model
     return {"batch": cfg.train.batch_size, "embed": m.d_model, "heads": m.num_heads,
-            "mlp": m.d_ff, "vocab": m.padded_vocab_size}
+            "mlp": m.d_ff, "vocab": m.padded_vocab_size, "layers": m.num_layers}
 
 
 def sharded_axes(s: P) -> tuple[str, ...]:
