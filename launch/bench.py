@@ -3,7 +3,7 @@
     python -m launch.bench --preset=small --steps=10 --json=bench.json --markdown=bench.md
     python -m launch.bench --preset=maxtext_llama_ref --strategies=single,fsdp,fsdp_tp,dp
     python -m launch.bench --preset=gpt2_125m --strategies=single --batch_size=16   # one GPU
-    python -m launch.bench --preset=tiny --strategies=fsdp --mesh='fsdp=data:8,tensor:1'
+    python -m launch.bench --preset=tiny --mesh='tp=data:1,tensor:4'   # tp on 4 of the 8 devices
 
 For each run (the single-device reference, then each strategy with each twin):
 
@@ -42,10 +42,12 @@ import dataclasses
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -312,8 +314,9 @@ def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps
     B, T = cfg.train.batch_size, cfg.model.context_length
     mesh = dict(runner.sizes) if strategy != "single" else None
     xs = jax.ShapeDtypeStruct((B, T), np.int32, sharding=getattr(runner, "batch_sharding", None))
+    abstract = runner.abstract_state()
     t0 = time.perf_counter()
-    lowered = runner.train_step.lower(runner.abstract_state(), xs, xs)
+    lowered = runner.train_step.lower(abstract, xs, xs)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -348,11 +351,21 @@ def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps
 
 def build_runners(cfg: Config, strategies: Sequence[str], impls: Sequence[str],
                   meshes: dict[str, str | None]) -> list[tuple[str, str | None, Any]]:
-    """Every runner, built (and its mesh validated) before anything compiles."""
+    """Every runner, built (and its mesh validated) before anything compiles. A --mesh smaller
+    than the device count runs on the first devices (tiny's 4 heads: tp on tensor:4 of 8)."""
+    import jax
+
+    from twinshard import mesh as mesh_lib
+
     runs = []
     for s in strategies:
+        spec = meshes.get(s)
+        devices = None
+        if spec:
+            n = math.prod(mesh_lib.parse_mesh(spec).values())
+            devices = jax.devices()[:n] if n < jax.device_count() else None
         for impl in ([None] if s == "single" else impls):
-            runs.append((s, impl, common.make_runner(s, impl or "auto", meshes.get(s), cfg)))
+            runs.append((s, impl, common.make_runner(s, impl or "auto", spec, cfg, devices)))
     return runs
 
 
@@ -467,7 +480,7 @@ def markdown(doc: dict) -> str:
              "",
              f"- model: d_model {m['d_model']}, {m['num_layers']} layers, {m['num_heads']} heads, d_ff {m['d_ff']}, "
              f"vocab {m['vocab_size']}; {doc['steps']} timed steps after {doc['warmup']} warm-up",
-             f"- machine: {env['backend']} ({env['device_kind']}), {env['device_count']} devices, "
+             f"- machine: {env['backend']} ({env['device_kind']}), {env['device_count']} device(s), "
              f"{env['cpus_usable']} usable CPUs of {env['cpu_count']}, load avg "
              f"{_load(env['load_avg_before'])} before / {_load(env.get('load_avg_after'))} after; "
              f"jax {env['jax']}, flax {env['flax']}, commit {env['git_commit']}, {env['time_utc']} UTC"]
@@ -557,4 +570,7 @@ def write_outputs(doc: dict, json_path: str | None, md_path: str | None) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    try:
+        app.run(main)
+    except ValueError as e:  # a user error: one line naming the flag and the fix, no traceback
+        sys.exit(f"launch.bench: {e}")
