@@ -306,8 +306,10 @@ def collectives_vs_model(compiled, runner, model) -> dict[str, Any]:
             "rows": rows}
 
 
-def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps: int, warmup: int) -> dict:
-    """Compile, init, and time one runner; returns one JSON-ready record."""
+def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps: int, warmup: int,
+              log=print) -> dict:
+    """Compile, init, and time one runner; returns one JSON-ready record. Logs each phase as it
+    ends, so a run killed by a time limit shows how far it got."""
     import jax
     import numpy as np
 
@@ -320,10 +322,14 @@ def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
+    label = strategy if impl is None else f"{strategy}/{impl}"
+    log(f"{label}: train step lowered in {t1 - t0:.2f}s, compiled in {t2 - t1:.2f}s; init ...")
     with CompileEvents() as init_times:
         state = runner.init_state(cfg.train.seed)
         jax.block_until_ready(state)
     init_wall = time.perf_counter() - t2
+    log(f"{label}: init in {init_wall:.2f}s (XLA compile {init_times['compile_s']:.2f}s); "
+        f"{warmup} + {steps} steps ...")
     x, y = runner.place_batch(*batch)
     losses, times = [], []
     for i in range(warmup + steps):
@@ -335,7 +341,7 @@ def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps
         losses.append(float(metrics["loss"]))
     model, flops, mem = model_cost(cfg, strategy, mesh)
     med = statistics.median(times)
-    rec = {"run": strategy if impl is None else f"{strategy}/{impl}", "strategy": strategy, "impl": impl,
+    rec = {"run": label, "strategy": strategy, "impl": impl,
            "mesh": mesh, "n_devices": int(np.prod(list(mesh.values()))) if mesh else 1,
            "lower_s": t1 - t0, "compile_s": t2 - t1,
            "init": {"wall_s": init_wall, **init_times},
@@ -417,7 +423,7 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     batch = random_batch(cfg)
     records = []
     for strategy, impl, runner in runners:
-        rec = bench_one(runner, strategy, impl, cfg, batch, steps, warmup)
+        rec = bench_one(runner, strategy, impl, cfg, batch, steps, warmup, log)
         add_ratios(rec, records[0] if records and records[0]["strategy"] == "single" else None,
                    peaks, chip, dev.platform, compute_dtype(cfg))
         records.append(rec)

@@ -11,7 +11,7 @@
 #   3. Before spending device time, the same script on this CPU with tiny shapes:
 #          tools/gpu_bench.sh --dry-run            # JAX_PLATFORMS=cpu, preset tiny, OUT=a temp dir
 #
-# What it measures, in this order, each run capped so that the whole fits BUDGET_S (470 s):
+# What it measures, in this order, each run capped (CAPS_S) so that the whole fits BUDGET_S (470 s):
 #   - the machine: nvidia-smi name, driver, clocks (read only; nothing is changed on the card)
 #   - gpt2_125m, single device, float32, batch 16x1024: f32 + bf16 matmul peaks (8192^3), init
 #     compile (trace / lower / XLA compile), step lower + compile, median step, tokens/s, MFU
@@ -56,7 +56,7 @@ else
   SHAPE=(--batch_size=16 --steps=10 --warmup=3)
   BUDGET_S=${BUDGET_S:-470}
 fi
-CAPS=(240 200 120 150)  # seconds: 125m f32, 350m f32, 125m bf16, 350m bf16
+read -r -a CAPS <<< "${CAPS_S:-240 200 120 150}"  # seconds: 125m f32, 350m f32, 125m bf16, 350m bf16
 mkdir -p "$OUT"
 LOG=$OUT/gpu_bench.log
 MD=$OUT/gpu_bench.md
@@ -102,7 +102,7 @@ bench() {
   elif tail -n 3 "$LOG" | grep -q "has no mixed precision"; then
     echo "== $name: SKIPPED (launch.bench: this checkout has no mixed precision yet)" | tee -a "$MD"
   elif ((rc == 124 || rc == 137)); then
-    echo "== $name: TIMED OUT after ${limit}s (compile or init longer than the cap)" | tee -a "$MD"
+    echo "== $name: TIMED OUT after ${limit}s (the log shows the last phase it finished)" | tee -a "$MD"
   else
     echo "== $name: FAILED (exit $rc; see gpu_bench.log)" | tee -a "$MD"
   fi
