@@ -70,13 +70,14 @@ common.define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when ru
 common.define(flags.DEFINE_string, "json", None, "Write the results as JSON here.")
 common.define(flags.DEFINE_string, "markdown", None, "Write the results as a Markdown section here.")
 common.define(flags.DEFINE_string, "dtype", None, "Compute dtype (e.g. bfloat16), where the config has a dtype field.")
-flags.DEFINE_list("strategies", "single,dp,fsdp,tp,fsdp_tp", "Runs: single and/or strategies.")
-flags.DEFINE_list("impls", "auto,manual", "Twins to run for each strategy.")
-flags.DEFINE_integer("warmup", 2, "Untimed steps before the timed ones.")
-flags.DEFINE_integer("matmul_size", None, "n of the n^3 peak matmul (default 2048 on CPU, 8192 on accelerators).")
-flags.DEFINE_integer("matmul_reps", 10, "Timed matmuls for the peak (median).")
+common.define(flags.DEFINE_list, "strategies", "single,dp,fsdp,tp,fsdp_tp", "Runs: single and/or strategies.")
+common.define(flags.DEFINE_list, "impls", "auto,manual", "Twins to run for each strategy.")
+common.define(flags.DEFINE_integer, "warmup", 2, "Untimed steps before the timed ones.")
+common.define(flags.DEFINE_integer, "matmul_size", None,
+              "n of the n^3 peak matmul (default 2048 on CPU, 8192 on accelerators).")
+common.define(flags.DEFINE_integer, "matmul_reps", 10, "Timed matmuls for the peak (median).")
 for _name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
-    flags.DEFINE_integer(_name, None, f"Override the preset's {_name}" + (
+    common.define(flags.DEFINE_integer, _name, None, f"Override the preset's {_name}" + (
         " (a new d_model without --d_ff re-derives d_ff = 8/3 d_model)." if _name == "d_model" else "."))
 FLAGS = flags.FLAGS
 
