@@ -243,18 +243,21 @@ class CompileEvents:
     def __enter__(self) -> dict[str, float]:
         import jax
 
-        self.times = dict.fromkeys(self.EVENTS.values(), 0.0)
+        self.times, self.active = dict.fromkeys(self.EVENTS.values(), 0.0), True
         jax.monitoring.register_event_duration_secs_listener(self._listen)
         return self.times
 
     def _listen(self, event: str, duration: float, **_) -> None:
-        if event in self.EVENTS:
+        if self.active and event in self.EVENTS:
             self.times[self.EVENTS[event]] += duration
 
     def __exit__(self, *exc) -> None:
         import jax
 
-        jax.monitoring.unregister_event_duration_listener(self._listen)
+        self.active = False  # an older jax without unregister keeps calling it: count nothing more
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is not None:
+            unregister(self._listen)
 
 
 def random_batch(cfg: Config):
