@@ -61,6 +61,7 @@ mkdir -p "$OUT"
 LOG=$OUT/gpu_bench.log
 MD=$OUT/gpu_bench.md
 exec > >(tee -a "$LOG") 2>&1
+TEE_PID=$!
 export PYTHONUNBUFFERED=1
 
 # flax 0.12.12 from the carried wheel, ahead of the image's own flax; the project from the checkout.
@@ -121,3 +122,5 @@ echo "== done in ${SECONDS}s; files in $OUT:"
 ls -la "$OUT"
 echo
 cat "$MD"
+exec 1>&- 2>&-
+wait "$TEE_PID"  # the log is complete before the device tool collects $OUT
