@@ -1,0 +1,586 @@
+"""Benchmark single device and every strategy x twin in ONE process, side by side.
+
+    python -m launch.bench --preset=small --steps=10 --json=bench.json --markdown=bench.md
+    python -m launch.bench --preset=maxtext_llama_ref --strategies=single,fsdp,fsdp_tp,dp
+    python -m launch.bench --preset=gpt2_125m --strategies=single --batch_size=16   # one GPU
+    python -m launch.bench --preset=tiny --mesh='tp=data:1,tensor:4'   # tp on 4 of the 8 devices
+
+For each run (the single-device reference, then each strategy with each twin):
+
+- compile: the train step lowered (trace + StableHLO) and compiled, each
+  timed, ahead of time on abstract inputs; the init (`runner.init_state`)
+  split into trace / lower / backend compile by JAX's own monitoring events,
+  and its wall time (compile + run). The persistent compilation cache is off.
+- step: the compiled step run `--warmup` times, then `--steps` times, each
+  step timed to `block_until_ready`; the median is reported, with tokens/s =
+  B*T / median and model FLOP/s = the cost model's FLOPs per step / median
+  (twinshard.cost: 6 N_mm B T + 3 x the attention matmuls; the embedding
+  lookup counts 0; causal attention is counted in full because it is computed
+  in full).
+- peak: a float32 (and, on accelerators, bfloat16) matmul of
+  `--matmul_size`^3 timed the same way, median of `--matmul_reps`, measured
+  in this process before the runs. "% of peak" = model FLOP/s / measured
+  peak of the hardware the run uses: on CPU the whole machine (simulated
+  devices share its cores, so the peak is NOT multiplied by the device
+  count), on an accelerator the per-chip peak x chips. On a chip in `CHIPS`
+  the MFU against the datasheet peak is reported too.
+- memory per device: `compiled.memory_analysis()` (arguments + outputs -
+  aliased + temporaries) beside the cost model's prediction.
+- collectives: the ledger of the compiled HLO (twinshard.hlo) against the
+  cost model: bytes and counts, and whether every (op, axes) row matches.
+
+Every input is validated and every runner built (meshes checked) before
+anything compiles; output directories are checked before any work. Numbers
+on a shared 2-core machine are noisy: the JSON records os.getloadavg() before
+and after and the CPU count; see BENCHMARKS.md for what simulated-device
+numbers do and do not mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from absl import app, flags, logging
+
+from launch import common
+from twinshard.config import PRESETS, Config, ModelConfig, TrainConfig, preset
+
+# Flags shared by name with the other launchers keep their defaults (absl flags are process-global:
+# whichever module defines a name first wins, so a different default here would leak into train).
+common.define(flags.DEFINE_string, "preset", "small", "Named preset from twinshard.config (tiny, small, gpt2_125m, ...).")
+common.define(flags.DEFINE_integer, "steps", None, "Timed steps per run, after the warm-up (default 10).")
+common.define(flags.DEFINE_integer, "batch_size", None, "Global batch size in sequences.")
+common.define(flags.DEFINE_integer, "context_length", None, "Sequence length (default: the preset's context_length).")
+common.define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
+common.define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
+common.define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU.")
+common.define(flags.DEFINE_string, "json", None, "Write the results as JSON here.")
+common.define(flags.DEFINE_string, "markdown", None, "Write the results as a Markdown section here.")
+common.define(flags.DEFINE_string, "dtype", None, "Compute dtype (e.g. bfloat16), where the config has a dtype field.")
+common.define(flags.DEFINE_list, "strategies", "single,dp,fsdp,tp,fsdp_tp", "Runs: single and/or strategies.")
+common.define(flags.DEFINE_list, "impls", "auto,manual", "Twins to run for each strategy.")
+common.define(flags.DEFINE_integer, "warmup", 2, "Untimed steps before the timed ones.")
+common.define(flags.DEFINE_integer, "matmul_size", None,
+              "n of the n^3 peak matmul (default 2048 on CPU, 8192 on accelerators).")
+common.define(flags.DEFINE_integer, "matmul_reps", 10, "Timed matmuls for the peak (median).")
+for _name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
+    common.define(flags.DEFINE_integer, _name, None, f"Override the preset's {_name}" + (
+        " (a new d_model without --d_ff re-derives d_ff = 8/3 d_model)." if _name == "d_model" else "."))
+FLAGS = flags.FLAGS
+
+# MaxText 0.2.5's llama-style reference of issue 9 (d_model 256, 4 layers, 4 heads x 64, mlp 1024,
+# vocab 4096, seq 256, global batch 16, fp32), on which the issue measured MaxText on this CPU.
+BENCH_PRESETS: dict[str, Config] = {
+    "maxtext_llama_ref": Config(
+        ModelConfig(vocab_size=4096, context_length=256, d_model=256, num_layers=4, num_heads=4, d_ff=1024),
+        TrainConfig(batch_size=16, tokenizer="shakespeare4096")),
+}
+
+DEFAULT_STEPS = 10
+NOISE_NOTE = ("CPU timings on a shared machine are noisy (other processes, frequency scaling): "
+              "compare runs of one process, read load_avg, and repeat before trusting a few percent.")
+
+
+@dataclass(frozen=True)
+class Chip:
+    """Nominal dense peaks per chip, TFLOP/s (datasheet figures 'with sparsity' halved)."""
+
+    name: str
+    kinds: tuple[str, ...]  # substrings of jax's device_kind
+    bf16: float
+    tf32: float | None  # NVIDIA: what a float32 matmul at JAX's default precision runs on
+    fp32: float | None
+    source: str
+
+
+# Order matters: the first chip whose kind is a substring of device_kind wins ('TPU v5 lite' before 'TPU v5').
+CHIPS: tuple[Chip, ...] = (
+    Chip("H200", ("H200",), 989.4, 494.7, 66.9, "https://www.nvidia.com/en-us/data-center/h200/ (SXM)"),
+    Chip("H100", ("H100",), 989.4, 494.7, 66.9, "https://www.nvidia.com/en-us/data-center/h100/ (SXM)"),
+    Chip("A100", ("A100",), 312.0, 156.0, 19.5, "https://www.nvidia.com/en-us/data-center/a100/ (SXM)"),
+    Chip("v4", ("TPU v4",), 275.0, None, None, "https://cloud.google.com/tpu/docs/v4"),
+    Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197.0, None, None, "https://cloud.google.com/tpu/docs/v5e"),
+    Chip("v5p", ("TPU v5p", "TPU v5"), 459.0, None, None, "https://cloud.google.com/tpu/docs/v5p"),
+    Chip("v6e", ("TPU v6 lite", "TPU v6e"), 918.0, None, None, "https://cloud.google.com/tpu/docs/v6e"),
+)
+
+
+def chip_for(device_kind: str) -> Chip | None:
+    return next((c for c in CHIPS if any(k in device_kind for k in c.kinds)), None)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def config_from_flags() -> Config:
+    """The preset (or a bench preset) with flag overrides; bad values raise ValueError naming the flag."""
+    if FLAGS.preset in BENCH_PRESETS:
+        cfg = BENCH_PRESETS[FLAGS.preset]
+    elif FLAGS.preset in PRESETS:
+        cfg = preset(FLAGS.preset)
+    else:
+        raise ValueError(f"--preset={FLAGS.preset}: unknown; choose one of "
+                         f"{', '.join((*PRESETS, *BENCH_PRESETS))}.")
+    model = {k: getattr(FLAGS, k) for k in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff",
+                                            "context_length") if getattr(FLAGS, k) is not None}
+    train = {k: getattr(FLAGS, k) for k in ("batch_size", "seed") if getattr(FLAGS, k) is not None}
+    try:
+        if "d_model" in model and "d_ff" not in model:
+            model["d_ff"] = 0  # re-derive 8/3 d_model for the new width
+        cfg = Config(dataclasses.replace(cfg.model, **model), dataclasses.replace(cfg.train, **train))
+    except ValueError as e:
+        raise ValueError(f"{e} (from the flags {_flags_text(model | train)})") from None
+    return with_dtype(cfg, FLAGS.dtype)
+
+
+def _flags_text(values: dict) -> str:
+    return " ".join(f"--{k}={v}" for k, v in values.items()) or f"--preset={FLAGS.preset}"
+
+
+def with_dtype(cfg: Config, dtype: str | None) -> Config:
+    """Apply --dtype through a `dtype` field of ModelConfig or TrainConfig, if this checkout has one."""
+    if dtype is None:
+        return cfg
+    for part in ("model", "train"):
+        sub = getattr(cfg, part)
+        if "dtype" in {f.name for f in dataclasses.fields(sub)}:
+            return dataclasses.replace(cfg, **{part: dataclasses.replace(sub, dtype=dtype)})
+    raise ValueError(f"--dtype={dtype}: this checkout has no mixed precision (neither ModelConfig nor "
+                     "TrainConfig has a dtype field; issue 9 item 4); drop --dtype.")
+
+
+def parse_meshes(text: str | None, strategies: Sequence[str]) -> dict[str, str | None]:
+    """--mesh: one spec for every strategy ('data:2,tensor:4'), or per strategy
+    ('fsdp=data:8,tensor:1;fsdp_tp=data:2,tensor:4'); unnamed strategies use their default mesh."""
+    parallel = [s for s in strategies if s != "single"]
+    if not text:
+        return dict.fromkeys(parallel)
+    if "=" not in text:
+        return dict.fromkeys(parallel, text)
+    out: dict[str, str | None] = dict.fromkeys(parallel)
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, spec = part.partition("=")
+        if name not in out:
+            raise ValueError(f"--mesh={text}: {name!r} is not one of the benchmarked strategies "
+                             f"{', '.join(parallel) or '(none)'}; write strategy=data:N,tensor:M;...")
+        out[name] = spec
+    return out
+
+
+def check_choices(strategies: Sequence[str], impls: Sequence[str]) -> None:
+    bad = [s for s in strategies if s not in common.STRATEGIES]
+    if bad or not strategies:
+        raise ValueError(f"--strategies={','.join(strategies)}: choose from {', '.join(common.STRATEGIES)}.")
+    bad = [i for i in impls if i not in common.IMPLS]
+    if bad or (not impls and any(s != "single" for s in strategies)):
+        raise ValueError(f"--impls={','.join(impls)}: choose from {', '.join(common.IMPLS)}.")
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--{flag}={path}: directory {folder} does not exist; create it or pick another path.")
+    if os.path.isdir(path):
+        raise ValueError(f"--{flag}={path} is a directory; give a file path.")
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _median_time(fn, reps: int, inner: int = 1) -> tuple[float, list[float]]:
+    """Median seconds per call of fn(i) over `reps` samples, each `inner` calls blocked once at the end."""
+    import jax
+
+    times = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        out = [fn(r * inner + k) for k in range(inner)]
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times), times
+
+
+def matmul_peak(dtype: str, n: int, reps: int, device) -> dict[str, Any]:
+    """FLOP/s of a jitted [n,n]x[n,n] matmul at JAX's default precision on `device`
+    (random inputs, three pairs in rotation; median of `reps`)."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    mats = [jax.device_put(jax.random.normal(k, (n, n), dtype), device) for k in keys]
+    pairs = [(mats[2 * i], mats[2 * i + 1]) for i in range(3)]
+    f = jax.jit(jnp.matmul)
+    jax.block_until_ready([f(a, b) for a, b in pairs])  # compile, warm
+    inner = 1 if device.platform == "cpu" else 5  # amortize dispatch where a matmul takes ~1 ms
+    med, times = _median_time(lambda i: f(*pairs[i % 3]), reps, inner)
+    return {"dtype": dtype, "n": n, "reps": reps, "inner": inner, "median_s": med,
+            "flops_per_s": 2 * n ** 3 / med, "times_s": times}
+
+
+class CompileEvents:
+    """Sums JAX's compile-phase durations (jax.monitoring events) recorded while active:
+    trace (jaxpr), lower (jaxpr -> StableHLO) and backend compile (XLA)."""
+
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+              "/jax/core/compile/backend_compile_duration": "compile_s"}
+
+    def __enter__(self) -> dict[str, float]:
+        import jax
+
+        self.times, self.active = dict.fromkeys(self.EVENTS.values(), 0.0), True
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self.times
+
+    def _listen(self, event: str, duration: float, **_) -> None:
+        if self.active and event in self.EVENTS:
+            self.times[self.EVENTS[event]] += duration
+
+    def __exit__(self, *exc) -> None:
+        import jax
+
+        self.active = False  # an older jax without unregister keeps calling it: count nothing more
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is not None:
+            unregister(self._listen)
+
+
+def random_batch(cfg: Config):
+    """Tokens x [B, T] and their shifted targets y, uniform over the real vocab (timing needs no corpus)."""
+    import numpy as np
+
+    rng = np.random.default_rng(cfg.train.seed)
+    tokens = rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.context_length + 1))
+    return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
+
+
+def model_cost(cfg: Config, strategy: str, mesh: dict[str, int] | None):
+    """(cost-model Cost or None, Flops, Memory) of one step; single device uses the 1-device formulas."""
+    from twinshard import cost
+
+    B, T = cfg.train.batch_size, cfg.model.context_length
+    if strategy == "single":
+        return None, cost.flops(cfg.model, B, T, 1), cost.memory(cfg.model, "dp", {"data": 1, "tensor": 1}, B, T)
+    c = cost.cost(cfg.model, strategy, mesh, B, T)
+    return c, c.flops, c.memory
+
+
+def memory_per_device(compiled) -> dict[str, int] | None:
+    """memory_analysis() fields and their peak estimate: arguments + outputs - aliased + temporaries."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return None
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "temp_size_in_bytes", "generated_code_size_in_bytes")
+    out = {k: int(getattr(ma, k)) for k in fields}
+    out["peak_estimate"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
+                            - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
+    return out
+
+
+def collectives_vs_model(compiled, runner, model) -> dict[str, Any]:
+    """Ledger totals against the cost model: bytes, counts, ratio, and whether every row matches."""
+    from twinshard import cost, hlo
+
+    led = hlo.ledger(compiled, runner.mesh)
+    measured = led.summary()
+    rows = cost.compare(measured, model.summary())
+    m_bytes = sum(v["bytes"] for v in measured.values())
+    c_bytes = sum(r.bytes for r in model.collectives)
+    return {"ledger_bytes": m_bytes, "model_bytes": c_bytes,
+            "ledger_count": sum(v["count"] for v in measured.values()),
+            "model_count": sum(r.count for r in model.collectives),
+            "bytes_ratio": m_bytes / c_bytes if c_bytes else None,
+            "rows_match": all(r["match"] for r in rows), "unparsed": len(led.unparsed),
+            "rows": rows}
+
+
+def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps: int, warmup: int,
+              log=print) -> dict:
+    """Compile, init, and time one runner; returns one JSON-ready record. Logs each phase as it
+    ends, so a run killed by a time limit shows how far it got."""
+    import jax
+    import numpy as np
+
+    B, T = cfg.train.batch_size, cfg.model.context_length
+    mesh = dict(runner.sizes) if strategy != "single" else None
+    xs = jax.ShapeDtypeStruct((B, T), np.int32, sharding=getattr(runner, "batch_sharding", None))
+    abstract = runner.abstract_state()
+    t0 = time.perf_counter()
+    lowered = runner.train_step.lower(abstract, xs, xs)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    label = strategy if impl is None else f"{strategy}/{impl}"
+    log(f"{label}: train step lowered in {t1 - t0:.2f}s, compiled in {t2 - t1:.2f}s; init ...")
+    with CompileEvents() as init_times:
+        state = runner.init_state(cfg.train.seed)
+        jax.block_until_ready(state)
+    init_wall = time.perf_counter() - t2
+    log(f"{label}: init in {init_wall:.2f}s (XLA compile {init_times['compile_s']:.2f}s); "
+        f"{warmup} + {steps} steps ...")
+    x, y = runner.place_batch(*batch)
+    losses, times = [], []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        state, metrics = compiled(state, x, y)  # the step donates `state`: rebind it
+        jax.block_until_ready((state, metrics))
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+        losses.append(float(metrics["loss"]))
+    model, flops, mem = model_cost(cfg, strategy, mesh)
+    med = statistics.median(times)
+    rec = {"run": label, "strategy": strategy, "impl": impl,
+           "mesh": mesh, "n_devices": int(np.prod(list(mesh.values()))) if mesh else 1,
+           "lower_s": t1 - t0, "compile_s": t2 - t1,
+           "init": {"wall_s": init_wall, **init_times},
+           "step_s": {"median": med, "min": min(times), "max": max(times), "all": times},
+           "tokens_per_s": B * T / med, "model_flops_per_step": flops.total, "model_flops_per_s": flops.total / med,
+           "loss_first": losses[0], "loss_last": losses[-1],
+           "memory": {"xla": memory_per_device(compiled), "model": {**dataclasses.asdict(mem), "total": mem.total}},
+           "collectives": collectives_vs_model(compiled, runner, model) if model is not None else None}
+    del state, compiled, lowered
+    gc.collect()
+    return rec
+
+
+def build_runners(cfg: Config, strategies: Sequence[str], impls: Sequence[str],
+                  meshes: dict[str, str | None]) -> list[tuple[str, str | None, Any]]:
+    """Every runner, built (and its mesh validated) before anything compiles. A --mesh smaller
+    than the device count runs on the first devices (tiny's 4 heads: tp on tensor:4 of 8)."""
+    import jax
+
+    from twinshard import mesh as mesh_lib
+
+    runs = []
+    for s in strategies:
+        spec = meshes.get(s)
+        devices = None
+        if spec:
+            n = math.prod(mesh_lib.parse_mesh(spec).values())
+            devices = jax.devices()[:n] if n < jax.device_count() else None
+        for impl in ([None] if s == "single" else impls):
+            runs.append((s, impl, common.make_runner(s, impl or "auto", spec, cfg, devices)))
+    return runs
+
+
+def environment() -> dict[str, Any]:
+    import flax
+    import jax
+    import jaxlib
+
+    dev = jax.devices()[0]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"time_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+            "git_commit": commit or None, "python": platform.python_version(), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "flax": flax.__version__, "backend": dev.platform,
+            "device_kind": dev.device_kind, "device_count": jax.device_count(),
+            "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+            "machine": platform.machine(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "load_avg_before": os.getloadavg(), "noise_note": NOISE_NOTE}
+
+
+def compute_dtype(cfg: Config) -> str:
+    for part in (cfg.model, cfg.train):
+        if getattr(part, "dtype", None):
+            return str(getattr(part, "dtype"))
+    return "float32"
+
+
+def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str], meshes: dict[str, str | None],
+        steps: int = DEFAULT_STEPS, warmup: int = 2, matmul_size: int | None = None,
+        matmul_reps: int = 10, command: str = "", log=print) -> dict[str, Any]:
+    """The whole benchmark: environment, matmul peaks, then every run; returns the JSON document."""
+    import jax
+
+    if steps < 1 or warmup < 0 or matmul_reps < 1 or (matmul_size is not None and matmul_size < 1):
+        raise ValueError(f"need --steps >= 1, --warmup >= 0, --matmul_reps >= 1, --matmul_size >= 1; got "
+                         f"{steps}, {warmup}, {matmul_reps}, {matmul_size}.")
+    runners = build_runners(cfg, strategies, impls, meshes)  # validates every mesh first
+    env = environment()
+    dev = jax.devices()[0]
+    n = matmul_size or (2048 if dev.platform == "cpu" else 8192)
+    dtypes = ("float32",) if dev.platform == "cpu" else ("float32", "bfloat16")
+    peaks = {d: matmul_peak(d, n, matmul_reps, dev) for d in dtypes}
+    for d, p in peaks.items():
+        log(f"matmul peak {d} {n}^3: {p['flops_per_s'] / 1e9:,.0f} GFLOP/s")
+    chip = chip_for(dev.device_kind) if dev.platform != "cpu" else None
+    batch = random_batch(cfg)
+    records = []
+    for strategy, impl, runner in runners:
+        rec = bench_one(runner, strategy, impl, cfg, batch, steps, warmup, log)
+        add_ratios(rec, records[0] if records and records[0]["strategy"] == "single" else None,
+                   peaks, chip, dev.platform, compute_dtype(cfg))
+        records.append(rec)
+        log(summary_line(rec))
+    env["load_avg_after"] = os.getloadavg()
+    # The same matmul again: a peak that moved during the runs means the machine's load did.
+    after = matmul_peak(dtypes[0], n, matmul_reps, dev)
+    peaks[dtypes[0]]["flops_per_s_after"] = after["flops_per_s"]
+    log(f"matmul peak {dtypes[0]} {n}^3 after the runs: {after['flops_per_s'] / 1e9:,.0f} GFLOP/s")
+    return {"schema": 1, "command": command, "preset": name,
+            "model": dataclasses.asdict(cfg.model), "batch_size": cfg.train.batch_size,
+            "seq_len": cfg.model.context_length, "dtype": compute_dtype(cfg), "steps": steps, "warmup": warmup,
+            "environment": env, "peaks": peaks, "chip": dataclasses.asdict(chip) if chip else None,
+            "runs": records}
+
+
+def add_ratios(rec: dict, single: dict | None, peaks: dict, chip: Chip | None, backend: str, dtype: str) -> None:
+    """Fractions of the measured (and nominal) peak, and ratios to the single-device run."""
+    peak_dtype = "bfloat16" if "bf" in dtype and "bfloat16" in peaks else "float32"
+    chips = 1 if backend == "cpu" else rec["n_devices"]  # simulated CPU devices share one machine
+    rec["peak"] = {"dtype": peak_dtype, "flops_per_s": peaks[peak_dtype]["flops_per_s"] * chips}
+    rec["fraction_of_measured_peak"] = rec["model_flops_per_s"] / rec["peak"]["flops_per_s"]
+    if chip is not None:
+        nominal = chip.bf16 if peak_dtype == "bfloat16" else (chip.tf32 or chip.fp32)
+        rec["mfu_nominal"] = rec["model_flops_per_s"] / (nominal * 1e12 * chips) if nominal else None
+    if single is not None:
+        rec["vs_single"] = {"step_time": rec["step_s"]["median"] / single["step_s"]["median"],
+                            "compile_time": rec["compile_s"] / single["compile_s"]}
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2 ** 20:,.1f}"
+
+
+def summary_line(rec: dict) -> str:
+    c = rec["collectives"]
+    return (f"{rec['run']:<16} compile {rec['compile_s']:6.2f}s  init {rec['init']['wall_s']:6.2f}s  "
+            f"step {1e3 * rec['step_s']['median']:8.1f} ms  {rec['tokens_per_s']:9,.0f} tok/s  "
+            f"{_si(rec['model_flops_per_s'], 'FLOP/s'):>13}  {100 * rec['fraction_of_measured_peak']:5.1f}% of peak"
+            + (f"  ledger/model bytes {c['bytes_ratio']:.3f}" if c and c["bytes_ratio"] is not None else ""))
+
+
+def markdown(doc: dict) -> str:
+    """One Markdown section: the setup, the peaks, and one table row per run."""
+    env, m = doc["environment"], doc["model"]
+    where = env["backend"] if env["backend"] == "cpu" else env["device_kind"]
+    lines = [f"### {doc['preset']} on {where}: batch {doc['batch_size']}x{doc['seq_len']}, {doc['dtype']}",
+             "",
+             f"`{doc['command']}`" if doc["command"] else "",
+             "",
+             f"- model: d_model {m['d_model']}, {m['num_layers']} layers, {m['num_heads']} heads, d_ff {m['d_ff']}, "
+             f"vocab {m['vocab_size']}; {doc['steps']} timed steps after {doc['warmup']} warm-up",
+             f"- machine: {env['backend']} ({env['device_kind']}), {env['device_count']} device(s), "
+             f"{env['cpus_usable']} usable CPUs of {env['cpu_count']}, load avg "
+             f"{_load(env['load_avg_before'])} before / {_load(env.get('load_avg_after'))} after; "
+             f"jax {env['jax']}, flax {env['flax']}, commit {env['git_commit']}, {env['time_utc']} UTC"]
+    for d, p in doc["peaks"].items():
+        again = f"; {_si(p['flops_per_s_after'], 'FLOP/s')} after the runs" if "flops_per_s_after" in p else ""
+        lines.append(f"- measured matmul peak {d} {p['n']}^3: {_si(p['flops_per_s'], 'FLOP/s')} "
+                     f"(median of {p['reps']}, before the runs: '% of peak' uses it{again})")
+    if doc["chip"]:
+        c = doc["chip"]
+        lines.append(f"- nominal {c['name']}: bf16 {c['bf16']} TFLOP/s, tf32 {c['tf32']}, fp32 {c['fp32']} "
+                     f"({c['source']})")
+    head = ("run", "mesh", "lower s", "compile s", "compile / single", "init s (XLA compile)", "step ms (min-max)",
+            "tokens/s", "step / single", "model FLOP/s", "% of peak", "mem/dev MiB: XLA / model",
+            "ledger/model bytes")
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in doc["runs"]:
+        vs, c, mem = r.get("vs_single"), r["collectives"], r["memory"]
+        xla = mem["xla"]["peak_estimate"] if mem["xla"] else None
+        pct = f"{100 * r['fraction_of_measured_peak']:.1f}" + (
+            f" (MFU {100 * r['mfu_nominal']:.1f})" if r.get("mfu_nominal") is not None else "")
+        cells = (r["run"], ",".join(f"{a}:{n}" for a, n in r["mesh"].items()) if r["mesh"] else "1 device",
+                 f"{r['lower_s']:.2f}", f"{r['compile_s']:.2f}", f"{vs['compile_time']:.2f}" if vs else "-",
+                 f"{r['init']['wall_s']:.2f} ({r['init']['compile_s']:.2f})",
+                 f"{1e3 * r['step_s']['median']:.1f} ({1e3 * r['step_s']['min']:.1f}-{1e3 * r['step_s']['max']:.1f})",
+                 f"{r['tokens_per_s']:,.0f}", f"{vs['step_time']:.2f}" if vs else "-",
+                 _si(r["model_flops_per_s"], "FLOP/s"), pct,
+                 f"{_mib(xla)} / {_mib(mem['model']['total'])}",
+                 "-" if c is None else f"{c['bytes_ratio']:.3f}" + ("" if c["rows_match"] else " (rows differ)"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _load(avg) -> str:
+    return "-" if avg is None else "/".join(f"{a:.2f}" for a in avg)
+
+
+def _write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
+    cfg = config_from_flags()
+    check_choices(FLAGS.strategies, FLAGS.impls)
+    meshes = parse_meshes(FLAGS.mesh, FLAGS.strategies)
+    check_output_path(FLAGS.json, "json")
+    check_output_path(FLAGS.markdown, "markdown")
+    common.default_platform()
+    if any(s != "single" for s in FLAGS.strategies):
+        common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
+    import jax
+
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # time real compiles, not cache reads
+    try:
+        doc = run(FLAGS.preset, cfg, FLAGS.strategies, FLAGS.impls, meshes, FLAGS.steps or DEFAULT_STEPS,
+                  FLAGS.warmup, FLAGS.matmul_size, FLAGS.matmul_reps, "python -m launch.bench " + " ".join(argv_flags()))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
+    print(write_outputs(doc, FLAGS.json, FLAGS.markdown))
+    return 0
+
+
+BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "devices", "steps", "warmup", "batch_size",
+               "context_length", "seed", "dtype", "vocab_size", "d_model", "num_layers", "num_heads", "d_ff",
+               "matmul_size", "matmul_reps", "json", "markdown")
+
+
+def argv_flags() -> list[str]:
+    """The flags this run was given (for the record: the command that reproduces it)."""
+    return [FLAGS[n].serialize() for n in BENCH_FLAGS if FLAGS[n].present]
+
+
+def write_outputs(doc: dict, json_path: str | None, md_path: str | None) -> str:
+    """Write the JSON and Markdown (each atomically); return the Markdown."""
+    text = markdown(doc)
+    if json_path:
+        _write(json_path, json.dumps(doc, indent=1))
+    if md_path:
+        _write(md_path, text)
+    return text + "".join(f"wrote {p}\n" for p in (json_path, md_path) if p)
+
+
+if __name__ == "__main__":
+    try:
+        app.run(main)
+    except ValueError as e:  # a user error: one line naming the flag and the fix, no traceback
+        sys.exit(f"launch.bench: {e}")
