@@ -214,8 +214,8 @@ def argument_bytes(compiled: Any, state: Any, *batch: Any) -> dict[str, dict[str
 # ----------------------------------------------------------------------------- TPU view of the model
 
 TPU_NOTES = (
-    ("TPU may gather the weights a matmul reads in bf16 (the default matmul precision reads f32 as "
-     "bf16, so XLA can convert before the all-gather): half the model's bytes for those gathers; "
+    ("TPU gathers the weights a matmul reads in bf16 where XLA converts them before the all-gather "
+     "(the default matmul precision reads f32 as bf16): half the model's bytes for those gathers; "
      "the embedding table, which a lookup reads, moves in f32. With the scanned layer stack it kept "
      "most [D, D] attention weights in f32 and gathered the MLP weights and lm_head in bf16."),
     ("TPU compiles some reduce-scatters as an all-reduce of the full gradient + a local slice "
