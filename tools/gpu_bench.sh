@@ -16,8 +16,8 @@
 #   - gpt2_125m, single device, float32, batch 16x1024: f32 + bf16 matmul peaks (8192^3), init
 #     compile (trace / lower / XLA compile), step lower + compile, median step, tokens/s, MFU
 #   - gpt2_350m, the same
-#   - both again with --dtype=bfloat16, where this checkout has mixed precision (issue 9 item 4);
-#     without it launch.bench refuses --dtype in a second, before jax starts, and the script goes on
+#   - cuDNN flash attention against the reference attention (bf16 values and gradients)
+#   - both again with --dtype=bfloat16 (issue 9 item 4: bf16 compute, cuDNN attention)
 # A run that outlives its cap is killed and logged ("timed out"): with the unrolled init of the
 # base commit (164-172 s for gpt2_125m on an H200) that is what the 350m init does.
 set -u -o pipefail
@@ -110,6 +110,29 @@ bench() {
   rm -f "$OUT/$name.md.part"
   echo "== $name: $((SECONDS - start))s, exit $rc; $((BUDGET_S - SECONDS))s of the budget left"
 }
+
+# The attention kernel the bf16 runs use ("auto" = cuDNN flash attention on a GPU in bf16) against
+# the readable reference, on gpt2_125m's attention shape, values and gradients (~20 s).
+echo "== attention: cudnn vs reference" | tee -a "$MD"
+timeout 120 "$PY" - <<'PY' 2>&1 | tee -a "$MD"
+import jax, jax.numpy as jnp
+from twinshard import layers
+if jax.default_backend() != "gpu":
+    print("attention check: SKIPPED (no GPU: cuDNN flash attention needs one)")
+else:
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (4, 12, 1024, 64), jnp.bfloat16) for kk in ks)
+    loss = lambda impl: lambda *a: jnp.sum(layers.causal_attention(*a, impl).astype(jnp.float32) ** 2)
+    for impl in ("cudnn", "xla"):
+        out = layers.causal_attention(q, k, v, impl).astype(jnp.float32)
+        ref = layers.causal_attention(q, k, v, "reference").astype(jnp.float32)
+        g = jax.grad(loss(impl), argnums=(0, 1, 2))(q, k, v)
+        gr = jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v)
+        gd = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in zip(g, gr))
+        print(f"attention {impl} vs reference (bf16 [4,12,1024,64]): out max|diff| "
+              f"{float(jnp.max(jnp.abs(out - ref))):.3g}, grads max|diff| {gd:.3g}")
+PY
+echo >> "$MD"
 
 bench "${LABELS[0]}_f32" "${CAPS[0]}" --preset="${MODELS[0]}" "${SHAPE[@]}"
 bench "${LABELS[1]}_f32" "${CAPS[1]}" --preset="${MODELS[1]}" "${SHAPE[@]}"
