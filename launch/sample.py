@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from launch import common
 
@@ -80,7 +80,7 @@ def main(argv):
     if not os.path.isdir(ckpt_dir):
         raise ValueError(f"no checkpoints in {ckpt_dir!r}: train first with "
                          f"`python -m launch.train --workdir={FLAGS.workdir}`, or pass the right --workdir.")
-    ckpt = Checkpointer(ckpt_dir)
+    ckpt = Checkpointer(ckpt_dir, create=False)
     meta = ckpt.read_meta()
     model_cfg, train_cfg = ModelConfig(**meta["model"]), TrainConfig(**meta["train"])
     state, _ = ckpt.restore(SingleDevice(model_cfg, train_cfg).abstract_state(), {"model": meta["model"]})
@@ -94,4 +94,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main, "launch.sample")
