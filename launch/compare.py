@@ -134,11 +134,10 @@ def main(argv):
     common.check_output_path(FLAGS.plot, "plot")  # before the run, not after it
     common.check_output_path(FLAGS.json, "json")
     common.check_writable_dir(FLAGS.cache_dir, "cache_dir")
-    steps = FLAGS.steps or 10
+    batches = _batches(cfg, FLAGS.steps or 10)  # the corpus is checked before jax starts
     common.simulate_cpu_devices(FLAGS.devices)
     devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present)
     common.check_mesh_fits(FLAGS.strategy, FLAGS.mesh, cfg, len(devices or common.jax_devices()))
-    batches = _batches(cfg, steps)
     result = run_three(FLAGS.strategy, FLAGS.mesh, cfg, batches, devices)
     print(report(result, model_comparison(result, cfg)))
     if FLAGS.plot:

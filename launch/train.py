@@ -118,12 +118,12 @@ def main(argv):
     ckpt_dir = _check_flags(cfg)
     metrics_path = os.path.join(FLAGS.workdir, "metrics.jsonl")
     earlier = _previous_metrics(metrics_path) if FLAGS.resume else []
+    train_tokens, val_tokens = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)  # no jax yet
     if FLAGS.strategy != "single":
         common.simulate_cpu_devices(FLAGS.devices)  # per process
     common.init_distributed(FLAGS)
     devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present) if FLAGS.strategy != "single" else None
     runner = common.make_runner(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # validates the mesh
-    train_tokens, val_tokens = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)
 
     import jax
     import numpy as np
