@@ -103,7 +103,7 @@ def load_splits(cfg: Config, data_path: str | None, cache_dir: str):
     return train, val
 
 
-# Flags that must be integers >= their minimum, and where the config keeps them.
+# Integer flags and their smallest valid value (checked as typed, so messages name the flag).
 _MIN_INT_FLAGS = {"steps": 1, "batch_size": 1, "context_length": 1, "seed": 0}
 
 
@@ -244,22 +244,18 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
     """Build the runner for a strategy; validation errors are ValueErrors naming the fix.
 
     devices: None (all of jax.devices(), ordered by jax.make_mesh) or an explicit, ordered list."""
+    import jax
+
     from twinshard.trainer import SingleDevice
 
     if strategy == "single":
         return SingleDevice(cfg.model, cfg.train)
-    check_mesh_fits(strategy, mesh_spec, cfg, len(jax_devices() if devices is None else devices))
+    check_mesh_fits(strategy, mesh_spec, cfg, len(jax.devices() if devices is None else devices))
     if impl == "auto":
         from auto_parallel import make_runner as make_auto
         return make_auto(strategy, mesh_spec, cfg, devices)
     from manual_parallel import make_runner as make_manual
     return make_manual(strategy, mesh_spec, cfg, devices)
-
-
-def jax_devices():
-    import jax
-
-    return jax.devices()
 
 
 def check_mesh_fits(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> None:
