@@ -13,7 +13,7 @@ What the test changes, and why (each variant only adds flags; absl keeps the las
   embedded Shakespeare corpus.
 
 Not run here: the test command (it is this suite) and the multi-process command
-(`--coordinator_address`: tests/test_multiprocess.py runs it).
+(`--coordinator_address`, `--num_processes` or `--distributed`: tests/test_multiprocess.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def readme_commands() -> list[str]:
 
 
 def is_multi_process(command: str) -> bool:
-    return "--coordinator_address" in command
+    return any(flag in command for flag in ("--coordinator_address", "--num_processes", "--distributed"))
 
 
 def test_every_readme_command_is_covered():
