@@ -120,6 +120,9 @@ def test_compare_checks_its_outputs_before_running(tmp_path):
 def test_mesh_advice_resolves_in_one_step():
     """tp on 8 devices cannot split tiny's 4 heads; the advice names --devices and --mesh
     (tests/test_mesh.py resolves every such advice; test_readme.py runs `--devices=4`)."""
+    proc = run("-m", "launch.compare", "--preset=tiny", "--strategy=tp", "--steps=10")
+    assert_user_error(proc, "heads=4 is not divisible by mesh axis tensor=8",
+                      "run on 4: --devices=4 --mesh=data:1,tensor:4")
     proc = run("-m", "launch.collectives", "--preset=tiny", "--strategy=tp", "--mesh=data:1,tensor:4")
     assert_user_error(proc, "mesh data:1,tensor:4 has 4 devices but 8 are available",
                       "run on 4: --devices=4 --mesh=data:1,tensor:4")
