@@ -63,12 +63,6 @@ AUTO_NOTE = (
     "separately instead of summing them first, and reduces the squared gradient norm leaf by leaf.")
 
 
-def _check_output_path(path: str | None, flag: str) -> None:
-    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise ValueError(f"--{flag}={path}: directory {os.path.dirname(os.path.abspath(path))} does not "
-                         "exist; create it or pick another path.")
-
-
 def _topology_devices(name: str):
     """Devices of a TPU pod that is not here (AOT only). Needs libtpu."""
     from twinshard import topology
@@ -91,6 +85,7 @@ def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
     from twinshard import topology
 
     if devices is not None:
+        common.check_mesh_fits(strategy, mesh_spec, cfg, len(devices))  # the advice that works
         shape = resolve_mesh(strategy, mesh_spec, cfg, len(devices))
         devices = list(topology.mesh_devices(shape, devices))
     return common.make_runner(strategy, impl, mesh_spec, cfg, devices)
@@ -201,8 +196,8 @@ def main(argv):
     if FLAGS.strategy == "single":
         raise ValueError("--strategy=single has no collectives; choose one of dp, fsdp, tp, fsdp_tp.")
     cfg = common.config_from_flags(FLAGS)
-    _check_output_path(FLAGS.json, "json")
-    _check_output_path(FLAGS.hlo, "hlo")
+    common.check_output_path(FLAGS.json, "json")
+    common.check_output_path(FLAGS.hlo, "hlo")
     devices = None
     if FLAGS.topology:
         import jax
@@ -229,4 +224,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main, "launch.collectives")

@@ -9,14 +9,23 @@ never knows which one it drives:
     runner.place_batch(x, y) -> (x, y)         (numpy -> device arrays, per strategy)
     runner.train_step(state, x, y) -> (state, metrics)
     runner.eval_loss(params, x, y) -> loss
+
+User errors (a ValueError or OSError: a bad flag value, an unreadable file, a
+mesh that does not fit) reach the user as one message on stderr and exit
+status 1 (`run` / `guarded`); `--debug` or TWINSHARD_DEBUG=1 shows the traceback.
+Every check that can run before devices, compilation or writes does (`check_*`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import sys
+import tempfile
+from typing import Callable
 
-from absl import flags
+from absl import app, flags
 
 from twinshard.config import Config, ModelConfig, TrainConfig, preset
 
@@ -40,7 +49,10 @@ def define_model_flags() -> None:
     define(flags.DEFINE_enum, "strategy", "single", STRATEGIES, "Parallelism strategy.")
     define(flags.DEFINE_enum, "impl", "auto", IMPLS, "auto (GSPMD annotations) or manual (shard_map collectives).")
     define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
-    define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU.")
+    define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU; "
+           "given explicitly, a single-process run with more devices uses only the first N.")
+    define(flags.DEFINE_string, "tokenizer", None, "A tiktoken ranks file (from `python -m twinshard.bpe`) "
+           "or a built-in name (bytes, gpt2, shakespeare4096); default: the preset's. Sets vocab_size.")
 
 
 def define_distributed_flags() -> None:
@@ -102,18 +114,47 @@ def load_splits(cfg: Config, data_path: str | None, cache_dir: str):
     return train, val
 
 
+# Integer flags and their smallest valid value (checked as typed, so messages name the flag).
+_MIN_INT_FLAGS = {"steps": 1, "batch_size": 1, "context_length": 1, "seed": 0}
+
+
+def check_model_flags(FLAGS) -> None:
+    """The model/run flags' own values (as typed), before any config is built."""
+    for name, low in _MIN_INT_FLAGS.items():
+        value = getattr(FLAGS, name)
+        if value is not None and value < low:
+            raise ValueError(f"--{name}={value} must be >= {low}" + (
+                "; drop it for the preset's value." if name != "seed" else " (numpy seeds are non-negative)."))
+    if FLAGS.lr is not None and not (math.isfinite(FLAGS.lr) and FLAGS.lr > 0):
+        raise ValueError(f"--lr={FLAGS.lr} must be a positive number, e.g. --lr=1e-3.")
+    if FLAGS.devices < 1:
+        raise ValueError(f"--devices={FLAGS.devices} must be >= 1.")
+    if FLAGS.strategy == "single" and FLAGS.mesh:
+        raise ValueError(f"--mesh={FLAGS.mesh} needs a parallel --strategy (dp, fsdp, tp, fsdp_tp); "
+                         "drop it for single-device training.")
+
+
 def config_from_flags(FLAGS) -> Config:
-    """The preset with flag overrides; invalid values raise ValueError here, before any work."""
+    """The preset with flag overrides; invalid values raise ValueError naming the flag, before any work."""
+    from twinshard.config import PRESETS
+
+    if FLAGS.preset not in PRESETS:
+        raise ValueError(f"--preset={FLAGS.preset}: unknown preset {FLAGS.preset!r}; choose one of "
+                         f"{', '.join(PRESETS)}.")
+    check_model_flags(FLAGS)
     cfg = preset(FLAGS.preset)
     model: ModelConfig = cfg.model
     if FLAGS.context_length is not None:
         model = dataclasses.replace(model, context_length=FLAGS.context_length)
     overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed")
                  if getattr(FLAGS, k) is not None}
+    if FLAGS.tokenizer is not None:
+        # a file by absolute path: launch.sample and --resume find it from any directory
+        overrides["tokenizer"] = FLAGS.tokenizer if not os.path.isfile(FLAGS.tokenizer) \
+            else os.path.abspath(FLAGS.tokenizer)
+        model = dataclasses.replace(model, vocab_size=tokenizer_vocab(FLAGS.tokenizer))
     train: TrainConfig = cfg.train
     if overrides:
-        if "lr" in overrides and overrides["lr"] <= 0:
-            raise ValueError(f"--lr={overrides['lr']} must be positive.")
         if "lr" in overrides:  # keep the preset's lr/min_lr ratio
             overrides["min_lr"] = train.min_lr * overrides["lr"] / train.lr
         if "steps" in overrides:
@@ -122,19 +163,122 @@ def config_from_flags(FLAGS) -> Config:
     return Config(model, train)
 
 
+def tokenizer_vocab(name: str) -> int:
+    """n_vocab of --tokenizer (a built-in name or a ranks file), checked before any work."""
+    from twinshard import tokenizer
+
+    if name not in tokenizer.TOKENIZERS and not os.path.isfile(name):
+        raise ValueError(f"--tokenizer={name}: no such file and not a built-in tokenizer "
+                         f"({', '.join(tokenizer.TOKENIZERS)}); make one with `python -m twinshard.bpe "
+                         "--vocab_size=N --out=FILE.tiktoken`.")
+    try:
+        return tokenizer.get_encoding(name).n_vocab
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"--tokenizer={name} is not a tiktoken ranks file (`base64(token) rank` per "
+                         f"line): {e}; make one with `python -m twinshard.bpe`.") from None
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """A file the run will write at the end: its directory must exist now, not after the run."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--{flag}={path} is a directory; pass a file path.")
+    if not os.path.isdir(parent):
+        raise ValueError(f"--{flag}={path}: directory {parent} does not exist; create it or pick another path.")
+    if not _can_write_in(parent):
+        raise ValueError(f"--{flag}={path}: cannot write in {parent}; pick a writable directory.")
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """`path` is a directory, or can be made one, where this process can write; nothing is created."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ValueError(f"--{flag}={path} is a file, not a directory; pass a directory (created if missing).")
+    existing = full
+    while not os.path.exists(existing):  # also False below a file: walk up to what exists
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--{flag}={path}: {existing} is a file, so no directory can be made below it; "
+                         "pass a path under a directory.")
+    if not _can_write_in(existing):
+        raise ValueError(f"--{flag}={path}: {existing} is not writable (read-only or not permitted); "
+                         f"pass a --{flag} where you can write.")
+
+
+def _can_write_in(directory: str) -> bool:
+    """Probe by making (and removing) a temporary directory: os.access says yes to root on a
+    read-only mount or sysfs, where mkdir still fails."""
+    try:
+        tempfile.TemporaryDirectory(dir=directory, prefix=".twinshard-probe-").cleanup()
+    except OSError:
+        return False
+    return True
+
+
+def run_devices(n: int, explicit: bool):
+    """Devices for the runner: None (all of them), or the first n when --devices was given and
+    this single-process run has more (tests run fsdp on 4 of their 8 simulated devices)."""
+    import jax
+
+    if not explicit or jax.process_count() > 1 or jax.device_count() <= n:
+        return None
+    return jax.devices()[:n]
+
+
+def guarded(main: Callable, *args, debug: bool = False, name: str | None = None):
+    """Run main(*args); a ValueError or OSError becomes one message on stderr and exit status 1.
+
+    The traceback is shown with debug=True or TWINSHARD_DEBUG=1. The process ends with
+    os._exit after flushing: measured, a failed Orbax read leaves tensorstore callbacks that,
+    at interpreter shutdown, print dozens of 'Event loop is closed' tracebacks."""
+    try:
+        return main(*args)
+    except (ValueError, OSError) as e:
+        if debug or os.environ.get("TWINSHARD_DEBUG", "0") not in ("", "0"):
+            raise
+        sys.stdout.flush()
+        prog = name or os.path.basename(sys.argv[0])
+        sys.stderr.write(f"{prog}: error: {e}\n(for the traceback, add --debug or set TWINSHARD_DEBUG=1)\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def run(main: Callable, name: str) -> None:
+    """absl's app.run(main) through `guarded`, with a --debug flag."""
+    define(flags.DEFINE_bool, "debug", False, "On an error, show the Python traceback (or TWINSHARD_DEBUG=1).")
+    app.run(lambda argv: guarded(main, argv, debug=flags.FLAGS.debug, name=name))
+
+
 def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None):
     """Build the runner for a strategy; validation errors are ValueErrors naming the fix.
 
     devices: None (all of jax.devices(), ordered by jax.make_mesh) or an explicit, ordered list."""
+    import jax
+
     from twinshard.trainer import SingleDevice
 
     if strategy == "single":
         return SingleDevice(cfg.model, cfg.train)
+    check_mesh_fits(strategy, mesh_spec, cfg, len(jax.devices() if devices is None else devices))
     if impl == "auto":
         from auto_parallel import make_runner as make_auto
         return make_auto(strategy, mesh_spec, cfg, devices)
     from manual_parallel import make_runner as make_manual
     return make_manual(strategy, mesh_spec, cfg, devices)
+
+
+def check_mesh_fits(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> None:
+    """The mesh against strategy, devices and model at once, so its advice works in one step
+    (a mesh on these devices, or a --devices count with a mesh that fits)."""
+    from auto_parallel import STRATEGIES
+    from twinshard import mesh
+    from twinshard.placement import logical_dims
+
+    module = STRATEGIES[strategy]
+    mesh.resolve(strategy, mesh_spec, logical_dims(cfg), {**module.PARAM_RULES, **module.ACTIVATION_RULES},
+                 n_devices)
 
 
 def default_platform() -> None:

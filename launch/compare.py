@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from launch import common
 
@@ -40,14 +40,15 @@ def _max_abs_diff(a, b) -> float:
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def run_three(strategy: str, mesh_spec: str | None, cfg, batches) -> dict:
-    """Train single/auto/manual on `batches`; return losses, diffs and ledgers."""
+def run_three(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) -> dict:
+    """Train single/auto/manual on `batches` (the twins on `devices`, None: all); return losses,
+    diffs and ledgers."""
     import jax
     import numpy as np
 
     from twinshard import hlo
 
-    runners = {impl: common.make_runner(strategy if impl != "single" else "single", impl, mesh_spec, cfg)
+    runners = {impl: common.make_runner(strategy if impl != "single" else "single", impl, mesh_spec, cfg, devices)
                for impl in ("single", "auto", "manual")}
     out: dict = {"strategy": strategy, "mesh": dict(runners["manual"].sizes), "losses": {}, "ledgers": {}}
     params, grads = {}, {}
@@ -130,10 +131,13 @@ def main(argv):
     if FLAGS.strategy == "single":
         raise ValueError("--strategy=single has nothing to compare; pick one of dp, fsdp, tp, fsdp_tp.")
     cfg = common.config_from_flags(FLAGS)
-    steps = FLAGS.steps or 10
+    common.check_output_path(FLAGS.plot, "plot")  # before the run, not after it
+    common.check_output_path(FLAGS.json, "json")
+    common.check_writable_dir(FLAGS.cache_dir, "cache_dir")
+    batches = _batches(cfg, FLAGS.steps or 10)  # the corpus is checked before jax starts
     common.simulate_cpu_devices(FLAGS.devices)
-    batches = _batches(cfg, steps)
-    result = run_three(FLAGS.strategy, FLAGS.mesh, cfg, batches)
+    devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present)
+    result = run_three(FLAGS.strategy, FLAGS.mesh, cfg, batches, devices)
     print(report(result, model_comparison(result, cfg)))
     if FLAGS.plot:
         plot(result, FLAGS.plot)
@@ -147,4 +151,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main, "launch.compare")

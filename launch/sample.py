@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from launch import common
 
@@ -67,20 +67,22 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     common.default_platform()
-    from twinshard.checkpoint import Checkpointer
-    from twinshard.config import ModelConfig, TrainConfig
-    from twinshard.tokenizer import get_encoding
-    from twinshard.trainer import SingleDevice
-
     if FLAGS.temperature < 0:
         raise ValueError(f"--temperature={FLAGS.temperature} must be >= 0 (0: greedy).")
     if FLAGS.top_k < 0 or FLAGS.max_new_tokens < 0:
         raise ValueError(f"--top_k={FLAGS.top_k} and --max_new_tokens={FLAGS.max_new_tokens} must be >= 0.")
+    if FLAGS.seed is not None and FLAGS.seed < 0:
+        raise ValueError(f"--seed={FLAGS.seed} must be >= 0.")
     ckpt_dir = os.path.join(FLAGS.workdir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
-        raise ValueError(f"no checkpoints in {ckpt_dir!r}: train first with "
+        raise ValueError(f"--workdir={FLAGS.workdir}: no checkpoints in {ckpt_dir!r}; train first with "
                          f"`python -m launch.train --workdir={FLAGS.workdir}`, or pass the right --workdir.")
-    ckpt = Checkpointer(ckpt_dir)
+
+    from twinshard.checkpoint import Checkpointer  # imports jax: after the cheap checks
+    from twinshard.config import ModelConfig, TrainConfig
+    from twinshard.tokenizer import get_encoding
+    from twinshard.trainer import SingleDevice
+    ckpt = Checkpointer(ckpt_dir, create=False)
     meta = ckpt.read_meta()
     model_cfg, train_cfg = ModelConfig(**meta["model"]), TrainConfig(**meta["train"])
     state, _ = ckpt.restore(SingleDevice(model_cfg, train_cfg).abstract_state(), {"model": meta["model"]})
@@ -94,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main, "launch.sample")

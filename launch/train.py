@@ -15,7 +15,7 @@ import json
 import os
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from launch import common
 
@@ -52,9 +52,8 @@ def _intervals(cfg) -> tuple[int, int, int]:
 
 def _check_flags(cfg) -> str:
     """Everything that can be checked before touching devices or disk; returns the checkpoint dir."""
-    if FLAGS.strategy == "single" and FLAGS.mesh:
-        raise ValueError(f"--mesh={FLAGS.mesh} needs a parallel --strategy (dp, fsdp, tp, fsdp_tp); "
-                         "drop it for single-device training.")
+    common.check_writable_dir(FLAGS.workdir, "workdir")
+    common.check_writable_dir(FLAGS.cache_dir, "cache_dir")
     if FLAGS.stop_after is not None and not 0 < FLAGS.stop_after < cfg.train.steps:
         raise ValueError(f"--stop_after={FLAGS.stop_after} must be between 1 and steps-1 = "
                          f"{cfg.train.steps - 1}; drop it to train to the end.")
@@ -81,12 +80,33 @@ def _write_metrics(path: str, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def _previous_metrics(path: str, upto_step: int) -> list[dict]:
-    """Records of an earlier run up to the resumed step (later ones are recomputed)."""
+def _record(line: str) -> dict:
+    record = json.loads(line)  # JSONDecodeError is a ValueError
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        raise ValueError("no integer 'step'")
+    return record
+
+
+def _previous_metrics(path: str) -> list[dict]:
+    """Every record of the earlier run, read before anything is written (a resumed run keeps
+    those up to its checkpoint's step and recomputes the later ones)."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [r for r in map(json.loads, f) if r["step"] <= upto_step]
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    records.append(_record(line))
+                except ValueError as e:
+                    raise ValueError(
+                        f"--resume: {path} line {number} is not a metrics record ({str(e)[:80]}): the "
+                        "file was cut short or edited. Fix or remove that line, then resume again (the "
+                        "checkpoints are untouched).") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else f"not UTF-8 text: {e.reason}"
+        raise ValueError(f"--resume: cannot read {path} ({why}); fix it, then resume again.") from None
+    return records
 
 
 def main(argv):
@@ -96,11 +116,14 @@ def main(argv):
     cfg = common.config_from_flags(FLAGS)
     log_every, eval_every, ckpt_every = _intervals(cfg)
     ckpt_dir = _check_flags(cfg)
+    metrics_path = os.path.join(FLAGS.workdir, "metrics.jsonl")
+    earlier = _previous_metrics(metrics_path) if FLAGS.resume else []
+    train_tokens, val_tokens = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)  # no jax yet
     if FLAGS.strategy != "single":
         common.simulate_cpu_devices(FLAGS.devices)  # per process
     common.init_distributed(FLAGS)
-    runner = common.make_runner(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg)  # validates the mesh
-    train_tokens, val_tokens = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)
+    devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present) if FLAGS.strategy != "single" else None
+    runner = common.make_runner(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # validates the mesh
 
     import jax
     import numpy as np
@@ -113,7 +136,6 @@ def main(argv):
     t, m = cfg.train, cfg.model
     meta = {"model": dataclasses.asdict(m), "train": dataclasses.asdict(t),
             "data": str(FLAGS.data or "default"), "strategy": FLAGS.strategy, "impl": FLAGS.impl}
-    metrics_path = os.path.join(FLAGS.workdir, "metrics.jsonl")
     ckpt = Checkpointer(ckpt_dir)
 
     if FLAGS.resume:
@@ -128,14 +150,14 @@ def main(argv):
         start = int(_scalar(state.step))
         if FLAGS.stop_after is not None and FLAGS.stop_after <= start:
             raise ValueError(f"--stop_after={FLAGS.stop_after} is not after the resumed step {start}.")
-        records = _previous_metrics(metrics_path, start)
+        records = [r for r in earlier if r["step"] <= start]
         log(f"resumed from {ckpt.directory} at step {start}")
     else:
         state, start, records = runner.init_state(t.seed), 0, []
 
     label = FLAGS.strategy if FLAGS.strategy == "single" else f"{FLAGS.strategy}/{FLAGS.impl}"
     log(f"{label} preset={FLAGS.preset} params={m.num_params():,} "
-        f"devices={jax.device_count()} batch={t.batch_size}x{m.context_length} steps={t.steps}")
+        f"devices={jax.device_count() if devices is None else len(devices)} batch={t.batch_size}x{m.context_length} steps={t.steps}")
 
     def eval_loss(params):
         losses = [runner.eval_loss(params, *runner.place_batch(
@@ -181,4 +203,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    common.run(main, "launch.train")

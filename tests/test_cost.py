@@ -169,7 +169,7 @@ def test_memory_per_device():
     ("zero3", {"data": 8}, {}, r"unknown strategy 'zero3'.*dp, fsdp, tp, fsdp_tp"),
     ("tp", {"data": 2, "tensor": 4}, {}, r"tp needs data = 1.*--mesh=data:1,tensor:8"),
     ("dp", {"data": 1}, {}, r"dp needs data > 1"),
-    ("tp", {"tensor": 8}, {}, r"heads=4 is not divisible by mesh axis tensor=8; use a tensor size in \[2, 4\]"),
+    ("tp", {"tensor": 8}, {}, r"heads=4 is not divisible by mesh axis tensor=8; .*run on 4: --devices=4 --mesh=data:1,tensor:4"),
     ("fsdp", {"data": 3}, {}, r"batch=8 is not divisible by mesh axis data=3"),
     ("dp", {"data": 2, "pipeline": 2}, {}, r"mesh axis 'pipeline' is not one of"),
     ("dp", {"data": 2}, {"seq_len": 64}, r"seq_len=64 must be in \[1, context_length=32\]"),

@@ -10,12 +10,14 @@ any size are validated here without those devices existing.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
-from auto_parallel import resolve_mesh
+from auto_parallel import STRATEGIES, resolve_mesh
 from twinshard import mesh as mesh_lib
 from twinshard.config import preset
+from twinshard.placement import logical_dims
 
 TINY = preset("tiny")  # d_model 64, num_heads 4, d_ff 192, padded vocab 384, batch 8
 
@@ -149,7 +151,7 @@ def test_mesh_must_use_every_device(strategy, spec, match):
 
 
 @pytest.mark.parametrize("shape, match", [
-    ({"data": 8}, (r"mesh \{'data': 8\} lacks axis 'tensor'; name both axes \(size 1 allowed\): "
+    ({"data": 8}, (r"mesh \{'data': 8\} lacks axis 'tensor'; name both axes \(size 1 allowed\); "
                    r"try --mesh=data:8,tensor:1")),
     ({"data": 4, "tensor": 1, "pipeline": 2},
      r"has axis 'pipeline', not one of data, tensor.*try --mesh=data:8,tensor:1"),
@@ -175,49 +177,103 @@ def test_unknown_strategy(call):
 # ----------------------------------------------------------------------------- divisibility
 
 
+NO_MESH = r"no mesh on {n} devices splits this model for this strategy; run on {k}: --devices={k} --mesh={mesh}"
+
+
+def rules(strategy: str) -> dict[str, str]:
+    module = STRATEGIES[strategy]
+    return {**module.PARAM_RULES, **module.ACTIVATION_RULES}
+
+
 @pytest.mark.parametrize("strategy, spec, n, config, match", [
-    # heads over tensor (tiny has 4 heads; tp takes all 8 devices)
+    # heads over tensor (tiny has 4 heads; tp takes all 8 devices, so no tp mesh on 8 fits)
     ("tp", None, 8, TINY,
-     (r"heads=4 is not divisible by mesh axis tensor=8; use a tensor size in \[2, 4\] or make heads \(num_heads\) "
-      r"a multiple of 8")),
-    ("fsdp_tp", "data:1,tensor:8", 8, TINY, r"needs data > 1"),  # the axis rule is checked first
+     r"heads=4 is not divisible by mesh axis tensor=8 \(or make heads \(num_heads\) a multiple of 8\); "
+     + NO_MESH.format(n=8, k=4, mesh="data:1,tensor:4")),
+    ("fsdp_tp", "data:1,tensor:8", 8, TINY, r"needs data > 1.*try --mesh=data:4,tensor:2"),  # axis rule first
     ("fsdp_tp", "data:2,tensor:4", 8, cfg(num_heads=2),
-     (r"heads=2 is not divisible by mesh axis tensor=4; use a tensor size in \[2\] or make heads \(num_heads\) "
-      r"a multiple of 4")),
+     r"heads=2 is not divisible by mesh axis tensor=4 \(or make heads \(num_heads\) a multiple of 4\); "
+     r"try --mesh=data:4,tensor:2\.$"),
     # d_ff over tensor
     ("tp", None, 8, cfg(num_heads=8, d_ff=196),
-     (r"mlp=196 is not divisible by mesh axis tensor=8; use a tensor size in \[2, 4\] or make mlp "
-      r"\(d_ff\) a multiple of 8")),
+     r"mlp=196 is not divisible by mesh axis tensor=8 \(or make mlp \(d_ff\) a multiple of 8\); "
+     + NO_MESH.format(n=8, k=4, mesh="data:1,tensor:4")),
     # the padded vocab (257 -> 384 = 3 * 128) over tensor: 5 devices, heads and d_ff divisible by 5
+    # (and by no tensor size from 2 to 4, so no smaller device count helps)
     ("tp", None, 5, cfg(d_model=80, num_heads=5, d_ff=320),
-     (r"vocab=384 is not divisible by mesh axis tensor=5; pick a "
-      r"vocab_size whose padded size \(a multiple of 128\) is a multiple of 5")),
+     r"vocab=384 is not divisible by mesh axis tensor=5 \(or pick a vocab_size whose padded size \(a multiple "
+     r"of 128\) is a multiple of 5\); no mesh on 5 or fewer devices splits this model for this strategy\.$"),
     # d_model over data (FSDP shards the embed dimension): 6 devices, batch 12, d_model 64
     ("fsdp", None, 6, cfg(batch=12),
-     (r"embed=64 is not divisible by mesh axis data=6; use a data size in \[2\] or make embed "
-      r"\(d_model\) a multiple of 6")),
+     r"embed=64 is not divisible by mesh axis data=6 \(or make embed \(d_model\) a multiple of 6\); "
+     + NO_MESH.format(n=6, k=4, mesh="data:4,tensor:1")),
     ("fsdp_tp", "data:3,tensor:2", 6, cfg(batch=12),
-     r"embed=64 is not divisible by mesh axis data=3; .* make embed \(d_model\) a multiple of 3"),
-    # global batch over data
+     r"embed=64 is not divisible by mesh axis data=3 .*; " + NO_MESH.format(n=6, k=4, mesh="data:2,tensor:2")),
+    # global batch over data (the flag that sets it is named)
     ("dp", "data:3,tensor:1", 3, TINY,
-     (r"batch=8 is not divisible by mesh axis data=3; make batch "
-      r"\(batch_size\) a multiple of 3")),
-    ("fsdp", None, 16, TINY,
-     r"batch=8 is not divisible by mesh axis data=16; use a data size in \[2, 4, 8\] or .* a multiple of 16"),
+     r"batch=8 is not divisible by mesh axis data=3 \(or make batch \(--batch_size\) a multiple of 3\); "
+     + NO_MESH.format(n=3, k=2, mesh="data:2,tensor:1")),
+    ("fsdp", None, 16, TINY, r"batch=8 is not divisible by mesh axis data=16 .*; "
+     + NO_MESH.format(n=16, k=8, mesh="data:8,tensor:1")),
     ("fsdp_tp", "data:2,tensor:2", 4, cfg(batch=7),
-     (r"batch=7 is not divisible by mesh axis data=2; make batch \(batch_size\) "
-      r"a multiple of 2")),
+     r"batch=7 is not divisible by mesh axis data=2 \(or make batch \(--batch_size\) a multiple of 2\); "
+     r"no mesh on 4 or fewer devices splits this model for this strategy\.$"),
 ])
 def test_split_dimensions_must_divide(strategy, spec, n, config, match):
     with pytest.raises(ValueError, match=match):
+        mesh_lib.resolve(strategy, spec, logical_dims(config), rules(strategy), n)
+    with pytest.raises(ValueError):  # the twins' own check refuses it too
         resolve_mesh(strategy, spec, config, n)
 
 
-def test_suggested_axis_sizes_divide_the_dimension_and_the_device_count():
-    # heads=12 on tensor=8: 2 and 4 divide both (3, 6, 12 divide 12 but not 8 devices).
-    with pytest.raises(ValueError, match=r"heads=12 is not divisible by mesh axis tensor=8; "
-                                         r"use a tensor size in \[2, 4\] or"):
-        resolve_mesh("tp", None, cfg(d_model=96, num_heads=12), 8)
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp", "fsdp_tp"])
+@pytest.mark.parametrize("config", [TINY, cfg(num_heads=2), cfg(d_model=96, num_heads=12), cfg(batch=12)])
+@pytest.mark.parametrize("spec, n", [(None, 8), ("data:1,tensor:4", 8), ("data:2,tensor:4", 8), (None, 6),
+                                     ("data:8,tensor:1", 8), (None, 5)])
+def test_mesh_advice_resolves_in_one_step(strategy, config, spec, n):
+    """Whatever the error advises (a --mesh, or --devices with a --mesh) passes every check."""
+    dims, r = logical_dims(config), rules(strategy)
+    try:
+        mesh_lib.resolve(strategy, spec, dims, r, n)
+        return
+    except ValueError as e:
+        message = str(e)
+    found = re.search(r"(?:--devices=(\d+) )?--mesh=([a-z0-9:,]+[0-9])", message)
+    if found is None:
+        assert "no mesh on" in message, message
+        return
+    k = int(found.group(1) or n)
+    shape = mesh_lib.resolve(strategy, found.group(2), dims, r, k)
+    assert resolve_mesh(strategy, found.group(2), config, k) == shape
+    assert k <= n and shape == mesh_lib.parse_mesh(found.group(2))
+
+
+def test_mesh_on_fewer_devices_advises_the_device_count():
+    # README: `compare --strategy=tp --mesh=data:1,tensor:4` on 8 devices used to advise tensor:8 (4 heads)
+    with pytest.raises(ValueError, match=r"has 4 devices but 8 are available; no mesh on 8 devices .* "
+                                         r"run on 4: --devices=4 --mesh=data:1,tensor:4"):
+        mesh_lib.resolve("tp", "data:1,tensor:4", logical_dims(TINY), rules("tp"), 8)
+    with pytest.raises(ValueError, match=r"try --mesh=data:1,tensor:8 to use all 8, or run this mesh on 4 "
+                                         r"devices \(--devices=4\)"):
+        mesh_lib.check_mesh("tp", {"data": 1, "tensor": 4}, 8)
+
+
+@pytest.mark.parametrize("bad", [None, 8, ["data:8"], b"data:8,tensor:1"])
+def test_parse_mesh_rejects_non_strings(bad):
+    with pytest.raises(ValueError, match=r"mesh spec must be a string such as 'data:4,tensor:2'"):
+        mesh_lib.parse_mesh(bad)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: mesh_lib.default_mesh("dp", 0), r"device count 0 must be an integer >= 1"),
+    (lambda: mesh_lib.default_mesh("dp", 2.0), r"device count 2\.0 must be an integer >= 1"),
+    (lambda: mesh_lib.check_mesh("dp", "data:8,tensor:1", 8), r"is not a mapping of axis name to size"),
+    (lambda: mesh_lib.check_mesh("dp", {"data": True, "tensor": 1}, 1), r"mesh axis data=True must be an integer"),
+    (lambda: mesh_lib.check_mesh("dp", {"data": 8, "tensor": 1}, None), r"device count None must be"),
+])
+def test_bad_inputs_are_value_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 def test_unsplit_dimensions_need_not_divide():
@@ -227,6 +283,7 @@ def test_unsplit_dimensions_need_not_divide():
 
 
 def test_prime_dimension_offers_only_the_config_fix():
-    with pytest.raises(ValueError, match=r"heads=1 is not divisible by mesh axis tensor=2; make heads \(num_heads\) "
+    with pytest.raises(ValueError, match=r"heads=1 is not divisible by mesh axis tensor=2; no mesh on 2 or fewer "
+                                         r"devices splits this model for this strategy, or make heads \(num_heads\) "
                                          r"a multiple of 2\.$"):
         mesh_lib.check_divisible({"heads": 1}, {"heads": "tensor"}, {"data": 1, "tensor": 2})

@@ -19,6 +19,7 @@ import argparse
 import collections
 import heapq
 import itertools
+import os
 import time
 
 import regex
@@ -158,8 +159,15 @@ def main(argv: list[str] | None = None) -> None:
         "--vocab_size", type=int, required=True, help=f"total ids, counting {tokenizer.ENDOFTEXT}"
     )
     parser.add_argument("--out", required=True, help="tiktoken ranks file to write")
+    parser.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
     args = parser.parse_args(argv)
-    text = data.read_text(args.input)
+    if args.vocab_size < 257:
+        raise ValueError(f"--vocab_size={args.vocab_size} must be >= 257 (256 bytes + {tokenizer.ENDOFTEXT}).")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.path.isdir(out_dir):
+        raise ValueError(f"--out={args.out}: " + ("is a directory" if os.path.isdir(args.out) else
+                         f"directory {out_dir} does not exist") + "; pass a file path in an existing directory.")
+    text = data.read_text(args.input, "--input")
     start = time.perf_counter()
     _, merges = train_bpe(text, args.vocab_size, [tokenizer.ENDOFTEXT])
     seconds = time.perf_counter() - start
@@ -171,4 +179,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from launch.common import guarded  # one error wrapper for every command line
+
+    guarded(main, debug="--debug" in sys.argv[1:], name="twinshard.bpe")

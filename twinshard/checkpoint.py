@@ -5,23 +5,40 @@ config (must match to restore), the train config and the data description.
 Orbax writes each step into a temporary directory and renames it when complete,
 so an interrupted save never leaves a checkpoint that looks valid.
 
-Restore takes an *abstract* state (ShapeDtypeStructs, with shardings under a
-strategy), so a checkpoint written under one strategy restores under another:
-Orbax reads each shard where the target sharding wants it.
+Restore takes an *abstract* state (ShapeDtypeStructs) and reads every array
+into the sharding its leaf names, so a checkpoint written on N devices under one
+strategy restores on M devices under another: Orbax reads each shard where the
+target sharding wants it. Measured (orbax-checkpoint 0.12.8): a leaf *without*
+a sharding makes Orbax fall back to the sharding saved in the checkpoint, which
+names the writer's devices, and a checkpoint written on 8 devices then fails on
+1 with "Topology mismatch detected". So leaves without one (the single-device
+runner's abstract state) are placed on this process's first device.
+
+A restore that fails is diagnosed before it is reported: the checkpoint is
+called corrupt only if its files cannot be read at all (JSON metadata that does
+not parse, array bytes that do not decode, read as plain NumPy with no target
+layout). A readable checkpoint that does not fit this run is reported as such,
+and nothing advises deleting it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from typing import Any
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
+from jax.sharding import SingleDeviceSharding
 
 from twinshard.trainer import TrainState
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be restored into this run (corrupt or incompatible)."""
+    """A checkpoint that cannot be restored into this run (unreadable or incompatible)."""
 
 
 def _manager(directory: str, create: bool) -> ocp.CheckpointManager:
@@ -30,15 +47,31 @@ def _manager(directory: str, create: bool) -> ocp.CheckpointManager:
                                  item_names=("state", "meta"))
 
 
+def on_local_device(abstract: TrainState) -> TrainState:
+    """Give every leaf that has no sharding one: this process's first device."""
+    device = SingleDeviceSharding(jax.local_devices()[0])
+
+    def fill(leaf):
+        if getattr(leaf, "sharding", None) is not None:
+            return leaf
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device)
+
+    return jax.tree.map(fill, abstract)
+
+
 class Checkpointer:
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, create: bool = True):
+        """`create=False` (readers such as launch.sample) never makes the directory."""
         self.directory = directory
-        self._mgr = _manager(directory, create=True)
+        self._mgr = _manager(directory, create=create)
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
         self._mgr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         self._mgr.wait_until_finished()
+
+    def steps(self) -> list[int]:
+        return sorted(self._mgr.all_steps())
 
     def restore(self, abstract: TrainState, expect: dict[str, Any], step: int | None = None
                 ) -> tuple[TrainState, dict[str, Any]]:
@@ -47,35 +80,111 @@ class Checkpointer:
         `expect` maps metadata keys to what this run needs, e.g. {"model": asdict(model_cfg)};
         any difference is a CheckpointError naming the fields, raised before reading arrays.
         """
-        step = self._mgr.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"no checkpoint in {self.directory!r}; drop --resume or pass "
-                                  "the --workdir of an earlier run.")
+        step = self._step(step)
         meta = self.read_meta(step)
         for key, want in expect.items():
-            _check_same(key, meta.get(key), want, f"{self.directory}/{step}")
+            _check_same(key, meta.get(key), want, self.step_dir(step))
+        _ignore_late_callbacks()
         try:
             restored = self._mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract)))
-        except Exception as e:  # orbax raises many types for truncated/garbled files
-            raise CheckpointError(
-                f"checkpoint {self.directory}/{step} is corrupt or unreadable ({type(e).__name__}: "
-                f"{str(e)[:300]}); delete that step directory to fall back to an earlier one, "
-                "or start a fresh --workdir.") from e
+                state=ocp.args.StandardRestore(on_local_device(abstract))))
+        except Exception as e:  # orbax raises many types; say which kind of failure it is
+            raise self._restore_error(step, e) from None
         return restored.state, meta
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON metadata of `step` (default: latest): configs, data, strategy."""
-        step = self._mgr.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"no checkpoint in {self.directory!r}; train first or pass the "
-                                  "--workdir of an earlier run.")
+        step = self._step(step)
         try:
             return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as e:
-            raise CheckpointError(
-                f"checkpoint {self.directory}/{step} has no readable metadata ({type(e).__name__}); "
-                "it is corrupt or not a twinshard checkpoint: delete it or use a fresh --workdir.") from e
+            raise self._restore_error(step, e) from None
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _step(self, step: int | None) -> int:
+        step = self._mgr.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {self.directory!r}; train first, or pass the "
+                                  "--workdir of an earlier run.")
+        return step
+
+    def _restore_error(self, step: int, error: Exception) -> CheckpointError:
+        """'corrupt' only if the files cannot be read without any target layout."""
+        where = self.step_dir(step)
+        problem = unreadable(where)
+        if problem is None:
+            return CheckpointError(
+                f"checkpoint step {step} in {where} is readable but does not restore into this run: "
+                f"{_first_line(error)}. It may come from another twinshard version; run the version "
+                "and settings that wrote it, or start a fresh --workdir (the checkpoint is left as it is).")
+        earlier = [s for s in self.steps() if s < step]
+        fallback = (f"To resume from step {earlier[-1]}, move {where} out of {self.directory}, "
+                    "or start a fresh --workdir." if earlier else "Start a fresh --workdir.")
+        return CheckpointError(f"checkpoint step {step} in {where} is corrupt: {problem}.\n{fallback}")
+
+
+def unreadable(step_dir: str) -> str | None:
+    """Why the checkpoint in `step_dir` cannot be read at all (None: it reads).
+
+    Reads every JSON metadata file, then every array as NumPy on the host (no
+    devices, no shardings), so a checkpoint that merely needs another layout reads."""
+    _ignore_late_callbacks()
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            if name in ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata") \
+                    or os.path.basename(root) == "array_metadatas":
+                try:
+                    with open(path, "rb") as f:
+                        json.loads(f.read())
+                except (OSError, ValueError) as e:
+                    return f"{path} is not readable JSON ({_first_line(e)})"
+    state_dir = os.path.join(step_dir, "state")
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)  # Orbax warns that a plain PyTree read lacks step metadata
+    try:
+        checkpointer = ocp.PyTreeCheckpointer()
+        metadata = checkpointer.metadata(state_dir).item_metadata
+        if metadata is None:  # Orbax logs why and returns None
+            return f"the array index in {state_dir} (manifest.ocdbt and d/) does not read"
+        tree = metadata.tree
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=args))
+    except Exception as e:
+        return f"the arrays in {state_dir} do not read ({_first_line(e)})"
+    finally:
+        logging.set_verbosity(verbosity)
+    return None
+
+
+def _ignore_late_callbacks() -> None:
+    """Drop tensorstore's late callbacks into Orbax's closed event loop.
+
+    Measured (orbax 0.12.8, tensorstore 0.1.86): when one array read fails, Orbax
+    closes its event loop while other reads are in flight; each of them later
+    calls `loop.call_soon_threadsafe` from a tensorstore thread, and the
+    RuntimeError('Event loop is closed') is printed through sys.excepthook, dozens
+    of tracebacks burying the real message. Nothing can act on them any more."""
+    previous = sys.excepthook
+    if getattr(previous, "_twinshard_quiet", False):
+        return
+
+    def hook(kind, value, tb):
+        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+            previous(kind, value, tb)
+
+    hook._twinshard_quiet = True
+    sys.excepthook = hook
+
+
+def _first_line(error: BaseException) -> str:
+    """The innermost cause's message, first line, at most 300 characters (Orbax nests them)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
 
 def _check_same(key: str, saved: Any, want: Any, where: str) -> None:

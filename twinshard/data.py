@@ -6,6 +6,7 @@ import os
 import pathlib
 import re
 import tempfile
+import zlib
 
 import numpy as np
 
@@ -20,16 +21,33 @@ _CHUNK_CHARS = 1 << 20
 _SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
 
 
-def read_text(path: str | os.PathLike) -> str:
-    """Reads a UTF-8 .txt or .txt.gz file byte-exactly (no newline translation)."""
+def read_text(path: str | os.PathLike, flag: str = "--data") -> str:
+    """Reads a UTF-8 .txt or .txt.gz file byte-exactly (no newline translation).
+
+    Errors name the command-line `flag` that gave the path."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"corpus {str(path)!r} not found: pass --data=PATH to a UTF-8 .txt or .txt.gz, "
+            f"corpus {str(path)!r} not found: pass {flag}=PATH to a UTF-8 .txt or .txt.gz, "
             "or omit it for the default corpus"
         )
     raw = path.read_bytes()
-    return (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode("utf-8")
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError
+            raise ValueError(
+                f"corpus {str(path)!r} ends in .gz but is not a complete gzip file ({e}); "
+                f"pass {flag}=PATH to a gzip-compressed UTF-8 text, or to a plain .txt"
+            ) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"corpus {str(path)!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}"
+            + (" after gunzip" if path.suffix == ".gz" else "")
+            + f"); pass {flag}=PATH to a UTF-8 .txt or .txt.gz (convert with `iconv -t UTF-8`)"
+        ) from None
 
 
 def _chunks(text: str) -> list[str]:
@@ -55,10 +73,18 @@ def tokenize_to_memmap(
 ) -> np.memmap:
     """Returns the corpus as a read-only uint16 memmap, tokenizing only on a cache miss.
 
+    A `cache_dir` that is a file, or below one, is a ValueError before any tokenizing.
+
     The cache name `<stem>.<tokenizer>.<sha256(file)[:16]>.u16` changes with the
     file's bytes, and the file appears only complete (temp file + os.replace).
     """
     text_path, cache_dir = pathlib.Path(text_path), pathlib.Path(cache_dir)
+    blocker = next((p for p in (cache_dir, *cache_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(
+            f"cache directory {str(cache_dir)!r} cannot be made: {str(blocker)!r} is a file; "
+            "pass --cache_dir=DIR to a directory (created if missing)"
+        )
     enc = tokenizer.get_encoding(tokenizer_name)
     if enc.n_vocab > 65536:
         raise ValueError(

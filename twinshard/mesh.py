@@ -30,6 +30,8 @@ def check_strategy(strategy: str) -> None:
 
 def parse_mesh(spec: str) -> dict[str, int]:
     """'data:4,tensor:2' -> {'data': 4, 'tensor': 2} (either order, spaces allowed)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"mesh spec must be a string such as 'data:4,tensor:2', got {spec!r}.")
     shape: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, colon, size = (x.strip() for x in part.partition(":"))
@@ -52,9 +54,15 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return shape
 
 
+def _check_device_count(n_devices: int) -> None:
+    if isinstance(n_devices, bool) or not isinstance(n_devices, (int, np.integer)) or n_devices < 1:
+        raise ValueError(f"device count {n_devices!r} must be an integer >= 1.")
+
+
 def default_mesh(strategy: str, n_devices: int) -> dict[str, int]:
     """All devices on the strategy's axis; fsdp_tp puts 2 (or the smallest factor) on tensor."""
     check_strategy(strategy)
+    _check_device_count(n_devices)
     if strategy in ("dp", "fsdp"):
         return {"data": n_devices, "tensor": 1}
     if strategy == "tp":
@@ -84,47 +92,117 @@ def _fix(strategy: str, n_devices: int) -> str:
             + (f"strategy {' or '.join(fits)}" if fits else "the single-device runner"))
 
 
-def check_mesh(strategy: str, shape: Mapping[str, int], n_devices: int) -> None:
-    """Both axes present with sizes >= 1, each sized as the strategy needs, using every device."""
-    check_strategy(strategy)
+def _mesh_problem(strategy: str, shape: Mapping[str, int], n_devices: int) -> str | None:
+    """What is wrong with `shape` for `strategy` on `n_devices` (None: nothing), without a fix."""
+    if not isinstance(shape, Mapping):
+        return f"mesh {shape!r} is not a mapping of axis name to size such as {{'data': 4, 'tensor': 2}}"
     unknown, missing = [a for a in shape if a not in AXES], [a for a in AXES if a not in shape]
     if unknown or missing:
         what = f"has axis {unknown[0]!r}, not one of {', '.join(AXES)}" if unknown else f"lacks axis {missing[0]!r}"
-        raise ValueError(f"mesh {dict(shape)} {what}; name both axes (size 1 allowed): "
-                         f"{_fix(strategy, n_devices)}.")
+        return f"mesh {dict(shape)} {what}; name both axes (size 1 allowed)"
     for axis in AXES:
-        if not isinstance(shape[axis], (int, np.integer)) or shape[axis] < 1:
-            raise ValueError(f"mesh axis {axis}={shape[axis]!r} must be an integer >= 1; "
-                             f"{_fix(strategy, n_devices)}.")
+        size = shape[axis]
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            return f"mesh axis {axis}={size!r} must be an integer >= 1"
     for axis, needs_many in zip(AXES, _NEEDS[strategy]):
         if needs_many and shape[axis] < 2 or not needs_many and shape[axis] != 1:
             want = "> 1" if needs_many else "= 1"
-            raise ValueError(f"strategy {strategy} needs {axis} {want}, got mesh {_mesh_str(shape)}; "
-                             f"{_fix(strategy, n_devices)}.")
+            return f"strategy {strategy} needs {axis} {want}, got mesh {_mesh_str(shape)}"
     if math.prod(shape.values()) != n_devices:
-        raise ValueError(f"mesh {_mesh_str(shape)} has {math.prod(shape.values())} devices but "
-                         f"{n_devices} are available; {_fix(strategy, n_devices)}.")
+        return f"mesh {_mesh_str(shape)} has {math.prod(shape.values())} devices but {n_devices} are available"
+    return None
+
+
+def check_mesh(strategy: str, shape: Mapping[str, int], n_devices: int) -> None:
+    """Both axes present with sizes >= 1, each sized as the strategy needs, using every device.
+
+    Knows nothing of the model: `resolve` also checks divisibility and advises a mesh that fits both."""
+    check_strategy(strategy)
+    _check_device_count(n_devices)
+    problem = _mesh_problem(strategy, shape, n_devices)
+    if problem is None:
+        return
+    fix = _fix(strategy, n_devices)
+    if problem.endswith("are available"):
+        k = math.prod(shape.values())
+        fix += f" to use all {n_devices}, or run this mesh on {k} devices (--devices={k})"
+    raise ValueError(f"{problem}; {fix}.")
 
 
 # What to change in the config for each splittable logical dimension.
-_FIELDS = {"batch": "batch_size", "embed": "d_model", "heads": "num_heads", "mlp": "d_ff"}
+_FIELDS = {"batch": "--batch_size", "embed": "d_model", "heads": "num_heads", "mlp": "d_ff"}
+
+
+def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
+                          shape: Mapping[str, int]) -> tuple[str, str] | None:
+    """(what does not divide, the config change that fixes it), or None."""
+    for name, size in dims.items():
+        axis = rules.get(name)
+        if axis is None or size % shape[axis] == 0:
+            continue
+        n = shape[axis]
+        change = (f"pick a vocab_size whose padded size (a multiple of 128) is a multiple of {n}"
+                  if name == "vocab" else f"make {name} ({_FIELDS.get(name, name)}) a multiple of {n}")
+        return f"{name}={size} is not divisible by mesh axis {axis}={n}", change
+    return None
+
+
+def fitting_mesh(needs: tuple[bool, ...], dims: Mapping[str, int], rules: Mapping[str, str],
+                 n_devices: int, prefer: Mapping[str, int] | None = None) -> dict[str, int] | None:
+    """A mesh on exactly n_devices whose axes are sized as `needs` says (> 1 / == 1, per AXES)
+    and that splits every dimension evenly; `prefer` first if it fits, then most data."""
+    candidates = [{"data": n_devices // t, "tensor": t} for t in range(1, n_devices + 1) if n_devices % t == 0]
+    if prefer is not None:
+        candidates.insert(0, dict(prefer))
+    for shape in candidates:
+        sized = all((shape[a] > 1) if many else (shape[a] == 1) for a, many in zip(AXES, needs))
+        if sized and _divisibility_problem(dims, rules, shape) is None:
+            return shape
+    return None
+
+
+def advice(needs: tuple[bool, ...], dims: Mapping[str, int], rules: Mapping[str, str], n_devices: int,
+           prefer: Mapping[str, int] | None = None) -> str:
+    """One step that works: a mesh on these devices, else the most devices that have one."""
+    shape = fitting_mesh(needs, dims, rules, n_devices, prefer)
+    if shape is not None:
+        return f"try --mesh={_mesh_str(shape)}"
+    for k in range(n_devices - 1, 1, -1):
+        shape = fitting_mesh(needs, dims, rules, k)
+        if shape is not None:
+            return (f"no mesh on {n_devices} devices splits this model for this strategy; run on {k}: "
+                    f"--devices={k} --mesh={_mesh_str(shape)}")
+    return f"no mesh on {n_devices} or fewer devices splits this model for this strategy"
 
 
 def check_divisible(dims: Mapping[str, int], rules: Mapping[str, str], shape: Mapping[str, int]) -> None:
     """Every logical dimension split by `rules` must divide by its mesh axis size.
 
     dims: logical name -> size (e.g. {'heads': 4, 'mlp': 192, 'batch': 8, ...}).
+    The advice keeps the device count (prod(shape)) and the axes the rules use (> 1; the
+    others = 1, as each strategy's mesh needs), or names a device count that works.
     """
-    for name, size in dims.items():
-        axis = rules.get(name)
-        if axis is None or size % shape[axis] == 0:
-            continue
-        n, devices = shape[axis], math.prod(shape.values())
-        ok = [k for k in range(2, size + 1) if size % k == 0 and devices % k == 0][:6]  # fit the devices too
-        change = (f"pick a vocab_size whose padded size (a multiple of 128) is a multiple of {n}"
-                  if name == "vocab" else f"make {name} ({_FIELDS.get(name, name)}) a multiple of {n}")
-        raise ValueError(f"{name}={size} is not divisible by mesh axis {axis}={n}; "
-                         + (f"use a {axis} size in {ok} or " if ok else "") + f"{change}.")
+    problem = _divisibility_problem(dims, rules, shape)
+    if problem is None:
+        return
+    needs = tuple(a in rules.values() for a in AXES)
+    fix = advice(needs, dims, rules, math.prod(shape.values()))
+    raise ValueError(f"{problem[0]}; {fix}, or {problem[1]}.")
+
+
+def resolve(strategy: str, spec: str | None, dims: Mapping[str, int], rules: Mapping[str, str],
+            n_devices: int) -> dict[str, int]:
+    """Parse (or default) the mesh and check it against the strategy, the devices and the model;
+    an error advises one mesh (or device count) that passes all three checks."""
+    check_strategy(strategy)
+    _check_device_count(n_devices)
+    shape = parse_mesh(spec) if spec is not None else default_mesh(strategy, n_devices)
+    problem = _mesh_problem(strategy, shape, n_devices)
+    if problem is None and (split := _divisibility_problem(dims, rules, shape)) is not None:
+        problem = f"{split[0]} (or {split[1]})"
+    if problem is not None:
+        raise ValueError(f"{problem}; {advice(_NEEDS[strategy], dims, rules, n_devices, default_mesh(strategy, n_devices))}.")
+    return shape
 
 
 def make_mesh(shape: Mapping[str, int], axis_type: AxisType = AxisType.Auto,

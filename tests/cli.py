@@ -1,0 +1,38 @@
+"""Run a command line as a user would (`python -m launch.X ...`) in its own process.
+
+Launcher flags are process-global (absl), and a user error ends the process
+(launch.common.guarded), so command-line behaviour is tested in subprocesses.
+They get 8 simulated CPU devices from the launchers themselves (XLA_FLAGS here
+carries no device count) and the fast compile setting of tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu",
+            "TWINSHARD_DEBUG": "0", **extra}
+
+
+def run(*argv: str, cwd=ROOT, timeout: int = 300, **extra_env: str) -> subprocess.CompletedProcess:
+    """`python ARGV...` (e.g. run("-m", "launch.train", "--preset=tiny")), output captured."""
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env(**extra_env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """A failed run that says what is wrong in a few lines of stderr, without a traceback."""
+    err = proc.stderr
+    assert proc.returncode != 0, (proc.stdout[-2000:], err[-2000:])
+    assert "Traceback" not in err and "Event loop" not in err, err[-3000:]
+    assert len(err.strip().splitlines()) <= 4, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err

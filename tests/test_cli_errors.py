@@ -1,0 +1,145 @@
+"""Every launcher turns a user error into one short message on stderr and a non-zero exit.
+
+Each case runs the command line in its own process (tests/cli.py) and checks: exit
+status != 0, no traceback, at most 4 lines of stderr, the flag as typed, the value
+and the fix in the message; and that nothing on disk was created or changed. Most
+cases fail before jax is imported (about 1-2 s each).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+
+import pytest
+
+from cli import assert_user_error, run
+
+
+def train(*args: str, **env: str):
+    return run("-m", "launch.train", "--preset=tiny", *args, **env)
+
+
+@pytest.fixture
+def files(tmp_path):
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x01 not text" * 10)
+    fake_gz = tmp_path / "fake.txt.gz"
+    fake_gz.write_text("plain text, not gzip")
+    latin1_gz = tmp_path / "latin1.txt.gz"
+    latin1_gz.write_bytes(gzip.compress("café au lait ".encode("latin-1") * 20))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    return {"binary": binary, "fake_gz": fake_gz, "latin1_gz": latin1_gz, "file": a_file,
+            "cache": tmp_path / "cache"}
+
+
+@pytest.mark.parametrize("flag, name, needles", [
+    ("--data", "binary", ["--data=PATH", "binary.txt", "is not UTF-8 text (byte 0xff at offset 0)"]),
+    ("--data", "fake_gz", ["--data=PATH", "fake.txt.gz", "ends in .gz but is not a complete gzip file"]),
+    ("--data", "latin1_gz", ["latin1.txt.gz", "is not UTF-8 text (byte 0xe9 at offset 3 after gunzip)"]),
+])
+def test_unreadable_corpus(files, tmp_path, flag, name, needles):
+    workdir = tmp_path / "never"
+    proc = train(f"{flag}={files[name]}", f"--workdir={workdir}", f"--cache_dir={files['cache']}")
+    assert_user_error(proc, *needles)
+    assert not workdir.exists() and not files["cache"].exists()
+
+
+def test_workdir_and_cache_dir_that_cannot_be_directories(files, tmp_path):
+    f = files["file"]
+    cases = [
+        ([f"--workdir={f}"], [f"--workdir={f} is a file, not a directory"]),
+        ([f"--workdir={f}/run"], [f"--workdir={f}/run: {f} is a file, so no directory can be made below it"]),
+        ([f"--cache_dir={f}", f"--workdir={tmp_path / 'never'}"], [f"--cache_dir={f} is a file"]),
+        ([f"--cache_dir={f}/c", f"--workdir={tmp_path / 'never'}"], [f"--cache_dir={f}/c: {f} is a file"]),
+    ]
+    for args, needles in cases:
+        assert_user_error(train(*args), *needles)
+    assert f.read_text() == "not a directory" and not (tmp_path / "never").exists()
+
+
+def test_read_only_workdir(tmp_path):
+    """Two real read-only places: a chmod 555 directory (only for a non-root user: root writes
+    through it) and sysfs, where even root cannot mkdir (EPERM). Nothing is created in either."""
+    places = []
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        places.append(locked)
+    if os.path.isdir("/sys/kernel"):
+        places.append("/sys/kernel")
+    assert places, "no read-only place to test on this machine"
+    for place in places:
+        before = sorted(os.listdir(place))
+        proc = train(f"--workdir={place}/run", f"--cache_dir={tmp_path / 'cache'}")
+        assert_user_error(proc, f"--workdir={place}/run: {place} is not writable", "pass a --workdir")
+        assert sorted(os.listdir(place)) == before
+
+
+@pytest.mark.parametrize("flag, fix", [
+    ("--steps=0", "--steps=0 must be >= 1"),
+    ("--batch_size=-2", "--batch_size=-2 must be >= 1"),
+    ("--context_length=0", "--context_length=0 must be >= 1"),
+    ("--seed=-1", "--seed=-1 must be >= 0"),
+    ("--lr=nan", "--lr=nan must be a positive number"),
+    ("--lr=0", "--lr=0.0 must be a positive number"),
+    ("--preset=huge", "--preset=huge: unknown preset 'huge'; choose one of tiny, small"),
+    ("--tokenizer=/no/such.tiktoken", "--tokenizer=/no/such.tiktoken: no such file"),
+])
+def test_config_errors_name_the_flag(tmp_path, flag, fix):
+    proc = train(flag, f"--workdir={tmp_path / 'never'}")
+    err = assert_user_error(proc, fix)
+    assert "TrainConfig" not in err and "ModelConfig" not in err
+    assert not (tmp_path / "never").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    for proc in (train("--steps=0", "--debug"), train("--steps=0", TWINSHARD_DEBUG="1")):
+        assert proc.returncode != 0 and "Traceback" in proc.stderr and "--steps=0 must be >= 1" in proc.stderr
+
+
+def test_truncated_metrics_on_resume_names_the_file_and_line(tmp_path):
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints" / "4").mkdir(parents=True)  # the resume check needs a step directory
+    metrics = workdir / "metrics.jsonl"
+    metrics.write_text('{"step": 2, "loss": 5.1}\n{"step": 4, "lo')
+    before = metrics.read_bytes()
+    proc = train(f"--workdir={workdir}", "--resume")
+    assert_user_error(proc, f"--resume: {metrics} line 2 is not a metrics record", "Fix or remove that line")
+    assert metrics.read_bytes() == before
+
+
+def test_compare_checks_its_outputs_before_running(tmp_path):
+    proc = run("-m", "launch.compare", "--preset=tiny", "--strategy=dp", "--plot=/missing/dir/x.png")
+    assert_user_error(proc, "--plot=/missing/dir/x.png: directory /missing/dir does not exist")
+    assert proc.stdout == ""  # no loss table: nothing ran
+
+
+def test_mesh_advice_resolves_in_one_step():
+    """tp on 8 devices cannot split tiny's 4 heads; the advice names --devices and --mesh
+    (tests/test_mesh.py resolves every such advice; test_readme.py runs `--devices=4`)."""
+    proc = run("-m", "launch.compare", "--preset=tiny", "--strategy=tp", "--steps=10")
+    assert_user_error(proc, "heads=4 is not divisible by mesh axis tensor=8",
+                      "run on 4: --devices=4 --mesh=data:1,tensor:4")
+    proc = run("-m", "launch.collectives", "--preset=tiny", "--strategy=tp", "--mesh=data:1,tensor:4")
+    assert_user_error(proc, "mesh data:1,tensor:4 has 4 devices but 8 are available",
+                      "run on 4: --devices=4 --mesh=data:1,tensor:4")
+
+
+def test_sample_and_bpe_errors(tmp_path, files):
+    assert_user_error(run("-m", "launch.sample", f"--workdir={tmp_path / 'none'}"),
+                      "no checkpoints in", "train first")
+    assert_user_error(run("-m", "launch.sample", f"--workdir={tmp_path}", "--temperature=-1"),
+                      "--temperature=-1.0 must be >= 0")
+    out = tmp_path / "x.tiktoken"
+    for args, needles in [
+        ([f"--input={files['binary']}", "--vocab_size=300"], ["--input=PATH", "is not UTF-8 text"]),
+        (["--vocab_size=100"], ["--vocab_size=100 must be >= 257"]),
+        ([f"--input={files['fake_gz']}", "--vocab_size=300"], ["--input=PATH", "not a complete gzip"]),
+    ]:
+        assert_user_error(run("-m", "twinshard.bpe", *args, f"--out={out}"), *needles)
+    assert_user_error(run("-m", "twinshard.bpe", "--vocab_size=300", "--out=/missing/dir/x.tiktoken"),
+                      "--out=/missing/dir/x.tiktoken: directory /missing/dir does not exist")
+    assert not out.exists()

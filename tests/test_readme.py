@@ -1,0 +1,138 @@
+"""Every command the README shows runs as written (in README order, in one scratch directory).
+
+The commands are read from the README's ```bash blocks, so a README edit is tested as
+edited; a command this file does not know fails `test_every_readme_command_is_covered`.
+What the test changes, and why (each variant only adds flags; absl keeps the last value):
+
+- the `pip install uv && uv run [--locked] [--extra tpu]` prefix is the environment this
+  test already runs in: the rest runs with this interpreter;
+- the main job trains `--steps=4 --stop_after=2` instead of 200 steps (minutes on 2
+  cores), and the resume after it `--steps=4` (a resume must keep the run's --steps);
+- HOME is a scratch directory, so the token cache (~/.cache/twinshard) is too;
+- `corpus.txt` (the BPE example's "any UTF-8 text") is the first 300 kB of the
+  embedded Shakespeare corpus.
+
+Not run here: the test command (it is this suite) and the multi-process command
+(`--coordinator_address`, `--num_processes` or `--distributed`: tests/test_multiprocess.py).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shlex
+
+import pytest
+
+from cli import ROOT, run
+from twinshard.config import ModelConfig, preset
+from twinshard.data import DEFAULT_CORPUS
+
+UV_PREFIX = re.compile(r"^(pip install uv && )?uv run( --locked)?( --extra tpu)? ")
+
+# README command -> flags this test adds (see the module docstring)
+VARIANTS = {
+    "pip install uv && uv run --locked python -m launch.train --preset=small --workdir=runs/small":
+        ["--steps=4", "--stop_after=2"],
+    'uv run python -m launch.sample --workdir=runs/small --prompt="ROMEO:"': [],
+    "uv run python -m launch.train --preset=small --workdir=runs/small --resume": ["--steps=4"],
+    "uv run python -m launch.train --preset=tiny --strategy=fsdp_tp --impl=manual --mesh=data:2,tensor:4 "
+    "--workdir=runs/ftp": [],
+    "uv run python -m launch.compare --preset=tiny --strategy=tp --devices=4 --steps=10 --plot=tp.png": [],
+    "uv run python -m launch.collectives --preset=tiny --strategy=fsdp --impl=manual": [],
+    "uv run python -m twinshard.bpe --input corpus.txt --vocab_size 512 --out corpus512.tiktoken": [],
+    "uv run python -m launch.train --preset=tiny --data=corpus.txt --tokenizer=corpus512.tiktoken "
+    "--workdir=runs/bpe": [],
+    'uv run python -m launch.sample --workdir=runs/bpe --prompt="ROMEO:"': [],
+}
+NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test suite itself"}
+
+
+def readme_commands() -> list[str]:
+    """The command lines of the README's bash blocks: continuations joined, comments dropped."""
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = " ".join(shlex.split(line, comments=True, posix=False)) if line.strip() else ""
+            if line:
+                commands.append(line)
+    return commands
+
+
+def is_multi_process(command: str) -> bool:
+    return any(flag in command for flag in ("--coordinator_address", "--num_processes", "--distributed"))
+
+
+def test_every_readme_command_is_covered():
+    commands = readme_commands()
+    assert len(commands) == len(set(commands))
+    assert {c for c in commands if not is_multi_process(c)} == set(VARIANTS) | set(NOT_RUN)
+    assert any(is_multi_process(c) for c in commands)
+
+
+@pytest.fixture(scope="module")
+def readme_runs(tmp_path_factory):
+    """Run the README's commands in order in one scratch directory; command -> process."""
+    cwd = tmp_path_factory.mktemp("readme")
+    with gzip.open(DEFAULT_CORPUS, "rt", encoding="utf-8") as f:
+        (cwd / "corpus.txt").write_text(f.read(300_000), encoding="utf-8")
+    runs = {}
+    for command in readme_commands():
+        if command in VARIANTS:
+            argv = shlex.split(UV_PREFIX.sub("", command))
+            assert argv[0] == "python", command
+            runs[command] = run(*argv[1:], *VARIANTS[command], cwd=cwd, timeout=600, HOME=str(cwd))
+    return cwd, runs
+
+
+def test_readme_commands_run(readme_runs):
+    _, runs = readme_runs
+    assert set(runs) == set(VARIANTS)
+    for command, proc in runs.items():
+        assert proc.returncode == 0, (command, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr and "TPU_WORKER_HOSTNAMES" not in proc.stderr, proc.stderr
+
+
+def out(readme_runs, start: str) -> str:
+    return next(p.stdout for c, p in readme_runs[1].items() if start in c)
+
+
+def test_main_job_samples_and_resumes(readme_runs):
+    cwd, _ = readme_runs
+    assert "done: step 2 of 4" in out(readme_runs, "--preset=small --workdir=runs/small")
+    assert out(readme_runs, "launch.sample --workdir=runs/small").startswith("ROMEO:")
+    resumed = out(readme_runs, "--workdir=runs/small --resume")
+    assert "at step 2" in resumed and "done: step 4 of 4" in resumed
+    steps = [json.loads(line)["step"] for line in (cwd / "runs/small/metrics.jsonl").read_text().splitlines()]
+    assert steps == [4]  # small logs every 10 steps and at the last one; the stop at 2 is no log step
+
+
+def test_strategy_compare_and_collectives_examples(readme_runs):
+    cwd, _ = readme_runs
+    assert "done: step 20 of 20" in out(readme_runs, "--strategy=fsdp_tp --impl=manual")
+    compared = out(readme_runs, "launch.compare")
+    assert "max_param_diff_manual_vs_single" in compared and "plot: tp.png" in compared
+    assert (cwd / "tp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "fsdp/manual on cpu mesh data:8,tensor:1" in out(readme_runs, "launch.collectives")
+
+
+def test_own_tokenizer_trains_and_samples(readme_runs):
+    cwd, _ = readme_runs
+    ranks = (cwd / "corpus512.tiktoken").read_text().splitlines()
+    assert len(ranks) == 511  # 256 bytes + 255 merges; <|endoftext|> is id 511
+    trained = out(readme_runs, "--tokenizer=corpus512.tiktoken")
+    tiny = preset("tiny").model
+    with_bpe = ModelConfig(512, tiny.context_length, tiny.d_model, tiny.num_layers, tiny.num_heads)
+    assert f"params={with_bpe.num_params():,}" in trained and "done: step 20 of 20" in trained
+    meta = json.loads((cwd / "runs/bpe/checkpoints/20/meta/metadata").read_text())
+    assert meta["model"]["vocab_size"] == 512 and meta["train"]["tokenizer"] == str(cwd / "corpus512.tiktoken")
+    assert out(readme_runs, "launch.sample --workdir=runs/bpe").startswith("ROMEO:")
+
+
+def test_user_script_with_the_tpu_extra_is_quiet_on_cpu(tmp_path):
+    """The README's advice for user scripts: JAX_PLATFORMS=cpu, and jax does not probe libtpu."""
+    proc = run("-c", "import jax; print(jax.numpy.ones(3).sum(), jax.devices())", cwd=tmp_path)
+    assert proc.returncode == 0 and "3.0 [CpuDevice(id=0)" in proc.stdout, proc.stderr
+    assert "TPU_WORKER_HOSTNAMES" not in proc.stderr and "libtpu" not in proc.stderr
