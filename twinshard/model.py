@@ -196,6 +196,13 @@ def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SI
     and the backward scan re-gathers them (remat) and reduce-scatters their
     gradients, one layer at a time. Collectives in the body appear once in the
     HLO, inside a `while` of trip count L (twinshard/hlo.py multiplies).
+
+    Measured (XLA:CPU, 2 busy cores, CPU time): the compiled step no longer
+    grows with L (tiny width, single device: 3532 HLO instructions at L=2, 12
+    and 24; compile 3.5-3.9 s where the unrolled step took 2.1 s at L=2, 3.6 s
+    at 12 and 7.3 s at 24); the loop costs run time on CPU: the small preset's
+    single-device step took 1.34-1.38 s per step, 1.14-1.21 s with
+    `lax.scan(..., unroll=4)` and 1.13 s unrolled by Python.
     """
     layer_def = _layer_graphdef(cfg)
     stacked = nnx.to_pure_dict(nnx.state(blocks, nnx.Param))  # every leaf [L, ...]
