@@ -69,7 +69,7 @@ common.define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (de
 common.define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU.")
 common.define(flags.DEFINE_string, "json", None, "Write the results as JSON here.")
 common.define(flags.DEFINE_string, "markdown", None, "Write the results as a Markdown section here.")
-common.define(flags.DEFINE_string, "dtype", None, "Compute dtype (e.g. bfloat16), where the config has a dtype field.")
+common.define_precision_flags()  # --dtype, --attention
 common.define(flags.DEFINE_list, "strategies", "single,dp,fsdp,tp,fsdp_tp", "Runs: single and/or strategies.")
 common.define(flags.DEFINE_list, "impls", "auto,manual", "Twins to run for each strategy.")
 common.define(flags.DEFINE_integer, "warmup", 2, "Untimed steps before the timed ones.")
@@ -143,23 +143,11 @@ def config_from_flags() -> Config:
         cfg = Config(dataclasses.replace(cfg.model, **model), dataclasses.replace(cfg.train, **train))
     except ValueError as e:
         raise ValueError(f"{e} (from the flags {_flags_text(model | train)})") from None
-    return with_dtype(cfg, FLAGS.dtype)
+    return common.with_precision(cfg, FLAGS)
 
 
 def _flags_text(values: dict) -> str:
     return " ".join(f"--{k}={v}" for k, v in values.items()) or f"--preset={FLAGS.preset}"
-
-
-def with_dtype(cfg: Config, dtype: str | None) -> Config:
-    """Apply --dtype through a `dtype` field of ModelConfig or TrainConfig, if this checkout has one."""
-    if dtype is None:
-        return cfg
-    for part in ("model", "train"):
-        sub = getattr(cfg, part)
-        if "dtype" in {f.name for f in dataclasses.fields(sub)}:
-            return dataclasses.replace(cfg, **{part: dataclasses.replace(sub, dtype=dtype)})
-    raise ValueError(f"--dtype={dtype}: this checkout has no mixed precision (neither ModelConfig nor "
-                     "TrainConfig has a dtype field; issue 9 item 4); drop --dtype.")
 
 
 def parse_meshes(text: str | None, strategies: Sequence[str]) -> dict[str, str | None]:

@@ -53,6 +53,22 @@ def define_model_flags() -> None:
            "given explicitly, a single-process run with more devices uses only the first N.")
     define(flags.DEFINE_string, "tokenizer", None, "A tiktoken ranks file (from `python -m twinshard.bpe`) "
            "or a built-in name (bytes, gpt2, shakespeare4096); default: the preset's. Sets vocab_size.")
+    define_precision_flags()
+
+
+def define_precision_flags() -> None:
+    from twinshard.config import ATTENTION_IMPLS, COMPUTE_DTYPES
+
+    define(flags.DEFINE_enum, "dtype", None, COMPUTE_DTYPES, "Compute dtype (default: the preset's, float32): "
+           "bfloat16 = bf16 activations and matmuls, float32 master weights, optimizer state, norms and loss.")
+    define(flags.DEFINE_enum, "attention", None, ATTENTION_IMPLS, "Attention kernel (default auto: cuDNN flash "
+           "attention on a GPU in bf16, XLA's elsewhere; reference: the readable twinshard.layers one).")
+
+
+def with_precision(cfg: Config, FLAGS) -> Config:
+    """--dtype / --attention applied to the model config (None: the preset's)."""
+    over = {k: getattr(FLAGS, k) for k in ("dtype", "attention") if getattr(FLAGS, k) is not None}
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **over)) if over else cfg
 
 
 def define_distributed_flags() -> None:
@@ -160,7 +176,7 @@ def config_from_flags(FLAGS) -> Config:
         if "steps" in overrides:
             overrides["warmup_steps"] = min(train.warmup_steps, overrides["steps"])
         train = dataclasses.replace(train, **overrides)
-    return Config(model, train)
+    return with_precision(Config(model, train), FLAGS)
 
 
 def tokenizer_vocab(name: str) -> int:
