@@ -256,8 +256,16 @@ def guarded(main: Callable, *args, debug: bool = False, name: str | None = None)
             raise
         sys.stdout.flush()
         prog = name or os.path.basename(sys.argv[0])
-        sys.stderr.write(f"{prog}: error: {e}\n(for the traceback, add --debug or set TWINSHARD_DEBUG=1)\n")
+        message = f"{prog}: error: {e}\n(for the traceback, add --debug or set TWINSHARD_DEBUG=1)\n"
+        # Other threads (tensorstore callbacks after a failed Orbax read) may still print
+        # 'Event loop is closed' tracebacks while we exit (measured under load): send fd 2 and
+        # sys.stderr to /dev/null first, and write the message to a private copy of stderr.
         sys.stderr.flush()
+        own = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        sys.stderr = open(os.devnull, "w")
+        os.write(own, message.encode())
         os._exit(1)
 
 

@@ -8,6 +8,8 @@ What the test changes, and why (each variant only adds flags; absl keeps the las
   test already runs in: the rest runs with this interpreter;
 - the main job trains `--steps=4 --stop_after=2` instead of 200 steps (minutes on 2
   cores), and the resume after it `--steps=4` (a resume must keep the run's --steps);
+  the bf16 example trains `--steps=4`; the bench runs `--strategies=single,fsdp` (both
+  twins) instead of all four strategies (each run compiles its own step);
 - HOME is a scratch directory, so the token cache (~/.cache/twinshard) is too;
 - `corpus.txt` (the BPE example's "any UTF-8 text") is the first 300 kB of the
   embedded Shakespeare corpus.
@@ -45,6 +47,9 @@ VARIANTS = {
     "uv run python -m launch.train --preset=tiny --data=corpus.txt --tokenizer=corpus512.tiktoken "
     "--workdir=runs/bpe": [],
     'uv run python -m launch.sample --workdir=runs/bpe --prompt="ROMEO:"': [],
+    "uv run python -m launch.train --preset=tiny --dtype=bfloat16 --workdir=runs/bf16": ["--steps=4"],
+    "uv run python -m launch.bench --preset=tiny --steps=3 --json=bench.json --markdown=bench.md":
+        ["--strategies=single,fsdp"],
 }
 NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test suite itself"}
 
@@ -129,6 +134,16 @@ def test_own_tokenizer_trains_and_samples(readme_runs):
     meta = json.loads((cwd / "runs/bpe/checkpoints/20/meta/metadata").read_text())
     assert meta["model"]["vocab_size"] == 512 and meta["train"]["tokenizer"] == str(cwd / "corpus512.tiktoken")
     assert out(readme_runs, "launch.sample --workdir=runs/bpe").startswith("ROMEO:")
+
+
+def test_bf16_and_bench_examples(readme_runs):
+    cwd, _ = readme_runs
+    assert "done: step 4 of 4" in out(readme_runs, "--dtype=bfloat16")
+    meta = json.loads((cwd / "runs/bf16/checkpoints/4/meta/metadata").read_text())
+    assert meta["model"]["dtype"] == "bfloat16"
+    doc = json.loads((cwd / "bench.json").read_text())
+    assert {r["strategy"] for r in doc["runs"]} == {"single", "fsdp"} and len(doc["runs"]) == 3
+    assert (cwd / "bench.md").read_text().strip()
 
 
 def test_user_script_with_the_tpu_extra_is_quiet_on_cpu(tmp_path):
