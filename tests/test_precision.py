@@ -45,6 +45,14 @@ def test_the_program_is_mixed_precision():
     assert len(dots) == 3 * (9 + 1)
     for a, b, out in dots:  # forward and backward: bf16 (the backend accumulates in f32)
         assert a.endswith("bf16>") and b.endswith("bf16>") and out.endswith("bf16>"), (a, b, out)
+    # the softmax of the attention scores [B, H, T, T], the loss's log-sum-exp over [B, T, V] and
+    # RMSNorm's rsqrt run in f32 (SiLU's sigmoid on [B, T, F] may stay bf16: elementwise)
+    exps = re.findall(r"stablehlo.exponential [^:\n]*: tensor<([^>]*)>", text)
+    t, v, h = cfg.context_length, cfg.padded_vocab_size, cfg.num_heads
+    assert f"2x{h}x{t}x{t}xf32" in exps and f"2x{t}x{v}xf32" in exps, exps
+    assert not [e for e in exps if e.endswith(f"x{t}x{t}xbf16") or e.endswith(f"x{v}xbf16")], exps
+    rsqrts = re.findall(r"stablehlo.rsqrt [^:\n]*: tensor<([^>]*)>", text)
+    assert rsqrts and all(r.endswith("f32") for r in rsqrts), rsqrts
     logits = jax.eval_shape(lambda p, t: trainer.nnx.merge(trainer.graphdef(cfg), p)(t), params, x)
     assert logits.dtype == jnp.float32
 
