@@ -147,7 +147,7 @@ class Slot:
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            sys.exit(f"mutate: {self.base} is in use by another tools/mutate.py run on this repo; "
+            die(f"{self.base} is in use by another tools/mutate.py run on this repo; "
                      "wait for it to finish (or pass a smaller --jobs).")
 
     def fresh_copy(self, mutant: Mutant | None) -> None:
@@ -183,7 +183,7 @@ class Slot:
                              capture_output=True, text=True)
         where = out.stdout.strip()
         if out.returncode or not where.startswith(str(self.tree)):
-            sys.exit(f"mutate: the scratch copy's packages do not import from the copy "
+            die(f"the scratch copy's packages do not import from the copy "
                      f"(twinshard from {where or out.stderr[-500:]!r}); mutants would test the wrong code.")
 
     def pytest(self, tests: tuple[str, ...], timeout: float, extra: tuple[str, ...] = (),
@@ -214,6 +214,12 @@ class Slot:
         self._lock.close()
 
 
+def die(message: str) -> None:
+    """Bad arguments, a broken setup or a failing baseline: exit status 2."""
+    print(f"mutate: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 _RUNNING: set[subprocess.Popen] = set()
 _RUNNING_LOCK = threading.Lock()
 _STOP = threading.Event()  # set on Ctrl-C
@@ -228,7 +234,7 @@ def _kill(proc: subprocess.Popen) -> None:
 def python() -> str:
     exe = ROOT / ".venv" / "bin" / "python"
     if not exe.is_file():
-        sys.exit(f"mutate: {exe} not found; create it first: "
+        die(f"{exe} not found; create it first: "
                  "`UV_PYTHON_DOWNLOADS=never uv sync --locked --extra tpu`.")
     return str(exe)
 
@@ -284,7 +290,7 @@ def baseline(slot: Slot, mutants: list[Mutant]) -> dict[str, float]:
         sys.stdout.write(out[-4000:])
         hit = sorted({m.id for m in mutants for f in failing for t in m.tests
                       if f == t or f.startswith(t.split("::")[0] + "::") and "::" not in t})
-        sys.exit(f"mutate: the baseline fails on the UNMUTATED tree (pytest exit {rc}; failing: "
+        die(f"the baseline fails on the UNMUTATED tree (pytest exit {rc}; failing: "
                  f"{failing or first_failure(out)}), so mutants {hit or 'selecting them'} would look "
                  "caught. Fix the tests (or the selections in tools/mutants.py) first, or pass "
                  "--no-baseline to run anyway.")
@@ -319,21 +325,21 @@ def select(args) -> list[Mutant]:
     ids = {m.id for m in MUTANTS}
     dupes = sorted({m.id for m in MUTANTS if [x.id for x in MUTANTS].count(m.id) > 1})
     if dupes:
-        sys.exit(f"mutate: duplicate mutant ids in tools/mutants.py: {dupes}")
+        die(f"duplicate mutant ids in tools/mutants.py: {dupes}")
     chosen = list(MUTANTS)
     if args.only:
         want = [s.strip() for s in args.only.split(",") if s.strip()]
         unknown = [w for w in want if w not in ids]
         if unknown:
-            sys.exit(f"mutate: --only: unknown mutant id(s) {unknown}; see --list for the ids.")
+            die(f"--only: unknown mutant id(s) {unknown}; see --list for the ids.")
         chosen = [m for m in chosen if m.id in want]
     if args.category:
         cats = sorted({m.category for m in MUTANTS})
         if args.category not in cats:
-            sys.exit(f"mutate: --category={args.category!r} is not one of {cats}.")
+            die(f"--category={args.category!r} is not one of {cats}.")
         chosen = [m for m in chosen if m.category == args.category]
     if not chosen:
-        sys.exit("mutate: --only and --category together select no mutant.")
+        die("--only and --category together select no mutant.")
     return chosen
 
 
