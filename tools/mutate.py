@@ -1,11 +1,12 @@
 """Mutation testing: apply each curated bug (tools/mutants.py) to a copy of the
 tree, run the tests that should catch it, and report caught / missed.
 
-    uv run python tools/mutate.py                     # every mutant (~1 h on 2 cores)
+    uv run python tools/mutate.py                     # every mutant (~40 min on 2 busy cores)
     uv run python tools/mutate.py --only ID[,ID]      # some mutants
     uv run python tools/mutate.py --category optim    # one category
     uv run python tools/mutate.py --list              # the list; checks every snippet still applies
     uv run python tools/mutate.py --json out.json --markdown out.md
+    uv run python tools/mutate.py --keep-going --only ID # no -x: every test that catches it
 
 The developer's working tree is never written: the tree (`git ls-files`: tracked
 files plus untracked, non-ignored ones) is read once at the start, and each
@@ -84,12 +85,14 @@ class Result:
     first_failure: str = ""
     seconds: float = 0.0
     detail: str = ""
+    failures: tuple[str, ...] = ()  # every failing test (all of them only with --keep-going)
 
     def row(self) -> dict:
         m = self.mutant
         return {"id": m.id, "category": m.category, "file": m.file, "result": self.result,
                 "first_failure": self.first_failure, "seconds": round(self.seconds, 1),
-                "tests": list(m.tests), "description": m.description, "detail": self.detail}
+                "failures": list(self.failures), "tests": list(m.tests), "description": m.description,
+                "detail": self.detail}
 
 
 # ----------------------------------------------------------------------------- the tree
@@ -242,7 +245,8 @@ def python() -> str:
 # ----------------------------------------------------------------------------- pytest output
 
 
-_SUMMARY = re.compile(r"^(FAILED|ERROR) (\S+)")
+# `FAILED tests/test_hlo.py::test_formats[iota transposed] - AssertionError: ...` (ids may hold spaces)
+_SUMMARY = re.compile(r"^(FAILED|ERROR) (.+?)(?: - .*)?$")
 
 
 def first_failure(output: str) -> str:
@@ -312,13 +316,17 @@ def timeout_for(m: Mutant, times: dict[str, float]) -> float:
     return max(MIN_TIMEOUT_S, 4 * sum(times[f] for f in files))
 
 
-def run_one(slot: Slot, m: Mutant, timeout: float) -> Result:
+def run_one(slot: Slot, m: Mutant, timeout: float, keep_going: bool = False) -> Result:
     slot.fresh_copy(m)
-    rc, out, secs = slot.pytest(m.tests, timeout)
+    rc, out, secs = slot.pytest(m.tests, timeout, stop_first=not keep_going)
     result, failing = classify(rc, out)
     if m.equivalent:
         result = "equivalent (missed)" if result == "missed" else "equivalent (caught)"
-    return Result(m, result, failing, secs, out[-3000:] if result.startswith(("error", "equivalent (c")) else "")
+    failures = tuple(f.group(2) for f in map(_SUMMARY.match, out.splitlines()) if f)
+    if len(failures) > 1:
+        failing += f" (+{len(failures) - 1} more)"
+    return Result(m, result, failing, secs, out[-3000:] if result.startswith(("error", "equivalent (c")) else "",
+                  failures)
 
 
 def select(args) -> list[Mutant]:
@@ -415,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", metavar="PATH", help="also write the markdown table")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated sanity pass")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="run each selection to the end (no -x) and report every failing test: "
+                         "which tests catch a mutant, not only the first")
     ap.add_argument("--run-equivalent", action="store_true", help="run mutants labelled equivalent too")
     ap.add_argument("--timeout", type=float, default=None,
                     help=f"seconds per mutant (default: 4x its selection's baseline, >= {MIN_TIMEOUT_S})")
@@ -456,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             with free_lock:
                 slot = free.pop()
             try:
-                return run_one(slot, m, args.timeout or timeout_for(m, times))
+                return run_one(slot, m, args.timeout or timeout_for(m, times), args.keep_going)
             finally:
                 with free_lock:
                     free.append(slot)
