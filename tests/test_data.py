@@ -111,6 +111,8 @@ def test_get_batch_deterministic_in_seed_and_step():
     assert np.array_equal(batch(0, 5), batch(0, 5))
     assert not np.array_equal(batch(0, 5), batch(0, 6))
     assert not np.array_equal(batch(0, 5), batch(1, 5))
+    # runs with different seeds never share batches shifted in time (seed + step would)
+    assert not np.array_equal(batch(0, 6), batch(1, 5))
 
 
 def test_get_batch_reaches_every_start_uniformly():

@@ -294,6 +294,15 @@ def test_other_ops_and_bytes() -> None:
                    "all-to-all": (64, 48.0), "collective-broadcast": (64, 64.0)}
 
 
+def test_sub_byte_types_are_counted_in_bits() -> None:
+    """int4 / fp4 collectives (quantized weights): 4 bits per element, not 0 bytes."""
+    led = hlo.ledger(module(
+        "%ag = s4[16,4]{1,0} all-gather(%p), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}",
+        "%ag2 = f4e2m1fn[8,8]{1,0} all-gather(%p), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}",
+    ), MESH)
+    assert [r.bytes for r in led] == [16 * 4 * 4 // 8, 8 * 8 * 4 // 8]
+
+
 MALFORMED = [
     "%bad1 = f32[4,4]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1},{2, to_apply=%add",
     "%bad2 = f32[4,4]{1,0} all-gather(%p), channel_id=2, replica_groups=weird(3), dimensions={0}",

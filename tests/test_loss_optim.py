@@ -70,9 +70,10 @@ def _adamw_numpy(p, grads, lr_at, b1, b2, eps, wd):
     return p
 
 
-def test_adamw_matches_handout_formula():
+@pytest.mark.parametrize("eps", [1e-8, 0.5])  # 0.5: not optax's default, and large enough to matter
+def test_adamw_matches_handout_formula(eps):
     cfg = TrainConfig(lr=0.1, min_lr=0.01, warmup_steps=2, steps=6, grad_clip=0.0,
-                      weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
+                      weight_decay=0.1, beta1=0.9, beta2=0.95, eps=eps)
     rng = np.random.default_rng(3)
     p0, grads = rng.normal(size=(5,)), [rng.normal(size=(5,)) for _ in range(6)]
     tx = make_optimizer(cfg)
@@ -82,12 +83,15 @@ def test_adamw_matches_handout_formula():
         p = optax.apply_updates(p, u)
     lr_at = lambda t: ref.cs336_lr(t, 0.1, 0.01, 2, 6)  # noqa: E731
     # optax puts eps outside the bias correction: eps_hat = eps * sqrt(1 - b2^t) in the handout's form
-    want = _adamw_numpy(p0, grads, lr_at, 0.9, 0.95, 1e-8, 0.1)
+    want = _adamw_numpy(p0, grads, lr_at, 0.9, 0.95, eps, 0.1)
     np.testing.assert_allclose(p, want, rtol=1e-5, atol=1e-6)
 
 
-def test_global_norm_clipping():
-    tx = clip_and_guard(optax.identity(), max_norm=1.0, skip_nonfinite=False)
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_global_norm_clipping(skip_nonfinite):
+    """The update is clipped to norm 1; the reported grad_norm is the norm BEFORE clipping
+    (both code paths: with and without the non-finite guard)."""
+    tx = clip_and_guard(optax.identity(), max_norm=1.0, skip_nonfinite=skip_nonfinite)
     g = {"a": jnp.array([3.0, 0.0]), "b": jnp.array([[4.0]])}  # norm 5
     u, state = tx.update(g, tx.init(g))
     assert float(optax.tree.norm(u)) == pytest.approx(1.0, rel=1e-5)

@@ -14,6 +14,7 @@ What the test changes, and why (each variant only adds flags; absl keeps the las
 - `corpus.txt` (the BPE example's "any UTF-8 text") is the first 300 kB of the
   embedded Shakespeare corpus.
 
+`tools/mutate.py` runs from the repository root (its path is made absolute).
 Not run here: the test command (it is this suite) and the multi-process command
 (`--coordinator_address`, `--num_processes` or `--distributed`: tests/test_multiprocess.py).
 """
@@ -50,6 +51,8 @@ VARIANTS = {
     "uv run python -m launch.train --preset=tiny --dtype=bfloat16 --workdir=runs/bf16": ["--steps=4"],
     "uv run python -m launch.bench --preset=tiny --steps=3 --json=bench.json --markdown=bench.md":
         ["--strategies=single,fsdp"],
+    "uv run python tools/mutate.py --list": [],
+    "uv run python tools/mutate.py --only rope-sign,softmax-no-max-shift": [],
 }
 NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test suite itself"}
 
@@ -88,7 +91,8 @@ def readme_runs(tmp_path_factory):
         if command in VARIANTS:
             argv = shlex.split(UV_PREFIX.sub("", command))
             assert argv[0] == "python", command
-            runs[command] = run(*argv[1:], *VARIANTS[command], cwd=cwd, timeout=600, HOME=str(cwd))
+            script = [str(ROOT / argv[1])] if argv[1].startswith("tools/") else [argv[1]]  # from the repo root
+            runs[command] = run(*script, *argv[2:], *VARIANTS[command], cwd=cwd, timeout=600, HOME=str(cwd))
     return cwd, runs
 
 
@@ -134,6 +138,15 @@ def test_own_tokenizer_trains_and_samples(readme_runs):
     meta = json.loads((cwd / "runs/bpe/checkpoints/20/meta/metadata").read_text())
     assert meta["model"]["vocab_size"] == 512 and meta["train"]["tokenizer"] == str(cwd / "corpus512.tiktoken")
     assert out(readme_runs, "launch.sample --workdir=runs/bpe").startswith("ROMEO:")
+
+
+def test_mutation_harness_examples(readme_runs):
+    """--list checks every mutant still applies (a moved snippet is `stale`: exit 1); the
+    two named mutants are caught and the working tree is left as it was."""
+    listed = out(readme_runs, "tools/mutate.py --list")
+    assert "STALE" not in listed and listed.rstrip().endswith("mutants, 0 stale"), listed[-500:]
+    ran = out(readme_runs, "tools/mutate.py --only")
+    assert ran.count("| caught |") == 2 and "working tree unchanged" in ran, ran[-2000:]
 
 
 def test_bf16_and_bench_examples(readme_runs):
