@@ -143,7 +143,7 @@ def config_from_flags() -> Config:
         cfg = Config(dataclasses.replace(cfg.model, **model), dataclasses.replace(cfg.train, **train))
     except ValueError as e:
         raise ValueError(f"{e} (from the flags {_flags_text(model | train)})") from None
-    return common.with_precision(cfg, FLAGS)
+    return common.with_model_flags(cfg, FLAGS)
 
 
 def _flags_text(values: dict) -> str:

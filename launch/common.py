@@ -63,11 +63,16 @@ def define_precision_flags() -> None:
            "bfloat16 = bf16 activations and matmuls, float32 master weights, optimizer state, norms and loss.")
     define(flags.DEFINE_enum, "attention", None, ATTENTION_IMPLS, "Attention kernel (default auto: cuDNN flash "
            "attention on a GPU in bf16, XLA's elsewhere; reference: the readable twinshard.layers one).")
+    define(flags.DEFINE_integer, "scan_unroll", None, "Layers per iteration of the layer scan (default 1: "
+           "compile time flat in depth; num_layers: fully unrolled, faster on CPU, compiles longer).")
 
 
-def with_precision(cfg: Config, FLAGS) -> Config:
-    """--dtype / --attention applied to the model config (None: the preset's)."""
-    over = {k: getattr(FLAGS, k) for k in ("dtype", "attention") if getattr(FLAGS, k) is not None}
+def with_model_flags(cfg: Config, FLAGS) -> Config:
+    """--dtype / --attention / --scan_unroll applied to the model config (None: the preset's)."""
+    over = {k: getattr(FLAGS, k) for k in ("dtype", "attention", "scan_unroll") if getattr(FLAGS, k) is not None}
+    if over.get("scan_unroll", 1) < 1:
+        raise ValueError(f"--scan_unroll={over['scan_unroll']} must be >= 1 (layers per scan iteration; "
+                         f"{cfg.model.num_layers} unrolls the stack fully).")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **over)) if over else cfg
 
 
@@ -176,7 +181,7 @@ def config_from_flags(FLAGS) -> Config:
         if "steps" in overrides:
             overrides["warmup_steps"] = min(train.warmup_steps, overrides["steps"])
         train = dataclasses.replace(train, **overrides)
-    return with_precision(Config(model, train), FLAGS)
+    return with_model_flags(Config(model, train), FLAGS)
 
 
 def tokenizer_vocab(name: str) -> int:

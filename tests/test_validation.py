@@ -101,6 +101,7 @@ def test_accepted_values_are_normalised() -> None:
     (TrainConfig, "log_every", 0, "TrainConfig.log_every=0 must be positive"),
     (TrainConfig, "eval_every", -1, r"TrainConfig.eval_every=-1 must be >= 0 \(0: never\)"),
     (TrainConfig, "weight_decay", -0.1, "TrainConfig.weight_decay=-0.1 must be >= 0"),
+    (ModelConfig, "scan_unroll", 0, "ModelConfig.scan_unroll=0 must be positive"),
     (ModelConfig, "dtype", "float16", "ModelConfig.dtype='float16' is not supported; choose one of float32, bfloat16"),
     (ModelConfig, "attention", "flash", "ModelConfig.attention='flash' is not supported; choose one of auto, "),
 ])

@@ -55,6 +55,7 @@ ATTENTION = "tests/test_attention.py"
 HLO_INPUT = "tests/test_hlo_input.py"
 VALIDATION = "tests/test_validation.py"
 CLI_ERRORS = "tests/test_cli_errors.py"
+SCAN = "tests/test_scan.py"
 
 # Everything that reads a compiled ledger or the cost model (a parser or model bug shows there too).
 LEDGER_TESTS = (HLO, MANUAL, AUTO, TPU, CLI)
@@ -478,9 +479,13 @@ MUTANTS: list[Mutant] = [
                       "and the model test compares 'xla' with 'reference', not 'auto'"),
     # --- the scanned layer stack
     Mutant("scan-reversed", "scan", _MODEL,
-           "x, _ = jax.lax.scan(body, x, stacked)",
-           "x, _ = jax.lax.scan(body, x, stacked, reverse=True)",
+           "x, _ = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)",
+           "x, _ = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll, reverse=True)",
            (MODEL,), "the layer scan runs the stack last layer first"),
+    Mutant("scan-unroll-ignored", "scan", _MODEL,
+           "x, _ = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)",
+           "x, _ = jax.lax.scan(body, x, stacked)",
+           (SCAN,), "--scan_unroll has no effect (the CPU speed knob silently does nothing)"),
     # --- the front door: ledger input, validation, checkpoints, launcher errors
     Mutant("hlo-accepts-stablehlo", "sturdy", _HLO,
            "    if _MLIR.search(text):\n        raise NotCompiledHLO(",

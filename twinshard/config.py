@@ -91,6 +91,10 @@ class ModelConfig:
     # Attention kernel (twinshard.layers.causal_attention): "auto" = cuDNN flash attention on a
     # GPU in bf16, XLA's elsewhere; "reference" = the readable layers.scaled_dot_product_attention.
     attention: str = "auto"
+    # Layers per iteration of the layer scan: 1 keeps ONE compiled layer (compile time flat in
+    # depth); num_layers unrolls it fully (XLA:CPU ran the step up to 26% faster, measured:
+    # BENCHMARKS.md, and the compiled step grows with depth again).
+    scan_unroll: int = 1
 
     def __post_init__(self):
         _check_types(self)
@@ -98,7 +102,7 @@ class ModelConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not supported; choose one of "
                                  f"{', '.join(choices)}.")
-        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads"):
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "scan_unroll"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive.")
         if self.d_model % self.num_heads:
