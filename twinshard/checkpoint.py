@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -171,12 +172,27 @@ def _ignore_late_callbacks() -> None:
     if getattr(previous, "_twinshard_quiet", False):
         return
 
+    def late(kind, value) -> bool:
+        return kind is RuntimeError and str(value) == "Event loop is closed"
+
     def hook(kind, value, tb):
-        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+        if not late(kind, value):
             previous(kind, value, tb)
 
+    # Under load some of them arrive through sys.unraisablehook and threading.excepthook
+    # instead (measured: interleaved 'Traceback ... call_soon_threadsafe' lines).
+    previous_unraisable, previous_thread = sys.unraisablehook, threading.excepthook
+
+    def unraisable(u):
+        if not late(u.exc_type, u.exc_value):
+            previous_unraisable(u)
+
+    def thread(args):
+        if not late(args.exc_type, args.exc_value):
+            previous_thread(args)
+
     hook._twinshard_quiet = True
-    sys.excepthook = hook
+    sys.excepthook, sys.unraisablehook, threading.excepthook = hook, unraisable, thread
 
 
 def _first_line(error: BaseException) -> str:
