@@ -89,22 +89,31 @@ def test_sdpa_respects_mask(rng):
     np.testing.assert_allclose(got, ref.attention(q, k, v, mask), rtol=1e-4, atol=1e-5)
 
 
-def test_causal_self_attention(rng):
+ATTENTIONS = ["reference", "xla"]  # the readable layer (layers.causal_mask) and jax.nn's kernel
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_causal_self_attention(rng, attention):
     b, t, d, h = 2, 6, 16, 4
     x = rng.normal(size=(b, t, d))
     wq, wk, wv, wo = (rng.normal(size=(d, d)) / 4 for _ in range(4))  # [in, out]
-    got = layers.causal_self_attention(f32(x), f32(wq), f32(wk), f32(wv), f32(wo), d // h, 10000.0, t)
+    got = layers.causal_self_attention(f32(x), f32(wq), f32(wk), f32(wv), f32(wo), d // h, 10000.0, t, attention)
     want = ref.mha(x, wq.T, wk.T, wv.T, wo.T, h, 10000.0)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_causal_attention_ignores_the_future(rng):
+def test_causal_mask():
+    np.testing.assert_array_equal(layers.causal_mask(4), np.tril(np.ones((4, 4), bool)))
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_causal_attention_ignores_the_future(rng, attention):
     d = 8
     ws = [f32(rng.normal(size=(d, d))) for _ in range(4)]
     x = rng.normal(size=(1, 5, d))
     x2 = x.copy()
     x2[:, 3:] = rng.normal(size=(1, 2, d))  # change only positions 3, 4
-    a = layers.causal_self_attention(f32(x), *ws, 4, 10000.0, 5)
-    b = layers.causal_self_attention(f32(x2), *ws, 4, 10000.0, 5)
+    a = layers.causal_self_attention(f32(x), *ws, 4, 10000.0, 5, attention)
+    b = layers.causal_self_attention(f32(x2), *ws, 4, 10000.0, 5, attention)
     np.testing.assert_array_equal(a[:, :3], b[:, :3])
     assert not np.allclose(a[:, 3:], b[:, 3:])

@@ -140,3 +140,19 @@ def test_norm_eps_reaches_every_norm():
     lm = lambda eps: ref.transformer_lm(sd64, tokens, cfg.num_layers, cfg.num_heads, cfg.rope_theta, eps)  # noqa: E731
     np.testing.assert_allclose(logits, lm(1.0), rtol=2e-4, atol=2e-4)
     assert np.max(np.abs(lm(1e-5) - lm(1.0))) > 100 * 2e-4
+
+
+def test_default_eps_is_the_specs_where_it_matters(model):
+    """The presets' norm_eps (the default) is the CS336 spec's 1e-5: with the embedding
+    scaled by 1e-3 the first RMSNorm's input has mean square ~1e-6, below eps, so the
+    logits against the float64 reference at eps=1e-5 tell 1e-5 from 1e-6."""
+    sd = state_dict(model)
+    sd["token_embeddings.weight"] = sd["token_embeddings.weight"] * 1e-3
+    small = TransformerLM(CFG, rngs=nnx.Rngs(0))
+    load_state_dict(small, sd)
+    tokens = np.random.default_rng(3).integers(0, CFG.vocab_size, (2, CFG.context_length))
+    logits = np.asarray(small(jnp.asarray(tokens)))[..., :CFG.vocab_size]
+    sd64 = {k: v.astype(np.float64) for k, v in sd.items()}
+    lm = lambda eps: ref.transformer_lm(sd64, tokens, CFG.num_layers, CFG.num_heads, CFG.rope_theta, eps)  # noqa: E731
+    np.testing.assert_allclose(logits, lm(1e-5), rtol=2e-4, atol=2e-4)
+    assert np.max(np.abs(lm(1e-6) - lm(1e-5))) > 10 * 2e-4

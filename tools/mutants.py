@@ -291,7 +291,7 @@ MUTANTS: list[Mutant] = [
     Mutant("causal-mask-sees-next", "layers", _LAYERS,
            "return jnp.tril(jnp.ones((t, t), dtype=bool))",
            "return jnp.tril(jnp.ones((t, t), dtype=bool), 1)",
-           (LAYERS, MODEL), "causal mask lets each query see the next token"),
+           (LAYERS, MODEL, ATTENTION), "causal mask lets each query see the next token"),
     Mutant("attention-scale", "layers", _LAYERS,
            "scores = scores / np.sqrt(q.shape[-1]).astype(np.float32)",
            "scores = scores / np.float32(q.shape[-1])",
