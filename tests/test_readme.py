@@ -146,7 +146,7 @@ def test_mutation_harness_examples(readme_runs):
     listed = out(readme_runs, "tools/mutate.py --list")
     assert "STALE" not in listed and listed.rstrip().endswith("mutants, 0 stale"), listed[-500:]
     ran = out(readme_runs, "tools/mutate.py --only")
-    assert ran.count("| caught |") == 2 and "working tree unchanged" in ran, ran[-2000:]
+    assert ran.count("| layers | caught |") == 2 and "working tree unchanged" in ran, ran[-2000:]
 
 
 def test_bf16_and_bench_examples(readme_runs):
