@@ -92,7 +92,10 @@ def readme_runs(tmp_path_factory):
             argv = shlex.split(UV_PREFIX.sub("", command))
             assert argv[0] == "python", command
             script = [str(ROOT / argv[1])] if argv[1].startswith("tools/") else [argv[1]]  # from the repo root
-            runs[command] = run(*script, *argv[2:], *VARIANTS[command], cwd=cwd, timeout=600, HOME=str(cwd))
+            # TMPDIR: tools/mutate.py keeps one scratch slot under the temp dir, and xdist may run
+            # this fixture on both workers at once (measured: "slot0 is in use", exit 2)
+            runs[command] = run(*script, *argv[2:], *VARIANTS[command], cwd=cwd, timeout=600,
+                                HOME=str(cwd), TMPDIR=str(cwd))
     return cwd, runs
 
 
