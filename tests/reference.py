@@ -86,3 +86,13 @@ def cs336_lr(t, a_max, a_min, tw, tc):
     if t <= tc:
         return a_min + 0.5 * (1 + math.cos((t - tw) / (tc - tw) * math.pi)) * (a_max - a_min)
     return a_min
+
+
+def random_batches(batch: int, context: int, vocab: int, n: int, seed: int = 0):
+    """n (x, y) batches of uniform random int32 tokens, y = x shifted by one: [batch, context] each."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        b = rng.integers(0, vocab, (batch, context + 1))
+        out.append((b[:, :-1].astype(np.int32), b[:, 1:].astype(np.int32)))
+    return out

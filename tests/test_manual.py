@@ -14,6 +14,7 @@ import pytest
 
 import auto_parallel
 import manual_parallel
+import reference
 from twinshard import hlo, testing
 from twinshard.config import Config, preset
 from twinshard.trainer import SingleDevice
@@ -39,12 +40,7 @@ NORM_RTOL = 1e-6  # grad norms: measured max relative difference 8.8e-8 (f32 sum
 
 
 def batches(n=STEPS):
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(n):
-        b = rng.integers(0, CFG.model.vocab_size, (CFG.train.batch_size, CFG.model.context_length + 1))
-        out.append((b[:, :-1].astype(np.int32), b[:, 1:].astype(np.int32)))
-    return out
+    return reference.random_batches(CFG.train.batch_size, CFG.model.context_length, CFG.model.vocab_size, n)
 
 
 def run(runner):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import auto_parallel
+import reference
 import manual_parallel
 from twinshard import data, trainer
 from twinshard.config import Config, preset
@@ -91,12 +92,7 @@ def test_bf16_tracks_float32_for_50_steps(tmp_path):
 
 
 def random_batches(cfg: Config, n: int):
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(n):
-        b = rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.context_length + 1))
-        out.append((b[:, :-1].astype(np.int32), b[:, 1:].astype(np.int32)))
-    return out
+    return reference.random_batches(cfg.train.batch_size, cfg.model.context_length, cfg.model.vocab_size, n)
 
 
 @functools.cache
