@@ -251,6 +251,46 @@ def test_corrupt_checkpoint_on_the_command_line_is_a_few_lines(full_run, tmp_pat
     assert {p: p.read_bytes() for p in sorted(pathlib.Path(workdir).rglob("*")) if p.is_file()} == before
 
 
+def test_orbax_noise_is_held_back_only_when_the_read_fails(capfd, monkeypatch):
+    """What reaches file descriptor 2 during a checkpoint read (C++ threads, absl, the
+    finalizers of Orbax's abandoned coroutines) is written out when the read works and dropped
+    when it fails, garbage collection included: CI once printed a finalizer's traceback before
+    the one-line message of a corrupt checkpoint."""
+    import gc
+
+    from twinshard.checkpoint import _stderr_held_on_failure
+
+    class Noisy:  # an abandoned object whose finalizer writes to fd 2, like Orbax's coroutines
+        def __del__(self):
+            os.write(2, b"finalizer noise\n")
+
+    monkeypatch.setenv("TWINSHARD_DEBUG", "0")
+    with _stderr_held_on_failure():
+        os.write(2, b"a warning of a read that works\n")
+    assert capfd.readouterr().err == "a warning of a read that works\n"
+
+    gc.disable()  # the cycle below is freed only by the collection inside the window
+    try:
+        with pytest.raises(ValueError, match="corrupt"):
+            with _stderr_held_on_failure():
+                cycle = [Noisy()]
+                cycle.append(cycle)
+                del cycle
+                os.write(2, b"Traceback: noise of a failed read\n")
+                raise ValueError("corrupt")
+    finally:
+        gc.enable()
+    gc.collect()  # without the window's own collection, the finalizer would print here
+    assert capfd.readouterr().err == ""
+
+    monkeypatch.setenv("TWINSHARD_DEBUG", "1")  # debugging: nothing is hidden
+    with pytest.raises(ValueError):
+        with _stderr_held_on_failure():
+            os.write(2, b"kept for debugging\n")
+            raise ValueError("corrupt")
+    assert capfd.readouterr().err == "kept for debugging\n"
+
+
 @pytest.mark.parametrize("impl", ["auto", "manual"])
 def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
     """The initial state of each strategy (tp on 4 devices: tiny has 4 heads), saved sharded,

@@ -23,9 +23,12 @@ and nothing advises deleting it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -86,20 +89,22 @@ class Checkpointer:
         for key, want in expect.items():
             _check_same(key, meta.get(key), want, self.step_dir(step))
         _ignore_late_callbacks()
-        try:
-            restored = self._mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(on_local_device(abstract))))
-        except Exception as e:  # orbax raises many types; say which kind of failure it is
-            raise self._restore_error(step, e) from None
+        with _stderr_held_on_failure():
+            try:
+                restored = self._mgr.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(on_local_device(abstract))))
+            except Exception as e:  # orbax raises many types; say which kind of failure it is
+                raise self._restore_error(step, e) from None
         return restored.state, meta
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON metadata of `step` (default: latest): configs, data, strategy."""
         step = self._step(step)
-        try:
-            return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        except Exception as e:
-            raise self._restore_error(step, e) from None
+        with _stderr_held_on_failure():
+            try:
+                return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            except Exception as e:
+                raise self._restore_error(step, e) from None
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
@@ -158,6 +163,38 @@ def unreadable(step_dir: str) -> str | None:
     finally:
         logging.set_verbosity(verbosity)
     return None
+
+
+@contextlib.contextmanager
+def _stderr_held_on_failure():
+    """Hold what is written to file descriptor 2 while Orbax reads; pass it on if the read works.
+
+    Measured (CI, orbax 0.12.8 under load): after one array read fails, Orbax's
+    abandoned read coroutines are finalized by the garbage collector whenever it
+    next runs, and each prints a traceback ('GeneratorExit ... Exception:
+    Encountered error while reading array index', a whole TensorStore spec)
+    before our one-line message. So everything written to fd 2 (Python,
+    absl logging, C++ threads) goes to a temporary file during the read; on a
+    failure those objects are collected *inside* the window, and what they wrote
+    is dropped (kept with TWINSHARD_DEBUG=1). On success it is written out as usual."""
+    sys.stderr.flush()
+    real = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            if failed:
+                gc.collect()
+            sys.stderr.flush()
+            os.dup2(real, 2)
+            os.close(real)
+            if not failed or os.environ.get("TWINSHARD_DEBUG", "0") not in ("", "0"):
+                held.seek(0)
+                with os.fdopen(os.dup(2), "wb") as err:
+                    err.write(held.read())
 
 
 def _ignore_late_callbacks() -> None:
