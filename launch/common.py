@@ -27,7 +27,7 @@ from typing import Callable
 
 from absl import app, flags
 
-from twinshard.config import Config, ModelConfig, TrainConfig, preset
+from twinshard.config import OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 
 STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp")
 IMPLS = ("auto", "manual")
@@ -53,11 +53,15 @@ def define_model_flags() -> None:
            "given explicitly, a single-process run with more devices uses only the first N.")
     define(flags.DEFINE_string, "tokenizer", None, "A tiktoken ranks file (from `python -m twinshard.bpe`) "
            "or a built-in name (bytes, gpt2, shakespeare4096); default: the preset's. Sets vocab_size.")
+    define(flags.DEFINE_enum, "optimizer", None, OPTIMIZERS, "Optimizer (default: the preset's, adamw); "
+           "its state is sharded like the params in every strategy.")
+    define(flags.DEFINE_integer, "grad_accum", None, "Micro-batches per step: the batch is split into "
+           "grad_accum micro-batches whose gradients are accumulated (default 1).")
     define_precision_flags()
 
 
 def define_precision_flags() -> None:
-    from twinshard.config import ATTENTION_IMPLS, COMPUTE_DTYPES
+    from twinshard.config import ATTENTION_IMPLS, COMPUTE_DTYPES, REMAT_POLICIES
 
     define(flags.DEFINE_enum, "dtype", None, COMPUTE_DTYPES, "Compute dtype (default: the preset's, float32): "
            "bfloat16 = bf16 activations and matmuls, float32 master weights, optimizer state, norms and loss.")
@@ -65,11 +69,15 @@ def define_precision_flags() -> None:
            "attention on a GPU in bf16, XLA's elsewhere; reference: the readable twinshard.layers one).")
     define(flags.DEFINE_integer, "scan_unroll", None, "Layers per iteration of the layer scan (default 1: "
            "compile time flat in depth; num_layers: fully unrolled, faster on CPU, compiles longer).")
+    define(flags.DEFINE_enum, "remat", None, REMAT_POLICIES, "Rematerialization of each layer (default none; "
+           "full: recompute the layer in backward; dots: save only matmul outputs; dots_no_batch: save only "
+           "matmul outputs without a batch dimension).")
 
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:
-    """--dtype / --attention / --scan_unroll applied to the model config (None: the preset's)."""
-    over = {k: getattr(FLAGS, k) for k in ("dtype", "attention", "scan_unroll") if getattr(FLAGS, k) is not None}
+    """--dtype / --attention / --scan_unroll / --remat applied to the model config (None: the preset's)."""
+    over = {k: getattr(FLAGS, k) for k in ("dtype", "attention", "scan_unroll", "remat")
+            if getattr(FLAGS, k) is not None}
     if over.get("scan_unroll", 1) < 1:
         raise ValueError(f"--scan_unroll={over['scan_unroll']} must be >= 1 (layers per scan iteration; "
                          f"{cfg.model.num_layers} unrolls the stack fully).")
@@ -136,7 +144,7 @@ def load_splits(cfg: Config, data_path: str | None, cache_dir: str):
 
 
 # Integer flags and their smallest valid value (checked as typed, so messages name the flag).
-_MIN_INT_FLAGS = {"steps": 1, "batch_size": 1, "context_length": 1, "seed": 0}
+_MIN_INT_FLAGS = {"steps": 1, "batch_size": 1, "context_length": 1, "seed": 0, "grad_accum": 1}
 
 
 def check_model_flags(FLAGS) -> None:
@@ -167,7 +175,7 @@ def config_from_flags(FLAGS) -> Config:
     model: ModelConfig = cfg.model
     if FLAGS.context_length is not None:
         model = dataclasses.replace(model, context_length=FLAGS.context_length)
-    overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed")
+    overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed", "optimizer", "grad_accum")
                  if getattr(FLAGS, k) is not None}
     if FLAGS.tokenizer is not None:
         # a file by absolute path: launch.sample and --resume find it from any directory
@@ -175,6 +183,11 @@ def config_from_flags(FLAGS) -> Config:
             else os.path.abspath(FLAGS.tokenizer)
         model = dataclasses.replace(model, vocab_size=tokenizer_vocab(FLAGS.tokenizer))
     train: TrainConfig = cfg.train
+    accum, batch = overrides.get("grad_accum", train.grad_accum), overrides.get("batch_size", train.batch_size)
+    if batch % accum:
+        raise ValueError(f"--grad_accum={accum} does not split the batch of {batch} sequences (--batch_size) into "
+                         f"equal micro-batches; choose --grad_accum from "
+                         f"{[k for k in range(1, batch + 1) if batch % k == 0]}.")
     if overrides:
         if "lr" in overrides:  # keep the preset's lr/min_lr ratio
             overrides["min_lr"] = train.min_lr * overrides["lr"] / train.lr

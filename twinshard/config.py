@@ -25,6 +25,9 @@ from typing import Any
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")  # twinshard.layers.causal_attention
+# jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")  # twinshard.optim.make_optimizer
 VOCAB_MULTIPLE = 128  # pad the vocab so it splits over any power-of-two tensor axis <= 128
 
 
@@ -95,10 +98,15 @@ class ModelConfig:
     # depth); num_layers unrolls it fully (XLA:CPU ran the step up to 26% faster, measured:
     # BENCHMARKS.md, and the compiled step grows with depth again).
     scan_unroll: int = 1
+    # Rematerialization of the scanned block (jax.checkpoint policy): "none" saves what autodiff
+    # saves; "full" saves only each layer's input; "dots" saves matmul outputs; "dots_no_batch"
+    # saves matmul outputs without batch dimensions (the weights' uses, not the activations').
+    remat: str = "none"
 
     def __post_init__(self):
         _check_types(self)
-        for name, choices in (("dtype", COMPUTE_DTYPES), ("attention", ATTENTION_IMPLS)):
+        for name, choices in (("dtype", COMPUTE_DTYPES), ("attention", ATTENTION_IMPLS),
+                              ("remat", REMAT_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not supported; choose one of "
                                  f"{', '.join(choices)}.")
@@ -158,9 +166,20 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     checkpoint_every: int = 0  # 0: only at the end
+    optimizer: str = "adamw"  # one of OPTIMIZERS (twinshard.optim.make_optimizer)
+    grad_accum: int = 1  # micro-batches per step (gradients accumulated under lax.scan)
 
     def __post_init__(self):
         _check_types(self)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"TrainConfig.optimizer={self.optimizer!r} is not supported; choose one of "
+                             f"{', '.join(OPTIMIZERS)}.")
+        if self.grad_accum < 1:
+            raise ValueError(f"TrainConfig.grad_accum={self.grad_accum} must be >= 1 (1: no accumulation).")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"TrainConfig.batch_size={self.batch_size} does not split into grad_accum="
+                             f"{self.grad_accum} equal micro-batches; choose grad_accum from "
+                             f"{_divisors(self.batch_size)}.")
         for name in ("batch_size", "steps", "eval_batches", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be positive.")
