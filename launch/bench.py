@@ -22,7 +22,7 @@ For each run (the single-device reference, then each strategy with each twin):
   in this process before the runs. "% of peak" = model FLOP/s / measured
   peak of the hardware the run uses: on CPU the whole machine (simulated
   devices share its cores, so the peak is NOT multiplied by the device
-  count), on an accelerator the per-chip peak x chips. On a chip in `CHIPS`
+  count), on an accelerator the per-chip peak x chips. On a chip in `twinshard.chips`
   the MFU against the datasheet peak is reported too.
 - memory per device: `compiled.memory_analysis()` (arguments + outputs -
   aliased + temporaries) beside the cost model's prediction.
@@ -50,12 +50,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from absl import app, flags, logging
 
 from launch import common
+from twinshard.chips import Chip, chip_for  # the datasheet peaks (launch.plan reads the same table)
 from twinshard.config import PRESETS, Config, ModelConfig, TrainConfig, preset
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global:
@@ -92,34 +92,6 @@ BENCH_PRESETS: dict[str, Config] = {
 DEFAULT_STEPS = 10
 NOISE_NOTE = ("CPU timings on a shared machine are noisy (other processes, frequency scaling): "
               "compare runs of one process, read load_avg, and repeat before trusting a few percent.")
-
-
-@dataclass(frozen=True)
-class Chip:
-    """Nominal dense peaks per chip, TFLOP/s (datasheet figures 'with sparsity' halved)."""
-
-    name: str
-    kinds: tuple[str, ...]  # substrings of jax's device_kind
-    bf16: float
-    tf32: float | None  # NVIDIA: what a float32 matmul at JAX's default precision runs on
-    fp32: float | None
-    source: str
-
-
-# Order matters: the first chip whose kind is a substring of device_kind wins ('TPU v5 lite' before 'TPU v5').
-CHIPS: tuple[Chip, ...] = (
-    Chip("H200", ("H200",), 989.4, 494.7, 66.9, "https://www.nvidia.com/en-us/data-center/h200/ (SXM)"),
-    Chip("H100", ("H100",), 989.4, 494.7, 66.9, "https://www.nvidia.com/en-us/data-center/h100/ (SXM)"),
-    Chip("A100", ("A100",), 312.0, 156.0, 19.5, "https://www.nvidia.com/en-us/data-center/a100/ (SXM)"),
-    Chip("v4", ("TPU v4",), 275.0, None, None, "https://cloud.google.com/tpu/docs/v4"),
-    Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197.0, None, None, "https://cloud.google.com/tpu/docs/v5e"),
-    Chip("v5p", ("TPU v5p", "TPU v5"), 459.0, None, None, "https://cloud.google.com/tpu/docs/v5p"),
-    Chip("v6e", ("TPU v6 lite", "TPU v6e"), 918.0, None, None, "https://cloud.google.com/tpu/docs/v6e"),
-)
-
-
-def chip_for(device_kind: str) -> Chip | None:
-    return next((c for c in CHIPS if any(k in device_kind for k in c.kinds)), None)
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -1,0 +1,106 @@
+"""What one accelerator chip can do: the datasheet table that `launch.plan` and `launch.bench` read.
+
+Per chip: dense peak FLOP/s (bf16; tf32/fp32 where the vendor publishes them), HBM capacity and
+bandwidth, and the links to other chips:
+
+- TPU: ICI, `ici_links` links per chip (4 on the 2D torus of v5e/v6e, 6 on the 3D torus of
+  v4/v5p), each `ici_link_bytes_per_s` in ONE direction (the link carries as much the other way).
+  A slice is a torus (wraparound links on every axis) when every side of its grid is a multiple
+  of `torus_multiple` (v4/v5p: whole 4x4x4 cubes, closed through the optical switches; v5e/v6e:
+  only the full 16x16 pod); a smaller slice is a mesh without wraparound.
+- GPU: `nvlink_bytes_per_s` per GPU in one direction into the node's NVSwitch fabric (any GPU
+  to any other in the node at that rate), `gpus_per_node` GPUs per HGX node, and the node's
+  network to the other nodes, `node_network_bytes_per_s` in one direction for the whole node
+  (HGX H100/H200: 8 ConnectX-7 NICs x 400 Gb/s InfiniBand NDR = 400 GB/s; one NIC per GPU).
+
+Units are in the field names, except the peaks (`bf16`, `tf32`, `fp32`), which are TFLOP/s as
+datasheets print them (dense: NVIDIA's figures "with sparsity" halved). "GB" of HBM on
+datasheets is read as GiB, which is what the devices report (an H100 80GB shows 81559 MiB
+in nvidia-smi; Google's v4/v5p pages say GiB).
+
+Sources: `source` is the vendor page of the peaks and HBM; `network_source` that of the links.
+The ICI per-link figures are the scaling book's (Austin et al., "How to Scale Your Model",
+https://jax-ml.github.io/scaling-book/tpus/: one-way 4.5e10 B/s on v4 and v5e, 9e10 on v5p and
+v6e); Google's pages give per-chip totals a few percent higher (v5e 400 GB/s bidirectional over
+4 ports, v6e 800 GB/s, v5p 1200 GB/s over 6).
+
+    >>> chip("v5p").hbm_bytes / 2**30, chip("H100").nvlink_bytes_per_s / 1e9
+    (95.0, 450.0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+_GBIT = 1e9 / 8  # bytes/s in one Gb/s
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    kinds: tuple[str, ...]  # substrings of jax's device_kind that name this chip
+    bf16: float  # dense peak, TFLOP/s
+    tf32: float | None  # NVIDIA: what a float32 matmul at JAX's default precision runs on
+    fp32: float | None  # non-tensor-core float32 (TPUs publish none: f32 matmuls run as bf16 passes)
+    source: str
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+    network_source: str
+    # TPU: the ICI torus
+    ici_link_bytes_per_s: float | None = None  # one direction, one link
+    ici_links: int | None = None  # per chip: 2 per torus dimension
+    torus_multiple: int | None = None  # every side a multiple of this: wraparound links on all axes
+    max_chips: int | None = None  # the largest single slice
+    # GPU: NVLink inside a node, the network between nodes
+    nvlink_bytes_per_s: float | None = None  # one direction, per GPU
+    gpus_per_node: int | None = None
+    node_network_bytes_per_s: float | None = None  # one direction, all NICs of a node
+
+    @property
+    def is_tpu(self) -> bool:
+        return self.ici_links is not None
+
+    @property
+    def torus_dims(self) -> int | None:
+        """2 (v5e, v6e) or 3 (v4, v5p) for a TPU; None for a GPU."""
+        return None if self.ici_links is None else self.ici_links // 2
+
+
+_NVIDIA_DC = "https://www.nvidia.com/en-us/data-center/"
+_GCLOUD_TPU = "https://cloud.google.com/tpu/docs/"
+_BOOK_ICI = "https://jax-ml.github.io/scaling-book/tpus/ (ICI bandwidth per link, one-way)"
+
+# Order matters: the first chip whose kind is a substring of device_kind wins ('TPU v5 lite' before 'TPU v5').
+CHIPS: tuple[Chip, ...] = (
+    Chip("H200", ("H200",), 989.4, 494.7, 66.9, _NVIDIA_DC + "h200/ (SXM)", 141 * GIB, 4.8e12,
+         _NVIDIA_DC + "dgx-h200/ (NVLink 900 GB/s per GPU both ways; 8x ConnectX-7 400 Gb/s per node)",
+         nvlink_bytes_per_s=450e9, gpus_per_node=8, node_network_bytes_per_s=8 * 400 * _GBIT),
+    Chip("H100", ("H100",), 989.4, 494.7, 66.9, _NVIDIA_DC + "h100/ (SXM)", 80 * GIB, 3.35e12,
+         _NVIDIA_DC + "dgx-h100/ (NVLink 900 GB/s per GPU both ways; 8x ConnectX-7 400 Gb/s per node)",
+         nvlink_bytes_per_s=450e9, gpus_per_node=8, node_network_bytes_per_s=8 * 400 * _GBIT),
+    Chip("A100", ("A100",), 312.0, 156.0, 19.5, _NVIDIA_DC + "a100/ (SXM)", 80 * GIB, 2.039e12,
+         _NVIDIA_DC + "dgx-a100/ (NVLink 600 GB/s per GPU both ways; 8x ConnectX-6 200 Gb/s per node)",
+         nvlink_bytes_per_s=300e9, gpus_per_node=8, node_network_bytes_per_s=8 * 200 * _GBIT),
+    Chip("v4", ("TPU v4",), 275.0, None, None, _GCLOUD_TPU + "v4", 32 * GIB, 1.2e12, _BOOK_ICI,
+         ici_link_bytes_per_s=4.5e10, ici_links=6, torus_multiple=4, max_chips=4096),
+    Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197.0, None, None, _GCLOUD_TPU + "v5e", 16 * GIB, 8.19e11,
+         _BOOK_ICI, ici_link_bytes_per_s=4.5e10, ici_links=4, torus_multiple=16, max_chips=256),
+    Chip("v5p", ("TPU v5p", "TPU v5"), 459.0, None, None, _GCLOUD_TPU + "v5p", 95 * GIB, 2.765e12,
+         _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=6, torus_multiple=4, max_chips=6144),
+    Chip("v6e", ("TPU v6 lite", "TPU v6e"), 918.0, None, None, _GCLOUD_TPU + "v6e", 32 * GIB, 1.64e12,
+         _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=4, torus_multiple=16, max_chips=256),
+)
+
+
+def chip_for(device_kind: str) -> Chip | None:
+    """The chip a jax device_kind names ('NVIDIA H100 80GB HBM3', 'TPU v5 lite'), or None."""
+    return next((c for c in CHIPS if any(k in device_kind for k in c.kinds)), None)
+
+
+def chip(name: str) -> Chip:
+    """The chip called `name` (case-insensitive: 'v5p', 'h100'); ValueError listing the known ones."""
+    found = next((c for c in CHIPS if c.name.lower() == name.lower()), None)
+    if found is None:
+        raise ValueError(f"unknown chip {name!r}; choose one of {', '.join(c.name.lower() for c in CHIPS)}.")
+    return found
