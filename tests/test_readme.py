@@ -51,6 +51,8 @@ VARIANTS = {
     "uv run python -m launch.train --preset=tiny --dtype=bfloat16 --workdir=runs/bf16": ["--steps=4"],
     "uv run python -m launch.bench --preset=tiny --steps=3 --json=bench.json --markdown=bench.md":
         ["--strategies=single,fsdp"],
+    "uv run python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4": [],
+    "uv run python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16": [],
     "uv run python tools/mutate.py --list": [],
     "uv run python tools/mutate.py --only rope-sign,softmax-no-max-shift": [],
 }

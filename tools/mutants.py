@@ -56,6 +56,7 @@ HLO_INPUT = "tests/test_hlo_input.py"
 VALIDATION = "tests/test_validation.py"
 CLI_ERRORS = "tests/test_cli_errors.py"
 SCAN = "tests/test_scan.py"
+PLAN = "tests/test_plan.py"
 
 # Everything that reads a compiled ledger or the cost model (a parser or model bug shows there too).
 LEDGER_TESTS = (HLO, MANUAL, AUTO, TPU, CLI)
@@ -522,4 +523,45 @@ MUTANTS: list[Mutant] = [
            "        os.write(own, message.encode())\n        os._exit(1)",
            "        os.write(own, message.encode())\n        os._exit(0)",
            (CLI_ERRORS,), "a user error exits 0"),
+    # --- launch.plan: links per mesh axis, memory check, ranking (tests/test_plan.py)
+    Mutant("plan-data-on-nvlink", "plan", "launch/plan.py",
+           '"data": nvlink if nodes == 1 else network,',
+           '"data": nvlink,',
+           (PLAN + "::test_links_per_axis", PLAN + "::test_a_gpu_row_by_hand"),
+           "a data axis across GPU nodes is timed at NVLink speed instead of the network's"),
+    Mutant("plan-axes-links-swapped", "plan", "launch/plan.py",
+           'for axis, spans in (("data", data), ("tensor", tensor)) if spans}',
+           'for axis, spans in (("data", tensor), ("tensor", data)) if spans}',
+           (PLAN + "::test_links_per_axis", PLAN + "::test_a_tpu_row_by_hand"),
+           "each TPU mesh axis is timed with the other axis's ICI links"),
+    Mutant("plan-part-of-side-as-ring", "plan", "launch/plan.py",
+           "k = 2 if whole and topo.torus else 1",
+           "k = 2 if topo.torus else 1",
+           (PLAN + "::test_links_per_axis",),
+           "an axis on part of a torus side gets the bidirectional ring of a whole side"),
+    Mutant("plan-memory-without-optimizer", "plan", "launch/plan.py",
+           "        return self.cost.memory.total\n",
+           "        return self.cost.memory.total - self.cost.memory.optimizer\n",
+           (PLAN + "::test_plans_that_do_not_fit_are_excluded_for_memory", PLAN + "::test_a_tpu_row_by_hand"),
+           "the HBM check ignores the Adam moments (llm_1b dp 'fits' a 16 GiB v5e)"),
+    Mutant("plan-scalar-on-faster-axis", "plan", "launch/plan.py",
+           "slowest = min(axes, key=lambda a: links[a].bytes_per_s)",
+           "slowest = max(axes, key=lambda a: links[a].bytes_per_s)",
+           (PLAN + "::test_a_gpu_row_by_hand",),
+           "a collective over (data, tensor) is timed at the faster axis's links"),
+    Mutant("plan-rank-by-memory", "plan", "launch/plan.py",
+           "key=lambda p: (p.step_s(rank_by), p.memory))",
+           "key=lambda p: (p.memory, p.step_s(rank_by)))",
+           (PLAN + "::test_ranking",),
+           "plans ranked by memory instead of step time"),
+    Mutant("plan-tensor-fewest-axes", "plan", "launch/plan.py",
+           "for k in range(len(grid), 0, -1):",
+           "for k in range(1, len(grid) + 1):",
+           (PLAN + "::test_tensor_gets_the_physical_axes_jax_gives_it",),
+           "the tensor axis laid on fewer physical axes than jax.make_mesh gives it"),
+    Mutant("plan-compile-on-gpu", "plan", "launch/plan.py",
+           "if FLAGS.compile and not topo.chip.is_tpu:",
+           "if False:",
+           (PLAN + "::test_cli_errors_are_one_line",),
+           "--compile on a GPU topology is not refused up front"),
 ]

@@ -1,0 +1,547 @@
+"""Plan a run on a TPU slice or a GPU cluster before you have it: every strategy x mesh, ranked.
+
+    python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4
+    python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16 --json=plan.json
+    uv run --extra tpu python -m launch.plan --preset=gpt2_125m --topology=v5e:4x4 --compile
+
+--topology is a TPU slice as gcloud names it, `GEN:AxB` (v5e, v6e: a 2D torus) or `GEN:AxBxC`
+(v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips; or a GPU cluster `GPU:NODESxGPUS`, e.g. h100:8x8 =
+8 HGX nodes of 8 GPUs. The chips' numbers, with their sources, are twinshard/chips.py.
+
+For each strategy (dp, fsdp, tp, fsdp_tp) and each mesh data x tensor = chips the strategy
+allows, the cost model of the manual twin (twinshard.cost) gives, per chip:
+
+- memory: params + grads + optimizer state (AdamW's two moments) + activations (no remat) +
+  FSDP's gathered layer; the plan fits when that is at most (1 - --hbm_headroom) of the HBM.
+  The estimate is low: compiled for the slice, XLA's peak per chip (arguments + outputs -
+  aliased + temporaries) was 21% above it for gpt2_125m dp on v5e:4x4 (10.2 vs 8.5 GiB) and
+  34% for llm_1b dp on v5p:4x4x4 (38.9 vs 29.0 GiB), hence the default headroom of 25%;
+- compute time = FLOPs per chip / (peak x --mfu): the bf16 peak for --dtype=bfloat16, and for
+  float32 the peak of JAX's default matmul precision (TF32 tensor cores on NVIDIA; on TPU one
+  bf16 MXU pass, so the bf16 peak);
+- communication time per mesh axis = the ring bytes one chip sends over it / the bandwidth of
+  the links the axis uses (below). The gradient-norm all-reduce over (data, tensor), one f32
+  scalar, is charged to the slower of the two;
+- the step time two ways, both lower bounds at --mfu=1 (peak FLOP/s, full link rate, latency
+  ignored): `overlap` = max(compute, comm data, comm tensor), as if every collective hid behind
+  compute (XLA's async collectives come close for FSDP's weight gathers), and `serial` = their
+  sum, nothing hidden (Megatron's activation all-reduces sit on the critical path). The bound
+  is the largest term. Plans are ranked by --rank_by (serial by default).
+
+Which links a mesh axis uses:
+
+- TPU (ICI): `tensor` gets the physical axes jax.make_mesh gives it (`tensor_sides`: whole
+  axes if some multiply to its size, else part of one), `data` the rest. A mesh axis that spans a whole side of a torus (the slice has wraparound
+  links: chips.Chip.torus_multiple) runs a bidirectional ring: 2 x the one-way link bandwidth
+  per physical axis. On a side without wraparound, or on part of a side, the ring folds back on
+  itself and each link carries it both ways: 1 x. An axis over k physical axes adds them (the
+  scaling book's multi-axis collectives). v5p:4x4x4 (a torus), data:16,tensor:4: tensor on x,
+  2 x 90 GB/s = 180 GB/s; data on y and z, 4 x 90 GB/s = 360 GB/s. v5e:16x16 (a torus),
+  data:64,tensor:4: tensor on 4 chips of x, 1 x 45 GB/s; data on y and across x, 180 GB/s.
+- GPU: `tensor` inside a node on NVLink (450 GB/s one way per H100/H200); `data` across nodes
+  on the network, each GPU its NIC's share (8 x 400 Gb/s per HGX node: 50 GB/s per GPU); all on
+  NVLink when there is one node. A tensor axis larger than a node crosses the network too.
+
+--compile (TPU only; needs libtpu, the `tpu` extra) then compiles the best plan's train step
+(the manual twin) ahead of time for that slice on this machine (twinshard/topology.py) and
+prints the compiled step's collectives and memory_analysis() per chip beside the model's
+(measured on a shared 2-core CPU: gpt2_125m dp on v5e:4x4 in 45 s, llm_1b dp on v5p:4x4x4 in
+75 s). GPU topologies cannot be compiled without the GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from absl import app, flags, logging
+
+from launch import common
+from twinshard import chips, cost
+from twinshard import mesh as mesh_lib
+from twinshard.chips import Chip
+from twinshard.config import PRESETS, Config, ModelConfig, preset
+from twinshard.cost import human
+
+# Flags shared by name with the other launchers keep their defaults (absl flags are process-global).
+common.define(flags.DEFINE_string, "preset", "small", "Named preset from twinshard.config (tiny, small, gpt2_125m, ...).")
+common.define(flags.DEFINE_string, "topology", None, "Chips to plan for: a TPU slice v5p:4x4x4, v5e:16x16, v4:2x2x4 "
+              "or GPU nodes x GPUs per node h100:8x8, h200:1x8.")
+common.define(flags.DEFINE_integer, "batch_size", None, "Global batch size in sequences (default: the preset's).")
+common.define(flags.DEFINE_integer, "context_length", None, "Sequence length (default: the preset's context_length).")
+common.define(flags.DEFINE_string, "json", None, "Write the plans as JSON to this path.")
+common.define_precision_flags()  # --dtype (the peak and the activation bytes), --remat, ...
+flags.DEFINE_integer("top", 10, "Ranked plans to print.")
+flags.DEFINE_float("mfu", 1.0, "Fraction of the peak FLOP/s the matmuls reach (1: the peak, a lower bound "
+                   "on the step time).")
+flags.DEFINE_float("hbm_headroom", 0.25, "Fraction of each chip's HBM the model's estimate leaves free: "
+                   "XLA's own peak was 21-34% above it (measured with --compile).")
+flags.DEFINE_enum("rank_by", "serial", ("serial", "overlap"), "Rank by the step time without overlap "
+                  "(compute + communication) or with perfect overlap (the largest of them).")
+flags.DEFINE_bool("compile", False, "Compile the best TPU plan ahead of time for --topology (needs libtpu) "
+                  "and print its collectives and memory_analysis beside the model.")
+FLAGS = flags.FLAGS
+
+STRATEGIES = mesh_lib.STRATEGIES
+GB = 1e9  # link rates in GB/s, as datasheets print them
+
+
+# ----------------------------------------------------------------------------- topology
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str  # 'v5p:4x4x4', 'h100:8x8'
+    chip: Chip
+    grid: tuple[int, ...]  # TPU: chips along each physical axis; GPU: (nodes, GPUs per node)
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def torus(self) -> bool:
+        """Wraparound links on every axis (TPU slices whose sides are all multiples of torus_multiple)."""
+        return self.chip.is_tpu and all(g % self.chip.torus_multiple == 0 for g in self.grid)
+
+    def describe(self) -> str:
+        if self.chip.is_tpu:
+            kind = "torus" if self.torus else "mesh without wraparound"
+            return f"{self.name} = {self.chips} TPU {self.chip.name} chips ({kind})"
+        nodes, per_node = self.grid
+        return f"{self.name} = {nodes} node{'s' * (nodes > 1)} x {per_node} {self.chip.name} GPUs"
+
+
+def parse_topology(text: str) -> Topology:
+    """'v5p:4x4x4' -> 64 v5p chips on a 4x4x4 grid; 'h100:8x8' -> 8 nodes x 8 GPUs."""
+    name, colon, shape = (text or "").strip().partition(":")
+    example = "e.g. v5p:4x4x4, v5e:16x16, v4:2x2x4 (TPU slices) or h100:8x8, h200:1x8 (nodes x GPUs per node)"
+    try:
+        chip = chips.chip(name)
+    except ValueError as e:
+        raise ValueError(f"--topology={text}: {e} Write CHIP:SHAPE, {example}.") from None
+    if not colon or not re.fullmatch(r"[1-9]\d*(x[1-9]\d*)*", shape.strip()):
+        raise ValueError(f"--topology={text}: shape {shape.strip()!r} is not sizes >= 1 joined by 'x'; "
+                         f"write CHIP:SHAPE, {example}.")
+    grid = tuple(int(x) for x in shape.strip().split("x"))
+    topo = Topology(f"{chip.name.lower()}:{'x'.join(map(str, grid))}", chip, grid)
+    problem = _shape_problem(topo)
+    if problem:
+        raise ValueError(f"--topology={text}: {problem}.")
+    return topo
+
+
+def _shape_problem(topo: Topology) -> str | None:
+    chip, grid = topo.chip, topo.grid
+    if chip.is_tpu and len(grid) != chip.torus_dims:
+        want = "AxBxC, e.g. 4x4x4" if chip.torus_dims == 3 else "AxB, e.g. 4x4"
+        return f"{chip.name} slices are {chip.torus_dims}-D ({want})"
+    if chip.is_tpu and topo.chips > chip.max_chips:
+        return f"{topo.chips} chips is more than the largest {chip.name} slice ({chip.max_chips})"
+    if not chip.is_tpu and len(grid) != 2:
+        return "a GPU cluster is NODESxGPUS (e.g. h100:8x8: 8 nodes of 8 GPUs)"
+    if not chip.is_tpu and grid[1] > chip.gpus_per_node:
+        return f"{grid[1]} GPUs per node; an HGX {chip.name} node has {chip.gpus_per_node}"
+    if topo.chips < 2:
+        return "one chip needs no parallelism plan; train with --strategy=single"
+    return None
+
+
+# ----------------------------------------------------------------------------- links per mesh axis
+
+
+@dataclass(frozen=True)
+class Link:
+    bytes_per_s: float  # what one chip can send over the axis (one way)
+    what: str
+
+
+def tensor_sides(grid: tuple[int, ...], tensor: int) -> tuple[int, ...]:
+    """Chips of the tensor axis along each physical axis, as jax's mesh_utils lays out a
+    (data, tensor) mesh on a TPU slice (tensor, the more communication-heavy, placed first;
+    tests/test_plan.py checks this against jax's own assignment):
+
+    1. whole physical axes whose sizes multiply to `tensor`, as many of them as possible
+       (v5p 4x4x4, tensor 16: x and y);
+    2. else part of some: the most chips on whole axes, then the most whole axes, then the
+       first axes (v5e 16x16, tensor 4: 4 chips of x; v5p 4x4x4, tensor 8: x and 2 chips of y).
+    """
+    for k in range(len(grid), 0, -1):
+        for axes in itertools.combinations(range(len(grid)), k):
+            if math.prod(grid[i] for i in axes) == tensor:
+                return tuple(g if i in axes else 1 for i, g in enumerate(grid))
+    options = [a for a in itertools.product(*([k for k in range(1, g + 1) if g % k == 0] for g in grid))
+               if math.prod(a) == tensor]
+
+    def preference(a: tuple[int, ...]) -> tuple:
+        whole = [n for n, g in zip(a, grid) if n == g and n > 1]
+        return math.prod(whole), len(whole), a
+
+    return max(options, key=preference)
+
+
+def _ici(topo: Topology, spans: list[tuple[int, int, bool]]) -> Link:
+    """An axis over (physical axis, its chips along it, spans the whole side?): a ring on each."""
+    one_way, parts = topo.chip.ici_link_bytes_per_s, []
+    for i, n, whole in spans:
+        k = 2 if whole and topo.torus else 1  # a bidirectional ring, or one folded back on its links
+        how = "torus ring" if k == 2 else "no wraparound" if whole else f"part of a side of {topo.grid[i]}"
+        parts.append((k, f"{'xyz'[i]} ({n} chips, {how}): {k} x {one_way / GB:g} GB/s"))
+    return Link(sum(k for k, _ in parts) * one_way, "ICI " + ", ".join(what for _, what in parts))
+
+
+def tpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
+    sides = tensor_sides(topo.grid, mesh["tensor"])
+    tensor = [(i, n, n == g) for i, (n, g) in enumerate(zip(sides, topo.grid)) if n > 1]
+    data = [(i, g // n, True) for i, (n, g) in enumerate(zip(sides, topo.grid)) if g // n > 1]
+    return {axis: _ici(topo, spans) for axis, spans in (("data", data), ("tensor", tensor)) if spans}
+
+
+def gpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
+    chip, (nodes, per_node) = topo.chip, topo.grid
+    nvlink = Link(chip.nvlink_bytes_per_s, f"NVLink {chip.nvlink_bytes_per_s / GB:g} GB/s")
+    nic = chip.node_network_bytes_per_s / chip.gpus_per_node
+    network = Link(nic, f"inter-node network {nic / GB:g} GB/s per GPU "
+                        f"({chip.node_network_bytes_per_s / GB:g} GB/s per node / {chip.gpus_per_node} GPUs)")
+    t = mesh["tensor"]
+    links = {"data": nvlink if nodes == 1 else network,
+             "tensor": nvlink if per_node % t == 0 else network}
+    return {axis: link for axis, link in links.items() if mesh[axis] > 1}
+
+
+def axis_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
+    """mesh axis (of size > 1) -> the bandwidth one chip has over it."""
+    return (tpu_links if topo.chip.is_tpu else gpu_links)(topo, mesh)
+
+
+# ----------------------------------------------------------------------------- one plan
+
+
+def peak_flops(chip: Chip, dtype: str) -> tuple[float, str]:
+    """FLOP/s of the matmuls in `dtype` at JAX's default precision, and which peak that is."""
+    if dtype == "bfloat16":
+        return chip.bf16 * 1e12, "bf16"
+    if chip.is_tpu:
+        return chip.bf16 * 1e12, "bf16 (TPU's default precision multiplies float32 in one bf16 pass)"
+    return chip.tf32 * 1e12, "tf32 (JAX's default precision runs float32 matmuls on TF32 tensor cores)"
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    mesh: dict[str, int]
+    cost: cost.Cost
+    hbm_usable: float  # bytes per chip the plan may use
+    compute_s: float
+    comm_s: dict[str, float]  # per mesh axis ('data', 'tensor'); 0 where nothing moves
+    links: dict[str, Link]
+
+    @property
+    def memory(self) -> int:
+        return self.cost.memory.total
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.hbm_usable
+
+    @property
+    def overlap_s(self) -> float:
+        return max(self.compute_s, *self.comm_s.values())
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + sum(self.comm_s.values())
+
+    @property
+    def bound(self) -> str:
+        terms = {"compute": self.compute_s, **{f"comm {a}": s for a, s in self.comm_s.items()}}
+        return max(terms, key=terms.get)
+
+    def step_s(self, rank_by: str) -> float:
+        return self.serial_s if rank_by == "serial" else self.overlap_s
+
+    def mesh_text(self) -> str:
+        return ",".join(f"{a}:{self.mesh[a]}" for a in mesh_lib.AXES)
+
+
+def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
+    """Seconds per mesh axis: ring bytes / bandwidth; a group over several axes goes at the slowest."""
+    out = dict.fromkeys(mesh_lib.AXES, 0.0)
+    for axes, s in c.by_axes().items():
+        slowest = min(axes, key=lambda a: links[a].bytes_per_s)
+        out[slowest] += s["ring_bytes"] / links[slowest].bytes_per_s
+    return out
+
+
+def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
+             mfu: float = 1.0, headroom: float = 0.25) -> Plan:
+    """One strategy on one mesh; cost.cost raises ValueError when the model does not split."""
+    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length)
+    links = axis_links(topo, c.mesh)
+    peak, _ = peak_flops(topo.chip, cfg.dtype)
+    return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), c.flops.per_device / (peak * mfu),
+                comm_times(c, links), links)
+
+
+def candidate_meshes(strategy: str, n: int) -> list[dict[str, int]]:
+    """Every data x tensor = n the strategy allows (mesh.check_mesh: dp/fsdp tensor 1, tp data 1, ...)."""
+    out = []
+    for t in (k for k in range(1, n + 1) if n % k == 0):
+        shape = {"data": n // t, "tensor": t}
+        try:
+            mesh_lib.check_mesh(strategy, shape, n)
+        except ValueError:
+            continue
+        out.append(shape)
+    return out
+
+
+@dataclass(frozen=True)
+class Skipped:
+    strategy: str
+    mesh: dict[str, int]
+    why: str
+
+
+def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0,
+             headroom: float = 0.25) -> tuple[list[Plan], list[Skipped]]:
+    """Every (strategy, mesh) the model splits on, and those it does not (with the first reason)."""
+    plans, skipped = [], []
+    for strategy in STRATEGIES:
+        for shape in candidate_meshes(strategy, topo.chips):
+            try:
+                plans.append(evaluate(cfg, topo, strategy, shape, batch, mfu, headroom))
+            except ValueError as e:
+                skipped.append(Skipped(strategy, shape, str(e).split(";")[0]))
+    return plans, skipped
+
+
+def rank(plans: list[Plan], rank_by: str) -> tuple[list[Plan], list[Plan]]:
+    """(plans that fit, fastest first; plans that do not fit, smallest memory first)."""
+    fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s(rank_by), p.memory))
+    over = sorted((p for p in plans if not p.fits), key=lambda p: p.memory)
+    return fit, over
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def _ms(s: float) -> str:
+    return "-" if not s else f"{1e3 * s:.1f} ms" if s >= 1e-4 else f"{1e6 * s:.2f} us"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+
+def plan_table(plans: list[Plan], topo: Topology, cfg: ModelConfig, batch: int) -> str:
+    head = ("rank", "strategy", "mesh", "memory/chip", "of HBM", "compute", "comm data", "comm tensor",
+            "step overlap", "step serial", "bound", "tokens/s (serial)")
+    rows = [(str(i), p.strategy, p.mesh_text(), human(p.memory), f"{p.memory / topo.chip.hbm_bytes:.0%}",
+             _ms(p.compute_s), _ms(p.comm_s["data"]), _ms(p.comm_s["tensor"]), _ms(p.overlap_s),
+             _ms(p.serial_s), p.bound, f"{batch * cfg.context_length / p.serial_s:,.0f}")
+            for i, p in enumerate(plans, 1)]
+    return "\n".join(cost._fmt_table(head, rows))
+
+
+def _breakdown(p: Plan) -> str:
+    m = p.cost.memory
+    gathered = f" + gathered layer {human(m.gathered_weights)}" if m.gathered_weights else ""
+    return (f"params {human(m.params)} + grads {human(m.grads)} + optimizer {human(m.optimizer)} + "
+            f"activations {human(m.activations)}{gathered}")
+
+
+def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
+           top: int, mfu: float, headroom: float, rank_by: str) -> str:
+    m, chip, batch = cfg.model, topo.chip, cfg.train.batch_size
+    peak, which = peak_flops(chip, m.dtype)
+    out = [f"{_count(m.num_params())}-parameter model, batch {batch} x {m.context_length} tokens, "
+           f"{m.dtype} compute, on {topo.describe()}",
+           f"chip {chip.name}: {chip.hbm_bytes / chips.GIB:g} GiB HBM ({human(chip.hbm_bytes * (1 - headroom))} usable at "
+           f"--hbm_headroom={headroom:g}); peak {peak / 1e12:g} TFLOP/s {which}, at --mfu={mfu:g}",
+           f"sources: {chip.source}; {chip.network_source}", ""]
+    if fit:
+        out += [f"== plans that fit, ranked by the {rank_by} step time (lower bounds: peak FLOP/s x mfu, "
+                "full link rate, latency ignored) ==", plan_table(fit[:top], topo, m, batch)]
+        if len(fit) > top:
+            out.append(f"... {len(fit) - top} more (--top)")
+        best = fit[0]
+        out += ["", f"links of the best plan ({best.strategy} {best.mesh_text()}):"]
+        out += [f"  {axis}={best.mesh[axis]}: {link.what} = {link.bytes_per_s / GB:g} GB/s per chip"
+                for axis, link in best.links.items()]
+        out += [f"  memory: {_breakdown(best)}"]
+    else:
+        out.append("== no plan fits in memory: more chips, --dtype=bfloat16, a smaller --batch_size or "
+                   "--context_length would help ==")
+    if over:
+        out += ["", "== too big for HBM =="]
+        out += [f"{p.strategy} {p.mesh_text()}: needs {human(p.memory)} > {human(p.hbm_usable)} usable "
+                f"({_breakdown(p)})" for p in over]
+    if skipped:
+        out += ["", "== meshes the model does not split on =="]
+        out += [f"{s.strategy} {','.join(f'{a}:{s.mesh[a]}' for a in mesh_lib.AXES)}: {s.why}" for s in skipped]
+    if m.remat != "none" and _remat_ignored(m, fit + over):
+        out += ["", f"NOTE: the cost model counts activations without rematerialization; --remat={m.remat} "
+                    "would need less."]
+    if fit:
+        out += ["", "== run the best plan: the same command on every host (jax.distributed finds the others) ==",
+                *launch_commands(fit[0], topo, name, cfg)]
+    return "\n".join(out)
+
+
+def _remat_ignored(m: ModelConfig, plans: list[Plan]) -> bool:
+    """Does the cost model give the same activations with remat as without? (It did when written.)"""
+    p = plans[0] if plans else None
+    if p is None:
+        return False
+    plain = cost.memory(dataclasses.replace(m, remat="none"), p.strategy, p.mesh, p.cost.batch_size, p.cost.seq_len,
+                        p.cost.dtype_bytes)
+    return plain.activations == p.cost.memory.activations
+
+
+def train_flags(plan: Plan, name: str, cfg: Config) -> str:
+    """launch.train's flags for this plan on preset `name` (and what the flags changed in it)."""
+    base = preset(name)
+    extra = [f"--{k}={v}" for k, v, d in (
+        ("batch_size", cfg.train.batch_size, base.train.batch_size),
+        ("context_length", cfg.model.context_length, base.model.context_length),
+        ("dtype", cfg.model.dtype, base.model.dtype), ("remat", cfg.model.remat, base.model.remat)) if v != d]
+    return " ".join([f"--preset={name}", f"--strategy={plan.strategy}", "--impl=manual",
+                     f"--mesh={plan.mesh_text()}", *extra, "--distributed", "--workdir=WORKDIR"])
+
+
+def launch_commands(plan: Plan, topo: Topology, name: str, cfg: Config) -> list[str]:
+    """The launch line for this topology (README, "Multi-host": the setup that precedes it)."""
+    train = f"python -m launch.train {train_flags(plan, name, cfg)}"
+    if topo.chip.is_tpu:
+        return [f'gcloud compute tpus tpu-vm ssh NAME --zone=ZONE --worker=all --command="cd twinshard && '
+                f'uv run --locked --extra tpu {train}"']
+    nodes, per_node = topo.grid
+    return [f"srun --nodes={nodes} --ntasks-per-node={per_node} --gpus-per-node={per_node} .venv/bin/{train}"]
+
+
+def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
+            mfu: float, headroom: float, rank_by: str) -> dict:
+    def one(p: Plan, rank_: int | None) -> dict:
+        return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "fits": p.fits,
+                "memory": {**dataclasses.asdict(p.cost.memory), "total": p.memory}, "hbm_usable": p.hbm_usable,
+                "compute_s": p.compute_s, "comm_s": p.comm_s, "overlap_s": p.overlap_s, "serial_s": p.serial_s,
+                "bound": p.bound, "flops_per_chip": p.cost.flops.per_device,
+                "ring_bytes": {",".join(a): s["ring_bytes"] for a, s in p.cost.by_axes().items()},
+                "links": {a: {"bytes_per_s": link.bytes_per_s, "what": link.what} for a, link in p.links.items()}}
+
+    peak, which = peak_flops(topo.chip, cfg.model.dtype)
+    return {"preset": name, "topology": topo.name, "chips": topo.chips, "grid": list(topo.grid),
+            "torus": topo.torus, "chip": dataclasses.asdict(topo.chip), "batch_size": cfg.train.batch_size,
+            "seq_len": cfg.model.context_length, "dtype": cfg.model.dtype,
+            "assumptions": {"peak_flops": peak, "peak": which, "mfu": mfu, "hbm_headroom": headroom,
+                            "rank_by": rank_by, "optimizer": "adamw (2 moments, f32)", "latency": "ignored"},
+            "plans": [one(p, i) for i, p in enumerate(fit, 1)] + [one(p, None) for p in over],
+            "skipped": [{"strategy": s.strategy, "mesh": s.mesh, "why": s.why} for s in skipped],
+            "launch": launch_commands(fit[0], topo, name, cfg) if fit else []}
+
+
+# ----------------------------------------------------------------------------- --compile
+
+
+def compile_best(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
+    """Compile the plan's manual train step for the TPU slice; text and JSON-ready numbers."""
+    import jax
+
+    from launch import collectives
+    from twinshard import topology
+
+    topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
+    devices = topology.devices(topo.name)
+    jax.config.update("jax_enable_compilation_cache", False)  # compile-only TPU executables do not read back
+    res = collectives.collectives(plan.strategy, "manual", plan.mesh_text(), cfg, devices)
+    ma = res["memory"]["analysis"]
+    peak = (ma["argument_size_in_bytes"] + ma["output_size_in_bytes"] - ma["alias_size_in_bytes"]
+            + ma["temp_size_in_bytes"])
+    verdict = "fits" if peak <= topo.chip.hbm_bytes else "does NOT fit"
+    table = cost.compare_table(res["tpu_comparison"] or res["comparison"])
+    text = "\n".join([
+        f"== compiled ahead of time: {plan.strategy}/manual {plan.mesh_text()} on {res['device_kind']} "
+        f"({res['hosts']} hosts) in {res['compile_s']:.1f} s ==",
+        "collectives of the compiled step vs the model (as the TPU compiler prints the manual twin):", table,
+        "", "memory per chip: compiled.memory_analysis() beside the model", collectives.memory_table(res),
+        f"XLA's peak per chip: arguments + outputs - aliased + temporaries = {human(peak)} of "
+        f"{topo.chip.hbm_bytes / chips.GIB:g} GiB HBM: {verdict} (the model said {human(plan.memory)})"])
+    return text, {"compile_s": res["compile_s"], "memory_analysis": ma, "peak_bytes": peak,
+                  "comparison": res["tpu_comparison"] or res["comparison"]}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def config_from_flags() -> Config:
+    if FLAGS.preset not in PRESETS:
+        raise ValueError(f"--preset={FLAGS.preset}: unknown preset; choose one of {', '.join(PRESETS)}.")
+    for name in ("batch_size", "context_length"):
+        if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
+            raise ValueError(f"--{name}={getattr(FLAGS, name)} must be >= 1; drop it for the preset's value.")
+    cfg = preset(FLAGS.preset)
+    if FLAGS.context_length is not None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, context_length=FLAGS.context_length))
+    if FLAGS.batch_size is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
+    return common.with_model_flags(cfg, FLAGS)
+
+
+def check_flags(topo: Topology) -> None:
+    if FLAGS.top < 1:
+        raise ValueError(f"--top={FLAGS.top} must be >= 1.")
+    if not 0 < FLAGS.mfu <= 1:
+        raise ValueError(f"--mfu={FLAGS.mfu} must be in (0, 1]: the fraction of the peak FLOP/s reached.")
+    if not 0 <= FLAGS.hbm_headroom < 1:
+        raise ValueError(f"--hbm_headroom={FLAGS.hbm_headroom} must be in [0, 1): the fraction of HBM kept free.")
+    if FLAGS.compile and not topo.chip.is_tpu:
+        raise ValueError(f"--compile is not available for GPU topologies ({topo.name}): compiling for a GPU "
+                         "needs the GPU itself; drop --compile, or plan a TPU slice.")
+    common.check_output_path(FLAGS.json, "json")
+
+
+def no_plan(skipped: list[Skipped], topo: Topology, batch: int) -> str:
+    reasons = "; ".join(f"{s.strategy} {','.join(f'{a}:{s.mesh[a]}' for a in mesh_lib.AXES)}: {s.why}"
+                        for s in skipped)
+    fix = (f"pass a --batch_size divisible by the data axis (e.g. {topo.chips}) or plan fewer chips"
+           if any(s.why.startswith("batch=") for s in skipped) else "plan fewer chips or a wider model")
+    return f"no strategy splits this model with batch {batch} over {topo.chips} chips ({reasons}); {fix}."
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
+    if not FLAGS.topology:
+        raise ValueError("--topology is required, e.g. --topology=v5p:4x4x4 (TPU) or --topology=h100:8x8 (GPU).")
+    topo = parse_topology(FLAGS.topology)
+    cfg = config_from_flags()
+    check_flags(topo)
+    plans, skipped = plan_all(cfg.model, topo, cfg.train.batch_size, FLAGS.mfu, FLAGS.hbm_headroom)
+    if not plans:
+        raise ValueError(no_plan(skipped, topo, cfg.train.batch_size))
+    fit, over = rank(plans, FLAGS.rank_by)
+    print(report(fit, over, skipped, topo, FLAGS.preset, cfg, FLAGS.top, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by),
+          flush=True)
+    doc = as_dict(fit, over, skipped, topo, FLAGS.preset, cfg, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by)
+    if FLAGS.compile:
+        if not fit:
+            raise ValueError("--compile: no plan fits in memory, so there is nothing to compile.")
+        print(f"\ncompiling the best plan for {topo.name} ahead of time (a minute or so) ...", flush=True)
+        text, doc["compile"] = compile_best(fit[0], topo, cfg)
+        print(text)
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {FLAGS.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    common.run(main, "launch.plan")

@@ -1,0 +1,212 @@
+"""launch/plan.py: topologies, the links each mesh axis uses, one plan row by hand, the memory
+check, the ranking, the README's launch lines, and the CLI (one run and its one-line errors).
+
+Nothing is compiled here (a --compile of the tiny preset runs in test_compile_the_best_tpu_plan,
+~10 s: it reuses launch.collectives, which tests/test_tpu_topology.py checks in depth).
+"""
+
+import dataclasses
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+from cli import ROOT, assert_user_error, run
+from launch import plan as planner
+from twinshard import chips, cost
+from twinshard.config import preset
+
+LLM_1B = preset("llm_1b").model
+
+
+def test_topologies_parse_as_gcloud_and_slurm_write_them():
+    v5p = planner.parse_topology("v5p:4x4x4")
+    assert (v5p.chips, v5p.grid, v5p.torus, v5p.chip.name) == (64, (4, 4, 4), True, "v5p")
+    v5e = planner.parse_topology("v5e:16x16")
+    assert (v5e.chips, v5e.torus) == (256, True)
+    v4 = planner.parse_topology("v4:2x2x4")  # less than a 4x4x4 cube: no wraparound links
+    assert (v4.chips, v4.torus, v4.chip.ici_links) == (16, False, 6)
+    assert not planner.parse_topology("v5e:8x16").torus  # v5e wraps only on the full 16x16 pod
+    h100 = planner.parse_topology("H100:8x8")
+    assert (h100.name, h100.chips, h100.grid, h100.chip.gpus_per_node) == ("h100:8x8", 64, (8, 8), 8)
+    assert planner.parse_topology("h200:1x8").chip.hbm_bytes == 141 * 2**30
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("x100:8x8", "unknown chip 'x100'; choose one of h200, h100, a100, v4, v5e, v5p, v6e"),
+    ("v5p", "shape '' is not sizes >= 1 joined by 'x'"),
+    ("v5p:4x4x", "shape '4x4x' is not sizes >= 1 joined by 'x'"),
+    ("v5e:0x4", "shape '0x4' is not sizes"),
+    ("v5p:4x4", "v5p slices are 3-D (AxBxC, e.g. 4x4x4)"),
+    ("v5e:4x4x4", "v5e slices are 2-D (AxB, e.g. 4x4)"),
+    ("v5e:32x16", "512 chips is more than the largest v5e slice (256)"),
+    ("h100:2x16", "16 GPUs per node; an HGX H100 node has 8"),
+    ("h100:8", "a GPU cluster is NODESxGPUS"),
+    ("v5e:1x1", "one chip needs no parallelism plan"),
+])
+def test_bad_topologies_are_one_line_errors(text, needle):
+    with pytest.raises(ValueError) as e:
+        planner.parse_topology(text)
+    assert str(e.value).startswith(f"--topology={text}: ") and needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tensor_gets_the_physical_axes_jax_gives_it():
+    """Our layout rule against jax's own (mesh_utils, used by jax.make_mesh and
+    twinshard.topology.mesh_devices on a TPU slice) for every (data, tensor) on 15 grids."""
+    from jax._src import mesh_utils  # private: the function that assigns mesh axes to the torus
+
+    grids = [(4, 4, 4), (2, 2, 4), (2, 2, 1), (2, 2, 2), (2, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 16),
+             (16, 16), (4, 4), (2, 4), (4, 8), (8, 16), (8, 8), (16, 16, 24)]
+    for grid in grids:
+        n = math.prod(grid)
+        for t in (k for k in range(1, n + 1) if n % k == 0):
+            _, assignment = mesh_utils._create_device_mesh_for_nd_torus(
+                np.arange(n).reshape(grid), (n // t, t), allow_split_physical_axes=True)
+            assert planner.tensor_sides(grid, t) == tuple(int(a) for a in assignment[:, 1]), (grid, t)
+
+
+def test_links_per_axis():
+    gb = 1e9
+    links = planner.axis_links(planner.parse_topology("v5p:4x4x4"), {"data": 16, "tensor": 4})
+    assert links["tensor"].bytes_per_s == 2 * 90 * gb  # x, a whole torus side: both directions
+    assert links["data"].bytes_per_s == 4 * 90 * gb  # y and z
+    links = planner.axis_links(planner.parse_topology("v5p:4x4x4"), {"data": 32, "tensor": 2})
+    assert links["tensor"].bytes_per_s == 90 * gb  # 2 of x's 4 chips: the ring folds back
+    assert links["data"].bytes_per_s == 6 * 90 * gb  # strided over the whole of x, and y, z
+    links = planner.axis_links(planner.parse_topology("v4:2x2x4"), {"data": 4, "tensor": 4})
+    assert (links["tensor"].bytes_per_s, links["data"].bytes_per_s) == (2 * 45 * gb, 45 * gb)  # no torus
+    links = planner.axis_links(planner.parse_topology("h100:8x8"), {"data": 16, "tensor": 4})
+    assert (links["tensor"].bytes_per_s, links["data"].bytes_per_s) == (450 * gb, 50 * gb)  # NVLink, IB
+    links = planner.axis_links(planner.parse_topology("h100:2x8"), {"data": 1, "tensor": 16})
+    assert set(links) == {"tensor"} and links["tensor"].bytes_per_s == 50 * gb  # tensor across nodes
+    links = planner.axis_links(planner.parse_topology("h200:1x8"), {"data": 8, "tensor": 1})
+    assert links["data"].bytes_per_s == 450 * gb  # one node: data on NVLink too
+
+
+def test_a_tpu_row_by_hand():
+    """llm_1b, dp on v5p:4x4x4, float32: every number from the chip table and the model's sizes."""
+    v5p = chips.chip("v5p")
+    B, T, n = 64, LLM_1B.context_length, 64
+    p = planner.evaluate(LLM_1B, planner.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B)
+    D, F, V, L, N = LLM_1B.d_model, LLM_1B.d_ff, LLM_1B.padded_vocab_size, LLM_1B.num_layers, LLM_1B.num_params()
+    flops = 3 * (2 * B * T * (L * (4 * D * D + 3 * D * F) + D * V) + L * 4 * B * T * T * D)
+    assert p.compute_s == pytest.approx(flops / n / (v5p.bf16 * 1e12))  # f32 on TPU: one bf16 pass
+    # one all-reduce of every f32 gradient (N params) and of the f32 loss; the data axis spans
+    # x, y and z of a torus: a bidirectional ring on each, 6 x 90 GB/s
+    ring = 2 * (n - 1) / n * 4 * (N + 1)
+    assert p.comm_s == {"data": pytest.approx(ring / (6 * v5p.ici_link_bytes_per_s)), "tensor": 0.0}
+    m = p.cost.memory
+    assert (m.params, m.grads, m.optimizer) == (4 * N, 4 * N, 8 * N)
+    assert p.memory == 16 * N + m.activations and p.hbm_usable == 0.75 * 95 * 2**30 and p.fits
+    assert p.serial_s == p.compute_s + p.comm_s["data"] and p.overlap_s == p.compute_s
+    assert p.bound == "compute"
+
+
+def test_a_gpu_row_by_hand():
+    """gpt2_350m in bf16, fsdp_tp data:8 x tensor:8 on 8 H100 nodes: tensor on NVLink, data on IB."""
+    cfg = dataclasses.replace(preset("gpt2_350m").model, dtype="bfloat16")
+    mesh = {"data": 8, "tensor": 8}
+    p = planner.evaluate(cfg, planner.parse_topology("h100:8x8"), "fsdp_tp", mesh, 64)
+    c = cost.cost(cfg, "fsdp_tp", mesh, 64)
+    ring = {axes: s["ring_bytes"] for axes, s in c.by_axes().items()}
+    assert set(ring) == {("data",), ("tensor",), ("data", "tensor")}
+    assert p.compute_s == pytest.approx(c.flops.per_device / 989.4e12)
+    # the gradient-norm scalar over (data, tensor) goes at the slower axis, the network: a few
+    # bytes among megabytes, hence the tight tolerance
+    assert p.comm_s["tensor"] == pytest.approx(ring[("tensor",)] / 450e9, rel=1e-12)
+    assert p.comm_s["data"] == pytest.approx((ring[("data",)] + ring[("data", "tensor")]) / 50e9, rel=1e-12)
+    assert p.bound == max(("compute", p.compute_s), ("comm data", p.comm_s["data"]),
+                          ("comm tensor", p.comm_s["tensor"]), key=lambda kv: kv[1])[0]
+
+
+def test_plans_that_do_not_fit_are_excluded_for_memory():
+    """llm_1b dp on v5e:4x4 at context 512: params, grads and activations fit 16 GiB, Adam's two
+    moments do not (the issue's example); fsdp splits all three 16 ways and fits."""
+    cfg = dataclasses.replace(LLM_1B, context_length=512)
+    plans, _ = planner.plan_all(cfg, planner.parse_topology("v5e:4x4"), 16)
+    fit, over = planner.rank(plans, "serial")
+    dp = next(p for p in over if p.strategy == "dp")
+    m, usable = dp.cost.memory, 0.75 * 16 * 2**30
+    assert m.total - m.optimizer < usable < m.total == dp.memory
+    assert "fsdp" in {p.strategy for p in fit} and all(p.memory <= usable for p in fit)
+    assert all(p.memory > usable for p in over)
+
+
+def test_ranking():
+    plans, skipped = planner.plan_all(LLM_1B, planner.parse_topology("v5p:4x4x4"), 64)
+    fit, over = planner.rank(plans, "serial")
+    assert not over and [(p.strategy, p.mesh["tensor"]) for p in fit] == [
+        ("dp", 1), ("fsdp", 1), ("fsdp_tp", 2), ("fsdp_tp", 4), ("fsdp_tp", 8), ("fsdp_tp", 16)]
+    serial = [p.compute_s + p.comm_s["data"] + p.comm_s["tensor"] for p in fit]
+    assert serial == sorted(serial)
+    overlap, _ = planner.rank(plans, "overlap")
+    times = [max(p.compute_s, *p.comm_s.values()) for p in overlap]
+    assert times == sorted(times) and overlap[0].strategy in ("dp", "fsdp", "fsdp_tp")
+    # on the same links, DP sends 2(n-1)/n x (the N f32 gradients + the loss); FSDP (n-1)/n x 3 x
+    # each matrix (two gathers and a scatter; the embedding is not re-gathered), 2(n-1)/n x the
+    # norm gains, the squared-norm scalar and the loss: about 1.5 x (1.46 with llm_1b's vocab)
+    D, V, L, N = LLM_1B.d_model, LLM_1B.padded_vocab_size, LLM_1B.num_layers, LLM_1B.num_params()
+    norms = (2 * L + 1) * D
+    fsdp = 3 * (N - norms) - V * D + 2 * (norms + 2)
+    assert fit[1].comm_s["data"] / fit[0].comm_s["data"] == pytest.approx(fsdp / (2 * (N + 1)))
+    assert {(s.strategy, s.mesh["tensor"]): s.why for s in skipped} == {
+        ("tp", 64): "heads=16 is not divisible by mesh axis tensor=64",
+        ("fsdp_tp", 32): "heads=16 is not divisible by mesh axis tensor=32"}
+
+
+def test_readme_launch_lines_are_what_the_plan_prints():
+    """Each `launch.plan` command of the README's multi-host section, and the launch line it
+    prints: the README shows that line (in a block test_readme does not run: gcloud, srun)."""
+    text = (ROOT / "README.md").read_text()
+    plans = re.findall(r"^uv run python -m launch\.plan (.*)$", text, re.M)
+    shown = [line.strip() for line in text.splitlines()
+             if re.match(r"(gcloud compute tpus tpu-vm ssh|srun) .*launch\.train", line.strip())]
+    assert len(plans) == len(shown) == 2, (plans, shown)
+    printed = []
+    for args in plans:
+        given = dict(re.findall(r"--(\w+)=(\S+)", args))
+        cfg = preset(given["preset"])
+        if "dtype" in given:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=given["dtype"]))
+        topo = planner.parse_topology(given["topology"])
+        fit, _ = planner.rank(planner.plan_all(cfg.model, topo, cfg.train.batch_size)[0], "serial")
+        printed += planner.launch_commands(fit[0], topo, given["preset"], cfg)
+    assert printed == shown
+
+
+def test_cli_prints_ranks_and_writes_json(tmp_path):
+    proc = run("-m", "launch.plan", "--preset=llm_1b", "--topology=v5p:4x4x4", "--top=2",
+               f"--json={tmp_path / 'plan.json'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "== plans that fit, ranked by the serial step time" in out and "... 4 more (--top)" in out
+    assert re.search(r"^1 +dp +data:64,tensor:1 .* compute ", out, re.M), out
+    assert "data=64: ICI x (4 chips, torus ring): 2 x 90 GB/s" in out
+    assert "--strategy=dp --impl=manual --mesh=data:64,tensor:1 --distributed" in out
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert [p["rank"] for p in doc["plans"]] == [1, 2, 3, 4, 5, 6] and doc["chips"] == 64
+    assert doc["plans"][0]["links"]["data"]["bytes_per_s"] == 540e9 and doc["chip"]["name"] == "v5p"
+
+
+def test_cli_errors_are_one_line():
+    proc = run("-m", "launch.plan", "--preset=llm_1b", "--topology=v5p:4x4x4", "--batch_size=3")
+    assert_user_error(proc, "no strategy splits this model with batch 3 over 64 chips",
+                      "batch=3 is not divisible by mesh axis data=64", "pass a --batch_size divisible")
+    proc = run("-m", "launch.plan", "--topology=h100:1x8", "--compile")
+    assert_user_error(proc, "--compile is not available for GPU topologies (h100:1x8)")
+
+
+def test_compile_the_best_tpu_plan(tmp_path):
+    """tiny on v5e:2x2 (4 chips, one host): the best plan compiled for TPU, its collectives equal to
+    the model as TPU prints it, and its memory_analysis beside the model's."""
+    proc = run("-m", "launch.plan", "--preset=tiny", "--topology=v5e:2x2", "--compile",
+               f"--json={tmp_path / 'plan.json'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    best = doc["plans"][0]
+    assert doc["compile"]["comparison"] and all(r["match"] for r in doc["compile"]["comparison"])
+    assert f"compiled ahead of time: {best['strategy']}/manual" in proc.stdout
+    assert "XLA's peak per chip" in proc.stdout and ": fits (the model said" in proc.stdout
+    assert doc["compile"]["peak_bytes"] > 0 and doc["compile"]["compile_s"] > 0
