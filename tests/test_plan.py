@@ -117,6 +117,9 @@ def test_a_gpu_row_by_hand():
     # bytes among megabytes, hence the tight tolerance
     assert p.comm_s["tensor"] == pytest.approx(ring[("tensor",)] / 450e9, rel=1e-12)
     assert p.comm_s["data"] == pytest.approx((ring[("data",)] + ring[("data", "tensor")]) / 50e9, rel=1e-12)
+    # float32 runs at JAX's default matmul precision: TF32 on NVIDIA, one bf16 pass on TPU
+    assert planner.peak_flops(chips.chip("H100"), "float32")[0] == 494.7e12
+    assert planner.peak_flops(chips.chip("v5e"), "float32")[0] == 197e12
     assert p.bound == max(("compute", p.compute_s), ("comm data", p.comm_s["data"]),
                           ("comm tensor", p.comm_s["tensor"]), key=lambda kv: kv[1])[0]
 
