@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import auto_parallel
 import manual_parallel
@@ -28,7 +29,6 @@ from twinshard import cost, hlo
 from twinshard.config import Config, preset
 from twinshard.model import state_dict
 from twinshard.trainer import SingleDevice, accumulated_value_and_grad, graphdef
-from flax import nnx
 
 BASE = preset("tiny")
 # batch 16: 2 sequences per device on data=8, so K = 2 splits every device's rows
