@@ -14,6 +14,16 @@ communication is what the code names:
   gradients sharded over the same mesh axes;
 - `lax.pmean(loss, 'data')`: the reported loss.
 
+Gradient accumulation (grad_accum = K > 1): the K micro-batches [K, B/(data K), T]
+run under `lax.scan` (trainer.accumulated_value_and_grad) on each device's local
+rows; the accumulator holds each device's own, unsynchronized gradient, and the
+syncs above run ONCE per step, after the loop: `mean_over_data`, the global-norm
+psum, the loss pmean. FSDP's reduce-scatter lives in fsdp_gather's backward, so
+FSDP gathers its weights once per step instead (manual_parallel/fsdp.py says why
+and what it costs). Megatron's f/g all-reduces belong to each micro-batch's
+forward and backward: K times. Measured counts: tests/test_accum.py (equal to the
+cost model with `grad_accum`).
+
 Why params are `pcast` to varying before `grad` (measured, JAX 0.12): with
 `check_vma=True`, differentiating a loss that varies over `data` with respect
 to params that are *invariant* over `data` makes autodiff insert a `psum` over
@@ -35,7 +45,9 @@ from jax.sharding import PartitionSpec as P
 from twinshard import mesh as mesh_lib, placement
 from twinshard.config import Config
 from twinshard.optim import make_optimizer
-from twinshard.trainer import TrainState, apply_gradients, loss_fn
+from manual_parallel.fsdp import FullyShardedDataParallel
+from twinshard.trainer import (TrainState, accumulated_value_and_grad, apply_gradients, check_grad_accum,
+                               logical_axes, loss_fn)
 
 DATA, TENSOR = "data", "tensor"
 
@@ -56,6 +68,7 @@ class ManualRunner(placement.PlacedRunner):
         self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm)
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices,
                     strategy.PARAM_RULES, strategy.ACTIVATION_RULES)
+        check_grad_accum(cfg.train, self.sizes[DATA])
         # True for params replicated over a data axis of size > 1 (they need the DP mean)
         self.replicated_over_data = jax.tree.map(
             lambda s: DATA not in placement.sharded_axes(s) and self.sizes[DATA] > 1,
@@ -78,8 +91,25 @@ class ManualRunner(placement.PlacedRunner):
         replicated = self.replicated_over_data
         params = jax.tree.map(lambda p, r: lax.pcast(p, DATA, to="varying") if r else p,
                               params, replicated)
-        loss, grads = jax.value_and_grad(self._local_loss)(params, x, y)
+        if self.cfg.train.grad_accum > 1 and isinstance(self.par, FullyShardedDataParallel):
+            loss, grads = self._gathered_loss_and_grads(params, x, y)
+        else:  # K micro-batches under lax.scan (K = 1: one value_and_grad), no collective in the loop
+            loss, grads = accumulated_value_and_grad(self._local_loss, params, x, y, self.cfg.train.grad_accum)
         return self._mean_loss(loss), self.mean_over_data(grads, replicated)
+
+    def _gathered_loss_and_grads(self, params, x, y):
+        """FSDP with grad_accum = K > 1: gather every matrix once, run the K micro-batches on
+        the whole weights, reduce-scatter each accumulated gradient once (module docstring).
+
+        x, y: [B/data, T]; W1: [L, D/data, F] -> full [L, D, F] -> grad [L, D/data, F]."""
+        axes = logical_axes(self.cfg.model)
+        full, scatter = jax.vjp(lambda p: self.par.gather_step(p, axes, self.cfg.model.dtype), params)
+        local = functools.partial(loss_fn, cfg=self.cfg.model, par=self.par.resident())
+        loss, grads = accumulated_value_and_grad(local, full, x, y, self.cfg.train.grad_accum)
+        # the float32 accumulator back to the gathered dtype for the scatter (the cast's transpose
+        # returns float32 master-weight gradients, as without accumulation)
+        (grads,) = scatter(jax.tree.map(lambda g, w: g.astype(w.dtype), grads, full))
+        return loss, grads
 
     def mean_over_data(self, grads, replicated):
         """Data-parallel gradient sync: all-reduce (mean) over `data` of every

@@ -57,6 +57,7 @@ VALIDATION = "tests/test_validation.py"
 CLI_ERRORS = "tests/test_cli_errors.py"
 SCAN = "tests/test_scan.py"
 PLAN = "tests/test_plan.py"
+ACCUM = "tests/test_accum.py"
 
 # Everything that reads a compiled ledger or the cost model (a parser or model bug shows there too).
 LEDGER_TESTS = (HLO, MANUAL, AUTO, TPU, CLI)
@@ -453,8 +454,8 @@ MUTANTS: list[Mutant] = [
            "x32 = x",
            (LAYERS, PRECISION), "RMSNorm's mean square and rsqrt in bf16"),
     Mutant("cost-bf16-norm-grads", "precision", _COST,
-           "rows += [row(ctx, \"backward\", \"all-reduce\", (\"data\",), w.leaves, w.layers * w.size * F32,",
-           "rows += [row(ctx, \"backward\", \"all-reduce\", (\"data\",), w.leaves, w.layers * w.size * ctx.s,",
+           "return [row(ctx, \"backward\", \"all-reduce\", (\"data\",), w.leaves, w.layers * w.size * F32,",
+           "return [row(ctx, \"backward\", \"all-reduce\", (\"data\",), w.leaves, w.layers * w.size * ctx.s,",
            COST_TESTS, "the f32 norm-gain gradients modelled in the compute dtype"),
     Mutant("cost-bf16-master-params", "precision", _COST,
            "params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))",
@@ -564,4 +565,37 @@ MUTANTS: list[Mutant] = [
            "if False:",
            (PLAN + "::test_cli_errors_are_one_line",),
            "--compile on a GPU topology is not refused up front"),
+    # --- gradient accumulation (grad_accum): token weighting, one sync per step, its cost rows
+    Mutant("accum-mean-of-micro-batch-means", "accum", "twinshard/trainer.py",
+           "        tokens = count(ym)",
+           "        tokens = jnp.ones((), jnp.float32)",
+           (ACCUM + "::test_micro_batches_weigh_by_their_tokens",),
+           "micro-batches weigh equally (a mean of their means), not by their tokens"),
+    Mutant("accum-manual-pmean-inside-the-loop", "accum", _RUNNER,
+           "accumulated_value_and_grad(self._local_loss, params, x, y, self.cfg.train.grad_accum)",
+           "accumulated_value_and_grad(lambda p, *b: self._mean_loss(self._local_loss(p, *b)), params, x, y, "
+           "self.cfg.train.grad_accum)",
+           (ACCUM + "::test_twin_accumulation_matches_single_device",),
+           "the loss is averaged over data inside every micro-batch (a collective in the loop)"),
+    Mutant("accum-manual-fsdp-scatters-per-micro-batch", "accum", _RUNNER,
+           "if self.cfg.train.grad_accum > 1 and isinstance(self.par, FullyShardedDataParallel):",
+           "if False:",
+           (ACCUM + "::test_manual_ledger_equals_the_cost_model_with_grad_accum",),
+           "FSDP keeps ZeRO-3 per micro-batch: gathers and reduce-scatters K times per step "
+           "(the same numbers, K x the collectives)"),
+    Mutant("accum-auto-syncs-per-micro-batch", "accum", "auto_parallel/runner.py",
+           "        if k == 1 or d == 1:",
+           "        if True:",
+           (ACCUM + "::test_auto_syncs_gradients_once_per_step",),
+           "GSPMD's gradient all-reduces (and FSDP's gathers) stay inside the micro-batch loop"),
+    Mutant("accum-cost-tp-once-per-step", "accum", _COST,
+           "    return _times(ctx.k, _tp_micro_batch_rows(ctx, batch // ctx.k))",
+           "    return _tp_micro_batch_rows(ctx, batch)",
+           (ACCUM + "::test_manual_ledger_equals_the_cost_model_with_grad_accum",),
+           "the cost model counts Megatron's all-reduces once per step, not per micro-batch"),
+    Mutant("accum-memory-full-batch-activations", "accum", _COST,
+           '    b = (batch // mesh["data"] if "batch" in rules else batch) // grad_accum  # one micro-batch',
+           '    b = batch // mesh["data"] if "batch" in rules else batch',
+           (ACCUM + "::test_memory_with_grad_accum",),
+           "the memory model keeps the whole batch's activations under accumulation"),
 ]

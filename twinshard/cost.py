@@ -104,6 +104,19 @@ fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
     squared-norm all-reduce runs over (data, tensor); the loss is all-reduced
     over data.
 
+Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences). What
+runs in each micro-batch's forward and backward runs K times per step (`_times`): tp's
+rows, on activations of b/K sequences (the same bytes per step, K x the count). The
+gradient syncs run once, after the micro-batch loop: dp's means, the norm psum, the
+loss. fsdp (and fsdp_tp's data rows) changes structure (manual_parallel/fsdp.py
+`gather_step`): each matrix LEAF is all-gathered once before the loop (a stacked
+[L, ...] leaf at once: 7 + 2 gathers of the same bytes as the 7L + 2 per-layer ones),
+never re-gathered, and its accumulated gradient reduce-scattered once (7 + 2).
+FLOPs do not change. Memory: activations of one micro-batch, plus `accumulator`, the
+float32 gradient accumulator (dp, tp: the local params' size; fsdp, fsdp_tp: the whole
+matrices over data, / t), and under fsdp `gathered_weights` becomes every matrix,
+gathered in the compute dtype (/ t): both are resident for the whole step.
+
 FLOPs (`Flops`): a matmul [m,k]x[k,n] costs 2mkn.
     forward  = 2 * B*T * N_mm + L * 2 * 2 * B * T^2 * D
     with N_mm = L(4D*H*dh + 3DF) + DV the matmul parameters (the embedding is a
@@ -260,10 +273,12 @@ class Memory:
     optimizer: int
     activations: int
     gathered_weights: int  # transient FSDP working set (0 without FSDP)
+    accumulator: int = 0  # float32 gradient accumulator of grad_accum > 1 (0 without accumulation)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.gathered_weights
+        return (self.params + self.grads + self.optimizer + self.activations + self.gathered_weights
+                + self.accumulator)
 
 
 @dataclass(frozen=True)
@@ -306,6 +321,7 @@ class Cost:
         out.append(f"memory/device: params {human(m.params)}, grads {human(m.grads)}, optimizer "
                    f"{human(m.optimizer)}, activations ~{human(m.activations)}"
                    + (f", gathered weights ~{human(m.gathered_weights)}" if m.gathered_weights else "")
+                   + (f", gradient accumulator {human(m.accumulator)}" if m.accumulator else "")
                    + f"; total ~{human(m.total)}")
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out)
@@ -340,6 +356,7 @@ class _Ctx:
     batch: int  # global B
     seq: int  # T
     s: int  # dtype bytes
+    k: int = 1  # grad_accum: micro-batches per step
 
     @property
     def d(self) -> int:
@@ -378,6 +395,8 @@ def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
     """ZeRO-3 over data: gather each matrix (forward, again in backward), scatter its gradient,
     all-reduce each replicated norm gradient. `tensor_shards` = t under fsdp_tp (each device
     gathers only its tensor shard), 1 under fsdp."""
+    if ctx.k > 1:
+        return _fsdp_step_rows(ctx, tensor_shards)
     gather = lambda phase, w, what: row(  # noqa: E731
         ctx, phase, "all-gather", ("data",), w.count, w.size * ctx.s // tensor_shards,
         what.format(f"{w.name} {_shape(w, tensor_shards)}"))
@@ -387,14 +406,43 @@ def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
     rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.count,
                  w.size * ctx.s // (tensor_shards * ctx.d),
                  f"fsdp_gather backward: psum_scatter of d({w.name}) over data") for w in _matrices(ctx)]
-    rows += [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32,
-                 f"pmean over data of d({w.name}) {_leaf_shape(w)} (replicated f32 norm gains)")
-             for w in _norms(ctx)]
-    return rows
+    return rows + _fsdp_norm_rows(ctx)
+
+
+def _fsdp_step_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
+    """grad_accum = K > 1 (manual_parallel/fsdp.py gather_step): each matrix LEAF (a stacked
+    [L, ...] block leaf at once) gathered once before the micro-batch loop and never re-gathered,
+    its accumulated gradient reduce-scattered once after it; the norm gradients' mean once."""
+    rows = [row(ctx, "forward", "all-gather", ("data",), w.leaves, w.layers * w.size * ctx.s // tensor_shards,
+                f"gather_step: fsdp_gather of {w.name} {_leaf_shape(w)} over data, once per step")
+            for w in _matrices(ctx)]
+    rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.leaves,
+                 w.layers * w.size * ctx.s // (ctx.d * tensor_shards),
+                 f"fsdp_gather backward: psum_scatter of the accumulated d({w.name}), once per step")
+             for w in _matrices(ctx)]
+    return rows + _fsdp_norm_rows(ctx)
+
+
+def _fsdp_norm_rows(ctx: _Ctx) -> list[Row]:
+    return [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32,
+                f"pmean over data of d({w.name}) {_leaf_shape(w)} (replicated f32 norm gains)")
+            for w in _norms(ctx)]
 
 
 def _tp_rows(ctx: _Ctx, batch: int) -> list[Row]:
-    """Megatron over tensor with `batch` sequences per device (B under tp, B/d under fsdp_tp)."""
+    """Megatron over tensor with `batch` sequences per device (B under tp, B/d under fsdp_tp):
+    per micro-batch of batch/K sequences, K times per step (they are in each micro-batch's
+    forward and backward)."""
+    return _times(ctx.k, _tp_micro_batch_rows(ctx, batch // ctx.k))
+
+
+def _times(k: int, rows: list[Row]) -> list[Row]:
+    """The rows of one micro-batch, run k times per step (count, bytes, ring bytes x k)."""
+    return [dataclasses.replace(r, count=k * r.count, bytes=k * r.bytes, ring_bytes=k * r.ring_bytes)
+            for r in rows]
+
+
+def _tp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
     a, stats, L = ctx.activation(batch), batch * ctx.seq * F32, ctx.L
     act = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]"
     tok = f"[{batch},{ctx.seq}] f32"
@@ -468,12 +516,12 @@ def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int
 
 
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
-           dtype_bytes: int = 4) -> Memory:
+           dtype_bytes: int = 4, grad_accum: int = 1) -> Memory:
     mesh_lib.check_strategy(strategy)
     rules = RULES[strategy]
     params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
     t = mesh["tensor"] if "heads" in rules else 1
-    b = batch // mesh["data"] if "batch" in rules else batch
+    b = (batch // mesh["data"] if "batch" in rules else batch) // grad_accum  # one micro-batch
     d, f, h, v = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.padded_vocab_size
     per_layer = b * seq * (4 * d + 4 * d // t + 3 * f // t) + b * (h // t) * seq * seq
     final = (2 * b * seq * d + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
@@ -482,7 +530,16 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     if "embed" in rules:
         layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
         gathered = max(layer, v * d) * dtype_bytes // t
-    return Memory(params, params, 2 * params, acts, gathered)
+    if grad_accum == 1:
+        return Memory(params, params, 2 * params, acts, gathered)
+    # the f32 accumulator of the micro-batch scan: param-sized (DP, TP); under FSDP it holds the
+    # gradient of the WHOLE matrices (gather_step), so it and the gathered weights are full over data
+    accumulator = params
+    if "embed" in rules:
+        no_data = {a: m for a, m in rules.items() if m != "data"}
+        accumulator = sum(w.count * w.size * F32 // _shards(w, no_data, mesh) for w in weights(cfg))
+        gathered = sum(w.count * w.size for w in weights(cfg) if w.is_matrix) * dtype_bytes // t
+    return Memory(params, params, 2 * params, acts, gathered, accumulator)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -510,8 +567,11 @@ def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
 
 
 def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
-         seq_len: int | None = None, dtype_bytes: int | None = None) -> Cost:
+         seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
+
+    grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
+    split into that many.
 
     mesh: {'data': d, 'tensor': t} (a missing axis is 1). Invalid input raises
     ValueError naming the value and the fix (unknown strategy, wrong axes for the
@@ -534,12 +594,16 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads,
             "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size}
     mesh_lib.check_divisible(dims, RULES[strategy], shape)
-    ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes)
+    local = batch_size // shape["data"] if "batch" in RULES[strategy] else batch_size
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
+        raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "
+                         f"of {local} sequences; choose one of {[k for k in range(1, local + 1) if local % k == 0]}.")
+    ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum)
     rows = sorted(STRATEGY_ROWS[strategy](ctx), key=lambda r: PHASES.index(r.phase))  # stable
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
-                memory(cfg, strategy, shape, batch_size, seq, dtype_bytes), notes)
+                memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum), notes)
 
 
 _NOTES = {

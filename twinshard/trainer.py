@@ -4,12 +4,23 @@ The state is a plain pytree: params as a nested dict of arrays (paths as in
 twinshard/model.py), the optax state, and the step counter. Strategies reuse
 `train_step` (auto_parallel/ jits it with shardings) or its pieces
 (manual_parallel/ runs them inside shard_map with its own collectives).
+
+Gradient accumulation (`TrainConfig.grad_accum` = K): `accumulated_value_and_grad`
+splits the batch [B, T] into K micro-batches [K, B/K, T] and runs them one after
+another under `lax.scan`, carrying the sum of the micro-batches' gradients of their
+SUMMED token losses; after the loop, loss and gradients are divided by the total
+token count. Weighting by tokens (not a mean of micro-batch means) keeps the result
+the full-batch mean-loss gradient even when micro-batches hold different numbers of
+target tokens (a loss mask, later); today every position is a target, so the counts
+are equal and static. K = 1 is the plain `jax.value_and_grad` (no scan: the program
+of a step without accumulation). Only one micro-batch's activations are alive at a
+time; the price is a param-sized float32 gradient accumulator.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +76,67 @@ def loss_fn(params: Params, x: jax.Array, y: jax.Array, cfg: ModelConfig,
     return nnx.merge(graphdef(cfg), params).loss(x, y, par)
 
 
+def micro_batches(x: jax.Array, grad_accum: int) -> jax.Array:
+    """[B, T] -> [K, B/K, T] with micro-batch k = the rows b with b % K == k (strided).
+
+    Strided, so a batch sharded over `data` in contiguous blocks of B/data rows (B/data
+    divisible by K: `check_grad_accum`) splits without moving a row: micro-batch k is
+    the same global rows whether one device splits [B, T] or each device splits its
+    local [B/data, T] (the manual twin), and the reshape is local under GSPMD."""
+    b = x.shape[0]
+    assert b % grad_accum == 0, (x.shape, grad_accum)
+    return x.reshape(b // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
+
+
+def check_grad_accum(train_cfg: TrainConfig, data_shards: int) -> None:
+    """ValueError unless each of the `data_shards` batch shards splits into grad_accum micro-batches."""
+    local, k = train_cfg.batch_size // data_shards, train_cfg.grad_accum
+    if local % k:
+        raise ValueError(
+            f"TrainConfig.grad_accum={k} does not split the per-device batch of {local} sequences "
+            f"(batch_size={train_cfg.batch_size} over data={data_shards}) into equal micro-batches; "
+            f"choose grad_accum from {[n for n in range(1, local + 1) if local % n == 0]}, a "
+            f"batch_size that is a multiple of {k * data_shards}, or a smaller data axis (--mesh, --devices).")
+
+
+def all_tokens(y: jax.Array) -> jax.Array:
+    """Tokens with a target in y [b, T]: all of them (no loss mask yet)."""
+    return jnp.asarray(y.size, jnp.float32)
+
+
+def accumulated_value_and_grad(loss: Callable[..., jax.Array], params: Params, x: jax.Array,
+                               y: jax.Array, grad_accum: int,
+                               count: Callable[[jax.Array], jax.Array] = all_tokens) -> tuple[jax.Array, Params]:
+    """(mean token loss, its gradient) over x, y [B, T], as K = grad_accum micro-batches.
+
+    `loss(params, x, y)` is the mean loss over the tokens `count(y)` counts. Each
+    micro-batch [B/K, T] contributes its SUMMED loss (mean x its tokens) and that sum's
+    gradient; the totals are divided by the total token count once, after the scan, so
+    micro-batches weigh by their tokens (a masked loss passes the mask's sum as `count`).
+    K = 1: plain `jax.value_and_grad`, no scan. Inside shard_map this runs on local shards
+    and adds no collective of its own (the accumulator carries each device's
+    unsynchronized gradient; the caller synchronizes once, after the loop).
+    """
+    if grad_accum == 1:
+        return jax.value_and_grad(loss)(params, x, y)
+
+    def summed(p, xm, ym):  # xm, ym: [B/K, T]
+        tokens = count(ym)
+        return loss(p, xm, ym) * tokens, tokens
+
+    def body(grad_sum, batch):
+        (loss_sum, tokens), grads = jax.value_and_grad(summed, has_aux=True)(params, *batch)
+        return jax.tree.map(jnp.add, grad_sum, grads), (loss_sum, tokens)
+
+    # the carry: a float32 zero gradient (jnp.zeros_like keeps each leaf's sharding and
+    # shard_map varying-axes type); per-micro-batch scalars come out stacked [K]
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    grad_sum, (loss_sums, tokens) = jax.lax.scan(
+        body, zeros, (micro_batches(x, grad_accum), micro_batches(y, grad_accum)))
+    total = jnp.sum(tokens)
+    return jnp.sum(loss_sums) / total, jax.tree.map(lambda g: g / total, grad_sum)
+
+
 def apply_gradients(state: TrainState, grads: Params, tx: optax.GradientTransformation,
                     train_cfg: TrainConfig) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update; returns the new state and its metrics (grad norm, lr, skips)."""
@@ -81,8 +153,14 @@ def apply_gradients(state: TrainState, grads: Params, tx: optax.GradientTransfor
 
 def train_step(state: TrainState, x: jax.Array, y: jax.Array, *, cfg: ModelConfig,
                train_cfg: TrainConfig, tx: optax.GradientTransformation,
-               par: Parallelism = SINGLE_DEVICE) -> tuple[TrainState, dict[str, jax.Array]]:
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y, cfg, par)
+               par: Parallelism = SINGLE_DEVICE, value_and_grad: Callable | None = None,
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One step on x, y [B, T]. `value_and_grad(params, x, y)` -> (loss, grads) replaces the
+    default: `loss_fn` under `par`, accumulated over train_cfg.grad_accum micro-batches."""
+    if value_and_grad is None:
+        value_and_grad = functools.partial(accumulated_value_and_grad, functools.partial(loss_fn, cfg=cfg, par=par),
+                                           grad_accum=train_cfg.grad_accum)
+    loss, grads = value_and_grad(state.params, x, y)
     state, metrics = apply_gradients(state, grads, tx, train_cfg)
     return state, {"loss": loss, **metrics}
 
@@ -98,7 +176,9 @@ class SingleDevice:
         step = functools.partial(train_step, cfg=model_cfg, train_cfg=train_cfg, tx=self.tx)
         self.train_step = jax.jit(step, donate_argnums=0)
         self.eval_loss = jax.jit(functools.partial(loss_fn, cfg=model_cfg))
-        self.loss_and_grads = jax.jit(jax.value_and_grad(functools.partial(loss_fn, cfg=model_cfg)))
+        self.loss_and_grads = jax.jit(functools.partial(
+            accumulated_value_and_grad, functools.partial(loss_fn, cfg=model_cfg),
+            grad_accum=train_cfg.grad_accum))
 
     def init_state(self, seed: int) -> TrainState:
         return jax.jit(functools.partial(init_state, self.model_cfg, self.tx, seed))()

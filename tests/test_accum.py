@@ -1,0 +1,244 @@
+"""Gradient accumulation (TrainConfig.grad_accum = K): the same step as the full batch,
+with every gradient sync once per step.
+
+- single device: K = 2 and 4 give the full-batch loss and gradients (K = 1 is a plain
+  `jax.value_and_grad`); the loss also matches the NumPy float64 model; micro-batches
+  weigh by their tokens (a masked toy loss with unequal micro-batches, against NumPy).
+- every strategy x twin at K = 2: losses, gradient norms and params after 2 AdamW
+  steps equal single-device K = 1 training; the step-1 gradients of fsdp_tp (the
+  FSDP gather-once path and the per-micro-batch TP path of both twins) too.
+- manual twin: the compiled step's ledger equals the cost model with grad_accum = 2,
+  and no data-axis collective sits inside a loop.
+- auto twin: the measured counts of auto_parallel/runner.py's docstring: the data-axis
+  collectives do not grow with K (K = 2 and 4), the tensor all-reduces grow as 19 K + 9.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import auto_parallel
+import manual_parallel
+import reference
+from twinshard import cost, hlo
+from twinshard.config import Config, preset
+from twinshard.model import state_dict
+from twinshard.trainer import SingleDevice, accumulated_value_and_grad, graphdef
+
+BASE = preset("tiny")
+# batch 16: 2 sequences per device on data=8, so K = 2 splits every device's rows
+CFG = Config(dataclasses.replace(BASE.model, num_heads=8), dataclasses.replace(BASE.train, batch_size=16))
+K = 2
+MESHES = {"dp": "data:8,tensor:1", "fsdp": "data:8,tensor:1", "tp": "data:1,tensor:8",
+          "fsdp_tp": "data:2,tensor:4"}
+STEPS = 2
+L = CFG.model.num_layers
+# tolerances: as tests/test_manual.py (losses are means of 512 f32 token losses, summed here
+# in micro-batches: measured max 3.3e-6; gradients 1.2e-8; params after AdamW steps ~1e-7)
+LOSS_ATOL, GRAD_ATOL, PARAM_ATOL, NORM_RTOL = 2e-5, 2e-7, 2e-5, 1e-6
+
+
+def accum(k: int) -> Config:
+    return Config(CFG.model, dataclasses.replace(CFG.train, grad_accum=k))
+
+
+def batches():
+    return reference.random_batches(CFG.train.batch_size, CFG.model.context_length, CFG.model.vocab_size, STEPS)
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
+               zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+@functools.cache
+def single():
+    """Single-device K = 1: the initial state, step-1 loss/gradients, STEPS losses, norms, params."""
+    r = SingleDevice(CFG.model, CFG.train)
+    state = r.init_state(CFG.train.seed)
+    init = jax.device_get(state)
+    loss, grads = jax.device_get(r.loss_and_grads(state.params, *batches()[0]))
+    return {"init": init, "loss": float(loss), "grads": grads, "runner": r, **train(r, state)}
+
+
+def train(r, state):
+    losses, norms = [], []
+    for x, y in batches():
+        state, m = r.train_step(state, *r.place_batch(x, y))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    return {"losses": np.array(losses), "norms": np.array(norms), "params": jax.device_get(state.params)}
+
+
+@functools.cache
+def runner(impl: str, strategy: str, k: int = K):
+    make = manual_parallel.make_runner if impl == "manual" else auto_parallel.make_runner
+    return make(strategy, MESHES[strategy], accum(k))
+
+
+@functools.cache
+def twin(impl: str, strategy: str):
+    """The twin at grad_accum K, from the single-device initial state (test_manual proves it
+    bitwise equal to the runner's own init), trained STEPS steps."""
+    r = runner(impl, strategy)
+    return r, train(r, jax.device_put(single()["init"], r.state_shardings))
+
+
+def ledger(r) -> hlo.Ledger:
+    xs = jax.ShapeDtypeStruct((CFG.train.batch_size, CFG.model.context_length), np.int32,
+                              sharding=r.batch_sharding)
+    return hlo.ledger(r.train_step.lower(r.abstract_state(), xs, xs).compile(), r.mesh)
+
+
+# ----------------------------------------------------------------------------- single device
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_single_device_accumulation_equals_the_full_batch(k):
+    s = single()
+    r = SingleDevice(CFG.model, accum(k).train)
+    loss, grads = jax.device_get(r.loss_and_grads(s["init"].params, *batches()[0]))
+    # the micro-batch scan around the layer scans (forward, backward); K = 1 has none
+    whiles = lambda f: f.lower(s["init"].params, *batches()[0]).as_text().count("stablehlo.while")  # noqa: E731
+    assert (whiles(single()["runner"].loss_and_grads), whiles(r.loss_and_grads)) == (2, 3)
+    np.testing.assert_allclose(float(loss), s["loss"], rtol=2e-6)  # measured 5.8e-7 (K = 2)
+    assert max_diff(grads, s["grads"]) < GRAD_ATOL / 10  # measured 1.9e-8
+    if k == 2:  # the NumPy float64 model's full-batch mean loss
+        sd = {n: v.astype(np.float64) for n, v in state_dict(nnx.merge(graphdef(CFG.model), s["init"].params)).items()}
+        x, y = batches()[0]
+        logits = reference.transformer_lm(sd, x, L, CFG.model.num_heads, CFG.model.rope_theta)
+        assert abs(float(loss) - reference.cross_entropy(logits, y)) < 1e-5
+
+
+def test_micro_batches_weigh_by_their_tokens():
+    """A masked toy loss (targets -1: no loss) whose two micro-batches hold 2 and 13 target
+    tokens: the accumulated loss and gradient are the full batch's masked mean (NumPy
+    float64), where a mean of the micro-batch means is far off."""
+    rng = np.random.default_rng(0)
+    v, x = 5, rng.normal(size=(4, 8)).astype(np.float32)
+    y = rng.integers(0, v, (4, 8)).astype(np.int32)
+    y[0::2] = -1  # micro-batch 0 = rows 0 and 2 (strided split): only 2 targets
+    y[0, :2] = rng.integers(0, v, 2)
+    y[1, :3] = -1  # micro-batch 1 = rows 1 and 3: 13 targets
+    w = rng.normal(size=v).astype(np.float32)
+
+    def loss(p, xm, ym):  # masked mean of (w[y] x - 1)^2
+        mask = ym >= 0
+        per = (p["w"][jnp.clip(ym, 0)] * xm - 1.0) ** 2
+        return jnp.sum(jnp.where(mask, per, 0.0)) / jnp.sum(mask)
+
+    count = lambda ym: jnp.sum(ym >= 0).astype(jnp.float32)  # noqa: E731
+    got_loss, got = accumulated_value_and_grad(loss, {"w": jnp.asarray(w)}, x, y, 2, count)
+    # NumPy float64: mean over valid tokens; d/dw_v = sum over tokens with y = v of 2 (w_v x - 1) x / n
+    valid = y >= 0
+    w64, x64, yv = w.astype(np.float64), x.astype(np.float64), np.where(valid, y, 0)
+    resid = w64[yv] * x64 - 1.0
+    want_loss = np.sum(np.where(valid, resid**2, 0.0)) / valid.sum()
+    want = np.zeros(v)
+    np.add.at(want, yv[valid], (2 * resid * x64)[valid] / valid.sum())
+    np.testing.assert_allclose(float(got_loss), want_loss, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["w"]), want, rtol=1e-5, atol=1e-7)
+    means = [jax.grad(loss)({"w": jnp.asarray(w)}, x[i::2], y[i::2])["w"] for i in range(2)]
+    assert np.max(np.abs((means[0] + means[1]) / 2 - want)) > 0.1  # the test can tell
+
+
+# ----------------------------------------------------------------------------- both twins
+
+
+@pytest.mark.parametrize("impl", ["manual", "auto"])
+@pytest.mark.parametrize("strategy", MESHES)
+def test_twin_accumulation_matches_single_device(impl, strategy):
+    s, (_, got) = single(), twin(impl, strategy)
+    np.testing.assert_allclose(got["losses"], s["losses"], atol=LOSS_ATOL, rtol=0)
+    np.testing.assert_allclose(got["norms"], s["norms"], rtol=NORM_RTOL)
+    assert max_diff(got["params"], s["params"]) < PARAM_ATOL
+
+
+@pytest.mark.parametrize("impl", ["manual", "auto"])
+def test_fsdp_tp_accumulated_gradients_match_single_device(impl):
+    s = single()
+    r = runner(impl, "fsdp_tp")
+    params = jax.device_put(s["init"].params, r.state_shardings.params)
+    loss, grads = jax.device_get(r.loss_and_grads(params, *r.place_batch(*batches()[0])))
+    assert abs(float(loss) - s["loss"]) < LOSS_ATOL
+    assert max_diff(grads, s["grads"]) < GRAD_ATOL
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+@pytest.mark.parametrize("strategy", MESHES)
+def test_manual_ledger_equals_the_cost_model_with_grad_accum(strategy):
+    r = runner("manual", strategy)
+    led = ledger(r)
+    model = cost.cost(CFG.model, strategy, r.sizes, CFG.train.batch_size, grad_accum=K)
+    rows = cost.compare(led.summary(), model.summary())
+    assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
+    # once per step: no data-axis collective (gather, scatter, mean) inside a loop
+    assert all(r.multiplicity == 1 for r in led.filter(axes=("data",))), led.table()
+
+
+def _counts(led: hlo.Ledger) -> dict:
+    return {(op, axes): s["count"] for (op, axes), s in led.summary().items()}
+
+
+@pytest.mark.parametrize("strategy", MESHES)
+def test_auto_syncs_gradients_once_per_step(strategy):
+    """auto_parallel/runner.py's measured counts at K = 2 (XLA:CPU writes the FSDP
+    reduce-scatter as an all-reduce): 12 gradient leaves, 9 matrix leaves."""
+    led = ledger(runner("auto", strategy))
+    leaves, matrices = len(jax.tree.leaves(single()["grads"])), 9
+    per_micro_batch = (1 + 2 * L) + (1 + 5 * L) + 3  # TP: [b, T, D] forward, backward; 3 token statistics
+    want = {
+        "dp": {("all-reduce", ("data",)): leaves + 1},
+        "fsdp": {("all-gather", ("data",)): matrices, ("all-reduce", ("data",)): leaves + matrices + 1},
+        "tp": {("all-reduce", ("tensor",)): K * per_micro_batch + matrices},
+        "fsdp_tp": {("all-gather", ("data",)): matrices, ("all-reduce", ("data",)): leaves + matrices + 1,
+                    ("all-reduce", ("tensor",)): K * per_micro_batch + matrices},
+    }[strategy]
+    assert _counts(led) == want, led.table()
+    assert all(r.multiplicity == 1 for r in led.filter(axes=("data",))), led.table()
+
+
+def test_auto_data_collectives_do_not_grow_with_k():
+    """K = 4 against K = 2 (fsdp_tp): the same data-axis collectives, K x the TP ones."""
+    two, four = (_counts(ledger(runner("auto", "fsdp_tp", k))) for k in (2, 4))
+    data = lambda c: {key: n for key, n in c.items() if key[1] == ("data",)}  # noqa: E731
+    assert data(four) == data(two)
+    tensor = ("all-reduce", ("tensor",))
+    assert four[tensor] - two[tensor] == 2 * ((1 + 2 * L) + (1 + 5 * L) + 3), (two, four)
+
+
+# ----------------------------------------------------------------------------- input and memory
+
+
+def test_grad_accum_that_does_not_split_a_device_batch_is_refused():
+    cfg = Config(CFG.model, dataclasses.replace(CFG.train, batch_size=8, grad_accum=2))
+    for make in (manual_parallel.make_runner, auto_parallel.make_runner):
+        with pytest.raises(ValueError, match=r"grad_accum=2 .*per-device batch of 1 .*multiple of 16"):
+            make("fsdp", MESHES["fsdp"], cfg)
+    with pytest.raises(ValueError, match=r"grad_accum=3 .*per-device batch of 2"):
+        cost.cost(CFG.model, "dp", {"data": 8}, 16, grad_accum=3)
+
+
+@pytest.mark.parametrize("strategy", MESHES)
+def test_memory_with_grad_accum(strategy):
+    """Activations of one micro-batch; a float32 accumulator the size of the local gradient
+    (FSDP: of the whole matrices, with every matrix gathered in the compute dtype)."""
+    mesh = {a: int(n) for a, n in (p.split(":") for p in MESHES[strategy].split(","))}
+    one, two = (cost.memory(CFG.model, strategy, mesh, 16, 32, 4, grad_accum=k) for k in (1, 2))
+    assert two.activations * 2 == one.activations and one.accumulator == 0
+    t = mesh["tensor"]
+    norms = CFG.model.d_model * (2 * L + 1)
+    if strategy in ("dp", "tp"):
+        assert two.accumulator == one.params and two.gathered_weights == one.gathered_weights == 0
+    else:
+        assert two.accumulator == 4 * (CFG.model.num_params() - norms) // t + 4 * norms
+        assert two.gathered_weights == 4 * (CFG.model.num_params() - norms) // t
+    assert two.total == one.total - one.activations + two.activations + two.accumulator \
+        + two.gathered_weights - one.gathered_weights
