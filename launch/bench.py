@@ -233,10 +233,11 @@ def model_cost(cfg: Config, strategy: str, mesh: dict[str, int] | None):
     """(cost-model Cost or None, Flops, Memory) of one step; single device uses the 1-device formulas."""
     from twinshard import cost
 
-    B, T = cfg.train.batch_size, cfg.model.context_length
+    B, T, K = cfg.train.batch_size, cfg.model.context_length, cfg.train.grad_accum
     if strategy == "single":
-        return None, cost.flops(cfg.model, B, T, 1), cost.memory(cfg.model, "dp", {"data": 1, "tensor": 1}, B, T)
-    c = cost.cost(cfg.model, strategy, mesh, B, T)
+        return None, cost.flops(cfg.model, B, T, 1), cost.memory(
+            cfg.model, "dp", {"data": 1, "tensor": 1}, B, T, cost.DTYPE_BYTES[cfg.model.dtype], grad_accum=K)
+    c = cost.cost(cfg.model, strategy, mesh, B, T, grad_accum=K)
     return c, c.flops, c.memory
 
 
