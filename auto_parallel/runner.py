@@ -67,7 +67,9 @@ class AutoRunner(placement.PlacedRunner):
         self.tx = make_optimizer(cfg.train) if tx is None else tx
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Auto, devices,
                     strategy.PARAM_RULES, strategy.ACTIVATION_RULES)
-        par = GSPMD(self.mesh, strategy.ACTIVATION_RULES)
+        # a pipeline's GSPMD hooks also run the layer stack in stages (auto_parallel/pp.py)
+        make_par = getattr(strategy, "parallelism", lambda mesh, _: GSPMD(mesh, strategy.ACTIVATION_RULES))
+        par = make_par(self.mesh, cfg)
         step = functools.partial(train_step, cfg=cfg.model, train_cfg=cfg.train, tx=self.tx, par=par)
         replicated = self.named(P())
         self.train_step = jax.jit(
