@@ -5,13 +5,14 @@ from __future__ import annotations
 import jax
 import optax
 
-from auto_parallel import dp, fsdp, fsdp_tp, tp
+from auto_parallel import dp, fsdp, fsdp_tp, pp, tp
 from auto_parallel.runner import AutoRunner
-from twinshard import mesh as mesh_lib
+from twinshard import mesh as mesh_lib, pipeline
 from twinshard.placement import logical_dims
 from twinshard.config import Config
 
 STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}
+PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py); not yet in the launchers
 
 
 def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> dict[str, int]:
@@ -31,5 +32,10 @@ def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None,
 
     `tx` overrides the optimizer built from `cfg.train` (see `AutoRunner`)."""
     n_devices = len(jax.devices() if devices is None else devices)  # None: jax.make_mesh orders them
+    if strategy in PIPELINES:
+        shape = pipeline.resolve_mesh(mesh_spec, n_devices)
+        pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
+                       cfg.train.grad_accum)
+        return AutoRunner(strategy, PIPELINES[strategy], shape, cfg, devices, tx=tx)
     shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
     return AutoRunner(strategy, STRATEGIES[strategy], shape, cfg, devices, tx=tx)

@@ -98,7 +98,9 @@ class AutoRunner(placement.PlacedRunner):
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Auto, devices,
                     strategy.PARAM_RULES, strategy.ACTIVATION_RULES)
         check_grad_accum(cfg.train, self.sizes.get("data", 1))
-        self.par = par = GSPMD(self.mesh, strategy.ACTIVATION_RULES)
+        # a pipeline's GSPMD hooks also run the layer stack in stages (auto_parallel/pp.py)
+        make_par = getattr(strategy, "parallelism", lambda mesh, _: GSPMD(mesh, strategy.ACTIVATION_RULES))
+        self.par = par = make_par(self.mesh, cfg)
         self.loss = functools.partial(loss_fn, cfg=cfg.model, par=par)
         # inside the per-data-shard vmap of `_loss_and_grads` the vmapped axis carries 'batch'
         self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=GSPMD(

@@ -12,6 +12,7 @@ a strategy file).
     fsdp_gather(w, ax, dim)   all_gather over ax          psum_scatter over ax, / |ax|
     copy_to_tp(x, ax)     f   identity                    psum over ax
     reduce_from_tp(x, ax) g   psum over ax                identity
+    shift_to_next_stage(x, ax) ppermute s -> s+1         ppermute s+1 -> s
 """
 
 from __future__ import annotations
@@ -93,3 +94,35 @@ def _reduce_bwd(axis, _, grad):
 
 
 reduce_from_tp.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+# ----------------------------------------------------------------------------
+# Pipeline parallelism: hand a micro-batch's activations to the next stage.
+# ----------------------------------------------------------------------------
+
+def _to_next(n: int) -> list[tuple[int, int]]:
+    return [(k, k + 1) for k in range(n - 1)]  # stage S-1 sends nothing; stage 0 receives zeros
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def shift_to_next_stage(x: Array, axis: str) -> Array:
+    """Pipeline hand-off (forward): stage s sends x [B/M, T, D] to stage s+1, a ppermute
+    (collective-permute) over `axis`; stage 0 receives zeros.
+
+    Backward: the reverse ppermute, stage s+1 -> s: the gradient of the activations
+    stage s+1 received goes back to the stage that produced them (stage S-1 receives
+    zeros). Autodiff would transpose the ppermute into the same reverse permutation;
+    writing the pair out names both directions."""
+    return lax.ppermute(x, axis, perm=_to_next(lax.axis_size(axis)))
+
+
+def _shift_fwd(x, axis):
+    return shift_to_next_stage(x, axis), None
+
+
+def _shift_bwd(axis, _, grad):
+    back = [(dst, src) for src, dst in _to_next(lax.axis_size(axis))]
+    return (lax.ppermute(grad, axis, perm=back),)
+
+
+shift_to_next_stage.defvjp(_shift_fwd, _shift_bwd)

@@ -55,7 +55,7 @@ DATA, TENSOR = "data", "tensor"
 def _active(axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[str, ...]:
     """The axes of size > 1 among `axes`, in mesh order (so P('tensor','data') and
     P('data','tensor') gradients share one psum)."""
-    return tuple(a for a in mesh_lib.AXES if a in axes and sizes[a] > 1)
+    return tuple(a for a in mesh_lib.ORDER if a in axes and sizes.get(a, 1) > 1)
 
 
 class ManualRunner(placement.PlacedRunner):

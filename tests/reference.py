@@ -96,3 +96,29 @@ def random_batches(batch: int, context: int, vocab: int, n: int, seed: int = 0):
         b = rng.integers(0, vocab, (batch, context + 1))
         out.append((b[:, :-1].astype(np.int32), b[:, 1:].astype(np.int32)))
     return out
+
+
+def max_diff(a, b) -> float:
+    """Largest absolute difference between two pytrees of arrays."""
+    import jax
+
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
+               zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def train_record(runner, cfg, steps: int) -> dict:
+    """A runner's step-1 gradients, then the losses, reported grad norms and final params of
+    `steps` train steps on random_batches of `cfg`: what the twin tests compare with single device."""
+    import jax
+
+    batches = random_batches(cfg.train.batch_size, cfg.model.context_length, cfg.model.vocab_size, steps)
+    state = runner.init_state(cfg.train.seed)
+    init = jax.device_get(state.params)
+    grads = jax.device_get(runner.loss_and_grads(state.params, *runner.place_batch(*batches[0]))[1])
+    losses, norms = [], []
+    for x, y in batches:
+        state, m = runner.train_step(state, *runner.place_batch(x, y))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    return {"init": init, "grads": grads, "losses": np.array(losses), "grad_norms": np.array(norms),
+            "params": jax.device_get(state.params), "state": state, "runner": runner}

@@ -45,16 +45,7 @@ def batches(n=STEPS):
 
 def run(runner):
     """Step-1 gradients, then losses and final params of STEPS training steps."""
-    state = runner.init_state(CFG.train.seed)
-    init = jax.device_get(state.params)
-    grads = jax.device_get(runner.loss_and_grads(state.params, *runner.place_batch(*batches(1)[0]))[1])
-    losses, norms = [], []
-    for x, y in batches():
-        state, m = runner.train_step(state, *runner.place_batch(x, y))
-        losses.append(float(m["loss"]))
-        norms.append(float(m["grad_norm"]))
-    return {"init": init, "grads": grads, "losses": np.array(losses), "grad_norms": np.array(norms),
-            "params": jax.device_get(state.params), "state": state, "runner": runner}
+    return reference.train_record(runner, CFG, STEPS)
 
 
 @functools.cache
@@ -72,9 +63,7 @@ def auto(strategy):
     return run(auto_parallel.make_runner(strategy, MESHES[strategy], CFG))
 
 
-def max_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
-               zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+max_diff = reference.max_diff
 
 
 @pytest.mark.parametrize("strategy", MESHES)

@@ -168,6 +168,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end
     optimizer: str = "adamw"  # one of OPTIMIZERS (twinshard.optim.make_optimizer)
     grad_accum: int = 1  # micro-batches per step (gradients accumulated under lax.scan)
+    microbatches: int = 1  # pipeline strategies: micro-batches in flight per step (twinshard/pipeline.py)
 
     def __post_init__(self):
         _check_types(self)
@@ -176,6 +177,9 @@ class TrainConfig:
                              f"{', '.join(OPTIMIZERS)}.")
         if self.grad_accum < 1:
             raise ValueError(f"TrainConfig.grad_accum={self.grad_accum} must be >= 1 (1: no accumulation).")
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise ValueError(f"TrainConfig.microbatches={self.microbatches} must be >= 1 and split batch_size="
+                             f"{self.batch_size} evenly; choose from {_divisors(self.batch_size)}.")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"TrainConfig.batch_size={self.batch_size} does not split into grad_accum="
                              f"{self.grad_accum} equal micro-batches; choose grad_accum from "

@@ -159,8 +159,9 @@ from twinshard.config import ModelConfig
 from twinshard.hlo import ring_bytes as _ring_bytes
 
 PHASES = ("forward", "backward", "optimizer", "metrics")
-OPS = ("all-gather", "reduce-scatter", "all-reduce")
-AXES = mesh_lib.AXES  # ('data', 'tensor'): mesh order
+OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+AXES = mesh_lib.ORDER  # ('stage', 'data', 'tensor'): mesh order
+PIPELINES = ("pp",)  # strategies on a `stage` axis (twinshard/pipeline.py); their mesh names it
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # ModelConfig.dtype -> bytes per element
 F32 = 4  # bytes of the loss, the squared-norm scalar and the cross-entropy statistics
 
@@ -170,6 +171,7 @@ RULES: dict[str, dict[str, str]] = {
     "fsdp": {"batch": "data", "embed": "data"},
     "tp": {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
     "fsdp_tp": {"batch": "data", "embed": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
+    "pp": {"layers": "stage"},
 }
 
 
@@ -357,6 +359,7 @@ class _Ctx:
     seq: int  # T
     s: int  # dtype bytes
     k: int = 1  # grad_accum: micro-batches per step
+    microbatches: int = 1  # M (pipelines)
 
     @property
     def d(self) -> int:
@@ -494,8 +497,33 @@ def _fsdp_tp(ctx: _Ctx) -> list[Row]:
             + [_norm_row(ctx, ("data", "tensor")), _loss_row(ctx)])
 
 
+def _pp(ctx: _Ctx) -> list[Row]:
+    """GPipe (manual_parallel/pp.py): M + S - 1 ticks, each handing one micro-batch's
+    activations [B/M, T, D] to the next stage forward and its gradient back; the replicated
+    embedding, ln_final and lm_head gradients summed over stage; the loss summed over stage
+    (only the last stage's is non-zero)."""
+    from twinshard import pipeline
+
+    m, n = ctx.microbatches, ctx.mesh["stage"]
+    ticks, b = pipeline.ticks(m, n), ctx.batch // m
+    hop = ctx.activation(b)
+    act = f"[{b},{ctx.seq},{ctx.cfg.d_model}]"
+    replicated = [w for w in weights(ctx.cfg) if w.layers == 1]
+    return [
+        row(ctx, "forward", "collective-permute", ("stage",), ticks, hop,
+            f"shift_to_next_stage: ppermute s -> s+1 of {act}, one per tick (M + S - 1)"),
+        row(ctx, "backward", "collective-permute", ("stage",), ticks, hop,
+            f"shift_to_next_stage backward: ppermute s+1 -> s of d{act}, one per tick"),
+    ] + [row(ctx, "backward", "all-reduce", ("stage",), 1, w.size * F32,
+             f"psum over stage of d({w.name}) {_leaf_shape(w)} (replicated over stage, f32)")
+         for w in replicated] + [
+        _norm_row(ctx, ("stage",)),
+        row(ctx, "metrics", "all-reduce", ("stage",), 1, F32, "psum over stage of the loss (last stage's; f32)"),
+    ]
+
+
 STRATEGY_ROWS: dict[str, Callable[[_Ctx], list[Row]]] = {
-    "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp,
+    "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "pp": _pp,
 }
 
 
@@ -512,12 +540,13 @@ def flops(cfg: ModelConfig, batch: int, seq: int, n_devices: int = 1) -> Flops:
 
 
 def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int:
-    return math.prod(mesh[rules[a]] for a in w.axes if a in rules)
+    return math.prod(mesh[rules[a]] for a in w.leaf_axes if a in rules)
 
 
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
-           dtype_bytes: int = 4, grad_accum: int = 1) -> Memory:
-    mesh_lib.check_strategy(strategy)
+           dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1) -> Memory:
+    if strategy not in PIPELINES:
+        mesh_lib.check_strategy(strategy)
     rules = RULES[strategy]
     params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
     t = mesh["tensor"] if "heads" in rules else 1
@@ -526,6 +555,11 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     per_layer = b * seq * (4 * d + 4 * d // t + 3 * f // t) + b * (h // t) * seq * seq
     final = (2 * b * seq * d + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
     acts = cfg.num_layers * per_layer * dtype_bytes + final
+    if "layers" in rules:  # GPipe: L/S layers per device, saved for all M + S - 1 ticks of B/M sequences
+        from twinshard import pipeline
+
+        ticks = pipeline.ticks(microbatches, mesh["stage"])
+        acts = (cfg.num_layers // mesh["stage"]) * per_layer * dtype_bytes * ticks // microbatches + final
     gathered = 0
     if "embed" in rules:
         layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
@@ -554,20 +588,23 @@ def _shape(w: Weight, tensor_shards: int) -> str:
 
 
 def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
-    unknown = [a for a in mesh if a not in AXES]
+    axes = AXES if strategy in PIPELINES else mesh_lib.AXES
+    unknown = [a for a in mesh if a not in axes]
     if unknown:
-        raise ValueError(f"mesh axis {unknown[0]!r} is not one of {AXES}; write the mesh as "
-                         "{'data': d, 'tensor': t}.")
-    shape = {a: int(mesh.get(a, 1)) for a in AXES}
+        raise ValueError(f"mesh axis {unknown[0]!r} is not one of {axes}; write the mesh as "
+                         + ("{'stage': s}." if strategy in PIPELINES else "{'data': d, 'tensor': t}."))
+    shape = {a: int(mesh.get(a, 1)) for a in axes}
     for a, n in shape.items():
         if n < 1:
             raise ValueError(f"mesh axis {a}={n} must be >= 1.")
-    mesh_lib.check_mesh(strategy, shape, math.prod(shape.values()))
+    if strategy not in PIPELINES:
+        mesh_lib.check_mesh(strategy, shape, math.prod(shape.values()))
     return shape
 
 
 def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
-         seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1) -> Cost:
+         seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
+         microbatches: int = 1) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
@@ -577,7 +614,8 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     ValueError naming the value and the fix (unknown strategy, wrong axes for the
     strategy, a dimension not divisible by its mesh axis, seq_len > context_length).
     """
-    mesh_lib.check_strategy(strategy)
+    if strategy not in PIPELINES:
+        mesh_lib.check_strategy(strategy)
     if strategy not in STRATEGY_ROWS:
         raise ValueError(f"strategy {strategy!r} has no cost model; choose one of {', '.join(STRATEGY_ROWS)}.")
     shape = _normalize_mesh(strategy, mesh)
@@ -593,17 +631,22 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
         raise ValueError(f"dtype_bytes={dtype_bytes} must be 1, 2, 4 or 8 (4 for float32).")
     dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads,
             "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size}
-    mesh_lib.check_divisible(dims, RULES[strategy], shape)
+    if strategy in PIPELINES:
+        from twinshard import pipeline
+
+        pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches)
+    else:
+        mesh_lib.check_divisible(dims, RULES[strategy], shape)
     local = batch_size // shape["data"] if "batch" in RULES[strategy] else batch_size
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "
                          f"of {local} sequences; choose one of {[k for k in range(1, local + 1) if local % k == 0]}.")
-    ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum)
+    ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches)
     rows = sorted(STRATEGY_ROWS[strategy](ctx), key=lambda r: PHASES.index(r.phase))  # stable
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
-                memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum), notes)
+                memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches), notes)
 
 
 _NOTES = {

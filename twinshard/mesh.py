@@ -16,7 +16,10 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "tensor")
+AXES = ("data", "tensor")  # the base strategies' axes (both always present in their meshes)
+# Mesh order of every axis any strategy uses; a mesh holds the axes its strategy names
+# (pipeline parallelism adds `stage` in front: twinshard/pipeline.py).
+ORDER = ("stage", "data", "tensor")
 STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")
 
 # Which axes must be > 1 (True), == 1 (False) per strategy (the seed's rules).
@@ -207,10 +210,12 @@ def resolve(strategy: str, spec: str | None, dims: Mapping[str, int], rules: Map
 
 def make_mesh(shape: Mapping[str, int], axis_type: AxisType = AxisType.Auto,
               devices: list | None = None) -> Mesh:
-    """A ('data', 'tensor') mesh. jax.make_mesh orders devices for the physical topology
+    """A mesh of the axes in `shape`, in ORDER (('data', 'tensor'); ('stage', 'data', 'tensor')
+    for pipelines). jax.make_mesh orders devices for the physical topology
     (on TPU, tensor neighbours share the fast links); on CPU the order is row-major, so
     partition id = data_index * tensor_size + tensor_index."""
-    sizes = tuple(shape[a] for a in AXES)
+    names = tuple(a for a in ORDER if a in shape)
+    sizes = tuple(shape[a] for a in names)
     if devices is None:
-        return jax.make_mesh(sizes, AXES, axis_types=(axis_type,) * len(AXES))
-    return Mesh(np.asarray(devices).reshape(sizes), AXES, axis_types=(axis_type,) * len(AXES))
+        return jax.make_mesh(sizes, names, axis_types=(axis_type,) * len(names))
+    return Mesh(np.asarray(devices).reshape(sizes), names, axis_types=(axis_type,) * len(names))

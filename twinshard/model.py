@@ -207,8 +207,13 @@ def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SI
     1.95 s scanned, 1.87 s with unroll=2 and 1.47 s with unroll=4, so
     `cfg.scan_unroll` (default 1) lets a CPU run trade compile time for speed.
     """
+    return par.layer_stack(nnx.to_pure_dict(nnx.state(blocks, nnx.Param)), cfg, x)
+
+
+def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
+    """`scan_layers` on the blocks' params as a pure dict, every leaf [n, ...] for any n layers
+    (pipeline stages run their own n = L/S slice of the stack)."""
     layer_def = _layer_graphdef(cfg)
-    stacked = nnx.to_pure_dict(nnx.state(blocks, nnx.Param))  # every leaf [L, ...]
 
     def body(x: Array, layer) -> tuple[Array, None]:  # x: [B, T, D]; layer: one layer's params
         return nnx.merge(layer_def, layer)(x, par), None
@@ -231,13 +236,26 @@ class TransformerLM(nnx.Module):
 
         Padded logits are not masked here; the loss and the sampler mask them.
         """
-        x = par.constrain(self.token_embeddings(tokens, par), ACTIVATION)
-        x = scan_layers(self.layers, self.cfg, x, par)
+        x = scan_layers(self.layers, self.cfg, self.embed(tokens, par), par)
+        return self.head(x, par)
+
+    # The three pieces of __call__, which pipeline parallelism runs on different stages.
+
+    def embed(self, tokens: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
+        """tokens [B, T] -> the residual stream [B, T, D] (first stage)."""
+        return par.constrain(self.token_embeddings(tokens, par), ACTIVATION)
+
+    def head(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
+        """The residual stream after the blocks [B, T, D] -> logits [B, T, V_pad] (last stage)."""
         x = self.ln_final(x, par)
         # Logits in the compute dtype (so the lm_head's backward matmuls stay bf16 too: with
         # float32 logits JAX ran both of them in f32, measured), then float32 for the loss.
         logits = self.lm_head(par.enter_tensor_parallel(x), par).astype(jnp.float32)
         return par.constrain(logits, LOGITS)
+
+    def head_loss(self, x: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
+        """Mean next-token cross-entropy of the residual stream x [B, T, D] after the blocks."""
+        return jnp.mean(par.token_loss(self.head(x, par), targets, self.cfg.vocab_size))
 
     def loss(self, tokens: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """Mean next-token cross-entropy over this program's (local) tokens."""

@@ -13,6 +13,7 @@ override only what they need:
     exit_tensor_parallel    -                            Megatron g: psum / identity
     embed(ids, table)       -                            vocab-parallel lookup + psum
     token_loss(...)         -                            vocab-parallel cross-entropy
+    layer_stack(...)        pipeline: stages under vmap  - (manual_parallel/pp.py runs its own loop)
 
 Logical axis names (on params and activations): vocab, embed, heads, mlp,
 norm, layers (params); batch, seq, embed, heads, mlp, vocab (activations).
@@ -52,6 +53,13 @@ class Parallelism:
     def exit_tensor_parallel(self, x: Array) -> Array:
         """After a row-parallel matmul (Megatron's g)."""
         return x
+
+    def layer_stack(self, stacked: dict, cfg, x: Array) -> Array:
+        """Run the L stacked blocks (every param leaf [L, ...]) on x [B, T, D]: one scan
+        (model.scan_stacked); a pipeline splits them into stages (auto_parallel/pp.py)."""
+        from twinshard.model import scan_stacked  # model imports this module
+
+        return scan_stacked(stacked, cfg, x, self)
 
     def embed(self, ids: Array, table: Array) -> Array:
         return layers.embedding(ids, table)

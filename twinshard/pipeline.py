@@ -1,0 +1,93 @@
+"""Pipeline parallelism: what both twins share (the schedule, the mesh, the checks).
+
+The L stacked blocks ([L, ...] params, logical axis `layers`) are split into S
+contiguous stages of L/S layers by one placement rule, `layers -> stage`: stage s
+holds layers [s*L/S, (s+1)*L/S). The batch [B, T] is split into M micro-batches
+of B/M sequences. GPipe runs M + S - 1 *ticks*; at tick i, stage s runs its
+layers on micro-batch i - s (when 0 <= i - s < M; otherwise it computes on a
+bubble whose result is never used), then every stage hands its output to the
+next one: one activation tensor [B/M, T, D] per hop, forward; the backward pass
+(autodiff of the tick loop) hands the gradients back the other way, tick by tick.
+
+    tick  0    1    2    3    4    5    6          S = 4 stages, M = 4 micro-batches
+    s=0   m0   m1   m2   m3   .    .    .          '.' = bubble: (S-1)/(M+S-1) of the
+    s=1   .    m0   m1   m2   m3   .    .          stage-ticks do no useful work
+    s=2   .    .    m0   m1   m2   m3   .
+    s=3   .    .    .    m0   m1   m2   m3   -> loss of m_j at tick j + S - 1
+
+The embedding runs where the first stage needs it and the loss where the last
+stage finishes; both twins keep embedding, ln_final and lm_head REPLICATED over
+`stage` (every stage holds a copy: 2VD + D parameters, small beside the L/S
+blocks of a deep model) because a shard_map program is the same on every device;
+only the first (embedding) or last (ln_final, lm_head) stage's copy receives a
+gradient, so the manual twin sums those gradients over `stage` (an all-reduce of
+2VD + D floats per step) to keep the copies identical.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+STAGE = "stage"
+SCHEDULES = ("gpipe",)
+
+
+def ticks(microbatches: int, stages: int) -> int:
+    """Iterations of the GPipe loop: the last micro-batch leaves the last stage at M + S - 2."""
+    return microbatches + stages - 1
+
+
+def bubble_fraction(microbatches: int, stages: int) -> float:
+    """(S - 1) / (M + S - 1): the share of stage-ticks that are bubbles."""
+    return (stages - 1) / ticks(microbatches, stages)
+
+
+def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accum: int = 1) -> None:
+    """L splits into S stages, the batch into M micro-batches, and M >= S (else a stage idles
+    the whole step). A ValueError names the value and the fix."""
+    if grad_accum != 1:
+        raise ValueError(f"grad_accum={grad_accum}: a pipeline already accumulates the gradients of its "
+                         "micro-batches; use --microbatches instead and leave --grad_accum at 1.")
+    if stages < 2:
+        raise ValueError(f"pipeline parallelism needs stage >= 2, got stage={stages}; use --mesh=stage:2 "
+                         "or more (stage:1 is single-device training).")
+    if num_layers % stages:
+        fits = [s for s in range(2, num_layers + 1) if num_layers % s == 0]
+        raise ValueError(f"num_layers={num_layers} does not split into stage={stages} equal stages; "
+                         f"choose stage from {fits} or change num_layers.")
+    if microbatches < stages:
+        raise ValueError(f"microbatches={microbatches} < stage={stages}: a pipeline of {stages} stages needs "
+                         f"at least {stages} micro-batches to fill (pass --microbatches={stages} or more).")
+    if batch % microbatches:
+        fits = [m for m in range(stages, batch + 1) if batch % m == 0]
+        raise ValueError(f"batch={batch} does not split into microbatches={microbatches} equal micro-batches; "
+                         f"choose microbatches from {fits} or change --batch_size.")
+
+
+def resolve_mesh(spec: str | None, n_devices: int) -> dict[str, int]:
+    """'stage:S' (data and tensor, if named, must be 1) -> {'stage': S, 'data': 1, 'tensor': 1};
+    None: every device a stage."""
+    shape = {STAGE: n_devices, "data": 1, "tensor": 1}
+    if spec is not None:
+        shape = {"data": 1, "tensor": 1}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, _, size = (x.strip() for x in part.partition(":"))
+            if name not in shape and name != STAGE or not size.isdigit() or int(size) < 1:
+                raise ValueError(f"bad pipeline mesh {spec!r} at {part!r}: write it as stage:S (e.g. stage:4).")
+            shape[name] = int(size)
+        if STAGE not in shape or shape["data"] != 1 or shape["tensor"] != 1:
+            raise ValueError(f"pipeline mesh {spec!r}: strategy pp needs stage:S with data:1 and tensor:1, "
+                             f"e.g. stage:{n_devices}.")
+    if shape[STAGE] != n_devices:
+        raise ValueError(f"mesh stage:{shape[STAGE]} has {shape[STAGE]} devices but {n_devices} are available; "
+                         f"try --mesh=stage:{n_devices}, or run on {shape[STAGE]} (--devices={shape[STAGE]}).")
+    return shape
+
+
+def microbatch_size(batch: int, microbatches: int) -> int:
+    return batch // microbatches
+
+
+def stage_layers(num_layers: int, mesh: Mapping[str, int]) -> int:
+    """Layers per stage, L/S."""
+    return num_layers // mesh[STAGE]
