@@ -81,12 +81,13 @@ def _topology_devices(name: str):
 
 def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
     """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils."""
-    from auto_parallel import resolve_mesh
-    from twinshard import topology
+    from auto_parallel import PIPELINES, resolve_mesh
+    from twinshard import pipeline, topology
 
     if devices is not None:
         common.check_mesh_fits(strategy, mesh_spec, cfg, len(devices))  # the advice that works
-        shape = resolve_mesh(strategy, mesh_spec, cfg, len(devices))
+        shape = pipeline.resolve_mesh(mesh_spec, len(devices)) if strategy in PIPELINES \
+            else resolve_mesh(strategy, mesh_spec, cfg, len(devices))
         devices = list(topology.mesh_devices(shape, devices))
     return common.make_runner(strategy, impl, mesh_spec, cfg, devices)
 
@@ -100,7 +101,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     runner = _runner(strategy, impl, mesh_spec, cfg, devices)
     mesh = {a: int(n) for a, n in runner.mesh.shape.items()}
     model = cost.cost(cfg.model, strategy, mesh, cfg.train.batch_size, cfg.model.context_length,
-                      grad_accum=cfg.train.grad_accum)
+                      grad_accum=cfg.train.grad_accum, microbatches=cfg.train.microbatches)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
                                   sharding=runner.batch_sharding)
     state = runner.abstract_state()

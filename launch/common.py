@@ -29,7 +29,7 @@ from absl import app, flags
 
 from twinshard.config import OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 
-STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp")
+STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp")
 IMPLS = ("auto", "manual")
 
 
@@ -57,6 +57,8 @@ def define_model_flags() -> None:
            "its state is sharded like the params in every strategy.")
     define(flags.DEFINE_integer, "grad_accum", None, "Micro-batches per step: the batch is split into "
            "grad_accum micro-batches whose gradients are accumulated (default 1).")
+    define(flags.DEFINE_integer, "microbatches", None, "Pipeline strategies (pp): micro-batches in flight per "
+           "step, at least the number of stages (GPipe bubble: (S-1)/(M+S-1)).")
     define_precision_flags()
 
 
@@ -144,7 +146,7 @@ def load_splits(cfg: Config, data_path: str | None, cache_dir: str):
 
 
 # Integer flags and their smallest valid value (checked as typed, so messages name the flag).
-_MIN_INT_FLAGS = {"steps": 1, "batch_size": 1, "context_length": 1, "seed": 0, "grad_accum": 1}
+_MIN_INT_FLAGS = {"steps": 1, "batch_size": 1, "context_length": 1, "seed": 0, "grad_accum": 1, "microbatches": 1}
 
 
 def check_model_flags(FLAGS) -> None:
@@ -175,8 +177,8 @@ def config_from_flags(FLAGS) -> Config:
     model: ModelConfig = cfg.model
     if FLAGS.context_length is not None:
         model = dataclasses.replace(model, context_length=FLAGS.context_length)
-    overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed", "optimizer", "grad_accum")
-                 if getattr(FLAGS, k) is not None}
+    overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed", "optimizer", "grad_accum",
+                                                "microbatches") if getattr(FLAGS, k) is not None}
     if FLAGS.tokenizer is not None:
         # a file by absolute path: launch.sample and --resume find it from any directory
         overrides["tokenizer"] = FLAGS.tokenizer if not os.path.isfile(FLAGS.tokenizer) \
@@ -184,6 +186,10 @@ def config_from_flags(FLAGS) -> Config:
         model = dataclasses.replace(model, vocab_size=tokenizer_vocab(FLAGS.tokenizer))
     train: TrainConfig = cfg.train
     accum, batch = overrides.get("grad_accum", train.grad_accum), overrides.get("batch_size", train.batch_size)
+    micro = overrides.get("microbatches", train.microbatches)
+    if batch % micro:
+        raise ValueError(f"--microbatches={micro} does not split the batch of {batch} sequences (--batch_size); "
+                         f"choose --microbatches from {[k for k in range(1, batch + 1) if batch % k == 0]}.")
     if batch % accum:
         raise ValueError(f"--grad_accum={accum} does not split the batch of {batch} sequences (--batch_size) into "
                          f"equal micro-batches; choose --grad_accum from "
@@ -314,10 +320,15 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 def check_mesh_fits(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> None:
     """The mesh against strategy, devices and model at once, so its advice works in one step
     (a mesh on these devices, or a --devices count with a mesh that fits)."""
-    from auto_parallel import STRATEGIES
-    from twinshard import mesh
+    from auto_parallel import PIPELINES, STRATEGIES
+    from twinshard import mesh, pipeline
     from twinshard.placement import logical_dims
 
+    if strategy in PIPELINES:
+        shape = pipeline.resolve_mesh(mesh_spec, n_devices)
+        pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
+                       cfg.train.grad_accum)
+        return
     module = STRATEGIES[strategy]
     mesh.resolve(strategy, mesh_spec, logical_dims(cfg), {**module.PARAM_RULES, **module.ACTIVATION_RULES},
                  n_devices)

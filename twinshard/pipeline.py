@@ -54,7 +54,8 @@ def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accu
     if num_layers % stages:
         fits = [s for s in range(2, num_layers + 1) if num_layers % s == 0]
         raise ValueError(f"num_layers={num_layers} does not split into stage={stages} equal stages; "
-                         f"choose stage from {fits} or change num_layers.")
+                         f"choose stage from {fits} (e.g. --mesh=stage:{fits[0]} --devices={fits[0]}) or change "
+                         "num_layers.")
     if microbatches < stages:
         raise ValueError(f"microbatches={microbatches} < stage={stages}: a pipeline of {stages} stages needs "
                          f"at least {stages} micro-batches to fill (pass --microbatches={stages} or more).")

@@ -148,7 +148,7 @@ def mesh_devices(shape: Mapping[str, int], devs: Sequence[Any]) -> list:
 
     from twinshard import mesh as mesh_lib
 
-    sizes = tuple(shape[a] for a in mesh_lib.AXES)
+    sizes = tuple(shape[a] for a in mesh_lib.ORDER if a in shape)
     if math.prod(sizes) != len(devs):
         raise ValueError(f"mesh {dict(shape)} has {math.prod(sizes)} devices but the topology has "
                          f"{len(devs)}; pick data x tensor = {len(devs)}.")
