@@ -117,7 +117,11 @@ FLOPs (`Flops`): a matmul [m,k]x[k,n] costs 2mkn.
 Memory per device (`Memory`, bytes):
     params     sum over leaves of f32 leaf bytes / (its data shards x tensor shards)
     grads      = params (same sharding)
-    optimizer  = 2 x params (AdamW moments mu, nu; the O(1) counters are ignored)
+    optimizer  by `optimizer` (O(1) counters and placeholders ignored): adamw 2 x params
+               (mu, nu); lion, sgd 1 x params (mu; momentum trace); adafactor, per
+               leaf with two dims >= 128 (optim.factored_dims) a row and a column
+               statistic (the leaf without its largest / second-largest dim, each
+               split over the mesh axes of the dims it keeps), else a full v
     activations, saved for the backward pass, no rematerialization:
         per layer  b*T*(4D + 4D/t + 3F/t) + b*(H/t)*T^2  elements:
                    residual in, ln1 out, residual mid, ln2 out (4 x [b,T,D]);
@@ -467,8 +471,33 @@ def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int
     return math.prod(mesh[rules[a]] for a in w.axes if a in rules)
 
 
+def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[str, int],
+                     optimizer: str) -> int:
+    """Optimizer-state bytes per device (f32; see the module docstring)."""
+    from twinshard.optim import factored_dims  # optax is imported only when memory is asked for
+
+    def kept(shape, axes, dims) -> int:  # elements per device of a statistic keeping `dims`
+        split = math.prod(mesh[rules[axes[k]]] for k in dims if axes[k] in rules)
+        return math.prod(shape[k] for k in dims) // split
+
+    per_param = {"adamw": 2, "lion": 1, "sgd": 1}
+    total = 0
+    for w in weights(cfg):
+        shape, axes, every = w.leaf_shape, w.leaf_axes, range(len(w.leaf_shape))
+        if optimizer in per_param:
+            total += w.leaves * per_param[optimizer] * kept(shape, axes, every)
+        elif optimizer == "adafactor":
+            dims = factored_dims(shape)
+            stats = [every] if dims is None else [[k for k in every if k != d] for d in dims]
+            total += w.leaves * sum(kept(shape, axes, s) for s in stats)
+        else:
+            raise ValueError(f"optimizer={optimizer!r} has no memory model; choose one of "
+                             f"{', '.join(per_param)}, adafactor.")
+    return total * F32
+
+
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
-           dtype_bytes: int = 4) -> Memory:
+           dtype_bytes: int = 4, optimizer: str = "adamw") -> Memory:
     mesh_lib.check_strategy(strategy)
     rules = RULES[strategy]
     params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
@@ -482,7 +511,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     if "embed" in rules:
         layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
         gathered = max(layer, v * d) * dtype_bytes // t
-    return Memory(params, params, 2 * params, acts, gathered)
+    return Memory(params, params, _optimizer_bytes(cfg, rules, mesh, optimizer), acts, gathered)
 
 
 # ----------------------------------------------------------------------------- entry point
