@@ -236,8 +236,10 @@ def model_cost(cfg: Config, strategy: str, mesh: dict[str, int] | None):
     B, T, K = cfg.train.batch_size, cfg.model.context_length, cfg.train.grad_accum
     if strategy == "single":
         return None, cost.flops(cfg.model, B, T, 1), cost.memory(
-            cfg.model, "dp", {"data": 1, "tensor": 1}, B, T, cost.DTYPE_BYTES[cfg.model.dtype], grad_accum=K)
-    c = cost.cost(cfg.model, strategy, mesh, B, T, grad_accum=K, microbatches=cfg.train.microbatches)
+            cfg.model, "dp", {"data": 1, "tensor": 1}, B, T, cost.DTYPE_BYTES[cfg.model.dtype], grad_accum=K,
+            optimizer=cfg.train.optimizer)
+    c = cost.cost(cfg.model, strategy, mesh, B, T, grad_accum=K, microbatches=cfg.train.microbatches,
+                  optimizer=cfg.train.optimizer)
     return c, c.flops, c.memory
 
 

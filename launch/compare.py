@@ -105,7 +105,8 @@ def model_comparison(result: dict, cfg) -> str:
     from twinshard import cost
 
     model = cost.cost(cfg.model, result["strategy"], result["mesh"], cfg.train.batch_size,
-                      grad_accum=cfg.train.grad_accum, microbatches=cfg.train.microbatches)
+                      grad_accum=cfg.train.grad_accum, microbatches=cfg.train.microbatches,
+                      optimizer=cfg.train.optimizer)
     parts = [model.table()]
     for impl, led in result["ledgers"].items():
         parts += ["", f"{impl} ledger vs cost model:", cost.compare_table(cost.compare(led.summary(), model.summary()))]

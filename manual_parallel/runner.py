@@ -1,7 +1,7 @@
 """The shard_map machinery shared by the four manual strategies.
 
 The whole train step - forward, backward, gradient synchronization, global-norm
-clipping and the AdamW update - is ONE `jax.shard_map` over the mesh with
+clipping and the optimizer update - is ONE `jax.shard_map` over the mesh with
 `check_vma=True`. Inside it every array is a local shard (shapes in comments
 are per device; inside the layer scan, per device and per layer) and the only
 communication is what the code names:
@@ -12,6 +12,9 @@ communication is what the code names:
   `data`) of every parameter that is replicated over `data`;
 - `global_norm` below: one `psum` of partial squared norms per group of
   gradients sharded over the same mesh axes;
+- `block_mean` below (Adafactor only): a `pmean` over the mesh axes that split
+  a row, a column or a whole param, for its factored second moments, update
+  clipping and parameter scale;
 - `lax.pmean(loss, 'data')`: the reported loss.
 
 Gradient accumulation (grad_accum = K > 1): the K micro-batches [K, B/(data K), T]
@@ -44,10 +47,10 @@ from jax.sharding import PartitionSpec as P
 
 from twinshard import mesh as mesh_lib, placement
 from twinshard.config import Config
-from twinshard.optim import make_optimizer
+from twinshard.optim import Block, BlockMean, make_optimizer
 from manual_parallel.fsdp import FullyShardedDataParallel
 from twinshard.trainer import (TrainState, accumulated_value_and_grad, apply_gradients, check_grad_accum,
-                               logical_axes, loss_fn)
+                               create_params, logical_axes, loss_fn)
 
 DATA, TENSOR = "data", "tensor"
 
@@ -65,7 +68,10 @@ class ManualRunner(placement.PlacedRunner):
                  devices=None):
         self.name = name
         self.par = strategy.PARALLELISM(strategy.PARAM_RULES)
-        self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm)
+        shapes = jax.eval_shape(functools.partial(create_params, cfg.model, 0))  # whole params
+        blocks = jax.tree.map(lambda a, s: Block(a.shape, self.block_mean(s)), shapes,
+                              placement.param_specs(cfg, strategy.PARAM_RULES))
+        self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm, blocks=blocks)
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices,
                     strategy.PARAM_RULES, strategy.ACTIVATION_RULES)
         check_grad_accum(cfg.train, self.sizes[DATA])
@@ -130,6 +136,19 @@ class ManualRunner(placement.PlacedRunner):
             groups[axes] = groups.get(axes, 0.0) + jnp.sum(jnp.square(g.astype(jnp.float32)))
         total = sum(lax.psum(sq, axes) if axes else sq for axes, sq in groups.items())
         return jnp.sqrt(total)
+
+    def block_mean(self, spec: P) -> BlockMean:
+        """Adafactor's mean over whole rows / columns / params of a param placed as `spec`
+        (twinshard.optim.BlockMean): the local mean, then a `pmean` over exactly the mesh axes
+        that split the reduced dims (equal shards: the mean of the shard means is the mean).
+        fsdp_tp's W1 [L, D/data, F/tensor]: v_row's mean over F is a pmean over `tensor`, v_col's
+        over D one over `data`, the block RMS one over both. Forward only: the optimizer is not
+        differentiated."""
+        def mean(x, dims):
+            local = jnp.mean(x, axis=dims, keepdims=True)
+            axes = _active(placement.sharded_axes(P(*(spec[d] for d in dims))), self.sizes)
+            return lax.pmean(local, axes) if axes else local
+        return mean
 
     def _train_step(self, state: TrainState, x, y):
         loss, grads = self._loss_and_grads(state.params, x, y)

@@ -58,6 +58,7 @@ CLI_ERRORS = "tests/test_cli_errors.py"
 SCAN = "tests/test_scan.py"
 PLAN = "tests/test_plan.py"
 ACCUM = "tests/test_accum.py"
+OPTIMIZERS = "tests/test_optimizers.py"
 
 # Everything that reads a compiled ledger or the cost model (a parser or model bug shows there too).
 LEDGER_TESTS = (HLO, MANUAL, AUTO, TPU, CLI)
@@ -254,12 +255,12 @@ MUTANTS: list[Mutant] = [
            "warm = lr_max * (t + 1) / max(warmup_steps, 1)",
            (OPTIM,), "warmup starts at lr_max/warmup instead of 0"),
     Mutant("adamw-betas-swapped", "optim", _OPTIM,
-           "b1=cfg.beta1, b2=cfg.beta2",
-           "b1=cfg.beta2, b2=cfg.beta1",
+           "optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2",
+           "optax.adamw(schedule, b1=cfg.beta2, b2=cfg.beta1",
            (OPTIM,), "AdamW gets beta1 and beta2 swapped"),
     Mutant("adamw-weight-decay-default", "optim", _OPTIM,
-           "weight_decay=cfg.weight_decay)",
-           ")",
+           "eps=cfg.eps, weight_decay=cfg.weight_decay)",
+           "eps=cfg.eps)",
            (OPTIM,), "AdamW weight decay not passed through (optax's default 1e-4 used)"),
     Mutant("adamw-eps-default", "optim", _OPTIM,
            "eps=cfg.eps,",
@@ -427,8 +428,8 @@ MUTANTS: list[Mutant] = [
            "3 * fwd, 3 * fwd)",
            COST_TESTS, "per-device FLOPs not divided by the device count"),
     Mutant("cost-optimizer-one-moment", "cost", _COST,
-           "return Memory(params, params, 2 * params, acts, gathered)",
-           "return Memory(params, params, params, acts, gathered)",
+           "per_param = {\"adamw\": 2,",
+           "per_param = {\"adamw\": 1,",
            COST_TESTS, "optimizer memory counts one AdamW moment"),
     # --- bf16 compute (ModelConfig.dtype) and the fused attention seam
     Mutant("bf16-cast-after-gather", "precision", _MODEL,
@@ -623,4 +624,32 @@ MUTANTS: list[Mutant] = [
            '        row(ctx, "backward", "collective-permute", ("stage",), ticks, hop,',
            '        row(ctx, "backward", "collective-permute", ("stage",), 0, hop,',
            ("tests/test_pipeline.py",), "the cost model forgets the backward hand-offs"),
+    # --- optimizers: Adafactor's block means, its state placement and memory (tests/test_optimizers.py)
+    Mutant("adafactor-row-mean-local", "optim", _OPTIM,
+           "(1 - rate) * jnp.squeeze(mean(g2, (d0,)), d0)",
+           "(1 - rate) * jnp.squeeze(jnp.mean(g2, (d0,), keepdims=True), d0)",
+           (OPTIMIZERS,), "Adafactor's row statistic is the mean of the local shard (no pmean): wrong "
+                          "wherever the largest dim is split (tp, fsdp_tp)"),
+    Mutant("adafactor-block-mean-first-dim-axes", "optim", _RUNNER,
+           "placement.sharded_axes(P(*(spec[d] for d in dims)))",
+           "placement.sharded_axes(P(*(spec[d] for d in dims[:1])))",
+           (OPTIMIZERS,), "a whole-param mean (update clipping, parameter scale) pmeans over the first "
+                          "dim's mesh axes only"),
+    Mutant("adafactor-stats-swapped", "optim", _OPTIM,
+           "removed = dims[1] if field == \"v_row\" else dims[0]",
+           "removed = dims[0] if field == \"v_row\" else dims[1]",
+           (OPTIMIZERS,), "v_row is placed as if it dropped the second-largest dim, v_col the largest"),
+    Mutant("adafactor-stat-on-wrong-axis", "optim", "twinshard/placement.py",
+           "return spec(tuple(axes[d] for d in dims), rules)",
+           "return spec(tuple(axes[d] for d in dims[::-1]), rules)",
+           (OPTIMIZERS,), "an optimizer leaf takes its kept dims' placements in reverse order (v_col "
+                          "[L, F] split over tensor on L)"),
+    Mutant("memory-adafactor-full-v", "optim", _COST,
+           "stats = [every] if dims is None else",
+           "stats = [every] if True else",
+           (OPTIMIZERS,), "cost.memory counts a full second moment for factored Adafactor params"),
+    Mutant("lion-betas-swapped", "optim", _OPTIM,
+           "optax.lion(schedule, b1=cfg.beta1, b2=cfg.beta2,",
+           "optax.lion(schedule, b1=cfg.beta2, b2=cfg.beta1,",
+           (OPTIMIZERS,), "Lion's interpolation and momentum decay rates swapped"),
 ]

@@ -130,7 +130,11 @@ FLOPs (`Flops`): a matmul [m,k]x[k,n] costs 2mkn.
 Memory per device (`Memory`, bytes):
     params     sum over leaves of f32 leaf bytes / (its data shards x tensor shards)
     grads      = params (same sharding)
-    optimizer  = 2 x params (AdamW moments mu, nu; the O(1) counters are ignored)
+    optimizer  by `optimizer` (O(1) counters and placeholders ignored): adamw 2 x params
+               (mu, nu); lion, sgd 1 x params (mu; momentum trace); adafactor, per
+               leaf with two dims >= 128 (optim.factored_dims) a row and a column
+               statistic (the leaf without its largest / second-largest dim, each
+               split over the mesh axes of the dims it keeps), else a full v
     activations, saved for the backward pass, no rematerialization:
         per layer  b*T*(4D + 4D/t + 3F/t) + b*(H/t)*T^2  elements:
                    residual in, ln1 out, residual mid, ln2 out (4 x [b,T,D]);
@@ -543,8 +547,34 @@ def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int
     return math.prod(mesh[rules[a]] for a in w.leaf_axes if a in rules)
 
 
+def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[str, int],
+                     optimizer: str) -> int:
+    """Optimizer-state bytes per device (f32; see the module docstring)."""
+    from twinshard.optim import factored_dims  # optax is imported only when memory is asked for
+
+    def kept(shape, axes, dims) -> int:  # elements per device of a statistic keeping `dims`
+        split = math.prod(mesh[rules[axes[k]]] for k in dims if axes[k] in rules)
+        return math.prod(shape[k] for k in dims) // split
+
+    per_param = {"adamw": 2, "lion": 1, "sgd": 1}
+    total = 0
+    for w in weights(cfg):
+        shape, axes, every = w.leaf_shape, w.leaf_axes, range(len(w.leaf_shape))
+        if optimizer in per_param:
+            total += w.leaves * per_param[optimizer] * kept(shape, axes, every)
+        elif optimizer == "adafactor":
+            dims = factored_dims(shape)
+            stats = [every] if dims is None else [[k for k in every if k != d] for d in dims]
+            total += w.leaves * sum(kept(shape, axes, s) for s in stats)
+        else:
+            raise ValueError(f"optimizer={optimizer!r} has no memory model; choose one of "
+                             f"{', '.join(per_param)}, adafactor.")
+    return total * F32
+
+
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
-           dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1) -> Memory:
+           dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1,
+           optimizer: str = "adamw") -> Memory:
     if strategy not in PIPELINES:
         mesh_lib.check_strategy(strategy)
     rules = RULES[strategy]
@@ -564,8 +594,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     if "embed" in rules:
         layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
         gathered = max(layer, v * d) * dtype_bytes // t
+    opt = _optimizer_bytes(cfg, rules, mesh, optimizer)
     if grad_accum == 1:
-        return Memory(params, params, 2 * params, acts, gathered)
+        return Memory(params, params, opt, acts, gathered)
     # the f32 accumulator of the micro-batch scan: param-sized (DP, TP); under FSDP it holds the
     # gradient of the WHOLE matrices (gather_step), so it and the gathered weights are full over data
     accumulator = params
@@ -573,7 +604,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
         no_data = {a: m for a, m in rules.items() if m != "data"}
         accumulator = sum(w.count * w.size * F32 // _shards(w, no_data, mesh) for w in weights(cfg))
         gathered = sum(w.count * w.size for w in weights(cfg) if w.is_matrix) * dtype_bytes // t
-    return Memory(params, params, 2 * params, acts, gathered, accumulator)
+    return Memory(params, params, opt, acts, gathered, accumulator)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -604,7 +635,7 @@ def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
 
 def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
          seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
-         microbatches: int = 1) -> Cost:
+         microbatches: int = 1, optimizer: str = "adamw") -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
@@ -646,7 +677,8 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
-                memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches), notes)
+                memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer),
+                notes)
 
 
 _NOTES = {

@@ -7,6 +7,7 @@ and optimizer-state layout is identical under GSPMD and shard_map.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Mapping
 
 import jax
@@ -15,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax.sharding import NamedSharding
 
-from twinshard import mesh as mesh_lib
+from twinshard import mesh as mesh_lib, optim
 from twinshard.config import Config
 from twinshard import trainer
 from twinshard.trainer import TrainState, init_state, logical_axes
@@ -30,17 +31,70 @@ def spec(axes: tuple[str | None, ...], rules: Rules) -> P:
 
 def param_specs(cfg: Config, rules: Rules):
     """PartitionSpec for every parameter, same tree as the params."""
-    return jax.tree.map(lambda ax: spec(ax, rules), logical_axes(cfg.model),
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return _specs(logical_axes(cfg.model), rules)
+
+
+def _specs(axes, rules: Rules):
+    return jax.tree.map(lambda ax: spec(ax, rules), axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def state_specs(cfg: Config, tx: optax.GradientTransformation, rules: Rules) -> TrainState:
-    """PartitionSpecs of the whole train state: optimizer moments mirror their
-    params; counters and scalars are replicated."""
-    params = param_specs(cfg, rules)
-    opt = optax.tree_map_params(tx, lambda _, s: s, trainer.abstract_state(cfg.model, tx).opt_state, params,
-                                transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
-    return TrainState(params, opt, P())
+    """PartitionSpecs of the whole train state, the same for both twins.
+
+    Each optimizer leaf that belongs to a param keeps some of the param's dims
+    (`optim.kept_dims`: AdamW's mu/nu, Lion's mu, SGD's trace and Adafactor's
+    unfactored v keep all; Adafactor's v_row / v_col drop one of the two largest
+    dims; its (1,) placeholders keep none) and is placed by those dims' logical
+    axes: e.g. fsdp_tp's W1 [L, D, F] is P(None, 'data', 'tensor'), its v_row
+    [L, D] P(None, 'data') and its v_col [L, F] P(None, 'tensor'). Counters and
+    scalars are replicated.
+    """
+    axes = logical_axes(cfg.model)
+    abstract = trainer.abstract_state(cfg.model, tx)
+    shapes = jax.tree.map(lambda a: a.shape, abstract.params)
+    leaves = jax.tree_util.tree_map_with_path(_StateLeaf, abstract.opt_state)
+    opt = optax.tree_map_params(tx, functools.partial(_leaf_spec, rules=rules), leaves, axes, shapes,
+                                transform_non_params=lambda _: P())
+    return TrainState(_specs(axes, rules), opt, P())
+
+
+class _StateLeaf:
+    """An abstract optimizer-state leaf with its path (a pytree leaf, not a node)."""
+
+    def __init__(self, path, leaf: jax.ShapeDtypeStruct):
+        self.path, self.shape = path, tuple(leaf.shape)
+
+    @property
+    def field(self) -> str | None:
+        """The innermost NamedTuple field above the leaf (e.g. 'v_row', 'mu')."""
+        names = [k.name for k in self.path if isinstance(k, jax.tree_util.GetAttrKey)]
+        return names[-1] if names else None
+
+
+def _leaf_spec(leaf: _StateLeaf, axes: tuple[str | None, ...], param_shape: tuple[int, ...],
+               rules: Rules) -> P:
+    """The spec of an optimizer leaf of a param with logical `axes`: its kept dims' axes."""
+    dims = optim.kept_dims(leaf.field, param_shape)
+    where = jax.tree_util.keystr(leaf.path)
+    if dims is None:
+        if leaf.shape != (1,):
+            raise ValueError(f"optimizer state {where}: expected a (1,) placeholder, got {leaf.shape}")
+        return P()
+    if leaf.shape != tuple(param_shape[d] for d in dims):
+        raise ValueError(f"optimizer state {where} has shape {leaf.shape}, but keeps dims {dims} of its "
+                         f"param {param_shape}: twinshard.optim.kept_dims does not know this optimizer")
+    return spec(tuple(axes[d] for d in dims), rules)
+
+
+def check_state_divisible(specs, abstract, sizes: Mapping[str, int]) -> None:
+    """Every sharded dim of every state leaf splits evenly over its mesh axes (ValueError naming it)."""
+    for (path, a), s in zip(jax.tree_util.tree_flatten_with_path(abstract)[0],
+                            jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        for dim, entry in zip(a.shape, s):
+            n = math.prod(sizes[ax] for ax in sharded_axes(P(entry)))
+            if dim % n:
+                raise ValueError(f"train state {jax.tree_util.keystr(path)} {a.shape} placed {s}: dim {dim} "
+                                 f"does not split over {n} devices; choose a mesh whose axes divide it.")
 
 
 def place_global(x, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -81,6 +135,7 @@ class PlacedRunner:
         self.mesh = mesh_lib.make_mesh(mesh_shape, axis_type, devices)
         self.param_specs = param_specs(cfg, param_rules)
         self.state_specs = state_specs(cfg, self.tx, param_rules)
+        check_state_divisible(self.state_specs, trainer.abstract_state(cfg.model, self.tx), self.sizes)
         self.batch_spec = spec(("batch", "seq"), activation_rules)
         self.state_shardings = jax.tree.map(self.named, self.state_specs, is_leaf=lambda x: isinstance(x, P))
         self.batch_sharding = self.named(self.batch_spec)
