@@ -44,11 +44,15 @@ VARIANTS = {
     "--workdir=runs/ftp": [],
     "uv run python -m launch.compare --preset=tiny --strategy=tp --devices=4 --steps=10 --plot=tp.png": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=fsdp --impl=manual": [],
+    "uv run python -m launch.compare --preset=tiny --strategy=pp --mesh=stage:2 --devices=2 --microbatches=4 "
+    "--steps=4": [],
     "uv run python -m twinshard.bpe --input corpus.txt --vocab_size 512 --out corpus512.tiktoken": [],
     "uv run python -m launch.train --preset=tiny --data=corpus.txt --tokenizer=corpus512.tiktoken "
     "--workdir=runs/bpe": [],
     'uv run python -m launch.sample --workdir=runs/bpe --prompt="ROMEO:"': [],
     "uv run python -m launch.train --preset=tiny --dtype=bfloat16 --workdir=runs/bf16": ["--steps=4"],
+    "uv run python -m launch.train --preset=tiny --strategy=fsdp --impl=manual --devices=4 --remat=full "
+    "--grad_accum=2 --optimizer=adafactor --workdir=runs/scale": ["--steps=4"],
     "uv run python -m launch.bench --preset=tiny --steps=3 --json=bench.json --markdown=bench.md":
         ["--strategies=single,fsdp"],
     "uv run python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4": [],
@@ -154,9 +158,19 @@ def test_mutation_harness_examples(readme_runs):
     assert ran.count("| layers | caught |") == 2 and "working tree unchanged" in ran, ran[-2000:]
 
 
+def test_pipeline_and_memory_examples(readme_runs):
+    cwd, _ = readme_runs
+    piped = out(readme_runs, "--strategy=pp")
+    assert "max_param_diff_manual_vs_single" in piped and "collective-permute  stage" in piped, piped[-2000:]
+    assert "done: step 4 of 4" in out(readme_runs, "--workdir=runs/scale")
+    meta = json.loads((cwd / "runs/scale/checkpoints/4/meta/metadata").read_text())
+    assert meta["model"]["remat"] == "full"
+    assert (meta["train"]["grad_accum"], meta["train"]["optimizer"]) == (2, "adafactor")
+
+
 def test_bf16_and_bench_examples(readme_runs):
     cwd, _ = readme_runs
-    assert "done: step 4 of 4" in out(readme_runs, "--dtype=bfloat16")
+    assert "done: step 4 of 4" in out(readme_runs, "--workdir=runs/bf16")
     meta = json.loads((cwd / "runs/bf16/checkpoints/4/meta/metadata").read_text())
     assert meta["model"]["dtype"] == "bfloat16"
     doc = json.loads((cwd / "bench.json").read_text())
