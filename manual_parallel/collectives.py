@@ -121,8 +121,15 @@ def _shift_fwd(x, axis):
 
 
 def _shift_bwd(axis, _, grad):
-    back = [(dst, src) for src, dst in _to_next(lax.axis_size(axis))]
-    return (lax.ppermute(grad, axis, perm=back),)
+    return (shift_to_previous_stage(grad, axis),)
 
 
 shift_to_next_stage.defvjp(_shift_fwd, _shift_bwd)
+
+
+def shift_to_previous_stage(x: Array, axis: str) -> Array:
+    """1F1B's backward hand-off, written by hand (never differentiated): stage s+1 sends the
+    gradient of the activations it received, x [B/M, T, D], back to stage s (ppermute over
+    `axis`); the last stage receives zeros. It is `shift_to_next_stage`'s backward, run as
+    forward code because 1F1B interleaves the backward passes itself."""
+    return lax.ppermute(x, axis, perm=[(dst, src) for src, dst in _to_next(lax.axis_size(axis))])

@@ -33,7 +33,7 @@ from flax import nnx
 
 from auto_parallel.pp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
 from manual_parallel.base import ManualParallelism
-from manual_parallel.collectives import shift_to_next_stage
+from manual_parallel.collectives import shift_to_next_stage, shift_to_previous_stage
 from manual_parallel.runner import ManualRunner
 from twinshard import pipeline
 from twinshard.model import scan_stacked
@@ -61,9 +61,75 @@ class PipelineRunner(ManualRunner):
         rep = self.replicated_over_stage
         params = {k: jax.tree.map(lambda p: lax.pcast(p, STAGE, to="varying"), v) if rep[k] else v
                   for k, v in params.items()}  # so autodiff adds no psum over stage of its own
-        loss, grads = jax.value_and_grad(self._pipeline_loss)(params, x, y)
+        if self.cfg.train.schedule == "1f1b":
+            loss, grads = self._one_f_one_b(params, x, y)
+        else:
+            loss, grads = jax.value_and_grad(self._pipeline_loss)(params, x, y)
         grads = {k: jax.tree.map(lambda g: lax.psum(g, STAGE), v) if rep[k] else v for k, v in grads.items()}
         return loss, grads
+
+    def _stage(self, params, tokens, arrived, targets):
+        """One stage on one micro-batch: (its output [B/M, T, D], its loss: the micro-batch's mean
+        token loss on the last stage, 0 elsewhere). Stage 0 embeds `tokens` instead of `arrived`."""
+        cfg = self.cfg.model
+        model = nnx.merge(graphdef(cfg), params)
+        stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
+        inputs = lax.cond(stage == 0, lambda: model.embed(tokens), lambda: arrived)
+        out = scan_stacked(nnx.to_pure_dict(nnx.state(model.layers, nnx.Param)), cfg, inputs)
+        loss = lax.cond(stage == n_stages - 1, lambda o: model.head_loss(o, targets),
+                        lambda o: lax.pcast(jnp.zeros((), jnp.float32), STAGE, to="varying"), out)
+        return out, loss
+
+    def _one_f_one_b(self, params, x, y):
+        """1F1B by hand: every tick each stage runs the op its row of the static schedule
+        (pipeline.one_f_one_b) names - a forward, a backward (`jax.vjp` of `_stage` on the
+        saved input of that micro-batch: its forward is recomputed, so a stage keeps only the
+        INPUTS of its in-flight micro-batches, at most S, in a ring of S slots), or nothing -
+        then hands its forward output to stage s+1 and its input gradient to stage s-1.
+
+        Per tick: 2 collective-permutes of [B/M, T, D] (shift_to_next_stage of the forward
+        output, shift_to_previous_stage of the input gradient; zeros when the op was not a
+        forward / backward), over ~2(M + S - 1) ticks. Same gradients as GPipe."""
+        cfg, m = self.cfg.model, self.cfg.train.microbatches
+        stage, n = lax.axis_index(STAGE), lax.axis_size(STAGE)
+        kinds, mbs = (jnp.asarray(t, jnp.int32) for t in pipeline.one_f_one_b(m, n))  # [ticks, S]
+        xs, ys = x.reshape(m, -1, x.shape[1]), y.reshape(m, -1, y.shape[1])  # [M, B/M, T]
+        varying = lambda a: lax.pcast(a, STAGE, to="varying")  # noqa: E731
+        ring = varying(jnp.zeros((n, xs.shape[1], xs.shape[2], cfg.d_model), jnp.dtype(cfg.dtype)))
+        nothing = ring[0]
+        seed = varying(jnp.asarray(1.0 / m, jnp.float32))  # d(mean over micro-batches)/d(micro-batch loss)
+
+        def forward(i, c):
+            saved, inbox_f, inbox_b, grads, loss = c
+            out, mb_loss = self._stage(params, xs[i], inbox_f[i % n], ys[i])
+            return out, nothing, (saved.at[i % n].set(inbox_f[i % n]), inbox_f, inbox_b, grads, loss + mb_loss)
+
+        def backward(i, c):
+            saved, inbox_f, inbox_b, grads, loss = c
+            _, pullback = jax.vjp(lambda p, a: self._stage(p, xs[i], a, ys[i]), params, saved[i % n])
+            d_params, d_arrived = pullback((inbox_b[i % n], seed))
+            grads = jax.tree.map(jnp.add, grads, d_params)
+            return nothing, d_arrived, (saved, inbox_f, inbox_b, grads, loss)
+
+        def idle(i, c):
+            return nothing, nothing, c
+
+        def tick(c, t):
+            i = mbs[t, stage]
+            to_next, to_prev, c = lax.switch(kinds[t, stage], (idle, forward, backward), i, c)
+            from_prev, from_next = shift_to_next_stage(to_next, STAGE), shift_to_previous_stage(to_prev, STAGE)
+            saved, inbox_f, inbox_b, grads, loss = c
+            prev, nxt = jnp.maximum(stage - 1, 0), jnp.minimum(stage + 1, n - 1)  # the senders' schedule
+            got_f = (stage > 0) & (kinds[t, prev] == pipeline.FORWARD)
+            got_b = (stage < n - 1) & (kinds[t, nxt] == pipeline.BACKWARD)
+            inbox_f = jnp.where(got_f, inbox_f.at[mbs[t, prev] % n].set(from_prev), inbox_f)
+            inbox_b = jnp.where(got_b, inbox_b.at[mbs[t, nxt] % n].set(from_next), inbox_b)
+            return (saved, inbox_f, inbox_b, grads, loss), None
+
+        zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, p.dtype)), params)  # every param varies
+        start = (ring, ring, ring, zeros, varying(jnp.zeros((), jnp.float32)))
+        (_, _, _, grads, loss), _ = lax.scan(tick, start, jnp.arange(kinds.shape[0]))
+        return lax.psum(loss, STAGE) / m, grads
 
     def _eval_loss(self, params, x, y):
         return self._pipeline_loss(params, x, y)

@@ -27,7 +27,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")  # twinshard.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")  # twinshard.optim.make_optimizer
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # twinshard/pipeline.py  # twinshard.optim.make_optimizer
 VOCAB_MULTIPLE = 128  # pad the vocab so it splits over any power-of-two tensor axis <= 128
 
 
@@ -169,6 +170,7 @@ class TrainConfig:
     optimizer: str = "adamw"  # one of OPTIMIZERS (twinshard.optim.make_optimizer)
     grad_accum: int = 1  # micro-batches per step (gradients accumulated under lax.scan)
     microbatches: int = 1  # pipeline strategies: micro-batches in flight per step (twinshard/pipeline.py)
+    schedule: str = "gpipe"  # pipeline schedule: gpipe (both twins) or 1f1b (manual twin)
 
     def __post_init__(self):
         _check_types(self)
@@ -177,6 +179,9 @@ class TrainConfig:
                              f"{', '.join(OPTIMIZERS)}.")
         if self.grad_accum < 1:
             raise ValueError(f"TrainConfig.grad_accum={self.grad_accum} must be >= 1 (1: no accumulation).")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"TrainConfig.schedule={self.schedule!r} is not a pipeline schedule; choose one of "
+                             f"{', '.join(PIPELINE_SCHEDULES)}.")
         if self.microbatches < 1 or self.batch_size % self.microbatches:
             raise ValueError(f"TrainConfig.microbatches={self.microbatches} must be >= 1 and split batch_size="
                              f"{self.batch_size} evenly; choose from {_divisors(self.batch_size)}.")

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from twinshard.config import PIPELINE_SCHEDULES as SCHEDULES  # noqa: F401  ("gpipe", "1f1b")
+
 STAGE = "stage"
-SCHEDULES = ("gpipe",)
+IDLE, FORWARD, BACKWARD = 0, 1, 2  # what a stage does in one tick of the 1F1B table
 
 
 def ticks(microbatches: int, stages: int) -> int:
@@ -92,3 +94,51 @@ def microbatch_size(batch: int, microbatches: int) -> int:
 def stage_layers(num_layers: int, mesh: Mapping[str, int]) -> int:
     """Layers per stage, L/S."""
     return num_layers // mesh[STAGE]
+
+
+def one_f_one_b(microbatches: int, stages: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The 1F1B (PipeDream-flush) schedule as two [ticks][stages] tables: what each stage
+    does in each tick (IDLE, FORWARD or BACKWARD) and on which micro-batch.
+
+    Stage s runs S-1-s warm-up forwards, then alternates one forward and one backward,
+    then drains its backwards; each op runs at the first tick its input has arrived (a
+    forward needs stage s-1's forward of that micro-batch one tick earlier, a backward
+    stage s+1's backward, or on the last stage its own forward). So stage s holds at most
+    S - s micro-batches between their forward and their backward, whatever M is:
+
+        M=4, S=2   tick:  0   1   2   3   4   5   6   7   8   9
+              stage 0:    F0  F1  .   B0  F2  B1  F3  B2  .   B3
+              stage 1:    .   F0  B0  F1  B1  F2  B2  F3  B3  .
+    """
+    order = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, microbatches)
+        ops, f, b = [(FORWARD, i) for i in range(warmup)], warmup, 0
+        while f < microbatches or b < microbatches:
+            if f < microbatches:
+                ops.append((FORWARD, f))
+                f += 1
+            if b < microbatches:
+                ops.append((BACKWARD, b))
+                b += 1
+        order.append(ops)
+    done: dict[tuple[int, int, int], int] = {}
+    kinds, mbs, nxt, t = [], [], [0] * stages, 0
+    while any(nxt[s] < len(order[s]) for s in range(stages)):
+        row = [(IDLE, 0)] * stages
+        for s in range(stages):
+            if nxt[s] == len(order[s]):
+                continue
+            kind, i = order[s][nxt[s]]
+            after = (FORWARD, s - 1, i) if kind == FORWARD else \
+                (FORWARD, s, i) if s == stages - 1 else (BACKWARD, s + 1, i)
+            if (kind == FORWARD and s == 0) or done.get(after, t) < t:
+                row[s] = (kind, i)
+        for s, (kind, i) in enumerate(row):
+            if kind != IDLE:
+                done[(kind, s, i)] = t
+                nxt[s] += 1
+        kinds.append([k for k, _ in row])
+        mbs.append([i for _, i in row])
+        t += 1
+    return kinds, mbs
