@@ -1,5 +1,5 @@
 """What every manual strategy shares: the placement rules it was built with, and
-the remat rule that keeps communication out of recomputation."""
+the remat rule that keeps communication out of recomputation (`layer_policy`)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,9 @@ class ManualParallelism(Parallelism):
 
     def __init__(self, param_rules: Mapping[str, str]):
         self.param_rules = dict(param_rules)
+
+    def layer_policy(self, policy):
+        """The layer's policy, plus `saves_reductions`: a checkpointed layer's backward pass
+        recomputes matmuls, never a collective (tp, fsdp_tp: Megatron g; dp and fsdp run no
+        all-reduce in a layer's forward, so for them this adds nothing)."""
+        return None if policy is None else either(policy, saves_reductions)

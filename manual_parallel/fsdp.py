@@ -38,8 +38,8 @@ class FullyShardedDataParallel(ManualParallelism):
 
     def layer_policy(self, policy):
         """Each layer is checkpointed under every ModelConfig.remat: the layer's policy
-        (fsdp_tp: TP's, with g's psum outputs; remat=none: everything autodiff saves),
-        minus the gathered weights. The backward loop then re-gathers each layer's 7
+        (with the psum outputs of fsdp_tp's Megatron g, base.py; remat=none: everything
+        autodiff saves), minus the gathered weights. The backward loop then re-gathers each layer's 7
         matrices in its own iteration, and no gathered weight outlives its layer
         (measured: 7 all-gathers in the forward loop, 7 in the backward loop, each of
         multiplicity L, for every policy; tests/test_remat.py).
@@ -49,7 +49,7 @@ class FullyShardedDataParallel(ManualParallelism):
         runs as a third loop between the forward and the backward loop, which re-gathers
         the weights of every layer and hands all L of them, stacked [L, D, F], to the
         backward loop."""
-        inner = super().layer_policy(policy)  # fsdp_tp: TensorParallel's
+        inner = super().layer_policy(policy)  # + saves_reductions (fsdp_tp's Megatron g)
         return never_gathered(everything_saveable if inner is None else inner)
 
     def head(self, lm_head, x):

@@ -16,8 +16,7 @@ __all__ = ["ACTIVATION_RULES", "PARAM_RULES", "FSDPTensorParallel", "PARALLELISM
 
 
 class FSDPTensorParallel(FullyShardedDataParallel, TensorParallel):
-    """weight, head from FSDP; enter/exit_tensor_parallel, embed, token_loss from TP;
-    layer_policy from both: FSDP's never_gathered around TP's (its `super()` call)."""
+    """weight/remat from FSDP; enter/exit_tensor_parallel, embed, token_loss from TP."""
 
 
 PARALLELISM = FSDPTensorParallel

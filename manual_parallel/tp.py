@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from auto_parallel.tp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
-from manual_parallel.base import ManualParallelism, either, saves_reductions
+from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import copy_to_tp, reduce_from_tp
 from twinshard import layers, loss
 
@@ -34,11 +34,6 @@ class TensorParallel(ManualParallelism):
 
     def exit_tensor_parallel(self, x):
         return reduce_from_tp(x, TENSOR)  # g
-
-    def layer_policy(self, policy):
-        """The layer's policy, plus: save g's psum outputs (base.saves_reductions), so a
-        checkpointed layer's backward pass recomputes matmuls, never an all-reduce."""
-        return None if policy is None else either(policy, saves_reductions)
 
     def embed(self, ids, table):
         """ids: [B/data, T] (global ids); table: this device's rows [V/tensor, D]."""

@@ -4,10 +4,11 @@ One compiled `loss_and_grads` per (runner, policy) on the tiny preset (num_heads
 tp can use all 8 devices) gives the gradients, the compiled program's collectives and
 its `memory_analysis()`; tracing alone gives JAX's own list of saved residuals.
 
-Measured here (JAX 0.12.0.1, XLA:CPU, opt level 0), gradients against the same runner
-without remat: 0 on one device and 2.7e-7 at most for a twin, as a fraction of the
-largest entry of each gradient leaf; against single device without remat: 9.4e-7 (manual
-tp, the f32 psums add in another order; the no-remat twins differ as much). Tolerance 4e-6.
+Measured here (JAX 0.12.0.1, XLA:CPU, opt level 0), the largest gradient difference as a
+fraction of the largest entry of its leaf: against the same runner without remat, 0 on
+one device (the recomputation repeats the same f32 operations) and 4.2e-7 in a twin (auto
+tp, full); against single device without remat, 8.8e-7 (manual and auto fsdp: their
+no-remat runs differ as much; the f32 sums add in another order). Tolerance 2e-6.
 
 Temporary bytes of the compiled loss_and_grads (`memory_analysis().temp_size_in_bytes`,
 per device; measured as above):
@@ -43,7 +44,7 @@ BASE = preset("tiny")
 CFG = Config(dataclasses.replace(BASE.model, num_heads=8), BASE.train)
 B, T, L = CFG.train.batch_size, CFG.model.context_length, CFG.model.num_layers
 MESHES = {"fsdp": "data:8,tensor:1", "tp": "data:1,tensor:8", "fsdp_tp": "data:2,tensor:4"}
-GRAD_RTOL = 4e-6
+GRAD_RTOL = 2e-6
 # memory_analysis() temp bytes / the cost model's activations + grads + gathered weights,
 # measured: 0.82 (single, dots_no_batch) .. 2.24 (auto fsdp, none).
 FACTOR = 2.6
@@ -109,10 +110,12 @@ def test_temp_bytes_follow_the_policy(name):
     """memory_analysis() temp bytes: full < dots <= none (and dots_no_batch <= dots), and
     within a factor FACTOR of the cost model's activations + gradients + gathered weights.
 
-    The model is low (FACTOR): temp also holds the backward pass's own temporaries (the
-    f32 logits' gradient [b,T,V], one layer's weight gradients before the scatter or the
+    Why only a factor: temp also holds the backward pass's own temporaries (the f32
+    logits' gradient [b,T,V], one layer's weight gradients before the scatter or the
     mean), and the model's `none` count is low (JAX saves 10D + 6F + 2HT per token and
-    layer on one device, the model counts 8D + 3F + HT; twinshard/cost.py)."""
+    layer on one device, the model counts 8D + 3F + HT; twinshard/cost.py): up to 2.24x
+    under none. Under dots_no_batch the model's one-layer working set (a whole layer's
+    `none` residuals) is more than XLA keeps while it recomputes one layer: 0.82x."""
     temps = {p: run(name, p)["temp"] for p in POLICIES[name]}
     assert temps["full"] < temps.get("dots", temps["none"]) <= temps["none"], temps
     assert temps.get("dots_no_batch", 0) <= temps.get("dots", math.inf), temps
@@ -130,7 +133,7 @@ def test_manual_collectives_equal_the_cost_model_under_every_policy():
     gathers each layer's 7 matrices in the forward loop and again in the backward loop
     (multiplicity L each; a gathered weight is never saved), the lm_head again outside;
     TP saves Megatron g's outputs, so no all-reduce is recomputed."""
-    fsdp, m = run("manual fsdp", "none")["runner"], CFG.model
+    m = CFG.model
     per_layer = [(m.d_model, m.d_model)] * 4 + [(m.d_model, m.d_ff)] * 2 + [(m.d_ff, m.d_model)]
     for name in ("manual fsdp", "manual tp"):
         for policy in POLICIES[name]:
@@ -142,7 +145,6 @@ def test_manual_collectives_equal_the_cost_model_under_every_policy():
                 in_loop = [g.shape for g in led.filter(op="all-gather", axes="data") if g.multiplicity == L]
                 assert sorted(in_loop) == sorted(per_layer * 2), (policy, in_loop)
                 assert led.count("all-gather", "data") == 2 * (7 * L + 2) - 1, policy
-    assert fsdp.sizes["data"] == 8
 
 
 def test_auto_twins_recompute_collectives_under_remat():

@@ -558,7 +558,7 @@ MUTANTS: list[Mutant] = [
            (SCAN + "::test_unrolled_scan_is_the_same_training_and_the_same_collectives",),
            "an unrolled scan lets XLA merge FSDP's backward re-gather with the forward gather (the "
            "gathered weight lives until the backward pass)"),
-    Mutant("remat-tp-recomputes-g", "remat", _TP,
+    Mutant("remat-tp-recomputes-g", "remat", "manual_parallel/base.py",
            "return None if policy is None else either(policy, saves_reductions)",
            "return policy",
            (REMAT + "::test_manual_collectives_equal_the_cost_model_under_every_policy",),

@@ -13,7 +13,7 @@ override only what they need:
     exit_tensor_parallel    -                            Megatron g: psum / identity
     embed(ids, table)       -                            vocab-parallel lookup + psum
     token_loss(...)         -                            vocab-parallel cross-entropy
-    layer_policy(policy)    -                            TP: + save g's psum outputs;
+    layer_policy(policy)    -                            + save psum outputs (Megatron g);
                                                          FSDP: never save a gathered weight
     head(lm_head, x)        -                            FSDP: checkpoint (re-gather W)
 
