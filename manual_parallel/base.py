@@ -1,10 +1,36 @@
-"""What every manual strategy shares: the placement rules it was built with."""
+"""What every manual strategy shares: the placement rules it was built with, and
+the remat rule that keeps communication out of recomputation (`layer_policy`)."""
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Mapping
 
-from twinshard.parallelism import Parallelism
+from twinshard.parallelism import Parallelism, Policy
+
+# Primitives whose output is a forward all-reduce (Megatron g, the vocab-parallel
+# statistics; `psum_invariant` is the psum of a value invariant over the axis under check_vma).
+_REDUCTIONS = frozenset({"psum", "psum_invariant", "pmax"})
+
+
+def saves_reductions(prim, *_, **params) -> bool:
+    """Remat policy: save the output of every forward all-reduce, direct or inside one of
+    manual_parallel/collectives.py's custom_vjps (Megatron's g = `reduce_from_tp`).
+    Megatron's f (`copy_to_tp`: identity forward, a `pcast`) and FSDP's gather (an
+    all_gather) are not reductions and are not saved.
+
+    With it, a checkpointed layer never repeats a forward collective in its backward
+    pass: remat trades FLOPs for memory, not communication. Without it, `full` re-runs
+    both Megatron g psums of every layer in the backward loop (2L more all-reduces of
+    [b, T, D]; Korthikanti et al. 2022 count the same cost for Megatron's full
+    recomputation); with it, each layer saves those 2 [b, T, D] (twinshard/cost.py)."""
+    if prim.name == "custom_vjp_call":
+        return any(e.primitive.name in _REDUCTIONS for e in params["call_jaxpr"].eqns)
+    return prim.name in _REDUCTIONS
+
+
+def either(*policies: Policy) -> Policy:
+    """A residual is saved if any of `policies` saves it."""
+    return lambda prim, *args, **params: any(p(prim, *args, **params) for p in policies)
 
 
 class ManualParallelism(Parallelism):
@@ -13,6 +39,8 @@ class ManualParallelism(Parallelism):
     def __init__(self, param_rules: Mapping[str, str]):
         self.param_rules = dict(param_rules)
 
-    def remat(self, loss_fn: Callable) -> Callable:
-        """How the loss is differentiated; FSDP re-gathers weights instead of saving them."""
-        return loss_fn
+    def layer_policy(self, policy):
+        """The layer's policy, plus `saves_reductions`: a checkpointed layer's backward pass
+        recomputes matmuls, never a collective (tp, fsdp_tp: Megatron g; dp and fsdp run no
+        all-reduce in a layer's forward, so for them this adds nothing)."""
+        return None if policy is None else either(policy, saves_reductions)

@@ -5,10 +5,10 @@ is reduce-scattered straight back to the slice.
 Forward: `fsdp_gather` = all_gather over `data` of each weight matrix (7L+2):
 inside the layer scan, one layer's 7 matrices per iteration (W1: [D/data, F]
 -> [D, F]), so at most one layer's gathered weights exist at a time.
-Backward: all_gather again (gathered weights are not saved: `remat`) of every
-matrix but the embedding table (its gradient is a scatter-add that reads no
-table values), then psum_scatter over `data` of each weight gradient
-(fsdp_gather's backward: 7L+2);
+Backward: all_gather again (gathered weights are not saved: `layer_policy` and
+`head` checkpoint every use), inside the backward layer loop, of every matrix but
+the embedding table (its gradient is a scatter-add that reads no table values),
+then psum_scatter over `data` of each weight gradient (fsdp_gather's backward: 7L+2);
 the replicated RMSNorm gains get the DP mean (manual_parallel/runner.py).
 Optimizer: one psum over `data` of the shards' squared norms.
 
@@ -49,6 +49,9 @@ from jax import lax
 from auto_parallel.fsdp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import fsdp_gather
+from twinshard.parallelism import Policy
+
+everything_saveable = jax.checkpoint_policies.everything_saveable
 
 __all__ = ["ACTIVATION_RULES", "PARAM_RULES", "FullyShardedDataParallel", "PARALLELISM"]
 
@@ -88,37 +91,43 @@ class FullyShardedDataParallel(ManualParallelism):
                 return full
         return w  # RMSNorm gains are replicated
 
-    def remat(self, loss_fn):
-        """Save only matmul outputs for the backward pass; everything else - the
-        gathered weights included - is recomputed, so the backward pass
-        all-gathers each weight again and no full weight outlives its layer.
+    def layer_policy(self, policy):
+        """Each layer is checkpointed under every ModelConfig.remat: the layer's policy
+        (with the psum outputs of fsdp_tp's Megatron g, base.py; remat=none: everything
+        autodiff saves), minus the gathered weights. The backward loop then re-gathers each layer's 7
+        matrices in its own iteration, and no gathered weight outlives its layer
+        (measured: 7 all-gathers in the forward loop, 7 in the backward loop, each of
+        multiplicity L, for every policy; tests/test_remat.py).
 
-        The policy reaches into the layer scan: the forward loop saves per layer
-        only the allowed residuals (stacked [L, ...]), and the backward loop
-        re-gathers each layer's 7 matrices in its body (measured at L=8: 7
-        all-gathers in each loop, multiplicity 8; tests/test_scan.py).
+        Measured (JAX 0.12): a checkpoint around the WHOLE loss (this twin's earlier
+        design) does not nest: its policy overrides the layer's, and its recomputation
+        runs as a third loop between the forward and the backward loop, which re-gathers
+        the weights of every layer and hands all L of them, stacked [L, D, F], to the
+        backward loop."""
+        inner = super().layer_policy(policy)  # + saves_reductions (fsdp_tp's Megatron g)
+        return never_gathered(everything_saveable if inner is None else inner)
 
-        Measured (JAX 0.12): `save_anything_except_these_names` on a
-        checkpoint_name'd gathered weight does NOT re-gather - autodiff saves a
-        derived copy (a transpose / reduce_precision of W) instead; and
-        `jax.checkpoint` around the gather alone saves its output. Saving only
-        matmul outputs works, and collective outputs must be saved too, or the
-        backward pass would repeat the TP all-reduces of fsdp_tp.
-        """
-        return jax.checkpoint(loss_fn, policy=_save_matmuls_and_reductions, static_argnums=(3, 4))
-
-
-_SAVED = {"dot_general", "gather", "psum", "psum_invariant", "pmax"}
+    def head(self, lm_head, x):
+        """lm_head(x) checkpointed: the backward pass re-gathers the lm_head weight
+        ([D, V], or [D, V/tensor] under fsdp_tp) instead of keeping it. The embedding
+        needs nothing of the kind: its backward is a scatter-add that reads no table."""
+        return jax.checkpoint(lm_head, policy=never_gathered(everything_saveable))(x)
 
 
-def _save_matmuls_and_reductions(prim, *_, **params) -> bool:
-    """Remat policy: keep matmul, lookup (`gather`) and all-reduce outputs (incl.
-    the TP f/g custom_vjps); recompute the rest, FSDP's gathered weights among
-    them. Saving the embedding lookup's output means the embedding table is not
-    re-gathered: its gradient (a scatter-add) needs no table values."""
-    if prim.name == "custom_vjp_call":
-        return not any(e.primitive.name == "all_gather" for e in params["call_jaxpr"].eqns)
-    return prim.name in _SAVED
+def gathers(prim, **params) -> bool:
+    """True for the output of `fsdp_gather` (a custom_vjp around an all_gather): a full weight."""
+    return prim.name == "custom_vjp_call" and any(
+        e.primitive.name == "all_gather" for e in params["call_jaxpr"].eqns)
+
+
+def never_gathered(policy: Policy) -> Policy:
+    """`policy`, except that a gathered weight is never saved: it is gathered again.
+
+    Measured (JAX 0.12): this one exclusion is enough. The matmuls read the gathered
+    weight itself (no transposed or cast copy to hide in), so under
+    `never_gathered(everything_saveable)` the backward pass re-gathers every matrix; under
+    `everything_saveable` alone it re-gathers none."""
+    return lambda prim, *args, **params: not gathers(prim, **params) and policy(prim, *args, **params)
 
 
 PARALLELISM = FullyShardedDataParallel

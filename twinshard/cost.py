@@ -135,15 +135,34 @@ Memory per device (`Memory`, bytes):
                leaf with two dims >= 128 (optim.factored_dims) a row and a column
                statistic (the leaf without its largest / second-largest dim, each
                split over the mesh axes of the dims it keeps), else a full v
-    activations, saved for the backward pass, no rematerialization:
-        per layer  b*T*(4D + 4D/t + 3F/t) + b*(H/t)*T^2  elements:
+    activations, saved for the backward pass, per layer by `remat` (ModelConfig.remat,
+        the jax.checkpoint policy of each layer: twinshard/model.py REMAT_POLICIES):
+        none       b*T*(4D + 4D/t + 3F/t) + b*(H/t)*T^2  elements:
                    residual in, ln1 out, residual mid, ln2 out (4 x [b,T,D]);
                    q, k, v and the merged attention output (4 x [b,T,D/t]);
                    w1 out, w3 out, silu(w1)*w3 (3 x [b,T,F/t]);
                    softmax probabilities [b,H/t,T,T]
+                   An estimate, and low: JAX 0.12 saves b*T*(10D + 6F) + 2*b*H*T^2 (+ norm
+                   statistics) per layer on one device (jax.ad_checkpoint.saved_residuals,
+                   tests/test_remat.py), e.g. scores AND probabilities, q/k before and
+                   after RoPE, and six [b,T,F] for SwiGLU.
+        full       b*T*D: the layer input (the checkpoint's argument); + b*T*D under
+                   tensor parallelism, the attention block's g output (the manual twin
+                   saves Megatron g's psum outputs so no all-reduce is recomputed, and
+                   needs the first one to rebuild the residual stream)
+        dots_no_batch  b*T*(2D + 3D/t + 2F/t): the input, q, k, v, output_proj's
+                   output (TP: g's psum of it), w1 and w3 outputs. w2's output is a dot
+                   too, but the backward pass never reads it: JAX saves what is read.
+        dots       dots_no_batch + b*T*D/t (the AV product) + b*(H/t)*T^2 (the QK^T scores)
+        and, for every policy but none, one layer's `none` residuals once: the
+        working set the backward loop rebuilds for the layer it differentiates.
+        The per-layer counts of full / dots / dots_no_batch are exact (equal to JAX's
+        saved_residuals on one device and in the manual tp twin, tests/test_remat.py).
         final      2*b*T*D (ln_final in/out) + b*T*V/t (logits) x s, and b*T*V/t x 4
-        (exp(z - max) in the f32 loss); the rest x s bytes. An estimate: XLA
-        fuses, recomputes and frees buffers (compare with `compiled.memory_analysis()`).
+        (exp(z - max) in the f32 loss); the rest x s bytes. Not rematerialized by any
+        policy (the manual FSDP twin checkpoints the lm_head matmul alone, which keeps
+        its input and output). An estimate: XLA fuses, recomputes and frees buffers
+        (compare with `compiled.memory_analysis()`; tests/test_remat.py states the factor).
     gathered_weights (fsdp, fsdp_tp: transient) one layer's gathered matrices or
         the gathered embedding / lm_head, whichever is larger: 7 per layer at
         full/t elements each, x s bytes (gathered in the compute dtype).
@@ -159,7 +178,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinshard import mesh as mesh_lib
-from twinshard.config import ModelConfig
+from twinshard.config import REMAT_POLICIES, ModelConfig
 from twinshard.hlo import ring_bytes as _ring_bytes
 
 PHASES = ("forward", "backward", "optimizer", "metrics")
@@ -572,24 +591,45 @@ def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[s
     return total * F32
 
 
+def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int) -> int:
+    """Elements one layer saves for the backward pass under `remat` (module docstring);
+    b sequences per device, t tensor shards (1 without tensor parallelism)."""
+    d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
+    scores = b * (h // t) * seq * seq  # [b, H/t, T, T]
+    if remat == "none":
+        return b * seq * (4 * d + 4 * d // t + 3 * f // t) + scores
+    if remat == "full":
+        return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
+    no_batch = b * seq * (2 * d + 3 * d // t + 2 * f // t)
+    if remat == "dots_no_batch":
+        return no_batch
+    if remat == "dots":
+        return no_batch + b * seq * d // t + scores
+    raise ValueError(f"remat={remat!r} has no memory model; choose one of {', '.join(REMAT_POLICIES)}.")
+
+
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
            dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1,
-           optimizer: str = "adamw") -> Memory:
+           optimizer: str = "adamw", remat: str | None = None) -> Memory:
+    """Bytes per device; `remat` (default `cfg.remat`) sets the activations (module docstring)."""
     if strategy not in PIPELINES:
         mesh_lib.check_strategy(strategy)
+    remat = cfg.remat if remat is None else remat
     rules = RULES[strategy]
     params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
     t = mesh["tensor"] if "heads" in rules else 1
     b = (batch // mesh["data"] if "batch" in rules else batch) // grad_accum  # one micro-batch
-    d, f, h, v = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.padded_vocab_size
-    per_layer = b * seq * (4 * d + 4 * d // t + 3 * f // t) + b * (h // t) * seq * seq
-    final = (2 * b * seq * d + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
-    acts = cfg.num_layers * per_layer * dtype_bytes + final
-    if "layers" in rules:  # GPipe: L/S layers per device, saved for all M + S - 1 ticks of B/M sequences
+    d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
+    layers = cfg.num_layers * saved_per_layer(cfg, remat, b, seq, t)
+    if "layers" in rules:  # GPipe: this stage's L/S layers, saved in each of the M + S - 1 ticks, B/M rows each
         from twinshard import pipeline
 
         ticks = pipeline.ticks(microbatches, mesh["stage"])
-        acts = (cfg.num_layers // mesh["stage"]) * per_layer * dtype_bytes * ticks // microbatches + final
+        layers = cfg.num_layers // mesh["stage"] * saved_per_layer(cfg, remat, b // microbatches, seq, t) * ticks
+    if remat != "none":  # the backward loop rebuilds one layer's residuals at a time
+        layers += saved_per_layer(cfg, "none", b, seq, t)
+    final = (2 * b * seq * d + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
+    acts = layers * dtype_bytes + final
     gathered = 0
     if "embed" in rules:
         layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
@@ -635,15 +675,19 @@ def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
 
 def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
          seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
-         microbatches: int = 1, optimizer: str = "adamw") -> Cost:
+         microbatches: int = 1, optimizer: str = "adamw", remat: str | None = None) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
-    split into that many.
+    split into that many. microbatches: a pipeline's M. optimizer: TrainConfig.optimizer
+    (memory only).
 
-    mesh: {'data': d, 'tensor': t} (a missing axis is 1). Invalid input raises
-    ValueError naming the value and the fix (unknown strategy, wrong axes for the
-    strategy, a dimension not divisible by its mesh axis, seq_len > context_length).
+    mesh: {'data': d, 'tensor': t} (a missing axis is 1). `remat` (default: `cfg.remat`)
+    changes the activation memory only: under every policy the manual twin runs the
+    same collectives (FSDP re-gathers each matrix once in the backward pass whatever the
+    policy; TP's g outputs are saved, never recomputed: manual_parallel/base.py). Invalid
+    input raises ValueError naming the value and the fix (unknown strategy, wrong axes for
+    the strategy, a dimension not divisible by its mesh axis, seq_len > context_length).
     """
     if strategy not in PIPELINES:
         mesh_lib.check_strategy(strategy)
@@ -677,8 +721,8 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
-                memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer),
-                notes)
+                memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer,
+                       remat), notes)
 
 
 _NOTES = {

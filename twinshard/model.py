@@ -49,7 +49,7 @@ from flax import nnx
 
 from twinshard import layers
 from twinshard.config import ModelConfig
-from twinshard.parallelism import SINGLE_DEVICE, Parallelism
+from twinshard.parallelism import SINGLE_DEVICE, Parallelism, Policy
 
 Array = jax.Array
 ACTIVATION = ("batch", "seq", "embed")  # logical axes of the residual stream [B, T, D]
@@ -187,6 +187,46 @@ def _layer_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
     return nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
 
 
+# ----------------------------------------------------------------------------
+# Rematerialization of the scanned block (ModelConfig.remat).
+# ----------------------------------------------------------------------------
+
+_POLICIES = jax.checkpoint_policies
+
+# ModelConfig.remat -> the jax.checkpoint policy of ONE layer (the scan body). A policy is
+# asked, for each primitive of the layer, whether its output may be saved for the backward
+# pass; what it refuses is recomputed from what it saved, inside the backward loop.
+REMAT_POLICIES: dict[str, Policy | None] = {
+    # No checkpoint: autodiff saves whatever the backward pass reads: per layer the norm
+    # outputs and statistics, q/k/v before and after RoPE, the attention probabilities
+    # [b,H,T,T] (twice: the xla kernel keeps scores and probabilities), SwiGLU's six [b,T,F].
+    "none": None,
+    # Save nothing inside the layer: the forward loop keeps each layer's input [b,T,D] (the
+    # checkpoint's argument), the backward loop re-runs the layer's forward first.
+    "full": _POLICIES.nothing_saveable,
+    # Save every dot_general output: the 7 projections AND attention's QK^T scores
+    # [b,H,T,T] and AV output; recompute norms, RoPE, softmax, SiLU (elementwise work).
+    "dots": _POLICIES.dots_saveable,
+    # Save the dot_generals without batch dimensions. `layers.linear` is
+    # einsum('...i,io->...o'): B and T are free dimensions, not dot batch dimensions, so the
+    # 7 projections ARE saved; attention's two einsums batch over (B, h) and are recomputed
+    # (no [b,H,T,T] residual; Korthikanti et al. 2022's "selective recomputation" of the
+    # attention core).
+    "dots_no_batch": _POLICIES.dots_with_no_batch_dims_saveable,
+}
+# Not offered (JAX 0.12's jax.checkpoint_policies): the offload policies
+# (`offload_dot_with_no_batch_dims`, `save_and_offload_only_these_names`) move residuals to
+# pinned host memory, which XLA:CPU does not separate from device memory (nothing the tests
+# could measure); the name policies (`save_only_these_names` with `checkpoint_name`) would
+# need names in the layer math, and with one policy per layer "full" already keeps just the
+# layer input; `save_anything_except_these_names` is a stub in 0.12 (it saves everything).
+
+
+def remat_policy(cfg: ModelConfig) -> Policy | None:
+    """The jax.checkpoint policy of one scanned layer for `cfg.remat` (None: no checkpoint)."""
+    return REMAT_POLICIES[cfg.remat]
+
+
 def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
     """x: [B, T, D] through the L stacked blocks with `jax.lax.scan` (one compiled body).
 
@@ -206,6 +246,16 @@ def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SI
     (maxtext_llama_ref, L=4, single device): 1.55 s/step unrolled by Python,
     1.95 s scanned, 1.87 s with unroll=2 and 1.47 s with unroll=4, so
     `cfg.scan_unroll` (default 1) lets a CPU run trade compile time for speed.
+
+    `cfg.remat` checkpoints the body (ONE layer) with the policy of REMAT_POLICIES, as the
+    strategy adapts it (`par.layer_policy`: manual TP also saves Megatron g's outputs,
+    manual FSDP never saves a gathered weight and checkpoints even under "none"). The
+    forward loop then saves, per layer, what the policy allows (stacked [L, ...]); the
+    backward loop recomputes the rest of layer i in iteration i. The checkpoint must sit
+    here, on the body: jax.checkpoint policies do not nest (measured, JAX 0.12: around a
+    checkpointed body, an outer policy alone decides what the forward pass saves, and an
+    outer checkpoint's recomputation runs as a separate loop over all L layers before the
+    backward loop, keeping every layer's recomputed values at once).
     """
     return par.layer_stack(nnx.to_pure_dict(nnx.state(blocks, nnx.Param)), cfg, x)
 
@@ -218,6 +268,13 @@ def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array, par: Parallelism = S
     def body(x: Array, layer) -> tuple[Array, None]:  # x: [B, T, D]; layer: one layer's params
         return nnx.merge(layer_def, layer)(x, par), None
 
+    policy = par.layer_policy(remat_policy(cfg))
+    if policy is not None:
+        # prevent_cse: in a rolled scan the forward and backward loops keep the original and
+        # its recomputation apart (jax.checkpoint's docstring: unnecessary inside lax.scan),
+        # but an unrolled one puts both in one computation, where XLA merged them (measured:
+        # manual FSDP at scan_unroll=L gathered each weight once and kept it for backward).
+        body = jax.checkpoint(body, policy=policy, prevent_cse=cfg.scan_unroll > 1)
     x, _ = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)
     return x
 
@@ -250,7 +307,7 @@ class TransformerLM(nnx.Module):
         x = self.ln_final(x, par)
         # Logits in the compute dtype (so the lm_head's backward matmuls stay bf16 too: with
         # float32 logits JAX ran both of them in f32, measured), then float32 for the loss.
-        logits = self.lm_head(par.enter_tensor_parallel(x), par).astype(jnp.float32)
+        logits = par.head(lambda h: self.lm_head(h, par), par.enter_tensor_parallel(x)).astype(jnp.float32)
         return par.constrain(logits, LOGITS)
 
     def head_loss(self, x: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:

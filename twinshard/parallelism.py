@@ -14,6 +14,9 @@ override only what they need:
     embed(ids, table)       -                            vocab-parallel lookup + psum
     token_loss(...)         -                            vocab-parallel cross-entropy
     layer_stack(...)        pipeline: stages under vmap  - (manual_parallel/pp.py runs its own loop)
+    layer_policy(policy)    -                            + save psum outputs (Megatron g);
+                                                         FSDP: never save a gathered weight
+    head(lm_head, x)        -                            FSDP: checkpoint (re-gather W)
 
 Logical axis names (on params and activations): vocab, embed, heads, mlp,
 norm, layers (params); batch, seq, embed, heads, mlp, vocab (activations).
@@ -27,12 +30,15 @@ the [L, D, F] stack), so a collective a hook adds runs once per layer, in a
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 
 from twinshard import layers, loss
 
 Array = jax.Array
 Axes = tuple[str | None, ...]
+Policy = Callable[..., bool]  # a jax.checkpoint policy
 
 
 class Parallelism:
@@ -63,6 +69,15 @@ class Parallelism:
 
     def embed(self, ids: Array, table: Array) -> Array:
         return layers.embedding(ids, table)
+
+    def layer_policy(self, policy: Policy | None) -> Policy | None:
+        """The jax.checkpoint policy of one scanned layer, given the one `ModelConfig.remat`
+        names (model.REMAT_POLICIES); None: the layer is not checkpointed."""
+        return policy
+
+    def head(self, lm_head: Callable[[Array], Array], x: Array) -> Array:
+        """lm_head(x): x [B, T, D] -> logits [B, T, V(_local)]; FSDP checkpoints it."""
+        return lm_head(x)
 
     def token_loss(self, logits: Array, targets: Array, vocab_size: int) -> Array:
         """Per-token cross-entropy [B, T] from logits [B, T, V(_local)]."""
