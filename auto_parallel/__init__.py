@@ -33,6 +33,9 @@ def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None,
     `tx` overrides the optimizer built from `cfg.train` (see `AutoRunner`)."""
     n_devices = len(jax.devices() if devices is None else devices)  # None: jax.make_mesh orders them
     if strategy in PIPELINES:
+        if cfg.train.schedule != "gpipe":
+            raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
+                             "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
         shape = pipeline.resolve_mesh(mesh_spec, n_devices)
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
                        cfg.train.grad_accum)

@@ -243,7 +243,7 @@ def model_cost(cfg: Config, strategy: str, mesh: dict[str, int] | None):
             cfg.model, "dp", {"data": 1, "tensor": 1}, B, T, cost.DTYPE_BYTES[cfg.model.dtype], grad_accum=K,
             optimizer=cfg.train.optimizer)
     c = cost.cost(cfg.model, strategy, mesh, B, T, grad_accum=K, microbatches=cfg.train.microbatches,
-                  optimizer=cfg.train.optimizer)
+                  optimizer=cfg.train.optimizer, schedule=cfg.train.schedule)
     return c, c.flops, c.memory
 
 
@@ -527,7 +527,8 @@ def main(argv):
 
 
 BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "devices", "steps", "warmup", "batch_size",
-               "context_length", "seed", "dtype", "vocab_size", "d_model", "num_layers", "num_heads", "d_ff",
+               "context_length", "seed", "dtype", "attention", "scan_unroll", "remat", "vocab_size", "d_model",
+               "num_layers", "num_heads", "d_ff",
                "matmul_size", "matmul_reps", "json", "markdown")
 
 

@@ -102,7 +102,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     mesh = {a: int(n) for a, n in runner.mesh.shape.items()}
     model = cost.cost(cfg.model, strategy, mesh, cfg.train.batch_size, cfg.model.context_length,
                       grad_accum=cfg.train.grad_accum, microbatches=cfg.train.microbatches,
-                      optimizer=cfg.train.optimizer)
+                      optimizer=cfg.train.optimizer, schedule=cfg.train.schedule)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
                                   sharding=runner.batch_sharding)
     state = runner.abstract_state()

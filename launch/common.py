@@ -59,6 +59,8 @@ def define_model_flags() -> None:
            "grad_accum micro-batches whose gradients are accumulated (default 1).")
     define(flags.DEFINE_integer, "microbatches", None, "Pipeline strategies (pp): micro-batches in flight per "
            "step, at least the number of stages (GPipe bubble: (S-1)/(M+S-1)).")
+    define(flags.DEFINE_enum, "schedule", None, ("gpipe", "1f1b"), "Pipeline schedule (default gpipe, both "
+           "twins); 1f1b (manual twin): one forward, one backward, at most S micro-batches alive per stage.")
     define_precision_flags()
 
 
@@ -178,7 +180,7 @@ def config_from_flags(FLAGS) -> Config:
     if FLAGS.context_length is not None:
         model = dataclasses.replace(model, context_length=FLAGS.context_length)
     overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed", "optimizer", "grad_accum",
-                                                "microbatches") if getattr(FLAGS, k) is not None}
+                                                "microbatches", "schedule") if getattr(FLAGS, k) is not None}
     if FLAGS.tokenizer is not None:
         # a file by absolute path: launch.sample and --resume find it from any directory
         overrides["tokenizer"] = FLAGS.tokenizer if not os.path.isfile(FLAGS.tokenizer) \

@@ -106,7 +106,7 @@ def model_comparison(result: dict, cfg) -> str:
 
     model = cost.cost(cfg.model, result["strategy"], result["mesh"], cfg.train.batch_size,
                       grad_accum=cfg.train.grad_accum, microbatches=cfg.train.microbatches,
-                      optimizer=cfg.train.optimizer)
+                      optimizer=cfg.train.optimizer, schedule=cfg.train.schedule)
     parts = [model.table()]
     for impl, led in result["ledgers"].items():
         parts += ["", f"{impl} ledger vs cost model:", cost.compare_table(cost.compare(led.summary(), model.summary()))]

@@ -22,6 +22,12 @@ gradients of the replicated embedding, ln_final and lm_head (only stage 0 /
 stage S-1 has a non-zero one), and the psum of the loss, which only stage S-1
 computes (`lax.cond`: the other stages skip the lm_head and the cross-entropy).
 Optimizer: one psum over `stage` of the stage-sharded gradients' squared norms.
+
+`--schedule=1f1b` (`PipelineRunner._one_f_one_b`, this twin only) replaces the
+autodiff of the tick loop by the one-forward-one-backward schedule written out:
+a static table (pipeline.one_f_one_b) says what each stage does in each tick; a
+backward is a `jax.vjp` of the stage on its saved input, so a stage keeps at most
+S micro-batch inputs where GPipe keeps every tick's residuals. Same gradients.
 """
 
 from __future__ import annotations
@@ -46,8 +52,8 @@ PARALLELISM = ManualParallelism  # no model hooks: a stage runs the single-devic
 
 
 class PipelineRunner(ManualRunner):
-    """ManualRunner whose loss is the GPipe tick loop; the step, the optimizer and the
-    global norm (one psum over `stage`) are ManualRunner's."""
+    """ManualRunner whose gradients come from the pipeline (GPipe or 1F1B); the step, the
+    optimizer and the global norm (one psum over `stage`) are ManualRunner's."""
 
     def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, mesh_shape[STAGE], cfg.train.microbatches,

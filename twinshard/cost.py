@@ -383,6 +383,7 @@ class _Ctx:
     s: int  # dtype bytes
     k: int = 1  # grad_accum: micro-batches per step
     microbatches: int = 1  # M (pipelines)
+    schedule: str = "gpipe"  # pipelines: gpipe or 1f1b
 
     @property
     def d(self) -> int:
@@ -528,15 +529,18 @@ def _pp(ctx: _Ctx) -> list[Row]:
     from twinshard import pipeline
 
     m, n = ctx.microbatches, ctx.mesh["stage"]
-    ticks, b = pipeline.ticks(m, n), ctx.batch // m
+    b = ctx.batch // m
+    # GPipe: M + S - 1 forward ticks, then as many backward; 1F1B: every tick of its table
+    # hands a forward output on AND an input gradient back (zeros when the stage idled)
+    ticks = pipeline.ticks(m, n) if ctx.schedule == "gpipe" else len(pipeline.one_f_one_b(m, n)[0])
     hop = ctx.activation(b)
     act = f"[{b},{ctx.seq},{ctx.cfg.d_model}]"
     replicated = [w for w in weights(ctx.cfg) if w.layers == 1]
     return [
         row(ctx, "forward", "collective-permute", ("stage",), ticks, hop,
-            f"shift_to_next_stage: ppermute s -> s+1 of {act}, one per tick (M + S - 1)"),
+            f"shift_to_next_stage: ppermute s -> s+1 of {act}, one per tick ({ticks} ticks)"),
         row(ctx, "backward", "collective-permute", ("stage",), ticks, hop,
-            f"shift_to_next_stage backward: ppermute s+1 -> s of d{act}, one per tick"),
+            f"shift_to_previous_stage: ppermute s+1 -> s of d{act}, one per tick"),
     ] + [row(ctx, "backward", "all-reduce", ("stage",), 1, w.size * F32,
              f"psum over stage of d({w.name}) {_leaf_shape(w)} (replicated over stage, f32)")
          for w in replicated] + [
@@ -675,7 +679,8 @@ def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
 
 def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
          seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
-         microbatches: int = 1, optimizer: str = "adamw", remat: str | None = None) -> Cost:
+         microbatches: int = 1, optimizer: str = "adamw", remat: str | None = None,
+         schedule: str = "gpipe") -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
@@ -716,7 +721,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "
                          f"of {local} sequences; choose one of {[k for k in range(1, local + 1) if local % k == 0]}.")
-    ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches)
+    ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule)
     rows = sorted(STRATEGY_ROWS[strategy](ctx), key=lambda r: PHASES.index(r.phase))  # stable
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
