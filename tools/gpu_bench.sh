@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The ONE script a device session runs for issue 9's GPU numbers (BENCHMARKS.md, "GPU"): about
-# 8 minutes on one H200, everything written to $OUT (at most 8 files come back: this writes 7).
+# 8 minutes on one H200, everything written to $OUT (at most 8 files come back: this writes 8).
 #
 #   1. Here, once (the device machine has no network; flax 0.12.12 travels as a wheel, jax 0.11.2 +
 #      CUDA 13, optax, orbax, absl, tiktoken, numpy are already there):
@@ -18,6 +18,7 @@
 #   - gpt2_350m, the same
 #   - cuDNN flash attention against the reference attention (bf16 values and gradients)
 #   - both again with --dtype=bfloat16 (issue 9 item 4: bf16 compute, cuDNN attention)
+#   - gpt2_350m bf16 with --remat=full and --remat=dots (issue 10 item 1), as far as the budget lasts
 # A run that outlives its cap is killed and logged ("timed out"): with the unrolled init of the
 # base commit (164-172 s for gpt2_125m on an H200) that is what the 350m init does.
 set -u -o pipefail
@@ -56,7 +57,7 @@ else
   SHAPE=(--batch_size=16 --steps=10 --warmup=3)
   BUDGET_S=${BUDGET_S:-470}
 fi
-read -r -a CAPS <<< "${CAPS_S:-240 200 120 150}"  # seconds: 125m f32, 350m f32, 125m bf16, 350m bf16
+read -r -a CAPS <<< "${CAPS_S:-240 200 120 150 90}"  # seconds: 125m f32, 350m f32, 125m bf16, 350m bf16, remat
 mkdir -p "$OUT"
 LOG=$OUT/gpu_bench.log
 MD=$OUT/gpu_bench.md
@@ -136,6 +137,20 @@ bench "${LABELS[0]}_f32" "${CAPS[0]}" --preset="${MODELS[0]}" "${SHAPE[@]}"
 bench "${LABELS[1]}_f32" "${CAPS[1]}" --preset="${MODELS[1]}" "${SHAPE[@]}"
 bench "${LABELS[0]}_bf16" "${CAPS[2]}" --preset="${MODELS[0]}" "${SHAPE[@]}" --dtype=bfloat16
 bench "${LABELS[1]}_bf16" "${CAPS[3]}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16
+# issue 10 item 1, if the budget allows (bench skips a run with < 30 s left): gpt2_350m bf16 under
+# the two memory-saving remat policies; temp bytes (memory_analysis) and step time beside the run above
+bench "${LABELS[1]}_bf16_remat_full" "${CAPS[4]}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16 --remat=full
+bench "${LABELS[1]}_bf16_remat_dots" "${CAPS[4]}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16 --remat=dots
+# at most 8 files come back: the remat runs' JSON files become one, remat.json
+"$PY" - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+parts = sorted(out.glob("*_remat_*.json"))
+if parts:
+    (out / "remat.json").write_text(json.dumps({p.stem: json.loads(p.read_text()) for p in parts}, indent=1))
+    for p in parts:
+        p.unlink()
+PY
 
 { command -v nvidia-smi > /dev/null &&
     nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv; } || true

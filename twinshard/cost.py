@@ -137,15 +137,15 @@ Memory per device (`Memory`, bytes):
                split over the mesh axes of the dims it keeps), else a full v
     activations, saved for the backward pass, per layer by `remat` (ModelConfig.remat,
         the jax.checkpoint policy of each layer: twinshard/model.py REMAT_POLICIES):
-        none       b*T*(4D + 4D/t + 3F/t) + b*(H/t)*T^2  elements:
-                   residual in, ln1 out, residual mid, ln2 out (4 x [b,T,D]);
-                   q, k, v and the merged attention output (4 x [b,T,D/t]);
-                   w1 out, w3 out, silu(w1)*w3 (3 x [b,T,F/t]);
-                   softmax probabilities [b,H/t,T,T]
-                   An estimate, and low: JAX 0.12 saves b*T*(10D + 6F) + 2*b*H*T^2 (+ norm
-                   statistics) per layer on one device (jax.ad_checkpoint.saved_residuals,
-                   tests/test_remat.py), e.g. scores AND probabilities, q/k before and
-                   after RoPE, and six [b,T,F] for SwiGLU.
+        none       b*T*(4D + 6D/t + 6F/t + 4) + 2*b*(H/t)*T^2 + 2*b*(H/t)*T + 2D elements:
+                   what autodiff saves (jax.ad_checkpoint.print_saved_residuals, JAX 0.12;
+                   tiny on one device: 527,488 per layer, exactly): 4 x [b,T,D] of the
+                   residual stream and the norms (the block input, ln1 in f32, the residual
+                   after attention, ln2's normalized and scaled outputs); 6 x [b,T,D/t] in
+                   attention (q and k projections, their RoPE halves, v, the merged heads);
+                   6 x [b,T,F/t] in SwiGLU (w1 and w3 outputs, sigmoid, SiLU and the
+                   products); the scores AND the probabilities [b,H/t,T,T]; per-token norm
+                   statistics (4 x [b,T,1]), softmax statistics (2 x [b,H/t,T,1]), 2 gains [D]
         full       b*T*D: the layer input (the checkpoint's argument); + b*T*D under
                    tensor parallelism, the attention block's g output (the manual twin
                    saves Megatron g's psum outputs so no all-reduce is recomputed, and
@@ -299,11 +299,20 @@ class Memory:
     activations: int
     gathered_weights: int  # transient FSDP working set (0 without FSDP)
     accumulator: int = 0  # float32 gradient accumulator of grad_accum > 1 (0 without accumulation)
+    # the backward loop's working set: one layer's residuals (rebuilt under remat) or their
+    # cotangents, `saved_per_layer(..., "none")` of one layer (see `memory`)
+    backward_layer: int = 0
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optimizer + self.activations + self.gathered_weights
-                + self.accumulator)
+                + self.accumulator + self.backward_layer)
+
+    @property
+    def temporaries(self) -> int:
+        """What XLA's memory_analysis() counts as temporaries (not arguments): all but the
+        params and the optimizer state, which are the (donated) step's arguments."""
+        return self.total - self.params - self.optimizer
 
 
 @dataclass(frozen=True)
@@ -600,8 +609,8 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int) -> i
     b sequences per device, t tensor shards (1 without tensor parallelism)."""
     d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
     scores = b * (h // t) * seq * seq  # [b, H/t, T, T]
-    if remat == "none":
-        return b * seq * (4 * d + 4 * d // t + 3 * f // t) + scores
+    if remat == "none":  # what autodiff saves: JAX's print_saved_residuals, listed in the docstring
+        return b * seq * (4 * d + 6 * d // t + 6 * f // t + 4) + 2 * scores + 2 * b * (h // t) * seq + 2 * d
     if remat == "full":
         return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
     no_batch = b * seq * (2 * d + 3 * d // t + 2 * f // t)
@@ -630,8 +639,10 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
 
         ticks = pipeline.ticks(microbatches, mesh["stage"])
         layers = cfg.num_layers // mesh["stage"] * saved_per_layer(cfg, remat, b // microbatches, seq, t) * ticks
-    if remat != "none":  # the backward loop rebuilds one layer's residuals at a time
-        layers += saved_per_layer(cfg, "none", b, seq, t)
+    # The backward loop holds one layer's worth of residuals at a time beyond what was saved:
+    # rebuilt under remat, their cotangents without (measured with memory_analysis: without
+    # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
+    backward_layer = saved_per_layer(cfg, "none", b, seq, t) * dtype_bytes
     final = (2 * b * seq * d + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
     acts = layers * dtype_bytes + final
     gathered = 0
@@ -640,7 +651,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
         gathered = max(layer, v * d) * dtype_bytes // t
     opt = _optimizer_bytes(cfg, rules, mesh, optimizer)
     if grad_accum == 1:
-        return Memory(params, params, opt, acts, gathered)
+        return Memory(params, params, opt, acts, gathered, 0, backward_layer)
     # the f32 accumulator of the micro-batch scan: param-sized (DP, TP); under FSDP it holds the
     # gradient of the WHOLE matrices (gather_step), so it and the gathered weights are full over data
     accumulator = params
@@ -648,7 +659,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
         no_data = {a: m for a, m in rules.items() if m != "data"}
         accumulator = sum(w.count * w.size * F32 // _shards(w, no_data, mesh) for w in weights(cfg))
         gathered = sum(w.count * w.size for w in weights(cfg) if w.is_matrix) * dtype_bytes // t
-    return Memory(params, params, opt, acts, gathered, accumulator)
+    return Memory(params, params, opt, acts, gathered, accumulator, backward_layer)
 
 
 # ----------------------------------------------------------------------------- entry point

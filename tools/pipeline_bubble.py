@@ -1,0 +1,106 @@
+"""The pipeline bubble, measured: step time against the number of micro-batches M.
+
+    uv run python tools/pipeline_bubble.py                       # tiny width, 4 layers, CPU
+    uv run python tools/pipeline_bubble.py --batch=32 --layers=8 --json=bubble.json
+
+For S = 2 and 4 stages and M = S ... batch micro-batches (powers of two), each schedule
+(manual GPipe, manual 1F1B, auto GPipe) runs `--steps` timed train steps after a warm-up
+at a FIXED global batch, so the useful work per step is the same for every M. GPipe's
+bubble: (S-1)/(M+S-1) of the stage-ticks do no useful work, so the ideal step time is
+t(M) = t_useful / (1 - bubble) = t_useful * (M+S-1)/M. The table prints the measured time,
+the time predicted from the largest-M run by that formula, and the bubble fraction.
+
+What simulated CPU devices show: all S "devices" share the machine's cores, so a stage
+that idles frees nothing for the others; what is measured is the total work. GPipe here
+computes every tick on every stage (bubble ticks run on zeros: the loop is uniform), so
+its bubble costs real compute and shows up as (M+S-1)/M. 1F1B skips idle ticks
+(`lax.switch`) but recomputes each stage's forward in its backward (its vjp runs on the
+saved input), about 1/3 more work, and every tick sends 2 messages. On real accelerators
+the bubble is idle time instead, with the same fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import auto_parallel  # noqa: E402
+import manual_parallel  # noqa: E402
+from twinshard import pipeline  # noqa: E402
+from twinshard.config import Config, preset  # noqa: E402
+
+RUNS = (("manual", "gpipe"), ("manual", "1f1b"), ("auto", "gpipe"))
+
+
+def step_time(impl: str, schedule: str, stages: int, m: int, args) -> float:
+    base = preset("tiny")
+    cfg = Config(dataclasses.replace(base.model, num_layers=args.layers),
+                 dataclasses.replace(base.train, batch_size=args.batch, microbatches=m, schedule=schedule))
+    make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
+    runner = make("pp", f"stage:{stages}", cfg, devices=jax.devices()[:stages])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, cfg.model.vocab_size, (args.batch, cfg.model.context_length)).astype(np.int32)
+    state = runner.init_state(0)
+    batch = runner.place_batch(x, x)
+    for _ in range(args.warmup):
+        state, metrics = runner.train_step(state, *batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        state, metrics = runner.train_step(state, *batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--stages", type=str, default="2,4")
+    p.add_argument("--json", type=str, default=None)
+    args = p.parse_args()
+    rows = []
+    for stages in (int(s) for s in args.stages.split(",")):
+        ms = [m for m in (stages * 2 ** k for k in range(8)) if m <= args.batch and args.batch % m == 0]
+        for impl, schedule in RUNS:
+            times = {m: step_time(impl, schedule, stages, m, args) for m in ms}
+            useful = times[ms[-1]] * ms[-1] / pipeline.ticks(ms[-1], stages)  # from the largest M
+            for m in ms:
+                rows.append({"stages": stages, "microbatches": m, "impl": impl, "schedule": schedule,
+                             "step_s": times[m], "bubble": pipeline.bubble_fraction(m, stages),
+                             "gpipe_model_s": useful * pipeline.ticks(m, stages) / m})
+                print(f"S={stages} M={m:3d} {impl:6} {schedule:5}: {times[m] * 1e3:8.1f} ms/step "
+                      f"(GPipe model from M={ms[-1]}: {rows[-1]['gpipe_model_s'] * 1e3:7.1f} ms; "
+                      f"bubble {rows[-1]['bubble']:.3f})", flush=True)
+    print("\n| S | M | bubble (S-1)/(M+S-1) | manual gpipe ms | model ms | manual 1f1b ms | auto gpipe ms |")
+    print("|---|---|---|---|---|---|---|")
+    for stages in sorted({r["stages"] for r in rows}):
+        for m in sorted({r["microbatches"] for r in rows if r["stages"] == stages}):
+            get = {(r["impl"], r["schedule"]): r for r in rows if (r["stages"], r["microbatches"]) == (stages, m)}
+            g = get[("manual", "gpipe")]
+            print(f"| {stages} | {m} | {g['bubble']:.3f} | {g['step_s'] * 1e3:.1f} | {g['gpipe_model_s'] * 1e3:.1f} "
+                  f"| {get[('manual', '1f1b')]['step_s'] * 1e3:.1f} | {get[('auto', 'gpipe')]['step_s'] * 1e3:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "loadavg": os.getloadavg()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
