@@ -11,11 +11,12 @@
 For each strategy (dp, fsdp, tp, fsdp_tp) and each mesh data x tensor = chips the strategy
 allows, the cost model of the manual twin (twinshard.cost) gives, per chip:
 
-- memory: params + grads + optimizer state (AdamW's two moments) + activations (no remat) +
-  FSDP's gathered layer; the plan fits when that is at most (1 - --hbm_headroom) of the HBM.
-  The estimate is low: compiled for the slice, XLA's peak per chip (arguments + outputs -
-  aliased + temporaries) was 21% above it for gpt2_125m dp on v5e:4x4 (10.2 vs 8.5 GiB) and
-  34% for llm_1b dp on v5p:4x4x4 (38.9 vs 29.0 GiB), hence the default headroom of 25%;
+- memory: params + grads + optimizer state (AdamW's moments) + activations (under --remat) +
+  the backward loop's one-layer working set + FSDP's gathered layer; the plan fits when that is
+  at most (1 - --hbm_headroom) of the HBM. Compiled for the slice, XLA's peak per chip
+  (arguments + outputs - aliased + temporaries) was 38.9 GiB for llm_1b dp on v5p:4x4x4 where
+  the model says 38.0 GiB (it said 29.0 before it counted what autodiff really saves and the
+  working set); XLA's buffers are a peak, the model a sum, hence the default headroom of 25%;
 - compute time = FLOPs per chip / (peak x --mfu): the bf16 peak for --dtype=bfloat16, and for
   float32 the peak of JAX's default matmul precision (TF32 tensor cores on NVIDIA; on TPU one
   bf16 MXU pass, so the bf16 peak);

@@ -240,5 +240,6 @@ def test_memory_with_grad_accum(strategy):
     else:
         assert two.accumulator == 4 * (CFG.model.num_params() - norms) // t + 4 * norms
         assert two.gathered_weights == 4 * (CFG.model.num_params() - norms) // t
+    assert two.backward_layer * 2 == one.backward_layer  # one layer's working set, of one micro-batch
     assert two.total == one.total - one.activations + two.activations + two.accumulator \
-        + two.gathered_weights - one.gathered_weights
+        + two.gathered_weights - one.gathered_weights - one.backward_layer + two.backward_layer
