@@ -1,7 +1,7 @@
 """The pipeline bubble, measured: step time against the number of micro-batches M.
 
     uv run python tools/pipeline_bubble.py                       # tiny width, 4 layers, CPU
-    uv run python tools/pipeline_bubble.py --batch=32 --layers=8 --json=bubble.json
+    uv run python tools/pipeline_bubble.py --d_model=256 --heads=8 --context=128 --json=bubble.json
 
 For S = 2 and 4 stages and M = S ... batch micro-batches (powers of two), each schedule
 (manual GPipe, manual 1F1B, auto GPipe) runs `--steps` timed train steps after a warm-up
@@ -47,7 +47,9 @@ RUNS = (("manual", "gpipe"), ("manual", "1f1b"), ("auto", "gpipe"))
 
 def step_time(impl: str, schedule: str, stages: int, m: int, args) -> float:
     base = preset("tiny")
-    cfg = Config(dataclasses.replace(base.model, num_layers=args.layers),
+    model = dataclasses.replace(base.model, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
+                                d_ff=0, context_length=args.context)
+    cfg = Config(model,
                  dataclasses.replace(base.train, batch_size=args.batch, microbatches=m, schedule=schedule))
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
     runner = make("pp", f"stage:{stages}", cfg, devices=jax.devices()[:stages])
@@ -71,6 +73,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d_model", type=int, default=64, help="tiny's 64 by default; wider makes ticks compute-bound")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=32)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--stages", type=str, default="2,4")
