@@ -4,8 +4,10 @@ split the batch over `data`.
 Placement only; XLA derives the communication from the tables below
 (runner.GSPMD.weight pins each weight to its use layout: whole).
 Forward: an all-gather over `data` of each weight matrix (7L+2).
-Backward: GSPMD keeps the gathered weights (no re-gather, unlike the manual
-twin's remat); each weight gradient is reduce-scattered over `data` - which
+Backward: with --remat=none GSPMD keeps the gathered weights (no re-gather,
+unlike the manual twin, which never saves one); under a remat policy that
+recomputes them (full: measured +7L all-gathers in the backward loop) GSPMD
+re-gathers what it recomputes. Each weight gradient is reduce-scattered over `data` - which
 XLA:CPU writes as an all-reduce + dynamic-slice (GPU/TPU: a reduce-scatter).
 Optimizer: one small all-reduce per sharded stacked gradient for the global norm.
 Measured (tiny, data=8, XLA:CPU, scanned layers): 16 all-gathers (7 in the
