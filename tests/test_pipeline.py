@@ -68,7 +68,7 @@ def test_pipeline_matches_single_device(impl, stages):
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
 
-@pytest.mark.parametrize("stages", STAGES)
+@pytest.mark.parametrize("stages", [2])  # S=4: the ledger test below (a cold compile each costs ~9 s)
 def test_one_f_one_b_matches_gpipe_and_single_device(stages):
     """1F1B by hand (per-micro-batch jax.vjp on saved stage inputs): the same training."""
     got, want, gpipe = twin("manual", stages, "1f1b"), single(), twin("manual", stages)
@@ -132,8 +132,7 @@ def compiled_ledger(impl: str, stages: int, schedule: str = "gpipe") -> hlo.Ledg
     return hlo.ledger(r.train_step.lower(r.abstract_state(), xs, xs).compile().as_text(), r.mesh)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("stages", STAGES)
+@pytest.mark.parametrize("stages, schedule", [(2, "gpipe"), (4, "gpipe"), (4, "1f1b")])
 def test_manual_ledger_equals_the_cost_model_exactly(stages, schedule):
     """GPipe: 2 (M + S - 1) collective-permutes of one micro-batch [B/M, T, D] (forward hand-off
     and its backward); 1F1B: 2 per tick of its table; then the replicated params' gradient
