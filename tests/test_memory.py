@@ -46,9 +46,9 @@ from twinshard.trainer import SingleDevice
 
 MESHES = {"dp": "data:8,tensor:1", "fsdp": "data:8,tensor:1", "tp": "data:1,tensor:4", "fsdp_tp": "data:2,tensor:4"}
 RUNS = [("single", None)] + [(s, impl) for s in MESHES for impl in ("auto", "manual")]
-# small: single device, manual fsdp and manual tp (the other small rows, measured once, are in the
+# small: single device and manual fsdp (the other small rows, measured once, are in the
 # docstring; each small compile costs ~5 s of the suite's 10 minutes)
-CASES = [("tiny", *r) for r in RUNS] + [("small", "single", None), ("small", "fsdp", "manual"), ("small", "tp", "manual")]
+CASES = [("tiny", *r) for r in RUNS] + [("small", "single", None), ("small", "fsdp", "manual")]
 # temp / model bands (module docstring): the manual twins and single device to ~25%; manual dp
 # and the GSPMD twins hold buffers the model does not count (above)
 BANDS = {"manual": (0.85, 1.25), "single": (0.85, 1.25), "manual_dp": (0.85, 1.8), "auto": (0.85, 1.6)}

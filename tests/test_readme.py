@@ -10,7 +10,7 @@ What the test changes, and why (each variant only adds flags; absl keeps the las
   cores), and the resume after it `--steps=4` (a resume must keep the run's --steps);
   the bf16 example and the memory example train `--steps=4`; the bench runs
   `--strategies=single` instead of all four strategies x both twins (each run compiles its
-  own step; tests/test_bench.py runs the strategies);
+  own step; tests/test_bench.py runs the strategies); the tp comparison runs `--steps=3`;
 - HOME is a scratch directory, so the token cache (~/.cache/twinshard) is too;
 - `corpus.txt` (the BPE example's "any UTF-8 text") is the first 300 kB of the
   embedded Shakespeare corpus.
@@ -43,7 +43,7 @@ VARIANTS = {
     "uv run python -m launch.train --preset=small --workdir=runs/small --resume": ["--steps=4"],
     "uv run python -m launch.train --preset=tiny --strategy=fsdp_tp --impl=manual --mesh=data:2,tensor:4 "
     "--workdir=runs/ftp": [],
-    "uv run python -m launch.compare --preset=tiny --strategy=tp --devices=4 --steps=10 --plot=tp.png": [],
+    "uv run python -m launch.compare --preset=tiny --strategy=tp --devices=4 --steps=10 --plot=tp.png": ["--steps=3"],
     "uv run python -m launch.collectives --preset=tiny --strategy=fsdp --impl=manual": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=pp --impl=manual --mesh=stage:2 --devices=2 "
     "--microbatches=4 --schedule=1f1b": [],
