@@ -150,10 +150,12 @@ class PipelineRunner(ManualRunner):
         act = (xs.shape[1], xs.shape[2], cfg.d_model)  # one micro-batch's activations [B/M, T, D]
         varying = lambda a: lax.pcast(a, STAGE, to="varying")  # noqa: E731  (differs per stage)
 
+        layers = nnx.to_pure_dict(nnx.state(model.layers, nnx.Param))  # this stage's [L/S, ...] params
+
         def tick(carry, i):
             arrived, finished = carry  # [B/M, T, D] from stage-1; [M, B/M, T, D] on stage S-1
             inputs = jnp.where(first, model.embed(xs[jnp.minimum(i, m - 1)]), arrived)
-            out = scan_stacked(nnx.to_pure_dict(nnx.state(model.layers, nnx.Param)), cfg, inputs)
+            out = scan_stacked(layers, cfg, inputs)
             j = i - (n_stages - 1)  # the micro-batch that leaves the last stage at tick i
             done = lax.dynamic_update_index_in_dim(finished, out, jnp.maximum(j, 0), 0)
             finished = jnp.where(last & (j >= 0), done, finished)
