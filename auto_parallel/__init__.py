@@ -12,17 +12,21 @@ from twinshard.placement import logical_dims
 from twinshard.config import Config
 
 STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}
-PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py); not yet in the launchers
+PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py)
+MODULES = {**STRATEGIES, **PIPELINES}  # every strategy's placement tables
 
 
 def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> dict[str, int]:
-    """Parse (or default) and validate the mesh for a strategy; shared by both twins."""
+    """Parse (or default) and validate the mesh for a strategy against the devices and the model
+    (twinshard/mesh.py; a pipeline also against L, M and the batch); shared by both twins."""
     mesh_lib.check_strategy(strategy)
-    shape = mesh_lib.parse_mesh(mesh_spec) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
+    shape = mesh_lib.parse_mesh(mesh_spec, strategy) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
     mesh_lib.check_mesh(strategy, shape, n_devices)
-    module = STRATEGIES[strategy]
-    rules = {**module.PARAM_RULES, **module.ACTIVATION_RULES}
-    mesh_lib.check_divisible(logical_dims(cfg), rules, shape)
+    module = MODULES[strategy]
+    mesh_lib.check_divisible(logical_dims(cfg), {**module.PARAM_RULES, **module.ACTIVATION_RULES}, shape)
+    if strategy in PIPELINES:
+        pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
+                       cfg.train.grad_accum)
     return shape
 
 
@@ -32,13 +36,8 @@ def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None,
 
     `tx` overrides the optimizer built from `cfg.train` (see `AutoRunner`)."""
     n_devices = len(jax.devices() if devices is None else devices)  # None: jax.make_mesh orders them
-    if strategy in PIPELINES:
-        if cfg.train.schedule != "gpipe":
-            raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
-                             "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
-        shape = pipeline.resolve_mesh(mesh_spec, n_devices)
-        pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
-                       cfg.train.grad_accum)
-        return AutoRunner(strategy, PIPELINES[strategy], shape, cfg, devices, tx=tx)
+    if strategy in PIPELINES and cfg.train.schedule != "gpipe":
+        raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
+                         "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
     shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
-    return AutoRunner(strategy, STRATEGIES[strategy], shape, cfg, devices, tx=tx)
+    return AutoRunner(strategy, MODULES[strategy], shape, cfg, devices, tx=tx)

@@ -81,13 +81,12 @@ def _topology_devices(name: str):
 
 def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
     """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils."""
-    from auto_parallel import PIPELINES, resolve_mesh
-    from twinshard import pipeline, topology
+    from auto_parallel import resolve_mesh
+    from twinshard import topology
 
     if devices is not None:
         common.check_mesh_fits(strategy, mesh_spec, cfg, len(devices))  # the advice that works
-        shape = pipeline.resolve_mesh(mesh_spec, len(devices)) if strategy in PIPELINES \
-            else resolve_mesh(strategy, mesh_spec, cfg, len(devices))
+        shape = resolve_mesh(strategy, mesh_spec, cfg, len(devices))
         devices = list(topology.mesh_devices(shape, devices))
     return common.make_runner(strategy, impl, mesh_spec, cfg, devices)
 

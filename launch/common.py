@@ -322,18 +322,14 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 def check_mesh_fits(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> None:
     """The mesh against strategy, devices and model at once, so its advice works in one step
     (a mesh on these devices, or a --devices count with a mesh that fits)."""
-    from auto_parallel import PIPELINES, STRATEGIES
-    from twinshard import mesh, pipeline
+    from auto_parallel import MODULES, resolve_mesh
+    from twinshard import mesh
     from twinshard.placement import logical_dims
 
-    if strategy in PIPELINES:
-        shape = pipeline.resolve_mesh(mesh_spec, n_devices)
-        pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
-                       cfg.train.grad_accum)
-        return
-    module = STRATEGIES[strategy]
+    module = MODULES[strategy]
     mesh.resolve(strategy, mesh_spec, logical_dims(cfg), {**module.PARAM_RULES, **module.ACTIVATION_RULES},
                  n_devices)
+    resolve_mesh(strategy, mesh_spec, cfg, n_devices)  # and a pipeline's L, M and batch
 
 
 def default_platform() -> None:

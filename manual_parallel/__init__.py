@@ -7,17 +7,15 @@ import jax
 from auto_parallel import resolve_mesh
 from manual_parallel import dp, fsdp, fsdp_tp, pp, tp
 from manual_parallel.runner import ManualRunner
-from twinshard import pipeline
 from twinshard.config import Config
 
 STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}
-PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py); not yet in the launchers
+PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py)
 
 
 def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None) -> ManualRunner:
     n_devices = len(jax.devices() if devices is None else devices)  # None: jax.make_mesh orders them
-    if strategy in PIPELINES:
-        shape = pipeline.resolve_mesh(mesh_spec, n_devices)  # PipelineRunner checks L, M and the batch
-        return pp.PipelineRunner(strategy, PIPELINES[strategy], shape, cfg, devices)
     shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
+    if strategy in PIPELINES:
+        return pp.PipelineRunner(strategy, PIPELINES[strategy], shape, cfg, devices)
     return ManualRunner(strategy, STRATEGIES[strategy], shape, cfg, devices)

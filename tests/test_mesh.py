@@ -10,8 +10,10 @@ any size are validated here without those devices existing.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
+import jax
 import pytest
 
 from auto_parallel import STRATEGIES, resolve_mesh
@@ -166,11 +168,11 @@ def test_check_mesh_needs_both_axes_as_positive_integers(shape, match):
 @pytest.mark.parametrize("call", [
     lambda: resolve_mesh("zero3", None, TINY, 8),
     lambda: resolve_mesh("zero3", "data:8,tensor:1", TINY, 8),
-    lambda: mesh_lib.default_mesh("pp", 8),
+    lambda: mesh_lib.default_mesh("zero3", 8),
     lambda: mesh_lib.check_mesh("DP", {"data": 8, "tensor": 1}, 8),
 ])
 def test_unknown_strategy(call):
-    with pytest.raises(ValueError, match=r"unknown strategy '(zero3|pp|DP)'; choose one of dp, fsdp, tp, fsdp_tp"):
+    with pytest.raises(ValueError, match=r"unknown strategy '(zero3|DP)'; choose one of dp, fsdp, tp, fsdp_tp"):
         call()
 
 
@@ -287,3 +289,43 @@ def test_prime_dimension_offers_only_the_config_fix():
                                          r"devices splits this model for this strategy, or make heads \(num_heads\) "
                                          r"a multiple of 2\.$"):
         mesh_lib.check_divisible({"heads": 1}, {"heads": "tensor"}, {"data": 1, "tensor": 2})
+
+
+# ----------------------------------------------------------------------------- the newer strategies' axes
+
+
+@pytest.mark.parametrize("strategy, spec, shape", [
+    ("pp", "stage:4", {"stage": 4, "data": 1, "tensor": 1}),
+    ("pp_fsdp", "data:2, stage:4", {"stage": 4, "data": 2, "tensor": 1}),
+    ("tp_sp", "tensor:8", {"data": 1, "tensor": 8}),
+    ("tp_sp", "data:2,tensor:4", {"data": 2, "tensor": 4}),
+    ("cp", "context:8", {"data": 1, "context": 8, "tensor": 1}),
+    ("fsdp_cp", "context:2,data:4", {"data": 4, "context": 2, "tensor": 1}),
+])
+def test_newer_strategies_name_only_the_axes_they_split(strategy, spec, shape):
+    assert mesh_lib.parse_mesh(spec, strategy) == shape
+    assert list(mesh_lib.make_mesh(shape, devices=jax.devices()[:math.prod(shape.values())]).axis_names) == \
+        [a for a in mesh_lib.ORDER if a in shape]  # mesh order: stage, data, context, tensor
+
+
+@pytest.mark.parametrize("strategy, default", [
+    ("pp", "stage:8"), ("pp_fsdp", "stage:4,data:2"), ("tp_sp", "data:1,tensor:8"),
+    ("cp", "context:8"), ("fsdp_cp", "data:4,context:2"),
+])
+def test_newer_strategies_default_meshes(strategy, default):
+    assert mesh_lib.default_mesh(strategy, 8) == mesh_lib.parse_mesh(default, strategy)
+    mesh_lib.check_mesh(strategy, mesh_lib.default_mesh(strategy, 8), 8)
+
+
+@pytest.mark.parametrize("strategy, spec, match", [
+    ("pp", "data:8", r"mesh 'data:8' lacks axis 'stage', which strategy pp splits; e\.g\. stage:8"),
+    ("cp", "context:4,tensor:2", r"strategy cp needs tensor = 1, got mesh context:4,tensor:2; try --mesh=context:8"),
+    ("fsdp_cp", "context:8", r"mesh 'context:8' lacks axis 'data', which strategy fsdp_cp splits; "
+                             r"e\.g\. data:4,context:2"),
+    ("fsdp_cp", "data:1,context:8", r"strategy fsdp_cp needs data > 1, got mesh data:1,context:8; "
+                                    r"try --mesh=data:4,context:2"),
+    ("pp", "stage:2", r"mesh stage:2 has 2 devices but 8 are available; try --mesh=stage:8"),
+])
+def test_newer_strategies_mesh_errors(strategy, spec, match):
+    with pytest.raises(ValueError, match=match):
+        mesh_lib.check_mesh(strategy, mesh_lib.parse_mesh(spec, strategy), 8)

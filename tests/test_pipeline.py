@@ -173,7 +173,7 @@ def test_bad_pipeline_configs_are_clear_errors():
         auto_parallel.make_runner("pp", "stage:4", few, devices=jax.devices()[:4])
     with pytest.raises(ValueError, match=r"batch=6 does not split into microbatches=4"):
         pipeline.check(4, 6, 2, 4)
-    with pytest.raises(ValueError, match=r"strategy pp needs stage:S with data:1 and tensor:1"):
+    with pytest.raises(ValueError, match=r"strategy pp needs data = 1, got mesh stage:2,data:2; try --mesh=stage:4"):
         manual_parallel.make_runner("pp", "stage:2,data:2", CFG, devices=jax.devices()[:4])
     with pytest.raises(ValueError, match=r"mesh stage:2 has 2 devices but 8 are available"):
         manual_parallel.make_runner("pp", "stage:2", CFG)

@@ -184,7 +184,7 @@ from twinshard.hlo import ring_bytes as _ring_bytes
 
 PHASES = ("forward", "backward", "optimizer", "metrics")
 OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-AXES = mesh_lib.ORDER  # ('stage', 'data', 'tensor'): mesh order
+AXES = mesh_lib.ORDER  # ('stage', 'data', 'context', 'tensor'): mesh order
 PIPELINES = ("pp",)  # strategies on a `stage` axis (twinshard/pipeline.py); their mesh names it
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # ModelConfig.dtype -> bytes per element
 F32 = 4  # bytes of the loss, the squared-norm scalar and the cross-entropy statistics
@@ -626,8 +626,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
            dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1,
            optimizer: str = "adamw", remat: str | None = None) -> Memory:
     """Bytes per device; `remat` (default `cfg.remat`) sets the activations (module docstring)."""
-    if strategy not in PIPELINES:
-        mesh_lib.check_strategy(strategy)
+    mesh_lib.check_strategy(strategy)
     remat = cfg.remat if remat is None else remat
     rules = RULES[strategy]
     params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
@@ -675,17 +674,17 @@ def _shape(w: Weight, tensor_shards: int) -> str:
 
 
 def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
-    axes = AXES if strategy in PIPELINES else mesh_lib.AXES
+    """The strategy's mesh axes (twinshard/mesh.py NEEDS), a missing one as 1, checked."""
+    axes = tuple(a for a in AXES if a in mesh_lib.NEEDS[strategy])
     unknown = [a for a in mesh if a not in axes]
     if unknown:
-        raise ValueError(f"mesh axis {unknown[0]!r} is not one of {axes}; write the mesh as "
-                         + ("{'stage': s}." if strategy in PIPELINES else "{'data': d, 'tensor': t}."))
+        example = ", ".join(f"'{a}': {a[0]}" for a in axes)
+        raise ValueError(f"mesh axis {unknown[0]!r} is not one of {axes}; write the mesh as {{{example}}}.")
     shape = {a: int(mesh.get(a, 1)) for a in axes}
     for a, n in shape.items():
         if n < 1:
             raise ValueError(f"mesh axis {a}={n} must be >= 1.")
-    if strategy not in PIPELINES:
-        mesh_lib.check_mesh(strategy, shape, math.prod(shape.values()))
+    mesh_lib.check_mesh(strategy, shape, math.prod(shape.values()))
     return shape
 
 
@@ -706,8 +705,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     input raises ValueError naming the value and the fix (unknown strategy, wrong axes for
     the strategy, a dimension not divisible by its mesh axis, seq_len > context_length).
     """
-    if strategy not in PIPELINES:
-        mesh_lib.check_strategy(strategy)
+    mesh_lib.check_strategy(strategy)
     if strategy not in STRATEGY_ROWS:
         raise ValueError(f"strategy {strategy!r} has no cost model; choose one of {', '.join(STRATEGY_ROWS)}.")
     shape = _normalize_mesh(strategy, mesh)

@@ -44,9 +44,14 @@ def silu(x: Array) -> Array:
     return x * jax.nn.sigmoid(x)
 
 
+def swiglu_gate(h1: Array, h3: Array) -> Array:
+    """SiLU(x W1) * x W3 from the two column-parallel projections h1 = x W1, h3 = x W3 [..., F]."""
+    return silu(h1) * h3
+
+
 def swiglu(x: Array, w1: Array, w2: Array, w3: Array) -> Array:
     """W2 (SiLU(x W1) * x W3). x: [..., D], w1/w3: [D, F], w2: [F, D] -> [..., D]."""
-    return linear(silu(linear(x, w1)) * linear(x, w3), w2)
+    return linear(swiglu_gate(linear(x, w1), linear(x, w3)), w2)
 
 
 def softmax(x: Array, axis: int = -1) -> Array:
@@ -124,6 +129,19 @@ def merge_heads(x: Array) -> Array:
     return x.transpose(0, 2, 1, 3).reshape(b, t, h * dh)
 
 
+def attend_heads(q: Array, k: Array, v: Array, positions: Array, head_dim: int, theta: float, max_len: int,
+                 attend=causal_attention) -> Array:
+    """The attention core on projections: q, k, v [B, T, h*dh] -> [B, T, h*dh].
+
+    Splits heads, rotates q and k by RoPE at `positions` [T] (the tokens' places in the
+    whole sequence: arange(T) on one device; a context-parallel shard's own chunk
+    positions), and runs `attend` ([B, h, T, dh] x3 -> [B, h, T, dh]; causal_attention, or
+    ring attention across sequence shards)."""
+    q = apply_rope(split_heads(q, head_dim), positions, theta, max_len)
+    k = apply_rope(split_heads(k, head_dim), positions, theta, max_len)
+    return merge_heads(attend(q, k, split_heads(v, head_dim)))
+
+
 def causal_self_attention(
     x: Array, wq: Array, wk: Array, wv: Array, wo: Array,
     head_dim: int, theta: float, max_len: int, attention: str = "auto",
@@ -132,12 +150,9 @@ def causal_self_attention(
 
     x: [B, T, D]; wq/wk/wv: [D, h*dh]; wo: [h*dh, D]; h = wq.shape[1] // head_dim
     (all H heads on one device, H/tensor under Megatron TP). Returns [B, T, D]
-    (a partial sum over heads under TP: the caller reduces it).
+    (a partial sum over heads under TP: the caller reduces it). The model runs the same
+    steps through its strategy's hooks (model.CausalSelfAttention).
     """
-    t = x.shape[-2]
-    positions = jnp.arange(t)
-    q = apply_rope(split_heads(linear(x, wq), head_dim), positions, theta, max_len)
-    k = apply_rope(split_heads(linear(x, wk), head_dim), positions, theta, max_len)
-    v = split_heads(linear(x, wv), head_dim)
-    out = causal_attention(q, k, v, attention)  # [B, h, T, dh]
-    return linear(merge_heads(out), wo)
+    q, k, v = (linear(x, w) for w in (wq, wk, wv))
+    attend = functools.partial(causal_attention, impl=attention)
+    return linear(attend_heads(q, k, v, jnp.arange(x.shape[-2]), head_dim, theta, max_len, attend), wo)

@@ -1,45 +1,94 @@
-"""Meshes for the four base strategies: parsing, defaults and validation.
+"""Meshes for every strategy: parsing, defaults and validation.
 
 Both twins build their mesh here, so an invalid (strategy, mesh, model, batch)
 combination fails the same way, with a `ValueError` that names the value and a
 valid alternative, before anything is compiled.
 
-Mesh syntax: `data:4,tensor:2` (both axes always present; size 1 allowed).
+Each strategy names the mesh axes it uses and how big each must be (`NEEDS`):
+`>1` (the strategy splits something over it), `=1` (present, unused) or `>=1`
+(either). The mesh holds exactly those axes, in `ORDER` (outermost first; on a TPU
+torus `jax.make_mesh` gives the innermost axis, `tensor`, the closest chips).
+
+Mesh syntax: `data:4,tensor:2`. The base strategies (dp, fsdp, tp, fsdp_tp) name
+both `data` and `tensor` (size 1 allowed), as they always have; the others name the
+axes they split (`stage:4`, `data:2,context:4`) and an omitted axis is size 1.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "tensor")  # the base strategies' axes (both always present in their meshes)
-# Mesh order of every axis any strategy uses; a mesh holds the axes its strategy names
-# (pipeline parallelism adds `stage` in front: twinshard/pipeline.py).
-ORDER = ("stage", "data", "tensor")
-STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")
+AXES = ("data", "tensor")  # the base strategies' axes (both always named in their meshes)
+# Mesh order of every axis: pipeline stages outermost (one hop per micro-batch), then data,
+# the sequence (context parallelism: ring attention's K/V blocks), tensor innermost (Megatron's
+# all-reduces every layer: the closest chips).
+ORDER = ("stage", "data", "context", "tensor")
+STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")  # the base four (launch.plan ranks these)
 
-# Which axes must be > 1 (True), == 1 (False) per strategy (the seed's rules).
-_NEEDS = {"dp": (True, False), "fsdp": (True, False), "tp": (False, True), "fsdp_tp": (True, True)}
+MANY, ONE, ANY = ">1", "=1", ">=1"
+# strategy -> {mesh axis: the size it needs}; the axes of its mesh, in ORDER.
+NEEDS: dict[str, dict[str, str]] = {
+    "dp": {"data": MANY, "tensor": ONE},
+    "fsdp": {"data": MANY, "tensor": ONE},
+    "tp": {"data": ONE, "tensor": MANY},
+    "fsdp_tp": {"data": MANY, "tensor": MANY},
+    # Megatron sequence parallelism: TP with the residual stream split over T, data-parallel or not
+    "tp_sp": {"data": ANY, "tensor": MANY},
+    # context parallelism: the sequence split over `context` (ring attention); fsdp_cp adds FSDP
+    "cp": {"data": ONE, "context": MANY, "tensor": ONE},
+    "fsdp_cp": {"data": MANY, "context": MANY, "tensor": ONE},
+    # pipeline parallelism: the layer stack split over `stage`; pp_fsdp adds FSDP in each stage
+    "pp": {"stage": MANY, "data": ONE, "tensor": ONE},
+    "pp_fsdp": {"stage": MANY, "data": MANY, "tensor": ONE},
+}
 
 
 def check_strategy(strategy: str) -> None:
-    if strategy not in _NEEDS:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+    if strategy not in NEEDS:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(NEEDS)}.")
 
 
-def parse_mesh(spec: str) -> dict[str, int]:
-    """'data:4,tensor:2' -> {'data': 4, 'tensor': 2} (either order, spaces allowed)."""
+def _needs(strategy: str | None) -> dict[str, str]:
+    """The strategy's axes and sizes; None: the base strategies' data and tensor, any size."""
+    return {a: ANY for a in AXES} if strategy is None else NEEDS[strategy]
+
+
+def _is_base(strategy: str | None) -> bool:
+    return strategy is None or strategy in STRATEGIES
+
+
+def _required(strategy: str | None) -> tuple[str, ...]:
+    """The axes a mesh string must name: both base axes, or the axes the strategy splits."""
+    needs = _needs(strategy)
+    return AXES if _is_base(strategy) else tuple(a for a in ORDER if needs.get(a) == MANY)
+
+
+def _example(strategy: str | None) -> str:
+    """A mesh string for the strategy: its default on 8 devices."""
+    return _mesh_str(default_mesh(strategy, 8) if strategy is not None else {"data": 4, "tensor": 2}, strategy)
+
+
+def parse_mesh(spec: str, strategy: str | None = None) -> dict[str, int]:
+    """'data:4,tensor:2' -> {'data': 4, 'tensor': 2} (any order, spaces allowed).
+
+    With `strategy`: its axes only; an omitted axis the strategy does not split is 1
+    (`stage:4` for pp -> {'stage': 4, 'data': 1, 'tensor': 1})."""
+    if strategy is not None:
+        check_strategy(strategy)
     if not isinstance(spec, str):
-        raise ValueError(f"mesh spec must be a string such as 'data:4,tensor:2', got {spec!r}.")
+        raise ValueError(f"mesh spec must be a string such as {_example(strategy)!r}, got {spec!r}.")
+    allowed = tuple(a for a in ORDER if a in _needs(strategy))
     shape: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, colon, size = (x.strip() for x in part.partition(":"))
-        if name not in AXES:
-            why = f"unknown axis {name!r} (the axes are {', '.join(AXES)})"
+        if name not in allowed:
+            whose = "" if strategy is None else f" of strategy {strategy}"
+            why = f"unknown axis {name!r} (the axes{whose} are {', '.join(allowed)})"
         elif name in shape:
             why = f"axis {name!r} appears twice"
         elif not colon or not size.isdigit() or int(size) < 1:
@@ -47,14 +96,18 @@ def parse_mesh(spec: str) -> dict[str, int]:
         else:
             shape[name] = int(size)
             continue
-        raise ValueError(f"bad mesh {spec!r} at {part!r}: {why}; write it as data:N,tensor:M with "
-                         "each axis once and N, M >= 1 (e.g. data:4,tensor:2).")
-    missing = [a for a in AXES if a not in shape]
+        form = "data:N,tensor:M" if _is_base(strategy) else ",".join(f"{a}:N" for a in _required(strategy))
+        raise ValueError(f"bad mesh {spec!r} at {part!r}: {why}; write it as {form} with "
+                         f"each axis once and sizes >= 1 (e.g. {_example(strategy)}).")
+    missing = [a for a in _required(strategy) if a not in shape]
     if missing:
-        example = ",".join(f"{a}:{shape.get(a, 1)}" for a in AXES) if shape else "data:4,tensor:2"
-        raise ValueError(f"mesh {spec!r} lacks axis {missing[0]!r}; name both axes (size 1 allowed), "
-                         f"e.g. {example}.")
-    return shape
+        if _is_base(strategy):
+            example = ",".join(f"{a}:{shape.get(a, 1)}" for a in AXES) if shape else "data:4,tensor:2"
+            raise ValueError(f"mesh {spec!r} lacks axis {missing[0]!r}; name both axes (size 1 allowed), "
+                             f"e.g. {example}.")
+        raise ValueError(f"mesh {spec!r} lacks axis {missing[0]!r}, which strategy {strategy} splits; "
+                         f"e.g. {_example(strategy)}.")
+    return {a: shape.get(a, 1) for a in allowed}
 
 
 def _check_device_count(n_devices: int) -> None:
@@ -63,61 +116,74 @@ def _check_device_count(n_devices: int) -> None:
 
 
 def default_mesh(strategy: str, n_devices: int) -> dict[str, int]:
-    """All devices on the strategy's axis; fsdp_tp puts 2 (or the smallest factor) on tensor."""
+    """All devices on the strategy's one split axis; with two (fsdp_tp, fsdp_cp, pp_fsdp) the
+    second gets the smallest factor of the device count (fsdp_tp on 8: data:4,tensor:2)."""
     check_strategy(strategy)
     _check_device_count(n_devices)
-    if strategy in ("dp", "fsdp"):
-        return {"data": n_devices, "tensor": 1}
-    if strategy == "tp":
-        return {"data": 1, "tensor": n_devices}
-    tensor = next((k for k in range(2, n_devices) if n_devices % k == 0), n_devices)
-    return {"data": n_devices // tensor, "tensor": tensor}
+    needs = NEEDS[strategy]
+    shape = dict.fromkeys(needs, 1)
+    split = [a for a in needs if needs[a] == MANY]
+    if len(split) == 1:
+        shape[split[0]] = n_devices
+    else:
+        first, second = split
+        shape[second] = next((k for k in range(2, n_devices) if n_devices % k == 0), n_devices)
+        shape[first] = n_devices // shape[second]
+    return shape
 
 
-def _mesh_str(shape: Mapping[str, int]) -> str:
-    return ",".join(f"{a}:{shape[a]}" for a in AXES)
+def _mesh_str(shape: Mapping[str, int], strategy: str | None = None) -> str:
+    """'data:4,tensor:2'; for the newer strategies only the axes they may split, or > 1 ('stage:4')."""
+    needs = _needs(strategy)
+    shown = [a for a in ORDER if a in shape and (_is_base(strategy) or needs.get(a) != ONE or shape[a] != 1)]
+    return ",".join(f"{a}:{shape[a]}" for a in shown)
 
 
-def _fits(strategy: str, shape: Mapping[str, int]) -> bool:
-    """Does `shape` give each axis of the strategy the size it needs (> 1 or == 1)?"""
-    return all((shape[a] > 1) if many else (shape[a] == 1) for a, many in zip(AXES, _NEEDS[strategy]))
+def _sized(needs: Mapping[str, str], shape: Mapping[str, int]) -> bool:
+    return all(shape[a] > 1 if n == MANY else shape[a] == 1 if n == ONE else True for a, n in needs.items())
 
 
 def _fix(strategy: str, n_devices: int) -> str:
     """A valid alternative: the default mesh, or (if there is none on n devices) what is needed."""
     default = default_mesh(strategy, n_devices)
-    if _fits(strategy, default):
-        return f"try --mesh={_mesh_str(default)}"
-    fits = [s for s in STRATEGIES if _fits(s, default_mesh(s, n_devices))]
-    need = "a device count with a factor pair data, tensor > 1 (4, 6, 8, ...)" if strategy == "fsdp_tp" \
-        else "at least 2 devices"
+    if _sized(NEEDS[strategy], default):
+        return f"try --mesh={_mesh_str(default, strategy)}"
+    fits = [s for s in STRATEGIES if _sized(NEEDS[s], default_mesh(s, n_devices))]
+    split = [a for a in NEEDS[strategy] if NEEDS[strategy][a] == MANY]
+    need = (f"a device count with a factor pair {', '.join(split)} > 1 (4, 6, 8, ...)" if len(split) == 2
+            else "at least 2 devices")
     return (f"strategy {strategy} needs {need}, have {n_devices}; run on more devices or use "
             + (f"strategy {' or '.join(fits)}" if fits else "the single-device runner"))
 
 
 def _mesh_problem(strategy: str, shape: Mapping[str, int], n_devices: int) -> str | None:
     """What is wrong with `shape` for `strategy` on `n_devices` (None: nothing), without a fix."""
+    needs = NEEDS[strategy]
+    axes = tuple(a for a in ORDER if a in needs)
     if not isinstance(shape, Mapping):
         return f"mesh {shape!r} is not a mapping of axis name to size such as {{'data': 4, 'tensor': 2}}"
-    unknown, missing = [a for a in shape if a not in AXES], [a for a in AXES if a not in shape]
+    unknown, missing = [a for a in shape if a not in axes], [a for a in axes if a not in shape]
     if unknown or missing:
-        what = f"has axis {unknown[0]!r}, not one of {', '.join(AXES)}" if unknown else f"lacks axis {missing[0]!r}"
-        return f"mesh {dict(shape)} {what}; name both axes (size 1 allowed)"
-    for axis in AXES:
+        what = f"has axis {unknown[0]!r}, not one of {', '.join(axes)}" if unknown else f"lacks axis {missing[0]!r}"
+        name = "name both axes" if _is_base(strategy) else "name every axis of the strategy"
+        return f"mesh {dict(shape)} {what}; {name} (size 1 allowed)"
+    for axis in axes:
         size = shape[axis]
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
             return f"mesh axis {axis}={size!r} must be an integer >= 1"
-    for axis, needs_many in zip(AXES, _NEEDS[strategy]):
-        if needs_many and shape[axis] < 2 or not needs_many and shape[axis] != 1:
-            want = "> 1" if needs_many else "= 1"
-            return f"strategy {strategy} needs {axis} {want}, got mesh {_mesh_str(shape)}"
+    for axis in axes:
+        if needs[axis] == MANY and shape[axis] < 2 or needs[axis] == ONE and shape[axis] != 1:
+            want = "> 1" if needs[axis] == MANY else "= 1"
+            return f"strategy {strategy} needs {axis} {want}, got mesh {_mesh_str(shape, strategy)}"
     if math.prod(shape.values()) != n_devices:
-        return f"mesh {_mesh_str(shape)} has {math.prod(shape.values())} devices but {n_devices} are available"
+        return (f"mesh {_mesh_str(shape, strategy)} has {math.prod(shape.values())} devices but {n_devices} "
+                "are available")
     return None
 
 
 def check_mesh(strategy: str, shape: Mapping[str, int], n_devices: int) -> None:
-    """Both axes present with sizes >= 1, each sized as the strategy needs, using every device.
+    """Every axis of the strategy present with a size >= 1, each sized as the strategy needs,
+    using every device.
 
     Knows nothing of the model: `resolve` also checks divisibility and advises a mesh that fits both."""
     check_strategy(strategy)
@@ -133,7 +199,11 @@ def check_mesh(strategy: str, shape: Mapping[str, int], n_devices: int) -> None:
 
 
 # What to change in the config for each splittable logical dimension.
-_FIELDS = {"batch": "--batch_size", "embed": "d_model", "heads": "num_heads", "mlp": "d_ff"}
+_FIELDS = {"batch": "--batch_size", "embed": "d_model", "heads": "num_heads", "mlp": "d_ff",
+           "seq": "--context_length"}
+# Checked elsewhere, with a better message: `layers` over `stage` (pipeline.check names the
+# stage counts that fit L).
+_NOT_HERE = frozenset({"layers"})
 
 
 def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
@@ -141,7 +211,7 @@ def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
     """(what does not divide, the config change that fixes it), or None."""
     for name, size in dims.items():
         axis = rules.get(name)
-        if axis is None or size % shape[axis] == 0:
+        if axis is None or name in _NOT_HERE or size % shape[axis] == 0:
             continue
         n = shape[axis]
         change = (f"pick a vocab_size whose padded size (a multiple of 128) is a multiple of {n}"
@@ -150,31 +220,41 @@ def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
     return None
 
 
-def fitting_mesh(needs: tuple[bool, ...], dims: Mapping[str, int], rules: Mapping[str, str],
+def _factorings(axes: tuple[str, ...], n: int) -> Iterator[dict[str, int]]:
+    """Every {axis: size} over `axes` with product n; the last axis grows slowest-first
+    (data:8,tensor:1, then data:4,tensor:2, ...): most devices on the outer axes first."""
+    if len(axes) == 1:
+        yield {axes[0]: n}
+        return
+    for k in (k for k in range(1, n + 1) if n % k == 0):
+        for rest in _factorings(axes[:-1], n // k):
+            yield {**rest, axes[-1]: k}
+
+
+def fitting_mesh(needs: Mapping[str, str], dims: Mapping[str, int], rules: Mapping[str, str],
                  n_devices: int, prefer: Mapping[str, int] | None = None) -> dict[str, int] | None:
-    """A mesh on exactly n_devices whose axes are sized as `needs` says (> 1 / == 1, per AXES)
-    and that splits every dimension evenly; `prefer` first if it fits, then most data."""
-    candidates = [{"data": n_devices // t, "tensor": t} for t in range(1, n_devices + 1) if n_devices % t == 0]
+    """A mesh on exactly n_devices whose axes are sized as `needs` says ({axis: MANY/ONE/ANY})
+    and that splits every dimension evenly; `prefer` first if it fits, then most on the outer axes."""
+    candidates = list(_factorings(tuple(a for a in ORDER if a in needs), n_devices))
     if prefer is not None:
         candidates.insert(0, dict(prefer))
     for shape in candidates:
-        sized = all((shape[a] > 1) if many else (shape[a] == 1) for a, many in zip(AXES, needs))
-        if sized and _divisibility_problem(dims, rules, shape) is None:
+        if _sized(needs, shape) and _divisibility_problem(dims, rules, shape) is None:
             return shape
     return None
 
 
-def advice(needs: tuple[bool, ...], dims: Mapping[str, int], rules: Mapping[str, str], n_devices: int,
-           prefer: Mapping[str, int] | None = None) -> str:
+def advice(needs: Mapping[str, str], dims: Mapping[str, int], rules: Mapping[str, str], n_devices: int,
+           prefer: Mapping[str, int] | None = None, strategy: str | None = None) -> str:
     """One step that works: a mesh on these devices, else the most devices that have one."""
     shape = fitting_mesh(needs, dims, rules, n_devices, prefer)
     if shape is not None:
-        return f"try --mesh={_mesh_str(shape)}"
+        return f"try --mesh={_mesh_str(shape, strategy)}"
     for k in range(n_devices - 1, 1, -1):
         shape = fitting_mesh(needs, dims, rules, k)
         if shape is not None:
             return (f"no mesh on {n_devices} devices splits this model for this strategy; run on {k}: "
-                    f"--devices={k} --mesh={_mesh_str(shape)}")
+                    f"--devices={k} --mesh={_mesh_str(shape, strategy)}")
     return f"no mesh on {n_devices} or fewer devices splits this model for this strategy"
 
 
@@ -188,7 +268,7 @@ def check_divisible(dims: Mapping[str, int], rules: Mapping[str, str], shape: Ma
     problem = _divisibility_problem(dims, rules, shape)
     if problem is None:
         return
-    needs = tuple(a in rules.values() for a in AXES)
+    needs = {a: MANY if a in rules.values() else ONE for a in shape}
     fix = advice(needs, dims, rules, math.prod(shape.values()))
     raise ValueError(f"{problem[0]}; {fix}, or {problem[1]}.")
 
@@ -199,21 +279,22 @@ def resolve(strategy: str, spec: str | None, dims: Mapping[str, int], rules: Map
     an error advises one mesh (or device count) that passes all three checks."""
     check_strategy(strategy)
     _check_device_count(n_devices)
-    shape = parse_mesh(spec) if spec is not None else default_mesh(strategy, n_devices)
+    shape = parse_mesh(spec, strategy) if spec is not None else default_mesh(strategy, n_devices)
     problem = _mesh_problem(strategy, shape, n_devices)
     if problem is None and (split := _divisibility_problem(dims, rules, shape)) is not None:
         problem = f"{split[0]} (or {split[1]})"
     if problem is not None:
-        raise ValueError(f"{problem}; {advice(_NEEDS[strategy], dims, rules, n_devices, default_mesh(strategy, n_devices))}.")
+        fix = advice(NEEDS[strategy], dims, rules, n_devices, default_mesh(strategy, n_devices), strategy)
+        raise ValueError(f"{problem}; {fix}.")
     return shape
 
 
 def make_mesh(shape: Mapping[str, int], axis_type: AxisType = AxisType.Auto,
               devices: list | None = None) -> Mesh:
-    """A mesh of the axes in `shape`, in ORDER (('data', 'tensor'); ('stage', 'data', 'tensor')
-    for pipelines). jax.make_mesh orders devices for the physical topology
-    (on TPU, tensor neighbours share the fast links); on CPU the order is row-major, so
-    partition id = data_index * tensor_size + tensor_index."""
+    """A mesh of the axes in `shape`, in ORDER (('data', 'tensor') for the base strategies,
+    ('stage', 'data', 'tensor') for pipelines, ...). jax.make_mesh orders devices for the
+    physical topology (on TPU, tensor neighbours share the fast links); on CPU the order is
+    row-major, so partition id = data_index * tensor_size + tensor_index."""
     names = tuple(a for a in ORDER if a in shape)
     sizes = tuple(shape[a] for a in names)
     if devices is None:

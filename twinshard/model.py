@@ -128,11 +128,15 @@ class CausalSelfAttention(nnx.Module):
         self.dtype, self.attention = cfg.dtype, cfg.attention
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel."""
-        x = par.enter_tensor_parallel(x)
-        w = [_use(m.weight, par, self.dtype) for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj)]
-        out = layers.causal_self_attention(x, *w, self.head_dim, self.theta, self.max_len, self.attention)
-        return par.exit_tensor_parallel(out)
+        """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel.
+        (layers.causal_self_attention is the same math on one device, hook-free.)"""
+        wq, wk, wv, wo = (_use(m.weight, par, self.dtype)
+                          for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj))
+        q, k, v = par.column_parallel(x, (wq, wk, wv))  # [B, T, h*dh] each (h = H/tensor under TP)
+        attend = functools.partial(par.attention, impl=self.attention)
+        out = layers.attend_heads(q, k, v, par.positions(q.shape[-2]), self.head_dim, self.theta, self.max_len,
+                                  attend)
+        return par.row_parallel(out, wo)
 
 
 class SwiGLU(nnx.Module):
@@ -144,9 +148,9 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """x: [B, T, D] -> [B, T, D]; w1/w3 column-parallel, w2 row-parallel."""
-        x = par.enter_tensor_parallel(x)
         w1, w2, w3 = (_use(m.weight, par, self.dtype) for m in (self.w1, self.w2, self.w3))
-        return par.exit_tensor_parallel(layers.swiglu(x, w1, w2, w3))
+        h1, h3 = par.column_parallel(x, (w1, w3))  # [B, T, F] each (F/tensor under TP)
+        return par.row_parallel(layers.swiglu_gate(h1, h3), w2)
 
 
 class Block(nnx.Module):

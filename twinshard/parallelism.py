@@ -11,6 +11,10 @@ override only what they need:
     constrain(x, axes)      with_sharding_constraint     -
     enter_tensor_parallel   -                            Megatron f: identity / psum
     exit_tensor_parallel    -                            Megatron g: psum / identity
+    column_parallel(x, ws)  f, then x @ w for each w     (sequence parallelism: gather T;
+    row_parallel(x, w)      x @ w, then g                 collective matmul: fused)
+    positions(t)            arange(t)                    context parallelism: this shard's
+    attention(q, k, v)      layers.causal_attention      positions; ring attention
     embed(ids, table)       -                            vocab-parallel lookup + psum
     token_loss(...)         -                            vocab-parallel cross-entropy
     layer_stack(...)        pipeline: stages under vmap  - (manual_parallel/pp.py runs its own loop)
@@ -33,6 +37,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from twinshard import layers, loss
 
@@ -59,6 +64,24 @@ class Parallelism:
     def exit_tensor_parallel(self, x: Array) -> Array:
         """After a row-parallel matmul (Megatron's g)."""
         return x
+
+    def column_parallel(self, x: Array, ws: tuple[Array, ...]) -> tuple[Array, ...]:
+        """x [B, T, D] @ each w [D, out] (sharing one input: q, k, v; w1, w3) -> [B, T, out] each.
+        Megatron's f, then the column-parallel matmuls on this device's columns."""
+        x = self.enter_tensor_parallel(x)
+        return tuple(layers.linear(x, w) for w in ws)
+
+    def row_parallel(self, x: Array, w: Array) -> Array:
+        """x [B, T, in] @ w [in, D] -> [B, T, D]: the row-parallel matmul, then Megatron's g."""
+        return self.exit_tensor_parallel(layers.linear(x, w))
+
+    def positions(self, t: int) -> Array:
+        """Positions in the whole sequence of this program's t tokens (RoPE): 0..t-1."""
+        return jnp.arange(t)
+
+    def attention(self, q: Array, k: Array, v: Array, impl: str = "auto") -> Array:
+        """Causal attention of this program's q, k, v [B, h, T, dh] (layers.causal_attention)."""
+        return layers.causal_attention(q, k, v, impl)
 
     def layer_stack(self, stacked: dict, cfg, x: Array) -> Array:
         """Run the L stacked blocks (every param leaf [L, ...]) on x [B, T, D]: one scan

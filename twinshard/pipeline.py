@@ -67,26 +67,6 @@ def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accu
                          f"choose microbatches from {fits} or change --batch_size.")
 
 
-def resolve_mesh(spec: str | None, n_devices: int) -> dict[str, int]:
-    """'stage:S' (data and tensor, if named, must be 1) -> {'stage': S, 'data': 1, 'tensor': 1};
-    None: every device a stage."""
-    shape = {STAGE: n_devices, "data": 1, "tensor": 1}
-    if spec is not None:
-        shape = {"data": 1, "tensor": 1}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, _, size = (x.strip() for x in part.partition(":"))
-            if name not in shape and name != STAGE or not size.isdigit() or int(size) < 1:
-                raise ValueError(f"bad pipeline mesh {spec!r} at {part!r}: write it as stage:S (e.g. stage:4).")
-            shape[name] = int(size)
-        if STAGE not in shape or shape["data"] != 1 or shape["tensor"] != 1:
-            raise ValueError(f"pipeline mesh {spec!r}: strategy pp needs stage:S with data:1 and tensor:1, "
-                             f"e.g. stage:{n_devices}.")
-    if shape[STAGE] != n_devices:
-        raise ValueError(f"mesh stage:{shape[STAGE]} has {shape[STAGE]} devices but {n_devices} are available; "
-                         f"try --mesh=stage:{n_devices}, or run on {shape[STAGE]} (--devices={shape[STAGE]}).")
-    return shape
-
-
 def microbatch_size(batch: int, microbatches: int) -> int:
     return batch // microbatches
 
