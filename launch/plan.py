@@ -11,7 +11,7 @@
 For each strategy (dp, fsdp, tp, fsdp_tp) and each mesh data x tensor = chips the strategy
 allows, the cost model of the manual twin (twinshard.cost) gives, per chip:
 
-- memory: params + grads + optimizer state (AdamW's moments) + activations (under --remat) +
+- memory: params + grads + optimizer state (--optimizer; AdamW's 2 moments by default) + activations (under --remat) +
   the backward loop's one-layer working set + FSDP's gathered layer; the plan fits when that is
   at most (1 - --hbm_headroom) of the HBM. Compiled for the slice, XLA's peak per chip
   (arguments + outputs - aliased + temporaries) was 38.9 GiB for llm_1b dp on v5p:4x4x4 where
@@ -65,7 +65,7 @@ from launch import common
 from twinshard import chips, cost
 from twinshard import mesh as mesh_lib
 from twinshard.chips import Chip
-from twinshard.config import PRESETS, Config, ModelConfig, preset
+from twinshard.config import OPTIMIZERS, PRESETS, Config, ModelConfig, preset
 from twinshard.cost import human
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global).
@@ -75,6 +75,8 @@ common.define(flags.DEFINE_string, "topology", None, "Chips to plan for: a TPU s
 common.define(flags.DEFINE_integer, "batch_size", None, "Global batch size in sequences (default: the preset's).")
 common.define(flags.DEFINE_integer, "context_length", None, "Sequence length (default: the preset's context_length).")
 common.define(flags.DEFINE_string, "json", None, "Write the plans as JSON to this path.")
+common.define(flags.DEFINE_enum, "optimizer", "adamw", OPTIMIZERS, "The optimizer whose state the memory counts "
+              "(adamw: 2 moments, lion and sgd with momentum: 1, adafactor: factored second moments), all f32.")
 common.define_precision_flags()  # --dtype (the peak and the activation bytes), --remat, ...
 flags.DEFINE_integer("top", 10, "Ranked plans to print.")
 flags.DEFINE_float("mfu", 1.0, "Fraction of the peak FLOP/s the matmuls reach (1: the peak, a lower bound "
@@ -279,9 +281,9 @@ def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
 
 
 def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
-             mfu: float = 1.0, headroom: float = 0.25) -> Plan:
+             mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw") -> Plan:
     """One strategy on one mesh; cost.cost raises ValueError when the model does not split."""
-    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length)
+    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer)
     links = axis_links(topo, c.mesh)
     peak, _ = peak_flops(topo.chip, cfg.dtype)
     return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), c.flops.per_device / (peak * mfu),
@@ -309,13 +311,13 @@ class Skipped:
 
 
 def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0,
-             headroom: float = 0.25) -> tuple[list[Plan], list[Skipped]]:
+             headroom: float = 0.25, optimizer: str = "adamw") -> tuple[list[Plan], list[Skipped]]:
     """Every (strategy, mesh) the model splits on, and those it does not (with the first reason)."""
     plans, skipped = [], []
     for strategy in STRATEGIES:
         for shape in candidate_meshes(strategy, topo.chips):
             try:
-                plans.append(evaluate(cfg, topo, strategy, shape, batch, mfu, headroom))
+                plans.append(evaluate(cfg, topo, strategy, shape, batch, mfu, headroom, optimizer))
             except ValueError as e:
                 skipped.append(Skipped(strategy, shape, str(e).split(";")[0]))
     return plans, skipped
@@ -411,7 +413,8 @@ def train_flags(plan: Plan, name: str, cfg: Config) -> str:
     extra = [f"--{k}={v}" for k, v, d in (
         ("batch_size", cfg.train.batch_size, base.train.batch_size),
         ("context_length", cfg.model.context_length, base.model.context_length),
-        ("dtype", cfg.model.dtype, base.model.dtype), ("remat", cfg.model.remat, base.model.remat)) if v != d]
+        ("dtype", cfg.model.dtype, base.model.dtype), ("remat", cfg.model.remat, base.model.remat),
+        ("optimizer", cfg.train.optimizer, base.train.optimizer)) if v != d]
     return " ".join([f"--preset={name}", f"--strategy={plan.strategy}", "--impl=manual",
                      f"--mesh={plan.mesh_text()}", *extra, "--distributed", "--workdir=WORKDIR"])
 
@@ -441,7 +444,7 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
             "torus": topo.torus, "chip": dataclasses.asdict(topo.chip), "batch_size": cfg.train.batch_size,
             "seq_len": cfg.model.context_length, "dtype": cfg.model.dtype,
             "assumptions": {"peak_flops": peak, "peak": which, "mfu": mfu, "hbm_headroom": headroom,
-                            "rank_by": rank_by, "optimizer": "adamw (2 moments, f32)", "latency": "ignored"},
+                            "rank_by": rank_by, "optimizer": f"{cfg.train.optimizer} (f32 state)", "latency": "ignored"},
             "plans": [one(p, i) for i, p in enumerate(fit, 1)] + [one(p, None) for p in over],
             "skipped": [{"strategy": s.strategy, "mesh": s.mesh, "why": s.why} for s in skipped],
             "launch": launch_commands(fit[0], topo, name, cfg) if fit else []}
@@ -491,6 +494,7 @@ def config_from_flags() -> Config:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, context_length=FLAGS.context_length))
     if FLAGS.batch_size is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=FLAGS.optimizer))
     return common.with_model_flags(cfg, FLAGS)
 
 
@@ -524,7 +528,8 @@ def main(argv):
     topo = parse_topology(FLAGS.topology)
     cfg = config_from_flags()
     check_flags(topo)
-    plans, skipped = plan_all(cfg.model, topo, cfg.train.batch_size, FLAGS.mfu, FLAGS.hbm_headroom)
+    plans, skipped = plan_all(cfg.model, topo, cfg.train.batch_size, FLAGS.mfu, FLAGS.hbm_headroom,
+                              cfg.train.optimizer)
     if not plans:
         raise ValueError(no_plan(skipped, topo, cfg.train.batch_size))
     fit, over = rank(plans, FLAGS.rank_by)

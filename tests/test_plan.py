@@ -102,6 +102,10 @@ def test_a_tpu_row_by_hand():
     assert p.memory == 16 * N + m.activations + m.backward_layer and p.hbm_usable == 0.75 * 95 * 2**30 and p.fits
     assert p.serial_s == p.compute_s + p.comm_s["data"] and p.overlap_s == p.compute_s
     assert p.bound == "compute"
+    # --optimizer: lion keeps one f32 moment per param (the same cost.memory the tests of cost.py check)
+    lion = planner.evaluate(LLM_1B, planner.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B,
+                            optimizer="lion")
+    assert lion.cost.memory.optimizer == 4 * N and lion.memory == p.memory - 4 * N
 
 
 def test_a_gpu_row_by_hand():
@@ -180,17 +184,19 @@ def test_readme_launch_lines_are_what_the_plan_prints():
 
 
 def test_cli_prints_ranks_and_writes_json(tmp_path):
-    proc = run("-m", "launch.plan", "--preset=llm_1b", "--topology=v5p:4x4x4", "--top=2",
+    proc = run("-m", "launch.plan", "--preset=llm_1b", "--topology=v5p:4x4x4", "--top=2", "--optimizer=lion",
                f"--json={tmp_path / 'plan.json'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "== plans that fit, ranked by the serial step time" in out and "... 4 more (--top)" in out
     assert re.search(r"^1 +dp +data:64,tensor:1 .* compute ", out, re.M), out
     assert "data=64: ICI x (4 chips, torus ring): 2 x 90 GB/s" in out
-    assert "--strategy=dp --impl=manual --mesh=data:64,tensor:1 --distributed" in out
+    assert "--strategy=dp --impl=manual --mesh=data:64,tensor:1 --optimizer=lion --distributed" in out
+    assert re.search(r"params (\S+ GiB) \+ grads \1 \+ optimizer \1 \+", out), out  # lion: 1 f32 moment
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert [p["rank"] for p in doc["plans"]] == [1, 2, 3, 4, 5, 6] and doc["chips"] == 64
     assert doc["plans"][0]["links"]["data"]["bytes_per_s"] == 540e9 and doc["chip"]["name"] == "v5p"
+    assert doc["assumptions"]["optimizer"] == "lion (f32 state)"
 
 
 def test_cli_errors_are_one_line():
