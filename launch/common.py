@@ -29,7 +29,7 @@ from absl import app, flags
 
 from twinshard.config import OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 
-STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp")
+STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp", "tp_sp")
 IMPLS = ("auto", "manual")
 
 
@@ -322,13 +322,11 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 def check_mesh_fits(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> None:
     """The mesh against strategy, devices and model at once, so its advice works in one step
     (a mesh on these devices, or a --devices count with a mesh that fits)."""
-    from auto_parallel import MODULES, resolve_mesh
+    from auto_parallel import MODULES, resolve_mesh, split_rules
     from twinshard import mesh
     from twinshard.placement import logical_dims
 
-    module = MODULES[strategy]
-    mesh.resolve(strategy, mesh_spec, logical_dims(cfg), {**module.PARAM_RULES, **module.ACTIVATION_RULES},
-                 n_devices)
+    mesh.resolve(strategy, mesh_spec, logical_dims(cfg), split_rules(MODULES[strategy]), n_devices)
     resolve_mesh(strategy, mesh_spec, cfg, n_devices)  # and a pipeline's L, M and batch
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 
 from auto_parallel import resolve_mesh
-from manual_parallel import dp, fsdp, fsdp_tp, pp, tp
+from manual_parallel import dp, fsdp, fsdp_tp, pp, tp, tp_sp
 from manual_parallel.runner import ManualRunner
 from twinshard.config import Config
 
-STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}
+STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "tp_sp": tp_sp}
 PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py)
 
 

@@ -13,6 +13,8 @@ a strategy file).
     copy_to_tp(x, ax)     f   identity                    psum over ax
     reduce_from_tp(x, ax) g   psum over ax                identity
     shift_to_next_stage(x, ax) ppermute s -> s+1         ppermute s+1 -> s
+    gather_sequence(x, ax)    all_gather over ax along T  psum_scatter over ax along T
+    scatter_sequence(x, ax)   psum_scatter over ax along T all_gather over ax along T
 """
 
 from __future__ import annotations
@@ -133,3 +135,60 @@ def shift_to_previous_stage(x: Array, axis: str) -> Array:
     `axis`); the last stage receives zeros. It is `shift_to_next_stage`'s backward, run as
     forward code because 1F1B interleaves the backward passes itself."""
     return lax.ppermute(x, axis, perm=[(dst, src) for src, dst in _to_next(lax.axis_size(axis))])
+
+
+# ----------------------------------------------------------------------------
+# Megatron sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
+# Recomputation in Large Transformer Models", section 4.2.2: g and g-bar). The
+# residual stream between the tensor-parallel regions is split along the sequence,
+# [B, T/tensor, D]; these replace Megatron's f and g around those regions.
+# An all-reduce is a reduce-scatter followed by an all-gather: TP's g (psum) becomes
+# the reduce-scatter half, and the all-gather half moves to the next region's entry.
+# ----------------------------------------------------------------------------
+
+SEQ = 1  # the sequence dim of the residual stream [B, T, D]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_sequence(x: Array, axis: str) -> Array:
+    """Before a column-parallel matmul (sequence parallelism's replacement for f): all-gather
+    the sequence shards, x [B, T/n, D] -> [B, T, D], in `axis` order (shard i holds tokens
+    [i T/n, (i+1) T/n)).
+
+    Backward: each device's column shard contributed a partial dL/dx for EVERY token, and
+    each device needs the sum for its own tokens only: a reduce-scatter (psum_scatter) along T,
+    [B, T, D] -> [B, T/n, D] (TP's f all-reduced the whole [B, T, D] instead)."""
+    return lax.all_gather(x, axis, axis=SEQ, tiled=True)
+
+
+def _gather_seq_fwd(x, axis):
+    return gather_sequence(x, axis), None  # saves nothing: the matmuls save what they read
+
+
+def _gather_seq_bwd(axis, _, grad):
+    return (lax.psum_scatter(grad, axis, scatter_dimension=SEQ, tiled=True),)
+
+
+gather_sequence.defvjp(_gather_seq_fwd, _gather_seq_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def scatter_sequence(x: Array, axis: str) -> Array:
+    """After a row-parallel matmul (sequence parallelism's replacement for g): sum the partial
+    outputs over `axis` and keep this device's sequence shard, a reduce-scatter (psum_scatter)
+    along T, [B, T, D] -> [B, T/n, D]. A sum, not a mean: each device holds one summand.
+
+    Backward: every device's partial output fed the same sum, so each needs the gradient of
+    the whole sequence: an all-gather along T, [B, T/n, D] -> [B, T, D]."""
+    return lax.psum_scatter(x, axis, scatter_dimension=SEQ, tiled=True)
+
+
+def _scatter_seq_fwd(x, axis):
+    return scatter_sequence(x, axis), None
+
+
+def _scatter_seq_bwd(axis, _, grad):
+    return (lax.all_gather(grad, axis, axis=SEQ, tiled=True),)
+
+
+scatter_sequence.defvjp(_scatter_seq_fwd, _scatter_seq_bwd)

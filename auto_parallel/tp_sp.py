@@ -1,0 +1,61 @@
+"""Megatron sequence parallelism (tp_sp), GSPMD twin: TP's placement, plus the residual
+stream between blocks split along the sequence over `tensor`, [B/data, T/tensor, D].
+
+Placement only: PARAM_RULES are TP's; the batch (tokens) is replicated over `tensor`
+as in TP (split over `data`); the residual stream - the `ACTIVATION` constraint on the
+embedding output and on each block's output (twinshard/model.py) - uses SEQUENCE_RULES
+(seq -> tensor). XLA derives the rest.
+"""
+
+from __future__ import annotations
+
+from auto_parallel.runner import GSPMD
+from auto_parallel.tp import PARAM_RULES as TP_PARAM_RULES
+from twinshard.model import ACTIVATION
+
+PARAM_RULES: dict[str, str] = dict(TP_PARAM_RULES)  # heads, mlp, vocab -> tensor
+# The batch (tokens, targets), the logits and the weights where they are used: TP's.
+ACTIVATION_RULES: dict[str, str] = {"batch": "data", **TP_PARAM_RULES}
+# The residual stream [B, T, D] between the tensor-parallel regions: split along T too.
+SEQUENCE_RULES: dict[str, str] = {**ACTIVATION_RULES, "seq": "tensor"}
+# Inside a region: [B, T, H*dh/t] or [B, T, F/t] (heads and mlp both map to tensor).
+REGION = ("batch", "seq", "heads")
+
+
+class SequenceParallelGSPMD(GSPMD):
+    """GSPMD with two layouts of the residual stream [B, T, D]: split along T between the
+    tensor-parallel regions, whole inside them (the manual twin's gather / scatter)."""
+
+    def __init__(self, mesh):
+        super().__init__(mesh, ACTIVATION_RULES)
+        self.sequence = GSPMD(mesh, SEQUENCE_RULES)
+
+    def constrain(self, x, axes):
+        """The residual stream (embedding and block outputs) on sequence shards."""
+        return (self.sequence if axes == ACTIVATION else super()).constrain(x, axes)
+
+    def embed(self, ids, table):
+        """The vocab-parallel lookup on the whole sequence (as TP); the model then constrains it
+        to sequence shards (without this pin GSPMD split the token ids along T instead: s32
+        all-gathers and collective-permutes on data:2,tensor:4, measured)."""
+        return super().constrain(super().embed(ids, table), ACTIVATION)
+
+    def enter_tensor_parallel(self, x):
+        """[B, T/t, D] -> whole T, before the column-parallel matmuls and the lm_head."""
+        return super().constrain(x, ACTIVATION)
+
+    def column_parallel(self, x, ws):
+        """x @ each w on the whole sequence, each output [B, T, out/t] (heads or mlp: tensor)."""
+        return tuple(self.constrain(y, REGION) for y in super().column_parallel(x, ws))
+
+    def row_parallel(self, x, w):
+        """x [B, T, in/t] (heads or mlp on tensor) @ w [in/t, D], then the reduce-scatter."""
+        return super().row_parallel(self.constrain(x, REGION), w)
+
+    def exit_tensor_parallel(self, x):
+        """The row-parallel partial sums [B, T, D] -> summed, on sequence shards."""
+        return self.constrain(x, ACTIVATION)
+
+
+def parallelism(mesh, cfg) -> GSPMD:
+    return SequenceParallelGSPMD(mesh)
