@@ -45,5 +45,6 @@ def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None,
     if strategy in PIPELINES and cfg.train.schedule != "gpipe":
         raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
                          "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
+    tp_sp.check_collective_matmul(strategy, "auto", cfg.model.collective_matmul)
     shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
     return AutoRunner(strategy, MODULES[strategy], shape, cfg, devices, tx=tx)

@@ -59,3 +59,15 @@ class SequenceParallelGSPMD(GSPMD):
 
 def parallelism(mesh, cfg) -> GSPMD:
     return SequenceParallelGSPMD(mesh)
+
+
+def check_collective_matmul(strategy: str, impl: str, collective_matmul: bool) -> None:
+    """ModelConfig.collective_matmul runs only in the manual tp_sp twin: a ValueError naming the fix."""
+    if not collective_matmul:
+        return
+    if strategy != "tp_sp":
+        raise ValueError(f"--collective_matmul decomposes tp_sp's sequence all-gathers, and --strategy={strategy} "
+                         "has none: use --strategy=tp_sp --impl=manual, or drop --collective_matmul.")
+    if impl != "manual":
+        raise ValueError(f"--collective_matmul is written by hand in the manual twin only (--impl={impl}): "
+                         "use --impl=manual, or drop --collective_matmul (GSPMD chooses its own collectives).")

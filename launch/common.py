@@ -73,6 +73,8 @@ def define_precision_flags() -> None:
            "attention on a GPU in bf16, XLA's elsewhere; reference: the readable twinshard.layers one).")
     define(flags.DEFINE_integer, "scan_unroll", None, "Layers per iteration of the layer scan (default 1: "
            "compile time flat in depth; num_layers: fully unrolled, faster on CPU, compiles longer).")
+    define(flags.DEFINE_bool, "collective_matmul", None, "tp_sp, manual twin: decompose each sequence "
+           "all-gather before the column-parallel matmuls into ppermutes overlapped with the matmuls.")
     define(flags.DEFINE_enum, "remat", None, REMAT_POLICIES, "Rematerialization of each layer (default none; "
            "full: recompute the layer in backward; dots: save only matmul outputs; dots_no_batch: save only "
            "matmul outputs without a batch dimension).")
@@ -80,7 +82,7 @@ def define_precision_flags() -> None:
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:
     """--dtype / --attention / --scan_unroll / --remat applied to the model config (None: the preset's)."""
-    over = {k: getattr(FLAGS, k) for k in ("dtype", "attention", "scan_unroll", "remat")
+    over = {k: getattr(FLAGS, k) for k in ("dtype", "attention", "scan_unroll", "remat", "collective_matmul")
             if getattr(FLAGS, k) is not None}
     if over.get("scan_unroll", 1) < 1:
         raise ValueError(f"--scan_unroll={over['scan_unroll']} must be >= 1 (layers per scan iteration; "
@@ -309,6 +311,9 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 
     from twinshard.trainer import SingleDevice
 
+    from auto_parallel.tp_sp import check_collective_matmul
+
+    check_collective_matmul(strategy, impl, cfg.model.collective_matmul)
     if strategy == "single":
         return SingleDevice(cfg.model, cfg.train)
     check_mesh_fits(strategy, mesh_spec, cfg, len(jax.devices() if devices is None else devices))

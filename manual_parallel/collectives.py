@@ -15,6 +15,8 @@ a strategy file).
     shift_to_next_stage(x, ax) ppermute s -> s+1         ppermute s+1 -> s
     gather_sequence(x, ax)    all_gather over ax along T  psum_scatter over ax along T
     scatter_sequence(x, ax)   psum_scatter over ax along T all_gather over ax along T
+    all_gather_matmul(x, ws, ax)  n-1 ppermutes, each beside   n-1 reverse ppermutes (autodiff):
+                              the matmul of the chunk held  a ring reduce-scatter of dx
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
+
+from twinshard import layers
 
 Array = jax.Array
 
@@ -192,3 +197,50 @@ def _scatter_seq_bwd(axis, _, grad):
 
 
 scatter_sequence.defvjp(_scatter_seq_fwd, _scatter_seq_bwd)
+
+
+# ----------------------------------------------------------------------------
+# Collective matmul (Wang et al. 2023, "Overlap Communication with Dependent Computation
+# via Decomposition in Large Deep Learning Models"; the shard_map documentation's
+# all-gather matmul): gather_sequence followed by the column-parallel matmuls, decomposed
+# so that each hop of the gather hides behind a matmul.
+# ----------------------------------------------------------------------------
+
+def _to_left(n: int) -> list[tuple[int, int]]:
+    return [(k, (k - 1) % n) for k in range(n)]  # device k sends to k-1: it then holds chunk k+1
+
+
+def all_gather_matmul(x_shard: Array, ws: tuple[Array, ...], axis: str) -> tuple[Array, ...]:
+    """all_gather(x_shard along T over `axis`) @ w for each w, without the all-gather.
+
+    x_shard: [B, T/n, D], this device's (i's) sequence chunk; ws: [D, out_j] each (q, k, v
+    or w1, w3 columns) -> [B, T, out_j] each, as `gather_sequence(x) @ w`.
+    n steps: at step s this device holds chunk (i + s) mod n; it multiplies it by every w into
+    rows [(i+s) mod n * T/n, ...) of the outputs while a ppermute (collective-permute) passes
+    the chunk to device i-1 and brings chunk (i + s + 1) mod n from device i+1. The matmul and
+    the send of step s do not depend on each other, so the scheduler may run them at once:
+    n-1 collective-permutes of [B, T/n, D] move what the all-gather moved on a ring, (n-1)/n
+    of [B, T, D] per device.
+
+    Backward by autodiff (not written out): ppermute transposes into the reverse ppermute
+    (i -> i+1), and each step's input gradient dY[chunk] @ w^T is added to the gradient
+    arriving from the step after it, so the backward pass is n-1 collective-permutes of
+    [B, T/n, D] that carry partial sums around the ring: a ring reduce-scatter of dx (what
+    gather_sequence's backward psum_scatter does in one collective), each hop beside the
+    matmul of a chunk's gradient. The weight gradient sum over steps of chunk^T dY[chunk]
+    reads every chunk: under remat none they are saved (n of [B, T/n, D], the gathered x's
+    size), under a remat policy the forward ppermutes run again in the backward pass.
+    """
+    n, i = lax.axis_size(axis), lax.axis_index(axis)
+    b, t, _ = x_shard.shape
+    outs = [jnp.zeros((b, t * n, w.shape[1]), jnp.result_type(x_shard, w)) for w in ws]
+    chunk = x_shard
+    for step in range(n):
+        if step < n - 1:  # the next chunk's hop, independent of this chunk's matmuls
+            incoming = lax.ppermute(chunk, axis, perm=_to_left(n))
+        row = ((i + step) % n) * t
+        outs = [lax.dynamic_update_slice_in_dim(out, layers.linear(chunk, w), row, axis=SEQ)
+                for out, w in zip(outs, ws)]
+        if step < n - 1:
+            chunk = incoming
+    return tuple(outs)

@@ -36,10 +36,11 @@ residual stream, the norms, the layer input) is 1/t of TP's (twinshard/cost.py).
 from jax import lax
 
 from auto_parallel.tp_sp import ACTIVATION_RULES, PARAM_RULES, SEQUENCE_RULES  # the GSPMD twin's tables
-from manual_parallel.collectives import copy_to_tp, gather_sequence, scatter_sequence
+from manual_parallel.collectives import all_gather_matmul, copy_to_tp, gather_sequence, scatter_sequence
 from manual_parallel.tp import TENSOR, TensorParallel
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "SEQUENCE_RULES", "SequenceParallel", "PARALLELISM"]
+__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "SEQUENCE_RULES", "SequenceParallel", "CollectiveMatmul",
+           "PARALLELISM", "parallelism"]
 
 
 class SequenceParallel(TensorParallel):
@@ -58,6 +59,22 @@ class SequenceParallel(TensorParallel):
     def weight(self, w, axes):
         """RMSNorm gains run on sequence shards: f makes their gradient the sum over all tokens."""
         return copy_to_tp(w, TENSOR) if axes == ("norm",) else w
+
+
+class CollectiveMatmul(SequenceParallel):
+    """--collective_matmul: the gather before the column-parallel matmuls is decomposed into
+    ppermutes, each beside the matmul of the chunk already here (collectives.all_gather_matmul).
+    The lm_head keeps gather_sequence (enter_tensor_parallel)."""
+
+    def column_parallel(self, x, ws):
+        """x [b, T/t, D] -> x_all @ w [b, T, out/t] for each w, without the all-gather."""
+        return all_gather_matmul(x, ws, TENSOR)
+
+
+def parallelism(cfg):
+    """The hooks for `cfg` (manual_parallel/runner.py): CollectiveMatmul under cfg.model.collective_matmul."""
+    cls = CollectiveMatmul if cfg.model.collective_matmul else SequenceParallel
+    return cls(PARAM_RULES)
 
 
 PARALLELISM = SequenceParallel

@@ -1,9 +1,10 @@
 """Megatron sequence parallelism (tp_sp) in both twins, on the tiny preset (num_heads 8).
 
 Each runner is compiled once (module cache) and gives the step-1 gradients, 5 steps of
-losses and params against single device, its compiled step's ledger and its
-memory_analysis(). Meshes: the manual twin on tensor:8 (sequence shards of 4 tokens), the
-GSPMD twin on data:2,tensor:4 (sequence parallelism inside data parallelism).
+losses and params against single device (test_manual's record, shared), its compiled step's
+ledger and its memory_analysis(). Meshes: the manual twin on tensor:8 (sequence shards of 4
+tokens), the GSPMD twin and the collective matmul (manual, remat full) on data:2,tensor:4
+(sequence parallelism inside data parallelism).
 
 Measured here (JAX 0.12.0.1, XLA:CPU, opt level 0), against single device: losses 1.4e-6,
 step-1 gradients 2.4e-8, params after 5 AdamW steps 1.3e-6 (both twins, both meshes);
@@ -20,33 +21,45 @@ import pytest
 import auto_parallel
 import manual_parallel
 import reference
+from test_manual import CFG, STEPS, single  # the same config and single-device record
 from test_remat import runner_residuals
 from twinshard import cost, hlo, testing
-from twinshard.config import Config, preset
-from twinshard.trainer import SingleDevice
+from twinshard.config import Config
 
-BASE = preset("tiny")
-CFG = Config(dataclasses.replace(BASE.model, num_heads=8), dataclasses.replace(BASE.train, grad_clip=0.25))
 B, T, D, L = CFG.train.batch_size, CFG.model.context_length, CFG.model.d_model, CFG.model.num_layers
-STEPS = 5
 PARAM_ATOL, LOSS_ATOL, GRAD_ATOL = 2e-5, 2e-5, 2e-7
-RUNS = {"manual": ("tp_sp", "tensor:8"), "auto": ("tp_sp", "data:2,tensor:4"), "manual tp": ("tp", "data:1,tensor:8")}
+# name: (strategy, mesh, model overrides)
+RUNS = {"manual": ("tp_sp", "tensor:8", {}), "auto": ("tp_sp", "data:2,tensor:4", {}),
+        "manual tp": ("tp", "data:1,tensor:8", {}),
+        # the collective matmul, inside data parallelism, under remat full (its ppermutes re-run)
+        "collective matmul": ("tp_sp", "data:2,tensor:4", {"collective_matmul": True, "remat": "full"})}
 max_diff = reference.max_diff
 
 
-def make(name: str, cfg: Config = CFG):
-    strategy, mesh = RUNS[name]
-    return (auto_parallel if name == "auto" else manual_parallel).make_runner(strategy, mesh, cfg)
+def config(name: str) -> Config:
+    return Config(dataclasses.replace(CFG.model, **RUNS[name][2]), CFG.train)
 
 
-@functools.cache
-def single():
-    return reference.train_record(SingleDevice(CFG.model, CFG.train), CFG, STEPS)
+def make(name: str):
+    strategy, mesh, _ = RUNS[name]
+    return (auto_parallel if name == "auto" else manual_parallel).make_runner(strategy, mesh, config(name))
 
 
 @functools.cache
 def record(name: str):
-    return reference.train_record(make(name), CFG, STEPS)
+    return reference.train_record(make(name), config(name), STEPS)
+
+
+@functools.cache
+def train_only(name: str):
+    """Losses and params of STEPS train steps (one compile: no separate loss_and_grads)."""
+    r = make(name)
+    state = r.init_state(CFG.train.seed)
+    losses = []
+    for x, y in reference.random_batches(B, T, CFG.model.vocab_size, STEPS):
+        state, metrics = r.train_step(state, *r.place_batch(x, y))
+        losses.append(float(metrics["loss"]))
+    return {"losses": np.array(losses), "params": jax.device_get(state.params), "runner": r}
 
 
 def compile_step(r):
@@ -57,7 +70,8 @@ def compile_step(r):
 @functools.cache
 def compiled(name: str):
     """The train step compiled once: (compiled, ledger, runner)."""
-    r = record(name)["runner"] if name != "manual tp" else make(name)
+    r = record(name)["runner"] if name in ("manual", "auto") else (
+        train_only(name)["runner"] if name == "collective matmul" else make(name))
     c = compile_step(r)
     return c, hlo.ledger(c, r.mesh), r
 
@@ -71,20 +85,18 @@ def test_tp_sp_matches_single_device(twin):
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
 
-def test_manual_ledger_equals_the_cost_model():
+@pytest.mark.parametrize("name", ["manual", "collective matmul"])
+def test_manual_ledger_equals_the_cost_model(name):
     """Every collective is a line of manual_parallel/ (or the loss's statistics), and count and
-    bytes of every (op, axes) row equal twinshard/cost.py, on tensor:8 and on data:2,tensor:4."""
-    for r, led in ((compiled("manual")[2], compiled("manual")[1]), *_data_parallel_manual()):
-        testing.expect_parsed(led)
-        for rec in led:
-            assert "manual_parallel/" in rec.source or "twinshard/loss.py" in rec.source, (rec, led.table())
-        rows = cost.compare(led.summary(), cost.cost(CFG.model, "tp_sp", r.sizes, B).summary())
-        assert all(row["match"] for row in rows), cost.compare_table(rows) + "\n" + led.table()
-
-
-def _data_parallel_manual():
-    r = manual_parallel.make_runner("tp_sp", "data:2,tensor:4", CFG)
-    return [(r, hlo.ledger(compile_step(r), r.mesh))]
+    bytes of every (op, axes) row equal twinshard/cost.py: tensor:8, and the collective matmul on
+    data:2,tensor:4 under remat=full, where the backward loop runs the forward ppermutes again
+    (the shards are saved, not the gathered sequence) and no reduce-scatter."""
+    _, led, r = compiled(name)
+    testing.expect_parsed(led)
+    for rec in led:
+        assert "manual_parallel/" in rec.source or "twinshard/loss.py" in rec.source, (rec, led.table())
+    rows = cost.compare(led.summary(), cost.cost(config(name).model, "tp_sp", r.sizes, B).summary())
+    assert all(row["match"] for row in rows), cost.compare_table(rows) + "\n" + led.table()
 
 
 def _ring(led: hlo.Ledger, op: str, size: int) -> float:
@@ -152,23 +164,42 @@ def test_saved_residuals_per_layer_equal_the_model(policy):
     assert sum(n for _, n in saved) - gains == 4 * want
 
 
-def test_remat_regathers_the_sequence_shards():
-    """Under remat=full the manual twin saves the reduce-scatter outputs (base.saves_reductions)
-    but re-gathers the column-parallel inputs in the backward loop: 2L all-gathers more, exactly
-    the cost model's; no reduce-scatter is recomputed."""
-    r = manual_parallel.make_runner("tp_sp", "tensor:8", Config(dataclasses.replace(CFG.model, remat="full"),
-                                                                CFG.train))
-    led = hlo.ledger(compile_step(r), r.mesh)
-    rows = cost.compare(led.summary(), cost.cost(CFG.model, "tp_sp", r.sizes, B, remat="full").summary())
-    assert all(row["match"] for row in rows), cost.compare_table(rows)
-    none = compiled("manual")[1]
-    assert led.count("all-gather", "tensor") == none.count("all-gather", "tensor") + 2 * L
-    assert led.count("reduce-scatter", "tensor") == none.count("reduce-scatter", "tensor")
-
-
 def test_sequence_must_split_over_tensor():
     """T = context_length not divisible by tensor: a ValueError naming it and the fix, before compiling."""
     cfg = Config(dataclasses.replace(CFG.model, context_length=36), CFG.train)
     for twin in (auto_parallel, manual_parallel):
         with pytest.raises(ValueError, match=r"seq=36 is not divisible by mesh axis tensor=8.*context_length"):
             twin.make_runner("tp_sp", "tensor:8", cfg)
+
+
+def test_collective_matmul_equals_the_all_gather():
+    """--collective_matmul (data:2,tensor:4, remat full) changes the schedule, not the math:
+    losses and params after 5 steps equal single device's (measured max differences: losses
+    1.4e-6, params 1.0e-6; tp_sp without it on tensor:8: gradients 6.5e-9 apart). In the
+    ledger each of the 2L all-gathers before a column-parallel block is t-1 = 3
+    collective-permutes of [B/2, T/4, D] forward and 3 backward (its reduce-scatter), 3 more
+    re-run by remat, and the ring bytes of the forward and backward hops equal those of the
+    all-gathers and reduce-scatters they replace."""
+    got, want = train_only("collective matmul"), single()
+    np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
+    assert max_diff(got["params"], want["params"]) < PARAM_ATOL
+    led, t = compiled("collective matmul")[1], 4
+    chunk = 4 * (B // 2) * (T // t) * D
+    permutes = testing.expect_collectives(led, "collective-permute", ("tensor",), count=3 * 2 * L * (t - 1))
+    assert {r.bytes for r in permutes} == {chunk}
+    testing.expect_collectives(led, "all-gather", ("tensor",), count=2 * L + 2)  # the scatters' backward, lm_head
+    testing.expect_collectives(led, "reduce-scatter", ("tensor",), count=2 * L + 2)
+    hops = sum(r.ring_bytes * r.multiplicity for r in permutes) * 2 / 3  # without remat's re-run
+    assert hops == 2 * 2 * L * (t - 1) / t * (4 * (B // 2) * T * D)
+
+
+@pytest.mark.parametrize("strategy, twin, message", [
+    ("tp", manual_parallel, "--strategy=tp has none: use --strategy=tp_sp --impl=manual"),
+    ("tp_sp", auto_parallel, "manual twin only \\(--impl=auto\\): use --impl=manual"),
+])
+def test_collective_matmul_needs_manual_tp_sp(strategy, twin, message):
+    cfg = config("collective matmul")
+    with pytest.raises(ValueError, match=message):
+        twin.make_runner(strategy, "data:1,tensor:8", cfg)
+    with pytest.raises(ValueError, match="use strategy tp_sp or collective_matmul=False"):
+        cost.cost(cfg.model, "tp", {"data": 1, "tensor": 8}, B)

@@ -589,22 +589,35 @@ def _tp_sp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
     act, shard = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]", f"[{batch},{ctx.seq // t},{ctx.cfg.d_model}]"
     tp = _tp_micro_batch_rows(ctx, batch)
     stats = [r for r in tp if r.bytes == r.count * batch * ctx.seq * F32]  # the cross-entropy's 3
-    regather = 2 * L if ctx.cfg.remat != "none" else 0  # the column-parallel inputs, see tp_sp.py
-    return stats + [
+    regather = ctx.cfg.remat != "none"  # the column-parallel inputs, see tp_sp.py
+    rows = stats + [
         row(ctx, "forward", "reduce-scatter", ("tensor",), 1, a // t,
             f"vocab-parallel embedding: masked local lookup + scatter_sequence {act} -> {shard}"),
-        row(ctx, "forward", "all-gather", ("tensor",), 2 * L, a,
-            f"gather_sequence {shard} -> {act} before attention and before the MLP (2 per layer)"),
         row(ctx, "forward", "reduce-scatter", ("tensor",), 2 * L, a // t,
             f"scatter_sequence {act} -> {shard} after output_proj and after w2 (2 per layer)"),
         row(ctx, "forward", "all-gather", ("tensor",), 1, a, f"gather_sequence {shard} -> {act} before lm_head"),
-        row(ctx, "backward", "reduce-scatter", ("tensor",), 2 * L + 1, a // t,
-            f"gather_sequence backward: psum_scatter of d{act} (2 per layer, + lm_head's input)"),
+        row(ctx, "backward", "reduce-scatter", ("tensor",), 1, a // t,
+            f"gather_sequence backward: psum_scatter of d{act} before lm_head"),
         row(ctx, "backward", "all-gather", ("tensor",), 2 * L + 1, a,
             f"scatter_sequence backward: all_gather of d{shard} (2 per layer, + the embedding's output)"),
         row(ctx, "backward", "all-reduce", ("tensor",), 2 * L + 1, ctx.cfg.d_model * F32,
             "copy_to_tp backward: psum of each RMSNorm gain's gradient [D] f32 (its tokens' share)"),
-    ] + ([row(ctx, "backward", "all-gather", ("tensor",), regather, a,
+    ]
+    if ctx.cfg.collective_matmul:  # collectives.all_gather_matmul: t - 1 hops of a chunk each
+        hops = 2 * L * (t - 1)
+        return rows + [
+            row(ctx, "forward", "collective-permute", ("tensor",), hops, a // t,
+                f"all_gather_matmul: {t - 1} ppermutes of {shard} before attention and before the MLP"),
+            row(ctx, "backward", "collective-permute", ("tensor",), hops, a // t,
+                f"all_gather_matmul backward: {t - 1} reverse ppermutes of d{shard} (a ring reduce-scatter)"),
+        ] + ([row(ctx, "backward", "collective-permute", ("tensor",), hops, a // t,
+                  f"all_gather_matmul's ppermutes recomputed under remat={ctx.cfg.remat}")] if regather else [])
+    return rows + [
+        row(ctx, "forward", "all-gather", ("tensor",), 2 * L, a,
+            f"gather_sequence {shard} -> {act} before attention and before the MLP (2 per layer)"),
+        row(ctx, "backward", "reduce-scatter", ("tensor",), 2 * L, a // t,
+            f"gather_sequence backward: psum_scatter of d{act} (2 per layer)"),
+    ] + ([row(ctx, "backward", "all-gather", ("tensor",), 2 * L, a,
               f"gather_sequence recomputed under remat={ctx.cfg.remat} (the shard is saved, not {act})")]
          if regather else [])
 
@@ -783,6 +796,9 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     the strategy, a dimension not divisible by its mesh axis, seq_len > context_length).
     """
     mesh_lib.check_strategy(strategy)
+    if cfg.collective_matmul and strategy != "tp_sp":
+        raise ValueError(f"collective_matmul decomposes tp_sp's sequence all-gathers; strategy {strategy} has "
+                         "none: use strategy tp_sp or collective_matmul=False.")
     if strategy not in STRATEGY_ROWS:
         raise ValueError(f"strategy {strategy!r} has no cost model; choose one of {', '.join(STRATEGY_ROWS)}.")
     shape = _normalize_mesh(strategy, mesh)
