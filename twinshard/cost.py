@@ -104,6 +104,19 @@ fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
     squared-norm all-reduce runs over (data, tensor); the loss is all-reduced
     over data.
 
+tp_sp (tensor=t, data=d >= 1; Megatron sequence parallelism, manual_parallel/tp_sp.py). TP's
+    placement, the residual stream split along T. Each of TP's all-reduces of A (with
+    b = B/d) becomes its two halves: forward, 2L reduce-scatters (result A/t) after
+    output_proj and w2, 1 after the embedding lookup, 2L all-gathers (result A) before
+    attention and the MLP, 1 before lm_head; backward, the conjugates (2L + 1
+    reduce-scatters, 2L + 1 all-gathers); the cross-entropy's 3 all-reduces as TP; 2L + 1
+    all-reduces of the RMSNorm gains' f32 gradients [D] (each device normalises only its
+    tokens). Per layer the ring bytes equal TP's: 8 (t-1)/t A. Under a remat policy other
+    than none the 2L column-parallel inputs are gathered again in the backward pass.
+    With `collective_matmul` each of the 2L per-layer all-gathers is t-1 collective-permutes
+    of A/t (forward) and so is its reduce-scatter (backward). With d > 1: dp's gradient
+    means over data of each leaf's tensor shard and the loss mean.
+
 Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences). What
 runs in each micro-batch's forward and backward runs K times per step (`_times`): tp's
 rows, on activations of b/K sequences (the same bytes per step, K x the count). The
@@ -159,7 +172,11 @@ Memory per device (`Memory`, bytes):
         working set the backward loop rebuilds for the layer it differentiates.
         The per-layer counts of full / dots / dots_no_batch are exact (equal to JAX's
         saved_residuals on one device and in the manual tp twin, tests/test_remat.py).
-        final      2*b*T*D (ln_final in/out) + b*T*V/t (logits) x s, and b*T*V/t x 4
+        tp_sp      everything outside the tensor-parallel regions / t (the residual stream,
+                   norms, their statistics, the reduce-scatter outputs), the rest as tp; under
+                   none also the two gathered [b,T,D] inputs of the column-parallel matmuls
+                   (`_saved_per_layer_sequence`, exact against JAX's saved residuals)
+        final      2*b*T*D (ln_final in/out; tp_sp: b*T*D/t in, b*T*D gathered out) + b*T*V/t (logits) x s, and b*T*V/t x 4
         (exp(z - max) in the f32 loss); the rest x s bytes. Not rematerialized by any
         policy (the manual FSDP twin checkpoints the lm_head matmul alone, which keeps
         its input and output). An estimate: XLA fuses, recomputes and frees buffers
@@ -572,10 +589,10 @@ def _tp_sp(ctx: _Ctx) -> list[Row]:
     rows = _times(ctx.k, _tp_sp_micro_batch_rows(ctx, b // ctx.k)) + [_norm_row(ctx, ("tensor",))]
     if ctx.d == 1:
         return rows
-    rules = RULES["tp_sp"]  # each device means its tensor shard of every gradient leaf
-    return rows + [row(ctx, "backward", "all-reduce", ("data",), w.leaves,
-                       w.layers * w.size * F32 // _shards(w, rules, ctx.mesh),
-                       f"pmean over data of d({w.name}) {_leaf_shape(w)}/{_shards(w, rules, ctx.mesh)}")
+    shards = {w.name: _shards(w, RULES["tp_sp"], ctx.mesh) for w in weights(ctx.cfg)}  # over tensor
+    return rows + [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32 // shards[w.name],
+                       f"pmean over data of d({w.name}) {_leaf_shape(w)}"
+                       + (f"/{shards[w.name]} (its tensor shard)" if shards[w.name] > 1 else ""))
                    for w in weights(ctx.cfg)] + [_loss_row(ctx)]
 
 
