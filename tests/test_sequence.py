@@ -141,7 +141,9 @@ def test_temporaries_below_tp():
     """memory_analysis() per device on tensor:8: tp_sp's temporaries are below TP's (the residual
     stream, norms and layer inputs are 1/8 as large; the gathered inputs of the column-parallel
     matmuls, saved under remat none, are what TP saves anyway), and each is within the cost
-    model's band (tests/test_memory.py)."""
+    model's band (tests/test_memory.py). Measured (XLA:CPU): tp_sp 1,479,528 B (model 1,487,616),
+    tp 2,237,928 B (model 1,899,776): 34% less. Under remat full the saved layer activations are
+    exactly 1/8 of TP's (2 [B, T/8, D] per layer against 2 [B, T, D]; the residual test below)."""
     temp = {n: compiled(n)[0].memory_analysis().temp_size_in_bytes for n in ("manual", "manual tp")}
     model = {n: cost.memory(CFG.model, RUNS[n][0], {"data": 1, "tensor": 8}, B, T).temporaries
              for n in temp}

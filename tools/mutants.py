@@ -152,8 +152,8 @@ MUTANTS: list[Mutant] = [
            "par.head(lambda h: self.lm_head(h, par), x)",
            (MANUAL,), "Megatron f dropped before lm_head: autodiff inserts the psum itself, unnamed"),
     Mutant("model-no-g-after-attention", "tp", _MODEL,
-           "return par.exit_tensor_parallel(out)",
-           "return out",
+           "return par.row_parallel(out, wo)",
+           "return layers.linear(out, wo)",
            (MANUAL,), "Megatron g dropped after output_proj: attention output stays a partial sum"),
     # --- the manual runner: DP mean, pcast, loss mean, clipping norm (manual_parallel/runner.py)
     Mutant("dp-mean-psum", "runner", _RUNNER,
