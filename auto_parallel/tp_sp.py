@@ -24,6 +24,9 @@ Measured (tiny, num_heads 8, XLA:CPU, JAX 0.12.0.1):
   all-reduce bytes PLUS the all-gathers.
 - Without the `embed` pin GSPMD split the token ids along T (s32 all-gathers and
   collective-permutes on data:2,tensor:4).
+- grad_accum > 1 with data > 1: the runner's per-data-shard vmap (auto_parallel/runner.py
+  `shard_loss`) builds plain GSPMD hooks, so its micro-batches run as TP (data:2,tensor:4,
+  grad_accum 2: 47 all-reduces over tensor, no all-gather); equal math, TP's memory.
 """
 
 from __future__ import annotations

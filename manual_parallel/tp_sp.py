@@ -31,6 +31,11 @@ same 8(t-1)/t A: an all-reduce IS a reduce-scatter followed by an all-gather, an
 sequence parallelism only moves the all-gather half to where the next region begins.
 What it saves is memory: every activation outside the column/row-parallel regions (the
 residual stream, the norms, the layer input) is 1/t of TP's (twinshard/cost.py).
+
+--collective_matmul (`CollectiveMatmul`): each layer's 2 gathers before the column-parallel
+matmuls become t-1 ppermutes of [b, T/t, D], each beside the matmuls of the chunk already
+here (collectives.all_gather_matmul); their backward, t-1 reverse ppermutes, replaces the
+gathers' reduce-scatters. The same ring bytes; on a TPU the sends overlap the matmuls.
 """
 
 from jax import lax
