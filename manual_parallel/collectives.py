@@ -238,7 +238,10 @@ def all_gather_matmul(x_shard: Array, ws: tuple[Array, ...], axis: str) -> tuple
     scheduler puts the chunk's matmuls between them - `collective-permute-start`, the q, k,
     v dots (convolution fusions) of the chunk held, `collective-permute-done`; in the MLP,
     start, w1 and w3 dots, done. The backward loop brackets the dx and weight-gradient dots
-    of each chunk by its reverse hop the same way. TPU sends the chunks in bf16 (the default
+    of each chunk by its reverse hop the same way. (Compiled alone - all_gather_matmul and its
+    gradient on [8, 256, 512], tensor:4 - the first forward pair brackets no dot, the scheduler
+    having moved chunk 0's matmuls into the next hop; the other 5 pairs bracket 3 to 5.)
+    TPU sends the chunks in bf16 (the default
     matmul precision reads f32 as bf16, so XLA converts before the send: the ledger shows
     half the f32 bytes; tests/test_tpu_topology.py says the same of FSDP's gathers). XLA:CPU
     has no async collectives, so the CPU program cannot show the overlap.
