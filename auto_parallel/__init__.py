@@ -5,15 +5,21 @@ from __future__ import annotations
 import jax
 import optax
 
-from auto_parallel import dp, fsdp, fsdp_tp, pp, tp
+from auto_parallel import dp, fsdp, fsdp_tp, pp, tp, tp_sp
 from auto_parallel.runner import AutoRunner
 from twinshard import mesh as mesh_lib, pipeline
 from twinshard.placement import logical_dims
 from twinshard.config import Config
 
-STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}
+STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "tp_sp": tp_sp}
 PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py)
 MODULES = {**STRATEGIES, **PIPELINES}  # every strategy's placement tables
+
+
+def split_rules(module) -> dict[str, str]:
+    """Every logical dim the strategy splits -> its mesh axis (for divisibility checks): the param
+    and activation rules, and sequence parallelism's seq -> tensor (SEQUENCE_RULES)."""
+    return {**module.PARAM_RULES, **getattr(module, "SEQUENCE_RULES", module.ACTIVATION_RULES)}
 
 
 def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> dict[str, int]:
@@ -23,7 +29,7 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     shape = mesh_lib.parse_mesh(mesh_spec, strategy) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
     mesh_lib.check_mesh(strategy, shape, n_devices)
     module = MODULES[strategy]
-    mesh_lib.check_divisible(logical_dims(cfg), {**module.PARAM_RULES, **module.ACTIVATION_RULES}, shape)
+    mesh_lib.check_divisible(logical_dims(cfg), split_rules(module), shape)
     if strategy in PIPELINES:
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
                        cfg.train.grad_accum)
@@ -39,5 +45,6 @@ def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None,
     if strategy in PIPELINES and cfg.train.schedule != "gpipe":
         raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
                          "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
+    tp_sp.check_collective_matmul(strategy, "auto", cfg.model.collective_matmul)
     shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
     return AutoRunner(strategy, MODULES[strategy], shape, cfg, devices, tx=tx)

@@ -29,7 +29,7 @@ from absl import app, flags
 
 from twinshard.config import OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 
-STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp")
+STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp", "tp_sp")
 IMPLS = ("auto", "manual")
 
 
@@ -73,6 +73,8 @@ def define_precision_flags() -> None:
            "attention on a GPU in bf16, XLA's elsewhere; reference: the readable twinshard.layers one).")
     define(flags.DEFINE_integer, "scan_unroll", None, "Layers per iteration of the layer scan (default 1: "
            "compile time flat in depth; num_layers: fully unrolled, faster on CPU, compiles longer).")
+    define(flags.DEFINE_bool, "collective_matmul", None, "tp_sp, manual twin: decompose each sequence "
+           "all-gather before the column-parallel matmuls into ppermutes overlapped with the matmuls.")
     define(flags.DEFINE_enum, "remat", None, REMAT_POLICIES, "Rematerialization of each layer (default none; "
            "full: recompute the layer in backward; dots: save only matmul outputs; dots_no_batch: save only "
            "matmul outputs without a batch dimension).")
@@ -80,7 +82,7 @@ def define_precision_flags() -> None:
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:
     """--dtype / --attention / --scan_unroll / --remat applied to the model config (None: the preset's)."""
-    over = {k: getattr(FLAGS, k) for k in ("dtype", "attention", "scan_unroll", "remat")
+    over = {k: getattr(FLAGS, k) for k in ("dtype", "attention", "scan_unroll", "remat", "collective_matmul")
             if getattr(FLAGS, k) is not None}
     if over.get("scan_unroll", 1) < 1:
         raise ValueError(f"--scan_unroll={over['scan_unroll']} must be >= 1 (layers per scan iteration; "
@@ -309,6 +311,10 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 
     from twinshard.trainer import SingleDevice
 
+    from auto_parallel.tp_sp import check_collective_matmul
+
+    if impl != "single":  # launch.compare's single-device reference runs the same math without it
+        check_collective_matmul(strategy, impl, cfg.model.collective_matmul)
     if strategy == "single":
         return SingleDevice(cfg.model, cfg.train)
     check_mesh_fits(strategy, mesh_spec, cfg, len(jax.devices() if devices is None else devices))
@@ -322,13 +328,11 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 def check_mesh_fits(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> None:
     """The mesh against strategy, devices and model at once, so its advice works in one step
     (a mesh on these devices, or a --devices count with a mesh that fits)."""
-    from auto_parallel import MODULES, resolve_mesh
+    from auto_parallel import MODULES, resolve_mesh, split_rules
     from twinshard import mesh
     from twinshard.placement import logical_dims
 
-    module = MODULES[strategy]
-    mesh.resolve(strategy, mesh_spec, logical_dims(cfg), {**module.PARAM_RULES, **module.ACTIVATION_RULES},
-                 n_devices)
+    mesh.resolve(strategy, mesh_spec, logical_dims(cfg), split_rules(MODULES[strategy]), n_devices)
     resolve_mesh(strategy, mesh_spec, cfg, n_devices)  # and a pipeline's L, M and batch
 
 

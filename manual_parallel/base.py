@@ -7,14 +7,16 @@ from typing import Mapping
 
 from twinshard.parallelism import Parallelism, Policy
 
-# Primitives whose output is a forward all-reduce (Megatron g, the vocab-parallel
-# statistics; `psum_invariant` is the psum of a value invariant over the axis under check_vma).
-_REDUCTIONS = frozenset({"psum", "psum_invariant", "pmax"})
+# Primitives whose output is a forward reduction: an all-reduce (Megatron g, the vocab-parallel
+# statistics; `psum_invariant` is the psum of a value invariant over the axis under check_vma)
+# or a reduce-scatter (`reduce_scatter`, lax.psum_scatter: sequence parallelism's g).
+_REDUCTIONS = frozenset({"psum", "psum_invariant", "pmax", "reduce_scatter"})
 
 
 def saves_reductions(prim, *_, **params) -> bool:
-    """Remat policy: save the output of every forward all-reduce, direct or inside one of
-    manual_parallel/collectives.py's custom_vjps (Megatron's g = `reduce_from_tp`).
+    """Remat policy: save the output of every forward all-reduce or reduce-scatter, direct or
+    inside one of manual_parallel/collectives.py's custom_vjps (Megatron's g = `reduce_from_tp`;
+    sequence parallelism's `scatter_sequence`, whose [b, T/t, D] output is 1/t of g's).
     Megatron's f (`copy_to_tp`: identity forward, a `pcast`) and FSDP's gather (an
     all_gather) are not reductions and are not saved.
 
@@ -41,6 +43,7 @@ class ManualParallelism(Parallelism):
 
     def layer_policy(self, policy):
         """The layer's policy, plus `saves_reductions`: a checkpointed layer's backward pass
-        recomputes matmuls, never a collective (tp, fsdp_tp: Megatron g; dp and fsdp run no
+        recomputes matmuls, never a reduction (tp, fsdp_tp: Megatron g; tp_sp: its reduce-scatter,
+        but it re-gathers the sequence shards, see tp_sp.py; dp and fsdp run no
         all-reduce in a layer's forward, so for them this adds nothing)."""
         return None if policy is None else either(policy, saves_reductions)

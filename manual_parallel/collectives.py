@@ -13,6 +13,10 @@ a strategy file).
     copy_to_tp(x, ax)     f   identity                    psum over ax
     reduce_from_tp(x, ax) g   psum over ax                identity
     shift_to_next_stage(x, ax) ppermute s -> s+1         ppermute s+1 -> s
+    gather_sequence(x, ax)    all_gather over ax along T  psum_scatter over ax along T
+    scatter_sequence(x, ax)   psum_scatter over ax along T all_gather over ax along T
+    all_gather_matmul(x, ws, ax)  n-1 ppermutes, each beside   n-1 reverse ppermutes (autodiff):
+                              the matmul of the chunk held  a ring reduce-scatter of dx
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
+
+from twinshard import layers
 
 Array = jax.Array
 
@@ -133,3 +140,122 @@ def shift_to_previous_stage(x: Array, axis: str) -> Array:
     `axis`); the last stage receives zeros. It is `shift_to_next_stage`'s backward, run as
     forward code because 1F1B interleaves the backward passes itself."""
     return lax.ppermute(x, axis, perm=[(dst, src) for src, dst in _to_next(lax.axis_size(axis))])
+
+
+# ----------------------------------------------------------------------------
+# Megatron sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
+# Recomputation in Large Transformer Models", section 4.2.2: g and g-bar). The
+# residual stream between the tensor-parallel regions is split along the sequence,
+# [B, T/tensor, D]; these replace Megatron's f and g around those regions.
+# An all-reduce is a reduce-scatter followed by an all-gather: TP's g (psum) becomes
+# the reduce-scatter half, and the all-gather half moves to the next region's entry.
+# ----------------------------------------------------------------------------
+
+SEQ = 1  # the sequence dim of the residual stream [B, T, D]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_sequence(x: Array, axis: str) -> Array:
+    """Before a column-parallel matmul (sequence parallelism's replacement for f): all-gather
+    the sequence shards, x [B, T/n, D] -> [B, T, D], in `axis` order (shard i holds tokens
+    [i T/n, (i+1) T/n)).
+
+    Backward: each device's column shard contributed a partial dL/dx for EVERY token, and
+    each device needs the sum for its own tokens only: a reduce-scatter (psum_scatter) along T,
+    [B, T, D] -> [B, T/n, D] (TP's f all-reduced the whole [B, T, D] instead)."""
+    return lax.all_gather(x, axis, axis=SEQ, tiled=True)
+
+
+def _gather_seq_fwd(x, axis):
+    return gather_sequence(x, axis), None  # saves nothing: the matmuls save what they read
+
+
+def _gather_seq_bwd(axis, _, grad):
+    return (lax.psum_scatter(grad, axis, scatter_dimension=SEQ, tiled=True),)
+
+
+gather_sequence.defvjp(_gather_seq_fwd, _gather_seq_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def scatter_sequence(x: Array, axis: str) -> Array:
+    """After a row-parallel matmul (sequence parallelism's replacement for g): sum the partial
+    outputs over `axis` and keep this device's sequence shard, a reduce-scatter (psum_scatter)
+    along T, [B, T, D] -> [B, T/n, D]. A sum, not a mean: each device holds one summand.
+
+    Backward: every device's partial output fed the same sum, so each needs the gradient of
+    the whole sequence: an all-gather along T, [B, T/n, D] -> [B, T, D]."""
+    return lax.psum_scatter(x, axis, scatter_dimension=SEQ, tiled=True)
+
+
+def _scatter_seq_fwd(x, axis):
+    return scatter_sequence(x, axis), None
+
+
+def _scatter_seq_bwd(axis, _, grad):
+    return (lax.all_gather(grad, axis, axis=SEQ, tiled=True),)
+
+
+scatter_sequence.defvjp(_scatter_seq_fwd, _scatter_seq_bwd)
+
+
+# ----------------------------------------------------------------------------
+# Collective matmul (Wang et al. 2023, "Overlap Communication with Dependent Computation
+# via Decomposition in Large Deep Learning Models"; the shard_map documentation's
+# all-gather matmul): gather_sequence followed by the column-parallel matmuls, decomposed
+# so that each hop of the gather hides behind a matmul.
+# ----------------------------------------------------------------------------
+
+def _to_left(n: int) -> list[tuple[int, int]]:
+    return [(k, (k - 1) % n) for k in range(n)]  # device k sends to k-1: it then holds chunk k+1
+
+
+def all_gather_matmul(x_shard: Array, ws: tuple[Array, ...], axis: str) -> tuple[Array, ...]:
+    """all_gather(x_shard along T over `axis`) @ w for each w, without the all-gather.
+
+    x_shard: [B, T/n, D], this device's (i's) sequence chunk; ws: [D, out_j] each (q, k, v
+    or w1, w3 columns) -> [B, T, out_j] each, as `gather_sequence(x) @ w`.
+    n steps: at step s this device holds chunk (i + s) mod n; it multiplies it by every w into
+    rows [(i+s) mod n * T/n, ...) of the outputs while a ppermute (collective-permute) passes
+    the chunk to device i-1 and brings chunk (i + s + 1) mod n from device i+1. The matmul and
+    the send of step s do not depend on each other, so the scheduler may run them at once:
+    n-1 collective-permutes of [B, T/n, D] move what the all-gather moved on a ring, (n-1)/n
+    of [B, T, D] per device.
+
+    Backward by autodiff (not written out): ppermute transposes into the reverse ppermute
+    (i -> i+1), and each step's input gradient dY[chunk] @ w^T is added to the gradient
+    arriving from the step after it, so the backward pass is n-1 collective-permutes of
+    [B, T/n, D] that carry partial sums around the ring: a ring reduce-scatter of dx (what
+    gather_sequence's backward psum_scatter does in one collective), each hop beside the
+    matmul of a chunk's gradient. The weight gradient sum over steps of chunk^T dY[chunk]
+    reads every chunk: under remat none they are saved (n of [B, T/n, D], the gathered x's
+    size), under a remat policy the forward ppermutes run again in the backward pass.
+
+    Measured on a TPU ahead-of-time compile (v5e:2x2, tensor:4, tiny, libtpu 0.0.50.1;
+    `python -m launch.collectives --strategy=tp_sp --impl=manual --collective_matmul
+    --topology=v5e:2x2 --mesh=tensor:4 --preset=tiny --hlo=step.hlo`, then read the forward
+    layer loop's body in the scheduled module): every hop is an async pair, and the
+    scheduler puts the chunk's matmuls between them - `collective-permute-start`, the q, k,
+    v dots (convolution fusions) of the chunk held, `collective-permute-done`; in the MLP,
+    start, w1 and w3 dots, done. The backward loop brackets the dx and weight-gradient dots
+    of each chunk by its reverse hop the same way. (Compiled alone - all_gather_matmul and its
+    gradient on [8, 256, 512], tensor:4 - the first forward pair brackets no dot, the scheduler
+    having moved chunk 0's matmuls into the next hop; the other 5 pairs bracket 3 to 5.)
+    TPU sends the chunks in bf16 (the default
+    matmul precision reads f32 as bf16, so XLA converts before the send: the ledger shows
+    half the f32 bytes; tests/test_tpu_topology.py says the same of FSDP's gathers). XLA:CPU
+    has no async collectives, so the CPU program cannot show the overlap.
+    """
+    n, i = lax.axis_size(axis), lax.axis_index(axis)
+    b, t, _ = x_shard.shape
+    outs = [jnp.zeros((b, t * n, w.shape[1]), jnp.result_type(x_shard, w)) for w in ws]
+    chunk = x_shard
+    for step in range(n):
+        if step < n - 1:  # the next chunk's hop, independent of this chunk's matmuls
+            incoming = lax.ppermute(chunk, axis, perm=_to_left(n))
+        row = ((i + step) % n) * t
+        outs = [lax.dynamic_update_slice_in_dim(out, layers.linear(chunk, w), row, axis=SEQ)
+                for out, w in zip(outs, ws)]
+        if step < n - 1:
+            chunk = incoming
+    return tuple(outs)

@@ -67,7 +67,9 @@ class ManualRunner(placement.PlacedRunner):
     def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
                  devices=None):
         self.name = name
-        self.par = strategy.PARALLELISM(strategy.PARAM_RULES)
+        # a strategy with options in the config builds its hooks from it (tp_sp: collective_matmul)
+        make_par = getattr(strategy, "parallelism", lambda _: strategy.PARALLELISM(strategy.PARAM_RULES))
+        self.par = make_par(cfg)
         shapes = jax.eval_shape(functools.partial(create_params, cfg.model, 0))  # whole params
         blocks = jax.tree.map(lambda a, s: Block(a.shape, self.block_mean(s)), shapes,
                               placement.param_specs(cfg, strategy.PARAM_RULES))

@@ -42,7 +42,7 @@ class TensorParallel(ManualParallelism):
         local = ids - lax.axis_index(TENSOR) * v_local
         mine = (local >= 0) & (local < v_local)
         rows = layers.embedding(jnp.clip(local, 0, v_local - 1), table)  # [B, T, D]
-        return reduce_from_tp(jnp.where(mine[..., None], rows, 0.0), TENSOR)
+        return self.exit_tensor_parallel(jnp.where(mine[..., None], rows, 0.0))  # the partial sums: g
 
     def token_loss(self, logits, targets, vocab_size):
         """logits: [B/data, T, V/tensor] for global ids offset + [0, V/tensor); targets: [B/data, T]."""

@@ -50,10 +50,10 @@ def test_weights_match_the_real_parameter_tree():
 
 
 def test_rules_are_the_auto_twins_placement_tables():
-    from auto_parallel import STRATEGIES
+    from auto_parallel import STRATEGIES, split_rules
 
     for name, module in STRATEGIES.items():
-        assert cost.RULES[name] == {**module.PARAM_RULES, **module.ACTIVATION_RULES}, name
+        assert cost.RULES[name] == split_rules(module), name  # tp_sp: + seq -> tensor
 
 
 def test_dp_all_reduces_every_parameter_once():

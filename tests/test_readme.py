@@ -47,6 +47,8 @@ VARIANTS = {
     "uv run python -m launch.collectives --preset=tiny --strategy=fsdp --impl=manual": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=pp --impl=manual --mesh=stage:2 --devices=2 "
     "--microbatches=4 --schedule=1f1b": [],
+    "uv run python -m launch.collectives --preset=tiny --strategy=tp_sp --impl=manual --mesh=tensor:4 --devices=4 "
+    "--collective_matmul": [],
     "uv run python -m twinshard.bpe --input corpus.txt --vocab_size 512 --out corpus512.tiktoken": [],
     "uv run python -m launch.train --preset=tiny --data=corpus.txt --tokenizer=corpus512.tiktoken "
     "--workdir=runs/bpe": [],

@@ -180,7 +180,11 @@ def residuals(fn, *args) -> list[tuple[tuple[int, ...], int, str]]:
 
 def local_residuals(strategy: str, policy: str):
     """The residuals of the manual twin's per-device loss (traced inside its shard_map)."""
-    r = manual_parallel.make_runner(strategy, MESHES[strategy], config(policy))
+    return runner_residuals(manual_parallel.make_runner(strategy, MESHES[strategy], config(policy)))
+
+
+def runner_residuals(r):
+    """The residuals of manual runner r's per-device loss (traced inside its shard_map)."""
     found = []
 
     def body(p, x, y):

@@ -103,6 +103,10 @@ class ModelConfig:
     # saves; "full" saves only each layer's input; "dots" saves matmul outputs; "dots_no_batch"
     # saves matmul outputs without batch dimensions (the weights' uses, not the activations').
     remat: str = "none"
+    # Megatron sequence parallelism (tp_sp), manual twin only: each all-gather before the
+    # column-parallel matmuls decomposed into ppermutes overlapped with the matmuls
+    # (manual_parallel/collectives.py all_gather_matmul). Launchers check the strategy and twin.
+    collective_matmul: bool = False
 
     def __post_init__(self):
         _check_types(self)

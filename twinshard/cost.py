@@ -104,6 +104,19 @@ fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
     squared-norm all-reduce runs over (data, tensor); the loss is all-reduced
     over data.
 
+tp_sp (tensor=t, data=d >= 1; Megatron sequence parallelism, manual_parallel/tp_sp.py). TP's
+    placement, the residual stream split along T. Each of TP's all-reduces of A (with
+    b = B/d) becomes its two halves: forward, 2L reduce-scatters (result A/t) after
+    output_proj and w2, 1 after the embedding lookup, 2L all-gathers (result A) before
+    attention and the MLP, 1 before lm_head; backward, the conjugates (2L + 1
+    reduce-scatters, 2L + 1 all-gathers); the cross-entropy's 3 all-reduces as TP; 2L + 1
+    all-reduces of the RMSNorm gains' f32 gradients [D] (each device normalises only its
+    tokens). Per layer the ring bytes equal TP's: 8 (t-1)/t A. Under a remat policy other
+    than none the 2L column-parallel inputs are gathered again in the backward pass.
+    With `collective_matmul` each of the 2L per-layer all-gathers is t-1 collective-permutes
+    of A/t (forward) and so is its reduce-scatter (backward). With d > 1: dp's gradient
+    means over data of each leaf's tensor shard and the loss mean.
+
 Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences). What
 runs in each micro-batch's forward and backward runs K times per step (`_times`): tp's
 rows, on activations of b/K sequences (the same bytes per step, K x the count). The
@@ -159,7 +172,11 @@ Memory per device (`Memory`, bytes):
         working set the backward loop rebuilds for the layer it differentiates.
         The per-layer counts of full / dots / dots_no_batch are exact (equal to JAX's
         saved_residuals on one device and in the manual tp twin, tests/test_remat.py).
-        final      2*b*T*D (ln_final in/out) + b*T*V/t (logits) x s, and b*T*V/t x 4
+        tp_sp      everything outside the tensor-parallel regions / t (the residual stream,
+                   norms, their statistics, the reduce-scatter outputs), the rest as tp; under
+                   none also the two gathered [b,T,D] inputs of the column-parallel matmuls
+                   (`_saved_per_layer_sequence`, exact against JAX's saved residuals)
+        final      2*b*T*D (ln_final in/out; tp_sp: b*T*D/t in, b*T*D gathered out) + b*T*V/t (logits) x s, and b*T*V/t x 4
         (exp(z - max) in the f32 loss); the rest x s bytes. Not rematerialized by any
         policy (the manual FSDP twin checkpoints the lm_head matmul alone, which keeps
         its input and output). An estimate: XLA fuses, recomputes and frees buffers
@@ -196,6 +213,8 @@ RULES: dict[str, dict[str, str]] = {
     "tp": {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
     "fsdp_tp": {"batch": "data", "embed": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
     "pp": {"layers": "stage"},
+    # tp_sp: TP's placement; the batch over data; the residual stream's T over tensor
+    "tp_sp": {"batch": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor", "seq": "tensor"},
 }
 
 
@@ -559,8 +578,69 @@ def _pp(ctx: _Ctx) -> list[Row]:
     ]
 
 
+# ----------------------------------------------------------------------------- tp_sp
+
+
+def _tp_sp(ctx: _Ctx) -> list[Row]:
+    """Megatron sequence parallelism (manual_parallel/tp_sp.py) with B/data sequences per
+    device: its per-micro-batch rows K times, the gains' psums, then TP's norm psum and, with
+    data > 1, dp's gradient means and the loss mean over data."""
+    b = ctx.batch // ctx.d
+    rows = _times(ctx.k, _tp_sp_micro_batch_rows(ctx, b // ctx.k)) + [_norm_row(ctx, ("tensor",))]
+    if ctx.d == 1:
+        return rows
+    shards = {w.name: _shards(w, RULES["tp_sp"], ctx.mesh) for w in weights(ctx.cfg)}  # over tensor
+    return rows + [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32 // shards[w.name],
+                       f"pmean over data of d({w.name}) {_leaf_shape(w)}"
+                       + (f"/{shards[w.name]} (its tensor shard)" if shards[w.name] > 1 else ""))
+                   for w in weights(ctx.cfg)] + [_loss_row(ctx)]
+
+
+def _tp_sp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """TP's rows with each all-reduce of the residual stream split in its two halves (an
+    all-reduce is a reduce-scatter followed by an all-gather): the reduce-scatter where TP's g
+    (or its backward, f) sums, the all-gather where the next region needs the whole sequence.
+    Per layer: the all-gathers' A plus the reduce-scatters' A/t result bytes move, on a ring,
+    (t-1)/t A each - 8 (t-1)/t A in all, exactly TP's 4 all-reduces of 2 (t-1)/t A."""
+    a, t, L = ctx.activation(batch), ctx.t, ctx.L
+    act, shard = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]", f"[{batch},{ctx.seq // t},{ctx.cfg.d_model}]"
+    tp = _tp_micro_batch_rows(ctx, batch)
+    stats = [r for r in tp if r.bytes == r.count * batch * ctx.seq * F32]  # the cross-entropy's 3
+    regather = ctx.cfg.remat != "none"  # the column-parallel inputs, see tp_sp.py
+    rows = stats + [
+        row(ctx, "forward", "reduce-scatter", ("tensor",), 1, a // t,
+            f"vocab-parallel embedding: masked local lookup + scatter_sequence {act} -> {shard}"),
+        row(ctx, "forward", "reduce-scatter", ("tensor",), 2 * L, a // t,
+            f"scatter_sequence {act} -> {shard} after output_proj and after w2 (2 per layer)"),
+        row(ctx, "forward", "all-gather", ("tensor",), 1, a, f"gather_sequence {shard} -> {act} before lm_head"),
+        row(ctx, "backward", "reduce-scatter", ("tensor",), 1, a // t,
+            f"gather_sequence backward: psum_scatter of d{act} before lm_head"),
+        row(ctx, "backward", "all-gather", ("tensor",), 2 * L + 1, a,
+            f"scatter_sequence backward: all_gather of d{shard} (2 per layer, + the embedding's output)"),
+        row(ctx, "backward", "all-reduce", ("tensor",), 2 * L + 1, ctx.cfg.d_model * F32,
+            "copy_to_tp backward: psum of each RMSNorm gain's gradient [D] f32 (its tokens' share)"),
+    ]
+    if ctx.cfg.collective_matmul:  # collectives.all_gather_matmul: t - 1 hops of a chunk each
+        hops = 2 * L * (t - 1)
+        return rows + [
+            row(ctx, "forward", "collective-permute", ("tensor",), hops, a // t,
+                f"all_gather_matmul: {t - 1} ppermutes of {shard} before attention and before the MLP"),
+            row(ctx, "backward", "collective-permute", ("tensor",), hops, a // t,
+                f"all_gather_matmul backward: {t - 1} reverse ppermutes of d{shard} (a ring reduce-scatter)"),
+        ] + ([row(ctx, "backward", "collective-permute", ("tensor",), hops, a // t,
+                  f"all_gather_matmul's ppermutes recomputed under remat={ctx.cfg.remat}")] if regather else [])
+    return rows + [
+        row(ctx, "forward", "all-gather", ("tensor",), 2 * L, a,
+            f"gather_sequence {shard} -> {act} before attention and before the MLP (2 per layer)"),
+        row(ctx, "backward", "reduce-scatter", ("tensor",), 2 * L, a // t,
+            f"gather_sequence backward: psum_scatter of d{act} (2 per layer)"),
+    ] + ([row(ctx, "backward", "all-gather", ("tensor",), 2 * L, a,
+              f"gather_sequence recomputed under remat={ctx.cfg.remat} (the shard is saved, not {act})")]
+         if regather else [])
+
+
 STRATEGY_ROWS: dict[str, Callable[[_Ctx], list[Row]]] = {
-    "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "pp": _pp,
+    "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "pp": _pp, "tp_sp": _tp_sp,
 }
 
 
@@ -605,16 +685,40 @@ def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[s
     return total * F32
 
 
-def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int) -> int:
+def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequence: bool = False) -> int:
     """Elements one layer saves for the backward pass under `remat` (module docstring);
-    b sequences per device, t tensor shards (1 without tensor parallelism)."""
+    b sequences per device, t tensor shards (1 without tensor parallelism); `sequence`:
+    Megatron sequence parallelism (tp_sp), the residual stream on sequence shards."""
     d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
     scores = b * (h // t) * seq * seq  # [b, H/t, T, T]
+    if sequence:
+        return _saved_per_layer_sequence(cfg, remat, b, seq, t, scores)
     if remat == "none":  # what autodiff saves: JAX's print_saved_residuals, listed in the docstring
         return b * seq * (4 * d + 6 * d // t + 6 * f // t + 4) + 2 * scores + 2 * b * (h // t) * seq
     if remat == "full":
         return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
     no_batch = b * seq * (2 * d + 3 * d // t + 2 * f // t)
+    if remat == "dots_no_batch":
+        return no_batch
+    if remat == "dots":
+        return no_batch + b * seq * d // t + scores
+    raise ValueError(f"remat={remat!r} has no memory model; choose one of {', '.join(REMAT_POLICIES)}.")
+
+
+def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, scores: int) -> int:
+    """tp_sp's saved residuals per layer (JAX's print_saved_residuals in manual_parallel/tp_sp.py,
+    exact; tests/test_sequence.py). Outside the regions everything is TP's / t: the layer input,
+    the norms and their statistics, Megatron g's (now the reduce-scatter's) output. Inside
+    them, as TP: q, k, v, SwiGLU, the scores. New: under `none` the two gathered inputs of the
+    column-parallel matmuls [b, T, D] (their weight gradients read them); a remat policy
+    saves the shard instead and gathers it again (tp_sp.py)."""
+    d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
+    if remat == "none":  # 4 [b,T/t,D] + 4 [b,T/t,1] + 2 gathered [b,T,D] + 4 [b,T,D/t] (q, k, RoPE) + ...
+        return (b * seq * (8 * d // t + 2 * d + 6 * f // t) + 4 * b * seq // t + 2 * scores
+                + 2 * b * (h // t) * seq)
+    if remat == "full":  # the layer input and the attention block's reduce-scatter output, [b,T/t,D]
+        return 2 * b * seq * d // t
+    no_batch = b * seq * (5 * d // t + 2 * f // t)  # the two [b,T/t,D] above, q, k, v, w1 and w3 outputs
     if remat == "dots_no_batch":
         return no_batch
     if remat == "dots":
@@ -633,7 +737,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     t = mesh["tensor"] if "heads" in rules else 1
     b = (batch // mesh["data"] if "batch" in rules else batch) // grad_accum  # one micro-batch
     d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
-    layers = cfg.num_layers * saved_per_layer(cfg, remat, b, seq, t)
+    sequence = "seq" in rules  # tp_sp: the residual stream on sequence shards
+    layers = cfg.num_layers * saved_per_layer(cfg, remat, b, seq, t, sequence)
     if "layers" in rules:  # GPipe: this stage's L/S layers, saved in each of the M + S - 1 ticks, B/M rows each
         from twinshard import pipeline
 
@@ -642,8 +747,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     # The backward loop holds one layer's worth of residuals at a time beyond what was saved:
     # rebuilt under remat, their cotangents without (measured with memory_analysis: without
     # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
-    backward_layer = saved_per_layer(cfg, "none", b, seq, t) * dtype_bytes
-    final = (2 * b * seq * d + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
+    backward_layer = saved_per_layer(cfg, "none", b, seq, t, sequence) * dtype_bytes
+    ln_final = b * seq * d // t + b * seq * d if sequence else 2 * b * seq * d  # tp_sp: on shards, gathered
+    final = (ln_final + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
     acts = layers * dtype_bytes + final
     gathered = 0
     if "embed" in rules:
@@ -701,11 +807,15 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     mesh: {'data': d, 'tensor': t} (a missing axis is 1). `remat` (default: `cfg.remat`)
     changes the activation memory only: under every policy the manual twin runs the
     same collectives (FSDP re-gathers each matrix once in the backward pass whatever the
-    policy; TP's g outputs are saved, never recomputed: manual_parallel/base.py). Invalid
+    policy; TP's g outputs are saved, never recomputed: manual_parallel/base.py), except
+    tp_sp, which re-gathers its sequence shards under any policy but none (manual_parallel/tp_sp.py). Invalid
     input raises ValueError naming the value and the fix (unknown strategy, wrong axes for
     the strategy, a dimension not divisible by its mesh axis, seq_len > context_length).
     """
     mesh_lib.check_strategy(strategy)
+    if cfg.collective_matmul and strategy != "tp_sp":
+        raise ValueError(f"collective_matmul decomposes tp_sp's sequence all-gathers; strategy {strategy} has "
+                         "none: use strategy tp_sp or collective_matmul=False.")
     if strategy not in STRATEGY_ROWS:
         raise ValueError(f"strategy {strategy!r} has no cost model; choose one of {', '.join(STRATEGY_ROWS)}.")
     shape = _normalize_mesh(strategy, mesh)
@@ -720,7 +830,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     if dtype_bytes not in (1, 2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes} must be 1, 2, 4 or 8 (4 for float32).")
     dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads,
-            "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size}
+            "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size, "seq": seq}
     if strategy in PIPELINES:
         from twinshard import pipeline
 
@@ -731,6 +841,8 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "
                          f"of {local} sequences; choose one of {[k for k in range(1, local + 1) if local % k == 0]}.")
+    if remat is not None:  # tp_sp's collectives depend on it (its re-gathers), the others' do not
+        cfg = dataclasses.replace(cfg, remat=remat)
     ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule)
     rows = sorted(STRATEGY_ROWS[strategy](ctx), key=lambda r: PHASES.index(r.phase))  # stable
     notes = [n for n in _NOTES.get(strategy, ())]
@@ -743,6 +855,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
 _NOTES = {
     "tp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
     "fsdp_tp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
+    "tp_sp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
 }
 
 

@@ -109,7 +109,7 @@ def logical_dims(cfg: Config) -> dict[str, int]:
     """Sizes of every logical dimension a strategy may split (for divisibility checks)."""
     m = cfg.model
     return {"batch": cfg.train.batch_size, "embed": m.d_model, "heads": m.num_heads,
-            "mlp": m.d_ff, "vocab": m.padded_vocab_size, "layers": m.num_layers}
+            "mlp": m.d_ff, "vocab": m.padded_vocab_size, "layers": m.num_layers, "seq": m.context_length}
 
 
 def sharded_axes(s: P) -> tuple[str, ...]:
@@ -136,7 +136,10 @@ class PlacedRunner:
         self.param_specs = param_specs(cfg, param_rules)
         self.state_specs = state_specs(cfg, self.tx, param_rules)
         check_state_divisible(self.state_specs, trainer.abstract_state(cfg.model, self.tx), self.sizes)
-        self.batch_spec = spec(("batch", "seq"), activation_rules)
+        # a size-1 axis splits nothing: tp_sp's batch rule (batch -> data) on a tensor-only mesh
+        # would make shard_map's tokens, and so the loss, "varying" over a data axis of 1
+        used = {k: a for k, a in activation_rules.items() if self.sizes.get(a, 1) > 1}
+        self.batch_spec = spec(("batch", "seq"), used)
         self.state_shardings = jax.tree.map(self.named, self.state_specs, is_leaf=lambda x: isinstance(x, P))
         self.batch_sharding = self.named(self.batch_spec)
 

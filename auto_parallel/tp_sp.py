@@ -1,0 +1,94 @@
+"""Megatron sequence parallelism (tp_sp), GSPMD twin: TP's placement, plus the residual
+stream between blocks split along the sequence over `tensor`, [B/data, T/tensor, D].
+
+Placement only: PARAM_RULES are TP's; the batch (tokens) is replicated over `tensor`
+as in TP (split over `data`); the residual stream - the `ACTIVATION` constraint on the
+embedding output and on each block's output (twinshard/model.py) - uses SEQUENCE_RULES
+(seq -> tensor). The hooks pin the two layouts of the manual twin: whole T entering a
+tensor-parallel region (enter_tensor_parallel, before the column-parallel matmuls and the
+lm_head) and inside it (column/row-parallel activations on heads/mlp), sequence shards
+leaving it (exit_tensor_parallel) and after the embedding lookup. XLA derives the collectives.
+
+Measured (tiny, num_heads 8, XLA:CPU, JAX 0.12.0.1):
+- The residual-stream rule alone is not enough: GSPMD then split the column-parallel
+  matmuls by gathering the WEIGHTS ([64, 64], [64, 192] all-gathers), all-reduced weight
+  gradients and sent attention's pieces through 20 all-to-alls (tensor:8: 76 collectives,
+  88 with only the gathered input pinned). With the region layouts pinned: 4L + 2
+  all-gathers of [B, T, D] over tensor, as the manual twin (tests/test_sequence.py).
+- No reduce-scatter: each sequence scatter is an all-reduce of [B, T, D] + a slice, 2L + 1
+  forward; in the backward pass GSPMD all-reduces the input gradients of q, k, v, w1, w3
+  separately (5L) and the lm_head's (1), where the manual twin reduce-scatters their sums.
+  The same on a TPU ahead-of-time compile (v5e:2x2, tensor:4, libtpu 0.0.50.1: 10
+  all-gathers, all-reduces, no reduce-scatter): GSPMD's partial-sum -> sequence-shard
+  reshard is an all-reduce + dynamic-slice on both backends, so the auto twin moves TP's
+  all-reduce bytes PLUS the all-gathers.
+- Without the `embed` pin GSPMD split the token ids along T (s32 all-gathers and
+  collective-permutes on data:2,tensor:4).
+- grad_accum > 1 with data > 1: the runner's per-data-shard vmap (auto_parallel/runner.py
+  `shard_loss`) builds plain GSPMD hooks, so its micro-batches run as TP (data:2,tensor:4,
+  grad_accum 2: 47 all-reduces over tensor, no all-gather); equal math, TP's memory.
+"""
+
+from __future__ import annotations
+
+from auto_parallel.runner import GSPMD
+from auto_parallel.tp import PARAM_RULES as TP_PARAM_RULES
+from twinshard.model import ACTIVATION
+
+PARAM_RULES: dict[str, str] = dict(TP_PARAM_RULES)  # heads, mlp, vocab -> tensor
+# The batch (tokens, targets), the logits and the weights where they are used: TP's.
+ACTIVATION_RULES: dict[str, str] = {"batch": "data", **TP_PARAM_RULES}
+# The residual stream [B, T, D] between the tensor-parallel regions: split along T too.
+SEQUENCE_RULES: dict[str, str] = {**ACTIVATION_RULES, "seq": "tensor"}
+# Inside a region: [B, T, H*dh/t] or [B, T, F/t] (heads and mlp both map to tensor).
+REGION = ("batch", "seq", "heads")
+
+
+class SequenceParallelGSPMD(GSPMD):
+    """GSPMD with two layouts of the residual stream [B, T, D]: split along T between the
+    tensor-parallel regions, whole inside them (the manual twin's gather / scatter)."""
+
+    def __init__(self, mesh):
+        super().__init__(mesh, ACTIVATION_RULES)
+        self.sequence = GSPMD(mesh, SEQUENCE_RULES)
+
+    def constrain(self, x, axes):
+        """The residual stream (embedding and block outputs) on sequence shards."""
+        return (self.sequence if axes == ACTIVATION else super()).constrain(x, axes)
+
+    def embed(self, ids, table):
+        """The vocab-parallel lookup on the whole sequence (as TP); the model then constrains it
+        to sequence shards (the scatter)."""
+        return super().constrain(super().embed(ids, table), ACTIVATION)
+
+    def enter_tensor_parallel(self, x):
+        """[B, T/t, D] -> whole T, before the column-parallel matmuls and the lm_head."""
+        return super().constrain(x, ACTIVATION)
+
+    def column_parallel(self, x, ws):
+        """x @ each w on the whole sequence, each output [B, T, out/t] (heads or mlp: tensor)."""
+        return tuple(self.constrain(y, REGION) for y in super().column_parallel(x, ws))
+
+    def row_parallel(self, x, w):
+        """x [B, T, in/t] (heads or mlp on tensor) @ w [in/t, D], then the reduce-scatter."""
+        return super().row_parallel(self.constrain(x, REGION), w)
+
+    def exit_tensor_parallel(self, x):
+        """The row-parallel partial sums [B, T, D] -> summed, on sequence shards."""
+        return self.constrain(x, ACTIVATION)
+
+
+def parallelism(mesh, cfg) -> GSPMD:
+    return SequenceParallelGSPMD(mesh)
+
+
+def check_collective_matmul(strategy: str, impl: str, collective_matmul: bool) -> None:
+    """ModelConfig.collective_matmul runs only in the manual tp_sp twin: a ValueError naming the fix."""
+    if not collective_matmul:
+        return
+    if strategy != "tp_sp":
+        raise ValueError(f"--collective_matmul decomposes tp_sp's sequence all-gathers, and --strategy={strategy} "
+                         "has none: use --strategy=tp_sp --impl=manual, or drop --collective_matmul.")
+    if impl != "manual":
+        raise ValueError(f"--collective_matmul is written by hand in the manual twin only (--impl={impl}): "
+                         "use --impl=manual, or drop --collective_matmul (GSPMD chooses its own collectives).")

@@ -1,0 +1,207 @@
+"""Megatron sequence parallelism (tp_sp) in both twins, on the tiny preset (num_heads 8).
+
+Each runner is compiled once (module cache) and gives the step-1 gradients, 5 steps of
+losses and params against single device (test_manual's record, shared), its compiled step's
+ledger and its memory_analysis(). Meshes: the manual twin on tensor:8 (sequence shards of 4
+tokens), the GSPMD twin and the collective matmul (manual, remat full) on data:2,tensor:4
+(sequence parallelism inside data parallelism).
+
+Measured here (JAX 0.12.0.1, XLA:CPU, opt level 0), against single device: losses 1.4e-6,
+step-1 gradients 2.4e-8, params after 5 AdamW steps 1.3e-6 (both twins, both meshes);
+tolerances as tests/test_manual.py.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import auto_parallel
+import manual_parallel
+import reference
+from test_manual import CFG, STEPS, single  # the same config and single-device record
+from test_remat import runner_residuals
+from twinshard import cost, hlo, testing
+from twinshard.config import Config
+
+B, T, D, L = CFG.train.batch_size, CFG.model.context_length, CFG.model.d_model, CFG.model.num_layers
+PARAM_ATOL, LOSS_ATOL, GRAD_ATOL = 2e-5, 2e-5, 2e-7
+# name: (strategy, mesh, model overrides)
+RUNS = {"manual": ("tp_sp", "tensor:8", {}), "auto": ("tp_sp", "data:2,tensor:4", {}),
+        "manual tp": ("tp", "data:1,tensor:8", {}),
+        # the collective matmul, inside data parallelism, under remat full (its ppermutes re-run)
+        "collective matmul": ("tp_sp", "data:2,tensor:4", {"collective_matmul": True, "remat": "full"})}
+max_diff = reference.max_diff
+
+
+def config(name: str) -> Config:
+    return Config(dataclasses.replace(CFG.model, **RUNS[name][2]), CFG.train)
+
+
+def make(name: str):
+    strategy, mesh, _ = RUNS[name]
+    return (auto_parallel if name == "auto" else manual_parallel).make_runner(strategy, mesh, config(name))
+
+
+@functools.cache
+def record(name: str):
+    return reference.train_record(make(name), config(name), STEPS)
+
+
+@functools.cache
+def train_only(name: str):
+    """Losses and params of STEPS train steps (one compile: no separate loss_and_grads)."""
+    r = make(name)
+    state = r.init_state(CFG.train.seed)
+    losses = []
+    for x, y in reference.random_batches(B, T, CFG.model.vocab_size, STEPS):
+        state, metrics = r.train_step(state, *r.place_batch(x, y))
+        losses.append(float(metrics["loss"]))
+    return {"losses": np.array(losses), "params": jax.device_get(state.params), "runner": r}
+
+
+def compile_step(r):
+    xs = jax.ShapeDtypeStruct((B, T), np.int32, sharding=r.batch_sharding)
+    return r.train_step.lower(r.abstract_state(), xs, xs).compile()
+
+
+@functools.cache
+def compiled(name: str):
+    """The train step compiled once: (compiled, ledger, runner)."""
+    r = record(name)["runner"] if name in ("manual", "auto") else (
+        train_only(name)["runner"] if name == "collective matmul" else make(name))
+    c = compile_step(r)
+    return c, hlo.ledger(c, r.mesh), r
+
+
+@pytest.mark.parametrize("twin", ["manual", "auto"])
+def test_tp_sp_matches_single_device(twin):
+    got, want = record(twin), single()
+    assert max_diff(got["init"], want["init"]) == 0.0
+    np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
+    assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    assert max_diff(got["params"], want["params"]) < PARAM_ATOL
+
+
+@pytest.mark.parametrize("name", ["manual", "collective matmul"])
+def test_manual_ledger_equals_the_cost_model(name):
+    """Every collective is a line of manual_parallel/ (or the loss's statistics), and count and
+    bytes of every (op, axes) row equal twinshard/cost.py: tensor:8, and the collective matmul on
+    data:2,tensor:4 under remat=full, where the backward loop runs the forward ppermutes again
+    (the shards are saved, not the gathered sequence) and no reduce-scatter."""
+    _, led, r = compiled(name)
+    testing.expect_parsed(led)
+    for rec in led:
+        assert "manual_parallel/" in rec.source or "twinshard/loss.py" in rec.source, (rec, led.table())
+    rows = cost.compare(led.summary(), cost.cost(config(name).model, "tp_sp", r.sizes, B).summary())
+    assert all(row["match"] for row in rows), cost.compare_table(rows) + "\n" + led.table()
+
+
+def _ring(led: hlo.Ledger, op: str, size: int) -> float:
+    """Ring bytes over tensor of the `op` records whose result is `size` bytes (x multiplicity)."""
+    return sum(rec.ring_bytes * rec.multiplicity for rec in led.filter(op=op, axes=("tensor",)) if rec.bytes == size)
+
+
+def test_gather_plus_scatter_bytes_equal_tp_all_reduce_bytes():
+    """Per layer, the measured all-gathers [B, T, D] + reduce-scatters [B, T/t, D] of tp_sp move
+    on a ring exactly the bytes of TP's all-reduces of [B, T, D] (the cost model's tp rows, which
+    tests/test_manual.py proves equal to TP's ledger): an all-reduce IS a reduce-scatter followed
+    by an all-gather, each (t-1)/t of the array per device; tp_sp only runs the two halves at
+    different places (the scatter after a row-parallel matmul, the gather before the next
+    column-parallel one). Outside the layers the same holds for the embedding and lm_head."""
+    led, t = compiled("manual")[1], 8
+    a = 4 * B * T * D
+    tp = cost.cost(CFG.model, "tp", {"data": 1, "tensor": t}, B)
+    tp_ring = sum(r.ring_bytes for r in tp.collectives if r.op == "all-reduce" and r.bytes == r.count * a)
+    sp_ring = _ring(led, "all-gather", a) + _ring(led, "reduce-scatter", a // t)
+    assert sp_ring == tp_ring == (4 * L + 2) * 2 * (t - 1) / t * a, (sp_ring, tp_ring)
+    # and nothing over tensor larger than the residual stream: no weight moves
+    testing.expect_no_collective(led, axes=("tensor",), larger_than=a)
+    testing.expect_no_collective(led, op="all-reduce", axes=("tensor",), larger_than=4 * B * T)
+
+
+def test_auto_twin_gathers_and_scatters_the_sequence():
+    """GSPMD (data:2,tensor:4): the same 4L + 2 all-gathers of [B/data, T, D] as the manual twin;
+    XLA:CPU writes each reduce-scatter as an all-reduce of [B/data, T, D] (+ a slice; DESIGN.md),
+    2L + 1 forward, and GSPMD all-reduces the input gradients of q, k, v, w1, w3 separately
+    (5L) and the lm_head's (1) where the manual twin reduce-scatters their sum (2L + 1)."""
+    led = compiled("auto")[1]
+    a = 4 * (B // 2) * T * D
+    testing.expect_collectives(led, "all-gather", ("tensor",), count=4 * L + 2)
+    testing.expect_bytes(led, ("tensor",), (4 * L + 2) * a, rel=0, op="all-gather")
+    testing.expect_no_collective(led, op="reduce-scatter")  # XLA:CPU
+    big = [r for r in led.filter(op="all-reduce", axes=("tensor",)) if r.bytes == a]
+    assert sum(r.multiplicity for r in big) == (2 * L + 1) + (5 * L + 1), led.table()
+    testing.expect_no_collective(led, axes=("tensor",), larger_than=a)
+
+
+def test_temporaries_below_tp():
+    """memory_analysis() per device on tensor:8: tp_sp's temporaries are below TP's (the residual
+    stream, norms and layer inputs are 1/8 as large; the gathered inputs of the column-parallel
+    matmuls, saved under remat none, are what TP saves anyway), and each is within the cost
+    model's band (tests/test_memory.py). Measured (XLA:CPU): tp_sp 1,479,528 B (model 1,487,616),
+    tp 2,237,928 B (model 1,899,776): 34% less. Under remat full the saved layer activations are
+    exactly 1/8 of TP's (2 [B, T/8, D] per layer against 2 [B, T, D]; the residual test below)."""
+    temp = {n: compiled(n)[0].memory_analysis().temp_size_in_bytes for n in ("manual", "manual tp")}
+    model = {n: cost.memory(CFG.model, RUNS[n][0], {"data": 1, "tensor": 8}, B, T).temporaries
+             for n in temp}
+    assert temp["manual"] < temp["manual tp"], temp
+    assert model["manual"] < model["manual tp"], model
+    for n in temp:
+        assert 0.85 <= temp[n] / model[n] <= 1.25, (n, temp, model)
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "dots", "dots_no_batch"])
+def test_saved_residuals_per_layer_equal_the_model(policy):
+    """The layer scan's saved residuals (stacked [L, ...]) are L x cost.saved_per_layer(...,
+    sequence=True), + the last layer's output [B, T/8, D]; the two [D] gains the model leaves
+    out under none (tests/test_remat.py) are left out here too."""
+    r = manual_parallel.make_runner("tp_sp", "tensor:8", Config(dataclasses.replace(CFG.model, remat=policy),
+                                                                CFG.train))
+    saved = [(shape, n) for shape, n, where in runner_residuals(r) if "output of scan" in where]
+    gains = sum(n for shape, n in saved if shape[1:] == (1, 1, D))
+    want = L * cost.saved_per_layer(CFG.model, policy, B, T, 8, sequence=True) + B * T // 8 * D
+    assert sum(n for _, n in saved) - gains == 4 * want
+
+
+def test_sequence_must_split_over_tensor():
+    """T = context_length not divisible by tensor: a ValueError naming it and the fix, before compiling."""
+    cfg = Config(dataclasses.replace(CFG.model, context_length=36), CFG.train)
+    for twin in (auto_parallel, manual_parallel):
+        with pytest.raises(ValueError, match=r"seq=36 is not divisible by mesh axis tensor=8.*context_length"):
+            twin.make_runner("tp_sp", "tensor:8", cfg)
+
+
+def test_collective_matmul_equals_the_all_gather():
+    """--collective_matmul (data:2,tensor:4, remat full) changes the schedule, not the math:
+    losses and params after 5 steps equal single device's (measured max differences: losses
+    1.4e-6, params 1.0e-6; tp_sp without it on tensor:8: gradients 6.5e-9 apart). In the
+    ledger each of the 2L all-gathers before a column-parallel block is t-1 = 3
+    collective-permutes of [B/2, T/4, D] forward and 3 backward (its reduce-scatter), 3 more
+    re-run by remat, and the ring bytes of the forward and backward hops equal those of the
+    all-gathers and reduce-scatters they replace."""
+    got, want = train_only("collective matmul"), single()
+    np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
+    assert max_diff(got["params"], want["params"]) < PARAM_ATOL
+    led, t = compiled("collective matmul")[1], 4
+    chunk = 4 * (B // 2) * (T // t) * D
+    permutes = testing.expect_collectives(led, "collective-permute", ("tensor",), count=3 * 2 * L * (t - 1))
+    assert {r.bytes for r in permutes} == {chunk}
+    testing.expect_collectives(led, "all-gather", ("tensor",), count=2 * L + 2)  # the scatters' backward, lm_head
+    testing.expect_collectives(led, "reduce-scatter", ("tensor",), count=2 * L + 2)
+    hops = sum(r.ring_bytes * r.multiplicity for r in permutes) * 2 / 3  # without remat's re-run
+    assert hops == 2 * 2 * L * (t - 1) / t * (4 * (B // 2) * T * D)
+
+
+@pytest.mark.parametrize("strategy, twin, message", [
+    ("tp", manual_parallel, "--strategy=tp has none: use --strategy=tp_sp --impl=manual"),
+    ("tp_sp", auto_parallel, "manual twin only \\(--impl=auto\\): use --impl=manual"),
+])
+def test_collective_matmul_needs_manual_tp_sp(strategy, twin, message):
+    cfg = config("collective matmul")
+    with pytest.raises(ValueError, match=message):
+        twin.make_runner(strategy, "data:1,tensor:8", cfg)
+    with pytest.raises(ValueError, match="use strategy tp_sp or collective_matmul=False"):
+        cost.cost(cfg.model, "tp", {"data": 1, "tensor": 8}, B)
