@@ -29,7 +29,7 @@ from absl import app, flags
 
 from twinshard.config import OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 
-STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp")
+STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp", "pp_fsdp")
 IMPLS = ("auto", "manual")
 
 

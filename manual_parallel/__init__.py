@@ -5,12 +5,12 @@ from __future__ import annotations
 import jax
 
 from auto_parallel import resolve_mesh
-from manual_parallel import dp, fsdp, fsdp_tp, pp, tp
+from manual_parallel import dp, fsdp, fsdp_tp, pp, pp_fsdp, tp
 from manual_parallel.runner import ManualRunner
 from twinshard.config import Config
 
 STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}
-PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py)
+PIPELINES = {"pp": pp, "pp_fsdp": pp_fsdp}  # on a `stage` axis (twinshard/pipeline.py)
 
 
 def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None) -> ManualRunner:
