@@ -5,14 +5,14 @@ from __future__ import annotations
 import jax
 import optax
 
-from auto_parallel import dp, fsdp, fsdp_tp, pp, tp, tp_sp
+from auto_parallel import dp, fsdp, fsdp_tp, pp, pp_fsdp, tp, tp_sp
 from auto_parallel.runner import AutoRunner
 from twinshard import mesh as mesh_lib, pipeline
 from twinshard.placement import logical_dims
 from twinshard.config import Config
 
 STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "tp_sp": tp_sp}
-PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py)
+PIPELINES = {"pp": pp, "pp_fsdp": pp_fsdp}  # on a `stage` axis (twinshard/pipeline.py)
 MODULES = {**STRATEGIES, **PIPELINES}  # every strategy's placement tables
 
 
@@ -32,7 +32,7 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     mesh_lib.check_divisible(logical_dims(cfg), split_rules(module), shape)
     if strategy in PIPELINES:
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
-                       cfg.train.grad_accum)
+                       cfg.train.grad_accum, shape.get("data", 1))
     return shape
 
 

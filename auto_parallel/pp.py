@@ -29,9 +29,12 @@ micro-batch [1, B/M, T, D]; outside the loop, once per step, the embedded
 batch reaches row 0 and the finished row S-1 reaches the loss (collective-
 permute + all-reduce of [1, M, B/M, T, D], and their backward). Where the
 manual twin sends S-1 hops per tick, GSPMD sends S (the cyclic roll) forward.
-Inside the stage function there is no sharding constraint: under vmap a
-constraint on the per-stage shape would pin the stage dim (replicated) and
-gather every stage's weights.
+The stage function runs with GSPMD hooks (the weight pin, the residual stream's
+constraint: the strategy's activation rules) under `vmap(..., spmd_axis_name='stage')`,
+which puts `stage` on the vmapped dim of every constraint inside. Without
+spmd_axis_name a constraint on the per-stage shape would pin the stage dim
+(replicated) and gather every stage's weights; pp's own rules pin nothing else
+(its ledger is the same with or without the hooks, tests/test_pipeline.py).
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from auto_parallel.runner import GSPMD
 from twinshard import pipeline
-from twinshard.parallelism import SINGLE_DEVICE
 from twinshard.pipeline import STAGE
 
 # logical axis -> mesh axis for parameters (absent: replicated)
@@ -59,34 +61,47 @@ class GSPMDPipeline(GSPMD):
         super().__init__(mesh, activation_rules)
         self.microbatches = microbatches
 
-    def _per_stage(self, a):
-        """Pin dim 0 (the stage dim) to the `stage` axis."""
-        return lax.with_sharding_constraint(a, NamedSharding(self.mesh, P(STAGE)))
+    def _per_stage(self, a, batch_dim: int | None = None):
+        """Pin dim 0 (the stage dim) to the `stage` axis, and `batch_dim` (rows of a micro-batch)
+        to the batch's axis (pp_fsdp: `data`; pp: none)."""
+        dims = [STAGE] + [None] * (a.ndim - 1)
+        if batch_dim is not None:
+            dims[batch_dim] = self.rules.get("batch")
+        return lax.with_sharding_constraint(a, NamedSharding(self.mesh, P(*dims)))
 
     def layer_stack(self, stacked, cfg, x):
-        """x: [B, T, D] (replicated) -> the blocks' output [B, T, D]."""
+        """x: [B, T, D] (pp: replicated; pp_fsdp: rows over data) -> the blocks' output [B, T, D].
+
+        Micro-batch i is rows [i B/(data M), (i+1) B/(data M)) of every data shard, as in the
+        manual twin (pp: data = 1, rows [i B/M, (i+1) B/M))."""
         from twinshard.model import scan_stacked
 
         n, m = self.mesh.shape[STAGE], self.microbatches
+        dp = self.mesh.shape[self.rules["batch"]] if "batch" in self.rules else 1
         b, t, d = x.shape[0] // m, x.shape[1], x.shape[2]
+        # [B, T, D] -> [data, M, B/(data M), T, D] -> [M, B/M, T, D]: each data shard's rows split into M
+        micro = x.reshape(dp, m, b // dp, t, d).swapaxes(0, 1).reshape(m, b, t, d)
         stages = jax.tree.map(lambda w: self._per_stage(w.reshape(n, -1, *w.shape[1:])), stacked)  # [S, L/S, ...]
-        run_stages = jax.vmap(lambda w, h: scan_stacked(w, cfg, h, SINGLE_DEVICE))  # each device: its row
+        # each device: its row; spmd_axis_name keeps `stage` on the vmapped dim of the hooks' constraints
+        # (a weight pinned whole over data, the residual stream's rows over data) inside a stage
+        stage = GSPMD(self.mesh, self.rules)
+        run_stages = jax.vmap(lambda w, h: scan_stacked(w, cfg, h, stage), spmd_axis_name=STAGE)
         row = lambda k: (jnp.arange(n) == k).reshape(n, 1, 1, 1, 1)  # noqa: E731  [S, 1, 1, 1, 1]
-        inject = self._per_stage(jnp.zeros((n, m, b, t, d), x.dtype).at[0].set(x.reshape(m, b, t, d)))
+        inject = self._per_stage(jnp.zeros((n, m, b, t, d), x.dtype).at[0].set(micro), 2)
 
         def tick(carry, i):
             state, finished = carry  # [S, B/M, T, D], [S, M, B/M, T, D]
             fresh = lax.dynamic_index_in_dim(inject, jnp.minimum(i, m - 1), 1, keepdims=False)
-            state = self._per_stage(jnp.where(row(0)[:, 0], fresh, state))
-            out = self._per_stage(run_stages(stages, state))
+            state = self._per_stage(jnp.where(row(0)[:, 0], fresh, state), 1)
+            out = self._per_stage(run_stages(stages, state), 1)
             j = i - (n - 1)  # the micro-batch that leaves the last stage at tick i
             done = lax.dynamic_update_index_in_dim(finished, out[:, None], jnp.maximum(j, 0), 1)
-            finished = self._per_stage(jnp.where(row(n - 1) & (j >= 0), done, finished))
-            return (self._per_stage(jnp.roll(out, 1, axis=0)), finished), None  # stage s -> s+1
+            finished = self._per_stage(jnp.where(row(n - 1) & (j >= 0), done, finished), 2)
+            return (self._per_stage(jnp.roll(out, 1, axis=0), 1), finished), None  # stage s -> s+1
 
-        start = (self._per_stage(jnp.zeros((n, b, t, d), x.dtype)), jnp.zeros_like(inject))
+        start = (self._per_stage(jnp.zeros((n, b, t, d), x.dtype), 1), jnp.zeros_like(inject))
         (_, finished), _ = lax.scan(tick, start, jnp.arange(pipeline.ticks(m, n)))
-        return finished[n - 1].reshape(m * b, t, d)
+        return finished[n - 1].reshape(m, dp, b // dp, t, d).swapaxes(0, 1).reshape(m * b, t, d)
 
 
 def parallelism(mesh: jax.sharding.Mesh, cfg) -> GSPMDPipeline:

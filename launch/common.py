@@ -29,7 +29,7 @@ from absl import app, flags
 
 from twinshard.config import OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 
-STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp", "tp_sp")
+STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp", "pp_fsdp", "tp_sp")
 IMPLS = ("auto", "manual")
 
 
@@ -57,7 +57,7 @@ def define_model_flags() -> None:
            "its state is sharded like the params in every strategy.")
     define(flags.DEFINE_integer, "grad_accum", None, "Micro-batches per step: the batch is split into "
            "grad_accum micro-batches whose gradients are accumulated (default 1).")
-    define(flags.DEFINE_integer, "microbatches", None, "Pipeline strategies (pp): micro-batches in flight per "
+    define(flags.DEFINE_integer, "microbatches", None, "Pipeline strategies (pp, pp_fsdp): micro-batches in flight per "
            "step, at least the number of stages (GPipe bubble: (S-1)/(M+S-1)).")
     define(flags.DEFINE_enum, "schedule", None, ("gpipe", "1f1b"), "Pipeline schedule (default gpipe, both "
            "twins); 1f1b (manual twin): one forward, one backward, at most S micro-batches alive per stage.")

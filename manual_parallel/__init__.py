@@ -6,12 +6,12 @@ import jax
 
 from auto_parallel import resolve_mesh
 from auto_parallel.tp_sp import check_collective_matmul
-from manual_parallel import dp, fsdp, fsdp_tp, pp, tp, tp_sp
+from manual_parallel import dp, fsdp, fsdp_tp, pp, pp_fsdp, tp, tp_sp
 from manual_parallel.runner import ManualRunner
 from twinshard.config import Config
 
 STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "tp_sp": tp_sp}
-PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py)
+PIPELINES = {"pp": pp, "pp_fsdp": pp_fsdp}  # on a `stage` axis (twinshard/pipeline.py)
 
 
 def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None) -> ManualRunner:

@@ -28,6 +28,9 @@ autodiff of the tick loop by the one-forward-one-backward schedule written out:
 a static table (pipeline.one_f_one_b) says what each stage does in each tick; a
 backward is a `jax.vjp` of the stage on its saved input, so a stage keeps at most
 S micro-batch inputs where GPipe keeps every tick's residuals. Same gradients.
+
+pp_fsdp (manual_parallel/pp_fsdp.py) is this runner with FSDP's hooks: both schedules run
+on weights gathered over `data` once per step (`_gather_step`), the batch split over `data`.
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ from flax import nnx
 from auto_parallel.pp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import shift_to_next_stage, shift_to_previous_stage
-from manual_parallel.runner import ManualRunner
-from twinshard import pipeline
+from manual_parallel.fsdp import FullyShardedDataParallel
+from manual_parallel.runner import DATA, ManualRunner
+from twinshard import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.pipeline import STAGE
-from twinshard.trainer import graphdef
+from twinshard.trainer import graphdef, logical_axes
 
 __all__ = ["ACTIVATION_RULES", "PARAM_RULES", "PipelineRunner", "PARALLELISM"]
 
@@ -57,33 +61,42 @@ class PipelineRunner(ManualRunner):
 
     def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, mesh_shape[STAGE], cfg.train.microbatches,
-                       cfg.train.grad_accum)
+                       cfg.train.grad_accum, mesh_shape.get("data", 1))
         super().__init__(name, strategy, mesh_shape, cfg, devices)
         # True for params replicated over `stage` (their gradients are summed over it)
         self.replicated_over_stage = {k: k != "layers" for k in self.param_specs}
 
     def _loss_and_grads(self, params, x, y):
-        """x, y: [B, T] (the whole batch on every stage)."""
-        rep = self.replicated_over_stage
+        """x, y: [B/data, T] (pp: data = 1, the whole batch on every stage).
+
+        pcast to varying first (over stage: embedding, ln_final, lm_head; over data: what is
+        replicated over data, pp_fsdp's norm gains), so autodiff adds no psum of its own; then
+        the psum over stage and the DP mean over data are the lines below."""
+        rep, rep_data = self.replicated_over_stage, self.replicated_over_data
+        params = jax.tree.map(lambda p, r: lax.pcast(p, DATA, to="varying") if r else p, params, rep_data)
         params = {k: jax.tree.map(lambda p: lax.pcast(p, STAGE, to="varying"), v) if rep[k] else v
-                  for k, v in params.items()}  # so autodiff adds no psum over stage of its own
+                  for k, v in params.items()}
         if self.cfg.train.schedule == "1f1b":
             loss, grads = self._one_f_one_b(params, x, y)
         else:
-            loss, grads = jax.value_and_grad(self._pipeline_loss)(params, x, y)
+            loss, grads = self._gpipe(params, x, y)
         grads = {k: jax.tree.map(lambda g: lax.psum(g, STAGE), v) if rep[k] else v for k, v in grads.items()}
-        return loss, grads
+        return self._mean_loss(loss), self.mean_over_data(grads, rep_data)
 
-    def _stage(self, params, tokens, arrived, targets):
+    def _varying(self, a):
+        """a, made varying over the axes the activations differ over: `stage` (pp_fsdp: and `data`)."""
+        return lax.pcast(a, (STAGE, *placement.sharded_axes(self.batch_spec)), to="varying")
+
+    def _stage(self, params, tokens, arrived, targets, par):
         """One stage on one micro-batch: (its output [B/M, T, D], its loss: the micro-batch's mean
         token loss on the last stage, 0 elsewhere). Stage 0 embeds `tokens` instead of `arrived`."""
         cfg = self.cfg.model
         model = nnx.merge(graphdef(cfg), params)
         stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
-        inputs = lax.cond(stage == 0, lambda: model.embed(tokens), lambda: arrived)
-        out = scan_stacked(nnx.to_pure_dict(nnx.state(model.layers, nnx.Param)), cfg, inputs)
-        loss = lax.cond(stage == n_stages - 1, lambda o: model.head_loss(o, targets),
-                        lambda o: lax.pcast(jnp.zeros((), jnp.float32), STAGE, to="varying"), out)
+        inputs = lax.cond(stage == 0, lambda: model.embed(tokens, par), lambda: arrived)
+        out = scan_stacked(nnx.to_pure_dict(nnx.state(model.layers, nnx.Param)), cfg, inputs, par)
+        loss = lax.cond(stage == n_stages - 1, lambda o: model.head_loss(o, targets, par),
+                        lambda o: self._varying(jnp.zeros((), jnp.float32)), out)
         return out, loss
 
     def _one_f_one_b(self, params, x, y):
@@ -95,24 +108,27 @@ class PipelineRunner(ManualRunner):
 
         Per tick: 2 collective-permutes of [B/M, T, D] (shift_to_next_stage of the forward
         output, shift_to_previous_stage of the input gradient; zeros when the op was not a
-        forward / backward), over ~2(M + S - 1) ticks. Same gradients as GPipe."""
+        forward / backward), over ~2(M + S - 1) ticks. Same gradients as GPipe.
+
+        pp_fsdp: the schedule runs on the weights gathered once (`_gather_step`), as GPipe."""
         cfg, m = self.cfg.model, self.cfg.train.microbatches
+        params, scatter, par = self._gather_step(params)
         stage, n = lax.axis_index(STAGE), lax.axis_size(STAGE)
         kinds, mbs = (jnp.asarray(t, jnp.int32) for t in pipeline.one_f_one_b(m, n))  # [ticks, S]
-        xs, ys = x.reshape(m, -1, x.shape[1]), y.reshape(m, -1, y.shape[1])  # [M, B/M, T]
-        varying = lambda a: lax.pcast(a, STAGE, to="varying")  # noqa: E731
+        xs, ys = x.reshape(m, -1, x.shape[1]), y.reshape(m, -1, y.shape[1])  # [M, B/(data M), T]
+        varying = self._varying
         ring = varying(jnp.zeros((n, xs.shape[1], xs.shape[2], cfg.d_model), jnp.dtype(cfg.dtype)))
         nothing = ring[0]
         seed = varying(jnp.asarray(1.0 / m, jnp.float32))  # d(mean over micro-batches)/d(micro-batch loss)
 
         def forward(i, c):
             saved, inbox_f, inbox_b, grads, loss = c
-            out, mb_loss = self._stage(params, xs[i], inbox_f[i % n], ys[i])
+            out, mb_loss = self._stage(params, xs[i], inbox_f[i % n], ys[i], par)
             return out, nothing, (saved.at[i % n].set(inbox_f[i % n]), inbox_f, inbox_b, grads, loss + mb_loss)
 
         def backward(i, c):
             saved, inbox_f, inbox_b, grads, loss = c
-            _, pullback = jax.vjp(lambda p, a: self._stage(p, xs[i], a, ys[i]), params, saved[i % n])
+            _, pullback = jax.vjp(lambda p, a: self._stage(p, xs[i], a, ys[i], par), params, saved[i % n])
             d_params, d_arrived = pullback((inbox_b[i % n], seed))
             grads = jax.tree.map(jnp.add, grads, d_params)
             return nothing, d_arrived, (saved, inbox_f, inbox_b, grads, loss)
@@ -135,27 +151,51 @@ class PipelineRunner(ManualRunner):
         zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, p.dtype)), params)  # every param varies
         start = (ring, ring, ring, zeros, varying(jnp.zeros((), jnp.float32)))
         (_, _, _, grads, loss), _ = lax.scan(tick, start, jnp.arange(kinds.shape[0]))
-        return lax.psum(loss, STAGE) / m, grads
+        return lax.psum(loss, STAGE) / m, scatter(grads)
+
+    def _gather_step(self, params):
+        """(params, scatter, hooks) for the tick loop. pp: unchanged, the identity, `self.par`.
+        pp_fsdp: every matrix leaf of this device gathered over `data` once per step, in the
+        compute dtype ([L/S, D/data, F] -> [L/S, D, F]; FullyShardedDataParallel.gather_step),
+        as float32 so that the tick loop accumulates the micro-batches' gradients in float32;
+        `scatter` is that gather's pullback (each accumulated gradient cast back to the
+        compute dtype and psum_scatter'ed over `data`, / data); the hooks are `resident()`."""
+        if not isinstance(self.par, FullyShardedDataParallel):
+            return params, lambda g: g, self.par
+        cfg = self.cfg.model
+        gather = lambda p: jax.tree.map(  # noqa: E731
+            lambda w: w.astype(jnp.float32), self.par.gather_step(p, logical_axes(cfg), cfg.dtype))
+        full, pullback = jax.vjp(gather, params)
+        return full, lambda g: pullback(g)[0], self.par.resident()
 
     def _eval_loss(self, params, x, y):
-        return self._pipeline_loss(params, x, y)
+        params, _, par = self._gather_step(params)
+        return self._mean_loss(self._pipeline_loss(params, x, y, par))
 
-    def _pipeline_loss(self, params, x, y):
-        """Mean loss over the batch, computed by the pipeline; invariant over `stage`."""
+    def _gpipe(self, params, x, y):
+        """GPipe: autodiff of the tick loop, on the weights `_gather_step` hands over."""
+        params, scatter, par = self._gather_step(params)
+        loss, grads = jax.value_and_grad(self._pipeline_loss)(params, x, y, par)
+        return loss, scatter(grads)
+
+    def _pipeline_loss(self, params, x, y, par):
+        """Mean loss over this device's rows (pp: the batch), computed by the pipeline; invariant
+        over `stage`. x, y: [B/data, T]; micro-batch i is rows [i B/(data M), (i+1) B/(data M))."""
         cfg, m = self.cfg.model, self.cfg.train.microbatches
         model = nnx.merge(graphdef(cfg), params)  # model.layers: this stage's [L/S, ...] slice
         stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
         first, last = stage == 0, stage == n_stages - 1
-        xs, ys = x.reshape(m, -1, x.shape[1]), y.reshape(m, -1, y.shape[1])  # [M, B/M, T]
-        act = (xs.shape[1], xs.shape[2], cfg.d_model)  # one micro-batch's activations [B/M, T, D]
-        varying = lambda a: lax.pcast(a, STAGE, to="varying")  # noqa: E731  (differs per stage)
+        ys = y.reshape(m, -1, y.shape[1])  # [M, B/(data M), T]
+        embedded = model.embed(x, par).reshape(m, -1, *x.shape[1:], cfg.d_model)  # [M, B/(data M), T, D]
+        act = embedded.shape[1:]  # one micro-batch's activations [B/(data M), T, D]
+        varying = self._varying  # (differs per stage)
 
         layers = nnx.to_pure_dict(nnx.state(model.layers, nnx.Param))  # this stage's [L/S, ...] params
 
         def tick(carry, i):
             arrived, finished = carry  # [B/M, T, D] from stage-1; [M, B/M, T, D] on stage S-1
-            inputs = jnp.where(first, model.embed(xs[jnp.minimum(i, m - 1)]), arrived)
-            out = scan_stacked(layers, cfg, inputs)
+            inputs = jnp.where(first, embedded[jnp.minimum(i, m - 1)], arrived)
+            out = scan_stacked(layers, cfg, inputs, par)
             j = i - (n_stages - 1)  # the micro-batch that leaves the last stage at tick i
             done = lax.dynamic_update_index_in_dim(finished, out, jnp.maximum(j, 0), 0)
             finished = jnp.where(last & (j >= 0), done, finished)
@@ -165,6 +205,6 @@ class PipelineRunner(ManualRunner):
         start = (varying(jnp.zeros(act, dtype)), varying(jnp.zeros((m, *act), dtype)))
         (_, finished), _ = lax.scan(tick, start, jnp.arange(pipeline.ticks(m, n_stages)))
         flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731  [M, B/M, ...] -> [B, ...]
-        loss = lax.cond(last, lambda f: model.head_loss(flat(f), flat(ys)),
+        loss = lax.cond(last, lambda f: model.head_loss(flat(f), flat(ys), par),
                         lambda f: varying(jnp.zeros((), jnp.float32)), finished)
         return lax.psum(loss, STAGE)  # only stage S-1's is non-zero

@@ -53,6 +53,9 @@ def runs(tmp_path_factory):
         topology.devices("v5e:4x4")
         argvs.append(["--strategy=fsdp", "--impl=manual", "--preset=tiny", "--batch_size=16",
                       "--mesh=data:16,tensor:1", "--topology=v5e:4x4", f"--json={out}/tpu.json"])
+    # last (texts[-1]): pipeline + FSDP, tiny's 2 layers on 2 stages, each data shard's 2 rows in 2 micro-batches
+    argvs.append(["--strategy=pp_fsdp", "--impl=manual", "--preset=tiny", "--mesh=stage:2,data:4",
+                  "--microbatches=2", f"--json={out}/pp_fsdp.json"])
     env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
@@ -135,3 +138,14 @@ def test_bad_input_is_a_clear_error(runs):
     assert "ValueError: heads=4 is not divisible by mesh axis tensor=8" in tp8
     assert "ValueError: --json=/no/such/dir/x.json: directory /no/such/dir does not exist" in bad_dir
     assert "ValueError: TPU topology 'v5e-16' is not of the form GENERATION:AxB[xC]" in topo
+
+
+def test_pp_fsdp_ledger_equals_the_model(runs):
+    """The manual pp_fsdp step from the command line: every (op, axes) row of the ledger equals
+    the cost model, the stage hops and the gathers over data among them."""
+    doc = load(runs, "pp_fsdp")
+    assert doc["mesh"] == {"stage": 2, "data": 4, "tensor": 1}, runs["texts"][-1][-3000:]
+    rows = {(r["op"], tuple(r["axes"])): r for r in doc["comparison"]}
+    assert all(r["match"] for r in doc["comparison"]), runs["texts"][-1][-3000:]
+    assert rows[("collective-permute", ("stage",))]["measured_count"] == 2 * (2 + 2 - 1)  # 2 per tick
+    assert rows[("all-gather", ("data",))]["measured_count"] > 0

@@ -202,7 +202,7 @@ from twinshard.hlo import ring_bytes as _ring_bytes
 PHASES = ("forward", "backward", "optimizer", "metrics")
 OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 AXES = mesh_lib.ORDER  # ('stage', 'data', 'context', 'tensor'): mesh order
-PIPELINES = ("pp",)  # strategies on a `stage` axis (twinshard/pipeline.py); their mesh names it
+PIPELINES = ("pp", "pp_fsdp")  # strategies on a `stage` axis (twinshard/pipeline.py); their mesh names it
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # ModelConfig.dtype -> bytes per element
 F32 = 4  # bytes of the loss, the squared-norm scalar and the cross-entropy statistics
 
@@ -215,6 +215,7 @@ RULES: dict[str, dict[str, str]] = {
     "pp": {"layers": "stage"},
     # tp_sp: TP's placement; the batch over data; the residual stream's T over tensor
     "tp_sp": {"batch": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor", "seq": "tensor"},
+    "pp_fsdp": {"layers": "stage", "batch": "data", "embed": "data"},
 }
 
 
@@ -555,26 +556,27 @@ def _pp(ctx: _Ctx) -> list[Row]:
     activations [B/M, T, D] to the next stage forward and its gradient back; the replicated
     embedding, ln_final and lm_head gradients summed over stage; the loss summed over stage
     (only the last stage's is non-zero)."""
+    return _hop_rows(ctx) + _stage_sum_rows(ctx) + [_norm_row(ctx, ("stage",)), _stage_loss_row(ctx)]
+
+
+def _ticks(ctx: _Ctx) -> int:
+    """GPipe: M + S - 1 forward ticks, then as many backward; 1F1B: every tick of its table
+    hands a forward output on AND an input gradient back (zeros when the stage idled)."""
     from twinshard import pipeline
 
     m, n = ctx.microbatches, ctx.mesh["stage"]
-    b = ctx.batch // m
-    # GPipe: M + S - 1 forward ticks, then as many backward; 1F1B: every tick of its table
-    # hands a forward output on AND an input gradient back (zeros when the stage idled)
-    ticks = pipeline.ticks(m, n) if ctx.schedule == "gpipe" else len(pipeline.one_f_one_b(m, n)[0])
-    hop = ctx.activation(b)
+    return pipeline.ticks(m, n) if ctx.schedule == "gpipe" else len(pipeline.one_f_one_b(m, n)[0])
+
+
+def _hop_rows(ctx: _Ctx) -> list[Row]:
+    """One micro-batch's activations [B/(data M), T, D] per tick and hop, forward and back."""
+    ticks, b = _ticks(ctx), ctx.batch // (ctx.d * ctx.microbatches)
     act = f"[{b},{ctx.seq},{ctx.cfg.d_model}]"
-    replicated = [w for w in weights(ctx.cfg) if w.layers == 1]
     return [
-        row(ctx, "forward", "collective-permute", ("stage",), ticks, hop,
+        row(ctx, "forward", "collective-permute", ("stage",), ticks, ctx.activation(b),
             f"shift_to_next_stage: ppermute s -> s+1 of {act}, one per tick ({ticks} ticks)"),
-        row(ctx, "backward", "collective-permute", ("stage",), ticks, hop,
+        row(ctx, "backward", "collective-permute", ("stage",), ticks, ctx.activation(b),
             f"shift_to_previous_stage: ppermute s+1 -> s of d{act}, one per tick"),
-    ] + [row(ctx, "backward", "all-reduce", ("stage",), 1, w.size * F32,
-             f"psum over stage of d({w.name}) {_leaf_shape(w)} (replicated over stage, f32)")
-         for w in replicated] + [
-        _norm_row(ctx, ("stage",)),
-        row(ctx, "metrics", "all-reduce", ("stage",), 1, F32, "psum over stage of the loss (last stage's; f32)"),
     ]
 
 
@@ -639,8 +641,53 @@ def _tp_sp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
          if regather else [])
 
 
+def _stage_sum_rows(ctx: _Ctx) -> list[Row]:
+    """psum over stage of the gradients of the params replicated over stage (embedding,
+    ln_final, lm_head): f32, the matrices as their 1/data shards under pp_fsdp."""
+    out = []
+    for w in weights(ctx.cfg):
+        if w.layers == 1:
+            shards = ctx.d if w.is_matrix else 1
+            out.append(row(ctx, "backward", "all-reduce", ("stage",), 1, w.size * F32 // shards,
+                           f"psum over stage of d({w.name}) {_leaf_shape(w)}{f'/{shards}' if shards > 1 else ''} "
+                           "(replicated over stage, f32)"))
+    return out
+
+
+def _stage_loss_row(ctx: _Ctx) -> Row:
+    return row(ctx, "metrics", "all-reduce", ("stage",), 1, F32, "psum over stage of the loss (last stage's; f32)")
+
+
+def _stage_layers(ctx: _Ctx, w: Weight) -> int:
+    """How many of w's layers one stage holds: L/S of a stacked block weight, 1 otherwise."""
+    return w.layers // ctx.mesh["stage"] if w.layers > 1 else 1
+
+
+def _pp_fsdp(ctx: _Ctx) -> list[Row]:
+    """pp's hops and stage sums, plus FSDP over data inside each stage, in both schedules
+    (manual_parallel/pp_fsdp.py): each matrix leaf of the stage (7 stacked [L/S, ...] leaves,
+    the embedding and the lm_head) gathered whole once per step, before the tick loop, and its
+    accumulated gradient reduce-scattered once after it (gather_step); the norm gains' mean
+    over data; the global norm, one psum per sharding group; the loss (psum over stage, pmean
+    over data)."""
+    rows = []
+    for w in _matrices(ctx):
+        n = _stage_layers(ctx, w)  # this stage's layers of a block weight (1: embedding, lm_head)
+        shape = _leaf_shape(w) if w.layers == 1 else "[" + ",".join(map(str, (n, *w.shape))) + "]"
+        each = n * w.size * ctx.s  # one leaf, whole, in the compute dtype
+        rows += [row(ctx, "forward", "all-gather", ("data",), w.leaves, each,
+                     f"gather_step: fsdp_gather of {w.name} {shape} over data, once per step"),
+                 row(ctx, "backward", "reduce-scatter", ("data",), w.leaves, each // ctx.d,
+                     f"fsdp_gather backward: psum_scatter of the accumulated d({w.name}), once per step")]
+    rows += [row(ctx, "backward", "all-reduce", ("data",), w.leaves, _stage_layers(ctx, w) * w.size * F32,
+                 f"pmean over data of d({w.name}) (replicated f32 norm gains, this stage's)") for w in _norms(ctx)]
+    return (_hop_rows(ctx) + rows + _stage_sum_rows(ctx)
+            + [_norm_row(ctx, axes) for axes in (("stage", "data"), ("stage",), ("data",))]
+            + [_stage_loss_row(ctx), _loss_row(ctx)])
+
+
 STRATEGY_ROWS: dict[str, Callable[[_Ctx], list[Row]]] = {
-    "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "pp": _pp, "tp_sp": _tp_sp,
+    "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "pp": _pp, "pp_fsdp": _pp_fsdp, "tp_sp": _tp_sp,
 }
 
 
@@ -755,7 +802,11 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     if "embed" in rules:
         layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
         gathered = max(layer, v * d) * dtype_bytes // t
+        if "layers" in rules:  # pp_fsdp: the stage's L/S layers, embedding and lm_head, gathered for the
+            gathered = (cfg.num_layers // mesh["stage"] * layer + 2 * v * d) * F32  # step, held as float32
     opt = _optimizer_bytes(cfg, rules, mesh, optimizer)
+    if "layers" in rules and "embed" in rules:  # pp_fsdp: + the float32 gradient of what it gathered
+        return Memory(params, params, opt, acts, gathered, gathered, backward_layer)
     if grad_accum == 1:
         return Memory(params, params, opt, acts, gathered, 0, backward_layer)
     # the f32 accumulator of the micro-batch scan: param-sized (DP, TP); under FSDP it holds the
@@ -834,9 +885,8 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     if strategy in PIPELINES:
         from twinshard import pipeline
 
-        pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches)
-    else:
-        mesh_lib.check_divisible(dims, RULES[strategy], shape)
+        pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, data=shape["data"])
+    mesh_lib.check_divisible(dims, {k: v for k, v in RULES[strategy].items() if k != "layers"}, shape)
     local = batch_size // shape["data"] if "batch" in RULES[strategy] else batch_size
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "

@@ -22,6 +22,12 @@ blocks of a deep model) because a shard_map program is the same on every device;
 only the first (embedding) or last (ln_final, lm_head) stage's copy receives a
 gradient, so the manual twin sums those gradients over `stage` (an all-reduce of
 2VD + D floats per step) to keep the copies identical.
+
+pp_fsdp adds a `data` axis (mesh `stage:S,data:D`): FSDP inside each stage. The batch is
+split over `data` first, then each data shard's B/data rows into M micro-batches of
+B/(data M); each stage's L/S layers, and the embedding and lm_head replicated over `stage`,
+are sharded over `data` on their d_model dim (FSDP's `embed -> data`); the norm gains stay
+replicated over `data` (their gradients are averaged over it, as under fsdp).
 """
 
 from __future__ import annotations
@@ -44,9 +50,11 @@ def bubble_fraction(microbatches: int, stages: int) -> float:
     return (stages - 1) / ticks(microbatches, stages)
 
 
-def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accum: int = 1) -> None:
-    """L splits into S stages, the batch into M micro-batches, and M >= S (else a stage idles
-    the whole step). A ValueError names the value and the fix."""
+def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accum: int = 1,
+          data: int = 1) -> None:
+    """L splits into S stages, the batch into M micro-batches (pp_fsdp: each data shard's B/data
+    rows into M), and M >= S (else a stage idles the whole step). A ValueError names the value
+    and the fix."""
     if grad_accum != 1:
         raise ValueError(f"grad_accum={grad_accum}: a pipeline already accumulates the gradients of its "
                          "micro-batches; use --microbatches instead and leave --grad_accum at 1.")
@@ -65,6 +73,11 @@ def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accu
         fits = [m for m in range(stages, batch + 1) if batch % m == 0]
         raise ValueError(f"batch={batch} does not split into microbatches={microbatches} equal micro-batches; "
                          f"choose microbatches from {fits} or change --batch_size.")
+    if batch % (data * microbatches):
+        fits = [m for m in range(stages, batch // data + 1) if batch % (data * m) == 0]
+        raise ValueError(f"batch={batch} does not split into data={data} x microbatches={microbatches} equal "
+                         f"micro-batches (each data shard's B/data rows into M); choose microbatches from {fits} "
+                         f"or a --batch_size that is a multiple of {data * microbatches}.")
 
 
 def microbatch_size(batch: int, microbatches: int) -> int:

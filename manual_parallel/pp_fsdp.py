@@ -1,0 +1,55 @@
+"""Pipeline parallelism with FSDP inside each stage, shard_map twin: pp's
+PipelineRunner (manual_parallel/pp.py) with FSDP's hooks (manual_parallel/fsdp.py)
+on a `stage` x `data` mesh.
+
+Placement (the GSPMD twin's table): pp's `layers -> stage` plus fsdp's
+`embed -> data` and `batch -> data`. Device (s, j) holds stage s's L/S layers,
+each matrix as the j-th 1/data slice of its d_model dim (W1: [L/S, D/data, F]),
+and the embedding [V, D/data] and lm_head [D/data, V]: replicated over `stage`,
+sharded over `data` as under fsdp (every stage holds 1/data of them; only stage 0 /
+S-1 uses them). Norm gains: replicated. x, y: [B/data, T], split into M
+micro-batches of B/(data M) rows.
+
+Per device and step, both schedules (GPipe and `--schedule=1f1b`):
+  forward:  FullyShardedDataParallel.gather_step: each matrix leaf whole, once, before
+            the tick loop (all_gather over data of the 7 stacked [L/S, D/data, ...]
+            leaves, the embedding, the lm_head: 9), held in float32 for the step; the tick
+            loop runs on them with `resident()` hooks (no collective in a stage); pp's
+            collective-permute over `stage` of one micro-batch [B/(data M), T, D] per tick.
+  backward: pp's reverse collective-permute per tick; the gradients accumulate (float32)
+            over the ticks, then gather_step's pullback reduce-scatters each leaf's over
+            data once (9, / data: the mean); psum over stage of the replicated embedding,
+            ln_final and lm_head gradients (embedding and lm_head as their [.., D/data]
+            shards); pmean over data of the norm gains (ln1, ln2 [L/S, D], ln_final).
+  optimizer: the global norm, one psum per group of gradients sharded alike: over
+            (stage, data) the block matrices, over stage ln1/ln2, over data embedding and
+            lm_head.
+  metrics:  psum over stage of the loss (the last stage's), pmean over data.
+
+Why once per step, not per layer inside the stage's scan (ZeRO-3, fsdp's default), measured
+(JAX 0.12, XLA:CPU, tiny, stage:2,data:2, M=4):
+- GPipe with FSDP's per-layer hooks in the stage: JAX's partial evaluation of the tick
+  `scan` hoists the forward gathers (they read only the params: loop-invariant) out of the
+  tick loop anyway, into a loop of their own over the L/S layers; only the backward
+  re-gathers and reduce-scatters per layer and tick: 7 L/S (1 + 2(M + S - 1)) collectives of
+  one layer's matrices, against 2 x 9 here. And that hoisted loop needs nothing of the
+  embedding's gather, so XLA:CPU ran the two in either order per device; every collective of
+  a shard_map program has channel_id 1 (CPU's rendezvous key), so device 0's embedding gather
+  met device 1's layer gather: a segfault or a rendezvous timeout, in some runs.
+  `lax.optimization_barrier` did not order them (XLA drops it, no control dependency is left).
+- 1F1B: per layer, the gathers would sit in the schedule's `lax.switch` branches, 3 per
+  weight and micro-batch (the forward op; the backward op's `jax.vjp` re-runs the forward,
+  its pullback re-gathers), with a reduce-scatter per micro-batch; and the HLO ledger counts
+  a branch's collectives as taken in every tick.
+The price: the stage's matrices (and embedding, lm_head) whole, as float32, and their float32
+gradient, for the step: 1/S of what fsdp holds under grad_accum (fsdp.py weighs the same
+trade: a pipeline's micro-batches are a gradient accumulation). The GSPMD twin gathers once
+per step too (auto_parallel/pp_fsdp.py).
+"""
+
+from auto_parallel.pp_fsdp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
+from manual_parallel.fsdp import FullyShardedDataParallel
+
+__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "PARALLELISM"]
+
+PARALLELISM = FullyShardedDataParallel  # gather_step / resident(), run by pp.PipelineRunner
