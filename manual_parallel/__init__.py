@@ -5,12 +5,13 @@ from __future__ import annotations
 import jax
 
 from auto_parallel import resolve_mesh
-from manual_parallel import dp, fsdp, fsdp_tp, pp, tp
+from manual_parallel import cp, dp, fsdp, fsdp_cp, fsdp_tp, pp, tp
 from manual_parallel.runner import ManualRunner
 from twinshard.config import Config
 
 STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp}
 PIPELINES = {"pp": pp}  # on a `stage` axis (twinshard/pipeline.py)
+CONTEXT = {"cp": cp, "fsdp_cp": fsdp_cp}  # the sequence over a `context` axis (ring attention)
 
 
 def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None) -> ManualRunner:
@@ -18,4 +19,6 @@ def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None)
     shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
     if strategy in PIPELINES:
         return pp.PipelineRunner(strategy, PIPELINES[strategy], shape, cfg, devices)
+    if strategy in CONTEXT:
+        return CONTEXT[strategy].ContextRunner(strategy, CONTEXT[strategy], shape, cfg, devices)
     return ManualRunner(strategy, STRATEGIES[strategy], shape, cfg, devices)
