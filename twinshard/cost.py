@@ -196,6 +196,8 @@ RULES: dict[str, dict[str, str]] = {
     "tp": {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
     "fsdp_tp": {"batch": "data", "embed": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
     "pp": {"layers": "stage"},
+    "cp": {"seq": "context"},
+    "fsdp_cp": {"batch": "data", "embed": "data", "seq": "context"},
 }
 
 
@@ -559,8 +561,69 @@ def _pp(ctx: _Ctx) -> list[Row]:
     ]
 
 
+# ----------------------------------------------------------------------------- context parallelism
+
+
+def _ring_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """Ring attention (manual_parallel/ring_attention.py) on `batch` sequences per device, T/C tokens
+    each: per layer C-1 ring_shifts of the K block and C-1 of the V block [b, H, T/C, dh] forward,
+    the reverse ring of their gradients backward; per micro-batch (K times per step)."""
+    c, cfg = ctx.mesh["context"], ctx.cfg
+    if ctx.seq % c:
+        raise ValueError(f"seq_len={ctx.seq} does not split over context={c}; pass a multiple of {c} "
+                         f"(zig-zag: of {2 * c}).")
+    b, tc = batch // ctx.k, ctx.seq // c
+    block = b * tc * cfg.num_heads * cfg.head_dim * ctx.s
+    kv = f"[{b},{cfg.num_heads},{tc},{cfg.head_dim}]"
+    n = 2 * (c - 1) * ctx.L
+    return _times(ctx.k, [
+        row(ctx, "forward", "collective-permute", ("context",), n, block,
+            f"ring_shift: ppermute c -> c+1 of the K and the V block {kv}, C-1 each per layer"),
+        row(ctx, "backward", "collective-permute", ("context",), n, block,
+            f"ring_shift backward: ppermute c+1 -> c of dK and dV {kv}, C-1 each per layer"),
+    ])
+
+
+def _cp(ctx: _Ctx) -> list[Row]:
+    """The ring; every gradient leaf and the loss averaged over context (a sequence shard's
+    gradient is a partial mean, as a data shard's: manual_parallel/cp.py)."""
+    grads = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32,
+                 f"pmean over context of d({w.name}) {_leaf_shape(w)}") for w in weights(ctx.cfg)]
+    return _ring_rows(ctx, ctx.batch) + grads + [
+        row(ctx, "metrics", "all-reduce", ("context",), 1, F32, "pmean over context of the loss (f32 scalar)")]
+
+
+def _fsdp_cp(ctx: _Ctx) -> list[Row]:
+    """FSDP's gathers and scatters over data (its norm-gain means replaced: one pmean over
+    (data, context) each); the ring on B/d sequences; each matrix gradient SHARD (f32, 1/d)
+    averaged over context (params are replicated over context: manual_parallel/fsdp_cp.py)."""
+    fsdp = [r for r in _fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
+    shards = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32 // ctx.d,
+                  f"pmean over context of d({w.name}) {_leaf_shape(w)}/data (f32 shard)") for w in _matrices(ctx)]
+    gains = [row(ctx, "backward", "all-reduce", ("data", "context"), w.leaves, w.layers * w.size * F32,
+                 f"pmean over data,context of d({w.name}) {_leaf_shape(w)} (replicated f32 norm gains)")
+             for w in _norms(ctx)]
+    return fsdp + _ring_rows(ctx, ctx.batch // ctx.d) + shards + gains + [
+        _norm_row(ctx, ("data",)),
+        row(ctx, "metrics", "all-reduce", ("data", "context"), 1, F32, "pmean over data,context of the loss")]
+
+
+def _cp_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int, s: int) -> tuple[int, int, int]:
+    """(saved elements of all layers, backward working set bytes, final bytes) of a device holding
+    T/C tokens under ring attention: the position-wise residuals of T/C tokens (`saved_per_layer`
+    with t = 1), plus the C-1 received K and V blocks (saved under every policy: cp.py's
+    layer_policy), plus, without remat, the other C-1 blocks' scores and probabilities
+    [b, H, T/C, T/C] each. An estimate, like the rest of the activation model."""
+    tc, d, h, v = seq // c, cfg.d_model, cfg.num_heads, cfg.padded_vocab_size
+    kv, ring = 2 * (c - 1) * b * tc * d, 2 * b * h * tc * (seq - tc)
+    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + kv + (ring if remat == "none" else 0))
+    backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + kv + ring) * s
+    final = (2 * b * tc * d + b * tc * v) * s + b * tc * v * F32
+    return layers, backward_layer, final
+
+
 STRATEGY_ROWS: dict[str, Callable[[_Ctx], list[Row]]] = {
-    "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "pp": _pp,
+    "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "pp": _pp, "cp": _cp, "fsdp_cp": _fsdp_cp,
 }
 
 
@@ -644,6 +707,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
     backward_layer = saved_per_layer(cfg, "none", b, seq, t) * dtype_bytes
     final = (2 * b * seq * d + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
+    if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
+        layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes)
     acts = layers * dtype_bytes + final
     gathered = 0
     if "embed" in rules:
