@@ -8,6 +8,11 @@ Backward: each weight gradient reduce-scattered over `data` and all-reduced over
 (the manual twin's hybrid sharding: params replicated over `context`, manual_parallel/fsdp_cp.py
 says why); the transposes of the K/V gathers.
 Optimizer: small all-reduces for the global norm.
+Measured (tiny, data:2,context:2, XLA:CPU): 16 all-gathers over data (fsdp.py's), 8 all-gathers
+of K and V over context (cp.py's), 26 all-reduces over context (cp.py's: dK, dV and the
+full-size weight gradients, layer by layer) and 29 over data (fsdp.py's). GSPMD reduces each
+weight gradient over context at full size, then over data; the manual twin reduce-scatters
+over data first and all-reduces the 1/data shard over context.
 """
 
 from auto_parallel.cp import ContextGSPMD, ContextRunner

@@ -156,6 +156,8 @@ def test_auto_gathers_k_and_v_over_context():
     testing.expect_collectives(led, "all-gather", ("context",), count=4 * L)
     assert {r.bytes for r in led.filter(op="all-gather")} == {kv}
     assert sum(r.multiplicity for r in led.filter(op="all-reduce") if r.bytes == kv) == 2 * L, led.table()
+    # and the weight gradients (9 per layer, 3 outside the loop) and the loss
+    testing.expect_collectives(led, "all-reduce", ("context",), count=2 * L + 9 * L + 3 + 1)
     testing.expect_no_collective(led, op="collective-permute")
 
 
