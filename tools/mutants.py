@@ -743,7 +743,8 @@ MUTANTS: list[Mutant] = [
            "lax.pmean(g, both if r else CONTEXT)",
            "(lax.pmean(g, both) if r else g)",
            ("tests/test_context.py::test_context_parallel_matches_single_device",),
-           "fsdp_cp: the FSDP-scattered gradient shards are averaged over data but not over context"),
+           "gradients of params not replicated over data (cp: every param; fsdp_cp: the FSDP-scattered "
+           "shards) are never averaged over context"),
     Mutant("cp-cost-ring-c-hops", "context", "twinshard/cost.py",
            "n = 2 * (c - 1) * ctx.L",
            "n = 2 * c * ctx.L",

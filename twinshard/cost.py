@@ -103,6 +103,18 @@ fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
     per-device batch b = B/d (A = (B/d)*T*D*s, stats (B/d)*T*4); the
     squared-norm all-reduce runs over (data, tensor); the loss is all-reduced
     over data.
+cp (context=C; twinshard/context.py, manual_parallel/cp.py). Every weight replicated;
+    each device holds T/C tokens of every sequence. forward: per layer 2(C-1)
+    collective-permutes of a K or V block [B, H, T/C, dh] (ring attention's ring_shift);
+    backward: the reverse ring, 2(C-1) more. A sequence shard's gradient is a partial
+    mean like a data shard's: all-reduce (pmean) over context of every gradient leaf (12,
+    N*4 bytes), and of the loss. optimizer: none (replicated gradients).
+fsdp_cp (data=d, context=C). fsdp's gathers and reduce-scatters over data; the ring with
+    b = B/d; each matrix gradient SHARD (f32, 1/d) all-reduced over context (params are
+    replicated over context: hybrid sharding, manual_parallel/fsdp_cp.py); each norm gain
+    and the loss all-reduced once over (data, context); the squared-norm psum over data.
+    Activations (`memory`): those of T/C tokens, plus the C-1 received K and V blocks and,
+    without remat, the other blocks' scores and probabilities (`_cp_activations`).
 
 Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences). What
 runs in each micro-batch's forward and backward runs K times per step (`_times`): tp's
