@@ -53,7 +53,7 @@ class ContextParallel(ManualParallelism):
     def attention(self, q, k, v, impl="auto"):
         """q, k, v: [B, h, T/C, dh] -> [B, h, T/C, dh], ring attention over `context` (impl is
         unused: the ring computes its blocks itself)."""
-        return ring_attention(q, k, v, self.table(q.shape[-2]), CONTEXT)
+        return ring_attention(q, k, v, self.table(q.shape[-2]), CONTEXT, self.layout)
 
     def layer_policy(self, policy):
         inner = super().layer_policy(policy)

@@ -4,28 +4,36 @@ attention over a sequence split across the `context` axis, with K/V blocks trave
 Each of the C devices holds the q, k, v of its T/C tokens ([B, h, T/C, dh]) and their true
 positions (twinshard/context.py: contiguous or zig-zag). C steps:
 
-    step s: this device holds the K/V block of device (c - s) mod C; it scores its q against
-            it (f32, mask from the true positions: key position <= query position, causal
-            across chunks), and merges the block into running statistics
-            (m: row max, l: sum of exp(score - m), acc: sum of exp(score - m) v), all f32;
-            unless s = C-1, it passes the block on: `ring_shift` (ppermute c -> c+1).
+    step 0: its own block, masked by the true positions (causal within the block);
+    step s: ring_shift K and V on (ppermute c -> c+1), so it now holds the block of device
+            (c - s) mod C; score the local q against it (f32) and merge into running
+            statistics (m: row max, l: sum of exp(score - m), acc: sum of exp(score - m) v).
     out = acc / l
 
 the online softmax of flash attention (Milakov & Gimelshein 2018; Dao et al. 2022) across
-devices. Step 0 is the device's own block, which holds every query's diagonal key, so m is
-finite after it and a later block that is fully masked for a row adds exactly 0 (exp(-inf)).
-Every block is computed and masked (no block is skipped): equal to the single-device
-attention, and equal work on every device whatever the layout. What zig-zag balances is the
-USEFUL work (context.useful_pairs): a kernel that skips masked scores, or the half blocks
-zig-zag makes of every step after the first, would run equally long on every device.
+devices. Step 0 holds every query's diagonal key, so m is finite after it.
+
+The work per step follows the layout (twinshard/context.py), and is what zig-zag balances.
+A block from another device is either wholly visible to a query chunk or wholly masked, so
+no mask is needed after step 0, only the right slices (`lax.cond` on "did an earlier device
+send it?"):
+    contiguous  an earlier device's block: all of it; a later one's: nothing (skipped).
+                Device c computes its own block and c others: device C-1 does ~C times the
+                work of device 0.
+    zigzag      an earlier device's block: every query against its early chunk; a later
+                one's: the late query chunk against all of it. Exactly half a block on every
+                device at every step: balanced.
+Equal to the single-device attention (tests/test_context.py): the skipped scores are exactly
+the masked ones, which add exp(-inf) = 0.
 
 Collectives per call (one layer): forward C-1 `ring_shift`s of K and C-1 of V, each a
 collective-permute of [B, h, T/C, dh] over `context`; backward (ring_shift's custom_vjp) the
-reverse ring, C-1 of dK and C-1 of dV. Autodiff of the loop saves each step's scores
-inputs: every K/V block the device saw (so the whole sequence's K and V, [B, h, T, dh] each)
-and each step's probabilities [B, h, T/C, T/C] (together [B, h, T/C, T]: 1/C of the
-single-device [B, h, T, T]). A hand-written backward that passes K/V around the ring again
-(with dK/dV) would hold one block instead, for twice the backward permutes: left out.
+reverse ring, C-1 of dK and C-1 of dV. Autodiff of the loop saves what each step's
+backward reads: every K/V block the device held (so the whole sequence's K and V,
+[B, H, T, dh] each), each step's probabilities, statistics and, for `lax.cond`, the residuals
+of both branches (the untaken one's are zeros: zig-zag halves the FLOPs, not this memory). A
+hand-written backward that passes K/V around the ring again (with dK/dV) would hold one block
+instead, for twice the backward permutes: left out.
 """
 
 from __future__ import annotations
@@ -71,11 +79,13 @@ def saves_ring_shifts(prim, *_, **params) -> bool:
         e.primitive.name == "ppermute" for e in params["call_jaxpr"].eqns)
 
 
-def _merge(stats, q: Array, k: Array, v: Array, keep: Array):
-    """One block into the running (m, l, acc). q [B, h, Tq, dh], k/v [B, h, Tk, dh], keep [Tq, Tk]."""
+def _merge(stats, q: Array, k: Array, v: Array, keep: Array | None = None):
+    """One block into the running (m, l, acc). q [B, h, Tq, dh], k/v [B, h, Tk, dh], keep [Tq, Tk]
+    (None: every key is visible to every query)."""
     m, l, acc = stats
     scores = jnp.einsum("...qd,...kd->...qk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1]).astype(np.float32)
-    scores = jnp.where(keep, scores, -jnp.inf)
+    if keep is not None:
+        scores = jnp.where(keep, scores, -jnp.inf)
     # the max only keeps exp() in range: the result does not depend on it (as in layers.softmax)
     m_new = jnp.maximum(m, lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
     p = jnp.exp(scores - m_new)  # [B, h, Tq, Tk]
@@ -84,22 +94,50 @@ def _merge(stats, q: Array, k: Array, v: Array, keep: Array):
     return m_new, l * rescale + jnp.sum(p, axis=-1, keepdims=True), acc
 
 
-def ring_attention(q: Array, k: Array, v: Array, positions: np.ndarray, axis: str) -> Array:
+def _zigzag_block(stats, q, k, v, earlier):
+    """A block from another device under zig-zag: exactly half of it is visible, all of it unmasked.
+    Sent by an earlier device (its chunks c' < c and 2C-1-c' > 2C-1-c): every query sees the
+    block's early chunk and none its late one -> q [T/C] x k [:T/2C]. Sent by a later device:
+    only this device's late chunk sees the block, all of it -> q [T/2C:] x k [T/C]."""
+    half = q.shape[-2] // 2
+    cut = lambda x: x[..., :half, :]  # noqa: E731  the early chunk
+    rest = lambda x: x[..., half:, :]  # noqa: E731  the late chunk
+
+    def from_earlier(stats):
+        return _merge(stats, q, cut(k), cut(v))
+
+    def from_later(stats):
+        late = _merge(tuple(rest(s) for s in stats), rest(q), k, v)
+        return tuple(jnp.concatenate([cut(s), t], axis=-2) for s, t in zip(stats, late))
+
+    return lax.cond(earlier, from_earlier, from_later, stats)
+
+
+def _contiguous_block(stats, q, k, v, earlier):
+    """A block from another device under the contiguous layout: all visible (an earlier device's)
+    or all masked (a later device's: skipped). Device c computes c blocks after its own."""
+    return lax.cond(earlier, lambda s: _merge(s, q, k, v), lambda s: s, stats)
+
+
+BLOCKS = {"zigzag": _zigzag_block, "contiguous": _contiguous_block}
+
+
+def ring_attention(q: Array, k: Array, v: Array, positions: np.ndarray, axis: str, layout: str) -> Array:
     """Causal attention of this device's q, k, v [B, h, T/C, dh] over the whole sequence.
 
-    positions: [C, T/C], row c = the true positions of device c's tokens (context.shard_positions);
-    inside shard_map over `axis` (size C). Returns [B, h, T/C, dh] in q's dtype."""
+    positions: [C, T/C], row c = the true positions of device c's tokens in `layout`
+    (context.shard_positions); inside shard_map over `axis` (size C). Step 0 (the device's own
+    block) is masked by the true positions; later blocks compute only what the layout leaves
+    visible (BLOCKS). Returns [B, h, T/C, dh] in q's dtype."""
     n, me = lax.axis_size(axis), lax.axis_index(axis)
     assert positions.shape == (n, q.shape[-2]), (positions.shape, n, q.shape)
-    table = jnp.asarray(positions)
-    q_pos = table[me]  # [T/C]
+    q_pos = jnp.asarray(positions)[me]  # [T/C]
     rows = (*q.shape[:-1], 1)
     stats = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(q.shape, jnp.float32))
     stats = jax.tree.map(lambda s: lax.pcast(s, axis, to="varying"), stats)
-    for step in range(n):
-        k_pos = table[(me - step) % n]  # the block now held came from device me - step
-        stats = _merge(stats, q, k, v, k_pos[None, :] <= q_pos[:, None])
-        if step < n - 1:
-            k, v = ring_shift(k, axis), ring_shift(v, axis)
+    stats = _merge(stats, q, k, v, q_pos[None, :] <= q_pos[:, None])  # own block: causal within it
+    for step in range(1, n):
+        k, v = ring_shift(k, axis), ring_shift(v, axis)  # now the block of device me - step
+        stats = BLOCKS[layout](stats, q, k, v, earlier=step <= me)  # (me - step) mod n < me
     _, l, acc = stats
     return (acc / l).astype(q.dtype)

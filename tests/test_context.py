@@ -89,6 +89,27 @@ def test_layouts_hold_every_position_once_and_zigzag_balances_the_causal_work():
     np.testing.assert_array_equal(context.visible(pos, pos), np.asarray(layers.causal_mask(32)))
 
 
+@pytest.mark.parametrize("layout", context.LAYOUTS)
+def test_each_ring_step_sees_exactly_the_slices_ring_attention_computes(layout):
+    """The premise of ring_attention's unmasked steps, from the positions alone: the block of an
+    earlier device is wholly visible (contiguous) or visible in its early chunk only (zig-zag);
+    a later device's is wholly masked (contiguous) or wholly visible to the late query chunk
+    only (zig-zag). So zig-zag computes half a block per device per step, contiguous 0 or 1."""
+    c, t = 4, 32
+    table, half = context.shard_positions(t, c, layout), t // c // 2
+    for me in range(c):
+        for src in (s for s in range(c) if s != me):
+            seen = context.visible(table[me], table[src])  # [T/C queries, T/C keys]
+            want = np.zeros_like(seen)
+            if layout == "contiguous":
+                want[:] = src < me
+            elif src < me:
+                want[:, :half] = True
+            else:
+                want[half:, :] = True
+            np.testing.assert_array_equal(seen, want, err_msg=f"device {me}, block of {src}")
+
+
 # ----------------------------------------------------------------------------- ring attention
 
 
@@ -102,7 +123,7 @@ def test_ring_attention_equals_full_attention(layout):
     perm, table = context.order(t, c, layout), context.shard_positions(t, c, layout)
     mesh = jax.make_mesh((c,), ("context",), devices=jax.devices()[:c], axis_types=(AxisType.Auto,))
     seq = P(None, None, "context")
-    ring = jax.shard_map(lambda *a: ring_attention(*a, table, "context"), mesh=mesh, in_specs=(seq,) * 3,
+    ring = jax.shard_map(lambda *a: ring_attention(*a, table, "context", layout), mesh=mesh, in_specs=(seq,) * 3,
                          out_specs=seq)
     full = lambda *a: layers.causal_attention(*a, "reference")[:, :, perm]  # noqa: E731
     weights = jax.random.normal(jax.random.key(1), (b, h, t, dh))  # a loss that weighs every output

@@ -729,6 +729,12 @@ MUTANTS: list[Mutant] = [
            "return m_new, l + jnp.sum(p, axis=-1, keepdims=True), acc",
            ("tests/test_context.py::test_ring_attention_equals_full_attention",),
            "the online softmax rescales the output but not the running sum-exp when the max grows"),
+    Mutant("cp-zigzag-halves-swapped", "context", "manual_parallel/ring_attention.py",
+           "return lax.cond(earlier, from_earlier, from_later, stats)",
+           "return lax.cond(earlier, from_later, from_earlier, stats)",
+           ("tests/test_context.py::test_ring_attention_equals_full_attention",),
+           "zig-zag computes the late query chunk against an earlier device's block and all queries "
+           "against a later one's early chunk: the masked halves instead of the visible ones"),
     Mutant("cp-rope-local-positions", "context", "manual_parallel/cp.py",
            "return jnp.asarray(self.table(t))[lax.axis_index(CONTEXT)]",
            "return jnp.arange(t)",
