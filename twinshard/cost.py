@@ -115,6 +115,9 @@ fsdp_cp (data=d, context=C). fsdp's gathers and reduce-scatters over data; the r
     and the loss all-reduced once over (data, context); the squared-norm psum over data.
     Activations (`memory`): those of T/C tokens, plus the C-1 received K and V blocks and,
     without remat, the other blocks' scores and probabilities (`_cp_activations`).
+    FLOPs: the formula below (every score); ring attention computes only the visible blocks
+    after its own, (C+1)/(2C) of the attention scores in total (zig-zag: half a block per
+    device per step, balanced; contiguous: the same total, device c doing c + 1 blocks).
 
 Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences). What
 runs in each micro-batch's forward and backward runs K times per step (`_times`): tp's
