@@ -68,6 +68,7 @@ class ContextRunner(context.PermutedBatches, ManualRunner):
     def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
         context.check(cfg.model.context_length, mesh_shape[CONTEXT], cfg.train.cp_layout)
         super().__init__(name, strategy, mesh_shape, cfg, devices)
+        # ManualRunner built PARALLELISM(PARAM_RULES); the layout comes from the config (traced later)
         self.par = strategy.PARALLELISM(strategy.PARAM_RULES, cfg.train.cp_layout)
         self.token_axes = tuple(a for a in (DATA, CONTEXT) if self.sizes[a] > 1)
 
