@@ -113,8 +113,8 @@ fsdp_cp (data=d, context=C). fsdp's gathers and reduce-scatters over data; the r
     b = B/d; each matrix gradient SHARD (f32, 1/d) all-reduced over context (params are
     replicated over context: hybrid sharding, manual_parallel/fsdp_cp.py); each norm gain
     and the loss all-reduced once over (data, context); the squared-norm psum over data.
-    Activations (`memory`): those of T/C tokens, plus the C-1 received K and V blocks and,
-    without remat, the other blocks' scores and probabilities (`_cp_activations`).
+    Activations (`memory`): those of T/C tokens, plus the C-1 received K and V blocks and
+    each ring step's statistics (its probabilities are recomputed: `_cp_activations`).
     FLOPs: the formula below (every score); ring attention computes only the visible blocks
     after its own, (C+1)/(2C) of the attention scores in total (zig-zag: half a block per
     device per step, balanced; contiguous: the same total, device c doing c + 1 blocks).
@@ -626,13 +626,14 @@ def _fsdp_cp(ctx: _Ctx) -> list[Row]:
 def _cp_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int, s: int) -> tuple[int, int, int]:
     """(saved elements of all layers, backward working set bytes, final bytes) of a device holding
     T/C tokens under ring attention: the position-wise residuals of T/C tokens (`saved_per_layer`
-    with t = 1), plus the C-1 received K and V blocks (saved under every policy: cp.py's
-    layer_policy), plus, without remat, the other C-1 blocks' scores and probabilities
-    [b, H, T/C, T/C] each. An estimate, like the rest of the activation model."""
+    with t = 1), plus what the ring's checkpointed merges keep: the C-1 received K and V blocks
+    (saved under every policy: cp.py's layer_policy) and each step's running statistics (acc
+    [b, H, T/C, dh], max and sum [b, H, T/C, 1]); the backward loop also rebuilds one block's
+    scores and probabilities [b, H, T/C, T/C]. An estimate, like the rest of the activation model."""
     tc, d, h, v = seq // c, cfg.d_model, cfg.num_heads, cfg.padded_vocab_size
-    kv, ring = 2 * (c - 1) * b * tc * d, 2 * b * h * tc * (seq - tc)
-    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + kv + (ring if remat == "none" else 0))
-    backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + kv + ring) * s
+    kv, stats = 2 * (c - 1) * b * tc * d, c * (b * tc * d + 2 * b * h * tc)
+    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + kv + stats)
+    backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + kv + stats) * s
     final = (2 * b * tc * d + b * tc * v) * s + b * tc * v * F32
     return layers, backward_layer, final
 
