@@ -196,3 +196,9 @@ def test_bad_context_configs_are_clear_errors():
     accum = Config(CFG.model, dataclasses.replace(CFG.train, grad_accum=2))
     with pytest.raises(ValueError, match=r"grad_accum=2 with fsdp_cp on data=2.*--impl=manual"):
         auto_parallel.make_runner("fsdp_cp", "data:2,context:4", accum)
+
+
+def test_cost_model_rules_are_the_placement_tables():
+    for name, module in auto_parallel.CONTEXT.items():
+        assert cost.RULES[name] == {**module.PARAM_RULES, **module.ACTIVATION_RULES}, name
+        assert manual_parallel.CONTEXT[name].PARAM_RULES == module.PARAM_RULES, name
