@@ -27,7 +27,7 @@ from typing import Callable
 
 from absl import app, flags
 
-from twinshard.config import OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
+from twinshard.config import CP_LAYOUTS, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 
 STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp", "cp", "fsdp_cp")
 IMPLS = ("auto", "manual")
@@ -61,7 +61,7 @@ def define_model_flags() -> None:
            "step, at least the number of stages (GPipe bubble: (S-1)/(M+S-1)).")
     define(flags.DEFINE_enum, "schedule", None, ("gpipe", "1f1b"), "Pipeline schedule (default gpipe, both "
            "twins); 1f1b (manual twin): one forward, one backward, at most S micro-batches alive per stage.")
-    define(flags.DEFINE_enum, "cp_layout", None, ("zigzag", "contiguous"), "Context parallelism (cp, fsdp_cp): "
+    define(flags.DEFINE_enum, "cp_layout", None, CP_LAYOUTS, "Context parallelism (cp, fsdp_cp): "
            "zigzag (default: shard c holds chunks c and 2C-1-c of 2C, balancing causal attention; "
            "--context_length a multiple of 2C) or contiguous (shard c holds the c-th T/C tokens).")
     define_precision_flags()

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from twinshard.config import CP_LAYOUTS as LAYOUTS  # ("zigzag", "contiguous")
+
 CONTEXT = "context"  # the mesh axis
-LAYOUTS = ("zigzag", "contiguous")
 
 
 def check(seq: int, shards: int, layout: str) -> None:
