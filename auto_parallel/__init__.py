@@ -5,15 +5,16 @@ from __future__ import annotations
 import jax
 import optax
 
-from auto_parallel import dp, fsdp, fsdp_tp, pp, pp_fsdp, tp, tp_sp
+from auto_parallel import cp, dp, fsdp, fsdp_cp, fsdp_tp, pp, pp_fsdp, tp, tp_sp
 from auto_parallel.runner import AutoRunner
-from twinshard import mesh as mesh_lib, pipeline
+from twinshard import context, mesh as mesh_lib, pipeline
 from twinshard.placement import logical_dims
 from twinshard.config import Config
 
 STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "tp_sp": tp_sp}
 PIPELINES = {"pp": pp, "pp_fsdp": pp_fsdp}  # on a `stage` axis (twinshard/pipeline.py)
-MODULES = {**STRATEGIES, **PIPELINES}  # every strategy's placement tables
+CONTEXT = {"cp": cp, "fsdp_cp": fsdp_cp}  # the sequence over a `context` axis (twinshard/context.py)
+MODULES = {**STRATEGIES, **PIPELINES, **CONTEXT}  # every strategy's placement tables
 
 
 def split_rules(module) -> dict[str, str]:
@@ -33,6 +34,8 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     if strategy in PIPELINES:
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
                        cfg.train.grad_accum, shape.get("data", 1))
+    if strategy in CONTEXT:
+        context.check(cfg.model.context_length, shape[context.CONTEXT], cfg.train.cp_layout)
     return shape
 
 
@@ -47,4 +50,5 @@ def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None,
                          "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
     tp_sp.check_collective_matmul(strategy, "auto", cfg.model.collective_matmul)
     shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
-    return AutoRunner(strategy, MODULES[strategy], shape, cfg, devices, tx=tx)
+    runner = CONTEXT[strategy].ContextRunner if strategy in CONTEXT else AutoRunner
+    return runner(strategy, MODULES[strategy], shape, cfg, devices, tx=tx)

@@ -27,9 +27,9 @@ from typing import Callable
 
 from absl import app, flags
 
-from twinshard.config import OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
+from twinshard.config import CP_LAYOUTS, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 
-STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "pp", "pp_fsdp", "tp_sp")
+STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "tp_sp", "cp", "fsdp_cp", "pp", "pp_fsdp")
 IMPLS = ("auto", "manual")
 
 
@@ -61,6 +61,9 @@ def define_model_flags() -> None:
            "step, at least the number of stages (GPipe bubble: (S-1)/(M+S-1)).")
     define(flags.DEFINE_enum, "schedule", None, ("gpipe", "1f1b"), "Pipeline schedule (default gpipe, both "
            "twins); 1f1b (manual twin): one forward, one backward, at most S micro-batches alive per stage.")
+    define(flags.DEFINE_enum, "cp_layout", None, CP_LAYOUTS, "Context parallelism (cp, fsdp_cp): "
+           "zigzag (default: shard c holds chunks c and 2C-1-c of 2C, balancing causal attention; "
+           "--context_length a multiple of 2C) or contiguous (shard c holds the c-th T/C tokens).")
     define_precision_flags()
 
 
@@ -182,7 +185,7 @@ def config_from_flags(FLAGS) -> Config:
     if FLAGS.context_length is not None:
         model = dataclasses.replace(model, context_length=FLAGS.context_length)
     overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed", "optimizer", "grad_accum",
-                                                "microbatches", "schedule") if getattr(FLAGS, k) is not None}
+                                                "microbatches", "schedule", "cp_layout") if getattr(FLAGS, k) is not None}
     if FLAGS.tokenizer is not None:
         # a file by absolute path: launch.sample and --resume find it from any directory
         overrides["tokenizer"] = FLAGS.tokenizer if not os.path.isfile(FLAGS.tokenizer) \

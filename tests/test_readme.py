@@ -49,6 +49,7 @@ VARIANTS = {
     "--microbatches=4 --schedule=1f1b": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=tp_sp --impl=manual --mesh=tensor:4 --devices=4 "
     "--collective_matmul": [],
+    "uv run python -m launch.collectives --preset=tiny --strategy=cp --impl=manual --mesh=context:4 --devices=4": [],
     "uv run python -m twinshard.bpe --input corpus.txt --vocab_size 512 --out corpus512.tiktoken": [],
     "uv run python -m launch.train --preset=tiny --data=corpus.txt --tokenizer=corpus512.tiktoken "
     "--workdir=runs/bpe": [],
@@ -170,6 +171,12 @@ def test_pipeline_and_memory_examples(readme_runs):
     meta = json.loads((cwd / "runs/scale/checkpoints/4/meta/metadata").read_text())
     assert meta["model"]["remat"] == "full"
     assert (meta["train"]["grad_accum"], meta["train"]["optimizer"]) == (2, "adafactor")
+
+
+def test_context_parallel_example(readme_runs):
+    ringed = out(readme_runs, "--strategy=cp")
+    rows = [line for line in ringed.splitlines() if re.match(r"(collective-permute|all-reduce|TOTAL) +context +\d+/\d+", line)]
+    assert len(rows) == 3 and all(line.rstrip().endswith("ok") for line in rows), ringed[-3000:]  # ledger = model
 
 
 def test_bf16_and_bench_examples(readme_runs):

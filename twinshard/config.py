@@ -29,6 +29,7 @@ ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")  # twinshard.layers.caus
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # twinshard/pipeline.py  # twinshard.optim.make_optimizer
+CP_LAYOUTS = ("zigzag", "contiguous")  # context parallelism's token layout (twinshard/context.py)
 VOCAB_MULTIPLE = 128  # pad the vocab so it splits over any power-of-two tensor axis <= 128
 
 
@@ -175,6 +176,8 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per step (gradients accumulated under lax.scan)
     microbatches: int = 1  # pipeline strategies: micro-batches in flight per step (twinshard/pipeline.py)
     schedule: str = "gpipe"  # pipeline schedule: gpipe (both twins) or 1f1b (manual twin)
+    # context parallelism (cp, fsdp_cp): which sequence positions each `context` shard holds
+    cp_layout: str = "zigzag"
 
     def __post_init__(self):
         _check_types(self)
@@ -186,6 +189,9 @@ class TrainConfig:
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"TrainConfig.schedule={self.schedule!r} is not a pipeline schedule; choose one of "
                              f"{', '.join(PIPELINE_SCHEDULES)}.")
+        if self.cp_layout not in CP_LAYOUTS:
+            raise ValueError(f"TrainConfig.cp_layout={self.cp_layout!r} is not a context-parallel layout; choose "
+                             f"one of {', '.join(CP_LAYOUTS)}.")
         if self.microbatches < 1 or self.batch_size % self.microbatches:
             raise ValueError(f"TrainConfig.microbatches={self.microbatches} must be >= 1 and split batch_size="
                              f"{self.batch_size} evenly; choose from {_divisors(self.batch_size)}.")

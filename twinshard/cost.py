@@ -103,6 +103,21 @@ fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
     per-device batch b = B/d (A = (B/d)*T*D*s, stats (B/d)*T*4); the
     squared-norm all-reduce runs over (data, tensor); the loss is all-reduced
     over data.
+cp (context=C; twinshard/context.py, manual_parallel/cp.py). Every weight replicated;
+    each device holds T/C tokens of every sequence. forward: per layer 2(C-1)
+    collective-permutes of a K or V block [B, H, T/C, dh] (ring attention's ring_shift);
+    backward: the reverse ring, 2(C-1) more. A sequence shard's gradient is a partial
+    mean like a data shard's: all-reduce (pmean) over context of every gradient leaf (12,
+    N*4 bytes), and of the loss. optimizer: none (replicated gradients).
+fsdp_cp (data=d, context=C). fsdp's gathers and reduce-scatters over data; the ring with
+    b = B/d; each matrix gradient SHARD (f32, 1/d) all-reduced over context (params are
+    replicated over context: hybrid sharding, manual_parallel/fsdp_cp.py); each norm gain
+    and the loss all-reduced once over (data, context); the squared-norm psum over data.
+    Activations (`memory`): those of T/C tokens, plus the C-1 received K and V blocks and
+    each ring step's statistics (its probabilities are recomputed: `_cp_activations`).
+    FLOPs: the formula below (every score); ring attention computes only the visible blocks
+    after its own, (C+1)/(2C) of the attention scores in total (zig-zag: half a block per
+    device per step, balanced; contiguous: the same total, device c doing c + 1 blocks).
 
 tp_sp (tensor=t, data=d >= 1; Megatron sequence parallelism, manual_parallel/tp_sp.py). TP's
     placement, the residual stream split along T. Each of TP's all-reduces of A (with
@@ -216,6 +231,8 @@ RULES: dict[str, dict[str, str]] = {
     # tp_sp: TP's placement; the batch over data; the residual stream's T over tensor
     "tp_sp": {"batch": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor", "seq": "tensor"},
     "pp_fsdp": {"layers": "stage", "batch": "data", "embed": "data"},
+    "cp": {"seq": "context"},
+    "fsdp_cp": {"batch": "data", "embed": "data", "seq": "context"},
 }
 
 
@@ -686,8 +703,74 @@ def _pp_fsdp(ctx: _Ctx) -> list[Row]:
             + [_stage_loss_row(ctx), _loss_row(ctx)])
 
 
+# ----------------------------------------------------------------------------- context parallelism
+
+
+def _ring_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """Ring attention (manual_parallel/ring_attention.py) on `batch` sequences per device, T/C tokens
+    each: per layer C-1 ring_shifts of the K block and C-1 of the V block [b, H, T/C, dh] forward,
+    the reverse ring of their gradients backward; per micro-batch (K times per step)."""
+    c, cfg = ctx.mesh["context"], ctx.cfg
+    if ctx.seq % c:
+        raise ValueError(f"seq_len={ctx.seq} does not split over context={c}; pass a multiple of {c} "
+                         f"(zig-zag: of {2 * c}).")
+    b, tc = batch // ctx.k, ctx.seq // c
+    block = b * tc * cfg.num_heads * cfg.head_dim * ctx.s
+    kv = f"[{b},{cfg.num_heads},{tc},{cfg.head_dim}]"
+    n = 2 * (c - 1) * ctx.L
+    return _times(ctx.k, [
+        row(ctx, "forward", "collective-permute", ("context",), n, block,
+            f"ring_shift: ppermute c -> c+1 of the K and the V block {kv}, C-1 each per layer"),
+        row(ctx, "backward", "collective-permute", ("context",), n, block,
+            f"ring_shift backward: ppermute c+1 -> c of dK and dV {kv}, C-1 each per layer"),
+    ])
+
+
+def _cp(ctx: _Ctx) -> list[Row]:
+    """The ring; every gradient leaf and the loss averaged over context (a sequence shard's
+    gradient is a partial mean, as a data shard's: manual_parallel/cp.py)."""
+    grads = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32,
+                 f"pmean over context of d({w.name}) {_leaf_shape(w)}") for w in weights(ctx.cfg)]
+    return _ring_rows(ctx, ctx.batch) + grads + [
+        row(ctx, "metrics", "all-reduce", ("context",), 1, F32, "pmean over context of the loss (f32 scalar)")]
+
+
+def _fsdp_cp(ctx: _Ctx) -> list[Row]:
+    """FSDP's gathers and scatters over data (its norm-gain means replaced: one pmean over
+    (data, context) each); the ring on B/d sequences; each matrix gradient SHARD (f32, 1/d)
+    averaged over context (params are replicated over context: manual_parallel/fsdp_cp.py)."""
+    fsdp = [r for r in _fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
+    shards = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32 // ctx.d,
+                  f"pmean over context of d({w.name}) {_leaf_shape(w)}/data (f32 shard)") for w in _matrices(ctx)]
+    gains = [row(ctx, "backward", "all-reduce", ("data", "context"), w.leaves, w.layers * w.size * F32,
+                 f"pmean over data,context of d({w.name}) {_leaf_shape(w)} (replicated f32 norm gains)")
+             for w in _norms(ctx)]
+    return fsdp + _ring_rows(ctx, ctx.batch // ctx.d) + shards + gains + [
+        _norm_row(ctx, ("data",)),
+        row(ctx, "metrics", "all-reduce", ("data", "context"), 1, F32, "pmean over data,context of the loss")]
+
+
+def _cp_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int, s: int) -> tuple[int, int, int]:
+    """(saved elements of all layers, backward working set bytes, final bytes) of a device holding
+    T/C tokens under ring attention: the position-wise residuals of T/C tokens (`saved_per_layer`
+    with t = 1), plus what the ring's checkpointed merges keep: the C-1 received K and V blocks
+    (saved under every policy: cp.py's layer_policy) and each step's running statistics (acc
+    [b, H, T/C, dh], max and sum [b, H, T/C, 1]); the backward loop also rebuilds one block's
+    scores and probabilities [b, H, T/C, T/C]. An estimate, like the rest of the activation model:
+    measured totals (tools/long_context.py, d_model 64, 8 heads, L = 2, B = 1, context:8, T = 512,
+    2048, 4096, 8192: 5.0, 16.6, 43.2, 136.0 MiB per device) against 5.3, 17.1, 39.7, 109.1."""
+    tc, d, h, v = seq // c, cfg.d_model, cfg.num_heads, cfg.padded_vocab_size
+    kv, stats = 2 * (c - 1) * b * tc * d, c * (b * tc * d + 2 * b * h * tc)
+    own = 2 * b * h * tc * tc if remat == "none" else 0  # `none` counts the block's scores: recomputed here
+    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) - own + kv + stats)
+    backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + kv + stats) * s
+    final = (2 * b * tc * d + b * tc * v) * s + b * tc * v * F32
+    return layers, backward_layer, final
+
+
 STRATEGY_ROWS: dict[str, Callable[[_Ctx], list[Row]]] = {
     "dp": _dp, "fsdp": _fsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "pp": _pp, "pp_fsdp": _pp_fsdp, "tp_sp": _tp_sp,
+    "cp": _cp, "fsdp_cp": _fsdp_cp,
 }
 
 
@@ -797,6 +880,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     backward_layer = saved_per_layer(cfg, "none", b, seq, t, sequence) * dtype_bytes
     ln_final = b * seq * d // t + b * seq * d if sequence else 2 * b * seq * d  # tp_sp: on shards, gathered
     final = (ln_final + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
+    if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
+        layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes)
     acts = layers * dtype_bytes + final
     gathered = 0
     if "embed" in rules:

@@ -1,0 +1,69 @@
+"""Context parallelism, GSPMD twin: the sequence dimension of the batch and of every activation
+is split over `context`; every weight is replicated.
+
+Placement only, plus the layout (twinshard/context.py): the runner permutes the batch into the
+layout on the host, RoPE takes the permuted true positions (`positions`) and, for the zig-zag
+layout, attention masks by true positions (key position <= query position) instead of by
+index. XLA derives the communication. Measured (tiny, context:4, L=2, XLA:CPU, both layouts;
+tests/test_context.py asserts it): GSPMD does not run a ring. It all-gathers K (after RoPE) and
+V, [B, H, T, dh], over `context` in the forward layer loop, and gathers them AGAIN in the
+backward loop (it saves the local shards, not the gathered copies): 4 all-gathers per layer.
+The gradients of the gathered K and V come back as full-size all-reduces of [B, H, T, dh]
+(XLA:CPU's reduce-scatter: all-reduce + dynamic-slice), 2 per layer; every weight gradient is
+all-reduced over `context` (9 per layer in the backward loop, 3 outside), and the loss: 8
+all-gathers and 26 all-reduces, no collective-permute. Per layer that is 2 x 2 (C-1)/C of the
+whole K and V through the ring plus 2 full-size all-reduces, where the manual twin's ring
+sends 2 x 2 (C-1)/C of them in collective-permutes and their gradients back as many (no
+all-reduce of dK, dV). Both hold the whole K and V per device for the backward pass (the ring's
+autodiff keeps every block it received: manual_parallel/ring_attention.py).
+Optimizer: gradients are replicated, so the global norm is local.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from auto_parallel.runner import GSPMD, AutoRunner
+from twinshard import context, layers
+from twinshard.context import CONTEXT
+
+# logical axis -> mesh axis for parameters (absent: replicated)
+PARAM_RULES: dict[str, str] = {}
+# logical axis -> mesh axis for activations and the batch [B, T]: the sequence over context
+ACTIVATION_RULES: dict[str, str] = {"seq": CONTEXT}
+
+
+class ContextGSPMD(GSPMD):
+    """GSPMD hooks of a permuted sequence: the true positions for RoPE and the causal mask."""
+
+    def __init__(self, mesh, activation_rules, layout: str):
+        super().__init__(mesh, activation_rules)
+        self.layout, self.shards = layout, mesh.shape[CONTEXT]
+
+    def positions(self, t):
+        """The whole (permuted) sequence's true positions [T] (a constant)."""
+        return jnp.asarray(context.order(t, self.shards, self.layout))
+
+    def attention(self, q, k, v, impl="auto"):
+        """q, k, v: [B, h, T, dh] global (T split over context). Contiguous: the single-device
+        causal attention; zig-zag: the reference attention with the mask of the true positions."""
+        if self.layout == "contiguous":
+            return layers.causal_attention(q, k, v, impl)
+        pos = self.positions(q.shape[-2])
+        return layers.scaled_dot_product_attention(q, k, v, context.visible(pos, pos))
+
+
+def parallelism(mesh, cfg) -> ContextGSPMD:
+    return ContextGSPMD(mesh, ACTIVATION_RULES, cfg.train.cp_layout)
+
+
+class ContextRunner(context.PermutedBatches, AutoRunner):
+    """AutoRunner on a batch permuted into the layout on the host."""
+
+    def __init__(self, name, strategy, mesh_shape, cfg, devices=None, tx=None):
+        context.check(cfg.model.context_length, mesh_shape[CONTEXT], cfg.train.cp_layout)
+        if cfg.train.grad_accum > 1 and mesh_shape["data"] > 1:
+            raise ValueError(f"grad_accum={cfg.train.grad_accum} with {name} on data={mesh_shape['data']}: the "
+                             "GSPMD twin's per-data-shard accumulation does not carry the context layout; "
+                             "use --impl=manual or --grad_accum=1.")
+        super().__init__(name, strategy, mesh_shape, cfg, devices, tx=tx)

@@ -1,0 +1,91 @@
+"""Context parallelism, shard_map twin: the sequence is split over `context` (C shards of T/C
+tokens, twinshard/context.py's layout) from the embedding to the loss; every weight is
+replicated; attention is ring attention (manual_parallel/ring_attention.py).
+
+Every position-wise op runs on the local [B, T/C] tokens unchanged; RoPE rotates them by
+their true positions (`positions`: this shard's row of context.shard_positions).
+Forward, per layer: 2(C-1) collective-permutes over `context` (C-1 of the K block and C-1 of
+the V block [B, h, T/C, dh], `ring_shift`).
+Backward, per layer: the reverse ring, 2(C-1) collective-permutes of dK and dV blocks.
+Then the gradient of EVERY param is averaged over `context`: a sequence shard is to the
+params what a data shard is - its loss is the mean over its own T/C tokens, the global loss
+the mean of the C equal-sized shard means, so dL/dW = mean over shards of each shard's
+gradient, for the embedding and lm_head as for the attention weights. `ContextRunner` pcasts
+the params to varying over `context` before `grad` (so autodiff adds no psum of its own, as
+for `data`) and pmeans the gradients and the loss over the token axes (context, and data
+under fsdp_cp). Optimizer: gradients are replicated after the mean: the global norm is local.
+
+Remat: a checkpointed layer keeps the received K/V blocks (`layer_policy`), so its backward
+never re-runs the ring's forward permutes (the project's rule: remat trades FLOPs, not
+communication).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from auto_parallel.cp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
+from manual_parallel.base import ManualParallelism, either
+from manual_parallel.ring_attention import ring_attention, saves_ring_shifts
+from manual_parallel.runner import DATA, ManualRunner
+from twinshard import context
+from twinshard.context import CONTEXT
+
+__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "ContextParallel", "ContextRunner", "PARALLELISM"]
+
+
+class ContextParallel(ManualParallelism):
+    """RoPE positions and attention of a sequence shard; everything else is single-device code."""
+
+    def __init__(self, param_rules, layout: str = "zigzag"):
+        super().__init__(param_rules)
+        self.layout = layout
+
+    def table(self, t_local: int):
+        """[C, T/C]: every shard's true positions (T = t_local * C)."""
+        c = lax.axis_size(CONTEXT)
+        return context.shard_positions(t_local * c, c, self.layout)
+
+    def positions(self, t):
+        """This shard's t = T/C positions in the whole sequence."""
+        return jnp.asarray(self.table(t))[lax.axis_index(CONTEXT)]
+
+    def attention(self, q, k, v, impl="auto"):
+        """q, k, v: [B, h, T/C, dh] -> [B, h, T/C, dh], ring attention over `context` (impl is
+        unused: the ring computes its blocks itself)."""
+        return ring_attention(q, k, v, self.table(q.shape[-2]), CONTEXT, self.layout)
+
+    def layer_policy(self, policy):
+        inner = super().layer_policy(policy)
+        return None if inner is None else either(inner, saves_ring_shifts)
+
+
+class ContextRunner(context.PermutedBatches, ManualRunner):
+    """ManualRunner whose tokens are split over `context` too: the batch is permuted into the
+    layout on the host; params vary over `context` before `grad`; gradients and loss are
+    averaged over every axis that splits the tokens."""
+
+    def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
+        context.check(cfg.model.context_length, mesh_shape[CONTEXT], cfg.train.cp_layout)
+        super().__init__(name, strategy, mesh_shape, cfg, devices)
+        # ManualRunner built PARALLELISM(PARAM_RULES); the layout comes from the config (traced later)
+        self.par = strategy.PARALLELISM(strategy.PARAM_RULES, cfg.train.cp_layout)
+        self.token_axes = tuple(a for a in (DATA, CONTEXT) if self.sizes[a] > 1)
+
+    def _loss_and_grads(self, params, x, y):
+        """x, y: [B/data, T/C] (this shard's tokens, in the layout's order)."""
+        params = lax.pcast(params, CONTEXT, to="varying")  # every param is replicated over context
+        return super()._loss_and_grads(params, x, y)
+
+    def mean_over_data(self, grads, replicated):
+        """The gradient sync of every param over the token axes it is replicated on: (data,
+        context) for a param replicated over both (one all-reduce), `context` alone for one
+        FSDP already reduce-scattered over `data` (fsdp_cp's matrices)."""
+        both = self.token_axes
+        return jax.tree.map(lambda g, r: lax.pmean(g, both if r else CONTEXT), grads, replicated)
+
+    def _mean_loss(self, loss):
+        return lax.pmean(loss, self.token_axes)
+
+
+PARALLELISM = ContextParallel

@@ -1,0 +1,152 @@
+"""Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): causal
+attention over a sequence split across the `context` axis, with K/V blocks travelling a ring.
+
+Each of the C devices holds the q, k, v of its T/C tokens ([B, h, T/C, dh]) and their true
+positions (twinshard/context.py: contiguous or zig-zag). C steps:
+
+    step 0: its own block, masked by the true positions (causal within the block);
+    step s: ring_shift K and V on (ppermute c -> c+1), so it now holds the block of device
+            (c - s) mod C; score the local q against it (f32) and merge into running
+            statistics (m: row max, l: sum of exp(score - m), acc: sum of exp(score - m) v).
+    out = acc / l
+
+the online softmax of flash attention (Milakov & Gimelshein 2018; Dao et al. 2022) across
+devices. Step 0 holds every query's diagonal key, so m is finite after it.
+
+The work per step follows the layout (twinshard/context.py), and is what zig-zag balances.
+A block from another device is either wholly visible to a query chunk or wholly masked, so
+no mask is needed after step 0, only the right slices (`lax.cond` on "did an earlier device
+send it?"):
+    contiguous  an earlier device's block: all of it; a later one's: nothing (skipped).
+                Device c computes its own block and c others: device C-1 does ~C times the
+                work of device 0.
+    zigzag      an earlier device's block: every query against its early chunk; a later
+                one's: the late query chunk against all of it. Exactly half a block on every
+                device at every step: balanced.
+Equal to the single-device attention (tests/test_context.py): the skipped scores are exactly
+the masked ones, which add exp(-inf) = 0.
+
+Collectives per call (one layer): forward C-1 `ring_shift`s of K and C-1 of V, each a
+collective-permute of [B, h, T/C, dh] over `context`; backward (ring_shift's custom_vjp) the
+reverse ring, C-1 of dK and C-1 of dV.
+
+Memory: each step's merge is checkpointed (`_merge`), so autodiff saves only its inputs -
+every K/V block the device held (the whole sequence's K and V, [B, H, T, dh] each) and each
+step's running statistics (O(T/C dh)) - and the backward pass recomputes one block's scores
+and probabilities at a time, flash attention's trade of FLOPs for memory. Measured
+(tools/long_context.py, d_model 64, 8 heads, 2 layers, context:8, T = 8192): 136 MiB per
+device, 871 MiB with the probabilities saved (tp: 1901 MiB). A hand-written backward that
+passes K/V around the ring again (with dK/dV) would not even keep the K/V blocks, for twice
+the backward permutes: left out.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Array = jax.Array
+
+
+def _next(n: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def ring_shift(x: Array, axis: str) -> Array:
+    """Pass x (a K or V block [B, h, T/C, dh]) to the next device of the ring: c -> c+1 mod C, a
+    collective-permute over `axis`. Backward: the reverse ring, c+1 -> c: the gradient of the
+    block goes back to the device that sent it (autodiff would transpose the ppermute the same
+    way; the pair written out names both directions)."""
+    return lax.ppermute(x, axis, perm=_next(lax.axis_size(axis)))
+
+
+def _shift_fwd(x, axis):
+    return ring_shift(x, axis), None
+
+
+def _shift_bwd(axis, _, grad):
+    return (lax.ppermute(grad, axis, perm=[(dst, src) for src, dst in _next(lax.axis_size(axis))]),)
+
+
+ring_shift.defvjp(_shift_fwd, _shift_bwd)
+
+
+def saves_ring_shifts(prim, *_, **params) -> bool:
+    """Remat policy: save every ring_shift output (a received K/V block), so a checkpointed
+    layer's backward never re-runs the ring's forward permutes (manual_parallel/cp.py)."""
+    return prim.name == "custom_vjp_call" and any(
+        e.primitive.name == "ppermute" for e in params["call_jaxpr"].eqns)
+
+
+@jax.checkpoint
+def _merge(stats, q: Array, k: Array, v: Array, keep: Array | None = None):
+    """One block into the running (m, l, acc). q [B, h, Tq, dh], k/v [B, h, Tk, dh], keep [Tq, Tk]
+    (None: every key is visible to every query).
+
+    Checkpointed: the backward pass recomputes the block's scores and probabilities from its
+    inputs (the running statistics and the K/V block), as flash attention does, instead of
+    keeping [Tq, Tk] per step: the saved attention memory is O(T dh), not O(T^2 / C)."""
+    m, l, acc = stats
+    scores = jnp.einsum("...qd,...kd->...qk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1]).astype(np.float32)
+    if keep is not None:
+        scores = jnp.where(keep, scores, -jnp.inf)
+    # the max only keeps exp() in range: the result does not depend on it (as in layers.softmax)
+    m_new = jnp.maximum(m, lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+    p = jnp.exp(scores - m_new)  # [B, h, Tq, Tk]
+    rescale = jnp.exp(m - m_new)  # [B, h, Tq, 1]: 0 at step 0 (m = -inf)
+    acc = acc * rescale + jnp.einsum("...qk,...kd->...qd", p.astype(v.dtype), v).astype(jnp.float32)
+    return m_new, l * rescale + jnp.sum(p, axis=-1, keepdims=True), acc
+
+
+def _zigzag_block(stats, q, k, v, earlier):
+    """A block from another device under zig-zag: exactly half of it is visible, all of it unmasked.
+    Sent by an earlier device (its chunks c' < c and 2C-1-c' > 2C-1-c): every query sees the
+    block's early chunk and none its late one -> q [T/C] x k [:T/2C]. Sent by a later device:
+    only this device's late chunk sees the block, all of it -> q [T/2C:] x k [T/C]."""
+    half = q.shape[-2] // 2
+    cut = lambda x: x[..., :half, :]  # noqa: E731  the early chunk
+    rest = lambda x: x[..., half:, :]  # noqa: E731  the late chunk
+
+    def from_earlier(stats):
+        return _merge(stats, q, cut(k), cut(v))
+
+    def from_later(stats):
+        late = _merge(tuple(rest(s) for s in stats), rest(q), k, v)
+        return tuple(jnp.concatenate([cut(s), t], axis=-2) for s, t in zip(stats, late))
+
+    return lax.cond(earlier, from_earlier, from_later, stats)
+
+
+def _contiguous_block(stats, q, k, v, earlier):
+    """A block from another device under the contiguous layout: all visible (an earlier device's)
+    or all masked (a later device's: skipped). Device c computes c blocks after its own."""
+    return lax.cond(earlier, lambda s: _merge(s, q, k, v), lambda s: s, stats)
+
+
+BLOCKS = {"zigzag": _zigzag_block, "contiguous": _contiguous_block}
+
+
+def ring_attention(q: Array, k: Array, v: Array, positions: np.ndarray, axis: str, layout: str) -> Array:
+    """Causal attention of this device's q, k, v [B, h, T/C, dh] over the whole sequence.
+
+    positions: [C, T/C], row c = the true positions of device c's tokens in `layout`
+    (context.shard_positions); inside shard_map over `axis` (size C). Step 0 (the device's own
+    block) is masked by the true positions; later blocks compute only what the layout leaves
+    visible (BLOCKS). Returns [B, h, T/C, dh] in q's dtype."""
+    n, me = lax.axis_size(axis), lax.axis_index(axis)
+    assert positions.shape == (n, q.shape[-2]), (positions.shape, n, q.shape)
+    q_pos = jnp.asarray(positions)[me]  # [T/C]
+    rows = (*q.shape[:-1], 1)
+    stats = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(q.shape, jnp.float32))
+    stats = jax.tree.map(lambda s: lax.pcast(s, axis, to="varying"), stats)
+    stats = _merge(stats, q, k, v, q_pos[None, :] <= q_pos[:, None])  # own block: causal within it
+    for step in range(1, n):
+        k, v = ring_shift(k, axis), ring_shift(v, axis)  # now the block of device me - step
+        stats = BLOCKS[layout](stats, q, k, v, earlier=step <= me)  # (me - step) mod n < me
+    _, l, acc = stats
+    return (acc / l).astype(q.dtype)

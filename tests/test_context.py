@@ -1,0 +1,204 @@
+"""Context parallelism (cp, fsdp_cp) in both twins: ring attention against full attention, each
+twin against single-device training, the manual ledger against the cost model, and what GSPMD
+does with K and V.
+
+tiny (T = 32, L = 2, B = 8); cp on context:4, fsdp_cp on data:2,context:2 (4 devices each), both
+in the zig-zag layout (the default; the contiguous one is checked on ring attention itself, where
+it differs: the positions). The step clips (grad_clip 0.25 < the ~0.7 norm), so fsdp_cp's global
+norm (a psum over `data`) is exercised.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import auto_parallel
+import manual_parallel
+import reference
+from manual_parallel.ring_attention import ring_attention
+from twinshard import context, cost, hlo, layers, testing
+from twinshard.config import Config, preset
+from twinshard.trainer import SingleDevice
+
+BASE = preset("tiny")
+CFG = Config(BASE.model, dataclasses.replace(BASE.train, grad_clip=0.25))
+MESHES = {"cp": "context:4", "fsdp_cp": "data:2,context:2"}
+STEPS = 5
+# Measured (JAX 0.12.0.1, XLA:CPU), both twins vs single device: losses equal to 2.4e-6, step-1
+# gradients to 1.9e-8, reported norms 8.8e-8 relative, params after 5 AdamW steps 1.1e-6 (AdamW
+# turns rounding noise where |g| ~ eps into parameter noise: ../shared/DESIGN.md).
+LOSS_ATOL, GRAD_ATOL, NORM_RTOL, PARAM_ATOL = 1e-5, 2e-7, 1e-6, 2e-5
+
+
+@functools.cache
+def initial_state():
+    """The single-device initial train state, on the host (compiled once)."""
+    return jax.device_get(SingleDevice(CFG.model, CFG.train).init_state(CFG.train.seed))
+
+
+def record(runner):
+    """reference.train_record, starting from `initial_state` placed in the runner's shardings: a
+    transfer instead of one more cold compile per runner (the sharded init, PlacedRunner's, is
+    the same code for every strategy and tested in test_manual / test_auto)."""
+    where = getattr(runner, "state_shardings", None)  # None: single device
+    runner.init_state = lambda seed: jax.device_put(initial_state(), where)
+    return reference.train_record(runner, CFG, STEPS)
+
+
+@functools.cache
+def single():
+    return record(SingleDevice(CFG.model, CFG.train))
+
+
+@functools.cache
+def twin(impl: str, strategy: str):
+    mesh = MESHES[strategy]
+    n = math.prod(int(p.split(":")[1]) for p in mesh.split(","))
+    make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
+    return record(make(strategy, mesh, CFG, devices=jax.devices()[:n]))
+
+
+def compiled_ledger(impl: str, strategy: str) -> hlo.Ledger:
+    r = twin(impl, strategy)["runner"]
+    xs = jax.ShapeDtypeStruct((CFG.train.batch_size, CFG.model.context_length), np.int32, sharding=r.batch_sharding)
+    return hlo.ledger(r.train_step.lower(r.abstract_state(), xs, xs).compile().as_text(), r.mesh)
+
+
+# ----------------------------------------------------------------------------- the layout
+
+
+def test_layouts_hold_every_position_once_and_zigzag_balances_the_causal_work():
+    """zigzag on T=16, C=4: chunks of 2, shard c holds chunks c and 7-c. Per shard, the (query,
+    key) pairs the causal mask keeps: equal under zig-zag, 2c+1 : ... under the contiguous layout."""
+    np.testing.assert_array_equal(context.shard_positions(16, 4, "zigzag"),
+                                  [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]])
+    for layout in context.LAYOUTS:
+        assert sorted(context.order(32, 4, layout)) == list(range(32))
+    np.testing.assert_array_equal(context.order(32, 4, "contiguous"), np.arange(32))
+    zig, flat = context.useful_pairs(32, 4, "zigzag"), context.useful_pairs(32, 4, "contiguous")
+    assert zig.sum() == flat.sum() == 32 * 33 // 2
+    assert len(set(zig)) == 1, zig
+    np.testing.assert_array_equal(flat, [36, 100, 164, 228])  # shard c: 8 queries x (8c + 4.5) keys
+    pos = np.arange(32)
+    np.testing.assert_array_equal(context.visible(pos, pos), np.asarray(layers.causal_mask(32)))
+
+
+@pytest.mark.parametrize("layout", context.LAYOUTS)
+def test_each_ring_step_sees_exactly_the_slices_ring_attention_computes(layout):
+    """The premise of ring_attention's unmasked steps, from the positions alone: the block of an
+    earlier device is wholly visible (contiguous) or visible in its early chunk only (zig-zag);
+    a later device's is wholly masked (contiguous) or wholly visible to the late query chunk
+    only (zig-zag). So zig-zag computes half a block per device per step, contiguous 0 or 1."""
+    c, t = 4, 32
+    table, half = context.shard_positions(t, c, layout), t // c // 2
+    for me in range(c):
+        for src in (s for s in range(c) if s != me):
+            seen = context.visible(table[me], table[src])  # [T/C queries, T/C keys]
+            want = np.zeros_like(seen)
+            if layout == "contiguous":
+                want[:] = src < me
+            elif src < me:
+                want[:, :half] = True
+            else:
+                want[half:, :] = True
+            np.testing.assert_array_equal(seen, want, err_msg=f"device {me}, block of {src}")
+
+
+# ----------------------------------------------------------------------------- ring attention
+
+
+@pytest.mark.parametrize("layout", context.LAYOUTS)
+def test_ring_attention_equals_full_attention(layout):
+    """C = 4 shards of T = 32 (a multiple of 2C): the ring's output and the gradients of q, k, v
+    equal the single-device reference attention's, position by position (the ring runs on the
+    layout-permuted sequence; the reference's results are permuted the same way)."""
+    c, (b, h, t, dh) = 4, (2, 2, 32, 8)
+    q, k, v = (jax.random.normal(key, (b, h, t, dh)) for key in jax.random.split(jax.random.key(0), 3))
+    perm, table = context.order(t, c, layout), context.shard_positions(t, c, layout)
+    mesh = jax.make_mesh((c,), ("context",), devices=jax.devices()[:c], axis_types=(AxisType.Auto,))
+    seq = P(None, None, "context")
+    ring = jax.shard_map(lambda *a: ring_attention(*a, table, "context", layout), mesh=mesh, in_specs=(seq,) * 3,
+                         out_specs=seq)
+    full = lambda *a: layers.causal_attention(*a, "reference")[:, :, perm]  # noqa: E731
+    weights = jax.random.normal(jax.random.key(1), (b, h, t, dh))  # a loss that weighs every output
+    got, grads = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(ring(*a) * weights), argnums=(0, 1, 2)))(
+        *(x[:, :, perm] for x in (q, k, v)))
+    want, want_grads = jax.value_and_grad(lambda *a: jnp.sum(full(*a) * weights), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w[:, :, perm], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- twins vs single device
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+@pytest.mark.parametrize("impl", ["auto", "manual"])
+def test_context_parallel_matches_single_device(impl, strategy):
+    got, want = twin(impl, strategy), single()
+    np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
+    assert reference.max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
+    assert reference.max_diff(got["params"], want["params"]) < PARAM_ATOL
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+def test_manual_ledger_equals_the_cost_model_exactly(strategy):
+    """cp: 2(C-1) ring_shifts of a K/V block [B, H, T/C, dh] per layer forward and 2(C-1)
+    backward, a pmean over context of every gradient leaf and of the loss. fsdp_cp: FSDP's
+    gathers and scatters over data, the ring on B/data sequences, each gradient shard's pmean
+    over context, the gains' and the loss's over (data, context), the norm's psum over data."""
+    runner = twin("manual", strategy)["runner"]
+    led = compiled_ledger("manual", strategy)
+    model = cost.cost(CFG.model, strategy, runner.sizes, CFG.train.batch_size)
+    rows = cost.compare(led.summary(), model.summary())
+    assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
+    c, m = runner.sizes["context"], CFG.model
+    b = CFG.train.batch_size // runner.sizes["data"]
+    block = b * m.num_heads * (m.context_length // c) * m.head_dim * 4
+    testing.expect_collectives(led, "collective-permute", ("context",), count=4 * (c - 1) * m.num_layers)
+    assert led.filter(op="collective-permute").total_bytes() == 4 * (c - 1) * m.num_layers * block
+
+
+def test_auto_gathers_k_and_v_over_context():
+    """What GSPMD does with a sequence-sharded q, k, v (auto_parallel/cp.py), measured: per layer
+    an all-gather of K and of V [B, H, T, dh] over context in the forward loop, the same two
+    gathers again in the backward loop, and the full-size dK and dV all-reduced (XLA:CPU's
+    reduce-scatter) - no collective-permute: no ring."""
+    led = compiled_ledger("auto", "cp")
+    m, L = CFG.model, CFG.model.num_layers
+    kv = CFG.train.batch_size * m.context_length * m.d_model * 4  # [B, H, T, dh] f32
+    testing.expect_collectives(led, "all-gather", ("context",), count=4 * L)
+    assert {r.bytes for r in led.filter(op="all-gather")} == {kv}
+    assert sum(r.multiplicity for r in led.filter(op="all-reduce") if r.bytes == kv) == 2 * L, led.table()
+    # and the weight gradients (9 per layer, 3 outside the loop) and the loss
+    testing.expect_collectives(led, "all-reduce", ("context",), count=2 * L + 9 * L + 3 + 1)
+    testing.expect_no_collective(led, op="collective-permute")
+
+
+def test_bad_context_configs_are_clear_errors():
+    odd = Config(dataclasses.replace(CFG.model, context_length=36), CFG.train)
+    with pytest.raises(ValueError, match=r"context_length=36 does not split into 8 equal chunks \(zigzag layout "
+                                         r"over context=4.*multiple of 8.*--cp_layout=contiguous"):
+        manual_parallel.make_runner("cp", "context:4", odd, devices=jax.devices()[:4])
+    flat = Config(odd.model, dataclasses.replace(CFG.train, cp_layout="contiguous"))
+    assert context.shard_positions(36, 4, "contiguous").shape == (4, 9)
+    with pytest.raises(ValueError, match=r"context_length=36 does not split into 8 equal chunks"):
+        auto_parallel.make_runner("cp", "context:8", flat)
+    with pytest.raises(ValueError, match=r"TrainConfig.cp_layout='striped' is not a context-parallel layout"):
+        dataclasses.replace(CFG.train, cp_layout="striped")
+    accum = Config(CFG.model, dataclasses.replace(CFG.train, grad_accum=2))
+    with pytest.raises(ValueError, match=r"grad_accum=2 with fsdp_cp on data=2.*--impl=manual"):
+        auto_parallel.make_runner("fsdp_cp", "data:2,context:4", accum)
+
+
+def test_cost_model_rules_are_the_placement_tables():
+    for name, module in auto_parallel.CONTEXT.items():
+        assert cost.RULES[name] == {**module.PARAM_RULES, **module.ACTIVATION_RULES}, name
+        assert manual_parallel.CONTEXT[name].PARAM_RULES == module.PARAM_RULES, name
