@@ -29,13 +29,13 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     mesh_lib.check_strategy(strategy)
     shape = mesh_lib.parse_mesh(mesh_spec, strategy) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
     mesh_lib.check_mesh(strategy, shape, n_devices)
-    module = MODULES[strategy]
-    mesh_lib.check_divisible(logical_dims(cfg), split_rules(module), shape)
+    # the strategy's own checks first: their messages name the fix in its terms (stages, zig-zag chunks)
     if strategy in PIPELINES:
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
                        cfg.train.grad_accum, shape.get("data", 1))
     if strategy in CONTEXT:
         context.check(cfg.model.context_length, shape[context.CONTEXT], cfg.train.cp_layout)
+    mesh_lib.check_divisible(logical_dims(cfg), split_rules(MODULES[strategy]), shape)
     return shape
 
 

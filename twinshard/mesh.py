@@ -202,8 +202,8 @@ def check_mesh(strategy: str, shape: Mapping[str, int], n_devices: int) -> None:
 _FIELDS = {"batch": "--batch_size", "embed": "d_model", "heads": "num_heads", "mlp": "d_ff",
            "seq": "--context_length"}
 # Checked elsewhere, with a better message: `layers` over `stage` (pipeline.check names the
-# stage counts that fit L).
-_NOT_HERE = frozenset({"layers"})
+# stage counts that fit L), `seq` over `context` (context.check: zig-zag needs 2C chunks).
+_NOT_HERE = frozenset({("layers", "stage"), ("seq", "context")})
 
 
 def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
@@ -211,7 +211,7 @@ def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
     """(what does not divide, the config change that fixes it), or None."""
     for name, size in dims.items():
         axis = rules.get(name)
-        if axis is None or name in _NOT_HERE or size % shape[axis] == 0:
+        if axis is None or (name, axis) in _NOT_HERE or size % shape[axis] == 0:
             continue
         n = shape[axis]
         change = (f"pick a vocab_size whose padded size (a multiple of 128) is a multiple of {n}"
