@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from cli import cached_env
 from twinshard import topology
 
 TPU = topology.libtpu_installed()
@@ -53,7 +54,7 @@ def runs(tmp_path_factory):
         topology.devices("v5e:4x4")
         argvs.append(["--strategy=fsdp", "--impl=manual", "--preset=tiny", "--batch_size=16",
                       "--mesh=data:16,tensor:1", "--topology=v5e:4x4", f"--json={out}/tpu.json"])
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
+    env = cached_env(XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
