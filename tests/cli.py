@@ -33,8 +33,8 @@ def cached_env(**extra: str) -> dict[str, str]:
 
 
 def env(**extra: str) -> dict[str, str]:
-    return cached_env(XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu", TWINSHARD_DEBUG="0",
-                      **extra)
+    return cached_env(**{"XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu",
+                         "TWINSHARD_DEBUG": "0", **extra})
 
 
 def run(*argv: str, cwd=ROOT, timeout: int = 300, **extra_env: str) -> subprocess.CompletedProcess:
