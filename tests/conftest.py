@@ -13,9 +13,11 @@ program). Two rules keep it down:
   the ledger from it). Programs that are identical across modules (same config, mesh
   and function) are shared through the persistent compilation cache below, also by
   the launcher subprocesses (tests/cli.py `env()`): reuse an existing module's config
-  (e.g. tests/test_manual.py's CFG and MESHES) when a new test does not need its own.
-- Scheduling (pytest-xdist `--dist loadgroup`, pyproject.toml). Each module is one
-  xdist group, so its cached runners and module fixtures are built on ONE worker (with
+  (tests/runners.py's CFG and MESHES) when a new test does not need its own.
+- Scheduling (pytest-xdist `--dist loadgroup`, pyproject.toml; the groups come from
+  group_of() below, not from xdist_group marks: see pytest_xdist_make_scheduler).
+  Each module is one group (SHARED_GROUPS joins modules that compile the same
+  programs), so its cached runners and module fixtures are built on ONE worker (with
   `--dist load` a module's tests were spread over both workers and each built them:
   test_readme ran every README command twice). The groups start costliest first
   (COLD_SECONDS, single-worker seconds on a cold cache); the modules in UNGROUPED hold
@@ -35,7 +37,6 @@ if "xla_backend_optimization_level" not in _flags:
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
-import pytest  # noqa: E402
 
 _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
@@ -67,22 +68,43 @@ UNGROUPED = {
 SHARED_GROUPS = {m: "test_twins" for m in ("test_auto", "test_manual", "test_memory", "test_remat", "test_compare")}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks (it appends "@group" to node ids)
-def pytest_collection_modifyitems(config, items):
-    def group(item):
-        module = item.path.stem
-        return None if module in UNGROUPED else SHARED_GROUPS.get(module, module)
+def group_of(module: str) -> str | None:
+    """The xdist group of a test module (None: its tests are dealt out one by one)."""
+    return None if module in UNGROUPED else SHARED_GROUPS.get(module, module)
 
-    for item in items:
-        if group(item):
-            item.add_marker(pytest.mark.xdist_group(group(item)))
+
+def _module(nodeid: str) -> str:
+    return pathlib.PurePath(nodeid.split("::")[0]).stem
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, with the groups taken from group_of() instead of xdist_group marks.
+
+    Measured (pytest 9.2, pytest-xdist 3.8): xdist's own loadgroup puts the group into the
+    node id by setting `item._nodeid`, which pytest 9 no longer reads (`item.nodeid` comes
+    from `item._id`), so every group's tests were spread over both workers as under --dist
+    load. This scheduler reads the module from the node id itself."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(_module(nodeid)) or nodeid
+
+    return ModuleGroups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
     # xdist workers only (the scheduler deals out their collection order): the costliest groups
     # first, the ungrouped tests last, to fill the tail. A stable sort; a plain pytest run (and
     # tools/mutate.py's, which lists the cheapest tests first) keeps the command line's order.
+    def cost(item):
+        group = group_of(_module(item.nodeid))
+        return group is None, -COLD_SECONDS.get(group or _module(item.nodeid), DEFAULT_SECONDS if group else 0)
+
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: (group(item) is None,
-                                     -COLD_SECONDS.get(group(item) or item.path.stem,
-                                                       DEFAULT_SECONDS if group(item) else 0)))
+        items.sort(key=cost)
 
 
 def pytest_sessionstart(session):
