@@ -4,6 +4,25 @@ XLA reads XLA_FLAGS once, when the backend first initialises, so this module
 must run before any test module imports jax (pytest imports conftest first).
 `--xla_backend_optimization_level=0` halves compile time and leaves the
 collectives in the HLO unchanged (measured; see ../shared/DESIGN.md).
+
+Suite time is compile time (a cold CI clone compiles everything: ~1-5 s per tiny
+program). Two rules keep it down:
+
+- Sharing. A module's tests share its compiled runners (`functools.cache` or a
+  module-scoped fixture: compile each runner ONCE, read losses, gradients, params and
+  the ledger from it). Programs that are identical across modules (same config, mesh
+  and function) are shared through the persistent compilation cache below, also by
+  the launcher subprocesses (tests/cli.py `env()`): reuse an existing module's config
+  (tests/runners.py's CFG and MESHES) when a new test does not need its own.
+- Scheduling (pytest-xdist `--dist loadgroup`, pyproject.toml; the groups come from
+  group_of() below, not from xdist_group marks: see pytest_xdist_make_scheduler).
+  Each module is one group (SHARED_GROUPS joins modules that compile the same
+  programs), so its cached runners and module fixtures are built on ONE worker (with
+  `--dist load` a module's tests were spread over both workers and each built them:
+  test_readme ran every README command twice). The groups start costliest first
+  (COLD_SECONDS, single-worker seconds on a cold cache); the modules in UNGROUPED hold
+  independent tests and are dealt out one test at a time to even out the finish. A new
+  module is a group by default: add its measured cold time to COLD_SECONDS.
 """
 
 import os
@@ -23,6 +42,69 @@ _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# Single-worker wall seconds of each module on a cold compilation cache (measured, 2 cores);
+# only the order matters: the scheduler hands out the costliest group first.
+COLD_SECONDS = {
+    "test_readme": 230, "test_pipeline": 150, "test_optimizers": 100, "test_train": 100, "test_twins": 170,
+    "test_accum": 70, "test_precision": 65, "test_sequence": 45, "test_context": 40, "test_tpu_topology": 40,
+    "test_collectives_cli": 45, "test_bench": 30, "test_scan": 20,
+    # ungrouped: their tests are dealt out after the groups, the slowest module's first
+    "test_multiprocess": 95, "test_attention": 45, "test_cli_errors": 30, "test_loss_optim": 30, "test_model": 25,
+    "test_layers": 20,
+}
+DEFAULT_SECONDS = 30  # a group not measured yet (an ungrouped module not listed: 0, cheap)
+# Modules of independent tests (no shared runner or costly module fixture): not grouped.
+UNGROUPED = {
+    "test_multiprocess", "test_layers", "test_loss_optim", "test_attention", "test_model", "test_cli_errors",
+    "test_validation", "test_mesh", "test_plan", "test_cost", "test_data", "test_bpe", "test_tokenizer",
+    "test_readme_snippet", "test_hlo", "test_hlo_input",
+}
+# Modules that compile the same programs (same config and mesh) share one group, so they run one
+# after the other and the second loads the first's programs from the persistent cache.
+# Measured: test_memory's tiny train steps, test_remat's remat-none gradients and test_compare's dp
+# runners are all test_auto's or test_manual's programs (tests/runners.py's CFG).
+SHARED_GROUPS = {m: "test_twins" for m in ("test_auto", "test_manual", "test_memory", "test_remat", "test_compare")}
+
+
+def group_of(module: str) -> str | None:
+    """The xdist group of a test module (None: its tests are dealt out one by one)."""
+    return None if module in UNGROUPED else SHARED_GROUPS.get(module, module)
+
+
+def _module(nodeid: str) -> str:
+    return pathlib.PurePath(nodeid.split("::")[0]).stem
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup, with the groups taken from group_of() instead of xdist_group marks.
+
+    Measured (pytest 9.2, pytest-xdist 3.8): xdist's own loadgroup puts the group into the
+    node id by setting `item._nodeid`, which pytest 9 no longer reads (`item.nodeid` comes
+    from `item._id`), so every group's tests were spread over both workers as under --dist
+    load. This scheduler reads the module from the node id itself."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(_module(nodeid)) or nodeid
+
+    return ModuleGroups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    # xdist workers only (the scheduler deals out their collection order): the costliest groups
+    # first, the ungrouped tests last, to fill the tail. A stable sort; a plain pytest run (and
+    # tools/mutate.py's, which lists the cheapest tests first) keeps the command line's order.
+    def cost(item):
+        group = group_of(_module(item.nodeid))
+        return group is None, -COLD_SECONDS.get(group or _module(item.nodeid), DEFAULT_SECONDS if group else 0)
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=cost)
 
 
 def pytest_sessionstart(session):

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from cli import cached_env
 from twinshard import topology
 
 TPU = topology.libtpu_installed()
@@ -56,7 +57,7 @@ def runs(tmp_path_factory):
     # last (texts[-1]): pipeline + FSDP, tiny's 2 layers on 2 stages, each data shard's 2 rows in 2 micro-batches
     argvs.append(["--strategy=pp_fsdp", "--impl=manual", "--preset=tiny", "--mesh=stage:2,data:4",
                   "--microbatches=2", f"--json={out}/pp_fsdp.json"])
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
+    env = cached_env(XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

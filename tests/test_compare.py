@@ -1,13 +1,16 @@
-"""launch.compare: single vs auto vs manual from one init, on the same batches."""
+"""launch.compare: single vs auto vs manual from one init, on the same batches.
+
+On tests/runners.py's CFG (tiny, num_heads 8, grad_clip 0.25): its dp runners are
+test_manual's, so their programs load from the compilation cache."""
 
 import numpy as np
 
 from launch import compare
-from twinshard.config import preset
+from runners import CFG
 
 
 def test_compare_runs_three_and_reports(tmp_path):
-    cfg = preset("tiny")
+    cfg = CFG
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(3):

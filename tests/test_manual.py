@@ -5,7 +5,6 @@ same losses, step-1 gradients and 5-step parameters as single-device and auto;
 and the compiled step's collectives are exactly the ones manual_parallel names.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -15,18 +14,14 @@ import pytest
 import auto_parallel
 import manual_parallel
 import reference
+from runners import CFG, CLIP, MESHES
 from twinshard import hlo, testing
-from twinshard.config import Config, preset
 from twinshard.trainer import SingleDevice
 
-BASE = preset("tiny")
-# grad_clip 0.25 < the gradient norm (~0.7 at init, measured), so every step runs the
-# clipped branch: the twins' global norms (manual: psum of partial squared norms) must
-# agree with single device for the clipped updates, and the reported norms are compared.
-CLIP = 0.25
-CFG = Config(dataclasses.replace(BASE.model, num_heads=8), dataclasses.replace(BASE.train, grad_clip=CLIP))
-MESHES = {"dp": "data:8,tensor:1", "fsdp": "data:8,tensor:1", "tp": "data:1,tensor:8",
-          "fsdp_tp": "data:2,tensor:4"}
+# CFG (tests/runners.py, shared with test_auto and test_memory): grad_clip 0.25 < the gradient
+# norm (~0.7 at init, measured), so every step runs the clipped branch: the twins' global norms
+# (manual: psum of partial squared norms) must agree with single device for the clipped
+# updates, and the reported norms are compared.
 STEPS = 5
 # Measured here (JAX 0.12.0.1, XLA:CPU), max over the four strategies, manual vs
 # single / auto vs single / manual vs auto: losses 1.9e-6 (a mean of 256 f32

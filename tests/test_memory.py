@@ -2,7 +2,9 @@
 
 A compiled train step (state donated) reports per device: arguments (the state and
 the local batch), outputs (aliased to the donated state) and temporaries. On tiny and
-small (f32, remat none), for single device and every strategy x twin:
+small (f32, remat none), for single device and every strategy x twin. "tiny" is
+tests/runners.py's CFG and MESHES (num_heads 8, every strategy on 8 devices): the train
+steps test_manual and test_auto compile, loaded here from the compilation cache.
 
 - arguments: the params and the optimizer state are exactly the model's
   (`topology.argument_bytes` splits them; CPU stores arrays unpadded);
@@ -10,22 +12,22 @@ small (f32, remat none), for single device and every strategy x twin:
   backward working set + gathered weights) against `temp_size_in_bytes`, within a band
   per twin. XLA's number is the PEAK of a buffer assignment, the model a sum of what
   is alive in the backward pass, so they agree only to a factor; measured (JAX 0.12.0.1,
-  XLA:CPU, temp / model):
+  XLA:CPU, temp / model; tiny: num_heads 8, tp on tensor:8; small: tp on tensor:4):
 
       run           tiny   small      what the model leaves out
-      single        0.96   0.99
-      manual dp     1.20   0.99       the gradients' all-reduce results (one more gradient-
+      single        0.97   0.99
+      manual dp     1.17   0.99       the gradients' all-reduce results (one more gradient-
                                       sized buffer; under remat full, where the activations
                                       no longer dwarf it, 1.56-1.77)
-      manual fsdp   1.03   0.98
-      manual tp     1.11   1.06
-      manual f_tp   1.06   1.02
-      auto dp       1.55   1.18       GSPMD all-reduces each layer's gradient inside the
+      manual fsdp   1.01   0.98
+      manual tp     1.18   1.06
+      manual f_tp   1.05   1.02
+      auto dp       1.50   1.18       GSPMD all-reduces each layer's gradient inside the
                                       backward loop (auto_parallel/dp.py): more live copies
-      auto fsdp     1.49   1.26       GSPMD keeps every layer's gathered weights for the
+      auto fsdp     1.43   1.26       GSPMD keeps every layer's gathered weights for the
                                       backward pass (no re-gather: auto_parallel/fsdp.py)
-      auto tp       1.11   1.06
-      auto f_tp     1.16   1.10
+      auto tp       1.19   1.06
+      auto f_tp     1.15   1.10
 
 The remat policies' temporaries are checked in tests/test_remat.py; TPU's per-chip
 arguments (tile-padded) in tests/test_tpu_topology.py.
@@ -41,10 +43,11 @@ import pytest
 import auto_parallel
 import manual_parallel
 from twinshard import cost, topology
+from runners import CFG, MESHES
 from twinshard.config import Config, preset
 from twinshard.trainer import SingleDevice
 
-MESHES = {"dp": "data:8,tensor:1", "fsdp": "data:8,tensor:1", "tp": "data:1,tensor:4", "fsdp_tp": "data:2,tensor:4"}
+CONFIGS = {"tiny": CFG, "small": preset("small")}
 RUNS = [("single", None)] + [(s, impl) for s in MESHES for impl in ("auto", "manual")]
 # small: single device and manual fsdp (the other small rows, measured once, are in the
 # docstring; each small compile costs ~5 s of the suite's 10 minutes)
@@ -56,12 +59,12 @@ BANDS = {"manual": (0.85, 1.25), "single": (0.85, 1.25), "manual_dp": (0.85, 1.8
 
 @functools.cache
 def compiled(name: str, strategy: str, impl: str | None):
-    cfg: Config = preset(name)
+    cfg: Config = CONFIGS[name]
     if strategy == "single":
         runner = SingleDevice(cfg.model, cfg.train)
     else:
         make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
-        runner = make(strategy, MESHES[strategy], cfg, devices=jax.devices()[:4 if strategy == "tp" else 8])
+        runner = make(strategy, MESHES[strategy], cfg)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32,
                                   sharding=getattr(runner, "batch_sharding", None))
     state = runner.abstract_state()

@@ -2,7 +2,6 @@
 8-device FSDP mesh with the unchanged launcher and match the single-device run; when
 one process dies, the other stops within seconds with one line (launch/distributed.py)."""
 
-import os
 import re
 import signal
 import socket
@@ -10,17 +9,15 @@ import subprocess
 import sys
 import time
 
-import jax
 import pytest
 
+from cli import cached_env
 from launch import distributed
 from test_train import metrics, run_train
 
-# XLA_FLAGS: each process asks for its own 4 devices; opt level 0 and the compilation cache
-# as in conftest (after the first run, the processes start training in seconds)
-_ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0",
-        "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+# XLA_FLAGS: each process asks for its own 4 devices; opt level 0, the compilation cache as in
+# conftest (after the first run, the processes start training in seconds) and the bytecode cache
+_ENV = cached_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
 
 
 def _free_port() -> int:

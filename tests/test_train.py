@@ -221,7 +221,9 @@ def test_sample_uses_the_checkpoint_weights(strategies_run):
     from twinshard.config import preset
     from twinshard.trainer import SingleDevice, create_params
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu"}
+    from cli import cached_env
+
+    env = cached_env(XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "launch.sample", f"--workdir={strategies_run}",
                            "--prompt=ROMEO:", "--max_new_tokens=12", "--temperature=0"],
                           capture_output=True, text=True, env=env, timeout=120)
