@@ -150,8 +150,10 @@ def test_micro_batches_weigh_by_their_tokens():
 # ----------------------------------------------------------------------------- both twins
 
 
+# tp accumulates like dp without a data axis (no gradient sync; its Megatron all-reduces are per
+# micro-batch, counted by the collectives tests below): cut for suite time (2 cold compiles).
 @pytest.mark.parametrize("impl", ["manual", "auto"])
-@pytest.mark.parametrize("strategy", MESHES)
+@pytest.mark.parametrize("strategy", [s for s in MESHES if s != "tp"])
 def test_twin_accumulation_matches_single_device(impl, strategy):
     s, (_, got) = single(), twin(impl, strategy)
     np.testing.assert_allclose(got["losses"], s["losses"], atol=LOSS_ATOL, rtol=0)

@@ -62,7 +62,7 @@ VARIANTS = {
     "uv run python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4": [],
     "uv run python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16": [],
     "uv run python tools/mutate.py --list": [],
-    "uv run python tools/mutate.py --only rope-sign": [],
+    "uv run python tools/mutate.py --only adamw-betas-swapped": [],
 }
 NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test suite itself"}
 
@@ -159,7 +159,7 @@ def test_mutation_harness_examples(readme_runs):
     listed = out(readme_runs, "tools/mutate.py --list")
     assert "STALE" not in listed and listed.rstrip().endswith("mutants, 0 stale"), listed[-500:]
     ran = out(readme_runs, "tools/mutate.py --only")
-    assert ran.count("| layers | caught |") == 1 and "working tree unchanged" in ran, ran[-2000:]
+    assert ran.count("| optim | caught |") == 1 and "working tree unchanged" in ran, ran[-2000:]
 
 
 def test_pipeline_and_memory_examples(readme_runs):
