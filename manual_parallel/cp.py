@@ -31,7 +31,7 @@ from manual_parallel.runner import DATA, ManualRunner
 from twinshard import context
 from twinshard.context import CONTEXT
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "ContextParallel", "ContextRunner", "PARALLELISM"]
+__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "ContextParallel", "ContextRunner", "PARALLELISM", "parallelism"]
 
 
 class ContextParallel(ManualParallelism):
@@ -67,9 +67,7 @@ class ContextRunner(context.PermutedBatches, ManualRunner):
 
     def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
         context.check(cfg.model.context_length, mesh_shape[CONTEXT], cfg.train.cp_layout)
-        super().__init__(name, strategy, mesh_shape, cfg, devices)
-        # ManualRunner built PARALLELISM(PARAM_RULES); the layout comes from the config (traced later)
-        self.par = strategy.PARALLELISM(strategy.PARAM_RULES, cfg.train.cp_layout)
+        super().__init__(name, strategy, mesh_shape, cfg, devices)  # hooks: `parallelism(cfg)` below
         self.token_axes = tuple(a for a in (DATA, CONTEXT) if self.sizes[a] > 1)
 
     def _loss_and_grads(self, params, x, y):
@@ -86,6 +84,11 @@ class ContextRunner(context.PermutedBatches, ManualRunner):
 
     def _mean_loss(self, loss):
         return lax.pmean(loss, self.token_axes)
+
+
+def parallelism(cfg):
+    """The hooks for `cfg` (ManualRunner calls it): the token layout comes from the config."""
+    return ContextParallel(PARAM_RULES, cfg.train.cp_layout)
 
 
 PARALLELISM = ContextParallel

@@ -23,12 +23,17 @@ from auto_parallel.fsdp_cp import ACTIVATION_RULES, PARAM_RULES  # same placemen
 from manual_parallel.cp import ContextParallel, ContextRunner
 from manual_parallel.fsdp import FullyShardedDataParallel
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "FSDPContextParallel", "ContextRunner", "PARALLELISM"]
+__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "FSDPContextParallel", "ContextRunner", "PARALLELISM", "parallelism"]
 
 
 class FSDPContextParallel(FullyShardedDataParallel, ContextParallel):
     """weight / head / gather_step from FSDP; positions / attention from cp; layer_policy both
     (FSDP never saves a gathered weight; cp saves the received K/V blocks)."""
+
+
+def parallelism(cfg):
+    """The hooks for `cfg` (ManualRunner calls it): the token layout comes from the config."""
+    return FSDPContextParallel(PARAM_RULES, cfg.train.cp_layout)
 
 
 PARALLELISM = FSDPContextParallel
