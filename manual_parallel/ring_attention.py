@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from twinshard import context
+
 Array = jax.Array
 
 
@@ -144,7 +146,7 @@ def ring_attention(q: Array, k: Array, v: Array, positions: np.ndarray, axis: st
     rows = (*q.shape[:-1], 1)
     stats = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(q.shape, jnp.float32))
     stats = jax.tree.map(lambda s: lax.pcast(s, axis, to="varying"), stats)
-    stats = _merge(stats, q, k, v, q_pos[None, :] <= q_pos[:, None])  # own block: causal within it
+    stats = _merge(stats, q, k, v, context.visible(q_pos, q_pos))  # own block: causal within it
     for step in range(1, n):
         k, v = ring_shift(k, axis), ring_shift(v, axis)  # now the block of device me - step
         stats = BLOCKS[layout](stats, q, k, v, earlier=step <= me)  # (me - step) mod n < me

@@ -391,8 +391,8 @@ MUTANTS: list[Mutant] = [
            LEDGER_TESTS + (COST,), "reduce-scatter ring bytes use the all-gather formula on the result"),
     # --- the analytic cost model (twinshard/cost.py)
     Mutant("cost-ce-stats-compute-dtype", "cost", _COST,
-           "a, stats, L = ctx.activation(batch), batch * ctx.seq * F32, ctx.L",
-           "a, stats, L = ctx.activation(batch), batch * ctx.seq * ctx.s, ctx.L",
+           "stats, tok = batch * ctx.seq * F32, f\"[{batch},{ctx.seq}] f32\"",
+           "stats, tok = batch * ctx.seq * ctx.s, f\"[{batch},{ctx.seq}] f32\"",
            COST_TESTS, "cross-entropy statistics sized with the compute dtype, not f32"),
     Mutant("cost-tp-activations-whole", "cost", _COST,
            "return b * seq * (4 * d + 6 * d // t + 6 * f // t + 4) + 2 * scores + 2 * b * (h // t) * seq",

@@ -24,6 +24,8 @@ and the mask use the true positions (`shard_positions`). Both twins use these ta
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from twinshard.config import CP_LAYOUTS as LAYOUTS  # ("zigzag", "contiguous")
@@ -46,14 +48,19 @@ def check(seq: int, shards: int, layout: str) -> None:
             + (", or --cp_layout=contiguous (a multiple of the context size)" if layout == "zigzag" else "") + ".")
 
 
+@functools.lru_cache(maxsize=None)
 def shard_positions(seq: int, shards: int, layout: str) -> np.ndarray:
     """[C, T/C] int32: row c = the positions (in the whole sequence) of shard c's tokens, in the
-    order the shard holds them (zigzag: chunk c, then chunk 2C-1-c)."""
+    order the shard holds them (zigzag: chunk c, then chunk 2C-1-c). Cached and read-only: the
+    runners' `place_batch` asks for it every step, the model's hooks at every trace."""
     check(seq, shards, layout)
     if layout == "contiguous":
-        return np.arange(seq, dtype=np.int32).reshape(shards, seq // shards)
-    chunks = np.arange(seq, dtype=np.int32).reshape(2 * shards, seq // (2 * shards))
-    return np.stack([np.concatenate([chunks[c], chunks[2 * shards - 1 - c]]) for c in range(shards)])
+        table = np.arange(seq, dtype=np.int32).reshape(shards, seq // shards)
+    else:
+        chunks = np.arange(seq, dtype=np.int32).reshape(2 * shards, seq // (2 * shards))
+        table = np.stack([np.concatenate([chunks[c], chunks[2 * shards - 1 - c]]) for c in range(shards)])
+    table.setflags(write=False)
+    return table
 
 
 def order(seq: int, shards: int, layout: str) -> np.ndarray:

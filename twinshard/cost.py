@@ -210,7 +210,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinshard import mesh as mesh_lib
+from twinshard import context, mesh as mesh_lib
 from twinshard.config import REMAT_POLICIES, ModelConfig
 from twinshard.hlo import ring_bytes as _ring_bytes
 
@@ -516,19 +516,26 @@ def _times(k: int, rows: list[Row]) -> list[Row]:
             for r in rows]
 
 
+def _cross_entropy_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """The vocab-parallel cross-entropy's 3 all-reduces of per-token statistics [b, T] f32."""
+    stats, tok = batch * ctx.seq * F32, f"[{batch},{ctx.seq}] f32"
+    return [
+        row(ctx, "forward", "all-reduce", ("tensor",), 1, stats,
+            f"vocab-parallel cross-entropy: pmax of the per-token max {tok} (an all-reduce with max)"),
+        row(ctx, "forward", "all-reduce", ("tensor",), 2, stats,
+            f"vocab-parallel cross-entropy: psum of sum-exp and of the target logit {tok}"),
+    ]
+
+
 def _tp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
-    a, stats, L = ctx.activation(batch), batch * ctx.seq * F32, ctx.L
+    a, L = ctx.activation(batch), ctx.L
     act = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]"
-    tok = f"[{batch},{ctx.seq}] f32"
     return [
         row(ctx, "forward", "all-reduce", ("tensor",), 1, a,
             f"vocab-parallel embedding: masked local lookup + psum {act}"),
         row(ctx, "forward", "all-reduce", ("tensor",), 2 * L, a,
             f"Megatron g: psum {act} after output_proj and after w2 (2 per layer)"),
-        row(ctx, "forward", "all-reduce", ("tensor",), 1, stats,
-            f"vocab-parallel cross-entropy: pmax of the per-token max {tok} (an all-reduce with max)"),
-        row(ctx, "forward", "all-reduce", ("tensor",), 2, stats,
-            f"vocab-parallel cross-entropy: psum of sum-exp and of the target logit {tok}"),
+        *_cross_entropy_rows(ctx, batch),
         row(ctx, "backward", "all-reduce", ("tensor",), 2 * L, a,
             f"Megatron f: psum of d{act} before attention and before the MLP (2 per layer)"),
         row(ctx, "backward", "all-reduce", ("tensor",), 1, a,
@@ -623,8 +630,7 @@ def _tp_sp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
     (t-1)/t A each - 8 (t-1)/t A in all, exactly TP's 4 all-reduces of 2 (t-1)/t A."""
     a, t, L = ctx.activation(batch), ctx.t, ctx.L
     act, shard = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]", f"[{batch},{ctx.seq // t},{ctx.cfg.d_model}]"
-    tp = _tp_micro_batch_rows(ctx, batch)
-    stats = [r for r in tp if r.bytes == r.count * batch * ctx.seq * F32]  # the cross-entropy's 3
+    stats = _cross_entropy_rows(ctx, batch)  # as TP's: the lm_head sees the whole sequence
     regather = ctx.cfg.remat != "none"  # the column-parallel inputs, see tp_sp.py
     rows = stats + [
         row(ctx, "forward", "reduce-scatter", ("tensor",), 1, a // t,
@@ -711,9 +717,7 @@ def _ring_rows(ctx: _Ctx, batch: int) -> list[Row]:
     each: per layer C-1 ring_shifts of the K block and C-1 of the V block [b, H, T/C, dh] forward,
     the reverse ring of their gradients backward; per micro-batch (K times per step)."""
     c, cfg = ctx.mesh["context"], ctx.cfg
-    if ctx.seq % c:
-        raise ValueError(f"seq_len={ctx.seq} does not split over context={c}; pass a multiple of {c} "
-                         f"(zig-zag: of {2 * c}).")
+    context.check(ctx.seq, c, "contiguous")  # the ledger does not depend on the layout
     b, tc = batch // ctx.k, ctx.seq // c
     block = b * tc * cfg.num_heads * cfg.head_dim * ctx.s
     kv = f"[{b},{cfg.num_heads},{tc},{cfg.head_dim}]"
