@@ -140,8 +140,8 @@ def parse_meshes(text: str | None, strategies: Sequence[str]) -> dict[str, str |
     return out
 
 
-# pp needs --microbatches and its own bubble sweep (step time against M), not yet here
-BENCHED = tuple(s for s in common.STRATEGIES if s != "pp")
+# pipelines need --microbatches and their own bubble sweep (tools/pipeline_bubble.py), not here
+BENCHED = tuple(s for s in common.STRATEGIES if s not in ("pp", "pp_fsdp"))
 
 
 def check_choices(strategies: Sequence[str], impls: Sequence[str]) -> None:
@@ -339,7 +339,7 @@ def build_runners(cfg: Config, strategies: Sequence[str], impls: Sequence[str],
         spec = meshes.get(s)
         devices = None
         if spec:
-            n = math.prod(mesh_lib.parse_mesh(spec).values())
+            n = math.prod(mesh_lib.parse_mesh(spec, s).values())
             devices = jax.devices()[:n] if n < jax.device_count() else None
         for impl in ([None] if s == "single" else impls):
             runs.append((s, impl, common.make_runner(s, impl or "auto", spec, cfg, devices)))

@@ -499,6 +499,9 @@ def config_from_flags() -> Config:
 
 
 def check_flags(topo: Topology) -> None:
+    if FLAGS.collective_matmul:
+        raise ValueError("--collective_matmul belongs to strategy tp_sp (launch.train --strategy=tp_sp "
+                         "--impl=manual), which the plan does not rank; drop it here.")
     if FLAGS.top < 1:
         raise ValueError(f"--top={FLAGS.top} must be >= 1.")
     if not 0 < FLAGS.mfu <= 1:

@@ -205,6 +205,8 @@ def test_cli_errors_are_one_line():
                       "batch=3 is not divisible by mesh axis data=64", "pass a --batch_size divisible")
     proc = run("-m", "launch.plan", "--topology=h100:1x8", "--compile")
     assert_user_error(proc, "--compile is not available for GPU topologies (h100:1x8)")
+    proc = run("-m", "launch.plan", "--topology=h100:1x8", "--collective_matmul")
+    assert_user_error(proc, "--collective_matmul belongs to strategy tp_sp")
 
 
 def test_compile_the_best_tpu_plan(tmp_path):
