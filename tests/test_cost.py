@@ -155,7 +155,6 @@ def test_memory_per_device():
     assert dp.params == dp.grads == M + NORMS and dp.optimizer == 2 * (M + NORMS)
     # b = 1, per layer (what autodiff saves): 32*(4*64 + 6*64 + 6*192 + 4) + 2*4*32*32 + 2*4*32
     # = 65920; final 2*32*64 + 2*32*384 = 28672
-    assert 32 * (4 * 64 + 6 * 64 + 6 * 192 + 4) + 2 * 4 * 32 * 32 + 2 * 4 * 32 == 65920
     assert dp.activations == 4 * (2 * 65920 + 28672) == 642048
     assert dp.gathered_weights == 0
     fsdp = cost.cost(CFG, "fsdp", {"data": 8, "tensor": 1}, B).memory
@@ -216,7 +215,7 @@ def test_memory_at_tensor_greater_than_one():
     # + 2*8*(4/4)*32*32 + 2*8*(4/4)*32
     per_layer = 8 * 32 * (256 + 96 + 288 + 4) + 2 * 8 * 1 * 32 * 32 + 2 * 8 * 1 * 32
     final = 2 * 8 * 32 * 64 + 2 * 8 * 32 * 384 // 4
-    assert (per_layer, final) == (181760, 81920)
+    # = 181760 and 81920
     assert tp.activations == 4 * (2 * per_layer + final) == 1781760
     assert tp.gathered_weights == 0
     ftp = cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B).memory

@@ -49,8 +49,14 @@ def with_schedule(schedule: str, microbatches: int = M, batch: int | None = None
     return Config(CFG.model, train)
 
 
-@functools.cache
 def twin(impl: str, stages: int, schedule: str = "gpipe"):
+    """The trained pp runner's record; cached on all three arguments (functools.cache keys on the
+    arguments as passed: twin('manual', 2) and twin('manual', 2, 'gpipe') would build two)."""
+    return _twin(impl, stages, schedule)
+
+
+@functools.cache
+def _twin(impl: str, stages: int, schedule: str):
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
     return run(make("pp", f"stage:{stages}", with_schedule(schedule), devices=jax.devices()[:stages]))
 
@@ -199,8 +205,12 @@ def test_bubble_fraction():
 FSDP_MESH, FSDP_SIZES = "stage:2,data:2", {"stage": 2, "data": 2, "tensor": 1}
 
 
-@functools.cache
 def fsdp_twin(impl: str, schedule: str = "gpipe"):
+    return _fsdp_twin(impl, schedule)  # one cache entry per (impl, schedule), as twin()
+
+
+@functools.cache
+def _fsdp_twin(impl: str, schedule: str):
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
     return run(make("pp_fsdp", FSDP_MESH, with_schedule(schedule), devices=jax.devices()[:4]))
 
