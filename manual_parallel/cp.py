@@ -10,17 +10,17 @@ Backward, per layer: the reverse ring, 2(C-1) collective-permutes of dK and dV b
 Then the gradient of EVERY param is averaged over `context`: a sequence shard is to the
 params what a data shard is - its loss is the mean over its own T/C tokens, the global loss
 the mean of the C equal-sized shard means, so dL/dW = mean over shards of each shard's
-gradient, for the embedding and lm_head as for the attention weights. `ContextRunner` pcasts
-the params to varying over `context` before `grad` (so autodiff adds no psum of its own, as
-for `data`) and pmeans the gradients and the loss over the token axes (context, and data
-under fsdp_cp). Optimizer: gradients are replicated after the mean: the global norm is local.
+gradient, for the embedding and lm_head as for the attention weights. `ContextRunner` names
+`context` a token axis beside `data` (ManualRunner.TOKEN_AXES): ManualRunner then pcasts the
+params to varying over it before `grad` (so autodiff adds no psum of its own) and pmeans the
+gradients and the loss over the token axes each param is replicated on (cp: (data, context);
+fsdp_cp's matrix shards: context alone). Optimizer: gradients are replicated after the mean: the global norm is local.
 
 Remat: a checkpointed layer keeps the received K/V blocks (`layer_policy`), so its backward
 never re-runs the ring's forward permutes (the project's rule: remat trades FLOPs, not
 communication).
 """
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -62,28 +62,14 @@ class ContextParallel(ManualParallelism):
 
 class ContextRunner(context.PermutedBatches, ManualRunner):
     """ManualRunner whose tokens are split over `context` too: the batch is permuted into the
-    layout on the host; params vary over `context` before `grad`; gradients and loss are
-    averaged over every axis that splits the tokens."""
+    layout on the host; ManualRunner pcasts the params to varying over the token axes (data,
+    context) before `grad` and averages the gradients and the loss over them."""
+
+    TOKEN_AXES = (DATA, CONTEXT)
 
     def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
         context.check(cfg.model.context_length, mesh_shape[CONTEXT], cfg.train.cp_layout)
         super().__init__(name, strategy, mesh_shape, cfg, devices)  # hooks: `parallelism(cfg)` below
-        self.token_axes = tuple(a for a in (DATA, CONTEXT) if self.sizes[a] > 1)
-
-    def _loss_and_grads(self, params, x, y):
-        """x, y: [B/data, T/C] (this shard's tokens, in the layout's order)."""
-        params = lax.pcast(params, CONTEXT, to="varying")  # every param is replicated over context
-        return super()._loss_and_grads(params, x, y)
-
-    def mean_over_data(self, grads, replicated):
-        """The gradient sync of every param over the token axes it is replicated on: (data,
-        context) for a param replicated over both (one all-reduce), `context` alone for one
-        FSDP already reduce-scattered over `data` (fsdp_cp's matrices)."""
-        both = self.token_axes
-        return jax.tree.map(lambda g, r: lax.pmean(g, both if r else CONTEXT), grads, replicated)
-
-    def _mean_loss(self, loss):
-        return lax.pmean(loss, self.token_axes)
 
 
 def parallelism(cfg):

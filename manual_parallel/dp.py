@@ -3,7 +3,7 @@ program on its B/data rows with a full copy of the weights.
 
 Forward: no communication.
 Backward: the gradient of every parameter is averaged over `data` - the
-all-reduce written in manual_parallel/runner.py `mean_over_data` (params are
+all-reduce written in manual_parallel/runner.py `mean_over_tokens` (params are
 `pcast` to varying over `data` first, so autodiff adds no psum of its own).
 Optimizer: gradients are then replicated, so the global norm is local.
 """

@@ -44,7 +44,7 @@ from auto_parallel.pp import ACTIVATION_RULES, PARAM_RULES  # same placement as 
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import shift_to_next_stage, shift_to_previous_stage
 from manual_parallel.fsdp import FullyShardedDataParallel
-from manual_parallel.runner import DATA, ManualRunner
+from manual_parallel.runner import ManualRunner
 from twinshard import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.pipeline import STAGE
@@ -72,8 +72,8 @@ class PipelineRunner(ManualRunner):
         pcast to varying first (over stage: embedding, ln_final, lm_head; over data: what is
         replicated over data, pp_fsdp's norm gains), so autodiff adds no psum of its own; then
         the psum over stage and the DP mean over data are the lines below."""
-        rep, rep_data = self.replicated_over_stage, self.replicated_over_data
-        params = jax.tree.map(lambda p, r: lax.pcast(p, DATA, to="varying") if r else p, params, rep_data)
+        rep, rep_data = self.replicated_over_stage, self.replicated_over_tokens
+        params = jax.tree.map(lambda p, ax: lax.pcast(p, ax, to="varying") if ax else p, params, rep_data)
         params = {k: jax.tree.map(lambda p: lax.pcast(p, STAGE, to="varying"), v) if rep[k] else v
                   for k, v in params.items()}
         if self.cfg.train.schedule == "1f1b":
@@ -81,7 +81,7 @@ class PipelineRunner(ManualRunner):
         else:
             loss, grads = self._gpipe(params, x, y)
         grads = {k: jax.tree.map(lambda g: lax.psum(g, STAGE), v) if rep[k] else v for k, v in grads.items()}
-        return self._mean_loss(loss), self.mean_over_data(grads, rep_data)
+        return self._mean_loss(loss), self.mean_over_tokens(grads, rep_data)
 
     def _varying(self, a):
         """a, made varying over the axes the activations differ over: `stage` (pp_fsdp: and `data`)."""

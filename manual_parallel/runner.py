@@ -8,19 +8,20 @@ communication is what the code names:
 
 - the strategy's `Parallelism` hooks (manual_parallel/<strategy>.py): FSDP
   gathers, Megatron f/g, vocab-parallel embedding and cross-entropy;
-- `mean_over_data` below: the data-parallel gradient mean (`pmean` over
-  `data`) of every parameter that is replicated over `data`;
+- `mean_over_tokens` below: the data-parallel gradient mean (`pmean` over
+  the `token_axes`, the mesh axes that split the tokens: `data`; cp and fsdp_cp
+  add `context`) of every parameter, over those of them it is replicated on;
 - `global_norm` below: one `psum` of partial squared norms per group of
   gradients sharded over the same mesh axes;
 - `block_mean` below (Adafactor only): a `pmean` over the mesh axes that split
   a row, a column or a whole param, for its factored second moments, update
   clipping and parameter scale;
-- `lax.pmean(loss, 'data')`: the reported loss.
+- `lax.pmean(loss, token_axes)`: the reported loss.
 
 Gradient accumulation (grad_accum = K > 1): the K micro-batches [K, B/(data K), T]
 run under `lax.scan` (trainer.accumulated_value_and_grad) on each device's local
 rows; the accumulator holds each device's own, unsynchronized gradient, and the
-syncs above run ONCE per step, after the loop: `mean_over_data`, the global-norm
+syncs above run ONCE per step, after the loop: `mean_over_tokens`, the global-norm
 psum, the loss pmean. FSDP's reduce-scatter lives in fsdp_gather's backward, so
 FSDP gathers its weights once per step instead (manual_parallel/fsdp.py says why
 and what it costs). Megatron's f/g all-reduces belong to each micro-batch's
@@ -32,6 +33,8 @@ Why params are `pcast` to varying before `grad` (measured, JAX 0.12): with
 to params that are *invariant* over `data` makes autodiff insert a `psum` over
 `data` silently (the transpose of the implicit broadcast). Casting them to
 varying first keeps each device's gradient local, so the mean is our own line.
+The same holds for every token axis (`context`: a sequence shard's loss is a
+partial mean, as a data shard's).
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ def _active(axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[str, ...]:
 class ManualRunner(placement.PlacedRunner):
     """Runs one strategy as a shard_map program; the interface of trainer.SingleDevice."""
 
+    # The mesh axes that split the tokens: each device's loss is the mean over its own share, so
+    # the loss and the gradient of a param replicated over such an axis are averaged over it.
+    # cp and fsdp_cp split the sequence over `context` too (manual_parallel/cp.py).
+    TOKEN_AXES: tuple[str, ...] = (DATA,)
+
     def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
                  devices=None):
         self.name = name
@@ -77,9 +85,11 @@ class ManualRunner(placement.PlacedRunner):
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices,
                     strategy.PARAM_RULES, strategy.ACTIVATION_RULES)
         check_grad_accum(cfg.train, self.sizes[DATA])
-        # True for params replicated over a data axis of size > 1 (they need the DP mean)
-        self.replicated_over_data = jax.tree.map(
-            lambda s: DATA not in placement.sharded_axes(s) and self.sizes[DATA] > 1,
+        self.token_axes = _active(self.TOKEN_AXES, self.sizes)  # those of size > 1
+        # per param, the token axes it is replicated over: its gradient's mean runs over them
+        # (dp: data; fsdp: data for the norm gains, none for the matrices; cp: data and context)
+        self.replicated_over_tokens = jax.tree.map(
+            lambda s: tuple(a for a in self.token_axes if a not in placement.sharded_axes(s)),
             self.param_specs, is_leaf=lambda x: isinstance(x, P))
         smap = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=True)
         b = self.batch_spec
@@ -96,14 +106,15 @@ class ManualRunner(placement.PlacedRunner):
         return loss_fn(params, x, y, self.cfg.model, self.par)
 
     def _loss_and_grads(self, params, x, y):
-        replicated = self.replicated_over_data
-        params = jax.tree.map(lambda p, r: lax.pcast(p, DATA, to="varying") if r else p,
+        """x, y: [B/data, T] (cp: [B/data, T/C], this shard's tokens in the layout's order)."""
+        replicated = self.replicated_over_tokens
+        params = jax.tree.map(lambda p, axes: lax.pcast(p, axes, to="varying") if axes else p,
                               params, replicated)
         if self.cfg.train.grad_accum > 1 and isinstance(self.par, FullyShardedDataParallel):
             loss, grads = self._gathered_loss_and_grads(params, x, y)
         else:  # K micro-batches under lax.scan (K = 1: one value_and_grad), no collective in the loop
             loss, grads = accumulated_value_and_grad(self._local_loss, params, x, y, self.cfg.train.grad_accum)
-        return self._mean_loss(loss), self.mean_over_data(grads, replicated)
+        return self._mean_loss(loss), self.mean_over_tokens(grads, replicated)
 
     def _gathered_loss_and_grads(self, params, x, y):
         """FSDP with grad_accum = K > 1: gather every matrix once, run the K micro-batches on
@@ -119,15 +130,16 @@ class ManualRunner(placement.PlacedRunner):
         (grads,) = scatter(jax.tree.map(lambda g, w: g.astype(w.dtype), grads, full))
         return loss, grads
 
-    def mean_over_data(self, grads, replicated):
-        """Data-parallel gradient sync: all-reduce (mean) over `data` of every
-        gradient whose param is replicated over `data` (DP: all of them; FSDP:
-        the norm gains; sharded weights were already reduce-scattered by
-        fsdp_gather's backward)."""
-        return jax.tree.map(lambda g, r: lax.pmean(g, DATA) if r else g, grads, replicated)
+    def mean_over_tokens(self, grads, replicated):
+        """Data-parallel gradient sync: all-reduce (mean) of every gradient over the token axes
+        its param is replicated over (`replicated`: a tuple of axes per param). DP: all of them
+        over `data`; FSDP: the norm gains (sharded weights were already reduce-scattered by
+        fsdp_gather's backward); cp: all of them over (data, context), one all-reduce each;
+        fsdp_cp: the matrices' shards over `context`, the norm gains over (data, context)."""
+        return jax.tree.map(lambda g, axes: lax.pmean(g, axes) if axes else g, grads, replicated)
 
     def _mean_loss(self, loss):
-        return lax.pmean(loss, DATA) if self.sizes[DATA] > 1 else loss
+        return lax.pmean(loss, self.token_axes) if self.token_axes else loss
 
     def global_norm(self, grads) -> jax.Array:
         """sqrt(sum of squares of the full gradient): local partial sums, one psum
