@@ -30,7 +30,8 @@ backward is a `jax.vjp` of the stage on its saved input, so a stage keeps at mos
 S micro-batch inputs where GPipe keeps every tick's residuals. Same gradients.
 
 pp_fsdp (manual_parallel/pp_fsdp.py) is this runner with FSDP's hooks: both schedules run
-on weights gathered over `data` once per step (`_gather_step`), the batch split over `data`.
+on weights gathered over `data` once per step (ManualRunner._gathered_loss_and_grads, as fsdp
+under grad_accum), the batch split over `data`.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from manual_parallel.runner import ManualRunner
 from twinshard import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.pipeline import STAGE
-from twinshard.trainer import graphdef, logical_axes
+from twinshard.trainer import graphdef
 
 __all__ = ["ACTIVATION_RULES", "PARAM_RULES", "PipelineRunner", "PARALLELISM"]
 
@@ -69,19 +70,28 @@ class PipelineRunner(ManualRunner):
     def _loss_and_grads(self, params, x, y):
         """x, y: [B/data, T] (pp: data = 1, the whole batch on every stage).
 
-        pcast to varying first (over stage: embedding, ln_final, lm_head; over data: what is
-        replicated over data, pp_fsdp's norm gains), so autodiff adds no psum of its own; then
-        the psum over stage and the DP mean over data are the lines below."""
-        rep, rep_data = self.replicated_over_stage, self.replicated_over_tokens
-        params = jax.tree.map(lambda p, ax: lax.pcast(p, ax, to="varying") if ax else p, params, rep_data)
+        ManualRunner's step around the pipeline (`_value_and_grad`), between a pcast to varying
+        over `stage` of the params replicated over it (embedding, ln_final, lm_head: autodiff
+        then adds no psum of its own) and the psum over `stage` of their gradients, the line
+        below. ManualRunner adds the pcast over data and the DP mean of what is replicated over
+        data (pp_fsdp's norm gains) and, under pp_fsdp, the once-per-step gather and scatter."""
+        rep = self.replicated_over_stage
         params = {k: jax.tree.map(lambda p: lax.pcast(p, STAGE, to="varying"), v) if rep[k] else v
                   for k, v in params.items()}
+        loss, grads = super()._loss_and_grads(params, x, y)
+        return loss, {k: jax.tree.map(lambda g: lax.psum(g, STAGE), v) if rep[k] else v for k, v in grads.items()}
+
+    def _gathers_once(self) -> bool:
+        """pp_fsdp gathers each matrix leaf of its stage once per step, for both schedules (a
+        pipeline's micro-batches are a gradient accumulation; manual_parallel/pp_fsdp.py says why)."""
+        return isinstance(self.par, FullyShardedDataParallel)
+
+    def _value_and_grad(self, params, x, y, par):
+        """The pipeline's (loss, gradient) of this stage's params, with hooks `par` (pp_fsdp: the
+        weights ManualRunner gathered once, in the compute dtype, and `resident()` hooks)."""
         if self.cfg.train.schedule == "1f1b":
-            loss, grads = self._one_f_one_b(params, x, y)
-        else:
-            loss, grads = self._gpipe(params, x, y)
-        grads = {k: jax.tree.map(lambda g: lax.psum(g, STAGE), v) if rep[k] else v for k, v in grads.items()}
-        return self._mean_loss(loss), self.mean_over_tokens(grads, rep_data)
+            return self._one_f_one_b(params, x, y, par)
+        return self._gpipe(params, x, y, par)
 
     def _varying(self, a):
         """a, made varying over the axes the activations differ over: `stage` (pp_fsdp: and `data`)."""
@@ -99,7 +109,7 @@ class PipelineRunner(ManualRunner):
                         lambda o: self._varying(jnp.zeros((), jnp.float32)), out)
         return out, loss
 
-    def _one_f_one_b(self, params, x, y):
+    def _one_f_one_b(self, params, x, y, par):
         """1F1B by hand: every tick each stage runs the op its row of the static schedule
         (pipeline.one_f_one_b) names - a forward, a backward (`jax.vjp` of `_stage` on the
         saved input of that micro-batch: its forward is recomputed, so a stage keeps only the
@@ -110,9 +120,9 @@ class PipelineRunner(ManualRunner):
         output, shift_to_previous_stage of the input gradient; zeros when the op was not a
         forward / backward), over ~2(M + S - 1) ticks. Same gradients as GPipe.
 
-        pp_fsdp: the schedule runs on the weights gathered once (`_gather_step`), as GPipe."""
+        The gradients accumulate in float32 (pp_fsdp under bf16: each micro-batch's bf16 gradient
+        of the gathered weights added to a float32 sum, as in accumulated_value_and_grad)."""
         cfg, m = self.cfg.model, self.cfg.train.microbatches
-        params, scatter, par = self._gather_step(params)
         stage, n = lax.axis_index(STAGE), lax.axis_size(STAGE)
         kinds, mbs = (jnp.asarray(t, jnp.int32) for t in pipeline.one_f_one_b(m, n))  # [ticks, S]
         xs, ys = x.reshape(m, -1, x.shape[1]), y.reshape(m, -1, y.shape[1])  # [M, B/(data M), T]
@@ -148,35 +158,25 @@ class PipelineRunner(ManualRunner):
             inbox_b = jnp.where(got_b, inbox_b.at[mbs[t, nxt] % n].set(from_next), inbox_b)
             return (saved, inbox_f, inbox_b, grads, loss), None
 
-        zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, p.dtype)), params)  # every param varies
+        zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, jnp.float32)), params)  # every param varies
         start = (ring, ring, ring, zeros, varying(jnp.zeros((), jnp.float32)))
         (_, _, _, grads, loss), _ = lax.scan(tick, start, jnp.arange(kinds.shape[0]))
-        return lax.psum(loss, STAGE) / m, scatter(grads)
-
-    def _gather_step(self, params):
-        """(params, scatter, hooks) for the tick loop. pp: unchanged, the identity, `self.par`.
-        pp_fsdp: every matrix leaf of this device gathered over `data` once per step, in the
-        compute dtype ([L/S, D/data, F] -> [L/S, D, F]; FullyShardedDataParallel.gather_step),
-        as float32 so that the tick loop accumulates the micro-batches' gradients in float32;
-        `scatter` is that gather's pullback (each accumulated gradient cast back to the
-        compute dtype and psum_scatter'ed over `data`, / data); the hooks are `resident()`."""
-        if not isinstance(self.par, FullyShardedDataParallel):
-            return params, lambda g: g, self.par
-        cfg = self.cfg.model
-        gather = lambda p: jax.tree.map(  # noqa: E731
-            lambda w: w.astype(jnp.float32), self.par.gather_step(p, logical_axes(cfg), cfg.dtype))
-        full, pullback = jax.vjp(gather, params)
-        return full, lambda g: pullback(g)[0], self.par.resident()
+        return lax.psum(loss, STAGE) / m, grads
 
     def _eval_loss(self, params, x, y):
-        params, _, par = self._gather_step(params)
+        par = self.par
+        if self._gathers_once():  # pp_fsdp: the stage's matrices whole, as for the step
+            params, par = self._gather_step(params), par.resident()
         return self._mean_loss(self._pipeline_loss(params, x, y, par))
 
-    def _gpipe(self, params, x, y):
-        """GPipe: autodiff of the tick loop, on the weights `_gather_step` hands over."""
-        params, scatter, par = self._gather_step(params)
-        loss, grads = jax.value_and_grad(self._pipeline_loss)(params, x, y, par)
-        return loss, scatter(grads)
+    def _gpipe(self, params, x, y, par):
+        """GPipe: autodiff of the tick loop. It sums each weight's gradient over the ticks in the
+        weight's own dtype (measured, JAX 0.12: the transposed scan carries a loop-invariant's
+        cotangent in its dtype), so the loop reads a float32 copy of the weights: float32
+        accumulation, as pp's float32 master weights get (pp_fsdp under bf16: the gathered bf16
+        stage, upcast here, after the gather; a no-op otherwise)."""
+        f32 = lambda p: jax.tree.map(lambda w: w.astype(jnp.float32), p)  # noqa: E731
+        return jax.value_and_grad(lambda p: self._pipeline_loss(f32(p), x, y, par))(params)
 
     def _pipeline_loss(self, params, x, y, par):
         """Mean loss over this device's rows (pp: the batch), computed by the pipeline; invariant

@@ -10,10 +10,13 @@ sharded over `data` as under fsdp (every stage holds 1/data of them; only stage 
 S-1 uses them). Norm gains: replicated. x, y: [B/data, T], split into M
 micro-batches of B/(data M) rows.
 
-Per device and step, both schedules (GPipe and `--schedule=1f1b`):
+Per device and step, both schedules (GPipe and `--schedule=1f1b`), ManualRunner's
+once-per-step gather (`_gathered_loss_and_grads`, fsdp's path under grad_accum) around the
+pipeline (pp.py `_value_and_grad`):
   forward:  FullyShardedDataParallel.gather_step: each matrix leaf whole, once, before
             the tick loop (all_gather over data of the 7 stacked [L/S, D/data, ...]
-            leaves, the embedding, the lm_head: 9), held in float32 for the step; the tick
+            leaves, the embedding, the lm_head: 9), held in the compute dtype for the step
+            (GPipe's tick loop reads a float32 copy: pp.py `_gpipe` says why); the tick
             loop runs on them with `resident()` hooks (no collective in a stage); pp's
             collective-permute over `stage` of one micro-batch [B/(data M), T, D] per tick.
   backward: pp's reverse collective-permute per tick; the gradients accumulate (float32)
@@ -41,8 +44,8 @@ Why once per step, not per layer inside the stage's scan (ZeRO-3, fsdp's default
   weight and micro-batch (the forward op; the backward op's `jax.vjp` re-runs the forward,
   its pullback re-gathers), with a reduce-scatter per micro-batch; and the HLO ledger counts
   a branch's collectives as taken in every tick.
-The price: the stage's matrices (and embedding, lm_head) whole, as float32, and their float32
-gradient, for the step: 1/S of what fsdp holds under grad_accum (fsdp.py weighs the same
+The price: the stage's matrices (and embedding, lm_head) whole (float32 under GPipe, the compute
+dtype under 1F1B) and their float32 gradient, for the step: 1/S of what fsdp holds under grad_accum (fsdp.py weighs the same
 trade: a pipeline's micro-batches are a gradient accumulation). The GSPMD twin gathers once
 per step too (auto_parallel/pp_fsdp.py).
 """

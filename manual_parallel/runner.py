@@ -101,30 +101,46 @@ class ManualRunner(placement.PlacedRunner):
 
     # --- inside shard_map: local shards only ---------------------------------
 
-    def _local_loss(self, params, x, y):
-        """Mean loss over this device's tokens. x, y: [B/data, T]."""
-        return loss_fn(params, x, y, self.cfg.model, self.par)
+    def _local_loss(self, params, x, y, par=None):
+        """Mean loss over this device's tokens with hooks `par` (default: the strategy's). x, y: [B/data, T]."""
+        return loss_fn(params, x, y, self.cfg.model, self.par if par is None else par)
 
     def _loss_and_grads(self, params, x, y):
         """x, y: [B/data, T] (cp: [B/data, T/C], this shard's tokens in the layout's order)."""
         replicated = self.replicated_over_tokens
         params = jax.tree.map(lambda p, axes: lax.pcast(p, axes, to="varying") if axes else p,
                               params, replicated)
-        if self.cfg.train.grad_accum > 1 and isinstance(self.par, FullyShardedDataParallel):
+        if self._gathers_once():
             loss, grads = self._gathered_loss_and_grads(params, x, y)
-        else:  # K micro-batches under lax.scan (K = 1: one value_and_grad), no collective in the loop
-            loss, grads = accumulated_value_and_grad(self._local_loss, params, x, y, self.cfg.train.grad_accum)
+        else:
+            loss, grads = self._value_and_grad(params, x, y, self.par)
         return self._mean_loss(loss), self.mean_over_tokens(grads, replicated)
 
+    def _gathers_once(self) -> bool:
+        """FSDP gathers every matrix once per step, not per layer, when the step runs several
+        micro-batches: grad_accum = K > 1 (the module docstring; pp_fsdp: always)."""
+        return self.cfg.train.grad_accum > 1 and isinstance(self.par, FullyShardedDataParallel)
+
+    def _value_and_grad(self, params, x, y, par):
+        """(mean loss over this device's tokens, its unsynchronized gradient) with hooks `par`: the
+        K micro-batches under lax.scan (K = 1: one value_and_grad), no collective in the loop.
+        PipelineRunner runs its pipeline here instead."""
+        local = functools.partial(self._local_loss, par=par)
+        return accumulated_value_and_grad(local, params, x, y, self.cfg.train.grad_accum)
+
+    def _gather_step(self, params):
+        """FSDP's gather_step: every matrix leaf whole, in the compute dtype ([L, D/data, F] ->
+        [L, D, F]; the norm gains unchanged); its pullback is the once-per-step reduce-scatter."""
+        return self.par.gather_step(params, logical_axes(self.cfg.model), self.cfg.model.dtype)
+
     def _gathered_loss_and_grads(self, params, x, y):
-        """FSDP with grad_accum = K > 1: gather every matrix once, run the K micro-batches on
-        the whole weights, reduce-scatter each accumulated gradient once (module docstring).
+        """FSDP with several micro-batches per step: gather every matrix once, run the micro-batches
+        on the whole weights (`resident()` hooks), reduce-scatter each accumulated gradient once
+        (module docstring; pp_fsdp: the pipeline's micro-batches).
 
         x, y: [B/data, T]; W1: [L, D/data, F] -> full [L, D, F] -> grad [L, D/data, F]."""
-        axes = logical_axes(self.cfg.model)
-        full, scatter = jax.vjp(lambda p: self.par.gather_step(p, axes, self.cfg.model.dtype), params)
-        local = functools.partial(loss_fn, cfg=self.cfg.model, par=self.par.resident())
-        loss, grads = accumulated_value_and_grad(local, full, x, y, self.cfg.train.grad_accum)
+        full, scatter = jax.vjp(self._gather_step, params)
+        loss, grads = self._value_and_grad(full, x, y, self.par.resident())
         # the float32 accumulator back to the gathered dtype for the scatter (the cast's transpose
         # returns float32 master-weight gradients, as without accumulation)
         (grads,) = scatter(jax.tree.map(lambda g, w: g.astype(w.dtype), grads, full))
@@ -170,4 +186,4 @@ class ManualRunner(placement.PlacedRunner):
         return state, {"loss": loss, **metrics}
 
     def _eval_loss(self, params, x, y):
-        return self._mean_loss(loss_fn(params, x, y, self.cfg.model, self.par))
+        return self._mean_loss(self._local_loss(params, x, y))

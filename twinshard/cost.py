@@ -892,7 +892,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
         layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
         gathered = max(layer, v * d) * dtype_bytes // t
         if "layers" in rules:  # pp_fsdp: the stage's L/S layers, embedding and lm_head, gathered for the
-            gathered = (cfg.num_layers // mesh["stage"] * layer + 2 * v * d) * F32  # step, held as float32
+            # step; GPipe's tick loop reads them as float32 (manual_parallel/pp.py `_gpipe`), 1F1B in
+            # the compute dtype (the bytes here bound it)
+            gathered = (cfg.num_layers // mesh["stage"] * layer + 2 * v * d) * F32
     opt = _optimizer_bytes(cfg, rules, mesh, optimizer)
     if "layers" in rules and "embed" in rules:  # pp_fsdp: + the float32 gradient of what it gathered
         return Memory(params, params, opt, acts, gathered, gathered, backward_layer)
