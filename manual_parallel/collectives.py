@@ -13,10 +13,12 @@ a strategy file).
     copy_to_tp(x, ax)     f   identity                    psum over ax
     reduce_from_tp(x, ax) g   psum over ax                identity
     shift_to_next_stage(x, ax) ppermute s -> s+1         ppermute s+1 -> s
+    ring_shift(x, ax, k)      ppermute i -> i+k mod n     ppermute i+k -> i mod n (the reverse ring)
     gather_sequence(x, ax)    all_gather over ax along T  psum_scatter over ax along T
     scatter_sequence(x, ax)   psum_scatter over ax along T all_gather over ax along T
-    all_gather_matmul(x, ws, ax)  n-1 ppermutes, each beside   n-1 reverse ppermutes (autodiff):
-                              the matmul of the chunk held  a ring reduce-scatter of dx
+    all_gather_matmul(x, ws, ax)  n-1 ring_shifts (k = -1),    n-1 reverse ring_shifts:
+                              each beside the matmul of     a ring reduce-scatter of dx
+                              the chunk held
 """
 
 from __future__ import annotations
@@ -143,6 +145,38 @@ def shift_to_previous_stage(x: Array, axis: str) -> Array:
 
 
 # ----------------------------------------------------------------------------
+# A ring: every device passes a block k places on, cyclically (ring attention's K/V
+# blocks, k = 1; the collective matmul's sequence chunks, k = -1).
+# ----------------------------------------------------------------------------
+
+def _ring(n: int, offset: int) -> list[tuple[int, int]]:
+    return [(i, (i + offset) % n) for i in range(n)]  # device i sends to i + offset mod n
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def ring_shift(x: Array, axis: str, offset: int) -> Array:
+    """Pass x to the device `offset` places on in the ring over `axis`: i -> i + offset mod n, a
+    collective-permute (device i then holds the block of device i - offset).
+
+    Backward: the reverse ring, i + offset -> i: the gradient of the block goes back to the
+    device that sent it. Autodiff would transpose the ppermute the same way; the pair written
+    out names both directions (and lets a remat policy find the received block:
+    ring_attention.saves_ring_shifts)."""
+    return lax.ppermute(x, axis, perm=_ring(lax.axis_size(axis), offset))
+
+
+def _ring_fwd(x, axis, offset):
+    return ring_shift(x, axis, offset), None
+
+
+def _ring_bwd(axis, offset, _, grad):
+    return (ring_shift(grad, axis, -offset),)
+
+
+ring_shift.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ----------------------------------------------------------------------------
 # Megatron sequence parallelism (Korthikanti et al. 2022, "Reducing Activation
 # Recomputation in Large Transformer Models", section 4.2.2: g and g-bar). The
 # residual stream between the tensor-parallel regions is split along the sequence,
@@ -206,24 +240,20 @@ scatter_sequence.defvjp(_scatter_seq_fwd, _scatter_seq_bwd)
 # so that each hop of the gather hides behind a matmul.
 # ----------------------------------------------------------------------------
 
-def _to_left(n: int) -> list[tuple[int, int]]:
-    return [(k, (k - 1) % n) for k in range(n)]  # device k sends to k-1: it then holds chunk k+1
-
-
 def all_gather_matmul(x_shard: Array, ws: tuple[Array, ...], axis: str) -> tuple[Array, ...]:
     """all_gather(x_shard along T over `axis`) @ w for each w, without the all-gather.
 
     x_shard: [B, T/n, D], this device's (i's) sequence chunk; ws: [D, out_j] each (q, k, v
     or w1, w3 columns) -> [B, T, out_j] each, as `gather_sequence(x) @ w`.
     n steps: at step s this device holds chunk (i + s) mod n; it multiplies it by every w into
-    rows [(i+s) mod n * T/n, ...) of the outputs while a ppermute (collective-permute) passes
-    the chunk to device i-1 and brings chunk (i + s + 1) mod n from device i+1. The matmul and
+    rows [(i+s) mod n * T/n, ...) of the outputs while a `ring_shift` (collective-permute)
+    passes the chunk to device i-1 and brings chunk (i + s + 1) mod n from device i+1. The matmul and
     the send of step s do not depend on each other, so the scheduler may run them at once:
     n-1 collective-permutes of [B, T/n, D] move what the all-gather moved on a ring, (n-1)/n
     of [B, T, D] per device.
 
-    Backward by autodiff (not written out): ppermute transposes into the reverse ppermute
-    (i -> i+1), and each step's input gradient dY[chunk] @ w^T is added to the gradient
+    Backward (autodiff of the loop; each hop's backward is ring_shift's, the reverse ring
+    i -> i+1): each step's input gradient dY[chunk] @ w^T is added to the gradient
     arriving from the step after it, so the backward pass is n-1 collective-permutes of
     [B, T/n, D] that carry partial sums around the ring: a ring reduce-scatter of dx (what
     gather_sequence's backward psum_scatter does in one collective), each hop beside the
@@ -252,7 +282,7 @@ def all_gather_matmul(x_shard: Array, ws: tuple[Array, ...], axis: str) -> tuple
     chunk = x_shard
     for step in range(n):
         if step < n - 1:  # the next chunk's hop, independent of this chunk's matmuls
-            incoming = lax.ppermute(chunk, axis, perm=_to_left(n))
+            incoming = ring_shift(chunk, axis, -1)  # to device i-1: then chunk i+s+1 is here
         row = ((i + step) % n) * t
         outs = [lax.dynamic_update_slice_in_dim(out, layers.linear(chunk, w), row, axis=SEQ)
                 for out, w in zip(outs, ws)]

@@ -5,7 +5,7 @@ Each of the C devices holds the q, k, v of its T/C tokens ([B, h, T/C, dh]) and 
 positions (twinshard/context.py: contiguous or zig-zag). C steps:
 
     step 0: its own block, masked by the true positions (causal within the block);
-    step s: ring_shift K and V on (ppermute c -> c+1), so it now holds the block of device
+    step s: ring_shift K and V on (collectives.ring_shift, ppermute c -> c+1), so it now holds the block of device
             (c - s) mod C; score the local q against it (f32) and merge into running
             statistics (m: row max, l: sum of exp(score - m), acc: sum of exp(score - m) v).
     out = acc / l
@@ -27,8 +27,8 @@ Equal to the single-device attention (tests/test_context.py): the skipped scores
 the masked ones, which add exp(-inf) = 0.
 
 Collectives per call (one layer): forward C-1 `ring_shift`s of K and C-1 of V, each a
-collective-permute of [B, h, T/C, dh] over `context`; backward (ring_shift's custom_vjp) the
-reverse ring, C-1 of dK and C-1 of dV.
+collective-permute of [B, h, T/C, dh] over `context`; backward (ring_shift's custom_vjp,
+manual_parallel/collectives.py) the reverse ring, C-1 of dK and C-1 of dV.
 
 Memory: each step's merge is checkpointed (`_merge`), so autodiff saves only its inputs -
 every K/V block the device held (the whole sequence's K and V, [B, H, T, dh] each) and each
@@ -42,40 +42,15 @@ the backward permutes: left out.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from twinshard import context
+from manual_parallel.collectives import ring_shift
+from twinshard import context, layers
 
 Array = jax.Array
-
-
-def _next(n: int) -> list[tuple[int, int]]:
-    return [(i, (i + 1) % n) for i in range(n)]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def ring_shift(x: Array, axis: str) -> Array:
-    """Pass x (a K or V block [B, h, T/C, dh]) to the next device of the ring: c -> c+1 mod C, a
-    collective-permute over `axis`. Backward: the reverse ring, c+1 -> c: the gradient of the
-    block goes back to the device that sent it (autodiff would transpose the ppermute the same
-    way; the pair written out names both directions)."""
-    return lax.ppermute(x, axis, perm=_next(lax.axis_size(axis)))
-
-
-def _shift_fwd(x, axis):
-    return ring_shift(x, axis), None
-
-
-def _shift_bwd(axis, _, grad):
-    return (lax.ppermute(grad, axis, perm=[(dst, src) for src, dst in _next(lax.axis_size(axis))]),)
-
-
-ring_shift.defvjp(_shift_fwd, _shift_bwd)
 
 
 def saves_ring_shifts(prim, *_, **params) -> bool:
@@ -94,11 +69,8 @@ def _merge(stats, q: Array, k: Array, v: Array, keep: Array | None = None):
     inputs (the running statistics and the K/V block), as flash attention does, instead of
     keeping [Tq, Tk] per step: the saved attention memory is O(T dh), not O(T^2 / C)."""
     m, l, acc = stats
-    scores = jnp.einsum("...qd,...kd->...qk", q, k).astype(jnp.float32) / np.sqrt(q.shape[-1]).astype(np.float32)
-    if keep is not None:
-        scores = jnp.where(keep, scores, -jnp.inf)
-    # the max only keeps exp() in range: the result does not depend on it (as in layers.softmax)
-    m_new = jnp.maximum(m, lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+    scores = layers.attention_scores(q, k, keep)  # [B, h, Tq, Tk] f32
+    m_new = jnp.maximum(m, layers.row_max(scores))
     p = jnp.exp(scores - m_new)  # [B, h, Tq, Tk]
     rescale = jnp.exp(m - m_new)  # [B, h, Tq, 1]: 0 at step 0 (m = -inf)
     acc = acc * rescale + jnp.einsum("...qk,...kd->...qd", p.astype(v.dtype), v).astype(jnp.float32)
@@ -148,7 +120,7 @@ def ring_attention(q: Array, k: Array, v: Array, positions: np.ndarray, axis: st
     stats = jax.tree.map(lambda s: lax.pcast(s, axis, to="varying"), stats)
     stats = _merge(stats, q, k, v, context.visible(q_pos, q_pos))  # own block: causal within it
     for step in range(1, n):
-        k, v = ring_shift(k, axis), ring_shift(v, axis)  # now the block of device me - step
+        k, v = ring_shift(k, axis, 1), ring_shift(v, axis, 1)  # now the block of device me - step
         stats = BLOCKS[layout](stats, q, k, v, earlier=step <= me)  # (me - step) mod n < me
     _, l, acc = stats
     return (acc / l).astype(q.dtype)

@@ -291,7 +291,7 @@ MUTANTS: list[Mutant] = [
            "inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / (head_dim // 2))",
            (LAYERS, MODEL), "RoPE frequencies use head_dim/2 in the exponent"),
     Mutant("softmax-no-max-shift", "layers", _LAYERS,
-           "z = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))",
+           "z = x - row_max(x, axis)",
            "z = x",
            (LAYERS, MODEL), "softmax without subtracting the max (overflows at large scores)"),
     Mutant("causal-mask-sees-next", "layers", _LAYERS,
@@ -740,8 +740,8 @@ MUTANTS: list[Mutant] = [
            ("tests/test_sequence.py::test_manual_ledger_equals_the_cost_model",),
            "the cost model forgets tp_sp's backward re-gathers under remat"),
     Mutant("cm-ppermute-right", "tp_sp", "manual_parallel/collectives.py",
-           "return [(k, (k - 1) % n) for k in range(n)]  # device k sends to k-1: it then holds chunk k+1",
-           "return [(k, (k + 1) % n) for k in range(n)]",
+           "incoming = ring_shift(chunk, axis, -1)",
+           "incoming = ring_shift(chunk, axis, 1)",
            ("tests/test_sequence.py::test_collective_matmul_equals_the_all_gather",),
            "the collective matmul passes chunks to the right but files them as if from the left"),
     Mutant("cm-row-of-own-chunk", "tp_sp", "manual_parallel/collectives.py",
@@ -779,8 +779,8 @@ MUTANTS: list[Mutant] = [
            "a batch that does not split into data x M micro-batches is not refused before compiling"),
     # --- context parallelism: ring attention, the layout, the context mean, the cost rows
     Mutant("cp-ring-runs-backwards", "context", "manual_parallel/ring_attention.py",
-           "return [(i, (i + 1) % n) for i in range(n)]",
-           "return [(i, (i - 1) % n) for i in range(n)]",
+           "k, v = ring_shift(k, axis, 1), ring_shift(v, axis, 1)",
+           "k, v = ring_shift(k, axis, -1), ring_shift(v, axis, -1)",
            ("tests/test_context.py::test_ring_attention_equals_full_attention",),
            "K/V travel the ring the other way: the block held at step s is not the one the mask's positions name"),
     Mutant("cp-merge-sum-not-rescaled", "context", "manual_parallel/ring_attention.py",
@@ -815,4 +815,13 @@ MUTANTS: list[Mutant] = [
            "n = 2 * c * ctx.L",
            ("tests/test_context.py::test_manual_ledger_equals_the_cost_model_exactly",),
            "the cost model sends C blocks per layer around the ring instead of C-1"),
+    # --- manual dedupe: the one cyclic ppermute pair (collectives.ring_shift) of ring attention and
+    # the collective matmul
+    Mutant("ring-shift-grad-forward", "context", "manual_parallel/collectives.py",
+           "return (ring_shift(grad, axis, -offset),)",
+           "return (ring_shift(grad, axis, offset),)",
+           ("tests/test_context.py::test_ring_attention_equals_full_attention",
+            "tests/test_sequence.py::test_collective_matmul_equals_the_all_gather"),
+           "ring_shift's backward passes the gradient on around the ring instead of back to the sender "
+           "(dK/dV of ring attention, the collective matmul's dx land on the wrong devices)"),
 ]

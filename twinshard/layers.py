@@ -54,9 +54,16 @@ def swiglu(x: Array, w1: Array, w2: Array, w3: Array) -> Array:
     return linear(swiglu_gate(linear(x, w1), linear(x, w3)), w2)
 
 
+def row_max(x: Array, axis: int = -1) -> Array:
+    """The max along `axis` (kept as a size-1 dim) that a stable softmax subtracts before exp. It
+    only keeps exp() in range: the result does not depend on it, so no gradient flows through it
+    (softmax below; ring attention's running max, manual_parallel/ring_attention.py)."""
+    return jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+
+
 def softmax(x: Array, axis: int = -1) -> Array:
     """Numerically stable softmax: subtract the max before exp."""
-    z = x - jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    z = x - row_max(x, axis)
     e = jnp.exp(z)
     return e / jnp.sum(e, axis=axis, keepdims=True)
 
@@ -93,11 +100,19 @@ def scaled_dot_product_attention(q: Array, k: Array, v: Array, mask: Array | Non
     mask: boolean [Tq, Tk] (broadcastable), True = keep. Masked scores get -inf,
     so they carry exactly zero probability.
     """
+    scores = attention_scores(q, k, mask)
+    return jnp.einsum("...qk,...kd->...qd", softmax(scores, axis=-1).astype(v.dtype), v)
+
+
+def attention_scores(q: Array, k: Array, mask: Array | None = None) -> Array:
+    """q k^T / sqrt(dk) in float32 (the softmax runs in f32), masked scores -inf.
+    q: [..., Tq, dk], k: [..., Tk, dk], mask: boolean [Tq, Tk] or None -> [..., Tq, Tk].
+    scaled_dot_product_attention's and each block of ring attention's."""
     scores = jnp.einsum("...qd,...kd->...qk", q, k).astype(jnp.float32)  # softmax in f32
     scores = scores / np.sqrt(q.shape[-1]).astype(np.float32)
     if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf)
-    return jnp.einsum("...qk,...kd->...qd", softmax(scores, axis=-1).astype(v.dtype), v)
+    return scores
 
 
 def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto") -> Array:
