@@ -291,6 +291,19 @@ def test_pp_fsdp_auto_shifts_per_tick_and_gathers_each_stage_once():
         w.size * w.leaves for w in cost.weights(CFG.model) if w.layers > 1), led.table()
 
 
+def test_one_batch_split_check_offers_only_counts_that_split_every_data_shard():
+    """pipeline.check tests the batch split once, B/data rows into M: without a data axis the
+    message names M alone, as the separate `batch % M` check did (same valid counts, plus the
+    --batch_size fix); with one, only counts that split a shard's rows are offered (batch=6,
+    data=2: M=3; the separate check offered 2 and 6, which divide 6 but not a shard's 3 rows)."""
+    with pytest.raises(ValueError, match=r"^batch=6 does not split into microbatches=4 equal micro-batches; choose "
+                                         r"microbatches from \[2, 3, 6\] or a --batch_size that is a multiple of 4\.$"):
+        pipeline.check(4, 6, 2, 4)
+    with pytest.raises(ValueError, match=r"^batch=6 does not split into data=2 x microbatches=4 equal micro-batches "
+                                         r"\(each data shard's B/data rows into M\); choose microbatches from \[3\] "):
+        pipeline.check(4, 6, 2, 4, data=2)
+
+
 def test_pp_fsdp_bad_batch_split_is_a_clear_error():
     """Each data shard's B/data rows must split into M micro-batches."""
     with pytest.raises(ValueError, match=r"batch=8 does not split into data=4 x microbatches=4 equal micro-batches"

@@ -483,24 +483,31 @@ def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
     return rows + _fsdp_norm_rows(ctx)
 
 
-def _fsdp_step_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
+def _fsdp_step_rows(ctx: _Ctx, tensor_shards: int, stages: int = 1) -> list[Row]:
     """grad_accum = K > 1 (manual_parallel/fsdp.py gather_step): each matrix LEAF (a stacked
     [L, ...] block leaf at once) gathered once before the micro-batch loop and never re-gathered,
-    its accumulated gradient reduce-scattered once after it; the norm gradients' mean once."""
-    rows = [row(ctx, "forward", "all-gather", ("data",), w.leaves, w.layers * w.size * ctx.s // tensor_shards,
-                f"gather_step: fsdp_gather of {w.name} {_leaf_shape(w)} over data, once per step")
+    its accumulated gradient reduce-scattered once after it; the norm gradients' mean once.
+    pp_fsdp (`stages` = S): the same on a stage's leaves, [L/S, ...] of a block weight."""
+    rows = [row(ctx, "forward", "all-gather", ("data",), w.leaves, _held(w, stages) * w.size * ctx.s // tensor_shards,
+                f"gather_step: fsdp_gather of {w.name} {_leaf_shape(w, stages)} over data, once per step")
             for w in _matrices(ctx)]
     rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.leaves,
-                 w.layers * w.size * ctx.s // (ctx.d * tensor_shards),
+                 _held(w, stages) * w.size * ctx.s // (ctx.d * tensor_shards),
                  f"fsdp_gather backward: psum_scatter of the accumulated d({w.name}), once per step")
              for w in _matrices(ctx)]
-    return rows + _fsdp_norm_rows(ctx)
+    return rows + _fsdp_norm_rows(ctx, stages)
 
 
-def _fsdp_norm_rows(ctx: _Ctx) -> list[Row]:
-    return [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32,
-                f"pmean over data of d({w.name}) {_leaf_shape(w)} (replicated f32 norm gains)")
+def _fsdp_norm_rows(ctx: _Ctx, stages: int = 1) -> list[Row]:
+    return [row(ctx, "backward", "all-reduce", ("data",), w.leaves, _held(w, stages) * w.size * F32,
+                f"pmean over data of d({w.name}) {_leaf_shape(w, stages)} (replicated f32 norm gains)")
             for w in _norms(ctx)]
+
+
+def _held(w: Weight, stages: int = 1) -> int:
+    """How many of w's layers one device holds: L/S of a stacked block weight split over `stages`
+    pipeline stages (L without a pipeline), 1 otherwise."""
+    return w.layers // stages if w.layers > 1 else 1
 
 
 def _tp_rows(ctx: _Ctx, batch: int) -> list[Row]:
@@ -681,30 +688,15 @@ def _stage_loss_row(ctx: _Ctx) -> Row:
     return row(ctx, "metrics", "all-reduce", ("stage",), 1, F32, "psum over stage of the loss (last stage's; f32)")
 
 
-def _stage_layers(ctx: _Ctx, w: Weight) -> int:
-    """How many of w's layers one stage holds: L/S of a stacked block weight, 1 otherwise."""
-    return w.layers // ctx.mesh["stage"] if w.layers > 1 else 1
-
-
 def _pp_fsdp(ctx: _Ctx) -> list[Row]:
     """pp's hops and stage sums, plus FSDP over data inside each stage, in both schedules
     (manual_parallel/pp_fsdp.py): each matrix leaf of the stage (7 stacked [L/S, ...] leaves,
     the embedding and the lm_head) gathered whole once per step, before the tick loop, and its
     accumulated gradient reduce-scattered once after it (gather_step); the norm gains' mean
     over data; the global norm, one psum per sharding group; the loss (psum over stage, pmean
-    over data)."""
-    rows = []
-    for w in _matrices(ctx):
-        n = _stage_layers(ctx, w)  # this stage's layers of a block weight (1: embedding, lm_head)
-        shape = _leaf_shape(w) if w.layers == 1 else "[" + ",".join(map(str, (n, *w.shape))) + "]"
-        each = n * w.size * ctx.s  # one leaf, whole, in the compute dtype
-        rows += [row(ctx, "forward", "all-gather", ("data",), w.leaves, each,
-                     f"gather_step: fsdp_gather of {w.name} {shape} over data, once per step"),
-                 row(ctx, "backward", "reduce-scatter", ("data",), w.leaves, each // ctx.d,
-                     f"fsdp_gather backward: psum_scatter of the accumulated d({w.name}), once per step")]
-    rows += [row(ctx, "backward", "all-reduce", ("data",), w.leaves, _stage_layers(ctx, w) * w.size * F32,
-                 f"pmean over data of d({w.name}) (replicated f32 norm gains, this stage's)") for w in _norms(ctx)]
-    return (_hop_rows(ctx) + rows + _stage_sum_rows(ctx)
+    over data). The gathers, scatters and norm means are fsdp's under grad_accum, on a stage's
+    leaves (manual_parallel/pp_fsdp.py: the same code path)."""
+    return (_hop_rows(ctx) + _fsdp_step_rows(ctx, 1, ctx.mesh["stage"]) + _stage_sum_rows(ctx)
             + [_norm_row(ctx, axes) for axes in (("stage", "data"), ("stage",), ("data",))]
             + [_stage_loss_row(ctx), _loss_row(ctx)])
 
@@ -913,8 +905,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
 # ----------------------------------------------------------------------------- entry point
 
 
-def _leaf_shape(w: Weight) -> str:
-    return "[" + ",".join(str(n) for n in w.leaf_shape) + "]"
+def _leaf_shape(w: Weight, stages: int = 1) -> str:
+    """w's parameter leaf, "[L, D, F]"; on one of `stages` pipeline stages "[L/S, D, F]"."""
+    return "[" + ",".join(str(n) for n in (w.shape if w.layers == 1 else (_held(w, stages), *w.shape))) + "]"
 
 
 def _shape(w: Weight, tensor_shards: int) -> str:

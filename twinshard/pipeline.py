@@ -69,15 +69,12 @@ def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accu
     if microbatches < stages:
         raise ValueError(f"microbatches={microbatches} < stage={stages}: a pipeline of {stages} stages needs "
                          f"at least {stages} micro-batches to fill (pass --microbatches={stages} or more).")
-    if batch % microbatches:
-        fits = [m for m in range(stages, batch + 1) if batch % m == 0]
-        raise ValueError(f"batch={batch} does not split into microbatches={microbatches} equal micro-batches; "
-                         f"choose microbatches from {fits} or change --batch_size.")
-    if batch % (data * microbatches):
+    if batch % (data * microbatches):  # (data = 1: pp, the whole batch into M)
         fits = [m for m in range(stages, batch // data + 1) if batch % (data * m) == 0]
-        raise ValueError(f"batch={batch} does not split into data={data} x microbatches={microbatches} equal "
-                         f"micro-batches (each data shard's B/data rows into M); choose microbatches from {fits} "
-                         f"or a --batch_size that is a multiple of {data * microbatches}.")
+        split = f"data={data} x microbatches={microbatches}" if data > 1 else f"microbatches={microbatches}"
+        rows = " (each data shard's B/data rows into M)" if data > 1 else ""
+        raise ValueError(f"batch={batch} does not split into {split} equal micro-batches{rows}; choose microbatches "
+                         f"from {fits} or a --batch_size that is a multiple of {data * microbatches}.")
 
 
 def microbatch_size(batch: int, microbatches: int) -> int:
