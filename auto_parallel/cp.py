@@ -62,8 +62,4 @@ class ContextRunner(context.PermutedBatches, AutoRunner):
 
     def __init__(self, name, strategy, mesh_shape, cfg, devices=None, tx=None):
         context.check(cfg.model.context_length, mesh_shape[CONTEXT], cfg.train.cp_layout)
-        if cfg.train.grad_accum > 1 and mesh_shape["data"] > 1:
-            raise ValueError(f"grad_accum={cfg.train.grad_accum} with {name} on data={mesh_shape['data']}: the "
-                             "GSPMD twin's per-data-shard accumulation does not carry the context layout; "
-                             "use --impl=manual or --grad_accum=1.")
         super().__init__(name, strategy, mesh_shape, cfg, devices, tx=tx)

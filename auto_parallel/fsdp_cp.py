@@ -13,6 +13,12 @@ of K and V over context (cp.py's), 26 all-reduces over context (cp.py's: dK, dV 
 full-size weight gradients, layer by layer) and 29 over data (fsdp.py's). GSPMD reduces each
 weight gradient over context at full size, then over data; the manual twin reduce-scatters
 over data first and all-reduces the 1/data shard over context.
+grad_accum K > 1 (runner.py: the micro-batches of each data shard under a vmap, with cp's
+hooks: `GSPMD.without_batch`). Measured (same mesh, K = 2; tests/test_context.py): the data
+collectives once per step - 9 all-gathers (each matrix leaf whole, before the micro-batch
+loop) and 22 all-reduces - and the context ones per micro-batch: K x 8 all-gathers of K and V
+[B/(data K), H, T, dh] and K x 26 all-reduces, the weight gradients' reduction over context
+included (the vmap covers the data shards, not the sequence shards).
 """
 
 from auto_parallel.cp import ContextGSPMD, ContextRunner

@@ -19,8 +19,9 @@ OWN gradient [data, *param] (dim 0 on `data`: one full-size accumulator per
 device), and the mean over dim 0 after the loop, constrained to the param
 sharding, is the step's one gradient sync. FSDP matrices are pinned whole
 (`gather_step`, the manual twin's structure) before the loop, so their all-gathers
-run once per step too. Inside the vmap the activation rules drop 'batch' (the
-vmapped axis carries `data`).
+run once per step too. Inside the vmap the strategy's own hooks run with 'batch'
+dropped from their activation rules (`GSPMD.without_batch`: the vmapped axis carries
+`data`), so fsdp_cp keeps its context layout and tp_sp its sequence shards.
 Measured (tiny, num_heads 8, B=32, XLA:CPU, opt level 0; ledger counts per step,
 K = 1 / 2 / 4; tests/test_accum.py asserts the K = 2 and 4 counts):
     dp data=8        all-reduce data 22 / 13 / 13 (K = 1: 9 of them in the backward
@@ -33,6 +34,8 @@ K = 1 / 2 / 4; tests/test_accum.py asserts the K = 2 and 4 counts):
                      activation all-reduces are per micro-batch, the 9 norm partials not
     fsdp_tp 2x4      data as fsdp (16 / 9 / 9 gathers, 29 / 22 / 22 all-reduces),
                      tensor as tp (28 / 47 / 85)
+    tp_sp, fsdp_cp   their hooks in the vmap: the sequence gathers and context layout
+                     per micro-batch (tp_sp.py, fsdp_cp.py have the counts)
 Without the vmap (plain accumulation, measured): dp 22 / 44 / 88 all-reduces; fsdp
 16 / 30 / 58 all-gathers and 29 / 53 / 97 all-reduces - every gradient sync (and
 every per-layer gather) K times.
@@ -40,6 +43,7 @@ every per-layer gather) K times.
 
 from __future__ import annotations
 
+import copy
 import functools
 from types import ModuleType
 from typing import Mapping
@@ -85,6 +89,15 @@ class GSPMD(Parallelism):
         """
         return self.constrain(w, axes)
 
+    def without_batch(self) -> GSPMD:
+        """These hooks with 'batch' dropped from the activation rules: the hooks of the
+        per-data-shard vmap of `AutoRunner._loss_and_grads`, whose vmapped axis carries `data`
+        (spmd_axis_name). A copy, so a subclass keeps its own hooks (cp's positions and mask,
+        tp_sp's sequence layouts: it overrides this for its second table)."""
+        hooks = copy.copy(self)
+        hooks.rules = {a: m for a, m in self.rules.items() if a != "batch"}
+        return hooks
+
 
 class AutoRunner(placement.PlacedRunner):
     """Runs one strategy with GSPMD; the interface of trainer.SingleDevice."""
@@ -103,8 +116,7 @@ class AutoRunner(placement.PlacedRunner):
         self.par = par = make_par(self.mesh, cfg)
         self.loss = functools.partial(loss_fn, cfg=cfg.model, par=par)
         # inside the per-data-shard vmap of `_loss_and_grads` the vmapped axis carries 'batch'
-        self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=GSPMD(
-            self.mesh, {a: m for a, m in strategy.ACTIVATION_RULES.items() if a != "batch"}))
+        self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=par.without_batch())
         step = functools.partial(train_step, cfg=cfg.model, train_cfg=cfg.train, tx=self.tx, par=par,
                                  value_and_grad=self._loss_and_grads)
         replicated = self.named(P())

@@ -24,9 +24,15 @@ Measured (tiny, num_heads 8, XLA:CPU, JAX 0.12.0.1):
   all-reduce bytes PLUS the all-gathers.
 - Without the `embed` pin GSPMD split the token ids along T (s32 all-gathers and
   collective-permutes on data:2,tensor:4).
-- grad_accum > 1 with data > 1: the runner's per-data-shard vmap (auto_parallel/runner.py
-  `shard_loss`) builds plain GSPMD hooks, so its micro-batches run as TP (data:2,tensor:4,
-  grad_accum 2: 47 all-reduces over tensor, no all-gather); equal math, TP's memory.
+- grad_accum K > 1 with data > 1: the runner's per-data-shard vmap (auto_parallel/runner.py
+  `shard_loss`) runs these hooks with 'batch' dropped from both tables (`without_batch`), so
+  each micro-batch [B/(data K), T, D] runs sequence-parallel. data:2,tensor:4, L=2, K=2
+  (tests/test_sequence.py): 28 all-gathers over tensor = K (6L + 2), against 4L + 2 = 10 at
+  K = 1: per micro-batch the forward's 2L + 1, but 4L + 1 backward - inside the vmap GSPMD
+  gathers each layer-loop gradient twice, from the same operand, under two spellings of the
+  tensor groups that XLA does not merge; all-reduces over tensor 57 = K (9L + 6) + 9 (K = 1:
+  33), over data 13, once per step. With plain GSPMD hooks in the vmap (before
+  `without_batch`) the micro-batches ran as TP: 47 all-reduces over tensor, no all-gather.
 """
 
 from __future__ import annotations
@@ -76,6 +82,12 @@ class SequenceParallelGSPMD(GSPMD):
     def exit_tensor_parallel(self, x):
         """The row-parallel partial sums [B, T, D] -> summed, on sequence shards."""
         return self.constrain(x, ACTIVATION)
+
+    def without_batch(self) -> SequenceParallelGSPMD:
+        """Both tables without 'batch' (the per-data-shard vmap of grad_accum > 1)."""
+        hooks = super().without_batch()
+        hooks.sequence = self.sequence.without_batch()
+        return hooks
 
 
 def parallelism(mesh, cfg) -> GSPMD:

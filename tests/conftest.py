@@ -48,7 +48,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # only the order matters: the scheduler hands out the costliest group first.
 COLD_SECONDS = {
     "test_readme": 230, "test_pipeline": 150, "test_optimizers": 100, "test_train": 100, "test_twins": 200,
-    "test_accum": 70, "test_precision": 65, "test_context": 40, "test_tpu_topology": 40,
+    "test_accum": 70, "test_precision": 65, "test_context": 55, "test_tpu_topology": 40,
     "test_collectives_cli": 45, "test_bench": 30, "test_scan": 20,
     # ungrouped: their tests are dealt out after the groups, the slowest module's first
     "test_multiprocess": 95, "test_attention": 45, "test_cli_errors": 30, "test_loss_optim": 30, "test_model": 25,

@@ -4,7 +4,8 @@ Each runner is compiled once (module cache) and gives the step-1 gradients, 5 st
 losses and params against single device (test_manual's record, shared), its compiled step's
 ledger and its memory_analysis(). Meshes: the manual twin on tensor:8 (sequence shards of 4
 tokens), the GSPMD twin and the collective matmul (manual, remat full) on data:2,tensor:4
-(sequence parallelism inside data parallelism).
+(sequence parallelism inside data parallelism); the GSPMD twin there also with grad_accum 2
+(the runner's per-data-shard vmap runs tp_sp's hooks: GSPMD.without_batch).
 
 Measured here (JAX 0.12.0.1, XLA:CPU, opt level 0), against single device: losses 1.4e-6,
 step-1 gradients 2.4e-8, params after 5 AdamW steps 1.3e-6 (both twins, both meshes);
@@ -32,17 +33,21 @@ PARAM_ATOL, LOSS_ATOL, GRAD_ATOL = 2e-5, 2e-5, 2e-7
 RUNS = {"manual": ("tp_sp", "tensor:8", {}), "auto": ("tp_sp", "data:2,tensor:4", {}),
         "manual tp": ("tp", "data:1,tensor:8", {}),
         # the collective matmul, inside data parallelism, under remat full (its ppermutes re-run)
-        "collective matmul": ("tp_sp", "data:2,tensor:4", {"collective_matmul": True, "remat": "full"})}
+        "collective matmul": ("tp_sp", "data:2,tensor:4", {"collective_matmul": True, "remat": "full"}),
+        "auto accum": ("tp_sp", "data:2,tensor:4", {})}
+GRAD_ACCUM = {"auto accum": 2}  # TrainConfig.grad_accum of a run (default 1)
 max_diff = reference.max_diff
 
 
 def config(name: str) -> Config:
-    return Config(dataclasses.replace(CFG.model, **RUNS[name][2]), CFG.train)
+    return Config(dataclasses.replace(CFG.model, **RUNS[name][2]),
+                  dataclasses.replace(CFG.train, grad_accum=GRAD_ACCUM.get(name, 1)))
 
 
 def make(name: str):
     strategy, mesh, _ = RUNS[name]
-    return (auto_parallel if name == "auto" else manual_parallel).make_runner(strategy, mesh, config(name))
+    twin = auto_parallel if name.startswith("auto") else manual_parallel
+    return twin.make_runner(strategy, mesh, config(name))
 
 
 @functools.cache
@@ -70,13 +75,13 @@ def compile_step(r):
 @functools.cache
 def compiled(name: str):
     """The train step compiled once: (compiled, ledger, runner)."""
-    r = record(name)["runner"] if name in ("manual", "auto") else (
+    r = record(name)["runner"] if name in ("manual", "auto", "auto accum") else (
         train_only(name)["runner"] if name == "collective matmul" else make(name))
     c = compile_step(r)
     return c, hlo.ledger(c, r.mesh), r
 
 
-@pytest.mark.parametrize("twin", ["manual", "auto"])
+@pytest.mark.parametrize("twin", ["manual", "auto", "auto accum"])
 def test_tp_sp_matches_single_device(twin):
     got, want = record(twin), single()
     assert max_diff(got["init"], want["init"]) == 0.0
@@ -134,6 +139,24 @@ def test_auto_twin_gathers_and_scatters_the_sequence():
     testing.expect_no_collective(led, op="reduce-scatter")  # XLA:CPU
     big = [r for r in led.filter(op="all-reduce", axes=("tensor",)) if r.bytes == a]
     assert sum(r.multiplicity for r in big) == (2 * L + 1) + (5 * L + 1), led.table()
+    testing.expect_no_collective(led, axes=("tensor",), larger_than=a)
+
+
+def test_auto_twin_accumulates_on_sequence_shards():
+    """grad_accum K = 2 on data:2,tensor:4: the per-data-shard vmap runs tp_sp's hooks, so each
+    micro-batch [B/(data K), T, D] is sequence-parallel: its forward runs the 2L + 1 gathers of
+    K = 1 (above), its backward 4L + 1 where K = 1 runs 2L + 1 (measured: inside the vmap GSPMD
+    gathers each of the 2L layer-loop gradients twice, from the same operand, under two
+    spellings of the tensor groups that are not merged), K (6L + 2) = 28 at L = 2; the
+    all-reduces of [B/(data K), T, D] are K = 1's 7L + 2 per micro-batch. Every data
+    collective runs once per step (the gradient mean after the micro-batch loop)."""
+    led, k = compiled("auto accum")[1], GRAD_ACCUM["auto accum"]
+    a = 4 * (B // (2 * k)) * T * D
+    testing.expect_collectives(led, "all-gather", ("tensor",), count=k * (6 * L + 2))
+    assert {r.bytes for r in led.filter(op="all-gather")} == {a}, led.table()
+    big = [r for r in led.filter(op="all-reduce", axes=("tensor",)) if r.bytes == a]
+    assert sum(r.multiplicity for r in big) == k * (7 * L + 2), led.table()
+    assert all(r.multiplicity == 1 for r in led.filter(axes=("data",))), led.table()
     testing.expect_no_collective(led, axes=("tensor",), larger_than=a)
 
 

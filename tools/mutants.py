@@ -834,4 +834,18 @@ MUTANTS: list[Mutant] = [
            "return w.layers if w.layers > 1 else 1",
            ("tests/test_pipeline.py::test_pp_fsdp_manual_ledger_equals_the_cost_model_exactly",),
            "the cost model's pp_fsdp gathers, scatters and norm means cover all L layers, not the stage's L/S"),
+    # --- the GSPMD accumulation's vmap runs the strategy's own hooks (GSPMD.without_batch)
+    Mutant("auto-accum-plain-gspmd-hooks", "accumulation", "auto_parallel/runner.py",
+           "self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=par.without_batch())",
+           "self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=GSPMD(\n"
+           "            self.mesh, {a: m for a, m in strategy.ACTIVATION_RULES.items() if a != 'batch'}))",
+           ("tests/test_context.py::test_auto_fsdp_cp_accumulates_in_the_context_layout",
+            "tests/test_sequence.py::test_auto_twin_accumulates_on_sequence_shards"),
+           "the micro-batches of grad_accum > 1 run with plain GSPMD hooks: fsdp_cp's RoPE and mask "
+           "read the permuted index as the position, tp_sp runs them as TP"),
+    Mutant("auto-accum-tp-sp-sequence-keeps-batch", "accumulation", "auto_parallel/tp_sp.py",
+           "hooks.sequence = self.sequence.without_batch()",
+           "hooks.sequence = self.sequence",
+           ("tests/test_sequence.py::test_auto_twin_accumulates_on_sequence_shards",),
+           "tp_sp's residual-stream table keeps batch -> data inside the per-data-shard vmap"),
 ]
