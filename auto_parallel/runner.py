@@ -68,6 +68,8 @@ class GSPMD(Parallelism):
 
     def __init__(self, mesh: jax.sharding.Mesh, activation_rules: Rules):
         self.mesh, self.rules = mesh, activation_rules
+        # [B, T/c] rows do not flatten into one tiled dim: keep the batch dims where seq is split
+        self.flat_rows = activation_rules.get("seq") is None
 
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec(axes, self.rules)))

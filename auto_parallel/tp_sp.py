@@ -57,6 +57,7 @@ class SequenceParallelGSPMD(GSPMD):
     def __init__(self, mesh):
         super().__init__(mesh, ACTIVATION_RULES)
         self.sequence = GSPMD(mesh, SEQUENCE_RULES)
+        self.flat_rows = self.sequence.flat_rows  # False: the residual stream is split along T
 
     def constrain(self, x, axes):
         """The residual stream (embedding and block outputs) on sequence shards."""

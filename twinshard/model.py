@@ -90,7 +90,7 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        return layers.linear(x, _use(self.weight, par, self.dtype))
+        return layers.linear(x, _use(self.weight, par, self.dtype), par.flat_rows)
 
 
 class Embedding(nnx.Module):
@@ -211,8 +211,8 @@ REMAT_POLICIES: dict[str, Policy | None] = {
     # Save every dot_general output: the 7 projections AND attention's QK^T scores
     # [b,H,T,T] and AV output; recompute norms, RoPE, softmax, SiLU (elementwise work).
     "dots": _POLICIES.dots_saveable,
-    # Save the dot_generals without batch dimensions. `layers.linear` is
-    # einsum('...i,io->...o'): B and T are free dimensions, not dot batch dimensions, so the
+    # Save the dot_generals without batch dimensions. `layers.linear` is a 2-D dot on
+    # [B*T, in] rows (or einsum('...i,io->...o'): B and T free dimensions either way), so the
     # 7 projections ARE saved; attention's two einsums batch over (B, h) and are recomputed
     # (no [b,H,T,T] residual; Korthikanti et al. 2022's "selective recomputation" of the
     # attention core).

@@ -49,6 +49,8 @@ Policy = Callable[..., bool]  # a jax.checkpoint policy
 class Parallelism:
     """Single-device behaviour; subclasses add sharding or collectives."""
 
+    flat_rows = True  # the matmuls run on flattened [B*T, in] rows (layers.linear's `flat`)
+
     def weight(self, w: Array, axes: Axes) -> Array:
         """The full weight for a matmul (FSDP gathers its shards here); one layer's, in the scan."""
         return w
@@ -69,11 +71,11 @@ class Parallelism:
         """x [B, T, D] @ each w [D, out] (sharing one input: q, k, v; w1, w3) -> [B, T, out] each.
         Megatron's f, then the column-parallel matmuls on this device's columns."""
         x = self.enter_tensor_parallel(x)
-        return tuple(layers.linear(x, w) for w in ws)
+        return layers.linears(x, ws, self.flat_rows)
 
     def row_parallel(self, x: Array, w: Array) -> Array:
         """x [B, T, in] @ w [in, D] -> [B, T, D]: the row-parallel matmul, then Megatron's g."""
-        return self.exit_tensor_parallel(layers.linear(x, w))
+        return self.exit_tensor_parallel(layers.linear(x, w, self.flat_rows))
 
     def positions(self, t: int) -> Array:
         """Positions in the whole sequence of this program's t tokens (RoPE): 0..t-1."""
