@@ -848,4 +848,21 @@ MUTANTS: list[Mutant] = [
            "hooks.sequence = self.sequence",
            ("tests/test_sequence.py::test_auto_twin_accumulates_on_sequence_shards",),
            "tp_sp's residual-stream table keeps batch -> data inside the per-data-shard vmap"),
+    # --- issue 9: flat matmul rows (layers.linear), the static padding skip of the loss
+    Mutant("linears-flatten-per-matmul", "speed", _LAYERS,
+           "rows = x.reshape(-1, x.shape[-1]) if flat else x",
+           "rows = x",
+           ("tests/test_sequence.py::test_saved_residuals_per_layer_equal_the_model",),
+           "q, k, v (and w1, w3) each flatten their shared input: autodiff saves three more [B, T, D] "
+           "residuals per layer"),
+    Mutant("gspmd-flat-rows-with-sequence-sharded", "speed", "auto_parallel/runner.py",
+           'self.flat_rows = activation_rules.get("seq") is None',
+           "self.flat_rows = True",
+           ("tests/test_context.py::test_auto_gathers_k_and_v_over_context",),
+           "GSPMD flattens [B, T/context] rows into one dim: not a tiling, so it gathers activations"),
+    Mutant("loss-padding-skip-ignores-shard-width", "numerics", _LOSS,
+           "if isinstance(vocab_offset, int) and vocab_offset + logits.shape[-1] <= vocab_size:",
+           "if isinstance(vocab_offset, int) and vocab_offset <= vocab_size:",
+           (OPTIM, MODEL),
+           "the padded logit columns are never masked: padding takes probability from every token"),
 ]
