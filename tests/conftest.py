@@ -35,6 +35,11 @@ if "xla_force_host_platform_device_count" not in _flags:
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
+# The launchers' malloc tunables (launch/__init__.py): inherited by the xdist workers and every
+# launcher subprocess (glibc reads them at process start, so this process keeps its own).
+from launch import MALLOC_TUNABLES  # noqa: E402
+
+os.environ.setdefault("GLIBC_TUNABLES", MALLOC_TUNABLES)
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 
