@@ -19,15 +19,16 @@ MALLOC_TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=33554432:
                    "glibc.malloc.trim_threshold=17179869184")
 
 
-def _reexec_with_malloc_tunables() -> None:
-    """Re-exec `python -m launch.X ...` with MALLOC_TUNABLES (glibc reads them only at start).
-
-    While `python -m` imports this package to find the module, sys.argv[0] is still '-m';
-    an import from anywhere else (tests, a notebook) is left alone."""
-    if sys.argv[:1] != ["-m"] or "GLIBC_TUNABLES" in os.environ or not sys.platform.startswith("linux"):
+def reexec_with_malloc_tunables() -> None:
+    """Re-exec this process's command line with MALLOC_TUNABLES (glibc reads them only at
+    start), unless GLIBC_TUNABLES is already set or this is not Linux."""
+    if "GLIBC_TUNABLES" in os.environ or not sys.platform.startswith("linux"):
         return
     os.environ["GLIBC_TUNABLES"] = MALLOC_TUNABLES
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
-_reexec_with_malloc_tunables()
+# While `python -m launch.X` imports this package to find the module, sys.argv[0] is still
+# '-m'; an import from anywhere else (tests, a notebook, tools/) is left alone.
+if sys.argv[:1] == ["-m"]:
+    reexec_with_malloc_tunables()

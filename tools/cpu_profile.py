@@ -19,7 +19,8 @@ table gives each kind's share of the step's summed op time. This is what
 BENCHMARKS.md's "Why CPU stays below 50% of the peak" is measured with.
 Measured fact: on XLA:CPU (JAX 0.12) the trace's host plane holds one line per
 thread, and each op event's name is the HLO instruction name (`fusion.12`,
-`dot.3`, `copy.7`), so the compiled HLO text maps it to its kind.
+`dot.3`, `copy.7`), so the compiled HLO text maps it to its kind. Like the
+launchers, the tool re-executes itself once with launch.MALLOC_TUNABLES.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from absl import app, flags  # noqa: E402
+
+from launch import reexec_with_malloc_tunables  # noqa: E402
+
+reexec_with_malloc_tunables()  # profile the launchers' allocator, not glibc's defaults
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "small", "Preset (twinshard.config, or launch.bench's maxtext_llama_ref).")
