@@ -15,8 +15,8 @@ event per executed thunk: a fusion, a dot, a copy, a collective ...), per kind:
 - reduce, elementwise (loop fusions), broadcast/constant-fill, collectives, other.
 
 Thread time is summed over XLA's worker threads, so it can exceed wall time; the
-table gives each kind's share of the step's summed op time. This is what
-BENCHMARKS.md's "Why CPU stays below 50% of the peak" is measured with.
+table gives each kind's share of the step's summed op time (BENCHMARKS.md, "Round 6",
+has the small preset's table).
 Measured fact: on XLA:CPU (JAX 0.12) the trace's host plane holds one line per
 thread, and each op event's name is the HLO instruction name (`fusion.12`,
 `dot.3`, `copy.7`), so the compiled HLO text maps it to its kind. Like the
@@ -34,7 +34,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from launch import reexec_with_malloc_tunables  # noqa: E402
 
@@ -127,7 +127,7 @@ def op_times(trace_dir: str, kinds: dict[str, str]) -> collections.Counter:
 
 
 def build(cfg):
-    """(jitted step, state, batch) for --strategy/--impl."""
+    """(runner, initial state, placed batch) for --strategy/--impl."""
     from launch import bench, common
     from twinshard import trainer
 
@@ -149,9 +149,9 @@ def main(argv):
     import jax
 
     from launch import bench
+    from twinshard.config import preset
 
-    cfg = bench.BENCH_PRESETS.get(FLAGS.preset) or __import__("twinshard.config", fromlist=["preset"]).preset(
-        FLAGS.preset)
+    cfg = bench.BENCH_PRESETS.get(FLAGS.preset) or preset(FLAGS.preset)
     overrides = {k: getattr(FLAGS, k) for k in ("dtype", "remat") if getattr(FLAGS, k)}
     if overrides:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **overrides))
@@ -183,4 +183,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from launch import common
+
+    common.run(main, "cpu_profile")  # a bad flag value: one line on stderr, exit 1
