@@ -10,7 +10,8 @@ What the test changes, and why (each variant only adds flags; absl keeps the las
   cores), and the resume after it `--steps=4` (a resume must keep the run's --steps);
   the bf16 example and the memory example train `--steps=4`; the bench runs
   `--strategies=single` instead of all four strategies x both twins (each run compiles its
-  own step; tests/test_bench.py runs the strategies); the tp comparison runs `--steps=3`;
+  own step; tests/test_bench.py runs the strategies), with a 512^3 peak matmul timed 3 times
+  (twenty 2048^3 ones took 7 of its 27 s on a 2-core VM); the tp comparison runs `--steps=3`;
 - HOME is a scratch directory, so the token cache (~/.cache/twinshard) is too;
 - `corpus.txt` (the BPE example's "any UTF-8 text") is the first 300 kB of the
   embedded Shakespeare corpus.
@@ -58,7 +59,7 @@ VARIANTS = {
     "uv run python -m launch.train --preset=tiny --strategy=fsdp --impl=manual --devices=4 --remat=full "
     "--grad_accum=2 --optimizer=adafactor --workdir=runs/scale": ["--steps=4"],
     "uv run python -m launch.bench --preset=tiny --steps=3 --json=bench.json --markdown=bench.md":
-        ["--strategies=single"],
+        ["--strategies=single", "--matmul_size=512", "--matmul_reps=3"],
     "uv run python tools/cpu_profile.py --preset=tiny": ["--steps=1"],
     "uv run python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4": [],
     "uv run python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16": [],
