@@ -130,7 +130,15 @@ def pytest_sessionstart(session):
 # "other". Measured with it (2-core EPYC VM, cold cache, 1831 worker-s in all, 2026-12-01):
 # backend compile 805 s, trace 209 s, lower 121 s; the subprocess modules (test_readme 328 s,
 # test_multiprocess 106 s, ...) ~600 s.
+# Only the first pytest (the controller, which sets _OWNER to its pid) and its xdist workers (its
+# children) record: not a pytest that a test starts (tools/mutate.py's runs inherit the variables;
+# measured: such a run's summary merged and deleted the workers' files).
 _PROFILE = os.environ.get("TWINSHARD_SUITE_PROFILE")
+if _PROFILE:
+    _OWNER = os.environ.setdefault("TWINSHARD_SUITE_PROFILE_OWNER", str(os.getpid()))
+    _IS_CONTROLLER = _OWNER == str(os.getpid())
+    if not (_IS_CONTROLLER or (os.environ.get("PYTEST_XDIST_WORKER") and _OWNER == str(os.getppid()))):
+        _PROFILE = None
 _COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
                    "/jax/core/compile/backend_compile_duration": "compile"}
@@ -161,11 +169,13 @@ if _PROFILE:
             f.write(json.dumps(row) + "\n")
 
     def pytest_configure(config):
-        if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, before it starts workers
+        if _IS_CONTROLLER:  # before it starts the workers
             for part in pathlib.Path(_PROFILE).parent.glob(pathlib.Path(_PROFILE).name + ".*"):
                 part.unlink()
 
     def pytest_terminal_summary(terminalreporter):
+        if not _IS_CONTROLLER:
+            return
         rows = [json.loads(line) for part in sorted(pathlib.Path(_PROFILE).parent.glob(
             pathlib.Path(_PROFILE).name + ".*")) for line in part.read_text().splitlines()]
         pathlib.Path(_PROFILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
