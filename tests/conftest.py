@@ -139,16 +139,17 @@ if _PROFILE:
     _IS_CONTROLLER = _OWNER == str(os.getpid())
     if not (_IS_CONTROLLER or (os.environ.get("PYTEST_XDIST_WORKER") and _OWNER == str(os.getppid()))):
         _PROFILE = None
-_COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
-                   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-                   "/jax/core/compile/backend_compile_duration": "compile"}
-_seconds: dict[str, float] = {}
-
 if _PROFILE:
     import json
     import time
 
     import pytest
+
+    _COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                       "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                       "/jax/core/compile/backend_compile_duration": "compile"}
+    _COLUMNS = ("wall", "compile", "trace", "lower")  # "other" = wall minus the rest
+    _seconds: dict[str, float] = {}  # this test's seconds per _COMPILE_EVENTS kind
 
     def _on_duration(event: str, duration: float, **_):
         if event in _COMPILE_EVENTS:
@@ -156,8 +157,9 @@ if _PROFILE:
 
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
-    def _part(worker: str) -> pathlib.Path:
-        return pathlib.Path(f"{_PROFILE}.{worker}")
+    def _parts() -> list[pathlib.Path]:
+        """The per-process files FILE.gw0, FILE.gw1 (xdist) or FILE.main (-n0)."""
+        return sorted(pathlib.Path(_PROFILE).parent.glob(pathlib.Path(_PROFILE).name + ".*"))
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
@@ -165,30 +167,29 @@ if _PROFILE:
         start = time.perf_counter()
         yield
         row = {"test": item.nodeid, "wall": time.perf_counter() - start, **_seconds}
-        with _part(os.environ.get("PYTEST_XDIST_WORKER", "main")).open("a") as f:
+        with pathlib.Path(f"{_PROFILE}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}").open("a") as f:
             f.write(json.dumps(row) + "\n")
 
     def pytest_configure(config):
         if _IS_CONTROLLER:  # before it starts the workers
-            for part in pathlib.Path(_PROFILE).parent.glob(pathlib.Path(_PROFILE).name + ".*"):
+            for part in _parts():
                 part.unlink()
 
     def pytest_terminal_summary(terminalreporter):
         if not _IS_CONTROLLER:
             return
-        rows = [json.loads(line) for part in sorted(pathlib.Path(_PROFILE).parent.glob(
-            pathlib.Path(_PROFILE).name + ".*")) for line in part.read_text().splitlines()]
+        rows = [json.loads(line) for part in _parts() for line in part.read_text().splitlines()]
         pathlib.Path(_PROFILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        for part in pathlib.Path(_PROFILE).parent.glob(pathlib.Path(_PROFILE).name + ".*"):
+        for part in _parts():
             part.unlink()
         modules: dict[str, dict[str, float]] = {}
         for r in rows:
-            m = modules.setdefault(_module(r["test"]), dict.fromkeys(("wall", "compile", "trace", "lower"), 0.0))
-            for k in m:
+            m = modules.setdefault(_module(r["test"]), dict.fromkeys(_COLUMNS, 0.0))
+            for k in _COLUMNS:
                 m[k] += r.get(k, 0.0)
+        total = {k: sum(m[k] for m in modules.values()) for k in _COLUMNS}
         write = terminalreporter.write_line
         write(f"{'module':<28} {'wall s':>8} {'compile':>8} {'trace':>7} {'lower':>7} {'other':>8}")
-        for name, m in sorted(modules.items(), key=lambda kv: -kv[1]["wall"]) + [
-                ("TOTAL", {k: sum(m[k] for m in modules.values()) for k in ("wall", "compile", "trace", "lower")})]:
+        for name, m in sorted(modules.items(), key=lambda kv: -kv[1]["wall"]) + [("TOTAL", total)]:
             other = m["wall"] - m["compile"] - m["trace"] - m["lower"]
             write(f"{name:<28} {m['wall']:8.1f} {m['compile']:8.1f} {m['trace']:7.1f} {m['lower']:7.1f} {other:8.1f}")
