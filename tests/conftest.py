@@ -148,12 +148,14 @@ if _PROFILE:
     _COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
                        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
                        "/jax/core/compile/backend_compile_duration": "compile"}
-    _COLUMNS = ("wall", "compile", "trace", "lower")  # "other" = wall minus the rest
+    _COLUMNS = ("wall", "compile", "trace", "lower", "programs")  # "other" = wall minus the seconds
     _seconds: dict[str, float] = {}  # this test's seconds per _COMPILE_EVENTS kind
 
     def _on_duration(event: str, duration: float, **_):
         if event in _COMPILE_EVENTS:
             _seconds[_COMPILE_EVENTS[event]] = _seconds.get(_COMPILE_EVENTS[event], 0.0) + duration
+            if event.endswith("backend_compile_duration"):
+                _seconds["programs"] = _seconds.get("programs", 0) + 1
 
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
@@ -189,7 +191,8 @@ if _PROFILE:
                 m[k] += r.get(k, 0.0)
         total = {k: sum(m[k] for m in modules.values()) for k in _COLUMNS}
         write = terminalreporter.write_line
-        write(f"{'module':<28} {'wall s':>8} {'compile':>8} {'trace':>7} {'lower':>7} {'other':>8}")
+        write(f"{'module':<28} {'wall s':>8} {'compile':>8} {'trace':>7} {'lower':>7} {'other':>8} {'programs':>8}")
         for name, m in sorted(modules.items(), key=lambda kv: -kv[1]["wall"]) + [("TOTAL", total)]:
             other = m["wall"] - m["compile"] - m["trace"] - m["lower"]
-            write(f"{name:<28} {m['wall']:8.1f} {m['compile']:8.1f} {m['trace']:7.1f} {m['lower']:7.1f} {other:8.1f}")
+            write(f"{name:<28} {m['wall']:8.1f} {m['compile']:8.1f} {m['trace']:7.1f} {m['lower']:7.1f} {other:8.1f}"
+                  f" {m['programs']:8.0f}")

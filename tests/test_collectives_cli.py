@@ -11,12 +11,10 @@ halves compile time and leaves the collectives unchanged; see DESIGN.md.)
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from cli import cached_env
+from cli import run
 from twinshard import topology
 
 TPU = topology.libtpu_installed()
@@ -57,9 +55,7 @@ def runs(tmp_path_factory):
     # last (texts[-1]): pipeline + FSDP, tiny's 2 layers on 2 stages, each data shard's 2 rows in 2 micro-batches
     argvs.append(["--strategy=pp_fsdp", "--impl=manual", "--preset=tiny", "--mesh=stage:2,data:4",
                   "--microbatches=2", f"--json={out}/pp_fsdp.json"])
-    env = cached_env(XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = run("-c", DRIVER, json.dumps(argvs), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     texts = proc.stdout.split("=== end of run")[:-1]
     assert len(texts) == len(argvs), proc.stdout[-3000:]

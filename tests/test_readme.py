@@ -12,6 +12,9 @@ What the test changes, and why (each variant only adds flags; absl keeps the las
   `--strategies=single` instead of all four strategies x both twins (each run compiles its
   own step; tests/test_bench.py runs the strategies), with a 512^3 peak matmul timed 3 times
   (twenty 2048^3 ones took 7 of its 27 s on a 2-core VM); the tp comparison runs `--steps=3`;
+  the samplers write 20 tokens, not 200 (the small model's 200 took ~6 s: without a KV cache
+  each token runs the whole 128-token window); the named mutant runs without the unmutated
+  baseline pass (`--no-baseline`: its selection runs once, not twice; ~12 s);
 - HOME is a scratch directory, so the token cache (~/.cache/twinshard) is too;
 - `corpus.txt` (the BPE example's "any UTF-8 text") is the first 300 kB of the
   embedded Shakespeare corpus.
@@ -40,7 +43,7 @@ UV_PREFIX = re.compile(r"^(pip install uv && )?uv run( --locked)?( --extra tpu)?
 VARIANTS = {
     "pip install uv && uv run --locked python -m launch.train --preset=small --workdir=runs/small":
         ["--steps=4", "--stop_after=2"],
-    'uv run python -m launch.sample --workdir=runs/small --prompt="ROMEO:"': [],
+    'uv run python -m launch.sample --workdir=runs/small --prompt="ROMEO:"': ["--max_new_tokens=20"],
     "uv run python -m launch.train --preset=small --workdir=runs/small --resume": ["--steps=4"],
     "uv run python -m launch.train --preset=tiny --strategy=fsdp_tp --impl=manual --mesh=data:2,tensor:4 "
     "--workdir=runs/ftp": [],
@@ -54,7 +57,7 @@ VARIANTS = {
     "uv run python -m twinshard.bpe --input corpus.txt --vocab_size 512 --out corpus512.tiktoken": [],
     "uv run python -m launch.train --preset=tiny --data=corpus.txt --tokenizer=corpus512.tiktoken "
     "--workdir=runs/bpe": [],
-    'uv run python -m launch.sample --workdir=runs/bpe --prompt="ROMEO:"': [],
+    'uv run python -m launch.sample --workdir=runs/bpe --prompt="ROMEO:"': ["--max_new_tokens=20"],
     "uv run python -m launch.train --preset=tiny --dtype=bfloat16 --workdir=runs/bf16": ["--steps=4"],
     "uv run python -m launch.train --preset=tiny --strategy=fsdp --impl=manual --devices=4 --remat=full "
     "--grad_accum=2 --optimizer=adafactor --workdir=runs/scale": ["--steps=4"],
@@ -64,7 +67,7 @@ VARIANTS = {
     "uv run python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4": [],
     "uv run python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16": [],
     "uv run python tools/mutate.py --list": [],
-    "uv run python tools/mutate.py --only adamw-betas-swapped": [],
+    "uv run python tools/mutate.py --only adamw-betas-swapped": ["--no-baseline"],
 }
 NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test suite itself"}
 

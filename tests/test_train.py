@@ -7,6 +7,7 @@ import pathlib
 import pytest
 from absl import flags
 
+from cli import assert_user_error, run
 from launch import train
 
 FLAGS = flags.FLAGS
@@ -214,19 +215,12 @@ def greedy(params, cfg, prompt: str, n: int) -> str:
 def test_sample_uses_the_checkpoint_weights(strategies_run):
     """launch.sample on ONE device (its own process) from a checkpoint written on 8 (dp/auto):
     its greedy text equals a greedy decode of the restored params, and differs from a fresh init's."""
-    import subprocess
-    import sys
-
     from twinshard.checkpoint import Checkpointer
     from twinshard.config import preset
     from twinshard.trainer import SingleDevice, create_params
 
-    from cli import cached_env
-
-    env = cached_env(XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "launch.sample", f"--workdir={strategies_run}",
-                           "--prompt=ROMEO:", "--max_new_tokens=12", "--temperature=0"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = run("-m", "launch.sample", f"--workdir={strategies_run}", "--prompt=ROMEO:", "--max_new_tokens=12",
+               "--temperature=0", timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     cfg = preset("tiny")
     state, _ = Checkpointer(os.path.join(strategies_run, "checkpoints"), create=False).restore(
@@ -240,7 +234,6 @@ def test_corrupt_checkpoint_on_the_command_line_is_a_few_lines(full_run, tmp_pat
     """launch.sample and launch.train --resume on a checkpoint with cut array files: a short
     message naming the step and the file, no traceback or Orbax/asyncio noise (it used to be
     150-290 lines ending in 'Event loop is closed'); the checkpoint is left as it was."""
-    from cli import assert_user_error, run
 
     workdir = corrupt_copy(full_run, tmp_path_factory,
                            lambda p: p.write_bytes(p.read_bytes()[:100]) if p.parent.match("ocdbt.process_*/d") else None)
