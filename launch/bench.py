@@ -518,15 +518,11 @@ def main(argv):
     common.default_platform()
     if any(s != "single" for s in FLAGS.strategies):
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
-    import jax
+    from twinshard import compile_cache
 
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # time real compiles, not cache reads
-    try:
+    with compile_cache.disabled():  # time real compiles, not cache reads
         doc = run(FLAGS.preset, cfg, FLAGS.strategies, FLAGS.impls, meshes, FLAGS.steps or DEFAULT_STEPS,
                   FLAGS.warmup, FLAGS.matmul_size, FLAGS.matmul_reps, "python -m launch.bench " + " ".join(argv_flags()))
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cache)
     print(write_outputs(doc, FLAGS.json, FLAGS.markdown))
     return 0
 

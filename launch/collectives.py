@@ -106,7 +106,8 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
                                   sharding=runner.batch_sharding)
     state = runner.abstract_state()
     t0 = time.perf_counter()
-    compiled = runner.train_step.lower(state, tokens, tokens).compile()
+    lowered = runner.train_step.lower(state, tokens, tokens)
+    compiled = lowered.compile() if devices is None else topology.compile_for_pod(lowered)  # devices: a pod's
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     led = hlo.ledger(text, runner.mesh)
@@ -204,10 +205,7 @@ def main(argv):
     if FLAGS.topology:
         import jax
 
-        devices = _topology_devices(FLAGS.topology)
-        # JAX writes compile-only TPU executables to a persistent cache (if one is set) but
-        # cannot read them back: a warning and a recompile. Do not write them.
-        jax.config.update("jax_enable_compilation_cache", False)
+        devices = _topology_devices(FLAGS.topology)  # compiled without the persistent cache: compile_for_pod
     else:
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     res = collectives(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)

@@ -455,14 +455,11 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
 
 def compile_best(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
     """Compile the plan's manual train step for the TPU slice; text and JSON-ready numbers."""
-    import jax
-
     from launch import collectives
     from twinshard import topology
 
     topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
     devices = topology.devices(topo.name)
-    jax.config.update("jax_enable_compilation_cache", False)  # compile-only TPU executables do not read back
     res = collectives.collectives(plan.strategy, "manual", plan.mesh_text(), cfg, devices)
     ma = res["memory"]["analysis"]
     peak = (ma["argument_size_in_bytes"] + ma["output_size_in_bytes"] - ma["alias_size_in_bytes"]

@@ -68,11 +68,8 @@ def pod():
 
 @pytest.fixture(scope="module")
 def step(pod):
-    """name -> Step, each compiled once for the whole module.
-
-    The persistent compilation cache (conftest) is off meanwhile: JAX writes compile-only TPU
-    executables to it but cannot read them back ('PjRtCompiler must be constructed with a
-    Client to call DeserializeLoadedExecutable': a warning and a recompile)."""
+    """name -> Step, each compiled once for the whole module (topology.compile_for_pod: without
+    the persistent compilation cache, which cannot read compile-only TPU executables back)."""
     import auto_parallel
     import manual_parallel
 
@@ -90,16 +87,13 @@ def step(pod):
             tokens = jax.ShapeDtypeStruct((batch, cfg.model.context_length), jax.numpy.int32,
                                           sharding=runner.batch_sharding)
             state = runner.abstract_state()
-            compiled = runner.train_step.lower(state, tokens, tokens).compile()
+            compiled = topology.compile_for_pod(runner.train_step.lower(state, tokens, tokens))
             done[name] = Step(cfg, strategy, mesh, runner, state, tokens, compiled,
                               hlo.ledger(compiled.as_text(), runner.mesh),
                               cost.cost(cfg.model, strategy, mesh, batch, cfg.model.context_length))
         return done[name]
 
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield get
-    jax.config.update("jax_enable_compilation_cache", cache)
+    return get
 
 
 @needs_libtpu
@@ -245,3 +239,4 @@ def test_bad_topology_name_is_a_clear_error(monkeypatch):
 def test_bad_host_bounds_are_a_clear_error():
     with pytest.raises(ValueError, match=r"rejected by libtpu.*1,1,1 always divides"):
         topology.devices("v5e:4x4", (3, 3, 1))
+

@@ -140,6 +140,17 @@ def _quiet_libtpu_load():
             os.close(saved)
 
 
+def compile_for_pod(lowered):
+    """`lowered.compile()` for a topology's devices, with JAX's persistent compilation cache off:
+    JAX 0.12 writes a compile-only TPU executable to the cache and cannot read it back (no TPU
+    client to load it into; twinshard/compile_cache.py), so the entry is dead weight on disk
+    and a warning plus a recompile in every later run."""
+    from twinshard import compile_cache
+
+    with compile_cache.disabled():
+        return lowered.compile()
+
+
 def mesh_devices(shape: Mapping[str, int], devs: Sequence[Any]) -> list:
     """`devs` ordered for a ('data', 'tensor') mesh of `shape` by `mesh_utils` (neighbours on
     the fast ICI links), flattened row-major: pass it as `make_runner(..., devices=...)`.
