@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -63,6 +64,17 @@ def _zygote_may_run(environ: dict[str, str]) -> bool:
     return jax_vars(environ) == jax_vars(env())
 
 
+def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """A failed run that says what is wrong in a few lines of stderr, without a traceback."""
+    err = proc.stderr
+    assert proc.returncode != 0, (proc.stdout[-2000:], err[-2000:])
+    assert "Traceback" not in err and "Event loop" not in err, err[-3000:]
+    assert len(err.strip().splitlines()) <= 4, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
 class _Zygote:
     """tests/zygote.py, started on first use (one per test process) with env()."""
 
@@ -76,39 +88,121 @@ class _Zygote:
 
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], cwd=ROOT, env=env(),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._buffer, self.exits = b"", {}  # exits: pid -> exit code, as the zygote reports them
         assert self._line(120) == "ready", "tests/zygote.py did not start"
         atexit.register(self.proc.kill)
 
     def _line(self, timeout: float) -> str | None:
         """The zygote's next reply line, or None after `timeout` seconds."""
-        if not select.select([self.proc.stdout], [], [], max(timeout, 0))[0]:
-            return None
-        return self.proc.stdout.readline().strip()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            if not select.select([self.proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                raise RuntimeError("tests/zygote.py exited")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def _pump(self, timeout: float) -> str | None:
+        """Read one reply line (an exit report is filed in self.exits); None after `timeout` s."""
+        line = self._line(timeout)
+        if line is not None and line.startswith("exit "):
+            _, pid, code = line.split()
+            self.exits[int(pid)] = int(code)
+        return line
+
+    def start(self, argv: list[str], cwd: pathlib.Path, environ: dict[str, str], stdout: pathlib.Path,
+              stderr: pathlib.Path) -> int:
+        request = {"argv": argv, "cwd": str(cwd), "env": environ, "stdout": str(stdout), "stderr": str(stderr)}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        while not (line := self._pump(60) or "").startswith("pid "):
+            if not line:
+                raise RuntimeError("tests/zygote.py did not start the command")
+        return int(line.removeprefix("pid "))
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        """pid's exit code, or None if it still runs after `timeout` seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.exits:
+            left = 3600.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._pump(left)
+        return self.exits[pid]
 
     def run(self, argv: list[str], cwd: pathlib.Path, timeout: float, environ: dict[str, str]):
-        with tempfile.TemporaryDirectory() as d:
-            out, err = pathlib.Path(d, "stdout"), pathlib.Path(d, "stderr")
-            request = {"argv": argv, "cwd": str(cwd), "env": environ, "stdout": str(out), "stderr": str(err)}
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            pid = int(self._line(60).removeprefix("pid "))
-            status = self._line(timeout)
-            if status is None:  # the child's whole session: a launcher's own subprocesses too
-                os.killpg(pid, signal.SIGKILL)
-                self._line(60)
-                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_text(), err.read_text())
-            code = int(status.removeprefix("exit "))
-            return subprocess.CompletedProcess([sys.executable, *argv], code, out.read_text(errors="replace"),
-                                               err.read_text(errors="replace"))
+        child = Child(argv, cwd, environ, self)
+        try:
+            out, err = child.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            raise
+        return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
-def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """A failed run that says what is wrong in a few lines of stderr, without a traceback."""
-    err = proc.stderr
-    assert proc.returncode != 0, (proc.stdout[-2000:], err[-2000:])
-    assert "Traceback" not in err and "Event loop" not in err, err[-3000:]
-    assert len(err.strip().splitlines()) <= 4, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    return err
+class Child:
+    """A command forked by the zygote, with the part of subprocess.Popen's interface the tests
+    use: pid, returncode, poll(), wait(), kill(), communicate(), and `stdout` read line by
+    line while the child writes it."""
+
+    def __init__(self, argv: list[str], cwd: pathlib.Path, environ: dict[str, str], zygote: _Zygote):
+        self._dir = tempfile.TemporaryDirectory()
+        self._out, self._err = pathlib.Path(self._dir.name, "stdout"), pathlib.Path(self._dir.name, "stderr")
+        self.args, self._zygote, self.returncode = [sys.executable, *argv], zygote, None
+        self.pid = zygote.start(argv, cwd, environ, self._out, self._err)
+
+    def poll(self) -> int | None:
+        return self.wait(0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.wait(self.pid, timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL to the child's session (a launcher's own subprocesses too)."""
+        if self.returncode is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        if self.wait(timeout) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout, self._read(self._out), self._read(self._err))
+        return self._read(self._out), self._read(self._err)
+
+    @staticmethod
+    def _read(path: pathlib.Path) -> str:
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    @property
+    def stdout(self):
+        """Its stdout, line by line as written, until it ends."""
+        with open(self._out, errors="replace") as f:
+            partial = ""
+            while True:
+                partial += f.readline()
+                if partial.endswith("\n"):
+                    yield partial
+                    partial = ""
+                elif self.poll() is not None:
+                    rest = partial + f.read()
+                    yield from rest.splitlines(keepends=True)
+                    return
+                else:
+                    time.sleep(0.02)
+
+
+def spawn(*argv: str, environ: dict[str, str], cwd=ROOT) -> "Child | subprocess.Popen":
+    """`python ARGV...` started in the background (stdout and stderr captured, as text): a Child
+    of the zygote where run() would fork, else a subprocess.Popen."""
+    if _zygote_may_run(environ):
+        return Child(list(argv), pathlib.Path(cwd), environ, _Zygote.get())
+    return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)

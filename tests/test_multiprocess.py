@@ -5,13 +5,11 @@ one process dies, the other stops within seconds with one line (launch/distribut
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from cli import cached_env
+from cli import cached_env, run, spawn
 from launch import distributed
 from test_train import metrics, run_train
 
@@ -26,12 +24,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, port: int, process_id: int, *args: str) -> subprocess.Popen:
-    """One process of a 2-process tiny fsdp/manual run of launch.train."""
-    cmd = [sys.executable, "-m", "launch.train", "--preset=tiny", "--strategy=fsdp", "--impl=manual",
-           "--devices=4", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-           f"--process_id={process_id}", f"--cache_dir={tmp_path / 'cache'}", *args]
-    return subprocess.Popen(cmd, env=_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _launch(tmp_path, port: int, process_id: int, *args: str):
+    """One process of a 2-process tiny fsdp/manual run of launch.train (cli.spawn: forked from
+    the pre-imported zygote, like every launcher process of the suite; a Popen-like object)."""
+    return spawn("-m", "launch.train", "--preset=tiny", "--strategy=fsdp", "--impl=manual", "--devices=4",
+                 f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={process_id}",
+                 f"--cache_dir={tmp_path / 'cache'}", *args, environ=_ENV)
 
 
 def test_two_processes_train_one_mesh_like_a_single_device(tmp_path, tmp_path_factory):
@@ -99,8 +97,7 @@ def test_an_unreachable_coordinator_fails_after_init_timeout(tmp_path):
 def test_distributed_without_a_cluster_says_what_to_pass(tmp_path):
     code = ("import sys; from launch import distributed as d; "
             "d.initialize(d.Run(None, None, None, 5, 10, sys.argv[1] + '/logs/p.log'), sys.argv[1] + '/logs')")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=_ENV, capture_output=True, text=True,
-                          timeout=120)
+    proc = run("-c", code, str(tmp_path), timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.splitlines()[-1] == (
         "ValueError: --distributed found no cluster to join (TPU pod, SLURM, Open MPI); elsewhere pass "
@@ -166,8 +163,7 @@ os.abort()
 @pytest.mark.parametrize("native", [_LOST_LEADER, "F1130 pass.cc:12] Check failed: x == y\n"])
 def test_abort_handler_replaces_a_coordination_abort_only(tmp_path, native):
     log = tmp_path / "process1.log"
-    proc = subprocess.run([sys.executable, "-c", _ABORT, str(log), native], env=_ENV, capture_output=True,
-                          text=True, timeout=120)
+    proc = run("-c", _ABORT, str(log), native, timeout=120)
     assert log.read_text() == native  # the C++ text went to the log, not the terminal
     expected = distributed.verdict(native, distributed.Run("h:1", 2, 1, 300, 10, str(log), joined=True))
     if expected:

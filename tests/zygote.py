@@ -1,9 +1,10 @@
 """A Python that has imported jax, flax, optax and orbax once and forks a child per command.
 
-tests/cli.py `run()` sends it one JSON request per line on stdin ({"argv", "cwd", "env",
-"stdout", "stderr"}) and reads back two lines: "pid N" when the child starts, "exit CODE"
-when it ends (CODE as subprocess reports it: negative for a signal). The child is what
-`python ARGV...` would be, minus the imports already done:
+tests/cli.py sends it one JSON request per line on stdin ({"argv", "cwd", "env", "stdout",
+"stderr"}); it forks at once and answers "pid N", and "exit N CODE" whenever child N ends
+(CODE as subprocess reports it: negative for a signal), so several children may run at once
+(test_multiprocess's two processes of one run). The child is what `python ARGV...` would be,
+minus the imports already done:
 
 - the process: its own session (cli.py kills the group on a timeout), cwd, the request's
   environment in full, stdin /dev/null, fds 1 and 2 on the request's files;
@@ -27,8 +28,10 @@ Measured (2-core VM): the imports cost ~2.8 s of CPU per launcher process; the s
 
 import json
 import os
+import select
 import sys
 import tempfile
+import time
 import warnings
 
 PRELOAD = ("numpy", "jax", "jax.numpy", "flax.nnx", "optax", "orbax.checkpoint", "absl.app", "absl.flags",
@@ -114,22 +117,39 @@ def _child(request: dict, import_stderr: bytes) -> None:
         os._exit(code & 0xFF)  # as the OS keeps it (SystemExit(-1) -> 255)
 
 
+_children: set[int] = set()  # pids of the running children
+
+
 def main() -> None:
     import_stderr = _preload()
     # OpenBLAS's one worker thread makes Python warn at every fork (see the module docstring).
     warnings.filterwarnings("ignore", message=r"This process .* is multi-threaded", category=DeprecationWarning)
     reply = sys.stdout
     print("ready", file=reply, flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _child(request, import_stderr)
-        print(f"pid {pid}", file=reply, flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(f"exit {os.waitstatus_to_exitcode(status)}", file=reply, flush=True)
+    requests = sys.stdin.buffer.raw  # unbuffered: select() below sees every line that arrives
+    pending, open_ = b"", True
+    while open_ or _children:
+        if open_ and select.select([requests], [], [], 0.02)[0]:
+            chunk = os.read(requests.fileno(), 1 << 20)
+            open_ = bool(chunk)
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(json.loads(line), import_stderr)
+                _children.add(pid)
+                print(f"pid {pid}", file=reply, flush=True)
+        elif not open_:
+            time.sleep(0.02)
+        for pid in list(_children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                _children.discard(pid)
+                print(f"exit {pid} {os.waitstatus_to_exitcode(status)}", file=reply, flush=True)
+
 
 
 if __name__ == "__main__":
