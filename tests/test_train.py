@@ -109,6 +109,13 @@ def corrupt_copy(full_run, tmp_path_factory, damage) -> str:
     return str(workdir)
 
 
+# Three failed restores in one process: an Orbax read coroutine abandoned by one failure can be
+# finalized by the garbage collector during the NEXT restore (measured in CI, 2026-12-02:
+# corrupt1's coroutine during corrupt2's), where pytest's unraisable-exception hook reports it.
+# In a launcher there is one restore per process, and twinshard/checkpoint.py drops what such
+# finalizers print (test_corrupt_checkpoint_on_the_command_line_is_a_few_lines checks the CLI).
+@pytest.mark.filterwarnings("ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
+                            ":pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_checkpoint_is_a_clear_error(full_run, tmp_path_factory):
     # garbage everywhere: a JSON metadata file is named; truncated array data: the array and its file
     garbage = corrupt_copy(full_run, tmp_path_factory, lambda p: p.write_bytes(b"garbage"))

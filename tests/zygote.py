@@ -96,8 +96,8 @@ def _child(request: dict, import_stderr: bytes) -> None:
         code = _exit_code(e)
     except BaseException as e:  # noqa: BLE001  (as the interpreter does with an uncaught exception)
         tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-            tb = tb.tb_next  # the traceback starts at the program, not here
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+            tb = tb.tb_next  # it starts at the program (`python -m` would show 2 runpy frames)
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         code = 1
     try:  # interpreter exit: join non-daemon threads, then the atexit handlers

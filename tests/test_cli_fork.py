@@ -1,0 +1,69 @@
+"""tests/cli.py's forked commands (tests/zygote.py) behave as a fresh `python ARGV...` does:
+the same exit code, stdout and stderr for what a program can observe of its start and end."""
+
+import subprocess
+import sys
+
+import pytest
+
+import cli
+
+PROGRAM = r"""
+import atexit, os, sys, tempfile, threading, time
+print("argv", sys.argv[1:], "path0", repr(sys.path[0]), "cwd", os.getcwd() == sys.argv[1])
+print("env", os.environ.get("TWINSHARD_FORK_CHECK"), "tmp", tempfile.gettempdir() == sys.argv[1])
+print("stdin", repr(sys.stdin.read()))
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined", flush=True))).start()
+mode = sys.argv[2]
+if mode == "exit":
+    sys.exit(3)
+if mode == "message":
+    sys.exit("a message")
+if mode == "raise":
+    raise ValueError("boom")
+print("done")
+"""
+
+
+def fresh(argv, tmp_path):
+    return subprocess.run([sys.executable, *argv], cwd=tmp_path, env=cli.env(**extra(tmp_path)),
+                          capture_output=True, text=True, timeout=60)
+
+
+def extra(tmp_path) -> dict[str, str]:
+    return {"TWINSHARD_FORK_CHECK": "yes", "TMPDIR": str(tmp_path)}
+
+
+@pytest.mark.parametrize("mode", ["ok", "exit", "message", "raise"])
+def test_a_forked_program_sees_what_a_fresh_python_sees(tmp_path, mode):
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    for argv in (["-c", PROGRAM, str(tmp_path), mode], [str(script), str(tmp_path), mode]):
+        forked = cli.run(*argv, cwd=tmp_path, timeout=60, **extra(tmp_path))
+        want = fresh(argv, tmp_path)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (want.returncode, want.stdout, want.stderr)
+    assert forked.returncode == {"ok": 0, "exit": 3, "message": 1, "raise": 1}[mode]
+    assert "thread joined" in forked.stdout and "atexit ran" in forked.stdout
+
+
+def test_a_module_runs_as_main_with_the_cwd_first_on_the_path(tmp_path):
+    (tmp_path / "probe_module.py").write_text("import sys\nprint(__name__, sys.argv[0].endswith('probe_module.py'), "
+                                              "repr(sys.path[0]))\n")
+    forked = cli.run("-m", "probe_module", cwd=tmp_path)
+    want = fresh(["-m", "probe_module"], tmp_path)
+    assert forked.stdout == want.stdout == f"__main__ True {str(tmp_path)!r}\n"
+
+
+def test_a_jax_variable_gets_a_fresh_python():
+    assert cli._zygote_may_run(cli.env())
+    assert not cli._zygote_may_run(cli.env(JAX_LOG_COMPILES="1"))  # jax reads JAX_* at import
+
+
+def test_a_command_past_its_timeout_is_killed_with_its_children(tmp_path):
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(60)']); print('started', flush=True); time.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired) as err:
+        cli.run("-c", code, cwd=tmp_path, timeout=2)
+    assert err.value.output == "started\n"
+    assert cli.run("-c", "print('next')").stdout == "next\n"  # the zygote still serves
