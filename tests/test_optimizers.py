@@ -1,8 +1,9 @@
-"""--optimizer=adafactor|lion|sgd (twinshard/optim.py) in every strategy x twin.
+"""--optimizer=adafactor|lion|sgd (twinshard/optim.py) in both twins.
 
 - Adafactor written out with injectable block means equals optax.adafactor on one device.
 - SGD and Lion follow their formulas (NumPy), as make_optimizer configures them.
-- Both twins train like single device (Adafactor: every strategy; Lion, SGD: fsdp_tp);
+- Both twins train like single device (on fsdp_tp, whose state is split over both axes;
+  the other strategies' placement is checked abstractly, see CASES);
   the placed optimizer state carries the shardings derived from each param's logical
   axes and the dims each leaf keeps.
 - state_specs matches the abstract state for every strategy, also where Adafactor
@@ -249,14 +250,16 @@ def expected_adafactor_specs(strategy: str) -> dict[str, tuple]:
             for param, fields in ADAFACTOR_AXES.items() for field, axes in fields.items()}
 
 
-# Adafactor where its manual twin's block means need a pmean: tp (the largest dim of each
-# matrix split over tensor) and fsdp_tp (split over data and tensor: row, column and whole-param
-# means over different axes), both twins. dp and fsdp ran and passed too (2.4e-7); they pmean
-# over fewer axes than fsdp_tp and were cut for suite time (4 cold compiles, ~33 s of CPU;
-# their state placement is still checked abstractly by test_state_specs_*). Lion and SGD are
+# Adafactor where its manual twin's block means need a pmean: fsdp_tp (each matrix split over
+# data and tensor: row, column and whole-param means over different axes), both twins. dp, fsdp
+# and tp ran and passed too (2.4e-7); they pmean over fewer axes than fsdp_tp (tp: the tensor
+# axis alone, which fsdp_tp splits the same dims over) and were cut for suite time (6 cold
+# compiles, ~63 s of CPU; tp on 2026-12-02, after its mutants were seen caught by fsdp_tp:
+# adafactor-row-mean-local, -block-mean-first-dim-axes, -stats-swapped, -stat-on-wrong-axis);
+# their state placement is still checked abstractly by test_state_specs_*. Lion and SGD are
 # elementwise (nothing strategy-specific but their state's placement): fsdp_tp only, whose
 # state is split over both axes.
-CASES = ([("adafactor", s, k) for s in ("tp", "fsdp_tp") for k in TWINS]
+CASES = ([("adafactor", "fsdp_tp", k) for k in TWINS]
          + [(o, "fsdp_tp", k) for o in ("lion", "sgd") for k in TWINS])
 
 
