@@ -107,7 +107,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     state = runner.abstract_state()
     t0 = time.perf_counter()
     lowered = runner.train_step.lower(state, tokens, tokens)
-    compiled = lowered.compile() if devices is None else topology.compile_for_pod(lowered)  # devices: a pod's
+    compiled = lowered.compile() if devices is None else topology.compile_for_pod(lowered)  # a TPU pod's devices
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     led = hlo.ledger(text, runner.mesh)
@@ -203,9 +203,7 @@ def main(argv):
     common.check_output_path(FLAGS.hlo, "hlo")
     devices = None
     if FLAGS.topology:
-        import jax
-
-        devices = _topology_devices(FLAGS.topology)  # compiled without the persistent cache: compile_for_pod
+        devices = _topology_devices(FLAGS.topology)
     else:
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     res = collectives(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)

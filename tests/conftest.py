@@ -152,9 +152,9 @@ if _PROFILE:
     _seconds: dict[str, float] = {}  # this test's seconds per _COMPILE_EVENTS kind
 
     def _on_duration(event: str, duration: float, **_):
-        if event in _COMPILE_EVENTS:
-            _seconds[_COMPILE_EVENTS[event]] = _seconds.get(_COMPILE_EVENTS[event], 0.0) + duration
-            if event.endswith("backend_compile_duration"):
+        if kind := _COMPILE_EVENTS.get(event):
+            _seconds[kind] = _seconds.get(kind, 0.0) + duration
+            if kind == "compile":  # one backend compile per program
                 _seconds["programs"] = _seconds.get("programs", 0) + 1
 
     jax.monitoring.register_event_duration_secs_listener(_on_duration)

@@ -10,7 +10,6 @@ halves compile time and leaves the collectives unchanged; see DESIGN.md.)
 """
 
 import json
-import os
 
 import pytest
 
@@ -18,7 +17,6 @@ from cli import run
 from twinshard import topology
 
 TPU = topology.libtpu_installed()
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = r"""
 import json, sys
 from absl import flags

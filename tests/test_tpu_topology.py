@@ -239,4 +239,3 @@ def test_bad_topology_name_is_a_clear_error(monkeypatch):
 def test_bad_host_bounds_are_a_clear_error():
     with pytest.raises(ValueError, match=r"rejected by libtpu.*1,1,1 always divides"):
         topology.devices("v5e:4x4", (3, 3, 1))
-

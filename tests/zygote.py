@@ -84,10 +84,11 @@ def _child(request: dict, import_stderr: bytes) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], write), (2, request["stderr"], write)):
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)  # fds 0-2 only, as a fresh process has
     os.write(2, import_stderr)
     code = 0
     try:
@@ -149,7 +150,6 @@ def main() -> None:
             if done:
                 _children.discard(pid)
                 print(f"exit {pid} {os.waitstatus_to_exitcode(status)}", file=reply, flush=True)
-
 
 
 if __name__ == "__main__":
