@@ -180,6 +180,14 @@ def _median_time(fn, reps: int, inner: int = 1) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
+def p25(times: list[float]) -> float:
+    """The 25th percentile of `times`, between its min and max. statistics.quantiles' default
+    ("exclusive") extrapolates below the smallest sample when there are few: of 2 times
+    [a, b] it is (5a - b) / 4, negative once b > 5a (a CI run on a loaded machine: a matmul
+    peak of -24 GFLOP/s)."""
+    return statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]
+
+
 def matmul_peak(dtype: str, n: int, reps: int, device) -> dict[str, Any]:
     """FLOP/s of a jitted [n,n]x[n,n] matmul at JAX's default precision on `device`
     (random inputs, three pairs in rotation; median of `reps`)."""
@@ -196,7 +204,7 @@ def matmul_peak(dtype: str, n: int, reps: int, device) -> dict[str, Any]:
     # The peak is the rate of an undisturbed matmul: the 25th percentile of the times. Measured on
     # this project's 2-core VM: one process's medians of 10 moved 65-105 GFLOP/s within a minute
     # (neighbours' bursts), which made "% of peak" read up to 100% for a step that had not changed.
-    fast = statistics.quantiles(times, n=4)[0] if len(times) > 1 else times[0]
+    fast = p25(times)
     return {"dtype": dtype, "n": n, "reps": reps, "inner": inner, "median_s": med, "p25_s": fast,
             "flops_per_s": 2 * n ** 3 / fast, "flops_per_s_median": 2 * n ** 3 / med, "times_s": times}
 

@@ -153,6 +153,11 @@ class Child:
     def __init__(self, argv: list[str], cwd: pathlib.Path, environ: dict[str, str], zygote: _Zygote):
         self._dir = tempfile.TemporaryDirectory()
         self._out, self._err = pathlib.Path(self._dir.name, "stdout"), pathlib.Path(self._dir.name, "stderr")
+        # Created here, not only by the child: the zygote answers "pid N" right after fork(), before
+        # the child has opened them, and `stdout` may read at once (a CI run on a loaded 2-core
+        # machine: FileNotFoundError in test_multiprocess). The child truncates them: still empty.
+        self._out.touch()
+        self._err.touch()
         self.args, self._zygote, self.returncode = [sys.executable, *argv], zygote, None
         self.pid = zygote.start(argv, cwd, environ, self._out, self._err)
 

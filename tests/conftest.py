@@ -129,7 +129,9 @@ def pytest_sessionstart(session):
 # writes FILE (JSON lines, one per test). Launcher subprocesses are not traced: their time is in
 # "other". Measured with it (2-core EPYC VM, cold cache, 1831 worker-s in all, 2026-12-01):
 # backend compile 805 s, trace 209 s, lower 121 s; the subprocess modules (test_readme 328 s,
-# test_multiprocess 106 s, ...) ~600 s.
+# test_multiprocess 106 s, ...) ~600 s. Each row also lists the programs compiled cold
+# ("compiled": [jitted function, cache key suffix, seconds]); the launchers forked by
+# tests/zygote.py append theirs, one line per command, to FILE-launchers.jsonl.
 # Only the first pytest (the controller, which sets _OWNER to its pid) and its xdist workers (its
 # children) record: not a pytest that a test starts (tools/mutate.py's runs inherit the variables;
 # measured: such a run's summary merged and deleted the workers' files).
@@ -159,6 +161,10 @@ if _PROFILE:
 
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
+    from zygote import record_programs  # each cold compile: [jitted function, cache key suffix, seconds]
+
+    _programs = record_programs()
+
     def _parts() -> list[pathlib.Path]:
         """The per-process files FILE.gw0, FILE.gw1 (xdist) or FILE.main (-n0)."""
         return sorted(pathlib.Path(_PROFILE).parent.glob(pathlib.Path(_PROFILE).name + ".*"))
@@ -166,9 +172,10 @@ if _PROFILE:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         _seconds.clear()
+        _programs.clear()
         start = time.perf_counter()
         yield
-        row = {"test": item.nodeid, "wall": time.perf_counter() - start, **_seconds}
+        row = {"test": item.nodeid, "wall": time.perf_counter() - start, **_seconds, "compiled": list(_programs)}
         with pathlib.Path(f"{_PROFILE}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}").open("a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -176,6 +183,7 @@ if _PROFILE:
         if _IS_CONTROLLER:  # before it starts the workers
             for part in _parts():
                 part.unlink()
+            pathlib.Path(_PROFILE + "-launchers.jsonl").unlink(missing_ok=True)
 
     def pytest_terminal_summary(terminalreporter):
         if not _IS_CONTROLLER:

@@ -90,6 +90,7 @@ def _child(request: dict, import_stderr: bytes) -> None:
         os.dup2(opened, fd)
         os.close(opened)  # fds 0-2 only, as a fresh process has
     os.write(2, import_stderr)
+    record = _record_launcher(request["argv"]) if os.environ.get("TWINSHARD_SUITE_PROFILE") else None
     code = 0
     try:
         _main_program(request["argv"])
@@ -110,12 +111,49 @@ def _child(request: dict, import_stderr: bytes) -> None:
     except SystemExit as e:
         code = _exit_code(e)
     finally:
+        if record:
+            record()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001
                 pass
         os._exit(code & 0xFF)  # as the OS keeps it (SystemExit(-1) -> 255)
+
+
+def record_programs() -> list[list]:
+    """Record every cold backend compile of this process from now on, as [jitted function, cache
+    key suffix, seconds], in the list returned (tests/conftest.py's suite profile; a program that
+    two tests compile shows twice). jax._src.compiler._compile_and_write_cache is private (JAX
+    0.12.0.1): without it, nothing is recorded."""
+    from jax._src import compiler
+
+    programs: list[list] = []
+    compile_and_write = getattr(compiler, "_compile_and_write_cache", None)
+    if compile_and_write is None:
+        return programs
+
+    def recorded(backend, computation, devices, options, callbacks, module_name, cache_key):
+        t = time.perf_counter()
+        out = compile_and_write(backend, computation, devices, options, callbacks, module_name, cache_key)
+        programs.append([module_name, cache_key[-16:], round(time.perf_counter() - t, 3)])
+        return out
+
+    compiler._compile_and_write_cache = recorded
+    return programs
+
+
+def _record_launcher(argv: list[str]):
+    """The suite profile for a launcher: its compiles, appended at its end as one JSON line to
+    FILE-launchers.jsonl (FILE: TWINSHARD_SUITE_PROFILE)."""
+    start, programs = time.perf_counter(), record_programs()
+
+    def write():
+        row = {"argv": argv, "cwd": os.getcwd(), "wall": time.perf_counter() - start, "compiled": programs}
+        with open(os.environ["TWINSHARD_SUITE_PROFILE"] + "-launchers.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    return write
 
 
 _children: set[int] = set()  # pids of the running children
