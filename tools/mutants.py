@@ -865,4 +865,11 @@ MUTANTS: list[Mutant] = [
            "if isinstance(vocab_offset, int) and vocab_offset <= vocab_size:",
            (OPTIM, MODEL),
            "the padded logit columns are never masked: padding takes probability from every token"),
+    # --- a resumed single-device run compiles the fresh run's program
+    Mutant("single-init-uncommitted", "resume", "twinshard/trainer.py",
+           "functools.partial(init_state, self.model_cfg, self.tx, seed), out_shardings=self.sharding)()",
+           "functools.partial(init_state, self.model_cfg, self.tx, seed))()",
+           ("tests/test_train.py::test_a_resumed_single_device_run_runs_the_fresh_runs_program",),
+           "the single-device init leaves its state uncommitted: a restored (committed) state lowers "
+           "another train step, compiled again on every --resume"),
 ]
