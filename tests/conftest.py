@@ -68,9 +68,9 @@ UNGROUPED = {
 }
 # Modules that compile the same programs (same config and mesh) share one group, so they run one
 # after the other and the second loads the first's programs from the persistent cache.
-# Measured: test_memory's tiny train steps, test_remat's remat-none gradients and test_compare's dp
-# runners are all test_auto's or test_manual's programs (tests/runners.py's CFG).
-SHARED_GROUPS = {m: "test_twins" for m in ("test_auto", "test_manual", "test_memory", "test_remat", "test_compare",
+# Measured: test_memory's tiny train steps and test_remat's remat-none gradients are test_auto's
+# or test_manual's programs (tests/runners.py's CFG).
+SHARED_GROUPS = {m: "test_twins" for m in ("test_auto", "test_manual", "test_memory", "test_remat",
                                            "test_sequence")}  # test_sequence: test_manual's single and tp
 
 

@@ -106,15 +106,24 @@ def max_diff(a, b) -> float:
                zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def train_record(runner, cfg, steps: int) -> dict:
+def train_record(runner, cfg, steps: int, grads: bool = True) -> dict:
     """A runner's step-1 gradients, then the losses, reported grad norms and final params of
-    `steps` train steps on random_batches of `cfg`: what the twin tests compare with single device."""
+    `steps` train steps on random_batches of `cfg`: what the twin tests compare with single device.
+    grads=False: no step-1 gradients ("grads" is None), one program fewer to compile (the
+    separate loss_and_grads: ~3.5 s of CPU for the tiny model, measured). The suite's GSPMD
+    twins train without them: equal losses over the steps, equal reported norms and equal
+    params after AdamW steps leave a wrong gradient no place to hide but a per-leaf constant
+    scale (AdamW is scale-free per leaf), which changes the global norm; tests/test_auto.py
+    compares the dp/fsdp/tp/fsdp_tp GSPMD gradients themselves (an SGD step of lr 1)."""
     import jax
 
     batches = random_batches(cfg.train.batch_size, cfg.model.context_length, cfg.model.vocab_size, steps)
     state = runner.init_state(cfg.train.seed)
     init = jax.device_get(state.params)
-    grads = jax.device_get(runner.loss_and_grads(state.params, *runner.place_batch(*batches[0]))[1])
+    if grads:
+        grads = jax.device_get(runner.loss_and_grads(state.params, *runner.place_batch(*batches[0]))[1])
+    else:
+        grads = None
     losses, norms = [], []
     for x, y in batches:
         state, m = runner.train_step(state, *runner.place_batch(x, y))

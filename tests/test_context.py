@@ -43,13 +43,13 @@ def initial_state():
     return jax.device_get(SingleDevice(CFG.model, CFG.train).init_state(CFG.train.seed))
 
 
-def record(runner):
+def record(runner, grads: bool = True):
     """reference.train_record, starting from `initial_state` placed in the runner's shardings: a
     transfer instead of one more cold compile per runner (the sharded init, PlacedRunner's, is
     the same code for every strategy and tested in test_manual / test_auto)."""
     where = getattr(runner, "state_shardings", None)  # None: single device
     runner.init_state = lambda seed: jax.device_put(initial_state(), where)
-    return reference.train_record(runner, CFG, STEPS)
+    return reference.train_record(runner, CFG, STEPS, grads)
 
 
 @functools.cache
@@ -63,7 +63,7 @@ def twin(impl: str, strategy: str, grad_accum: int = 1):
     n = math.prod(int(p.split(":")[1]) for p in mesh.split(","))
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
     cfg = Config(CFG.model, dataclasses.replace(CFG.train, grad_accum=grad_accum))
-    return record(make(strategy, mesh, cfg, devices=jax.devices()[:n]))
+    return record(make(strategy, mesh, cfg, devices=jax.devices()[:n]), grads=impl == "manual")  # see reference
 
 
 def compiled_ledger(impl: str, strategy: str, grad_accum: int = 1) -> hlo.Ledger:
@@ -143,13 +143,15 @@ def test_ring_attention_equals_full_attention(layout):
 @pytest.mark.parametrize("strategy", list(MESHES))
 @pytest.mark.parametrize("impl", ["auto", "manual"])
 def test_context_parallel_matches_single_device(impl, strategy):
-    assert_matches_single_device(twin(impl, strategy))
+    assert_matches_single_device(twin(impl, strategy), grads=impl == "manual")
 
 
-def assert_matches_single_device(got):
+def assert_matches_single_device(got, grads: bool):
+    """grads=False for the GSPMD twins, whose records have no step-1 gradients (tests/reference.py)."""
     want = single()
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
-    assert reference.max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    if grads:
+        assert reference.max_diff(got["grads"], want["grads"]) < GRAD_ATOL
     np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
     assert reference.max_diff(got["params"], want["params"]) < PARAM_ATOL
 
@@ -162,7 +164,7 @@ def test_auto_fsdp_cp_accumulates_in_the_context_layout():
     `data` collective once per step (FSDP's 9 gathers before the micro-batch loop, the gradient
     mean after it), the K/V gathers over `context` per micro-batch [B/(data K), H, T, dh]."""
     k, m, L = 2, CFG.model, CFG.model.num_layers
-    assert_matches_single_device(twin("auto", "fsdp_cp", k))
+    assert_matches_single_device(twin("auto", "fsdp_cp", k), grads=False)
     led = compiled_ledger("auto", "fsdp_cp", k)
     assert all(r.multiplicity == 1 for r in led.filter(axes=("data",))), led.table()
     # the 7 stacked matrices, the embedding and the lm_head, whole

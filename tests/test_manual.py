@@ -38,9 +38,9 @@ def batches(n=STEPS):
     return reference.random_batches(CFG.train.batch_size, CFG.model.context_length, CFG.model.vocab_size, n)
 
 
-def run(runner):
+def run(runner, grads: bool = True):
     """Step-1 gradients, then losses and final params of STEPS training steps."""
-    return reference.train_record(runner, CFG, STEPS)
+    return reference.train_record(runner, CFG, STEPS, grads)
 
 
 @functools.cache
@@ -55,7 +55,9 @@ def manual(strategy):
 
 @functools.cache
 def auto(strategy):
-    return run(auto_parallel.make_runner(strategy, MESHES[strategy], CFG))
+    """The GSPMD twin's record without step-1 gradients: tests/test_auto.py compares those with
+    single device (an SGD step of lr 1), and here they were 3 more cold programs."""
+    return run(auto_parallel.make_runner(strategy, MESHES[strategy], CFG), grads=False)
 
 
 max_diff = reference.max_diff
@@ -87,7 +89,6 @@ def test_reported_grad_norm_is_the_unclipped_float64_norm():
 def test_manual_matches_auto(strategy):
     m, a = manual(strategy), auto(strategy)
     np.testing.assert_allclose(m["losses"], a["losses"], atol=LOSS_ATOL, rtol=0)
-    assert max_diff(m["grads"], a["grads"]) < GRAD_ATOL
     assert max_diff(m["params"], a["params"]) < PARAM_ATOL
     np.testing.assert_allclose(m["grad_norms"], a["grad_norms"], rtol=NORM_RTOL)
     # both twins use the same placement for params and optimizer moments

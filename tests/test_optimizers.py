@@ -2,8 +2,8 @@
 
 - Adafactor written out with injectable block means equals optax.adafactor on one device.
 - SGD and Lion follow their formulas (NumPy), as make_optimizer configures them.
-- Both twins train like single device (on fsdp_tp, whose state is split over both axes;
-  the other strategies' placement is checked abstractly, see CASES);
+- Both twins train like single device with Adafactor and Lion (on fsdp_tp, whose state is
+  split over both axes; the other strategies' placement is checked abstractly, see CASES);
   the placed optimizer state carries the shardings derived from each param's logical
   axes and the dims each leaf keeps.
 - state_specs matches the abstract state for every strategy, also where Adafactor
@@ -48,7 +48,7 @@ STEPS = 3
 # sgd 1.5e-8; lion 0.0 (every update is lr * sign(.) - exact wherever the signs agree,
 # and they did: a flipped sign would cost 2 lr = 6e-3). AdamW needs 2e-5 (DESIGN.md: its
 # eps amplifies rounding where |g| ~ eps); these optimizers have no such amplifier: ~10x.
-PARAM_ATOL = {"adafactor": 2e-6, "sgd": 2e-7, "lion": 1e-6}
+PARAM_ATOL = {"adafactor": 2e-6, "lion": 1e-6}
 
 
 def config(optimizer: str, model=None) -> Config:
@@ -257,10 +257,12 @@ def expected_adafactor_specs(strategy: str) -> dict[str, tuple]:
 # compiles, ~63 s of CPU; tp on 2026-12-02, after its mutants were seen caught by fsdp_tp:
 # adafactor-row-mean-local, -block-mean-first-dim-axes, -stats-swapped, -stat-on-wrong-axis);
 # their state placement is still checked abstractly by test_state_specs_*. Lion and SGD are
-# elementwise (nothing strategy-specific but their state's placement): fsdp_tp only, whose
-# state is split over both axes.
+# elementwise, with one moment placed like its param (nothing strategy-specific but that
+# placement): Lion's twins on fsdp_tp, whose state is split over both axes. SGD's twins (its
+# momentum `trace` is the same case as Lion's `mu`) were cut for suite time (5 cold programs,
+# ~22 s); SGD's update is checked against its formula above, its state specs abstractly.
 CASES = ([("adafactor", "fsdp_tp", k) for k in TWINS]
-         + [(o, "fsdp_tp", k) for o in ("lion", "sgd") for k in TWINS])
+         + [("lion", "fsdp_tp", k) for k in TWINS])
 
 
 @pytest.mark.parametrize("optimizer,strategy,kind", CASES)

@@ -1,8 +1,10 @@
 """Pipeline parallelism (GPipe) in both twins, against single-device training and the cost model.
 
-tiny with 4 layers, so 2 stages hold 2 layers each and 4 stages one each; M = 4
-micro-batches of 2 sequences. The step clips (grad_clip 0.25 < the ~0.7 norm), so
-the manual twin's global norm (a psum over `stage`) is exercised.
+tiny with 4 layers: pp on 4 stages (one layer each: the 4-device ring, where a hand-off sent
+the wrong way lands on another stage, unlike a 2-stage ring), pp_fsdp on 2 stages of 2 layers
+(stage:2,data:2: the stage's own layer loop); M = 4 micro-batches of 2 sequences. The step
+clips (grad_clip 0.25 < the ~0.7 norm), so the manual twin's global norm (a psum over `stage`)
+is exercised.
 """
 
 import dataclasses
@@ -24,7 +26,11 @@ BASE = preset("tiny")
 M = 4
 CFG = Config(dataclasses.replace(BASE.model, num_layers=4),
              dataclasses.replace(BASE.train, grad_clip=0.25, microbatches=M))
-STAGES = (2, 4)
+# pp on 4 stages only: 2 stages (2 layers each) are pp_fsdp's below, and every pp record is up
+# to 3 cold programs (init, step-1 gradients, step; ~12 s of CPU). S = 2 was a case of every pp
+# test until the suite's time bound; the pipeline mutants that select this file are caught
+# without it (tools/mutate.py, 2026-12-02).
+STAGES = (4,)
 STEPS = 5
 # Measured (JAX 0.12.0.1, XLA:CPU), both twins vs single device, S = 2 and 4: losses equal
 # to 9.5e-7, step-1 gradients 7.9e-7 relative (4e-8 absolute), reported norms 1.2e-7 relative,
@@ -34,8 +40,9 @@ STEPS = 5
 LOSS_ATOL, GRAD_ATOL, NORM_RTOL, PARAM_ATOL = 2e-5, 5e-7, 1e-6, 3e-4
 
 
-def run(runner):
-    return reference.train_record(runner, CFG, STEPS)
+def run(runner, grads: bool = True):
+    """grads=False for the GSPMD twins: no step-1 gradients (tests/reference.py)."""
+    return reference.train_record(runner, CFG, STEPS, grads)
 
 
 @functools.cache
@@ -58,7 +65,8 @@ def twin(impl: str, stages: int, schedule: str = "gpipe"):
 @functools.cache
 def _twin(impl: str, stages: int, schedule: str):
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
-    return run(make("pp", f"stage:{stages}", with_schedule(schedule), devices=jax.devices()[:stages]))
+    return run(make("pp", f"stage:{stages}", with_schedule(schedule), devices=jax.devices()[:stages]),
+               grads=impl == "manual")
 
 
 max_diff = reference.max_diff
@@ -69,12 +77,13 @@ max_diff = reference.max_diff
 def test_pipeline_matches_single_device(impl, stages):
     got, want = twin(impl, stages), single()
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
-    assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    if impl == "manual":  # the GSPMD twin's record has no step-1 gradients
+        assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
     np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
 
-@pytest.mark.parametrize("stages", [2])  # S=4: the ledger test below (a cold compile each costs ~9 s)
+@pytest.mark.parametrize("stages", STAGES)  # its step is the ledger test's (4, 1f1b) below
 def test_one_f_one_b_matches_gpipe_and_single_device(stages):
     """1F1B by hand (per-micro-batch jax.vjp on saved stage inputs): the same training."""
     got, want, gpipe = twin("manual", stages, "1f1b"), single(), twin("manual", stages)
@@ -138,7 +147,7 @@ def compiled_ledger(impl: str, stages: int, schedule: str = "gpipe") -> hlo.Ledg
     return hlo.ledger(r.train_step.lower(r.abstract_state(), xs, xs).compile().as_text(), r.mesh)
 
 
-@pytest.mark.parametrize("stages, schedule", [(2, "gpipe"), (4, "gpipe"), (4, "1f1b")])
+@pytest.mark.parametrize("stages, schedule", [(4, "gpipe"), (4, "1f1b")])
 def test_manual_ledger_equals_the_cost_model_exactly(stages, schedule):
     """GPipe: 2 (M + S - 1) collective-permutes of one micro-batch [B/M, T, D] (forward hand-off
     and its backward); 1F1B: 2 per tick of its table; then the replicated params' gradient
@@ -212,7 +221,7 @@ def fsdp_twin(impl: str, schedule: str = "gpipe"):
 @functools.cache
 def _fsdp_twin(impl: str, schedule: str):
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
-    return run(make("pp_fsdp", FSDP_MESH, with_schedule(schedule), devices=jax.devices()[:4]))
+    return run(make("pp_fsdp", FSDP_MESH, with_schedule(schedule), devices=jax.devices()[:4]), grads=impl == "manual")
 
 
 @pytest.mark.parametrize("impl, schedule", [("auto", "gpipe"), ("manual", "gpipe"), ("manual", "1f1b")])
@@ -221,7 +230,8 @@ def test_pp_fsdp_matches_single_device(impl, schedule):
     3.6e-6 (manual 1F1B) / 8.6e-7 (GPipe, both twins)."""
     got, want = fsdp_twin(impl, schedule), single()
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
-    assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    if impl == "manual":  # the GSPMD twin's record has no step-1 gradients
+        assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
     np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 

@@ -52,7 +52,8 @@ def make(name: str):
 
 @functools.cache
 def record(name: str):
-    return reference.train_record(make(name), config(name), STEPS)
+    """The GSPMD twins' records have no step-1 gradients (tests/reference.py)."""
+    return reference.train_record(make(name), config(name), STEPS, grads=not name.startswith("auto"))
 
 
 @functools.cache
@@ -86,7 +87,8 @@ def test_tp_sp_matches_single_device(twin):
     got, want = record(twin), single()
     assert max_diff(got["init"], want["init"]) == 0.0
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
-    assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    if not twin.startswith("auto"):
+        assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
 
