@@ -315,7 +315,7 @@ def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
     from launch import common
     from twinshard.checkpoint import Checkpointer
     from twinshard.config import preset
-    from twinshard.trainer import SingleDevice
+    from twinshard.trainer import SingleDevice, abstract_state
 
     cfg = preset("tiny")
     single = SingleDevice(cfg.model, cfg.train)
@@ -324,7 +324,10 @@ def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
         state = common.make_runner(strategy, impl, None, cfg, jax.devices()[:n]).init_state(cfg.train.seed)
         ckpt = Checkpointer(str(tmp_path / strategy))
         ckpt.save(0, state, {"strategy": strategy})
-        got, meta = ckpt.restore(single.abstract_state(), expect={"strategy": strategy})
-        assert {leaf.sharding.device_set == {jax.devices()[0]} for leaf in jax.tree.leaves(got)} == {True}
-        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(got)), strict=True):
-            np.testing.assert_array_equal(a, b, err_msg=f"{strategy}/{impl}")
+        # into SingleDevice's layout, and into a target without shardings (jax.eval_shape's),
+        # which Checkpointer places on this process's first device
+        for target in (single.abstract_state(), abstract_state(cfg.model, single.tx)):
+            got, meta = ckpt.restore(target, expect={"strategy": strategy})
+            assert {leaf.sharding.device_set == {jax.devices()[0]} for leaf in jax.tree.leaves(got)} == {True}
+            for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(got)), strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"{strategy}/{impl}")
