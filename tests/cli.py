@@ -10,8 +10,9 @@ The bytecode cache: with PYTHONDONTWRITEBYTECODE=1 in the environment (this proj
 shells set it) every subprocess compiled the Python sources of jax, flax, orbax and
 optax again: 4.5 s of CPU per process, 1.6 s with the cache (measured; the suite
 starts ~50 of them). PYTHONPYCACHEPREFIX keeps the .pyc files under .cache/pycache,
-out of the tree. (tools/mutate.py's runs set PYTHONDONTWRITEBYTECODE again: they only
-read it, so no .pyc of a mutated file is ever written.)
+out of the tree. (tools/mutate.py's runs set PYTHONDONTWRITEBYTECODE and
+TWINSHARD_READ_ONLY_BYTECODE=1, which keeps it for the subprocesses too: they only read
+the cache, so no .pyc of a mutated file is ever written.)
 
 The process: `run()` forks it from tests/zygote.py, a Python that has imported jax, flax,
 optax and orbax once (~2.8 s of CPU per launch otherwise), unless the command changes a JAX_*
@@ -37,7 +38,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def cached_env(**extra: str) -> dict[str, str]:
     """os.environ with the compilation cache of tests/conftest.py and a shared bytecode cache."""
-    out = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    read_only = os.environ.get("TWINSHARD_READ_ONLY_BYTECODE") == "1"  # tools/mutate.py's runs
+    out = {k: v for k, v in os.environ.items() if read_only or k != "PYTHONDONTWRITEBYTECODE"}
     return {**out, "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".cache" / "jax"),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
             "PYTHONPYCACHEPREFIX": str(ROOT / ".cache" / "pycache"), **extra}

@@ -27,6 +27,19 @@ program). Two rules keep it down:
 
 import os
 import pathlib
+import sys
+
+# Python bytecode: every test process (this one, the xdist workers it starts, every subprocess
+# a test runs) reads and writes .pyc files under .cache/pycache. With PYTHONDONTWRITEBYTECODE=1
+# in the environment (this project's shells set it) and uv's install writing none, each process
+# compiled the sources of jax, flax, optax and orbax again: `import jax, flax.nnx, optax,
+# orbax.checkpoint, numpy, pytest` took 8.7-9.1 s of CPU, 2.8-3.5 s with the cache (measured).
+# TWINSHARD_READ_ONLY_BYTECODE=1 (tools/mutate.py's runs) keeps PYTHONDONTWRITEBYTECODE: a .pyc
+# of a mutated file must never be written (tests/cli.py does the same for the subprocesses).
+if os.environ.get("TWINSHARD_READ_ONLY_BYTECODE") != "1":
+    os.environ["PYTHONPYCACHEPREFIX"] = str(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "pycache")
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.pycache_prefix, sys.dont_write_bytecode = os.environ["PYTHONPYCACHEPREFIX"], False
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -59,20 +72,21 @@ import zygote  # noqa: E402  (tests/zygote.py: imports nothing at module level b
 zygote.tune_gc()
 
 
-# Single-worker wall seconds of each module on a cold compilation cache (measured, 2 cores);
-# only the order matters: the scheduler hands out the costliest group first.
+# Wall seconds of each group on a cold compilation cache (measured: a fresh clone's profiled
+# `bash .ci/run`, 2 workers on 2 cores, 2026-12-02); only the order matters: the scheduler hands
+# out the costliest group first.
 COLD_SECONDS = {
-    "test_readme": 230, "test_pipeline": 150, "test_optimizers": 100, "test_train": 100, "test_twins": 200,
-    "test_accum": 70, "test_precision": 65, "test_context": 55, "test_tpu_topology": 40,
-    "test_collectives_cli": 45, "test_bench": 30, "test_scan": 20,
+    "test_twins": 230, "test_readme": 170, "test_pipeline": 100, "test_train": 95, "test_accum": 85,
+    "test_context": 80, "test_multiprocess": 70, "test_optimizers": 60, "test_scan": 45, "test_tpu_topology": 45,
+    "test_precision": 40, "test_collectives_cli": 30, "test_bench": 25,
     # ungrouped: their tests are dealt out after the groups, the slowest module's first
-    "test_multiprocess": 95, "test_attention": 45, "test_cli_errors": 30, "test_loss_optim": 30, "test_model": 25,
-    "test_layers": 20,
+    "test_attention": 20, "test_model": 20, "test_readme_snippet": 17, "test_loss_optim": 11, "test_layers": 10,
+    "test_cli_errors": 2,
 }
 DEFAULT_SECONDS = 30  # a group not measured yet (an ungrouped module not listed: 0, cheap)
 # Modules of independent tests (no shared runner or costly module fixture): not grouped.
 UNGROUPED = {
-    "test_multiprocess", "test_layers", "test_loss_optim", "test_attention", "test_model", "test_cli_errors",
+    "test_layers", "test_loss_optim", "test_attention", "test_model", "test_cli_errors",
     "test_validation", "test_mesh", "test_plan", "test_cost", "test_data", "test_bpe", "test_tokenizer",
     "test_readme_snippet", "test_hlo", "test_hlo_input", "test_compile_cache", "test_cli_fork",
 }

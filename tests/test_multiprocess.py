@@ -18,6 +18,9 @@ from test_train import metrics, run_train
 _ENV = cached_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
 
 
+LONG = 100_000  # --steps of every 2-process run here: one program (see the first test)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -34,14 +37,16 @@ def _launch(tmp_path, port: int, process_id: int, *args: str):
 
 def test_two_processes_train_one_mesh_like_a_single_device(tmp_path, tmp_path_factory):
     port, workdir = _free_port(), tmp_path / "mp"
-    procs = [_launch(tmp_path, port, i, f"--workdir={workdir}", "--steps=6", "--log_every=2", "--eval_every=6")
-             for i in range(2)]
+    # 6 of LONG steps: the lost-peer tests below train the same program (--steps is a constant of
+    # the compiled step, through the lr schedule), loaded from the compilation cache
+    procs = [_launch(tmp_path, port, i, f"--workdir={workdir}", f"--steps={LONG}", "--stop_after=6",
+                     "--log_every=2", "--eval_every=6") for i in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[0][-3000:] + e[-3000:] for o, e in outs)
     assert "step      6" in outs[0][0] and "step      6" not in outs[1][0]  # only process 0 reports
 
     single = tmp_path / "single"
-    run_train(tmp_path_factory, f"--workdir={single}", "--steps=6", "--eval_every=6")
+    run_train(tmp_path_factory, f"--workdir={single}", f"--steps={LONG}", "--stop_after=6", "--eval_every=6")
     for a, b in zip(metrics(single), metrics(workdir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], abs=2e-5), a["step"]
     assert metrics(workdir)[-1]["eval_loss"] == pytest.approx(metrics(single)[-1]["eval_loss"], abs=2e-5)
@@ -59,7 +64,7 @@ def test_a_lost_process_stops_the_other_with_one_line(tmp_path, victim, kill_aft
     port = _free_port()
     # --heartbeat_timeout=3, not the default 10: the same detection, less waiting (measured, the
     # killed peer mid-training: seen after 10.0 s at 10, 2.2 s at 3; the test 25 -> 18 s)
-    procs = [_launch(tmp_path, port, i, f"--workdir={workdir}", "--steps=100000", "--log_every=1",
+    procs = [_launch(tmp_path, port, i, f"--workdir={workdir}", f"--steps={LONG}", "--log_every=1",
                      "--eval_every=0", f"--heartbeat_timeout={HEARTBEAT}") for i in range(2)]
     survivor = procs[1 - victim]
     try:

@@ -177,7 +177,8 @@ class Slot:
         # The venv's editable install puts the developer's tree on sys.path; the copy goes first.
         env["PYTHONPATH"] = str(self.tree)
         env["JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY"] = "true"
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # no .pyc of a mutated file, ever: tests/conftest.py and
+        env["TWINSHARD_READ_ONLY_BYTECODE"] = "1"  # tests/cli.py keep the first when they see this
         return env
 
     def check_imports_resolve_here(self) -> None:
