@@ -38,11 +38,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def cached_env(**extra: str) -> dict[str, str]:
     """os.environ with the compilation cache of tests/conftest.py and a shared bytecode cache."""
-    read_only = os.environ.get("TWINSHARD_READ_ONLY_BYTECODE") == "1"  # tools/mutate.py's runs
+    read_only = os.environ.get("TWINSHARD_READ_ONLY_BYTECODE") == "1"  # tools/mutate.py's runs: its cache
     out = {k: v for k, v in os.environ.items() if read_only or k != "PYTHONDONTWRITEBYTECODE"}
+    pycache = os.environ.get("PYTHONPYCACHEPREFIX") if read_only else None
     return {**out, "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".cache" / "jax"),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-            "PYTHONPYCACHEPREFIX": str(ROOT / ".cache" / "pycache"), **extra}
+            "PYTHONPYCACHEPREFIX": pycache or str(ROOT / ".cache" / "pycache"), **extra}
 
 
 def env(**extra: str) -> dict[str, str]:

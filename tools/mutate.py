@@ -179,6 +179,10 @@ class Slot:
         env["JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY"] = "true"
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # no .pyc of a mutated file, ever: tests/conftest.py and
         env["TWINSHARD_READ_ONLY_BYTECODE"] = "1"  # tests/cli.py keep the first when they see this
+        # ...but read the developer's bytecode cache: the venv's packages (jax, flax, ...; never
+        # mutated) have their .pyc there, the copy's own files none (their path is the copy's).
+        # Measured: a fresh process imports jax, flax, optax, orbax in 8.7-9.1 s of CPU without.
+        env["PYTHONPYCACHEPREFIX"] = str(ROOT / ".cache" / "pycache")
         return env
 
     def check_imports_resolve_here(self) -> None:
