@@ -6,13 +6,11 @@ They get 8 simulated CPU devices from the launchers themselves (XLA_FLAGS here
 carries no device count), the fast compile setting and the persistent compilation
 cache of tests/conftest.py, and one Python bytecode cache (`cached_env()`).
 
-The bytecode cache: with PYTHONDONTWRITEBYTECODE=1 in the environment (this project's
-shells set it) every subprocess compiled the Python sources of jax, flax, orbax and
-optax again: 4.5 s of CPU per process, 1.6 s with the cache (measured; the suite
-starts ~50 of them). PYTHONPYCACHEPREFIX keeps the .pyc files under .cache/pycache,
-out of the tree. (tools/mutate.py's runs set PYTHONDONTWRITEBYTECODE and
-TWINSHARD_READ_ONLY_BYTECODE=1, which keeps it for the subprocesses too: they only read
-the cache, so no .pyc of a mutated file is ever written.)
+The bytecode cache: tests/conftest.py points every test process and subprocess at
+.cache/pycache (PYTHONPYCACHEPREFIX, out of the tree; without it, with this project's
+PYTHONDONTWRITEBYTECODE=1, each subprocess compiled the sources of jax, flax, orbax and
+optax again: 4.5 s of CPU per process, 1.6 s with the cache, measured), except in
+tools/mutate.py's runs, which only read the cache.
 
 The process: `run()` forks it from tests/zygote.py, a Python that has imported jax, flax,
 optax and orbax once (~2.8 s of CPU per launch otherwise), unless the command changes a JAX_*
@@ -38,12 +36,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def cached_env(**extra: str) -> dict[str, str]:
     """os.environ with the compilation cache of tests/conftest.py and a shared bytecode cache."""
-    read_only = os.environ.get("TWINSHARD_READ_ONLY_BYTECODE") == "1"  # tools/mutate.py's runs: its cache
-    out = {k: v for k, v in os.environ.items() if read_only or k != "PYTHONDONTWRITEBYTECODE"}
-    pycache = os.environ.get("PYTHONPYCACHEPREFIX") if read_only else None
-    return {**out, "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".cache" / "jax"),
+    # The bytecode settings are tests/conftest.py's (already in os.environ): the shared cache,
+    # or tools/mutate.py's read-only one.
+    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".cache" / "jax"),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-            "PYTHONPYCACHEPREFIX": pycache or str(ROOT / ".cache" / "pycache"), **extra}
+            **extra}
 
 
 def env(**extra: str) -> dict[str, str]:
