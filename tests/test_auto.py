@@ -285,8 +285,19 @@ def expect_gradient_sync(run: Run) -> None:
         expect_no_collective(run.ledger, "reduce-scatter")
         # Every (TP-local) gradient once, plus 4 bytes: the loss's mean over data.
         expect_bytes(run.ledger, "data", bytes=grad_bytes, rel=1e-3, op="all-reduce")
+        expect_gradients_in_weight_layout(run)
     else:
         expect_collectives(run.ledger, "reduce-scatter", axes="data")
+
+
+def expect_gradients_in_weight_layout(run: Run) -> None:
+    """Each weight's gradient crosses `data` in the weight's own [in, out] shape, a stacked
+    leaf as L records of one layer (GSPMD syncs them inside the backward scan). With autodiff's
+    plain dot transpose they crossed as [out, in] and AdamW read them transposed (slow on
+    CPU: layers.matmul's docstring). The scalars (loss, norm partial sums) are left out."""
+    synced = [r.shape for r in run.ledger.filter(op="all-reduce", axes="data") if r.shape
+              for _ in range(r.multiplicity)]
+    assert sorted(synced) == use_shapes(run.strategy, run.mesh, fsdp_only=False)
 
 
 def check_dp(run: Run) -> None:
@@ -294,6 +305,7 @@ def check_dp(run: Run) -> None:
     # The gradient all-reduce moves every parameter once (measured: + 4 B, the loss mean).
     got = expect_bytes(run.ledger, "data", bytes=PARAM_BYTES, rel=1e-3, op="all-reduce")
     assert got - PARAM_BYTES == 4
+    expect_gradients_in_weight_layout(run)
     expect_no_collective(run.ledger, "all-gather")
     assert {r.op for r in run.ledger} == {"all-reduce"}
 

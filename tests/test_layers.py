@@ -1,5 +1,6 @@
 """Every layer against the NumPy float64 reference (tests/reference.py)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +23,20 @@ def f32(a):
 def test_linear_stores_in_out(rng):
     x, w = rng.normal(size=(2, 3, 5)), rng.normal(size=(5, 7))  # w: [in, out]
     np.testing.assert_allclose(layers.linear(f32(x), f32(w)), ref.linear(x, w.T), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_linear_gradients(rng, dtype):
+    """layers.matmul's own backward (dW = x^T g in one dot) against float64: dx = g W^T, dW = x^T g,
+    each in its primal's dtype; the flat 2-D path and the batched einsum agree."""
+    x, w, g = rng.normal(size=(2, 3, 5)), rng.normal(size=(5, 7)), rng.normal(size=(2, 3, 7))
+    tol = dict(rtol=RTOL, atol=ATOL) if dtype == jnp.float32 else dict(rtol=2e-2, atol=5e-2)
+    for flat in (True, False):
+        y, vjp = jax.vjp(lambda a, b: layers.linear(a, b, flat), jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+        dx, dw = vjp(jnp.asarray(g, dtype))
+        assert (y.dtype, dx.dtype, dw.dtype) == (dtype,) * 3
+        np.testing.assert_allclose(np.float64(dx), g @ w.T, **tol)
+        np.testing.assert_allclose(np.float64(dw), np.einsum("bti,bto->io", x, g), **tol)
 
 
 def test_embedding(rng):

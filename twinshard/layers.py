@@ -36,7 +36,40 @@ def linear(x: Array, w: Array, flat: bool = True) -> Array:
     (the f32 cotangent promotes the bf16 operand; measured, JAX 0.12)."""
     if not flat:
         return jnp.einsum("...i,io->...o", x, w)
-    return jnp.dot(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+    return matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+
+
+@jax.custom_vjp
+def matmul(x: Array, w: Array) -> Array:
+    """x [M, in] @ w [in, out] -> [M, out]; its weight gradient is ONE dot x^T g -> [in, out].
+
+    Autodiff of the plain dot computes dW as transpose(dot(g, x)): the dot yields [out, in]
+    (JAX's dot_general transpose rule puts the cotangent's free dim first) and a transpose
+    follows. Alone, XLA folds that transpose into the dot. Under GSPMD the gradient's
+    all-reduce over `data` (dp; fsdp's all-reduce + slice on XLA:CPU) is placed on the dot's
+    [out, in] output, so the transpose cannot fold; it fuses into the optimizer's consumers
+    instead (AdamW's mu, nu and update fusions), each reading the gradient column by column.
+    Measured, JAX 0.12, maxtext_llama_ref on a 2-core Xeon VM: the lm_head [256, 4096]
+    update fusions took 230-270 ms of thread time per step each (manual dp: 25-50 ms); the
+    step, dp auto 1279 -> 1161 ms, fsdp auto 1153 -> 1089 ms, single / manual unchanged. The
+    manual twin's psum comes after the transpose (its own line), so it never had the problem.
+    jax.checkpoint's policies see the forward dot as before (its saved residuals are
+    identical under dots / dots_no_batch / full: measured)."""
+    return jnp.dot(x, w)
+
+
+def _matmul_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
+    return jnp.dot(x, w), (x, w)
+
+
+def _matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+    x, w = res  # x: [M, in], w: [in, out], g: [M, out]
+    dx = jnp.dot(g, w.T)  # [M, in]
+    dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())))  # x^T g: [in, out], no transpose after
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def linears(x: Array, ws: tuple[Array, ...], flat: bool = True) -> tuple[Array, ...]:
