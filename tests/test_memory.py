@@ -15,19 +15,23 @@ steps test_manual and test_auto compile, loaded here from the compilation cache.
   XLA:CPU, temp / model; tiny: num_heads 8, tp on tensor:8; small: tp on tensor:4):
 
       run           tiny   small      what the model leaves out
-      single        0.97   0.99
-      manual dp     1.17   0.99       the gradients' all-reduce results (one more gradient-
+      single        1.01   0.94
+      manual dp     1.28   (0.99)     the gradients' all-reduce results (one more gradient-
                                       sized buffer; under remat full, where the activations
                                       no longer dwarf it, 1.56-1.77)
-      manual fsdp   1.01   0.98
-      manual tp     1.18   1.06
-      manual f_tp   1.05   1.02
-      auto dp       1.50   1.18       GSPMD all-reduces each layer's gradient inside the
+      manual fsdp   1.11   1.02
+      manual tp     1.25   (1.06)
+      manual f_tp   1.12   (1.02)
+      auto dp       1.63   (1.18)     GSPMD all-reduces each layer's gradient inside the
                                       backward loop (auto_parallel/dp.py): more live copies
-      auto fsdp     1.43   1.26       GSPMD keeps every layer's gathered weights for the
+      auto fsdp     1.59   (1.26)     GSPMD keeps every layer's gathered weights for the
                                       backward pass (no re-gather: auto_parallel/fsdp.py)
-      auto tp       1.19   1.06
-      auto f_tp     1.15   1.10
+      auto tp       1.26   (1.06)
+      auto f_tp     1.21   (1.10)
+
+  (small in parentheses: measured once, before layers.swiglu_gate kept 3 instead of 6
+  [b, T, F] residuals per layer; the tiny ratios rose by 0.04-0.13 with it: the model's
+  activations shrank by 3F per token and layer, XLA's peak by less.)
 
 The remat policies' temporaries are checked in tests/test_remat.py; TPU's per-chip
 arguments (tile-padded) in tests/test_tpu_topology.py.
@@ -54,7 +58,7 @@ RUNS = [("single", None)] + [(s, impl) for s in MESHES for impl in ("auto", "man
 CASES = [("tiny", *r) for r in RUNS] + [("small", "single", None), ("small", "fsdp", "manual")]
 # temp / model bands (module docstring): the manual twins and single device to ~25%; manual dp
 # and the GSPMD twins hold buffers the model does not count (above)
-BANDS = {"manual": (0.85, 1.25), "single": (0.85, 1.25), "manual_dp": (0.85, 1.8), "auto": (0.85, 1.6)}
+BANDS = {"manual": (0.85, 1.35), "single": (0.85, 1.25), "manual_dp": (0.85, 1.8), "auto": (0.85, 1.75)}
 
 
 @functools.cache

@@ -165,15 +165,15 @@ Memory per device (`Memory`, bytes):
                split over the mesh axes of the dims it keeps), else a full v
     activations, saved for the backward pass, per layer by `remat` (ModelConfig.remat,
         the jax.checkpoint policy of each layer: twinshard/model.py REMAT_POLICIES):
-        none       b*T*(4D + 6D/t + 6F/t + 4) + 2*b*(H/t)*T^2 + 2*b*(H/t)*T elements:
+        none       b*T*(4D + 6D/t + 3F/t + 4) + 2*b*(H/t)*T^2 + 2*b*(H/t)*T elements:
                    what autodiff saves (jax.ad_checkpoint.print_saved_residuals, JAX 0.12;
-                   tiny on one device: 527,360 per layer, exactly, + 2 gains [D] left out
+                   tiny on one device: 379,904 per layer, exactly, + 2 gains [D] left out
                    so that the activations scale with the batch): 4 x [b,T,D] of the
                    residual stream and the norms (the block input, ln1 in f32, the residual
                    after attention, ln2's normalized and scaled outputs); 6 x [b,T,D/t] in
                    attention (q and k projections, their RoPE halves, v, the merged heads);
-                   6 x [b,T,F/t] in SwiGLU (w1 and w3 outputs, sigmoid, SiLU and the
-                   products); the scores AND the probabilities [b,H/t,T,T]; per-token norm
+                   3 x [b,T,F/t] in SwiGLU (w1 and w3 outputs, W2's input: layers.swiglu_gate
+                   recomputes the sigmoid); the scores AND the probabilities [b,H/t,T,T]; per-token norm
                    statistics (4 x [b,T,1]), softmax statistics (2 x [b,H/t,T,1])
         full       b*T*D: the layer input (the checkpoint's argument); + b*T*D under
                    tensor parallelism, the attention block's g output (the manual twin
@@ -820,7 +820,7 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequ
     if sequence:
         return _saved_per_layer_sequence(cfg, remat, b, seq, t, scores)
     if remat == "none":  # what autodiff saves: JAX's print_saved_residuals, listed in the docstring
-        return b * seq * (4 * d + 6 * d // t + 6 * f // t + 4) + 2 * scores + 2 * b * (h // t) * seq
+        return b * seq * (4 * d + 6 * d // t + 3 * f // t + 4) + 2 * scores + 2 * b * (h // t) * seq
     if remat == "full":
         return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
     no_batch = b * seq * (2 * d + 3 * d // t + 2 * f // t)
@@ -840,7 +840,7 @@ def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t:
     saves the shard instead and gathers it again (tp_sp.py)."""
     d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
     if remat == "none":  # 4 [b,T/t,D] + 4 [b,T/t,1] + 2 gathered [b,T,D] + 4 [b,T,D/t] (q, k, RoPE) + ...
-        return (b * seq * (8 * d // t + 2 * d + 6 * f // t) + 4 * b * seq // t + 2 * scores
+        return (b * seq * (8 * d // t + 2 * d + 3 * f // t) + 4 * b * seq // t + 2 * scores
                 + 2 * b * (h // t) * seq)
     if remat == "full":  # the layer input and the attention block's reduce-scatter output, [b,T/t,D]
         return 2 * b * seq * d // t

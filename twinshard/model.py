@@ -203,7 +203,8 @@ _POLICIES = jax.checkpoint_policies
 REMAT_POLICIES: dict[str, Policy | None] = {
     # No checkpoint: autodiff saves whatever the backward pass reads: per layer the norm
     # outputs and statistics, q/k/v before and after RoPE, the attention probabilities
-    # [b,H,T,T] (twice: the xla kernel keeps scores and probabilities), SwiGLU's six [b,T,F].
+    # [b,H,T,T] (twice: the xla kernel keeps scores and probabilities), SwiGLU's three [b,T,F]
+    # (h1, h3 and W2's input: layers.swiglu_gate recomputes the sigmoid in its backward).
     "none": None,
     # Save nothing inside the layer: the forward loop keeps each layer's input [b,T,D] (the
     # checkpoint's argument), the backward loop re-runs the layer's forward first.
