@@ -25,7 +25,7 @@ import reference
 from manual_parallel.ring_attention import ring_attention
 from twinshard import context, cost, hlo, layers, testing
 from twinshard.config import Config, preset
-from twinshard.trainer import SingleDevice
+from twinshard.trainer import SingleDevice, create_params
 
 BASE = preset("tiny")
 CFG = Config(BASE.model, dataclasses.replace(BASE.train, grad_clip=0.25))
@@ -206,6 +206,14 @@ def test_auto_gathers_k_and_v_over_context():
     # and the weight gradients (9 per layer, 3 outside the loop) and the loss
     testing.expect_collectives(led, "all-reduce", ("context",), count=2 * L + 9 * L + 3 + 1)
     testing.expect_no_collective(led, op="collective-permute")
+    # each weight matrix's gradient in the weight's own [in, out] shape (layers.matmul's backward;
+    # the einsum path cp takes crossed as [out, in] before it), a stacked [L, in, out] as L records
+    params = jax.tree_util.tree_flatten_with_path(jax.eval_shape(functools.partial(create_params, m, 0)))[0]
+    weights = sorted(w for path, a in params if a.ndim >= 2 and not (str(path[0].key) == "layers" and a.ndim == 2)
+                     for w in ([a.shape[1:]] * a.shape[0] if a.ndim == 3 else [a.shape]))
+    synced = sorted(r.shape for r in led.filter(op="all-reduce", axes=("context",)) if len(r.shape) == 2
+                    for _ in range(r.multiplicity))
+    assert synced == weights and len(weights) == 7 * L + 2
 
 
 def test_bad_context_configs_are_clear_errors():

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, PartitionSpec as P
 
 import reference as ref
 from twinshard import layers
@@ -37,6 +38,26 @@ def test_linear_gradients(rng, dtype):
         assert (y.dtype, dx.dtype, dw.dtype) == (dtype,) * 3
         np.testing.assert_allclose(np.float64(dx), g @ w.T, **tol)
         np.testing.assert_allclose(np.float64(dw), np.einsum("bti,bto->io", x, g), **tol)
+
+
+def test_custom_backwards_sum_like_autodiff_inside_shard_map(rng):
+    """layers.matmul and layers.swiglu_gate inside shard_map (check_vma): a weight and a gate
+    input invariant over `data` meet activations that vary over it. Their gradients equal
+    autodiff's of the plain expressions, which psum over `data` (layers.cotangent_like); a
+    custom backward without it made JAX reject the program instead."""
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    x, w, h3 = rng.normal(size=(4, 3)), rng.normal(size=(3, 5)), rng.normal(size=(2, 5))
+
+    def grads(matmul, gate):
+        def body(x, w, h3):  # x: [4/data, 3] varies over data; w [3, 5], h3 [2, 5] do not
+            return jax.grad(lambda w, h3: jnp.sum(gate(matmul(x, w), h3)), argnums=(0, 1))(w, h3)
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=(P(), P()))(
+            f32(x), f32(w), f32(h3))
+
+    got = grads(layers.matmul, layers.swiglu_gate)
+    want = grads(jnp.dot, lambda h1, h3: layers.silu(h1) * h3)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
 
 
 def test_embedding(rng):

@@ -13,7 +13,7 @@
 #
 # The twin side of the comparison is launch.bench in the project's own environment:
 #   uv run --locked python -m launch.bench --preset=maxtext_llama_ref \
-#       --strategies=single,fsdp,dp,fsdp_tp --mesh=fsdp_tp=data:4,tensor:2 --remat=none
+#       --strategies=single,dp,fsdp,fsdp_tp --mesh='fsdp_tp=data:4,tensor:2' --steps=8 --warmup=2
 #
 # Timing: MaxText's own per-step "seconds" is async dispatch for the first steps, so this
 # takes the median of the wall-clock gaps between consecutive step log lines, steps 3..11.
@@ -27,12 +27,16 @@ setup() {
   export UV_PYTHON_DOWNLOADS=never VIRTUAL_ENV=$VENV
   [ -x "$PY" ] || uv venv -q -p "$(cd "$HERE" && pyenv which python 2>/dev/null || command -v python3.12)" "$VENV"
   # the project's pins (uv.lock), then MaxText without its ~300 declared dependencies
-  uv pip install -q jax==0.12.0.1 jaxlib==0.12.0.1 flax==0.12.12 optax==0.2.8 \
-    orbax-checkpoint==0.12.8 numpy==2.5.5 ml-dtypes==0.6.0
+  # the versions the project's uv.lock resolved (read from its own environment)
+  local pins
+  pins=$(cd "$HERE" && env -u VIRTUAL_ENV uv run --locked python -c 'import importlib.metadata as m; print(" ".join(
+    f"{p}=={m.version(p)}" for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "ml-dtypes")))')
+  # shellcheck disable=SC2086
+  uv pip install -q $pins
   uv pip install -q --no-deps maxtext==0.2.5 aqtp
   # what `import maxtext.trainers.pre_train.train` needs, found by importing it
   # (constrained so none of them moves jax off the pin)
-  printf 'jax==0.12.0.1\njaxlib==0.12.0.1\nnumpy==2.5.5\nflax==0.12.12\n' >"$VENV/pins.txt"
+  tr ' ' '\n' <<<"$pins" >"$VENV/pins.txt"
   uv pip install -q -c "$VENV/pins.txt" absl-py omegaconf pydantic pathwaysutils jinja2 qwix \
     tokamax huggingface_hub transformers grain drjax pillow tiktoken sentencepiece sympy ml_collections
   # MaxText 0.2.5 maps remat_policy=none to policy None, and jax.checkpoint(policy=None)
@@ -51,11 +55,18 @@ new = ('    if remat_policy == "none":  # twinshard patch: none = save everythin
 open(path, "w").write(src.replace(old, new, 1))
 EOF
   fi
-  JAX_PLATFORMS=cpu "$PY" -c 'import maxtext.trainers.pre_train.train' 2>/dev/null && echo "maxtext ready in $VENV"
+  if JAX_PLATFORMS=cpu "$PY" -c 'import maxtext.trainers.pre_train.train' 2>/dev/null; then
+    echo "maxtext ready in $VENV"
+  else
+    echo "maxtext in $VENV does not import; see: JAX_PLATFORMS=cpu $PY -c 'import maxtext.trainers.pre_train.train'" >&2
+    exit 1
+  fi
 }
 
 run() {
-  local strategy=$1 remat=${2:-none} tunables=${3:-}
+  local strategy=${1:-} remat=${2:-none} tunables=${3:-}
+  case $remat in none|minimal|full) ;; *) echo "remat must be none, minimal or full, got '$remat'" >&2; exit 2 ;; esac
+  case $tunables in ''|--tunables) ;; *) echo "the third argument is --tunables or nothing, got '$tunables'" >&2; exit 2 ;; esac
   local mesh
   case $strategy in
     fsdp) mesh="ici_fsdp_parallelism=8" ;;
@@ -70,11 +81,13 @@ run() {
   fi
   local cfg
   cfg=$("$PY" -c 'import maxtext, os; print(os.path.dirname(maxtext.__file__))')/configs/base.yml
-  local log
-  log=${MAXTEXT_LOG:-$(mktemp)}
+  local log out
+  out=$(mktemp -d)
+  log=${MAXTEXT_LOG:-$out/train.log}
+  trap 'rm -rf "$out"' EXIT  # MAXTEXT_LOG, if given, is kept
   # shellcheck disable=SC2086
   env "${env[@]}" "$PY" -m maxtext.trainers.pre_train.train "$cfg" run_name=twinshard_cmp \
-    base_output_directory="$(mktemp -d)" decoder_block=llama2 base_emb_dim=256 base_num_decoder_layers=4 \
+    base_output_directory="$out/run" decoder_block=llama2 base_emb_dim=256 base_num_decoder_layers=4 \
     base_num_query_heads=4 base_num_kv_heads=4 head_dim=64 base_mlp_dim=1024 vocab_size=4096 \
     max_target_length=256 per_device_batch_size=2 weight_dtype=float32 dtype=float32 \
     attention=dot_product dataset_type=synthetic remat_policy="$remat" steps=12 \
@@ -90,7 +103,8 @@ for line in text.splitlines():
     if m:
         t = datetime.datetime.strptime(m.group(1), "%H:%M:%S.%f")
         stamps[int(m.group(2))] = t.timestamp()
-gaps = [stamps[s] - stamps[s - 1] for s in range(3, 12) if s in stamps and s - 1 in stamps]
+# time of day only: a gap across midnight wraps
+gaps = [(stamps[s] - stamps[s - 1]) % 86400 for s in range(3, 12) if s in stamps and s - 1 in stamps]
 if not gaps:
     sys.exit(f"no step lines in {log}")
 sec = statistics.median(gaps)

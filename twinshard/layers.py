@@ -35,13 +35,18 @@ def linear(x: Array, w: Array, flat: bool = True) -> Array:
     (`preferred_element_type`) instead made JAX run BOTH backward matmuls in f32 x f32
     (the f32 cotangent promotes the bf16 operand; measured, JAX 0.12)."""
     if not flat:
-        return jnp.einsum("...i,io->...o", x, w)
+        return matmul(x, w)
     return matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+
+
+def _product(x: Array, w: Array) -> Array:
+    """x [..., in] @ w [in, out]: a 2-D dot on rows, an einsum keeping the batch dims otherwise."""
+    return jnp.dot(x, w) if x.ndim == 2 else jnp.einsum("...i,io->...o", x, w)
 
 
 @jax.custom_vjp
 def matmul(x: Array, w: Array) -> Array:
-    """x [M, in] @ w [in, out] -> [M, out]; its weight gradient is ONE dot x^T g -> [in, out].
+    """x [..., in] @ w [in, out] -> [..., out]; its weight gradient is ONE dot x^T g -> [in, out].
 
     Autodiff of the plain dot computes dW as transpose(dot(g, x)): the dot yields [out, in]
     (JAX's dot_general transpose rule puts the cotangent's free dim first) and a transpose
@@ -55,21 +60,43 @@ def matmul(x: Array, w: Array) -> Array:
     manual twin's psum comes after the transpose (its own line), so it never had the problem.
     jax.checkpoint's policies see the forward dot as before (its saved residuals are
     identical under dots / dots_no_batch / full: measured)."""
-    return jnp.dot(x, w)
+    return _product(x, w)
 
 
 def _matmul_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
-    return jnp.dot(x, w), (x, w)
+    return _product(x, w), (x, w)
 
 
 def _matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
-    x, w = res  # x: [M, in], w: [in, out], g: [M, out]
-    dx = jnp.dot(g, w.T)  # [M, in]
-    dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())))  # x^T g: [in, out], no transpose after
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    x, w = res  # x: [..., in], w: [in, out], g: [..., out]
+    dx = jnp.dot(g, w.T) if g.ndim == 2 else jnp.einsum("...o,io->...i", g, w)  # [..., in]
+    dw = jnp.einsum("...i,...o->io", x, g)  # x^T g: ONE dot_general(x, g) -> [in, out], no transpose after
+    return cotangent_like(dx, x), cotangent_like(dw, w)
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def cotangent_like(ct: Array, primal: Array) -> Array:
+    """A custom backward's cotangent as autodiff would leave it: in the primal's dtype and,
+    inside shard_map (check_vma), summed over the mesh axes it varies over and the primal
+    does not (the transpose of the implicit broadcast: a weight invariant over `data` meeting
+    an activation that varies over it). Without the sum JAX rejects the program (`Custom VJP
+    bwd rule ... corresponding to an input of type`) where autodiff of the plain expression
+    inserted the psum silently (DESIGN.md). The strategies here never need it (their manual
+    twins pcast first); a bug that forgets the pcast then fails as it did before these
+    custom backwards: gradients N times too large. The reverse (a primal varying over an
+    axis its cotangent does not) cannot happen here: each cotangent above is a product with
+    the output's cotangent, which varies over every axis either input does."""
+    if extra := tuple(sorted(_varying_axes(ct) - _varying_axes(primal))):
+        ct = jax.lax.psum(ct, extra)
+    return ct.astype(primal.dtype)
+
+
+def _varying_axes(x: Array) -> frozenset:
+    """The mesh axes x varies over inside shard_map (empty outside). JAX 0.12 keeps them in
+    `jax.typeof(x).manual_axis_type.varying` (printed as {V:axis}); there is no `.vma`."""
+    return jax.typeof(x).manual_axis_type.varying
 
 
 def linears(x: Array, ws: tuple[Array, ...], flat: bool = True) -> tuple[Array, ...]:
@@ -118,7 +145,7 @@ def _swiglu_gate_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     sig = jax.nn.sigmoid(h1)
     silu_h1 = h1 * sig
     # d silu(h)/dh = sig + h sig (1 - sig) = sig + silu (1 - sig)
-    return g * h3 * (sig + silu_h1 * (1 - sig)), g * silu_h1
+    return cotangent_like(g * h3 * (sig + silu_h1 * (1 - sig)), h1), cotangent_like(g * silu_h1, h3)
 
 
 swiglu_gate.defvjp(_swiglu_gate_fwd, _swiglu_gate_bwd)
