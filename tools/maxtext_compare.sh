@@ -84,7 +84,8 @@ run() {
   local log out
   out=$(mktemp -d)
   log=${MAXTEXT_LOG:-$out/train.log}
-  trap 'rm -rf "$out"' EXIT  # MAXTEXT_LOG, if given, is kept
+  # shellcheck disable=SC2064  # expand now: $out is local to this function
+  trap "rm -rf '$out'" EXIT  # MAXTEXT_LOG, if given, is kept
   # shellcheck disable=SC2086
   env "${env[@]}" "$PY" -m maxtext.trainers.pre_train.train "$cfg" run_name=twinshard_cmp \
     base_output_directory="$out/run" decoder_block=llama2 base_emb_dim=256 base_num_decoder_layers=4 \
