@@ -23,7 +23,8 @@ def linear(x: Array, w: Array, flat: bool = True) -> Array:
 
     flat (the default): ONE 2-D dot on the rows [prod(...), in] @ [in, out]. With the batch
     dims kept (`einsum('...i,io->...o')`, flat=False) XLA:CPU computes the weight gradient
-    dW = x^T g with a transposing copy of the [..., out] cotangent first (measured, JAX 0.12:
+    dW = x^T g with a transposing copy of the [..., out] cotangent first (measured with
+    autodiff's backward, before `matmul` below had its own; JAX 0.12:
     x [16,128,256] @ w [256,704], forward + both gradients 49 -> 30 ms; the small preset's
     step 1274 -> 1051 ms). GSPMD shards the flat rows as the batch dims they merge, the same
     collectives flattened, EXCEPT where the sequence is sharded and the batch is not
@@ -51,13 +52,13 @@ def matmul(x: Array, w: Array) -> Array:
     Autodiff of the plain dot computes dW as transpose(dot(g, x)): the dot yields [out, in]
     (JAX's dot_general transpose rule puts the cotangent's free dim first) and a transpose
     follows. Alone, XLA folds that transpose into the dot. Under GSPMD the gradient's
-    all-reduce over `data` (dp; fsdp's all-reduce + slice on XLA:CPU) is placed on the dot's
-    [out, in] output, so the transpose cannot fold; it fuses into the optimizer's consumers
+    all-reduce over the token axes (`data`; `context` under cp; fsdp's all-reduce + slice on
+    XLA:CPU) is placed on the dot's [out, in] output, so the transpose cannot fold; it fuses into the optimizer's consumers
     instead (AdamW's mu, nu and update fusions), each reading the gradient column by column.
     Measured, JAX 0.12, maxtext_llama_ref on a 2-core Xeon VM: the lm_head [256, 4096]
     update fusions took 230-270 ms of thread time per step each (manual dp: 25-50 ms); the
     step, dp auto 1279 -> 1161 ms, fsdp auto 1153 -> 1089 ms, single / manual unchanged. The
-    manual twin's psum comes after the transpose (its own line), so it never had the problem.
+    manual twin's gradient mean comes after the transpose (its own line): never the problem.
     jax.checkpoint's policies see the forward dot as before (its saved residuals are
     identical under dots / dots_no_batch / full: measured)."""
     return _product(x, w)
