@@ -295,9 +295,14 @@ def expect_gradients_in_weight_layout(run: Run) -> None:
     leaf as L records of one layer (GSPMD syncs them inside the backward scan). With autodiff's
     plain dot transpose they crossed as [out, in] and AdamW read them transposed (slow on
     CPU: layers.matmul's docstring). The scalars (loss, norm partial sums) are left out."""
-    synced = [r.shape for r in run.ledger.filter(op="all-reduce", axes="data") if r.shape
-              for _ in range(r.multiplicity)]
-    assert sorted(synced) == use_shapes(run.strategy, run.mesh, fsdp_only=False)
+    assert synced_shapes(run.ledger, ("data",), min_rank=1) == use_shapes(run.strategy, run.mesh, fsdp_only=False)
+
+
+def synced_shapes(led: hlo.Ledger, axes: tuple[str, ...], min_rank: int) -> list[tuple[int, ...]]:
+    """Sorted shapes of the all-reduces over `axes` of rank >= min_rank, one per execution (a
+    record inside the layer scan counts its multiplicity L): the gradients as they cross the mesh."""
+    return sorted(r.shape for r in led.filter(op="all-reduce", axes=axes) if len(r.shape) >= min_rank
+                  for _ in range(r.multiplicity))
 
 
 def check_dp(run: Run) -> None:

@@ -22,6 +22,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 import auto_parallel
 import manual_parallel
 import reference
+from test_auto import synced_shapes  # the all-reduced shapes, one per execution
 from manual_parallel.ring_attention import ring_attention
 from twinshard import context, cost, hlo, layers, testing
 from twinshard.config import Config, preset
@@ -211,8 +212,7 @@ def test_auto_gathers_k_and_v_over_context():
     params = jax.tree_util.tree_flatten_with_path(jax.eval_shape(functools.partial(create_params, m, 0)))[0]
     weights = sorted(w for path, a in params if a.ndim >= 2 and not (str(path[0].key) == "layers" and a.ndim == 2)
                      for w in ([a.shape[1:]] * a.shape[0] if a.ndim == 3 else [a.shape]))
-    synced = sorted(r.shape for r in led.filter(op="all-reduce", axes=("context",)) if len(r.shape) == 2
-                    for _ in range(r.multiplicity))
+    synced = [s for s in synced_shapes(led, ("context",), min_rank=2) if len(s) == 2]  # not dK, dV
     assert synced == weights and len(weights) == 7 * L + 2
 
 

@@ -114,7 +114,8 @@ def test_temp_bytes_follow_the_policy(name):
     logits' gradient [b,T,V], one layer's weight gradients before the scatter or the
     mean), which the model does not count (its `none` residuals are exactly what JAX saves,
     10D + 3F + 2HT per token and layer on one device; twinshard/cost.py): up to 2.24x
-    under none (measured before layers.swiglu_gate saved 3 instead of 6 [b,T,F]). Under dots_no_batch the model's one-layer working set (a whole layer's
+    under none (measured before layers.swiglu_gate saved 3 instead of 6 [b,T,F]). Under
+    dots_no_batch the model's one-layer working set (a whole layer's
     `none` residuals) is more than XLA keeps while it recomputes one layer: 0.82x."""
     temps = {p: run(name, p)["temp"] for p in POLICIES[name]}
     assert temps["full"] < temps.get("dots", temps["none"]) <= temps["none"], temps

@@ -23,7 +23,7 @@ import auto_parallel
 import manual_parallel
 import reference
 from test_manual import CFG, STEPS, single  # the same config and single-device record
-from test_auto import use_shapes  # per-device shape of each weight where it is used
+from test_auto import synced_shapes, use_shapes  # the all-reduced shapes; each weight's shape where used
 from test_remat import runner_residuals
 from twinshard import cost, hlo, testing
 from twinshard.config import Config
@@ -145,9 +145,8 @@ def test_auto_twin_gathers_and_scatters_the_sequence():
     testing.expect_no_collective(led, axes=("tensor",), larger_than=a)
     # each (TP-local) weight matrix's gradient crosses data in the weight's own [in, out] shape
     # (layers.matmul's backward; tp_sp's einsum path crossed as [out, in] before it)
-    synced = sorted(r.shape for r in led.filter(op="all-reduce", axes=("data",)) if len(r.shape) == 2
-                    for _ in range(r.multiplicity))
-    assert synced == [s for s in use_shapes("tp", {"data": 2, "tensor": 4}, fsdp_only=False) if len(s) == 2]
+    assert synced_shapes(led, ("data",), min_rank=2) == [
+        s for s in use_shapes("tp", {"data": 2, "tensor": 4}, fsdp_only=False) if len(s) == 2]
 
 
 def test_auto_twin_accumulates_on_sequence_shards():
