@@ -5,9 +5,12 @@ model FLOPs are the hand count, and that the manual twin's collectives equal the
 model exactly (ledger bytes / model bytes == 1.0, every (op, axes) row matching).
 """
 
+import importlib.util
 import json
 import math
+import pathlib
 
+import jax
 import numpy as np
 import pytest
 from absl import flags
@@ -85,3 +88,70 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
         bench.check_output_path(str(tmp_path / "missing" / "b.json"), "json")
     with pytest.raises(ValueError, match="--strategies=single,pp: choose from"):
         bench.check_choices(["single", "pp"], ["auto"])
+
+
+def step_profile():
+    """tools/step_profile.py as a module (tools/ is no package; importing it defines no flags)."""
+    path = pathlib.Path(__file__).parents[1] / "tools" / "step_profile.py"
+    spec = importlib.util.spec_from_file_location("step_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The shape of a compiled GPU module: a Triton GEMM fusion (a dot in its body), a cuBLAS GEMM and a
+# cuDNN attention as custom-calls whose results are tuples (workspace, softmax statistics).
+GPU_HLO = """HloModule jit_train_step, entry_computation_layout={(bf16[16,64]{1,0})->bf16[16,32]{1,0}}
+
+%fused_computation.3 (param_0: bf16[16,64], param_1: bf16[64,32]) -> bf16[16,32] {
+  %param_0 = bf16[16,64]{1,0} parameter(0)
+  %param_1 = bf16[64,32]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[16,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.9 (Arg_0.1: bf16[16,64], Arg_1.2: bf16[64,32]) -> bf16[16,32] {
+  %Arg_0.1 = bf16[16,64]{1,0} parameter(0)
+  %Arg_1.2 = bf16[64,32]{1,0} parameter(1)
+  %fusion.3 = bf16[16,32]{1,0} fusion(%Arg_0.1, %Arg_1.2), kind=kCustom, calls=%fused_computation.3
+  %custom-call.7 = (bf16[16,32]{1,0}, s8[4194304]{0}) custom-call(%Arg_0.1, %Arg_1.2), custom_call_target="__cublas$gemm"
+  %custom-call.8 = (bf16[4,12,64]{2,1,0}, f32[4,12]{1,0}, u8[0]{0}) custom-call(%Arg_0.1), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %get-tuple-element.4 = bf16[16,32]{1,0} get-tuple-element(%custom-call.7), index=0
+}
+"""
+
+# A trace as XLA:GPU writes it: the host plane's thread records the launch of fusion.3 (9 us), the
+# device plane's stream the kernels (5, 2 and 1 us), each naming its HLO instruction in `hlo_op`.
+GPU_TRACE = """
+planes { id: 1 name: "/host:CPU"
+  lines { id: 1 name: "tf_XLAExecute" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 9000000 stats { metadata_id: 1 str_value: "fusion.3" } } }
+  event_metadata { key: 1 value { id: 1 name: "fusion.3" } }
+  stat_metadata { key: 1 value { id: 1 name: "hlo_op" } } }
+planes { id: 2 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(Compute)" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 5000000 stats { metadata_id: 1 str_value: "fusion.3" } }
+    events { metadata_id: 2 offset_ps: 6000000 duration_ps: 2000000 stats { metadata_id: 1 str_value: "custom-call.7" } }
+    events { metadata_id: 3 offset_ps: 9000000 duration_ps: 1000000 stats { metadata_id: 1 str_value: "custom-call.8" } }
+    events { metadata_id: 4 offset_ps: 9500000 duration_ps: 7000000 } }
+  event_metadata { key: 1 value { id: 1 name: "triton_gemm_fusion_3" } }
+  event_metadata { key: 2 value { id: 2 name: "sm90_xmma_gemm_bf16bf16" } }
+  event_metadata { key: 3 value { id: 3 name: "cudnn_generated_fort_native_sdpa" } }
+  event_metadata { key: 4 value { id: 4 name: "MemcpyD2H" } }
+  stat_metadata { key: 1 value { id: 1 name: "hlo_op" } } }
+"""
+
+
+def test_step_profile_reads_a_gpu_module_and_counts_device_kernels_not_host_launches():
+    sp = step_profile()
+    kinds, lines = sp.hlo_kinds(GPU_HLO)
+    # tuple-typed instructions are parsed too (the type "(bf16[..], s8[..])" has a space)
+    assert kinds == {"dot.1": "matmul", "fusion.3": "matmul", "custom-call.7": "matmul",
+                     "custom-call.8": "attention (custom-call)"}, kinds  # get-tuple-element: a no-op
+    per_op, kernels, device = sp.op_times(jax.profiler.ProfileData.from_text_proto(GPU_TRACE), kinds)
+    assert device  # the device plane had instructions: the host's 9 us launch is not counted
+    assert per_op == {"fusion.3": 5000, "custom-call.7": 2000, "custom-call.8": 1000}
+    assert kernels == {"triton_gemm_fusion_3": 5000, "sm90_xmma_gemm_bf16bf16": 2000,
+                       "cudnn_generated_fort_native_sdpa": 1000}  # the memcpy names no instruction
+    host_only = "planes {" + GPU_TRACE.split("planes {")[1]  # a CPU trace: the host's events are the ops
+    per_op, kernels, device = sp.op_times(jax.profiler.ProfileData.from_text_proto(host_only), kinds)
+    assert not device and per_op == {"fusion.3": 9000} and not kernels

@@ -63,7 +63,7 @@ VARIANTS = {
     "--grad_accum=2 --optimizer=adafactor --workdir=runs/scale": ["--steps=4"],
     "uv run python -m launch.bench --preset=tiny --steps=3 --json=bench.json --markdown=bench.md":
         ["--strategies=single", "--matmul_size=512", "--matmul_reps=3"],
-    "uv run python tools/cpu_profile.py --preset=tiny": ["--steps=1"],
+    "uv run python tools/step_profile.py --preset=tiny": ["--steps=1"],
     "uv run python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4": [],
     "uv run python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16": [],
     "uv run python tools/mutate.py --list": [],
@@ -208,7 +208,7 @@ def test_bf16_and_bench_examples(readme_runs):
     doc = json.loads((cwd / "bench.json").read_text())
     assert [r["strategy"] for r in doc["runs"]] == ["single"]
     assert (cwd / "bench.md").read_text().strip()
-    profiled = out(readme_runs, "tools/cpu_profile.py")
+    profiled = out(readme_runs, "tools/step_profile.py")
     shares = [float(m) for m in re.findall(r"^\| [a-z/ -]+ \| [\d.]+ \| ([\d.]+)% \|$", profiled, re.M)]
     assert "| matmul |" in profiled and abs(sum(shares) - 100) < 0.5, profiled  # every op has a kind
 

@@ -1,0 +1,251 @@
+"""Where a compiled train step spends its time, per kind of HLO op, on a CPU or an accelerator.
+
+    python tools/step_profile.py --preset=small                 # single device
+    python tools/step_profile.py --preset=small --strategy=fsdp --impl=manual
+    python tools/step_profile.py --preset=maxtext_llama_ref --top=25
+    python tools/step_profile.py --preset=gpt2_125m --batch_size=16 --dtype=bfloat16   # one GPU
+
+Runs `--steps` compiled steps under `jax.profiler.trace`, reads the trace's
+`.xplane.pb` back with `jax.profiler.ProfileData`, and sums the duration of every
+event that names an instruction of the step's compiled HLO, per kind:
+
+- matmul: a dot, or a fusion whose body has a dot (XLA:CPU's ynn/onednn fusions, cuBLAS
+  custom-calls, Triton GEMM fusions);
+- copy/transpose: `copy`, `transpose` and fusions whose root is one (layout changes);
+- dynamic-update-slice: the scan writing a layer's saved activations into [L, ...];
+- reduce, elementwise (loop fusions), broadcast/constant-fill, collectives, other
+  (custom-calls such as cuDNN attention).
+
+Measured facts (JAX 0.12 on XLA:CPU; jax 0.11.2's xplane has the same fields):
+- every event XLA records for an executed instruction carries the stat `hlo_op`
+  (the instruction's name, `fusion.12`, `dot.3`) and `hlo_module`;
+- on a CPU those events sit on the `/host:CPU` plane, one line per worker thread, so
+  thread time is summed over threads and can exceed wall time;
+- on a GPU the kernels sit on the `/device:GPU:N` plane (one line per stream), named by
+  kernel, with `hlo_op` naming the instruction that launched them; the host plane then
+  also has `hlo_op` events (the launches), which are not counted: when a device plane has
+  any, only device events count. Device time per step against the wall time per step
+  says how much of the step the accelerator sat idle (launch overhead, host work).
+Like the launchers, the tool re-executes itself once with launch.MALLOC_TUNABLES.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import sys
+import tempfile
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from absl import flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The command line's flags (defined when run as a script: tests import hlo_kinds / op_times)."""
+    flags.DEFINE_string("preset", "small", "Preset (twinshard.config, or launch.bench's maxtext_llama_ref).")
+    flags.DEFINE_string("strategy", "single", "single, or a strategy of launch.common.STRATEGIES.")
+    flags.DEFINE_string("impl", "manual", "Twin for a strategy: auto or manual.")
+    flags.DEFINE_string("mesh", None, "Mesh spec for a strategy (default: its default on 8 devices).")
+    flags.DEFINE_integer("steps", 3, "Profiled steps (after 2 unprofiled warm-up steps).")
+    flags.DEFINE_integer("top", 15, "Also list this many most expensive instructions.")
+    flags.DEFINE_integer("width", 150, "Characters of each listed instruction's HLO line.")
+    flags.DEFINE_string("dtype", None, "Compute dtype override (float32, bfloat16).")
+    flags.DEFINE_string("remat", None, "Remat policy override.")
+    flags.DEFINE_integer("batch_size", None, "Global batch size override (sequences).")
+
+# name = type op(...): a tuple type "(f32[8]{0}, s8[64]{0})" has spaces (multi-output fusions, GEMMs)
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w\-]+)\(", re.M)
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", re.M)
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def hlo_kinds(text: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Instruction name -> kind, and -> its HLO line, for every instruction of the compiled module."""
+    bodies: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and "=" not in line.split("{")[0]:
+            current = m.group(1)
+            bodies[current] = []
+            continue
+        m = _INSTR.match(line)
+        if m and current is not None:
+            bodies[current].append((m.group(1), m.group(3), line))
+
+    def fused_kind(comp: str, seen=()) -> str:
+        ops = [op for _, op, _ in bodies.get(comp, [])]
+        if "dot" in ops or "convolution" in ops:
+            return "matmul"
+        for _, op, line in bodies.get(comp, []):
+            if op == "fusion" and (c := _CALLS.search(line)) and c.group(1) not in seen:
+                if fused_kind(c.group(1), (*seen, comp)) == "matmul":
+                    return "matmul"
+        root = bodies.get(comp, [("", "", "")])[-1][1] if bodies.get(comp) else ""
+        if root in ("copy", "transpose"):
+            return "copy/transpose"
+        if root == "dynamic-update-slice":
+            return "dynamic-update-slice"
+        if "reduce" in ops:
+            return "reduce"
+        if root == "broadcast" and len(ops) <= 2:
+            return "broadcast/constant-fill"
+        return "elementwise"
+
+    kinds, lines = {}, {}
+    for comp, instrs in bodies.items():
+        for name, op, line in instrs:
+            lines[name] = line.strip()
+            if op == "fusion" and (c := _CALLS.search(line)):
+                kinds[name] = fused_kind(c.group(1))
+            elif op in ("dot", "convolution"):
+                kinds[name] = "matmul"
+            elif op in ("copy", "transpose"):
+                kinds[name] = "copy/transpose"
+            elif op in ("dynamic-update-slice", "reduce", "broadcast"):
+                kinds[name] = {"broadcast": "broadcast/constant-fill"}.get(op, op)
+            elif op == "custom-call":  # cuBLAS / cuDNN on a GPU: __cublas$gemm, __cudnn$fmha...
+                target = (t.group(1) if (t := _TARGET.search(line)) else "").lower()
+                kinds[name] = ("matmul" if "gemm" in target or "matmul" in target else
+                               "attention (custom-call)" if "fmha" in target or "attention" in target else "other")
+            elif any(op.startswith(c) for c in COLLECTIVES):
+                kinds[name] = "collective"
+            elif op in ("while", "call", "conditional", "parameter", "tuple", "get-tuple-element",
+                        "constant", "bitcast"):
+                continue  # containers and no-ops: their bodies' ops are events of their own
+            else:
+                kinds[name] = "other"
+    return kinds, lines
+
+
+def op_times(data, kinds: dict[str, str]) -> tuple[collections.Counter, collections.Counter, bool]:
+    """(ns per HLO instruction, ns per accelerator kernel name, whether the times are device times)
+    from a `jax.profiler.ProfileData`.
+
+    An event counts when its `hlo_op` stat (or, lacking one, its name) is an instruction of the
+    step. Device-plane events win over host events: on an accelerator the host's are launches."""
+    on_device: collections.Counter = collections.Counter()
+    on_host: collections.Counter = collections.Counter()
+    kernels: collections.Counter = collections.Counter()
+    for plane in data.planes:
+        device = plane.name.startswith("/device:") and not plane.name.startswith("/device:CPU")
+        for line in plane.lines:
+            for ev in line.events:
+                with warnings.catch_warnings():  # jaxlib: "builtin type event_stats has no __module__"
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    op = dict(ev.stats).get("hlo_op", ev.name)
+                if op not in kinds:
+                    continue
+                (on_device if device else on_host)[op] += ev.duration_ns
+                if device:
+                    kernels[ev.name] += ev.duration_ns
+    return (on_device, kernels, True) if on_device else (on_host, kernels, False)
+
+
+def read_trace(trace_dir: str):
+    import jax
+
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    return jax.profiler.ProfileData.from_file(path)
+
+
+def build(cfg):
+    """(runner, initial state, placed batch) for --strategy/--impl."""
+    from launch import bench, common
+    from twinshard import trainer
+
+    if FLAGS.strategy == "single":
+        runner = trainer.SingleDevice(cfg.model, cfg.train)
+    else:
+        runner = common.make_runner(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg)
+    x, y = bench.random_batch(cfg)
+    return runner, runner.init_state(0), runner.place_batch(x, y)
+
+
+def main(argv):
+    del argv
+    from launch import bench, common
+
+    common.default_platform()  # the CPU unless JAX_PLATFORMS is set or there is a GPU / TPU chip
+    if FLAGS.strategy != "single":
+        common.simulate_cpu_devices(8)  # on a CPU; an accelerator host uses its own devices
+    import dataclasses
+    import time
+
+    import jax
+
+    from twinshard.config import PRESETS, preset
+
+    known = (*PRESETS, *bench.BENCH_PRESETS)
+    if FLAGS.preset not in known:
+        raise ValueError(f"--preset={FLAGS.preset}: unknown; choose one of {', '.join(known)}.")
+    if FLAGS.strategy not in common.STRATEGIES or FLAGS.impl not in ("auto", "manual"):
+        raise ValueError(f"--strategy={FLAGS.strategy} --impl={FLAGS.impl}: choose a strategy of "
+                         f"{', '.join(common.STRATEGIES)} and an impl of auto, manual.")
+    if FLAGS.steps < 1:
+        raise ValueError(f"--steps={FLAGS.steps}: profile at least one step.")
+    cfg = bench.BENCH_PRESETS.get(FLAGS.preset) or preset(FLAGS.preset)
+    overrides = {k: getattr(FLAGS, k) for k in ("dtype", "remat") if getattr(FLAGS, k)}
+    if overrides:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **overrides))
+    if FLAGS.batch_size is not None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
+    runner, state, batch = build(cfg)
+    compiled = runner.train_step.lower(state, *batch).compile()
+    kinds, lines = hlo_kinds(compiled.as_text())
+    for _ in range(2):
+        state, metrics = compiled(state, *batch)
+    jax.block_until_ready(metrics)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            start = time.perf_counter()
+            for _ in range(FLAGS.steps):
+                state, metrics = compiled(state, *batch)
+            jax.block_until_ready(metrics)
+            wall_ms = (time.perf_counter() - start) * 1e3 / FLAGS.steps
+        per_op, kernels, device = op_times(read_trace(trace_dir), kinds)
+    report(per_op, kernels, device, kinds, lines, wall_ms, jax.devices()[0])
+
+
+def report(per_op, kernels, device: bool, kinds, lines, wall_ms: float, chip) -> None:
+    """The per-kind table, then the top instructions (and, on an accelerator, the top kernels)."""
+    steps, device_kind = FLAGS.steps, chip.device_kind
+    if not device and chip.platform != "cpu":
+        print(f"WARNING: the trace has no {chip.platform} kernel events (is the profiler's CUPTI / device "
+              "tracer available here?): the times below are the host's launches, not kernel time.")
+    total = sum(per_op.values())
+    by_kind: collections.Counter = collections.Counter()
+    for name, ns in per_op.items():
+        by_kind[kinds[name]] += ns
+    where = (f"device time (busy {100 * total / 1e6 / steps / wall_ms:.0f}% of the wall time)" if device
+             else "op thread time, summed over threads")
+    print(f"{FLAGS.preset} {FLAGS.strategy}{'' if FLAGS.strategy == 'single' else '/' + FLAGS.impl} on "
+          f"{device_kind}: {wall_ms:.1f} ms/step wall under the profiler; {total / 1e6 / steps:.1f} ms of "
+          f"{where} per step, {len(per_op)} distinct ops")
+    print("| kind | ms/step | share |\n|---|---|---|")
+    for kind, ns in by_kind.most_common():
+        print(f"| {kind} | {ns / 1e6 / steps:.1f} | {100 * ns / total:.1f}% |")
+    print(f"\ntop {FLAGS.top} instructions:")
+    for name, ns in per_op.most_common(FLAGS.top):
+        print(f"  {ns / 1e6 / steps:8.2f} ms  {100 * ns / total:5.1f}%  {kinds[name]:<24} "
+              f"{lines[name][:FLAGS.width]}")
+    if device:
+        print(f"\ntop {FLAGS.top} kernels:")
+        for name, ns in kernels.most_common(FLAGS.top):
+            print(f"  {ns / 1e6 / steps:8.2f} ms  {100 * ns / total:5.1f}%  {name[:FLAGS.width]}")
+
+
+if __name__ == "__main__":
+    from launch import common, reexec_with_malloc_tunables
+
+    reexec_with_malloc_tunables()  # profile the launchers' allocator, not glibc's defaults
+    define_flags()
+    common.run(main, "step_profile")  # a bad flag value: one line on stderr, exit 1
