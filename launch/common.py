@@ -73,7 +73,8 @@ def define_precision_flags() -> None:
     define(flags.DEFINE_enum, "dtype", None, COMPUTE_DTYPES, "Compute dtype (default: the preset's, float32): "
            "bfloat16 = bf16 activations and matmuls, float32 master weights, optimizer state, norms and loss.")
     define(flags.DEFINE_enum, "attention", None, ATTENTION_IMPLS, "Attention kernel (default auto: cuDNN flash "
-           "attention on a GPU in bf16, XLA's elsewhere; reference: the readable twinshard.layers one).")
+           "attention on a GPU in bf16, recompute elsewhere: its backward recomputes the probabilities, "
+           "saving no [T, T] array; xla: jax.nn's XLA kernel; reference: the readable twinshard.layers one).")
     define(flags.DEFINE_integer, "scan_unroll", None, "Layers per iteration of the layer scan (default 1: "
            "compile time flat in depth; num_layers: fully unrolled, faster on CPU, compiles longer).")
     define(flags.DEFINE_bool, "collective_matmul", None, "tp_sp, manual twin: decompose each sequence "

@@ -1,11 +1,13 @@
-"""The attention seam: jax.nn.dot_product_attention against the readable reference.
+"""The attention seam: the recompute kernel and jax.nn.dot_product_attention against the readable reference.
 
 `ModelConfig.attention` picks `layers.causal_attention`'s implementation:
 'reference' (layers.scaled_dot_product_attention + causal_mask, the spec),
-'xla' (jax.nn.dot_product_attention, any backend), 'cudnn' (GPU only; checked
-against the reference by tools/gpu_bench.sh on a device) or 'auto' (the
-default: cudnn on a GPU in bf16, xla elsewhere). Under Megatron TP each device
-runs the kernel on its own H/tensor heads, unchanged.
+'recompute' (layers.recompute_attention: its backward keeps o and the log-sum-exp and
+recomputes the probabilities, so no [T, T] array is saved), 'xla'
+(jax.nn.dot_product_attention, any backend), 'cudnn' (GPU only; checked against the
+reference by tools/gpu_bench.sh on a device) or 'auto' (the default: cudnn on a GPU in
+bf16, recompute elsewhere). Under Megatron TP each device runs the kernel on its own
+H/tensor heads, unchanged.
 """
 
 import dataclasses
@@ -46,11 +48,12 @@ def _loss_and_grads(runner, cfg):
     return jax.device_get(runner.loss_and_grads(state.params, *runner.place_batch(b[:, :-1], b[:, 1:])))
 
 
-def test_model_with_the_xla_kernel_equals_the_reference_single_device_and_under_tp():
-    """Loss and gradients of the whole model: reference vs xla kernel on one device, and the
-    xla kernel inside the manual TP twin (each device attends over its own heads)."""
+@pytest.mark.parametrize("impl", ["xla", "recompute"])
+def test_model_with_a_kernel_equals_the_reference_single_device_and_under_tp(impl):
+    """Loss and gradients of the whole model: reference vs the kernel on one device, and the
+    kernel inside the manual TP twin (each device attends over its own heads)."""
     ref_cfg = Config(dataclasses.replace(BASE.model, num_heads=8, attention="reference"), BASE.train)
-    xla_cfg = Config(dataclasses.replace(ref_cfg.model, attention="xla"), BASE.train)
+    xla_cfg = Config(dataclasses.replace(ref_cfg.model, attention=impl), BASE.train)
     want = _loss_and_grads(SingleDevice(ref_cfg.model, ref_cfg.train), ref_cfg)
     runs = {"single": SingleDevice(xla_cfg.model, xla_cfg.train),
             "manual tp": manual_parallel.make_runner("tp", "data:1,tensor:8", xla_cfg)}
@@ -61,11 +64,12 @@ def test_model_with_the_xla_kernel_equals_the_reference_single_device_and_under_
         assert diff < 2e-7, (name, diff)  # the tolerance of tests/test_manual.py (GRAD_ATOL)
 
 
-@pytest.mark.parametrize("impl", ["xla", "auto"])
+@pytest.mark.parametrize("impl", ["xla", "recompute", "auto"])
 def test_fused_attention_matches_the_reference(impl):
     """jax.nn.dot_product_attention (XLA here; cuDNN flash attention on a GPU in bf16,
-    checked by tools/gpu_bench.sh) against the readable scaled_dot_product_attention.
-    Measured (f32, [2, 4, 32, 16]): outputs 4.8e-7 apart, gradients 7.2e-7."""
+    checked by tools/gpu_bench.sh) and layers.recompute_attention against the readable
+    scaled_dot_product_attention. Measured (f32, [2, 4, 32, 16]): xla's outputs 4.8e-7
+    apart, gradients 7.2e-7; recompute's 2.4e-7 and 9.5e-7 ([2, 4, 64, 16])."""
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 4, 32, 16)), jnp.float32) for _ in range(3))
     got, want = layers.causal_attention(q, k, v, impl), layers.causal_attention(q, k, v, "reference")
@@ -79,3 +83,50 @@ def test_fused_attention_matches_the_reference(impl):
 
     for a, b in zip(grads(impl), grads("reference")):
         np.testing.assert_allclose(a, b, rtol=0, atol=5e-6)
+
+
+def test_recompute_attention_in_bf16_is_as_close_to_float64_as_the_reference():
+    """bf16 q, k, v (--dtype=bfloat16): recompute's scores accumulate in f32 and its softmax
+    statistics stay f32, so its outputs and gradients are no further from the float64
+    attention than the reference's (which rounds q k^T to bf16 before its f32 softmax).
+    Measured ([2, 4, 64, 16]): output max errors 6.2e-3 (recompute), 9.4e-3 (reference),
+    1.1e-2 (xla); bf16 gradients 1.7e-2 from autodiff in float64 (xla: 1.7e-2, reference:
+    1.4e-2), bf16's resolution on values of order 1."""
+    rng = np.random.default_rng(3)
+    q64, k64, v64, g64 = (rng.normal(size=(2, 4, 64, 16)) for _ in range(4))
+    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in (q64, k64, v64))
+    exact = lambda *a: ref.attention(*(np.asarray(x, np.float64) for x in a), np.tril(np.ones((64, 64), bool)))  # noqa: E731
+    want = exact(q, k, v)  # float64 attention of the bf16-rounded inputs
+    err = {i: float(np.max(np.abs(np.asarray(layers.causal_attention(q, k, v, i), np.float64) - want)))
+           for i in ("recompute", "reference")}
+    assert err["recompute"] <= err["reference"] and err["recompute"] < 2e-2, err
+    with jax.enable_x64():
+        grads64 = jax.grad(lambda *a: jnp.sum(layers.causal_attention(*a, "reference") * g64),
+                           argnums=(0, 1, 2))(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)))
+    got = jax.grad(lambda *a: jnp.sum(layers.causal_attention(*a, "recompute").astype(jnp.float32) * g64),
+                   argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, grads64):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b), rtol=0, atol=5e-2)
+
+
+def test_recompute_attention_saves_no_score_sized_array():
+    """What the backward pass keeps: the reference (autodiff) saves [B, h, T, T] arrays (the
+    masked scores and the probabilities); recompute_attention keeps q, k, v, o [B, h, T, dh]
+    and the log-sum-exp [B, h, T, 1], nothing with a T x T tail."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    qkv = [jax.ShapeDtypeStruct((2, 4, 64, 16), jnp.float32)] * 3
+
+    def saved(impl):
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            print_saved_residuals(lambda *a: jnp.sum(layers.causal_attention(*a, impl)), *qkv)
+        return text.getvalue()
+
+    assert "[2,4,64,64]" in saved("reference")
+    kept = saved("recompute")
+    assert "[2,4,64,64]" not in kept and "f32[2,4,64,1]" in kept, kept

@@ -153,9 +153,9 @@ def test_flops_match_xlas_count():
 def test_memory_per_device():
     dp = cost.cost(CFG, "dp", {"data": 8, "tensor": 1}, B).memory
     assert dp.params == dp.grads == M + NORMS and dp.optimizer == 2 * (M + NORMS)
-    # b = 1, per layer (what autodiff saves): 32*(4*64 + 6*64 + 3*192 + 4) + 2*4*32*32 + 2*4*32
-    # = 47488; final 2*32*64 + 2*32*384 = 28672
-    assert dp.activations == 4 * (2 * 47488 + 28672) == 494592
+    # b = 1, per layer (what autodiff saves): 32*(6*64 + 5*64 + 3*192 + 4 + 4) = 41216 (no [T, T]
+    # array: layers.recompute_attention keeps o and the log-sum-exp); final 2*32*64 + 2*32*384 = 28672
+    assert dp.activations == 4 * (2 * 41216 + 28672) == 444416
     assert dp.gathered_weights == 0
     fsdp = cost.cost(CFG, "fsdp", {"data": 8, "tensor": 1}, B).memory
     assert fsdp.params == M // 8 + NORMS == 79104
@@ -211,16 +211,17 @@ def test_text_json_and_compare():
 def test_memory_at_tensor_greater_than_one():
     """Per-device activation and gathered-weight bytes at tensor > 1, by hand (tiny, B=8, T=32)."""
     tp = cost.cost(CFG, "tp", {"data": 1, "tensor": 4}, B).memory
-    # b = 8 (tp keeps the whole batch), t = 4: per layer 8*32*(4*64 + 6*64/4 + 3*192/4 + 4)
-    # + 2*8*(4/4)*32*32 + 2*8*(4/4)*32
-    per_layer = 8 * 32 * (256 + 96 + 144 + 4) + 2 * 8 * 1 * 32 * 32 + 2 * 8 * 1 * 32
+    # b = 8 (tp keeps the whole batch), t = 4: per layer 8*32*(6*64 + 5*64/4 + 3*192/4 + 4 + 4/4)
+    # (the replicated residual stream and matmul inputs, the head-split attention and SwiGLU
+    # arrays, the norm statistics, the log-sum-exp of H/t = 1 head)
+    per_layer = 8 * 32 * (384 + 80 + 144 + 4 + 1)
     final = 2 * 8 * 32 * 64 + 2 * 8 * 32 * 384 // 4
-    # = 144896 and 81920
-    assert tp.activations == 4 * (2 * per_layer + final) == 1486848
+    # = 156928 and 81920
+    assert tp.activations == 4 * (2 * per_layer + final) == 1583104
     assert tp.gathered_weights == 0
     ftp = cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B).memory
     # b = 8/2 = 4: half of tp's per-layer and final terms
-    assert ftp.activations == 4 * (2 * 72448 + 40960) == 743424
+    assert ftp.activations == 4 * (2 * 78464 + 40960) == 791552
     # one layer's matrices (q,k,v,o: 4*64*64, w1,w2,w3: 3*64*192 = 53248 elements) beat the
     # embedding (384*64 = 24576); each device gathers only its tensor shard: /4
     assert ftp.gathered_weights == 4 * 53248 // 4 == 53248
@@ -242,9 +243,9 @@ def test_bf16_sizes_activations_but_not_the_float32_statistics():
     assert sum(r.count for r in norms) == 3 and sum(r.bytes for r in norms) == 5 * 64 * 4
     for op, f32_bytes in (("all-gather", (2 * M - EMB) // 4), ("reduce-scatter", M // 8)):
         assert bf16.summary()[(op, ("data",))]["bytes"] * 2 == f32_bytes == f32.summary()[(op, ("data",))]["bytes"]
-    # b = 4, t = 4: 2 layers x 72448 elements x 2 bytes + ln_final in/out and logits (bf16)
+    # b = 4, t = 4: 2 layers x 78464 elements x 2 bytes + ln_final in/out and logits (bf16)
     # + exp(z - max) of the f32 loss
-    assert bf16.memory.activations == (2 * 72448 + 2 * 4 * 32 * 64 + 4 * 32 * 96) * 2 + 4 * 32 * 96 * 4 == 396288
+    assert bf16.memory.activations == (2 * 78464 + 2 * 4 * 32 * 64 + 4 * 32 * 96) * 2 + 4 * 32 * 96 * 4 == 420352
     assert bf16.memory.gathered_weights * 2 == f32.memory.gathered_weights
     assert (bf16.memory.params, bf16.memory.grads, bf16.memory.optimizer) == (
         f32.memory.params, f32.memory.grads, f32.memory.optimizer) == (M // 8 + NORMS, M // 8 + NORMS, 2 * (M // 8 + NORMS))

@@ -142,7 +142,7 @@ def test_sdpa_respects_mask(rng):
     np.testing.assert_allclose(got, ref.attention(q, k, v, mask), rtol=1e-4, atol=1e-5)
 
 
-ATTENTIONS = ["reference", "xla"]  # the readable layer (layers.causal_mask) and jax.nn's kernel
+ATTENTIONS = ["reference", "recompute", "xla"]  # the readable layer, its recomputing backward, jax.nn's kernel
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)

@@ -15,23 +15,26 @@ steps test_manual and test_auto compile, loaded here from the compilation cache.
   XLA:CPU, temp / model; tiny: num_heads 8, tp on tensor:8; small: tp on tensor:4):
 
       run           tiny   small      what the model leaves out
-      single        1.01   0.94
-      manual dp     1.28   (0.99)     the gradients' all-reduce results (one more gradient-
+      single        1.00   0.92       (long, T = 1024: 1.01)
+      manual dp     1.39   1.13       the gradients' all-reduce results (one more gradient-
                                       sized buffer; under remat full, where the activations
                                       no longer dwarf it, 1.56-1.77)
-      manual fsdp   1.11   1.02
-      manual tp     1.25   (1.06)
-      manual f_tp   1.12   (1.02)
-      auto dp       1.63   (1.18)     GSPMD all-reduces each layer's gradient inside the
+      manual fsdp   1.07   1.01
+      manual tp     1.01   0.96       (long: 1.19, measured once)
+      manual f_tp   0.96   0.94
+      auto dp       1.68   1.34       GSPMD all-reduces each layer's gradient inside the
                                       backward loop (auto_parallel/dp.py): more live copies
-      auto fsdp     1.59   (1.26)     GSPMD keeps every layer's gathered weights for the
+      auto fsdp     1.64   1.33       GSPMD keeps every layer's gathered weights for the
                                       backward pass (no re-gather: auto_parallel/fsdp.py)
-      auto tp       1.26   (1.06)
-      auto f_tp     1.21   (1.10)
+      auto tp       1.04   0.97
+      auto f_tp     1.04   0.98
 
-  (small in parentheses: measured once, before layers.swiglu_gate kept 3 instead of 6
-  [b, T, F] residuals per layer; the tiny ratios rose by 0.04-0.16 with it: the model's
-  activations shrank by 3F per token and layer, XLA's peak by less.)
+  (Measured with layers.recompute_attention, the default off-GPU: no layer saves a [T, T]
+  array, and the model's backward working set counts the recomputed probabilities and their
+  gradient, cost.attention_backward. Before it, autodiff of XLA's attention saved the
+  scores and the probabilities, and the model's `none` count was exact on one device only:
+  under TP it split two replicated [b, T, D] arrays by t; tests/test_remat.py now checks
+  none in the manual tp twin too.)
 
 The remat policies' temporaries are checked in tests/test_remat.py; TPU's per-chip
 arguments (tile-padded) in tests/test_tpu_topology.py.
@@ -51,11 +54,15 @@ from runners import CFG, MESHES
 from twinshard.config import Config, preset
 from twinshard.trainer import SingleDevice
 
-CONFIGS = {"tiny": CFG, "small": preset("small")}
+# "long": tiny at T = 1024 (batch 4), where one layer's [T, T] attention arrays (recomputed in the
+# backward pass: cost.attention_backward) outweigh the residuals; without that term the model
+# counted 75 of XLA's 195 MiB here (measured, one device)
+CONFIGS = {"tiny": CFG, "small": preset("small"),
+           "long": Config(dataclasses.replace(CFG.model, context_length=1024), dataclasses.replace(CFG.train, batch_size=4))}
 RUNS = [("single", None)] + [(s, impl) for s in MESHES for impl in ("auto", "manual")]
 # small: single device and manual fsdp (the other small rows, measured once, are in the
 # docstring; each small compile costs ~5 s of the suite's 10 minutes)
-CASES = [("tiny", *r) for r in RUNS] + [("small", "single", None), ("small", "fsdp", "manual")]
+CASES = [("tiny", *r) for r in RUNS] + [("small", "single", None), ("small", "fsdp", "manual"), ("long", "single", None)]
 # temp / model bands (module docstring): the manual twins and single device to ~25%; manual dp
 # and the GSPMD twins hold buffers the model does not count (above)
 BANDS = {"manual": (0.85, 1.35), "single": (0.85, 1.25), "manual_dp": (0.85, 1.8), "auto": (0.85, 1.75)}

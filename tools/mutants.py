@@ -60,6 +60,7 @@ PLAN = "tests/test_plan.py"
 ACCUM = "tests/test_accum.py"
 OPTIMIZERS = "tests/test_optimizers.py"
 REMAT = "tests/test_remat.py"
+MEMORY = "tests/test_memory.py"
 
 # Everything that reads a compiled ledger or the cost model (a parser or model bug shows there too).
 LEDGER_TESTS = (HLO, MANUAL, AUTO, TPU, CLI)
@@ -413,8 +414,8 @@ MUTANTS: list[Mutant] = [
            "stats, tok = batch * ctx.seq * ctx.s, f\"[{batch},{ctx.seq}] f32\"",
            COST_TESTS, "cross-entropy statistics sized with the compute dtype, not f32"),
     Mutant("cost-tp-activations-whole", "cost", _COST,
-           "return b * seq * (4 * d + 6 * d // t + 3 * f // t + 4) + 2 * scores + 2 * b * (h // t) * seq",
-           "return b * seq * (4 * d + 6 * d + 3 * f + 4) + 2 * b * h * seq * seq + 2 * b * h * seq",
+           "return b * seq * (6 * d + 5 * d // t + 3 * f // t + 4 + h // t)",
+           "return b * seq * (6 * d + 5 * d + 3 * f + 4 + h)",
            COST_TESTS, "TP activation memory not divided by the tensor size"),
     Mutant("cost-fsdp_tp-gathered-whole", "cost", _COST,
            "gathered = max(layer, v * d) * dtype_bytes // t",
@@ -496,11 +497,26 @@ MUTANTS: list[Mutant] = [
            "bthd = lambda t: t",
            (ATTENTION,), "[B, h, T, dh] handed to jax.nn.dot_product_attention, which wants [B, T, h, dh]"),
     Mutant("attention-auto-is-reference", "attention", _LAYERS,
-           'impl = "cudnn" if half and jax.default_backend() == "gpu" else "xla"',
+           'impl = "cudnn" if half and jax.default_backend() == "gpu" else "recompute"',
            'return scaled_dot_product_attention(q, k, v, causal_mask(q.shape[-2]))',
-           (ATTENTION,), "'auto' never reaches the fused kernel",
-           equivalent="on CPU the XLA kernel and the reference agree to 5e-7; only the jaxpr differs, "
-                      "and the model test compares 'xla' with 'reference', not 'auto'"),
+           (ATTENTION, REMAT), "'auto' never reaches the kernels: every layer saves its [T, T] scores and "
+           "probabilities again (the values agree to 5e-7; test_remat's exact residual count does not)"),
+    Mutant("recompute-attention-no-delta", "attention", _LAYERS,
+           "ds = p * (dp - delta) / np.sqrt",
+           "ds = p * dp / np.sqrt",
+           (ATTENTION, LAYERS), "the recomputed softmax backward drops its row term sum_k dp p (= do . o)"),
+    Mutant("recompute-attention-lse-without-max", "attention", _LAYERS,
+           "lse = m + jnp.log(total)",
+           "lse = jnp.log(total)",
+           (ATTENTION,), "the saved log-sum-exp forgets the row max: the backward's p is off by exp(m)"),
+    Mutant("recompute-attention-dk-from-k", "attention", _LAYERS,
+           'dk = jnp.einsum("...qk,...qd->...kd", ds.astype(q.dtype), q,',
+           'dk = jnp.einsum("...qk,...qd->...kd", ds.astype(q.dtype), k,',
+           (ATTENTION,), "d(q k^T)/dk multiplies ds by k instead of q"),
+    Mutant("cost-attention-backward-missing", "cost", _COST,
+           "return 2 * b * (cfg.num_heads // t) * seq * seq * F32",
+           "return 0",
+           (MEMORY,), "the memory model forgets the backward's recomputed [T, T] arrays (long context: 75 of 195 MiB)"),
     # --- the scanned layer stack
     Mutant("scan-reversed", "scan", _MODEL,
            "x, _ = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)",

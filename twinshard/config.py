@@ -24,7 +24,7 @@ import numbers
 from typing import Any
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("auto", "reference", "xla", "cudnn")  # twinshard.layers.causal_attention
+ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn")  # twinshard.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")

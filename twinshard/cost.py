@@ -165,16 +165,22 @@ Memory per device (`Memory`, bytes):
                split over the mesh axes of the dims it keeps), else a full v
     activations, saved for the backward pass, per layer by `remat` (ModelConfig.remat,
         the jax.checkpoint policy of each layer: twinshard/model.py REMAT_POLICIES):
-        none       b*T*(4D + 6D/t + 3F/t + 4) + 2*b*(H/t)*T^2 + 2*b*(H/t)*T elements:
-                   what autodiff saves (jax.ad_checkpoint.print_saved_residuals, JAX 0.12;
-                   tiny on one device: 379,904 per layer, exactly, + 2 gains [D] left out
-                   so that the activations scale with the batch): 4 x [b,T,D] of the
-                   residual stream and the norms (the block input, ln1 in f32, the residual
-                   after attention, ln2's normalized and scaled outputs); 6 x [b,T,D/t] in
-                   attention (q and k projections, their RoPE halves, v, the merged heads);
-                   3 x [b,T,F/t] in SwiGLU (w1 and w3 outputs, W2's input: layers.swiglu_gate
-                   recomputes the sigmoid); the scores AND the probabilities [b,H/t,T,T]; per-token norm
-                   statistics (4 x [b,T,1]), softmax statistics (2 x [b,H/t,T,1])
+        none       b*T*(6D + 5D/t + 3F/t + 4 + H/t) elements: what autodiff saves
+                   (jax.ad_checkpoint.print_saved_residuals, JAX 0.12; exact on one device
+                   and in the manual tp twin, tests/test_remat.py; the norms' 2 gains [D]
+                   left out so that the activations scale with the batch): 6 x [b,T,D] of
+                   the residual stream and the norms (replicated under TP: the block input,
+                   the residual after attention, the norms' outputs, and the rows [b*T, D]
+                   the column-parallel matmuls read for their weight gradients); 5 x
+                   [b,T,D/t] in attention (q and k after RoPE, v, the output o, the merged
+                   heads output_proj reads); 3 x [b,T,F/t] in SwiGLU (w1 and w3 outputs,
+                   W2's input: layers.swiglu_gate recomputes the sigmoid); per-token norm
+                   statistics (4 x [b,T,1]) and the rows' log-sum-exp [b,H/t,T,1]. No
+                   [T, T] array: layers.recompute_attention (the default off-GPU; cuDNN
+                   flash attention on a GPU in bf16 keeps none either) recomputes the
+                   probabilities in the backward pass, which `attention_backward` counts.
+                   (Autodiff of the reference or of jax.nn's XLA attention would save the
+                   scores and the probabilities, 2 x [b,H/t,T,T] f32 per layer, instead of o.)
         full       b*T*D: the layer input (the checkpoint's argument); + b*T*D under
                    tensor parallelism, the attention block's g output (the manual twin
                    saves Megatron g's psum outputs so no all-reduce is recomputed, and
@@ -183,8 +189,9 @@ Memory per device (`Memory`, bytes):
                    output (TP: g's psum of it), w1 and w3 outputs. w2's output is a dot
                    too, but the backward pass never reads it: JAX saves what is read.
         dots       dots_no_batch + b*T*D/t (the AV product) + b*(H/t)*T^2 (the QK^T scores)
-        and, for every policy but none, one layer's `none` residuals once: the
-        working set the backward loop rebuilds for the layer it differentiates.
+        and, for every policy, one layer's `none` residuals once: the working set the
+        backward loop rebuilds (or, under none, the cotangents it builds) for the layer it
+        differentiates, + its attention backward's [T, T] arrays (`attention_backward`).
         The per-layer counts of full / dots / dots_no_batch are exact (equal to JAX's
         saved_residuals on one device and in the manual tp twin, tests/test_remat.py).
         tp_sp      everything outside the tensor-parallel regions / t (the residual stream,
@@ -757,9 +764,9 @@ def _cp_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int, s: i
     2048, 4096, 8192: 5.0, 16.6, 43.2, 136.0 MiB per device) against 5.3, 17.1, 39.7, 109.1."""
     tc, d, h, v = seq // c, cfg.d_model, cfg.num_heads, cfg.padded_vocab_size
     kv, stats = 2 * (c - 1) * b * tc * d, c * (b * tc * d + 2 * b * h * tc)
-    own = 2 * b * h * tc * tc if remat == "none" else 0  # `none` counts the block's scores: recomputed here
-    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) - own + kv + stats)
-    backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + kv + stats) * s
+    block = 2 * b * h * tc * tc  # one block's scores and probabilities, rebuilt by the backward loop
+    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + kv + stats)
+    backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + kv + stats + block) * s
     final = (2 * b * tc * d + b * tc * v) * s + b * tc * v * F32
     return layers, backward_layer, final
 
@@ -820,7 +827,7 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequ
     if sequence:
         return _saved_per_layer_sequence(cfg, remat, b, seq, t, scores)
     if remat == "none":  # what autodiff saves: JAX's print_saved_residuals, listed in the docstring
-        return b * seq * (4 * d + 6 * d // t + 3 * f // t + 4) + 2 * scores + 2 * b * (h // t) * seq
+        return b * seq * (6 * d + 5 * d // t + 3 * f // t + 4 + h // t)
     if remat == "full":
         return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
     no_batch = b * seq * (2 * d + 3 * d // t + 2 * f // t)
@@ -831,6 +838,16 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequ
     raise ValueError(f"remat={remat!r} has no memory model; choose one of {', '.join(REMAT_POLICIES)}.")
 
 
+def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int) -> int:
+    """Bytes of the [T, T] arrays one layer's attention backward holds at once: the recomputed
+    probabilities and d(q k^T), 2 x [b, H/t, T, T] float32 (layers.recompute_attention; XLA
+    writes ds over dp). No layer saves a [T, T] array for the backward, so at long context
+    this working set, not the residuals, is what grows with T^2. Measured (tiny, batch 4, one
+    CPU device, temp_size_in_bytes against the model): T = 1024, 194.8 MiB against 75.0
+    without this term, 203.0 with it; T = 256, 25.8 against 19.2 / 27.2."""
+    return 2 * b * (cfg.num_heads // t) * seq * seq * F32
+
+
 def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, scores: int) -> int:
     """tp_sp's saved residuals per layer (JAX's print_saved_residuals in manual_parallel/tp_sp.py,
     exact; tests/test_sequence.py). Outside the regions everything is TP's / t: the layer input,
@@ -839,9 +856,8 @@ def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t:
     column-parallel matmuls [b, T, D] (their weight gradients read them); a remat policy
     saves the shard instead and gathers it again (tp_sp.py)."""
     d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
-    if remat == "none":  # 4 [b,T/t,D] + 4 [b,T/t,1] + 2 gathered [b,T,D] + 4 [b,T,D/t] (q, k, RoPE) + ...
-        return (b * seq * (8 * d // t + 2 * d + 3 * f // t) + 4 * b * seq // t + 2 * scores
-                + 2 * b * (h // t) * seq)
+    if remat == "none":  # 4 [b,T/t,D] + 4 [b,T/t,1] + 2 gathered [b,T,D] + q, k, v, o, lse + ...
+        return b * seq * (9 * d // t + 2 * d + 3 * f // t + h // t) + 4 * b * seq // t
     if remat == "full":  # the layer input and the attention block's reduce-scatter output, [b,T/t,D]
         return 2 * b * seq * d // t
     no_batch = b * seq * (5 * d // t + 2 * f // t)  # the two [b,T/t,D] above, q, k, v, w1 and w3 outputs
@@ -873,7 +889,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     # The backward loop holds one layer's worth of residuals at a time beyond what was saved:
     # rebuilt under remat, their cotangents without (measured with memory_analysis: without
     # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
-    backward_layer = saved_per_layer(cfg, "none", b, seq, t, sequence) * dtype_bytes
+    backward_layer = saved_per_layer(cfg, "none", b, seq, t, sequence) * dtype_bytes + attention_backward(cfg, b, seq, t)
     ln_final = b * seq * d // t + b * seq * d if sequence else 2 * b * seq * d  # tp_sp: on shards, gathered
     final = (ln_final + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
