@@ -115,8 +115,9 @@ bench() {
   echo "== $name: $((SECONDS - start))s, exit $rc; $((BUDGET_S - SECONDS))s of the budget left"
 }
 
-# The attention kernel the bf16 runs use ("auto" = cuDNN flash attention on a GPU in bf16) against
-# the readable reference, on gpt2_125m's attention shape, values and gradients (~20 s).
+# The attention kernel the bf16 runs use ("auto" = cuDNN flash attention on a GPU in bf16), jax.nn's
+# XLA kernel and layers.recompute_attention (the f32 runs' "auto") against the readable reference,
+# on gpt2_125m's attention shape, values and gradients (~20 s).
 echo "== attention: cudnn vs reference" | tee -a "$MD"
 timeout 120 "$PY" - <<'PY' 2>&1 | tee -a "$MD"
 import jax, jax.numpy as jnp
@@ -127,7 +128,7 @@ else:
     ks = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (4, 12, 1024, 64), jnp.bfloat16) for kk in ks)
     loss = lambda impl: lambda *a: jnp.sum(layers.causal_attention(*a, impl).astype(jnp.float32) ** 2)
-    for impl in ("cudnn", "xla"):
+    for impl in ("cudnn", "xla", "recompute"):
         out = layers.causal_attention(q, k, v, impl).astype(jnp.float32)
         ref = layers.causal_attention(q, k, v, "reference").astype(jnp.float32)
         g = jax.grad(loss(impl), argnums=(0, 1, 2))(q, k, v)
