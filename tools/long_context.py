@@ -13,11 +13,13 @@ attention scores). Up to --time_up_to tokens the step also runs: the median of -
 steps after one warm-up. The last table gives, per strategy, the longest T whose per-device
 peak fits in --budget_mib.
 
-What to expect: under tp every device holds the whole sequence's residual stream and its
-H/N heads' [T, T] scores; tp_sp splits the residual stream (and the norms) over T but still
-gathers it for attention; cp splits the sequence everywhere and holds [T/N, T] scores per
-device (ring attention keeps every received K/V block for the backward pass). The scores
-dominate at long T, so cp's memory grows ~T^2/N and tp's ~T^2 H/N / H.
+What to expect: under tp every device holds the whole sequence's residual stream, and its
+H/N heads' [T, T] probabilities while one layer's attention runs (layers.recompute_attention
+saves none of them for the backward pass, which recomputes them one layer at a time); tp_sp
+splits the residual stream (and the norms) over T but still gathers it for attention; manual
+cp splits the sequence everywhere and holds one [T/N, T/N] block at a time (ring attention
+keeps every received K/V block for the backward pass). The [T, T] working set dominates at
+long T, so tp's memory grows ~T^2 H/N / H and manual cp's ~T.
 
 A strategy this checkout does not have (tp_sp before it is merged) is skipped with a note.
 Simulated CPU devices share the machine's memory and cores: memory per device is what XLA

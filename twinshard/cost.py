@@ -761,7 +761,8 @@ def _cp_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int, s: i
     [b, H, T/C, dh], max and sum [b, H, T/C, 1]); the backward loop also rebuilds one block's
     scores and probabilities [b, H, T/C, T/C]. An estimate, like the rest of the activation model:
     measured totals (tools/long_context.py, d_model 64, 8 heads, L = 2, B = 1, context:8, T = 512,
-    2048, 4096, 8192: 5.0, 16.6, 43.2, 136.0 MiB per device) against 5.3, 17.1, 39.7, 109.1."""
+    2048, 4096, 8192: 4.8, 15.5, 40.9, 131.5 MiB per device, round 11) against 4.9, 15.5, 36.7,
+    103.0."""
     tc, d, h, v = seq // c, cfg.d_model, cfg.num_heads, cfg.padded_vocab_size
     kv, stats = 2 * (c - 1) * b * tc * d, c * (b * tc * d + 2 * b * h * tc)
     block = 2 * b * h * tc * tc  # one block's scores and probabilities, rebuilt by the backward loop
