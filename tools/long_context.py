@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 
 import auto_parallel  # noqa: E402
 import manual_parallel  # noqa: E402
-from twinshard.config import Config, ModelConfig, TrainConfig  # noqa: E402
+from twinshard.config import ATTENTION_IMPLS, Config, ModelConfig, TrainConfig  # noqa: E402
 
 MIB = 2 ** 20
 AXIS = {"tp": "tensor", "tp_sp": "tensor", "cp": "context"}  # the one axis each strategy splits here
@@ -66,6 +66,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--budget_mib", type=float, default=256.0, help="the fixed per-device memory budget")
     p.add_argument("--time_up_to", type=int, default=2048, help="run and time steps up to this T (0: none)")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--attention", default="auto", choices=ATTENTION_IMPLS, help="layers.causal_attention's kernel for tp, tp_sp and "
+                   "contiguous cp (auto, recompute, xla, reference); ring attention and zig-zag cp have their own")
     p.add_argument("--json")
     p.add_argument("--markdown")
     a = p.parse_args(argv)
@@ -83,7 +85,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def config(a: argparse.Namespace, seq: int) -> Config:
-    model = ModelConfig(vocab_size=257, context_length=seq, d_model=a.d_model, num_layers=a.layers, num_heads=a.heads)
+    model = ModelConfig(vocab_size=257, context_length=seq, d_model=a.d_model, num_layers=a.layers, num_heads=a.heads,
+                        attention=a.attention)
     return Config(model, TrainConfig(batch_size=a.batch, steps=10, warmup_steps=1, tokenizer="bytes"))
 
 
