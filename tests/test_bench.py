@@ -147,11 +147,18 @@ def test_step_profile_reads_a_gpu_module_and_counts_device_kernels_not_host_laun
     # tuple-typed instructions are parsed too (the type "(bf16[..], s8[..])" has a space)
     assert kinds == {"dot.1": "matmul", "fusion.3": "matmul", "custom-call.7": "matmul",
                      "custom-call.8": "attention (custom-call)"}, kinds  # get-tuple-element: a no-op
-    per_op, kernels, device = sp.op_times(jax.profiler.ProfileData.from_text_proto(GPU_TRACE), kinds)
+    per_op, kernels, device, busiest = sp.op_times(jax.profiler.ProfileData.from_text_proto(GPU_TRACE), kinds)
     assert device  # the device plane had instructions: the host's 9 us launch is not counted
-    assert per_op == {"fusion.3": 5000, "custom-call.7": 2000, "custom-call.8": 1000}
+    assert per_op == {"fusion.3": 5000, "custom-call.7": 2000, "custom-call.8": 1000} and busiest == 8000
     assert kernels == {"triton_gemm_fusion_3": 5000, "sm90_xmma_gemm_bf16bf16": 2000,
                        "cudnn_generated_fort_native_sdpa": 1000}  # the memcpy names no instruction
     host_only = "planes {" + GPU_TRACE.split("planes {")[1]  # a CPU trace: the host's events are the ops
-    per_op, kernels, device = sp.op_times(jax.profiler.ProfileData.from_text_proto(host_only), kinds)
+    per_op, kernels, device, _ = sp.op_times(jax.profiler.ProfileData.from_text_proto(host_only), kinds)
     assert not device and per_op == {"fusion.3": 9000} and not kernels
+    # an event of another jitted program that reuses an instruction name is not the step's
+    head, last, tail = GPU_TRACE.rpartition('  stat_metadata { key: 1 value { id: 1 name: "hlo_op" } } }')
+    other = (head + '  stat_metadata { key: 1 value { id: 1 name: "hlo_op" } }\n'
+             '  stat_metadata { key: 2 value { id: 2 name: "hlo_module" } } }' + tail).replace(
+        'str_value: "custom-call.7" }', 'str_value: "custom-call.7" } stats { metadata_id: 2 str_value: "jit_other" }')
+    per_op, *_ = sp.op_times(jax.profiler.ProfileData.from_text_proto(other), kinds, module="jit_train_step")
+    assert per_op == {"fusion.3": 5000, "custom-call.8": 1000}, per_op

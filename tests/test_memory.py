@@ -56,7 +56,7 @@ from twinshard.trainer import SingleDevice
 
 # "long": tiny at T = 1024 (batch 4), where one layer's [T, T] attention arrays (recomputed in the
 # backward pass: cost.attention_backward) outweigh the residuals; without that term the model
-# counted 75 of XLA's 195 MiB here (measured, one device)
+# counted 75 of XLA's 335 MiB here (measured, one device, 8 heads)
 CONFIGS = {"tiny": CFG, "small": preset("small"),
            "long": Config(dataclasses.replace(CFG.model, context_length=1024), dataclasses.replace(CFG.train, batch_size=4))}
 RUNS = [("single", None)] + [(s, impl) for s in MESHES for impl in ("auto", "manual")]

@@ -118,7 +118,7 @@ bench() {
 # The attention kernel the bf16 runs use ("auto" = cuDNN flash attention on a GPU in bf16), jax.nn's
 # XLA kernel and layers.recompute_attention (the f32 runs' "auto") against the readable reference,
 # on gpt2_125m's attention shape, values and gradients (~20 s).
-echo "== attention: cudnn vs reference" | tee -a "$MD"
+echo "== attention: cudnn, xla and recompute vs reference" | tee -a "$MD"
 timeout 120 "$PY" - <<'PY' 2>&1 | tee -a "$MD"
 import jax, jax.numpy as jnp
 from twinshard import layers
@@ -139,12 +139,12 @@ else:
 PY
 echo >> "$MD"
 
-bench "${LABELS[0]}_f32" "${CAPS[0]}" --preset="${MODELS[0]}" "${SHAPE[@]}"
-bench "${LABELS[1]}_f32" "${CAPS[1]}" --preset="${MODELS[1]}" "${SHAPE[@]}"
-bench "${LABELS[0]}_bf16" "${CAPS[2]}" --preset="${MODELS[0]}" "${SHAPE[@]}" --dtype=bfloat16
-bench "${LABELS[1]}_bf16" "${CAPS[3]}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16
+bench "${LABELS[0]}_f32" "${CAPS[0]:-240}" --preset="${MODELS[0]}" "${SHAPE[@]}"
+bench "${LABELS[1]}_f32" "${CAPS[1]:-200}" --preset="${MODELS[1]}" "${SHAPE[@]}"
+bench "${LABELS[0]}_bf16" "${CAPS[2]:-120}" --preset="${MODELS[0]}" "${SHAPE[@]}" --dtype=bfloat16
+bench "${LABELS[1]}_bf16" "${CAPS[3]:-150}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16
 # where the bf16 step's time goes, on the device (kernel time per HLO op kind, busy % of the wall time)
-left=$((BUDGET_S - SECONDS)); limit=$((CAPS[4] < left ? CAPS[4] : left))
+left=$((BUDGET_S - SECONDS)); cap=${CAPS[4]:-90}; limit=$((cap < left ? cap : left))
 if ((limit >= 30)); then
   echo "== profile: ${MODELS[0]} bf16 (limit ${limit}s)"
   { echo "### where ${LABELS[0]}'s bf16 step spends its time (tools/step_profile.py)"; echo; echo '```'; } >> "$MD"
@@ -156,8 +156,8 @@ else
 fi
 # issue 10 item 1, if the budget allows (bench skips a run with < 30 s left): gpt2_350m bf16 under
 # the two memory-saving remat policies; temp bytes (memory_analysis) and step time beside the run above
-bench "${LABELS[1]}_bf16_remat_full" "${CAPS[5]}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16 --remat=full
-bench "${LABELS[1]}_bf16_remat_dots" "${CAPS[5]}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16 --remat=dots
+bench "${LABELS[1]}_bf16_remat_full" "${CAPS[5]:-90}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16 --remat=full
+bench "${LABELS[1]}_bf16_remat_dots" "${CAPS[5]:-90}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16 --remat=dots
 # at most 8 files come back: the remat runs' JSON files become one, remat.json
 "$PY" - "$OUT" <<'PY'
 import json, pathlib, sys

@@ -19,7 +19,8 @@ saves none of them for the backward pass, which recomputes them one layer at a t
 splits the residual stream (and the norms) over T but still gathers it for attention; manual
 cp splits the sequence everywhere and holds one [T/N, T/N] block at a time (ring attention
 keeps every received K/V block for the backward pass). The [T, T] working set dominates at
-long T, so tp's memory grows ~T^2 H/N / H and manual cp's ~T.
+long T, so tp's memory grows ~T^2 H/N / H and manual cp's ~T until its per-block [T/N, T/N]
+term (also ~T^2, N^2 times smaller) takes over.
 
 A strategy this checkout does not have (tp_sp before it is merged) is skipped with a note.
 Simulated CPU devices share the machine's memory and cores: memory per device is what XLA

@@ -516,7 +516,7 @@ MUTANTS: list[Mutant] = [
     Mutant("cost-attention-backward-missing", "cost", _COST,
            "return 2 * b * (cfg.num_heads // t) * seq * seq * F32",
            "return 0",
-           (MEMORY,), "the memory model forgets the backward's recomputed [T, T] arrays (long context: 75 of 195 MiB)"),
+           (MEMORY,), "the memory model forgets the backward's recomputed [T, T] arrays (long context: 75 of 335 MiB)"),
     # --- the scanned layer stack
     Mutant("scan-reversed", "scan", _MODEL,
            "x, _ = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)",

@@ -25,7 +25,10 @@ Measured facts (JAX 0.12 on XLA:CPU; jax 0.11.2's xplane has the same fields):
   kernel, with `hlo_op` naming the instruction that launched them; the host plane then
   also has `hlo_op` events (the launches), which are not counted: when a device plane has
   any, only device events count. Device time per step against the wall time per step
-  says how much of the step the accelerator sat idle (launch overhead, host work).
+  says how much of the step the accelerator sat idle (launch overhead, host work). Read it
+  beside launch.bench's unprofiled step time: XLA:GPU does not replay CUDA graphs while a
+  profiler session is active, so a profiled step may launch kernels one by one and idle
+  more than the real one.
 Like the launchers, the tool re-executes itself once with launch.MALLOC_TUNABLES.
 """
 
@@ -126,28 +129,36 @@ def hlo_kinds(text: str) -> tuple[dict[str, str], dict[str, str]]:
     return kinds, lines
 
 
-def op_times(data, kinds: dict[str, str]) -> tuple[collections.Counter, collections.Counter, bool]:
-    """(ns per HLO instruction, ns per accelerator kernel name, whether the times are device times)
-    from a `jax.profiler.ProfileData`.
+def op_times(data, kinds: dict[str, str], module: str | None = None
+             ) -> tuple[collections.Counter, collections.Counter, bool, int]:
+    """(ns per HLO instruction, ns per accelerator kernel name, whether the times are device
+    times, ns of the busiest device plane) from a `jax.profiler.ProfileData`.
 
     An event counts when its `hlo_op` stat (or, lacking one, its name) is an instruction of the
-    step. Device-plane events win over host events: on an accelerator the host's are launches."""
+    step and, where it names one, its `hlo_module` is `module` (another jitted program may
+    reuse an instruction name). Device-plane events win over host events: on an accelerator
+    the host's are launches."""
     on_device: collections.Counter = collections.Counter()
     on_host: collections.Counter = collections.Counter()
     kernels: collections.Counter = collections.Counter()
+    busiest = 0
     for plane in data.planes:
         device = plane.name.startswith("/device:") and not plane.name.startswith("/device:CPU")
+        plane_ns = 0
         for line in plane.lines:
             for ev in line.events:
                 with warnings.catch_warnings():  # jaxlib: "builtin type event_stats has no __module__"
                     warnings.simplefilter("ignore", DeprecationWarning)
-                    op = dict(ev.stats).get("hlo_op", ev.name)
-                if op not in kinds:
+                    stats = dict(ev.stats)
+                op = stats.get("hlo_op", ev.name)
+                if op not in kinds or (module and stats.get("hlo_module", module) != module):
                     continue
                 (on_device if device else on_host)[op] += ev.duration_ns
                 if device:
                     kernels[ev.name] += ev.duration_ns
-    return (on_device, kernels, True) if on_device else (on_host, kernels, False)
+                    plane_ns += ev.duration_ns
+        busiest = max(busiest, plane_ns)
+    return (on_device, kernels, True, busiest) if on_device else (on_host, kernels, False, 0)
 
 
 def read_trace(trace_dir: str):
@@ -200,7 +211,9 @@ def main(argv):
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
     runner, state, batch = build(cfg)
     compiled = runner.train_step.lower(state, *batch).compile()
-    kinds, lines = hlo_kinds(compiled.as_text())
+    text = compiled.as_text()
+    kinds, lines = hlo_kinds(text)
+    module = m.group(1) if (m := re.match(r"HloModule ([\w.\-]+)", text)) else None
     for _ in range(2):
         state, metrics = compiled(state, *batch)
     jax.block_until_ready(metrics)
@@ -211,11 +224,11 @@ def main(argv):
                 state, metrics = compiled(state, *batch)
             jax.block_until_ready(metrics)
             wall_ms = (time.perf_counter() - start) * 1e3 / FLAGS.steps
-        per_op, kernels, device = op_times(read_trace(trace_dir), kinds)
-    report(per_op, kernels, device, kinds, lines, wall_ms, jax.devices()[0])
+        per_op, kernels, device, busiest = op_times(read_trace(trace_dir), kinds, module)
+    report(per_op, kernels, device, busiest, kinds, lines, wall_ms, jax.devices()[0])
 
 
-def report(per_op, kernels, device: bool, kinds, lines, wall_ms: float, chip) -> None:
+def report(per_op, kernels, device: bool, busiest: int, kinds, lines, wall_ms: float, chip) -> None:
     """The per-kind table, then the top instructions (and, on an accelerator, the top kernels)."""
     steps, device_kind = FLAGS.steps, chip.device_kind
     if not device and chip.platform != "cpu":
@@ -225,8 +238,8 @@ def report(per_op, kernels, device: bool, kinds, lines, wall_ms: float, chip) ->
     by_kind: collections.Counter = collections.Counter()
     for name, ns in per_op.items():
         by_kind[kinds[name]] += ns
-    where = (f"device time (busy {100 * total / 1e6 / steps / wall_ms:.0f}% of the wall time)" if device
-             else "op thread time, summed over threads")
+    where = (f"device time (the busiest device's kernels: {100 * busiest / 1e6 / steps / wall_ms:.0f}% of the "
+             "wall time, streams summed)" if device else "op thread time, summed over threads")
     print(f"{FLAGS.preset} {FLAGS.strategy}{'' if FLAGS.strategy == 'single' else '/' + FLAGS.impl} on "
           f"{device_kind}: {wall_ms:.1f} ms/step wall under the profiler; {total / 1e6 / steps:.1f} ms of "
           f"{where} per step, {len(per_op)} distinct ops")

@@ -94,7 +94,9 @@ class ModelConfig:
     # softmax statistics and the loss are float32 (DESIGN.md, Precision).
     dtype: str = "float32"
     # Attention kernel (twinshard.layers.causal_attention): "auto" = cuDNN flash attention on a
-    # GPU in bf16, XLA's elsewhere; "reference" = the readable layers.scaled_dot_product_attention.
+    # GPU in bf16, "recompute" elsewhere (layers.recompute_attention: no [T, T] array saved for
+    # the backward); "xla" = jax.nn's XLA kernel; "reference" = the readable
+    # layers.scaled_dot_product_attention.
     attention: str = "auto"
     # Layers per iteration of the layer scan: 1 keeps ONE compiled layer (compile time flat in
     # depth); num_layers unrolls it fully (XLA:CPU ran the step up to 26% faster, measured:

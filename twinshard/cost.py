@@ -845,7 +845,12 @@ def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int) -> int:
     writes ds over dp). No layer saves a [T, T] array for the backward, so at long context
     this working set, not the residuals, is what grows with T^2. Measured (tiny, batch 4, one
     CPU device, temp_size_in_bytes against the model): T = 1024, 194.8 MiB against 75.0
-    without this term, 203.0 with it; T = 256, 25.8 against 19.2 / 27.2."""
+    without this term, 203.0 with it; T = 256, 25.8 against 19.2 / 27.2.
+    It models the default kernel off-GPU. Not modelled: cuDNN flash attention (a GPU in bf16)
+    builds no [T, T] array at all, so the term overestimates a bf16 GPU plan by these bytes;
+    `--attention=xla` / `reference` save the scores and the probabilities in every layer
+    (2 x [b,H/t,T,T] f32 per layer, uncounted); under remat=dots in bf16 the saved q k^T is
+    f32, counted at the compute dtype's bytes."""
     return 2 * b * (cfg.num_heads // t) * seq * seq * F32
 
 

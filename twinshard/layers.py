@@ -249,9 +249,10 @@ def recompute_attention(q: Array, k: Array, v: Array) -> Array:
     Autodiff of the reference (and of jax.nn.dot_product_attention's XLA path) saves the
     masked scores and the probabilities, 2 x [B, h, T, T] float32 per layer, which the
     scanned stack writes into [L, ...] buffers and reads back. Measured, JAX 0.12,
-    maxtext_llama_ref (T = 256) on one device of a 2-core Xeon VM: the step's model FLOP/s
-    155-158 -> 162-177 G (+2 to 11%: recomputing q k^T costs less than storing and reading
-    the two arrays), memory_analysis 750 -> 634 MiB; small, 150 -> 161 GFLOP/s. Alone,
+    maxtext_llama_ref (T = 256), 2-core Xeon VM, alternating runs: every step 2-6% faster
+    (medians; single 998 -> 974 ms) and 7-16% less memory per device (single 750 -> 634 MiB):
+    recomputing q k^T costs less than storing and reading the two arrays; small at T = 1024,
+    1.9x faster, 0.41x the memory (BENCHMARKS.md, "Round 11"). Alone,
     without a layer stack to store into, fwd + bwd is ~15% slower than XLA's (42.8 vs
     37.3 ms for [16, 4, 256, 64]): the win is the saved bytes, not the arithmetic.
     Softmax statistics, the probabilities and every q k^T are float32; the two products

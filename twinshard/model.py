@@ -202,9 +202,10 @@ _POLICIES = jax.checkpoint_policies
 # pass; what it refuses is recomputed from what it saved, inside the backward loop.
 REMAT_POLICIES: dict[str, Policy | None] = {
     # No checkpoint: autodiff saves whatever the backward pass reads: per layer the norm
-    # outputs and statistics, q/k/v before and after RoPE, the attention probabilities
-    # [b,H,T,T] (twice: the xla kernel keeps scores and probabilities), SwiGLU's three [b,T,F]
-    # (h1, h3 and W2's input: layers.swiglu_gate recomputes the sigmoid in its backward).
+    # outputs and statistics, q and k after RoPE, v, the attention output and its rows'
+    # log-sum-exp (layers.recompute_attention, the default off-GPU, saves no [b,H,T,T]
+    # array), SwiGLU's three [b,T,F] (h1, h3 and W2's input: layers.swiglu_gate recomputes the
+    # sigmoid in its backward); twinshard/cost.py lists them exactly.
     "none": None,
     # Save nothing inside the layer: the forward loop keeps each layer's input [b,T,D] (the
     # checkpoint's argument), the backward loop re-runs the layer's forward first.
