@@ -46,10 +46,14 @@ class ContextGSPMD(GSPMD):
 
     def attention(self, q, k, v, impl="auto"):
         """q, k, v: [B, h, T, dh] global (T split over context). Contiguous: the single-device
-        causal attention; zig-zag: the reference attention with the mask of the true positions."""
+        causal attention; zig-zag: masked by the true positions, through the recompute kernel
+        (impl auto or recompute: no [T, T] array saved for the backward) or the reference."""
         if self.layout == "contiguous":
             return layers.causal_attention(q, k, v, impl)
-        pos = self.positions(q.shape[-2])
+        order = context.order(q.shape[-2], self.shards, self.layout)
+        if impl in ("auto", "recompute"):
+            return layers.recompute_attention(q, k, v, tuple(int(i) for i in order))
+        pos = jnp.asarray(order)
         return layers.scaled_dot_product_attention(q, k, v, context.visible(pos, pos))
 
 

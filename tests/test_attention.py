@@ -130,3 +130,26 @@ def test_recompute_attention_saves_no_score_sized_array():
     assert "[2,4,64,64]" in saved("reference")
     kept = saved("recompute")
     assert "[2,4,64,64]" not in kept and "f32[2,4,64,1]" in kept, kept
+
+
+def test_recompute_attention_masks_by_true_positions():
+    """positions (context parallelism's zig-zag order): key j is seen by query i iff
+    positions[j] <= positions[i]; values and gradients equal the reference under that mask,
+    and positions = arange(T) is the causal kernel."""
+    from twinshard import context
+
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 4, 16, 8)), jnp.float32) for _ in range(3))
+    order = context.order(16, 2, "zigzag")  # [0..3, 12..15, 4..7, 8..11]
+    assert list(order) != list(range(16))
+    keep = context.visible(order, order)
+    got = layers.recompute_attention(q, k, v, tuple(int(i) for i in order))
+    want = layers.scaled_dot_product_attention(q, k, v, jnp.asarray(keep))
+    np.testing.assert_allclose(got, want, rtol=0, atol=5e-6)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    g_got = jax.grad(loss(lambda *a: layers.recompute_attention(*a, tuple(int(i) for i in order))), (0, 1, 2))(q, k, v)
+    g_want = jax.grad(loss(lambda *a: layers.scaled_dot_product_attention(*a, jnp.asarray(keep))), (0, 1, 2))(q, k, v)
+    for a, b in zip(g_got, g_want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=5e-6)
+    np.testing.assert_array_equal(layers.recompute_attention(q, k, v, tuple(range(16))),
+                                  layers.recompute_attention(q, k, v))

@@ -240,8 +240,7 @@ def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto") -> Array:
     return bthd(jax.nn.dot_product_attention(bthd(q), bthd(k), bthd(v), is_causal=True, implementation=impl))
 
 
-@jax.custom_vjp
-def recompute_attention(q: Array, k: Array, v: Array) -> Array:
+def recompute_attention(q: Array, k: Array, v: Array, positions: tuple[int, ...] | None = None) -> Array:
     """Causal softmax(q k^T / sqrt(dh)) v, [B, h, T, dh] x3 -> [B, h, T, dh], whose backward
     saves o and the rows' log-sum-exp [B, h, T, 1] and recomputes the probabilities from q and
     k: flash attention's backward, untiled. A layer keeps no [T, T] array for the backward.
@@ -256,20 +255,35 @@ def recompute_attention(q: Array, k: Array, v: Array) -> Array:
     without a layer stack to store into, fwd + bwd is ~15% slower than XLA's (42.8 vs
     37.3 ms for [16, 4, 256, 64]): the win is the saved bytes, not the arithmetic.
     Softmax statistics, the probabilities and every q k^T are float32; the two products
-    with v take p in v's dtype (bf16 under --dtype=bfloat16, as cuDNN does)."""
-    return _recompute_attention_fwd(q, k, v)[0]
+    with v take p in v's dtype (bf16 under --dtype=bfloat16, as cuDNN does).
+
+    positions: the tokens' true places when the sequence is permuted (the GSPMD context-
+    parallel twin's zig-zag layout, auto_parallel/cp.py): key j is seen by query i iff
+    positions[j] <= positions[i]. None: arange(T), the causal mask. A static tuple (a
+    nondiff argument), so the mask is a constant of the program, never a saved residual."""
+    return _recompute_attention(q, k, v, positions)
 
 
-def _causal_scores(q: Array, k: Array) -> Array:
+def _causal_scores(q: Array, k: Array, positions: tuple[int, ...] | None) -> Array:
     """q k^T / sqrt(dh) in float32 (accumulated in f32 also for bf16 q, k), future keys -inf.
     The forward and the backward compute it the same way, so exp(s - lse) is the forward's p."""
     s = jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32)
     s = s / np.sqrt(q.shape[-1]).astype(np.float32)
-    return jnp.where(causal_mask(q.shape[-2]), s, -jnp.inf)  # every row keeps its own key
+    if positions is None:
+        keep = causal_mask(q.shape[-2])
+    else:
+        pos = np.asarray(positions)
+        keep = pos[None, :] <= pos[:, None]  # twinshard.context.visible(pos, pos)
+    return jnp.where(keep, s, -jnp.inf)  # every row keeps its own key
 
 
-def _recompute_attention_fwd(q: Array, k: Array, v: Array):
-    s = _causal_scores(q, k)  # [B, h, T, T] f32
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _recompute_attention(q: Array, k: Array, v: Array, positions: tuple[int, ...] | None) -> Array:
+    return _recompute_attention_fwd(q, k, v, positions)[0]
+
+
+def _recompute_attention_fwd(q: Array, k: Array, v: Array, positions: tuple[int, ...] | None):
+    s = _causal_scores(q, k, positions)  # [B, h, T, T] f32
     m = row_max(s)  # [B, h, T, 1]
     e = jnp.exp(s - m)
     total = jnp.sum(e, axis=-1, keepdims=True)
@@ -279,9 +293,9 @@ def _recompute_attention_fwd(q: Array, k: Array, v: Array):
     return o, (q, k, v, o, lse)
 
 
-def _recompute_attention_bwd(res, do: Array) -> tuple[Array, Array, Array]:
+def _recompute_attention_bwd(positions, res, do: Array) -> tuple[Array, Array, Array]:
     q, k, v, o, lse = res
-    p = jnp.exp(_causal_scores(q, k) - lse)  # [B, h, T, T] f32, 0 on future keys
+    p = jnp.exp(_causal_scores(q, k, positions) - lse)  # [B, h, T, T] f32, 0 on future keys
     dv = jnp.einsum("...qk,...qd->...kd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dp = jnp.einsum("...qd,...kd->...qk", do, v, preferred_element_type=jnp.float32)
     # softmax backward: ds = p (dp - sum_k dp p), and sum_k dp_qk p_qk = do_q . o_q
@@ -292,7 +306,7 @@ def _recompute_attention_bwd(res, do: Array) -> tuple[Array, Array, Array]:
     return cotangent_like(dq, q), cotangent_like(dk, k), cotangent_like(dv, v)
 
 
-recompute_attention.defvjp(_recompute_attention_fwd, _recompute_attention_bwd)
+_recompute_attention.defvjp(_recompute_attention_fwd, _recompute_attention_bwd)
 
 
 def split_heads(x: Array, head_dim: int) -> Array:
