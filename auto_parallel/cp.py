@@ -46,15 +46,10 @@ class ContextGSPMD(GSPMD):
 
     def attention(self, q, k, v, impl="auto"):
         """q, k, v: [B, h, T, dh] global (T split over context). Contiguous: the single-device
-        causal attention; zig-zag: masked by the true positions, through the recompute kernel
-        (impl auto or recompute: no [T, T] array saved for the backward) or the reference."""
-        if self.layout == "contiguous":
-            return layers.causal_attention(q, k, v, impl)
+        causal attention; zig-zag: masked by the true positions (layers.causal_attention)."""
         order = context.order(q.shape[-2], self.shards, self.layout)
-        if impl in ("auto", "recompute"):
-            return layers.recompute_attention(q, k, v, tuple(int(i) for i in order))
-        pos = jnp.asarray(order)
-        return layers.scaled_dot_product_attention(q, k, v, context.visible(pos, pos))
+        positions = None if self.layout == "contiguous" else tuple(int(i) for i in order)
+        return layers.causal_attention(q, k, v, impl, positions)
 
 
 def parallelism(mesh, cfg) -> ContextGSPMD:

@@ -11,6 +11,7 @@ H/tensor heads, unchanged.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +29,6 @@ BASE = preset("tiny")
 
 
 def test_the_model_runs_the_configured_kernel():
-    import functools
-
     from twinshard import trainer
 
     def jaxpr(attention):
@@ -48,13 +47,21 @@ def _loss_and_grads(runner, cfg):
     return jax.device_get(runner.loss_and_grads(state.params, *runner.place_batch(b[:, :-1], b[:, 1:])))
 
 
+REF_CFG = Config(dataclasses.replace(BASE.model, num_heads=8, attention="reference"), BASE.train)
+
+
+@functools.cache
+def _reference_loss_and_grads():
+    """The reference attention's whole-model loss and gradients, compiled once for every kernel."""
+    return _loss_and_grads(SingleDevice(REF_CFG.model, REF_CFG.train), REF_CFG)
+
+
 @pytest.mark.parametrize("impl", ["xla", "recompute"])
 def test_model_with_a_kernel_equals_the_reference_single_device_and_under_tp(impl):
     """Loss and gradients of the whole model: reference vs the kernel on one device, and the
     kernel inside the manual TP twin (each device attends over its own heads)."""
-    ref_cfg = Config(dataclasses.replace(BASE.model, num_heads=8, attention="reference"), BASE.train)
-    xla_cfg = Config(dataclasses.replace(ref_cfg.model, attention=impl), BASE.train)
-    want = _loss_and_grads(SingleDevice(ref_cfg.model, ref_cfg.train), ref_cfg)
+    xla_cfg = Config(dataclasses.replace(REF_CFG.model, attention=impl), BASE.train)
+    want = _reference_loss_and_grads()
     runs = {"single": SingleDevice(xla_cfg.model, xla_cfg.train),
             "manual tp": manual_parallel.make_runner("tp", "data:1,tensor:8", xla_cfg)}
     for name, runner in runs.items():

@@ -895,7 +895,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     # The backward loop holds one layer's worth of residuals at a time beyond what was saved:
     # rebuilt under remat, their cotangents without (measured with memory_analysis: without
     # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
-    backward_layer = saved_per_layer(cfg, "none", b, seq, t, sequence) * dtype_bytes + attention_backward(cfg, b, seq, t)
+    backward_layer = (saved_per_layer(cfg, "none", b, seq, t, sequence) * dtype_bytes
+                      + attention_backward(cfg, b, seq, t))
     ln_final = b * seq * d // t + b * seq * d if sequence else 2 * b * seq * d  # tp_sp: on shards, gathered
     final = (ln_final + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals

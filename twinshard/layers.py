@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from twinshard import context
+
 Array = jax.Array
 
 
@@ -219,7 +221,8 @@ def attention_scores(q: Array, k: Array, mask: Array | None = None) -> Array:
     return scores
 
 
-def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto") -> Array:
+def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto",
+                     positions: tuple[int, ...] | None = None) -> Array:
     """Causal attention of q, k, v: [B, h, T, dh] -> [B, h, T, dh] (h local heads under TP).
 
     impl: "reference" is `scaled_dot_product_attention` above, the readable one every
@@ -228,14 +231,20 @@ def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto") -> Array:
     `jax.nn.dot_product_attention`'s implementations (cuDNN flash attention: GPU,
     bf16/fp16 only; it never builds the [T, T] scores); "auto" is cudnn on a GPU in
     bf16/fp16, recompute elsewhere.
+
+    positions: the tokens' true places in a permuted sequence (the GSPMD context-parallel
+    twin's zig-zag layout, auto_parallel/cp.py): key j is seen by query i iff positions[j] <=
+    positions[i]; None: arange(T). jax.nn's kernels mask by index only, so with positions
+    "auto" is recompute and "xla" / "cudnn" run the reference.
     """
-    if impl == "reference":
-        return scaled_dot_product_attention(q, k, v, causal_mask(q.shape[-2]))
     if impl == "auto":
         half = q.dtype in (jnp.bfloat16, jnp.float16)
-        impl = "cudnn" if half and jax.default_backend() == "gpu" else "recompute"
+        on_gpu = half and jax.default_backend() == "gpu" and positions is None
+        impl = "cudnn" if on_gpu else "recompute"
     if impl == "recompute":
-        return recompute_attention(q, k, v)
+        return recompute_attention(q, k, v, positions)
+    if impl == "reference" or positions is not None:
+        return scaled_dot_product_attention(q, k, v, _keep_mask(q.shape[-2], positions))
     bthd = lambda t: t.transpose(0, 2, 1, 3)  # noqa: E731  [B, h, T, dh] <-> [B, T, h, dh]
     return bthd(jax.nn.dot_product_attention(bthd(q), bthd(k), bthd(v), is_causal=True, implementation=impl))
 
@@ -269,12 +278,15 @@ def _causal_scores(q: Array, k: Array, positions: tuple[int, ...] | None) -> Arr
     The forward and the backward compute it the same way, so exp(s - lse) is the forward's p."""
     s = jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32)
     s = s / np.sqrt(q.shape[-1]).astype(np.float32)
+    return jnp.where(_keep_mask(q.shape[-2], positions), s, -jnp.inf)  # every row keeps its own key
+
+
+def _keep_mask(t: int, positions: tuple[int, ...] | None) -> Array:
+    """[T, T] causal keep-mask by index (positions None) or by the tokens' true positions."""
     if positions is None:
-        keep = causal_mask(q.shape[-2])
-    else:
-        pos = np.asarray(positions)
-        keep = pos[None, :] <= pos[:, None]  # twinshard.context.visible(pos, pos)
-    return jnp.where(keep, s, -jnp.inf)  # every row keeps its own key
+        return causal_mask(t)
+    pos = np.asarray(positions)
+    return jnp.asarray(context.visible(pos, pos))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
