@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import tempfile
 from typing import Callable
 
 from absl import app, flags
 
 from twinshard.config import CP_LAYOUTS, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
+from twinshard.errors import guarded
 
 STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "tp_sp", "cp", "fsdp_cp", "pp", "pp_fsdp")
 IMPLS = ("auto", "manual")
@@ -273,32 +273,6 @@ def run_devices(n: int, explicit: bool):
     if not explicit or jax.process_count() > 1 or jax.device_count() <= n:
         return None
     return jax.devices()[:n]
-
-
-def guarded(main: Callable, *args, debug: bool = False, name: str | None = None):
-    """Run main(*args); a ValueError or OSError becomes one message on stderr and exit status 1.
-
-    The traceback is shown with debug=True or TWINSHARD_DEBUG=1. The process ends with
-    os._exit after flushing: measured, a failed Orbax read leaves tensorstore callbacks that,
-    at interpreter shutdown, print dozens of 'Event loop is closed' tracebacks."""
-    try:
-        return main(*args)
-    except (ValueError, OSError) as e:
-        if debug or os.environ.get("TWINSHARD_DEBUG", "0") not in ("", "0"):
-            raise
-        sys.stdout.flush()
-        prog = name or os.path.basename(sys.argv[0])
-        message = f"{prog}: error: {e}\n(for the traceback, add --debug or set TWINSHARD_DEBUG=1)\n"
-        # Other threads (tensorstore callbacks after a failed Orbax read) may still print
-        # 'Event loop is closed' tracebacks while we exit (measured under load): send fd 2 and
-        # sys.stderr to /dev/null first, and write the message to a private copy of stderr.
-        sys.stderr.flush()
-        own = os.dup(2)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-        sys.stderr = open(os.devnull, "w")
-        os.write(own, message.encode())
-        os._exit(1)
 
 
 def run(main: Callable, name: str) -> None:

@@ -1,7 +1,7 @@
 """Run a command line as a user would (`python -m launch.X ...`) in its own process.
 
 Launcher flags are process-global (absl), and a user error ends the process
-(launch.common.guarded), so command-line behaviour is tested in subprocesses.
+(twinshard.errors.guarded), so command-line behaviour is tested in subprocesses.
 They get 8 simulated CPU devices from the launchers themselves (XLA_FLAGS here
 carries no device count), the fast compile setting and the persistent compilation
 cache of tests/conftest.py, and one Python bytecode cache (`cached_env()`).

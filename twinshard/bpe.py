@@ -181,6 +181,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     import sys
 
-    from launch.common import guarded  # one error wrapper for every command line
+    from twinshard.errors import guarded
 
     guarded(main, debug="--debug" in sys.argv[1:], name="twinshard.bpe")
