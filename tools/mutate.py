@@ -4,7 +4,8 @@ tree, run the tests that should catch it, and report caught / missed.
     uv run python tools/mutate.py                     # every mutant (~40 min on 2 busy cores)
     uv run python tools/mutate.py --only ID[,ID]      # some mutants
     uv run python tools/mutate.py --category optim    # one category
-    uv run python tools/mutate.py --list              # the list; checks every snippet still applies
+    uv run python tools/mutate.py --list              # the list; says which snippets no longer apply
+    uv run python tools/mutate.py --check             # the same, exit 1 if one is stale
     uv run python tools/mutate.py --json out.json --markdown out.md
     uv run python tools/mutate.py --keep-going --only ID # no -x: every test that catches it
 
@@ -27,8 +28,9 @@ Results per mutant:
     equivalent      the mutant is known not to change behaviour (its `equivalent` reason);
                     not run unless --run-equivalent, then `equivalent (missed)` confirms the
                     label and `equivalent (caught)` says the label is wrong
-    stale           the original snippet does not occur exactly once in the file (the code
-                    moved), or the mutated file is not valid Python: fix the mutant
+    stale           the original snippet does not occur exactly once in its file nor in any one
+                    other Python file (code that moved unchanged is followed), or the mutated
+                    file is not valid Python: fix the mutant
 Exit status: 0 when every non-equivalent mutant is caught, 1 otherwise (missed or stale,
 or an equivalent label disproved), 2 on bad arguments or a failing baseline.
 
@@ -117,19 +119,28 @@ def changed_files(snap: dict[str, tuple[bytes, int]], root: pathlib.Path = ROOT)
             if not (root / p).is_file() or (root / p).read_bytes() != data]
 
 
+def locate(m: Mutant, snap: dict[str, tuple[bytes, int]]) -> str | None:
+    """The file the mutant applies to: `m.file` when its snippet occurs there exactly once; else
+    the one Python file of the tree where it does (the code moved unchanged); else None."""
+    if m.file in snap and snap[m.file][0].decode().count(m.original) == 1:
+        return m.file
+    hits = [p for p, (data, _) in snap.items()
+            if p.endswith(".py") and p != "tools/mutants.py" and data.decode().count(m.original) == 1]
+    return hits[0] if len(hits) == 1 else None
+
+
 def stale_reason(m: Mutant, snap: dict[str, tuple[bytes, int]]) -> str:
-    """'' if the mutant applies (snippet exactly once, result valid Python), else why not."""
-    if m.file not in snap:
-        return f"{m.file} does not exist"
-    text = snap[m.file][0].decode()
-    n = text.count(m.original)
-    if n != 1:
-        return f"original snippet occurs {n} times in {m.file} (must be exactly once)"
-    if m.file.endswith(".py"):
-        try:
-            compile(text.replace(m.original, m.replacement), m.file, "exec")
-        except SyntaxError as e:
-            return f"the mutated {m.file} is not valid Python: {e}"
+    """'' if the mutant applies (snippet exactly once in one file, result valid Python), else why not."""
+    where = locate(m, snap)
+    if where is None:
+        n = snap[m.file][0].decode().count(m.original) if m.file in snap else 0
+        return (f"original snippet occurs {n} times in {m.file} and not exactly once in any one "
+                f"other Python file of the tree")
+    text = snap[where][0].decode()
+    try:
+        compile(text.replace(m.original, m.replacement), where, "exec")
+    except SyntaxError as e:
+        return f"the mutated {where} is not valid Python: {e}"
     missing = [t for t in m.tests if t.split("::")[0] not in snap]
     if missing:
         return f"test file(s) {missing} do not exist"
@@ -167,9 +178,8 @@ class Slot:
         (self.tree / ".cache" / "jax").symlink_to(ROOT / ".cache" / "jax")
         (self.tree / ".venv").symlink_to(ROOT / ".venv")
         if mutant is not None:
-            path = self.tree / mutant.file
+            path = self.tree / locate(mutant, self.snap)  # not None: checked by stale_reason
             text = path.read_text()
-            assert text.count(mutant.original) == 1, mutant.id  # checked by stale_reason
             path.write_text(text.replace(mutant.original, mutant.replacement))
 
     def env(self) -> dict[str, str]:
@@ -403,16 +413,18 @@ def write_reports(args, results: list[Result], seconds: float, note: str) -> Non
             indent=1) + "\n")
 
 
-def list_mutants(mutants: list[Mutant]) -> int:
+def list_mutants(mutants: list[Mutant], check: bool = False) -> int:
+    """Print the mutants; with `check`, exit status 1 if one is stale (its code changed)."""
     stale, snap = 0, snapshot(tree_files())
     for m in mutants:
-        why = stale_reason(m, snap)
+        why, where = stale_reason(m, snap), locate(m, snap)
         stale += bool(why)
-        mark = "STALE: " + why if why else ("equivalent: " + m.equivalent if m.equivalent else "")
+        mark = ("STALE: " + why if why else f"moved: now in {where}" if where != m.file
+                else "equivalent: " + m.equivalent if m.equivalent else "")
         print(f"{m.id:32s} {m.category:10s} {m.file}: {m.description}"
               f"\n{'':43s}tests: {' '.join(m.tests)}" + (f"\n{'':43s}{mark}" if mark else ""))
     print(f"{len(mutants)} mutants, {stale} stale")
-    return 1 if stale else 0
+    return 1 if check and stale else 0
 
 
 # ----------------------------------------------------------------------------- main
@@ -423,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated mutant ids")
     ap.add_argument("--category", help="run one category (see --list)")
-    ap.add_argument("--list", action="store_true", help="list the mutants, check each still applies")
+    ap.add_argument("--list", action="store_true", help="list the mutants and say which no longer apply")
+    ap.add_argument("--check", action="store_true",
+                    help="like --list, but exit 1 if a mutant is stale (its snippet changed, not just moved)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--markdown", metavar="PATH", help="also write the markdown table")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run in parallel (default 1)")
@@ -440,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout is not None and args.timeout <= 0:
         ap.error(f"--timeout={args.timeout} must be positive")
     mutants = select(args)
-    if args.list:
-        return list_mutants(mutants)
+    if args.list or args.check:
+        return list_mutants(mutants, check=args.check)
     for path in (args.json, args.markdown):
         if path and not pathlib.Path(path).resolve().parent.is_dir():
             ap.error(f"the directory of {path!r} does not exist")
