@@ -26,12 +26,7 @@ import jax.numpy as jnp
 from auto_parallel.runner import GSPMD, AutoRunner
 from twinshard import context, layers
 from twinshard.context import CONTEXT
-
-# logical axis -> mesh axis for parameters (absent: replicated)
-PARAM_RULES: dict[str, str] = {}
-# logical axis -> mesh axis for activations and the batch [B, T]: the sequence over context
-ACTIVATION_RULES: dict[str, str] = {"seq": CONTEXT}
-
+from twinshard.strategies import CP
 
 class ContextGSPMD(GSPMD):
     """GSPMD hooks of a permuted sequence: the true positions for RoPE and the causal mask."""
@@ -53,7 +48,7 @@ class ContextGSPMD(GSPMD):
 
 
 def parallelism(mesh, cfg) -> ContextGSPMD:
-    return ContextGSPMD(mesh, ACTIVATION_RULES, cfg.train.cp_layout)
+    return ContextGSPMD(mesh, CP.activations, cfg.train.cp_layout)
 
 
 class ContextRunner(context.PermutedBatches, AutoRunner):
@@ -62,3 +57,6 @@ class ContextRunner(context.PermutedBatches, AutoRunner):
     def __init__(self, name, strategy, mesh_shape, cfg, devices=None, tx=None):
         context.check(cfg.model.context_length, mesh_shape[CONTEXT], cfg.train.cp_layout)
         super().__init__(name, strategy, mesh_shape, cfg, devices, tx=tx)
+
+
+Runner = ContextRunner  # the batch is permuted into the context layout on the host

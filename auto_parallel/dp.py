@@ -11,8 +11,3 @@ GSPMD all-reduces each block gradient inside the backward layer loop, one layer
 at a time (9 records of multiplicity L), where the manual twin means each stacked
 [L, ...] gradient once after the loop (12 all-reduces, the same bytes).
 """
-
-# logical axis -> mesh axis for parameters (absent: replicated)
-PARAM_RULES: dict[str, str] = {}
-# logical axis -> mesh axis for activations and the batch (and weights where used: whole)
-ACTIVATION_RULES: dict[str, str] = {"batch": "data"}

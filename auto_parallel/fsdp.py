@@ -18,7 +18,3 @@ blocks unrolled (no stack) there were no scalar partials: 22 all-reduces.
 Without the weight pin GSPMD gathered the token ids instead of the embedding
 table and all-to-all'ed the lookup: 55 collectives instead of 38 (unrolled).
 """
-
-PARAM_RULES: dict[str, str] = {"embed": "data"}
-# Activations, and weights where they are used (whole: FSDP gathers them).
-ACTIVATION_RULES: dict[str, str] = {"batch": "data"}

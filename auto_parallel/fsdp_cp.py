@@ -22,14 +22,13 @@ included (the vmap covers the data shards, not the sequence shards).
 """
 
 from auto_parallel.cp import ContextGSPMD, ContextRunner
-from twinshard.context import CONTEXT
+from twinshard.strategies import FSDP_CP
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "ContextRunner", "parallelism"]
-
-PARAM_RULES: dict[str, str] = {"embed": "data"}
-# Activations, and weights where they are used (whole: FSDP gathers them); the sequence over context.
-ACTIVATION_RULES: dict[str, str] = {"batch": "data", "seq": CONTEXT}
+__all__ = ["Runner", "parallelism"]
 
 
 def parallelism(mesh, cfg) -> ContextGSPMD:
-    return ContextGSPMD(mesh, ACTIVATION_RULES, cfg.train.cp_layout)
+    return ContextGSPMD(mesh, FSDP_CP.activations, cfg.train.cp_layout)
+
+
+Runner = ContextRunner

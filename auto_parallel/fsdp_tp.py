@@ -15,7 +15,3 @@ tensor, 29 over data (tp.py and fsdp.py say what each is) - and no warning. With
 to the vocab x data-sharded embedding table (s32 all-gather,
 collective-permute, all-to-all of the lookup) instead of gathering the table.
 """
-
-PARAM_RULES: dict[str, str] = {"embed": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
-# Activations, and weights where they are used (FSDP's 'embed' -> 'data' gathered away).
-ACTIVATION_RULES: dict[str, str] = {"batch": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"}

@@ -47,12 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from auto_parallel.runner import GSPMD
 from twinshard import pipeline
 from twinshard.pipeline import STAGE
-
-# logical axis -> mesh axis for parameters (absent: replicated)
-PARAM_RULES: dict[str, str] = {"layers": STAGE}
-# activations and the batch: replicated over `stage` (the pipeline places its own buffers)
-ACTIVATION_RULES: dict[str, str] = {}
-
+from twinshard.strategies import PP
 
 class GSPMDPipeline(GSPMD):
     """GSPMD hooks plus the GPipe loop over a stage-sharded dimension."""
@@ -106,4 +101,4 @@ class GSPMDPipeline(GSPMD):
 
 def parallelism(mesh: jax.sharding.Mesh, cfg) -> GSPMDPipeline:
     """The hooks AutoRunner runs the model with (the base strategies' default: GSPMD)."""
-    return GSPMDPipeline(mesh, ACTIVATION_RULES, cfg.train.microbatches)
+    return GSPMDPipeline(mesh, PP.activations, cfg.train.microbatches)

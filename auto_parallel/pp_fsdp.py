@@ -27,13 +27,10 @@ accumulated gradient once after the tick loop (manual_parallel/pp_fsdp.py): the 
 gathers; GSPMD reduces the gradients per tick instead.
 """
 
-from auto_parallel import fsdp, pp
 from auto_parallel.pp import GSPMDPipeline
-
-PARAM_RULES: dict[str, str] = {**pp.PARAM_RULES, **fsdp.PARAM_RULES}
-ACTIVATION_RULES: dict[str, str] = {**pp.ACTIVATION_RULES, **fsdp.ACTIVATION_RULES}
+from twinshard.strategies import PP_FSDP
 
 
 def parallelism(mesh, cfg) -> GSPMDPipeline:
     """pp's GPipe loop with fsdp's activation rules (the stage functions run with GSPMD hooks)."""
-    return GSPMDPipeline(mesh, ACTIVATION_RULES, cfg.train.microbatches)
+    return GSPMDPipeline(mesh, PP_FSDP.activations, cfg.train.microbatches)

@@ -1,7 +1,7 @@
 """The GSPMD machinery shared by the four auto strategies.
 
-A strategy is two tables (auto_parallel/<strategy>.py): PARAM_RULES and
-ACTIVATION_RULES, logical axis -> mesh axis. From them this module builds
+A strategy is two tables (its declaration in twinshard/strategies.py): `params` and
+`activations`, logical axis -> mesh axis. From them this module builds
 NamedShardings for the params, the optimizer state (moments sharded exactly
 like their params), the batch, the residual stream and each weight where it is
 used (`GSPMD.weight`: the activation rules, so FSDP's shards are gathered and
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twinshard import placement
+from twinshard import placement, strategies
 from twinshard.config import Config
 from twinshard.optim import make_optimizer
 from twinshard.parallelism import Parallelism
@@ -109,12 +109,12 @@ class AutoRunner(placement.PlacedRunner):
         """`tx` replaces the AdamW of `cfg.train` (tests pass SGD); its state must be a
         `GuardState` (wrap it in `optim.clip_and_guard`), as `trainer.apply_gradients` reads it."""
         self.name = name
+        decl = strategies.get(name)  # the placement tables
         self.tx = make_optimizer(cfg.train) if tx is None else tx
-        self._place(cfg, mesh_shape, jax.sharding.AxisType.Auto, devices,
-                    strategy.PARAM_RULES, strategy.ACTIVATION_RULES)
+        self._place(cfg, mesh_shape, jax.sharding.AxisType.Auto, devices, decl.params, decl.activations)
         check_grad_accum(cfg.train, self.sizes.get("data", 1))
         # a pipeline's GSPMD hooks also run the layer stack in stages (auto_parallel/pp.py)
-        make_par = getattr(strategy, "parallelism", lambda mesh, _: GSPMD(mesh, strategy.ACTIVATION_RULES))
+        make_par = getattr(strategy, "parallelism", lambda mesh, _: GSPMD(mesh, decl.activations))
         self.par = par = make_par(self.mesh, cfg)
         self.loss = functools.partial(loss_fn, cfg=cfg.model, par=par)
         # inside the per-data-shard vmap of `_loss_and_grads` the vmapped axis carries 'batch'

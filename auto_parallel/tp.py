@@ -16,7 +16,3 @@ statistics, 9 scalar squared norms (7 stacked block leaves, embedding, lm_head;
 35 - 16 of them - when the blocks were unrolled) - none larger than [B, T, D];
 no weight-sized collective.
 """
-
-PARAM_RULES: dict[str, str] = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
-# Activations, and weights where they are used (the same TP splits: no weight moves).
-ACTIVATION_RULES: dict[str, str] = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}

@@ -1,9 +1,9 @@
 """Megatron sequence parallelism (tp_sp), GSPMD twin: TP's placement, plus the residual
 stream between blocks split along the sequence over `tensor`, [B/data, T/tensor, D].
 
-Placement only: PARAM_RULES are TP's; the batch (tokens) is replicated over `tensor`
+Placement only (twinshard/strategies.py TP_SP): the parameters are placed as TP's; the batch (tokens) is replicated over `tensor`
 as in TP (split over `data`); the residual stream - the `ACTIVATION` constraint on the
-embedding output and on each block's output (twinshard/model.py) - uses SEQUENCE_RULES
+embedding output and on each block's output (twinshard/model.py) - uses its `sequence` table
 (seq -> tensor). The hooks pin the two layouts of the manual twin: whole T entering a
 tensor-parallel region (enter_tensor_parallel, before the column-parallel matmuls and the
 lm_head) and inside it (column/row-parallel activations on heads/mlp), sequence shards
@@ -38,14 +38,9 @@ Measured (tiny, num_heads 8, XLA:CPU, JAX 0.12.0.1):
 from __future__ import annotations
 
 from auto_parallel.runner import GSPMD
-from auto_parallel.tp import PARAM_RULES as TP_PARAM_RULES
 from twinshard.model import ACTIVATION
+from twinshard.strategies import TP_SP
 
-PARAM_RULES: dict[str, str] = dict(TP_PARAM_RULES)  # heads, mlp, vocab -> tensor
-# The batch (tokens, targets), the logits and the weights where they are used: TP's.
-ACTIVATION_RULES: dict[str, str] = {"batch": "data", **TP_PARAM_RULES}
-# The residual stream [B, T, D] between the tensor-parallel regions: split along T too.
-SEQUENCE_RULES: dict[str, str] = {**ACTIVATION_RULES, "seq": "tensor"}
 # Inside a region: [B, T, H*dh/t] or [B, T, F/t] (heads and mlp both map to tensor).
 REGION = ("batch", "seq", "heads")
 
@@ -55,8 +50,8 @@ class SequenceParallelGSPMD(GSPMD):
     tensor-parallel regions, whole inside them (the manual twin's gather / scatter)."""
 
     def __init__(self, mesh):
-        super().__init__(mesh, ACTIVATION_RULES)
-        self.sequence = GSPMD(mesh, SEQUENCE_RULES)
+        super().__init__(mesh, TP_SP.activations)  # TP's, the batch over data
+        self.sequence = GSPMD(mesh, TP_SP.sequence)  # the residual stream [B, T, D]: T over tensor too
         self.flat_rows = self.sequence.flat_rows  # False: the residual stream is split along T
 
     def constrain(self, x, axes):
@@ -93,15 +88,3 @@ class SequenceParallelGSPMD(GSPMD):
 
 def parallelism(mesh, cfg) -> GSPMD:
     return SequenceParallelGSPMD(mesh)
-
-
-def check_collective_matmul(strategy: str, impl: str, collective_matmul: bool) -> None:
-    """ModelConfig.collective_matmul runs only in the manual tp_sp twin: a ValueError naming the fix."""
-    if not collective_matmul:
-        return
-    if strategy != "tp_sp":
-        raise ValueError(f"--collective_matmul decomposes tp_sp's sequence all-gathers, and --strategy={strategy} "
-                         "has none: use --strategy=tp_sp --impl=manual, or drop --collective_matmul.")
-    if impl != "manual":
-        raise ValueError(f"--collective_matmul is written by hand in the manual twin only (--impl={impl}): "
-                         "use --impl=manual, or drop --collective_matmul (GSPMD chooses its own collectives).")

@@ -56,6 +56,7 @@ from typing import Any
 from absl import app, flags, logging
 
 from launch import common
+from twinshard import strategies
 from twinshard.chips import Chip, chip_for  # the datasheet peaks (launch.plan reads the same table)
 from twinshard.config import PRESETS, Config, ModelConfig, TrainConfig, preset
 
@@ -142,7 +143,7 @@ def parse_meshes(text: str | None, strategies: Sequence[str]) -> dict[str, str |
 
 
 # pipelines need --microbatches and their own bubble sweep (tools/pipeline_bubble.py), not here
-BENCHED = tuple(s for s in common.STRATEGIES if s not in ("pp", "pp_fsdp"))
+BENCHED = tuple(s for s in common.STRATEGIES if s not in strategies.of_family("pipeline"))
 
 
 def check_choices(strategies: Sequence[str], impls: Sequence[str]) -> None:

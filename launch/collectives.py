@@ -81,7 +81,7 @@ def _topology_devices(name: str):
 
 def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
     """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils."""
-    from auto_parallel import resolve_mesh
+    from twinshard.resolve import resolve_mesh
     from twinshard import topology
 
     if devices is not None:

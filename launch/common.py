@@ -26,10 +26,11 @@ from typing import Callable
 
 from absl import app, flags
 
+from twinshard import strategies
 from twinshard.config import CP_LAYOUTS, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 from twinshard.errors import guarded
 
-STRATEGIES = ("single", "dp", "fsdp", "tp", "fsdp_tp", "tp_sp", "cp", "fsdp_cp", "pp", "pp_fsdp")
+STRATEGIES = ("single", *strategies.NAMES)  # single: the single-device reference
 IMPLS = ("auto", "manual")
 
 
@@ -289,10 +290,10 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 
     from twinshard.trainer import SingleDevice
 
-    from auto_parallel.tp_sp import check_collective_matmul
+    from twinshard.resolve import check_options
 
     if impl != "single":  # launch.compare's single-device reference runs the same math without it
-        check_collective_matmul(strategy, impl, cfg.model.collective_matmul)
+        check_options(strategy, impl, cfg)
     if strategy == "single":
         return SingleDevice(cfg.model, cfg.train)
     check_mesh_fits(strategy, mesh_spec, cfg, len(jax.devices() if devices is None else devices))
@@ -306,11 +307,11 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 def check_mesh_fits(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> None:
     """The mesh against strategy, devices and model at once, so its advice works in one step
     (a mesh on these devices, or a --devices count with a mesh that fits)."""
-    from auto_parallel import MODULES, resolve_mesh, split_rules
     from twinshard import mesh
     from twinshard.placement import logical_dims
+    from twinshard.resolve import resolve_mesh
 
-    mesh.resolve(strategy, mesh_spec, logical_dims(cfg), split_rules(MODULES[strategy]), n_devices)
+    mesh.resolve(strategy, mesh_spec, logical_dims(cfg), strategies.get(strategy).split_rules, n_devices)
     resolve_mesh(strategy, mesh_spec, cfg, n_devices)  # and a pipeline's L, M and batch
 
 

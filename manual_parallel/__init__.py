@@ -1,26 +1,25 @@
-"""The shard_map twin: the same strategies with every collective written out."""
+"""The shard_map twin: each strategy's placement (twinshard/strategies.py) with every collective
+written out. `manual_parallel/<name>.py` holds a strategy's hooks and collectives
+(manual_parallel/collectives.py: the conjugate pairs, forward and backward)."""
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 
-from auto_parallel import resolve_mesh
-from auto_parallel.tp_sp import check_collective_matmul
-from manual_parallel import cp, dp, fsdp, fsdp_cp, fsdp_tp, pp, pp_fsdp, tp, tp_sp
 from manual_parallel.runner import ManualRunner
+from twinshard import strategies
 from twinshard.config import Config
+from twinshard.resolve import check_options, resolve_mesh
 
-STRATEGIES = {"dp": dp, "fsdp": fsdp, "tp": tp, "fsdp_tp": fsdp_tp, "tp_sp": tp_sp}
-PIPELINES = {"pp": pp, "pp_fsdp": pp_fsdp}  # on a `stage` axis (twinshard/pipeline.py)
-CONTEXT = {"cp": cp, "fsdp_cp": fsdp_cp}  # the sequence over a `context` axis (ring attention)
+MODULES = {name: importlib.import_module(f"manual_parallel.{name}") for name in strategies.NAMES}
 
 
 def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None) -> ManualRunner:
+    """The shard_map runner of `strategy` on `mesh_spec` (None: the strategy's default mesh)."""
     n_devices = len(jax.devices() if devices is None else devices)  # None: jax.make_mesh orders them
-    check_collective_matmul(strategy, "manual", cfg.model.collective_matmul)
+    check_options(strategy, "manual", cfg)
     shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
-    if strategy in PIPELINES:
-        return pp.PipelineRunner(strategy, PIPELINES[strategy], shape, cfg, devices)
-    if strategy in CONTEXT:
-        return CONTEXT[strategy].ContextRunner(strategy, CONTEXT[strategy], shape, cfg, devices)
-    return ManualRunner(strategy, STRATEGIES[strategy], shape, cfg, devices)
+    module = MODULES[strategy]
+    return getattr(module, "Runner", ManualRunner)(strategy, module, shape, cfg, devices)

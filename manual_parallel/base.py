@@ -36,7 +36,7 @@ def either(*policies: Policy) -> Policy:
 
 
 class ManualParallelism(Parallelism):
-    """Single-device hooks plus the strategy's PARAM_RULES (logical -> mesh axis)."""
+    """Single-device hooks plus the strategy's parameter table (logical -> mesh axis)."""
 
     def __init__(self, param_rules: Mapping[str, str]):
         self.param_rules = dict(param_rules)

@@ -24,14 +24,14 @@ communication).
 import jax.numpy as jnp
 from jax import lax
 
-from auto_parallel.cp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
+from twinshard.strategies import CP
 from manual_parallel.base import ManualParallelism, either
 from manual_parallel.ring_attention import ring_attention, saves_ring_shifts
 from manual_parallel.runner import DATA, ManualRunner
 from twinshard import context
 from twinshard.context import CONTEXT
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "ContextParallel", "ContextRunner", "PARALLELISM", "parallelism"]
+__all__ = ["ContextParallel", "ContextRunner", "Runner", "PARALLELISM", "parallelism"]
 
 
 class ContextParallel(ManualParallelism):
@@ -74,7 +74,8 @@ class ContextRunner(context.PermutedBatches, ManualRunner):
 
 def parallelism(cfg):
     """The hooks for `cfg` (ManualRunner calls it): the token layout comes from the config."""
-    return ContextParallel(PARAM_RULES, cfg.train.cp_layout)
+    return ContextParallel(CP.params, cfg.train.cp_layout)
 
 
 PARALLELISM = ContextParallel
+Runner = ContextRunner  # the batch is permuted into the context layout on the host

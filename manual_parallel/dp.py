@@ -8,10 +8,9 @@ all-reduce written in manual_parallel/runner.py `mean_over_tokens` (params are
 Optimizer: gradients are then replicated, so the global norm is local.
 """
 
-from auto_parallel.dp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
 from manual_parallel.base import ManualParallelism
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "DataParallel", "PARALLELISM"]
+__all__ = ["DataParallel", "PARALLELISM"]
 
 
 class DataParallel(ManualParallelism):

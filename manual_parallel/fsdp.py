@@ -46,14 +46,13 @@ import copy
 import jax
 from jax import lax
 
-from auto_parallel.fsdp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import fsdp_gather
 from twinshard.parallelism import Policy
 
 everything_saveable = jax.checkpoint_policies.everything_saveable
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "FullyShardedDataParallel", "PARALLELISM"]
+__all__ = ["FullyShardedDataParallel", "PARALLELISM"]
 
 
 class FullyShardedDataParallel(ManualParallelism):

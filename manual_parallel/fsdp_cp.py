@@ -19,11 +19,11 @@ costs: params, gradients and optimizer state are 1/d per device, not 1/(dC), and
 gradient shard takes one more all-reduce over `context` (W/d per matrix, once per step).
 """
 
-from auto_parallel.fsdp_cp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
+from twinshard.strategies import FSDP_CP
 from manual_parallel.cp import ContextParallel, ContextRunner
 from manual_parallel.fsdp import FullyShardedDataParallel
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "FSDPContextParallel", "ContextRunner", "PARALLELISM", "parallelism"]
+__all__ = ["FSDPContextParallel", "ContextRunner", "Runner", "PARALLELISM", "parallelism"]
 
 
 class FSDPContextParallel(FullyShardedDataParallel, ContextParallel):
@@ -33,7 +33,8 @@ class FSDPContextParallel(FullyShardedDataParallel, ContextParallel):
 
 def parallelism(cfg):
     """The hooks for `cfg` (ManualRunner calls it): the token layout comes from the config."""
-    return FSDPContextParallel(PARAM_RULES, cfg.train.cp_layout)
+    return FSDPContextParallel(FSDP_CP.params, cfg.train.cp_layout)
 
 
 PARALLELISM = FSDPContextParallel
+Runner = ContextRunner  # the batch is permuted into the context layout on the host

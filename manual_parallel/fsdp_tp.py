@@ -8,11 +8,10 @@ Backward adds the DP mean over `data` of the replicated RMSNorm gains.
 Optimizer: one psum over (data, tensor) of the shards' squared norms.
 """
 
-from auto_parallel.fsdp_tp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
 from manual_parallel.fsdp import FullyShardedDataParallel
 from manual_parallel.tp import TensorParallel
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "FSDPTensorParallel", "PARALLELISM"]
+__all__ = ["FSDPTensorParallel", "PARALLELISM"]
 
 
 class FSDPTensorParallel(FullyShardedDataParallel, TensorParallel):

@@ -41,7 +41,6 @@ import jax.numpy as jnp
 from jax import lax
 from flax import nnx
 
-from auto_parallel.pp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import shift_to_next_stage, shift_to_previous_stage
 from manual_parallel.fsdp import FullyShardedDataParallel
@@ -51,7 +50,7 @@ from twinshard.model import scan_stacked
 from twinshard.pipeline import STAGE
 from twinshard.trainer import graphdef
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "PipelineRunner", "PARALLELISM"]
+__all__ = ["PipelineRunner", "Runner", "PARALLELISM"]
 
 PARALLELISM = ManualParallelism  # no model hooks: a stage runs the single-device layers
 
@@ -208,3 +207,6 @@ class PipelineRunner(ManualRunner):
         loss = lax.cond(last, lambda f: model.head_loss(flat(f), flat(ys), par),
                         lambda f: varying(jnp.zeros((), jnp.float32)), finished)
         return lax.psum(loss, STAGE)  # only stage S-1's is non-zero
+
+
+Runner = PipelineRunner

@@ -50,9 +50,10 @@ trade: a pipeline's micro-batches are a gradient accumulation). The GSPMD twin g
 per step too (auto_parallel/pp_fsdp.py).
 """
 
-from auto_parallel.pp_fsdp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
 from manual_parallel.fsdp import FullyShardedDataParallel
+from manual_parallel.pp import PipelineRunner
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "PARALLELISM"]
+__all__ = ["PARALLELISM", "Runner"]
 
 PARALLELISM = FullyShardedDataParallel  # gather_step / resident(), run by pp.PipelineRunner
+Runner = PipelineRunner

@@ -18,12 +18,11 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from auto_parallel.tp import ACTIVATION_RULES, PARAM_RULES  # same placement as the GSPMD twin
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import copy_to_tp, reduce_from_tp
 from twinshard import layers, loss
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "TensorParallel", "PARALLELISM"]
+__all__ = ["TensorParallel", "PARALLELISM"]
 
 TENSOR = "tensor"
 

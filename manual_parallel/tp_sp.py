@@ -40,11 +40,11 @@ gathers' reduce-scatters. The same ring bytes; on a TPU the sends overlap the ma
 
 from jax import lax
 
-from auto_parallel.tp_sp import ACTIVATION_RULES, PARAM_RULES, SEQUENCE_RULES  # the GSPMD twin's tables
+from twinshard.strategies import TP_SP
 from manual_parallel.collectives import all_gather_matmul, copy_to_tp, gather_sequence, scatter_sequence
 from manual_parallel.tp import TENSOR, TensorParallel
 
-__all__ = ["ACTIVATION_RULES", "PARAM_RULES", "SEQUENCE_RULES", "SequenceParallel", "CollectiveMatmul",
+__all__ = ["SequenceParallel", "CollectiveMatmul",
            "PARALLELISM", "parallelism"]
 
 
@@ -79,7 +79,7 @@ class CollectiveMatmul(SequenceParallel):
 def parallelism(cfg):
     """The hooks for `cfg` (manual_parallel/runner.py): CollectiveMatmul under cfg.model.collective_matmul."""
     cls = CollectiveMatmul if cfg.model.collective_matmul else SequenceParallel
-    return cls(PARAM_RULES)
+    return cls(TP_SP.params)
 
 
 PARALLELISM = SequenceParallel

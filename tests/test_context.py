@@ -229,7 +229,3 @@ def test_bad_context_configs_are_clear_errors():
         dataclasses.replace(CFG.train, cp_layout="striped")
 
 
-def test_cost_model_rules_are_the_placement_tables():
-    for name, module in auto_parallel.CONTEXT.items():
-        assert cost.RULES[name] == {**module.PARAM_RULES, **module.ACTIVATION_RULES}, name
-        assert manual_parallel.CONTEXT[name].PARAM_RULES == module.PARAM_RULES, name

@@ -49,13 +49,6 @@ def test_weights_match_the_real_parameter_tree():
     assert sum(w.count for w in cost.weights(CFG) if not w.is_matrix) == 2 * 2 + 1  # 2L + 1
 
 
-def test_rules_are_the_auto_twins_placement_tables():
-    from auto_parallel import STRATEGIES, split_rules
-
-    for name, module in STRATEGIES.items():
-        assert cost.RULES[name] == split_rules(module), name  # tp_sp: + seq -> tensor
-
-
 def test_dp_all_reduces_every_parameter_once():
     c = cost.cost(CFG, "dp", {"data": 8, "tensor": 1}, B)
     # 12 gradient leaves (9 stacked [L, ...] block leaves + embedding, ln_final, lm_head)

@@ -1,5 +1,5 @@
 """Mesh parsing, per-strategy defaults and every validation error (twinshard/mesh.py,
-auto_parallel.resolve_mesh, shared by both twins).
+twinshard.resolve.resolve_mesh, shared by both twins).
 
 Each error is a ValueError raised before anything compiles, and its message names
 the offending value, the mesh axis involved and a valid alternative; the `match=`
@@ -16,7 +16,8 @@ import re
 import jax
 import pytest
 
-from auto_parallel import STRATEGIES, resolve_mesh
+from twinshard import strategies
+from twinshard.resolve import resolve_mesh
 from twinshard import mesh as mesh_lib
 from twinshard.config import preset
 from twinshard.placement import logical_dims
@@ -183,8 +184,8 @@ NO_MESH = r"no mesh on {n} devices splits this model for this strategy; run on {
 
 
 def rules(strategy: str) -> dict[str, str]:
-    module = STRATEGIES[strategy]
-    return {**module.PARAM_RULES, **module.ACTIVATION_RULES}
+    decl = strategies.get(strategy)
+    return {**decl.params, **decl.activations}
 
 
 @pytest.mark.parametrize("strategy, spec, n, config, match", [

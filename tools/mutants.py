@@ -39,6 +39,7 @@ class Mutant:
     equivalent: str | None = None
 
 
+_STRATEGIES = "twinshard/strategies.py"
 MANUAL = "tests/test_manual.py"
 AUTO = "tests/test_auto.py"
 COST = "tests/test_cost.py"
@@ -197,36 +198,36 @@ MUTANTS: list[Mutant] = [
            '_REDUCTIONS = frozenset({"pmax", "reduce_scatter"})',
            (REMAT + "::test_manual_collectives_equal_the_cost_model_under_every_policy",),
            "remat policy recomputes psum outputs: a checkpointed TP layer's backward repeats Megatron g"),
-    # --- placement tables (auto_parallel/*.py; the manual twin imports the same tables)
-    Mutant("place-dp-batch-replicated", "placement", "auto_parallel/dp.py",
-           'ACTIVATION_RULES: dict[str, str] = {"batch": "data"}',
-           "ACTIVATION_RULES: dict[str, str] = {}",
+    # --- placement tables (twinshard/strategies.py: both twins read the same declaration)
+    Mutant("place-dp-batch-replicated", "placement", _STRATEGIES,
+           'mesh={"data": MANY, "tensor": ONE}, params={}, activations={"batch": "data"}, plannable=True)',
+           'mesh={"data": MANY, "tensor": ONE}, params={}, activations={}, plannable=True)',
            TWINS, "dp does not split the batch: every device trains on all of it"),
-    Mutant("place-fsdp-weights-replicated", "placement", "auto_parallel/fsdp.py",
-           'PARAM_RULES: dict[str, str] = {"embed": "data"}',
-           "PARAM_RULES: dict[str, str] = {}",
+    Mutant("place-fsdp-weights-replicated", "placement", _STRATEGIES,
+           'params={"embed": "data"}, activations={"batch": "data"},\n',
+           'params={}, activations={"batch": "data"},\n',
            TWINS, "fsdp keeps every weight whole on every device (it is dp)"),
-    Mutant("place-fsdp-batch-replicated", "placement", "auto_parallel/fsdp.py",
-           'ACTIVATION_RULES: dict[str, str] = {"batch": "data"}',
-           "ACTIVATION_RULES: dict[str, str] = {}",
+    Mutant("place-fsdp-batch-replicated", "placement", _STRATEGIES,
+           'params={"embed": "data"}, activations={"batch": "data"},\n',
+           'params={"embed": "data"}, activations={},\n',
            TWINS, "fsdp does not split the batch"),
-    Mutant("place-tp-vocab-whole", "placement", "auto_parallel/tp.py",
-           'PARAM_RULES: dict[str, str] = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}',
-           'PARAM_RULES: dict[str, str] = {"heads": "tensor", "mlp": "tensor"}',
+    Mutant("place-tp-vocab-whole", "placement", _STRATEGIES,
+           "params=_TP, activations=_TP, plannable=True)",
+           'params={"heads": "tensor", "mlp": "tensor"}, activations=_TP, plannable=True)',
            TWINS, "tp keeps embedding and lm_head whole (not vocab-parallel)"),
-    Mutant("place-tp-mlp-gathered-at-use", "placement", "auto_parallel/tp.py",
-           'ACTIVATION_RULES: dict[str, str] = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}',
-           'ACTIVATION_RULES: dict[str, str] = {"heads": "tensor", "vocab": "tensor"}',
+    Mutant("place-tp-mlp-gathered-at-use", "placement", _STRATEGIES,
+           "params=_TP, activations=_TP, plannable=True)",
+           'params=_TP, activations={"heads": "tensor", "vocab": "tensor"}, plannable=True)',
            TWINS, "tp's use layout drops mlp: GSPMD gathers W1/W2/W3 before each use"),
-    Mutant("place-fsdp_tp-heads-whole", "placement", "auto_parallel/fsdp_tp.py",
-           'PARAM_RULES: dict[str, str] = {"embed": "data", "heads": "tensor", "mlp": "tensor", '
-           '"vocab": "tensor"}',
-           'PARAM_RULES: dict[str, str] = {"embed": "data", "mlp": "tensor", "vocab": "tensor"}',
-           TWINS, "fsdp_tp does not split attention heads over tensor"),
-    Mutant("place-fsdp_tp-batch-replicated", "placement", "auto_parallel/fsdp_tp.py",
-           'ACTIVATION_RULES: dict[str, str] = {"batch": "data", "heads": "tensor"',
-           'ACTIVATION_RULES: dict[str, str] = {"heads": "tensor"',
-           TWINS, "fsdp_tp does not split the batch over data"),
+    Mutant("place-compose-last-part-only", "placement", _STRATEGIES,
+           "{k: v for part in parts for k, v in getattr(part, table).items()}",
+           "{k: v for part in parts[-1:] for k, v in getattr(part, table).items()}",
+           TWINS, "a composed strategy keeps only its last part's tables: fsdp_tp is tp, fsdp_cp is cp"),
+    Mutant("place-compose-unused-axis-wins", "placement", _STRATEGIES,
+           "needs[axis] = MANY if MANY in (need, needs.get(axis)) else need",
+           "needs[axis] = need",
+           ("tests/test_strategies.py", "tests/test_mesh.py"),
+           "a composed strategy's mesh takes the last part's needs: fsdp_tp may not split data"),
     # --- optimizer (twinshard/optim.py, twinshard/trainer.py)
     Mutant("clip-always-rescales", "optim", _OPTIM,
            "scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))",
@@ -558,7 +559,7 @@ MUTANTS: list[Mutant] = [
            "            if True or os.environ",
            (TRAIN + "::test_orbax_noise_is_held_back_only_when_the_read_fails",),
            "the noise of a failed Orbax read reaches stderr before the one-line message"),
-    Mutant("error-exit-zero", "sturdy", "launch/common.py",
+    Mutant("error-exit-zero", "sturdy", "twinshard/errors.py",
            "        os.write(own, message.encode())\n        os._exit(1)",
            "        os.write(own, message.encode())\n        os._exit(0)",
            (CLI_ERRORS,), "a user error exits 0"),
@@ -881,7 +882,7 @@ MUTANTS: list[Mutant] = [
     Mutant("auto-accum-plain-gspmd-hooks", "accumulation", "auto_parallel/runner.py",
            "self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=par.without_batch())",
            "self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=GSPMD(\n"
-           "            self.mesh, {a: m for a, m in strategy.ACTIVATION_RULES.items() if a != 'batch'}))",
+           "            self.mesh, {a: m for a, m in decl.activations.items() if a != 'batch'}))",
            ("tests/test_context.py::test_auto_fsdp_cp_accumulates_in_the_context_layout",
             "tests/test_sequence.py::test_auto_twin_accumulates_on_sequence_shards"),
            "the micro-batches of grad_accum > 1 run with plain GSPMD hooks: fsdp_cp's RoPE and mask "

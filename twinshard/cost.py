@@ -217,30 +217,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinshard import context, mesh as mesh_lib
+from twinshard import context, mesh as mesh_lib, strategies
 from twinshard.config import REMAT_POLICIES, ModelConfig
 from twinshard.hlo import ring_bytes as _ring_bytes
 
 PHASES = ("forward", "backward", "optimizer", "metrics")
 OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 AXES = mesh_lib.ORDER  # ('stage', 'data', 'context', 'tensor'): mesh order
-PIPELINES = ("pp", "pp_fsdp")  # strategies on a `stage` axis (twinshard/pipeline.py); their mesh names it
+PIPELINES = strategies.of_family("pipeline")  # on a `stage` axis (twinshard/pipeline.py); their mesh names it
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # ModelConfig.dtype -> bytes per element
 F32 = 4  # bytes of the loss, the squared-norm scalar and the cross-entropy statistics
 
-# logical axis -> mesh axis, per strategy (the placement table of DESIGN.md; both twins use it).
-RULES: dict[str, dict[str, str]] = {
-    "dp": {"batch": "data"},
-    "fsdp": {"batch": "data", "embed": "data"},
-    "tp": {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
-    "fsdp_tp": {"batch": "data", "embed": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
-    "pp": {"layers": "stage"},
-    # tp_sp: TP's placement; the batch over data; the residual stream's T over tensor
-    "tp_sp": {"batch": "data", "heads": "tensor", "mlp": "tensor", "vocab": "tensor", "seq": "tensor"},
-    "pp_fsdp": {"layers": "stage", "batch": "data", "embed": "data"},
-    "cp": {"seq": "context"},
-    "fsdp_cp": {"batch": "data", "embed": "data", "seq": "context"},
-}
+# logical axis -> mesh axis of everything each strategy splits (its declaration's tables).
+RULES: dict[str, dict[str, str]] = {s.name: s.split_rules for s in strategies.DECLARATIONS}
 
 
 # Matrices whose gathered value the backward pass never reads, so FSDP does not re-gather them:

@@ -4,10 +4,10 @@ Both twins build their mesh here, so an invalid (strategy, mesh, model, batch)
 combination fails the same way, with a `ValueError` that names the value and a
 valid alternative, before anything is compiled.
 
-Each strategy names the mesh axes it uses and how big each must be (`NEEDS`):
-`>1` (the strategy splits something over it), `=1` (present, unused) or `>=1`
-(either). The mesh holds exactly those axes, in `ORDER` (outermost first; on a TPU
-torus `jax.make_mesh` gives the innermost axis, `tensor`, the closest chips).
+Each strategy's declaration (twinshard/strategies.py) names the mesh axes it uses and
+how big each must be: `>1` (the strategy splits something over it), `=1` (present,
+unused) or `>=1` (either). The mesh holds exactly those axes, in `ORDER` (outermost
+first; on a TPU torus `jax.make_mesh` gives the innermost axis, `tensor`, the closest chips).
 
 Mesh syntax: `data:4,tensor:2`. The base strategies (dp, fsdp, tp, fsdp_tp) name
 both `data` and `tensor` (size 1 allowed), as they always have; the others name the
@@ -23,34 +23,22 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from twinshard import strategies
+from twinshard.strategies import ANY, MANY, ONE
+
 AXES = ("data", "tensor")  # the base strategies' axes (both always named in their meshes)
 # Mesh order of every axis: pipeline stages outermost (one hop per micro-batch), then data,
 # the sequence (context parallelism: ring attention's K/V blocks), tensor innermost (Megatron's
 # all-reduces every layer: the closest chips).
-ORDER = ("stage", "data", "context", "tensor")
-STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")  # the base four (launch.plan ranks these)
+ORDER = strategies.ORDER
+STRATEGIES = strategies.PLANNABLE  # the base four: dp, fsdp, tp, fsdp_tp (launch.plan ranks these)
 
-MANY, ONE, ANY = ">1", "=1", ">=1"
 # strategy -> {mesh axis: the size it needs}; the axes of its mesh, in ORDER.
-NEEDS: dict[str, dict[str, str]] = {
-    "dp": {"data": MANY, "tensor": ONE},
-    "fsdp": {"data": MANY, "tensor": ONE},
-    "tp": {"data": ONE, "tensor": MANY},
-    "fsdp_tp": {"data": MANY, "tensor": MANY},
-    # Megatron sequence parallelism: TP with the residual stream split over T, data-parallel or not
-    "tp_sp": {"data": ANY, "tensor": MANY},
-    # context parallelism: the sequence split over `context` (ring attention); fsdp_cp adds FSDP
-    "cp": {"data": ONE, "context": MANY, "tensor": ONE},
-    "fsdp_cp": {"data": MANY, "context": MANY, "tensor": ONE},
-    # pipeline parallelism: the layer stack split over `stage`; pp_fsdp adds FSDP in each stage
-    "pp": {"stage": MANY, "data": ONE, "tensor": ONE},
-    "pp_fsdp": {"stage": MANY, "data": MANY, "tensor": ONE},
-}
+NEEDS: dict[str, dict[str, str]] = {s.name: dict(s.mesh) for s in strategies.DECLARATIONS}
 
 
 def check_strategy(strategy: str) -> None:
-    if strategy not in NEEDS:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(NEEDS)}.")
+    strategies.get(strategy)  # a ValueError naming the strategies
 
 
 def _needs(strategy: str | None) -> dict[str, str]:

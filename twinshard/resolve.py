@@ -1,0 +1,43 @@
+"""From a strategy's name, a mesh string, the config and a device count to a validated mesh.
+
+Both twins and the launchers call `resolve_mesh` and `check_options`, so an invalid
+(strategy, mesh, model, batch, option) combination fails the same way whichever twin runs,
+with a ValueError naming the value and the fix, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+from twinshard import context, mesh as mesh_lib, pipeline, strategies
+from twinshard.config import Config
+from twinshard.placement import logical_dims
+
+
+def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> dict[str, int]:
+    """Parse (or default) and validate the mesh of `strategy` against the devices and the model
+    (a pipeline also against L, M and the batch; context parallelism against T and its layout)."""
+    decl = strategies.get(strategy)
+    shape = mesh_lib.parse_mesh(mesh_spec, strategy) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
+    mesh_lib.check_mesh(strategy, shape, n_devices)
+    # the family's own checks first: their messages name the fix in its terms (stages, zig-zag chunks)
+    if decl.family == "pipeline":
+        pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
+                       cfg.train.grad_accum, shape.get("data", 1))
+    if decl.family == "context":
+        context.check(cfg.model.context_length, shape[context.CONTEXT], cfg.train.cp_layout)
+    mesh_lib.check_divisible(logical_dims(cfg), decl.split_rules, shape)
+    return shape
+
+
+def check_options(strategy: str, impl: str, cfg: Config) -> None:
+    """The options written in one twin only: the collective matmul (manual tp_sp) and the 1F1B
+    schedule (the manual pipelines); a ValueError naming the fix otherwise."""
+    if cfg.model.collective_matmul:
+        if strategy != "tp_sp":
+            raise ValueError(f"--collective_matmul decomposes tp_sp's sequence all-gathers, and --strategy={strategy} "
+                             "has none: use --strategy=tp_sp --impl=manual, or drop --collective_matmul.")
+        if impl != "manual":
+            raise ValueError(f"--collective_matmul is written by hand in the manual twin only (--impl={impl}): "
+                             "use --impl=manual, or drop --collective_matmul (GSPMD chooses its own collectives).")
+    if impl == "auto" and strategy in strategies.of_family("pipeline") and cfg.train.schedule != "gpipe":
+        raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
+                         "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")

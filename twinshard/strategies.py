@@ -1,0 +1,136 @@
+"""Every parallelism strategy, declared once.
+
+A declaration is data: the mesh axes the strategy needs, its placement (logical axis ->
+mesh axis, for the stored parameters and for activations and weights where they are used),
+what it composes, and its family (which layout machinery runs it). Both twins
+(`auto_parallel/<name>.py`, `manual_parallel/<name>.py`), the launchers, mesh validation and
+advice, the cost model and the planner read it; nothing else names a strategy.
+
+    strategy  composes   splits over the mesh                      family
+    dp        -          batch over data                           base
+    fsdp      -          batch and every weight's d_model over data base
+    tp        -          heads, d_ff, vocab over tensor            base
+    fsdp_tp   fsdp x tp  both of the above                         base
+    tp_sp     tp         tp, plus the residual stream's T over tensor
+    cp        -          the sequence over context (ring attention) context
+    fsdp_cp   fsdp x cp  both                                      context
+    pp        -          the layer stack over stage                pipeline
+    pp_fsdp   pp x fsdp  both                                      pipeline
+
+Logical axes: vocab, embed, heads, mlp, norm, layers (parameters); batch, seq, embed,
+heads, mlp, vocab (activations). An axis absent from a table is replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+MANY, ONE, ANY = ">1", "=1", ">=1"  # what a mesh axis's size must be: split over, unused, either
+FAMILIES = ("base", "pipeline", "context")
+
+
+def _frozen(table: Mapping[str, str]) -> Mapping[str, str]:
+    return MappingProxyType(dict(table))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One strategy: its name, mesh needs and placement tables.
+
+    mesh:        mesh axis -> MANY / ONE / ANY, the axes its mesh holds (in mesh order).
+    params:      logical axis -> mesh axis of the stored parameters (and optimizer moments).
+    activations: logical axis -> mesh axis of activations, and of a weight where it is used
+                 (FSDP's 'embed' -> 'data' is absent here: the weight is gathered whole).
+    sequence:    the residual stream's table where it differs from `activations` (tp_sp: T
+                 split over tensor between the tensor-parallel regions).
+    composes:    the strategies it combines (fsdp_tp = fsdp x tp).
+    family:      base (one program over data/tensor), pipeline (a `stage` axis, its schedule),
+                 context (a `context` axis, its sequence layout).
+    plannable:   launch.plan ranks it.
+    """
+
+    name: str
+    summary: str
+    mesh: Mapping[str, str]
+    params: Mapping[str, str]
+    activations: Mapping[str, str]
+    sequence: Mapping[str, str] | None = None
+    composes: tuple[str, ...] = ()
+    family: str = "base"
+    plannable: bool = False
+    twins: tuple[str, ...] = field(default=("auto", "manual"))
+
+    def __post_init__(self) -> None:
+        assert self.family in FAMILIES, self.family
+        for name in ("mesh", "params", "activations"):
+            object.__setattr__(self, name, _frozen(getattr(self, name)))
+        if self.sequence is not None:
+            object.__setattr__(self, "sequence", _frozen(self.sequence))
+
+    @property
+    def split_rules(self) -> dict[str, str]:
+        """Every logical dim the strategy splits -> its mesh axis (for divisibility checks and
+        the cost model): the parameter and activation tables, or the residual stream's."""
+        return {**self.params, **(self.sequence if self.sequence is not None else self.activations)}
+
+    @property
+    def split_axes(self) -> tuple[str, ...]:
+        """The mesh axes it splits something over (size > 1)."""
+        return tuple(a for a, need in self.mesh.items() if need == MANY)
+
+
+ORDER = ("stage", "data", "context", "tensor")  # mesh order, outermost first (twinshard/mesh.py says why)
+_TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}  # Megatron: column/row/vocab-parallel
+
+
+def compose(name: str, summary: str, *parts: Strategy, family: str = "base") -> Strategy:
+    """The product of `parts`: the union of their tables; an axis one part splits (MANY) and
+    another leaves unused (ONE) is split."""
+    needs: dict[str, str] = {}
+    for part in parts:
+        for axis, need in part.mesh.items():
+            needs[axis] = MANY if MANY in (need, needs.get(axis)) else need
+    union = lambda table: {k: v for part in parts for k, v in getattr(part, table).items()}  # noqa: E731
+    return Strategy(name, summary, mesh={a: needs[a] for a in ORDER if a in needs}, params=union("params"),
+                    activations=union("activations"), composes=tuple(p.name for p in parts), family=family,
+                    plannable=all(p.plannable for p in parts))
+
+
+DP = Strategy("dp", "replicate every weight; split the batch over data",
+              mesh={"data": MANY, "tensor": ONE}, params={}, activations={"batch": "data"}, plannable=True)
+FSDP = Strategy("fsdp", "ZeRO-3: every weight's d_model over data, gathered whole before use; batch over data",
+                mesh={"data": MANY, "tensor": ONE}, params={"embed": "data"}, activations={"batch": "data"},
+                plannable=True)
+TP = Strategy("tp", "Megatron: heads, d_ff and the vocabulary over tensor; the batch replicated",
+              mesh={"data": ONE, "tensor": MANY}, params=_TP, activations=_TP, plannable=True)
+FSDP_TP = compose("fsdp_tp", "fsdp over data inside Megatron tp over tensor", FSDP, TP)
+TP_SP = Strategy("tp_sp", "Megatron sequence parallelism: tp, and the residual stream's T over tensor",
+                 mesh={"data": ANY, "tensor": MANY}, params=_TP, activations={"batch": "data", **_TP},
+                 sequence={"batch": "data", **_TP, "seq": "tensor"}, composes=("tp",))
+CP = Strategy("cp", "context parallelism: the sequence over context (ring attention), weights replicated",
+              mesh={"data": ONE, "context": MANY, "tensor": ONE}, params={}, activations={"seq": "context"},
+              family="context")
+FSDP_CP = compose("fsdp_cp", "fsdp over data, the sequence over context", FSDP, CP, family="context")
+PP = Strategy("pp", "pipeline: the layer stack over stage, micro-batches handed stage to stage",
+              mesh={"stage": MANY, "data": ONE, "tensor": ONE}, params={"layers": "stage"}, activations={},
+              family="pipeline")
+PP_FSDP = compose("pp_fsdp", "pp over stage, fsdp over data inside each stage", PP, FSDP, family="pipeline")
+
+DECLARATIONS: tuple[Strategy, ...] = (DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, PP, PP_FSDP)
+STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in DECLARATIONS})
+NAMES: tuple[str, ...] = tuple(STRATEGIES)
+PLANNABLE: tuple[str, ...] = tuple(s.name for s in DECLARATIONS if s.plannable)
+
+
+def get(name: str) -> Strategy:
+    """The declaration of `name`; an unknown name is a ValueError listing the strategies."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(NAMES)}.")
+    return STRATEGIES[name]
+
+
+def of_family(family: str) -> tuple[str, ...]:
+    assert family in FAMILIES, family
+    return tuple(s.name for s in DECLARATIONS if s.family == family)
