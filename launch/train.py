@@ -113,9 +113,10 @@ def _check_same_run(saved: dict, meta: dict, step: int) -> None:
     was, now = saved["train"]["tokenizer"], meta["train"]["tokenizer"]
     if (saved["tokenizer"] != meta["tokenizer"]) if "tokenizer" in saved else was != now:
         named = lambda name, ident: name if ident in (None, name) else f"{name} ({ident})"  # noqa: E731
+        was_named, now_named = named(was, saved.get("tokenizer")), named(now, meta["tokenizer"])
         raise ValueError(f"--resume with another tokenizer: checkpoint step {step} was trained with --tokenizer="
-                         f"{named(was, saved.get('tokenizer'))}, this run uses --tokenizer={named(now, meta['tokenizer'])}"
-                         f"; pass --tokenizer={was}, or start a new --workdir to train with this one.")
+                         f"{was_named}, this run uses --tokenizer={now_named}; pass --tokenizer={was}, or start a "
+                         "new --workdir to train with this one.")
     # the tokenizer was compared by content above, not by the name or path in the train config
     saved_run = {k: v for k, v in saved["train"].items() if k not in (*_REPORTING, "tokenizer")}
     same_run = {k: v for k, v in meta["train"].items() if k not in (*_REPORTING, "tokenizer")}
