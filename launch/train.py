@@ -3,9 +3,12 @@
 Every flag is validated, and the corpus is found and tokenized, before anything
 is compiled or written. Each log line gives step, loss, lr, tokens/s, step time
 and ETA; every `--eval_every` steps a held-out loss; every record also goes to
-`<workdir>/metrics.jsonl`. `--resume` continues from the latest checkpoint in
-`--workdir` and reproduces the uninterrupted run exactly: batches are a pure
-function of (seed, step), and the whole train state is checkpointed.
+`<workdir>/metrics.jsonl`. `--resume` continues from the latest complete checkpoint
+in `--workdir` (`--resume_step=N`: from step N) and reproduces the uninterrupted run
+exactly: batches are a pure function of (seed, step), and the whole train state is
+checkpointed. A resume with another corpus, tokenizer or training settings than the
+checkpoint's run is refused before anything compiles; each checkpoint records the
+corpus's and the tokenizer's content hashes for that.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 
 from absl import flags, logging
@@ -23,7 +27,9 @@ common.define(flags.DEFINE_string, "workdir", "runs/default", "Output directory:
 flags.DEFINE_integer("log_every", None, "Log every N steps (default: the preset's).")
 flags.DEFINE_integer("eval_every", None, "Held-out eval every N steps (0: never; default: the preset's).")
 flags.DEFINE_integer("checkpoint_every", None, "Checkpoint every N steps (0: only at the end).")
-flags.DEFINE_bool("resume", False, "Resume from the latest checkpoint in --workdir.")
+flags.DEFINE_bool("resume", False, "Resume from the latest complete checkpoint in --workdir.")
+flags.DEFINE_integer("resume_step", None, "Resume from the checkpoint of this step in --workdir (implies "
+                     "--resume); the later ones are replaced when this run writes its first checkpoint.")
 flags.DEFINE_integer("stop_after", None, "Stop (with a checkpoint) after this step, as a preemption "
                      "would; the schedule still runs to --steps, so --resume continues it exactly.")
 common.define_model_flags()
@@ -34,6 +40,8 @@ FLAGS = flags.FLAGS
 
 # Settings a resumed run may change: how often it reports, not what it computes.
 _REPORTING = ("log_every", "eval_every", "eval_batches", "checkpoint_every")
+# Orbax saves step N into `N.orbax-checkpoint-tmp...` and renames it to `N` when complete.
+_INCOMPLETE = re.compile(r"(\d+)\.orbax-checkpoint-tmp.*")
 
 
 def _intervals(cfg) -> tuple[int, int, int]:
@@ -50,22 +58,72 @@ def _intervals(cfg) -> tuple[int, int, int]:
     return log_every, eval_every, ckpt_every
 
 
-def _check_flags(cfg) -> str:
-    """Everything that can be checked before touching devices or disk; returns the checkpoint dir."""
+def _checkpoint_steps(ckpt_dir: str) -> tuple[list[int], list[int]]:
+    """(complete, incomplete) checkpoint steps in `ckpt_dir`, ascending, read from its names."""
+    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+    complete = sorted(int(n) for n in names if n.isdigit())
+    incomplete = sorted(int(m.group(1)) for n in names if (m := _INCOMPLETE.fullmatch(n)))
+    return complete, incomplete
+
+
+def _check_flags(cfg) -> tuple[str, int | None, str | None]:
+    """Everything that can be checked before touching devices or disk: (checkpoint dir, the
+    step to resume from or None for a new run, a line on skipped incomplete checkpoints)."""
     common.check_writable_dir(FLAGS.workdir, "workdir")
     common.check_writable_dir(FLAGS.cache_dir, "cache_dir")
     if FLAGS.stop_after is not None and not 0 < FLAGS.stop_after < cfg.train.steps:
         raise ValueError(f"--stop_after={FLAGS.stop_after} must be between 1 and steps-1 = "
                          f"{cfg.train.steps - 1}; drop it to train to the end.")
     ckpt_dir = os.path.join(FLAGS.workdir, "checkpoints")
-    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
-    if FLAGS.resume and not has_ckpt:
+    complete, incomplete = _checkpoint_steps(ckpt_dir)
+    resume = FLAGS.resume or FLAGS.resume_step is not None
+    if resume and not complete:
         raise ValueError(f"--resume: no checkpoint in {ckpt_dir!r}; pass the --workdir of an earlier "
                          "run, or drop --resume to start a new one.")
-    if not FLAGS.resume and has_ckpt:
+    if not resume and complete:
         raise ValueError(f"{FLAGS.workdir} already holds checkpoints; pass --resume to continue, "
                          "or a new --workdir.")
-    return ckpt_dir
+    if not resume:
+        return ckpt_dir, None, None
+    step, note = FLAGS.resume_step, None
+    if step is not None and step not in complete:
+        why = " (its save was interrupted)" if step in incomplete else ""
+        raise ValueError(f"--resume_step={step}: no complete checkpoint of step {step} in {ckpt_dir!r}{why}; "
+                         f"the steps there are {complete}: pass one of them, or drop --resume_step for the latest.")
+    if step is None:
+        step = complete[-1]
+        if newer := [s for s in incomplete if s > step]:
+            note = (f"checkpoint step {newer[-1]} in {ckpt_dir} is incomplete (its save was interrupted); "
+                    f"resuming from step {step}, the latest complete one.")
+    if FLAGS.stop_after is not None and FLAGS.stop_after <= step:
+        raise ValueError(f"--stop_after={FLAGS.stop_after} is not after the resumed step {step}.")
+    return ckpt_dir, step, note
+
+
+def _check_same_run(saved: dict, meta: dict, step: int) -> None:
+    """A resume must see the checkpoint's corpus, tokenizer and training settings: a ValueError
+    naming both values and the fix otherwise. Metadata only: nothing is read or compiled."""
+    key = "corpus" if "corpus" in saved else "data"  # checkpoints without content hashes: the paths
+    if saved.get(key) != meta[key]:
+        was, now = (m["data"] if m["data"] != "default" else "the default corpus" for m in (saved, meta))
+        fix = f"--data={saved['data']}" if saved["data"] != "default" else "no --data (the default corpus)"
+        raise ValueError(f"--resume with another corpus: checkpoint step {step} was trained on {was} (sha256 "
+                         f"{saved.get('corpus')}), this run reads {now} (sha256 {meta['corpus']}); pass {fix}, "
+                         "or start a new --workdir to train on this one.")
+    was, now = saved["train"]["tokenizer"], meta["train"]["tokenizer"]
+    if (saved["tokenizer"] != meta["tokenizer"]) if "tokenizer" in saved else was != now:
+        named = lambda name, ident: name if ident in (None, name) else f"{name} ({ident})"  # noqa: E731
+        was_named, now_named = named(was, saved.get("tokenizer")), named(now, meta["tokenizer"])
+        raise ValueError(f"--resume with another tokenizer: checkpoint step {step} was trained with --tokenizer="
+                         f"{was_named}, this run uses --tokenizer={now_named}; pass --tokenizer={was}, or start a "
+                         "new --workdir to train with this one.")
+    # the tokenizer was compared by content above, not by the name or path in the train config
+    saved_run = {k: v for k, v in saved["train"].items() if k not in (*_REPORTING, "tokenizer")}
+    same_run = {k: v for k, v in meta["train"].items() if k not in (*_REPORTING, "tokenizer")}
+    if saved_run != same_run:
+        diff = {k: (saved_run.get(k), v) for k, v in same_run.items() if saved_run.get(k) != v}
+        raise ValueError(f"--resume with different training settings ((checkpoint, now) = {diff}): "
+                         "an exact continuation needs the same ones; use a new --workdir to change them.")
 
 
 def _scalar(x) -> float:
@@ -115,10 +173,15 @@ def main(argv):
     common.default_platform()
     cfg = common.config_from_flags(FLAGS)
     log_every, eval_every, ckpt_every = _intervals(cfg)
-    ckpt_dir = _check_flags(cfg)
+    ckpt_dir, resume_from, skipped = _check_flags(cfg)
+    resume = resume_from is not None
     metrics_path = os.path.join(FLAGS.workdir, "metrics.jsonl")
-    earlier = _previous_metrics(metrics_path) if FLAGS.resume else []
+    earlier = _previous_metrics(metrics_path) if resume else []
     train_tokens, val_tokens = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)  # no jax yet
+    from twinshard import data, tokenizer
+
+    identity = {"data": str(FLAGS.data or "default"), "corpus": data.fingerprint(FLAGS.data or data.DEFAULT_CORPUS),
+                "tokenizer": tokenizer.fingerprint(cfg.train.tokenizer)}
     if FLAGS.strategy != "single":
         common.simulate_cpu_devices(FLAGS.devices)  # per process
     common.init_distributed(FLAGS)
@@ -128,30 +191,29 @@ def main(argv):
     import jax
     import numpy as np
 
-    from twinshard import data
     from twinshard.checkpoint import Checkpointer
 
     main_process = jax.process_index() == 0  # every host runs this loop; one reports
     log = print if main_process else (lambda *a, **k: None)  # noqa: E731
     t, m = cfg.train, cfg.model
-    meta = {"model": dataclasses.asdict(m), "train": dataclasses.asdict(t),
-            "data": str(FLAGS.data or "default"), "strategy": FLAGS.strategy, "impl": FLAGS.impl}
+    meta = {"model": dataclasses.asdict(m), "train": dataclasses.asdict(t), **identity,
+            "strategy": FLAGS.strategy, "impl": FLAGS.impl}
     ckpt = Checkpointer(ckpt_dir)
+    stale = []  # checkpoints after the resumed step: deleted before this run's first save
 
-    if FLAGS.resume:
-        same_run = {k: v for k, v in meta["train"].items() if k not in _REPORTING}
-        state, saved = ckpt.restore(runner.abstract_state(), {"model": meta["model"], "data": meta["data"]})
-        # the strategy may change (Orbax reshards); the optimisation may not
-        saved_run = {k: v for k, v in saved["train"].items() if k not in _REPORTING}
-        if saved_run != same_run:
-            diff = {k: (saved_run.get(k), v) for k, v in same_run.items() if saved_run.get(k) != v}
-            raise ValueError(f"--resume with different training settings ((checkpoint, now) = {diff}): "
-                             "an exact continuation needs the same ones; use a new --workdir to change them.")
+    if resume:
+        # the strategy may change (Orbax reshards); the data and the optimisation may not
+        _check_same_run(ckpt.read_meta(resume_from), meta, resume_from)
+        state, _ = ckpt.restore(runner.abstract_state(), {"model": meta["model"]}, step=resume_from)
         start = int(_scalar(state.step))
-        if FLAGS.stop_after is not None and FLAGS.stop_after <= start:
-            raise ValueError(f"--stop_after={FLAGS.stop_after} is not after the resumed step {start}.")
         records = [r for r in earlier if r["step"] <= start]
+        if skipped:
+            log(skipped)
         log(f"resumed from {ckpt.directory} at step {start}")
+        stale = [s for s in ckpt.steps() if s > start]
+        if stale:
+            log(f"checkpoint steps {stale} continue another run from step {start}: they are replaced when "
+                "this one writes its first checkpoint.")
     else:
         state, start, records = runner.init_state(t.seed), 0, []
 
@@ -194,6 +256,9 @@ def main(argv):
                 + (f" | eval {rec['eval_loss']:.4f}" if do_eval else ""), flush=True)
         stop = last or done == FLAGS.stop_after
         if (ckpt_every and done % ckpt_every == 0) or stop:
+            for old in stale:
+                ckpt.delete(old)
+            stale = []
             ckpt.save(done, state, meta)
         if do_log or do_eval:  # eval and checkpoint time stay out of the throughput
             tick, tick_step = time.perf_counter(), done

@@ -135,14 +135,19 @@ class _Zygote:
         return self.exits[pid]
 
     def run(self, argv: list[str], cwd: pathlib.Path, timeout: float, environ: dict[str, str]):
-        child = Child(argv, cwd, environ, self)
-        try:
-            out, err = child.communicate(timeout)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-            raise
-        return subprocess.CompletedProcess(child.args, child.returncode, out, err)
+        return finish(Child(argv, cwd, environ, self), timeout)
+
+
+def finish(child: "Child", timeout: float) -> subprocess.CompletedProcess:
+    """Wait for `child`; past `timeout` seconds, kill it with its own children and raise
+    subprocess.TimeoutExpired (what run() does with each command it forks)."""
+    try:
+        out, err = child.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        raise
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
 class Child:

@@ -1,8 +1,10 @@
 """tests/cli.py's forked commands (tests/zygote.py) behave as a fresh `python ARGV...` does:
 the same exit code, stdout and stderr for what a program can observe of its start and end."""
 
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -60,10 +62,32 @@ def test_a_jax_variable_gets_a_fresh_python():
     assert not cli._zygote_may_run(cli.env(JAX_LOG_COMPILES="1"))  # jax reads JAX_* at import
 
 
+def gone(pid: int) -> bool:
+    """The process has ended (a zombie counts: it runs nothing; an orphan waits for init's reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def test_a_command_past_its_timeout_is_killed_with_its_children(tmp_path):
-    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
-            "'import time; time.sleep(60)']); print('started', flush=True); time.sleep(60)")
+    """cli.run's timeout path (cli.finish) kills a command that outlives it, and the command's
+    own child too. The timeout starts once the command has started its child (the test reads
+    its 'started' line first, however long a loaded machine takes), so nothing here depends
+    on how fast a process starts; the waits are hang guards."""
+    code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(3600)']); print('started', child.pid, flush=True); time.sleep(3600)")
+    command = cli.Child(["-c", code], tmp_path, cli.env(), cli._Zygote.get())  # forked, as run() does
+    line = next(command.stdout)
+    assert line.startswith("started ")
+    grandchild = int(line.split()[1])
+    assert not gone(grandchild)
     with pytest.raises(subprocess.TimeoutExpired) as err:
-        cli.run("-c", code, cwd=tmp_path, timeout=2)
-    assert err.value.output == "started\n"
+        cli.finish(command, timeout=0.1)
+    assert err.value.output == line and command.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 60  # a hang guard: SIGKILL of the session ends it at once
+    while not gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(grandchild)
     assert cli.run("-c", "print('next')").stdout == "next\n"  # the zygote still serves

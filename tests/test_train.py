@@ -1,5 +1,6 @@
 """End to end: the launcher trains the tiny preset, checkpoints, and resumes exactly."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -333,3 +334,172 @@ def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
             assert {leaf.sharding.device_set == {jax.devices()[0]} for leaf in jax.tree.leaves(got)} == {True}
             for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(got)), strict=True):
                 np.testing.assert_array_equal(a, b, err_msg=f"{strategy}/{impl}")
+
+
+# --- Which checkpoint a resume restores, and what it refuses ---------------------------------------
+
+@pytest.fixture(scope="module")
+def kept_run(tmp_path_factory):
+    """6 of 12 steps with a checkpoint every 2: steps 2, 4 and 6 are kept (max_to_keep=3), so a
+    resume has a choice. --steps=12: full_run's program."""
+    workdir = tmp_path_factory.mktemp("kept") / "w"
+    run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", "--stop_after=6", "--checkpoint_every=2")
+    assert train._checkpoint_steps(str(workdir / "checkpoints")) == ([2, 4, 6], [])
+    return workdir
+
+
+def kept_copy(kept_run, tmp_path_factory) -> pathlib.Path:
+    import shutil
+
+    workdir = tmp_path_factory.mktemp("kept_copy") / "w"
+    shutil.copytree(kept_run, workdir)
+    return workdir
+
+
+def saved_params(step_dir: pathlib.Path):
+    """The params in one checkpoint directory, read as plain NumPy by Orbax's PyTree reader
+    (no CheckpointManager, so no choice of step is involved)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    reader = ocp.PyTreeCheckpointer()
+    tree = reader.metadata(step_dir / "state").item_metadata.tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return reader.restore(step_dir / "state", args=ocp.args.PyTreeRestore(restore_args=args))["params"]
+
+
+def same_params(a, b) -> bool:
+    import jax
+    import numpy as np
+
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b))
+
+
+def resume_and_capture(tmp_path_factory, monkeypatch, capsys, workdir, *args):
+    """Resume in this process; returns (the params Checkpointer.restore gave the launcher, its stdout)."""
+    import jax
+
+    from twinshard.checkpoint import Checkpointer
+
+    restored, original = [], Checkpointer.restore
+
+    def spy(self, *a, **k):
+        state, meta = original(self, *a, **k)
+        restored.append(jax.device_get(state.params))
+        return state, meta
+
+    monkeypatch.setattr(Checkpointer, "restore", spy)
+    capsys.readouterr()
+    run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", *args)
+    assert len(restored) == 1
+    return restored[0], capsys.readouterr().out
+
+
+def test_resume_restores_the_latest_complete_checkpoint(kept_run, tmp_path_factory, monkeypatch, capsys):
+    """Of steps 2, 4, 6 the resume restores 6: the log names it and the launcher's state holds
+    step 6's params as they are on disk, which differ from step 4's. With step 6 left as an
+    interrupted save leaves it (Orbax renames `6.orbax-checkpoint-tmp` to `6` only when complete)
+    it restores step 4 and says so in one line. That resume reads the corpus from another path:
+    the same bytes, so the same corpus."""
+    import gzip
+    import shutil
+
+    from twinshard import data
+
+    workdir = kept_copy(kept_run, tmp_path_factory)
+    ckpts = workdir / "checkpoints"
+    step4, step6 = saved_params(ckpts / "4"), saved_params(ckpts / "6")
+    assert not same_params(step4, step6)  # else the comparisons below could not tell them apart
+    params, out = resume_and_capture(tmp_path_factory, monkeypatch, capsys, workdir, "--resume", "--stop_after=7")
+    assert f"resumed from {ckpts} at step 6\n" in out and "incomplete" not in out
+    assert same_params(params, step6)
+
+    workdir = kept_copy(kept_run, tmp_path_factory)
+    ckpts = workdir / "checkpoints"
+    (ckpts / "6").rename(ckpts / "6.orbax-checkpoint-tmp")
+    moved = workdir.parent / "corpus.txt.gz"
+    shutil.copyfile(data.DEFAULT_CORPUS, moved)
+    assert gzip.decompress(moved.read_bytes()) == gzip.decompress(data.DEFAULT_CORPUS.read_bytes())
+    params, out = resume_and_capture(tmp_path_factory, monkeypatch, capsys, workdir, "--resume", "--stop_after=5",
+                                     f"--data={moved}")
+    notes = [line for line in out.splitlines() if "incomplete" in line]
+    assert notes == [f"checkpoint step 6 in {ckpts} is incomplete (its save was interrupted); resuming from "
+                     "step 4, the latest complete one."], out
+    assert f"resumed from {ckpts} at step 4\n" in out
+    assert same_params(params, step4)
+
+
+@contextlib.contextmanager
+def jax_traces():
+    """The jax.monitoring compile events (trace, lower, backend compile) heard inside the block."""
+    import jax
+
+    heard = []
+
+    def listener(event, duration, **_):
+        if event.startswith("/jax/core/compile/"):
+            heard.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield heard
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def files_of(workdir: pathlib.Path) -> dict:
+    return {p: p.read_bytes() for p in sorted(workdir.rglob("*")) if p.is_file()}
+
+
+def test_resume_step_names_the_checkpoint(kept_run, tmp_path_factory, monkeypatch, capsys):
+    """--resume_step=4 restores step 4 (not the latest, 6) and the run continues from it: its
+    first checkpoint (5) replaces 6, the abandoned continuation, so the latest is this run's.
+    A step with no checkpoint is a one-line error naming the value and the steps there, raised
+    before anything is traced or compiled and before anything is written."""
+    workdir = kept_copy(kept_run, tmp_path_factory)
+    ckpts = workdir / "checkpoints"
+    step4 = saved_params(ckpts / "4")
+    before = files_of(workdir)
+    for step in (5, 0):
+        with jax_traces() as heard, pytest.raises(ValueError) as err:
+            run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", f"--resume_step={step}")
+        assert str(err.value) == (f"--resume_step={step}: no complete checkpoint of step {step} in {str(ckpts)!r}; "
+                                  "the steps there are [2, 4, 6]: pass one of them, or drop --resume_step for the "
+                                  "latest.")
+        assert heard == [] and files_of(workdir) == before
+    with jax_traces() as heard:
+        params, out = resume_and_capture(tmp_path_factory, monkeypatch, capsys, workdir, "--resume_step=4",
+                                         "--stop_after=5", "--log_every=1")
+    assert heard  # the listener hears a run that compiles (else `heard == []` above proves nothing)
+    assert f"resumed from {ckpts} at step 4\n" in out
+    assert same_params(params, step4)
+    assert train._checkpoint_steps(str(ckpts)) == ([2, 4, 5], [])
+    assert [r["step"] for r in metrics(workdir)] == [2, 4, 5]
+
+
+def test_resume_refuses_another_corpus_or_tokenizer(kept_run, tmp_path_factory):
+    """A resume that reads another corpus (other bytes) or tokenizes with another tokenizer (a
+    ranks file of the same 256 bytes in another order: the same vocab size, so the model config
+    alone would not tell) is a one-line error naming both and the fix, before anything is traced
+    or compiled and without touching the checkpoints."""
+    from twinshard import data, tokenizer
+
+    workdir = pathlib.Path(kept_run)
+    other = workdir.parent / "other.txt"
+    other.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200)))
+    ranks = workdir.parent / "reversed.tiktoken"
+    tokenizer.save_ranks({bytes([b]): 255 - b for b in range(256)}, ranks)
+    before = files_of(workdir)
+    corpus = (f"--resume with another corpus: checkpoint step 6 was trained on the default corpus (sha256 "
+              f"{data.fingerprint(data.DEFAULT_CORPUS)}), this run reads {other} (sha256 {data.fingerprint(other)}); "
+              "pass no --data (the default corpus), or start a new --workdir to train on this one.")
+    tokens = (f"--resume with another tokenizer: checkpoint step 6 was trained with --tokenizer=bytes, this run uses "
+              f"--tokenizer={ranks} ({tokenizer.fingerprint(str(ranks))}); pass --tokenizer=bytes, or start a new "
+              "--workdir to train with this one.")
+    for extra, message in (([f"--data={other}"], corpus), ([f"--tokenizer={ranks}"], tokens)):
+        with jax_traces() as heard, pytest.raises(ValueError) as err:
+            run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", "--resume", *extra)
+        assert str(err.value) == message
+        assert heard == [] and files_of(workdir) == before

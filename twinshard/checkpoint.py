@@ -74,6 +74,9 @@ class Checkpointer:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         self._mgr.wait_until_finished()
 
+    def delete(self, step: int) -> None:
+        self._mgr.delete(step)
+
     def steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
 

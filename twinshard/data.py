@@ -1,5 +1,6 @@
 """Corpus -> uint16 token memmap (tokenized once, cached) -> random training windows."""
 
+import functools
 import gzip
 import hashlib
 import os
@@ -61,6 +62,21 @@ def _chunks(text: str) -> list[str]:
     return pieces
 
 
+def fingerprint(path: str | os.PathLike) -> str:
+    """sha256 of the file's bytes, first 16 hex digits: the corpus's identity (its cache name,
+    and what a checkpoint records so that --resume refuses another corpus). Computed once per
+    (path, size, mtime) in a process."""
+    stat = os.stat(path)
+    return _digest(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.cache
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    del size, mtime_ns  # part of the cache key only
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
 def encode(text: str, tokenizer_name: str) -> list[int]:
     """Encodes ordinary text (special-token strings are plain text) with tiktoken's threads."""
     enc = tokenizer.get_encoding(tokenizer_name)
@@ -91,7 +107,7 @@ def tokenize_to_memmap(
             f"tokenizer {tokenizer_name!r} has n_vocab {enc.n_vocab} > 65536: ids do not fit uint16"
         )
     text = read_text(text_path)
-    digest = hashlib.sha256(text_path.read_bytes()).hexdigest()[:16]
+    digest = fingerprint(text_path)
     stem = text_path.name.removesuffix(".gz").removesuffix(".txt")
     out = cache_dir / f"{stem}.{enc.name}.{digest}.u16"
     if not out.is_file():

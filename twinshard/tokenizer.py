@@ -59,6 +59,15 @@ def save_ranks(ranks: dict[bytes, int], path: str | os.PathLike) -> None:
         raise
 
 
+def fingerprint(name: str) -> str:
+    """The tokenizer's identity: a built-in's name, or sha256 of a ranks file's bytes (first 16
+    hex digits), so the same file under another path is the same tokenizer."""
+    if name in TOKENIZERS:
+        return name
+    with open(name, "rb") as f:
+        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
 @functools.cache
 def get_encoding(name: str) -> tiktoken.Encoding:
     """Returns the encoding `name` (one of TOKENIZERS) or one built from a ranks file.
