@@ -64,13 +64,11 @@ class GSPMDPipeline(GSPMD):
             dims[batch_dim] = self.rules.get("batch")
         return lax.with_sharding_constraint(a, NamedSharding(self.mesh, P(*dims)))
 
-    def layer_stack(self, stacked, cfg, x):
+    def layer_stack(self, stacked, cfg, x, scan):
         """x: [B, T, D] (pp: replicated; pp_fsdp: rows over data) -> the blocks' output [B, T, D].
 
         Micro-batch i is rows [i B/(data M), (i+1) B/(data M)) of every data shard, as in the
-        manual twin (pp: data = 1, rows [i B/M, (i+1) B/M))."""
-        from twinshard.model import scan_stacked
-
+        manual twin (pp: data = 1, rows [i B/M, (i+1) B/M)). `scan` runs a stage's L/S layers."""
         n, m = self.mesh.shape[STAGE], self.microbatches
         dp = self.mesh.shape[self.rules["batch"]] if "batch" in self.rules else 1
         b, t, d = x.shape[0] // m, x.shape[1], x.shape[2]
@@ -80,7 +78,7 @@ class GSPMDPipeline(GSPMD):
         # each device: its row; spmd_axis_name keeps `stage` on the vmapped dim of the hooks' constraints
         # (a weight pinned whole over data, the residual stream's rows over data) inside a stage
         stage = GSPMD(self.mesh, self.rules)
-        run_stages = jax.vmap(lambda w, h: scan_stacked(w, cfg, h, stage), spmd_axis_name=STAGE)
+        run_stages = jax.vmap(lambda w, h: scan(w, cfg, h, stage), spmd_axis_name=STAGE)
         row = lambda k: (jnp.arange(n) == k).reshape(n, 1, 1, 1, 1)  # noqa: E731  [S, 1, 1, 1, 1]
         inject = self._per_stage(jnp.zeros((n, m, b, t, d), x.dtype).at[0].set(micro), 2)
 

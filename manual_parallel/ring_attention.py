@@ -120,7 +120,7 @@ def ring_attention(q: Array, k: Array, v: Array, positions: np.ndarray, axis: st
     rows = (*q.shape[:-1], 1)
     stats = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(q.shape, jnp.float32))
     stats = jax.tree.map(lambda s: lax.pcast(s, axis, to="varying"), stats)
-    stats = _merge(stats, q, k, v, context.visible(q_pos, q_pos))  # own block: causal within it
+    stats = _merge(stats, q, k, v, layers.visible(q_pos, q_pos))  # own block: causal within it
     for step in range(1, n):
         k, v = ring_shift(k, axis, 1), ring_shift(v, axis, 1)  # now the block of device me - step
         stats = BLOCKS[layout](stats, q, k, v, earlier=step <= me)  # (me - step) mod n < me

@@ -149,7 +149,7 @@ def test_recompute_attention_masks_by_true_positions():
     q, k, v = (jnp.asarray(rng.normal(size=(2, 4, 16, 8)), jnp.float32) for _ in range(3))
     order = context.order(16, 2, "zigzag")  # [0..3, 12..15, 4..7, 8..11]
     assert list(order) != list(range(16))
-    keep = context.visible(order, order)
+    keep = layers.visible(order, order)
     got = layers.recompute_attention(q, k, v, tuple(int(i) for i in order))
     want = layers.scaled_dot_product_attention(q, k, v, jnp.asarray(keep))
     np.testing.assert_allclose(got, want, rtol=0, atol=5e-6)

@@ -89,7 +89,7 @@ def test_layouts_hold_every_position_once_and_zigzag_balances_the_causal_work():
     assert len(set(zig)) == 1, zig
     np.testing.assert_array_equal(flat, [36, 100, 164, 228])  # shard c: 8 queries x (8c + 4.5) keys
     pos = np.arange(32)
-    np.testing.assert_array_equal(context.visible(pos, pos), np.asarray(layers.causal_mask(32)))
+    np.testing.assert_array_equal(layers.visible(pos, pos), np.asarray(layers.causal_mask(32)))
 
 
 @pytest.mark.parametrize("layout", context.LAYOUTS)
@@ -102,7 +102,7 @@ def test_each_ring_step_sees_exactly_the_slices_ring_attention_computes(layout):
     table, half = context.shard_positions(t, c, layout), t // c // 2
     for me in range(c):
         for src in (s for s in range(c) if s != me):
-            seen = context.visible(table[me], table[src])  # [T/C queries, T/C keys]
+            seen = layers.visible(table[me], table[src])  # [T/C queries, T/C keys]
             want = np.zeros_like(seen)
             if layout == "contiguous":
                 want[:] = src < me

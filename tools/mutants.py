@@ -851,7 +851,7 @@ MUTANTS: list[Mutant] = [
            ("tests/test_context.py::test_context_parallel_matches_single_device", ATTENTION),
            "the GSPMD zig-zag twin's recompute kernel masks by index, not by the permuted true positions"),
     Mutant("recompute-attention-positions-ignored", "attention", _LAYERS,
-           "return jnp.asarray(context.visible(pos, pos))",
+           "return jnp.asarray(visible(pos, pos))",
            "return causal_mask(t)",
            (ATTENTION,), "recompute_attention's positions do not reach its mask"),
     Mutant("cp-cost-ring-c-hops", "context", "twinshard/cost.py",

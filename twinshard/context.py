@@ -69,12 +69,6 @@ def order(seq: int, shards: int, layout: str) -> np.ndarray:
     return shard_positions(seq, shards, layout).reshape(-1)
 
 
-def visible(q_pos, k_pos):
-    """The causal keep-mask [Tq, Tk] from true positions: key j is seen by query i iff k_pos[j] <= q_pos[i].
-    (numpy or jax arrays; equals layers.causal_mask(T) when both are arange(T).)"""
-    return k_pos[None, :] <= q_pos[:, None]
-
-
 def useful_pairs(seq: int, shards: int, layout: str) -> np.ndarray:
     """[C]: the (query, key) pairs each shard's queries keep under the causal mask, over all keys
     of the sequence: the attention work a kernel that skips masked scores does per shard."""

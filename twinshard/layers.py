@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twinshard import context
 
 Array = jax.Array
 
@@ -281,12 +280,18 @@ def _causal_scores(q: Array, k: Array, positions: tuple[int, ...] | None) -> Arr
     return jnp.where(_keep_mask(q.shape[-2], positions), s, -jnp.inf)  # every row keeps its own key
 
 
+def visible(q_pos, k_pos):
+    """The causal keep-mask [Tq, Tk] from true positions: key j is seen by query i iff k_pos[j] <= q_pos[i].
+    (numpy or jax arrays; equals causal_mask(T) when both are arange(T).)"""
+    return k_pos[None, :] <= q_pos[:, None]
+
+
 def _keep_mask(t: int, positions: tuple[int, ...] | None) -> Array:
     """[T, T] causal keep-mask by index (positions None) or by the tokens' true positions."""
     if positions is None:
         return causal_mask(t)
     pos = np.asarray(positions)
-    return jnp.asarray(context.visible(pos, pos))
+    return jnp.asarray(visible(pos, pos))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

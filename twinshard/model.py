@@ -263,7 +263,7 @@ def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SI
     outer checkpoint's recomputation runs as a separate loop over all L layers before the
     backward loop, keeping every layer's recomputed values at once).
     """
-    return par.layer_stack(nnx.to_pure_dict(nnx.state(blocks, nnx.Param)), cfg, x)
+    return par.layer_stack(nnx.to_pure_dict(nnx.state(blocks, nnx.Param)), cfg, x, scan_stacked)
 
 
 def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:

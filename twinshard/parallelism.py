@@ -85,12 +85,12 @@ class Parallelism:
         """Causal attention of this program's q, k, v [B, h, T, dh] (layers.causal_attention)."""
         return layers.causal_attention(q, k, v, impl)
 
-    def layer_stack(self, stacked: dict, cfg, x: Array) -> Array:
-        """Run the L stacked blocks (every param leaf [L, ...]) on x [B, T, D]: one scan
-        (model.scan_stacked); a pipeline splits them into stages (auto_parallel/pp.py)."""
-        from twinshard.model import scan_stacked  # model imports this module
-
-        return scan_stacked(stacked, cfg, x, self)
+    def layer_stack(self, stacked: dict, cfg, x: Array, scan: Callable[..., Array]) -> Array:
+        """Run the L stacked blocks (every param leaf [L, ...]) on x [B, T, D] with
+        `scan(stacked, cfg, x, hooks)` (the model's scan over layers, passed in so that this
+        seam does not import the model): one scan; a pipeline splits the stack into stages
+        (auto_parallel/pp.py)."""
+        return scan(stacked, cfg, x, self)
 
     def embed(self, ids: Array, table: Array) -> Array:
         return layers.embedding(ids, table)
