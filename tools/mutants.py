@@ -915,4 +915,26 @@ MUTANTS: list[Mutant] = [
            ("tests/test_train.py::test_a_resumed_single_device_run_runs_the_fresh_runs_program",),
            "the single-device init leaves its state uncommitted: a restored (committed) state lowers "
            "another train step, compiled again on every --resume"),
+    # --- memory of the pipelines (schedule) and of context parallelism (ring attention)
+    Mutant("memory-ignores-pipeline-schedule", "memory", "twinshard/cost.py",
+           'layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule)',
+           'layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, "gpipe")',
+           ("tests/test_memory.py::test_pipeline_memory_is_the_hand_count",
+            "tests/test_pipeline.py::test_compiled_temporaries_beside_the_memory_model"),
+           "the memory model costs 1F1B as GPipe: every tick's residuals saved"),
+    Mutant("memory-pipeline-counts-every-layer", "memory", "twinshard/cost.py",
+           "rows, held = b // microbatches, cfg.num_layers // stages",
+           "rows, held = b // microbatches, cfg.num_layers",
+           ("tests/test_memory.py::test_pipeline_memory_is_the_hand_count",),
+           "a pipeline stage's activations count all L layers instead of its L/S"),
+    Mutant("memory-cp-splits-by-data", "memory", "twinshard/cost.py",
+           'layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes)',
+           'layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["data"], dtype_bytes)',
+           ("tests/test_memory.py::test_context_memory_is_the_hand_count",),
+           "cp's activations split T over the data axis instead of context"),
+    Mutant("ring-merge-not-checkpointed", "memory", "manual_parallel/ring_attention.py",
+           "@jax.checkpoint", "",
+           ("tests/test_context.py::test_ring_attention_holds_what_the_memory_model_says",),
+           "ring attention's merge is no longer checkpointed: autodiff saves every step's scores and "
+           "probabilities [b, H, T/C, T/C]"),
 ]
