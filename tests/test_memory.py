@@ -105,3 +105,78 @@ def test_single_device_arguments_are_the_state_and_the_batch():
     batch = 2 * tokens.shape[0] * tokens.shape[1] * 4
     counters = step.memory_analysis().argument_size_in_bytes - model.params - model.optimizer - batch
     assert 0 <= counters <= 64  # the step counter, Adam's count, the skip counter, the last norm
+
+
+# ----------------------------------------------------------------------------- pipelines and context
+# The compiled temporaries of pp/pp_fsdp and cp/fsdp_cp are compared with the model in
+# tests/test_pipeline.py and tests/test_context.py, where those train steps are compiled; here
+# the model's per-device terms are counted by hand from the config (float32, AdamW, remat none).
+
+def hand_terms(m, b: int, seq: int) -> dict[str, int]:
+    """Elements of one layer's residuals under remat none on b sequences of seq tokens (one
+    device, no tensor split: 6 [b,T,D] + 5 attention [b,T,D] + 3 SwiGLU [b,T,F] + 4 norm
+    statistics + the log-sum-exp per head), and its attention backward's [T, T] probabilities
+    and their gradient (elements)."""
+    d, f, h = m.d_model, m.d_ff, m.num_heads
+    return {"layer": b * seq * (11 * d + 3 * f + 4 + h), "scores": 2 * b * h * seq * seq}
+
+
+def head_bytes(m, rows: int, seq: int) -> int:
+    """ln_final's input and output [rows, T, D] and the logits [rows, T, V], plus the f32 loss's exp."""
+    return (2 * rows * seq * m.d_model + rows * seq * m.padded_vocab_size) * 4 + rows * seq * m.padded_vocab_size * 4
+
+
+@pytest.mark.parametrize("strategy", ["pp", "pp_fsdp"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_memory_is_the_hand_count(strategy, schedule):
+    """S = 2 stages of L/S = 2 layers, M = 4 micro-batches of b/M rows (pp_fsdp: data 2, b = B/2).
+    GPipe saves a stage's layers in each of the M + S - 1 ticks and runs the head on all b rows;
+    1F1B saves one micro-batch's layers and 3 rings of S stage inputs [b/M, T, D], the head per
+    micro-batch. pp_fsdp: the matrices over data, gathered whole for the step (f32 under GPipe)
+    with their f32 gradient."""
+    m = dataclasses.replace(CFG.model, num_layers=4)
+    B, T, S, M, D, F, V = 16, m.context_length, 2, 4, m.d_model, m.d_ff, m.padded_vocab_size
+    data = 2 if strategy == "pp_fsdp" else 1
+    b, Ls, hd = B // data, m.num_layers // S, m.num_heads * m.head_dim
+    bm = b // M
+    mats, norms = Ls * (4 * D * hd + 3 * D * F) + 2 * V * D, 2 * Ls * D + D
+    params = (mats // data + norms) * 4
+    one = hand_terms(m, bm, T)
+    saved = Ls * one["layer"] * (M + S - 1) if schedule == "gpipe" else Ls * one["layer"] + 3 * S * bm * T * D
+    want = {"params": params, "grads": params, "optimizer": 2 * params,
+            "activations": saved * 4 + head_bytes(m, b if schedule == "gpipe" else bm, T),
+            "gathered_weights": mats * 4 if data > 1 else 0, "accumulator": mats * 4 if data > 1 else 0,
+            "backward_layer": (one["layer"] + one["scores"]) * 4}
+    mesh = {"stage": S, "data": data, "tensor": 1}
+    got = cost.memory(m, strategy, mesh, B, T, microbatches=M, schedule=schedule)
+    assert dataclasses.asdict(got) == want
+    assert dataclasses.asdict(cost.cost(m, strategy, mesh, B, microbatches=M, schedule=schedule).memory) == want
+
+
+@pytest.mark.parametrize("strategy", ["cp", "fsdp_cp"])
+def test_context_memory_is_the_hand_count(strategy):
+    """C = 4 (fsdp_cp: data 2 x context 4) shards of T/C tokens: each layer saves the residuals of
+    T/C tokens, ring attention's C-1 received K and V blocks [b, H, T/C, dh] and its C steps'
+    statistics (acc [b, H, T/C, dh], max and sum [b, H, T/C, 1]); the backward rebuilds one
+    block's scores and probabilities [b, H, T/C, T/C]; the head runs on T/C tokens."""
+    m = CFG.model
+    B, T, C, D, F, V, L, H = 8, m.context_length, 4, m.d_model, m.d_ff, m.padded_vocab_size, m.num_layers, m.num_heads
+    data = 2 if strategy == "fsdp_cp" else 1
+    b, tc, hd = B // data, T // C, H * m.head_dim
+    layer_mats = 4 * D * hd + 3 * D * F
+    mats, norms = L * layer_mats + 2 * V * D, 2 * L * D + D
+    params = (mats // data + norms) * 4
+    ring = 2 * (C - 1) * b * tc * D + C * (b * tc * D + 2 * b * H * tc)
+    one = hand_terms(m, b, tc)
+    want = {"params": params, "grads": params, "optimizer": 2 * params,
+            "activations": L * (one["layer"] + ring) * 4 + head_bytes(m, b, tc),
+            "gathered_weights": max(layer_mats, V * D) * 4 if data > 1 else 0, "accumulator": 0,
+            "backward_layer": (one["layer"] + ring + 2 * b * H * tc * tc) * 4}
+    mesh = {"data": data, "context": C}
+    assert dataclasses.asdict(cost.memory(m, strategy, {**mesh, "tensor": 1}, B, T)) == want
+    assert dataclasses.asdict(cost.cost(m, strategy, mesh, B).memory) == want
+
+
+def test_memory_rejects_an_unknown_schedule():
+    with pytest.raises(ValueError, match=r"schedule='interleaved' is not a pipeline schedule; choose one of gpipe, 1f1b"):
+        cost.memory(CFG.model, "pp", {"stage": 2, "data": 1}, 8, 32, microbatches=4, schedule="interleaved")

@@ -118,10 +118,7 @@ def test_one_f_one_b_memory_does_not_grow_with_microbatches():
     1F1B 1,583,592 -> 1,583,656 (S = 2: 8,484,248 -> 14,866,584 and 3,073,784 -> 3,073,848).
     At M = 4 the programs are the twin tests' (S = 4, batch 8): only M = 8 compiles here."""
     def temp(schedule, m):
-        cfg = with_schedule(schedule, m, batch=2 * m)
-        r = manual_parallel.make_runner("pp", "stage:4", cfg, devices=jax.devices()[:4])
-        xs = jax.ShapeDtypeStruct((2 * m, cfg.model.context_length), np.int32, sharding=r.batch_sharding)
-        return r.train_step.lower(r.abstract_state(), xs, xs).compile().memory_analysis().temp_size_in_bytes
+        return long_step(schedule, m)[0].memory_analysis().temp_size_in_bytes
 
     gpipe, ofob = [temp("gpipe", m) for m in (4, 8)], [temp("1f1b", m) for m in (4, 8)]
     assert gpipe[1] > 1.5 * gpipe[0], gpipe
@@ -141,11 +138,26 @@ def test_each_stage_holds_its_own_layers(impl):
     assert {s.data.shape for s in emb.addressable_shards} == {emb.shape}
 
 
+@functools.cache
+def long_step(schedule: str, m: int):
+    """(compiled train step, runner) of manual pp on 4 stages, M = m micro-batches of 2 sequences."""
+    cfg = with_schedule(schedule, m, batch=2 * m)
+    r = manual_parallel.make_runner("pp", "stage:4", cfg, devices=jax.devices()[:4])
+    return compile_step(r, 2 * m), r
+
+
+def compile_step(r, batch: int = CFG.train.batch_size):
+    xs = jax.ShapeDtypeStruct((batch, CFG.model.context_length), np.int32, sharding=r.batch_sharding)
+    return r.train_step.lower(r.abstract_state(), xs, xs).compile()
+
+
+@functools.cache
+def compiled_step(impl: str, stages: int, schedule: str):
+    return compile_step(twin(impl, stages, schedule)["runner"])
+
+
 def compiled_ledger(impl: str, stages: int, schedule: str = "gpipe") -> hlo.Ledger:
-    r = twin(impl, stages, schedule)["runner"]
-    xs = jax.ShapeDtypeStruct((CFG.train.batch_size, CFG.model.context_length), np.int32,
-                              sharding=r.batch_sharding)
-    return hlo.ledger(r.train_step.lower(r.abstract_state(), xs, xs).compile().as_text(), r.mesh)
+    return hlo.ledger(compiled_step(impl, stages, schedule).as_text(), twin(impl, stages, schedule)["runner"].mesh)
 
 
 @pytest.mark.parametrize("stages, schedule", [(4, "gpipe"), (4, "1f1b")])
@@ -251,11 +263,13 @@ def test_pp_fsdp_places_layers_on_stages_and_d_model_on_data(impl):
     assert {s.data.shape for s in params["layers"]["ln1"]["weight"].addressable_shards} == {(2, 64)}
 
 
+@functools.cache
+def fsdp_step(impl: str, schedule: str):
+    return compile_step(fsdp_twin(impl, schedule)["runner"])  # (always called with both arguments)
+
+
 def fsdp_ledger(impl: str, schedule: str = "gpipe") -> hlo.Ledger:
-    r = fsdp_twin(impl, schedule)["runner"]  # (always called with both arguments: one cache entry)
-    xs = jax.ShapeDtypeStruct((CFG.train.batch_size, CFG.model.context_length), np.int32,
-                              sharding=r.batch_sharding)
-    return hlo.ledger(r.train_step.lower(r.abstract_state(), xs, xs).compile().as_text(), r.mesh)
+    return hlo.ledger(fsdp_step(impl, schedule).as_text(), fsdp_twin(impl, schedule)["runner"].mesh)
 
 
 FSDP_HOP = CFG.train.batch_size // (2 * M) * CFG.model.context_length * CFG.model.d_model * 4  # [1, T, D] f32
@@ -324,3 +338,50 @@ def test_pp_fsdp_bad_batch_split_is_a_clear_error():
         cost.cost(CFG.model, "pp_fsdp", {"stage": 2, "data": 4}, 8, microbatches=M)
     with pytest.raises(ValueError, match=r"strategy pp_fsdp needs data > 1, got mesh stage:4,data:1"):
         auto_parallel.make_runner("pp_fsdp", "stage:4,data:1", CFG, devices=jax.devices()[:4])
+
+
+# ----------------------------------------------------------------------------- memory
+# The cost model's temporaries (cost.memory with the schedule and M) against the compiled train
+# step's memory_analysis().temp_size_in_bytes, as tests/test_memory.py does for the other
+# strategies (it says what the two numbers are), on the programs the tests above compile.
+# Measured, temp / model (JAX 0.12.0.1, XLA:CPU):
+#     pp stage:4        M=4: manual gpipe 1.16, 1f1b 1.01, auto gpipe 1.10; M=8 (B=16): manual
+#                       gpipe 1.23, 1f1b 1.01
+#     pp_fsdp s:2,d:2   M=4: manual gpipe 1.01, 1f1b 1.13, auto gpipe 1.05
+# GPipe's excess grows with M: JAX's transposed tick loop also saves, per tick, 4 of the stage's
+# 7 weight matrices (print_saved_residuals), which the model does not count. The band holds
+# every case with ~5% to spare.
+PIPELINE_BAND = (0.95, 1.3)
+MEMORY_CASES = [("pp", "manual", "gpipe", M), ("pp", "manual", "1f1b", M), ("pp", "auto", "gpipe", M),
+                ("pp", "manual", "gpipe", 8), ("pp", "manual", "1f1b", 8),
+                ("pp_fsdp", "manual", "gpipe", M), ("pp_fsdp", "manual", "1f1b", M), ("pp_fsdp", "auto", "gpipe", M)]
+
+
+def temp_and_model(strategy: str, impl: str, schedule: str, m: int) -> tuple[int, cost.Memory]:
+    """The compiled step's temp bytes per device and the cost model's Memory of the same run."""
+    if strategy == "pp_fsdp":
+        step, sizes, batch = fsdp_step(impl, schedule), FSDP_SIZES, CFG.train.batch_size
+    elif m == M:
+        step, sizes, batch = compiled_step(impl, 4, schedule), {"stage": 4, "data": 1}, CFG.train.batch_size
+    else:
+        step, sizes, batch = long_step(schedule, m)[0], {"stage": 4, "data": 1}, 2 * m
+    model = cost.memory(CFG.model, strategy, sizes, batch, CFG.model.context_length, microbatches=m, schedule=schedule)
+    return step.memory_analysis().temp_size_in_bytes, model
+
+
+@pytest.mark.parametrize("strategy, impl, schedule, m", MEMORY_CASES)
+def test_compiled_temporaries_beside_the_memory_model(strategy, impl, schedule, m):
+    temp, model = temp_and_model(strategy, impl, schedule, m)
+    low, high = PIPELINE_BAND
+    assert low <= temp / model.temporaries <= high, (temp / model.temporaries, temp, dataclasses.asdict(model))
+
+
+@pytest.mark.parametrize("strategy, m", [("pp", 8), ("pp_fsdp", M)])
+def test_one_f_one_b_holds_less_than_gpipe_and_the_model_says_how_much(strategy, m):
+    """M > S (pp: 8 micro-batches on 4 stages; pp_fsdp: 4 on 2): 1F1B's modelled activations and
+    its compiled temporaries are below GPipe's, and the model's GPipe / 1F1B ratio of the
+    temporaries is the compiled one's within what the band allows (each is within it)."""
+    (tg, mg), (t1, m1) = (temp_and_model(strategy, "manual", s, m) for s in ("gpipe", "1f1b"))
+    assert m1.activations < mg.activations and t1 < tg, (m1, mg, t1, tg)
+    low, high = PIPELINE_BAND
+    assert low / high <= (tg / t1) / (mg.temporaries / m1.temporaries) <= high / low, (tg / t1, mg, m1)

@@ -18,7 +18,12 @@ per device; measured as above):
     manual tp      2079720    1312432        -          1067640
     auto fsdp      1680960     986872        -           750200
     auto tp        2131008    1274608        -           995952
-(the entries marked - and the dots of the auto twins are not compiled by the tests).
+    manual cp      1258648    1270880        -           847720
+    auto cp        1283608     887944        -           650376
+(cp on context:8: ring attention in the manual twin, GSPMD's gathered K and V in the auto one;
+temp / the model's activations + grads + gathered weights: 0.74 .. 0.95 manual, 0.57 .. 0.88
+auto: the model counts each ring step's statistics under every policy, which full recomputes)
+(the entries marked - and the dots of auto fsdp and auto tp are not compiled by the tests).
 """
 
 import contextlib
@@ -43,7 +48,7 @@ from twinshard.trainer import SingleDevice, create_params, loss_fn
 BASE = preset("tiny")
 CFG = Config(dataclasses.replace(BASE.model, num_heads=8), BASE.train)
 B, T, L = CFG.train.batch_size, CFG.model.context_length, CFG.model.num_layers
-MESHES = {"fsdp": "data:8,tensor:1", "tp": "data:1,tensor:8", "fsdp_tp": "data:2,tensor:4"}
+MESHES = {"fsdp": "data:8,tensor:1", "tp": "data:1,tensor:8", "fsdp_tp": "data:2,tensor:4", "cp": "context:8"}
 GRAD_RTOL = 2e-6
 # memory_analysis() temp bytes / the cost model's activations + grads + gathered weights,
 # measured: 1.16 (manual fsdp, none) .. 1.92 (auto fsdp, none); before the model counted the
@@ -51,10 +56,11 @@ GRAD_RTOL = 2e-6
 FACTOR = 2.2
 # Policies compiled per runner (a cold compile takes ~2.5 s of CPU): every policy on one
 # device; none, full and dots (the ordering) for the manual twins; none and full for the
-# auto twins. dots_no_batch in the twins is covered by tracing alone (the saved-residual
+# auto twins but cp (none, full, dots: cp under --remat in both twins). dots_no_batch in the twins is covered by tracing alone (the saved-residual
 # tests below), as is the manual fsdp_tp composition.
 POLICIES = {"single": tuple(REMAT_POLICIES), "manual fsdp": ("none", "full", "dots"),
-            "manual tp": ("none", "full", "dots"), "auto fsdp": ("none", "full"), "auto tp": ("none", "full")}
+            "manual tp": ("none", "full", "dots"), "auto fsdp": ("none", "full"), "auto tp": ("none", "full"),
+            "manual cp": ("none", "full", "dots"), "auto cp": ("none", "full", "dots")}
 RUNNERS = tuple(POLICIES)
 
 
@@ -117,7 +123,10 @@ def test_temp_bytes_follow_the_policy(name):
     11D + 3F + 4 + H per token and layer on one device; twinshard/cost.py): measured
     1.16x (manual fsdp, none) to 1.92x (auto fsdp, none), 1.79x under full on one device."""
     temps = {p: run(name, p)["temp"] for p in POLICIES[name]}
-    assert temps["full"] < temps.get("dots", temps["none"]) <= temps["none"], temps
+    # manual cp: dots's peak is ~1% above none's (measured 1270880 vs 1258648) although it saves
+    # fewer residuals: under dots each ring step's scores [b, H, T/C, T/C/2] are saved too
+    dots_over_none = 1.01 if name == "manual cp" else 1
+    assert temps["full"] < temps.get("dots", temps["none"]) <= temps["none"] * dots_over_none, temps
     assert temps.get("dots_no_batch", 0) <= temps.get("dots", math.inf), temps
     strategy = "dp" if name == "single" else name.split()[1]
     mesh = {"data": 1, "tensor": 1} if name == "single" else run(name, "none")["runner"].sizes

@@ -198,6 +198,11 @@ Memory per device (`Memory`, bytes):
                    norms, their statistics, the reduce-scatter outputs), the rest as tp; under
                    none also the two gathered [b,T,D] inputs of the column-parallel matmuls
                    (`_saved_per_layer_sequence`, exact against JAX's saved residuals)
+        pp, pp_fsdp  a stage's L/S layers on micro-batches of b/M rows, by `schedule`
+                   (`_pipeline_activations`): gpipe saves them in all M + S - 1 ticks and runs
+                   the loss on all b rows; 1f1b holds one micro-batch's residuals (its backward
+                   op re-runs the stage's forward) beside 3S stage inputs [b/M, T, D], and runs
+                   the loss per micro-batch; the backward working set is one micro-batch's
         final      2*b*T*D (ln_final in/out; tp_sp: b*T*D/t in, b*T*D gathered out) + b*T*V/t (logits) x s, and b*T*V/t x 4
         (exp(z - max) in the f32 loss); the rest x s bytes. Not rematerialized by any
         policy (the manual FSDP twin checkpoints the lm_head matmul alone, which keeps
@@ -218,7 +223,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinshard import context, mesh as mesh_lib, strategies
-from twinshard.config import REMAT_POLICIES, ModelConfig
+from twinshard.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ModelConfig
 from twinshard.hlo import ring_bytes as _ring_bytes
 
 PHASES = ("forward", "backward", "optimizer", "metrics")
@@ -752,13 +757,23 @@ def _cp_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int, s: i
     measured totals (tools/long_context.py, d_model 64, 8 heads, L = 2, B = 1, context:8, T = 512,
     2048, 4096, 8192: 4.8, 15.5, 40.9, 131.5 MiB per device, round 11) against 4.9, 15.5, 36.7,
     103.0."""
-    tc, d, h, v = seq // c, cfg.d_model, cfg.num_heads, cfg.padded_vocab_size
-    kv, stats = 2 * (c - 1) * b * tc * d, c * (b * tc * d + 2 * b * h * tc)
-    block = 2 * b * h * tc * tc  # one block's scores and probabilities, rebuilt by the backward loop
-    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + kv + stats)
-    backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + kv + stats + block) * s
+    tc, d, v = seq // c, cfg.d_model, cfg.padded_vocab_size
+    ring, block = ring_attention_memory(b, cfg.num_heads, tc, cfg.head_dim, c)
+    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + ring)
+    backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + ring + block) * s
     final = (2 * b * tc * d + b * tc * v) * s + b * tc * v * F32
     return layers, backward_layer, final
+
+
+def ring_attention_memory(b: int, h: int, tc: int, dh: int, c: int) -> tuple[int, int]:
+    """(elements one layer's ring attention saves, elements its backward rebuilds at once) on a
+    device holding q, k, v [b, h, T/C, dh] of C shards (manual_parallel/ring_attention.py): the
+    C-1 received K and V blocks and each of the C steps' running statistics (acc [b, h, T/C, dh],
+    max and sum [b, h, T/C, 1]: a checkpointed merge saves its inputs only); the backward pass
+    rebuilds one block's scores and probabilities [b, h, T/C, T/C] at a time."""
+    kv = 2 * (c - 1) * b * h * tc * dh
+    stats = c * (b * h * tc * dh + 2 * b * h * tc)
+    return kv + stats, 2 * b * h * tc * tc
 
 
 STRATEGY_ROWS: dict[str, Callable[[_Ctx], list[Row]]] = {
@@ -843,6 +858,23 @@ def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int) -> int:
     return 2 * b * (cfg.num_heads // t) * seq * seq * F32
 
 
+def _pipeline_activations(cfg: ModelConfig, remat: str, b: int, seq: int, stages: int, microbatches: int,
+                          schedule: str) -> tuple[int, int]:
+    """(saved elements, rows of one micro-batch) of a pipeline stage holding b rows in M micro-batches
+    of b/M, under `schedule` (as manual_parallel/pp.py runs it):
+      gpipe  autodiff of the tick loop saves the L/S layers' residuals of every one of the M + S - 1
+             ticks (a bubble tick computes, and saves, too);
+      1f1b   a backward op is a `jax.vjp` of the stage on the micro-batch's saved input, so the
+             residuals of ONE micro-batch's L/S layers are alive at a time, beside three rings of S
+             micro-batch activations [b/M, T, D] (the saved inputs and the two inboxes)."""
+    from twinshard import pipeline
+
+    rows, held = b // microbatches, cfg.num_layers // stages
+    if schedule == "gpipe":
+        return held * saved_per_layer(cfg, remat, rows, seq, 1) * pipeline.ticks(microbatches, stages), rows
+    return held * saved_per_layer(cfg, remat, rows, seq, 1) + 3 * stages * rows * seq * cfg.d_model, rows
+
+
 def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, scores: int) -> int:
     """tp_sp's saved residuals per layer (JAX's print_saved_residuals in manual_parallel/tp_sp.py,
     exact; tests/test_sequence.py). Outside the regions everything is TP's / t: the layer input,
@@ -865,9 +897,13 @@ def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t:
 
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
            dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1,
-           optimizer: str = "adamw", remat: str | None = None) -> Memory:
-    """Bytes per device; `remat` (default `cfg.remat`) sets the activations (module docstring)."""
+           optimizer: str = "adamw", remat: str | None = None, schedule: str = "gpipe") -> Memory:
+    """Bytes per device; `remat` (default `cfg.remat`) sets the activations, `schedule` (gpipe,
+    1f1b) and `microbatches` a pipeline's (module docstring)."""
     mesh_lib.check_strategy(strategy)
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; choose one of "
+                         f"{', '.join(PIPELINE_SCHEDULES)}.")
     remat = cfg.remat if remat is None else remat
     rules = RULES[strategy]
     params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
@@ -876,18 +912,17 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
     sequence = "seq" in rules  # tp_sp: the residual stream on sequence shards
     layers = cfg.num_layers * saved_per_layer(cfg, remat, b, seq, t, sequence)
-    if "layers" in rules:  # GPipe: this stage's L/S layers, saved in each of the M + S - 1 ticks, B/M rows each
-        from twinshard import pipeline
-
-        ticks = pipeline.ticks(microbatches, mesh["stage"])
-        layers = cfg.num_layers // mesh["stage"] * saved_per_layer(cfg, remat, b // microbatches, seq, t) * ticks
+    head = b  # rows the lm_head and the loss run on at once
+    if "layers" in rules:  # a pipeline stage: its L/S layers on micro-batches of b/M rows
+        layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule)
+        head = b if schedule == "1f1b" else head  # GPipe: the loss of all M micro-batches at once
     # The backward loop holds one layer's worth of residuals at a time beyond what was saved:
     # rebuilt under remat, their cotangents without (measured with memory_analysis: without
     # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
     backward_layer = (saved_per_layer(cfg, "none", b, seq, t, sequence) * dtype_bytes
                       + attention_backward(cfg, b, seq, t))
-    ln_final = b * seq * d // t + b * seq * d if sequence else 2 * b * seq * d  # tp_sp: on shards, gathered
-    final = (ln_final + b * seq * v // t) * dtype_bytes + b * seq * v // t * F32  # f32 loss
+    ln_final = head * seq * d // t + head * seq * d if sequence else 2 * head * seq * d  # tp_sp: on shards, gathered
+    final = (ln_final + head * seq * v // t) * dtype_bytes + head * seq * v // t * F32  # f32 loss
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
         layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes)
     acts = layers * dtype_bytes + final
@@ -897,11 +932,12 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
         gathered = max(layer, v * d) * dtype_bytes // t
         if "layers" in rules:  # pp_fsdp: the stage's L/S layers, embedding and lm_head, gathered for the
             # step; GPipe's tick loop reads them as float32 (manual_parallel/pp.py `_gpipe`), 1F1B in
-            # the compute dtype (the bytes here bound it)
-            gathered = (cfg.num_layers // mesh["stage"] * layer + 2 * v * d) * F32
+            # the compute dtype
+            stage = cfg.num_layers // mesh["stage"] * layer + 2 * v * d
+            gathered = stage * (F32 if schedule == "gpipe" else dtype_bytes)
     opt = _optimizer_bytes(cfg, rules, mesh, optimizer)
     if "layers" in rules and "embed" in rules:  # pp_fsdp: + the float32 gradient of what it gathered
-        return Memory(params, params, opt, acts, gathered, gathered, backward_layer)
+        return Memory(params, params, opt, acts, gathered, stage * F32, backward_layer)
     if grad_accum == 1:
         return Memory(params, params, opt, acts, gathered, 0, backward_layer)
     # the f32 accumulator of the micro-batch scan: param-sized (DP, TP); under FSDP it holds the
@@ -995,7 +1031,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
                 memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer,
-                       remat), notes)
+                       remat, schedule), notes)
 
 
 _NOTES = {
