@@ -153,7 +153,12 @@ class AutoRunner(placement.PlacedRunner):
     def gather_step(self, params):
         """Every matrix sharded over `data` (FSDP) pinned whole - its use layout, in the compute
         dtype - once, before the micro-batch loop: GSPMD's all-gathers move out of the loop (the
-        twin of manual_parallel/fsdp.py `gather_step`). Other leaves are returned as they are."""
+        twin of manual_parallel/fsdp.py `gather_step`). Other leaves are returned as they are.
+        The bf16 copy is pinned to the shard's layout first: without that pin GSPMD gathered the
+        f32 master shard and cast after it on XLA:CPU, twice the bytes (measured, JAX 0.12)."""
         def gather(w, axes, s):
-            return self.par.weight(w.astype(self.cfg.model.dtype), axes) if "data" in placement.sharded_axes(s) else w
+            if "data" not in placement.sharded_axes(s):
+                return w
+            shard = jax.lax.with_sharding_constraint(w.astype(self.cfg.model.dtype), NamedSharding(self.mesh, s))
+            return self.par.weight(shard, axes)
         return jax.tree.map(gather, params, logical_axes(self.cfg.model), self.param_specs)

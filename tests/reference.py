@@ -50,6 +50,36 @@ def attention(q, k, v, mask):
     return softmax(scores) @ v
 
 
+def attention_vjp(q, k, v, mask, do):
+    """attention's output and the gradients (dq, dk, dv) of sum(out * do), by hand: p = softmax(s),
+    s = q k^T / sqrt(d); dv = p^T do, dp = do v^T, ds = p (dp - rowsum(dp p)) / sqrt(d), dq = ds k,
+    dk = ds^T q. Rows with no visible key are not supported (every causal row sees its own)."""
+    d = q.shape[-1]
+    scores = np.where(mask, q @ np.swapaxes(k, -1, -2) / np.sqrt(d), -np.inf)
+    p = softmax(scores)
+    dp = do @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True)) / np.sqrt(d)
+    return p @ v, (ds @ k, np.swapaxes(ds, -1, -2) @ q, np.swapaxes(p, -1, -2) @ do)
+
+
+def large_logits(rng, shape, peak=100.0):
+    """q, k, v [B, h, T, dh] (float64) whose causal scores reach about +-peak, with maxima that
+    differ by position: per (batch, head) a unit direction u; q_i = +-a u (random sign per query)
+    and k_j = level_j u with level_j falling from +peak to -peak along the sequence as
+    1 - 2 sqrt(j / (T-1)), plus N(0, 1/4) noise on both. A query of sign + finds its row max at
+    the sequence's first keys, one of sign - at its latest visible key; a block of keys (a ring
+    step's) has its own max, ~peak apart from the furthest block's. v ~ N(0, 1)."""
+    b, h, t, dh = shape
+    u = rng.normal(size=(b, h, 1, dh))
+    u /= np.linalg.norm(u, axis=-1, keepdims=True)
+    a = 10.0
+    level = peak * np.sqrt(dh) / a * (1 - 2 * np.sqrt(np.arange(t) / (t - 1)))  # [T]
+    sign = rng.choice([-1.0, 1.0], size=(b, h, t, 1))
+    q = a * sign * u + rng.normal(size=shape) / 2
+    k = level[:, None] * u + rng.normal(size=shape) / 2
+    return q, k, rng.normal(size=shape)
+
+
 def mha(x, wq, wk, wv, wo, num_heads, theta):
     b, t, d = x.shape
     dh = wq.shape[0] // num_heads

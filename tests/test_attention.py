@@ -160,3 +160,72 @@ def test_recompute_attention_masks_by_true_positions():
         np.testing.assert_allclose(a, b, rtol=0, atol=5e-6)
     np.testing.assert_array_equal(layers.recompute_attention(q, k, v, tuple(range(16))),
                                   layers.recompute_attention(q, k, v))
+
+
+# ----------------------------------------------------------------------------- large logits
+# Scores of about +-100 (reference.large_logits: row maxima that differ per query and per block of
+# keys): exp of an unshifted score overflows float32 (exp(88.7) is its largest value), so a softmax
+# that forgets to subtract its max returns inf / nan here, where N(0, 1) scores hide it.
+LARGE = (2, 2, 32, 8)
+CAUSAL = np.tril(np.ones((LARGE[2], LARGE[2]), bool))
+
+
+@functools.cache
+def large_case():
+    """q, k, v, the output cotangent, and NumPy float64's output and (dq, dk, dv) at large logits."""
+    rng = np.random.default_rng(7)
+    q, k, v = ref.large_logits(rng, LARGE)
+    do = rng.normal(size=LARGE)
+    return (q, k, v, do), ref.attention_vjp(q, k, v, CAUSAL, do)
+
+
+def _vjp(impl, dtype, q, k, v, do):
+    out, pullback = jax.vjp(lambda *a: layers.causal_attention(*a, impl), *(jnp.asarray(x, dtype) for x in (q, k, v)))
+    return np.asarray(out, np.float64), [np.asarray(g, np.float64) for g in pullback(jnp.asarray(do, dtype))]
+
+
+def _relative(got, want) -> float:
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("impl", ["reference", "recompute", "xla"])
+def test_attention_at_large_logits_equals_float64(impl):
+    """float32 at scores of +-110: outputs and gradients equal NumPy float64. A float32 score of
+    size 100 carries an absolute rounding of ~100 x 2^-24 = 6e-6, which is the relative error
+    it gives its probability: measured max errors 1.1e-5 (outputs, |v| ~ 1) and 6e-6 of the
+    largest gradient (recompute; reference and xla 4.3e-6). Tolerances ~5-10x."""
+    (q, k, v, do), (want, want_grads) = large_case()
+    scores = np.where(CAUSAL, q @ np.swapaxes(k, -1, -2) / np.sqrt(LARGE[-1]), np.nan)
+    assert np.nanmax(scores) > 100 and np.nanmin(np.nanmax(scores, axis=-1)) < -90  # the premise
+    got, grads = _vjp(impl, jnp.float32, q, k, v, do)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    for name, g, w in zip("qkv", grads, want_grads):
+        assert _relative(g, w) < 5e-5, (name, _relative(g, w))
+
+
+def test_recompute_backward_in_bf16_at_large_logits():
+    """bf16 q, k, v, do at scores of +-110, against NumPy float64 on the same bf16-rounded values.
+
+    1. No further from float64 than the reference kernel: dk and dv (measured max errors 0.9%
+       and 0.16% of the largest gradient; the reference's 6.7% and 1.3%: it rounds q k^T to
+       bf16 before its softmax, 2^-9 x 100 = 0.2 of a score). dq with a slack of 2: both
+       kernels round d(q k^T) to bf16 before its product with k, whose rows share a large
+       component (the scores' common direction) that the exact sum_k ds_qk = 0 cancels and the
+       rounded ds does not: the same error in both, measured 10.3% (recompute) vs 6.4%.
+    2. The rows whose softmax is one-hot (~40% here: a score ~100 above the rest): the exact
+       gradient of q is 0 (ds = p (dp - do.o) with o = v of the one key), and the kernel's
+       float32 dp and do.o are sums of the same bf16 products: measured |dq| 1e-15 of
+       |do| max|v| max|k| / sqrt(dh). Either term rounded to bf16 leaves 2^-9 of it (1e-3)."""
+    (q, k, v, do), _ = large_case()
+    q, k, v, do = (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64) for x in (q, k, v, do))
+    _, want = ref.attention_vjp(q, k, v, CAUSAL, do)
+    grads = {impl: _vjp(impl, jnp.bfloat16, q, k, v, do)[1] for impl in ("recompute", "reference")}
+    err = {impl: [_relative(g, w) for g, w in zip(gs, want)] for impl, gs in grads.items()}
+    (dq, dk, dv), (ref_dq, ref_dk, ref_dv) = err["recompute"], err["reference"]
+    assert dk <= ref_dk and dv <= ref_dv and dq <= 2 * ref_dq, err
+    scores = np.where(CAUSAL, q @ np.swapaxes(k, -1, -2) / np.sqrt(LARGE[-1]), -np.inf)
+    one_hot = ref.softmax(scores).max(axis=-1) > 1 - 1e-15
+    assert one_hot.sum() > 0.3 * one_hot.size  # the premise
+    got_dq = grads["recompute"][0]
+    scale = np.linalg.norm(do, axis=-1) * np.abs(v).max() * np.abs(k).max() / np.sqrt(LARGE[-1])
+    assert np.max(np.linalg.norm(got_dq, axis=-1)[one_hot] / scale[one_hot]) < 1e-6

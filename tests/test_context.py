@@ -143,6 +143,32 @@ def test_ring_attention_equals_full_attention(layout):
         np.testing.assert_allclose(g, w[:, :, perm], atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", context.LAYOUTS)
+def test_ring_attention_at_large_logits_equals_float64(layout):
+    """Scores of +-110 (reference.large_logits): each row's max sits in the sequence's first keys
+    (queries of sign +) or its latest visible one (sign -), so the blocks a device merges after
+    its own carry maxima up to ~200 above its own block's: every merge must rescale by the
+    running max (exp of a score 88.7 above the max in use overflows float32). Output and
+    gradients against NumPy float64 in float32: measured max errors 1.1e-5 (outputs, |v| ~ 1)
+    and 4e-6 of the largest gradient; tolerances ~10x, as tests/test_attention.py's kernels."""
+    c, shape = 4, (2, 2, 32, 8)
+    rng = np.random.default_rng(7)
+    q, k, v = reference.large_logits(rng, shape)
+    do = rng.normal(size=shape)
+    want, want_grads = reference.attention_vjp(q, k, v, np.tril(np.ones((32, 32), bool)), do)
+    perm, table = context.order(32, c, layout), context.shard_positions(32, c, layout)
+    mesh = jax.make_mesh((c,), ("context",), devices=jax.devices()[:c], axis_types=(AxisType.Auto,))
+    seq = P(None, None, "context")
+    ring = jax.shard_map(lambda *a: ring_attention(*a, table, "context", layout), mesh=mesh, in_specs=(seq,) * 3,
+                         out_specs=seq)
+    out, pullback = jax.vjp(jax.jit(ring), *(jnp.asarray(x[:, :, perm], jnp.float32) for x in (q, k, v)))
+    grads = pullback(jnp.asarray(do[:, :, perm], jnp.float32))
+    np.testing.assert_allclose(np.asarray(out, np.float64), want[:, :, perm], rtol=0, atol=1e-4)
+    for name, g, w in zip("qkv", grads, want_grads):
+        rel = float(np.max(np.abs(np.asarray(g, np.float64) - w[:, :, perm])) / np.max(np.abs(w)))
+        assert rel < 5e-5, (name, rel)
+
+
 # ----------------------------------------------------------------------------- twins vs single device
 
 
