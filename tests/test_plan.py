@@ -1,5 +1,5 @@
 """launch/plan.py: topologies, the links each mesh axis uses, one plan row by hand, the memory
-check, the ranking, the README's launch lines, and the CLI (one run and its one-line errors).
+check, the ranking, docs/multi-host.md's launch lines, and the CLI (one run and its one-line errors).
 
 Nothing is compiled here (a --compile of the tiny preset runs in test_compile_the_best_tpu_plan,
 ~10 s: it reuses launch.collectives, which tests/test_tpu_topology.py checks in depth).
@@ -164,9 +164,9 @@ def test_ranking():
 
 
 def test_readme_launch_lines_are_what_the_plan_prints():
-    """Each `launch.plan` command of the README's multi-host section, and the launch line it
-    prints: the README shows that line (in a block test_readme does not run: gcloud, srun)."""
-    text = (ROOT / "README.md").read_text()
+    """Each `launch.plan` command of docs/multi-host.md, and the launch line it prints: the page
+    shows that line (in a block test_readme does not run: gcloud, srun)."""
+    text = (ROOT / "docs" / "multi-host.md").read_text()
     plans = re.findall(r"^uv run python -m launch\.plan (.*)$", text, re.M)
     shown = [line.strip() for line in text.splitlines()
              if re.match(r"(gcloud compute tpus tpu-vm ssh|srun) .*launch\.train", line.strip())]

@@ -1,7 +1,8 @@
-"""Every command the README shows runs as written (in README order, in one scratch directory).
+"""Every command the README and docs/*.md show runs as written (in their order, in one scratch directory).
 
-The commands are read from the README's ```bash blocks, so a README edit is tested as
-edited; a command this file does not know fails `test_every_readme_command_is_covered`.
+The commands are read from the ```bash blocks of README.md, then of docs/*.md in name
+order, so an edit is tested as edited; a command this file does not know fails
+`test_every_readme_command_is_covered`.
 What the test changes, and why (each variant only adds flags; absl keeps the last value):
 
 - the `pip install uv && uv run [--locked] [--extra tpu]` prefix is the environment this
@@ -72,9 +73,14 @@ VARIANTS = {
 NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test suite itself"}
 
 
+def docs_text() -> str:
+    """README.md, then the docs/ pages in name order: the order their commands run in."""
+    return "\n".join(p.read_text() for p in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))))
+
+
 def readme_commands() -> list[str]:
-    """The command lines of the README's bash blocks: continuations joined, comments dropped."""
-    text = (ROOT / "README.md").read_text()
+    """The command lines of the bash blocks of the README and docs/: continuations joined, comments dropped."""
+    text = docs_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
