@@ -464,6 +464,7 @@ def test_ppermute_ring_over_tensor(mesh: Mesh) -> None:
     r = only(hlo.ledger(compile_sm(mesh, f, P("data", "tensor"), P("data", "tensor"), (8, 16)), mesh))
     assert r.op == "collective-permute" and r.axes == ("tensor",)
     assert sorted(r.source_target_pairs) == sorted(RING_TENSOR)
+    assert r.pattern == "tensor ring +1" and r.shifts == (hlo.Shift("tensor", (1,), True),)
     assert r.ring_bytes == r.bytes == 64
 
 
