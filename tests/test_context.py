@@ -222,6 +222,11 @@ def test_manual_ledger_equals_the_cost_model_exactly(strategy):
     block = b * m.num_heads * (m.context_length // c) * m.head_dim * 4
     testing.expect_collectives(led, "collective-permute", ("context",), count=4 * (c - 1) * m.num_layers)
     assert led.filter(op="collective-permute").total_bytes() == 4 * (c - 1) * m.num_layers * block
+    # the ring's direction: K, V forward c -> c+1, their gradients back c+1 -> c (on 2 devices
+    # the two rings are one permutation, so each direction finds both)
+    per_direction = 2 * (c - 1) * m.num_layers * (2 if c == 2 else 1)
+    testing.expect_permute(led, {"context": +1}, wrap=True, count=per_direction)
+    testing.expect_permute(led, {"context": -1}, wrap=True, count=per_direction)
 
 
 def test_auto_gathers_k_and_v_over_context():

@@ -201,6 +201,30 @@ def test_text_json_and_compare():
     assert "DIFFERS" in table and "TOTAL" in table
 
 
+def test_permute_rows_say_who_sends_to_whom():
+    """pp on stage:2 with M=4 (GPipe, M+S-1 = 5 ticks): one hop per tick one stage on, the last
+    stage sending nothing (a line), and one back; cp's ring over context:4 forward, the reverse
+    ring backward, 2(C-1) L = 12 of each. A measured summary whose hops go the wrong way
+    (here: the forward wraps around, last stage to first) no longer matches, and says so."""
+    pp = cost.cost(CFG, "pp", {"stage": 2}, B, microbatches=4)
+    want = {"stage +1": 5, "stage -1": 5}
+    assert pp.summary()[("collective-permute", ("stage",))]["patterns"] == want
+    assert "collective-permute  stage -1  5" in pp.table()
+    cp = cost.cost(CFG, "cp", {"context": 4}, B)
+    assert cp.summary()[("collective-permute", ("context",))]["patterns"] == {
+        "context ring +1": 12, "context ring -1": 12}
+    two = cost.cost(CFG, "fsdp_cp", {"data": 2, "context": 2}, B)  # on 2 devices one ring, printed +1
+    assert two.summary()[("collective-permute", ("context",))]["patterns"] == {"context ring +1": 8}
+    measured = {k: dict(v) for k, v in pp.summary().items()}
+    assert all(r["match"] for r in cost.compare(measured, pp.summary()))
+    measured[("collective-permute", ("stage",))]["patterns"] = {"stage ring +1": 5, "stage -1": 5}
+    rows = cost.compare(measured, pp.summary())
+    bad = [r for r in rows if not r["match"]]
+    assert [(r["op"], r["measured_count"], r["model_count"]) for r in bad] == [("collective-permute", 10, 10)]
+    assert f"DIFFERS who sends to whom: measured {measured[bad[0]['op'], ('stage',)]['patterns']}, model {want}" \
+        in cost.compare_table(rows)
+
+
 def test_memory_at_tensor_greater_than_one():
     """Per-device activation and gathered-weight bytes at tensor > 1, by hand (tiny, B=8, T=32)."""
     tp = cost.cost(CFG, "tp", {"data": 1, "tensor": 4}, B).memory

@@ -30,7 +30,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twinshard import hlo
-from twinshard.testing import expect_bytes, expect_collectives, expect_no_collective, expect_parsed
+from twinshard.testing import (expect_bytes, expect_collectives, expect_no_collective, expect_parsed,
+                                expect_permute)
 
 SNIPPETS = pathlib.Path(__file__).parent / "hlo_snippets"
 MESH = {"data": 2, "tensor": 4}
@@ -280,6 +281,80 @@ def test_collective_permute_pairs() -> None:
     assert (swap.axes, swap.partial_axes) == (("tensor",), ("tensor",))
 
 
+# Hand-decoded (partition id = 4 data + tensor on MESH): name -> (pattern, shifts as
+# (axis, steps, wrap)). A +1 step is to the next tensor index; 3 -> 0 is +1 around the ring.
+PERMUTES = {
+    "fwd": ("tensor +1", (("tensor", (1,), False),)),
+    "bwd": ("tensor -1", (("tensor", (-1,), False),)),
+    "ring": ("tensor ring +1", (("tensor", (1,), True),)),
+    "rev": ("tensor ring -1", (("tensor", (-1,), True),)),
+    "data_ring": ("data ring +1", (("data", (1,), True),)),  # on 2 devices +1 and -1 are one ring
+    # the wrong ones: described per axis, marked irregular
+    "extra": ("tensor ring +1 (irregular, 7 pairs)", (("tensor", (1,), True),)),
+    "half_ring": ("tensor ring +1 (irregular, 4 pairs)", (("tensor", (1,), True),)),
+    "flat": ("data +1, tensor ring +1 (irregular, crosses axes, 7 pairs)",
+             (("data", (1,), False), ("tensor", (1,), True))),
+    "mixed": ("tensor ring -1/+1 (irregular, 8 pairs)", (("tensor", (-1, 1), True),)),
+}
+
+
+@pytest.fixture(scope="module")
+def permutes() -> hlo.Ledger:
+    return hlo.ledger((SNIPPETS / "permutes.hlo").read_text(), MESH)
+
+
+def test_permute_pairs_decoded_to_mesh_coordinates_and_patterns(permutes: hlo.Ledger) -> None:
+    expect_parsed(permutes)
+    got = {r.name: (r.pattern, tuple((s.axis, s.steps, s.wrap) for s in r.shifts)) for r in permutes}
+    assert got == PERMUTES
+    by_name = {r.name: r for r in permutes}
+    # (data, tensor) coordinates of the pairs, decoded by hand from the ids
+    assert by_name["rev"].coordinate_pairs == (((0, 1), (0, 0)), ((0, 2), (0, 1)), ((0, 3), (0, 2)),
+                                               ((0, 0), (0, 3)), ((1, 1), (1, 0)), ((1, 2), (1, 1)),
+                                               ((1, 3), (1, 2)), ((1, 0), (1, 3)))
+    assert by_name["flat"].coordinate_pairs[3] == ((0, 3), (1, 0))
+    assert hlo.shift_pairs(MESH, {"tensor": -1}, wrap=True) == frozenset(by_name["rev"].source_target_pairs)
+    assert hlo.shift_pairs(MESH, {"tensor": 1}, wrap=False) == frozenset(by_name["fwd"].source_target_pairs)
+    # where the user reads it: the table's axes column, the summary, the JSON
+    table = permutes.table()
+    assert "collective-permute  tensor ring -1  " in table and "collective-permute  tensor +1  " in table
+    assert permutes.summary()[("collective-permute", ("tensor",))]["patterns"] == {
+        p: 1 for name, (p, _) in PERMUTES.items() if name not in ("data_ring", "flat")}
+    assert permutes.patterns("data") == {"data ring +1": 1}
+    doc = json.loads(permutes.to_json())
+    rev = next(r for r in doc["records"] if r["name"] == "rev")
+    assert rev["pattern"] == "tensor ring -1" and rev["shifts"] == [{"axis": "tensor", "steps": [-1], "wrap": True}]
+
+
+def test_expect_permute_matches_exactly_the_shift(permutes: hlo.Ledger) -> None:
+    """Each right permute is found once; the wrong ones (a pair extra, missing, reversed,
+    across data rows) match no shift."""
+    assert [r.name for r in expect_permute(permutes, {"tensor": +1}, wrap=False, count=1)] == ["fwd"]
+    assert [r.name for r in expect_permute(permutes, {"tensor": -1}, wrap=False, count=1)] == ["bwd"]
+    assert [r.name for r in expect_permute(permutes, {"tensor": +1}, wrap=True, count=1)] == ["ring"]
+    assert [r.name for r in expect_permute(permutes, {"tensor": -1}, wrap=True, count=1)] == ["rev"]
+    assert [r.name for r in expect_permute(permutes, {"tensor": +1}, count=2)] == ["fwd", "ring"]
+    assert [r.name for r in expect_permute(permutes, {"data": -1}, wrap=True, count=1)] == ["data_ring"]
+    expect_permute(permutes, {"tensor": +2}, count=0)
+    expect_permute(permutes, {"data": +1, "tensor": +1}, wrap=False, count=0)
+
+
+@pytest.mark.parametrize("name, shift, wrap", [
+    ("extra", {"tensor": +1}, False),  # the line +1 with one extra wrap pair, 3 -> 0
+    ("half_ring", {"tensor": +1}, True),  # the ring on data row 0 only: 4 pairs missing
+    ("flat", {"tensor": +1}, False),  # 3 -> 4 crosses into the next data row
+    ("mixed", {"tensor": +1}, True),  # row 1's ring reversed
+])
+def test_expect_permute_fails_on_a_wrong_permute(permutes: hlo.Ledger, name: str, shift: dict, wrap: bool) -> None:
+    alone = hlo.Ledger([r for r in permutes if r.name == name], permutes.mesh, instructions=permutes.instructions)
+    with pytest.raises(AssertionError) as err:
+        expect_permute(alone, shift, wrap=wrap)
+    message = str(err.value)
+    assert message.startswith(f"expected collective-permutes shifting tensor +1 ({'ring' if wrap else 'line, no wrap'}) "
+                              f"with min_count=1; found 0 (collective-permutes by pattern: '{PERMUTES[name][0]}' x1)")
+    assert message.endswith(alone.table())
+
+
 def test_other_ops_and_bytes() -> None:
     led = hlo.ledger(module(
         "%ag = bf16[16,4]{1,0} all-gather(%p), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}",
@@ -336,7 +411,7 @@ def test_snippets_are_valid_hlo_and_survive_xla_reprint(name: str, text: str) ->
 
     def key(led: hlo.Ledger) -> list[tuple]:
         return sorted((r.op, r.axes, r.shape, r.bytes, r.multiplicity,
-                       tuple(sorted(r.replica_groups)), r.source_target_pairs) for r in led)
+                       tuple(sorted(r.replica_groups)), r.source_target_pairs, r.pattern) for r in led)
 
     mesh = TPU_16 if name == DONE_FUSION else MESH
     a, b = hlo.ledger(text, mesh), hlo.ledger(printed, mesh)
@@ -389,6 +464,7 @@ def test_ppermute_ring_over_tensor(mesh: Mesh) -> None:
     r = only(hlo.ledger(compile_sm(mesh, f, P("data", "tensor"), P("data", "tensor"), (8, 16)), mesh))
     assert r.op == "collective-permute" and r.axes == ("tensor",)
     assert sorted(r.source_target_pairs) == sorted(RING_TENSOR)
+    assert r.pattern == "tensor ring +1" and r.shifts == (hlo.Shift("tensor", (1,), True),)
     assert r.ring_bytes == r.bytes == 64
 
 

@@ -164,7 +164,8 @@ def compiled_ledger(impl: str, stages: int, schedule: str = "gpipe") -> hlo.Ledg
 def test_manual_ledger_equals_the_cost_model_exactly(stages, schedule):
     """GPipe: 2 (M + S - 1) collective-permutes of one micro-batch [B/M, T, D] (forward hand-off
     and its backward); 1F1B: 2 per tick of its table; then the replicated params' gradient
-    psums, the loss, the global norm."""
+    psums, the loss, the global norm. Each hop goes one stage on, the last stage sending
+    nothing, and the backward hop one stage back (the model's patterns, compared exactly)."""
     led = compiled_ledger("manual", stages, schedule)
     model = cost.cost(CFG.model, "pp", twin("manual", stages)["runner"].sizes, CFG.train.batch_size,
                       microbatches=M, schedule=schedule)
@@ -173,6 +174,8 @@ def test_manual_ledger_equals_the_cost_model_exactly(stages, schedule):
     hop = CFG.train.batch_size // M * CFG.model.context_length * CFG.model.d_model * 4
     ticks = pipeline.ticks(M, stages) if schedule == "gpipe" else len(pipeline.one_f_one_b(M, stages)[0])
     testing.expect_collectives(led, "collective-permute", ("stage",), count=2 * ticks)
+    testing.expect_permute(led, {"stage": +1}, wrap=False, count=ticks)
+    testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks)
     assert led.filter(op="collective-permute").total_bytes() == 2 * ticks * hop
     testing.expect_no_collective(led, op="all-gather")  # no weight ever moves
 
@@ -188,8 +191,22 @@ def test_auto_shifts_the_stage_buffer_with_collective_permutes(stages):
     per_tick = [r for r in permutes if r.bytes == hop]
     assert sum(r.multiplicity for r in per_tick) == 3 * pipeline.ticks(M, stages), led.table()
     assert sum(r.multiplicity for r in permutes) == 3 * pipeline.ticks(M, stages) + 2, led.table()
+    assert_auto_hops(led, stages, pipeline.ticks(M, stages))
     testing.expect_no_collective(led, op="all-gather")
     testing.expect_no_collective(led, larger_than=M * hop)  # nothing bigger than the whole batch's activations
+
+
+def assert_auto_hops(led: hlo.Ledger, stages: int, ticks: int) -> None:
+    """Who sends to whom in GSPMD's pipeline: the roll s -> s+1 is a ring, every tick; its
+    transpose, the reverse ring, is split (measured) into the line s+1 -> s and the wrap pair
+    0 -> S-1; outside the loop the last stage's finished micro-batches go to stage 0 (S-1 -> 0)
+    and their gradient back (0 -> S-1, the same line as the wrap pair)."""
+    testing.expect_permute(led, {"stage": +1}, wrap=True, count=ticks)
+    testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks + (1 if stages == 2 else 0))
+    testing.expect_permute(led, {"stage": stages - 1}, wrap=False, count=ticks + 1)
+    if stages > 2:  # on 2 stages S-1 -> 0 is the line -1 above
+        testing.expect_permute(led, {"stage": 1 - stages}, wrap=False, count=1)
+    testing.expect_collectives(led, "collective-permute", count=3 * ticks + 2)
 
 
 def test_bad_pipeline_configs_are_clear_errors():
@@ -291,6 +308,8 @@ def test_pp_fsdp_manual_ledger_equals_the_cost_model_exactly(schedule):
     assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
     ticks = pipeline.ticks(M, 2) if schedule == "gpipe" else len(pipeline.one_f_one_b(M, 2)[0])
     testing.expect_collectives(led, "collective-permute", ("stage",), count=2 * ticks)
+    testing.expect_permute(led, {"stage": +1}, wrap=False, count=ticks)  # within each data row
+    testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks)
     assert led.filter(op="collective-permute").total_bytes() == 2 * ticks * FSDP_HOP
     gathers, scatters = led.filter(op="all-gather", axes=("data",)), led.filter(op="reduce-scatter", axes=("data",))
     assert [r.multiplicity for r in gathers] == [r.multiplicity for r in scatters] == [1] * 9, led.table()
@@ -308,6 +327,7 @@ def test_pp_fsdp_auto_shifts_per_tick_and_gathers_each_stage_once():
     permutes = list(led.filter(op="collective-permute", axes=("stage",)))
     assert sum(r.multiplicity for r in permutes if r.bytes == FSDP_HOP) == 3 * ticks, led.table()
     assert sum(r.multiplicity for r in permutes) == 3 * ticks + 2, led.table()
+    assert_auto_hops(led, 2, ticks)
     gathers = led.filter(op="all-gather", axes=("data",))
     assert [r.multiplicity for r in gathers] == [1] * 9, led.table()
     assert gathers.total_bytes() == stage_matrix_bytes()

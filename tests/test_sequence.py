@@ -219,6 +219,9 @@ def test_collective_matmul_equals_the_all_gather():
     chunk = 4 * (B // 2) * (T // t) * D
     permutes = testing.expect_collectives(led, "collective-permute", ("tensor",), count=3 * 2 * L * (t - 1))
     assert {r.bytes for r in permutes} == {chunk}
+    # each forward hop (and its remat re-run) sends the chunk to device i-1, the backward to i+1
+    testing.expect_permute(led, {"tensor": -1}, wrap=True, count=2 * 2 * L * (t - 1))
+    testing.expect_permute(led, {"tensor": +1}, wrap=True, count=2 * L * (t - 1))
     testing.expect_collectives(led, "all-gather", ("tensor",), count=2 * L + 2)  # the scatters' backward, lm_head
     testing.expect_collectives(led, "reduce-scatter", ("tensor",), count=2 * L + 2)
     hops = sum(r.ring_bytes * r.multiplicity for r in permutes) * 2 / 3  # without remat's re-run

@@ -224,7 +224,7 @@ from typing import Any
 
 from twinshard import context, mesh as mesh_lib, strategies
 from twinshard.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ModelConfig
-from twinshard.hlo import ring_bytes as _ring_bytes
+from twinshard.hlo import ring_bytes as _ring_bytes, shift_pattern
 
 PHASES = ("forward", "backward", "optimizer", "metrics")
 OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
@@ -304,7 +304,9 @@ def weights(cfg: ModelConfig) -> list[Weight]:
 
 @dataclass(frozen=True)
 class Row:
-    """`count` collectives `op` over `axes`; `bytes` and `ring_bytes` summed over count."""
+    """`count` collectives `op` over `axes`; `bytes` and `ring_bytes` summed over count;
+    a collective-permute's `pattern` says who sends to whom, as the ledger prints it
+    ('stage +1', 'context ring -1': `hlo.shift_pattern`)."""
 
     phase: str
     op: str
@@ -313,6 +315,7 @@ class Row:
     bytes: int
     ring_bytes: float
     what: str
+    pattern: str = ""
 
 
 @dataclass(frozen=True)
@@ -382,7 +385,8 @@ class Cost:
     def table(self) -> str:
         """Fixed-width text: one line per row, then per-axis totals, FLOPs and memory."""
         head = ("phase", "op", "axes", "count", "bytes", "ring bytes", "what")
-        lines = [(r.phase, r.op, ",".join(r.axes), str(r.count), human(r.bytes), human(r.ring_bytes), r.what)
+        lines = [(r.phase, r.op, r.pattern or ",".join(r.axes), str(r.count), human(r.bytes), human(r.ring_bytes),
+                  r.what)
                  for r in self.collectives]
         out = _fmt_table(head, lines) if lines else ["(no collectives)"]
         for axes, s in self.by_axes().items():
@@ -450,12 +454,18 @@ class _Ctx:
         return batch * self.seq * self.cfg.d_model * self.s
 
 
-def row(ctx: _Ctx, phase: str, op: str, axes: tuple[str, ...], count: int, each: int, what: str) -> Row:
-    """`count` collectives of `each` result bytes over `axes` (ring bytes from the group size)."""
+def row(ctx: _Ctx, phase: str, op: str, axes: tuple[str, ...], count: int, each: int, what: str,
+        shift: tuple[int, bool] | None = None) -> Row:
+    """`count` collectives of `each` result bytes over `axes` (ring bytes from the group size);
+    a collective-permute's `shift` = (k, wrap): every device sends k steps along its one axis,
+    around a ring (wrap) or along a line whose end sends nothing."""
     assert phase in PHASES and op in OPS and all(a in AXES for a in axes), (phase, op, axes)
+    assert (shift is not None) == (op == "collective-permute") and (shift is None or len(axes) == 1), (op, shift)
     n = math.prod(ctx.mesh[a] for a in axes)
     total = count * each
-    return Row(phase, op, tuple(a for a in AXES if a in axes), count, total, _ring_bytes(op, total, n), what)
+    pattern = "" if shift is None else shift_pattern(axes[0], shift[0], n, shift[1])
+    return Row(phase, op, tuple(a for a in AXES if a in axes), count, total, _ring_bytes(op, total, n), what,
+               pattern)
 
 
 def _matrices(ctx: _Ctx) -> list[Weight]:
@@ -606,9 +616,9 @@ def _hop_rows(ctx: _Ctx) -> list[Row]:
     act = f"[{b},{ctx.seq},{ctx.cfg.d_model}]"
     return [
         row(ctx, "forward", "collective-permute", ("stage",), ticks, ctx.activation(b),
-            f"shift_to_next_stage: ppermute s -> s+1 of {act}, one per tick ({ticks} ticks)"),
+            f"shift_to_next_stage: ppermute s -> s+1 of {act}, one per tick ({ticks} ticks)", shift=(1, False)),
         row(ctx, "backward", "collective-permute", ("stage",), ticks, ctx.activation(b),
-            f"shift_to_previous_stage: ppermute s+1 -> s of d{act}, one per tick"),
+            f"shift_to_previous_stage: ppermute s+1 -> s of d{act}, one per tick", shift=(-1, False)),
     ]
 
 
@@ -657,11 +667,14 @@ def _tp_sp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
         hops = 2 * L * (t - 1)
         return rows + [
             row(ctx, "forward", "collective-permute", ("tensor",), hops, a // t,
-                f"all_gather_matmul: {t - 1} ppermutes of {shard} before attention and before the MLP"),
+                f"all_gather_matmul: {t - 1} ppermutes of {shard} before attention and before the MLP",
+                shift=(-1, True)),
             row(ctx, "backward", "collective-permute", ("tensor",), hops, a // t,
-                f"all_gather_matmul backward: {t - 1} reverse ppermutes of d{shard} (a ring reduce-scatter)"),
+                f"all_gather_matmul backward: {t - 1} reverse ppermutes of d{shard} (a ring reduce-scatter)",
+                shift=(1, True)),
         ] + ([row(ctx, "backward", "collective-permute", ("tensor",), hops, a // t,
-                  f"all_gather_matmul's ppermutes recomputed under remat={ctx.cfg.remat}")] if regather else [])
+                  f"all_gather_matmul's ppermutes recomputed under remat={ctx.cfg.remat}", shift=(-1, True))]
+                if regather else [])
     return rows + [
         row(ctx, "forward", "all-gather", ("tensor",), 2 * L, a,
             f"gather_sequence {shard} -> {act} before attention and before the MLP (2 per layer)"),
@@ -717,9 +730,9 @@ def _ring_rows(ctx: _Ctx, batch: int) -> list[Row]:
     n = 2 * (c - 1) * ctx.L
     return _times(ctx.k, [
         row(ctx, "forward", "collective-permute", ("context",), n, block,
-            f"ring_shift: ppermute c -> c+1 of the K and the V block {kv}, C-1 each per layer"),
+            f"ring_shift: ppermute c -> c+1 of the K and the V block {kv}, C-1 each per layer", shift=(1, True)),
         row(ctx, "backward", "collective-permute", ("context",), n, block,
-            f"ring_shift backward: ppermute c+1 -> c of dK and dV {kv}, C-1 each per layer"),
+            f"ring_shift backward: ppermute c+1 -> c of dK and dV {kv}, C-1 each per layer", shift=(-1, True)),
     ])
 
 
@@ -1044,13 +1057,18 @@ _NOTES = {
 # ----------------------------------------------------------------------------- comparing with a ledger
 
 
-def summarize(rows: list[Row]) -> dict[tuple[str, tuple[str, ...]], dict[str, float]]:
-    out: dict[tuple[str, tuple[str, ...]], dict[str, float]] = {}
+def summarize(rows: list[Row]) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
+    """(op, axes) -> {count, bytes, ring_bytes}; a collective-permute's also `patterns`:
+    {pattern: count}, as `Ledger.summary()`."""
+    out: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
     for r in rows:
         s = out.setdefault((r.op, r.axes), {"count": 0, "bytes": 0, "ring_bytes": 0.0})
         s["count"] += r.count
         s["bytes"] += r.bytes
         s["ring_bytes"] += r.ring_bytes
+        if r.pattern:
+            patterns = s.setdefault("patterns", {})
+            patterns[r.pattern] = patterns.get(r.pattern, 0) + r.count
     return out
 
 
@@ -1059,7 +1077,8 @@ def compare(measured: Mapping[tuple[str, tuple[str, ...]], Mapping[str, float]],
     """One row per (op, axes) in either summary: measured and model count/bytes/ring bytes.
 
     `measured` is `Ledger.summary()`, `model` is `Cost.summary()`; `match` is True when
-    count and bytes agree exactly.
+    count and bytes agree exactly and, where the model says who sends to whom (a
+    collective-permute's `patterns`), the measured patterns are those, count for count.
     """
     zero = {"count": 0, "bytes": 0, "ring_bytes": 0.0}
     keys = list(model) + [k for k in measured if k not in model]
@@ -1071,7 +1090,10 @@ def compare(measured: Mapping[tuple[str, tuple[str, ...]], Mapping[str, float]],
             "measured_count": got["count"], "model_count": want["count"],
             "measured_bytes": got["bytes"], "model_bytes": want["bytes"],
             "measured_ring_bytes": got["ring_bytes"], "model_ring_bytes": want["ring_bytes"],
-            "match": got["count"] == want["count"] and got["bytes"] == want["bytes"],
+            "match": got["count"] == want["count"] and got["bytes"] == want["bytes"]
+            and ("patterns" not in want or got.get("patterns") == want["patterns"]),
+            **({"measured_patterns": got.get("patterns", {}), "model_patterns": want["patterns"]}
+               if "patterns" in want else {}),
         })
     return out
 
@@ -1085,7 +1107,9 @@ def compare_table(rows: list[dict[str, Any]]) -> str:
             "ring meas", "ring model", "")
     lines = [(r["op"], ",".join(r["axes"]) or "-", f"{r['measured_count']}/{r['model_count']}",
               human(r["measured_bytes"]), human(r["model_bytes"]), ratio(r["measured_bytes"], r["model_bytes"]),
-              human(r["measured_ring_bytes"]), human(r["model_ring_bytes"]), "ok" if r["match"] else "DIFFERS")
+              human(r["measured_ring_bytes"]), human(r["model_ring_bytes"]), "ok" if r["match"] else "DIFFERS"
+              + (f" who sends to whom: measured {r['measured_patterns']}, model {r['model_patterns']}"
+                 if r.get("measured_patterns", {}) != r.get("model_patterns", {}) else ""))
              for r in rows]
     totals: dict[tuple[str, ...], list[float]] = {}
     for r in rows:

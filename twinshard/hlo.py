@@ -142,6 +142,15 @@ Ring bytes (per device sent by a ring algorithm, n = group size):
 all-gather (n-1)/n x result; reduce-scatter (n-1) x result (= (n-1)/n x operand);
 all-reduce 2(n-1)/n x bytes; all-to-all and ragged-all-to-all (n-1)/n x bytes;
 collective-permute and collective-broadcast: bytes.
+
+Who sends to whom. A collective-permute's `source_target_pairs` are decoded to
+mesh coordinates (`coordinate_pairs`), one `Shift` per axis they move along, and
+a `pattern`: 'stage +1' when every device sends one step along `stage` and the
+last sends nothing (a line), 'context ring -1' when every device sends one step
+back around a ring, and a description marked irregular for any other set (a
+pair extra or missing, both directions, a pair moving along two axes). The
+pattern is the permute's axes column in `table()` and counted per pattern in
+`summary()`; `twinshard.testing.expect_permute` asserts it.
 """
 
 from __future__ import annotations
@@ -206,6 +215,25 @@ class Collective:
     tuple_index: int | None = None
     parts: int = 1
     multiplicity_exact: bool = True
+    # collective-permute only: the pairs as mesh coordinates (mesh order), one Shift per
+    # axis they move along, and `pattern`, what the pairs do in words (see describe_permute)
+    coordinate_pairs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    shifts: tuple[Shift, ...] = ()
+    pattern: str = ""
+
+
+@dataclass(frozen=True)
+class Shift:
+    """How a collective-permute moves data along one mesh axis.
+
+    `steps`: the signed steps of its pairs along `axis`, sorted (+1 = to the next index);
+    `wrap`: some pair goes around the end (n-1 -> 0 is a step of +1), as a ring does; a line
+    (no wrap) leaves the device whose target would fall off the end sending nothing.
+    """
+
+    axis: str
+    steps: tuple[int, ...]
+    wrap: bool
 
 
 @dataclass(frozen=True)
@@ -570,6 +598,89 @@ def _components(pairs: Iterable[tuple[int, int]]) -> list[list[int]]:
     return sorted(sorted(c) for c in comps.values())
 
 
+# ----------------------------------------------------------------------------- permutes
+
+
+def shift_pairs(mesh: Any, shift: Mapping[str, int], wrap: bool) -> frozenset[tuple[int, int]]:
+    """Source-target pairs (partition ids) of every device sending `shift[axis]` steps along
+    each named axis, its other coordinates kept. wrap=True: modulo the axis size (a ring,
+    every device sends); wrap=False: a device whose target falls off the end sends nothing
+    (a line: the last stage of a pipeline)."""
+    spec = mesh_spec(mesh)
+    coords = np.indices(spec.shape).reshape(len(spec.shape), -1)  # [axis, position]
+    target = coords.copy()
+    for axis, k in shift.items():
+        if axis not in spec.names:
+            raise ValueError(f"axis {axis!r} is not a mesh axis {spec.names}")
+        target[spec.names.index(axis)] += int(k)
+    size = np.array(spec.shape)[:, None]
+    keep = np.ones(coords.shape[1], bool) if wrap else ((target >= 0) & (target < size)).all(0)
+    src = np.ravel_multi_index(coords[:, keep], spec.shape)
+    dst = np.ravel_multi_index(target[:, keep] % size, spec.shape)
+    return frozenset(zip(src.tolist(), dst.tolist()))
+
+
+def ring_step(k: int, n: int) -> int:
+    """The step of a ring of n printed for `k`: k mod n in (-n/2, n/2] (on 2 devices +1 and -1
+    are one ring, printed +1)."""
+    r = k % n
+    return r - n if r > n / 2 else r
+
+
+def shift_pattern(axis: str, k: int, n: int, wrap: bool) -> str:
+    """`pattern` of a permute sending every device k steps along `axis` of size n:
+    'stage +1' (a line), 'context ring -1' (a ring)."""
+    return f"{axis} ring {ring_step(k, n):+d}" if wrap else f"{axis} {k:+d}"
+
+
+def _pair_step(d: int, n: int) -> tuple[int, bool]:
+    """(step, wraps) of one pair moving d along an axis of n: the shorter way round; a tie
+    does not wrap."""
+    w = d - n if d > 0 else d + n
+    return (w, True) if abs(w) < abs(d) else (d, False)
+
+
+def describe_permute(pairs: Iterable[tuple[int, int]], mesh: Any) -> tuple[
+        tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], tuple[Shift, ...], str]:
+    """(pairs as mesh coordinates, shifts, pattern) of a collective-permute's pairs.
+
+    The pattern is `shift_pattern`'s when the pairs are exactly `shift_pairs(mesh, {axis: k},
+    wrap)` for one axis: a line ('stage +1', every device but the last sends to the next) or
+    a ring ('context ring +1'). Any other set - a pair missing or extra, steps of both signs,
+    a pair that moves along two axes - is described per axis and marked irregular:
+    'stage -1/+1 (irregular, 4 pairs)'.
+    """
+    spec = mesh_spec(mesh)
+    pairs = tuple(pairs)
+    if not pairs:
+        return (), (), "no pairs"
+    ids = np.array(pairs)
+    if ids.min() < 0 or ids.max() >= spec.size:
+        raise ValueError(f"partition id {ids.max()} is outside mesh {dict(zip(spec.names, spec.shape))}")
+    src = np.array(np.unravel_index(ids[:, 0], spec.shape)).T  # [pair, axis]
+    dst = np.array(np.unravel_index(ids[:, 1], spec.shape)).T
+    coords = tuple((tuple(map(int, s)), tuple(map(int, t))) for s, t in zip(src, dst))
+    delta = dst - src
+    moved = [i for i in range(len(spec.shape)) if delta[:, i].any()]
+    got = frozenset(pairs)
+    if len(moved) == 1 and len(got) == len(pairs):
+        i = moved[0]
+        axis, n, raw = spec.names[i], spec.shape[i], sorted(set(delta[:, i].tolist()))
+        if len(raw) == 1 and shift_pairs(spec, {axis: raw[0]}, False) == got:
+            return coords, (Shift(axis, (raw[0],), False),), shift_pattern(axis, raw[0], n, False)
+        k = ring_step(raw[0], n)
+        if shift_pairs(spec, {axis: k}, True) == got:
+            return coords, (Shift(axis, (k,), True),), shift_pattern(axis, k, n, True)
+    shifts = []
+    for i in moved:
+        steps = [_pair_step(int(d), spec.shape[i]) for d in delta[:, i] if d]
+        shifts.append(Shift(spec.names[i], tuple(sorted({s for s, _ in steps})), any(w for _, w in steps)))
+    words = ", ".join(f"{s.axis} {'ring ' if s.wrap else ''}{'/'.join(f'{k:+d}' for k in s.steps)}"
+                      for s in shifts) or "none"
+    cross = ", crosses axes" if ((delta != 0).sum(1) > 1).any() else ""
+    return coords, tuple(shifts), f"{words} (irregular{cross}, {len(pairs)} pairs)"
+
+
 def ring_bytes(op: str, nbytes: int, n: int) -> float:
     """Per-device bytes a ring algorithm sends for `op` on a group of `n`."""
     if n <= 1 and op not in ("collective-permute", "collective-broadcast"):
@@ -918,25 +1029,38 @@ class Ledger:
             raise ValueError(f"kind must be 'bytes' or 'ring_bytes', got {kind!r}")
         return sum(getattr(r, kind) * r.multiplicity for r in self.filter(op, axes))
 
-    def summary(self) -> dict[tuple[str, tuple[str, ...]], dict[str, float]]:
-        """(op, axes) -> {count, bytes, ring_bytes}, all multiplicity-weighted."""
-        out: dict[tuple[str, tuple[str, ...]], dict[str, float]] = {}
+    def summary(self) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
+        """(op, axes) -> {count, bytes, ring_bytes}, all multiplicity-weighted; a
+        collective-permute's entry also has `patterns`: {pattern: count}."""
+        out: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
         for r in self.records:
             s = out.setdefault((r.op, r.axes), {"count": 0, "bytes": 0, "ring_bytes": 0.0})
             s["count"] += r.multiplicity
             s["bytes"] += r.bytes * r.multiplicity
             s["ring_bytes"] += r.ring_bytes * r.multiplicity
+            if r.op == "collective-permute":
+                patterns = s.setdefault("patterns", {})
+                patterns[r.pattern] = patterns.get(r.pattern, 0) + r.multiplicity
+        return out
+
+    def patterns(self, axes: str | Iterable[str] | None = None) -> dict[str, int]:
+        """pattern -> multiplicity-weighted count of the collective-permutes over `axes`
+        (None: any), e.g. {'stage +1': 7, 'stage -1': 7}."""
+        out: dict[str, int] = {}
+        for r in self.filter("collective-permute", axes):
+            out[r.pattern] = out.get(r.pattern, 0) + r.multiplicity
         return out
 
     def table(self) -> str:
-        """Fixed-width table, one row per (op, axes, partial axes)."""
+        """Fixed-width table, one row per (op, axes, partial axes, permute pattern); a
+        collective-permute's axes column is its pattern ('stage +1', 'context ring -1')."""
         rows: dict[tuple, list[Collective]] = {}
         for r in self.records:
-            rows.setdefault((r.op, r.axes, r.partial_axes), []).append(r)
+            rows.setdefault((r.op, r.axes, r.partial_axes, r.pattern), []).append(r)
         head = ("op", "axes", "count", "dtype[shape] examples", "bytes", "ring bytes", "source")
         lines = []
-        for (op, axes, partial), recs in rows.items():
-            names = [a + ("(part)" if a in partial else "") for a in axes]
+        for (op, axes, partial, pattern), recs in rows.items():
+            names = [pattern] if pattern else [a + ("(part)" if a in partial else "") for a in axes]
             shapes = list(dict.fromkeys(f"{r.dtype}[{','.join(map(str, r.shape))}]"
                                         + (f"x{r.parts}" if r.parts > 1 else "") for r in recs))
             srcs = list(dict.fromkeys(_short_source(r) for r in recs))
@@ -1030,6 +1154,10 @@ def _records(instr: _Instr, op: str, mod: _Module, mesh: MeshSpec, mult: tuple[i
         if len({len(g) for g in pos_groups}) > 1:
             raise ValueError(f"replica groups of unequal size: {rg}")
     axes, partial = classify(pos_groups, mesh)
+    permute: dict[str, Any] = {}
+    if op == "collective-permute":
+        coords, shifts, pattern = describe_permute(pairs, mesh)
+        permute = {"coordinate_pairs": coords, "shifts": shifts, "pattern": pattern}
     shapes = _result_shapes(instr, op, done)
     parts = _flat(shapes)
     if not parts:
@@ -1040,6 +1168,7 @@ def _records(instr: _Instr, op: str, mod: _Module, mesh: MeshSpec, mult: tuple[i
         "source_target_pairs": pairs, "axes": axes, "partial_axes": partial, "group_size": n,
         "multiplicity": mult[0], "name": instr.name, "computation": instr.computation,
         "is_async": instr.opcode.endswith("-start") or mult[2], "multiplicity_exact": mult[1],
+        **permute,
     }
     if op in ("all-to-all", "ragged-all-to-all") or len(parts) == 1:
         total = sum(p.bytes for p in parts)

@@ -9,6 +9,7 @@ shows every collective of the program:
     expect_collectives(led, "all-gather", axes=("data",), count=2 * n_layers)
     expect_no_collective(led, "all-reduce", larger_than=1024)
     expect_bytes(led, ("tensor",), bytes=4 * B * T * D, op="all-reduce")
+    expect_permute(led, {"stage": +1}, wrap=False, count=ticks)  # who sends to whom
 
 Every helper first refuses a ledger that did not come from a parsed HLO
 module (`ledger.instructions == 0`, e.g. `Ledger([], mesh)` built by hand):
@@ -24,9 +25,9 @@ collective in a scan of length 3 counts 3 times).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from twinshard.hlo import OPS, Ledger
+from twinshard.hlo import OPS, Ledger, shift_pairs
 
 Axes = str | Iterable[str] | None
 
@@ -55,17 +56,24 @@ def expect_collectives(ledger: Ledger, op: str, axes: Axes = None, count: int | 
     """Assert how many `op` collectives run over `axes` (at least one if no bound given)."""
     _require_module(ledger)
     found = ledger.filter(op=op, axes=axes)
+    bounds = _out_of_bounds(found, count, min_count, max_count)
+    if bounds:
+        _fail(ledger, f"expected {_what(op, axes, ledger)} with {bounds}; "
+                      f"found {sum(r.multiplicity for r in found)}")
+    return found
+
+
+def _out_of_bounds(found: Ledger, count: int | None, min_count: int | None,
+                   max_count: int | None) -> str:
+    """The bounds as text when the multiplicity-weighted count breaks them ('' when it does
+    not); no bound given means at least one."""
     n = sum(r.multiplicity for r in found)
     if count is None and min_count is None and max_count is None:
         min_count = 1
     bad = ((count is not None and n != count) or (min_count is not None and n < min_count)
            or (max_count is not None and n > max_count))
-    if bad:
-        bounds = " ".join(f"{k}={v}" for k, v in
-                          (("count", count), ("min_count", min_count), ("max_count", max_count))
-                          if v is not None)
-        _fail(ledger, f"expected {_what(op, axes, ledger)} with {bounds}; found {n}")
-    return found
+    return " ".join(f"{k}={v}" for k, v in (("count", count), ("min_count", min_count),
+                                             ("max_count", max_count)) if v is not None) if bad else ""
 
 
 def expect_no_collective(ledger: Ledger, op: str | None = None, axes: Axes = None,
@@ -102,3 +110,37 @@ def expect_parsed(ledger: Ledger) -> None:
     _require_module(ledger)
     if ledger.unparsed:
         _fail(ledger, f"{len(ledger.unparsed)} collective-looking HLO lines were not parsed")
+
+
+def expect_permute(ledger: Ledger, shift: Mapping[str, int], wrap: bool | None = None,
+                   count: int | None = None, min_count: int | None = None,
+                   max_count: int | None = None) -> Ledger:
+    """Assert how many collective-permutes send every device's data exactly `shift` along the
+    mesh (at least one if no bound given): {"stage": +1} = each device to the next index along
+    stage, its other coordinates equal.
+
+    A permute matches only when its pairs are exactly that set (`hlo.shift_pairs`): none
+    missing, none extra, none reversed, none along another axis. wrap=False: a line, the
+    device whose target would fall off the end sends nothing (a pipeline's last stage);
+    wrap=True: a ring, every device sends (n-1 -> 0 for +1); None: either. Counts are
+    multiplicity-weighted; the failure lists the permutes' patterns, then the table.
+    """
+    _require_module(ledger)
+    if not shift:
+        raise ValueError("shift names no axis: pass e.g. {'stage': +1}")
+    ledger.norm_axes(tuple(shift))  # unknown axes fail loudly
+    wraps = (False, True) if wrap is None else (wrap,)
+    wanted = {shift_pairs(ledger.mesh, shift, w) for w in wraps}
+    found = ledger.filter(op="collective-permute")
+    found = Ledger([r for r in found if frozenset(r.source_target_pairs) in wanted
+                    and len(set(r.source_target_pairs)) == len(r.source_target_pairs)],
+                   ledger.mesh, ledger.unparsed, ledger.warnings, ledger.instructions)
+    bounds = _out_of_bounds(found, count, min_count, max_count)
+    if bounds:
+        what = ", ".join(f"{a} {k:+d}" for a, k in shift.items())
+        kind = {None: "line or ring", False: "line, no wrap", True: "ring"}[wrap]
+        seen = ", ".join(f"{p!r} x{c}" for p, c in ledger.patterns().items()) or "none"
+        _fail(ledger, f"expected collective-permutes shifting {what} ({kind}) with {bounds}; "
+                      f"found {sum(r.multiplicity for r in found)} (collective-permutes by "
+                      f"pattern: {seen})")
+    return found
