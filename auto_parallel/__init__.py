@@ -1,4 +1,4 @@
-"""The GSPMD twin: each strategy's placement (twinshard/strategies.py) as sharding annotations;
+"""The GSPMD twin: each strategy's placement (twinshard/parallel/strategies.py) as sharding annotations;
 XLA inserts the collectives. `auto_parallel/<name>.py` holds a strategy's hooks, if it needs any
 beyond the generic ones (auto_parallel/runner.py)."""
 
@@ -10,9 +10,9 @@ import jax
 import optax
 
 from auto_parallel.runner import AutoRunner
-from twinshard import strategies
+from twinshard.parallel import strategies
 from twinshard.config import Config
-from twinshard.resolve import check_options, resolve_mesh
+from twinshard.parallel.resolve import check_options, resolve_mesh
 
 MODULES = {name: importlib.import_module(f"auto_parallel.{name}") for name in strategies.NAMES}
 

@@ -1,7 +1,7 @@
 """Context parallelism, GSPMD twin: the sequence dimension of the batch and of every activation
 is split over `context`; every weight is replicated.
 
-Placement only, plus the layout (twinshard/context.py): the runner permutes the batch into the
+Placement only, plus the layout (twinshard/parallel/context.py): the runner permutes the batch into the
 layout on the host, RoPE takes the permuted true positions (`positions`) and, for the zig-zag
 layout, attention masks by true positions (key position <= query position) instead of by
 index. XLA derives the communication. Measured (tiny, context:4, L=2, XLA:CPU, both layouts;
@@ -24,9 +24,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from auto_parallel.runner import GSPMD, AutoRunner
-from twinshard import context, layers
-from twinshard.context import CONTEXT
-from twinshard.strategies import CP
+from twinshard.parallel import context
+from twinshard.model import layers
+from twinshard.parallel.context import CONTEXT
+from twinshard.parallel.strategies import CP
 
 class ContextGSPMD(GSPMD):
     """GSPMD hooks of a permuted sequence: the true positions for RoPE and the causal mask."""

@@ -22,7 +22,7 @@ included (the vmap covers the data shards, not the sequence shards).
 """
 
 from auto_parallel.cp import ContextGSPMD, ContextRunner
-from twinshard.strategies import FSDP_CP
+from twinshard.parallel.strategies import FSDP_CP
 
 __all__ = ["Runner", "parallelism"]
 

@@ -4,7 +4,7 @@ that dimension into collective-permutes.
 
 Placement: the stacked block params [L, ...] split over `stage` on their
 `layers` dim (the manual twin's table), viewed as [S, L/S, ...]; embedding,
-ln_final and lm_head replicated (twinshard/pipeline.py says why).
+ln_final and lm_head replicated (twinshard/parallel/pipeline.py says why).
 
 `GSPMDPipeline.layer_stack` replaces the model's one scan over L layers
 (parallelism.Parallelism.layer_stack). Global arrays, dim 0 = stage, pinned to
@@ -45,9 +45,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from auto_parallel.runner import GSPMD
-from twinshard import pipeline
-from twinshard.pipeline import STAGE
-from twinshard.strategies import PP
+from twinshard.parallel import pipeline
+from twinshard.parallel.pipeline import STAGE
+from twinshard.parallel.strategies import PP
 
 class GSPMDPipeline(GSPMD):
     """GSPMD hooks plus the GPipe loop over a stage-sharded dimension."""

@@ -28,7 +28,7 @@ gathers; GSPMD reduces the gradients per tick instead.
 """
 
 from auto_parallel.pp import GSPMDPipeline
-from twinshard.strategies import PP_FSDP
+from twinshard.parallel.strategies import PP_FSDP
 
 
 def parallelism(mesh, cfg) -> GSPMDPipeline:

@@ -1,11 +1,11 @@
 """The GSPMD machinery shared by the four auto strategies.
 
-A strategy is two tables (its declaration in twinshard/strategies.py): `params` and
+A strategy is two tables (its declaration in twinshard/parallel/strategies.py): `params` and
 `activations`, logical axis -> mesh axis. From them this module builds
 NamedShardings for the params, the optimizer state (moments sharded exactly
 like their params), the batch, the residual stream and each weight where it is
 used (`GSPMD.weight`: the activation rules, so FSDP's shards are gathered and
-TP's kept), then jits the single-device train step (twinshard/trainer.py) with
+TP's kept), then jits the single-device train step (twinshard/train/trainer.py) with
 those shardings. XLA's SPMD partitioner inserts every collective.
 
 Gradient accumulation (grad_accum = K > 1, `AutoRunner._loss_and_grads`). The plain
@@ -53,12 +53,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twinshard import placement, strategies
+from twinshard.parallel import placement, strategies
 from twinshard.config import Config
-from twinshard.optim import make_optimizer
-from twinshard.parallelism import Parallelism
-from twinshard.placement import spec
-from twinshard.trainer import accumulated_value_and_grad, check_grad_accum, logical_axes, loss_fn, train_step
+from twinshard.train.optim import make_optimizer
+from twinshard.model.hooks import Parallelism
+from twinshard.parallel.placement import spec
+from twinshard.train.trainer import accumulated_value_and_grad, check_grad_accum, logical_axes, loss_fn, train_step
 
 Rules = Mapping[str, str]
 

@@ -1,9 +1,9 @@
 """Megatron sequence parallelism (tp_sp), GSPMD twin: TP's placement, plus the residual
 stream between blocks split along the sequence over `tensor`, [B/data, T/tensor, D].
 
-Placement only (twinshard/strategies.py TP_SP): the parameters are placed as TP's; the batch (tokens) is replicated over `tensor`
+Placement only (twinshard/parallel/strategies.py TP_SP): the parameters are placed as TP's; the batch (tokens) is replicated over `tensor`
 as in TP (split over `data`); the residual stream - the `ACTIVATION` constraint on the
-embedding output and on each block's output (twinshard/model.py) - uses its `sequence` table
+embedding output and on each block's output (twinshard/model/transformer.py) - uses its `sequence` table
 (seq -> tensor). The hooks pin the two layouts of the manual twin: whole T entering a
 tensor-parallel region (enter_tensor_parallel, before the column-parallel matmuls and the
 lm_head) and inside it (column/row-parallel activations on heads/mlp), sequence shards
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from auto_parallel.runner import GSPMD
 from twinshard.model import ACTIVATION
-from twinshard.strategies import TP_SP
+from twinshard.parallel.strategies import TP_SP
 
 # Inside a region: [B, T, H*dh/t] or [B, T, F/t] (heads and mlp both map to tensor).
 REGION = ("batch", "seq", "heads")

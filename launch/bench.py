@@ -23,7 +23,7 @@ For each run (the single-device reference, then each strategy with each twin):
   in this process before the runs. "% of peak" = model FLOP/s / measured
   peak of the hardware the run uses: on CPU the whole machine (simulated
   devices share its cores, so the peak is NOT multiplied by the device
-  count), on an accelerator the per-chip peak x chips. On a chip in `twinshard.chips`
+  count), on an accelerator the per-chip peak x chips. On a chip in `twinshard.hardware.chips`
   the MFU against the datasheet peak is reported too.
 - memory per device: `compiled.memory_analysis()` (arguments + outputs -
   aliased + temporaries) beside the cost model's prediction.
@@ -56,8 +56,8 @@ from typing import Any
 from absl import app, flags, logging
 
 from launch import common
-from twinshard import strategies
-from twinshard.chips import Chip, chip_for  # the datasheet peaks (launch.plan reads the same table)
+from twinshard.parallel import strategies
+from twinshard.hardware.chips import Chip, chip_for  # the datasheet peaks (launch.plan reads the same table)
 from twinshard.config import PRESETS, Config, ModelConfig, TrainConfig, preset
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global:
@@ -346,7 +346,7 @@ def build_runners(cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     than the device count runs on the first devices (tiny's 4 heads: tp on tensor:4 of 8)."""
     import jax
 
-    from twinshard import mesh as mesh_lib
+    from twinshard.parallel import mesh as mesh_lib
 
     runs = []
     for s in strategies:
@@ -527,7 +527,7 @@ def main(argv):
     common.default_platform()
     if any(s != "single" for s in FLAGS.strategies):
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
-    from twinshard import compile_cache
+    from twinshard.train import compile_cache
 
     with compile_cache.disabled():  # time real compiles, not cache reads
         doc = run(FLAGS.preset, cfg, FLAGS.strategies, FLAGS.impls, meshes, FLAGS.steps or DEFAULT_STEPS,

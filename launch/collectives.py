@@ -13,7 +13,7 @@ count, bytes and ring bytes, and totals per axis.
 
 On CPU the step is compiled for `--devices` simulated devices (8). With
 `--topology` it is compiled for a TPU pod that is not here, multi-host
-included (twinshard/topology.py: v5e:4x4 is 16 chips on 4 hosts, 2x2 chips per
+included (twinshard/hardware/topology.py: v5e:4x4 is 16 chips on 4 hosts, 2x2 chips per
 host), which needs libtpu (the tpu extra: `uv run --extra tpu ...`). Per-chip
 memory comes from `compiled.memory_analysis()`, printed beside the cost
 model's: params and optimizer moments as shard bytes (what the model counts)
@@ -65,7 +65,7 @@ AUTO_NOTE = (
 
 def _topology_devices(name: str):
     """Devices of a TPU pod that is not here (AOT only). Needs libtpu."""
-    from twinshard import topology
+    from twinshard.hardware import topology
 
     bounds = None
     if FLAGS.chips_per_host_bounds:
@@ -81,8 +81,8 @@ def _topology_devices(name: str):
 
 def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
     """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils."""
-    from twinshard.resolve import resolve_mesh
-    from twinshard import topology
+    from twinshard.parallel.resolve import resolve_mesh
+    from twinshard.hardware import topology
 
     if devices is not None:
         common.check_mesh_fits(strategy, mesh_spec, cfg, len(devices))  # the advice that works
@@ -95,7 +95,8 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     """Compile the train step AOT; return ledger, model, comparison, notes, HLO text, timings."""
     import jax
 
-    from twinshard import cost, hlo, topology
+    from twinshard import cost, hlo
+    from twinshard.hardware import topology
 
     runner = _runner(strategy, impl, mesh_spec, cfg, devices)
     mesh = {a: int(n) for a, n in runner.mesh.shape.items()}
@@ -147,7 +148,7 @@ def report(res: dict) -> str:
            "", "== model: twinshard.cost (what the manual twin does) ==", res["model"].table(),
            "", "== measured vs model, per (op, axes) ==", cost.compare_table(res["comparison"])]
     if res["tpu_comparison"] is not None:
-        out += ["", "== measured vs model as the TPU compiler prints it (twinshard.topology.tpu_expected) ==",
+        out += ["", "== measured vs model as the TPU compiler prints it (twinshard.hardware.topology.tpu_expected) ==",
                 cost.compare_table(res["tpu_comparison"])]
     out += ["", "== memory per device: compiled.memory_analysis() beside the model ==", memory_table(res)]
     out += ["", *(f"NOTE: {n}" for n in res["notes"])] if res["notes"] else []
@@ -193,7 +194,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # jax logs each backend it cannot open at INFO
-    from twinshard import topology
+    from twinshard.hardware import topology
 
     topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
     if FLAGS.strategy == "single":

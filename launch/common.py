@@ -26,7 +26,7 @@ from typing import Callable
 
 from absl import app, flags
 
-from twinshard import strategies
+from twinshard.parallel import strategies
 from twinshard.config import CP_LAYOUTS, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 from twinshard.errors import guarded
 
@@ -52,7 +52,7 @@ def define_model_flags() -> None:
     define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
     define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU; "
            "given explicitly, a single-process run with more devices uses only the first N.")
-    define(flags.DEFINE_string, "tokenizer", None, "A tiktoken ranks file (from `python -m twinshard.bpe`) "
+    define(flags.DEFINE_string, "tokenizer", None, "A tiktoken ranks file (from `python -m twinshard.train.bpe`) "
            "or a built-in name (bytes, gpt2, shakespeare4096); default: the preset's. Sets vocab_size.")
     define(flags.DEFINE_enum, "optimizer", None, OPTIMIZERS, "Optimizer (default: the preset's, adamw); "
            "its state is sharded like the params in every strategy.")
@@ -75,7 +75,7 @@ def define_precision_flags() -> None:
            "bfloat16 = bf16 activations and matmuls, float32 master weights, optimizer state, norms and loss.")
     define(flags.DEFINE_enum, "attention", None, ATTENTION_IMPLS, "Attention kernel (default auto: cuDNN flash "
            "attention on a GPU in bf16, recompute elsewhere: its backward recomputes the probabilities, "
-           "saving no [T, T] array; xla: jax.nn's XLA kernel; reference: the readable twinshard.layers one).")
+           "saving no [T, T] array; xla: jax.nn's XLA kernel; reference: the readable twinshard.model.layers one).")
     define(flags.DEFINE_integer, "scan_unroll", None, "Layers per iteration of the layer scan (default 1: "
            "compile time flat in depth; num_layers: fully unrolled, faster on CPU, compiles longer).")
     define(flags.DEFINE_bool, "collective_matmul", None, "tp_sp, manual twin: decompose each sequence "
@@ -141,7 +141,7 @@ def define_data_flags() -> None:
 
 def load_splits(cfg: Config, data_path: str | None, cache_dir: str):
     """(train, validation) token arrays of the corpus; both must hold a full window."""
-    from twinshard import data
+    from twinshard.train import data
 
     path = data_path or data.DEFAULT_CORPUS
     tokens = data.tokenize_to_memmap(path, cfg.train.tokenizer, cache_dir)
@@ -214,17 +214,17 @@ def config_from_flags(FLAGS) -> Config:
 
 def tokenizer_vocab(name: str) -> int:
     """n_vocab of --tokenizer (a built-in name or a ranks file), checked before any work."""
-    from twinshard import tokenizer
+    from twinshard.train import tokenizer
 
     if name not in tokenizer.TOKENIZERS and not os.path.isfile(name):
         raise ValueError(f"--tokenizer={name}: no such file and not a built-in tokenizer "
-                         f"({', '.join(tokenizer.TOKENIZERS)}); make one with `python -m twinshard.bpe "
+                         f"({', '.join(tokenizer.TOKENIZERS)}); make one with `python -m twinshard.train.bpe "
                          "--vocab_size=N --out=FILE.tiktoken`.")
     try:
         return tokenizer.get_encoding(name).n_vocab
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"--tokenizer={name} is not a tiktoken ranks file (`base64(token) rank` per "
-                         f"line): {e}; make one with `python -m twinshard.bpe`.") from None
+                         f"line): {e}; make one with `python -m twinshard.train.bpe`.") from None
 
 
 def check_output_path(path: str | None, flag: str) -> None:
@@ -288,9 +288,9 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
     devices: None (all of jax.devices(), ordered by jax.make_mesh) or an explicit, ordered list."""
     import jax
 
-    from twinshard.trainer import SingleDevice
+    from twinshard.train.trainer import SingleDevice
 
-    from twinshard.resolve import check_options
+    from twinshard.parallel.resolve import check_options
 
     if impl != "single":  # launch.compare's single-device reference runs the same math without it
         check_options(strategy, impl, cfg)
@@ -307,9 +307,9 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 def check_mesh_fits(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> None:
     """The mesh against strategy, devices and model at once, so its advice works in one step
     (a mesh on these devices, or a --devices count with a mesh that fits)."""
-    from twinshard import mesh
-    from twinshard.placement import logical_dims
-    from twinshard.resolve import resolve_mesh
+    from twinshard.parallel import mesh
+    from twinshard.parallel.placement import logical_dims
+    from twinshard.parallel.resolve import resolve_mesh
 
     mesh.resolve(strategy, mesh_spec, logical_dims(cfg), strategies.get(strategy).split_rules, n_devices)
     resolve_mesh(strategy, mesh_spec, cfg, n_devices)  # and a pipeline's L, M and batch
@@ -319,7 +319,7 @@ def default_platform() -> None:
     """On a machine with libtpu installed (the tpu extra) but no TPU chip or GPU, use the
     CPU without letting JAX probe libtpu (it prints TPU_WORKER_HOSTNAMES errors and
     holds /tmp/libtpu_lockfile). A set JAX_PLATFORMS, a TPU chip or a GPU: left alone."""
-    from twinshard import topology
+    from twinshard.hardware import topology
 
     topology.default_to_cpu()
 

@@ -25,7 +25,7 @@ FLAGS = flags.FLAGS
 
 
 def _batches(cfg, steps: int):
-    from twinshard import data
+    from twinshard.train import data
 
     train, _ = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)
     t = cfg.train

@@ -6,7 +6,7 @@
 
 --topology is a TPU slice as gcloud names it, `GEN:AxB` (v5e, v6e: a 2D torus) or `GEN:AxBxC`
 (v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips; or a GPU cluster `GPU:NODESxGPUS`, e.g. h100:8x8 =
-8 HGX nodes of 8 GPUs. The chips' numbers, with their sources, are twinshard/chips.py.
+8 HGX nodes of 8 GPUs. The chips' numbers, with their sources, are twinshard/hardware/chips.py.
 
 For each strategy (dp, fsdp, tp, fsdp_tp) and each mesh data x tensor = chips the strategy
 allows, the cost model of the manual twin (twinshard.cost) gives, per chip:
@@ -44,7 +44,7 @@ Which links a mesh axis uses:
   NVLink when there is one node. A tensor axis larger than a node crosses the network too.
 
 --compile (TPU only; needs libtpu, the `tpu` extra) then compiles the best plan's train step
-(the manual twin) ahead of time for that slice on this machine (twinshard/topology.py) and
+(the manual twin) ahead of time for that slice on this machine (twinshard/hardware/topology.py) and
 prints the compiled step's collectives and memory_analysis() per chip beside the model's
 (measured on a shared 2-core CPU: gpt2_125m dp on v5e:4x4 in 45 s, llm_1b dp on v5p:4x4x4 in
 75 s). GPU topologies cannot be compiled without the GPUs.
@@ -62,9 +62,10 @@ from dataclasses import dataclass
 from absl import app, flags, logging
 
 from launch import common
-from twinshard import chips, cost
-from twinshard import mesh as mesh_lib
-from twinshard.chips import Chip
+from twinshard.hardware import chips
+from twinshard import cost
+from twinshard.parallel import mesh as mesh_lib
+from twinshard.hardware.chips import Chip
 from twinshard.config import OPTIMIZERS, PRESETS, Config, ModelConfig, preset
 from twinshard.cost import human
 
@@ -456,7 +457,7 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
 def compile_best(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
     """Compile the plan's manual train step for the TPU slice; text and JSON-ready numbers."""
     from launch import collectives
-    from twinshard import topology
+    from twinshard.hardware import topology
 
     topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
     devices = topology.devices(topo.name)

@@ -25,7 +25,7 @@ def _next_token(logits, vocab_size: int, temperature: float, top_k: int, key):
     import jax
     import jax.numpy as jnp
 
-    from twinshard.loss import mask_padded_logits
+    from twinshard.model.loss import mask_padded_logits
 
     logits = mask_padded_logits(logits, vocab_size)
     if temperature == 0:
@@ -43,7 +43,7 @@ def generate(params, model_cfg, prompt_ids: list[int], max_new_tokens: int, temp
     import jax
     import jax.numpy as jnp
 
-    from twinshard.trainer import graphdef
+    from twinshard.train.trainer import graphdef
     from flax import nnx
 
     model = nnx.merge(graphdef(model_cfg), params)
@@ -78,10 +78,10 @@ def main(argv):
         raise ValueError(f"--workdir={FLAGS.workdir}: no checkpoints in {ckpt_dir!r}; train first with "
                          f"`python -m launch.train --workdir={FLAGS.workdir}`, or pass the right --workdir.")
 
-    from twinshard.checkpoint import Checkpointer  # imports jax: after the cheap checks
+    from twinshard.train.checkpoint import Checkpointer  # imports jax: after the cheap checks
     from twinshard.config import ModelConfig, TrainConfig
-    from twinshard.tokenizer import get_encoding
-    from twinshard.trainer import SingleDevice
+    from twinshard.train.tokenizer import get_encoding
+    from twinshard.train.trainer import SingleDevice
     ckpt = Checkpointer(ckpt_dir, create=False)
     meta = ckpt.read_meta()
     model_cfg, train_cfg = ModelConfig(**meta["model"]), TrainConfig(**meta["train"])

@@ -178,7 +178,7 @@ def main(argv):
     metrics_path = os.path.join(FLAGS.workdir, "metrics.jsonl")
     earlier = _previous_metrics(metrics_path) if resume else []
     train_tokens, val_tokens = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)  # no jax yet
-    from twinshard import data, tokenizer
+    from twinshard.train import data, tokenizer
 
     identity = {"data": str(FLAGS.data or "default"), "corpus": data.fingerprint(FLAGS.data or data.DEFAULT_CORPUS),
                 "tokenizer": tokenizer.fingerprint(cfg.train.tokenizer)}
@@ -191,7 +191,7 @@ def main(argv):
     import jax
     import numpy as np
 
-    from twinshard.checkpoint import Checkpointer
+    from twinshard.train.checkpoint import Checkpointer
 
     main_process = jax.process_index() == 0  # every host runs this loop; one reports
     log = print if main_process else (lambda *a, **k: None)  # noqa: E731

@@ -1,4 +1,4 @@
-"""The shard_map twin: each strategy's placement (twinshard/strategies.py) with every collective
+"""The shard_map twin: each strategy's placement (twinshard/parallel/strategies.py) with every collective
 written out. `manual_parallel/<name>.py` holds a strategy's hooks and collectives
 (manual_parallel/collectives.py: the conjugate pairs, forward and backward)."""
 
@@ -9,9 +9,9 @@ import importlib
 import jax
 
 from manual_parallel.runner import ManualRunner
-from twinshard import strategies
+from twinshard.parallel import strategies
 from twinshard.config import Config
-from twinshard.resolve import check_options, resolve_mesh
+from twinshard.parallel.resolve import check_options, resolve_mesh
 
 MODULES = {name: importlib.import_module(f"manual_parallel.{name}") for name in strategies.NAMES}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from twinshard.parallelism import Parallelism, Policy
+from twinshard.model.hooks import Parallelism, Policy
 
 # Primitives whose output is a forward reduction: an all-reduce (Megatron g, the vocab-parallel
 # statistics; `psum_invariant` is the psum of a value invariant over the axis under check_vma)

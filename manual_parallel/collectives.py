@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from twinshard import layers
+from twinshard.model import layers
 
 Array = jax.Array
 

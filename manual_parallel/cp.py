@@ -1,5 +1,5 @@
 """Context parallelism, shard_map twin: the sequence is split over `context` (C shards of T/C
-tokens, twinshard/context.py's layout) from the embedding to the loss; every weight is
+tokens, twinshard/parallel/context.py's layout) from the embedding to the loss; every weight is
 replicated; attention is ring attention (manual_parallel/ring_attention.py).
 
 Every position-wise op runs on the local [B, T/C] tokens unchanged; RoPE rotates them by
@@ -24,12 +24,12 @@ communication).
 import jax.numpy as jnp
 from jax import lax
 
-from twinshard.strategies import CP
+from twinshard.parallel.strategies import CP
 from manual_parallel.base import ManualParallelism, either
 from manual_parallel.ring_attention import ring_attention, saves_ring_shifts
 from manual_parallel.runner import DATA, ManualRunner
-from twinshard import context
-from twinshard.context import CONTEXT
+from twinshard.parallel import context
+from twinshard.parallel.context import CONTEXT
 
 __all__ = ["ContextParallel", "ContextRunner", "Runner", "PARALLELISM", "parallelism"]
 

@@ -48,7 +48,7 @@ from jax import lax
 
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import fsdp_gather
-from twinshard.parallelism import Policy
+from twinshard.model.hooks import Policy
 
 everything_saveable = jax.checkpoint_policies.everything_saveable
 

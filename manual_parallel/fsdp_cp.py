@@ -13,13 +13,13 @@ Optimizer: one psum over `data` of the shards' squared norms.
 Params are sharded over `data` only and replicated over `context` (hybrid sharding: ZeRO
 within a data group, the context shards like DP replicas), not over (data, context) as
 MaxText's fsdp x context sharding does. Why: the placement tables map a logical axis to ONE
-mesh axis (twinshard/mesh.py's divisibility checks and the cost model read them that way),
+mesh axis (twinshard/parallel/mesh.py's divisibility checks and the cost model read them that way),
 and ZeRO over both would gather every weight over all d C devices in every layer. What it
 costs: params, gradients and optimizer state are 1/d per device, not 1/(dC), and each
 gradient shard takes one more all-reduce over `context` (W/d per matrix, once per step).
 """
 
-from twinshard.strategies import FSDP_CP
+from twinshard.parallel.strategies import FSDP_CP
 from manual_parallel.cp import ContextParallel, ContextRunner
 from manual_parallel.fsdp import FullyShardedDataParallel
 

@@ -4,9 +4,9 @@ only its own L/S layers; micro-batches travel between stages by `ppermute`.
 Placement (the GSPMD twin's table): the stacked block params [L, ...] are split
 over `stage` on their `layers` dim (stage s holds layers [s*L/S, (s+1)*L/S) as
 [L/S, ...]); embedding, ln_final and lm_head are replicated over `stage`
-(twinshard/pipeline.py says why). The batch is replicated over `stage`.
+(twinshard/parallel/pipeline.py says why). The batch is replicated over `stage`.
 
-Per device, M + S - 1 ticks of a `lax.scan` (twinshard/pipeline.py draws them):
+Per device, M + S - 1 ticks of a `lax.scan` (twinshard/parallel/pipeline.py draws them):
 
     input  = embed(micro-batch i)  if this is stage 0, else what arrived last tick
     output = this stage's L/S layers (model.scan_stacked) on input   [B/M, T, D]
@@ -45,10 +45,10 @@ from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import shift_to_next_stage, shift_to_previous_stage
 from manual_parallel.fsdp import FullyShardedDataParallel
 from manual_parallel.runner import ManualRunner
-from twinshard import pipeline, placement
+from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
-from twinshard.pipeline import STAGE
-from twinshard.trainer import graphdef
+from twinshard.parallel.pipeline import STAGE
+from twinshard.train.trainer import graphdef
 
 __all__ = ["PipelineRunner", "Runner", "PARALLELISM"]
 

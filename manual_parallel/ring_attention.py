@@ -2,7 +2,7 @@
 attention over a sequence split across the `context` axis, with K/V blocks travelling a ring.
 
 Each of the C devices holds the q, k, v of its T/C tokens ([B, h, T/C, dh]) and their true
-positions (twinshard/context.py: contiguous or zig-zag). C steps:
+positions (twinshard/parallel/context.py: contiguous or zig-zag). C steps:
 
     step 0: its own block, masked by the true positions (causal within the block);
     step s: ring_shift K and V on (collectives.ring_shift, ppermute c -> c+1), so it now holds the block of device
@@ -13,7 +13,7 @@ positions (twinshard/context.py: contiguous or zig-zag). C steps:
 the online softmax of flash attention (Milakov & Gimelshein 2018; Dao et al. 2022) across
 devices. Step 0 holds every query's diagonal key, so m is finite after it.
 
-The work per step follows the layout (twinshard/context.py), and is what zig-zag balances.
+The work per step follows the layout (twinshard/parallel/context.py), and is what zig-zag balances.
 A block from another device is either wholly visible to a query chunk or wholly masked, so
 no mask is needed after step 0, only the right slices (`lax.cond` on "did an earlier device
 send it?"):
@@ -50,7 +50,8 @@ import numpy as np
 from jax import lax
 
 from manual_parallel.collectives import ring_shift
-from twinshard import context, layers
+from twinshard.parallel import context
+from twinshard.model import layers
 
 Array = jax.Array
 

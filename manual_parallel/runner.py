@@ -48,11 +48,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from twinshard import mesh as mesh_lib, placement, strategies
+from twinshard.parallel import mesh as mesh_lib, placement, strategies
 from twinshard.config import Config
-from twinshard.optim import Block, BlockMean, make_optimizer
+from twinshard.train.optim import Block, BlockMean, make_optimizer
 from manual_parallel.fsdp import FullyShardedDataParallel
-from twinshard.trainer import (TrainState, accumulated_value_and_grad, apply_gradients, check_grad_accum,
+from twinshard.train.trainer import (TrainState, accumulated_value_and_grad, apply_gradients, check_grad_accum,
                                create_params, logical_axes, loss_fn)
 
 DATA, TENSOR = "data", "tensor"
@@ -169,7 +169,7 @@ class ManualRunner(placement.PlacedRunner):
 
     def block_mean(self, spec: P) -> BlockMean:
         """Adafactor's mean over whole rows / columns / params of a param placed as `spec`
-        (twinshard.optim.BlockMean): the local mean, then a `pmean` over exactly the mesh axes
+        (twinshard.train.optim.BlockMean): the local mean, then a `pmean` over exactly the mesh axes
         that split the reduced dims (equal shards: the mean of the shard means is the mean).
         fsdp_tp's W1 [L, D/data, F/tensor]: v_row's mean over F is a pmean over `tensor`, v_col's
         over D one over `data`, the block RMS one over both. Forward only: the optimizer is not

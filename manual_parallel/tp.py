@@ -20,7 +20,7 @@ from jax import lax
 
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import copy_to_tp, reduce_from_tp
-from twinshard import layers, loss
+from twinshard.model import layers, loss
 
 __all__ = ["TensorParallel", "PARALLELISM"]
 

@@ -40,7 +40,7 @@ gathers' reduce-scatters. The same ring bytes; on a TPU the sends overlap the ma
 
 from jax import lax
 
-from twinshard.strategies import TP_SP
+from twinshard.parallel.strategies import TP_SP
 from manual_parallel.collectives import all_gather_matmul, copy_to_tp, gather_sequence, scatter_sequence
 from manual_parallel.tp import TENSOR, TensorParallel
 

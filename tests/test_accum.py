@@ -28,7 +28,7 @@ import reference
 from twinshard import cost, hlo
 from twinshard.config import Config, preset
 from twinshard.model import state_dict
-from twinshard.trainer import SingleDevice, accumulated_value_and_grad, graphdef
+from twinshard.train.trainer import SingleDevice, accumulated_value_and_grad, graphdef
 
 BASE = preset("tiny")
 # batch 16: 2 sequences per device on data=8, so K = 2 splits every device's rows

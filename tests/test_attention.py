@@ -19,17 +19,17 @@ import numpy as np
 import pytest
 
 import manual_parallel
-from twinshard import layers
+from twinshard.model import layers
 from twinshard.config import Config, preset
 
 import reference as ref
-from twinshard.trainer import SingleDevice
+from twinshard.train.trainer import SingleDevice
 
 BASE = preset("tiny")
 
 
 def test_the_model_runs_the_configured_kernel():
-    from twinshard import trainer
+    from twinshard.train import trainer
 
     def jaxpr(attention):
         cfg = dataclasses.replace(BASE.model, attention=attention)
@@ -143,7 +143,7 @@ def test_recompute_attention_masks_by_true_positions():
     """positions (context parallelism's zig-zag order): key j is seen by query i iff
     positions[j] <= positions[i]; values and gradients equal the reference under that mask,
     and positions = arange(T) is the causal kernel."""
-    from twinshard import context
+    from twinshard.parallel import context
 
     rng = np.random.default_rng(4)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 4, 16, 8)), jnp.float32) for _ in range(3))

@@ -45,7 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 import auto_parallel
 from runners import CFG
-from twinshard import hlo, optim, trainer
+from twinshard import hlo
+from twinshard.train import optim, trainer
 from twinshard.testing import expect_bytes, expect_collectives, expect_no_collective, expect_parsed
 
 M = CFG.model

@@ -36,9 +36,10 @@ import pytest
 import auto_parallel
 import manual_parallel
 import reference
-from twinshard import cost, hlo, pipeline
+from twinshard import cost, hlo
+from twinshard.parallel import pipeline
 from twinshard.config import Config, preset
-from twinshard.trainer import SingleDevice
+from twinshard.train.trainer import SingleDevice
 
 BASE = preset("tiny")
 M = 4  # micro-batches of the pipelines

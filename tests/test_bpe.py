@@ -8,7 +8,7 @@ import pytest
 import regex
 import tiktoken
 
-from twinshard import bpe, data, tokenizer
+from twinshard.train import bpe, data, tokenizer
 
 EOT = "<|endoftext|>"
 

@@ -139,7 +139,7 @@ def test_sample_and_bpe_errors(tmp_path, files):
         (["--vocab_size=100"], ["--vocab_size=100 must be >= 257"]),
         ([f"--input={files['fake_gz']}", "--vocab_size=300"], ["--input=PATH", "not a complete gzip"]),
     ]:
-        assert_user_error(run("-m", "twinshard.bpe", *args, f"--out={out}"), *needles)
-    assert_user_error(run("-m", "twinshard.bpe", "--vocab_size=300", "--out=/missing/dir/x.tiktoken"),
+        assert_user_error(run("-m", "twinshard.train.bpe", *args, f"--out={out}"), *needles)
+    assert_user_error(run("-m", "twinshard.train.bpe", "--vocab_size=300", "--out=/missing/dir/x.tiktoken"),
                       "--out=/missing/dir/x.tiktoken: directory /missing/dir does not exist")
     assert not out.exists()

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from cli import run
-from twinshard import topology
+from twinshard.hardware import topology
 
 TPU = topology.libtpu_installed()
 DRIVER = r"""
@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
     ]
     if TPU:  # batch 16: one sequence per chip
         # Load libtpu here first, as a test run does before this subprocess: two processes that
-        # load libtpu must not fight over /tmp/libtpu_lockfile (twinshard.topology.devices).
+        # load libtpu must not fight over /tmp/libtpu_lockfile (twinshard.hardware.topology.devices).
         topology.devices("v5e:4x4")
         argvs.append(["--strategy=fsdp", "--impl=manual", "--preset=tiny", "--batch_size=16",
                       "--mesh=data:16,tensor:1", "--topology=v5e:4x4", f"--json={out}/tpu.json"])

@@ -1,4 +1,4 @@
-"""twinshard.compile_cache.disabled(): compiles inside it neither read nor write the persistent
+"""twinshard.train.compile_cache.disabled(): compiles inside it neither read nor write the persistent
 compilation cache, even after the process compiled with the cache on, where JAX 0.12 ignores
 the plain `jax_enable_compilation_cache` flag (it memoizes its first reading: shown here)."""
 
@@ -6,7 +6,7 @@ import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from twinshard import compile_cache
+from twinshard.train import compile_cache
 
 
 @pytest.fixture

@@ -24,9 +24,11 @@ import manual_parallel
 import reference
 from test_auto import synced_shapes  # the all-reduced shapes, one per execution
 from manual_parallel.ring_attention import ring_attention
-from twinshard import context, cost, hlo, layers, testing
+from twinshard.parallel import context
+from twinshard import cost, hlo, testing
+from twinshard.model import layers
 from twinshard.config import Config, preset
-from twinshard.trainer import SingleDevice, create_params
+from twinshard.train.trainer import SingleDevice, create_params
 
 BASE = preset("tiny")
 CFG = Config(BASE.model, dataclasses.replace(BASE.train, grad_clip=0.25))

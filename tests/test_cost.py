@@ -34,7 +34,7 @@ def test_tiny_constants_are_what_the_docstring_says():
 
 
 def test_weights_match_the_real_parameter_tree():
-    from twinshard import trainer
+    from twinshard.train import trainer
 
     shapes = jax.eval_shape(functools.partial(trainer.create_params, CFG, 0))
     axes = trainer.logical_axes(CFG)
@@ -133,7 +133,7 @@ def test_flops_match_xlas_count():
 
     import jax.numpy as jnp
 
-    from twinshard import trainer
+    from twinshard.train import trainer
 
     cfg = dataclasses.replace(CFG, num_layers=1)
     params = jax.eval_shape(functools.partial(trainer.create_params, cfg, 0))

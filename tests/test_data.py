@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from twinshard import data, tokenizer
+from twinshard.train import data, tokenizer
 
 TEXT = "First Citizen:\nBefore we proceed, hear me speak.\r\n\nAll:\n\n\n  Speak, speak.\n" * 40
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from twinshard import hlo, testing
 from twinshard.config import preset
-from twinshard.trainer import SingleDevice
+from twinshard.train.trainer import SingleDevice
 
 MESH = {"data": 8}
 PASS = r"lower\(\*args\)\.compile\(\)"  # every message names what to pass

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import reference as ref
-from twinshard import layers
+from twinshard.model import layers
 
 RTOL, ATOL = 2e-5, 2e-5  # float32 vs float64 on O(1) values
 

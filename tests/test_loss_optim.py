@@ -10,8 +10,8 @@ import pytest
 
 import reference as ref
 from twinshard.config import TrainConfig
-from twinshard.loss import cross_entropy, token_cross_entropy
-from twinshard.optim import clip_and_guard, cosine_lr, lr_schedule, make_optimizer
+from twinshard.model.loss import cross_entropy, token_cross_entropy
+from twinshard.train.optim import clip_and_guard, cosine_lr, lr_schedule, make_optimizer
 
 
 def test_cross_entropy_matches_reference_and_masks_padding():
@@ -119,7 +119,7 @@ def test_nonfinite_updates_are_skipped_and_counted():
 def test_reported_lr_follows_applied_updates_after_a_skip():
     """A skipped (non-finite) update does not advance optax's count, so the schedule
     runs on applied updates; the reported lr is the one the update used."""
-    from twinshard.trainer import TrainState, apply_gradients
+    from twinshard.train.trainer import TrainState, apply_gradients
 
     cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4, steps=10, grad_clip=0.0)
     tx = make_optimizer(cfg)

@@ -16,7 +16,7 @@ import manual_parallel
 import reference
 from runners import CFG, CLIP, MESHES
 from twinshard import hlo, testing
-from twinshard.trainer import SingleDevice
+from twinshard.train.trainer import SingleDevice
 
 # CFG (tests/runners.py, shared with test_auto and test_memory): grad_clip 0.25 < the gradient
 # norm (~0.7 at init, measured), so every step runs the clipped branch: the twins' global norms
@@ -111,8 +111,8 @@ def test_every_collective_is_named_in_manual_parallel():
         led = compiled_ledger(strategy)
         testing.expect_parsed(led)
         for rec in led:
-            assert rec.source and ("manual_parallel/" in rec.source or rec.source.startswith("twinshard/loss.py")
-                                   or "/twinshard/loss.py" in rec.source), (strategy, rec, led.table())
+            assert rec.source and ("manual_parallel/" in rec.source or rec.source.startswith("twinshard/model/loss.py")
+                                   or "/twinshard/model/loss.py" in rec.source), (strategy, rec, led.table())
 
 
 def test_dp_all_reduce_moves_exactly_the_parameter_bytes():

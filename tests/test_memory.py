@@ -49,10 +49,11 @@ import pytest
 
 import auto_parallel
 import manual_parallel
-from twinshard import cost, topology
+from twinshard import cost
+from twinshard.hardware import topology
 from runners import CFG, MESHES
 from twinshard.config import Config, preset
-from twinshard.trainer import SingleDevice
+from twinshard.train.trainer import SingleDevice
 
 # "long": tiny at T = 1024 (batch 4), where one layer's [T, T] attention arrays (recomputed in the
 # backward pass: cost.attention_backward) outweigh the residuals; without that term the model

@@ -1,5 +1,5 @@
-"""Mesh parsing, per-strategy defaults and every validation error (twinshard/mesh.py,
-twinshard.resolve.resolve_mesh, shared by both twins).
+"""Mesh parsing, per-strategy defaults and every validation error (twinshard/parallel/mesh.py,
+twinshard.parallel.resolve.resolve_mesh, shared by both twins).
 
 Each error is a ValueError raised before anything compiles, and its message names
 the offending value, the mesh axis involved and a valid alternative; the `match=`
@@ -16,11 +16,11 @@ import re
 import jax
 import pytest
 
-from twinshard import strategies
-from twinshard.resolve import resolve_mesh
-from twinshard import mesh as mesh_lib
+from twinshard.parallel import strategies
+from twinshard.parallel.resolve import resolve_mesh
+from twinshard.parallel import mesh as mesh_lib
 from twinshard.config import preset
-from twinshard.placement import logical_dims
+from twinshard.parallel.placement import logical_dims
 
 TINY = preset("tiny")  # d_model 64, num_heads 4, d_ff 192, padded vocab 384, batch 8
 

@@ -11,7 +11,7 @@ from flax import nnx
 import reference as ref
 from twinshard.config import PRESETS, ModelConfig, preset
 from twinshard.model import TransformerLM, load_state_dict, state_dict
-from twinshard.trainer import create_params, logical_axes
+from twinshard.train.trainer import create_params, logical_axes
 
 CFG = preset("tiny").model  # vocab 257 -> padded 384
 

@@ -1,4 +1,4 @@
-"""--optimizer=adafactor|lion|sgd (twinshard/optim.py) in both twins.
+"""--optimizer=adafactor|lion|sgd (twinshard/train/optim.py) in both twins.
 
 - Adafactor written out with injectable block means equals optax.adafactor on one device.
 - SGD and Lion follow their formulas (NumPy), as make_optimizer configures them.
@@ -28,7 +28,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import auto_parallel
 import manual_parallel
 import reference
-from twinshard import cost, mesh as mesh_lib, optim, placement, trainer
+from twinshard import cost
+from twinshard.parallel import mesh as mesh_lib, placement
+from twinshard.train import optim, trainer
 from twinshard.config import Config, preset
 
 BASE = preset("tiny")

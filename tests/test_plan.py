@@ -15,7 +15,8 @@ import pytest
 
 from cli import ROOT, assert_user_error, run
 from launch import plan as planner
-from twinshard import chips, cost
+from twinshard.hardware import chips
+from twinshard import cost
 from twinshard.config import preset
 
 LLM_1B = preset("llm_1b").model
@@ -54,7 +55,7 @@ def test_bad_topologies_are_one_line_errors(text, needle):
 
 def test_tensor_gets_the_physical_axes_jax_gives_it():
     """Our layout rule against jax's own (mesh_utils, used by jax.make_mesh and
-    twinshard.topology.mesh_devices on a TPU slice) for every (data, tensor) on 15 grids."""
+    twinshard.hardware.topology.mesh_devices on a TPU slice) for every (data, tensor) on 15 grids."""
     from jax._src import mesh_utils  # private: the function that assigns mesh axes to the torus
 
     grids = [(4, 4, 4), (2, 2, 4), (2, 2, 1), (2, 2, 2), (2, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 16),

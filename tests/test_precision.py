@@ -21,7 +21,7 @@ import pytest
 import auto_parallel
 import reference
 import manual_parallel
-from twinshard import data, trainer
+from twinshard.train import data, trainer
 from twinshard.config import Config, preset
 
 BASE = preset("tiny")

@@ -36,7 +36,7 @@ import pytest
 
 from cli import ROOT, run
 from twinshard.config import ModelConfig, preset
-from twinshard.data import DEFAULT_CORPUS
+from twinshard.train.data import DEFAULT_CORPUS
 
 UV_PREFIX = re.compile(r"^(pip install uv && )?uv run( --locked)?( --extra tpu)? ")
 
@@ -55,7 +55,7 @@ VARIANTS = {
     "uv run python -m launch.collectives --preset=tiny --strategy=tp_sp --impl=manual --mesh=tensor:4 --devices=4 "
     "--collective_matmul": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=cp --impl=manual --mesh=context:4 --devices=4": [],
-    "uv run python -m twinshard.bpe --input corpus.txt --vocab_size 512 --out corpus512.tiktoken": [],
+    "uv run python -m twinshard.train.bpe --input corpus.txt --vocab_size 512 --out corpus512.tiktoken": [],
     "uv run python -m launch.train --preset=tiny --data=corpus.txt --tokenizer=corpus512.tiktoken "
     "--workdir=runs/bpe": [],
     'uv run python -m launch.sample --workdir=runs/bpe --prompt="ROMEO:"': ["--max_new_tokens=20"],

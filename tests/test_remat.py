@@ -43,7 +43,7 @@ import manual_parallel
 import reference
 from twinshard import cost, hlo
 from twinshard.config import REMAT_POLICIES, Config, preset
-from twinshard.trainer import SingleDevice, create_params, loss_fn
+from twinshard.train.trainer import SingleDevice, create_params, loss_fn
 
 BASE = preset("tiny")
 CFG = Config(dataclasses.replace(BASE.model, num_heads=8), BASE.train)

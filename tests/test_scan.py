@@ -1,7 +1,7 @@
 """The scanned layer stack: the compiled program does not grow with depth.
 
 The L blocks are one `Block` with [L, ...] params run by `jax.lax.scan`
-(twinshard/model.py), so the train step and the init compile ONE block body
+(twinshard/model/transformer.py), so the train step and the init compile ONE block body
 whatever L is. Structural tests, not timing tests: the compiled HLO's
 instruction count at L=2 and L=8 (tiny width), and, for the manual FSDP twin,
 where its collectives sit (inside the layer loop, once per layer).
@@ -23,7 +23,7 @@ import pytest
 import manual_parallel
 from twinshard import cost, hlo
 from twinshard.config import Config, preset
-from twinshard.trainer import SingleDevice, create_params
+from twinshard.train.trainer import SingleDevice, create_params
 
 BASE = preset("tiny")
 DEPTHS = (2, 8)

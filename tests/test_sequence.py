@@ -102,7 +102,7 @@ def test_manual_ledger_equals_the_cost_model(name):
     _, led, r = compiled(name)
     testing.expect_parsed(led)
     for rec in led:
-        assert "manual_parallel/" in rec.source or "twinshard/loss.py" in rec.source, (rec, led.table())
+        assert "manual_parallel/" in rec.source or "twinshard/model/loss.py" in rec.source, (rec, led.table())
     rows = cost.compare(led.summary(), cost.cost(config(name).model, "tp_sp", r.sizes, B).summary())
     assert all(row["match"] for row in rows), cost.compare_table(rows) + "\n" + led.table()
 

@@ -16,8 +16,9 @@ import pytest
 import auto_parallel
 import manual_parallel
 from launch import common
-from twinshard import cost, mesh as mesh_lib, strategies
-from twinshard.strategies import ANY, MANY, ONE
+from twinshard import cost
+from twinshard.parallel import mesh as mesh_lib, strategies
+from twinshard.parallel.strategies import ANY, MANY, ONE
 
 TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 #           mesh needs                                          params                          activations

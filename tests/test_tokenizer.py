@@ -8,7 +8,7 @@ import regex
 import tiktoken
 from tiktoken_ext import openai_public
 
-from twinshard import tokenizer
+from twinshard.train import tokenizer
 
 UNICODE_TEXT = (
     "Héllo wörld! 你好，世界 🙂  naïve café\n\n\tTo be, or not to be: 1234 they're   \r\n"

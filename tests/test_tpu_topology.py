@@ -12,7 +12,7 @@ dim 4; d_ff 192 and vocab 384 divide by 16), fsdp_tp data:4,tensor:4 (tiny as it
 What TPU prints differently from the cost model (measured, libtpu 0.0.50.1; DESIGN.md warns of
 both): FSDP weight gathers in bf16 (the embedding in f32), and reduce-scatters compiled as
 all-reduce + slice: all 16 on data:16, 3 of 16 on data:4,tensor:4.
-`twinshard.topology.tpu_expected` is the model with exactly those two changes; the manual
+`twinshard.hardware.topology.tpu_expected` is the model with exactly those two changes; the manual
 twin's ledger equals it per (op, axes) in count and bytes. Without FSDP (tp) the ledger equals
 the model itself.
 """
@@ -25,7 +25,8 @@ import sys
 import jax
 import pytest
 
-from twinshard import cost, hlo, topology
+from twinshard import cost, hlo
+from twinshard.hardware import topology
 from twinshard.config import Config, preset
 
 needs_libtpu = pytest.mark.skipif(not topology.libtpu_installed(),

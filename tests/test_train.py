@@ -115,7 +115,7 @@ def corrupt_copy(full_run, tmp_path_factory, damage) -> str:
 # Three failed restores in one process: an Orbax read coroutine abandoned by one failure can be
 # finalized by the garbage collector during the NEXT restore (measured in CI, 2026-12-02:
 # corrupt1's coroutine during corrupt2's), where pytest's unraisable-exception hook reports it.
-# In a launcher there is one restore per process, and twinshard/checkpoint.py drops what such
+# In a launcher there is one restore per process, and twinshard/train/checkpoint.py drops what such
 # finalizers print (test_corrupt_checkpoint_on_the_command_line_is_a_few_lines checks the CLI).
 @pytest.mark.filterwarnings("ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
                             ":pytest.PytestUnraisableExceptionWarning")
@@ -143,9 +143,9 @@ def test_a_readable_checkpoint_is_never_called_corrupt(full_run):
     to delete it (the message used to say 'corrupt ... delete that step directory')."""
     import jax
 
-    from twinshard.checkpoint import Checkpointer
+    from twinshard.train.checkpoint import Checkpointer
     from twinshard.config import preset
-    from twinshard.trainer import SingleDevice
+    from twinshard.train.trainer import SingleDevice
 
     cfg = preset("tiny")
     abstract = SingleDevice(cfg.model, cfg.train).abstract_state()
@@ -163,9 +163,9 @@ def test_a_resumed_single_device_run_runs_the_fresh_runs_program(full_run):
     import jax
     import numpy as np
 
-    from twinshard.checkpoint import Checkpointer
+    from twinshard.train.checkpoint import Checkpointer
     from twinshard.config import preset
-    from twinshard.trainer import SingleDevice
+    from twinshard.train.trainer import SingleDevice
 
     cfg = preset("tiny")
     runner = SingleDevice(cfg.model, cfg.train)
@@ -218,8 +218,8 @@ def greedy(params, cfg, prompt: str, n: int) -> str:
     import numpy as np
     from flax import nnx
 
-    from twinshard.tokenizer import get_encoding
-    from twinshard.trainer import graphdef
+    from twinshard.train.tokenizer import get_encoding
+    from twinshard.train.trainer import graphdef
 
     enc = get_encoding("bytes")
     logits_of = jax.jit(lambda p, x: nnx.merge(graphdef(cfg), p)(x)[0])  # one compile: a fixed [1, T]
@@ -235,9 +235,9 @@ def greedy(params, cfg, prompt: str, n: int) -> str:
 def test_sample_uses_the_checkpoint_weights(moves_run):
     """launch.sample on ONE device (its own process) from a checkpoint written on 8 (fsdp/manual):
     its greedy text equals a greedy decode of the restored params, and differs from a fresh init's."""
-    from twinshard.checkpoint import Checkpointer
+    from twinshard.train.checkpoint import Checkpointer
     from twinshard.config import preset
-    from twinshard.trainer import SingleDevice, create_params
+    from twinshard.train.trainer import SingleDevice, create_params
 
     proc = run("-m", "launch.sample", f"--workdir={moves_run}", "--prompt=ROMEO:", "--max_new_tokens=12",
                "--temperature=0", timeout=120)
@@ -273,7 +273,7 @@ def test_orbax_noise_is_held_back_only_when_the_read_fails(capfd, monkeypatch):
     the one-line message of a corrupt checkpoint."""
     import gc
 
-    from twinshard.checkpoint import _stderr_held_on_failure
+    from twinshard.train.checkpoint import _stderr_held_on_failure
 
     class Noisy:  # an abandoned object whose finalizer writes to fd 2, like Orbax's coroutines
         def __del__(self):
@@ -316,9 +316,9 @@ def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
     import numpy as np
 
     from launch import common
-    from twinshard.checkpoint import Checkpointer
+    from twinshard.train.checkpoint import Checkpointer
     from twinshard.config import preset
-    from twinshard.trainer import SingleDevice, abstract_state
+    from twinshard.train.trainer import SingleDevice, abstract_state
 
     cfg = preset("tiny")
     single = SingleDevice(cfg.model, cfg.train)
@@ -381,7 +381,7 @@ def resume_and_capture(tmp_path_factory, monkeypatch, capsys, workdir, *args):
     """Resume in this process; returns (the params Checkpointer.restore gave the launcher, its stdout)."""
     import jax
 
-    from twinshard.checkpoint import Checkpointer
+    from twinshard.train.checkpoint import Checkpointer
 
     restored, original = [], Checkpointer.restore
 
@@ -406,7 +406,7 @@ def test_resume_restores_the_latest_complete_checkpoint(kept_run, tmp_path_facto
     import gzip
     import shutil
 
-    from twinshard import data
+    from twinshard.train import data
 
     workdir = kept_copy(kept_run, tmp_path_factory)
     ckpts = workdir / "checkpoints"
@@ -484,7 +484,7 @@ def test_resume_refuses_another_corpus_or_tokenizer(kept_run, tmp_path_factory):
     ranks file of the same 256 bytes in another order: the same vocab size, so the model config
     alone would not tell) is a one-line error naming both and the fix, before anything is traced
     or compiled and without touching the checkpoints."""
-    from twinshard import data, tokenizer
+    from twinshard.train import data, tokenizer
 
     workdir = pathlib.Path(kept_run)
     other = workdir.parent / "other.txt"

@@ -39,7 +39,7 @@ class Mutant:
     equivalent: str | None = None
 
 
-_STRATEGIES = "twinshard/strategies.py"
+_STRATEGIES = "twinshard/parallel/strategies.py"
 MANUAL = "tests/test_manual.py"
 AUTO = "tests/test_auto.py"
 COST = "tests/test_cost.py"
@@ -73,11 +73,11 @@ _COLL = "manual_parallel/collectives.py"
 _TP = "manual_parallel/tp.py"
 _FSDP = "manual_parallel/fsdp.py"
 _RUNNER = "manual_parallel/runner.py"
-_OPTIM = "twinshard/optim.py"
-_LAYERS = "twinshard/layers.py"
-_LOSS = "twinshard/loss.py"
-_MODEL = "twinshard/model.py"
-_DATA = "twinshard/data.py"
+_OPTIM = "twinshard/train/optim.py"
+_LAYERS = "twinshard/model/layers.py"
+_LOSS = "twinshard/model/loss.py"
+_MODEL = "twinshard/model/transformer.py"
+_DATA = "twinshard/train/data.py"
 _HLO = "twinshard/hlo.py"
 _COST = "twinshard/cost.py"
 _TRAIN = "launch/train.py"
@@ -113,7 +113,7 @@ MUTANTS: list[Mutant] = [
            'return (lax.pcast(grad, axis, to="varying"),)  # a type change: no data moves',
            "return (lax.psum(grad, axis),)",
            (MANUAL,), "Megatron g backward all-reduces the (already replicated) output gradient"),
-    # --- Megatron TP specifics (manual_parallel/tp.py, twinshard/model.py, twinshard/loss.py)
+    # --- Megatron TP specifics (manual_parallel/tp.py, twinshard/model/transformer.py, twinshard/model/loss.py)
     Mutant("tp-embed-no-mask", "tp", _TP,
            "self.exit_tensor_parallel(jnp.where(mine[..., None], rows, 0.0))",
            "self.exit_tensor_parallel(rows)",
@@ -198,7 +198,7 @@ MUTANTS: list[Mutant] = [
            '_REDUCTIONS = frozenset({"pmax", "reduce_scatter"})',
            (REMAT + "::test_manual_collectives_equal_the_cost_model_under_every_policy",),
            "remat policy recomputes psum outputs: a checkpointed TP layer's backward repeats Megatron g"),
-    # --- placement tables (twinshard/strategies.py: both twins read the same declaration)
+    # --- placement tables (twinshard/parallel/strategies.py: both twins read the same declaration)
     Mutant("place-dp-batch-replicated", "placement", _STRATEGIES,
            'mesh={"data": MANY, "tensor": ONE}, params={}, activations={"batch": "data"}, plannable=True)',
            'mesh={"data": MANY, "tensor": ONE}, params={}, activations={}, plannable=True)',
@@ -228,7 +228,7 @@ MUTANTS: list[Mutant] = [
            "needs[axis] = need",
            ("tests/test_strategies.py", "tests/test_mesh.py"),
            "a composed strategy's mesh takes the last part's needs: fsdp_tp may not split data"),
-    # --- optimizer (twinshard/optim.py, twinshard/trainer.py)
+    # --- optimizer (twinshard/train/optim.py, twinshard/train/trainer.py)
     Mutant("clip-always-rescales", "optim", _OPTIM,
            "scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))",
            "scale = max_norm / (norm + 1e-6)",
@@ -271,11 +271,11 @@ MUTANTS: list[Mutant] = [
            "eps=cfg.eps,",
            "",
            (OPTIM,), "AdamW eps not passed through (optax's default 1e-8 used)"),
-    Mutant("lr-reported-ignores-skips", "optim", "twinshard/trainer.py",
+    Mutant("lr-reported-ignores-skips", "optim", "twinshard/train/trainer.py",
            "applied_before = state.step - state.opt_state.skipped",
            "applied_before = state.step",
            (OPTIM, TRAIN), "the reported lr runs on the step count, not on applied updates"),
-    # --- layers (twinshard/layers.py, twinshard/config.py, twinshard/loss.py)
+    # --- layers (twinshard/model/layers.py, twinshard/config.py, twinshard/model/loss.py)
     Mutant("rmsnorm-eps-ignored", "layers", _LAYERS,
            "jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)",
            "jnp.mean(x32 * x32, axis=-1, keepdims=True))",
@@ -330,7 +330,7 @@ MUTANTS: list[Mutant] = [
            "x + self.attn(self.ln1(x, par), par)",
            "x + self.attn(x, par)",
            (MODEL,), "attention reads the un-normalised residual"),
-    # --- data pipeline (twinshard/data.py)
+    # --- data pipeline (twinshard/train/data.py)
     Mutant("batch-targets-not-shifted", "data", _DATA,
            "return windows[:, :-1], windows[:, 1:]",
            "return windows[:, :-1], windows[:, :-1]",
@@ -347,7 +347,7 @@ MUTANTS: list[Mutant] = [
            "tokens[len(tokens) - n_val :]",
            "tokens[len(tokens) - n_val - 1 :]",
            (DATA,), "validation split shares one token with the training split"),
-    # --- checkpoint resume and sampling (launch/, twinshard/checkpoint.py)
+    # --- checkpoint resume and sampling (launch/, twinshard/train/checkpoint.py)
     Mutant("resume-restarts-at-zero", "resume", _TRAIN,
            "start = int(_scalar(state.step))",
            "start = 0",
@@ -356,7 +356,7 @@ MUTANTS: list[Mutant] = [
            'records = [r for r in earlier if r["step"] <= start]',
            "records = []",
            (TRAIN,), "--resume drops the metrics written before the checkpoint"),
-    Mutant("resume-skips-meta-check", "resume", "twinshard/checkpoint.py",
+    Mutant("resume-skips-meta-check", "resume", "twinshard/train/checkpoint.py",
            '_check_same(key, meta.get(key), want, self.step_dir(step))',
            "pass",
            (TRAIN,), "restore does not compare the checkpoint's model config with the run's"),
@@ -544,17 +544,17 @@ MUTANTS: list[Mutant] = [
            "    bad = w.size - int(np.count_nonzero(np.isfinite(w)))",
            "    bad = 0",
            (VALIDATION,), "load_state_dict loads NaN weights"),
-    Mutant("checkpoint-writer-devices", "sturdy", "twinshard/checkpoint.py",
+    Mutant("checkpoint-writer-devices", "sturdy", "twinshard/train/checkpoint.py",
            "        if getattr(leaf, \"sharding\", None) is not None:",
            "        if True:",
            (TRAIN,), "a single-device restore keeps the writer's shardings (a multi-device checkpoint "
                      "cannot be read on one device)"),
-    Mutant("checkpoint-noise-collected-late", "sturdy", "twinshard/checkpoint.py",
+    Mutant("checkpoint-noise-collected-late", "sturdy", "twinshard/train/checkpoint.py",
            "            if failed:\n                gc.collect()",
            "            if False:\n                gc.collect()",
            (TRAIN + "::test_orbax_noise_is_held_back_only_when_the_read_fails",),
            "the finalizers of a failed Orbax read print their tracebacks after the held-back window"),
-    Mutant("checkpoint-noise-passed-on", "sturdy", "twinshard/checkpoint.py",
+    Mutant("checkpoint-noise-passed-on", "sturdy", "twinshard/train/checkpoint.py",
            "            if not failed or os.environ",
            "            if True or os.environ",
            (TRAIN + "::test_orbax_noise_is_held_back_only_when_the_read_fails",),
@@ -605,7 +605,7 @@ MUTANTS: list[Mutant] = [
            (PLAN + "::test_cli_errors_are_one_line",),
            "--compile on a GPU topology is not refused up front"),
     # --- gradient accumulation (grad_accum): token weighting, one sync per step, its cost rows
-    Mutant("accum-mean-of-micro-batch-means", "accum", "twinshard/trainer.py",
+    Mutant("accum-mean-of-micro-batch-means", "accum", "twinshard/train/trainer.py",
            "        tokens = count(ym)",
            "        tokens = jnp.ones((), jnp.float32)",
            (ACCUM + "::test_micro_batches_weigh_by_their_tokens",),
@@ -637,7 +637,7 @@ MUTANTS: list[Mutant] = [
            '    b = batch // mesh["data"] if "batch" in rules else batch',
            (ACCUM + "::test_memory_with_grad_accum",),
            "the memory model keeps the whole batch's activations under accumulation"),
-    # --- pipeline parallelism (twinshard/pipeline.py, manual_parallel/pp.py, auto_parallel/pp.py)
+    # --- pipeline parallelism (twinshard/parallel/pipeline.py, manual_parallel/pp.py, auto_parallel/pp.py)
     Mutant("pp-shift-backwards", "pipeline", "manual_parallel/collectives.py",
            "    return [(k, k + 1) for k in range(n - 1)]",
            "    return [(k + 1, k) for k in range(n - 1)]",
@@ -650,7 +650,7 @@ MUTANTS: list[Mutant] = [
            "return loss, {k: jax.tree.map(lambda g: lax.psum(g, STAGE), v) if rep[k] else v for k, v in grads.items()}",
            "return loss, {k: jax.tree.map(lambda g: lax.pmean(g, STAGE), v) if rep[k] else v for k, v in grads.items()}",
            ("tests/test_pipeline.py",), "the embedding / lm_head gradients averaged over stages (only one is non-zero)"),
-    Mutant("pp-too-few-ticks", "pipeline", "twinshard/pipeline.py",
+    Mutant("pp-too-few-ticks", "pipeline", "twinshard/parallel/pipeline.py",
            "    return microbatches + stages - 1",
            "    return microbatches + stages - 2",
            ("tests/test_pipeline.py",), "the last micro-batch never leaves the last stage"),
@@ -677,7 +677,7 @@ MUTANTS: list[Mutant] = [
            "removed = dims[1] if field == \"v_row\" else dims[0]",
            "removed = dims[0] if field == \"v_row\" else dims[1]",
            (OPTIMIZERS,), "v_row is placed as if it dropped the second-largest dim, v_col the largest"),
-    Mutant("adafactor-stat-on-wrong-axis", "optim", "twinshard/placement.py",
+    Mutant("adafactor-stat-on-wrong-axis", "optim", "twinshard/parallel/placement.py",
            "return spec(tuple(axes[d] for d in dims), rules)",
            "return spec(tuple(axes[d] for d in dims[::-1]), rules)",
            (OPTIMIZERS,), "an optimizer leaf takes its kept dims' placements in reverse order (v_col "
@@ -733,7 +733,7 @@ MUTANTS: list[Mutant] = [
            "return b * seq * d",
            (REMAT + "::test_saved_residuals_per_layer_equal_the_model",),
            "the memory model forgets the Megatron g output TP saves under full"),
-    Mutant("pp-1f1b-no-warmup", "pipeline", "twinshard/pipeline.py",
+    Mutant("pp-1f1b-no-warmup", "pipeline", "twinshard/parallel/pipeline.py",
            "        warmup = min(stages - 1 - s, microbatches)",
            "        warmup = 0",
            ("tests/test_pipeline.py::test_one_f_one_b_schedule",),
@@ -807,7 +807,7 @@ MUTANTS: list[Mutant] = [
            "shards = 1",
            ("tests/test_pipeline.py::test_pp_fsdp_manual_ledger_equals_the_cost_model_exactly",),
            "the cost model sums whole embedding / lm_head gradients over stage, not their data shards"),
-    Mutant("pp-fsdp-check-ignores-data", "pipeline", "twinshard/pipeline.py",
+    Mutant("pp-fsdp-check-ignores-data", "pipeline", "twinshard/parallel/pipeline.py",
            "    if batch % (data * microbatches):",
            "    if batch % microbatches:",
            ("tests/test_pipeline.py::test_pp_fsdp_bad_batch_split_is_a_clear_error",),
@@ -834,7 +834,7 @@ MUTANTS: list[Mutant] = [
            "return jnp.arange(t)",
            ("tests/test_context.py::test_context_parallel_matches_single_device",),
            "RoPE rotates a shard's tokens by their local index, not their place in the sequence"),
-    Mutant("cp-zigzag-late-chunk-off-by-one", "context", "twinshard/context.py",
+    Mutant("cp-zigzag-late-chunk-off-by-one", "context", "twinshard/parallel/context.py",
            "np.concatenate([chunks[c], chunks[2 * shards - 1 - c]])",
            "np.concatenate([chunks[c], chunks[(2 * shards - c) % (2 * shards)]])",
            ("tests/test_context.py::test_layouts_hold_every_position_once_and_zigzag_balances_the_causal_work",),
@@ -868,7 +868,7 @@ MUTANTS: list[Mutant] = [
             "tests/test_sequence.py::test_collective_matmul_equals_the_all_gather"),
            "ring_shift's backward passes the gradient on around the ring instead of back to the sender "
            "(dK/dV of ring attention, the collective matmul's dx land on the wrong devices)"),
-    Mutant("pp-check-offers-counts-that-miss-the-shards", "pipeline", "twinshard/pipeline.py",
+    Mutant("pp-check-offers-counts-that-miss-the-shards", "pipeline", "twinshard/parallel/pipeline.py",
            "fits = [m for m in range(stages, batch // data + 1) if batch % (data * m) == 0]",
            "fits = [m for m in range(stages, batch + 1) if batch % m == 0]",
            ("tests/test_pipeline.py::test_one_batch_split_check_offers_only_counts_that_split_every_data_shard",),
@@ -910,7 +910,7 @@ MUTANTS: list[Mutant] = [
            (OPTIM, MODEL),
            "the padded logit columns are never masked: padding takes probability from every token"),
     # --- a resumed single-device run compiles the fresh run's program
-    Mutant("single-init-uncommitted", "resume", "twinshard/trainer.py",
+    Mutant("single-init-uncommitted", "resume", "twinshard/train/trainer.py",
            "functools.partial(init_state, self.model_cfg, self.tx, seed), out_shardings=self.sharding)()",
            "functools.partial(init_state, self.model_cfg, self.tx, seed))()",
            ("tests/test_train.py::test_a_resumed_single_device_run_runs_the_fresh_runs_program",),

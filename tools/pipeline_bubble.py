@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 import auto_parallel  # noqa: E402
 import manual_parallel  # noqa: E402
-from twinshard import pipeline  # noqa: E402
+from twinshard.parallel import pipeline  # noqa: E402
 from twinshard.config import Config, preset  # noqa: E402
 
 RUNS = (("manual", "gpipe"), ("manual", "1f1b"), ("auto", "gpipe"))

@@ -171,7 +171,7 @@ def read_trace(trace_dir: str):
 def build(cfg):
     """(runner, initial state, placed batch) for --strategy/--impl."""
     from launch import bench, common
-    from twinshard import trainer
+    from twinshard.train import trainer
 
     if FLAGS.strategy == "single":
         runner = trainer.SingleDevice(cfg.model, cfg.train)

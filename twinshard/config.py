@@ -24,12 +24,12 @@ import numbers
 from typing import Any
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn")  # twinshard.layers.causal_attention
+ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # twinshard/pipeline.py  # twinshard.optim.make_optimizer
-CP_LAYOUTS = ("zigzag", "contiguous")  # context parallelism's token layout (twinshard/context.py)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # twinshard/parallel/pipeline.py  # twinshard.train.optim.make_optimizer
+CP_LAYOUTS = ("zigzag", "contiguous")  # context parallelism's token layout (twinshard/parallel/context.py)
 VOCAB_MULTIPLE = 128  # pad the vocab so it splits over any power-of-two tensor axis <= 128
 
 
@@ -93,7 +93,7 @@ class ModelConfig:
     # optimizer state stay float32 (master weights); matmuls accumulate in float32; norms,
     # softmax statistics and the loss are float32 (DESIGN.md, Precision).
     dtype: str = "float32"
-    # Attention kernel (twinshard.layers.causal_attention): "auto" = cuDNN flash attention on a
+    # Attention kernel (twinshard.model.layers.causal_attention): "auto" = cuDNN flash attention on a
     # GPU in bf16, "recompute" elsewhere (layers.recompute_attention: no [T, T] array saved for
     # the backward); "xla" = jax.nn's XLA kernel; "reference" = the readable
     # layers.scaled_dot_product_attention.
@@ -174,9 +174,9 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     checkpoint_every: int = 0  # 0: only at the end
-    optimizer: str = "adamw"  # one of OPTIMIZERS (twinshard.optim.make_optimizer)
+    optimizer: str = "adamw"  # one of OPTIMIZERS (twinshard.train.optim.make_optimizer)
     grad_accum: int = 1  # micro-batches per step (gradients accumulated under lax.scan)
-    microbatches: int = 1  # pipeline strategies: micro-batches in flight per step (twinshard/pipeline.py)
+    microbatches: int = 1  # pipeline strategies: micro-batches in flight per step (twinshard/parallel/pipeline.py)
     schedule: str = "gpipe"  # pipeline schedule: gpipe (both twins) or 1f1b (manual twin)
     # context parallelism (cp, fsdp_cp): which sequence positions each `context` shard holds
     cp_layout: str = "zigzag"

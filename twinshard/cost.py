@@ -1,7 +1,7 @@
 """The analytic cost model: collectives, FLOPs and memory of one train step.
 
 `cost(model_cfg, strategy, mesh, batch_size)` says, for our exact layers
-(twinshard/model.py), which collectives the *manual* twin
+(twinshard/model/transformer.py), which collectives the *manual* twin
 (manual_parallel/) runs per step, how many FLOPs the step does and how much
 memory each device holds. It is plain arithmetic (no JAX is run), written in
 the scaling book's notation (Austin et al., "How to Scale Your Model",
@@ -23,7 +23,7 @@ Notation
     F  d_ff                            V  padded vocab (multiple of 128)
     s  bytes per element of the COMPUTE dtype (dtype_bytes: 4 = float32, 2 = bfloat16)
 
-The parameter tree (`weights(cfg)`; leaf names as in twinshard/model.py). The
+The parameter tree (`weights(cfg)`; leaf names as in twinshard/model/transformer.py). The
 blocks are one stack scanned over L (model.scan_layers): each block weight is
 a leaf [L, ...] with logical axes ('layers', ...), and the scan body uses one
 layer's slice (the shape below):
@@ -103,7 +103,7 @@ fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
     per-device batch b = B/d (A = (B/d)*T*D*s, stats (B/d)*T*4); the
     squared-norm all-reduce runs over (data, tensor); the loss is all-reduced
     over data.
-cp (context=C; twinshard/context.py, manual_parallel/cp.py). Every weight replicated;
+cp (context=C; twinshard/parallel/context.py, manual_parallel/cp.py). Every weight replicated;
     each device holds T/C tokens of every sequence. forward: per layer 2(C-1)
     collective-permutes of a K or V block [B, H, T/C, dh] (ring attention's ring_shift);
     backward: the reverse ring, 2(C-1) more. A sequence shard's gradient is a partial
@@ -164,7 +164,7 @@ Memory per device (`Memory`, bytes):
                statistic (the leaf without its largest / second-largest dim, each
                split over the mesh axes of the dims it keeps), else a full v
     activations, saved for the backward pass, per layer by `remat` (ModelConfig.remat,
-        the jax.checkpoint policy of each layer: twinshard/model.py REMAT_POLICIES):
+        the jax.checkpoint policy of each layer: twinshard/model/transformer.py REMAT_POLICIES):
         none       b*T*(6D + 5D/t + 3F/t + 4 + H/t) elements: what autodiff saves
                    (jax.ad_checkpoint.print_saved_residuals, JAX 0.12; exact on one device
                    and in the manual tp twin, tests/test_remat.py; the norms' 2 gains [D]
@@ -222,14 +222,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinshard import context, mesh as mesh_lib, strategies
+from twinshard.parallel import context, mesh as mesh_lib, strategies
 from twinshard.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ModelConfig
 from twinshard.hlo import ring_bytes as _ring_bytes, shift_pattern
 
 PHASES = ("forward", "backward", "optimizer", "metrics")
 OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 AXES = mesh_lib.ORDER  # ('stage', 'data', 'context', 'tensor'): mesh order
-PIPELINES = strategies.of_family("pipeline")  # on a `stage` axis (twinshard/pipeline.py); their mesh names it
+PIPELINES = strategies.of_family("pipeline")  # on a `stage` axis (twinshard/parallel/pipeline.py); their mesh names it
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # ModelConfig.dtype -> bytes per element
 F32 = 4  # bytes of the loss, the squared-norm scalar and the cross-entropy statistics
 
@@ -604,7 +604,7 @@ def _pp(ctx: _Ctx) -> list[Row]:
 def _ticks(ctx: _Ctx) -> int:
     """GPipe: M + S - 1 forward ticks, then as many backward; 1F1B: every tick of its table
     hands a forward output on AND an input gradient back (zeros when the stage idled)."""
-    from twinshard import pipeline
+    from twinshard.parallel import pipeline
 
     m, n = ctx.microbatches, ctx.mesh["stage"]
     return pipeline.ticks(m, n) if ctx.schedule == "gpipe" else len(pipeline.one_f_one_b(m, n)[0])
@@ -814,7 +814,7 @@ def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int
 def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[str, int],
                      optimizer: str) -> int:
     """Optimizer-state bytes per device (f32; see the module docstring)."""
-    from twinshard.optim import factored_dims  # optax is imported only when memory is asked for
+    from twinshard.train.optim import factored_dims  # optax is imported only when memory is asked for
 
     def kept(shape, axes, dims) -> int:  # elements per device of a statistic keeping `dims`
         split = math.prod(mesh[rules[axes[k]]] for k in dims if axes[k] in rules)
@@ -880,7 +880,7 @@ def _pipeline_activations(cfg: ModelConfig, remat: str, b: int, seq: int, stages
       1f1b   a backward op is a `jax.vjp` of the stage on the micro-batch's saved input, so the
              residuals of ONE micro-batch's L/S layers are alive at a time, beside three rings of S
              micro-batch activations [b/M, T, D] (the saved inputs and the two inboxes)."""
-    from twinshard import pipeline
+    from twinshard.parallel import pipeline
 
     rows, held = b // microbatches, cfg.num_layers // stages
     if schedule == "gpipe":
@@ -976,7 +976,7 @@ def _shape(w: Weight, tensor_shards: int) -> str:
 
 
 def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
-    """The strategy's mesh axes (twinshard/mesh.py NEEDS), a missing one as 1, checked."""
+    """The strategy's mesh axes (twinshard/parallel/mesh.py NEEDS), a missing one as 1, checked."""
     axes = tuple(a for a in AXES if a in mesh_lib.NEEDS[strategy])
     unknown = [a for a in mesh if a not in axes]
     if unknown:
@@ -1028,7 +1028,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads,
             "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size, "seq": seq}
     if strategy in PIPELINES:
-        from twinshard import pipeline
+        from twinshard.parallel import pipeline
 
         pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, data=shape["data"])
     mesh_lib.check_divisible(dims, {k: v for k, v in RULES[strategy].items() if k != "layers"}, shape)

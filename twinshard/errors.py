@@ -1,4 +1,4 @@
-"""One error wrapper for every command line of the project (launchers and `twinshard.bpe`).
+"""One error wrapper for every command line of the project (launchers and `twinshard.train.bpe`).
 
 A user error (a ValueError or OSError: a bad flag value, an unreadable file, a mesh that does
 not fit) reaches the user as one message on stderr and exit status 1; `--debug` or

@@ -4,7 +4,7 @@ Both twins build their mesh here, so an invalid (strategy, mesh, model, batch)
 combination fails the same way, with a `ValueError` that names the value and a
 valid alternative, before anything is compiled.
 
-Each strategy's declaration (twinshard/strategies.py) names the mesh axes it uses and
+Each strategy's declaration (twinshard/parallel/strategies.py) names the mesh axes it uses and
 how big each must be: `>1` (the strategy splits something over it), `=1` (present,
 unused) or `>=1` (either). The mesh holds exactly those axes, in `ORDER` (outermost
 first; on a TPU torus `jax.make_mesh` gives the innermost axis, `tensor`, the closest chips).
@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from twinshard import strategies
-from twinshard.strategies import ANY, MANY, ONE
+from twinshard.parallel import strategies
+from twinshard.parallel.strategies import ANY, MANY, ONE
 
 AXES = ("data", "tensor")  # the base strategies' axes (both always named in their meshes)
 # Mesh order of every axis: pipeline stages outermost (one hop per micro-batch), then data,

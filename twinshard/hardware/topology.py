@@ -143,9 +143,9 @@ def _quiet_libtpu_load():
 def compile_for_pod(lowered):
     """`lowered.compile()` for a topology's devices, with JAX's persistent compilation cache off:
     JAX 0.12 writes a compile-only TPU executable to the cache and cannot read it back (no TPU
-    client to load it into; twinshard/compile_cache.py), so the entry is dead weight on disk
+    client to load it into; twinshard/train/compile_cache.py), so the entry is dead weight on disk
     and a warning plus a recompile in every later run."""
-    from twinshard import compile_cache
+    from twinshard.train import compile_cache
 
     with compile_cache.disabled():
         return lowered.compile()
@@ -157,7 +157,7 @@ def mesh_devices(shape: Mapping[str, int], devs: Sequence[Any]) -> list:
     An axis that is no product of physical axes (tensor:8 on a 4x4 grid) splits one."""
     from jax.experimental import mesh_utils
 
-    from twinshard import mesh as mesh_lib
+    from twinshard.parallel import mesh as mesh_lib
 
     sizes = tuple(shape[a] for a in mesh_lib.ORDER if a in shape)
     if math.prod(sizes) != len(devs):

@@ -3,7 +3,7 @@
 The vendored `assets/shakespeare_bpe4096.tiktoken` (4095 ranks + `<|endoftext|>`
 = 4096 ids) was made from the repository root with
 
-    uv run python -m twinshard.bpe --input twinshard/assets/shakespeare.txt.gz \
+    uv run python -m twinshard.train.bpe --input twinshard/assets/shakespeare.txt.gz \
         --vocab_size 4096 --out twinshard/assets/shakespeare_bpe4096.tiktoken
 
 which trained 3839 merges on the 5 MB corpus in 7.0-10.1 s on a 2-core machine
@@ -24,7 +24,7 @@ import time
 
 import regex
 
-from twinshard import data, tokenizer
+from twinshard.train import data, tokenizer
 
 _PRETOKEN = regex.compile(tokenizer.GPT2_PATTERN)
 
@@ -183,4 +183,4 @@ if __name__ == "__main__":
 
     from twinshard.errors import guarded
 
-    guarded(main, debug="--debug" in sys.argv[1:], name="twinshard.bpe")
+    guarded(main, debug="--debug" in sys.argv[1:], name="twinshard.train.bpe")

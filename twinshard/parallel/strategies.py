@@ -81,7 +81,7 @@ class Strategy:
         return tuple(a for a, need in self.mesh.items() if need == MANY)
 
 
-ORDER = ("stage", "data", "context", "tensor")  # mesh order, outermost first (twinshard/mesh.py says why)
+ORDER = ("stage", "data", "context", "tensor")  # mesh order, outermost first (twinshard/parallel/mesh.py says why)
 _TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}  # Megatron: column/row/vocab-parallel
 
 

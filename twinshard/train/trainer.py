@@ -1,7 +1,7 @@
 """Train state and the strategy-agnostic train step (single device).
 
 The state is a plain pytree: params as a nested dict of arrays (paths as in
-twinshard/model.py), the optax state, and the step counter. Strategies reuse
+twinshard/model/transformer.py), the optax state, and the step counter. Strategies reuse
 `train_step` (auto_parallel/ jits it with shardings) or its pieces
 (manual_parallel/ runs them inside shard_map with its own collectives).
 
@@ -29,8 +29,8 @@ from flax import nnx
 
 from twinshard.config import ModelConfig, TrainConfig
 from twinshard.model import TransformerLM
-from twinshard.optim import GuardState, lr_schedule, make_optimizer
-from twinshard.parallelism import SINGLE_DEVICE, Parallelism
+from twinshard.train.optim import GuardState, lr_schedule, make_optimizer
+from twinshard.model.hooks import SINGLE_DEVICE, Parallelism
 
 Params = dict[str, Any]
 

@@ -11,7 +11,7 @@ import zlib
 
 import numpy as np
 
-from twinshard import tokenizer
+from twinshard.train import tokenizer
 
 DEFAULT_CORPUS = tokenizer.ASSETS / "shakespeare.txt.gz"
 _CHUNK_CHARS = 1 << 20

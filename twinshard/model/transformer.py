@@ -3,7 +3,7 @@
 Every parameter carries `logical_axes` metadata (vocab, embed, heads, mlp,
 norm); a strategy maps those names to mesh axes. The model never mentions a
 mesh: strategy-specific behaviour comes in through a `Parallelism` object
-(twinshard/parallelism.py) passed to `__call__`.
+(twinshard/model/hooks.py) passed to `__call__`.
 
 Parameter tree (paths mirror the CS336 state-dict names; Linear weights are
 stored [in, out]). The L blocks are ONE stacked `Block` whose every param has
@@ -47,9 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from twinshard import layers
+from twinshard.model import layers
 from twinshard.config import ModelConfig
-from twinshard.parallelism import SINGLE_DEVICE, Parallelism, Policy
+from twinshard.model.hooks import SINGLE_DEVICE, Parallelism, Policy
 
 Array = jax.Array
 ACTIVATION = ("batch", "seq", "embed")  # logical axes of the residual stream [B, T, D]

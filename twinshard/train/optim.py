@@ -278,5 +278,5 @@ def make_optimizer(cfg: TrainConfig, norm_fn: NormFn = optax.tree.norm,
     elif cfg.optimizer == "adafactor":
         inner = adafactor(schedule, lambda t: cfg.weight_decay * schedule(t), blocks)
     else:  # TrainConfig validates the name; a new entry of config.OPTIMIZERS needs a branch here
-        raise ValueError(f"TrainConfig.optimizer={cfg.optimizer!r} has no optimizer in twinshard.optim.")
+        raise ValueError(f"TrainConfig.optimizer={cfg.optimizer!r} has no optimizer in twinshard.train.optim.")
     return clip_and_guard(inner, cfg.grad_clip, cfg.skip_nonfinite, norm_fn)

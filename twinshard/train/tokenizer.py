@@ -20,7 +20,7 @@ import tiktoken
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 ENDOFTEXT = "<|endoftext|>"
-ASSETS = pathlib.Path(__file__).resolve().parent / "assets"
+ASSETS = pathlib.Path(__file__).resolve().parent.parent / "assets"  # twinshard/assets
 _RANK_FILES = {
     "gpt2": ASSETS / "gpt2.tiktoken",
     "shakespeare4096": ASSETS / "shakespeare_bpe4096.tiktoken",

@@ -7,9 +7,9 @@ with a ValueError naming the value and the fix, before anything is compiled.
 
 from __future__ import annotations
 
-from twinshard import context, mesh as mesh_lib, pipeline, strategies
+from twinshard.parallel import context, mesh as mesh_lib, pipeline, strategies
 from twinshard.config import Config
-from twinshard.placement import logical_dims
+from twinshard.parallel.placement import logical_dims
 
 
 def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> dict[str, int]:

@@ -16,10 +16,11 @@ from jax.sharding import PartitionSpec as P
 
 from jax.sharding import NamedSharding
 
-from twinshard import mesh as mesh_lib, optim
+from twinshard.parallel import mesh as mesh_lib
+from twinshard.train import optim
 from twinshard.config import Config
-from twinshard import trainer
-from twinshard.trainer import TrainState, init_state, logical_axes
+from twinshard.train import trainer
+from twinshard.train.trainer import TrainState, init_state, logical_axes
 
 Rules = Mapping[str, str]
 
@@ -82,7 +83,7 @@ def _leaf_spec(leaf: _StateLeaf, axes: tuple[str | None, ...], param_shape: tupl
         return P()
     if leaf.shape != tuple(param_shape[d] for d in dims):
         raise ValueError(f"optimizer state {where} has shape {leaf.shape}, but keeps dims {dims} of its "
-                         f"param {param_shape}: twinshard.optim.kept_dims does not know this optimizer")
+                         f"param {param_shape}: twinshard.train.optim.kept_dims does not know this optimizer")
     return spec(tuple(axes[d] for d in dims), rules)
 
 

@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.sharding import SingleDeviceSharding
 
-from twinshard.trainer import TrainState
+from twinshard.train.trainer import TrainState
 
 
 class CheckpointError(ValueError):

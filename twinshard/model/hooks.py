@@ -1,6 +1,6 @@
 """The seam between the model and a parallelism strategy.
 
-The model (twinshard/model.py) is mesh-free. At the few points where a strategy
+The model (twinshard/model/transformer.py) is mesh-free. At the few points where a strategy
 must act, it calls a method of a `Parallelism` object. This base class is the
 single-device behaviour (every hook is the identity or the plain layer), so
 `TransformerLM(...)(tokens)` is ordinary single-device code. Strategies
@@ -39,7 +39,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from twinshard import layers, loss
+from twinshard.model import layers, loss
 
 Array = jax.Array
 Axes = tuple[str | None, ...]

@@ -1,0 +1,1 @@
+"""Hardware: the chip table (peaks, memory, links) and TPU/GPU topologies."""
