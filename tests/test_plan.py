@@ -15,6 +15,7 @@ import pytest
 
 from cli import ROOT, assert_user_error, run
 from launch import plan as planner
+from twinshard.hardware import links as hardware_links
 from twinshard.hardware import chips
 from twinshard import cost
 from twinshard.config import preset
@@ -23,16 +24,16 @@ LLM_1B = preset("llm_1b").model
 
 
 def test_topologies_parse_as_gcloud_and_slurm_write_them():
-    v5p = planner.parse_topology("v5p:4x4x4")
+    v5p = hardware_links.parse_topology("v5p:4x4x4")
     assert (v5p.chips, v5p.grid, v5p.torus, v5p.chip.name) == (64, (4, 4, 4), True, "v5p")
-    v5e = planner.parse_topology("v5e:16x16")
+    v5e = hardware_links.parse_topology("v5e:16x16")
     assert (v5e.chips, v5e.torus) == (256, True)
-    v4 = planner.parse_topology("v4:2x2x4")  # less than a 4x4x4 cube: no wraparound links
+    v4 = hardware_links.parse_topology("v4:2x2x4")  # less than a 4x4x4 cube: no wraparound links
     assert (v4.chips, v4.torus, v4.chip.ici_links) == (16, False, 6)
-    assert not planner.parse_topology("v5e:8x16").torus  # v5e wraps only on the full 16x16 pod
-    h100 = planner.parse_topology("H100:8x8")
+    assert not hardware_links.parse_topology("v5e:8x16").torus  # v5e wraps only on the full 16x16 pod
+    h100 = hardware_links.parse_topology("H100:8x8")
     assert (h100.name, h100.chips, h100.grid, h100.chip.gpus_per_node) == ("h100:8x8", 64, (8, 8), 8)
-    assert planner.parse_topology("h200:1x8").chip.hbm_bytes == 141 * 2**30
+    assert hardware_links.parse_topology("h200:1x8").chip.hbm_bytes == 141 * 2**30
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -49,7 +50,7 @@ def test_topologies_parse_as_gcloud_and_slurm_write_them():
 ])
 def test_bad_topologies_are_one_line_errors(text, needle):
     with pytest.raises(ValueError) as e:
-        planner.parse_topology(text)
+        hardware_links.parse_topology(text)
     assert str(e.value).startswith(f"--topology={text}: ") and needle in str(e.value) and "\n" not in str(e.value)
 
 
@@ -65,24 +66,24 @@ def test_tensor_gets_the_physical_axes_jax_gives_it():
         for t in (k for k in range(1, n + 1) if n % k == 0):
             _, assignment = mesh_utils._create_device_mesh_for_nd_torus(
                 np.arange(n).reshape(grid), (n // t, t), allow_split_physical_axes=True)
-            assert planner.tensor_sides(grid, t) == tuple(int(a) for a in assignment[:, 1]), (grid, t)
+            assert hardware_links.tensor_sides(grid, t) == tuple(int(a) for a in assignment[:, 1]), (grid, t)
 
 
 def test_links_per_axis():
     gb = 1e9
-    links = planner.axis_links(planner.parse_topology("v5p:4x4x4"), {"data": 16, "tensor": 4})
+    links = hardware_links.axis_links(hardware_links.parse_topology("v5p:4x4x4"), {"data": 16, "tensor": 4})
     assert links["tensor"].bytes_per_s == 2 * 90 * gb  # x, a whole torus side: both directions
     assert links["data"].bytes_per_s == 4 * 90 * gb  # y and z
-    links = planner.axis_links(planner.parse_topology("v5p:4x4x4"), {"data": 32, "tensor": 2})
+    links = hardware_links.axis_links(hardware_links.parse_topology("v5p:4x4x4"), {"data": 32, "tensor": 2})
     assert links["tensor"].bytes_per_s == 90 * gb  # 2 of x's 4 chips: the ring folds back
     assert links["data"].bytes_per_s == 6 * 90 * gb  # strided over the whole of x, and y, z
-    links = planner.axis_links(planner.parse_topology("v4:2x2x4"), {"data": 4, "tensor": 4})
+    links = hardware_links.axis_links(hardware_links.parse_topology("v4:2x2x4"), {"data": 4, "tensor": 4})
     assert (links["tensor"].bytes_per_s, links["data"].bytes_per_s) == (2 * 45 * gb, 45 * gb)  # no torus
-    links = planner.axis_links(planner.parse_topology("h100:8x8"), {"data": 16, "tensor": 4})
+    links = hardware_links.axis_links(hardware_links.parse_topology("h100:8x8"), {"data": 16, "tensor": 4})
     assert (links["tensor"].bytes_per_s, links["data"].bytes_per_s) == (450 * gb, 50 * gb)  # NVLink, IB
-    links = planner.axis_links(planner.parse_topology("h100:2x8"), {"data": 1, "tensor": 16})
+    links = hardware_links.axis_links(hardware_links.parse_topology("h100:2x8"), {"data": 1, "tensor": 16})
     assert set(links) == {"tensor"} and links["tensor"].bytes_per_s == 50 * gb  # tensor across nodes
-    links = planner.axis_links(planner.parse_topology("h200:1x8"), {"data": 8, "tensor": 1})
+    links = hardware_links.axis_links(hardware_links.parse_topology("h200:1x8"), {"data": 8, "tensor": 1})
     assert links["data"].bytes_per_s == 450 * gb  # one node: data on NVLink too
 
 
@@ -90,7 +91,7 @@ def test_a_tpu_row_by_hand():
     """llm_1b, dp on v5p:4x4x4, float32: every number from the chip table and the model's sizes."""
     v5p = chips.chip("v5p")
     B, T, n = 64, LLM_1B.context_length, 64
-    p = planner.evaluate(LLM_1B, planner.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B)
+    p = planner.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B)
     D, F, V, L, N = LLM_1B.d_model, LLM_1B.d_ff, LLM_1B.padded_vocab_size, LLM_1B.num_layers, LLM_1B.num_params()
     flops = 3 * (2 * B * T * (L * (4 * D * D + 3 * D * F) + D * V) + L * 4 * B * T * T * D)
     assert p.compute_s == pytest.approx(flops / n / (v5p.bf16 * 1e12))  # f32 on TPU: one bf16 pass
@@ -104,7 +105,7 @@ def test_a_tpu_row_by_hand():
     assert p.serial_s == p.compute_s + p.comm_s["data"] and p.overlap_s == p.compute_s
     assert p.bound == "compute"
     # --optimizer: lion keeps one f32 moment per param (the same cost.memory the tests of cost.py check)
-    lion = planner.evaluate(LLM_1B, planner.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B,
+    lion = planner.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B,
                             optimizer="lion")
     assert lion.cost.memory.optimizer == 4 * N and lion.memory == p.memory - 4 * N
 
@@ -113,7 +114,7 @@ def test_a_gpu_row_by_hand():
     """gpt2_350m in bf16, fsdp_tp data:8 x tensor:8 on 8 H100 nodes: tensor on NVLink, data on IB."""
     cfg = dataclasses.replace(preset("gpt2_350m").model, dtype="bfloat16")
     mesh = {"data": 8, "tensor": 8}
-    p = planner.evaluate(cfg, planner.parse_topology("h100:8x8"), "fsdp_tp", mesh, 64)
+    p = planner.evaluate(cfg, hardware_links.parse_topology("h100:8x8"), "fsdp_tp", mesh, 64)
     c = cost.cost(cfg, "fsdp_tp", mesh, 64)
     ring = {axes: s["ring_bytes"] for axes, s in c.by_axes().items()}
     assert set(ring) == {("data",), ("tensor",), ("data", "tensor")}
@@ -133,7 +134,7 @@ def test_plans_that_do_not_fit_are_excluded_for_memory():
     """llm_1b dp on v5e:4x4 at context 256: params, grads and activations fit 16 GiB, Adam's two
     moments do not (the issue's example); fsdp splits all three 16 ways and fits."""
     cfg = dataclasses.replace(LLM_1B, context_length=256)
-    plans, _ = planner.plan_all(cfg, planner.parse_topology("v5e:4x4"), 16)
+    plans, _ = planner.plan_all(cfg, hardware_links.parse_topology("v5e:4x4"), 16)
     fit, over = planner.rank(plans, "serial")
     dp = next(p for p in over if p.strategy == "dp")
     m, usable = dp.cost.memory, 0.75 * 16 * 2**30
@@ -143,7 +144,7 @@ def test_plans_that_do_not_fit_are_excluded_for_memory():
 
 
 def test_ranking():
-    plans, skipped = planner.plan_all(LLM_1B, planner.parse_topology("v5p:4x4x4"), 64)
+    plans, skipped = planner.plan_all(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), 64)
     fit, over = planner.rank(plans, "serial")
     assert not over and [(p.strategy, p.mesh["tensor"]) for p in fit] == [
         ("dp", 1), ("fsdp", 1), ("fsdp_tp", 2), ("fsdp_tp", 4), ("fsdp_tp", 8), ("fsdp_tp", 16)]
@@ -178,7 +179,7 @@ def test_readme_launch_lines_are_what_the_plan_prints():
         cfg = preset(given["preset"])
         if "dtype" in given:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=given["dtype"]))
-        topo = planner.parse_topology(given["topology"])
+        topo = hardware_links.parse_topology(given["topology"])
         fit, _ = planner.rank(planner.plan_all(cfg.model, topo, cfg.train.batch_size)[0], "serial")
         printed += planner.launch_commands(fit[0], topo, given["preset"], cfg)
     assert printed == shown

@@ -1,0 +1,143 @@
+"""The hardware a plan runs on: a topology (a TPU slice's chip grid, or GPU nodes x GPUs per node)
+and the link each mesh axis's collectives cross (ICI, NVLink or the inter-node network), with its
+bandwidth. `launch.plan` prices every strategy's collectives over these links."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+
+from twinshard.hardware import chips
+from twinshard.hardware.chips import Chip
+
+GB = 1e9  # link rates in GB/s, as datasheets print them
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str  # 'v5p:4x4x4', 'h100:8x8'
+    chip: Chip
+    grid: tuple[int, ...]  # TPU: chips along each physical axis; GPU: (nodes, GPUs per node)
+
+    @property
+    def chips(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def torus(self) -> bool:
+        """Wraparound links on every axis (TPU slices whose sides are all multiples of torus_multiple)."""
+        return self.chip.is_tpu and all(g % self.chip.torus_multiple == 0 for g in self.grid)
+
+    def describe(self) -> str:
+        if self.chip.is_tpu:
+            kind = "torus" if self.torus else "mesh without wraparound"
+            return f"{self.name} = {self.chips} TPU {self.chip.name} chips ({kind})"
+        nodes, per_node = self.grid
+        return f"{self.name} = {nodes} node{'s' * (nodes > 1)} x {per_node} {self.chip.name} GPUs"
+
+
+def parse_topology(text: str) -> Topology:
+    """'v5p:4x4x4' -> 64 v5p chips on a 4x4x4 grid; 'h100:8x8' -> 8 nodes x 8 GPUs."""
+    name, colon, shape = (text or "").strip().partition(":")
+    example = "e.g. v5p:4x4x4, v5e:16x16, v4:2x2x4 (TPU slices) or h100:8x8, h200:1x8 (nodes x GPUs per node)"
+    try:
+        chip = chips.chip(name)
+    except ValueError as e:
+        raise ValueError(f"--topology={text}: {e} Write CHIP:SHAPE, {example}.") from None
+    if not colon or not re.fullmatch(r"[1-9]\d*(x[1-9]\d*)*", shape.strip()):
+        raise ValueError(f"--topology={text}: shape {shape.strip()!r} is not sizes >= 1 joined by 'x'; "
+                         f"write CHIP:SHAPE, {example}.")
+    grid = tuple(int(x) for x in shape.strip().split("x"))
+    topo = Topology(f"{chip.name.lower()}:{'x'.join(map(str, grid))}", chip, grid)
+    problem = _shape_problem(topo)
+    if problem:
+        raise ValueError(f"--topology={text}: {problem}.")
+    return topo
+
+
+def _shape_problem(topo: Topology) -> str | None:
+    chip, grid = topo.chip, topo.grid
+    if chip.is_tpu and len(grid) != chip.torus_dims:
+        want = "AxBxC, e.g. 4x4x4" if chip.torus_dims == 3 else "AxB, e.g. 4x4"
+        return f"{chip.name} slices are {chip.torus_dims}-D ({want})"
+    if chip.is_tpu and topo.chips > chip.max_chips:
+        return f"{topo.chips} chips is more than the largest {chip.name} slice ({chip.max_chips})"
+    if not chip.is_tpu and len(grid) != 2:
+        return "a GPU cluster is NODESxGPUS (e.g. h100:8x8: 8 nodes of 8 GPUs)"
+    if not chip.is_tpu and grid[1] > chip.gpus_per_node:
+        return f"{grid[1]} GPUs per node; an HGX {chip.name} node has {chip.gpus_per_node}"
+    if topo.chips < 2:
+        return "one chip needs no parallelism plan; train with --strategy=single"
+    return None
+
+
+# ----------------------------------------------------------------------------- links per mesh axis
+
+
+@dataclass(frozen=True)
+class Link:
+    bytes_per_s: float  # what one chip can send over the axis (one way)
+    what: str
+
+
+def tensor_sides(grid: tuple[int, ...], tensor: int) -> tuple[int, ...]:
+    """Chips of the tensor axis along each physical axis, as jax's mesh_utils lays out a
+    (data, tensor) mesh on a TPU slice (tensor, the more communication-heavy, placed first;
+    tests/test_plan.py checks this against jax's own assignment):
+
+    1. whole physical axes whose sizes multiply to `tensor`, as many of them as possible
+       (v5p 4x4x4, tensor 16: x and y);
+    2. else part of some: the most chips on whole axes, then the most whole axes, then the
+       first axes (v5e 16x16, tensor 4: 4 chips of x; v5p 4x4x4, tensor 8: x and 2 chips of y).
+    """
+    for k in range(len(grid), 0, -1):
+        for axes in itertools.combinations(range(len(grid)), k):
+            if math.prod(grid[i] for i in axes) == tensor:
+                return tuple(g if i in axes else 1 for i, g in enumerate(grid))
+    options = [a for a in itertools.product(*([k for k in range(1, g + 1) if g % k == 0] for g in grid))
+               if math.prod(a) == tensor]
+
+    def preference(a: tuple[int, ...]) -> tuple:
+        whole = [n for n, g in zip(a, grid) if n == g and n > 1]
+        return math.prod(whole), len(whole), a
+
+    return max(options, key=preference)
+
+
+def _ici(topo: Topology, spans: list[tuple[int, int, bool]]) -> Link:
+    """An axis over (physical axis, its chips along it, spans the whole side?): a ring on each."""
+    one_way, parts = topo.chip.ici_link_bytes_per_s, []
+    for i, n, whole in spans:
+        k = 2 if whole and topo.torus else 1  # a bidirectional ring, or one folded back on its links
+        how = "torus ring" if k == 2 else "no wraparound" if whole else f"part of a side of {topo.grid[i]}"
+        parts.append((k, f"{'xyz'[i]} ({n} chips, {how}): {k} x {one_way / GB:g} GB/s"))
+    return Link(sum(k for k, _ in parts) * one_way, "ICI " + ", ".join(what for _, what in parts))
+
+
+def tpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
+    sides = tensor_sides(topo.grid, mesh["tensor"])
+    tensor = [(i, n, n == g) for i, (n, g) in enumerate(zip(sides, topo.grid)) if n > 1]
+    data = [(i, g // n, True) for i, (n, g) in enumerate(zip(sides, topo.grid)) if g // n > 1]
+    return {axis: _ici(topo, spans) for axis, spans in (("data", data), ("tensor", tensor)) if spans}
+
+
+def gpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
+    chip, (nodes, per_node) = topo.chip, topo.grid
+    nvlink = Link(chip.nvlink_bytes_per_s, f"NVLink {chip.nvlink_bytes_per_s / GB:g} GB/s")
+    nic = chip.node_network_bytes_per_s / chip.gpus_per_node
+    network = Link(nic, f"inter-node network {nic / GB:g} GB/s per GPU "
+                        f"({chip.node_network_bytes_per_s / GB:g} GB/s per node / {chip.gpus_per_node} GPUs)")
+    t = mesh["tensor"]
+    links = {"data": nvlink if nodes == 1 else network,
+             "tensor": nvlink if per_node % t == 0 else network}
+    return {axis: link for axis, link in links.items() if mesh[axis] > 1}
+
+
+def axis_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
+    """mesh axis (of size > 1) -> the bandwidth one chip has over it."""
+    return (tpu_links if topo.chip.is_tpu else gpu_links)(topo, mesh)
+
+
+# ----------------------------------------------------------------------------- one plan
