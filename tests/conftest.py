@@ -155,7 +155,7 @@ def pytest_sessionstart(session):
 # "other". Measured with it (2-core EPYC VM, cold cache, 1831 worker-s in all, 2026-12-01):
 # backend compile 805 s, trace 209 s, lower 121 s; the subprocess modules (test_readme 328 s,
 # test_multiprocess 106 s, ...) ~600 s. Each row also lists the programs compiled cold
-# ("compiled": [jitted function, cache key suffix, seconds]); the launchers forked by
+# ("compiled": [jitted function, seconds]); the launchers forked by
 # tests/zygote.py append theirs, one line per command, to FILE-launchers.jsonl.
 # Only the first pytest (the controller, which sets _OWNER to its pid) and its xdist workers (its
 # children) record: not a pytest that a test starts (tools/mutate.py's runs inherit the variables;
@@ -186,7 +186,7 @@ if _PROFILE:
 
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
-    from zygote import record_programs  # each cold compile: [jitted function, cache key suffix, seconds]
+    from zygote import record_programs  # each cold compile: [jitted function, seconds]
 
     _programs = record_programs()
 

@@ -132,25 +132,36 @@ def _child(request: dict, import_stderr: bytes) -> None:
 
 
 def record_programs() -> list[list]:
-    """Record every cold backend compile of this process from now on, as [jitted function, cache
-    key suffix, seconds], in the list returned (tests/conftest.py's suite profile; a program that
-    two tests compile shows twice). jax._src.compiler._compile_and_write_cache is private (JAX
-    0.12.0.1): without it, nothing is recorded."""
-    from jax._src import compiler
+    """Record every cold backend compile of this process from now on, as [jitted function, seconds],
+    in the list returned (tests/conftest.py's suite profile; a program that two tests compile shows
+    twice). Through jax.monitoring's public listeners: a backend compile (its start is a scalar
+    event, its end a duration event, both named BACKEND_COMPILE) during which the persistent
+    compilation cache reported no hit."""
+    import jax
 
     programs: list[list] = []
-    compile_and_write = getattr(compiler, "_compile_and_write_cache", None)
-    if compile_and_write is None:
-        return programs
+    hit = [False]
 
-    def recorded(backend, computation, devices, options, callbacks, module_name, cache_key):
-        t = time.perf_counter()
-        out = compile_and_write(backend, computation, devices, options, callbacks, module_name, cache_key)
-        programs.append([module_name, cache_key[-16:], round(time.perf_counter() - t, 3)])
-        return out
+    def on_event(event: str, **_) -> None:
+        if event == CACHE_HIT:
+            hit[0] = True
 
-    compiler._compile_and_write_cache = recorded
+    def on_start(event: str, value: float, **_) -> None:
+        if event == BACKEND_COMPILE:
+            hit[0] = False
+
+    def on_end(event: str, duration: float, fun_name: str = "?", **_) -> None:
+        if event == BACKEND_COMPILE and not hit[0]:
+            programs.append([fun_name, round(duration, 3)])
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_scalar_listener(on_start)
+    jax.monitoring.register_event_duration_secs_listener(on_end)
     return programs
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 def _record_launcher(argv: list[str]):
