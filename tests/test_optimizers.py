@@ -48,7 +48,7 @@ STEPS = 3
 # Params after 3 steps, max |twin - single| over strategies and twins, measured (XLA:CPU):
 # adafactor 2.4e-7 (its means summed in another order; the update is ~lr x RMS(param));
 # sgd 1.5e-8; lion 0.0 (every update is lr * sign(.) - exact wherever the signs agree,
-# and they did: a flipped sign would cost 2 lr = 6e-3). AdamW needs 2e-5 (DESIGN.md: its
+# and they did: a flipped sign would cost 2 lr = 6e-3). AdamW needs 2e-5 (docs/design.md: its
 # eps amplifies rounding where |g| ~ eps); these optimizers have no such amplifier: ~10x.
 PARAM_ATOL = {"adafactor": 2e-6, "lion": 1e-6}
 

@@ -10,7 +10,7 @@ What the test changes, and why (each variant only adds flags; absl keeps the las
 - the main job trains `--steps=4 --stop_after=2` instead of 200 steps (minutes on 2
   cores), and the resume after it `--steps=4` (a resume must keep the run's --steps);
   the bf16 example and the memory example train `--steps=4`; the bench runs
-  `--strategies=single` instead of all four strategies x both twins (each run compiles its
+  `--strategies=single` instead of its four default strategies x both twins (each run compiles its
   own step; tests/test_bench.py runs the strategies), with a 512^3 peak matmul timed 3 times
   (twenty 2048^3 ones took 7 of its 27 s on a 2-core VM); the tp comparison runs `--steps=3`;
   the samplers write 20 tokens, not 200 (the small model's 200 took ~6 s: without a KV cache
