@@ -5,9 +5,9 @@ Config: tests/runners.py's CFG, the tiny preset with num_heads=8 (head_dim 8), s
 heads split over a tensor axis of 8, and grad_clip 0.25 (every AdamW step clipped);
 test_manual trains the same auto runners, so their programs compile once per suite
 (persistent compilation cache). Cases: dp, fsdp, tp on their default 8-device meshes, and
-fsdp_tp on data:2,tensor:4 (its default data:4,tensor:2 was a fifth case until the suite's
-time bound: the same annotations on another split, ~13 s of CPU; the placement mutants that
-select this file are caught without it). Each case
+fsdp_tp on data:2,tensor:4 (not also its default data:4,tensor:2: the same annotations on
+another split, ~13 s of CPU; the placement mutants that select this file are caught without
+it). Each case
 compiles its AdamW step once (module-scoped fixture), runs it from the compiled
 executable, and compiles one SGD step.
 

@@ -146,8 +146,7 @@ def test_strategy_compare_and_collectives_examples(readme_runs):
     cwd, _ = readme_runs
     assert "done: step 20 of 20" in out(readme_runs, "--strategy=fsdp_tp --impl=manual")
     compared = out(readme_runs, "launch.compare")
-    # single vs auto vs manual from one init on the same batches (tests/test_compare.py did this
-    # in-process on other programs until this command's numbers were checked here)
+    # single vs auto vs manual from one init on the same batches: the three losses of each step
     losses = [[float(v) for v in line.split()[1:]] for line in compared.splitlines()
               if re.match(r"^ +\d+ +\d+\.\d+ +\d+\.\d+ +\d+\.\d+$", line)]
     assert len(losses) == 3, compared[:2000]  # --steps=3
