@@ -2,8 +2,8 @@
 PipelineRunner (manual_parallel/pp.py) with FSDP's hooks (manual_parallel/fsdp.py)
 on a `stage` x `data` mesh.
 
-Placement (twinshard/parallel/strategies.py PP_FSDP, as in the GSPMD twin): pp's `layers -> stage` plus fsdp's
-`embed -> data` and `batch -> data`. Device (s, j) holds stage s's L/S layers,
+Placement (twinshard/parallel/strategies.py PP_FSDP, as in the GSPMD twin): pp's
+`layers -> stage` plus fsdp's `embed -> data` and `batch -> data`. Device (s, j) holds stage s's L/S layers,
 each matrix as the j-th 1/data slice of its d_model dim (W1: [L/S, D/data, F]),
 and the embedding [V, D/data] and lm_head [D/data, V]: replicated over `stage`,
 sharded over `data` as under fsdp (every stage holds 1/data of them; only stage 0 /

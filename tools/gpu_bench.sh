@@ -174,4 +174,4 @@ ls -la "$OUT"
 echo
 cat "$MD"
 exec 1>&- 2>&-
-wait "$TEE_PID"  # the log is complete before the device tool collects $OUT
+wait "$TEE_PID"  # the log is complete before $OUT is collected
