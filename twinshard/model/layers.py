@@ -351,7 +351,7 @@ def causal_self_attention(
     x: [B, T, D]; wq/wk/wv: [D, h*dh]; wo: [h*dh, D]; h = wq.shape[1] // head_dim
     (all H heads on one device, H/tensor under Megatron TP). Returns [B, T, D]
     (a partial sum over heads under TP: the caller reduces it). The model runs the same
-    steps through its strategy's hooks (model.CausalSelfAttention).
+    steps through its strategy's hooks (transformer.CausalSelfAttention).
     """
     q, k, v = linears(x, (wq, wk, wv))
     attend = functools.partial(causal_attention, impl=attention)
