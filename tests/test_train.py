@@ -113,8 +113,8 @@ def corrupt_copy(full_run, tmp_path_factory, damage) -> str:
 
 
 # Three failed restores in one process: an Orbax read coroutine abandoned by one failure can be
-# finalized by the garbage collector during the NEXT restore (measured in CI, 2026-12-02:
-# corrupt1's coroutine during corrupt2's), where pytest's unraisable-exception hook reports it.
+# finalized by the garbage collector during the NEXT restore (measured in CI: corrupt1's
+# coroutine during corrupt2's), where pytest's unraisable-exception hook reports it.
 # In a launcher there is one restore per process, and twinshard/train/checkpoint.py drops what such
 # finalizers print (test_corrupt_checkpoint_on_the_command_line_is_a_few_lines checks the CLI).
 @pytest.mark.filterwarnings("ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"

@@ -57,8 +57,8 @@ def matmul(x: Array, w: Array) -> Array:
     the gradient column by column, several times slower on CPU (measured, JAX 0.12). One dot
     x^T g puts the all-reduce on a gradient already in the weight's layout. The manual twin's
     gradient mean comes after the transpose (its own line): never the problem.
-    jax.checkpoint's policies see the forward dot as before (the same saved residuals under
-    dots / dots_no_batch / full)."""
+    jax.checkpoint's policies see the same forward dot as for the plain `x @ w` (the same saved
+    residuals under dots / dots_no_batch / full)."""
     return _product(x, w)
 
 
@@ -82,9 +82,9 @@ def cotangent_like(ct: Array, primal: Array) -> Array:
     does not (the transpose of the implicit broadcast: a weight invariant over `data` meeting
     an activation that varies over it). Without the sum JAX rejects the program (`Custom VJP
     bwd rule ... corresponding to an input of type`) where autodiff of the plain expression
-    inserted the psum silently (docs/design.md, JAX facts). The strategies here never need it (their manual
-    twins pcast first); a bug that forgets the pcast then fails as it did before these
-    custom backwards: gradients N times too large. The reverse (a primal varying over an
+    inserted the psum silently (docs/design.md, JAX facts). The strategies here never need it
+    (their manual twins pcast first); a bug that forgets the pcast then fails as it would under
+    plain autodiff: gradients N times too large. The reverse (a primal varying over an
     axis its cotangent does not) cannot happen here: each cotangent above is a product with
     the output's cotangent, which varies over every axis either input does."""
     if extra := tuple(sorted(_varying_axes(ct) - _varying_axes(primal))):
