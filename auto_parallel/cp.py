@@ -1,21 +1,19 @@
 """Context parallelism, GSPMD twin: the sequence dimension of the batch and of every activation
 is split over `context`; every weight is replicated.
 
-Placement only, plus the layout (twinshard/parallel/context.py): the runner permutes the batch into the
-layout on the host, RoPE takes the permuted true positions (`positions`) and, for the zig-zag
-layout, attention masks by true positions (key position <= query position) instead of by
-index. XLA derives the communication. Measured (tiny, context:4, L=2, XLA:CPU, both layouts;
-tests/test_context.py asserts it): GSPMD does not run a ring. It all-gathers K (after RoPE) and
-V, [B, H, T, dh], over `context` in the forward layer loop, and gathers them AGAIN in the
-backward loop (it saves the local shards, not the gathered copies): 4 all-gathers per layer.
-The gradients of the gathered K and V come back as full-size all-reduces of [B, H, T, dh]
-(XLA:CPU's reduce-scatter: all-reduce + dynamic-slice), 2 per layer; every weight gradient is
-all-reduced over `context` (9 per layer in the backward loop, 3 outside), and the loss: 8
-all-gathers and 26 all-reduces, no collective-permute. Per layer that is 2 x 2 (C-1)/C of the
-whole K and V through the ring plus 2 full-size all-reduces, where the manual twin's ring
-sends 2 x 2 (C-1)/C of them in collective-permutes and their gradients back as many (no
-all-reduce of dK, dV). Both hold the whole K and V per device for the backward pass (the ring's
-autodiff keeps every block it received: manual_parallel/ring_attention.py).
+The placement (twinshard/parallel/strategies.py CP) plus the layout (twinshard/parallel/context.py):
+the runner permutes the batch into the layout on the host, RoPE takes the permuted true
+positions (`positions`) and, for the zig-zag layout, attention masks by true positions (key
+position <= query position) instead of by index. XLA derives the communication.
+GSPMD does not run a ring: it all-gathers K (after RoPE) and V, [B, H, T, dh], over `context`
+in the forward layer loop and again in the backward loop (it saves the local shards, not the
+gathered copies); the gradients of the gathered K and V come back as full-size all-reduces
+(XLA:CPU's reduce-scatter), and every weight gradient is all-reduced over `context`. The
+manual twin's ring sends the same K and V in collective-permutes and their gradients back
+as many, with no all-reduce of dK, dV. Both hold the whole K and V per device for the
+backward pass (the ring's autodiff keeps every block it received:
+manual_parallel/ring_attention.py). tests/test_context.py
+(test_auto_gathers_k_and_v_over_context) asserts the collectives.
 Optimizer: gradients are replicated, so the global norm is local.
 """
 

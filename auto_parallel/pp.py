@@ -2,13 +2,13 @@
 program over a stage dimension, sharded over `stage`; XLA turns the shift of
 that dimension into collective-permutes.
 
-Placement: the stacked block params [L, ...] split over `stage` on their
-`layers` dim (the manual twin's table), viewed as [S, L/S, ...]; embedding,
-ln_final and lm_head replicated (twinshard/parallel/pipeline.py says why).
+Placement (twinshard/parallel/strategies.py PP): the stacked block params [L, ...] split
+over `stage` on their `layers` dim, viewed as [S, L/S, ...]; embedding, ln_final and
+lm_head replicated (twinshard/parallel/pipeline.py says why).
 
 `GSPMDPipeline.layer_stack` replaces the model's one scan over L layers
-(parallelism.Parallelism.layer_stack). Global arrays, dim 0 = stage, pinned to
-P('stage'), so each device holds and computes only its own row:
+(twinshard/model/hooks.py Parallelism.layer_stack). Global arrays, dim 0 = stage, pinned
+to P('stage'), so each device holds and computes only its own row:
 
     inject   [S, M, B/M, T, D]  row 0: the M embedded micro-batches, other rows 0
     state    [S, B/M, T, D]     what each stage works on this tick
@@ -21,20 +21,16 @@ and M + S - 1 ticks of a `lax.scan`:
     finished = where(stage == S-1 and i >= S-1, finished.at[:, i-S+1].set(out), finished)
     state    = roll(out, 1, axis=0)                           (stage s -> s+1)
 
-Measured (tiny, L=4, JAX 0.12.0.1, XLA:CPU, stage:4, M=4): the roll is ONE
-collective-permute per tick, cyclic ((0,1),(1,2),(2,3),(3,0): the wrap-around
-carries a value nobody uses), forward; its transpose in the backward loop is
-TWO collective-permutes per tick ((1,0),(2,1),(3,2) and (0,3)), each of one
-micro-batch [1, B/M, T, D]; outside the loop, once per step, the embedded
-batch reaches row 0 and the finished row S-1 reaches the loss (collective-
-permute + all-reduce of [1, M, B/M, T, D], and their backward). Where the
-manual twin sends S-1 hops per tick, GSPMD sends S (the cyclic roll) forward.
+The roll is a cyclic collective-permute of one micro-batch [1, B/M, T, D] per tick forward
+(the wrap-around carries a value nobody uses: S hops where the manual twin sends S-1), and
+its transpose in the backward loop; once per step the embedded batch reaches row 0 and the
+finished row S-1 reaches the loss. tests/test_pipeline.py
+(test_auto_shifts_the_stage_buffer_with_collective_permutes) asserts them.
 The stage function runs with GSPMD hooks (the weight pin, the residual stream's
 constraint: the strategy's activation rules) under `vmap(..., spmd_axis_name='stage')`,
 which puts `stage` on the vmapped dim of every constraint inside. Without
 spmd_axis_name a constraint on the per-stage shape would pin the stage dim
-(replicated) and gather every stage's weights; pp's own rules pin nothing else
-(its ledger is the same with or without the hooks, tests/test_pipeline.py).
+(replicated) and gather every stage's weights.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GSPMD machinery shared by the four auto strategies.
+"""The GSPMD machinery shared by every auto strategy.
 
 A strategy is two tables (its declaration in twinshard/parallel/strategies.py): `params` and
 `activations`, logical axis -> mesh axis. From them this module builds
@@ -22,23 +22,9 @@ sharding, is the step's one gradient sync. FSDP matrices are pinned whole
 run once per step too. Inside the vmap the strategy's own hooks run with 'batch'
 dropped from their activation rules (`GSPMD.without_batch`: the vmapped axis carries
 `data`), so fsdp_cp keeps its context layout and tp_sp its sequence shards.
-Measured (tiny, num_heads 8, B=32, XLA:CPU, opt level 0; ledger counts per step,
-K = 1 / 2 / 4; tests/test_accum.py asserts the K = 2 and 4 counts):
-    dp data=8        all-reduce data 22 / 13 / 13 (K = 1: 9 of them in the backward
-                     layer loop x L; K > 1: 12 gradient leaves + the loss, all
-                     multiplicity 1: after the micro-batch loop)
-    fsdp data=8      all-gather 16 / 9 / 9 (K > 1: one per matrix leaf, before the
-                     loop), all-reduce 29 / 22 / 22 (12 gradient leaves - XLA:CPU's
-                     reduce-scatter -, 9 squared-norm partials, the loss)
-    tp tensor=8      all-reduce tensor 28 / 47 / 85 = 19 K + 9: the Megatron
-                     activation all-reduces are per micro-batch, the 9 norm partials not
-    fsdp_tp 2x4      data as fsdp (16 / 9 / 9 gathers, 29 / 22 / 22 all-reduces),
-                     tensor as tp (28 / 47 / 85)
-    tp_sp, fsdp_cp   their hooks in the vmap: the sequence gathers and context layout
-                     per micro-batch (tp_sp.py, fsdp_cp.py have the counts)
-Without the vmap (plain accumulation, measured): dp 22 / 44 / 88 all-reduces; fsdp
-16 / 30 / 58 all-gathers and 29 / 53 / 97 all-reduces - every gradient sync (and
-every per-layer gather) K times.
+Without the vmap every gradient sync (and every per-layer gather) ran K times (measured,
+JAX 0.12); tests/test_accum.py (test_auto_syncs_gradients_once_per_step,
+test_auto_data_collectives_do_not_grow_with_k) asserts that they run once.
 """
 
 from __future__ import annotations
@@ -79,15 +65,14 @@ class GSPMD(Parallelism):
 
         Inside the layer scan `w` is one layer's slice of the stacked [L, ...] param
         (e.g. W1 [D/data, F] in FSDP's storage layout), so the pin is per layer: GSPMD
-        gathers one layer's weight per loop iteration (measured: a [1, D, F] all-gather
-        in the while body, multiplicity L), not the whole stack before the loop.
+        gathers one layer's weight per loop iteration, not the whole stack before the loop.
 
         FSDP's 'embed' -> 'data' split is absent from those rules, so this is the
         GSPMD form of FSDP's all-gather (and its gradient's reduce-scatter), while
         TP's heads/mlp/vocab splits are kept. Without it GSPMD planned the
         vocab-sharded embedding lookup around the weight instead (all-gathered
         token ids, all-to-all of activations, an involuntary full
-        rematerialization in the backward pass; measured in fsdp_tp.py).
+        rematerialization in the backward pass: fsdp_tp.py).
         """
         return self.constrain(w, axes)
 

@@ -2,10 +2,8 @@
 
 glibc malloc tunables. XLA:CPU allocates each step's temporaries afresh; with glibc's
 defaults every buffer over 128 KiB is a new mmap that is zero-filled page by page on first
-touch and unmapped again at free. Measured (small preset, one CPU device, JAX 0.12):
-2.6 M minor page faults in a 20-step run, and 1074 -> 805 ms per step with
-MALLOC_TUNABLES below (2x AMD EPYC cores; hugetlb=1 alone: 938 ms, the thresholds alone:
-944 ms). So a launcher started as `python -m launch.<name>` on Linux re-executes itself
+touch and unmapped again at free: millions of minor page faults a run, and a
+quarter of the small preset's CPU step time (measured, JAX 0.12). So a launcher started as `python -m launch.<name>` on Linux re-executes itself
 once, before anything else is imported, with GLIBC_TUNABLES set: buffers up to 32 MiB come
 from malloc's heap and are reused, the heap is never trimmed, and what is mapped is
 madvise'd for transparent huge pages. Setting GLIBC_TUNABLES yourself (even to the empty

@@ -83,8 +83,8 @@ for _name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
         " (a new d_model without --d_ff re-derives d_ff = 8/3 d_model)." if _name == "d_model" else "."))
 FLAGS = flags.FLAGS
 
-# MaxText 0.2.5's llama-style reference of issue 9 (d_model 256, 4 layers, 4 heads x 64, mlp 1024,
-# vocab 4096, seq 256, global batch 16, fp32), on which the issue measured MaxText on this CPU.
+# MaxText 0.2.5's llama-style reference (d_model 256, 4 layers, 4 heads x 64, mlp 1024,
+# vocab 4096, seq 256, global batch 16, fp32): tools/maxtext_compare.sh runs MaxText on it.
 BENCH_PRESETS: dict[str, Config] = {
     "maxtext_llama_ref": Config(
         ModelConfig(vocab_size=4096, context_length=256, d_model=256, num_layers=4, num_heads=4, d_ff=1024),

@@ -13,10 +13,9 @@ allows, the cost model of the manual twin (twinshard.cost) gives, per chip:
 
 - memory: params + grads + optimizer state (--optimizer; AdamW's 2 moments by default) + activations (under --remat) +
   the backward loop's one-layer working set + FSDP's gathered layer; the plan fits when that is
-  at most (1 - --hbm_headroom) of the HBM. Compiled for the slice, XLA's peak per chip
-  (arguments + outputs - aliased + temporaries) was 38.9 GiB for llm_1b dp on v5p:4x4x4 where
-  the model says 38.0 GiB (it said 29.0 before it counted what autodiff really saves and the
-  working set); XLA's buffers are a peak, the model a sum, hence the default headroom of 25%;
+  at most (1 - --hbm_headroom) of the HBM. XLA's buffers are a peak (arguments + outputs -
+  aliased + temporaries) and the model a sum; compiled for the slice, XLA's peak can sit above
+  the model's (--hbm_headroom's help says by how much), hence the default headroom of 25%;
 - compute time = FLOPs per chip / (peak x --mfu): the bf16 peak for --dtype=bfloat16, and for
   float32 the peak of JAX's default matmul precision (TF32 tensor cores on NVIDIA; on TPU one
   bf16 MXU pass, so the bf16 peak);
@@ -46,8 +45,7 @@ Which links a mesh axis uses:
 --compile (TPU only; needs libtpu, the `tpu` extra) then compiles the best plan's train step
 (the manual twin) ahead of time for that slice on this machine (twinshard/hardware/topology.py) and
 prints the compiled step's collectives and memory_analysis() per chip beside the model's
-(measured on a shared 2-core CPU: gpt2_125m dp on v5e:4x4 in 45 s, llm_1b dp on v5p:4x4x4 in
-75 s). GPU topologies cannot be compiled without the GPUs.
+(about a minute on a 2-core CPU). GPU topologies cannot be compiled without the GPUs.
 """
 
 from __future__ import annotations

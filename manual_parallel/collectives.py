@@ -261,20 +261,10 @@ def all_gather_matmul(x_shard: Array, ws: tuple[Array, ...], axis: str) -> tuple
     reads every chunk: under remat none they are saved (n of [B, T/n, D], the gathered x's
     size), under a remat policy the forward ppermutes run again in the backward pass.
 
-    Measured on a TPU ahead-of-time compile (v5e:2x2, tensor:4, tiny, libtpu 0.0.50.1;
-    `python -m launch.collectives --strategy=tp_sp --impl=manual --collective_matmul
-    --topology=v5e:2x2 --mesh=tensor:4 --preset=tiny --hlo=step.hlo`, then read the forward
-    layer loop's body in the scheduled module): every hop is an async pair, and the
-    scheduler puts the chunk's matmuls between them - `collective-permute-start`, the q, k,
-    v dots (convolution fusions) of the chunk held, `collective-permute-done`; in the MLP,
-    start, w1 and w3 dots, done. The backward loop brackets the dx and weight-gradient dots
-    of each chunk by its reverse hop the same way. (Compiled alone - all_gather_matmul and its
-    gradient on [8, 256, 512], tensor:4 - the first forward pair brackets no dot, the scheduler
-    having moved chunk 0's matmuls into the next hop; the other 5 pairs bracket 3 to 5.)
-    TPU sends the chunks in bf16 (the default
-    matmul precision reads f32 as bf16, so XLA converts before the send: the ledger shows
-    half the f32 bytes; tests/test_tpu_topology.py says the same of FSDP's gathers). XLA:CPU
-    has no async collectives, so the CPU program cannot show the overlap.
+    On a TPU ahead-of-time compile every hop is an async collective-permute pair that the
+    scheduler brackets around the chunk's dots, forward and backward (measured, libtpu 0.0.50;
+    read it with `python -m launch.collectives --collective_matmul --topology=v5e:2x2 --hlo=...`);
+    XLA:CPU has no async collectives, so the CPU program cannot show the overlap.
     """
     n, i = lax.axis_size(axis), lax.axis_index(axis)
     b, t, _ = x_shard.shape

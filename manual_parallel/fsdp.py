@@ -23,18 +23,11 @@ float32 accumulator sums their gradients, and the `jax.vjp` pullback of
 `gather_step` - fsdp_gather's backward - reduce-scatters each accumulated leaf once
 (9 reduce-scatters). The same bytes as one ZeRO-3 forward gather, whatever K.
 
-Alternatives (cost model numbers, gpt2_350m, N = 407M, fsdp data=8, B=64 = 8 per
-device, T=1024, float32, K=4, per device per step; W = one pass over the weights,
-1.33 GiB of ring bytes):
-    ZeRO-3 per micro-batch (gather, re-gather, scatter K times; the K = 1 program
-        in a loop, sharded accumulator): K x 3W = 15.2 GiB, +0.19 GiB.
-    per-layer gathers per micro-batch, unreduced full-size accumulator, one
-        scatter: ~(2K + 1) W = 11.3 GiB, +1.51 GiB (the accumulator) - and autodiff
-        cannot return a full-size gradient for a shard-shaped param from inside the
-        layer scan, so it needs a zero "gradient sink" input per leaf.
-    chosen, gather once + scatter once: 2W = 2.65 GiB (K = 1 today: 3.81 GiB),
-        +3.0 GiB: the gathered weights (1.51 GiB; bf16: 0.76) and the float32
-        accumulator (1.51 GiB), against activations that drop 27.2 -> 6.8 GiB.
+Why this shape: ZeRO-3 per micro-batch moves 3W of ring bytes
+K times (W: one pass over the weights); per-layer gathers into an unreduced full-size
+accumulator still move ~(2K + 1) W, and autodiff cannot return a full-size gradient for a
+shard-shaped param from inside the layer scan. Gather once + scatter once moves 2W whatever
+K, for the gathered weights and the float32 accumulator held through the step.
 Once a full-size accumulator is held (the price of a single scatter), keeping the
 gathered weights adds at most as much again and removes 2K - 1 weight gathers.
 When even one full copy does not fit, K = 1 (ZeRO-3) with a smaller batch, or remat,
@@ -95,14 +88,10 @@ class FullyShardedDataParallel(ManualParallelism):
         (with the psum outputs of fsdp_tp's Megatron g, base.py; remat=none: everything
         autodiff saves), minus the gathered weights. The backward loop then re-gathers each layer's 7
         matrices in its own iteration, and no gathered weight outlives its layer
-        (measured: 7 all-gathers in the forward loop, 7 in the backward loop, each of
-        multiplicity L, for every policy; tests/test_remat.py).
+        (tests/test_remat.py asserts it for every policy).
 
-        Measured (JAX 0.12): a checkpoint around the WHOLE loss (this twin's earlier
-        design) does not nest: its policy overrides the layer's, and its recomputation
-        runs as a third loop between the forward and the backward loop, which re-gathers
-        the weights of every layer and hands all L of them, stacked [L, D, F], to the
-        backward loop."""
+        jax.checkpoint policies do not nest: a checkpoint around the whole loss overrides the
+        layer's policy and re-gathers every layer's weights at once (measured, JAX 0.12)."""
         inner = super().layer_policy(policy)  # + saves_reductions (fsdp_tp's Megatron g)
         return never_gathered(everything_saveable if inner is None else inner)
 

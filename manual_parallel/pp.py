@@ -1,9 +1,9 @@
 """Pipeline parallelism (GPipe), shard_map twin: each device IS one stage and runs
 only its own L/S layers; micro-batches travel between stages by `ppermute`.
 
-Placement (the GSPMD twin's table): the stacked block params [L, ...] are split
-over `stage` on their `layers` dim (stage s holds layers [s*L/S, (s+1)*L/S) as
-[L/S, ...]); embedding, ln_final and lm_head are replicated over `stage`
+Placement (twinshard/parallel/strategies.py PP, as in the GSPMD twin): the stacked block
+params [L, ...] are split over `stage` on their `layers` dim (stage s holds layers
+[s*L/S, (s+1)*L/S) as [L/S, ...]); embedding, ln_final and lm_head are replicated over `stage`
 (twinshard/parallel/pipeline.py says why). The batch is replicated over `stage`.
 
 Per device, M + S - 1 ticks of a `lax.scan` (twinshard/parallel/pipeline.py draws them):

@@ -2,8 +2,8 @@
 PipelineRunner (manual_parallel/pp.py) with FSDP's hooks (manual_parallel/fsdp.py)
 on a `stage` x `data` mesh.
 
-Placement (the GSPMD twin's table): pp's `layers -> stage` plus fsdp's
-`embed -> data` and `batch -> data`. Device (s, j) holds stage s's L/S layers,
+Placement (twinshard/parallel/strategies.py PP_FSDP, as in the GSPMD twin): pp's
+`layers -> stage` plus fsdp's `embed -> data` and `batch -> data`. Device (s, j) holds stage s's L/S layers,
 each matrix as the j-th 1/data slice of its d_model dim (W1: [L/S, D/data, F]),
 and the embedding [V, D/data] and lm_head [D/data, V]: replicated over `stage`,
 sharded over `data` as under fsdp (every stage holds 1/data of them; only stage 0 /
@@ -29,21 +29,16 @@ pipeline (pp.py `_value_and_grad`):
             lm_head.
   metrics:  psum over stage of the loss (the last stage's), pmean over data.
 
-Why once per step, not per layer inside the stage's scan (ZeRO-3, fsdp's default), measured
-(JAX 0.12, XLA:CPU, tiny, stage:2,data:2, M=4):
-- GPipe with FSDP's per-layer hooks in the stage: JAX's partial evaluation of the tick
-  `scan` hoists the forward gathers (they read only the params: loop-invariant) out of the
-  tick loop anyway, into a loop of their own over the L/S layers; only the backward
-  re-gathers and reduce-scatters per layer and tick: 7 L/S (1 + 2(M + S - 1)) collectives of
-  one layer's matrices, against 2 x 9 here. And that hoisted loop needs nothing of the
-  embedding's gather, so XLA:CPU ran the two in either order per device; every collective of
-  a shard_map program has channel_id 1 (CPU's rendezvous key), so device 0's embedding gather
-  met device 1's layer gather: a segfault or a rendezvous timeout, in some runs.
-  `lax.optimization_barrier` did not order them (XLA drops it, no control dependency is left).
-- 1F1B: per layer, the gathers would sit in the schedule's `lax.switch` branches, 3 per
-  weight and micro-batch (the forward op; the backward op's `jax.vjp` re-runs the forward,
-  its pullback re-gathers), with a reduce-scatter per micro-batch; and the HLO ledger counts
-  a branch's collectives as taken in every tick.
+Why once per step, not per layer inside the stage's scan (ZeRO-3, fsdp's default):
+- GPipe: JAX's partial evaluation of the tick `scan` hoists the forward gathers (loop-invariant)
+  out of the tick loop anyway, while the backward re-gathers and reduce-scatters per layer AND
+  per tick; and the hoisted gathers and the embedding's gather, unordered, met in XLA:CPU's
+  rendezvous in either order per device (every shard_map collective has channel_id 1), a
+  segfault or a timeout in some runs (measured, JAX 0.12; `lax.optimization_barrier` did not
+  order them).
+- 1F1B: the gathers would sit in the schedule's `lax.switch` branches, 3 per weight and
+  micro-batch, with a reduce-scatter per micro-batch, and the HLO ledger counts a branch's
+  collectives as taken in every tick.
 The price: the stage's matrices (and embedding, lm_head) whole (float32 under GPipe, the compute
 dtype under 1F1B) and their float32 gradient, for the step: 1/S of what fsdp holds under grad_accum (fsdp.py weighs the same
 trade: a pipeline's micro-batches are a gradient accumulation). The GSPMD twin gathers once

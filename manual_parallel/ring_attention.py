@@ -33,11 +33,9 @@ manual_parallel/collectives.py) the reverse ring, C-1 of dK and C-1 of dV.
 Memory: each step's merge is checkpointed (`_merge`), so autodiff saves only its inputs -
 every K/V block the device held (the whole sequence's K and V, [B, H, T, dh] each) and each
 step's running statistics (O(T/C dh)) - and the backward pass recomputes one block's scores
-and probabilities at a time, flash attention's trade of FLOPs for memory. Measured
-(tools/long_context.py, d_model 64, 8 heads, 2 layers, context:8, T = 8192): 136 MiB per
-device, 871 MiB with the probabilities saved (tp: 1901 MiB with jax.nn's XLA attention, 930
-with layers.recompute_attention, whose backward still builds one layer's [T, T]; round 11's
-re-run: ring attention 131.5 MiB). A hand-written backward that
+and probabilities at a time, flash attention's trade of FLOPs for memory
+(tools/long_context.py measures it against the probabilities saved and against tp's
+attention; tests/test_context.py holds it to the memory model). A hand-written backward that
 passes K/V around the ring again (with dK/dV) would not even keep the K/V blocks, for twice
 the backward permutes: left out.
 """

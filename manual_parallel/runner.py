@@ -1,4 +1,4 @@
-"""The shard_map machinery shared by the four manual strategies.
+"""The shard_map machinery shared by every manual strategy.
 
 The whole train step - forward, backward, gradient synchronization, global-norm
 clipping and the optimizer update - is ONE `jax.shard_map` over the mesh with
@@ -25,8 +25,8 @@ syncs above run ONCE per step, after the loop: `mean_over_tokens`, the global-no
 psum, the loss pmean. FSDP's reduce-scatter lives in fsdp_gather's backward, so
 FSDP gathers its weights once per step instead (manual_parallel/fsdp.py says why
 and what it costs). Megatron's f/g all-reduces belong to each micro-batch's
-forward and backward: K times. Measured counts: tests/test_accum.py (equal to the
-cost model with `grad_accum`).
+forward and backward: K times. tests/test_accum.py holds the manual ledger equal to the
+cost model with `grad_accum`.
 
 Why params are `pcast` to varying before `grad` (measured, JAX 0.12): with
 `check_vma=True`, differentiating a loss that varies over `data` with respect

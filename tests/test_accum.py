@@ -9,8 +9,8 @@ with every gradient sync once per step.
   FSDP gather-once path and the per-micro-batch TP path of both twins) too.
 - manual twin (fsdp, tp, fsdp_tp): the compiled step's ledger equals the cost model with
   grad_accum = 2, and no data-axis collective sits inside a loop.
-- auto twin: the measured counts of auto_parallel/runner.py's docstring: the data-axis
-  collectives do not grow with K (K = 2 and 4), the tensor all-reduces grow as 19 K + 9.
+- auto twin (auto_parallel/runner.py's per-data-shard vmap): the data-axis collectives do
+  not grow with K (K = 2 and 4), the tensor all-reduces grow as 19 K + 9.
 """
 
 import dataclasses
@@ -198,7 +198,7 @@ def _counts(led: hlo.Ledger) -> dict:
 
 @pytest.mark.parametrize("strategy", COMPILED)
 def test_auto_syncs_gradients_once_per_step(strategy):
-    """auto_parallel/runner.py's measured counts at K = 2 (XLA:CPU writes the FSDP
+    """auto_parallel/runner.py's one gradient sync per step at K = 2 (XLA:CPU writes the FSDP
     reduce-scatter as an all-reduce): 12 gradient leaves, 9 matrix leaves."""
     led = ledger(runner("auto", strategy))
     leaves, matrices = len(jax.tree.leaves(single()["grads"])), 9

@@ -5,9 +5,9 @@ Config: tests/runners.py's CFG, the tiny preset with num_heads=8 (head_dim 8), s
 heads split over a tensor axis of 8, and grad_clip 0.25 (every AdamW step clipped);
 test_manual trains the same auto runners, so their programs compile once per suite
 (persistent compilation cache). Cases: dp, fsdp, tp on their default 8-device meshes, and
-fsdp_tp on data:2,tensor:4 (its default data:4,tensor:2 was a fifth case until the suite's
-time bound: the same annotations on another split, ~13 s of CPU; the placement mutants that
-select this file are caught without it). Each case
+fsdp_tp on data:2,tensor:4 (not also its default data:4,tensor:2: the same annotations on
+another split, ~13 s of CPU; the placement mutants that select this file are caught without
+it). Each case
 compiles its AdamW step once (module-scoped fixture), runs it from the compiled
 executable, and compiles one SGD step.
 
@@ -19,7 +19,7 @@ batch/init seeds x 5 cases):
 - AdamW (the preset's lr 3e-3, warmup 2; measured with grad_clip 1.0, and 2.4e-7
   with CFG's 0.25 in tests/test_manual.py): params within 2.0e-6. AdamW divides
   by sqrt(nu) + eps, which amplifies the rounding noise of a different reduction
-  order where |g| is small; DESIGN.md saw ~3e-5 at other settings.
+  order where |g| is small (docs/design.md, JAX facts).
 - losses: up to 3.8e-6 apart already at step 0, where params are bitwise equal:
   that is the mean over B*T = 256 float32 token losses (~5.8, ulp 4.8e-7)
   summed in another order, not a training difference, so it bounds what any
@@ -60,7 +60,8 @@ LOSS_ATOL = 2e-5  # ~5x the measured max 3.8e-6 (reduction order of the mean; se
 
 CASES = [("dp", None), ("fsdp", None), ("tp", None), ("fsdp_tp", "data:2,tensor:4")]
 
-# DESIGN.md's placement table, written out independently of auto_parallel/*.py.
+# The placement each strategy should have, written out by hand, independently of
+# twinshard/parallel/strategies.py.
 PLACEMENT = {
     "dp": {"w_in": P(None, None), "w_out": P(None, None), "embedding": P(None, None), "lm_head": P(None, None)},
     "fsdp": {"w_in": P("data", None), "w_out": P(None, "data"), "embedding": P(None, "data"),
@@ -280,7 +281,7 @@ def expect_weight_gathers(run: Run) -> None:
 
 def expect_gradient_sync(run: Run) -> None:
     """Gradients reduced over data to their shards: XLA:CPU writes GSPMD's
-    reduce-scatter as an all-reduce + dynamic-slice (DESIGN.md); GPU/TPU emit reduce-scatter."""
+    reduce-scatter as an all-reduce + dynamic-slice (docs/design.md); GPU/TPU emit reduce-scatter."""
     grad_bytes = 4 * sum(math.prod(s) for s in use_shapes(run.strategy, run.mesh, fsdp_only=False))
     if jax.default_backend() == "cpu":
         expect_no_collective(run.ledger, "reduce-scatter")

@@ -6,7 +6,7 @@ defines flags of the same names, so the CLI runs in one subprocess, which parses
 fresh flags for each run and calls `main` (one import of jax for all runs). The
 subprocess gets no device count in XLA_FLAGS: the CLI sets 8 simulated CPU
 devices itself, as it does when run by hand. (`--xla_backend_optimization_level=0`
-halves compile time and leaves the collectives unchanged; see DESIGN.md.)
+halves compile time and leaves the collectives unchanged: docs/design.md.)
 """
 
 import json

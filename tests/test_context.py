@@ -36,7 +36,7 @@ MESHES = {"cp": "context:4", "fsdp_cp": "data:2,context:2"}
 STEPS = 5
 # Measured (JAX 0.12.0.1, XLA:CPU), both twins vs single device: losses equal to 2.4e-6, step-1
 # gradients to 1.9e-8, reported norms 8.8e-8 relative, params after 5 AdamW steps 1.1e-6 (AdamW
-# turns rounding noise where |g| ~ eps into parameter noise: ../shared/DESIGN.md).
+# turns rounding noise where |g| ~ eps into parameter noise: docs/design.md, JAX facts).
 LOSS_ATOL, GRAD_ATOL, NORM_RTOL, PARAM_ATOL = 1e-5, 2e-7, 1e-6, 2e-5
 
 

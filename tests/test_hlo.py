@@ -172,8 +172,8 @@ DONE_FUSION = "tpu_async_collective_done_fusion.hlo"
 
 def test_tpu_async_collective_done_fusion_counted_once() -> None:
     # Real v5e:4x4 HLO: one async all-gather printed in three computations (start,
-    # continuation, done; same channel_id) and one sync all-gather. Before the fix:
-    # 4 records and "%fused_computation.18 has no caller" (the done's computation).
+    # continuation, done; same channel_id) and one sync all-gather: 2 records, not 4, and no
+    # "%fused_computation.18 has no caller" warning (the done's computation).
     led = hlo.ledger((SNIPPETS / DONE_FUSION).read_text(), TPU_16)
     expect_parsed(led)
     assert not led.warnings, led.table()

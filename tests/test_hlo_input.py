@@ -1,7 +1,7 @@
 """The ledger refuses what is not a compiled program's HLO; expect_* refuse what proves nothing.
 
-Issue 8, item 3: `ledger("")`, `ledger("garbage")` and StableHLO text used to
-give an empty ledger on which `expect_no_collective` / `expect_parsed` passed.
+`ledger("")`, `ledger("garbage")` or StableHLO text would otherwise give an empty
+ledger on which `expect_no_collective` / `expect_parsed` pass.
 Every refusal here is a ValueError (`hlo.NotCompiledHLO`) that names what to
 pass (`.compile()` / `.as_text()`). A compiled program with genuinely no
 collectives (the single-device train step) still gives an empty, usable ledger.

@@ -252,7 +252,7 @@ def test_mesh_advice_resolves_in_one_step(strategy, config, spec, n):
 
 
 def test_mesh_on_fewer_devices_advises_the_device_count():
-    # README: `compare --strategy=tp --mesh=data:1,tensor:4` on 8 devices used to advise tensor:8 (4 heads)
+    # README: `compare --strategy=tp --mesh=data:1,tensor:4` on 8 devices must not advise tensor:8 (4 heads)
     with pytest.raises(ValueError, match=r"has 4 devices but 8 are available; no mesh on 8 devices .* "
                                          r"run on 4: --devices=4 --mesh=data:1,tensor:4"):
         mesh_lib.resolve("tp", "data:1,tensor:4", logical_dims(TINY), rules("tp"), 8)

@@ -48,7 +48,7 @@ STEPS = 3
 # Params after 3 steps, max |twin - single| over strategies and twins, measured (XLA:CPU):
 # adafactor 2.4e-7 (its means summed in another order; the update is ~lr x RMS(param));
 # sgd 1.5e-8; lion 0.0 (every update is lr * sign(.) - exact wherever the signs agree,
-# and they did: a flipped sign would cost 2 lr = 6e-3). AdamW needs 2e-5 (DESIGN.md: its
+# and they did: a flipped sign would cost 2 lr = 6e-3). AdamW needs 2e-5 (docs/design.md: its
 # eps amplifies rounding where |g| ~ eps); these optimizers have no such amplifier: ~10x.
 PARAM_ATOL = {"adafactor": 2e-6, "lion": 1e-6}
 
@@ -254,14 +254,14 @@ def expected_adafactor_specs(strategy: str) -> dict[str, tuple]:
 
 # Adafactor where its manual twin's block means need a pmean: fsdp_tp (each matrix split over
 # data and tensor: row, column and whole-param means over different axes), both twins. dp, fsdp
-# and tp ran and passed too (2.4e-7); they pmean over fewer axes than fsdp_tp (tp: the tensor
-# axis alone, which fsdp_tp splits the same dims over) and were cut for suite time (6 cold
-# compiles, ~63 s of CPU; tp on 2026-12-02, after its mutants were seen caught by fsdp_tp:
-# adafactor-row-mean-local, -block-mean-first-dim-axes, -stats-swapped, -stat-on-wrong-axis);
+# and tp pass too (2.4e-7) but pmean over fewer axes than fsdp_tp (tp: the tensor axis alone,
+# which fsdp_tp splits the same dims over), so they are left out for suite time (6 cold
+# compiles, ~63 s of CPU; fsdp_tp catches the adafactor-row-mean-local,
+# -block-mean-first-dim-axes, -stats-swapped and -stat-on-wrong-axis mutants);
 # their state placement is still checked abstractly by test_state_specs_*. Lion and SGD are
 # elementwise, with one moment placed like its param (nothing strategy-specific but that
 # placement): Lion's twins on fsdp_tp, whose state is split over both axes. SGD's twins (its
-# momentum `trace` is the same case as Lion's `mu`) were cut for suite time (5 cold programs,
+# momentum `trace` is the same case as Lion's `mu`) are left out for suite time (5 cold programs,
 # ~22 s); SGD's update is checked against its formula above, its state specs abstractly.
 CASES = ([("adafactor", "fsdp_tp", k) for k in TWINS]
          + [("lion", "fsdp_tp", k) for k in TWINS])

@@ -28,15 +28,14 @@ M = 4
 CFG = Config(dataclasses.replace(BASE.model, num_layers=4),
              dataclasses.replace(BASE.train, grad_clip=0.25, microbatches=M))
 # pp on 4 stages only: 2 stages (2 layers each) are pp_fsdp's below, and every pp record is up
-# to 3 cold programs (init, step-1 gradients, step; ~12 s of CPU). S = 2 was a case of every pp
-# test until the suite's time bound; the pipeline mutants that select this file are caught
-# without it (tools/mutate.py, 2026-12-02).
+# to 3 cold programs (init, step-1 gradients, step; ~12 s of CPU); the pipeline mutants that
+# select this file are caught without S = 2 (tools/mutate.py).
 STAGES = (4,)
 STEPS = 5
 # Measured (JAX 0.12.0.1, XLA:CPU), both twins vs single device, S = 2 and 4: losses equal
 # to 9.5e-7, step-1 gradients 7.9e-7 relative (4e-8 absolute), reported norms 1.2e-7 relative,
 # params after 5 AdamW steps 6.8e-5 (auto) / 8.9e-6 (manual): AdamW turns rounding noise
-# where |g| ~ eps into parameter noise (../shared/DESIGN.md), and a pipeline sums each
+# where |g| ~ eps into parameter noise (docs/design.md, JAX facts), and a pipeline sums each
 # gradient over micro-batches in another order than one big batch.
 LOSS_ATOL, GRAD_ATOL, NORM_RTOL, PARAM_ATOL = 2e-5, 5e-7, 1e-6, 3e-4
 

@@ -10,7 +10,7 @@ What the test changes, and why (each variant only adds flags; absl keeps the las
 - the main job trains `--steps=4 --stop_after=2` instead of 200 steps (minutes on 2
   cores), and the resume after it `--steps=4` (a resume must keep the run's --steps);
   the bf16 example and the memory example train `--steps=4`; the bench runs
-  `--strategies=single` instead of all four strategies x both twins (each run compiles its
+  `--strategies=single` instead of its four default strategies x both twins (each run compiles its
   own step; tests/test_bench.py runs the strategies), with a 512^3 peak matmul timed 3 times
   (twenty 2048^3 ones took 7 of its 27 s on a 2-core VM); the tp comparison runs `--steps=3`;
   the samplers write 20 tokens, not 200 (the small model's 200 took ~6 s: without a KV cache
@@ -146,8 +146,7 @@ def test_strategy_compare_and_collectives_examples(readme_runs):
     cwd, _ = readme_runs
     assert "done: step 20 of 20" in out(readme_runs, "--strategy=fsdp_tp --impl=manual")
     compared = out(readme_runs, "launch.compare")
-    # single vs auto vs manual from one init on the same batches (tests/test_compare.py did this
-    # in-process on other programs until this command's numbers were checked here)
+    # single vs auto vs manual from one init on the same batches: the three losses of each step
     losses = [[float(v) for v in line.split()[1:]] for line in compared.splitlines()
               if re.match(r"^ +\d+ +\d+\.\d+ +\d+\.\d+ +\d+\.\d+$", line)]
     assert len(losses) == 3, compared[:2000]  # --steps=3

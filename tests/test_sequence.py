@@ -132,7 +132,7 @@ def test_gather_plus_scatter_bytes_equal_tp_all_reduce_bytes():
 
 def test_auto_twin_gathers_and_scatters_the_sequence():
     """GSPMD (data:2,tensor:4): the same 4L + 2 all-gathers of [B/data, T, D] as the manual twin;
-    XLA:CPU writes each reduce-scatter as an all-reduce of [B/data, T, D] (+ a slice; DESIGN.md),
+    XLA:CPU writes each reduce-scatter as an all-reduce of [B/data, T, D] (+ a slice; docs/design.md),
     2L + 1 forward, and GSPMD all-reduces the input gradients of q, k, v, w1, w3 separately
     (5L) and the lm_head's (1) where the manual twin reduce-scatters their sum (2L + 1)."""
     led = compiled("auto")[1]

@@ -9,9 +9,9 @@ Meshes that fit the tiny preset on 16 chips (both axes must multiply to 16):
 fsdp data:16 (batch 16; d_model 64 -> 4 rows per shard), tp tensor:16 (num_heads 16, head
 dim 4; d_ff 192 and vocab 384 divide by 16), fsdp_tp data:4,tensor:4 (tiny as it is).
 
-What TPU prints differently from the cost model (measured, libtpu 0.0.50.1; DESIGN.md warns of
-both): FSDP weight gathers in bf16 (the embedding in f32), and reduce-scatters compiled as
-all-reduce + slice: all 16 on data:16, 3 of 16 on data:4,tensor:4.
+What TPU prints differently from the cost model (measured, libtpu 0.0.50.1;
+twinshard/hardware/topology.py says why): FSDP weight gathers in bf16 (the embedding in f32),
+and reduce-scatters compiled as all-reduce + slice: all 16 on data:16, 3 of 16 on data:4,tensor:4.
 `twinshard.hardware.topology.tpu_expected` is the model with exactly those two changes; the manual
 twin's ledger equals it per (op, axes) in count and bytes. Without FSDP (tp) the ledger equals
 the model itself.

@@ -113,8 +113,8 @@ def corrupt_copy(full_run, tmp_path_factory, damage) -> str:
 
 
 # Three failed restores in one process: an Orbax read coroutine abandoned by one failure can be
-# finalized by the garbage collector during the NEXT restore (measured in CI, 2026-12-02:
-# corrupt1's coroutine during corrupt2's), where pytest's unraisable-exception hook reports it.
+# finalized by the garbage collector during the NEXT restore (measured in CI: corrupt1's
+# coroutine during corrupt2's), where pytest's unraisable-exception hook reports it.
 # In a launcher there is one restore per process, and twinshard/train/checkpoint.py drops what such
 # finalizers print (test_corrupt_checkpoint_on_the_command_line_is_a_few_lines checks the CLI).
 @pytest.mark.filterwarnings("ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
@@ -140,7 +140,7 @@ def test_corrupt_checkpoint_is_a_clear_error(full_run, tmp_path_factory):
 
 def test_a_readable_checkpoint_is_never_called_corrupt(full_run):
     """A checkpoint that reads but does not fit the target is reported as such, with no advice
-    to delete it (the message used to say 'corrupt ... delete that step directory')."""
+    to delete it (never 'corrupt ... delete that step directory')."""
     import jax
 
     from twinshard.train.checkpoint import Checkpointer
@@ -198,9 +198,8 @@ def moves_run(tmp_path_factory):
 def test_checkpoints_move_between_device_counts_and_strategies(full_run, moves_run):
     """8 -> 4 -> 1 -> 8 devices, auto FSDP -> auto FSDP+TP -> single -> manual FSDP: the legs'
     metrics equal the uninterrupted single-device run's. Measured: losses within 1e-6 (9.5e-7 at
-    most), asserted 1e-4. (Until the suite's time bound these were two runs, fsdp/auto 8 ->
-    fsdp/manual 4 -> fsdp_tp/auto -> single and fsdp/manual 8 -> dp/auto 8: two more cold train
-    steps; a sharded checkpoint into the replicated layout is test_every_strategy_checkpoint_*'s.)"""
+    most), asserted 1e-4. (A sharded checkpoint into the replicated layout is
+    test_every_strategy_checkpoint_*'s.)"""
     a, b = metrics(full_run), metrics(moves_run)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6, 8, 10, 12]
     for ra, rb in zip(a, b):
@@ -252,8 +251,8 @@ def test_sample_uses_the_checkpoint_weights(moves_run):
 
 def test_corrupt_checkpoint_on_the_command_line_is_a_few_lines(full_run, tmp_path_factory):
     """launch.sample and launch.train --resume on a checkpoint with cut array files: a short
-    message naming the step and the file, no traceback or Orbax/asyncio noise (it used to be
-    150-290 lines ending in 'Event loop is closed'); the checkpoint is left as it was."""
+    message naming the step and the file, no traceback or Orbax/asyncio noise (hundreds of
+    lines ending in 'Event loop is closed'); the checkpoint is left as it was."""
 
     workdir = corrupt_copy(full_run, tmp_path_factory,
                            lambda p: p.write_bytes(p.read_bytes()[:100]) if p.parent.match("ocdbt.process_*/d") else None)

@@ -1,4 +1,4 @@
-"""API validation (issue 8, item 6): configs are typed and finite; load_state_dict takes
+"""API validation: configs are typed and finite; load_state_dict takes
 only finite floating-point numpy/jax arrays. Each bad value is a ValueError naming the
 field (`ModelConfig.d_model`) or state-dict key, the value, and what is accepted."""
 
@@ -23,7 +23,7 @@ INT = "expected an int"
 FINITE = "expected a finite number"
 
 CONFIG_CASES = [
-    # (config, field, bad value, what the message says is accepted): every case issue 8 names
+    # (config, field, bad value, what the message says is accepted)
     (ModelConfig, "vocab_size", "x", INT),
     (ModelConfig, "vocab_size", None, INT),
     (ModelConfig, "d_model", 64.0, INT),

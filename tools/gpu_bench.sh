@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The ONE script a device session runs for issue 9's GPU numbers (BENCHMARKS.md, "GPU"): about
-# 8 minutes on one H200, everything written to $OUT (at most 8 files come back: this writes 8).
+# The ONE script that measures BENCHMARKS.md's GPU numbers ("GPU"): about 8 minutes on one
+# H200, everything written to $OUT (8 files: the remat runs' JSON files are merged into one).
 #
 #   1. Here, once (the device machine has no network; flax 0.12.12 travels as a wheel, jax 0.11.2 +
 #      CUDA 13, optax, orbax, absl, tiktoken, numpy are already there):
 #          tools/gpu_bench.sh --fetch-wheel        # pip download flax==0.12.12 into .whl/, git-ignored
-#   2. The device tool, from the repository root (timeout leaves room for the start and transfers):
-#          run(command="bash tools/gpu_bench.sh", carry=[".whl"], timeout_s=560)
+#   2. On the GPU host, from the repository root, with .whl/ copied beside the tree:
+#          OUT=<dir> bash tools/gpu_bench.sh
 #      then read $OUT/gpu_bench.md (tables) and the four JSON files; paste the tables into BENCHMARKS.md.
 #   3. Before spending device time, the same script on this CPU with tiny shapes:
 #          tools/gpu_bench.sh --dry-run            # JAX_PLATFORMS=cpu, preset tiny, OUT=a temp dir
@@ -17,13 +17,11 @@
 #     compile (trace / lower / XLA compile), step lower + compile, median step, tokens/s, MFU
 #   - gpt2_350m, the same
 #   - cuDNN flash attention against the reference attention (bf16 values and gradients)
-#   - both again with --dtype=bfloat16 (issue 9 item 4: bf16 compute, cuDNN attention)
+#   - both again with --dtype=bfloat16 (bf16 compute, cuDNN attention)
 #   - where gpt2_125m's bf16 step spends its time: tools/step_profile.py's device time per HLO op
-#     kind, top instructions and kernels, and how busy the GPU was (issue 9 item 6: a missed
-#     target shows why)
-#   - gpt2_350m bf16 with --remat=full and --remat=dots (issue 10 item 1), as far as the budget lasts
-# A run that outlives its cap is killed and logged ("timed out"): with the unrolled init of the
-# base commit (164-172 s for gpt2_125m on an H200) that is what the 350m init does.
+#     kind, top instructions and kernels, and how busy the GPU was (a missed target shows why)
+#   - gpt2_350m bf16 with --remat=full and --remat=dots, as far as the budget lasts
+# A run that outlives its cap is killed and logged ("timed out").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 
@@ -154,11 +152,11 @@ if ((limit >= 30)); then
 else
   echo "== profile: SKIPPED, ${left}s of the ${BUDGET_S}s budget left" | tee -a "$MD"
 fi
-# issue 10 item 1, if the budget allows (bench skips a run with < 30 s left): gpt2_350m bf16 under
+# If the budget allows (bench skips a run with < 30 s left): gpt2_350m bf16 under
 # the two memory-saving remat policies; temp bytes (memory_analysis) and step time beside the run above
 bench "${LABELS[1]}_bf16_remat_full" "${CAPS[5]:-90}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16 --remat=full
 bench "${LABELS[1]}_bf16_remat_dots" "${CAPS[5]:-90}" --preset="${MODELS[1]}" "${SHAPE[@]}" --dtype=bfloat16 --remat=dots
-# at most 8 files come back: the remat runs' JSON files become one, remat.json
+# 8 files in all: the remat runs' JSON files become one, remat.json
 "$PY" - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -176,4 +174,4 @@ ls -la "$OUT"
 echo
 cat "$MD"
 exec 1>&- 2>&-
-wait "$TEE_PID"  # the log is complete before the device tool collects $OUT
+wait "$TEE_PID"  # the log is complete before $OUT is collected

@@ -22,7 +22,7 @@ keeps every received K/V block for the backward pass). The [T, T] working set do
 long T, so tp's memory grows ~T^2 H/N / H and manual cp's ~T until its per-block [T/N, T/N]
 term (also ~T^2, N^2 times smaller) takes over.
 
-A strategy this checkout does not have (tp_sp before it is merged) is skipped with a note.
+A strategy not in auto_parallel.MODULES is skipped with a note.
 Simulated CPU devices share the machine's memory and cores: memory per device is what XLA
 plans for one device; step times show total work, not parallel speed-up.
 """

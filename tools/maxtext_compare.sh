@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# MaxText 0.2.5 on issue 9's llama-style config, for BENCHMARKS.md's comparison.
+# MaxText 0.2.5 on the llama-style config of launch/bench.py's maxtext_llama_ref preset,
+# for BENCHMARKS.md's comparison.
 #
 #   bash tools/maxtext_compare.sh setup                     # scratch venv (idempotent)
 #   bash tools/maxtext_compare.sh run fsdp none [--tunables]

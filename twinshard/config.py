@@ -91,7 +91,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     # Compute dtype of activations and matmul inputs ("float32" or "bfloat16"). Params and
     # optimizer state stay float32 (master weights); matmuls accumulate in float32; norms,
-    # softmax statistics and the loss are float32 (DESIGN.md, Precision).
+    # softmax statistics and the loss are float32 (docs/speed.md, "bf16 compute").
     dtype: str = "float32"
     # Attention kernel (twinshard.model.layers.causal_attention): "auto" = cuDNN flash attention on a
     # GPU in bf16, "recompute" elsewhere (layers.recompute_attention: no [T, T] array saved for

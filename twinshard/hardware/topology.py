@@ -14,19 +14,18 @@ runs and nothing touches the network; CPU jax keeps working beside it
     ...     {"data": 16, "tensor": 1}, devs))            # doctest: +SKIP
 
 How the TPU compiler prints the manual twin differs from the cost model in two
-ways, both measured here (libtpu 0.0.50.1, v5e:4x4, tiny preset;
-`tpu_expected` turns the model into what TPU prints):
+ways (measured, libtpu 0.0.50.1; `tpu_expected` turns the model into what TPU prints,
+tests/test_tpu_topology.py holds the two equal):
 
 1. FSDP all-gathers of weights that a matmul reads are done in bf16: TPU's
    default matmul precision reads f32 operands as bf16, so XLA converts before
    the gather and moves half the bytes. The embedding table is read by a
    lookup, not a matmul, and is gathered in f32. Counts are unchanged.
 2. Some reduce-scatters are compiled as an all-reduce of the full gradient
-   followed by a local slice. On data=16 (the group spans the whole 4x4 grid)
-   all of the FSDP gradient reduce-scatters (tiny: 16 of 16; small: 30 of 30);
-   on data=4 x tensor=4 those of output_proj and of the embedding (tiny: 3 of
-   16; small: 5 of 30), whose scattered dimension (d_model) is the minor one
-   of the TPU layout; the others stay reduce-scatters. Such an all-reduce
+   followed by a local slice: all of the FSDP gradient reduce-scatters when the
+   group spans the whole grid (data=16 on v5e:4x4), and on data=4 x tensor=4
+   those of output_proj and of the embedding, whose scattered dimension (d_model)
+   is the minor one of the TPU layout. Such an all-reduce
    carries |data| x the bytes of the reduce-scatter it replaces and no source
    line (it is combined into one tuple all-reduce with the norm-gain pmeans).
 
@@ -241,10 +240,8 @@ def tpu_expected(cfg: Any, model: Any, ledger: Any) -> dict[tuple[str, tuple[str
 
     1. all-gather over data: the model's elements, each gather in bf16 or f32 as TPU chose
        (the default matmul precision reads f32 as bf16, so XLA may convert before the gather;
-       the embedding table is always f32). Measured with the scanned layer stack (libtpu
-       0.0.50.1, manual fsdp on data:16): 7 of the 8 per-layer [D, D] attention gathers
-       (forward and backward loops) moved in f32, the MLP weights and lm_head in bf16;
-       unrolled, every matmul weight moved in bf16. So the bytes are the ledger's own
+       the embedding table is always f32). Which weights TPU gathers in bf16 depends on
+       the layer loop (measured, libtpu 0.0.50.1), so the bytes are the ledger's own
        when, and only when, its gathers carry exactly the model's elements.
     2. where the model has reduce-scatters over data, each all-reduce over data of a matrix
        gradient in `ledger` is one of them compiled as all-reduce + slice: the reduce-scatter

@@ -22,15 +22,13 @@ Array = jax.Array
 def linear(x: Array, w: Array, flat: bool = True) -> Array:
     """y = x W with W stored [in, out] (bias-free). x: [..., in] -> [..., out].
 
-    flat (the default): ONE 2-D dot on the rows [prod(...), in] @ [in, out]. With the batch
-    dims kept (`einsum('...i,io->...o')`, flat=False) XLA:CPU computes the weight gradient
-    dW = x^T g with a transposing copy of the [..., out] cotangent first (measured with
-    autodiff's backward, before `matmul` below had its own; JAX 0.12:
-    x [16,128,256] @ w [256,704], forward + both gradients 49 -> 30 ms; the small preset's
-    step 1274 -> 1051 ms). GSPMD shards the flat rows as the batch dims they merge, the same
-    collectives flattened, EXCEPT where the sequence is sharded and the batch is not
-    (cp, tp_sp: merging [B, T/c] into one dim is not a tiling, so it gathered activations,
-    measured): those strategies pass flat=False (Parallelism.flat_rows).
+    flat (the default): ONE 2-D dot on the rows [prod(...), in] @ [in, out]: with the batch
+    dims kept (`einsum('...i,io->...o')`, flat=False) XLA:CPU computed the weight gradient
+    with a transposing copy of the [..., out] cotangent first, a slower step (measured, JAX
+    0.12). GSPMD shards the flat rows as the batch dims they merge, the same collectives
+    flattened, EXCEPT where the sequence is sharded and the batch is not (cp, tp_sp: merging
+    [B, T/c] into one dim is not a tiling, so it gathers activations): those strategies pass
+    flat=False (Parallelism.flat_rows).
 
     In bf16 the dot is bf16 x bf16 -> bf16 and the backend accumulates in float32
     (TPU MXU, cuBLAS/cuDNN bf16 GEMMs; XLA:CPU upcasts). Asking for a float32 result
@@ -56,13 +54,11 @@ def matmul(x: Array, w: Array) -> Array:
     all-reduce over the token axes (`data`; `context` under cp; fsdp's all-reduce + slice on
     XLA:CPU) is placed on the dot's [out, in] output, so the transpose cannot fold; it fuses
     into the optimizer's consumers instead (AdamW's mu, nu and update fusions), each reading
-    the gradient column by column.
-    Measured, JAX 0.12, maxtext_llama_ref on a 2-core Xeon VM: the lm_head [256, 4096]
-    update fusions took 230-270 ms of thread time per step each (manual dp: 25-50 ms); the
-    step, dp auto 1279 -> 1161 ms, fsdp auto 1153 -> 1089 ms, single / manual unchanged. The
-    manual twin's gradient mean comes after the transpose (its own line): never the problem.
-    jax.checkpoint's policies see the forward dot as before (its saved residuals are
-    identical under dots / dots_no_batch / full: measured)."""
+    the gradient column by column, several times slower on CPU (measured, JAX 0.12). One dot
+    x^T g puts the all-reduce on a gradient already in the weight's layout. The manual twin's
+    gradient mean comes after the transpose (its own line): never the problem.
+    jax.checkpoint's policies see the same forward dot as for the plain `x @ w` (the same saved
+    residuals under dots / dots_no_batch / full)."""
     return _product(x, w)
 
 
@@ -86,9 +82,9 @@ def cotangent_like(ct: Array, primal: Array) -> Array:
     does not (the transpose of the implicit broadcast: a weight invariant over `data` meeting
     an activation that varies over it). Without the sum JAX rejects the program (`Custom VJP
     bwd rule ... corresponding to an input of type`) where autodiff of the plain expression
-    inserted the psum silently (DESIGN.md). The strategies here never need it (their manual
-    twins pcast first); a bug that forgets the pcast then fails as it did before these
-    custom backwards: gradients N times too large. The reverse (a primal varying over an
+    inserted the psum silently (docs/design.md, JAX facts). The strategies here never need it
+    (their manual twins pcast first); a bug that forgets the pcast then fails as it would under
+    plain autodiff: gradients N times too large. The reverse (a primal varying over an
     axis its cotangent does not) cannot happen here: each cotangent above is a product with
     the output's cotangent, which varies over every axis either input does."""
     if extra := tuple(sorted(_varying_axes(ct) - _varying_axes(primal))):
@@ -132,10 +128,8 @@ def swiglu_gate(h1: Array, h3: Array) -> Array:
 
     Its backward keeps h1 and h3 alone and recomputes the sigmoid from h1. Autodiff of the
     plain expression saved four more [..., F] arrays per layer (the sigmoid, SiLU and the
-    products: 6 x [b, T, F] with W2's input), which the scanned stack writes into [L, ...]
-    buffers and reads back. Measured, JAX 0.12, maxtext_llama_ref (F = 4D) on a 2-core Xeon
-    VM: single-device step 1067 -> 1009 ms, manual fsdp 1072 -> 1021 ms; saved residuals per
-    layer 6 -> 3 x [b, T, F] (h1, h3, and W2's input, which W2's gradient reads)."""
+    products), which the scanned stack writes into [L, ...] buffers and reads back; this
+    one saves 3 x [b, T, F] per layer (h1, h3, and W2's input, which W2's gradient reads)."""
     return silu(h1) * h3
 
 
@@ -255,13 +249,10 @@ def recompute_attention(q: Array, k: Array, v: Array, positions: tuple[int, ...]
 
     Autodiff of the reference (and of jax.nn.dot_product_attention's XLA path) saves the
     masked scores and the probabilities, 2 x [B, h, T, T] float32 per layer, which the
-    scanned stack writes into [L, ...] buffers and reads back. Measured, JAX 0.12,
-    maxtext_llama_ref (T = 256), 2-core Xeon VM, alternating runs: every step 2-6% faster
-    (medians; single 998 -> 974 ms) and 7-16% less memory per device (single 750 -> 634 MiB):
-    recomputing q k^T costs less than storing and reading the two arrays; small at T = 1024,
-    1.9x faster, 0.41x the memory (BENCHMARKS.md, "Round 11"). Alone,
-    without a layer stack to store into, fwd + bwd is ~15% slower than XLA's (42.8 vs
-    37.3 ms for [16, 4, 256, 64]): the win is the saved bytes, not the arithmetic.
+    scanned stack writes into [L, ...] buffers and reads back. Recomputing q k^T costs less
+    than storing and reading the two arrays: faster steps and less memory per device, more so
+    as T grows (BENCHMARKS.md has the numbers). Alone, without a layer stack to store into,
+    fwd + bwd is slower than XLA's: the win is the saved bytes, not the arithmetic.
     Softmax statistics, the probabilities and every q k^T are float32; the two products
     with v take p in v's dtype (bf16 under --dtype=bfloat16, as cuDNN does).
 
@@ -360,7 +351,7 @@ def causal_self_attention(
     x: [B, T, D]; wq/wk/wv: [D, h*dh]; wo: [h*dh, D]; h = wq.shape[1] // head_dim
     (all H heads on one device, H/tensor under Megatron TP). Returns [B, T, D]
     (a partial sum over heads under TP: the caller reduces it). The model runs the same
-    steps through its strategy's hooks (model.CausalSelfAttention).
+    steps through its strategy's hooks (transformer.CausalSelfAttention).
     """
     q, k, v = linears(x, (wq, wk, wv))
     attend = functools.partial(causal_attention, impl=attention)

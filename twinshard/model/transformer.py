@@ -7,8 +7,8 @@ mesh: strategy-specific behaviour comes in through a `Parallelism` object
 
 Parameter tree (paths mirror the CS336 state-dict names; Linear weights are
 stored [in, out]). The L blocks are ONE stacked `Block` whose every param has
-a leading [L] axis with logical name `layers` (strategies map it to nothing
-today; pipeline parallelism will map it to `stage`), run by `jax.lax.scan`:
+a leading [L] axis with logical name `layers` (the pipeline strategies map it to
+`stage`; the others leave it whole), run by `jax.lax.scan`:
 
     token_embeddings.weight          [V_pad, D]      (vocab, embed)
     layers.ln1.weight                [L, D]          (layers, norm)
@@ -27,13 +27,9 @@ The CS336 state dict keeps `layers.{i}.*` names: `state_dict` unstacks,
 `load_state_dict` stacks.
 
 Initialisation draws each stacked weight kind with ONE random call of shape
-[L, ...] (`nnx.vmap` over L split keys), not L calls: the compiled init no
-longer grows with depth. Measured (`jax.jit(create_params)`, XLA:CPU, compile
-CPU time): gpt2_125m 13.6 s -> 2.6 s (35734 -> 4247 HLO instructions),
-gpt2_350m 24.5 s -> 2.8 s (70618 -> 4233); each truncated normal costs ~0.3-0.7 s
-of compile whatever its size, and the unrolled init had 7L+2 of them.
-Values differ from the unrolled init of earlier versions (other keys per
-layer); every strategy still draws the same bits from the same seed (the init
+[L, ...] (`nnx.vmap` over L split keys), not L calls: each truncated normal costs
+a fixed slice of compile time whatever its size, so the compiled init does not
+grow with depth. Every strategy draws the same bits from the same seed (the init
 is jitted with out_shardings, each device computing only its shards).
 """
 
@@ -243,14 +239,8 @@ def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SI
     gradients, one layer at a time. Collectives in the body appear once in the
     HLO, inside a `while` of trip count L (twinshard/hlo.py multiplies).
 
-    Measured (XLA:CPU, 2 busy cores, CPU time): the compiled step no longer
-    grows with L (tiny width, single device: 3532 HLO instructions at L=2, 12
-    and 24; compile 3.5-3.9 s where the unrolled step took 2.1 s at L=2, 3.6 s
-    at 12 and 7.3 s at 24); the loop costs run time on CPU: the small preset's
-    single-device step took 1.34-1.38 s per step, 1.14-1.21 s with
-    `lax.scan(..., unroll=4)` and 1.13 s unrolled by Python. On a quiet machine
-    (maxtext_llama_ref, L=4, single device): 1.55 s/step unrolled by Python,
-    1.95 s scanned, 1.87 s with unroll=2 and 1.47 s with unroll=4, so
+    The compiled step does not grow with L; the loop costs run time on XLA:CPU
+    (an unrolled or `unroll=4` scan ran faster than a rolled one, measured, JAX 0.12), so
     `cfg.scan_unroll` (default 1) lets a CPU run trade compile time for speed.
 
     `cfg.remat` checkpoints the body (ONE layer) with the policy of REMAT_POLICIES, as the
@@ -258,10 +248,8 @@ def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SI
     manual FSDP never saves a gathered weight and checkpoints even under "none"). The
     forward loop then saves, per layer, what the policy allows (stacked [L, ...]); the
     backward loop recomputes the rest of layer i in iteration i. The checkpoint must sit
-    here, on the body: jax.checkpoint policies do not nest (measured, JAX 0.12: around a
-    checkpointed body, an outer policy alone decides what the forward pass saves, and an
-    outer checkpoint's recomputation runs as a separate loop over all L layers before the
-    backward loop, keeping every layer's recomputed values at once).
+    here, on the body: jax.checkpoint policies do not nest: an outer policy overrides the
+    layer's (measured, JAX 0.12).
     """
     return par.layer_stack(nnx.to_pure_dict(nnx.state(blocks, nnx.Param)), cfg, x, scan_stacked)
 

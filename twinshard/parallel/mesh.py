@@ -10,7 +10,7 @@ unused) or `>=1` (either). The mesh holds exactly those axes, in `ORDER` (outerm
 first; on a TPU torus `jax.make_mesh` gives the innermost axis, `tensor`, the closest chips).
 
 Mesh syntax: `data:4,tensor:2`. The base strategies (dp, fsdp, tp, fsdp_tp) name
-both `data` and `tensor` (size 1 allowed), as they always have; the others name the
+both `data` and `tensor` (size 1 allowed); the others name the
 axes they split (`stage:4`, `data:2,context:4`) and an omitted axis is size 1.
 """
 

@@ -177,7 +177,7 @@ class SingleDevice:
         # jit lowers a committed single-device argument with a (replicated) sdy.sharding and an
         # uncommitted one without, so a fresh init (uncommitted) and an Orbax restore (committed)
         # compiled two train steps, identical but for those annotations: every --resume of a
-        # single-device run compiled its step again (the small preset: 3.6 s on CPU).
+        # single-device run compiled its step again.
         self.sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         step = functools.partial(train_step, cfg=model_cfg, train_cfg=train_cfg, tx=self.tx)
         self.train_step = jax.jit(step, donate_argnums=0)
