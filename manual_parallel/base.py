@@ -38,6 +38,10 @@ def either(*policies: Policy) -> Policy:
 class ManualParallelism(Parallelism):
     """Single-device hooks plus the strategy's parameter table (logical -> mesh axis)."""
 
+    # The hooks gather sharded weights before use (FSDP): a step of several micro-batches then
+    # gathers each matrix once (`gather_step`) instead of once per micro-batch and layer.
+    gathers_weights = False
+
     def __init__(self, param_rules: Mapping[str, str]):
         self.param_rules = dict(param_rules)
 

@@ -49,6 +49,7 @@ __all__ = ["FullyShardedDataParallel", "PARALLELISM"]
 
 
 class FullyShardedDataParallel(ManualParallelism):
+    gathers_weights = True
     is_resident = False  # True in the copy `resident()` returns: the weights are already whole
 
     def gather_step(self, params, axes, dtype: str):

@@ -43,7 +43,6 @@ from flax import nnx
 
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import shift_to_next_stage, shift_to_previous_stage
-from manual_parallel.fsdp import FullyShardedDataParallel
 from manual_parallel.runner import ManualRunner
 from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
@@ -83,7 +82,7 @@ class PipelineRunner(ManualRunner):
     def _gathers_once(self) -> bool:
         """pp_fsdp gathers each matrix leaf of its stage once per step, for both schedules (a
         pipeline's micro-batches are a gradient accumulation; manual_parallel/pp_fsdp.py says why)."""
-        return isinstance(self.par, FullyShardedDataParallel)
+        return self.par.gathers_weights
 
     def _value_and_grad(self, params, x, y, par):
         """The pipeline's (loss, gradient) of this stage's params, with hooks `par` (pp_fsdp: the

@@ -51,7 +51,6 @@ from jax.sharding import PartitionSpec as P
 from twinshard.parallel import mesh as mesh_lib, placement, strategies
 from twinshard.config import Config
 from twinshard.train.optim import Block, BlockMean, make_optimizer
-from manual_parallel.fsdp import FullyShardedDataParallel
 from twinshard.train.trainer import (TrainState, accumulated_value_and_grad, apply_gradients, check_grad_accum,
                                create_params, logical_axes, loss_fn)
 
@@ -119,7 +118,7 @@ class ManualRunner(placement.PlacedRunner):
     def _gathers_once(self) -> bool:
         """FSDP gathers every matrix once per step, not per layer, when the step runs several
         micro-batches: grad_accum = K > 1 (the module docstring; pp_fsdp: always)."""
-        return self.cfg.train.grad_accum > 1 and isinstance(self.par, FullyShardedDataParallel)
+        return self.cfg.train.grad_accum > 1 and self.par.gathers_weights
 
     def _value_and_grad(self, params, x, y, par):
         """(mean loss over this device's tokens, its unsynchronized gradient) with hooks `par`: the

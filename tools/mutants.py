@@ -617,7 +617,7 @@ MUTANTS: list[Mutant] = [
            (ACCUM + "::test_twin_accumulation_matches_single_device",),
            "the loss is averaged over data inside every micro-batch (a collective in the loop)"),
     Mutant("accum-manual-fsdp-scatters-per-micro-batch", "accum", _RUNNER,
-           "return self.cfg.train.grad_accum > 1 and isinstance(self.par, FullyShardedDataParallel)",
+           "return self.cfg.train.grad_accum > 1 and self.par.gathers_weights",
            "return False",
            (ACCUM + "::test_manual_ledger_equals_the_cost_model_with_grad_accum",),
            "FSDP keeps ZeRO-3 per micro-batch: gathers and reduce-scatters K times per step "
