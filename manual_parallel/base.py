@@ -24,7 +24,7 @@ def saves_reductions(prim, *_, **params) -> bool:
     pass: remat trades FLOPs for memory, not communication. Without it, `full` re-runs
     both Megatron g psums of every layer in the backward loop (2L more all-reduces of
     [b, T, D]; Korthikanti et al. 2022 count the same cost for Megatron's full
-    recomputation); with it, each layer saves those 2 [b, T, D] (twinshard/cost.py)."""
+    recomputation); with it, each layer saves those 2 [b, T, D] (twinshard/cost/memory.py)."""
     if prim.name == "custom_vjp_call":
         return any(e.primitive.name in _REDUCTIONS for e in params["call_jaxpr"].eqns)
     return prim.name in _REDUCTIONS

@@ -30,7 +30,7 @@ ring; tp_sp's 4 all-gathers ((t-1)/t A each) and 4 reduce-scatters ((t-1)/t A ea
 same 8(t-1)/t A: an all-reduce IS a reduce-scatter followed by an all-gather, and
 sequence parallelism only moves the all-gather half to where the next region begins.
 What it saves is memory: every activation outside the column/row-parallel regions (the
-residual stream, the norms, the layer input) is 1/t of TP's (twinshard/cost.py).
+residual stream, the norms, the layer input) is 1/t of TP's (twinshard/cost/memory.py).
 
 --collective_matmul (`CollectiveMatmul`): each layer's 2 gathers before the column-parallel
 matmuls become t-1 ppermutes of [b, T/t, D], each beside the matmuls of the chunk already

@@ -1,4 +1,4 @@
-"""The analytic cost model (twinshard/cost.py) against numbers derived by hand.
+"""The analytic cost model (twinshard/cost/) against numbers derived by hand.
 
 tiny preset: V = 384 (257 padded), D = 64, L = 2, H = 4, dh = 16, F = 192,
 T = 32, B = 8. Per-weight bytes (f32):

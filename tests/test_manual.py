@@ -152,7 +152,7 @@ def test_tp_all_reduces_activations_only():
 
 @pytest.mark.parametrize("strategy", MESHES)
 def test_ledger_equals_the_cost_model_exactly(strategy):
-    """Count and bytes of every (op, mesh axes) row equal the analytic model (twinshard/cost.py)."""
+    """Count and bytes of every (op, mesh axes) row equal the analytic model (twinshard/cost/communication.py)."""
     from twinshard import cost
 
     led = compiled_ledger(strategy)

@@ -104,7 +104,7 @@ def test_a_tpu_row_by_hand():
     assert p.memory == 16 * N + m.activations + m.backward_layer and p.hbm_usable == 0.75 * 95 * 2**30 and p.fits
     assert p.serial_s == p.compute_s + p.comm_s["data"] and p.overlap_s == p.compute_s
     assert p.bound == "compute"
-    # --optimizer: lion keeps one f32 moment per param (the same cost.memory the tests of cost.py check)
+    # --optimizer: lion keeps one f32 moment per param (the same cost.memory the tests of twinshard/cost/ check)
     lion = planner.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B,
                             optimizer="lion")
     assert lion.cost.memory.optimizer == 4 * N and lion.memory == p.memory - 4 * N

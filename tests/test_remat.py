@@ -120,7 +120,7 @@ def test_temp_bytes_follow_the_policy(name):
     Why only a factor: temp also holds the backward pass's own temporaries (the f32
     logits' gradient [b,T,V], one layer's weight gradients before the scatter or the
     mean), which the model does not count (its `none` residuals are exactly what JAX saves,
-    11D + 3F + 4 + H per token and layer on one device; twinshard/cost.py): measured
+    11D + 3F + 4 + H per token and layer on one device; twinshard/cost/memory.py): measured
     1.16x (manual fsdp, none) to 1.92x (auto fsdp, none), 1.79x under full on one device."""
     temps = {p: run(name, p)["temp"] for p in POLICIES[name]}
     # manual cp: dots's peak is ~1% above none's (measured 1270880 vs 1258648) although it saves

@@ -96,7 +96,7 @@ def test_tp_sp_matches_single_device(twin):
 @pytest.mark.parametrize("name", ["manual", "collective matmul"])
 def test_manual_ledger_equals_the_cost_model(name):
     """Every collective is a line of manual_parallel/ (or the loss's statistics), and count and
-    bytes of every (op, axes) row equal twinshard/cost.py: tensor:8, and the collective matmul on
+    bytes of every (op, axes) row equal twinshard/cost/communication.py: tensor:8, and the collective matmul on
     data:2,tensor:4 under remat=full, where the backward loop runs the forward ppermutes again
     (the shards are saved, not the gathered sequence) and no reduce-scatter."""
     _, led, r = compiled(name)

@@ -201,7 +201,7 @@ REMAT_POLICIES: dict[str, Policy | None] = {
     # outputs and statistics, q and k after RoPE, v, the attention output and its rows'
     # log-sum-exp (layers.recompute_attention, the default off-GPU, saves no [b,H,T,T]
     # array), SwiGLU's three [b,T,F] (h1, h3 and W2's input: layers.swiglu_gate recomputes the
-    # sigmoid in its backward); twinshard/cost.py lists them exactly.
+    # sigmoid in its backward); twinshard/cost/memory.py lists them exactly.
     "none": None,
     # Save nothing inside the layer: the forward loop keeps each layer's input [b,T,D] (the
     # checkpoint's argument), the backward loop re-runs the layer's forward first.

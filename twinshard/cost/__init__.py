@@ -1,0 +1,296 @@
+"""The analytic cost model: collectives, FLOPs and memory of one train step.
+
+`cost(model_cfg, strategy, mesh, batch_size)` says, for our exact layers
+(twinshard/model/transformer.py), which collectives the *manual* twin
+(manual_parallel/) runs per step, how many FLOPs the step does and how much
+memory each device holds. It is plain arithmetic (no JAX is run), written in
+the scaling book's notation (Austin et al., "How to Scale Your Model",
+the training chapter), and it is what the collective ledger of the compiled
+HLO (twinshard/hlo.py) is compared with (`compare`, `launch/collectives.py`).
+
+    >>> from twinshard.config import preset
+    >>> c = cost(preset("tiny").model, "fsdp", {"data": 8, "tensor": 1}, batch_size=8)
+    >>> c.summary()[("reduce-scatter", ("data",))]["count"]   # one per matrix: 7L + 2
+    16
+    >>> text = c.table()                                       # rows, totals, FLOPs, memory
+
+Notation
+--------
+    B  global batch (sequences)        d  size of mesh axis `data`
+    T  sequence length                 t  size of mesh axis `tensor`
+    D  d_model (= H*dh)                b  per-device batch: B/d (dp, fsdp, fsdp_tp), B (tp)
+    H  heads, dh head dim              L  num_layers
+    F  d_ff                            V  padded vocab (multiple of 128)
+    s  bytes per element of the COMPUTE dtype (dtype_bytes: 4 = float32, 2 = bfloat16)
+
+The model, by concern (each module's docstring holds its formulas):
+    weights.py        the parameter tree `weights(cfg)` and how each strategy splits it (`RULES`)
+    communication.py  the collective rows: byte conventions, one function per strategy
+    flops.py          FLOPs of a step
+    memory.py         bytes per device: params, gradients, optimizer state, activations
+This module: the entry point `cost()` and its result `Cost`, `compare` / `compare_table`
+against a compiled step's ledger, and the text tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinshard.config import ModelConfig
+from twinshard.cost.communication import (AXES, NOT_REGATHERED, OPS, PHASES, STRATEGY_ROWS, Row, _Ctx,
+                                          row)
+from twinshard.cost.flops import Flops, flops
+from twinshard.cost.memory import Memory, attention_backward, memory, ring_attention_memory, saved_per_layer
+from twinshard.cost.weights import DTYPE_BYTES, F32, RULES, Weight, weights
+from twinshard.parallel import mesh as mesh_lib, strategies
+
+__all__ = [
+    "AXES", "DTYPE_BYTES", "F32", "NOT_REGATHERED", "OPS", "PHASES", "PIPELINES", "RULES", "STRATEGY_ROWS",
+    "Cost", "Flops", "Memory", "Row", "Weight", "attention_backward", "compare", "compare_table", "cost",
+    "flops", "human", "memory", "ring_attention_memory", "row", "saved_per_layer", "summarize", "weights",
+]
+
+PIPELINES = strategies.of_family("pipeline")  # on a `stage` axis (twinshard/parallel/pipeline.py); their mesh names it
+
+
+# ----------------------------------------------------------------------------- result
+
+
+@dataclass(frozen=True)
+class Cost:
+    strategy: str
+    mesh: dict[str, int]
+    batch_size: int
+    seq_len: int
+    dtype_bytes: int
+    collectives: list[Row]
+    flops: Flops
+    memory: Memory
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[tuple[str, tuple[str, ...]], dict[str, float]]:
+        """(op, axes) -> {count, bytes, ring_bytes} (the shape of `Ledger.summary()`)."""
+        return summarize(self.collectives)
+
+    def by_axes(self) -> dict[tuple[str, ...], dict[str, float]]:
+        """axes -> {count, bytes, ring_bytes}, all ops together."""
+        out: dict[tuple[str, ...], dict[str, float]] = {}
+        for (_, axes), s in self.summary().items():
+            acc = out.setdefault(axes, {"count": 0, "bytes": 0, "ring_bytes": 0.0})
+            for k in acc:
+                acc[k] += s[k]
+        return out
+
+    def table(self) -> str:
+        """Fixed-width text: one line per row, then per-axis totals, FLOPs and memory."""
+        head = ("phase", "op", "axes", "count", "bytes", "ring bytes", "what")
+        lines = [(r.phase, r.op, r.pattern or ",".join(r.axes), str(r.count), human(r.bytes), human(r.ring_bytes),
+                  r.what)
+                 for r in self.collectives]
+        out = _fmt_table(head, lines) if lines else ["(no collectives)"]
+        for axes, s in self.by_axes().items():
+            out.append(f"total over {','.join(axes)}: {s['count']} collectives, {human(s['bytes'])}, "
+                       f"ring {human(s['ring_bytes'])} per device")
+        f, m = self.flops, self.memory
+        out.append(f"flops/step: {f.total:.4g} total (forward {f.forward:.4g} = matmul {f.forward_matmul:.4g} "
+                   f"+ attention {f.forward_attention:.4g}; backward 2x), {f.per_device:.4g} per device")
+        out.append(f"memory/device: params {human(m.params)}, grads {human(m.grads)}, optimizer "
+                   f"{human(m.optimizer)}, activations ~{human(m.activations)}"
+                   + (f", gathered weights ~{human(m.gathered_weights)}" if m.gathered_weights else "")
+                   + (f", gradient accumulator {human(m.accumulator)}" if m.accumulator else "")
+                   + f"; total ~{human(m.total)}")
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy, "mesh": dict(self.mesh), "batch_size": self.batch_size,
+            "seq_len": self.seq_len, "dtype_bytes": self.dtype_bytes,
+            "collectives": [{**dataclasses.asdict(r), "axes": list(r.axes)} for r in self.collectives],
+            "summary": [{"op": op, "axes": list(axes), **v} for (op, axes), v in self.summary().items()],
+            "flops": dataclasses.asdict(self.flops),
+            "memory": {**dataclasses.asdict(self.memory), "total": self.memory.total},
+            "notes": list(self.notes),
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.as_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
+    """The strategy's mesh axes (twinshard/parallel/mesh.py NEEDS), a missing one as 1, checked."""
+    axes = tuple(a for a in AXES if a in mesh_lib.NEEDS[strategy])
+    unknown = [a for a in mesh if a not in axes]
+    if unknown:
+        example = ", ".join(f"'{a}': {a[0]}" for a in axes)
+        raise ValueError(f"mesh axis {unknown[0]!r} is not one of {axes}; write the mesh as {{{example}}}.")
+    shape = {a: int(mesh.get(a, 1)) for a in axes}
+    for a, n in shape.items():
+        if n < 1:
+            raise ValueError(f"mesh axis {a}={n} must be >= 1.")
+    mesh_lib.check_mesh(strategy, shape, math.prod(shape.values()))
+    return shape
+
+
+def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
+         seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
+         microbatches: int = 1, optimizer: str = "adamw", remat: str | None = None,
+         schedule: str = "gpipe") -> Cost:
+    """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
+
+    grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
+    split into that many. microbatches: a pipeline's M. optimizer: TrainConfig.optimizer
+    (memory only).
+
+    mesh: {'data': d, 'tensor': t} (a missing axis is 1). `remat` (default: `cfg.remat`)
+    changes the activation memory only: under every policy the manual twin runs the
+    same collectives (FSDP re-gathers each matrix once in the backward pass whatever the
+    policy; TP's g outputs are saved, never recomputed: manual_parallel/base.py), except
+    tp_sp, which re-gathers its sequence shards under any policy but none (manual_parallel/tp_sp.py). Invalid
+    input raises ValueError naming the value and the fix (unknown strategy, wrong axes for
+    the strategy, a dimension not divisible by its mesh axis, seq_len > context_length).
+    """
+    mesh_lib.check_strategy(strategy)
+    if cfg.collective_matmul and strategy != "tp_sp":
+        raise ValueError(f"collective_matmul decomposes tp_sp's sequence all-gathers; strategy {strategy} has "
+                         "none: use strategy tp_sp or collective_matmul=False.")
+    if strategy not in STRATEGY_ROWS:
+        raise ValueError(f"strategy {strategy!r} has no cost model; choose one of {', '.join(STRATEGY_ROWS)}.")
+    shape = _normalize_mesh(strategy, mesh)
+    seq = cfg.context_length if seq_len is None else int(seq_len)
+    if not 1 <= seq <= cfg.context_length:
+        raise ValueError(f"seq_len={seq} must be in [1, context_length={cfg.context_length}]; "
+                         "pass a smaller seq_len or a model with a longer context.")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be positive.")
+    if dtype_bytes is None:  # the config's compute dtype
+        dtype_bytes = DTYPE_BYTES[cfg.dtype]
+    if dtype_bytes not in (1, 2, 4, 8):
+        raise ValueError(f"dtype_bytes={dtype_bytes} must be 1, 2, 4 or 8 (4 for float32).")
+    dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads,
+            "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size, "seq": seq}
+    if strategy in PIPELINES:
+        from twinshard.parallel import pipeline
+
+        pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, data=shape["data"])
+    mesh_lib.check_divisible(dims, {k: v for k, v in RULES[strategy].items() if k != "layers"}, shape)
+    local = batch_size // shape["data"] if "batch" in RULES[strategy] else batch_size
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
+        raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "
+                         f"of {local} sequences; choose one of {[k for k in range(1, local + 1) if local % k == 0]}.")
+    if remat is not None:  # tp_sp's collectives depend on it (its re-gathers), the others' do not
+        cfg = dataclasses.replace(cfg, remat=remat)
+    ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule)
+    rows = sorted(STRATEGY_ROWS[strategy](ctx), key=lambda r: PHASES.index(r.phase))  # stable
+    notes = [n for n in _NOTES.get(strategy, ())]
+    return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
+                flops(cfg, batch_size, seq, math.prod(shape.values())),
+                memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer,
+                       remat, schedule), notes)
+
+
+_NOTES = {
+    "tp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
+    "fsdp_tp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
+    "tp_sp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
+}
+
+
+# ----------------------------------------------------------------------------- comparing with a ledger
+
+
+def summarize(rows: list[Row]) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
+    """(op, axes) -> {count, bytes, ring_bytes}; a collective-permute's also `patterns`:
+    {pattern: count}, as `Ledger.summary()`."""
+    out: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+    for r in rows:
+        s = out.setdefault((r.op, r.axes), {"count": 0, "bytes": 0, "ring_bytes": 0.0})
+        s["count"] += r.count
+        s["bytes"] += r.bytes
+        s["ring_bytes"] += r.ring_bytes
+        if r.pattern:
+            patterns = s.setdefault("patterns", {})
+            patterns[r.pattern] = patterns.get(r.pattern, 0) + r.count
+    return out
+
+
+def compare(measured: Mapping[tuple[str, tuple[str, ...]], Mapping[str, float]],
+            model: Mapping[tuple[str, tuple[str, ...]], Mapping[str, float]]) -> list[dict[str, Any]]:
+    """One row per (op, axes) in either summary: measured and model count/bytes/ring bytes.
+
+    `measured` is `Ledger.summary()`, `model` is `Cost.summary()`; `match` is True when
+    count and bytes agree exactly and, where the model says who sends to whom (a
+    collective-permute's `patterns`), the measured patterns are those, count for count.
+    """
+    zero = {"count": 0, "bytes": 0, "ring_bytes": 0.0}
+    keys = list(model) + [k for k in measured if k not in model]
+    out = []
+    for op, axes in keys:
+        got, want = measured.get((op, axes), zero), model.get((op, axes), zero)
+        out.append({
+            "op": op, "axes": list(axes),
+            "measured_count": got["count"], "model_count": want["count"],
+            "measured_bytes": got["bytes"], "model_bytes": want["bytes"],
+            "measured_ring_bytes": got["ring_bytes"], "model_ring_bytes": want["ring_bytes"],
+            "match": got["count"] == want["count"] and got["bytes"] == want["bytes"]
+            and ("patterns" not in want or got.get("patterns") == want["patterns"]),
+            **({"measured_patterns": got.get("patterns", {}), "model_patterns": want["patterns"]}
+               if "patterns" in want else {}),
+        })
+    return out
+
+
+def compare_table(rows: list[dict[str, Any]]) -> str:
+    """`compare` rows as text, with measured/model ratios and per-axis totals."""
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.3f}" if b else ("-" if not a else "inf")
+
+    head = ("op", "axes", "count meas/model", "bytes meas", "bytes model", "meas/model",
+            "ring meas", "ring model", "")
+    lines = [(r["op"], ",".join(r["axes"]) or "-", f"{r['measured_count']}/{r['model_count']}",
+              human(r["measured_bytes"]), human(r["model_bytes"]), ratio(r["measured_bytes"], r["model_bytes"]),
+              human(r["measured_ring_bytes"]), human(r["model_ring_bytes"]), "ok" if r["match"] else "DIFFERS"
+              + (f" who sends to whom: measured {r['measured_patterns']}, model {r['model_patterns']}"
+                 if r.get("measured_patterns", {}) != r.get("model_patterns", {}) else ""))
+             for r in rows]
+    totals: dict[tuple[str, ...], list[float]] = {}
+    for r in rows:
+        acc = totals.setdefault(tuple(r["axes"]), [0, 0, 0, 0, 0.0, 0.0])
+        for i, k in enumerate(("measured_count", "model_count", "measured_bytes", "model_bytes",
+                               "measured_ring_bytes", "model_ring_bytes")):
+            acc[i] += r[k]
+    for axes, (mc, wc, mb, wb, mr, wr) in totals.items():
+        lines.append(("TOTAL", ",".join(axes) or "-", f"{mc}/{wc}", human(mb), human(wb), ratio(mb, wb),
+                      human(mr), human(wr), "ok" if (mc, mb) == (wc, wb) else "DIFFERS"))
+    return "\n".join(_fmt_table(head, lines) if lines else ["(no collectives)"])
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def _fmt_table(head: tuple[str, ...], lines: list[tuple]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+
+    def fmt(r) -> str:
+        return "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
+
+    return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines]

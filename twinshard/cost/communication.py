@@ -1,0 +1,484 @@
+"""Which collectives the manual twin (manual_parallel/) runs per train step, strategy by strategy.
+
+One `Row` per kind of collective, in the notation of twinshard/cost/__init__.py. Each
+strategy's rows are one function named after it, `_<name>(ctx)` (`_dp`, `_fsdp`, ...);
+`STRATEGY_ROWS` finds them by the names declared in twinshard/parallel/strategies.py, and
+a declared strategy without its function fails at import. Each row names the manual twin's
+line in `what`.
+
+A collective in the scan body (FSDP's gather and scatter, Megatron's f/g)
+runs once per layer: `count` times per step (the ledger multiplies by the
+while loop's trip count); one on a whole gradient leaf (the DP mean) runs
+once per leaf.
+
+Collective rows (one `Row` per kind of collective; `count` collectives of
+`bytes / count` bytes each). Byte conventions are the ledger's: `bytes` is the
+array size of the collective's RESULT, summed over `count`:
+
+    all-gather      the gathered (full) array
+    reduce-scatter  the scattered shard (the result), = operand / n
+    all-reduce      the array
+
+and `ring_bytes` is what one device sends with a ring algorithm on a group of
+n devices: all-gather (n-1)/n x result, reduce-scatter (n-1) x result,
+all-reduce 2(n-1)/n x bytes (`twinshard.hlo.ring_bytes`).
+
+Scalars (the loss, a squared gradient norm) and the cross-entropy statistics
+are float32 (4 bytes) whatever `dtype_bytes` says: the loss is computed in f32.
+So are the master params, their gradients and the optimizer state (DP's
+gradient all-reduce and the norm gains' mean move f32). What
+`s` sizes is what the compute dtype touches: activations (TP's all-reduces),
+FSDP's gathered weights (cast to bf16 before the gather) and their gradients
+(reduce-scattered in bf16, cast to f32 after).
+
+Per strategy:
+
+dp (data=d). backward: one all-reduce (pmean) over data of every gradient
+    leaf, N*4 bytes (f32) in total (scaling book: 2N(d-1)/d x 4
+    ring bytes per device). metrics: all-reduce (pmean) of the f32 loss.
+    optimizer: none (gradients are replicated after the mean, so the global
+    norm is local).
+fsdp (data=d; each matrix sharded over data on its D dim, norms replicated).
+    forward: all-gather of each matrix (7L+2), bytes = the full matrix.
+    backward: all-gather again (gathered weights are rematerialized, not
+    saved) of every matrix but the embedding (7L+1): the backward of a lookup
+    is a scatter-add of the output gradient that never reads the table, so
+    its re-gather is dead code; reduce-scatter of each matrix gradient (result =
+    matrix/d); all-reduce of each norm gradient leaf (ln1 and ln2 [L, D],
+    ln_final [D]: (2L+1)*D*4 bytes in total, f32).
+    optimizer: all-reduce of the f32 partial sum of squared (sharded)
+    gradients for the global norm. metrics: all-reduce of the loss. Per step
+    each matrix (but the embedding) moves 3x its size through the ring
+    ((d-1)/d * (2 gathers + 1 scatter)), the scaling book's FSDP volume.
+tp (tensor=t; Megatron). Activation A = B*T*D*s bytes, token stats B*T*4.
+    forward: per layer 2 all-reduces of A (Megatron g after output_proj and
+    after w2); 1 all-reduce of A for the vocab-parallel embedding (masked
+    local lookup + psum); the vocab-parallel cross-entropy: 1 all-reduce with
+    max (pmax) of the per-token max and 2 all-reduces (psum) of per-token
+    sum-exp and target logit, B*T*4 bytes each. backward: per layer 2
+    all-reduces of A (Megatron f before attention and before the MLP) + 1 (f
+    before lm_head). Weight gradients need no communication. optimizer:
+    all-reduce over tensor of the f32 squared-norm partial sum. metrics: none
+    (the loss is already identical on every device).
+fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
+    vocab dim) and over data (its D dim). fsdp's rows over data, but each
+    gathered array is the matrix's TENSOR shard (full/t bytes) and each
+    reduce-scatter result is full/(t*d); tp's rows over tensor with the
+    per-device batch b = B/d (A = (B/d)*T*D*s, stats (B/d)*T*4); the
+    squared-norm all-reduce runs over (data, tensor); the loss is all-reduced
+    over data.
+cp (context=C; twinshard/parallel/context.py, manual_parallel/cp.py). Every weight replicated;
+    each device holds T/C tokens of every sequence. forward: per layer 2(C-1)
+    collective-permutes of a K or V block [B, H, T/C, dh] (ring attention's ring_shift);
+    backward: the reverse ring, 2(C-1) more. A sequence shard's gradient is a partial
+    mean like a data shard's: all-reduce (pmean) over context of every gradient leaf (12,
+    N*4 bytes), and of the loss. optimizer: none (replicated gradients).
+fsdp_cp (data=d, context=C). fsdp's gathers and reduce-scatters over data; the ring with
+    b = B/d; each matrix gradient SHARD (f32, 1/d) all-reduced over context (params are
+    replicated over context: hybrid sharding, manual_parallel/fsdp_cp.py); each norm gain
+    and the loss all-reduced once over (data, context); the squared-norm psum over data.
+tp_sp (tensor=t, data=d >= 1; Megatron sequence parallelism, manual_parallel/tp_sp.py). TP's
+    placement, the residual stream split along T. Each of TP's all-reduces of A (with
+    b = B/d) becomes its two halves: forward, 2L reduce-scatters (result A/t) after
+    output_proj and w2, 1 after the embedding lookup, 2L all-gathers (result A) before
+    attention and the MLP, 1 before lm_head; backward, the conjugates (2L + 1
+    reduce-scatters, 2L + 1 all-gathers); the cross-entropy's 3 all-reduces as TP; 2L + 1
+    all-reduces of the RMSNorm gains' f32 gradients [D] (each device normalises only its
+    tokens). Per layer the ring bytes equal TP's: 8 (t-1)/t A. Under a remat policy other
+    than none the 2L column-parallel inputs are gathered again in the backward pass.
+    With `collective_matmul` each of the 2L per-layer all-gathers is t-1 collective-permutes
+    of A/t (forward) and so is its reduce-scatter (backward). With d > 1: dp's gradient
+    means over data of each leaf's tensor shard and the loss mean.
+pp, pp_fsdp (stage=S): the stage hops of `_hop_rows` and the stage sums; see `_pp`, `_pp_fsdp`.
+
+Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences). What
+runs in each micro-batch's forward and backward runs K times per step (`_times`): tp's
+rows, on activations of b/K sequences (the same bytes per step, K x the count). The
+gradient syncs run once, after the micro-batch loop: dp's means, the norm psum, the
+loss. fsdp (and fsdp_tp's data rows) changes structure (manual_parallel/fsdp.py
+`gather_step`): each matrix LEAF is all-gathered once before the loop (a stacked
+[L, ...] leaf at once: 7 + 2 gathers of the same bytes as the 7L + 2 per-layer ones),
+never re-gathered, and its accumulated gradient reduce-scattered once (7 + 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from twinshard.config import ModelConfig
+from twinshard.cost.weights import F32, RULES, Weight, _held, _leaf_shape, _shape, _shards, weights
+from twinshard.hlo import ring_bytes as _ring_bytes, shift_pattern
+from twinshard.parallel import context, mesh as mesh_lib, strategies
+
+PHASES = ("forward", "backward", "optimizer", "metrics")
+OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+AXES = mesh_lib.ORDER  # ('stage', 'data', 'context', 'tensor'): mesh order
+
+
+# Matrices whose gathered value the backward pass never reads, so FSDP does not re-gather them:
+# d(take(table, ids))/d(table) is a scatter-add of the output gradient, independent of the table.
+NOT_REGATHERED: frozenset[str] = frozenset({"token_embeddings"})
+
+
+@dataclass(frozen=True)
+class Row:
+    """`count` collectives `op` over `axes`; `bytes` and `ring_bytes` summed over count;
+    a collective-permute's `pattern` says who sends to whom, as the ledger prints it
+    ('stage +1', 'context ring -1': `hlo.shift_pattern`)."""
+
+    phase: str
+    op: str
+    axes: tuple[str, ...]
+    count: int
+    bytes: int
+    ring_bytes: float
+    what: str
+    pattern: str = ""
+
+
+# ----------------------------------------------------------------------------- row builders
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """Everything a strategy's rows need."""
+
+    cfg: ModelConfig
+    mesh: dict[str, int]
+    batch: int  # global B
+    seq: int  # T
+    s: int  # dtype bytes
+    k: int = 1  # grad_accum: micro-batches per step
+    microbatches: int = 1  # M (pipelines)
+    schedule: str = "gpipe"  # pipelines: gpipe or 1f1b
+
+    @property
+    def d(self) -> int:
+        return self.mesh["data"]
+
+    @property
+    def t(self) -> int:
+        return self.mesh["tensor"]
+
+    @property
+    def L(self) -> int:  # noqa: N802
+        return self.cfg.num_layers
+
+    def activation(self, batch: int) -> int:
+        """A = batch * T * D * s: one residual-stream tensor."""
+        return batch * self.seq * self.cfg.d_model * self.s
+
+
+def row(ctx: _Ctx, phase: str, op: str, axes: tuple[str, ...], count: int, each: int, what: str,
+        shift: tuple[int, bool] | None = None) -> Row:
+    """`count` collectives of `each` result bytes over `axes` (ring bytes from the group size);
+    a collective-permute's `shift` = (k, wrap): every device sends k steps along its one axis,
+    around a ring (wrap) or along a line whose end sends nothing."""
+    assert phase in PHASES and op in OPS and all(a in AXES for a in axes), (phase, op, axes)
+    assert (shift is not None) == (op == "collective-permute") and (shift is None or len(axes) == 1), (op, shift)
+    n = math.prod(ctx.mesh[a] for a in axes)
+    total = count * each
+    pattern = "" if shift is None else shift_pattern(axes[0], shift[0], n, shift[1])
+    return Row(phase, op, tuple(a for a in AXES if a in axes), count, total, _ring_bytes(op, total, n), what,
+               pattern)
+
+
+def _matrices(ctx: _Ctx) -> list[Weight]:
+    return [w for w in weights(ctx.cfg) if w.is_matrix]
+
+
+def _norms(ctx: _Ctx) -> list[Weight]:
+    return [w for w in weights(ctx.cfg) if not w.is_matrix]
+
+
+def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
+    """ZeRO-3 over data: gather each matrix (forward, again in backward), scatter its gradient,
+    all-reduce each replicated norm gradient. `tensor_shards` = t under fsdp_tp (each device
+    gathers only its tensor shard), 1 under fsdp."""
+    if ctx.k > 1:
+        return _fsdp_step_rows(ctx, tensor_shards)
+    gather = lambda phase, w, what: row(  # noqa: E731
+        ctx, phase, "all-gather", ("data",), w.count, w.size * ctx.s // tensor_shards,
+        what.format(f"{w.name} {_shape(w, tensor_shards)}"))
+    rows = [gather("forward", w, "fsdp_gather: all_gather {} over data before its use") for w in _matrices(ctx)]
+    rows += [gather("backward", w, "fsdp_gather re-gathers {} (remat: gathered weights not saved)")
+             for w in _matrices(ctx) if w.name not in NOT_REGATHERED]
+    rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.count,
+                 w.size * ctx.s // (tensor_shards * ctx.d),
+                 f"fsdp_gather backward: psum_scatter of d({w.name}) over data") for w in _matrices(ctx)]
+    return rows + _fsdp_norm_rows(ctx)
+
+
+def _fsdp_step_rows(ctx: _Ctx, tensor_shards: int, stages: int = 1) -> list[Row]:
+    """grad_accum = K > 1 (manual_parallel/fsdp.py gather_step): each matrix LEAF (a stacked
+    [L, ...] block leaf at once) gathered once before the micro-batch loop and never re-gathered,
+    its accumulated gradient reduce-scattered once after it; the norm gradients' mean once.
+    pp_fsdp (`stages` = S): the same on a stage's leaves, [L/S, ...] of a block weight."""
+    rows = [row(ctx, "forward", "all-gather", ("data",), w.leaves, _held(w, stages) * w.size * ctx.s // tensor_shards,
+                f"gather_step: fsdp_gather of {w.name} {_leaf_shape(w, stages)} over data, once per step")
+            for w in _matrices(ctx)]
+    rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.leaves,
+                 _held(w, stages) * w.size * ctx.s // (ctx.d * tensor_shards),
+                 f"fsdp_gather backward: psum_scatter of the accumulated d({w.name}), once per step")
+             for w in _matrices(ctx)]
+    return rows + _fsdp_norm_rows(ctx, stages)
+
+
+def _fsdp_norm_rows(ctx: _Ctx, stages: int = 1) -> list[Row]:
+    return [row(ctx, "backward", "all-reduce", ("data",), w.leaves, _held(w, stages) * w.size * F32,
+                f"pmean over data of d({w.name}) {_leaf_shape(w, stages)} (replicated f32 norm gains)")
+            for w in _norms(ctx)]
+
+
+def _tp_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """Megatron over tensor with `batch` sequences per device (B under tp, B/d under fsdp_tp):
+    per micro-batch of batch/K sequences, K times per step (they are in each micro-batch's
+    forward and backward)."""
+    return _times(ctx.k, _tp_micro_batch_rows(ctx, batch // ctx.k))
+
+
+def _times(k: int, rows: list[Row]) -> list[Row]:
+    """The rows of one micro-batch, run k times per step (count, bytes, ring bytes x k)."""
+    return [dataclasses.replace(r, count=k * r.count, bytes=k * r.bytes, ring_bytes=k * r.ring_bytes)
+            for r in rows]
+
+
+def _cross_entropy_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """The vocab-parallel cross-entropy's 3 all-reduces of per-token statistics [b, T] f32."""
+    stats, tok = batch * ctx.seq * F32, f"[{batch},{ctx.seq}] f32"
+    return [
+        row(ctx, "forward", "all-reduce", ("tensor",), 1, stats,
+            f"vocab-parallel cross-entropy: pmax of the per-token max {tok} (an all-reduce with max)"),
+        row(ctx, "forward", "all-reduce", ("tensor",), 2, stats,
+            f"vocab-parallel cross-entropy: psum of sum-exp and of the target logit {tok}"),
+    ]
+
+
+def _tp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    a, L = ctx.activation(batch), ctx.L
+    act = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]"
+    return [
+        row(ctx, "forward", "all-reduce", ("tensor",), 1, a,
+            f"vocab-parallel embedding: masked local lookup + psum {act}"),
+        row(ctx, "forward", "all-reduce", ("tensor",), 2 * L, a,
+            f"Megatron g: psum {act} after output_proj and after w2 (2 per layer)"),
+        *_cross_entropy_rows(ctx, batch),
+        row(ctx, "backward", "all-reduce", ("tensor",), 2 * L, a,
+            f"Megatron f: psum of d{act} before attention and before the MLP (2 per layer)"),
+        row(ctx, "backward", "all-reduce", ("tensor",), 1, a,
+            f"Megatron f: psum of d{act} before lm_head"),
+    ]
+
+
+def _norm_row(ctx: _Ctx, axes: tuple[str, ...]) -> Row:
+    return row(ctx, "optimizer", "all-reduce", axes, 1, F32,
+               f"global grad norm: psum over {','.join(axes)} of the local sum of squares (f32 scalar)")
+
+
+def _loss_row(ctx: _Ctx) -> Row:
+    return row(ctx, "metrics", "all-reduce", ("data",), 1, F32, "pmean over data of the loss (f32 scalar)")
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def _dp(ctx: _Ctx) -> list[Row]:
+    """Gradients averaged over data, leaf by leaf; the loss averaged for the metrics."""
+    grads = [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32,
+                 f"pmean over data of d({w.name}) {_leaf_shape(w)}") for w in weights(ctx.cfg)]
+    return grads + [_loss_row(ctx)]
+
+
+def _fsdp(ctx: _Ctx) -> list[Row]:
+    return _fsdp_rows(ctx, tensor_shards=1) + [_norm_row(ctx, ("data",)), _loss_row(ctx)]
+
+
+def _tp(ctx: _Ctx) -> list[Row]:
+    return _tp_rows(ctx, batch=ctx.batch) + [_norm_row(ctx, ("tensor",))]
+
+
+def _fsdp_tp(ctx: _Ctx) -> list[Row]:
+    return (_fsdp_rows(ctx, tensor_shards=ctx.t) + _tp_rows(ctx, batch=ctx.batch // ctx.d)
+            + [_norm_row(ctx, ("data", "tensor")), _loss_row(ctx)])
+
+
+def _pp(ctx: _Ctx) -> list[Row]:
+    """GPipe (manual_parallel/pp.py): M + S - 1 ticks, each handing one micro-batch's
+    activations [B/M, T, D] to the next stage forward and its gradient back; the replicated
+    embedding, ln_final and lm_head gradients summed over stage; the loss summed over stage
+    (only the last stage's is non-zero)."""
+    return _hop_rows(ctx) + _stage_sum_rows(ctx) + [_norm_row(ctx, ("stage",)), _stage_loss_row(ctx)]
+
+
+def _ticks(ctx: _Ctx) -> int:
+    """GPipe: M + S - 1 forward ticks, then as many backward; 1F1B: every tick of its table
+    hands a forward output on AND an input gradient back (zeros when the stage idled)."""
+    from twinshard.parallel import pipeline
+
+    m, n = ctx.microbatches, ctx.mesh["stage"]
+    return pipeline.ticks(m, n) if ctx.schedule == "gpipe" else len(pipeline.one_f_one_b(m, n)[0])
+
+
+def _hop_rows(ctx: _Ctx) -> list[Row]:
+    """One micro-batch's activations [B/(data M), T, D] per tick and hop, forward and back."""
+    ticks, b = _ticks(ctx), ctx.batch // (ctx.d * ctx.microbatches)
+    act = f"[{b},{ctx.seq},{ctx.cfg.d_model}]"
+    return [
+        row(ctx, "forward", "collective-permute", ("stage",), ticks, ctx.activation(b),
+            f"shift_to_next_stage: ppermute s -> s+1 of {act}, one per tick ({ticks} ticks)", shift=(1, False)),
+        row(ctx, "backward", "collective-permute", ("stage",), ticks, ctx.activation(b),
+            f"shift_to_previous_stage: ppermute s+1 -> s of d{act}, one per tick", shift=(-1, False)),
+    ]
+
+
+# ----------------------------------------------------------------------------- tp_sp
+
+
+def _tp_sp(ctx: _Ctx) -> list[Row]:
+    """Megatron sequence parallelism (manual_parallel/tp_sp.py) with B/data sequences per
+    device: its per-micro-batch rows K times, the gains' psums, then TP's norm psum and, with
+    data > 1, dp's gradient means and the loss mean over data."""
+    b = ctx.batch // ctx.d
+    rows = _times(ctx.k, _tp_sp_micro_batch_rows(ctx, b // ctx.k)) + [_norm_row(ctx, ("tensor",))]
+    if ctx.d == 1:
+        return rows
+    shards = {w.name: _shards(w, RULES["tp_sp"], ctx.mesh) for w in weights(ctx.cfg)}  # over tensor
+    return rows + [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32 // shards[w.name],
+                       f"pmean over data of d({w.name}) {_leaf_shape(w)}"
+                       + (f"/{shards[w.name]} (its tensor shard)" if shards[w.name] > 1 else ""))
+                   for w in weights(ctx.cfg)] + [_loss_row(ctx)]
+
+
+def _tp_sp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """TP's rows with each all-reduce of the residual stream split in its two halves (an
+    all-reduce is a reduce-scatter followed by an all-gather): the reduce-scatter where TP's g
+    (or its backward, f) sums, the all-gather where the next region needs the whole sequence.
+    Per layer: the all-gathers' A plus the reduce-scatters' A/t result bytes move, on a ring,
+    (t-1)/t A each - 8 (t-1)/t A in all, exactly TP's 4 all-reduces of 2 (t-1)/t A."""
+    a, t, L = ctx.activation(batch), ctx.t, ctx.L
+    act, shard = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]", f"[{batch},{ctx.seq // t},{ctx.cfg.d_model}]"
+    stats = _cross_entropy_rows(ctx, batch)  # as TP's: the lm_head sees the whole sequence
+    regather = ctx.cfg.remat != "none"  # the column-parallel inputs, see tp_sp.py
+    rows = stats + [
+        row(ctx, "forward", "reduce-scatter", ("tensor",), 1, a // t,
+            f"vocab-parallel embedding: masked local lookup + scatter_sequence {act} -> {shard}"),
+        row(ctx, "forward", "reduce-scatter", ("tensor",), 2 * L, a // t,
+            f"scatter_sequence {act} -> {shard} after output_proj and after w2 (2 per layer)"),
+        row(ctx, "forward", "all-gather", ("tensor",), 1, a, f"gather_sequence {shard} -> {act} before lm_head"),
+        row(ctx, "backward", "reduce-scatter", ("tensor",), 1, a // t,
+            f"gather_sequence backward: psum_scatter of d{act} before lm_head"),
+        row(ctx, "backward", "all-gather", ("tensor",), 2 * L + 1, a,
+            f"scatter_sequence backward: all_gather of d{shard} (2 per layer, + the embedding's output)"),
+        row(ctx, "backward", "all-reduce", ("tensor",), 2 * L + 1, ctx.cfg.d_model * F32,
+            "copy_to_tp backward: psum of each RMSNorm gain's gradient [D] f32 (its tokens' share)"),
+    ]
+    if ctx.cfg.collective_matmul:  # collectives.all_gather_matmul: t - 1 hops of a chunk each
+        hops = 2 * L * (t - 1)
+        return rows + [
+            row(ctx, "forward", "collective-permute", ("tensor",), hops, a // t,
+                f"all_gather_matmul: {t - 1} ppermutes of {shard} before attention and before the MLP",
+                shift=(-1, True)),
+            row(ctx, "backward", "collective-permute", ("tensor",), hops, a // t,
+                f"all_gather_matmul backward: {t - 1} reverse ppermutes of d{shard} (a ring reduce-scatter)",
+                shift=(1, True)),
+        ] + ([row(ctx, "backward", "collective-permute", ("tensor",), hops, a // t,
+                  f"all_gather_matmul's ppermutes recomputed under remat={ctx.cfg.remat}", shift=(-1, True))]
+                if regather else [])
+    return rows + [
+        row(ctx, "forward", "all-gather", ("tensor",), 2 * L, a,
+            f"gather_sequence {shard} -> {act} before attention and before the MLP (2 per layer)"),
+        row(ctx, "backward", "reduce-scatter", ("tensor",), 2 * L, a // t,
+            f"gather_sequence backward: psum_scatter of d{act} (2 per layer)"),
+    ] + ([row(ctx, "backward", "all-gather", ("tensor",), 2 * L, a,
+              f"gather_sequence recomputed under remat={ctx.cfg.remat} (the shard is saved, not {act})")]
+         if regather else [])
+
+
+def _stage_sum_rows(ctx: _Ctx) -> list[Row]:
+    """psum over stage of the gradients of the params replicated over stage (embedding,
+    ln_final, lm_head): f32, the matrices as their 1/data shards under pp_fsdp."""
+    out = []
+    for w in weights(ctx.cfg):
+        if w.layers == 1:
+            shards = ctx.d if w.is_matrix else 1
+            out.append(row(ctx, "backward", "all-reduce", ("stage",), 1, w.size * F32 // shards,
+                           f"psum over stage of d({w.name}) {_leaf_shape(w)}{f'/{shards}' if shards > 1 else ''} "
+                           "(replicated over stage, f32)"))
+    return out
+
+
+def _stage_loss_row(ctx: _Ctx) -> Row:
+    return row(ctx, "metrics", "all-reduce", ("stage",), 1, F32, "psum over stage of the loss (last stage's; f32)")
+
+
+def _pp_fsdp(ctx: _Ctx) -> list[Row]:
+    """pp's hops and stage sums, plus FSDP over data inside each stage, in both schedules
+    (manual_parallel/pp_fsdp.py): each matrix leaf of the stage (7 stacked [L/S, ...] leaves,
+    the embedding and the lm_head) gathered whole once per step, before the tick loop, and its
+    accumulated gradient reduce-scattered once after it (gather_step); the norm gains' mean
+    over data; the global norm, one psum per sharding group; the loss (psum over stage, pmean
+    over data). The gathers, scatters and norm means are fsdp's under grad_accum, on a stage's
+    leaves (manual_parallel/pp_fsdp.py: the same code path)."""
+    return (_hop_rows(ctx) + _fsdp_step_rows(ctx, 1, ctx.mesh["stage"]) + _stage_sum_rows(ctx)
+            + [_norm_row(ctx, axes) for axes in (("stage", "data"), ("stage",), ("data",))]
+            + [_stage_loss_row(ctx), _loss_row(ctx)])
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+
+def _ring_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """Ring attention (manual_parallel/ring_attention.py) on `batch` sequences per device, T/C tokens
+    each: per layer C-1 ring_shifts of the K block and C-1 of the V block [b, H, T/C, dh] forward,
+    the reverse ring of their gradients backward; per micro-batch (K times per step)."""
+    c, cfg = ctx.mesh["context"], ctx.cfg
+    context.check(ctx.seq, c, "contiguous")  # the ledger does not depend on the layout
+    b, tc = batch // ctx.k, ctx.seq // c
+    block = b * tc * cfg.num_heads * cfg.head_dim * ctx.s
+    kv = f"[{b},{cfg.num_heads},{tc},{cfg.head_dim}]"
+    n = 2 * (c - 1) * ctx.L
+    return _times(ctx.k, [
+        row(ctx, "forward", "collective-permute", ("context",), n, block,
+            f"ring_shift: ppermute c -> c+1 of the K and the V block {kv}, C-1 each per layer", shift=(1, True)),
+        row(ctx, "backward", "collective-permute", ("context",), n, block,
+            f"ring_shift backward: ppermute c+1 -> c of dK and dV {kv}, C-1 each per layer", shift=(-1, True)),
+    ])
+
+
+def _cp(ctx: _Ctx) -> list[Row]:
+    """The ring; every gradient leaf and the loss averaged over context (a sequence shard's
+    gradient is a partial mean, as a data shard's: manual_parallel/cp.py)."""
+    grads = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32,
+                 f"pmean over context of d({w.name}) {_leaf_shape(w)}") for w in weights(ctx.cfg)]
+    return _ring_rows(ctx, ctx.batch) + grads + [
+        row(ctx, "metrics", "all-reduce", ("context",), 1, F32, "pmean over context of the loss (f32 scalar)")]
+
+
+def _fsdp_cp(ctx: _Ctx) -> list[Row]:
+    """FSDP's gathers and scatters over data (its norm-gain means replaced: one pmean over
+    (data, context) each); the ring on B/d sequences; each matrix gradient SHARD (f32, 1/d)
+    averaged over context (params are replicated over context: manual_parallel/fsdp_cp.py)."""
+    fsdp = [r for r in _fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
+    shards = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32 // ctx.d,
+                  f"pmean over context of d({w.name}) {_leaf_shape(w)}/data (f32 shard)") for w in _matrices(ctx)]
+    gains = [row(ctx, "backward", "all-reduce", ("data", "context"), w.leaves, w.layers * w.size * F32,
+                 f"pmean over data,context of d({w.name}) {_leaf_shape(w)} (replicated f32 norm gains)")
+             for w in _norms(ctx)]
+    return fsdp + _ring_rows(ctx, ctx.batch // ctx.d) + shards + gains + [
+        _norm_row(ctx, ("data",)),
+        row(ctx, "metrics", "all-reduce", ("data", "context"), 1, F32, "pmean over data,context of the loss")]
+
+
+def _rows_of(name: str) -> Callable[[_Ctx], list[Row]]:
+    """The rows function of the strategy declared as `name`: `_<name>` in this module."""
+    rows = globals().get(f"_{name}")
+    if rows is None:
+        raise ImportError(f"strategy {name!r} (twinshard/parallel/strategies.py) has no collective rows: "
+                          f"define _{name}(ctx) in twinshard/cost/communication.py.")
+    return rows
+
+
+STRATEGY_ROWS: dict[str, Callable[[_Ctx], list[Row]]] = {s.name: _rows_of(s.name) for s in strategies.DECLARATIONS}

@@ -1,0 +1,44 @@
+"""FLOPs of one train step (`flops`, `Flops`), in the notation of twinshard/cost/__init__.py.
+
+A matmul [m,k]x[k,n] costs 2mkn.
+    forward  = 2 * B*T * N_mm + L * 2 * 2 * B * T^2 * D
+    with N_mm = L(4D*H*dh + 3DF) + DV the matmul parameters (the embedding is a
+    lookup: 0 FLOPs; norms, RoPE, softmax, SiLU are elementwise and ignored).
+    The attention term is QK^T and AV, 2*B*T*T*D each per layer; it is NOT
+    halved for causality (our attention computes the full T x T scores and
+    masks them). backward = 2 x forward (grad wrt inputs + grad wrt weights).
+    total = 3 x forward; per device = total / (d*t) (every strategy splits all
+    matmuls evenly: batch over data, heads / d_ff / vocab over tensor).
+The formula counts every score; ring attention (cp, fsdp_cp) computes only the visible
+blocks after its own, (C+1)/(2C) of the attention scores in total (zig-zag: half a block
+per device per step, balanced; contiguous: the same total, device c doing c + 1 blocks).
+Gradient accumulation does not change the FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twinshard.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs of one train step (see the module docstring for the formula)."""
+
+    matmul_params: int  # N_mm: parameters that take part in a matmul
+    forward_matmul: int  # 2 * B*T * N_mm
+    forward_attention: int  # L * 2 * 2 * B * T^2 * D (QK^T and AV, causal mask not exploited)
+    forward: int
+    backward: int  # 2 x forward
+    total: int  # 3 x forward
+    per_device: float  # total / number of devices
+
+
+def flops(cfg: ModelConfig, batch: int, seq: int, n_devices: int = 1) -> Flops:
+    d, hd, f, v, n = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.d_ff, cfg.padded_vocab_size, cfg.num_layers
+    n_mm = n * (4 * d * hd + 3 * d * f) + d * v  # q,k,v,o + w1,w2,w3 per layer, + lm_head
+    fwd_mm = 2 * batch * seq * n_mm
+    fwd_attn = n * 2 * 2 * batch * seq * seq * hd  # QK^T and AV; the causal half is computed too
+    fwd = fwd_mm + fwd_attn
+    return Flops(n_mm, fwd_mm, fwd_attn, fwd, 2 * fwd, 3 * fwd, 3 * fwd / n_devices)

@@ -1,0 +1,286 @@
+"""Bytes per device of one train step (`memory`, `Memory`): params, gradients, optimizer
+state, the activations saved for the backward pass and the transient working sets, in the
+notation of twinshard/cost/__init__.py.
+
+Memory per device (`Memory`, bytes):
+    params     sum over leaves of f32 leaf bytes / (its data shards x tensor shards)
+    grads      = params (same sharding)
+    optimizer  by `optimizer` (O(1) counters and placeholders ignored): adamw 2 x params
+               (mu, nu); lion, sgd 1 x params (mu; momentum trace); adafactor, per
+               leaf with two dims >= 128 (optim.factored_dims) a row and a column
+               statistic (the leaf without its largest / second-largest dim, each
+               split over the mesh axes of the dims it keeps), else a full v
+    activations, saved for the backward pass, per layer by `remat` (ModelConfig.remat,
+        the jax.checkpoint policy of each layer: twinshard/model/transformer.py REMAT_POLICIES):
+        none       b*T*(6D + 5D/t + 3F/t + 4 + H/t) elements: what autodiff saves
+                   (jax.ad_checkpoint.print_saved_residuals, JAX 0.12; exact on one device
+                   and in the manual tp twin, tests/test_remat.py; the norms' 2 gains [D]
+                   left out so that the activations scale with the batch): 6 x [b,T,D] of
+                   the residual stream and the norms (replicated under TP: the block input,
+                   the residual after attention, the norms' outputs, and the rows [b*T, D]
+                   the column-parallel matmuls read for their weight gradients); 5 x
+                   [b,T,D/t] in attention (q and k after RoPE, v, the output o, the merged
+                   heads output_proj reads); 3 x [b,T,F/t] in SwiGLU (w1 and w3 outputs,
+                   W2's input: layers.swiglu_gate recomputes the sigmoid); per-token norm
+                   statistics (4 x [b,T,1]) and the rows' log-sum-exp [b,H/t,T,1]. No
+                   [T, T] array: layers.recompute_attention (the default off-GPU; cuDNN
+                   flash attention on a GPU in bf16 keeps none either) recomputes the
+                   probabilities in the backward pass, which `attention_backward` counts.
+                   (Autodiff of the reference or of jax.nn's XLA attention would save the
+                   scores and the probabilities, 2 x [b,H/t,T,T] f32 per layer, instead of o.)
+        full       b*T*D: the layer input (the checkpoint's argument); + b*T*D under
+                   tensor parallelism, the attention block's g output (the manual twin
+                   saves Megatron g's psum outputs so no all-reduce is recomputed, and
+                   needs the first one to rebuild the residual stream)
+        dots_no_batch  b*T*(2D + 3D/t + 2F/t): the input, q, k, v, output_proj's
+                   output (TP: g's psum of it), w1 and w3 outputs. w2's output is a dot
+                   too, but the backward pass never reads it: JAX saves what is read.
+        dots       dots_no_batch + b*T*D/t (the AV product) + b*(H/t)*T^2 (the QK^T scores)
+        and, for every policy, one layer's `none` residuals once: the working set the
+        backward loop rebuilds (or, under none, the cotangents it builds) for the layer it
+        differentiates, + its attention backward's [T, T] arrays (`attention_backward`).
+        The per-layer counts of full / dots / dots_no_batch are exact (equal to JAX's
+        saved_residuals on one device and in the manual tp twin, tests/test_remat.py).
+        tp_sp      everything outside the tensor-parallel regions / t (the residual stream,
+                   norms, their statistics, the reduce-scatter outputs), the rest as tp; under
+                   none also the two gathered [b,T,D] inputs of the column-parallel matmuls
+                   (`_saved_per_layer_sequence`, exact against JAX's saved residuals)
+        pp, pp_fsdp  a stage's L/S layers on micro-batches of b/M rows, by `schedule`
+                   (`_pipeline_activations`): gpipe saves them in all M + S - 1 ticks and runs
+                   the loss on all b rows; 1f1b holds one micro-batch's residuals (its backward
+                   op re-runs the stage's forward) beside 3S stage inputs [b/M, T, D], and runs
+                   the loss per micro-batch; the backward working set is one micro-batch's
+        cp, fsdp_cp  those of T/C tokens, plus the C-1 received K and V blocks and each ring
+                   step's statistics (its probabilities are recomputed: `_cp_activations`)
+        final      2*b*T*D (ln_final in/out; tp_sp: b*T*D/t in, b*T*D gathered out) + b*T*V/t (logits) x s, and b*T*V/t x 4
+        (exp(z - max) in the f32 loss); the rest x s bytes. Not rematerialized by any
+        policy (the manual FSDP twin checkpoints the lm_head matmul alone, which keeps
+        its input and output). An estimate: XLA fuses, recomputes and frees buffers
+        (compare with `compiled.memory_analysis()`; tests/test_remat.py states the factor).
+    gathered_weights (fsdp, fsdp_tp: transient) one layer's gathered matrices or
+        the gathered embedding / lm_head, whichever is larger: 7 per layer at
+        full/t elements each, x s bytes (gathered in the compute dtype).
+
+Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences):
+activations of one micro-batch, plus `accumulator`, the float32 gradient accumulator
+(dp, tp: the local params' size; fsdp, fsdp_tp: the whole matrices over data, / t), and
+under fsdp `gathered_weights` becomes every matrix, gathered in the compute dtype (/ t):
+both are resident for the whole step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from twinshard.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ModelConfig
+from twinshard.cost.weights import F32, RULES, _shards, weights
+from twinshard.parallel import mesh as mesh_lib
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device (see the module docstring for the formula)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    gathered_weights: int  # transient FSDP working set (0 without FSDP)
+    accumulator: int = 0  # float32 gradient accumulator of grad_accum > 1 (0 without accumulation)
+    # the backward loop's working set: one layer's residuals (rebuilt under remat) or their
+    # cotangents, `saved_per_layer(..., "none")` of one layer (see `memory`)
+    backward_layer: int = 0
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations + self.gathered_weights
+                + self.accumulator + self.backward_layer)
+
+    @property
+    def temporaries(self) -> int:
+        """What XLA's memory_analysis() counts as temporaries (not arguments): all but the
+        params and the optimizer state, which are the (donated) step's arguments."""
+        return self.total - self.params - self.optimizer
+
+
+def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[str, int],
+                     optimizer: str) -> int:
+    """Optimizer-state bytes per device (f32; see the module docstring)."""
+    from twinshard.train.optim import factored_dims  # optax is imported only when memory is asked for
+
+    def kept(shape, axes, dims) -> int:  # elements per device of a statistic keeping `dims`
+        split = math.prod(mesh[rules[axes[k]]] for k in dims if axes[k] in rules)
+        return math.prod(shape[k] for k in dims) // split
+
+    per_param = {"adamw": 2, "lion": 1, "sgd": 1}
+    total = 0
+    for w in weights(cfg):
+        shape, axes, every = w.leaf_shape, w.leaf_axes, range(len(w.leaf_shape))
+        if optimizer in per_param:
+            total += w.leaves * per_param[optimizer] * kept(shape, axes, every)
+        elif optimizer == "adafactor":
+            dims = factored_dims(shape)
+            stats = [every] if dims is None else [[k for k in every if k != d] for d in dims]
+            total += w.leaves * sum(kept(shape, axes, s) for s in stats)
+        else:
+            raise ValueError(f"optimizer={optimizer!r} has no memory model; choose one of "
+                             f"{', '.join(per_param)}, adafactor.")
+    return total * F32
+
+
+def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequence: bool = False) -> int:
+    """Elements one layer saves for the backward pass under `remat` (module docstring);
+    b sequences per device, t tensor shards (1 without tensor parallelism); `sequence`:
+    Megatron sequence parallelism (tp_sp), the residual stream on sequence shards."""
+    d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
+    scores = b * (h // t) * seq * seq  # [b, H/t, T, T]
+    if sequence:
+        return _saved_per_layer_sequence(cfg, remat, b, seq, t, scores)
+    if remat == "none":  # what autodiff saves: JAX's print_saved_residuals, listed in the docstring
+        return b * seq * (6 * d + 5 * d // t + 3 * f // t + 4 + h // t)
+    if remat == "full":
+        return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
+    no_batch = b * seq * (2 * d + 3 * d // t + 2 * f // t)
+    if remat == "dots_no_batch":
+        return no_batch
+    if remat == "dots":
+        return no_batch + b * seq * d // t + scores
+    raise ValueError(f"remat={remat!r} has no memory model; choose one of {', '.join(REMAT_POLICIES)}.")
+
+
+def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int) -> int:
+    """Bytes of the [T, T] arrays one layer's attention backward holds at once: the recomputed
+    probabilities and d(q k^T), 2 x [b, H/t, T, T] float32 (layers.recompute_attention; XLA
+    writes ds over dp). No layer saves a [T, T] array for the backward, so at long context
+    this working set, not the residuals, is what grows with T^2. Measured (tiny, batch 4, one
+    CPU device, temp_size_in_bytes against the model): T = 1024, 194.8 MiB against 75.0
+    without this term, 203.0 with it; T = 256, 25.8 against 19.2 / 27.2.
+    It models the default kernel off-GPU. Not modelled: cuDNN flash attention (a GPU in bf16)
+    builds no [T, T] array at all, so the term overestimates a bf16 GPU plan by these bytes;
+    `--attention=xla` / `reference` save the scores and the probabilities in every layer
+    (2 x [b,H/t,T,T] f32 per layer, uncounted); under remat=dots in bf16 the saved q k^T is
+    f32, counted at the compute dtype's bytes."""
+    return 2 * b * (cfg.num_heads // t) * seq * seq * F32
+
+
+def _pipeline_activations(cfg: ModelConfig, remat: str, b: int, seq: int, stages: int, microbatches: int,
+                          schedule: str) -> tuple[int, int]:
+    """(saved elements, rows of one micro-batch) of a pipeline stage holding b rows in M micro-batches
+    of b/M, under `schedule` (as manual_parallel/pp.py runs it):
+      gpipe  autodiff of the tick loop saves the L/S layers' residuals of every one of the M + S - 1
+             ticks (a bubble tick computes, and saves, too);
+      1f1b   a backward op is a `jax.vjp` of the stage on the micro-batch's saved input, so the
+             residuals of ONE micro-batch's L/S layers are alive at a time, beside three rings of S
+             micro-batch activations [b/M, T, D] (the saved inputs and the two inboxes)."""
+    from twinshard.parallel import pipeline
+
+    rows, held = b // microbatches, cfg.num_layers // stages
+    if schedule == "gpipe":
+        return held * saved_per_layer(cfg, remat, rows, seq, 1) * pipeline.ticks(microbatches, stages), rows
+    return held * saved_per_layer(cfg, remat, rows, seq, 1) + 3 * stages * rows * seq * cfg.d_model, rows
+
+
+def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, scores: int) -> int:
+    """tp_sp's saved residuals per layer (JAX's print_saved_residuals in manual_parallel/tp_sp.py,
+    exact; tests/test_sequence.py). Outside the regions everything is TP's / t: the layer input,
+    the norms and their statistics, Megatron g's (now the reduce-scatter's) output. Inside
+    them, as TP: q, k, v, SwiGLU, the scores. New: under `none` the two gathered inputs of the
+    column-parallel matmuls [b, T, D] (their weight gradients read them); a remat policy
+    saves the shard instead and gathers it again (tp_sp.py)."""
+    d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
+    if remat == "none":  # 4 [b,T/t,D] + 4 [b,T/t,1] + 2 gathered [b,T,D] + q, k, v, o, lse + ...
+        return b * seq * (9 * d // t + 2 * d + 3 * f // t + h // t) + 4 * b * seq // t
+    if remat == "full":  # the layer input and the attention block's reduce-scatter output, [b,T/t,D]
+        return 2 * b * seq * d // t
+    no_batch = b * seq * (5 * d // t + 2 * f // t)  # the two [b,T/t,D] above, q, k, v, w1 and w3 outputs
+    if remat == "dots_no_batch":
+        return no_batch
+    if remat == "dots":
+        return no_batch + b * seq * d // t + scores
+    raise ValueError(f"remat={remat!r} has no memory model; choose one of {', '.join(REMAT_POLICIES)}.")
+
+
+def _cp_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int, s: int) -> tuple[int, int, int]:
+    """(saved elements of all layers, backward working set bytes, final bytes) of a device holding
+    T/C tokens under ring attention: the position-wise residuals of T/C tokens (`saved_per_layer`
+    with t = 1), plus what the ring's checkpointed merges keep: the C-1 received K and V blocks
+    (saved under every policy: cp.py's layer_policy) and each step's running statistics (acc
+    [b, H, T/C, dh], max and sum [b, H, T/C, 1]); the backward loop also rebuilds one block's
+    scores and probabilities [b, H, T/C, T/C]. An estimate, like the rest of the activation model:
+    measured totals (tools/long_context.py, d_model 64, 8 heads, L = 2, B = 1, context:8, T = 512,
+    2048, 4096, 8192: 4.8, 15.5, 40.9, 131.5 MiB per device) against 4.9, 15.5, 36.7,
+    103.0."""
+    tc, d, v = seq // c, cfg.d_model, cfg.padded_vocab_size
+    ring, block = ring_attention_memory(b, cfg.num_heads, tc, cfg.head_dim, c)
+    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + ring)
+    backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + ring + block) * s
+    final = (2 * b * tc * d + b * tc * v) * s + b * tc * v * F32
+    return layers, backward_layer, final
+
+
+def ring_attention_memory(b: int, h: int, tc: int, dh: int, c: int) -> tuple[int, int]:
+    """(elements one layer's ring attention saves, elements its backward rebuilds at once) on a
+    device holding q, k, v [b, h, T/C, dh] of C shards (manual_parallel/ring_attention.py): the
+    C-1 received K and V blocks and each of the C steps' running statistics (acc [b, h, T/C, dh],
+    max and sum [b, h, T/C, 1]: a checkpointed merge saves its inputs only); the backward pass
+    rebuilds one block's scores and probabilities [b, h, T/C, T/C] at a time."""
+    kv = 2 * (c - 1) * b * h * tc * dh
+    stats = c * (b * h * tc * dh + 2 * b * h * tc)
+    return kv + stats, 2 * b * h * tc * tc
+
+
+def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
+           dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1,
+           optimizer: str = "adamw", remat: str | None = None, schedule: str = "gpipe") -> Memory:
+    """Bytes per device; `remat` (default `cfg.remat`) sets the activations, `schedule` (gpipe,
+    1f1b) and `microbatches` a pipeline's (module docstring)."""
+    mesh_lib.check_strategy(strategy)
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; choose one of "
+                         f"{', '.join(PIPELINE_SCHEDULES)}.")
+    remat = cfg.remat if remat is None else remat
+    rules = RULES[strategy]
+    params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
+    t = mesh["tensor"] if "heads" in rules else 1
+    b = (batch // mesh["data"] if "batch" in rules else batch) // grad_accum  # one micro-batch
+    d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
+    sequence = "seq" in rules  # tp_sp: the residual stream on sequence shards
+    layers = cfg.num_layers * saved_per_layer(cfg, remat, b, seq, t, sequence)
+    head = b  # rows the lm_head and the loss run on at once
+    if "layers" in rules:  # a pipeline stage: its L/S layers on micro-batches of b/M rows
+        layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule)
+        head = b if schedule == "1f1b" else head  # GPipe: the loss of all M micro-batches at once
+    # The backward loop holds one layer's worth of residuals at a time beyond what was saved:
+    # rebuilt under remat, their cotangents without (measured with memory_analysis: without
+    # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
+    backward_layer = (saved_per_layer(cfg, "none", b, seq, t, sequence) * dtype_bytes
+                      + attention_backward(cfg, b, seq, t))
+    ln_final = head * seq * d // t + head * seq * d if sequence else 2 * head * seq * d  # tp_sp: on shards, gathered
+    final = (ln_final + head * seq * v // t) * dtype_bytes + head * seq * v // t * F32  # f32 loss
+    if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
+        layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes)
+    acts = layers * dtype_bytes + final
+    gathered = 0
+    if "embed" in rules:
+        layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
+        gathered = max(layer, v * d) * dtype_bytes // t
+        if "layers" in rules:  # pp_fsdp: the stage's L/S layers, embedding and lm_head, gathered for the
+            # step; GPipe's tick loop reads them as float32 (manual_parallel/pp.py `_gpipe`), 1F1B in
+            # the compute dtype
+            stage = cfg.num_layers // mesh["stage"] * layer + 2 * v * d
+            gathered = stage * (F32 if schedule == "gpipe" else dtype_bytes)
+    opt = _optimizer_bytes(cfg, rules, mesh, optimizer)
+    if "layers" in rules and "embed" in rules:  # pp_fsdp: + the float32 gradient of what it gathered
+        return Memory(params, params, opt, acts, gathered, stage * F32, backward_layer)
+    if grad_accum == 1:
+        return Memory(params, params, opt, acts, gathered, 0, backward_layer)
+    # the f32 accumulator of the micro-batch scan: param-sized (DP, TP); under FSDP it holds the
+    # gradient of the WHOLE matrices (gather_step), so it and the gathered weights are full over data
+    accumulator = params
+    if "embed" in rules:
+        no_data = {a: m for a, m in rules.items() if m != "data"}
+        accumulator = sum(w.count * w.size * F32 // _shards(w, no_data, mesh) for w in weights(cfg))
+        gathered = sum(w.count * w.size for w in weights(cfg) if w.is_matrix) * dtype_bytes // t
+    return Memory(params, params, opt, acts, gathered, accumulator, backward_layer)

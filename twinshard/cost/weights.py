@@ -1,0 +1,111 @@
+"""The parameter tree as the cost model sees it, and how each strategy splits it.
+
+`weights(cfg)` lists the weights of `TransformerLM` (leaf names as in
+twinshard/model/transformer.py), in the notation of the package docstring
+(twinshard/cost/__init__.py). The blocks are one stack scanned over L
+(model.scan_layers): each block weight is a leaf [L, ...] with logical axes
+('layers', ...), and the scan body uses one layer's slice (the shape below):
+
+    kind    weight                   shape        logical axes     count   leaves
+    matrix  token_embeddings         [V, D]       (vocab, embed)   1       1
+    matrix  attn.{q,k,v}_proj        [D, H*dh]    (embed, heads)   3L      3 x [L, D, H*dh]
+    matrix  attn.output_proj         [H*dh, D]    (heads, embed)   L       1 x [L, H*dh, D]
+    matrix  ffn.{w1,w3}              [D, F]       (embed, mlp)     2L      2 x [L, D, F]
+    matrix  ffn.w2                   [F, D]       (mlp, embed)     L       1 x [L, F, D]
+    matrix  lm_head                  [D, V]       (embed, vocab)   1       1
+    norm    ln1, ln2                 [D]          (norm,)          2L      2 x [L, D]
+    norm    ln_final                 [D]          (norm,)          1       1
+
+so there are 7L + 2 matrices and 2L + 1 norm vectors in 12 leaves,
+N = 2VD + L(4D^2 + 3DF + 2D) + D parameters (= `ModelConfig.num_params()`).
+`RULES` maps each logical axis to the mesh axis a strategy splits it over; `_shards`,
+`_held` and the shape labels size a weight's piece on one device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from twinshard.config import ModelConfig
+from twinshard.parallel import strategies
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # ModelConfig.dtype -> bytes per element
+F32 = 4  # bytes of the loss, the squared-norm scalar and the cross-entropy statistics
+
+# logical axis -> mesh axis of everything each strategy splits (its declaration's tables).
+RULES: dict[str, dict[str, str]] = {s.name: s.split_rules for s in strategies.DECLARATIONS}
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A group of identical per-layer weights (e.g. the 3L q/k/v projections).
+
+    `count` weights of `shape` are used per forward pass. A `stacked` group
+    lives in `count // layers` parameter leaves of shape [layers, *shape] (the
+    scanned block stack: e.g. q, k, v are 3 leaves [L, D, H*dh]); collectives
+    inside the scan body act on one layer's weight (`count` of them per
+    step), those on whole gradients on one leaf (`leaves` of them).
+    """
+
+    name: str
+    shape: tuple[int, ...]  # one layer's weight
+    axes: tuple[str, ...]  # its logical axes
+    count: int
+    layers: int = 1  # L for the stacked block params, 1 otherwise
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def leaves(self) -> int:
+        """Number of parameter arrays (a stacked leaf holds `layers` weights)."""
+        return self.count // self.layers
+
+    @property
+    def leaf_shape(self) -> tuple[int, ...]:
+        return self.shape if self.layers == 1 else (self.layers, *self.shape)
+
+    @property
+    def leaf_axes(self) -> tuple[str, ...]:
+        return self.axes if self.layers == 1 else ("layers", *self.axes)
+
+    @property
+    def is_matrix(self) -> bool:
+        return len(self.shape) == 2
+
+
+def weights(cfg: ModelConfig) -> list[Weight]:
+    """The weights of `TransformerLM`, grouped by shape and role (block weights stacked [L, ...])."""
+    v, d, f, hd, n = cfg.padded_vocab_size, cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.head_dim, cfg.num_layers
+    return [
+        Weight("token_embeddings", (v, d), ("vocab", "embed"), 1),
+        Weight("attn.{q,k,v}_proj", (d, hd), ("embed", "heads"), 3 * n, layers=n),
+        Weight("attn.output_proj", (hd, d), ("heads", "embed"), n, layers=n),
+        Weight("ffn.{w1,w3}", (d, f), ("embed", "mlp"), 2 * n, layers=n),
+        Weight("ffn.w2", (f, d), ("mlp", "embed"), n, layers=n),
+        Weight("lm_head", (d, v), ("embed", "vocab"), 1),
+        Weight("ln1, ln2", (d,), ("norm",), 2 * n, layers=n),
+        Weight("ln_final", (d,), ("norm",), 1),
+    ]
+
+
+def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int:
+    return math.prod(mesh[rules[a]] for a in w.leaf_axes if a in rules)
+
+
+def _held(w: Weight, stages: int = 1) -> int:
+    """How many of w's layers one device holds: L/S of a stacked block weight split over `stages`
+    pipeline stages (L without a pipeline), 1 otherwise."""
+    return w.layers // stages if w.layers > 1 else 1
+
+
+def _leaf_shape(w: Weight, stages: int = 1) -> str:
+    """w's parameter leaf, "[L, D, F]"; on one of `stages` pipeline stages "[L/S, D, F]"."""
+    return "[" + ",".join(str(n) for n in (w.shape if w.layers == 1 else (_held(w, stages), *w.shape))) + "]"
+
+
+def _shape(w: Weight, tensor_shards: int) -> str:
+    return "[" + ",".join(str(n) for n in w.shape) + "]" + (f"/{tensor_shards}" if tensor_shards > 1 else "")
