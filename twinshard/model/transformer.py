@@ -241,7 +241,7 @@ def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SI
     axes: the manual FSDP twin all-gathers ONE layer's weights per iteration,
     and the backward scan re-gathers them (remat) and reduce-scatters their
     gradients, one layer at a time. Collectives in the body appear once in the
-    HLO, inside a `while` of trip count L (twinshard/hlo.py multiplies).
+    HLO, inside a `while` of trip count L (twinshard/hlo/loops.py multiplies).
 
     Measured (XLA:CPU, 2 busy cores, CPU time): the compiled step no longer
     grows with L (tiny width, single device: 3532 HLO instructions at L=2, 12
