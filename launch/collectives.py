@@ -7,7 +7,7 @@
 
 Nothing runs: the train step is lowered on abstract inputs (ShapeDtypeStructs
 carrying the strategy's shardings) and compiled. The collective ledger of the
-compiled HLO (twinshard/hlo.py) is printed, then the analytic model
+compiled HLO (twinshard/hlo/) is printed, then the analytic model
 (twinshard/cost/), then one line per (op, mesh axes) with measured/model
 count, bytes and ring bytes, and totals per axis.
 

@@ -116,7 +116,7 @@ def test_tpu_ledger_reads_every_line(step, name):
     assert s.runner.mesh.devices.flat[0].platform == "tpu"
     assert s.ledger.records and s.ledger.unparsed == []
     # The layer scan's while loops (forward, backward): TPU drops known_trip_count, so the
-    # ledger infers it from the loop condition (hlo.py) and says so; it must find L.
+    # ledger infers it from the loop condition (hlo/loops.py) and says so; it must find L.
     L = s.cfg.model.num_layers
     assert s.ledger.warnings and all(re.fullmatch(rf"while %[\w.]+: no known_trip_count, inferred {L} from "
                                                   r"its condition", w) for w in s.ledger.warnings)

@@ -237,7 +237,7 @@ def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SI
     axes: the manual FSDP twin all-gathers ONE layer's weights per iteration,
     and the backward scan re-gathers them (remat) and reduce-scatters their
     gradients, one layer at a time. Collectives in the body appear once in the
-    HLO, inside a `while` of trip count L (twinshard/hlo.py multiplies).
+    HLO, inside a `while` of trip count L (twinshard/hlo/loops.py multiplies).
 
     The compiled step does not grow with L; the loop costs run time on XLA:CPU
     (an unrolled or `unroll=4` scan ran faster than a rolled one, measured, JAX 0.12), so

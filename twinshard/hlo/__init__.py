@@ -1,0 +1,20 @@
+"""The collective ledger of a compiled XLA program, and the HLO reading behind it.
+
+`ledger(compiled, mesh)` lists every collective of a compiled program (user reference:
+docs/hlo-assertions.md). The modules, each importing only those before it: `parse` (HLO
+text -> computations of instructions), `groups` (replica groups, mesh axes,
+collective-permute patterns), `loops` (how many times each computation runs; the copies
+TPU async collective fusions print), `records` (`Collective`, `Ledger`, `ledger()`; not
+named `ledger`, which would clash with the function re-exported here).
+"""
+
+from twinshard.hlo.groups import (MeshSpec, Shift, classify, decode_replica_groups, describe_permute,
+                                  mesh_spec, ring_step, shift_pairs, shift_pattern)
+from twinshard.hlo.parse import OPS
+from twinshard.hlo.records import Collective, Ledger, NotCompiledHLO, ledger, ring_bytes
+
+__all__ = [
+    "OPS", "Collective", "Ledger", "MeshSpec", "NotCompiledHLO", "Shift", "classify",
+    "decode_replica_groups", "describe_permute", "ledger", "mesh_spec", "ring_bytes", "ring_step",
+    "shift_pairs", "shift_pattern",
+]

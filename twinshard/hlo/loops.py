@@ -1,0 +1,303 @@
+"""How many times each computation runs, and which printed collectives are copies of one.
+
+`_multiplicities` walks the call graph from ENTRY and gives every computation its runs per
+step; `_async_fusion_copies` finds the collectives that TPU async collective fusions print
+more than once, so the ledger counts each once.
+
+Loops. A collective inside a `while` body (a `lax.scan`) prints once; its
+`multiplicity` is the product of the enclosing loops' trip counts, read from
+`backend_config={..."known_trip_count":{"n":"3"}}` (XLA:CPU). Surprise: the
+TPU compiler drops `known_trip_count` from the `while` (measured, libtpu
+0.0.50.1: `%while.10 = (...) while(%tuple.20), condition=%wide.region_3.0_spmd,
+body=%wide.region_1.0_spmd.sunk`), so it is inferred from a condition whose ROOT
+is `compare(..., constant(N)), direction=LT` and the record is marked
+`multiplicity_exact=False` (with a ledger warning). Conditional branches count
+as taken (an upper bound); a computation called from k sites runs k times.
+
+Async call edges. In a generic `async-start(...), calls=%comp` the collective is the
+instruction inside `%comp`, counted there, once. XLA prints `calls=` on async-done
+too: call edges from `*-done` / `async-update` ops and from fusions named
+`*done*` are not call sites, unless the done side is the computation's only
+caller (next paragraph).
+
+TPU async collective fusions (measured, libtpu 0.0.50.1 on v5e:4x4, for both
+GSPMD FSDP and shard_map all_gather programs): ONE collective is printed in
+every computation of its chain::
+
+    %fused_computation.16 (...) -> (...) {            <- start: counted here
+      %all-gather.25 = bf16[256,256]{...} all-gather(%param_0.42), channel_id=4, ...
+      ROOT %custom-call.1 = (...) custom-call(%all-gather.25),
+          custom_call_target="AsyncCollectiveStart" }
+    %async_collective_fusion.19 (...) {              <- continuation: a copy
+      ... compute overlapped with the gather ...
+      %all-gather.27 = ... all-gather(%param_0.45), channel_id=4, ... }
+    %fused_computation.18 (...) -> bf16[256,256] {    <- done: a copy
+      %all-gather.29 = ... all-gather(%param_0.47), channel_id=4, ...
+      ROOT %custom-call.3 = ... custom-call(..., %all-gather.29, ...),
+          custom_call_target="AsyncCollectiveDone" }
+    ENTRY ... {
+      %async-collective-start = (...) fusion(%convert_element_type.13), kind=kCustom,
+          calls=%fused_computation.16
+      %fusion.19 = (...) fusion(%get-tuple-element.4, ...), kind=kOutput, calls=%async_collective_fusion.19
+      %async-collective-done = bf16[256,256]{...} fusion(%get-tuple-element.19, ...),
+          kind=kCustom, calls=%fused_computation.18
+
+Start computations: ROOT custom-call "AsyncCollectiveStart", or called by a
+fusion named `*async*start*`. Done computations: ROOT custom-call
+"AsyncCollectiveDone", or called only from the done side (whose fusion is
+then their call site: multiplicity as usual, no "no caller" warning).
+Continuations: 0 or more per collective. The collective is counted once, at the
+start. The copies are found by data flow: fusions that take the start's results
+(through get-tuple-element, then each continuation's) and whose computation holds
+a collective with the same op, channel_id, groups, dimensions and shape applied to
+those values (channel_id alone does not identify it: see `_copy_key`). Where the
+flow does not reach, a done's collective with a start's key is still a copy; one
+with none is counted at the done, and a continuation-like one is counted, both
+with a ledger warning.
+"""
+
+from __future__ import annotations
+
+import re
+
+from twinshard.hlo.parse import _Instr, _Module, _base_op, _parse_shape
+
+
+# ----------------------------------------------------------------------------- multiplicity
+
+
+_CALL_KEYS = re.compile(
+    r"(?:calls|to_apply|body|condition|true_computation|false_computation"
+    r"|branch_computations|called_computations)="
+)
+
+
+def _is_done_side(instr: _Instr) -> bool:
+    """`*-done`, `async-update`/`async-done`, and fusions named `*done*` (TPU)."""
+    op = instr.opcode
+    return (op.endswith("-done") or op in ("async-update", "async-done")
+            or (op == "fusion" and "done" in instr.name))
+
+
+def _call_edges(instr: _Instr) -> list[tuple[str, str]]:
+    """(attribute, callee) edges of an instruction, minus async-done style back edges."""
+    return [] if _is_done_side(instr) else _edges(instr)
+
+
+def _done_edges(instr: _Instr) -> list[tuple[str, str]]:
+    """The edges `_call_edges` leaves out: those of done-side ops."""
+    return _edges(instr) if _is_done_side(instr) else []
+
+
+def _edges(instr: _Instr) -> list[tuple[str, str]]:
+    if not _CALL_KEYS.search(instr.attr_text):
+        return []
+    edges = []
+    for key in ("calls", "to_apply", "body", "condition", "true_computation", "false_computation"):
+        if key in instr.attrs:
+            edges += [(key, c) for c in re.findall(r"%?([\w.\-]+)", instr.attrs[key])]
+    for key in ("branch_computations", "called_computations"):
+        if key in instr.attrs:
+            edges += [(key, c) for c in re.findall(r"%?([\w.\-]+)", instr.attrs[key])]
+    return edges
+
+
+def _trip_count(w: _Instr, mod: _Module) -> tuple[int | None, bool]:
+    """(trip count, exact) of a while: known_trip_count, else `i < constant(N)`."""
+    config = w.attrs.get("backend_config", "")
+    m = re.search(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)', config)
+    if m:
+        return int(m.group(1)), True
+    cond = re.findall(r"%?([\w.\-]+)", w.attrs.get("condition", ""))
+    instrs = mod.computations.get(cond[0], []) if cond else []
+    consts = {i.name: i for i in instrs if i.opcode == "constant"}
+    for i in instrs:
+        if i.is_root and i.opcode == "compare" and i.attrs.get("direction") == "LT":
+            c = consts.get(i.operands[-1]) if i.operands else None
+            if c is not None:
+                n = re.match(r"\s*(-?\d+)", c.line.split("constant(", 1)[1])
+                if n:
+                    return max(int(n.group(1)), 0), False
+    return None, False
+
+
+def _multiplicities(mod: _Module, warnings: list[str]) -> dict[str, tuple[int, bool, bool]]:
+    """computation -> (times run per call of ENTRY, exact?, reached through async?)."""
+    callers: dict[str, list[tuple[str, _Instr, str]]] = {}
+    done_callers: dict[str, list[tuple[str, _Instr, str]]] = {}
+    for comp, instrs in mod.computations.items():
+        for instr in instrs:
+            for key, callee in _call_edges(instr):
+                callers.setdefault(callee, []).append((comp, instr, key))
+            for key, callee in _done_edges(instr):
+                done_callers.setdefault(callee, []).append((comp, instr, key))
+    # A computation called only from the done side (TPU `%async-collective-done =
+    # fusion(...), calls=%c`) runs once per done: that is its caller. Where the
+    # start also calls it (generic async-start/-done), the done edge is a back edge.
+    for callee, sites in done_callers.items():
+        callers.setdefault(callee, sites)
+    memo: dict[str, tuple[int, bool, bool]] = {}
+    warned: set[str] = set()
+
+    def visit(comp: str, stack: frozenset[str]) -> tuple[int, bool, bool]:
+        if comp in memo:
+            return memo[comp]
+        if comp == mod.entry:
+            return 1, True, False
+        if comp in stack:
+            return 0, False, False
+        sites = callers.get(comp, [])
+        if not sites:
+            if mod.entry is not None:
+                warnings.append(f"computation %{comp} has no caller; its collectives counted once")
+            return 1, True, False
+        total, exact, is_async = 0, True, False
+        for parent, instr, key in sites:
+            n, ex, asy = visit(parent, stack | {comp})
+            factor = 1
+            if instr.opcode == "while" and key in ("body", "condition"):
+                trips, known = _trip_count(instr, mod)
+                if trips is None:
+                    trips, known = 1, False
+                    msg = f"while %{instr.name}: trip count unknown, body counted once"
+                else:
+                    msg = (f"while %{instr.name}: no known_trip_count, inferred {trips} "
+                           f"from its condition")
+                if not known and instr.name not in warned:
+                    warned.add(instr.name)
+                    warnings.append(msg)
+                factor = trips + (1 if key == "condition" else 0)
+                ex = ex and known
+            asy = asy or instr.opcode == "async-start" or (
+                instr.opcode == "fusion" and "async" in instr.name)
+            total += n * factor
+            exact, is_async = exact and ex, is_async or asy
+        memo[comp] = (total, exact, is_async)
+        return memo[comp]
+
+    return {comp: visit(comp, frozenset()) for comp in mod.computations}
+
+
+# ----------------------------------------------------------------------------- TPU async collective fusions
+
+
+def _root_call_target(instrs: list[_Instr]) -> str:
+    """custom_call_target of a computation's ROOT custom-call ('' if none)."""
+    root = next((i for i in instrs if i.is_root), None)
+    if root is None or root.opcode != "custom-call":
+        return ""
+    return root.attrs.get("custom_call_target", "").strip('"')
+
+
+def _copy_key(instr: _Instr) -> tuple | None:
+    """What every printed copy of one async collective shares (None: not a collective).
+
+    channel_id alone is not enough: measured (libtpu 0.0.50.1, shard_map FSDP on
+    v5e:4x4), three distinct all-gathers, two of them async, all had channel_id=1.
+    """
+    op = _base_op(instr.opcode)[0]
+    if op is None:
+        return None
+    a = instr.attrs
+    try:
+        shape = repr(_parse_shape(instr.shape_text))  # layouts differ between copies
+    except ValueError:
+        shape = instr.shape_text
+    return (op, a.get("channel_id"), a.get("replica_groups"), a.get("source_target_pairs"),
+            a.get("dimensions"), shape)
+
+
+def _chain_copies(start: _Instr, instrs: list[_Instr], keys: set[tuple], mod: _Module,
+                  dones: set[str]) -> set[tuple[str, str]]:
+    """Copies of the start's collective along its chain, followed by data flow.
+
+    The chain's values are the start fusion, each continuation fusion, and their
+    get-tuple-elements. A fusion that takes chain values is a continuation (or the
+    done, which ends the chain) when its computation holds a collective with the
+    start's key whose operands are all parameters bound to chain values.
+    """
+    state, found, changed = {start.name}, set(), True
+    while changed:
+        changed = False
+        for i in instrs:
+            if i.name in state:
+                continue
+            bound = {n for n, o in enumerate(i.operands) if o in state}
+            if not bound:
+                continue
+            if i.opcode == "get-tuple-element":
+                state.add(i.name)
+                changed = True
+            if i.opcode != "fusion":
+                continue
+            hits = []
+            for key, c in _edges(i):
+                body = mod.computations.get(c, []) if key == "calls" else []
+                params = {x.name: int(x.operands[0]) for x in body
+                          if x.opcode == "parameter" and x.operands and x.operands[0].isdigit()}
+                hits += [(c, x.name) for x in body if x.operands and _copy_key(x) in keys
+                         and all(params.get(o) in bound for o in x.operands)]
+            found.update(hits)
+            if hits and not (_is_done_side(i) or any(c in dones for c, _ in hits)):
+                state.add(i.name)
+                changed = True
+    return found
+
+
+def _async_fusion_copies(mod: _Module, warnings: list[str]) -> tuple[set[str], set[tuple[str, str]]]:
+    """(start computations, {(computation, instr)} of copies) of TPU async collective fusions.
+
+    One async collective is printed once per computation of its chain: the
+    start's (ROOT custom-call "AsyncCollectiveStart", or called by a fusion named
+    *async*start*), each continuation's (compute fused with the in-flight
+    collective, called by a plain fusion) and the done's (ROOT custom-call
+    "AsyncCollectiveDone", or called only from the done side). It is counted at
+    the start; the others are copies, found by data flow from the start fusion.
+    Fallbacks, where data flow does not reach (e.g. state carried through a
+    loop): a done's collective with a start's key is a copy; one without is
+    counted at the done, with a warning; a continuation-like one is counted,
+    with a warning.
+    """
+    regular, done_only, fusion_only = set(), set(), {}
+    for instrs in mod.computations.values():
+        for i in instrs:
+            for _, callee in _call_edges(i):
+                regular.add(callee)
+                fusion_only[callee] = fusion_only.get(callee, True) and i.opcode == "fusion"
+            done_only.update(c for _, c in _done_edges(i))
+    done_only -= regular
+    starts, dones = set(), set()
+    for comp, instrs in mod.computations.items():
+        target = _root_call_target(instrs)
+        if target == "AsyncCollectiveStart":
+            starts.add(comp)
+        elif target == "AsyncCollectiveDone" or comp in done_only:
+            dones.add(comp)
+        for i in instrs:
+            if i.opcode == "fusion" and "async" in i.name and "start" in i.name:
+                starts.update(c for k, c in _call_edges(i) if k == "calls")
+    keys_of = {c: {k for i in mod.computations.get(c, []) if (k := _copy_key(i))} for c in starts}
+    all_keys = set().union(*keys_of.values())
+    copies: set[tuple[str, str]] = set()
+    for instrs in mod.computations.values():
+        for i in instrs:
+            if i.opcode == "fusion":
+                keys = set().union(*(keys_of.get(c, set()) for k, c in _edges(i) if k == "calls"))
+                if keys:
+                    copies |= _chain_copies(i, instrs, keys, mod, dones)
+    for comp, instrs in mod.computations.items():
+        if comp in starts or not (comp in dones or fusion_only.get(comp)):
+            continue
+        for i in instrs:
+            k = _copy_key(i)
+            if k is None or (comp, i.name) in copies:
+                continue
+            if comp in dones and k in all_keys:
+                copies.add((comp, i.name))
+            elif comp in dones:
+                warnings.append(f"async done %{comp}: %{i.name} matches no async start; "
+                                f"counted at the done")
+            elif k in all_keys:
+                warnings.append(f"%{i.name} in %{comp} looks like a copy of an async start's "
+                                f"collective but does not take its state; counted")
+    return starts, copies

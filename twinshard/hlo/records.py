@@ -1,0 +1,471 @@
+"""The collective ledger: every collective of a compiled XLA program, one record each.
+
+`ledger(compiled, mesh)` reads the optimized HLO text of a `jax.stages.Compiled`
+(or any HLO module text) and returns a `Ledger` of `Collective` records: which
+op, over which mesh axes, how many bytes, how many times per step, and which
+line of our code asked for it. Tests assert on it (see `twinshard.testing`).
+What is not a compiled program's HLO raises `NotCompiledHLO` (a ValueError)
+saying what to pass: a `Lowered`, StableHLO text (`lowered.as_text()`), HLO
+not yet compiled (`lowered.as_text(dialect='hlo')`), empty or unreadable text.
+
+Ops and forms (real lines, JAX 0.12.0.1 / XLA:CPU unless marked):
+
+- sync ops print once: `all-gather`, `reduce-scatter`, `all-reduce`,
+  `all-to-all`, `collective-permute` (with `source_target_pairs={{0,1},...}`),
+  `collective-broadcast`, `ragged-all-to-all`.
+- tuple all-reduce from the CPU combiner, split into one record per operand
+  (each operand's source comes from its `get-tuple-element` user)::
+
+    %all-reduce = (f32[4,4]{1,0}, f32[4,4]{1,0}) all-reduce(%param.1,
+        %broadcast_multiply_fusion), channel_id=1, replica_groups=mesh[...] {'data'}, ...
+
+- tuple all-to-all: XLA:CPU lowers `lax.all_to_all` over a group of n to an
+  all-to-all of n operands, one per peer. That is ONE collective: one record,
+  `shape` = one part, `parts` = n, `bytes` = all parts::
+
+    %all-to-all = (f32[1,4]{1,0}, f32[1,4]{1,0}, f32[1,4]{1,0}, f32[1,4]{1,0})
+        all-to-all(%wrapped_slice, ...), channel_id=1, replica_groups=mesh[...] {'tensor'}
+
+- async pairs (GPU/TPU; CPU has none), counted once at `-start`, the result
+  shape taken from the matching `-done` (TPU, libtpu 0.0.50.1)::
+
+    %collective-permute-start = (f32[64,256]{1,0:T(8,128)S(1)}, f32[64,256]{...},
+        u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%reduce_scatter.7), ...
+    %collective-permute-done = f32[64,256]{1,0:T(8,128)S(1)} collective-permute-done(...)
+
+  Also `all-gather-start/done`, `all-reduce-start/done` and the sugared async
+  forms `reduce-scatter-start/done`, `all-to-all-start/done`.
+  Measured: XLA's printer turns a hand-written `async-start(...),
+  calls=%comp` wrapping a reduce-scatter into `reduce-scatter-start` /
+  `reduce-scatter-done` and stops printing `%comp`.
+- generic `async-start` and TPU async collective fusions: see `twinshard.hlo.loops`.
+
+Ring bytes (per device sent by a ring algorithm, n = group size):
+all-gather (n-1)/n x result; reduce-scatter (n-1) x result (= (n-1)/n x operand);
+all-reduce 2(n-1)/n x bytes; all-to-all and ragged-all-to-all (n-1)/n x bytes;
+collective-permute and collective-broadcast: bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinshard.hlo.groups import (MeshSpec, Shift, _components, _explicit_groups, classify,
+                                  decode_replica_groups, describe_permute, mesh_spec)
+from twinshard.hlo.loops import _async_fusion_copies, _call_edges, _multiplicities
+from twinshard.hlo.parse import OPS, _Instr, _Module, _Shape, _base_op, _parse_module, _parse_shape
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of the program (one operand of a tuple all-reduce)."""
+
+    op: str
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int
+    ring_bytes: float
+    replica_groups: tuple[tuple[int, ...], ...]
+    source_target_pairs: tuple[tuple[int, int], ...]
+    axes: tuple[str, ...]
+    partial_axes: tuple[str, ...]
+    group_size: int
+    multiplicity: int
+    source: str
+    op_name: str
+    name: str
+    computation: str
+    is_async: bool = False
+    tuple_index: int | None = None
+    parts: int = 1
+    multiplicity_exact: bool = True
+    # collective-permute only: the pairs as mesh coordinates (mesh order), one Shift per
+    # axis they move along, and `pattern`, what the pairs do in words (see describe_permute)
+    coordinate_pairs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    shifts: tuple[Shift, ...] = ()
+    pattern: str = ""
+
+
+def ring_bytes(op: str, nbytes: int, n: int) -> float:
+    """Per-device bytes a ring algorithm sends for `op` on a group of `n`."""
+    if n <= 1 and op not in ("collective-permute", "collective-broadcast"):
+        return 0.0
+    return {
+        "all-gather": (n - 1) / n * nbytes,
+        "reduce-scatter": float((n - 1) * nbytes),
+        "all-reduce": 2 * (n - 1) / n * nbytes,
+        "all-to-all": (n - 1) / n * nbytes,
+        "ragged-all-to-all": (n - 1) / n * nbytes,
+        "collective-permute": float(nbytes),
+        "collective-broadcast": float(nbytes),
+    }[op]
+
+
+# ----------------------------------------------------------------------------- ledger
+
+
+def _flat(shape: _Shape | list) -> list[_Shape]:
+    return [shape] if isinstance(shape, _Shape) else [s for x in shape for s in _flat(x)]
+
+
+def _metadata(attrs: dict[str, str], frames: dict[int, str]) -> tuple[str, str]:
+    """(op_name, 'file:line') from a metadata={...} attribute."""
+    meta = attrs.get("metadata", "")
+    op = re.search(r'op_name="((?:[^"\\]|\\.)*)"', meta)
+    file = re.search(r'source_file="((?:[^"\\]|\\.)*)"', meta)
+    line = re.search(r"source_line=(\d+)", meta)
+    frame = re.search(r"stack_frame_id=(\d+)", meta)
+    source = ""
+    if file:
+        source = file.group(1) + (f":{line.group(1)}" if line else "")
+    elif frame:
+        source = frames.get(int(frame.group(1)), "")
+    return (op.group(1) if op else ""), source
+
+
+def _result_shapes(instr: _Instr, base_op: str, done: _Instr | None) -> list[_Shape] | list:
+    """Result shape (list of parts) of a sync op or of an async start (from its done)."""
+    if done is not None:
+        return _parse_shape(done.shape_text)
+    shape = _parse_shape(instr.shape_text)
+    if not instr.opcode.endswith("-start") or base_op == "all-reduce":
+        return shape
+    if isinstance(shape, list) and len(shape) > 1:
+        return shape[1]  # (operands, result[, context...])
+    return shape
+
+
+@dataclass
+class Ledger:
+    """All collectives of one compiled program, plus what could not be read.
+
+    `instructions` is how many HLO instructions `ledger()` parsed from the
+    module (> 0 for any real program, even one with no collectives). A Ledger
+    built by hand has 0, and every `twinshard.testing.expect_*` refuses it: an
+    empty ledger proves "no collectives" only when a module was actually read.
+    """
+
+    records: list[Collective]
+    mesh: MeshSpec
+    unparsed: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    instructions: int = 0
+
+    def __iter__(self) -> Iterator[Collective]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> Collective:
+        return self.records[i]
+
+    def norm_axes(self, axes: str | Iterable[str] | None) -> tuple[str, ...] | None:
+        """'data' -> ('data',); put names in mesh order; unknown names fail loudly."""
+        if axes is None:
+            return None
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        unknown = [a for a in axes if a not in self.mesh.names]
+        if unknown:
+            raise ValueError(f"axes {unknown} are not mesh axes {self.mesh.names}")
+        return tuple(a for a in self.mesh.names if a in axes)
+
+    def filter(self, op: str | Iterable[str] | None = None,
+               axes: str | Iterable[str] | None = None, dtype: str | None = None) -> Ledger:
+        """Records with this op (or ops), exactly these axes, this dtype."""
+        ops = None if op is None else ((op,) if isinstance(op, str) else tuple(op))
+        for o in ops or ():
+            if o not in OPS:
+                raise ValueError(f"unknown collective {o!r}; expected one of {OPS}")
+        want = self.norm_axes(axes)
+        keep = [r for r in self.records
+                if (ops is None or r.op in ops) and (want is None or r.axes == want)
+                and (dtype is None or r.dtype == dtype)]
+        return Ledger(keep, self.mesh, self.unparsed, self.warnings, self.instructions)
+
+    def count(self, op: str | None = None, axes: str | Iterable[str] | None = None) -> int:
+        """Multiplicity-weighted number of collectives."""
+        return sum(r.multiplicity for r in self.filter(op, axes))
+
+    def total_bytes(self, axes: str | Iterable[str] | None = None, op: str | None = None,
+                    kind: str = "bytes") -> float:
+        """Sum of `bytes` (or `ring_bytes`) x multiplicity over the matching records."""
+        if kind not in ("bytes", "ring_bytes"):
+            raise ValueError(f"kind must be 'bytes' or 'ring_bytes', got {kind!r}")
+        return sum(getattr(r, kind) * r.multiplicity for r in self.filter(op, axes))
+
+    def summary(self) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
+        """(op, axes) -> {count, bytes, ring_bytes}, all multiplicity-weighted; a
+        collective-permute's entry also has `patterns`: {pattern: count}."""
+        out: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
+        for r in self.records:
+            s = out.setdefault((r.op, r.axes), {"count": 0, "bytes": 0, "ring_bytes": 0.0})
+            s["count"] += r.multiplicity
+            s["bytes"] += r.bytes * r.multiplicity
+            s["ring_bytes"] += r.ring_bytes * r.multiplicity
+            if r.op == "collective-permute":
+                patterns = s.setdefault("patterns", {})
+                patterns[r.pattern] = patterns.get(r.pattern, 0) + r.multiplicity
+        return out
+
+    def patterns(self, axes: str | Iterable[str] | None = None) -> dict[str, int]:
+        """pattern -> multiplicity-weighted count of the collective-permutes over `axes`
+        (None: any), e.g. {'stage +1': 7, 'stage -1': 7}."""
+        out: dict[str, int] = {}
+        for r in self.filter("collective-permute", axes):
+            out[r.pattern] = out.get(r.pattern, 0) + r.multiplicity
+        return out
+
+    def table(self) -> str:
+        """Fixed-width table, one row per (op, axes, partial axes, permute pattern); a
+        collective-permute's axes column is its pattern ('stage +1', 'context ring -1')."""
+        rows: dict[tuple, list[Collective]] = {}
+        for r in self.records:
+            rows.setdefault((r.op, r.axes, r.partial_axes, r.pattern), []).append(r)
+        head = ("op", "axes", "count", "dtype[shape] examples", "bytes", "ring bytes", "source")
+        lines = []
+        for (op, axes, partial, pattern), recs in rows.items():
+            names = [pattern] if pattern else [a + ("(part)" if a in partial else "") for a in axes]
+            shapes = list(dict.fromkeys(f"{r.dtype}[{','.join(map(str, r.shape))}]"
+                                        + (f"x{r.parts}" if r.parts > 1 else "") for r in recs))
+            srcs = list(dict.fromkeys(_short_source(r) for r in recs))
+            count = sum(r.multiplicity for r in recs)
+            lines.append((
+                op, ",".join(names) or "-",
+                f"{count}" + ("" if all(r.multiplicity_exact for r in recs) else "?"),
+                " ".join(shapes[:2]) + (f" +{len(shapes) - 2}" if len(shapes) > 2 else ""),
+                _human(sum(r.bytes * r.multiplicity for r in recs)),
+                _human(sum(r.ring_bytes * r.multiplicity for r in recs)),
+                ", ".join(srcs[:2]) + (f" +{len(srcs) - 2}" if len(srcs) > 2 else ""),
+            ))
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+
+        def fmt(row: Iterable[object]) -> str:
+            return "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
+
+        out = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines]
+        if not lines:
+            out.append("(no collectives)")
+        mesh = ",".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.shape))
+        out.append(f"mesh: {mesh}   instructions: {self.instructions}"
+                   f"   collectives: {sum(r.multiplicity for r in self.records)}"
+                   f"   records: {len(self.records)}   unparsed: {len(self.unparsed)}")
+        out += [f"  unparsed: {u[:200]}" for u in self.unparsed]
+        out += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(out)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain-data form: mesh, instruction count, records, summary rows, unparsed lines, warnings."""
+        return {
+            "mesh": dict(zip(self.mesh.names, self.mesh.shape)),
+            "instructions": self.instructions,
+            "records": [dataclasses.asdict(r) for r in self.records],
+            "summary": [{"op": op, "axes": list(axes), **v} for (op, axes), v in self.summary().items()],
+            "unparsed": list(self.unparsed),
+            "warnings": list(self.warnings),
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        """`as_dict()` as JSON text."""
+        return json.dumps(self.as_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _short_source(r: Collective) -> str:
+    if r.source:
+        path, _, rest = r.source.partition(":")
+        return os.path.basename(path) + ":" + rest.split(" ")[0]
+    return r.op_name.rsplit("/", 1)[-1] if r.op_name else "-"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def _records(instr: _Instr, op: str, mod: _Module, mesh: MeshSpec, mult: tuple[int, bool, bool],
+             done: _Instr | None, gte_meta: dict[tuple[str, int], dict[str, str]]) -> list[Collective]:
+    """Records of one collective instruction (several for a tuple all-reduce)."""
+    nparts = mod.num_partitions or mesh.size
+    pairs: tuple[tuple[int, int], ...] = ()
+    if op == "collective-permute":
+        if "source_target_pairs" not in instr.attrs:
+            raise ValueError("collective-permute without source_target_pairs")
+        pairs = tuple((a, b) for a, b in
+                      (tuple(g) for g in _explicit_groups(instr.attrs["source_target_pairs"])))
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError("bad source_target_pairs")
+        id_groups, pos_groups = [], _components(pairs)
+        n = max((len(c) for c in pos_groups), default=1)
+    else:
+        rg = instr.attrs.get("replica_groups", "{}")
+        id_groups, pos_groups = decode_replica_groups(rg, nparts)
+        n = max(len(g) for g in pos_groups)
+        if len({len(g) for g in pos_groups}) > 1:
+            raise ValueError(f"replica groups of unequal size: {rg}")
+    axes, partial = classify(pos_groups, mesh)
+    permute: dict[str, Any] = {}
+    if op == "collective-permute":
+        coords, shifts, pattern = describe_permute(pairs, mesh)
+        permute = {"coordinate_pairs": coords, "shifts": shifts, "pattern": pattern}
+    shapes = _result_shapes(instr, op, done)
+    parts = _flat(shapes)
+    if not parts:
+        raise ValueError("collective with no array result")
+    op_name, source = _metadata(instr.attrs, mod.frames)
+    common: dict[str, Any] = {
+        "op": op, "replica_groups": tuple(tuple(g) for g in id_groups),
+        "source_target_pairs": pairs, "axes": axes, "partial_axes": partial, "group_size": n,
+        "multiplicity": mult[0], "name": instr.name, "computation": instr.computation,
+        "is_async": instr.opcode.endswith("-start") or mult[2], "multiplicity_exact": mult[1],
+        **permute,
+    }
+    if op in ("all-to-all", "ragged-all-to-all") or len(parts) == 1:
+        total = sum(p.bytes for p in parts)
+        return [Collective(dtype=parts[0].dtype, shape=parts[0].dims, bytes=total,
+                           ring_bytes=ring_bytes(op, total, n), source=source, op_name=op_name,
+                           parts=len(parts), **common)]
+    out = []
+    for k, p in enumerate(parts):
+        meta = gte_meta.get((done.name if done is not None else instr.name, k))
+        k_op, k_src = _metadata(meta, mod.frames) if meta else ("", "")
+        out.append(Collective(dtype=p.dtype, shape=p.dims, bytes=p.bytes,
+                              ring_bytes=ring_bytes(op, p.bytes, n), source=k_src or source,
+                              op_name=k_op or op_name, tuple_index=k, **common))
+    return out
+
+
+class NotCompiledHLO(ValueError, TypeError):
+    """`ledger` was given something that is not the optimized HLO of a compiled program.
+
+    A ValueError; also a TypeError, which is what a `Lowered` used to raise."""
+
+
+_PASS_COMPILED = "pass `jax.jit(f).lower(*args).compile()` (a jax.stages.Compiled) or its `.as_text()`"
+# StableHLO / MLIR text, what `lowered.as_text()` prints (measured, JAX 0.12):
+#   module @jit_f attributes {mhlo.num_partitions = 8 : i32, ...} {
+#     func.func public @main(%arg0: tensor<8x4xf32> {...}) -> (tensor<f32> ...) {
+#       %0 = stablehlo.sine %arg0 : tensor<8x4xf32>
+# No line of HLO text starts like these (HLO instructions are `name = shape opcode(...)`).
+_MLIR = re.compile(r'^\s*(?:module\s+(?:@|attributes\b)|func\.func\b'
+                   r'|%[\w#:]+\s*=\s*"?(?:stablehlo|mhlo|sdy|func)\.)', re.M)
+# HLO of a `Lowered` before compilation (`lowered.as_text(dialect="hlo")`): not
+# partitioned yet, so GSPMD's collectives do not exist. Measured, JAX 0.12: its
+# header holds `frontend_attributes={xla.sdy.meshes=...}` and shard_map bodies sit
+# between `custom_call_target="xla.sdy.GlobalToLocalShape"` / `"...LocalToGlobalShape"`;
+# no compiled module prints `xla.sdy.` (measured: CPU GSPMD and shard_map programs,
+# every train step in tests/, the v5e:4x4 AOT compiles of tests/test_tpu_topology.py).
+# The other three are GSPMD's markers when Shardy is off (inferred, not seen here).
+_UNCOMPILED = re.compile(r'xla\.sdy\.|custom_call_target="(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape)"')
+
+
+def _hlo_text(compiled_or_text: Any) -> str:
+    """The HLO module text of a `Compiled` (or the text itself); anything else is refused."""
+    obj, kind = compiled_or_text, type(compiled_or_text).__name__
+    if isinstance(obj, str):
+        return obj
+    if hasattr(obj, "compile"):  # jax.stages.Lowered (a Compiled has no .compile)
+        raise NotCompiledHLO(f"ledger got a {kind}, which is not compiled yet (XLA inserts the "
+                             f"collectives when it compiles): call its `.compile()`; {_PASS_COMPILED}.")
+    if hasattr(obj, "lower"):  # a jitted function or jax.stages.Traced
+        raise NotCompiledHLO(f"ledger got a {kind} (a function, not a compiled program); {_PASS_COMPILED}.")
+    text = obj.as_text() if hasattr(obj, "as_text") else None
+    if not isinstance(text, str):
+        raise NotCompiledHLO(f"ledger got a {kind}; {_PASS_COMPILED}.")
+    return text
+
+
+def _parsed_module(text: str) -> _Module:
+    """Parse HLO module text, refusing text that is not a compiled program's HLO."""
+    if _MLIR.search(text):
+        raise NotCompiledHLO(
+            "ledger got StableHLO/MLIR text (what `jax.jit(f).lower(x).as_text()` returns, before XLA "
+            f"compiles and partitions the program, so before its collectives exist); {_PASS_COMPILED}.")
+    if not text.strip():
+        raise NotCompiledHLO(f"ledger got empty text; {_PASS_COMPILED}.")
+    if _UNCOMPILED.search(text):
+        raise NotCompiledHLO(
+            "ledger got HLO that XLA has not compiled yet (it still carries xla.sdy / sharding "
+            "custom-calls, as `lowered.as_text(dialect='hlo')` prints); the collectives of a "
+            f"GSPMD program exist only after compilation: {_PASS_COMPILED}.")
+    mod = _parse_module(text)
+    if not any(mod.computations.values()):
+        raise NotCompiledHLO(f"ledger read no HLO instruction in this text (it starts "
+                             f"{text.strip()[:60]!r}): it is not an HLO module; {_PASS_COMPILED}.")
+    return mod
+
+
+def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
+    """Every collective of a compiled program (or HLO module text) on `mesh`.
+
+    Group ids are read as partition ids = row-major positions in `mesh`
+    (`jax.sharding.Mesh`, `AbstractMesh`, or `{'data': 2, 'tensor': 4}`).
+    Raises `NotCompiledHLO` for anything but a compiled program's HLO; a module
+    with no collectives (a single-device step) gives an empty Ledger whose
+    `instructions` is > 0.
+    """
+    spec = mesh_spec(mesh)
+    mod = _parsed_module(_hlo_text(compiled_or_hlo_text))
+    instructions = sum(len(instrs) for instrs in mod.computations.values())
+    if mod.num_partitions not in (None, 1) and mod.num_partitions != spec.size:
+        raise ValueError(
+            f"the program has num_partitions={mod.num_partitions} but the mesh "
+            f"{dict(zip(spec.names, spec.shape))} has {spec.size} devices: pass the mesh it was compiled for"
+        )
+    warnings: list[str] = []
+    mults = _multiplicities(mod, warnings)
+    async_starts, async_copies = _async_fusion_copies(mod, warnings)
+    done_of: dict[tuple[str, str], _Instr] = {}
+    gte_meta: dict[tuple[str, int], dict[str, str]] = {}
+    for instrs in mod.computations.values():
+        for i in instrs:
+            if i.operands and (_base_op(i.opcode)[1] == "done" or i.opcode == "async-done"):
+                done_of[(i.computation, i.operands[0])] = i
+            if i.opcode == "get-tuple-element" and "metadata=" in i.attr_text and "metadata" in i.attrs:
+                idx = re.match(r"\d+", i.attrs.get("index", ""))
+                if idx:
+                    gte_meta[(i.operands[0], int(idx.group()))] = i.attrs
+    records: list[Collective] = []
+    unparsed = list(mod.bad_lines)
+    for comp, instrs in mod.computations.items():
+        for i in instrs:
+            op, form = _base_op(i.opcode)
+            if op is None:
+                if any(name in i.opcode for name in OPS):
+                    unparsed.append(i.line)
+                elif i.opcode == "async-start" and not any(
+                        c in mod.computations for _, c in _call_edges(i)) and any(
+                        name in i.line for name in OPS):
+                    unparsed.append(i.line)  # wrapped computation not printed
+                continue
+            if form in ("done", "update") or (comp, i.name) in async_copies:
+                continue
+            if form == "start" and any(c in mod.computations and _has_collective(mod.computations[c])
+                                       for k, c in _call_edges(i) if k == "calls"):
+                continue  # sugared async wrapper whose computation is printed: counted inside
+            try:
+                mult = mults[comp]
+                if comp in async_starts:
+                    mult = (mult[0], mult[1], True)
+                records += _records(i, op, mod, spec, mult, done_of.get((comp, i.name)), gte_meta)
+            except (ValueError, KeyError, IndexError) as e:
+                unparsed.append(f"{i.line}  [{e}]")
+    return Ledger(records, spec, unparsed, warnings, instructions)
+
+
+def _has_collective(instrs: list[_Instr]) -> bool:
+    return any(_base_op(i.opcode)[0] is not None for i in instrs)
