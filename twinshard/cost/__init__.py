@@ -6,7 +6,7 @@
 memory each device holds. It is plain arithmetic (no JAX is run), written in
 the scaling book's notation (Austin et al., "How to Scale Your Model",
 the training chapter), and it is what the collective ledger of the compiled
-HLO (twinshard/hlo.py) is compared with (`compare`, `launch/collectives.py`).
+HLO (twinshard/hlo/) is compared with (`compare`, `launch/collectives.py`).
 
     >>> from twinshard.config import preset
     >>> c = cost(preset("tiny").model, "fsdp", {"data": 8, "tensor": 1}, batch_size=8)
