@@ -42,6 +42,11 @@ if os.environ.get("TWINSHARD_READ_ONLY_BYTECODE") != "1":
     sys.pycache_prefix, sys.dont_write_bytecode = os.environ["PYTHONPYCACHEPREFIX"], False
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# Source locations are part of the persistent cache key (JAX strips them by default): the ledger
+# tests assert which line of the code asked for each collective, and an executable cached before
+# a module moved carried the old file name (measured: "twinshard/loss.py:53" after the move to
+# twinshard/model/loss.py). Launcher subprocesses inherit it.
+os.environ["JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY"] = "true"
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"

@@ -898,7 +898,7 @@ MUTANTS: list[Mutant] = [
            "hooks.sequence = self.sequence",
            ("tests/test_sequence.py::test_auto_twin_accumulates_on_sequence_shards",),
            "tp_sp's residual-stream table keeps batch -> data inside the per-data-shard vmap"),
-    # --- issue 9: flat matmul rows (layers.linear), the static padding skip of the loss
+    # --- speed: flat matmul rows (layers.linear), the static padding skip of the loss
     Mutant("linears-flatten-per-matmul", "speed", _LAYERS,
            "rows = x.reshape(-1, x.shape[-1]) if flat else x",
            "rows = x",
