@@ -94,7 +94,7 @@ UNGROUPED = {
     "test_layers", "test_loss_optim", "test_attention", "test_model", "test_cli_errors",
     "test_validation", "test_mesh", "test_plan", "test_cost", "test_data", "test_bpe", "test_tokenizer",
     "test_readme_snippet", "test_hlo", "test_hlo_input", "test_compile_cache", "test_cli_fork", "test_mutate",
-    "test_strategies",
+    "test_strategies", "test_same_programs",
 }
 # Modules that compile the same programs (same config and mesh) share one group, so they run one
 # after the other and the second loads the first's programs from the persistent cache.
