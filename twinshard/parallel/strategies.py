@@ -6,16 +6,16 @@ what it composes, and its family (which layout machinery runs it). Both twins
 (`auto_parallel/<name>.py`, `manual_parallel/<name>.py`), the launchers, mesh validation and
 advice, the cost model and the planner read it; nothing else names a strategy.
 
-    strategy  composes   splits over the mesh                      family
-    dp        -          batch over data                           base
-    fsdp      -          batch and every weight's d_model over data base
-    tp        -          heads, d_ff, vocab over tensor            base
-    fsdp_tp   fsdp x tp  both of the above                         base
-    tp_sp     tp         tp, plus the residual stream's T over tensor
-    cp        -          the sequence over context (ring attention) context
-    fsdp_cp   fsdp x cp  both                                      context
-    pp        -          the layer stack over stage                pipeline
-    pp_fsdp   pp x fsdp  both                                      pipeline
+    strategy  composes   splits over the mesh                               family
+    dp        -          the batch over data                                base
+    fsdp      -          the batch and every weight's d_model over data     base
+    tp        -          heads, d_ff, vocab over tensor                     base
+    fsdp_tp   fsdp x tp  both of the above                                  base
+    tp_sp     (tp)       tp's, plus the residual stream's T over tensor     base
+    cp        -          the sequence over context (ring attention)         context
+    fsdp_cp   fsdp x cp  both                                               context
+    pp        -          the layer stack over stage                         pipeline
+    pp_fsdp   pp x fsdp  both                                               pipeline
 
 Logical axes: vocab, embed, heads, mlp, norm, layers (parameters); batch, seq, embed,
 heads, mlp, vocab (activations). An axis absent from a table is replicated.
