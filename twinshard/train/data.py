@@ -2,7 +2,6 @@
 
 import functools
 import gzip
-import hashlib
 import os
 import pathlib
 import re
@@ -63,7 +62,7 @@ def _chunks(text: str) -> list[str]:
 
 
 def fingerprint(path: str | os.PathLike) -> str:
-    """sha256 of the file's bytes, first 16 hex digits: the corpus's identity (its cache name,
+    """`tokenizer.file_digest` of the corpus: its identity (its cache name,
     and what a checkpoint records so that --resume refuses another corpus). Computed once per
     (path, size, mtime) in a process."""
     stat = os.stat(path)
@@ -73,8 +72,7 @@ def fingerprint(path: str | os.PathLike) -> str:
 @functools.cache
 def _digest(path: str, size: int, mtime_ns: int) -> str:
     del size, mtime_ns  # part of the cache key only
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    return tokenizer.file_digest(path)
 
 
 def encode(text: str, tokenizer_name: str) -> list[int]:

@@ -59,13 +59,17 @@ def save_ranks(ranks: dict[bytes, int], path: str | os.PathLike) -> None:
         raise
 
 
+def file_digest(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes, first 16 hex digits: a corpus's or a ranks file's identity,
+    whatever its path."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
 def fingerprint(name: str) -> str:
-    """The tokenizer's identity: a built-in's name, or sha256 of a ranks file's bytes (first 16
-    hex digits), so the same file under another path is the same tokenizer."""
-    if name in TOKENIZERS:
-        return name
-    with open(name, "rb") as f:
-        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    """The tokenizer's identity: a built-in's name, or `file_digest` of its ranks file, so the
+    same file under another path is the same tokenizer."""
+    return name if name in TOKENIZERS else "sha256:" + file_digest(name)
 
 
 @functools.cache
