@@ -27,7 +27,10 @@ from twinshard.model import layers
 from twinshard.parallel.context import CONTEXT
 from twinshard.parallel.strategies import CP
 
-class ContextGSPMD(GSPMD):
+__all__ = ["ContextParallel", "ContextRunner", "Runner", "parallelism"]
+
+
+class ContextParallel(GSPMD):
     """GSPMD hooks of a permuted sequence: the true positions for RoPE and the causal mask."""
 
     def __init__(self, mesh, activation_rules, layout: str):
@@ -46,8 +49,8 @@ class ContextGSPMD(GSPMD):
         return layers.causal_attention(q, k, v, impl, positions)
 
 
-def parallelism(mesh, cfg) -> ContextGSPMD:
-    return ContextGSPMD(mesh, CP.activations, cfg.train.cp_layout)
+def parallelism(mesh, cfg) -> ContextParallel:
+    return ContextParallel(mesh, CP.activations, cfg.train.cp_layout)
 
 
 class ContextRunner(context.PermutedBatches, AutoRunner):

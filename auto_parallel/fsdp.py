@@ -1,15 +1,32 @@
-"""FSDP (ZeRO-3), GSPMD twin: shard every weight's d_model dimension over `data`,
-split the batch over `data`.
+"""FSDP (ZeRO-3), GSPMD twin: every weight's d_model dimension sharded over `data`, the batch
+split over `data`.
 
-No hooks beyond the generic ones: the placement (twinshard/parallel/strategies.py FSDP)
-plus `runner.GSPMD.weight`, which pins each weight to its use layout (whole).
-Forward: an all-gather over `data` of each weight matrix, one layer at a time.
-Backward: with --remat=none GSPMD keeps the gathered weights (no re-gather, unlike the
-manual twin, which never saves one); under a remat policy that recomputes them GSPMD
-re-gathers what it recomputes. Each weight gradient is reduce-scattered over `data`, which
-XLA:CPU writes as an all-reduce + dynamic-slice (GPU/TPU: a reduce-scatter).
+Forward: `weight` pins each weight to its use layout (whole): GSPMD's all-gather over `data`
+of each weight matrix, one layer at a time inside the layer loop.
+Backward: with --remat=none GSPMD keeps the gathered weights (no re-gather, unlike the manual
+twin, which never saves one); under a remat policy that recomputes them GSPMD re-gathers what
+it recomputes. Each weight gradient is reduce-scattered over `data`, which XLA:CPU writes as
+an all-reduce + dynamic-slice (GPU/TPU: a reduce-scatter).
 Optimizer: one small all-reduce per sharded stacked gradient for the global norm.
-Without the weight pin GSPMD gathered the token ids instead of the embedding table and
-all-to-all'ed the lookup (measured, JAX 0.12). tests/test_auto.py (check_fsdp) asserts the
-collectives.
+Gradient accumulation: AutoRunner.gather_step pins every matrix whole once per step.
 """
+
+from auto_parallel.runner import GSPMD
+from twinshard.parallel.strategies import FSDP
+
+__all__ = ["FullyShardedDataParallel", "parallelism"]
+
+
+class FullyShardedDataParallel(GSPMD):
+    def weight(self, w, axes):
+        """w: the local slice, e.g. W1 [D/data, F] -> pinned whole [D, F] (the activation rules
+        have no `embed -> data`): the all-gather, and its gradient's reduce-scatter.
+
+        Without this pin GSPMD gathered the token ids instead of the embedding table and
+        all-to-all'ed the lookup; under fsdp_tp it moved the ids to the vocab x data-sharded
+        table and warned of an involuntary full rematerialization (measured, JAX 0.12)."""
+        return self.constrain(w, axes)
+
+
+def parallelism(mesh, cfg) -> FullyShardedDataParallel:
+    return FullyShardedDataParallel(mesh, FSDP.activations)

@@ -3,7 +3,7 @@
 
 The placement (twinshard/parallel/strategies.py FSDP_CP) and cp's layout hooks; XLA derives
 the communication:
-Forward: an all-gather over `data` of each weight matrix (runner.GSPMD.weight pins the use
+Forward: an all-gather over `data` of each weight matrix (FSDP's `weight` pins the use
 layout); cp's all-gathers of K and V over `context`, per layer.
 Backward: each weight gradient reduce-scattered over `data` and all-reduced over `context`
 (the manual twin's hybrid sharding: params replicated over `context`, manual_parallel/fsdp_cp.py
@@ -17,14 +17,19 @@ covers the data shards, not the sequence shards); tests/test_context.py
 (test_auto_fsdp_cp_accumulates_in_the_context_layout) asserts it.
 """
 
-from auto_parallel.cp import ContextGSPMD, ContextRunner
+from auto_parallel.cp import ContextParallel, ContextRunner
+from auto_parallel.fsdp import FullyShardedDataParallel
 from twinshard.parallel.strategies import FSDP_CP
 
-__all__ = ["Runner", "parallelism"]
+__all__ = ["FSDPContextParallel", "Runner", "parallelism"]
 
 
-def parallelism(mesh, cfg) -> ContextGSPMD:
-    return ContextGSPMD(mesh, FSDP_CP.activations, cfg.train.cp_layout)
+class FSDPContextParallel(FullyShardedDataParallel, ContextParallel):
+    """weight from FSDP (the pin: the all-gather over `data`); positions / attention from cp."""
+
+
+def parallelism(mesh, cfg) -> FSDPContextParallel:
+    return FSDPContextParallel(mesh, FSDP_CP.activations, cfg.train.cp_layout)
 
 
 Runner = ContextRunner

@@ -1,15 +1,24 @@
-"""FSDP + Megatron TP, GSPMD twin: the TP placement over `tensor`, with every
-weight's d_model dimension further sliced over `data`; batch over `data`.
+"""FSDP + Megatron TP, GSPMD twin: the TP layout over `tensor`, with every weight's d_model
+dimension further sliced over `data`; the batch over `data`.
 
-No hooks beyond the generic ones: the placement (twinshard/parallel/strategies.py FSDP_TP)
-plus `runner.GSPMD.weight`, which pins each weight to its use layout (TP-split, d_model whole).
-Forward: an all-gather over `data` of each weight's TP shard; tp.py's all-reduces over
-`tensor` on [B/data, T, D] activations.
+Each hook composes the two strategies: `weight` is FSDP's pin (the all-gather over `data` of
+the local TP shard, the reduce-scatter of its gradient); the Megatron all-reduces over `tensor`
+on [B/data, T, D] activations come from TP's placement.
 Backward: the TP all-reduces; each gradient reduce-scattered over `data`
 (XLA:CPU: all-reduce + dynamic-slice).
 Optimizer: small all-reduces for the global norm.
-Without the weight pin GSPMD moved the token ids to the vocab x data-sharded embedding table
-(all-gather, collective-permute, all-to-all of the lookup) and warned of an involuntary full
-rematerialization (measured, JAX 0.12); tests/test_auto.py (check_fsdp_tp,
-test_no_involuntary_rematerialization) asserts the collectives and the absence of both.
 """
+
+from auto_parallel.fsdp import FullyShardedDataParallel
+from auto_parallel.tp import TensorParallel
+from twinshard.parallel.strategies import FSDP_TP
+
+__all__ = ["FSDPTensorParallel", "parallelism"]
+
+
+class FSDPTensorParallel(FullyShardedDataParallel, TensorParallel):
+    """weight from FSDP; TP's layout from the placement."""
+
+
+def parallelism(mesh, cfg) -> FSDPTensorParallel:
+    return FSDPTensorParallel(mesh, FSDP_TP.activations)

@@ -6,7 +6,7 @@ Placement (twinshard/parallel/strategies.py PP): the stacked block params [L, ..
 over `stage` on their `layers` dim, viewed as [S, L/S, ...]; embedding, ln_final and
 lm_head replicated (twinshard/parallel/pipeline.py says why).
 
-`GSPMDPipeline.layer_stack` replaces the model's one scan over L layers
+`PipelineParallel.layer_stack` replaces the model's one scan over L layers
 (twinshard/model/hooks.py Parallelism.layer_stack). Global arrays, dim 0 = stage, pinned
 to P('stage'), so each device holds and computes only its own row:
 
@@ -26,8 +26,8 @@ The roll is a cyclic collective-permute of one micro-batch [1, B/M, T, D] per ti
 its transpose in the backward loop; once per step the embedded batch reaches row 0 and the
 finished row S-1 reaches the loss. tests/test_pipeline.py
 (test_auto_shifts_the_stage_buffer_with_collective_permutes) asserts them.
-The stage function runs with GSPMD hooks (the weight pin, the residual stream's
-constraint: the strategy's activation rules) under `vmap(..., spmd_axis_name='stage')`,
+The stage function runs with these hooks (the residual stream's constraint under the
+strategy's activation rules; pp_fsdp: FSDP's weight pin) under `vmap(..., spmd_axis_name='stage')`,
 which puts `stage` on the vmapped dim of every constraint inside. Without
 spmd_axis_name a constraint on the per-stage shape would pin the stage dim
 (replicated) and gather every stage's weights.
@@ -45,7 +45,7 @@ from twinshard.parallel import pipeline
 from twinshard.parallel.pipeline import STAGE
 from twinshard.parallel.strategies import PP
 
-class GSPMDPipeline(GSPMD):
+class PipelineParallel(GSPMD):
     """GSPMD hooks plus the GPipe loop over a stage-sharded dimension."""
 
     def __init__(self, mesh: jax.sharding.Mesh, activation_rules, microbatches: int):
@@ -73,7 +73,7 @@ class GSPMDPipeline(GSPMD):
         stages = jax.tree.map(lambda w: self._per_stage(w.reshape(n, -1, *w.shape[1:])), stacked)  # [S, L/S, ...]
         # each device: its row; spmd_axis_name keeps `stage` on the vmapped dim of the hooks' constraints
         # (a weight pinned whole over data, the residual stream's rows over data) inside a stage
-        stage = GSPMD(self.mesh, self.rules)
+        stage = self  # a stage's layers run with these hooks (pp_fsdp: FSDP's weight pin); not layer_stack
         run_stages = jax.vmap(lambda w, h: scan(w, cfg, h, stage), spmd_axis_name=STAGE)
         row = lambda k: (jnp.arange(n) == k).reshape(n, 1, 1, 1, 1)  # noqa: E731  [S, 1, 1, 1, 1]
         inject = self._per_stage(jnp.zeros((n, m, b, t, d), x.dtype).at[0].set(micro), 2)
@@ -93,6 +93,5 @@ class GSPMDPipeline(GSPMD):
         return finished[n - 1].reshape(m, dp, b // dp, t, d).swapaxes(0, 1).reshape(m * b, t, d)
 
 
-def parallelism(mesh: jax.sharding.Mesh, cfg) -> GSPMDPipeline:
-    """The hooks AutoRunner runs the model with (the base strategies' default: GSPMD)."""
-    return GSPMDPipeline(mesh, PP.activations, cfg.train.microbatches)
+def parallelism(mesh, cfg) -> PipelineParallel:
+    return PipelineParallel(mesh, PP.activations, cfg.train.microbatches)

@@ -1,5 +1,5 @@
 """Pipeline parallelism with FSDP inside each stage, GSPMD twin: pp's stage loop
-(auto_parallel/pp.py GSPMDPipeline) on a `stage` x `data` mesh with fsdp's placement.
+(auto_parallel/pp.py PipelineParallel) on a `stage` x `data` mesh with fsdp's placement.
 
 Placement (twinshard/parallel/strategies.py PP_FSDP): pp's `layers -> stage` plus fsdp's
 `embed -> data` and `batch -> data`. Stage s holds its L/S layers, each matrix a 1/data
@@ -22,10 +22,16 @@ tests/test_pipeline.py (test_pp_fsdp_auto_shifts_per_tick_and_gathers_each_stage
 asserts them.
 """
 
-from auto_parallel.pp import GSPMDPipeline
+from auto_parallel.fsdp import FullyShardedDataParallel
+from auto_parallel.pp import PipelineParallel
 from twinshard.parallel.strategies import PP_FSDP
 
+__all__ = ["FSDPPipelineParallel", "parallelism"]
 
-def parallelism(mesh, cfg) -> GSPMDPipeline:
-    """pp's GPipe loop with fsdp's activation rules (the stage functions run with GSPMD hooks)."""
-    return GSPMDPipeline(mesh, PP_FSDP.activations, cfg.train.microbatches)
+
+class FSDPPipelineParallel(FullyShardedDataParallel, PipelineParallel):
+    """weight from FSDP (each stage's layers pinned whole over `data`); layer_stack from pp."""
+
+
+def parallelism(mesh, cfg) -> FSDPPipelineParallel:
+    return FSDPPipelineParallel(mesh, PP_FSDP.activations, cfg.train.microbatches)

@@ -3,9 +3,7 @@
 A strategy is two tables (its declaration in twinshard/parallel/strategies.py): `params` and
 `activations`, logical axis -> mesh axis. From them this module builds
 NamedShardings for the params, the optimizer state (moments sharded exactly
-like their params), the batch, the residual stream and each weight where it is
-used (`GSPMD.weight`: the activation rules, so FSDP's shards are gathered and
-TP's kept), then jits the single-device train step (twinshard/train/trainer.py) with
+like their params), the batch and the residual stream, then jits the single-device train step (twinshard/train/trainer.py) with
 those shardings. XLA's SPMD partitioner inserts every collective.
 
 Gradient accumulation (grad_accum = K > 1, `AutoRunner._loss_and_grads`). The plain
@@ -60,22 +58,6 @@ class GSPMD(Parallelism):
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec(axes, self.rules)))
 
-    def weight(self, w, axes):
-        """Pin the layout a weight is used in: its logical axes under the activation rules.
-
-        Inside the layer scan `w` is one layer's slice of the stacked [L, ...] param
-        (e.g. W1 [D/data, F] in FSDP's storage layout), so the pin is per layer: GSPMD
-        gathers one layer's weight per loop iteration, not the whole stack before the loop.
-
-        FSDP's 'embed' -> 'data' split is absent from those rules, so this is the
-        GSPMD form of FSDP's all-gather (and its gradient's reduce-scatter), while
-        TP's heads/mlp/vocab splits are kept. Without it GSPMD planned the
-        vocab-sharded embedding lookup around the weight instead (all-gathered
-        token ids, all-to-all of activations, an involuntary full
-        rematerialization in the backward pass: fsdp_tp.py).
-        """
-        return self.constrain(w, axes)
-
     def without_batch(self) -> GSPMD:
         """These hooks with 'batch' dropped from the activation rules: the hooks of the
         per-data-shard vmap of `AutoRunner._loss_and_grads`, whose vmapped axis carries `data`
@@ -98,9 +80,7 @@ class AutoRunner(placement.PlacedRunner):
         self.tx = make_optimizer(cfg.train) if tx is None else tx
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Auto, devices, decl.params, decl.activations)
         check_grad_accum(cfg.train, self.sizes.get("data", 1))
-        # a pipeline's GSPMD hooks also run the layer stack in stages (auto_parallel/pp.py)
-        make_par = getattr(strategy, "parallelism", lambda mesh, _: GSPMD(mesh, decl.activations))
-        self.par = par = make_par(self.mesh, cfg)
+        self.par = par = strategy.parallelism(self.mesh, cfg)  # the strategy's hooks (auto_parallel/<name>.py)
         self.loss = functools.partial(loss_fn, cfg=cfg.model, par=par)
         # inside the per-data-shard vmap of `_loss_and_grads` the vmapped axis carries 'batch'
         self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=par.without_batch())

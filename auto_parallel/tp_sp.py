@@ -34,11 +34,13 @@ from auto_parallel.runner import GSPMD
 from twinshard.model import ACTIVATION
 from twinshard.parallel.strategies import TP_SP
 
+__all__ = ["SequenceParallel", "parallelism"]
+
 # Inside a region: [B, T, H*dh/t] or [B, T, F/t] (heads and mlp both map to tensor).
 REGION = ("batch", "seq", "heads")
 
 
-class SequenceParallelGSPMD(GSPMD):
+class SequenceParallel(GSPMD):
     """GSPMD with two layouts of the residual stream [B, T, D]: split along T between the
     tensor-parallel regions, whole inside them (the manual twin's gather / scatter)."""
 
@@ -72,12 +74,12 @@ class SequenceParallelGSPMD(GSPMD):
         """The row-parallel partial sums [B, T, D] -> summed, on sequence shards."""
         return self.constrain(x, ACTIVATION)
 
-    def without_batch(self) -> SequenceParallelGSPMD:
+    def without_batch(self) -> SequenceParallel:
         """Both tables without 'batch' (the per-data-shard vmap of grad_accum > 1)."""
         hooks = super().without_batch()
         hooks.sequence = self.sequence.without_batch()
         return hooks
 
 
-def parallelism(mesh, cfg) -> GSPMD:
-    return SequenceParallelGSPMD(mesh)
+def parallelism(mesh, cfg) -> SequenceParallel:
+    return SequenceParallel(mesh)

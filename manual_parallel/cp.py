@@ -31,7 +31,7 @@ from manual_parallel.runner import DATA, ManualRunner
 from twinshard.parallel import context
 from twinshard.parallel.context import CONTEXT
 
-__all__ = ["ContextParallel", "ContextRunner", "Runner", "PARALLELISM", "parallelism"]
+__all__ = ["ContextParallel", "ContextRunner", "Runner", "parallelism"]
 
 
 class ContextParallel(ManualParallelism):
@@ -69,13 +69,11 @@ class ContextRunner(context.PermutedBatches, ManualRunner):
 
     def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
         context.check(cfg.model.context_length, mesh_shape[CONTEXT], cfg.train.cp_layout)
-        super().__init__(name, strategy, mesh_shape, cfg, devices)  # hooks: `parallelism(cfg)` below
+        super().__init__(name, strategy, mesh_shape, cfg, devices)  # hooks: `parallelism(mesh, cfg)` below
 
 
-def parallelism(cfg):
-    """The hooks for `cfg` (ManualRunner calls it): the token layout comes from the config."""
+def parallelism(mesh, cfg) -> ContextParallel:
     return ContextParallel(CP.params, cfg.train.cp_layout)
 
 
-PARALLELISM = ContextParallel
 Runner = ContextRunner  # the batch is permuted into the context layout on the host

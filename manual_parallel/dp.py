@@ -1,20 +1,22 @@
-"""Data parallelism, shard_map twin: every device runs the single-device
-program on its B/data rows with a full copy of the weights.
+"""Data parallelism, shard_map twin: every weight replicated, the batch split over `data`;
+each device runs the single-device program on its B/data rows.
 
 Forward: no communication.
-Backward: the gradient of every parameter is averaged over `data` - the
-all-reduce written in manual_parallel/runner.py `mean_over_tokens` (params are
-`pcast` to varying over `data` first, so autodiff adds no psum of its own).
-Optimizer: gradients are then replicated, so the global norm is local.
+Backward: the gradient of every parameter is averaged over `data`: the all-reduce written in
+manual_parallel/runner.py `mean_over_tokens`, once per stacked [L, ...] gradient after the
+layer loop (params are `pcast` to varying over `data` first, so autodiff adds no psum of its own).
+Optimizer: gradients are replicated, so the global norm is local.
 """
 
 from manual_parallel.base import ManualParallelism
+from twinshard.parallel.strategies import DP
 
-__all__ = ["DataParallel", "PARALLELISM"]
+__all__ = ["DataParallel", "parallelism"]
 
 
 class DataParallel(ManualParallelism):
-    """No hooks: the model runs unchanged on local batch rows [B/data, T]."""
+    """No hooks: the model runs unchanged on local batch rows [B/data, T]; the runner means the gradients."""
 
 
-PARALLELISM = DataParallel
+def parallelism(mesh, cfg) -> DataParallel:
+    return DataParallel(DP.params)

@@ -41,37 +41,17 @@ from jax import lax
 
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import fsdp_gather
+from twinshard.parallel.strategies import FSDP
 from twinshard.model.hooks import Policy
 
 everything_saveable = jax.checkpoint_policies.everything_saveable
 
-__all__ = ["FullyShardedDataParallel", "PARALLELISM"]
+__all__ = ["FullyShardedDataParallel", "parallelism"]
 
 
 class FullyShardedDataParallel(ManualParallelism):
     gathers_weights = True
     is_resident = False  # True in the copy `resident()` returns: the weights are already whole
-
-    def gather_step(self, params, axes, dtype: str):
-        """Gradient accumulation (grad_accum = K > 1): every matrix gathered ONCE per step.
-
-        params: the local shards (W1 stacked: [L, D/data, F]); axes: their logical axes
-        (('layers', 'embed', 'mlp')). Returns the whole matrices in the compute dtype
-        ([L, D, F]; the norm gains, replicated, unchanged in float32), for the K
-        micro-batches to run on with the `resident` hooks.
-        Forward: the 7L+2 all-gathers of `fsdp_gather`, before the micro-batch loop.
-        Backward (the caller's `jax.vjp` pullback, applied once to the accumulated
-        full-size gradient): `fsdp_gather`'s psum_scatter / data of each matrix.
-        """
-        sharded = lambda ax: any(self.param_rules.get(a) == "data" for a in ax)  # noqa: E731
-        return jax.tree.map(lambda w, ax: self.weight(w.astype(dtype), ax) if sharded(ax) else w, params, axes)
-
-    def resident(self) -> "FullyShardedDataParallel":
-        """These hooks with `weight` the identity: for weights `gather_step` made whole (no
-        remat is needed either: nothing is re-gathered in the backward pass)."""
-        par = copy.copy(self)
-        par.is_resident = True
-        return par
 
     def weight(self, w, axes):
         """w: the local slice, e.g. W1 [D/data, F] -> gathered [D, F]."""
@@ -102,6 +82,29 @@ class FullyShardedDataParallel(ManualParallelism):
         needs nothing of the kind: its backward is a scatter-add that reads no table."""
         return jax.checkpoint(lm_head, policy=never_gathered(everything_saveable))(x)
 
+    # Gradient accumulation: the step gathers once, the micro-batches run on resident weights.
+
+    def gather_step(self, params, axes, dtype: str):
+        """Gradient accumulation (grad_accum = K > 1): every matrix gathered ONCE per step.
+
+        params: the local shards (W1 stacked: [L, D/data, F]); axes: their logical axes
+        (('layers', 'embed', 'mlp')). Returns the whole matrices in the compute dtype
+        ([L, D, F]; the norm gains, replicated, unchanged in float32), for the K
+        micro-batches to run on with the `resident` hooks.
+        Forward: the 7L+2 all-gathers of `fsdp_gather`, before the micro-batch loop.
+        Backward (the caller's `jax.vjp` pullback, applied once to the accumulated
+        full-size gradient): `fsdp_gather`'s psum_scatter / data of each matrix.
+        """
+        sharded = lambda ax: any(self.param_rules.get(a) == "data" for a in ax)  # noqa: E731
+        return jax.tree.map(lambda w, ax: self.weight(w.astype(dtype), ax) if sharded(ax) else w, params, axes)
+
+    def resident(self) -> "FullyShardedDataParallel":
+        """These hooks with `weight` the identity: for weights `gather_step` made whole (no
+        remat is needed either: nothing is re-gathered in the backward pass)."""
+        par = copy.copy(self)
+        par.is_resident = True
+        return par
+
 
 def gathers(prim, **params) -> bool:
     """True for the output of `fsdp_gather` (a custom_vjp around an all_gather): a full weight."""
@@ -119,4 +122,5 @@ def never_gathered(policy: Policy) -> Policy:
     return lambda prim, *args, **params: not gathers(prim, **params) and policy(prim, *args, **params)
 
 
-PARALLELISM = FullyShardedDataParallel
+def parallelism(mesh, cfg) -> FullyShardedDataParallel:
+    return FullyShardedDataParallel(FSDP.params)

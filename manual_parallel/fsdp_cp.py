@@ -23,7 +23,7 @@ from twinshard.parallel.strategies import FSDP_CP
 from manual_parallel.cp import ContextParallel, ContextRunner
 from manual_parallel.fsdp import FullyShardedDataParallel
 
-__all__ = ["FSDPContextParallel", "ContextRunner", "Runner", "PARALLELISM", "parallelism"]
+__all__ = ["FSDPContextParallel", "Runner", "parallelism"]
 
 
 class FSDPContextParallel(FullyShardedDataParallel, ContextParallel):
@@ -31,10 +31,8 @@ class FSDPContextParallel(FullyShardedDataParallel, ContextParallel):
     (FSDP never saves a gathered weight; cp saves the received K/V blocks)."""
 
 
-def parallelism(cfg):
-    """The hooks for `cfg` (ManualRunner calls it): the token layout comes from the config."""
+def parallelism(mesh, cfg) -> FSDPContextParallel:
     return FSDPContextParallel(FSDP_CP.params, cfg.train.cp_layout)
 
 
-PARALLELISM = FSDPContextParallel
 Runner = ContextRunner  # the batch is permuted into the context layout on the host

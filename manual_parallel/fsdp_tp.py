@@ -10,12 +10,14 @@ Optimizer: one psum over (data, tensor) of the shards' squared norms.
 
 from manual_parallel.fsdp import FullyShardedDataParallel
 from manual_parallel.tp import TensorParallel
+from twinshard.parallel.strategies import FSDP_TP
 
-__all__ = ["FSDPTensorParallel", "PARALLELISM"]
+__all__ = ["FSDPTensorParallel", "parallelism"]
 
 
 class FSDPTensorParallel(FullyShardedDataParallel, TensorParallel):
     """weight/remat from FSDP; enter/exit_tensor_parallel, embed, token_loss from TP."""
 
 
-PARALLELISM = FSDPTensorParallel
+def parallelism(mesh, cfg) -> FSDPTensorParallel:
+    return FSDPTensorParallel(FSDP_TP.params)

@@ -47,11 +47,18 @@ from manual_parallel.runner import ManualRunner
 from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.parallel.pipeline import STAGE
+from twinshard.parallel.strategies import PP
 from twinshard.train.trainer import graphdef
 
-__all__ = ["PipelineRunner", "Runner", "PARALLELISM"]
+__all__ = ["PipelineParallel", "PipelineRunner", "Runner", "parallelism"]
 
-PARALLELISM = ManualParallelism  # no model hooks: a stage runs the single-device layers
+
+class PipelineParallel(ManualParallelism):
+    """No model hooks: a stage runs the single-device layers; `PipelineRunner` runs the stages."""
+
+
+def parallelism(mesh, cfg) -> PipelineParallel:
+    return PipelineParallel(PP.params)
 
 
 class PipelineRunner(ManualRunner):

@@ -46,9 +46,18 @@ per step too (auto_parallel/pp_fsdp.py).
 """
 
 from manual_parallel.fsdp import FullyShardedDataParallel
-from manual_parallel.pp import PipelineRunner
+from manual_parallel.pp import PipelineParallel, PipelineRunner
+from twinshard.parallel.strategies import PP_FSDP
 
-__all__ = ["PARALLELISM", "Runner"]
+__all__ = ["FSDPPipelineParallel", "Runner", "parallelism"]
 
-PARALLELISM = FullyShardedDataParallel  # gather_step / resident(), run by pp.PipelineRunner
+
+class FSDPPipelineParallel(FullyShardedDataParallel, PipelineParallel):
+    """weight / gather_step / resident from FSDP, run by pp's PipelineRunner."""
+
+
+def parallelism(mesh, cfg) -> FSDPPipelineParallel:
+    return FSDPPipelineParallel(PP_FSDP.params)
+
+
 Runner = PipelineRunner

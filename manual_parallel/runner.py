@@ -75,14 +75,12 @@ class ManualRunner(placement.PlacedRunner):
                  devices=None):
         self.name = name
         decl = strategies.get(name)  # the placement tables
-        # a strategy with options in the config builds its hooks from it (tp_sp: collective_matmul)
-        make_par = getattr(strategy, "parallelism", lambda _: strategy.PARALLELISM(decl.params))
-        self.par = make_par(cfg)
         shapes = jax.eval_shape(functools.partial(create_params, cfg.model, 0))  # whole params
         blocks = jax.tree.map(lambda a, s: Block(a.shape, self.block_mean(s)), shapes,
                               placement.param_specs(cfg, decl.params))
         self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm, blocks=blocks)
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices, decl.params, decl.activations)
+        self.par = strategy.parallelism(self.mesh, cfg)  # the strategy's hooks (manual_parallel/<name>.py)
         check_grad_accum(cfg.train, self.sizes[DATA])
         self.token_axes = _active(self.TOKEN_AXES, self.sizes)  # those of size > 1
         # per param, the token axes it is replicated over: its gradient's mean runs over them

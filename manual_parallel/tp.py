@@ -21,8 +21,9 @@ from jax import lax
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import copy_to_tp, reduce_from_tp
 from twinshard.model import layers, loss
+from twinshard.parallel.strategies import TP
 
-__all__ = ["TensorParallel", "PARALLELISM"]
+__all__ = ["TensorParallel", "parallelism"]
 
 TENSOR = "tensor"
 
@@ -53,4 +54,5 @@ class TensorParallel(ManualParallelism):
             reduce_sum=functools.partial(lax.psum, axis_name=TENSOR))
 
 
-PARALLELISM = TensorParallel
+def parallelism(mesh, cfg) -> TensorParallel:
+    return TensorParallel(TP.params)

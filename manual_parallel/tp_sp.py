@@ -45,7 +45,7 @@ from manual_parallel.collectives import all_gather_matmul, copy_to_tp, gather_se
 from manual_parallel.tp import TENSOR, TensorParallel
 
 __all__ = ["SequenceParallel", "CollectiveMatmul",
-           "PARALLELISM", "parallelism"]
+           "parallelism"]
 
 
 class SequenceParallel(TensorParallel):
@@ -76,10 +76,8 @@ class CollectiveMatmul(SequenceParallel):
         return all_gather_matmul(x, ws, TENSOR)
 
 
-def parallelism(cfg):
-    """The hooks for `cfg` (manual_parallel/runner.py): CollectiveMatmul under cfg.model.collective_matmul."""
+def parallelism(mesh, cfg) -> SequenceParallel:
+    """CollectiveMatmul under cfg.model.collective_matmul."""
     cls = CollectiveMatmul if cfg.model.collective_matmul else SequenceParallel
     return cls(TP_SP.params)
 
-
-PARALLELISM = SequenceParallel

@@ -191,7 +191,7 @@ def assert_matches_single_device(got, grads: bool):
 
 
 def test_auto_fsdp_cp_accumulates_in_the_context_layout():
-    """grad_accum 2 on data:2,context:2: the runner's per-data-shard vmap runs ContextGSPMD's
+    """grad_accum 2 on data:2,context:2: the runner's per-data-shard vmap runs ContextParallel's
     hooks (the zig-zag positions for RoPE and the mask), so the step equals single device
     (measured: losses 1.9e-6, gradients 1.9e-8, norms 8.8e-8 relative, params 7.2e-7; with plain
     GSPMD hooks RoPE and the mask read the permuted index as the position). The ledger: every
