@@ -83,16 +83,48 @@ def define_precision_flags() -> None:
     define(flags.DEFINE_enum, "remat", None, REMAT_POLICIES, "Rematerialization of each layer (default none; "
            "full: recompute the layer in backward; dots: save only matmul outputs; dots_no_batch: save only "
            "matmul outputs without a batch dimension).")
+    define_moe_flags()  # every launcher that builds a model config (train, plan, bench) takes them
+
+
+# The mixture-of-experts flags: each overrides the ModelConfig field of its name (None: the preset's).
+_MOE_FLAGS = (
+    (flags.DEFINE_integer, "num_experts", "experts per layer, 0 = the dense feed-forward, >= 2 = every layer "
+     "routed (default: the preset's; tiny_moe, mixtral_8x7b have 4, 8)."),
+    (flags.DEFINE_integer, "experts_per_token", "each token's top-k experts (1 <= k <= --num_experts; default 2)."),
+    (flags.DEFINE_float, "capacity_factor", "buffer slots per expert per group, ceil(k * group * factor / "
+     "num_experts); tokens past them are dropped (default 1.25; 0: dropless)."),
+    (flags.DEFINE_integer, "moe_group_size", "tokens per capacity group, a divisor of the context length "
+     "(default 0: the whole sequence)."),
+    (flags.DEFINE_float, "router_aux_loss", "coefficient of the Switch load-balancing loss (default 0.01)."),
+    (flags.DEFINE_float, "router_z_loss", "coefficient of the router z-loss (default 0)."),
+    (flags.DEFINE_integer, "expert_d_ff", "each expert's feed-forward width (default 0: d_ff)."),
+)
+MOE_FLAGS = tuple(name for _, name, _ in _MOE_FLAGS)
+
+
+def define_moe_flags() -> None:
+    for definer, name, text in _MOE_FLAGS:
+        define(definer, name, None, "Mixture of experts: " + text)
 
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:
-    """--dtype / --attention / --scan_unroll / --remat applied to the model config (None: the preset's)."""
-    over = {k: getattr(FLAGS, k) for k in ("dtype", "attention", "scan_unroll", "remat", "collective_matmul")
-            if getattr(FLAGS, k) is not None}
+    """--dtype / --attention / --scan_unroll / --remat and the MoE flags applied to the model config
+    (None: the preset's). A value ModelConfig refuses is its ValueError, the flags named first."""
+    names = ("dtype", "attention", "scan_unroll", "remat", "collective_matmul", *MOE_FLAGS)
+    over = {k: getattr(FLAGS, k) for k in names if getattr(FLAGS, k, None) is not None}
     if over.get("scan_unroll", 1) < 1:
         raise ValueError(f"--scan_unroll={over['scan_unroll']} must be >= 1 (layers per scan iteration; "
                          f"{cfg.model.num_layers} unrolls the stack fully).")
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **over)) if over else cfg
+    if not over:
+        return cfg
+    try:
+        model = dataclasses.replace(cfg.model, **over)
+    except ValueError as e:
+        given = " ".join(f"--{k}={v}" for k, v in over.items() if k in MOE_FLAGS)
+        if not given:
+            raise
+        raise ValueError(f"{given}: {e}") from None
+    return dataclasses.replace(cfg, model=model)
 
 
 def define_distributed_flags() -> None:

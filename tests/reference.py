@@ -90,16 +90,64 @@ def mha(x, wq, wk, wv, wo, num_heads, theta):
     return linear(out.transpose(0, 2, 1, 3).reshape(b, t, num_heads * dh), wo)
 
 
-def transformer_lm(sd, tokens, num_layers, num_heads, theta, eps=1e-5):
-    """Logits [B, T, V] (unpadded) from a CS336 state dict of float64 arrays."""
+def transformer_lm(sd, tokens, num_layers, num_heads, theta, eps=1e-5, ffn=None):
+    """Logits [B, T, V] (unpadded) from a CS336 state dict of float64 arrays.
+    ffn(i, h) -> [B, T, D]: layer i's feed-forward of its ln2 output h (default: the dense SwiGLU)."""
     x = sd["token_embeddings.weight"][tokens]
     for i in range(num_layers):
         p = lambda n: sd[f"layers.{i}.{n}"]  # noqa: E731
         h = rms_norm(x, p("ln1.weight"), eps)
         x = x + mha(h, p("attn.q_proj.weight"), p("attn.k_proj.weight"), p("attn.v_proj.weight"),
                     p("attn.output_proj.weight"), num_heads, theta)
-        x = x + swiglu(rms_norm(x, p("ln2.weight"), eps), p("ffn.w1.weight"), p("ffn.w2.weight"), p("ffn.w3.weight"))
+        h = rms_norm(x, p("ln2.weight"), eps)
+        x = x + (ffn(i, h) if ffn else swiglu(h, p("ffn.w1.weight"), p("ffn.w2.weight"), p("ffn.w3.weight")))
     return linear(rms_norm(x, sd["ln_final.weight"], eps), sd["lm_head.weight"])
+
+
+def moe_ffn(x, router, w1, w2, w3, k, capacity, group_size):
+    """The mixture-of-experts feed-forward, token by token. x [B, T, D]; router [E, D]; w1, w3
+    [E, F, D]; w2 [E, D, F] (torch layout: layers.{i}.ffn.router.weight, ffn.experts.w*.weight).
+
+    Each group of group_size consecutive tokens: router probabilities softmax(x router^T); a
+    token's k most probable experts, weights renormalised over the k; expert buffers of
+    `capacity` places filled first choices first (all of the group's first choices in token
+    order, then the second choices...), a choice finding its expert full is dropped; the
+    output is the weighted sum of the kept experts' SwiGLU. Returns (y [B, T, D], stats):
+    aux (Switch loss E sum_i f_i P_i per group, f over all k choices before dropping, mean over
+    groups), z (mean over tokens of logsumexp(logits)^2), tokens_per_expert [E] and dropped
+    (choices kept / dropped), lost [B, T] (tokens whose every choice was dropped)."""
+    b, t, d = x.shape
+    e = router.shape[0]
+    groups = x.reshape(-1, group_size, d)
+    y = np.zeros_like(groups)
+    lost = np.zeros(groups.shape[:2], bool)
+    per_expert, dropped, aux, z = np.zeros(e, np.int64), 0, [], []
+    for g, tokens in enumerate(groups):
+        logits = linear(tokens, router)  # [S, E]
+        probs = softmax(logits)
+        top = [list(np.argsort(-p, kind="stable")[:k]) for p in probs]
+        load = np.zeros(e, np.int64)
+        kept = np.zeros((group_size, k), bool)
+        for j in range(k):
+            for s in range(group_size):
+                if load[top[s][j]] < capacity:
+                    load[top[s][j]] += 1
+                    kept[s, j] = True
+        for s in range(group_size):
+            weights = probs[s, top[s]] / probs[s, top[s]].sum()
+            for j, ex in enumerate(top[s]):
+                if kept[s, j]:
+                    y[g, s] += weights[j] * swiglu(tokens[s], w1[ex], w2[ex], w3[ex])
+        per_expert += load
+        dropped += int((~kept).sum())
+        lost[g] = ~kept.any(axis=1)
+        share = np.bincount(np.ravel(top), minlength=e) / (k * group_size)
+        aux.append(e * np.sum(share * probs.mean(axis=0)))
+        m = logits.max(axis=1)
+        z.extend((m + np.log(np.exp(logits - m[:, None]).sum(axis=1))) ** 2)
+    stats = {"aux": np.mean(aux), "z": np.mean(z), "tokens_per_expert": per_expert, "dropped": dropped,
+             "lost": lost.reshape(b, t)}
+    return y.reshape(b, t, d), stats
 
 
 def cross_entropy(logits, targets):

@@ -110,6 +110,20 @@ class ModelConfig:
     # column-parallel matmuls decomposed into ppermutes overlapped with the matmuls
     # (manual_parallel/collectives.py all_gather_matmul). Launchers check the strategy and twin.
     collective_matmul: bool = False
+    # Mixture of experts (twinshard/model/moe.py). num_experts = 0 is the dense SwiGLU block;
+    # E >= 2 makes EVERY layer's feed-forward a routed one: the L blocks are one scanned stack
+    # of identical layers, so interleaving dense and MoE layers would need two stacks.
+    num_experts: int = 0
+    experts_per_token: int = 2  # k: each token's top-k experts, weights renormalised over the k
+    # Expert buffer slots per capacity group: C = min(S, ceil(k S capacity_factor / E)) (S = the
+    # group's tokens); a token past its expert's C slots is dropped there. 0: dropless, C = S.
+    capacity_factor: float = 1.25
+    # Tokens per capacity group S; 0: context_length. It divides context_length, so a group is
+    # part of one sequence and a batch shard (data parallelism) always holds whole groups.
+    moe_group_size: int = 0
+    router_aux_loss: float = 0.01  # Switch load-balancing loss coefficient
+    router_z_loss: float = 0.0  # ST-MoE router z-loss coefficient
+    expert_d_ff: int = 0  # each expert's SwiGLU width F_e; 0 -> d_ff
 
     def __post_init__(self):
         _check_types(self)
@@ -138,6 +152,27 @@ class ModelConfig:
             object.__setattr__(self, "d_ff", default_d_ff(self.d_model))
         elif self.d_ff < 0:
             raise ValueError(f"ModelConfig.d_ff={self.d_ff} must be positive (or 0 for 8/3 d_model).")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        e, k = self.num_experts, self.experts_per_token
+        if e == 1 or e < 0:
+            raise ValueError(f"ModelConfig.num_experts={e}: use 0 for the dense feed-forward or at least 2 "
+                             "experts (one expert is the dense block behind a router that always picks it).")
+        if e and not 1 <= k <= e:
+            raise ValueError(f"ModelConfig.experts_per_token={k} must be in [1, num_experts={e}]; choose "
+                             f"k from 1 to {e} (2 is the Mixtral / GShard choice), or more experts.")
+        for name, meaning in (("capacity_factor", " (0: dropless, every expert has room for the whole group)"),
+                              ("router_aux_loss", " (0: no load-balancing loss)"),
+                              ("router_z_loss", " (0: no z-loss)"), ("expert_d_ff", " (0: d_ff)"),
+                              ("moe_group_size", " (0: context_length)")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be >= 0{meaning}.")
+        if self.moe_group_size and self.context_length % self.moe_group_size:
+            raise ValueError(
+                f"ModelConfig.moe_group_size={self.moe_group_size} does not divide context_length="
+                f"{self.context_length}, so a capacity group would span two sequences; choose it from "
+                f"{_divisors(self.context_length)} (0: the whole sequence).")
 
     @property
     def head_dim(self) -> int:
@@ -147,11 +182,34 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         return _round_up(self.vocab_size, VOCAB_MULTIPLE)
 
+    @property
+    def moe_group(self) -> int:
+        """S: tokens per capacity group (moe_group_size, or the whole sequence)."""
+        return self.moe_group_size or self.context_length
+
+    @property
+    def expert_ff(self) -> int:
+        """F_e: each expert's SwiGLU width (expert_d_ff, or d_ff)."""
+        return self.expert_d_ff or self.d_ff
+
+    @property
+    def expert_capacity(self) -> int:
+        """C: buffer slots per expert per group, min(S, ceil(k S capacity_factor / E)) (0 for a
+        dense model; S when capacity_factor is 0: dropless). k S / E is the mean load of an expert."""
+        e, k, s = self.num_experts, self.experts_per_token, self.moe_group
+        if not e:
+            return 0
+        if self.capacity_factor == 0:
+            return s
+        # rounded to 9 places first, so 1.1 * 40 = 44.00000000000001 slots is 44, not 45
+        return min(s, max(1, math.ceil(round(k * s * self.capacity_factor / e, 9))))
+
     def num_params(self, padded: bool = True) -> int:
         """Exact parameter count of `TransformerLM` (embedding and lm_head untied)."""
         v = self.padded_vocab_size if padded else self.vocab_size
-        d, f = self.d_model, self.d_ff
-        per_layer = 4 * d * d + 3 * d * f + 2 * d
+        d, f, e = self.d_model, self.d_ff, self.num_experts
+        ffn = 3 * d * f if not e else d * e + e * 3 * d * self.expert_ff  # MoE: router + E SwiGLUs
+        per_layer = 4 * d * d + ffn + 2 * d
         return 2 * v * d + self.num_layers * per_layer + d
 
 
@@ -264,6 +322,25 @@ _PRESETS: dict[str, Config] = {
         ModelConfig(vocab_size=50257, context_length=2048, d_model=2048, num_layers=20, num_heads=16),
         TrainConfig(batch_size=64, steps=5000, lr=2e-4, min_lr=2e-5, warmup_steps=500,
                     tokenizer="gpt2", log_every=10, eval_every=500),
+    ),
+    # Mixture of experts at the tiny shapes: 4 experts, top-2, each as wide as tiny's d_ff.
+    "tiny_moe": Config(
+        ModelConfig(vocab_size=257, context_length=32, d_model=64, num_layers=2, num_heads=4,
+                    num_experts=4, experts_per_token=2),
+        TrainConfig(batch_size=8, steps=20, lr=3e-3, min_lr=3e-4, warmup_steps=2,
+                    tokenizer="bytes", log_every=5, eval_every=10, eval_batches=2),
+    ),
+    # Mixtral 8x7B's shapes, for planning (launch.plan) at scale. Mixtral has 8 key/value heads
+    # (grouped-query attention), which this model does not have: its attention parameters here
+    # are the full multi-head ones (4 D^2 per layer, not 2.5 D^2): 47.5B parameters, 0.8B more than
+    # Mixtral's 46.7B. Its 32000-token SentencePiece vocabulary is not shipped; "bytes" is a placeholder
+    # whose ids (< 257) stay inside the 32000 rows, where gpt2's (up to 50256) would not.
+    "mixtral_8x7b": Config(
+        ModelConfig(vocab_size=32000, context_length=4096, d_model=4096, num_layers=32, num_heads=32,
+                    d_ff=14336, rope_theta=1e6, norm_eps=1e-5, dtype="bfloat16",
+                    num_experts=8, experts_per_token=2, capacity_factor=1.25, expert_d_ff=14336),
+        TrainConfig(batch_size=64, steps=5000, lr=2e-4, min_lr=2e-5, warmup_steps=500,
+                    tokenizer="bytes", log_every=10, eval_every=500),
     ),
 }
 

@@ -21,9 +21,13 @@ override only what they need:
     layer_policy(policy)    -                            + save psum outputs (Megatron g);
                                                          FSDP: never save a gathered weight
     head(lm_head, x)        -                            FSDP: checkpoint (re-gather W)
+    dispatch(x)             expert parallelism: the      expert parallelism: all_to_all over
+    combine(x)              [E, G, C, D] buffers' layout  `expert` (combine: the inverse)
 
 Logical axis names (on params and activations): vocab, embed, heads, mlp,
-norm, layers (params); batch, seq, embed, heads, mlp, vocab (activations).
+norm, layers, experts, router (params); batch, seq, embed, heads, mlp, vocab (activations).
+The MoE router's [D, E] is ('embed', 'router'): no strategy maps `router`, so every
+device holds all E columns (each token scores every expert).
 
 The blocks run inside a `jax.lax.scan` over the stacked [L, ...] params
 (model.scan_layers): the hooks are called in the scan body, on ONE layer's
@@ -89,7 +93,8 @@ class Parallelism:
         """Run the L stacked blocks (every param leaf [L, ...]) on x [B, T, D] with
         `scan(stacked, cfg, x, hooks)` (the model's scan over layers, passed in so that this
         seam does not import the model): one scan; a pipeline splits the stack into stages
-        (auto_parallel/pp.py)."""
+        (auto_parallel/pp.py). Returns what `scan` returns: x, or (x, router stats [L, ...])
+        for a mixture-of-experts model."""
         return scan(stacked, cfg, x, self)
 
     def embed(self, ids: Array, table: Array) -> Array:
@@ -103,6 +108,17 @@ class Parallelism:
     def head(self, lm_head: Callable[[Array], Array], x: Array) -> Array:
         """lm_head(x): x [B, T, D] -> logits [B, T, V(_local)]; FSDP checkpoints it."""
         return lm_head(x)
+
+    def dispatch(self, x: Array) -> Array:
+        """x [E, G, C, D]: every group's capacity buffers, expert-major (twinshard/model/moe.py).
+        Expert parallelism sends each expert's buffers to the device holding it (manual:
+        all_to_all over `expert`, [E, G, C, D] -> [E/ep, G*ep, C, D]); identity on one device."""
+        return x
+
+    def combine(self, x: Array) -> Array:
+        """The experts' outputs back to the devices of their groups: the inverse of `dispatch`
+        ([E/ep, G*ep, C, D] -> [E, G, C, D] under manual expert parallelism)."""
+        return x
 
     def token_loss(self, logits: Array, targets: Array, vocab_size: int) -> Array:
         """Per-token cross-entropy [B, T] from logits [B, T, V(_local)]."""

@@ -20,6 +20,13 @@ a leading [L] axis with logical name `layers` (the pipeline strategies map it to
     ln_final.weight                  [D]             (norm,)
     lm_head.weight                   [D, V_pad]      (embed, vocab)
 
+A mixture-of-experts model (ModelConfig.num_experts = E > 0; twinshard/model/moe.py) has, in
+place of every layer's ffn above (F_e = ModelConfig.expert_ff):
+
+    layers.ffn.router.weight         [L, D, E]       (layers, embed, router)
+    layers.ffn.{w1,w3}.weight        [L, E, D, F_e]  (layers, experts, embed, mlp)
+    layers.ffn.w2.weight             [L, E, F_e, D]  (layers, experts, mlp, embed)
+
 Inside the scan body a layer's params are one slice (`[D, H*dh]`, logical axes
 without `layers`), so the strategy hooks (`Parallelism.weight`: FSDP's gather,
 GSPMD's pin) act per weight and per layer, exactly as in an unrolled model.
@@ -43,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from twinshard.model import layers
+from twinshard.model import layers, moe
 from twinshard.config import ModelConfig
 from twinshard.model.hooks import SINGLE_DEVICE, Parallelism, Policy
 
@@ -149,17 +156,56 @@ class SwiGLU(nnx.Module):
         return par.row_parallel(layers.swiglu_gate(h1, h3), w2)
 
 
+class Experts(nnx.Module):
+    """E bias-free linear maps stacked [E, d_in, d_out], each initialised as Linear(d_in, d_out)
+    (std sqrt(2 / (d_in + d_out)), truncated at +-3 std), drawn with ONE random call for all E."""
+
+    def __init__(self, num_experts: int, d_in: int, d_out: int, axes: tuple[str, str, str], *,
+                 rngs: nnx.Rngs):
+        std = math.sqrt(2.0 / (d_in + d_out))
+        self.weight = _param(_truncated_normal(rngs.params(), (num_experts, d_in, d_out), std), axes)
+
+
+class MoEFeedForward(nnx.Module):
+    """The mixture-of-experts feed-forward (twinshard/model/moe.py): a float32 router [D, E] and
+    E SwiGLU experts; every layer of a model with ModelConfig.num_experts > 0 has one."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, e, f = cfg.d_model, cfg.num_experts, cfg.expert_ff
+        self.router = Linear(d, e, ("embed", "router"), rngs=rngs)  # float32: routing on f32 logits
+        self.w1 = Experts(e, d, f, ("experts", "embed", "mlp"), rngs=rngs)
+        self.w2 = Experts(e, f, d, ("experts", "mlp", "embed"), rngs=rngs)
+        self.w3 = Experts(e, d, f, ("experts", "embed", "mlp"), rngs=rngs)
+        self.dtype = cfg.dtype
+        self.k, self.capacity, self.group = cfg.experts_per_token, cfg.expert_capacity, cfg.moe_group
+
+    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> tuple[Array, moe.Stats]:
+        """x: [B, T, D] -> (y [B, T, D], this layer's router stats: moe.moe_ffn)."""
+        router = _use(self.router.weight, par)  # [D, E] float32
+        # [E', D, F], [E', F, D]: FSDP gathers `embed`; expert parallelism leaves E/ep local experts
+        w1, w2, w3 = (_use(m.weight, par, self.dtype) for m in (self.w1, self.w2, self.w3))
+        return moe.moe_ffn(x, router, w1, w2, w3, experts_per_token=self.k, capacity=self.capacity,
+                           group_size=self.group, dispatch=par.dispatch, combine=par.combine)
+
+
 class Block(nnx.Module):
-    """Pre-norm block: x + attn(ln1(x)), then + ffn(ln2(.))."""
+    """Pre-norm block: x + attn(ln1(x)), then + ffn(ln2(.)). With experts (cfg.num_experts > 0)
+    the ffn is MoEFeedForward and the block returns (x, its router stats)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg, rngs=rngs)
         self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, rngs=rngs, dtype=cfg.dtype)
+        if cfg.num_experts:
+            self.ffn = MoEFeedForward(cfg, rngs=rngs)
+        else:
+            self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, rngs=rngs, dtype=cfg.dtype)
 
-    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
+    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array | tuple[Array, moe.Stats]:
         x = par.constrain(x + self.attn(self.ln1(x, par), par), ACTIVATION)
+        if isinstance(self.ffn, MoEFeedForward):
+            y, stats = self.ffn(self.ln2(x, par), par)
+            return par.constrain(x + y, ACTIVATION), stats
         return par.constrain(x + self.ffn(self.ln2(x, par), par), ACTIVATION)
 
 
@@ -254,13 +300,22 @@ def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SI
     return par.layer_stack(nnx.to_pure_dict(nnx.state(blocks, nnx.Param)), cfg, x, scan_stacked)
 
 
-def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
+def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array,
+                 par: Parallelism = SINGLE_DEVICE) -> Array | tuple[Array, moe.Stats]:
     """`scan_layers` on the blocks' params as a pure dict, every leaf [n, ...] for any n layers
-    (pipeline stages run their own n = L/S slice of the stack)."""
+    (pipeline stages run their own n = L/S slice of the stack).
+
+    Dense: x [B, T, D]. Mixture of experts (cfg.num_experts > 0): (x, stats), each layer's
+    router stats (moe.moe_ffn) stacked by the scan: aux [n], z [n], tokens_per_expert [n, E],
+    dropped [n]."""
     layer_def = _layer_graphdef(cfg)
 
-    def body(x: Array, layer) -> tuple[Array, None]:  # x: [B, T, D]; layer: one layer's params
-        return nnx.merge(layer_def, layer)(x, par), None
+    if cfg.num_experts:
+        def body(x: Array, layer) -> tuple[Array, moe.Stats]:  # the layer's stats: the scan's ys
+            return nnx.merge(layer_def, layer)(x, par)
+    else:
+        def body(x: Array, layer) -> tuple[Array, None]:  # x: [B, T, D]; layer: one layer's params
+            return nnx.merge(layer_def, layer)(x, par), None
 
     policy = par.layer_policy(remat_policy(cfg))
     if policy is not None:
@@ -269,8 +324,8 @@ def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array, par: Parallelism = S
         # but an unrolled one puts both in one computation, where XLA merged them (measured:
         # manual FSDP at scan_unroll=L gathered each weight once and kept it for backward).
         body = jax.checkpoint(body, policy=policy, prevent_cse=cfg.scan_unroll > 1)
-    x, _ = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)
-    return x
+    x, stats = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)
+    return (x, stats) if cfg.num_experts else x
 
 
 class TransformerLM(nnx.Module):
@@ -285,10 +340,17 @@ class TransformerLM(nnx.Module):
     def __call__(self, tokens: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """tokens: [B, T] int -> logits [B, T, V_pad] (V_pad/tensor under vocab parallelism).
 
-        Padded logits are not masked here; the loss and the sampler mask them.
+        Padded logits are not masked here; the loss and the sampler mask them. A mixture-of-
+        experts model's router stats are dropped (loss_and_stats keeps them).
         """
-        x = scan_layers(self.layers, self.cfg, self.embed(tokens, par), par)
+        x, _ = self.blocks(tokens, par)
         return self.head(x, par)
+
+    def blocks(self, tokens: Array, par: Parallelism = SINGLE_DEVICE) -> tuple[Array, moe.Stats | None]:
+        """tokens [B, T] -> (the residual stream after the L blocks [B, T, D], the router stats
+        stacked over layers: scan_stacked; None for a dense model)."""
+        out = scan_layers(self.layers, self.cfg, self.embed(tokens, par), par)
+        return out if self.cfg.num_experts else (out, None)
 
     # The three pieces of __call__, which pipeline parallelism runs on different stages.
 
@@ -309,12 +371,41 @@ class TransformerLM(nnx.Module):
         return jnp.mean(par.token_loss(self.head(x, par), targets, self.cfg.vocab_size))
 
     def loss(self, tokens: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        """Mean next-token cross-entropy over this program's (local) tokens."""
+        """Mean next-token cross-entropy over this program's (local) tokens; with experts, plus
+        the router losses (loss_and_stats)."""
+        if self.cfg.num_experts:
+            return self.loss_and_stats(tokens, targets, par)[0]
         return jnp.mean(par.token_loss(self(tokens, par), targets, self.cfg.vocab_size))
+
+    def loss_and_stats(self, tokens: Array, targets: Array,
+                       par: Parallelism = SINGLE_DEVICE) -> tuple[Array, dict[str, Array]]:
+        """(loss, stats) for the training log. loss = ce + router_aux_loss * mean_l aux_l +
+        router_z_loss * mean_l z_l (ce alone for a dense model). stats:
+
+            ce                 float32 []      mean next-token cross-entropy
+            aux, z             float32 [L]     each layer's load-balancing and z loss (moe.moe_ffn)
+            tokens_per_expert  int32 [L, E]    kept assignments per layer and expert
+            dropped            int32 [L]       assignments over capacity, per layer
+            assignments        int32 []        k * B * T: each layer's assignments (kept + dropped)
+
+        A dense model's stats hold ce alone. Values are this program's (local) tokens'."""
+        cfg = self.cfg
+        x, layer_stats = self.blocks(tokens, par)
+        ce = jnp.mean(par.token_loss(self.head(x, par), targets, cfg.vocab_size))
+        if layer_stats is None:
+            return ce, {"ce": ce}
+        loss = ce
+        for name, coefficient in (("aux", cfg.router_aux_loss), ("z", cfg.router_z_loss)):
+            if coefficient:  # 0: the term is left out of the program, not multiplied by 0
+                loss = loss + coefficient * jnp.mean(layer_stats[name])
+        assignments = jnp.asarray(cfg.experts_per_token * tokens.size, jnp.int32)
+        return loss, {"ce": ce, **layer_stats, "assignments": assignments}
 
 
 # ----------------------------------------------------------------------------
 # Weight interop with the CS336 PyTorch model: names, [out, in] layout, unpadded vocab.
+# A mixture-of-experts layer's experts keep their stack: layers.{i}.ffn.experts.w1.weight is
+# [E, out, in] (each expert in torch layout); its router layers.{i}.ffn.router.weight is [E, D].
 # ----------------------------------------------------------------------------
 
 def _cs336_layout(path: str, w: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -322,7 +413,7 @@ def _cs336_layout(path: str, w: np.ndarray, vocab_size: int) -> np.ndarray:
         return w[:vocab_size]  # [V, D]
     if path == "lm_head.weight":
         return w[:, :vocab_size].T  # [D, V_pad] -> [V, D]
-    return w.T if w.ndim == 2 else w  # Linear [in, out] -> torch [out, in]
+    return np.swapaxes(w, -1, -2) if w.ndim >= 2 else w  # Linear [(E,) in, out] -> torch [(E,) out, in]
 
 
 def _from_cs336_layout(path: str, w: np.ndarray, old: np.ndarray) -> np.ndarray:
@@ -331,17 +422,24 @@ def _from_cs336_layout(path: str, w: np.ndarray, old: np.ndarray) -> np.ndarray:
         return np.concatenate([w, old[w.shape[0]:]], axis=0)
     if path == "lm_head.weight":
         return np.concatenate([w.T, old[:, w.shape[0]:]], axis=1)
-    return w.T if w.ndim == 2 else w
+    return np.swapaxes(w, -1, -2) if w.ndim >= 2 else w
 
 
 def _is_stacked(path: str) -> bool:
     return path.startswith(LAYERS + ".")
 
 
-def _layer_names(path: str, num_layers: int) -> list[str]:
-    """'layers.ffn.w1.weight' (stacked) -> ['layers.0.ffn.w1.weight', ...]; other paths: [path]."""
+_EXPERT_NAMES = {f"ffn.{w}.weight": f"ffn.experts.{w}.weight" for w in ("w1", "w2", "w3")}
+
+
+def _layer_names(path: str, cfg: ModelConfig) -> list[str]:
+    """'layers.ffn.w1.weight' (stacked) -> ['layers.0.ffn.w1.weight', ...] (with experts:
+    'layers.0.ffn.experts.w1.weight', ...); other paths: [path]."""
+    if not _is_stacked(path):
+        return [path]
     rest = path[len(LAYERS) + 1:]
-    return [f"{LAYERS}.{i}.{rest}" for i in range(num_layers)] if _is_stacked(path) else [path]
+    rest = _EXPERT_NAMES.get(rest, rest) if cfg.num_experts else rest
+    return [f"{LAYERS}.{i}.{rest}" for i in range(cfg.num_layers)]
 
 
 def _flat_params(model: TransformerLM) -> list[tuple[str, nnx.Variable]]:
@@ -352,10 +450,10 @@ def _flat_params(model: TransformerLM) -> list[tuple[str, nnx.Variable]]:
 def state_dict(model: TransformerLM) -> dict[str, np.ndarray]:
     """CS336 / PyTorch-named float32 numpy weights (unpadded vocab, Linear as [out, in]);
     the stacked [L, ...] blocks unstacked into `layers.{i}.*`."""
-    out, L = {}, model.cfg.num_layers
+    out = {}
     for path, var in _flat_params(model):
         w = np.asarray(var[...])
-        for name, wi in zip(_layer_names(path, L), w if _is_stacked(path) else [w]):
+        for name, wi in zip(_layer_names(path, model.cfg), w if _is_stacked(path) else [w]):
             out[name] = _cs336_layout(name, wi, model.cfg.vocab_size)
     return out
 
@@ -395,12 +493,11 @@ def load_state_dict(model: TransformerLM, sd: dict[str, np.ndarray]) -> None:
         got = _checked_weight(name, sd[name])
         if got.shape != want.shape:
             raise ValueError(f"{name}: shape {got.shape} in the state dict, the model needs {want.shape}.")
-    L = model.cfg.num_layers
     for path, var in _flat_params(model):
         old = np.asarray(var[...])
         if _is_stacked(path):  # stack layers.{i}.* into [L, ...]
             w = np.stack([_from_cs336_layout(n, np.asarray(sd[n], np.float32), o)
-                          for n, o in zip(_layer_names(path, L), old)])
+                          for n, o in zip(_layer_names(path, model.cfg), old)])
         else:
             w = _from_cs336_layout(path, np.asarray(sd[path], np.float32), old)
         var[...] = jnp.asarray(w)
