@@ -19,6 +19,9 @@ a strategy file).
     all_gather_matmul(x, ws, ax)  n-1 ring_shifts (k = -1),    n-1 reverse ring_shifts:
                               each beside the matmul of     a ring reduce-scatter of dx
                               the chunk held
+    dispatch_to_experts(x, ax)  all_to_all over ax:         the inverse all_to_all
+                              [E, G, C, D] -> [E/n, nG, C, D] ([E/n, nG, C, D] -> [E, G, C, D])
+    combine_from_experts(x, ax) the inverse all_to_all      all_to_all over ax
 """
 
 from __future__ import annotations
@@ -279,3 +282,59 @@ def all_gather_matmul(x_shard: Array, ws: tuple[Array, ...], axis: str) -> tuple
         if step < n - 1:
             chunk = incoming
     return tuple(outs)
+
+
+# ----------------------------------------------------------------------------
+# Expert parallelism (GShard, Lepikhin et al. 2020): tokens travel to the devices holding
+# their experts and back. An all_to_all's transpose is the inverse all_to_all, so the two
+# operators below are each other's backward.
+# ----------------------------------------------------------------------------
+
+def _to_experts(x: Array, axis: str) -> Array:
+    """[E, G, C, D] -> [E/n, n G, C, D]: expert chunk j of every device goes to device j, which
+    stacks the n senders' groups in device order."""
+    return lax.all_to_all(x, axis, split_axis=0, concat_axis=1, tiled=True)
+
+
+def _from_experts(x: Array, axis: str) -> Array:
+    """[E/n, n G, C, D] -> [E, G, C, D]: the inverse of `_to_experts`."""
+    return lax.all_to_all(x, axis, split_axis=1, concat_axis=0, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def dispatch_to_experts(x: Array, axis: str) -> Array:
+    """The capacity buffers of this device's G groups for all E experts, [E, G, C, D], to the
+    devices holding the experts: this device gets its E/n experts' buffers from the n devices
+    along `axis`, [E/n, n G, C, D]. Backward: the inverse all_to_all sends each buffer's
+    gradient back to the device whose tokens filled it."""
+    return _to_experts(x, axis)
+
+
+def _dispatch_fwd(x, axis):
+    return _to_experts(x, axis), None
+
+
+def _dispatch_bwd(axis, _, grad):
+    return (_from_experts(grad, axis),)
+
+
+dispatch_to_experts.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def combine_from_experts(x: Array, axis: str) -> Array:
+    """The experts' outputs [E/n, n G, C, D] back to the devices whose tokens they are:
+    [E, G, C, D]. Backward: the all_to_all of `dispatch_to_experts`, carrying the outputs'
+    gradient to the experts."""
+    return _from_experts(x, axis)
+
+
+def _combine_fwd(x, axis):
+    return _from_experts(x, axis), None
+
+
+def _combine_bwd(axis, _, grad):
+    return (_to_experts(grad, axis),)
+
+
+combine_from_experts.defvjp(_combine_fwd, _combine_bwd)

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinshard.config import ModelConfig
-from twinshard.cost.communication import (AXES, NOT_REGATHERED, OPS, PHASES, STRATEGY_ROWS, Row, _Ctx,
-                                          row)
+from twinshard.cost.communication import STRATEGY_ROWS
+from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Row, _Ctx, row
 from twinshard.cost.flops import Flops, flops
 from twinshard.cost.memory import Memory, attention_backward, memory, ring_attention_memory, saved_per_layer
 from twinshard.cost.weights import DTYPE_BYTES, F32, RULES, Weight, weights

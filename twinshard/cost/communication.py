@@ -103,184 +103,12 @@ never re-gathered, and its accumulated gradient reduce-scattered once (7 + 2).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from twinshard.config import ModelConfig
-from twinshard.cost.weights import F32, RULES, Weight, _held, _leaf_shape, _shape, _shards, weights
-from twinshard.hlo import ring_bytes as _ring_bytes, shift_pattern
-from twinshard.parallel import context, mesh as mesh_lib, strategies
-
-PHASES = ("forward", "backward", "optimizer", "metrics")
-OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-AXES = mesh_lib.ORDER  # ('stage', 'data', 'context', 'tensor'): mesh order
-
-
-# Matrices whose gathered value the backward pass never reads, so FSDP does not re-gather them:
-# d(take(table, ids))/d(table) is a scatter-add of the output gradient, independent of the table.
-NOT_REGATHERED: frozenset[str] = frozenset({"token_embeddings"})
-
-
-@dataclass(frozen=True)
-class Row:
-    """`count` collectives `op` over `axes`; `bytes` and `ring_bytes` summed over count;
-    a collective-permute's `pattern` says who sends to whom, as the ledger prints it
-    ('stage +1', 'context ring -1': `hlo.shift_pattern`)."""
-
-    phase: str
-    op: str
-    axes: tuple[str, ...]
-    count: int
-    bytes: int
-    ring_bytes: float
-    what: str
-    pattern: str = ""
-
-
-# ----------------------------------------------------------------------------- row builders
-
-
-@dataclass(frozen=True)
-class _Ctx:
-    """Everything a strategy's rows need."""
-
-    cfg: ModelConfig
-    mesh: dict[str, int]
-    batch: int  # global B
-    seq: int  # T
-    s: int  # dtype bytes
-    k: int = 1  # grad_accum: micro-batches per step
-    microbatches: int = 1  # M (pipelines)
-    schedule: str = "gpipe"  # pipelines: gpipe or 1f1b
-
-    @property
-    def d(self) -> int:
-        return self.mesh["data"]
-
-    @property
-    def t(self) -> int:
-        return self.mesh["tensor"]
-
-    @property
-    def L(self) -> int:  # noqa: N802
-        return self.cfg.num_layers
-
-    def activation(self, batch: int) -> int:
-        """A = batch * T * D * s: one residual-stream tensor."""
-        return batch * self.seq * self.cfg.d_model * self.s
-
-
-def row(ctx: _Ctx, phase: str, op: str, axes: tuple[str, ...], count: int, each: int, what: str,
-        shift: tuple[int, bool] | None = None) -> Row:
-    """`count` collectives of `each` result bytes over `axes` (ring bytes from the group size);
-    a collective-permute's `shift` = (k, wrap): every device sends k steps along its one axis,
-    around a ring (wrap) or along a line whose end sends nothing."""
-    assert phase in PHASES and op in OPS and all(a in AXES for a in axes), (phase, op, axes)
-    assert (shift is not None) == (op == "collective-permute") and (shift is None or len(axes) == 1), (op, shift)
-    n = math.prod(ctx.mesh[a] for a in axes)
-    total = count * each
-    pattern = "" if shift is None else shift_pattern(axes[0], shift[0], n, shift[1])
-    return Row(phase, op, tuple(a for a in AXES if a in axes), count, total, _ring_bytes(op, total, n), what,
-               pattern)
-
-
-def _matrices(ctx: _Ctx) -> list[Weight]:
-    return [w for w in weights(ctx.cfg) if w.is_matrix]
-
-
-def _norms(ctx: _Ctx) -> list[Weight]:
-    return [w for w in weights(ctx.cfg) if not w.is_matrix]
-
-
-def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
-    """ZeRO-3 over data: gather each matrix (forward, again in backward), scatter its gradient,
-    all-reduce each replicated norm gradient. `tensor_shards` = t under fsdp_tp (each device
-    gathers only its tensor shard), 1 under fsdp."""
-    if ctx.k > 1:
-        return _fsdp_step_rows(ctx, tensor_shards)
-    gather = lambda phase, w, what: row(  # noqa: E731
-        ctx, phase, "all-gather", ("data",), w.count, w.size * ctx.s // tensor_shards,
-        what.format(f"{w.name} {_shape(w, tensor_shards)}"))
-    rows = [gather("forward", w, "fsdp_gather: all_gather {} over data before its use") for w in _matrices(ctx)]
-    rows += [gather("backward", w, "fsdp_gather re-gathers {} (remat: gathered weights not saved)")
-             for w in _matrices(ctx) if w.name not in NOT_REGATHERED]
-    rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.count,
-                 w.size * ctx.s // (tensor_shards * ctx.d),
-                 f"fsdp_gather backward: psum_scatter of d({w.name}) over data") for w in _matrices(ctx)]
-    return rows + _fsdp_norm_rows(ctx)
-
-
-def _fsdp_step_rows(ctx: _Ctx, tensor_shards: int, stages: int = 1) -> list[Row]:
-    """grad_accum = K > 1 (manual_parallel/fsdp.py gather_step): each matrix LEAF (a stacked
-    [L, ...] block leaf at once) gathered once before the micro-batch loop and never re-gathered,
-    its accumulated gradient reduce-scattered once after it; the norm gradients' mean once.
-    pp_fsdp (`stages` = S): the same on a stage's leaves, [L/S, ...] of a block weight."""
-    rows = [row(ctx, "forward", "all-gather", ("data",), w.leaves, _held(w, stages) * w.size * ctx.s // tensor_shards,
-                f"gather_step: fsdp_gather of {w.name} {_leaf_shape(w, stages)} over data, once per step")
-            for w in _matrices(ctx)]
-    rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.leaves,
-                 _held(w, stages) * w.size * ctx.s // (ctx.d * tensor_shards),
-                 f"fsdp_gather backward: psum_scatter of the accumulated d({w.name}), once per step")
-             for w in _matrices(ctx)]
-    return rows + _fsdp_norm_rows(ctx, stages)
-
-
-def _fsdp_norm_rows(ctx: _Ctx, stages: int = 1) -> list[Row]:
-    return [row(ctx, "backward", "all-reduce", ("data",), w.leaves, _held(w, stages) * w.size * F32,
-                f"pmean over data of d({w.name}) {_leaf_shape(w, stages)} (replicated f32 norm gains)")
-            for w in _norms(ctx)]
-
-
-def _tp_rows(ctx: _Ctx, batch: int) -> list[Row]:
-    """Megatron over tensor with `batch` sequences per device (B under tp, B/d under fsdp_tp):
-    per micro-batch of batch/K sequences, K times per step (they are in each micro-batch's
-    forward and backward)."""
-    return _times(ctx.k, _tp_micro_batch_rows(ctx, batch // ctx.k))
-
-
-def _times(k: int, rows: list[Row]) -> list[Row]:
-    """The rows of one micro-batch, run k times per step (count, bytes, ring bytes x k)."""
-    return [dataclasses.replace(r, count=k * r.count, bytes=k * r.bytes, ring_bytes=k * r.ring_bytes)
-            for r in rows]
-
-
-def _cross_entropy_rows(ctx: _Ctx, batch: int) -> list[Row]:
-    """The vocab-parallel cross-entropy's 3 all-reduces of per-token statistics [b, T] f32."""
-    stats, tok = batch * ctx.seq * F32, f"[{batch},{ctx.seq}] f32"
-    return [
-        row(ctx, "forward", "all-reduce", ("tensor",), 1, stats,
-            f"vocab-parallel cross-entropy: pmax of the per-token max {tok} (an all-reduce with max)"),
-        row(ctx, "forward", "all-reduce", ("tensor",), 2, stats,
-            f"vocab-parallel cross-entropy: psum of sum-exp and of the target logit {tok}"),
-    ]
-
-
-def _tp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
-    a, L = ctx.activation(batch), ctx.L
-    act = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]"
-    return [
-        row(ctx, "forward", "all-reduce", ("tensor",), 1, a,
-            f"vocab-parallel embedding: masked local lookup + psum {act}"),
-        row(ctx, "forward", "all-reduce", ("tensor",), 2 * L, a,
-            f"Megatron g: psum {act} after output_proj and after w2 (2 per layer)"),
-        *_cross_entropy_rows(ctx, batch),
-        row(ctx, "backward", "all-reduce", ("tensor",), 2 * L, a,
-            f"Megatron f: psum of d{act} before attention and before the MLP (2 per layer)"),
-        row(ctx, "backward", "all-reduce", ("tensor",), 1, a,
-            f"Megatron f: psum of d{act} before lm_head"),
-    ]
-
-
-def _norm_row(ctx: _Ctx, axes: tuple[str, ...]) -> Row:
-    return row(ctx, "optimizer", "all-reduce", axes, 1, F32,
-               f"global grad norm: psum over {','.join(axes)} of the local sum of squares (f32 scalar)")
-
-
-def _loss_row(ctx: _Ctx) -> Row:
-    return row(ctx, "metrics", "all-reduce", ("data",), 1, F32, "pmean over data of the loss (f32 scalar)")
-
+from twinshard.cost.rows import (Row, _Ctx, _cross_entropy_rows, _fsdp_rows, _fsdp_step_rows, _loss_row,
+                                 _matrices, _norm_row, _norms, _times, _tp_rows, row)
+from twinshard.cost.weights import F32, RULES, _leaf_shape, _shards, weights
+from twinshard.parallel import context, strategies
 
 # ----------------------------------------------------------------------------- strategies
 
@@ -470,6 +298,63 @@ def _fsdp_cp(ctx: _Ctx) -> list[Row]:
     return fsdp + _ring_rows(ctx, ctx.batch // ctx.d) + shards + gains + [
         _norm_row(ctx, ("data",)),
         row(ctx, "metrics", "all-reduce", ("data", "context"), 1, F32, "pmean over data,context of the loss")]
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+
+def _token_axes(ctx: _Ctx, *axes: str) -> tuple[str, ...]:
+    """The axes among `axes` of size > 1 (the runner's `_active`): a mean over a size-1 axis is no collective."""
+    return tuple(a for a in axes if ctx.mesh.get(a, 1) > 1)
+
+
+def _exchange_rows(ctx: _Ctx) -> list[Row]:
+    """Per micro-batch and MoE layer, on each device's B/(data expert K) sequences: the dispatch and
+    combine all_to_alls of the capacity buffers [E, G, C, D] forward, their inverses backward."""
+    cfg, b = ctx.cfg, ctx.batch // (ctx.d * ctx.mesh["expert"] * ctx.k)
+    groups = b * ctx.seq // cfg.moe_group
+    buffers = cfg.num_experts * groups * cfg.expert_capacity * cfg.d_model * ctx.s
+    shape = f"[{cfg.num_experts},{groups},{cfg.expert_capacity},{cfg.d_model}]"
+    return _times(ctx.k, [
+        row(ctx, "forward", "all-to-all", ("expert",), 2 * ctx.L, buffers,
+            f"dispatch_to_experts and combine_from_experts: all_to_all of {shape} over expert (2 per layer)"),
+        row(ctx, "backward", "all-to-all", ("expert",), 2 * ctx.L, buffers,
+            "their backward: the inverse all_to_all of each buffer's gradient (2 per layer)"),
+    ])
+
+
+def _ep(ctx: _Ctx) -> list[Row]:
+    """ep (manual_parallel/ep.py): the exchanges; every replicated gradient leaf averaged over the
+    token axes (data, expert), each expert leaf over data (its sum over expert arrived through the
+    all_to_all); the expert shards' squared norms summed over expert; the loss averaged."""
+    tokens = _token_axes(ctx, "data", "expert")
+    grads = []
+    for w in weights(ctx.cfg):
+        over = _token_axes(ctx, "data") if w.is_experts else tokens
+        if over:
+            split = ctx.mesh["expert"] if w.is_experts else 1
+            grads.append(row(ctx, "backward", "all-reduce", over, w.leaves, w.layers * w.size * F32 // split,
+                             f"pmean over {','.join(over)} of d({w.name}) {_leaf_shape(w)}"
+                             + (" (this device's experts)" if split > 1 else "")))
+    return _exchange_rows(ctx) + grads + [
+        _norm_row(ctx, ("expert",)),
+        row(ctx, "metrics", "all-reduce", tokens, 1, F32, f"pmean over {','.join(tokens)} of the loss (f32 scalar)")]
+
+
+def _fsdp_ep(ctx: _Ctx) -> list[Row]:
+    """fsdp_ep (manual_parallel/fsdp_ep.py): FSDP's gathers and scatters over data (the experts'
+    local E/ep), the exchanges, each replicated-over-expert matrix shard averaged over expert, each
+    norm gain over (data, expert); the norm psums of the two sharding groups; the loss averaged."""
+    fsdp = [r for r in _fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
+    shards = [row(ctx, "backward", "all-reduce", ("expert",), w.leaves, w.layers * w.size * F32 // ctx.d,
+                  f"pmean over expert of d({w.name}) {_leaf_shape(w)}/data (f32 shard)")
+              for w in _matrices(ctx) if not w.is_experts]
+    gains = [row(ctx, "backward", "all-reduce", ("data", "expert"), w.leaves, w.layers * w.size * F32,
+                 f"pmean over data,expert of d({w.name}) {_leaf_shape(w)} (replicated f32 norm gains)")
+             for w in _norms(ctx)]
+    return fsdp + _exchange_rows(ctx) + shards + gains + [
+        _norm_row(ctx, ("data",)), _norm_row(ctx, ("data", "expert")),
+        row(ctx, "metrics", "all-reduce", ("data", "expert"), 1, F32, "pmean over data,expert of the loss")]
 
 
 def _rows_of(name: str) -> Callable[[_Ctx], list[Row]]:

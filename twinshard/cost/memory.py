@@ -111,7 +111,7 @@ def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[s
     from twinshard.train.optim import factored_dims  # optax is imported only when memory is asked for
 
     def kept(shape, axes, dims) -> int:  # elements per device of a statistic keeping `dims`
-        split = math.prod(mesh[rules[axes[k]]] for k in dims if axes[k] in rules)
+        split = math.prod(mesh_lib.axis_size(mesh, rules[axes[k]]) for k in dims if axes[k] in rules)
         return math.prod(shape[k] for k in dims) // split
 
     per_param = {"adamw": 2, "lion": 1, "sgd": 1}

@@ -18,6 +18,11 @@ twinshard/model/transformer.py), in the notation of the package docstring
 
 so there are 7L + 2 matrices and 2L + 1 norm vectors in 12 leaves,
 N = 2VD + L(4D^2 + 3DF + 2D) + D parameters (= `ModelConfig.num_params()`).
+A mixture of experts (E experts of width F_e) has, in place of the three ffn matrices:
+
+    matrix  ffn.router               [D, E]         (embed, router)          L   1 x [L, D, E] (f32)
+    matrix  ffn.{w1,w3}              [E, D, F_e]    (experts, embed, mlp)    2L  2 x [L, E, D, F_e]
+    matrix  ffn.w2                   [E, F_e, D]    (experts, mlp, embed)    L   1 x [L, E, F_e, D]
 `RULES` maps each logical axis to the mesh axis a strategy splits it over; `_shards`,
 `_held` and the shape labels size a weight's piece on one device.
 """
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 
 from twinshard.config import ModelConfig
 from twinshard.parallel import strategies
+from twinshard.parallel.mesh import axis_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # ModelConfig.dtype -> bytes per element
 F32 = 4  # bytes of the loss, the squared-norm scalar and the cross-entropy statistics
@@ -54,6 +60,7 @@ class Weight:
     axes: tuple[str, ...]  # its logical axes
     count: int
     layers: int = 1  # L for the stacked block params, 1 otherwise
+    float32: bool = False  # used in float32 whatever the compute dtype (the router)
 
     @property
     def size(self) -> int:
@@ -74,18 +81,30 @@ class Weight:
 
     @property
     def is_matrix(self) -> bool:
-        return len(self.shape) == 2
+        """A matrix (or a stack of E experts' matrices), as opposed to a norm gain vector."""
+        return len(self.shape) >= 2
+
+    @property
+    def is_experts(self) -> bool:
+        return "experts" in self.axes
 
 
 def weights(cfg: ModelConfig) -> list[Weight]:
     """The weights of `TransformerLM`, grouped by shape and role (block weights stacked [L, ...])."""
     v, d, f, hd, n = cfg.padded_vocab_size, cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.head_dim, cfg.num_layers
+    if cfg.num_experts:
+        e, fe = cfg.num_experts, cfg.expert_ff
+        ffn = [Weight("ffn.router", (d, e), ("embed", "router"), n, layers=n, float32=True),
+               Weight("ffn.{w1,w3}", (e, d, fe), ("experts", "embed", "mlp"), 2 * n, layers=n),
+               Weight("ffn.w2", (e, fe, d), ("experts", "mlp", "embed"), n, layers=n)]
+    else:
+        ffn = [Weight("ffn.{w1,w3}", (d, f), ("embed", "mlp"), 2 * n, layers=n),
+               Weight("ffn.w2", (f, d), ("mlp", "embed"), n, layers=n)]
     return [
         Weight("token_embeddings", (v, d), ("vocab", "embed"), 1),
         Weight("attn.{q,k,v}_proj", (d, hd), ("embed", "heads"), 3 * n, layers=n),
         Weight("attn.output_proj", (hd, d), ("heads", "embed"), n, layers=n),
-        Weight("ffn.{w1,w3}", (d, f), ("embed", "mlp"), 2 * n, layers=n),
-        Weight("ffn.w2", (f, d), ("mlp", "embed"), n, layers=n),
+        *ffn,
         Weight("lm_head", (d, v), ("embed", "vocab"), 1),
         Weight("ln1, ln2", (d,), ("norm",), 2 * n, layers=n),
         Weight("ln_final", (d,), ("norm",), 1),
@@ -93,7 +112,7 @@ def weights(cfg: ModelConfig) -> list[Weight]:
 
 
 def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int:
-    return math.prod(mesh[rules[a]] for a in w.leaf_axes if a in rules)
+    return math.prod(axis_size(mesh, rules[a]) for a in w.leaf_axes if a in rules)
 
 
 def _held(w: Weight, stages: int = 1) -> int:

@@ -188,10 +188,15 @@ def check_mesh(strategy: str, shape: Mapping[str, int], n_devices: int) -> None:
 
 # What to change in the config for each splittable logical dimension.
 _FIELDS = {"batch": "--batch_size", "embed": "d_model", "heads": "num_heads", "mlp": "d_ff",
-           "seq": "--context_length"}
+           "seq": "--context_length", "experts": "--num_experts"}
 # Checked elsewhere, with a better message: `layers` over `stage` (pipeline.check names the
 # stage counts that fit L), `seq` over `context` (context.check: zig-zag needs 2C chunks).
 _NOT_HERE = frozenset({("layers", "stage"), ("seq", "context")})
+
+
+def axis_size(shape: Mapping[str, int], axis: str | tuple[str, ...]) -> int:
+    """Devices along a mesh axis, or along a tuple of axes (ep's batch over data x expert)."""
+    return shape.get(axis, 1) if isinstance(axis, str) else math.prod(shape.get(a, 1) for a in axis)
 
 
 def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
@@ -199,12 +204,13 @@ def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
     """(what does not divide, the config change that fixes it), or None."""
     for name, size in dims.items():
         axis = rules.get(name)
-        if axis is None or (name, axis) in _NOT_HERE or size % shape[axis] == 0:
+        if axis is None or (name, axis) in _NOT_HERE or size % axis_size(shape, axis) == 0:
             continue
-        n = shape[axis]
+        n = axis_size(shape, axis)
         change = (f"pick a vocab_size whose padded size (a multiple of 128) is a multiple of {n}"
                   if name == "vocab" else f"make {name} ({_FIELDS.get(name, name)}) a multiple of {n}")
-        return f"{name}={size} is not divisible by mesh axis {axis}={n}", change
+        where = f"mesh axis {axis}={n}" if isinstance(axis, str) else f"mesh axes {' x '.join(axis)} = {n} devices"
+        return f"{name}={size} is not divisible by {where}", change
     return None
 
 
@@ -256,7 +262,8 @@ def check_divisible(dims: Mapping[str, int], rules: Mapping[str, str], shape: Ma
     problem = _divisibility_problem(dims, rules, shape)
     if problem is None:
         return
-    needs = {a: MANY if a in rules.values() else ONE for a in shape}
+    used = {a for axis in rules.values() for a in ((axis,) if isinstance(axis, str) else axis)}
+    needs = {a: MANY if a in used else ONE for a in shape}
     fix = advice(needs, dims, rules, math.prod(shape.values()))
     raise ValueError(f"{problem[0]}; {fix}, or {problem[1]}.")
 

@@ -110,7 +110,8 @@ def logical_dims(cfg: Config) -> dict[str, int]:
     """Sizes of every logical dimension a strategy may split (for divisibility checks)."""
     m = cfg.model
     return {"batch": cfg.train.batch_size, "embed": m.d_model, "heads": m.num_heads,
-            "mlp": m.d_ff, "vocab": m.padded_vocab_size, "layers": m.num_layers, "seq": m.context_length}
+            "mlp": m.d_ff, "vocab": m.padded_vocab_size, "layers": m.num_layers, "seq": m.context_length,
+            "experts": m.num_experts}
 
 
 def sharded_axes(s: P) -> tuple[str, ...]:
@@ -139,10 +140,16 @@ class PlacedRunner:
         check_state_divisible(self.state_specs, trainer.abstract_state(cfg.model, self.tx), self.sizes)
         # a size-1 axis splits nothing: tp_sp's batch rule (batch -> data) on a tensor-only mesh
         # would make shard_map's tokens, and so the loss, "varying" over a data axis of 1
-        used = {k: a for k, a in activation_rules.items() if self.sizes.get(a, 1) > 1}
+        used = {k: a for k, a in ((k, self._split(a)) for k, a in activation_rules.items()) if a is not None}
         self.batch_spec = spec(("batch", "seq"), used)
         self.state_shardings = jax.tree.map(self.named, self.state_specs, is_leaf=lambda x: isinstance(x, P))
         self.batch_sharding = self.named(self.batch_spec)
+
+    def _split(self, axis: str | tuple[str, ...]) -> str | tuple[str, ...] | None:
+        """A table's mesh axis (or tuple of axes: ep's batch over data x expert) without the axes
+        of size 1; None if nothing is left."""
+        kept = tuple(a for a in ((axis,) if isinstance(axis, str) else axis) if self.sizes.get(a, 1) > 1)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
 
     def named(self, s: P) -> NamedSharding:
         return NamedSharding(self.mesh, s)

@@ -24,6 +24,7 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
                        cfg.train.grad_accum, shape.get("data", 1))
     if decl.family == "context":
         context.check(cfg.model.context_length, shape[context.CONTEXT], cfg.train.cp_layout)
+    check_experts(strategy, cfg)
     mesh_lib.check_divisible(logical_dims(cfg), decl.split_rules, shape)
     return shape
 
@@ -41,3 +42,20 @@ def check_options(strategy: str, impl: str, cfg: Config) -> None:
     if impl == "auto" and strategy in strategies.of_family("pipeline") and cfg.train.schedule != "gpipe":
         raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
                          "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
+
+
+# The strategies a mixture-of-experts model runs under: its expert block has the dispatch /
+# combine hooks and FSDP's gather, not Megatron's regions, a sequence layout or pipeline stages.
+MOE_STRATEGIES = ("dp", "fsdp", *strategies.of_family("experts"))
+
+
+def check_experts(strategy: str, cfg: Config) -> None:
+    """ep and fsdp_ep need a mixture of experts; a mixture of experts runs only under
+    MOE_STRATEGIES (and single): a ValueError naming the fix otherwise."""
+    experts = cfg.model.num_experts
+    if strategy in strategies.of_family("experts") and experts == 0:
+        raise ValueError(f"--strategy={strategy} splits the experts over the `expert` axis, and this model is dense "
+                         "(--num_experts=0): add experts (--preset=tiny_moe, or --num_experts=4), or use dp/fsdp.")
+    if experts and strategy not in MOE_STRATEGIES:
+        raise ValueError(f"--num_experts={experts}: a mixture of experts runs under {', '.join(MOE_STRATEGIES)} "
+                         f"(or single), not --strategy={strategy}: pick one of those, or --num_experts=0.")

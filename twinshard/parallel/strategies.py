@@ -16,9 +16,12 @@ advice, the cost model and the planner read it; nothing else names a strategy.
     fsdp_cp   fsdp x cp  both                                               context
     pp        -          the layer stack over stage                         pipeline
     pp_fsdp   pp x fsdp  both                                               pipeline
+    ep        -          the experts over expert, the batch over (data, expert)  experts
+    fsdp_ep   fsdp x ep  both                                               experts
 
-Logical axes: vocab, embed, heads, mlp, norm, layers (parameters); batch, seq, embed,
-heads, mlp, vocab (activations). An axis absent from a table is replicated.
+Logical axes: vocab, embed, heads, mlp, norm, layers, experts (parameters); batch, seq, embed,
+heads, mlp, vocab, experts, expert_groups (activations). An axis absent from a table is
+replicated; a tuple of mesh axes splits a dimension over their product (ep's batch).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 MANY, ONE, ANY = ">1", "=1", ">=1"  # what a mesh axis's size must be: split over, unused, either
-FAMILIES = ("base", "pipeline", "context")
+FAMILIES = ("base", "pipeline", "context", "experts")
 
 
 def _frozen(table: Mapping[str, str]) -> Mapping[str, str]:
@@ -47,7 +50,8 @@ class Strategy:
                  split over tensor between the tensor-parallel regions).
     composes:    the strategies it combines (fsdp_tp = fsdp x tp).
     family:      base (one program over data/tensor), pipeline (a `stage` axis, its schedule),
-                 context (a `context` axis, its sequence layout).
+                 context (a `context` axis, its sequence layout), experts (an `expert`
+                 axis; the model must be a mixture of experts).
     plannable:   launch.plan ranks it.
     """
 
@@ -81,7 +85,7 @@ class Strategy:
         return tuple(a for a, need in self.mesh.items() if need == MANY)
 
 
-ORDER = ("stage", "data", "context", "tensor")  # mesh order, outermost first (twinshard/parallel/mesh.py says why)
+ORDER = ("stage", "data", "expert", "context", "tensor")  # mesh order, outermost first (twinshard/parallel/mesh.py says why)
 _TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}  # Megatron: column/row/vocab-parallel
 
 
@@ -117,8 +121,16 @@ PP = Strategy("pp", "pipeline: the layer stack over stage, micro-batches handed 
               mesh={"stage": MANY, "data": ONE, "tensor": ONE}, params={"layers": "stage"}, activations={},
               family="pipeline")
 PP_FSDP = compose("pp_fsdp", "pp over stage, fsdp over data inside each stage", PP, FSDP, family="pipeline")
+# Expert parallelism: expert e's weights live on the devices of expert index e // (E/ep); the
+# tokens (groups) of all (data, expert) devices travel to them and back (all_to_all). Where the
+# experts run, their buffers [E, G, C, D] are split experts over `expert`, groups over `data`.
+EP = Strategy("ep", "expert parallelism: the experts over expert, the batch over (data, expert), the rest replicated",
+              mesh={"data": ANY, "expert": MANY}, params={"experts": "expert"},
+              activations={"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"},
+              family="experts")
+FSDP_EP = compose("fsdp_ep", "ep, plus fsdp of every weight's d_model over data", FSDP, EP, family="experts")
 
-DECLARATIONS: tuple[Strategy, ...] = (DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, PP, PP_FSDP)
+DECLARATIONS: tuple[Strategy, ...] = (DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, PP, PP_FSDP, EP, FSDP_EP)
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in DECLARATIONS})
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
 PLANNABLE: tuple[str, ...] = tuple(s.name for s in DECLARATIONS if s.plannable)

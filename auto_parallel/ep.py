@@ -1,0 +1,34 @@
+"""Expert parallelism, GSPMD twin: the experts split over `expert`, the batch over
+(data, expert); the dense weights and the router replicated.
+
+The placement (strategies.EP) puts the expert weights [L, E, D, F] on P(None, 'expert') and
+the tokens on (data, expert); `dispatch` and `combine` pin the capacity buffers [E, G, C, D]
+to the two layouts the manual twin exchanges them between: groups over (data, expert) where
+the tokens are routed, experts over `expert` and groups over `data` where the experts run.
+XLA derives the collectives of the reshard between them.
+Backward: the transposes of the reshards; every dense and router gradient all-reduced over
+(data, expert), every expert gradient over `data`.
+Optimizer: small all-reduces for the global norm.
+"""
+
+from auto_parallel.runner import GSPMD
+from twinshard.parallel.strategies import EP
+
+__all__ = ["ExpertParallel", "parallelism"]
+
+ROUTED = (None, "batch", None, None)  # [E, G, C, D]: the groups where their tokens are
+AT_EXPERTS = ("experts", "expert_groups", None, None)  # E over expert, G over data
+
+
+class ExpertParallel(GSPMD):
+    def dispatch(self, x):
+        """x [E, G, C, D] (G over data x expert) -> E over expert, G over data."""
+        return self.constrain(self.constrain(x, ROUTED), AT_EXPERTS)
+
+    def combine(self, x):
+        """x [E, G, C, D] (E over expert, G over data) -> G over data x expert."""
+        return self.constrain(self.constrain(x, AT_EXPERTS), ROUTED)
+
+
+def parallelism(mesh, cfg) -> ExpertParallel:
+    return ExpertParallel(mesh, EP.activations)

@@ -1,0 +1,188 @@
+"""The row builders of the communication model (twinshard/cost/communication.py): a `Row` per
+kind of collective, the `_Ctx` every strategy's rows read, and the pieces several strategies
+share (FSDP's gathers and scatters, Megatron's all-reduces, the norm and loss means)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from twinshard.config import ModelConfig
+from twinshard.cost.weights import F32, Weight, _held, _leaf_shape, _shape, weights
+from twinshard.hlo import ring_bytes as _ring_bytes, shift_pattern
+from twinshard.parallel import mesh as mesh_lib
+
+PHASES = ("forward", "backward", "optimizer", "metrics")
+OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+AXES = mesh_lib.ORDER  # ('stage', 'data', 'expert', 'context', 'tensor'): mesh order
+
+
+# Matrices whose gathered value the backward pass never reads, so FSDP does not re-gather them:
+# d(take(table, ids))/d(table) is a scatter-add of the output gradient, independent of the table.
+NOT_REGATHERED: frozenset[str] = frozenset({"token_embeddings"})
+
+
+@dataclass(frozen=True)
+class Row:
+    """`count` collectives `op` over `axes`; `bytes` and `ring_bytes` summed over count;
+    a collective-permute's `pattern` says who sends to whom, as the ledger prints it
+    ('stage +1', 'context ring -1': `hlo.shift_pattern`)."""
+
+    phase: str
+    op: str
+    axes: tuple[str, ...]
+    count: int
+    bytes: int
+    ring_bytes: float
+    what: str
+    pattern: str = ""
+
+
+# ----------------------------------------------------------------------------- row builders
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """Everything a strategy's rows need."""
+
+    cfg: ModelConfig
+    mesh: dict[str, int]
+    batch: int  # global B
+    seq: int  # T
+    s: int  # dtype bytes
+    k: int = 1  # grad_accum: micro-batches per step
+    microbatches: int = 1  # M (pipelines)
+    schedule: str = "gpipe"  # pipelines: gpipe or 1f1b
+
+    @property
+    def d(self) -> int:
+        return self.mesh["data"]
+
+    @property
+    def t(self) -> int:
+        return self.mesh["tensor"]
+
+    @property
+    def L(self) -> int:  # noqa: N802
+        return self.cfg.num_layers
+
+    def activation(self, batch: int) -> int:
+        """A = batch * T * D * s: one residual-stream tensor."""
+        return batch * self.seq * self.cfg.d_model * self.s
+
+
+def row(ctx: _Ctx, phase: str, op: str, axes: tuple[str, ...], count: int, each: int, what: str,
+        shift: tuple[int, bool] | None = None) -> Row:
+    """`count` collectives of `each` result bytes over `axes` (ring bytes from the group size);
+    a collective-permute's `shift` = (k, wrap): every device sends k steps along its one axis,
+    around a ring (wrap) or along a line whose end sends nothing."""
+    assert phase in PHASES and op in OPS and all(a in AXES for a in axes), (phase, op, axes)
+    assert (shift is not None) == (op == "collective-permute") and (shift is None or len(axes) == 1), (op, shift)
+    n = math.prod(ctx.mesh[a] for a in axes)
+    total = count * each
+    pattern = "" if shift is None else shift_pattern(axes[0], shift[0], n, shift[1])
+    return Row(phase, op, tuple(a for a in AXES if a in axes), count, total, _ring_bytes(op, total, n), what,
+               pattern)
+
+
+def _matrices(ctx: _Ctx) -> list[Weight]:
+    return [w for w in weights(ctx.cfg) if w.is_matrix]
+
+
+def _norms(ctx: _Ctx) -> list[Weight]:
+    return [w for w in weights(ctx.cfg) if not w.is_matrix]
+
+
+def _local_bytes(ctx: _Ctx, w: Weight, tensor_shards: int = 1) -> int:
+    """Bytes of one device's piece of one (layer's) weight w where it is used: the compute dtype
+    (the router: float32), split over `tensor_shards` and, for the experts, over `expert`."""
+    experts = ctx.mesh.get("expert", 1) if w.is_experts else 1
+    return w.size * (F32 if w.float32 else ctx.s) // (tensor_shards * experts)
+
+
+def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
+    """ZeRO-3 over data: gather each matrix (forward, again in backward), scatter its gradient,
+    all-reduce each replicated norm gradient. `tensor_shards` = t under fsdp_tp (each device
+    gathers only its tensor shard), 1 under fsdp."""
+    if ctx.k > 1:
+        return _fsdp_step_rows(ctx, tensor_shards)
+    gather = lambda phase, w, what: row(  # noqa: E731
+        ctx, phase, "all-gather", ("data",), w.count, _local_bytes(ctx, w, tensor_shards),
+        what.format(f"{w.name} {_shape(w, tensor_shards)}"))
+    rows = [gather("forward", w, "fsdp_gather: all_gather {} over data before its use") for w in _matrices(ctx)]
+    rows += [gather("backward", w, "fsdp_gather re-gathers {} (remat: gathered weights not saved)")
+             for w in _matrices(ctx) if w.name not in NOT_REGATHERED]
+    rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.count, _local_bytes(ctx, w, tensor_shards) // ctx.d,
+                 f"fsdp_gather backward: psum_scatter of d({w.name}) over data") for w in _matrices(ctx)]
+    return rows + _fsdp_norm_rows(ctx)
+
+
+def _fsdp_step_rows(ctx: _Ctx, tensor_shards: int, stages: int = 1) -> list[Row]:
+    """grad_accum = K > 1 (manual_parallel/fsdp.py gather_step): each matrix LEAF (a stacked
+    [L, ...] block leaf at once) gathered once before the micro-batch loop and never re-gathered,
+    its accumulated gradient reduce-scattered once after it; the norm gradients' mean once.
+    pp_fsdp (`stages` = S): the same on a stage's leaves, [L/S, ...] of a block weight."""
+    rows = [row(ctx, "forward", "all-gather", ("data",), w.leaves, _held(w, stages) * _local_bytes(ctx, w, tensor_shards),
+                f"gather_step: fsdp_gather of {w.name} {_leaf_shape(w, stages)} over data, once per step")
+            for w in _matrices(ctx)]
+    rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.leaves,
+                 _held(w, stages) * _local_bytes(ctx, w, tensor_shards) // ctx.d,
+                 f"fsdp_gather backward: psum_scatter of the accumulated d({w.name}), once per step")
+             for w in _matrices(ctx)]
+    return rows + _fsdp_norm_rows(ctx, stages)
+
+
+def _fsdp_norm_rows(ctx: _Ctx, stages: int = 1) -> list[Row]:
+    return [row(ctx, "backward", "all-reduce", ("data",), w.leaves, _held(w, stages) * w.size * F32,
+                f"pmean over data of d({w.name}) {_leaf_shape(w, stages)} (replicated f32 norm gains)")
+            for w in _norms(ctx)]
+
+
+def _tp_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """Megatron over tensor with `batch` sequences per device (B under tp, B/d under fsdp_tp):
+    per micro-batch of batch/K sequences, K times per step (they are in each micro-batch's
+    forward and backward)."""
+    return _times(ctx.k, _tp_micro_batch_rows(ctx, batch // ctx.k))
+
+
+def _times(k: int, rows: list[Row]) -> list[Row]:
+    """The rows of one micro-batch, run k times per step (count, bytes, ring bytes x k)."""
+    return [dataclasses.replace(r, count=k * r.count, bytes=k * r.bytes, ring_bytes=k * r.ring_bytes)
+            for r in rows]
+
+
+def _cross_entropy_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    """The vocab-parallel cross-entropy's 3 all-reduces of per-token statistics [b, T] f32."""
+    stats, tok = batch * ctx.seq * F32, f"[{batch},{ctx.seq}] f32"
+    return [
+        row(ctx, "forward", "all-reduce", ("tensor",), 1, stats,
+            f"vocab-parallel cross-entropy: pmax of the per-token max {tok} (an all-reduce with max)"),
+        row(ctx, "forward", "all-reduce", ("tensor",), 2, stats,
+            f"vocab-parallel cross-entropy: psum of sum-exp and of the target logit {tok}"),
+    ]
+
+
+def _tp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
+    a, L = ctx.activation(batch), ctx.L
+    act = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]"
+    return [
+        row(ctx, "forward", "all-reduce", ("tensor",), 1, a,
+            f"vocab-parallel embedding: masked local lookup + psum {act}"),
+        row(ctx, "forward", "all-reduce", ("tensor",), 2 * L, a,
+            f"Megatron g: psum {act} after output_proj and after w2 (2 per layer)"),
+        *_cross_entropy_rows(ctx, batch),
+        row(ctx, "backward", "all-reduce", ("tensor",), 2 * L, a,
+            f"Megatron f: psum of d{act} before attention and before the MLP (2 per layer)"),
+        row(ctx, "backward", "all-reduce", ("tensor",), 1, a,
+            f"Megatron f: psum of d{act} before lm_head"),
+    ]
+
+
+def _norm_row(ctx: _Ctx, axes: tuple[str, ...]) -> Row:
+    return row(ctx, "optimizer", "all-reduce", axes, 1, F32,
+               f"global grad norm: psum over {','.join(axes)} of the local sum of squares (f32 scalar)")
+
+
+def _loss_row(ctx: _Ctx) -> Row:
+    return row(ctx, "metrics", "all-reduce", ("data",), 1, F32, "pmean over data of the loss (f32 scalar)")
