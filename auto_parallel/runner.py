@@ -42,7 +42,8 @@ from twinshard.config import Config
 from twinshard.train.optim import make_optimizer
 from twinshard.model.hooks import Parallelism
 from twinshard.parallel.placement import spec
-from twinshard.train.trainer import accumulated_value_and_grad, check_grad_accum, logical_axes, loss_fn, train_step
+from twinshard.train.trainer import (accumulated_value_and_grad, check_grad_accum, logical_axes, loss_fn, stats_fn,
+                                     train_step)
 
 Rules = Mapping[str, str]
 
@@ -92,6 +93,8 @@ class AutoRunner(placement.PlacedRunner):
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         batch_in = (self.state_shardings.params, self.batch_sharding, self.batch_sharding)
         self.eval_loss = jax.jit(self.loss, in_shardings=batch_in, out_shardings=replicated)
+        self.router_stats = jax.jit(functools.partial(stats_fn, cfg=cfg.model, par=par), in_shardings=batch_in,
+                                    out_shardings=replicated)
         self.loss_and_grads = jax.jit(self._loss_and_grads, in_shardings=batch_in,
                                       out_shardings=(replicated, self.state_shardings.params))
 

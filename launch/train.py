@@ -247,13 +247,20 @@ def main(argv):
                    "tokens_per_s": t.batch_size * m.context_length / step_time}
             if do_eval:
                 rec["eval_loss"] = eval_loss(state.params)
+            if m.num_experts:  # the router on this step's batch, under the updated params
+                from twinshard.train.trainer import router_summary
+
+                rec.update(router_summary(jax.device_get(runner.router_stats(state.params,
+                                                                             *runner.place_batch(x, y))[1])))
             records.append(rec)
             if main_process:
                 _write_metrics(metrics_path, records)
             log(f"step {done:6d} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
                 f"{rec['tokens_per_s']:9.0f} tok/s | {1e3 * step_time:7.1f} ms/step | "
                 f"ETA {(t.steps - done) * step_time:6.0f}s"
-                + (f" | eval {rec['eval_loss']:.4f}" if do_eval else ""), flush=True)
+                + (f" | eval {rec['eval_loss']:.4f}" if do_eval else "")
+                + (f" | router aux {rec['router_aux']:.3f} dropped {100 * rec['dropped_fraction']:.1f}%"
+                   if m.num_experts else ""), flush=True)
         stop = last or done == FLAGS.stop_after
         if (ckpt_every and done % ckpt_every == 0) or stop:
             for old in stale:

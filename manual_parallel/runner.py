@@ -52,7 +52,7 @@ from twinshard.parallel import mesh as mesh_lib, placement, strategies
 from twinshard.config import Config
 from twinshard.train.optim import Block, BlockMean, make_optimizer
 from twinshard.train.trainer import (TrainState, accumulated_value_and_grad, apply_gradients, check_grad_accum,
-                               create_params, logical_axes, loss_fn)
+                                     create_params, logical_axes, loss_fn, stats_fn)
 
 DATA, TENSOR = "data", "tensor"
 
@@ -95,6 +95,7 @@ class ManualRunner(placement.PlacedRunner):
         self.loss_and_grads = jax.jit(smap(self._loss_and_grads, in_specs=(self.param_specs, b, b),
                                            out_specs=(P(), self.param_specs)))
         self.eval_loss = jax.jit(smap(self._eval_loss, in_specs=(self.param_specs, b, b), out_specs=P()))
+        self.router_stats = jax.jit(smap(self._router_stats, in_specs=(self.param_specs, b, b), out_specs=P()))
 
     # --- inside shard_map: local shards only ---------------------------------
 
@@ -181,6 +182,17 @@ class ManualRunner(placement.PlacedRunner):
         loss, grads = self._loss_and_grads(state.params, x, y)
         state, metrics = apply_gradients(state, grads, self.tx, self.cfg.train)
         return state, {"loss": loss, **metrics}
+
+    def _router_stats(self, params, x, y):
+        """trainer.stats_fn on this device's tokens, then the whole batch's: counts summed and
+        losses averaged over the token axes (every device holds whole capacity groups)."""
+        loss, stats = stats_fn(params, x, y, self.cfg.model, self.par)
+        axes = self.token_axes
+        if not axes:
+            return loss, stats
+        counts = ("tokens_per_expert", "dropped", "assignments")
+        return self._mean_loss(loss), {k: lax.psum(v, axes) if k in counts else lax.pmean(v, axes)
+                                       for k, v in stats.items()}
 
     def _eval_loss(self, params, x, y):
         return self._mean_loss(self._local_loss(params, x, y))

@@ -3,7 +3,8 @@
 The expected tables are written out by hand from the strategies' definitions (ZeRO-3 splits
 every weight's d_model over data; Megatron splits heads, d_ff and the vocabulary; sequence
 parallelism splits the residual stream's T over tensor; ring attention splits the sequence
-over context; a pipeline splits the layer stack over stage), not derived from the code, so a
+over context; a pipeline splits the layer stack over stage; expert parallelism splits the
+experts over expert and the tokens over data x expert), not derived from the code, so a
 slip in a declaration or in `compose` fails here.
 """
 
@@ -34,6 +35,10 @@ EXPECTED = {
     "pp": ({"stage": MANY, "data": ONE, "tensor": ONE}, {"layers": "stage"}, {}),
     "pp_fsdp": ({"stage": MANY, "data": MANY, "tensor": ONE}, {"layers": "stage", "embed": "data"},
                 {"batch": "data"}),
+    "ep": ({"data": ANY, "expert": MANY}, {"experts": "expert"},
+           {"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"}),
+    "fsdp_ep": ({"data": MANY, "expert": MANY, "tensor": ONE}, {"embed": "data", "experts": "expert"},
+                {"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"}),
 }
 
 
@@ -54,11 +59,12 @@ def test_sequence_parallelism_splits_the_residual_stream_over_tensor() -> None:
 
 def test_compositions_name_their_parts_and_unite_their_tables() -> None:
     composed = {s.name: s.composes for s in strategies.DECLARATIONS if len(s.composes) > 1}
-    assert composed == {"fsdp_tp": ("fsdp", "tp"), "fsdp_cp": ("fsdp", "cp"), "pp_fsdp": ("pp", "fsdp")}
+    assert composed == {"fsdp_tp": ("fsdp", "tp"), "fsdp_cp": ("fsdp", "cp"), "pp_fsdp": ("pp", "fsdp"),
+                        "fsdp_ep": ("fsdp", "ep")}
     for name, parts in composed.items():
         decl = strategies.get(name)
         for table in ("params", "activations"):
-            union = {k: v for p in parts for k, v in getattr(strategies.get(p), table).items()}
+            union = {k: v for p in parts for k, v in getattr(strategies.get(p), table).items()}  # later parts win
             assert dict(getattr(decl, table)) == union, (name, table)
         assert set(decl.split_axes) == {a for p in parts for a in strategies.get(p).split_axes}, name
 
@@ -77,5 +83,5 @@ def test_every_reader_of_the_registry_sees_every_strategy() -> None:
 
 def test_an_unknown_strategy_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of dp, fsdp, tp, fsdp_tp, tp_sp, "
-                                         r"cp, fsdp_cp, pp, pp_fsdp\."):
+                                         r"cp, fsdp_cp, pp, pp_fsdp, ep, fsdp_ep\."):
         strategies.get("zero3")

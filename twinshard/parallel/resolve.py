@@ -16,6 +16,7 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     """Parse (or default) and validate the mesh of `strategy` against the devices and the model
     (a pipeline also against L, M and the batch; context parallelism against T and its layout)."""
     decl = strategies.get(strategy)
+    check_experts(strategy, cfg)  # first: no mesh fixes a model the strategy cannot run
     shape = mesh_lib.parse_mesh(mesh_spec, strategy) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
     mesh_lib.check_mesh(strategy, shape, n_devices)
     # the family's own checks first: their messages name the fix in its terms (stages, zig-zag chunks)
@@ -24,7 +25,6 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
                        cfg.train.grad_accum, shape.get("data", 1))
     if decl.family == "context":
         context.check(cfg.model.context_length, shape[context.CONTEXT], cfg.train.cp_layout)
-    check_experts(strategy, cfg)
     mesh_lib.check_divisible(logical_dims(cfg), decl.split_rules, shape)
     return shape
 

@@ -76,6 +76,25 @@ def loss_fn(params: Params, x: jax.Array, y: jax.Array, cfg: ModelConfig,
     return nnx.merge(graphdef(cfg), params).loss(x, y, par)
 
 
+def stats_fn(params: Params, x: jax.Array, y: jax.Array, cfg: ModelConfig,
+             par: Parallelism = SINGLE_DEVICE) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss, stats) of the model on x, y [B, T]: TransformerLM.loss_and_stats (the router's
+    statistics of a mixture of experts; a dense model's stats hold the cross-entropy alone)."""
+    return nnx.merge(graphdef(cfg), params).loss_and_stats(x, y, par)
+
+
+def router_summary(stats: dict) -> dict[str, float | list[int]]:
+    """The training log's view of `stats` (host values): the load-balancing loss averaged over
+    layers, the fraction of assignments dropped over capacity, tokens kept per expert (summed over
+    layers)."""
+    import numpy as np
+
+    dropped = np.asarray(stats["dropped"])
+    return {"router_aux": float(np.mean(stats["aux"])), "router_z": float(np.mean(stats["z"])),
+            "dropped_fraction": float(dropped.sum() / (int(stats["assignments"]) * dropped.size)),
+            "tokens_per_expert": [int(n) for n in np.asarray(stats["tokens_per_expert"]).sum(axis=0)]}
+
+
 def micro_batches(x: jax.Array, grad_accum: int) -> jax.Array:
     """[B, T] -> [K, B/K, T] with micro-batch k = the rows b with b % K == k (strided).
 
@@ -182,6 +201,7 @@ class SingleDevice:
         step = functools.partial(train_step, cfg=model_cfg, train_cfg=train_cfg, tx=self.tx)
         self.train_step = jax.jit(step, donate_argnums=0)
         self.eval_loss = jax.jit(functools.partial(loss_fn, cfg=model_cfg))
+        self.router_stats = jax.jit(functools.partial(stats_fn, cfg=model_cfg))
         self.loss_and_grads = jax.jit(functools.partial(
             accumulated_value_and_grad, functools.partial(loss_fn, cfg=model_cfg),
             grad_accum=train_cfg.grad_accum))

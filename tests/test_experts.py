@@ -1,0 +1,215 @@
+"""Expert parallelism (ep, fsdp_ep) in both twins: the all_to_all pair, each twin against
+single-device training with and without dropped tokens, the manual ledger against the cost
+model, what GSPMD inserts, router statistics and checkpoints across strategies.
+
+tiny_moe (E = 4 experts, k = 2, T = 32, one capacity group per sequence, L = 2, B = 8) with
+capacity_factor 0.5 (C = 8 slots per expert and group, against k S / E = 16 assignments on
+average: tokens are dropped, counted below); ep on data:2,expert:4 and fsdp_ep on
+data:2,expert:2, so each device routes one or two whole groups. The step clips (grad_clip 0.25
+< the ~0.7 norm), so the twins' global norms must agree for the updates to agree.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import auto_parallel
+import manual_parallel
+import reference
+from manual_parallel.collectives import combine_from_experts, dispatch_to_experts
+from twinshard import cost, hlo, testing
+from twinshard.config import Config, preset
+from twinshard.parallel import mesh as mesh_lib
+from twinshard.train.checkpoint import Checkpointer
+from twinshard.train.trainer import SingleDevice
+
+BASE = preset("tiny_moe")
+TRAIN = dataclasses.replace(BASE.train, grad_clip=0.25)
+DROPS = Config(dataclasses.replace(BASE.model, capacity_factor=0.5), TRAIN)
+DROPLESS = Config(dataclasses.replace(BASE.model, capacity_factor=0.0), TRAIN)
+CONFIGS = {"drops": DROPS, "dropless": DROPLESS}
+MESHES = {"ep": "data:2,expert:4", "fsdp_ep": "data:2,expert:2"}
+STEPS = 3
+# Measured (JAX 0.12.0.1, XLA:CPU), every twin vs single device, both configs: losses within
+# 3.8e-6, step-1 gradients 1.3e-8, params after 3 AdamW steps 1.3e-6.
+LOSS_ATOL, GRAD_ATOL, NORM_RTOL, PARAM_ATOL = 1e-5, 1e-7, 1e-6, 1e-5
+
+
+def devices_of(mesh: str) -> list:
+    return jax.devices()[:math.prod(int(p.split(":")[1]) for p in mesh.split(","))]
+
+
+@functools.cache
+def single(name: str):
+    cfg = CONFIGS[name]
+    return reference.train_record(SingleDevice(cfg.model, cfg.train), cfg, STEPS)
+
+
+@functools.cache
+def twin(impl: str, strategy: str, name: str = "drops"):
+    make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
+    cfg, mesh = CONFIGS[name], MESHES[strategy]
+    return reference.train_record(make(strategy, mesh, cfg, devices=devices_of(mesh)), cfg, STEPS,
+                                  grads=impl == "manual")
+
+
+@functools.cache
+def compiled_ledger(impl: str, strategy: str, name: str = "drops") -> hlo.Ledger:
+    r = twin(impl, strategy, name)["runner"]
+    cfg = CONFIGS[name]
+    xs = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32, sharding=r.batch_sharding)
+    return hlo.ledger(r.train_step.lower(r.abstract_state(), xs, xs).compile().as_text(), r.mesh)
+
+
+def first_batch(cfg: Config):
+    return reference.random_batches(cfg.train.batch_size, cfg.model.context_length, cfg.model.vocab_size, 1)[0]
+
+
+# ----------------------------------------------------------------------------- the all_to_all pair
+
+
+def test_dispatch_sends_each_experts_buffers_to_its_device_and_combine_inverts_it():
+    """On expert:4, device i's buffer [E=8, G=1, C, D] holds value 100 i + e in expert e's rows:
+    after dispatch device j holds experts 2j, 2j+1 of every sender, senders in device order along
+    G; combine returns every buffer home; each one's VJP is the other."""
+    n, e, c, d = 4, 8, 3, 2
+    mesh = mesh_lib.make_mesh({"expert": n}, jax.sharding.AxisType.Explicit, jax.devices()[:n])
+    x = (100 * jnp.arange(n)[:, None] + jnp.arange(e)[None, :]).astype(jnp.float32)  # [n, E]
+    x = jnp.broadcast_to(x[:, :, None, None, None], (n, e, 1, c, d)).reshape(n * e, 1, c, d)  # [n E, 1, C, D]
+    on_devices = functools.partial(jax.device_put, device=NamedSharding(mesh, P("expert")))
+    x = on_devices(x)
+    smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))
+    there = smap(lambda b: dispatch_to_experts(b, "expert"))(x)  # per device [E/n, n, C, D]
+    got = np.asarray(there).reshape(n, e // n, n, c, d)[..., 0, 0]  # [device, local expert, sender]
+    want = np.array([[[100 * s + (e // n) * j + k for s in range(n)] for k in range(e // n)] for j in range(n)])
+    np.testing.assert_array_equal(got, want)
+    back = smap(lambda b: combine_from_experts(dispatch_to_experts(b, "expert"), "expert"))(x)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+    g = on_devices(jax.random.normal(jax.random.key(0), there.shape))
+    _, pull = jax.vjp(smap(lambda b: dispatch_to_experts(b, "expert")), x)
+    np.testing.assert_array_equal(np.asarray(pull(g)[0]), np.asarray(smap(lambda b: combine_from_experts(b, "expert"))(g)))
+
+
+# ----------------------------------------------------------------------------- against single device
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+@pytest.mark.parametrize("impl", ["auto", "manual"])
+def test_expert_parallel_matches_single_device_while_dropping_tokens(impl, strategy):
+    assert_matches_single_device(twin(impl, strategy), single("drops"), grads=impl == "manual")
+
+
+@pytest.mark.parametrize("impl", ["auto", "manual"])
+def test_dropless_ep_matches_single_device(impl):
+    assert_matches_single_device(twin(impl, "ep", "dropless"), single("dropless"), grads=impl == "manual")
+
+
+def assert_matches_single_device(got, want, grads: bool):
+    np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
+    if grads:
+        assert reference.max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
+    assert reference.max_diff(got["params"], want["params"]) < PARAM_ATOL
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_twin_drops_exactly_the_tokens_one_device_drops(name):
+    """router_stats on the first batch, at the initial params: the dropped assignments and the
+    tokens kept per expert are integers and must be equal; drops > 0 with capacity 0.5, 0 dropless."""
+    cfg = CONFIGS[name]
+    x = first_batch(cfg)
+    one = SingleDevice(cfg.model, cfg.train)
+    _, want = jax.device_get(one.router_stats(single(name)["init"], *one.place_batch(*x)))
+    assert (int(np.sum(want["dropped"])) > 0) == (name == "drops"), want["dropped"]
+    assert int(want["assignments"]) == cfg.model.experts_per_token * x[0].size
+    for impl, strategy in [("manual", "ep"), ("auto", "ep")] + ([("manual", "fsdp_ep")] if name == "drops" else []):
+        r = twin(impl, strategy, name)["runner"]
+        params = jax.device_put(single(name)["init"], r.state_shardings.params)
+        _, got = jax.device_get(r.router_stats(params, *r.place_batch(*x)))
+        np.testing.assert_array_equal(got["dropped"], want["dropped"], err_msg=f"{impl} {strategy}")
+        np.testing.assert_array_equal(got["tokens_per_expert"], want["tokens_per_expert"])
+        np.testing.assert_allclose(got["aux"], want["aux"], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+def test_manual_ledger_equals_the_cost_model_exactly(strategy):
+    """Per MoE layer 2 all_to_alls of the capacity buffers [E, G, C, D] forward (dispatch,
+    combine) and 2 backward (their inverses), each from manual_parallel/ep.py's hooks; ep: every
+    dense gradient's mean over (data, expert), each expert gradient's over data; fsdp_ep: FSDP's
+    gathers and scatters over data, the dense shards' mean over expert."""
+    runner = twin("manual", strategy)["runner"]
+    led = compiled_ledger("manual", strategy)
+    m, b = DROPS.model, DROPS.train.batch_size
+    model = cost.cost(m, strategy, runner.sizes, b)
+    rows = cost.compare(led.summary(), model.summary())
+    assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
+    groups = b // (runner.sizes["data"] * runner.sizes["expert"]) * m.context_length // m.moe_group
+    buffers = m.num_experts * groups * m.expert_capacity * m.d_model * 4
+    testing.expect_collectives(led, "all-to-all", ("expert",), count=4 * m.num_layers)
+    assert led.filter(op="all-to-all").total_bytes() == 4 * m.num_layers * buffers
+    assert {r.source.rpartition(":")[0].rsplit("/", 1)[-1] for r in led.filter(op="all-to-all").records} == {"ep.py"}
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+def test_auto_twin_exchanges_the_buffers_with_all_to_alls(strategy):
+    """What GSPMD inserts for ep's two buffer layouts (auto_parallel/ep.py), measured: the same
+    4 all-to-alls per MoE layer over `expert`, of the same bytes as the manual twin's, and no
+    all-gather of the buffers (its only all-gather over data,expert is the router's [G, S, E]
+    probabilities, which GSPMD gathers whole for top_k: 2 per step, one per layer)."""
+    auto, manual = compiled_ledger("auto", strategy), compiled_ledger("manual", strategy)
+    m = DROPS.model
+    testing.expect_collectives(auto, "all-to-all", ("expert",), count=4 * m.num_layers)
+    assert auto.filter(op="all-to-all").total_bytes() == manual.filter(op="all-to-all").total_bytes()
+    probs = DROPS.train.batch_size * m.context_length * m.num_experts * 4
+    gathered = auto.filter(op="all-gather", axes=("data", "expert"))
+    assert gathered.count() == m.num_layers and gathered.total_bytes() == m.num_layers * probs, auto.table()
+
+
+def test_remat_never_repeats_an_exchange():
+    """--remat=full recomputes each layer in the backward pass, but ep's layer policy saves the
+    exchanged buffers: still 4 all_to_alls per layer (without it: 6, the forward pair again)."""
+    cfg = Config(dataclasses.replace(DROPS.model, remat="full"), TRAIN)
+    r = manual_parallel.make_runner("ep", MESHES["ep"], cfg, devices=devices_of(MESHES["ep"]))
+    xs = jax.ShapeDtypeStruct((TRAIN.batch_size, cfg.model.context_length), np.int32, sharding=r.batch_sharding)
+    led = hlo.ledger(r.train_step.lower(r.abstract_state(), xs, xs).compile().as_text(), r.mesh)
+    testing.expect_collectives(led, "all-to-all", ("expert",), count=4 * cfg.model.num_layers)
+
+
+# ----------------------------------------------------------------------------- checkpoints and errors
+
+
+def test_a_checkpoint_written_under_ep_restores_under_single_and_fsdp_ep(tmp_path):
+    """The state after 3 manual ep steps (8 devices), saved sharded over (data, expert), restores
+    bit for bit on one device and under fsdp_ep on 4 (Orbax reshards it)."""
+    state = twin("manual", "ep")["state"]
+    want = jax.device_get(state)
+    ckpt = Checkpointer(str(tmp_path / "ep"))
+    ckpt.save(STEPS, state, {"strategy": "ep"})
+    targets = {"single": SingleDevice(DROPS.model, DROPS.train).abstract_state(),
+               "fsdp_ep": twin("manual", "fsdp_ep")["runner"].abstract_state()}
+    for where, target in targets.items():
+        got, _ = ckpt.restore(target, expect={"strategy": "ep"})
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(got)), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=where)
+
+
+@pytest.mark.parametrize("strategy, mesh, cfg, message", [
+    ("ep", "data:2,expert:4", preset("tiny"), r"--strategy=ep splits the experts .* dense \(--num_experts=0\): add experts"),
+    ("tp", "data:1,tensor:4", BASE, r"--num_experts=4: a mixture of experts runs under dp, fsdp, ep, fsdp_ep"),
+    ("pp", "stage:2", BASE, r"--num_experts=4: a mixture of experts runs under"),
+    ("ep", "data:1,expert:8", BASE, r"experts=4 is not divisible by mesh axis expert=8; try --mesh=data:4,expert:2, or make experts "
+     r"\(--num_experts\) a multiple of 8"),
+])
+def test_bad_expert_configs_are_clear_errors(strategy, mesh, cfg, message):
+    for twin_module in (auto_parallel, manual_parallel):
+        with pytest.raises(ValueError, match=message):
+            twin_module.make_runner(strategy, mesh, cfg, devices=devices_of(mesh))
