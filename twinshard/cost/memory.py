@@ -139,7 +139,11 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequ
     if sequence:
         return _saved_per_layer_sequence(cfg, remat, b, seq, t, scores)
     if remat == "none":  # what autodiff saves: JAX's print_saved_residuals, listed in the docstring
-        return b * seq * (6 * d + 5 * d // t + 3 * f // t + 4 + h // t)
+        ffn = moe_saved(cfg, b * seq) if cfg.num_experts else b * seq * 3 * f // t
+        return b * seq * (6 * d + 5 * d // t + 4 + h // t) + ffn
+    if cfg.num_experts and remat != "full":
+        raise ValueError(f"remat={remat!r} has no memory model for a mixture of experts; the model covers "
+                         "remat=none and remat=full.")
     if remat == "full":
         return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
     no_batch = b * seq * (2 * d + 3 * d // t + 2 * f // t)
@@ -148,6 +152,20 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequ
     if remat == "dots":
         return no_batch + b * seq * d // t + scores
     raise ValueError(f"remat={remat!r} has no memory model; choose one of {', '.join(REMAT_POLICIES)}.")
+
+
+def moe_saved(cfg: ModelConfig, tokens: int) -> int:
+    """Elements a mixture-of-experts feed-forward saves for its backward pass (remat=none) on
+    `tokens` local tokens in G = tokens/S groups, whichever devices its experts run on (the
+    buffers have E G C rows in all): per expert buffer [E, G, C, .] its input and output (D) and
+    SwiGLU's w1 and w3 outputs and gate (F_e); per token the router's probabilities (E), the
+    chosen experts' one-hots (k E) and buffer slots (k C), the dispatch and combine masks (2 E C),
+    the chosen weights and ids (2k) and 4 softmax / top-k statistics; per group the mean
+    probabilities (E). Exact against JAX's print_saved_residuals (tests/test_experts.py)."""
+    e, k, c, s = cfg.num_experts, cfg.experts_per_token, cfg.expert_capacity, cfg.moe_group
+    groups = tokens // s
+    buffers = e * groups * c * (2 * cfg.d_model + 3 * cfg.expert_ff)
+    return buffers + tokens * (4 + 2 * k + e + k * e + k * c + 2 * e * c) + groups * e
 
 
 def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int) -> int:
@@ -244,7 +262,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     rules = RULES[strategy]
     params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
     t = mesh["tensor"] if "heads" in rules else 1
-    b = (batch // mesh["data"] if "batch" in rules else batch) // grad_accum  # one micro-batch
+    b = (batch // mesh_lib.axis_size(mesh, rules["batch"]) if "batch" in rules else batch) // grad_accum  # one micro-batch
     d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
     sequence = "seq" in rules  # tp_sp: the residual stream on sequence shards
     layers = cfg.num_layers * saved_per_layer(cfg, remat, b, seq, t, sequence)
@@ -264,7 +282,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     acts = layers * dtype_bytes + final
     gathered = 0
     if "embed" in rules:
-        layer = 4 * d * cfg.num_heads * cfg.head_dim + 3 * d * f  # q, k, v, o, w1, w2, w3
+        layer = sum(w.size * w.count // w.layers // _shards(w, {"experts": rules.get("experts")}, mesh)
+                    for w in weights(cfg) if w.is_matrix and w.layers > 1)  # one layer's matrices (E/ep experts)
         gathered = max(layer, v * d) * dtype_bytes // t
         if "layers" in rules:  # pp_fsdp: the stage's L/S layers, embedding and lm_head, gathered for the
             # step; GPipe's tick loop reads them as float32 (manual_parallel/pp.py `_gpipe`), 1F1B in
