@@ -12,7 +12,8 @@ A matmul [m,k]x[k,n] costs 2mkn.
 The formula counts every score; ring attention (cp, fsdp_cp) computes only the visible
 blocks after its own, (C+1)/(2C) of the attention scores in total (zig-zag: half a block
 per device per step, balanced; contiguous: the same total, device c doing c + 1 blocks).
-Gradient accumulation does not change the FLOPs.
+Gradient accumulation does not change the FLOPs. A mixture of experts (`_moe_matmuls`) counts
+the expert matmuls on the capacity buffers and the dispatch / combine einsums.
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ def flops(cfg: ModelConfig, batch: int, seq: int, n_devices: int = 1) -> Flops:
     d, hd, f, v, n = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.d_ff, cfg.padded_vocab_size, cfg.num_layers
     n_mm = n * (4 * d * hd + 3 * d * f) + d * v  # q,k,v,o + w1,w2,w3 per layer, + lm_head
     fwd_mm = 2 * batch * seq * n_mm
+    if cfg.num_experts:
+        n_mm, fwd_mm = _moe_matmuls(cfg, batch * seq)
     fwd_attn = n * 2 * 2 * batch * seq * seq * hd  # QK^T and AV; the causal half is computed too
     fwd = fwd_mm + fwd_attn
     return Flops(n_mm, fwd_mm, fwd_attn, fwd, 2 * fwd, 3 * fwd, 3 * fwd / n_devices)
+
+
+def _moe_matmuls(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
+    """(active matmul params per token, forward matmul FLOPs) of a mixture of experts: attention,
+    the router [D, E] and k experts' SwiGLU per token, the lm_head; the FLOPs are what the program
+    computes: every expert on its whole capacity buffer (E G C rows, full or not) and the dispatch
+    and combine einsums of the [G, S, E, C] masks (2 G S E C D each, GShard's dense dispatch)."""
+    d, hd, e, fe = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_experts, cfg.expert_ff
+    n, c, slots = cfg.num_layers, cfg.expert_capacity, e * (tokens // cfg.moe_group) * cfg.expert_capacity
+    active = n * (4 * d * hd + d * e + cfg.experts_per_token * 3 * d * fe) + d * cfg.padded_vocab_size
+    per_layer = 2 * tokens * (4 * d * hd + d * e) + 2 * slots * 3 * d * fe + 2 * 2 * tokens * e * c * d
+    return active, n * per_layer + 2 * tokens * d * cfg.padded_vocab_size
