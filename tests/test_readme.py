@@ -55,6 +55,9 @@ VARIANTS = {
     "uv run python -m launch.collectives --preset=tiny --strategy=tp_sp --impl=manual --mesh=tensor:4 --devices=4 "
     "--collective_matmul": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=cp --impl=manual --mesh=context:4 --devices=4": [],
+    "uv run python -m launch.train --preset=tiny_moe --strategy=ep --impl=manual --mesh=data:2,expert:4 "
+    "--workdir=runs/ep": [],
+    "uv run python -m launch.collectives --preset=tiny_moe --strategy=ep --impl=manual --mesh=data:2,expert:4": [],
     "uv run python -m twinshard.train.bpe --input corpus.txt --vocab_size 512 --out corpus512.tiktoken": [],
     "uv run python -m launch.train --preset=tiny --data=corpus.txt --tokenizer=corpus512.tiktoken "
     "--workdir=runs/bpe": [],
