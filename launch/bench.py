@@ -58,6 +58,7 @@ from absl import app, flags, logging
 from launch import common
 from twinshard.parallel import strategies
 from twinshard.hardware.chips import Chip, chip_for  # the datasheet peaks (launch.plan reads the same table)
+from twinshard.hardware.measure import matmul_peak, p25  # noqa: F401  (p25: tests/test_bench.py)
 from twinshard.config import PRESETS, Config, ModelConfig, TrainConfig, preset
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global:
@@ -166,48 +167,6 @@ def check_output_path(path: str | None, flag: str) -> None:
 
 
 # ----------------------------------------------------------------------------- measuring
-
-
-def _median_time(fn, reps: int, inner: int = 1) -> tuple[float, list[float]]:
-    """Median seconds per call of fn(i) over `reps` samples, each `inner` calls blocked once at the end."""
-    import jax
-
-    times = []
-    for r in range(reps):
-        t0 = time.perf_counter()
-        out = [fn(r * inner + k) for k in range(inner)]
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times), times
-
-
-def p25(times: list[float]) -> float:
-    """The 25th percentile of `times`, between its min and max. statistics.quantiles' default
-    ("exclusive") extrapolates below the smallest sample when there are few: of 2 times
-    [a, b] it is (5a - b) / 4, negative once b > 5a (a CI run on a loaded machine: a matmul
-    peak of -24 GFLOP/s)."""
-    return statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]
-
-
-def matmul_peak(dtype: str, n: int, reps: int, device) -> dict[str, Any]:
-    """FLOP/s of a jitted [n,n]x[n,n] matmul at JAX's default precision on `device`
-    (random inputs, three pairs in rotation; median of `reps`)."""
-    import jax
-    import jax.numpy as jnp
-
-    keys = jax.random.split(jax.random.key(0), 6)
-    mats = [jax.device_put(jax.random.normal(k, (n, n), dtype), device) for k in keys]
-    pairs = [(mats[2 * i], mats[2 * i + 1]) for i in range(3)]
-    f = jax.jit(jnp.matmul)
-    jax.block_until_ready([f(a, b) for a, b in pairs])  # compile, warm
-    inner = 1 if device.platform == "cpu" else 5  # amortize dispatch where a matmul takes ~1 ms
-    med, times = _median_time(lambda i: f(*pairs[i % 3]), reps, inner)
-    # The peak is the rate of an undisturbed matmul: the 25th percentile of the times. Measured on
-    # this project's 2-core VM: one process's medians of 10 moved 65-105 GFLOP/s within a minute
-    # (neighbours' bursts), which made "% of peak" read up to 100% for a step that had not changed.
-    fast = p25(times)
-    return {"dtype": dtype, "n": n, "reps": reps, "inner": inner, "median_s": med, "p25_s": fast,
-            "flops_per_s": 2 * n ** 3 / fast, "flops_per_s_median": 2 * n ** 3 / med, "times_s": times}
 
 
 class CompileEvents:

@@ -1,9 +1,12 @@
 """Train the LM: `python -m launch.train --preset=small --steps=300 --workdir=runs/small`.
 
 Every flag is validated, and the corpus is found and tokenized, before anything
-is compiled or written. Each log line gives step, loss, lr, tokens/s, step time
-and ETA; every `--eval_every` steps a held-out loss; every record also goes to
-`<workdir>/metrics.jsonl`. `--resume` continues from the latest complete checkpoint
+is compiled or written. Each log line gives step, loss, lr, tokens/s, step time,
+model TFLOP/s per device and MFU (`Utilization`), the device's peak memory where the backend
+reports it, and ETA; every `--eval_every` steps a held-out loss; every record also goes to
+`<workdir>/metrics.jsonl`. `--profile_steps=START:COUNT` traces those steps with
+jax.profiler into `<workdir>/profile`. SIGTERM or SIGINT (a preemption) finishes the step in
+flight, checkpoints it and exits with 128 + the signal's number (`Preemption`). `--resume` continues from the latest complete checkpoint
 in `--workdir` (`--resume_step=N`: from step N) and reproduces the uninterrupted run
 exactly: batches are a pure function of (seed, step), and the whole train state is
 checkpointed. A resume with another corpus, tokenizer or training settings than the
@@ -17,6 +20,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import time
 
 from absl import flags, logging
@@ -32,6 +36,8 @@ flags.DEFINE_integer("resume_step", None, "Resume from the checkpoint of this st
                      "--resume); the later ones are replaced when this run writes its first checkpoint.")
 flags.DEFINE_integer("stop_after", None, "Stop (with a checkpoint) after this step, as a preemption "
                      "would; the schedule still runs to --steps, so --resume continues it exactly.")
+flags.DEFINE_string("profile_steps", None, "START:COUNT: a jax.profiler trace of steps START..START+COUNT-1 "
+                    "(1-based; skip step 1, it compiles) in <workdir>/profile, for TensorBoard and Perfetto.")
 common.define_model_flags()
 common.define_data_flags()
 common.define_distributed_flags()
@@ -71,6 +77,7 @@ def _check_flags(cfg) -> tuple[str, int | None, str | None]:
     step to resume from or None for a new run, a line on skipped incomplete checkpoints)."""
     common.check_writable_dir(FLAGS.workdir, "workdir")
     common.check_writable_dir(FLAGS.cache_dir, "cache_dir")
+    profile_steps(cfg.train.steps)  # validated here, before anything is written
     if FLAGS.stop_after is not None and not 0 < FLAGS.stop_after < cfg.train.steps:
         raise ValueError(f"--stop_after={FLAGS.stop_after} must be between 1 and steps-1 = "
                          f"{cfg.train.steps - 1}; drop it to train to the end.")
@@ -100,6 +107,53 @@ def _check_flags(cfg) -> tuple[str, int | None, str | None]:
     return ckpt_dir, step, note
 
 
+def profile_steps(steps: int) -> range | None:
+    """The 1-based steps --profile_steps=START:COUNT traces, validated against --steps."""
+    if FLAGS.profile_steps is None:
+        return None
+    m = re.fullmatch(r"(\d+):(\d+)", FLAGS.profile_steps)
+    start, count = (int(m[1]), int(m[2])) if m else (0, 0)
+    if not m or start < 1 or count < 1 or start + count - 1 > steps:
+        raise ValueError(f"--profile_steps={FLAGS.profile_steps} must be START:COUNT with 1 <= START and "
+                         f"START + COUNT - 1 <= --steps={steps} (e.g. --profile_steps=3:2: steps 3 and 4; step 1 "
+                         "compiles).")
+    return range(start, start + count)
+
+
+class Preemption:
+    """SIGTERM (what SLURM and a preempted TPU VM send before the kill) and SIGINT, caught: the
+    step in flight finishes, the loop checkpoints it and exits with 128 + the signal's number.
+    A signal during a checkpoint write only sets the flag, so the write completes. Every process
+    of a multi-host run stops at the same step: `stop()` asks all of them (an all-gather of one
+    flag per process), so none waits forever in a collective its peers left."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __enter__(self) -> Preemption:
+        self.signum, self.previous = None, {s: signal.signal(s, self._caught) for s in self.SIGNALS}
+        return self
+
+    def _caught(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def stop(self) -> bool:
+        import jax
+
+        if jax.process_count() == 1:
+            return self.signum is not None
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        caught = multihost_utils.process_allgather(np.array([-1 if self.signum is None else self.signum]))
+        if self.signum is None and (caught >= 0).any():
+            self.signum = int(caught[caught >= 0][0])
+        return self.signum is not None
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
 def _check_same_run(saved: dict, meta: dict, step: int) -> None:
     """A resume must see the checkpoint's corpus, tokenizer and training settings: a ValueError
     naming both values and the fix otherwise. Metadata only: nothing is read or compiled."""
@@ -124,6 +178,48 @@ def _check_same_run(saved: dict, meta: dict, step: int) -> None:
         diff = {k: (saved_run.get(k), v) for k, v in same_run.items() if saved_run.get(k) != v}
         raise ValueError(f"--resume with different training settings ((checkpoint, now) = {diff}): "
                          "an exact continuation needs the same ones; use a new --workdir to change them.")
+
+
+class Utilization:
+    """Model FLOP/s per device and MFU of a step time, and the device's peak memory.
+
+    FLOPs: the cost model's per step (twinshard/cost/flops.py: 6 x the matmul parameters x tokens
+    plus attention's QK^T and AV counted in full, as the kernels compute them). The peak: the chip
+    table's (twinshard/hardware/chips.py) for the run's dtype x the devices; on a CPU, a float32
+    matmul measured at start-up, for the whole machine (simulated devices share its cores)."""
+
+    def __init__(self, cfg, n_devices: int):
+        import jax
+
+        from twinshard import cost
+        from twinshard.hardware import chips, measure
+
+        self.flops = cost.flops(cfg.model, cfg.train.batch_size, cfg.model.context_length).total
+        self.n_devices, self.device = n_devices, jax.local_devices()[0]
+        chip = chips.chip_for(self.device.device_kind)
+        if chip is not None:
+            per_chip, which = chips.matmul_peak_flops(chip, cfg.model.dtype)
+            self.peak, self.what = per_chip * n_devices, f"{chip.name} {which} peak x {n_devices}"
+        elif self.device.platform == "cpu":
+            self.peak = measure.matmul_peak("float32", 1024, 5, self.device)["flops_per_s"]
+            self.what = "this CPU's measured float32 matmul rate (shared by the simulated devices)"
+        else:
+            self.peak, self.what = None, f"no peak known for {self.device.device_kind}"
+
+    def record(self, step_time: float) -> dict[str, float]:
+        rec = {"tflops_per_device": self.flops / self.n_devices / step_time / 1e12}
+        if self.peak:
+            rec["mfu"] = self.flops / step_time / self.peak
+        stats = self.device.memory_stats()  # None on CPU
+        if stats and "peak_bytes_in_use" in stats:
+            rec["peak_memory_bytes"] = int(stats["peak_bytes_in_use"])
+        return rec
+
+    @staticmethod
+    def text(rec: dict) -> str:
+        out = f" | {rec['tflops_per_device']:.3g} TFLOP/s/dev"
+        out += f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else ""
+        return out + (f" | peak mem {rec['peak_memory_bytes'] / 2**30:.2f} GiB" if "peak_memory_bytes" in rec else "")
 
 
 def _scalar(x) -> float:
@@ -218,8 +314,12 @@ def main(argv):
         state, start, records = runner.init_state(t.seed), 0, []
 
     label = FLAGS.strategy if FLAGS.strategy == "single" else f"{FLAGS.strategy}/{FLAGS.impl}"
+    n_devices = 1 if FLAGS.strategy == "single" else jax.device_count() if devices is None else len(devices)
     log(f"{label} preset={FLAGS.preset} params={m.num_params():,} "
-        f"devices={jax.device_count() if devices is None else len(devices)} batch={t.batch_size}x{m.context_length} steps={t.steps}")
+        f"devices={n_devices} batch={t.batch_size}x{m.context_length} steps={t.steps}")
+    utilization = Utilization(cfg, n_devices)
+    log(f"MFU against {utilization.what}")
+    profiled, profile_dir = profile_steps(t.steps), os.path.join(FLAGS.workdir, "profile")
 
     def eval_loss(params):
         losses = [runner.eval_loss(params, *runner.place_batch(
@@ -228,51 +328,62 @@ def main(argv):
         return float(np.mean([_scalar(l) for l in losses]))
 
     tick, tick_step, done = time.perf_counter(), start, start
-    for step in range(start, t.steps):
-        x, y = data.get_batch(train_tokens, t.batch_size, m.context_length, t.seed, step)
-        state, metrics = runner.train_step(state, *runner.place_batch(x, y))
-        done = step + 1
-        if step == start:  # the first step compiles: keep it out of the throughput
-            jax.block_until_ready(state)
-            compile_s = time.perf_counter() - tick
-            log(f"first step (compile + run): {compile_s:.1f}s", flush=True)
-            tick, tick_step = time.perf_counter(), done
-        last = done == t.steps
-        do_log, do_eval = done % log_every == 0 or last, eval_every and (done % eval_every == 0 or last)
-        if do_log or do_eval:
-            jax.block_until_ready(metrics)  # dispatch is async: time finished steps, not queued ones
-            now = time.perf_counter()
-            step_time = (now - tick) / (done - tick_step) if done > tick_step else compile_s
-            rec = {"step": done, **{k: _scalar(v) for k, v in metrics.items()}, "step_time": step_time,
-                   "tokens_per_s": t.batch_size * m.context_length / step_time}
-            if do_eval:
-                rec["eval_loss"] = eval_loss(state.params)
-            if m.num_experts:  # the router on this step's batch, under the updated params
-                from twinshard.train.trainer import router_summary
+    with Preemption() as preemption:
+        for step in range(start, t.steps):
+            if profiled is not None and step + 1 == profiled.start:
+                jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
+            x, y = data.get_batch(train_tokens, t.batch_size, m.context_length, t.seed, step)
+            state, metrics = runner.train_step(state, *runner.place_batch(x, y))
+            done = step + 1
+            if profiled is not None and done == profiled[-1]:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                log(f"profile of steps {profiled.start}-{done} in {profile_dir}: TensorBoard (tensorboard "
+                    f"--logdir={profile_dir}) or Perfetto (ui.perfetto.dev: its perfetto_trace.json.gz)", flush=True)
+            if step == start:  # the first step compiles: keep it out of the throughput
+                jax.block_until_ready(state)
+                compile_s = time.perf_counter() - tick
+                log(f"first step (compile + run): {compile_s:.1f}s", flush=True)
+                tick, tick_step = time.perf_counter(), done
+            last = done == t.steps
+            do_log, do_eval = done % log_every == 0 or last, eval_every and (done % eval_every == 0 or last)
+            if do_log or do_eval:
+                jax.block_until_ready(metrics)  # dispatch is async: time finished steps, not queued ones
+                now = time.perf_counter()
+                step_time = (now - tick) / (done - tick_step) if done > tick_step else compile_s
+                rec = {"step": done, **{k: _scalar(v) for k, v in metrics.items()}, "step_time": step_time,
+                       "tokens_per_s": t.batch_size * m.context_length / step_time, **utilization.record(step_time)}
+                if do_eval:
+                    rec["eval_loss"] = eval_loss(state.params)
+                if m.num_experts:  # the router on this step's batch, under the updated params
+                    from twinshard.train.trainer import router_summary
 
-                rec.update(router_summary(jax.device_get(runner.router_stats(state.params,
-                                                                             *runner.place_batch(x, y))[1])))
-            records.append(rec)
-            if main_process:
-                _write_metrics(metrics_path, records)
-            log(f"step {done:6d} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
-                f"{rec['tokens_per_s']:9.0f} tok/s | {1e3 * step_time:7.1f} ms/step | "
-                f"ETA {(t.steps - done) * step_time:6.0f}s"
-                + (f" | eval {rec['eval_loss']:.4f}" if do_eval else "")
-                + (f" | router aux {rec['router_aux']:.3f} dropped {100 * rec['dropped_fraction']:.1f}%"
-                   if m.num_experts else ""), flush=True)
-        stop = last or done == FLAGS.stop_after
-        if (ckpt_every and done % ckpt_every == 0) or stop:
-            for old in stale:
-                ckpt.delete(old)
-            stale = []
-            ckpt.save(done, state, meta)
-        if do_log or do_eval:  # eval and checkpoint time stay out of the throughput
-            tick, tick_step = time.perf_counter(), done
-        if stop:
-            break
+                    rec.update(router_summary(jax.device_get(runner.router_stats(state.params,
+                                                                                 *runner.place_batch(x, y))[1])))
+                records.append(rec)
+                if main_process:
+                    _write_metrics(metrics_path, records)
+                log(f"step {done:6d} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+                    f"{rec['tokens_per_s']:9.0f} tok/s | {1e3 * step_time:7.1f} ms/step{utilization.text(rec)} | "
+                    f"ETA {(t.steps - done) * step_time:6.0f}s"
+                    + (f" | eval {rec['eval_loss']:.4f}" if do_eval else "")
+                    + (f" | router aux {rec['router_aux']:.3f} dropped {100 * rec['dropped_fraction']:.1f}%"
+                       if m.num_experts else ""), flush=True)
+            stop = last or done == FLAGS.stop_after or preemption.stop()
+            if (ckpt_every and done % ckpt_every == 0) or stop:
+                for old in stale:
+                    ckpt.delete(old)
+                stale = []
+                ckpt.save(done, state, meta)
+            if do_log or do_eval:  # eval and checkpoint time stay out of the throughput
+                tick, tick_step = time.perf_counter(), done
+            if stop:
+                break
+    if preemption.signum is not None and done < t.steps:
+        log(f"stopped by {signal.Signals(preemption.signum).name} after step {done}: checkpoint {done} is in "
+            f"{ckpt.directory}; --resume continues the run exactly.", flush=True)
+        raise SystemExit(128 + preemption.signum)
     log(f"done: step {done} of {t.steps}; metrics in {metrics_path}; checkpoints in {ckpt.directory}")
-
 
 if __name__ == "__main__":
     common.run(main, "launch.train")

@@ -53,6 +53,64 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path_factory):
             assert ra.get(key) == rb.get(key), (ra["step"], key)  # bitwise, not approximately
 
 
+def test_log_reports_model_flops_and_mfu(full_run):
+    """Each record's TFLOP/s per device is the cost model's FLOPs per step over the step time (one
+    device), and MFU that rate over the CPU's measured matmul peak: a fraction in (0, 1)."""
+    from twinshard import cost
+    from twinshard.config import preset
+
+    cfg = preset("tiny")
+    step_flops = cost.flops(cfg.model, cfg.train.batch_size, cfg.model.context_length).total
+    for r in metrics(full_run):
+        assert r["tflops_per_device"] * 1e12 * r["step_time"] == pytest.approx(step_flops, rel=1e-9)
+        assert 0 < r["mfu"] < 1, r
+
+
+def test_sigterm_checkpoints_the_step_and_resume_is_exact(full_run, tmp_path_factory, monkeypatch):
+    """SIGTERM while step 6 runs (sent from its batch's read, so the test does not depend on timing):
+    step 6 finishes, is checkpointed, the run exits with 128 + 15 and one line; --resume then
+    reproduces the uninterrupted run bit for bit."""
+    import signal
+
+    from twinshard.train import data
+
+    real = data.get_batch
+
+    def get_batch(tokens, batch, context, seed, step):
+        if step == 5:  # 0-based: the batch of step 6
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(tokens, batch, context, seed, step)
+
+    workdir = str(tmp_path_factory.mktemp("preempted"))
+    monkeypatch.setattr(data, "get_batch", get_batch)
+    with pytest.raises(SystemExit) as stopped:
+        run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12")
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the launcher's handler is gone again
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["6"]
+    monkeypatch.setattr(data, "get_batch", real)
+    run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", "--resume")
+    for ra, rb in zip(metrics(full_run), metrics(workdir), strict=True):
+        for key in ("loss", "lr", "grad_norm", "eval_loss"):
+            assert ra.get(key) == rb.get(key), (ra["step"], key)
+
+
+def test_profile_steps_write_a_trace_of_the_train_step(tmp_path_factory):
+    """--profile_steps=2:2 writes a Perfetto trace (and TensorBoard's xplane) under <workdir>/profile
+    whose events include the jitted train step; a bad range is refused before anything runs."""
+    import gzip
+
+    workdir = tmp_path_factory.mktemp("profiled")
+    run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", "--stop_after=3", "--profile_steps=2:2")
+    traces = list((workdir / "profile").glob("plugins/profile/*/perfetto_trace.json.gz"))
+    assert len(traces) == 1 and list(traces[0].parent.glob("*.xplane.pb"))
+    events = json.load(gzip.open(traces[0]))["traceEvents"]
+    assert any("train_step" in e.get("name", "") for e in events)
+    with pytest.raises(ValueError, match=r"--profile_steps=11:3 must be START:COUNT .* <= --steps=12"):
+        run_train(tmp_path_factory, f"--workdir={tmp_path_factory.mktemp('bad')}", "--steps=12",
+                  "--profile_steps=11:3")
+
+
 def test_refuses_to_overwrite_checkpoints(full_run, tmp_path_factory):
     with pytest.raises(ValueError, match="already holds checkpoints.*--resume"):
         run_train(tmp_path_factory, f"--workdir={full_run}", "--steps=12")

@@ -104,3 +104,13 @@ def chip(name: str) -> Chip:
     if found is None:
         raise ValueError(f"unknown chip {name!r}; choose one of {', '.join(c.name.lower() for c in CHIPS)}.")
     return found
+
+
+def matmul_peak_flops(chip: Chip, dtype: str) -> tuple[float, str]:
+    """(FLOP/s, which peak) of one chip's matmuls in `dtype` at JAX's default precision: the bf16
+    peak for bfloat16, and for float32 on a TPU too (one bf16 MXU pass); TF32 for float32 on NVIDIA."""
+    if dtype == "bfloat16":
+        return chip.bf16 * 1e12, "bf16"
+    if chip.is_tpu:
+        return chip.bf16 * 1e12, "bf16 (TPU's default precision multiplies float32 in one bf16 pass)"
+    return chip.tf32 * 1e12, "tf32 (JAX's default precision runs float32 matmuls on TF32 tensor cores)"
