@@ -152,7 +152,7 @@ def finish(child: "Child", timeout: float) -> subprocess.CompletedProcess:
 
 class Child:
     """A command forked by the zygote, with the part of subprocess.Popen's interface the tests
-    use: pid, returncode, poll(), wait(), kill(), communicate(), and `stdout` read line by
+    use: pid, returncode, poll(), wait(), kill(), send_signal(), communicate(), and `stdout` read line by
     line while the child writes it."""
 
     def __init__(self, argv: list[str], cwd: pathlib.Path, environ: dict[str, str], zygote: _Zygote):
@@ -181,6 +181,11 @@ class Child:
                 os.killpg(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def send_signal(self, signum: int) -> None:
+        """`signum` to the child itself (as SLURM's SIGTERM reaches a job's process)."""
+        if self.returncode is None:
+            os.kill(self.pid, signum)
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         if self.wait(timeout) is None:

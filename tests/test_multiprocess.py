@@ -91,6 +91,30 @@ def test_a_lost_process_stops_the_other_with_one_line(tmp_path, victim, kill_aft
     assert distributed._FATAL in (workdir / "logs" / f"process{1 - victim}.log").read_text()
 
 
+def test_sigterm_to_one_process_stops_both_at_one_checkpointed_step(tmp_path):
+    """A preemption reaches one host: both processes agree on the step to stop at (launch/train.py
+    Preemption: an all-gathered flag per step), write that step's checkpoint together and exit
+    with 128 + SIGTERM; process 0, which got no signal, says why in one line."""
+    workdir, port = tmp_path / "run", _free_port()
+    procs = [_launch(tmp_path, port, i, f"--workdir={workdir}", f"--steps={LONG}", "--log_every=1",
+                     "--eval_every=0") for i in range(2)]
+    try:
+        for line in procs[0].stdout:
+            if line.startswith("step      2 "):
+                break
+        procs[1].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=HANG) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, "\n".join(e[-3000:] for _, e in outs)
+    stopped = [line for line in outs[0][0].splitlines() if line.startswith("stopped by SIGTERM after step")]
+    assert len(stopped) == 1, outs[0][0][-3000:]
+    step = int(re.match(r"stopped by SIGTERM after step (\d+):", stopped[0])[1])
+    assert step >= 2 and max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == step
+
+
 def test_an_unreachable_coordinator_fails_after_init_timeout(tmp_path):
     port, workdir = _free_port(), tmp_path / "run"  # nobody listens there
     started = time.monotonic()
