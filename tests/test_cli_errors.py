@@ -95,6 +95,16 @@ def test_config_errors_name_the_flag(tmp_path, flag, fix):
     assert not (tmp_path / "never").exists()
 
 
+def test_a_step_too_big_for_the_device_is_refused_before_compiling(tmp_path):
+    """tiny at T = 100000: attention's backward [T, T] alone is ~2.4 TB, far beyond any host; the
+    cost model's estimate refuses it in one line naming what dominates, before anything compiles
+    or is written (without the check: RESOURCE_EXHAUSTED after the compile, 24 lines)."""
+    proc = train("--context_length=100000", f"--workdir={tmp_path / 'never'}")
+    assert_user_error(proc, "per device (cost model; backward_layer", "attention's [T, T] grows with T^2",
+                      "--skip_memory_check")
+    assert not (tmp_path / "never").exists()
+
+
 def test_debug_shows_the_traceback(tmp_path):
     for proc in (train("--steps=0", "--debug"), train("--steps=0", TWINSHARD_DEBUG="1")):
         assert proc.returncode != 0 and "Traceback" in proc.stderr and "--steps=0 must be >= 1" in proc.stderr
