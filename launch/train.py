@@ -31,6 +31,7 @@ common.define(flags.DEFINE_string, "workdir", "runs/default", "Output directory:
 flags.DEFINE_integer("log_every", None, "Log every N steps (default: the preset's).")
 flags.DEFINE_integer("eval_every", None, "Held-out eval every N steps (0: never; default: the preset's).")
 flags.DEFINE_integer("checkpoint_every", None, "Checkpoint every N steps (0: only at the end).")
+flags.DEFINE_integer("keep", 3, "Checkpoints kept: the latest N (older ones are deleted as new ones complete).")
 flags.DEFINE_bool("resume", False, "Resume from the latest complete checkpoint in --workdir.")
 flags.DEFINE_integer("resume_step", None, "Resume from the checkpoint of this step in --workdir (implies "
                      "--resume); the later ones are replaced when this run writes its first checkpoint.")
@@ -79,6 +80,8 @@ def _check_flags(cfg) -> tuple[str, int | None, str | None]:
     step to resume from or None for a new run, a line on skipped incomplete checkpoints)."""
     common.check_writable_dir(FLAGS.workdir, "workdir")
     common.check_writable_dir(FLAGS.cache_dir, "cache_dir")
+    if FLAGS.keep < 1:
+        raise ValueError(f"--keep={FLAGS.keep} must be >= 1 (the checkpoint a --resume continues from).")
     profile_steps(cfg.train.steps)  # validated here, before anything is written
     if FLAGS.stop_after is not None and not 0 < FLAGS.stop_after < cfg.train.steps:
         raise ValueError(f"--stop_after={FLAGS.stop_after} must be between 1 and steps-1 = "
@@ -146,7 +149,14 @@ class Preemption:
         import numpy as np
         from jax.experimental import multihost_utils
 
-        caught = multihost_utils.process_allgather(np.array([-1 if self.signum is None else self.signum]))
+        try:
+            caught = multihost_utils.process_allgather(np.array([-1 if self.signum is None else self.signum]))
+        except jax.errors.JaxRuntimeError:
+            # A peer left mid-exchange (gloo: "Connection reset by peer"). The coordination service
+            # aborts this process with its one line (launch/distributed.py) once the peer's
+            # heartbeats stop: wait for that verdict instead of printing this traceback.
+            time.sleep(3 * FLAGS.heartbeat_timeout + 10)
+            raise
         if self.signum is None and (caught >= 0).any():
             self.signum = int(caught[caught >= 0][0])
         return self.signum is not None
@@ -348,7 +358,7 @@ def main(argv):
     t, m = cfg.train, cfg.model
     meta = {"model": dataclasses.asdict(m), "train": dataclasses.asdict(t), **identity,
             "strategy": FLAGS.strategy, "impl": FLAGS.impl}
-    ckpt = Checkpointer(ckpt_dir)
+    ckpt = Checkpointer(ckpt_dir, keep=FLAGS.keep)
     stale = []  # checkpoints after the resumed step: deleted before this run's first save
 
     if resume:
@@ -428,7 +438,10 @@ def main(argv):
                 for old in stale:
                     ckpt.delete(old)
                 stale = []
-                ckpt.save(done, state, meta)
+                saving = time.perf_counter()
+                ckpt.save(done, state, meta, wait=stop)  # asynchronous, but for the run's last one
+                log(f"checkpoint {done}: the step waited {time.perf_counter() - saving:.3f}s"
+                    + ("" if stop else " (written in the background)"), flush=True)
             if do_log or do_eval:  # eval and checkpoint time stay out of the throughput
                 tick, tick_step = time.perf_counter(), done
             if stop:

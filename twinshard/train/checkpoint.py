@@ -45,8 +45,8 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be restored into this run (unreadable or incompatible)."""
 
 
-def _manager(directory: str, create: bool) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=3, create=create)
+def _manager(directory: str, create: bool, keep: int) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
     return ocp.CheckpointManager(os.path.abspath(directory), options=options,
                                  item_names=("state", "meta"))
 
@@ -64,17 +64,28 @@ def on_local_device(abstract: TrainState) -> TrainState:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, create: bool = True):
-        """`create=False` (readers such as launch.sample) never makes the directory."""
+    def __init__(self, directory: str, create: bool = True, keep: int = 3):
+        """`create=False` (readers such as launch.sample) never makes the directory; `keep`: the
+        latest checkpoints kept, older ones deleted as new ones complete."""
         self.directory = directory
-        self._mgr = _manager(directory, create=create)
+        self._mgr = _manager(directory, create=create, keep=keep)
 
-    def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
+    def save(self, step: int, state: TrainState, meta: dict[str, Any], wait: bool = True) -> None:
+        """Save `state` as step `step`. wait=False returns once the arrays are copied off the
+        devices (Orbax's async save: the files are written by a background thread, so the next
+        steps run, and may donate `state`'s buffers, meanwhile); the checkpoint appears under its
+        step's name only when complete, so a crash mid-write leaves the previous one as the latest."""
         self._mgr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Until every save in flight is on disk."""
         self._mgr.wait_until_finished()
 
     def delete(self, step: int) -> None:
+        self.wait()
         self._mgr.delete(step)
 
     def steps(self) -> list[int]:
