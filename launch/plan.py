@@ -86,7 +86,7 @@ flags.DEFINE_bool("compile", False, "Compile the best TPU plan ahead of time for
                   "and print its collectives and memory_analysis beside the model.")
 FLAGS = flags.FLAGS
 
-STRATEGIES = mesh_lib.STRATEGIES
+STRATEGIES = mesh_lib.DATA_TENSOR
 
 
 def peak_flops(chip: Chip, dtype: str) -> tuple[float, str]:
