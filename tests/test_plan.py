@@ -6,9 +6,11 @@ Nothing is compiled here (a --compile of the tiny preset runs in test_compile_th
 """
 
 import dataclasses
+import itertools
 import json
 import math
 import re
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -85,6 +87,86 @@ def test_links_per_axis():
     assert set(links) == {"tensor"} and links["tensor"].bytes_per_s == 50 * gb  # tensor across nodes
     links = hardware_links.axis_links(hardware_links.parse_topology("h200:1x8"), {"data": 8, "tensor": 1})
     assert links["data"].bytes_per_s == 450 * gb  # one node: data on NVLink too
+
+
+def test_the_expert_axis_gets_the_closest_chips_as_tensor_does():
+    """jax.make_mesh on a (data, expert, tensor 1) mesh (fsdp_ep; ep's (data, expert) is the
+    (data, tensor) case above) gives expert the physical axes it gives tensor, and so do the links."""
+    from jax._src import mesh_utils
+
+    for name in ("v5p:4x4x4", "v4:2x2x4", "v5p:4x4x8", "v5e:16x16", "v5e:4x8"):
+        topo = hardware_links.parse_topology(name)
+        n = topo.chips
+        for e in (k for k in range(2, n + 1) if n % k == 0):
+            _, assignment = mesh_utils._create_device_mesh_for_nd_torus(
+                np.arange(n).reshape(topo.grid), (n // e, e, 1), allow_split_physical_axes=True)
+            assert hardware_links.tensor_sides(topo.grid, e) == tuple(int(a) for a in assignment[:, 1]), (name, e)
+            dense = hardware_links.axis_links(topo, {"data": n // e, "tensor": e})
+            for mesh in ({"data": n // e, "expert": e}, {"data": n // e, "expert": e, "tensor": 1}):
+                assert hardware_links.axis_links(topo, mesh) == {
+                    "expert" if a == "tensor" else a: link for a, link in dense.items()}, (name, mesh)
+
+
+@pytest.mark.parametrize("topology, mesh, gb_s, factor", [
+    # one physical axis of n chips: the mean hops n^2 / (4 (n - 1)) (even n)
+    ("v5p:4x4x4", {"data": 16, "expert": 4}, 180, 16 / 12),  # x, a torus ring of 4: 4/3
+    ("v5p:4x4x8", {"data": 16, "expert": 8}, 180, 64 / 28),  # z, a torus ring of 8: 16/7
+    ("v5p:4x4x4", {"data": 32, "expert": 2}, 90, 1.0),  # 2 of x's 4 chips: one link, one hop
+    ("v5e:16x16", {"data": 32, "expert": 8}, 45, 64 / 28),  # 8 of x's 16, a line: its middle link B 8/4 at 1 x
+    ("v5e:2x3", {"data": 2, "expert": 3}, 45, 1.0),  # a line of 3: (n + 1)/4; each link carries 2B/3 = the ring bytes
+    # several physical axes, each its own all-to-all at once: max_i [n_i^2/4 / (n_i k_i)] x K N / (N - 1)
+    ("v5p:4x4x4", {"data": 4, "expert": 16}, 360, 0.5 * 4 * 16 / 15),  # x and y rings of 4: B/2 per link each
+    ("v5p:4x4x4", {"data": 8, "expert": 8, "tensor": 1}, 270, 0.5 * 3 * 8 / 7),  # x ring of 4, 2 chips of y
+    ("v4:2x2x4", {"data": 4, "expert": 4}, 90, 0.5 * 2 * 4 / 3),  # x and y, 2 chips each, no wraparound
+    ("v5p:4x4x8", {"data": 4, "expert": 32}, 360, 1.0 * 4 * 32 / 31),  # rings of 4 (B/2) and 8 (B): z sets it
+    ("v5e:16x16", {"data": 8, "expert": 32}, 135, 2.0 * 3 * 32 / 31),  # x's ring of 16 (2B), 2 chips of y (B/2)
+    # a GPU's all-to-all leaves through its own NVLink or NIC port once: switched, factor 1
+    ("h100:2x8", {"data": 2, "expert": 8, "tensor": 1}, 450, 1.0),
+    ("h100:2x8", {"data": 1, "expert": 16}, 50, 1.0),  # larger than a node: the network
+])
+def test_the_all_to_all_factor_by_hand(topology, mesh, gb_s, factor):
+    link = hardware_links.axis_links(hardware_links.parse_topology(topology), mesh)["expert"]
+    assert link.bytes_per_s == gb_s * 1e9 and link.all_to_all == pytest.approx(factor, rel=1e-12)
+
+
+def _busiest_link(sides: tuple[int, ...], wraps: tuple[bool, ...]) -> float:
+    """Bytes on the busiest one-way link when each of the N chips of a sides[0] x sides[1] ... grid
+    sends 1/N byte to every chip, routed one physical axis after another along a shortest path
+    (a tie split between the two directions); an axis wraps around (a torus ring) or not (a line)."""
+    n_all, load = math.prod(sides), defaultdict(float)
+    for src, dst in itertools.product(itertools.product(*map(range, sides)), repeat=2):
+        at = list(src)
+        for i, (n, wrap) in enumerate(zip(sides, wraps)):
+            ahead = (dst[i] - at[i]) % n if wrap else dst[i] - at[i]
+            if wrap:
+                routes = [(1, ahead), (-1, n - ahead)] if 2 * ahead == n else \
+                    [(1, ahead)] if 2 * ahead < n else [(-1, n - ahead)]
+            else:
+                routes = [(1 if ahead > 0 else -1, abs(ahead))]
+            for step, hops in routes:
+                pos = at[i]
+                for _ in range(hops):
+                    load[(i, tuple(at[:i]), pos, step, tuple(at[i + 1:]))] += 1 / n_all / len(routes)
+                    pos = (pos + step) % n
+            at[i] = dst[i]
+    return max(load.values())
+
+
+@pytest.mark.parametrize("topology, expert, sides, wraps", [
+    ("v5p:4x4x4", 4, (4,), (True,)), ("v5p:4x4x8", 8, (8,), (True,)), ("v5p:4x4x12", 12, (12,), (True,)),
+    ("v5p:4x4x4", 2, (2,), (False,)), ("v5e:8x16", 8, (8,), (False,)), ("v5e:4x5", 5, (5,), (False,)),
+    ("v5p:4x4x4", 16, (4, 4), (True, True)), ("v5p:4x4x4", 8, (4, 2), (True, False)),
+    ("v5p:4x4x4", 32, (4, 4, 2), (True, True, False)), ("v4:2x2x4", 4, (2, 2), (False, False)),
+    ("v5p:4x4x8", 32, (4, 8), (True, True)), ("v5e:16x16", 32, (16, 2), (True, False)),
+])
+def test_the_all_to_all_time_is_its_busiest_links(topology, expert, sides, wraps):
+    """The planner's all-to-all time (ring bytes x factor / bandwidth) against routing every
+    message over the chips the expert axis gets, link by link: the busiest link sets the time."""
+    topo = hardware_links.parse_topology(topology)
+    link = hardware_links.axis_links(topo, {"data": topo.chips // expert, "expert": expert})["expert"]
+    one_way = topo.chip.ici_link_bytes_per_s
+    planned = (expert - 1) / expert * link.all_to_all / (link.bytes_per_s / one_way)  # B = 1 byte, in 1/one_way
+    assert planned == pytest.approx(_busiest_link(sides, wraps), rel=1e-12)
 
 
 def test_a_tpu_row_by_hand():
