@@ -23,6 +23,7 @@ from twinshard import cost
 from twinshard.config import preset
 
 LLM_1B = preset("llm_1b").model
+MIXTRAL = preset("mixtral_8x7b").model  # bfloat16
 
 
 def test_topologies_parse_as_gcloud_and_slurm_write_them():
@@ -247,6 +248,75 @@ def test_ranking():
         ("fsdp_tp", 32): "heads=16 is not divisible by mesh axis tensor=32"}
 
 
+def _hand_axis_times(p: planner.Plan, bw: dict[str, float], factor: float) -> dict[str, float]:
+    """Each (op, axes) row's ring bytes at the slower axis's hand-set bandwidth, the all-to-all's x factor."""
+    out = dict.fromkeys(p.mesh, 0.0)
+    for (op, axes), s in p.cost.summary().items():
+        slow = min(axes, key=bw.get)
+        out[slow] += s["ring_bytes"] * (factor if op == "all-to-all" else 1) / bw[slow]
+    return out
+
+
+def test_a_mixture_of_experts_ranks_ep_and_fsdp_ep():
+    """mixtral_8x7b (bf16) on v5p:4x4x4: dp, fsdp, ep and fsdp_ep meshes, no Megatron; each ep
+    plan's expert-axis time by hand from the cost model's rows and the links' numbers."""
+    topo = hardware_links.parse_topology("v5p:4x4x4")
+    plans, skipped = planner.plan_all(MIXTRAL, topo, 64)
+    fit, over = planner.rank(plans, "serial")
+    assert [(p.strategy, p.mesh_text()) for p in fit] == [
+        ("fsdp_ep", "data:8,expert:8"), ("fsdp_ep", "data:16,expert:4"), ("fsdp_ep", "data:32,expert:2"),
+        ("fsdp", "data:64,tensor:1")]
+    assert {p.strategy for p in plans} == {"dp", "fsdp", "ep", "fsdp_ep"}
+    assert planner.runnable(MIXTRAL)[1].keys() == {"tp", "fsdp_tp"}  # resolve.check_experts refuses Megatron
+    # E = 8 experts split over expert <= 8 (cost.cost does not check it; launch.train does)
+    assert {(s.strategy, s.mesh_text()): s.why for s in skipped} == {
+        (s, f"data:{64 // e},expert:{e}"): f"experts=8 is not divisible by mesh axis expert={e}"
+        for s in ("ep", "fsdp_ep") for e in (16, 32, 64) if (s, e) != ("fsdp_ep", 64)}
+    # ep keeps every weight but the experts whole on each chip: 16 bytes (f32 param, grad, Adam's 2
+    # moments) x (N - experts + experts/8) = 120 GiB before activations, over any chip's HBM
+    L, E, D, Fe, N = MIXTRAL.num_layers, MIXTRAL.num_experts, MIXTRAL.d_model, MIXTRAL.expert_ff, MIXTRAL.num_params()
+    experts = 3 * L * E * D * Fe
+    ep = {p.mesh["expert"]: p for p in over if p.strategy == "ep"}
+    assert set(ep) == {2, 4, 8} and ep[8].cost.memory.params == 4 * (N - experts + experts // 8)
+    # the links by hand (the module docstring): expert on x (a torus ring of 4), plus 2 of y's 4
+    # chips for expert 8, or on 2 of x's 4 chips for expert 2; data on the rest
+    gb, by_expert = 1e9, {8: ({"data": 360, "expert": 270}, 12 / 7), 4: ({"data": 360, "expert": 180}, 4 / 3),
+                          2: ({"data": 540, "expert": 90}, 1.0)}
+    for p in plans:
+        if "expert" in p.mesh:
+            bw, factor = by_expert[p.mesh["expert"]]
+            want = _hand_axis_times(p, {a: bw.get(a, math.inf) * gb for a in p.mesh}, factor)
+            assert p.comm_s == pytest.approx(want, rel=1e-12), (p.strategy, p.mesh)
+    best = fit[0]
+    a2a = best.cost.summary()[("all-to-all", ("expert",))]["ring_bytes"]
+    assert a2a * (12 / 7 - 1) / (270 * gb) > 0.1 * best.comm_s["expert"]  # the hops are no rounding error
+    assert planner.train_flags(ep[8], "mixtral_8x7b", preset("mixtral_8x7b")).startswith(
+        "--preset=mixtral_8x7b --strategy=ep --impl=manual --mesh=data:8,expert:8 --distributed")
+
+
+def test_ep_fits_mixtral_with_factored_moments_on_h200():
+    """ep replicates the dense weights: with Adafactor and 2048 tokens its 84.6 GiB fit an H200's
+    105.75 usable (no TPU in the table has that much), and it ranks among fsdp_ep's meshes."""
+    cfg = dataclasses.replace(MIXTRAL, context_length=2048)
+    plans, _ = planner.plan_all(cfg, hardware_links.parse_topology("h200:8x8"), 64, optimizer="adafactor")
+    fit, _ = planner.rank(plans, "serial")
+    assert [(p.strategy, p.mesh_text()) for p in fit] == [
+        ("fsdp_ep", "data:8,expert:8"), ("ep", "data:8,expert:8"), ("fsdp_ep", "data:16,expert:4"),
+        ("fsdp_ep", "data:32,expert:2"), ("fsdp", "data:64,tensor:1")]
+
+
+def test_the_expert_axis_in_a_gpu_node_is_nvlink_at_factor_1():
+    """fsdp_ep data:2 x expert:8 on 2 H100 nodes: the exchanges on NVLink, no hop factor; the
+    (data, expert) means at the slower network."""
+    p = planner.evaluate(MIXTRAL, hardware_links.parse_topology("h100:2x8"), "fsdp_ep",
+                         {"data": 2, "expert": 8, "tensor": 1}, 16)
+    assert (p.links["expert"].bytes_per_s, p.links["expert"].all_to_all) == (450e9, 1.0)
+    assert p.links["data"].bytes_per_s == 50e9
+    assert p.comm_s == pytest.approx(_hand_axis_times(p, {"data": 50e9, "expert": 450e9, "tensor": math.inf}, 1.0),
+                                     rel=1e-12)
+    assert p.comm_s["expert"] > 0 and p.comm_s["tensor"] == 0
+
+
 def test_readme_launch_lines_are_what_the_plan_prints():
     """Each `launch.plan` command of docs/multi-host.md, and the launch line it prints: the page
     shows that line (in a block test_readme does not run: gcloud, srun)."""
@@ -281,6 +351,25 @@ def test_cli_prints_ranks_and_writes_json(tmp_path):
     assert [p["rank"] for p in doc["plans"]] == [1, 2, 3, 4, 5, 6] and doc["chips"] == 64
     assert doc["plans"][0]["links"]["data"]["bytes_per_s"] == 540e9 and doc["chip"]["name"] == "v5p"
     assert doc["assumptions"]["optimizer"] == "lion (f32 state)"
+
+
+def test_cli_plans_a_mixture_of_experts(tmp_path):
+    proc = run("-m", "launch.plan", "--preset=mixtral_8x7b", "--topology=v5p:4x4x4", "--dtype=bfloat16", "--top=2",
+               f"--json={tmp_path / 'plan.json'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    head = next(line for line in out.splitlines() if line.startswith("rank "))
+    assert re.search(r"compute +comm data +comm expert +step overlap", head), head  # no tensor: none splits it
+    assert re.search(r"^1 +fsdp_ep +data:8,expert:8 .* compute ", out, re.M), out
+    assert "expert=8: ICI x (4 chips, torus ring): 2 x 90 GB/s, y (2 chips, part of a side of 4): 1 x 90 GB/s " \
+           "= 270 GB/s per chip; all-to-all x 1.71" in out
+    assert "ep data:4,expert:16: experts=8 is not divisible by mesh axis expert=16" in out
+    assert "tp: --num_experts=8: a mixture of experts runs under dp, fsdp, ep, fsdp_ep" in out
+    assert "--strategy=fsdp_ep --impl=manual --mesh=data:8,expert:8 --distributed" in out
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    best = doc["plans"][0]
+    assert best["mesh"] == {"data": 8, "expert": 8, "tensor": 1} and set(best["comm_s"]) == {"data", "expert", "tensor"}
+    assert best["links"]["expert"]["all_to_all"] == pytest.approx(12 / 7) and set(doc["refused"]) == {"tp", "fsdp_tp"}
 
 
 def test_cli_errors_are_one_line():
