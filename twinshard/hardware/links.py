@@ -93,8 +93,9 @@ def inner_axis(mesh: dict[str, int]) -> str:
 
 def tensor_sides(grid: tuple[int, ...], tensor: int) -> tuple[int, ...]:
     """Chips of the tensor axis along each physical axis, as jax's mesh_utils lays out a
-    (data, tensor) mesh on a TPU slice (and the expert axis of (data, expert[, tensor 1])) (tensor, the more communication-heavy, placed first;
-    tests/test_plan.py checks this against jax's own assignment):
+    (data, tensor) mesh on a TPU slice (tensor, the more communication-heavy, placed first;
+    tests/test_plan.py checks this against jax's own assignment), and of the expert axis of a
+    (data, expert) or (data, expert, tensor 1) mesh:
 
     1. whole physical axes whose sizes multiply to `tensor`, as many of them as possible
        (v5p 4x4x4, tensor 16: x and y);
