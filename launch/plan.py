@@ -2,14 +2,18 @@
 
     python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4
     python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16 --json=plan.json
+    python -m launch.plan --preset=mixtral_8x7b --topology=v5p:4x4x4 --dtype=bfloat16
     uv run --extra tpu python -m launch.plan --preset=gpt2_125m --topology=v5e:4x4 --compile
 
 --topology is a TPU slice as gcloud names it, `GEN:AxB` (v5e, v6e: a 2D torus) or `GEN:AxBxC`
 (v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips; or a GPU cluster `GPU:NODESxGPUS`, e.g. h100:8x8 =
 8 HGX nodes of 8 GPUs. The chips' numbers, with their sources, are twinshard/hardware/chips.py.
 
-For each strategy (dp, fsdp, tp, fsdp_tp) and each mesh data x tensor = chips the strategy
-allows, the cost model of the manual twin (twinshard.cost) gives, per chip:
+For each strategy the model runs under (`runnable`: a dense model dp, fsdp, tp, fsdp_tp; a
+mixture of experts dp, fsdp, ep, fsdp_ep, since resolve.check_experts refuses Megatron for it) and
+each factoring of the chips over the strategy's mesh axes that launch.train accepts for the model
+(data x tensor; ep data x expert; fsdp_ep data x expert x tensor 1: resolve.resolve_mesh), the
+cost model of the manual twin (twinshard.cost) gives, per chip:
 
 - memory: params + grads + optimizer state (--optimizer; AdamW's 2 moments by default) + activations (under --remat) +
   the backward loop's one-layer working set + FSDP's gathered layer; the plan fits when that is
@@ -20,27 +24,42 @@ allows, the cost model of the manual twin (twinshard.cost) gives, per chip:
   float32 the peak of JAX's default matmul precision (TF32 tensor cores on NVIDIA; on TPU one
   bf16 MXU pass, so the bf16 peak);
 - communication time per mesh axis = the ring bytes one chip sends over it / the bandwidth of
-  the links the axis uses (below). The gradient-norm all-reduce over (data, tensor), one f32
-  scalar, is charged to the slower of the two;
+  the links the axis uses (below); an all-to-all's ring bytes (ep's dispatch and combine over
+  `expert`) times the links' hop factor (below). A collective over several axes (the
+  gradient-norm scalar over (data, tensor); ep's gradient means over (data, expert)) is charged
+  to the slowest of them;
 - the step time two ways, both lower bounds at --mfu=1 (peak FLOP/s, full link rate, latency
-  ignored): `overlap` = max(compute, comm data, comm tensor), as if every collective hid behind
+  ignored): `overlap` = max(compute, comm of each axis), as if every collective hid behind
   compute (XLA's async collectives come close for FSDP's weight gathers), and `serial` = their
   sum, nothing hidden (Megatron's activation all-reduces sit on the critical path). The bound
   is the largest term. Plans are ranked by --rank_by (serial by default).
 
 Which links a mesh axis uses:
 
-- TPU (ICI): `tensor` gets the physical axes jax.make_mesh gives it (`tensor_sides`: whole
-  axes if some multiply to its size, else part of one), `data` the rest. A mesh axis that spans a whole side of a torus (the slice has wraparound
+- TPU (ICI): the inner mesh axis, `tensor`, or `expert` when the mesh has expert > 1 (both are
+  innermost of a plannable mesh: jax.make_mesh gives it the closest chips), gets the physical
+  axes jax.make_mesh gives it (`tensor_sides`: whole axes if some multiply to its size, else
+  part of one), `data` the rest. A mesh axis that spans a whole side of a torus (the slice has wraparound
   links: chips.Chip.torus_multiple) runs a bidirectional ring: 2 x the one-way link bandwidth
   per physical axis. On a side without wraparound, or on part of a side, the ring folds back on
   itself and each link carries it both ways: 1 x. An axis over k physical axes adds them (the
   scaling book's multi-axis collectives). v5p:4x4x4 (a torus), data:16,tensor:4: tensor on x,
   2 x 90 GB/s = 180 GB/s; data on y and z, 4 x 90 GB/s = 360 GB/s. v5e:16x16 (a torus),
   data:64,tensor:4: tensor on 4 chips of x, 1 x 45 GB/s; data on y and across x, 180 GB/s.
-- GPU: `tensor` inside a node on NVLink (450 GB/s one way per H100/H200); `data` across nodes
-  on the network, each GPU its NIC's share (8 x 400 Gb/s per HGX node: 50 GB/s per GPU); all on
-  NVLink when there is one node. A tensor axis larger than a node crosses the network too.
+  An all-to-all is not a ring: each chip sends B/n of its B bytes to each other chip, the one
+  j steps away over min(j, n-j) links: n^2/4 / (n-1) hops on average (even n). On a bidirectional
+  ring of n chips that is n x B n/4 link-bytes over 2n one-way links, B n/8 per link and
+  direction, where the ledger's ring bytes B (n-1)/n at the ring's 2 x one-way rate stand for
+  B (n-1)/(2n): the all-to-all's ring bytes count n^2 / (4 (n-1)) times (n = 2: 1; 4: 4/3;
+  8: 16/7). A line (no wraparound, or part of a side: 1 x) loads its middle link with B n/4 each
+  way: the same factor. Over several physical axes the all-to-all runs as one per axis at once,
+  each on its own links, and the slowest sets the time (links._ici: v5p:4x4x4 expert:16 on x
+  and y, 32/15, not a 16-chip ring's 64/15).
+- GPU: `tensor` (or `expert`) inside a node on NVLink (450 GB/s one way per H100/H200); `data`
+  across nodes on the network, each GPU its NIC's share (8 x 400 Gb/s per HGX node: 50 GB/s per
+  GPU); all on NVLink when there is one node. An inner axis larger than a node crosses the
+  network too. Both are switched: an all-to-all's bytes leave each GPU through its own port once
+  (hop factor 1).
 
 --compile (TPU only; needs libtpu, the `tpu` extra) then compiles the best plan's train step
 (the manual twin) ahead of time for that slice on this machine (twinshard/hardware/topology.py) and
@@ -59,10 +78,10 @@ from absl import app, flags, logging
 from launch import common
 from twinshard.hardware import chips
 from twinshard import cost
-from twinshard.parallel import mesh as mesh_lib
+from twinshard.parallel import mesh as mesh_lib, resolve, strategies
 from twinshard.hardware.chips import Chip
 from twinshard.hardware.links import GB, Link, Topology, axis_links, parse_topology
-from twinshard.config import OPTIMIZERS, PRESETS, Config, ModelConfig, preset
+from twinshard.config import OPTIMIZERS, PRESETS, Config, ModelConfig, TrainConfig, preset
 from twinshard.cost import human
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global).
@@ -86,7 +105,7 @@ flags.DEFINE_bool("compile", False, "Compile the best TPU plan ahead of time for
                   "and print its collectives and memory_analysis beside the model.")
 FLAGS = flags.FLAGS
 
-STRATEGIES = mesh_lib.STRATEGIES
+STRATEGIES = strategies.PLANNABLE  # those a model runs under: `runnable`
 
 
 def peak_flops(chip: Chip, dtype: str) -> tuple[float, str]:
@@ -105,7 +124,7 @@ class Plan:
     cost: cost.Cost
     hbm_usable: float  # bytes per chip the plan may use
     compute_s: float
-    comm_s: dict[str, float]  # per mesh axis ('data', 'tensor'); 0 where nothing moves
+    comm_s: dict[str, float]  # per axis of the plan's mesh ('data', 'tensor' / 'expert'); 0 where nothing moves
     links: dict[str, Link]
 
     @property
@@ -133,21 +152,32 @@ class Plan:
         return self.serial_s if rank_by == "serial" else self.overlap_s
 
     def mesh_text(self) -> str:
-        return ",".join(f"{a}:{self.mesh[a]}" for a in mesh_lib.AXES)
+        return mesh_lib.mesh_str(self.mesh, self.strategy)
 
 
 def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
-    """Seconds per mesh axis: ring bytes / bandwidth; a group over several axes goes at the slowest."""
-    out = dict.fromkeys(mesh_lib.AXES, 0.0)
-    for axes, s in c.by_axes().items():
+    """Seconds per mesh axis: ring bytes / bandwidth, an all-to-all's times its link's hop factor
+    (Link.all_to_all); a group over several axes goes at the slowest."""
+    ring: dict[tuple[str, ...], float] = {}
+    for (op, axes), s in c.summary().items():
+        hops = links[min(axes, key=lambda a: links[a].bytes_per_s)].all_to_all if op == "all-to-all" else 1.0
+        ring[axes] = ring.get(axes, 0.0) + s["ring_bytes"] * hops
+    out = dict.fromkeys(c.mesh, 0.0)
+    for axes, nbytes in ring.items():
         slowest = min(axes, key=lambda a: links[a].bytes_per_s)
-        out[slowest] += s["ring_bytes"] / links[slowest].bytes_per_s
+        out[slowest] += nbytes / links[slowest].bytes_per_s
     return out
+
+
+def _train_config(cfg: ModelConfig, batch: int) -> Config:
+    return Config(cfg, TrainConfig(batch_size=batch))
 
 
 def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
              mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw") -> Plan:
-    """One strategy on one mesh; cost.cost raises ValueError when the model does not split."""
+    """One strategy on one mesh; a ValueError when launch.train would refuse the mesh for this
+    model (resolve.resolve_mesh: it also checks E over `expert`, which cost.cost does not)."""
+    resolve.resolve_mesh(strategy, mesh_lib.mesh_str(mesh, strategy), _train_config(cfg, batch), topo.chips)
     c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer)
     links = axis_links(topo, c.mesh)
     peak, _ = peak_flops(topo.chip, cfg.dtype)
@@ -156,10 +186,11 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
 
 
 def candidate_meshes(strategy: str, n: int) -> list[dict[str, int]]:
-    """Every data x tensor = n the strategy allows (mesh.check_mesh: dp/fsdp tensor 1, tp data 1, ...)."""
+    """Every factoring of n over the strategy's mesh axes that it allows (mesh.check_mesh: dp/fsdp
+    data x tensor 1, tp data 1, ep data x expert > 1, fsdp_ep data > 1 x expert > 1 x tensor 1);
+    the inner axis smallest first (data:64,tensor:1, data:32,tensor:2, ...)."""
     out = []
-    for t in (k for k in range(1, n + 1) if n % k == 0):
-        shape = {"data": n // t, "tensor": t}
+    for shape in mesh_lib.factorings(tuple(a for a in mesh_lib.ORDER if a in mesh_lib.NEEDS[strategy]), n):
         try:
             mesh_lib.check_mesh(strategy, shape, n)
         except ValueError:
@@ -174,12 +205,30 @@ class Skipped:
     mesh: dict[str, int]
     why: str
 
+    def mesh_text(self) -> str:
+        return mesh_lib.mesh_str(self.mesh, self.strategy)
+
+
+def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
+    """The plannable strategies the model runs under (dense: dp, fsdp, tp, fsdp_tp; a mixture of
+    experts: dp, fsdp, ep, fsdp_ep), and the others -> resolve.check_experts's reason."""
+    ok, refused = [], {}
+    for strategy in STRATEGIES:
+        try:
+            resolve.check_experts(strategy, _train_config(cfg, 1))  # it reads the model only
+        except ValueError as e:
+            refused[strategy] = str(e)
+        else:
+            ok.append(strategy)
+    return ok, refused
+
 
 def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0,
              headroom: float = 0.25, optimizer: str = "adamw") -> tuple[list[Plan], list[Skipped]]:
-    """Every (strategy, mesh) the model splits on, and those it does not (with the first reason)."""
+    """Every (strategy, mesh) the model splits on, and those it does not (with the first reason);
+    the strategies it cannot run under at all (`runnable`) are in neither."""
     plans, skipped = [], []
-    for strategy in STRATEGIES:
+    for strategy in runnable(cfg)[0]:
         for shape in candidate_meshes(strategy, topo.chips):
             try:
                 plans.append(evaluate(cfg, topo, strategy, shape, batch, mfu, headroom, optimizer))
@@ -208,10 +257,12 @@ def _count(n: int) -> str:
 
 
 def plan_table(plans: list[Plan], topo: Topology, cfg: ModelConfig, batch: int) -> str:
-    head = ("rank", "strategy", "mesh", "memory/chip", "of HBM", "compute", "comm data", "comm tensor",
+    """One row per plan; a communication column per mesh axis some listed plan splits (> 1)."""
+    axes = [a for a in mesh_lib.ORDER if any(p.mesh.get(a, 1) > 1 for p in plans)]
+    head = ("rank", "strategy", "mesh", "memory/chip", "of HBM", "compute", *(f"comm {a}" for a in axes),
             "step overlap", "step serial", "bound", "tokens/s (serial)")
     rows = [(str(i), p.strategy, p.mesh_text(), human(p.memory), f"{p.memory / topo.chip.hbm_bytes:.0%}",
-             _ms(p.compute_s), _ms(p.comm_s["data"]), _ms(p.comm_s["tensor"]), _ms(p.overlap_s),
+             _ms(p.compute_s), *(_ms(p.comm_s.get(a, 0.0)) for a in axes), _ms(p.overlap_s),
              _ms(p.serial_s), p.bound, f"{batch * cfg.context_length / p.serial_s:,.0f}")
             for i, p in enumerate(plans, 1)]
     return "\n".join(cost._fmt_table(head, rows))
@@ -241,6 +292,8 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
         best = fit[0]
         out += ["", f"links of the best plan ({best.strategy} {best.mesh_text()}):"]
         out += [f"  {axis}={best.mesh[axis]}: {link.what} = {link.bytes_per_s / GB:g} GB/s per chip"
+                + (f"; all-to-all x {link.all_to_all:.3g} (its messages cross several links)"
+                   if link.all_to_all != 1 and _has_all_to_all(best, axis) else "")
                 for axis, link in best.links.items()]
         out += [f"  memory: {_breakdown(best)}"]
     else:
@@ -252,7 +305,10 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
                 f"({_breakdown(p)})" for p in over]
     if skipped:
         out += ["", "== meshes the model does not split on =="]
-        out += [f"{s.strategy} {','.join(f'{a}:{s.mesh[a]}' for a in mesh_lib.AXES)}: {s.why}" for s in skipped]
+        out += [f"{s.strategy} {s.mesh_text()}: {s.why}" for s in skipped]
+    if m.num_experts:  # why tp, fsdp_tp are missing (a dense model's refusals, ep's: --json only)
+        out += ["", "== strategies a mixture of experts does not run under =="]
+        out += [f"{name}: {why}" for name, why in runnable(m)[1].items()]
     if m.remat != "none" and _remat_ignored(m, fit + over):
         out += ["", f"NOTE: the cost model counts activations without rematerialization; --remat={m.remat} "
                     "would need less."]
@@ -260,6 +316,10 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
         out += ["", "== run the best plan: the same command on every host (jax.distributed finds the others) ==",
                 *launch_commands(fit[0], topo, name, cfg)]
     return "\n".join(out)
+
+
+def _has_all_to_all(p: Plan, axis: str) -> bool:
+    return any(op == "all-to-all" and axis in axes for op, axes in p.cost.summary())
 
 
 def _remat_ignored(m: ModelConfig, plans: list[Plan]) -> bool:
@@ -302,7 +362,8 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
                 "compute_s": p.compute_s, "comm_s": p.comm_s, "overlap_s": p.overlap_s, "serial_s": p.serial_s,
                 "bound": p.bound, "flops_per_chip": p.cost.flops.per_device,
                 "ring_bytes": {",".join(a): s["ring_bytes"] for a, s in p.cost.by_axes().items()},
-                "links": {a: {"bytes_per_s": link.bytes_per_s, "what": link.what} for a, link in p.links.items()}}
+                "links": {a: {"bytes_per_s": link.bytes_per_s, "what": link.what, "all_to_all": link.all_to_all}
+                          for a, link in p.links.items()}}
 
     peak, which = peak_flops(topo.chip, cfg.model.dtype)
     return {"preset": name, "topology": topo.name, "chips": topo.chips, "grid": list(topo.grid),
@@ -312,6 +373,7 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
                             "rank_by": rank_by, "optimizer": f"{cfg.train.optimizer} (f32 state)", "latency": "ignored"},
             "plans": [one(p, i) for i, p in enumerate(fit, 1)] + [one(p, None) for p in over],
             "skipped": [{"strategy": s.strategy, "mesh": s.mesh, "why": s.why} for s in skipped],
+            "refused": runnable(cfg.model)[1],
             "launch": launch_commands(fit[0], topo, name, cfg) if fit else []}
 
 
@@ -377,8 +439,7 @@ def check_flags(topo: Topology) -> None:
 
 
 def no_plan(skipped: list[Skipped], topo: Topology, batch: int) -> str:
-    reasons = "; ".join(f"{s.strategy} {','.join(f'{a}:{s.mesh[a]}' for a in mesh_lib.AXES)}: {s.why}"
-                        for s in skipped)
+    reasons = "; ".join(f"{s.strategy} {s.mesh_text()}: {s.why}" for s in skipped)
     fix = (f"pass a --batch_size divisible by the data axis (e.g. {topo.chips}) or plan fewer chips"
            if any(s.why.startswith("batch=") for s in skipped) else "plan fewer chips or a wider model")
     return f"no strategy splits this model with batch {batch} over {topo.chips} chips ({reasons}); {fix}."

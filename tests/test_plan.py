@@ -6,9 +6,11 @@ Nothing is compiled here (a --compile of the tiny preset runs in test_compile_th
 """
 
 import dataclasses
+import itertools
 import json
 import math
 import re
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from twinshard import cost
 from twinshard.config import preset
 
 LLM_1B = preset("llm_1b").model
+MIXTRAL = preset("mixtral_8x7b").model  # bfloat16
 
 
 def test_topologies_parse_as_gcloud_and_slurm_write_them():
@@ -85,6 +88,86 @@ def test_links_per_axis():
     assert set(links) == {"tensor"} and links["tensor"].bytes_per_s == 50 * gb  # tensor across nodes
     links = hardware_links.axis_links(hardware_links.parse_topology("h200:1x8"), {"data": 8, "tensor": 1})
     assert links["data"].bytes_per_s == 450 * gb  # one node: data on NVLink too
+
+
+def test_the_expert_axis_gets_the_closest_chips_as_tensor_does():
+    """jax.make_mesh on a (data, expert, tensor 1) mesh (fsdp_ep; ep's (data, expert) is the
+    (data, tensor) case above) gives expert the physical axes it gives tensor, and so do the links."""
+    from jax._src import mesh_utils
+
+    for name in ("v5p:4x4x4", "v4:2x2x4", "v5p:4x4x8", "v5e:16x16", "v5e:4x8"):
+        topo = hardware_links.parse_topology(name)
+        n = topo.chips
+        for e in (k for k in range(2, n + 1) if n % k == 0):
+            _, assignment = mesh_utils._create_device_mesh_for_nd_torus(
+                np.arange(n).reshape(topo.grid), (n // e, e, 1), allow_split_physical_axes=True)
+            assert hardware_links.tensor_sides(topo.grid, e) == tuple(int(a) for a in assignment[:, 1]), (name, e)
+            dense = hardware_links.axis_links(topo, {"data": n // e, "tensor": e})
+            for mesh in ({"data": n // e, "expert": e}, {"data": n // e, "expert": e, "tensor": 1}):
+                assert hardware_links.axis_links(topo, mesh) == {
+                    "expert" if a == "tensor" else a: link for a, link in dense.items()}, (name, mesh)
+
+
+@pytest.mark.parametrize("topology, mesh, gb_s, factor", [
+    # one physical axis of n chips: the mean hops n^2 / (4 (n - 1)) (even n)
+    ("v5p:4x4x4", {"data": 16, "expert": 4}, 180, 16 / 12),  # x, a torus ring of 4: 4/3
+    ("v5p:4x4x8", {"data": 16, "expert": 8}, 180, 64 / 28),  # z, a torus ring of 8: 16/7
+    ("v5p:4x4x4", {"data": 32, "expert": 2}, 90, 1.0),  # 2 of x's 4 chips: one link, one hop
+    ("v5e:16x16", {"data": 32, "expert": 8}, 45, 64 / 28),  # 8 of x's 16, a line: its middle link B 8/4 at 1 x
+    ("v5e:2x3", {"data": 2, "expert": 3}, 45, 1.0),  # a line of 3: (n + 1)/4; each link carries 2B/3 = the ring bytes
+    # several physical axes, each its own all-to-all at once: max_i [n_i^2/4 / (n_i k_i)] x K N / (N - 1)
+    ("v5p:4x4x4", {"data": 4, "expert": 16}, 360, 0.5 * 4 * 16 / 15),  # x and y rings of 4: B/2 per link each
+    ("v5p:4x4x4", {"data": 8, "expert": 8, "tensor": 1}, 270, 0.5 * 3 * 8 / 7),  # x ring of 4, 2 chips of y
+    ("v4:2x2x4", {"data": 4, "expert": 4}, 90, 0.5 * 2 * 4 / 3),  # x and y, 2 chips each, no wraparound
+    ("v5p:4x4x8", {"data": 4, "expert": 32}, 360, 1.0 * 4 * 32 / 31),  # rings of 4 (B/2) and 8 (B): z sets it
+    ("v5e:16x16", {"data": 8, "expert": 32}, 135, 2.0 * 3 * 32 / 31),  # x's ring of 16 (2B), 2 chips of y (B/2)
+    # a GPU's all-to-all leaves through its own NVLink or NIC port once: switched, factor 1
+    ("h100:2x8", {"data": 2, "expert": 8, "tensor": 1}, 450, 1.0),
+    ("h100:2x8", {"data": 1, "expert": 16}, 50, 1.0),  # larger than a node: the network
+])
+def test_the_all_to_all_factor_by_hand(topology, mesh, gb_s, factor):
+    link = hardware_links.axis_links(hardware_links.parse_topology(topology), mesh)["expert"]
+    assert link.bytes_per_s == gb_s * 1e9 and link.all_to_all == pytest.approx(factor, rel=1e-12)
+
+
+def _busiest_link(sides: tuple[int, ...], wraps: tuple[bool, ...]) -> float:
+    """Bytes on the busiest one-way link when each of the N chips of a sides[0] x sides[1] ... grid
+    sends 1/N byte to every chip, routed one physical axis after another along a shortest path
+    (a tie split between the two directions); an axis wraps around (a torus ring) or not (a line)."""
+    n_all, load = math.prod(sides), defaultdict(float)
+    for src, dst in itertools.product(itertools.product(*map(range, sides)), repeat=2):
+        at = list(src)
+        for i, (n, wrap) in enumerate(zip(sides, wraps)):
+            ahead = (dst[i] - at[i]) % n if wrap else dst[i] - at[i]
+            if wrap:
+                routes = [(1, ahead), (-1, n - ahead)] if 2 * ahead == n else \
+                    [(1, ahead)] if 2 * ahead < n else [(-1, n - ahead)]
+            else:
+                routes = [(1 if ahead > 0 else -1, abs(ahead))]
+            for step, hops in routes:
+                pos = at[i]
+                for _ in range(hops):
+                    load[(i, tuple(at[:i]), pos, step, tuple(at[i + 1:]))] += 1 / n_all / len(routes)
+                    pos = (pos + step) % n
+            at[i] = dst[i]
+    return max(load.values())
+
+
+@pytest.mark.parametrize("topology, expert, sides, wraps", [
+    ("v5p:4x4x4", 4, (4,), (True,)), ("v5p:4x4x8", 8, (8,), (True,)), ("v5p:4x4x12", 12, (12,), (True,)),
+    ("v5p:4x4x4", 2, (2,), (False,)), ("v5e:8x16", 8, (8,), (False,)), ("v5e:4x5", 5, (5,), (False,)),
+    ("v5p:4x4x4", 16, (4, 4), (True, True)), ("v5p:4x4x4", 8, (4, 2), (True, False)),
+    ("v5p:4x4x4", 32, (4, 4, 2), (True, True, False)), ("v4:2x2x4", 4, (2, 2), (False, False)),
+    ("v5p:4x4x8", 32, (4, 8), (True, True)), ("v5e:16x16", 32, (16, 2), (True, False)),
+])
+def test_the_all_to_all_time_is_its_busiest_links(topology, expert, sides, wraps):
+    """The planner's all-to-all time (ring bytes x factor / bandwidth) against routing every
+    message over the chips the expert axis gets, link by link: the busiest link sets the time."""
+    topo = hardware_links.parse_topology(topology)
+    link = hardware_links.axis_links(topo, {"data": topo.chips // expert, "expert": expert})["expert"]
+    one_way = topo.chip.ici_link_bytes_per_s
+    planned = (expert - 1) / expert * link.all_to_all / (link.bytes_per_s / one_way)  # B = 1 byte, in 1/one_way
+    assert planned == pytest.approx(_busiest_link(sides, wraps), rel=1e-12)
 
 
 def test_a_tpu_row_by_hand():
@@ -165,6 +248,75 @@ def test_ranking():
         ("fsdp_tp", 32): "heads=16 is not divisible by mesh axis tensor=32"}
 
 
+def _hand_axis_times(p: planner.Plan, bw: dict[str, float], factor: float) -> dict[str, float]:
+    """Each (op, axes) row's ring bytes at the slower axis's hand-set bandwidth, the all-to-all's x factor."""
+    out = dict.fromkeys(p.mesh, 0.0)
+    for (op, axes), s in p.cost.summary().items():
+        slow = min(axes, key=bw.get)
+        out[slow] += s["ring_bytes"] * (factor if op == "all-to-all" else 1) / bw[slow]
+    return out
+
+
+def test_a_mixture_of_experts_ranks_ep_and_fsdp_ep():
+    """mixtral_8x7b (bf16) on v5p:4x4x4: dp, fsdp, ep and fsdp_ep meshes, no Megatron; each ep
+    plan's expert-axis time by hand from the cost model's rows and the links' numbers."""
+    topo = hardware_links.parse_topology("v5p:4x4x4")
+    plans, skipped = planner.plan_all(MIXTRAL, topo, 64)
+    fit, over = planner.rank(plans, "serial")
+    assert [(p.strategy, p.mesh_text()) for p in fit] == [
+        ("fsdp_ep", "data:8,expert:8"), ("fsdp_ep", "data:16,expert:4"), ("fsdp_ep", "data:32,expert:2"),
+        ("fsdp", "data:64,tensor:1")]
+    assert {p.strategy for p in plans} == {"dp", "fsdp", "ep", "fsdp_ep"}
+    assert planner.runnable(MIXTRAL)[1].keys() == {"tp", "fsdp_tp"}  # resolve.check_experts refuses Megatron
+    # E = 8 experts split over expert <= 8 (cost.cost does not check it; launch.train does)
+    assert {(s.strategy, s.mesh_text()): s.why for s in skipped} == {
+        (s, f"data:{64 // e},expert:{e}"): f"experts=8 is not divisible by mesh axis expert={e}"
+        for s in ("ep", "fsdp_ep") for e in (16, 32, 64) if (s, e) != ("fsdp_ep", 64)}
+    # ep keeps every weight but the experts whole on each chip: 16 bytes (f32 param, grad, Adam's 2
+    # moments) x (N - experts + experts/8) = 120 GiB before activations, over any chip's HBM
+    L, E, D, Fe, N = MIXTRAL.num_layers, MIXTRAL.num_experts, MIXTRAL.d_model, MIXTRAL.expert_ff, MIXTRAL.num_params()
+    experts = 3 * L * E * D * Fe
+    ep = {p.mesh["expert"]: p for p in over if p.strategy == "ep"}
+    assert set(ep) == {2, 4, 8} and ep[8].cost.memory.params == 4 * (N - experts + experts // 8)
+    # the links by hand (the module docstring): expert on x (a torus ring of 4), plus 2 of y's 4
+    # chips for expert 8, or on 2 of x's 4 chips for expert 2; data on the rest
+    gb, by_expert = 1e9, {8: ({"data": 360, "expert": 270}, 12 / 7), 4: ({"data": 360, "expert": 180}, 4 / 3),
+                          2: ({"data": 540, "expert": 90}, 1.0)}
+    for p in plans:
+        if "expert" in p.mesh:
+            bw, factor = by_expert[p.mesh["expert"]]
+            want = _hand_axis_times(p, {a: bw.get(a, math.inf) * gb for a in p.mesh}, factor)
+            assert p.comm_s == pytest.approx(want, rel=1e-12), (p.strategy, p.mesh)
+    best = fit[0]
+    a2a = best.cost.summary()[("all-to-all", ("expert",))]["ring_bytes"]
+    assert a2a * (12 / 7 - 1) / (270 * gb) > 0.1 * best.comm_s["expert"]  # the hops are no rounding error
+    assert planner.train_flags(ep[8], "mixtral_8x7b", preset("mixtral_8x7b")).startswith(
+        "--preset=mixtral_8x7b --strategy=ep --impl=manual --mesh=data:8,expert:8 --distributed")
+
+
+def test_ep_fits_mixtral_with_factored_moments_on_h200():
+    """ep replicates the dense weights: with Adafactor and 2048 tokens its 84.6 GiB fit an H200's
+    105.75 usable (no TPU in the table has that much), and it ranks among fsdp_ep's meshes."""
+    cfg = dataclasses.replace(MIXTRAL, context_length=2048)
+    plans, _ = planner.plan_all(cfg, hardware_links.parse_topology("h200:8x8"), 64, optimizer="adafactor")
+    fit, _ = planner.rank(plans, "serial")
+    assert [(p.strategy, p.mesh_text()) for p in fit] == [
+        ("fsdp_ep", "data:8,expert:8"), ("ep", "data:8,expert:8"), ("fsdp_ep", "data:16,expert:4"),
+        ("fsdp_ep", "data:32,expert:2"), ("fsdp", "data:64,tensor:1")]
+
+
+def test_the_expert_axis_in_a_gpu_node_is_nvlink_at_factor_1():
+    """fsdp_ep data:2 x expert:8 on 2 H100 nodes: the exchanges on NVLink, no hop factor; the
+    (data, expert) means at the slower network."""
+    p = planner.evaluate(MIXTRAL, hardware_links.parse_topology("h100:2x8"), "fsdp_ep",
+                         {"data": 2, "expert": 8, "tensor": 1}, 16)
+    assert (p.links["expert"].bytes_per_s, p.links["expert"].all_to_all) == (450e9, 1.0)
+    assert p.links["data"].bytes_per_s == 50e9
+    assert p.comm_s == pytest.approx(_hand_axis_times(p, {"data": 50e9, "expert": 450e9, "tensor": math.inf}, 1.0),
+                                     rel=1e-12)
+    assert p.comm_s["expert"] > 0 and p.comm_s["tensor"] == 0
+
+
 def test_readme_launch_lines_are_what_the_plan_prints():
     """Each `launch.plan` command of docs/multi-host.md, and the launch line it prints: the page
     shows that line (in a block test_readme does not run: gcloud, srun)."""
@@ -199,6 +351,25 @@ def test_cli_prints_ranks_and_writes_json(tmp_path):
     assert [p["rank"] for p in doc["plans"]] == [1, 2, 3, 4, 5, 6] and doc["chips"] == 64
     assert doc["plans"][0]["links"]["data"]["bytes_per_s"] == 540e9 and doc["chip"]["name"] == "v5p"
     assert doc["assumptions"]["optimizer"] == "lion (f32 state)"
+
+
+def test_cli_plans_a_mixture_of_experts(tmp_path):
+    proc = run("-m", "launch.plan", "--preset=mixtral_8x7b", "--topology=v5p:4x4x4", "--dtype=bfloat16", "--top=2",
+               f"--json={tmp_path / 'plan.json'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    head = next(line for line in out.splitlines() if line.startswith("rank "))
+    assert re.search(r"compute +comm data +comm expert +step overlap", head), head  # no tensor: none splits it
+    assert re.search(r"^1 +fsdp_ep +data:8,expert:8 .* compute ", out, re.M), out
+    assert "expert=8: ICI x (4 chips, torus ring): 2 x 90 GB/s, y (2 chips, part of a side of 4): 1 x 90 GB/s " \
+           "= 270 GB/s per chip; all-to-all x 1.71" in out
+    assert "ep data:4,expert:16: experts=8 is not divisible by mesh axis expert=16" in out
+    assert "tp: --num_experts=8: a mixture of experts runs under dp, fsdp, ep, fsdp_ep" in out
+    assert "--strategy=fsdp_ep --impl=manual --mesh=data:8,expert:8 --distributed" in out
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    best = doc["plans"][0]
+    assert best["mesh"] == {"data": 8, "expert": 8, "tensor": 1} and set(best["comm_s"]) == {"data", "expert", "tensor"}
+    assert best["links"]["expert"]["all_to_all"] == pytest.approx(12 / 7) and set(doc["refused"]) == {"tp", "fsdp_tp"}
 
 
 def test_cli_errors_are_one_line():

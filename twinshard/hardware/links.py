@@ -80,12 +80,22 @@ def _shape_problem(topo: Topology) -> str | None:
 class Link:
     bytes_per_s: float  # what one chip can send over the axis (one way)
     what: str
+    all_to_all: float = 1.0  # an all-to-all's time / (its ring bytes / bytes_per_s): 1 on a switch; ICI: `_ici`
+
+
+def inner_axis(mesh: dict[str, int]) -> str:
+    """The mesh axis jax.make_mesh puts on the closest chips: `expert` when the mesh has
+    expert > 1 (ep: data x expert; fsdp_ep: data x expert x tensor 1), else `tensor`
+    (tests/test_plan.py checks both against jax's own assignment)."""
+    assert mesh.get("expert", 1) == 1 or mesh.get("tensor", 1) == 1, mesh  # no strategy splits both
+    return "expert" if mesh.get("expert", 1) > 1 else "tensor"
 
 
 def tensor_sides(grid: tuple[int, ...], tensor: int) -> tuple[int, ...]:
     """Chips of the tensor axis along each physical axis, as jax's mesh_utils lays out a
     (data, tensor) mesh on a TPU slice (tensor, the more communication-heavy, placed first;
-    tests/test_plan.py checks this against jax's own assignment):
+    tests/test_plan.py checks this against jax's own assignment), and of the expert axis of a
+    (data, expert) or (data, expert, tensor 1) mesh:
 
     1. whole physical axes whose sizes multiply to `tensor`, as many of them as possible
        (v5p 4x4x4, tensor 16: x and y);
@@ -107,20 +117,41 @@ def tensor_sides(grid: tuple[int, ...], tensor: int) -> tuple[int, ...]:
 
 
 def _ici(topo: Topology, spans: list[tuple[int, int, bool]]) -> Link:
-    """An axis over (physical axis, its chips along it, spans the whole side?): a ring on each."""
+    """An axis over (physical axis, its chips along it, spans the whole side?): a ring on each.
+
+    Its all-to-all factor. The ledger's ring bytes of an all-to-all of B bytes over N chips are
+    (N-1)/N B per chip, as if every message went one hop: true on a switch (NVLink, the
+    inter-node fabric: factor 1), not on ICI. Dimension-ordered routing makes an all-to-all over
+    n_1 x n_2 ... chips one all-to-all of B bytes per chip along each physical axis, each on its
+    own links, at once. Along an axis of n chips each chip sends B/n to each other chip, min(j, n-j)
+    hops away: B floor(n/2) ceil(n/2) / n link-bytes per chip, spread evenly over the 2 one-way
+    links per chip of a torus ring (k = 2: B n/8 per direction for even n); on a line (k = 1) the
+    middle link carries floor(n/2) ceil(n/2) B/n each way: the same B n/(4k). So the axis takes
+    B floor(n/2) ceil(n/2) / (n k) / one-way seconds, and the Link (K = sum of k one-way links) gives
+
+        factor = max_i [floor(n_i/2) ceil(n_i/2) / (n_i k_i)] x K N / (N - 1)
+
+    One physical axis: floor(n/2) ceil(n/2) / (n - 1), a ring's mean hops: n^2 / (4 (n-1)) for even
+    n (2: 1, 4: 4/3, 8: 16/7), (n+1)/4 for odd n. A 4x4 torus face (x and y, N = 16): 1/2 x 4 x
+    16/15 = 32/15, half of a 16-chip ring's 64/15 (the two axes carry their shares at once)."""
     one_way, parts = topo.chip.ici_link_bytes_per_s, []
     for i, n, whole in spans:
         k = 2 if whole and topo.torus else 1  # a bidirectional ring, or one folded back on its links
         how = "torus ring" if k == 2 else "no wraparound" if whole else f"part of a side of {topo.grid[i]}"
-        parts.append((k, f"{'xyz'[i]} ({n} chips, {how}): {k} x {one_way / GB:g} GB/s"))
-    return Link(sum(k for k, _ in parts) * one_way, "ICI " + ", ".join(what for _, what in parts))
+        parts.append((k, n, f"{'xyz'[i]} ({n} chips, {how}): {k} x {one_way / GB:g} GB/s"))
+    total_k, group = sum(k for k, _, _ in parts), math.prod(n for _, n, _ in parts)
+    busiest = max((n // 2) * ((n + 1) // 2) / (n * k) for k, n, _ in parts)  # x B / one-way = seconds
+    return Link(total_k * one_way, "ICI " + ", ".join(what for _, _, what in parts),
+                busiest * total_k * group / (group - 1))
 
 
 def tpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
-    sides = tensor_sides(topo.grid, mesh["tensor"])
-    tensor = [(i, n, n == g) for i, (n, g) in enumerate(zip(sides, topo.grid)) if n > 1]
+    """The inner axis (tensor, or expert) on `tensor_sides` of the grid, data on the rest."""
+    inner = inner_axis(mesh)
+    sides = tensor_sides(topo.grid, mesh.get(inner, 1))
+    near = [(i, n, n == g) for i, (n, g) in enumerate(zip(sides, topo.grid)) if n > 1]
     data = [(i, g // n, True) for i, (n, g) in enumerate(zip(sides, topo.grid)) if g // n > 1]
-    return {axis: _ici(topo, spans) for axis, spans in (("data", data), ("tensor", tensor)) if spans}
+    return {axis: _ici(topo, spans) for axis, spans in (("data", data), (inner, near)) if spans}
 
 
 def gpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
@@ -129,10 +160,10 @@ def gpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
     nic = chip.node_network_bytes_per_s / chip.gpus_per_node
     network = Link(nic, f"inter-node network {nic / GB:g} GB/s per GPU "
                         f"({chip.node_network_bytes_per_s / GB:g} GB/s per node / {chip.gpus_per_node} GPUs)")
-    t = mesh["tensor"]
+    inner = inner_axis(mesh)
     links = {"data": nvlink if nodes == 1 else network,
-             "tensor": nvlink if per_node % t == 0 else network}
-    return {axis: link for axis, link in links.items() if mesh[axis] > 1}
+             inner: nvlink if per_node % mesh.get(inner, 1) == 0 else network}
+    return {axis: link for axis, link in links.items() if mesh.get(axis, 1) > 1}
 
 
 def axis_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:

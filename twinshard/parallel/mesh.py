@@ -26,12 +26,13 @@ from jax.sharding import AxisType, Mesh
 from twinshard.parallel import strategies
 from twinshard.parallel.strategies import ANY, MANY, ONE
 
-AXES = ("data", "tensor")  # the base strategies' axes (both always named in their meshes)
+AXES = ("data", "tensor")  # the axes of DATA_TENSOR's meshes (both always named)
 # Mesh order of every axis: pipeline stages outermost (one hop per micro-batch), then data,
-# the sequence (context parallelism: ring attention's K/V blocks), tensor innermost (Megatron's
-# all-reduces every layer: the closest chips).
+# the experts (ep's all-to-alls every MoE layer), the sequence (context parallelism: ring
+# attention's K/V blocks), tensor innermost (Megatron's all-reduces every layer: the closest
+# chips; with tensor 1, fsdp_ep's expert axis gets them).
 ORDER = strategies.ORDER
-STRATEGIES = strategies.PLANNABLE  # the base four: dp, fsdp, tp, fsdp_tp (launch.plan ranks these)
+DATA_TENSOR = strategies.DATA_TENSOR  # dp, fsdp, tp, fsdp_tp: their meshes name exactly data and tensor
 
 # strategy -> {mesh axis: the size it needs}; the axes of its mesh, in ORDER.
 NEEDS: dict[str, dict[str, str]] = {s.name: dict(s.mesh) for s in strategies.DECLARATIONS}
@@ -47,7 +48,7 @@ def _needs(strategy: str | None) -> dict[str, str]:
 
 
 def _is_base(strategy: str | None) -> bool:
-    return strategy is None or strategy in STRATEGIES
+    return strategy is None or strategy in DATA_TENSOR
 
 
 def _required(strategy: str | None) -> tuple[str, ...]:
@@ -58,7 +59,7 @@ def _required(strategy: str | None) -> tuple[str, ...]:
 
 def _example(strategy: str | None) -> str:
     """A mesh string for the strategy: its default on 8 devices."""
-    return _mesh_str(default_mesh(strategy, 8) if strategy is not None else {"data": 4, "tensor": 2}, strategy)
+    return mesh_str(default_mesh(strategy, 8) if strategy is not None else {"data": 4, "tensor": 2}, strategy)
 
 
 def parse_mesh(spec: str, strategy: str | None = None) -> dict[str, int]:
@@ -120,7 +121,7 @@ def default_mesh(strategy: str, n_devices: int) -> dict[str, int]:
     return shape
 
 
-def _mesh_str(shape: Mapping[str, int], strategy: str | None = None) -> str:
+def mesh_str(shape: Mapping[str, int], strategy: str | None = None) -> str:
     """'data:4,tensor:2'; for the newer strategies only the axes they may split, or > 1 ('stage:4')."""
     needs = _needs(strategy)
     shown = [a for a in ORDER if a in shape and (_is_base(strategy) or needs.get(a) != ONE or shape[a] != 1)]
@@ -135,8 +136,8 @@ def _fix(strategy: str, n_devices: int) -> str:
     """A valid alternative: the default mesh, or (if there is none on n devices) what is needed."""
     default = default_mesh(strategy, n_devices)
     if _sized(NEEDS[strategy], default):
-        return f"try --mesh={_mesh_str(default, strategy)}"
-    fits = [s for s in STRATEGIES if _sized(NEEDS[s], default_mesh(s, n_devices))]
+        return f"try --mesh={mesh_str(default, strategy)}"
+    fits = [s for s in DATA_TENSOR if _sized(NEEDS[s], default_mesh(s, n_devices))]
     split = [a for a in NEEDS[strategy] if NEEDS[strategy][a] == MANY]
     need = (f"a device count with a factor pair {', '.join(split)} > 1 (4, 6, 8, ...)" if len(split) == 2
             else "at least 2 devices")
@@ -162,9 +163,9 @@ def _mesh_problem(strategy: str, shape: Mapping[str, int], n_devices: int) -> st
     for axis in axes:
         if needs[axis] == MANY and shape[axis] < 2 or needs[axis] == ONE and shape[axis] != 1:
             want = "> 1" if needs[axis] == MANY else "= 1"
-            return f"strategy {strategy} needs {axis} {want}, got mesh {_mesh_str(shape, strategy)}"
+            return f"strategy {strategy} needs {axis} {want}, got mesh {mesh_str(shape, strategy)}"
     if math.prod(shape.values()) != n_devices:
-        return (f"mesh {_mesh_str(shape, strategy)} has {math.prod(shape.values())} devices but {n_devices} "
+        return (f"mesh {mesh_str(shape, strategy)} has {math.prod(shape.values())} devices but {n_devices} "
                 "are available")
     return None
 
@@ -214,14 +215,14 @@ def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
     return None
 
 
-def _factorings(axes: tuple[str, ...], n: int) -> Iterator[dict[str, int]]:
+def factorings(axes: tuple[str, ...], n: int) -> Iterator[dict[str, int]]:
     """Every {axis: size} over `axes` with product n; the last axis grows slowest-first
     (data:8,tensor:1, then data:4,tensor:2, ...): most devices on the outer axes first."""
     if len(axes) == 1:
         yield {axes[0]: n}
         return
     for k in (k for k in range(1, n + 1) if n % k == 0):
-        for rest in _factorings(axes[:-1], n // k):
+        for rest in factorings(axes[:-1], n // k):
             yield {**rest, axes[-1]: k}
 
 
@@ -229,7 +230,7 @@ def fitting_mesh(needs: Mapping[str, str], dims: Mapping[str, int], rules: Mappi
                  n_devices: int, prefer: Mapping[str, int] | None = None) -> dict[str, int] | None:
     """A mesh on exactly n_devices whose axes are sized as `needs` says ({axis: MANY/ONE/ANY})
     and that splits every dimension evenly; `prefer` first if it fits, then most on the outer axes."""
-    candidates = list(_factorings(tuple(a for a in ORDER if a in needs), n_devices))
+    candidates = list(factorings(tuple(a for a in ORDER if a in needs), n_devices))
     if prefer is not None:
         candidates.insert(0, dict(prefer))
     for shape in candidates:
@@ -243,12 +244,12 @@ def advice(needs: Mapping[str, str], dims: Mapping[str, int], rules: Mapping[str
     """One step that works: a mesh on these devices, else the most devices that have one."""
     shape = fitting_mesh(needs, dims, rules, n_devices, prefer)
     if shape is not None:
-        return f"try --mesh={_mesh_str(shape, strategy)}"
+        return f"try --mesh={mesh_str(shape, strategy)}"
     for k in range(n_devices - 1, 1, -1):
         shape = fitting_mesh(needs, dims, rules, k)
         if shape is not None:
             return (f"no mesh on {n_devices} devices splits this model for this strategy; run on {k}: "
-                    f"--devices={k} --mesh={_mesh_str(shape, strategy)}")
+                    f"--devices={k} --mesh={mesh_str(shape, strategy)}")
     return f"no mesh on {n_devices} or fewer devices splits this model for this strategy"
 
 

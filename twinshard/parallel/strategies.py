@@ -127,13 +127,17 @@ PP_FSDP = compose("pp_fsdp", "pp over stage, fsdp over data inside each stage", 
 EP = Strategy("ep", "expert parallelism: the experts over expert, the batch over (data, expert), the rest replicated",
               mesh={"data": ANY, "expert": MANY}, params={"experts": "expert"},
               activations={"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"},
-              family="experts")
+              family="experts", plannable=True)
 FSDP_EP = compose("fsdp_ep", "ep, plus fsdp of every weight's d_model over data", FSDP, EP, family="experts")
 
 DECLARATIONS: tuple[Strategy, ...] = (DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, PP, PP_FSDP, EP, FSDP_EP)
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in DECLARATIONS})
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
 PLANNABLE: tuple[str, ...] = tuple(s.name for s in DECLARATIONS if s.plannable)
+# The strategies whose mesh is exactly data x tensor, both axes always named (size 1 allowed):
+# dp, fsdp, tp, fsdp_tp (tp_sp's data is optional, so its mesh string may omit it).
+DATA_TENSOR: tuple[str, ...] = tuple(s.name for s in DECLARATIONS
+                                     if s.family == "base" and ANY not in s.mesh.values())
 
 
 def get(name: str) -> Strategy:
