@@ -282,7 +282,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     acts = layers * dtype_bytes + final
     gathered = 0
     if "embed" in rules:
-        layer = sum(w.size * w.count // w.layers // _shards(w, {"experts": rules.get("experts")}, mesh)
+        experts = {"experts": rules["experts"]} if "experts" in rules else {}  # fsdp of a MoE: all E experts
+        layer = sum(w.size * w.count // w.layers // _shards(w, experts, mesh)
                     for w in weights(cfg) if w.is_matrix and w.layers > 1)  # one layer's matrices (E/ep experts)
         gathered = max(layer, v * d) * dtype_bytes // t
         if "layers" in rules:  # pp_fsdp: the stage's L/S layers, embedding and lm_head, gathered for the
