@@ -283,3 +283,8 @@ def test_flops_match_xlas_count():
     x = jax.ShapeDtypeStruct((b, t), jnp.int32)
     xla = jax.jit(jax.value_and_grad(functools.partial(loss_fn, cfg=m))).lower(params, x, x).compile().cost_analysis()
     assert xla["flops"] == pytest.approx(cost.flops(m, b, t).total, rel=0.05)
+
+
+def test_the_cost_model_refuses_experts_that_do_not_split():
+    with pytest.raises(ValueError, match=r"experts=4 is not divisible by mesh axis expert=8"):
+        cost.cost(BASE.model, "ep", {"data": 1, "expert": 8}, BASE.train.batch_size)

@@ -179,13 +179,13 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     if dtype_bytes not in (1, 2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes} must be 1, 2, 4 or 8 (4 for float32).")
     dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads,
-            "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size, "seq": seq}
+            "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size, "seq": seq, "experts": cfg.num_experts}
     if strategy in PIPELINES:
         from twinshard.parallel import pipeline
 
         pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, data=shape["data"])
     mesh_lib.check_divisible(dims, {k: v for k, v in RULES[strategy].items() if k != "layers"}, shape)
-    local = batch_size // shape["data"] if "batch" in RULES[strategy] else batch_size
+    local = batch_size // mesh_lib.axis_size(shape, RULES[strategy]["batch"]) if "batch" in RULES[strategy] else batch_size
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "
                          f"of {local} sequences; choose one of {[k for k in range(1, local + 1) if local % k == 0]}.")
