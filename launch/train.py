@@ -271,7 +271,7 @@ class Utilization:
     def record(self, step_time: float) -> dict[str, float]:
         rec = {"tflops_per_device": self.flops / self.n_devices / step_time / 1e12}
         if self.peak:
-            rec["mfu"] = self.flops / step_time / self.peak
+            rec["mfu"], rec["peak_flops"] = self.flops / step_time / self.peak, self.peak
         stats = self.device.memory_stats()  # None on CPU
         if stats and "peak_bytes_in_use" in stats:
             rec["peak_memory_bytes"] = int(stats["peak_bytes_in_use"])

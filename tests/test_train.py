@@ -55,7 +55,8 @@ def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path_factory):
 
 def test_log_reports_model_flops_and_mfu(full_run):
     """Each record's TFLOP/s per device is the cost model's FLOPs per step over the step time (one
-    device), and MFU that rate over the CPU's measured matmul peak: a fraction in (0, 1)."""
+    device), and MFU that rate over the peak it names (the CPU's measured matmul rate: measured
+    under whatever load the machine has, so no bound on the fraction is asserted)."""
     from twinshard import cost
     from twinshard.config import preset
 
@@ -63,7 +64,7 @@ def test_log_reports_model_flops_and_mfu(full_run):
     step_flops = cost.flops(cfg.model, cfg.train.batch_size, cfg.model.context_length).total
     for r in metrics(full_run):
         assert r["tflops_per_device"] * 1e12 * r["step_time"] == pytest.approx(step_flops, rel=1e-9)
-        assert 0 < r["mfu"] < 1, r
+        assert r["peak_flops"] > 0 and r["mfu"] == pytest.approx(step_flops / r["step_time"] / r["peak_flops"])
 
 
 def test_sigterm_checkpoints_the_step_and_resume_is_exact(full_run, tmp_path_factory, monkeypatch):
