@@ -353,7 +353,7 @@ combine_from_experts.defvjp(_combine_fwd, _combine_bwd)
 # expert axis, only as many rows to each peer as its experts were chosen. The output buffer needs
 # a static size: peer j's rows land in region j of ep A rows (A: every device's assignments), the
 # worst case of all ep A landing on one device, so no capacity check is needed. XLA:CPU has no
-# ragged-all-to-all (manual_parallel/ep.py refuses a CPU mesh).
+# ragged-all-to-all (manual_parallel/ep.py refuses CPU devices).
 # ----------------------------------------------------------------------------
 
 class RaggedRoute(NamedTuple):
