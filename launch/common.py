@@ -27,7 +27,7 @@ from typing import Callable
 from absl import app, flags
 
 from twinshard.parallel import strategies
-from twinshard.config import CP_LAYOUTS, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
+from twinshard.config import CP_LAYOUTS, MOE_DISPATCHES, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 from twinshard.errors import guarded
 
 STRATEGIES = ("single", *strategies.NAMES)  # single: the single-device reference
@@ -99,12 +99,16 @@ _MOE_FLAGS = (
     (flags.DEFINE_float, "router_z_loss", "coefficient of the router z-loss (default 0)."),
     (flags.DEFINE_integer, "expert_d_ff", "each expert's feed-forward width (default 0: d_ff)."),
 )
-MOE_FLAGS = tuple(name for _, name, _ in _MOE_FLAGS)
+_MOE_DISPATCH_TEXT = ("how tokens reach their experts (default dense: the capacity buffers, an all_to_all pair "
+                      "under ep; ragged: dropless, needs --capacity_factor=0, rows sorted by expert through "
+                      "jax.lax.ragged_dot and, under manual ep, ragged_all_to_all: TPU/GPU only).")
+MOE_FLAGS = (*(name for _, name, _ in _MOE_FLAGS), "moe_dispatch")
 
 
 def define_moe_flags() -> None:
     for definer, name, text in _MOE_FLAGS:
         define(definer, name, None, "Mixture of experts: " + text)
+    define(flags.DEFINE_enum, "moe_dispatch", None, MOE_DISPATCHES, "Mixture of experts: " + _MOE_DISPATCH_TEXT)
 
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:

@@ -22,11 +22,18 @@ a strategy file).
     dispatch_to_experts(x, ax)  all_to_all over ax:         the inverse all_to_all
                               [E, G, C, D] -> [E/n, nG, C, D] ([E/n, nG, C, D] -> [E, G, C, D])
     combine_from_experts(x, ax) the inverse all_to_all      all_to_all over ax
+    ragged_dispatch(x, route, m, ax)  ragged_all_to_all     the reverse ragged_all_to_all
+                              over ax: [A, D] -> [m, D]     [m, D] -> [A, D] (route.reverse())
+    ragged_combine(x, route, a, ax)   the reverse           ragged_all_to_all over ax
+                              ragged_all_to_all [m, D] -> [a, D]    ([a, D] -> [m, D])
+    expert_route(sizes, a, ax)  all_to_all over ax of the   - (integers: no gradient)
+                              per-expert counts [n, E/n + 1]
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -338,3 +345,99 @@ def _combine_bwd(axis, _, grad):
 
 
 combine_from_experts.defvjp(_combine_fwd, _combine_bwd)
+
+
+# ----------------------------------------------------------------------------
+# Dropless expert parallelism (ModelConfig.moe_dispatch='ragged'; MaxText's and levanter's):
+# each device's assignments, rows sorted by expert, travel as ONE ragged_all_to_all over the
+# expert axis, only as many rows to each peer as its experts were chosen. The output buffer needs
+# a static size: peer j's rows land in region j of ep A rows (A: every device's assignments), the
+# worst case of all ep A landing on one device, so no capacity check is needed. XLA:CPU has no
+# ragged-all-to-all (manual_parallel/ep.py refuses CPU devices).
+# ----------------------------------------------------------------------------
+
+class RaggedRoute(NamedTuple):
+    """One ragged_all_to_all over an axis of n devices, as this device sees it: each field [n]
+    int32, indexed by peer j (this device included)."""
+    send_offsets: Array  # where the rows for peer j start in this device's operand
+    send_sizes: Array  # how many rows go to peer j
+    peer_offsets: Array  # where they land in peer j's output (ragged_all_to_all's output_offsets)
+    recv_offsets: Array  # where peer j's rows land in this device's output
+    recv_sizes: Array  # how many rows come from peer j
+    peer_send_offsets: Array  # where those rows started in peer j's operand
+
+    def reverse(self) -> RaggedRoute:
+        """The exchange that sends every row back where it came from."""
+        return RaggedRoute(self.recv_offsets, self.recv_sizes, self.peer_send_offsets, self.send_offsets,
+                           self.send_sizes, self.peer_offsets)
+
+
+def expert_route(group_sizes: Array, rows: int, axis: str) -> tuple[RaggedRoute, Array]:
+    """group_sizes [E] int32: this device's `rows` assignments per expert, its rows sorted by
+    expert; peer j holds experts j E/n .. (j+1) E/n - 1, so the rows for j are contiguous.
+    -> (the route of `ragged_dispatch`, received counts [n, E/n]: peer j's rows per local expert).
+
+    One small all_to_all over `axis` of [n, E/n + 1] int32: to each peer its experts' counts and
+    where their rows start here (the offsets the reverse exchange writes to). Peer j's rows land
+    in region j of n * rows (recv_offsets j * rows): every device knows every region's start, so
+    the offsets need no second exchange."""
+    n, i = lax.axis_size(axis), lax.axis_index(axis)
+    counts = group_sizes.reshape(n, -1)  # [n, E/n]: to peer j, rows per expert of j
+    send_sizes = jnp.sum(counts, axis=1)
+    send_offsets = jnp.cumsum(send_sizes) - send_sizes
+    got = lax.all_to_all(jnp.concatenate([counts, send_offsets[:, None]], axis=1), axis, 0, 0, tiled=True)
+    received, peer_send_offsets = got[:, :-1], got[:, -1]  # [n, E/n], [n]
+    regions = jnp.arange(n, dtype=send_sizes.dtype) * rows
+    route = RaggedRoute(send_offsets, send_sizes, jnp.full((n,), i * rows, send_sizes.dtype), regions,
+                        jnp.sum(received, axis=1), peer_send_offsets)
+    return route, received
+
+
+def _ragged_exchange(x: Array, route: RaggedRoute, rows: int, axis: str) -> Array:
+    """ragged_all_to_all of x [A, ...] along `route` into zeros [rows, ...] (rows not received stay 0).
+    The result takes the type of the buffer it writes into (JAX 0.12), so the zeros are cast to
+    vary as x does (and over `axis`): check_vma then sees the exchanged rows as varying."""
+    varying = tuple(jax.typeof(x).manual_axis_type.varying | {axis})
+    out = lax.pcast(jnp.zeros((rows, *x.shape[1:]), x.dtype), varying, to="varying")
+    return lax.ragged_all_to_all(x, out, route.send_offsets, route.send_sizes, route.peer_offsets,
+                                 route.recv_sizes, axis_name=axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def ragged_dispatch(x: Array, route: RaggedRoute, rows: int, axis: str) -> Array:
+    """This device's assignment rows x [A, D] to the devices of their experts along `route`
+    (expert_route): [rows, D], peer j's rows from route.recv_offsets[j]. Backward: the reverse
+    ragged_all_to_all, each row's gradient back to the device and row it came from (JAX 0.12's
+    own transpose would add two all_to_alls of the offsets, which the route already holds)."""
+    return _ragged_exchange(x, route, rows, axis)
+
+
+def _ragged_dispatch_fwd(x, route, rows, axis):
+    return _ragged_exchange(x, route, rows, axis), (route, x.shape[0])
+
+
+def _ragged_dispatch_bwd(rows, axis, saved, grad):
+    route, sent = saved
+    return _ragged_exchange(grad, route.reverse(), sent, axis), None
+
+
+ragged_dispatch.defvjp(_ragged_dispatch_fwd, _ragged_dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def ragged_combine(x: Array, route: RaggedRoute, rows: int, axis: str) -> Array:
+    """The experts' outputs x [m, D], where `ragged_dispatch` along `route` put their inputs, back
+    to the devices and rows they came from: [rows, D]. Backward: `ragged_dispatch`'s exchange."""
+    return _ragged_exchange(x, route.reverse(), rows, axis)
+
+
+def _ragged_combine_fwd(x, route, rows, axis):
+    return _ragged_exchange(x, route.reverse(), rows, axis), (route, x.shape[0])
+
+
+def _ragged_combine_bwd(rows, axis, saved, grad):
+    route, received = saved
+    return _ragged_exchange(grad, route, received, axis), None
+
+
+ragged_combine.defvjp(_ragged_combine_fwd, _ragged_combine_bwd)

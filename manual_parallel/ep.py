@@ -11,14 +11,26 @@ Backward, per MoE layer: the two transposes, each the other's all_to_all (2 more
 Then the dense weights' and the router's gradients are averaged over (data, expert) and the
 experts' over `data` (ExpertRunner.mean_over_tokens); the loss over (data, expert).
 Optimizer: one psum over `expert` of the expert shards' squared norms.
+
+Dropless (ModelConfig.moe_dispatch='ragged', twinshard/model/moe.py moe_ffn_ragged): each device
+sorts its A = N k assignments by expert, and `dispatch_rows` sends them with `expert_route`'s
+small all_to_all of the counts, then `ragged_dispatch` (a ragged_all_to_all over `expert`)
+[A, D] -> [ep A, D], peer j's rows in region j; it regroups them by local expert for
+ragged_dot. `combine_rows` undoes the regrouping and `ragged_combine` sends the outputs back,
+[ep A, D] -> [A, D]. Per MoE layer: forward 1 all_to_all of [ep, E/ep + 1] int32 and 2
+ragged_all_to_alls, backward 2 (each the other's reverse). XLA:CPU has no ragged-all-to-all:
+ExpertRunner refuses CPU devices (`check_dispatch`).
 """
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from manual_parallel.base import ManualParallelism, either
-from manual_parallel.collectives import combine_from_experts, dispatch_to_experts
+from manual_parallel.collectives import (combine_from_experts, dispatch_to_experts, expert_route, ragged_combine,
+                                         ragged_dispatch)
 from manual_parallel.runner import DATA, ManualRunner
+from twinshard.model.moe import inverse_permutation
 from twinshard.parallel import placement
 from twinshard.parallel.strategies import EP
 
@@ -38,6 +50,21 @@ class ExpertParallel(ManualParallelism):
         """x [E/ep, ep G, C, D]: the local experts' outputs -> [E, G, C, D] of this device's groups."""
         return combine_from_experts(x, EXPERT)
 
+    def dispatch_rows(self, rows, group_sizes):
+        """rows [A, D] sorted by expert, group_sizes [E] -> ([ep A, D] grouped by local expert, their
+        sizes [E/ep], the plan of combine_rows). Rows past the sizes' sum are zeros."""
+        a = rows.shape[0]
+        route, received = expert_route(group_sizes, a, EXPERT)  # received [ep, E/ep]
+        order = regroup_order(received, a)
+        there = ragged_dispatch(rows, route, lax.axis_size(EXPERT) * a, EXPERT)  # [ep A, D]: by peer
+        return there[order], jnp.sum(received, axis=0), (route, order)
+
+    def combine_rows(self, rows, plan):
+        """rows [ep A, D] in dispatch_rows' order -> [A, D], the order of its input."""
+        route, order = plan
+        a = rows.shape[0] // lax.axis_size(EXPERT)
+        return ragged_combine(rows[inverse_permutation(order)], route, a, EXPERT)
+
     def layer_policy(self, policy):
         """A checkpointed layer also saves the exchanged buffers: its backward recomputes the
         experts' matmuls, never an all_to_all (remat trades FLOPs, not communication)."""
@@ -45,14 +72,28 @@ class ExpertParallel(ManualParallelism):
         return None if inner is None else either(inner, saves_exchanges)
 
 
+_EXCHANGES = frozenset({"all_to_all", "ragged_all_to_all"})
+
+
 def saves_exchanges(prim, *_, **params) -> bool:
-    """Remat policy: save the output of `dispatch_to_experts` and `combine_from_experts`.
+    """Remat policy: save the output of `dispatch_to_experts` and `combine_from_experts` (ragged:
+    `ragged_dispatch`, `ragged_combine` and expert_route's all_to_all of the counts).
 
     The policy sees their forward's `all_to_all` itself, not a `custom_vjp_call` around it
     (measured, JAX 0.12: under jax.checkpoint the custom_vjp's forward is inlined here)."""
     if prim.name == "custom_vjp_call":
-        return any(e.primitive.name == "all_to_all" for e in params["call_jaxpr"].eqns)
-    return prim.name == "all_to_all"
+        return any(e.primitive.name in _EXCHANGES for e in params["call_jaxpr"].eqns)
+    return prim.name in _EXCHANGES
+
+
+def regroup_order(received, rows: int):
+    """received [ep, E/ep]: peer j's rows per local expert, which `ragged_dispatch` wrote to region
+    j (rows j A .. j A + A - 1, A = `rows`) sorted by expert -> order [ep A]: the gather that
+    groups them by local expert (peers in device order within one), then the unused rows."""
+    ends = jnp.cumsum(received, axis=1)  # [ep, E/ep]: where each local expert's rows end in a region
+    at = jnp.arange(rows, dtype=received.dtype)  # a row's place in its region
+    expert = jnp.sum(at[None, :, None] >= ends[:, None, :], axis=-1)  # [ep, A]; E/ep: an unused row
+    return jnp.argsort(expert.reshape(-1), stable=True)
 
 
 class ExpertRunner(ManualRunner):
@@ -61,15 +102,31 @@ class ExpertRunner(ManualRunner):
     An expert's gradient arrives summed over the `expert` axis: the backward all_to_all brings
     it the gradients of every device whose tokens it served, each the gradient of that device's
     mean loss. The step's loss is the mean over all data x expert devices, so after the mean
-    over `data` the expert gradients are divided by the `expert` size (a scale, no collective)."""
+    over `data` the expert gradients are divided by the `expert` size (a scale, no collective).
+    Under moe_dispatch='ragged' it refuses CPU devices first (`check_dispatch`)."""
 
     TOKEN_AXES = (DATA, EXPERT)
+
+    def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
+        check_dispatch(jax.devices() if devices is None else devices, cfg)  # ep and fsdp_ep
+        super().__init__(name, strategy, mesh_shape, cfg, devices)
 
     def mean_over_tokens(self, grads, replicated):
         grads = super().mean_over_tokens(grads, replicated)
         n = self.sizes[EXPERT]
         return jax.tree.map(lambda g, s: g / n if EXPERT in placement.sharded_axes(s) else g, grads,
                             self.param_specs)
+
+
+def check_dispatch(devices, cfg) -> None:
+    """moe_dispatch='ragged' exchanges with ragged_all_to_all, which XLA:CPU cannot compile: a
+    ValueError naming the fix on CPU devices, before anything is traced."""
+    if cfg.model.moe_dispatch == "ragged" and any(d.platform == "cpu" for d in devices):
+        raise ValueError("--moe_dispatch=ragged under the manual expert-parallel twin exchanges tokens with "
+                         "jax.lax.ragged_all_to_all, and XLA:CPU cannot run ragged-all-to-all (these devices are "
+                         "CPUs): use --moe_dispatch=dense (with --capacity_factor=0 it drops nothing either), "
+                         "or run on TPU or GPU. (--impl=auto runs the ragged math on CPU, but GSPMD replicates "
+                         "the experts' work instead of exchanging tokens: docs/experts.md.)")
 
 
 def parallelism(mesh, cfg) -> ExpertParallel:

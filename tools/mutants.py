@@ -60,6 +60,7 @@ SCAN = "tests/test_scan.py"
 PLAN = "tests/test_plan.py"
 MOE = "tests/test_moe.py"
 EXPERTS = "tests/test_experts.py"
+RAGGED = "tests/test_ragged.py"
 ACCUM = "tests/test_accum.py"
 OPTIMIZERS = "tests/test_optimizers.py"
 REMAT = "tests/test_remat.py"
@@ -1044,10 +1045,31 @@ MUTANTS: list[Mutant] = [
            "g if EXPERT in placement.sharded_axes(s) else g",
            (EXPERTS,), "the expert gradients stay the sum over the expert axis's devices: expert times too large"),
     Mutant("ep-remat-repeats-exchanges", "experts", "manual_parallel/ep.py",
-           'return prim.name == "all_to_all"',
+           "return prim.name in _EXCHANGES",
            "return False",
            (f"{EXPERTS}::test_remat_never_repeats_an_exchange",),
            "a checkpointed layer does not save the exchanged buffers: its backward re-runs both all_to_alls"),
+    # the dropless path (moe_dispatch=ragged: moe.moe_ffn_ragged, the ragged_all_to_all pair)
+    Mutant("ragged-unsorted-by-the-sort", "experts", "twinshard/model/moe.py",
+           "out = out[inverse_permutation(order)].reshape(b * t, k, d)  # [N, k, D], token-major",
+           "out = out[order].reshape(b * t, k, d)  # [N, k, D], token-major",
+           (f"{RAGGED}::test_ragged_block_is_the_dense_dropless_block",),
+           "the experts' outputs are permuted by the sort again instead of its inverse: rows reach other tokens"),
+    Mutant("ragged-regroup-off-by-one", "experts", "manual_parallel/ep.py",
+           "expert = jnp.sum(at[None, :, None] >= ends[:, None, :], axis=-1)",
+           "expert = jnp.sum(at[None, :, None] > ends[:, None, :], axis=-1)",
+           (f"{RAGGED}::test_ragged_pair_routes_rows_to_their_experts_and_back",),
+           "the receiver files each local expert's last row under the next expert (and one unused row as real)"),
+    Mutant("ragged-dispatch-backward-not-reversed", "experts", "manual_parallel/collectives.py",
+           "return _ragged_exchange(grad, route.reverse(), sent, axis), None",
+           "return _ragged_exchange(grad, route, sent, axis), None",
+           (f"{RAGGED}::test_ragged_pair_routes_rows_to_their_experts_and_back",),
+           "ragged_dispatch's backward sends the gradient along the forward route, not back where the rows came from"),
+    Mutant("ragged-remat-repeats-exchanges", "experts", "manual_parallel/ep.py",
+           '_EXCHANGES = frozenset({"all_to_all", "ragged_all_to_all"})',
+           '_EXCHANGES = frozenset({"all_to_all"})',
+           (f"{RAGGED}::test_manual_twin_on_tpu_exchanges_with_four_ragged_all_to_alls_per_layer",),
+           "a checkpointed layer does not save the ragged exchanges: its backward re-runs both (TPU compile)"),
     Mutant("ep-router-counts-averaged", "experts", "manual_parallel/runner.py",
            "lax.psum(v, axes) if k in counts else lax.pmean(v, axes)",
            "lax.pmean(v, axes)",

@@ -30,6 +30,9 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # twinshard/parallel/pipeline.py  # twinshard.train.optim.make_optimizer
 CP_LAYOUTS = ("zigzag", "contiguous")  # context parallelism's token layout (twinshard/parallel/context.py)
+# How a mixture of experts moves its tokens to the experts (twinshard/model/moe.py): "dense", the
+# GShard capacity buffers and einsums; "ragged", dropless rows sorted by expert and jax.lax.ragged_dot
+MOE_DISPATCHES = ("dense", "ragged")
 VOCAB_MULTIPLE = 128  # pad the vocab so it splits over any power-of-two tensor axis <= 128
 
 
@@ -124,11 +127,16 @@ class ModelConfig:
     router_aux_loss: float = 0.01  # Switch load-balancing loss coefficient
     router_z_loss: float = 0.0  # ST-MoE router z-loss coefficient
     expert_d_ff: int = 0  # each expert's SwiGLU width F_e; 0 -> d_ff
+    # "dense": the [E, G, C, D] capacity buffers, dispatch/combine einsums, an all_to_all pair under
+    # ep. "ragged" (dropless, capacity_factor 0): the k N assignments as rows sorted by expert,
+    # jax.lax.ragged_dot, and under manual ep a ragged_all_to_all pair (accelerators only: XLA:CPU
+    # has no ragged-all-to-all).
+    moe_dispatch: str = "dense"
 
     def __post_init__(self):
         _check_types(self)
         for name, choices in (("dtype", COMPUTE_DTYPES), ("attention", ATTENTION_IMPLS),
-                              ("remat", REMAT_POLICIES)):
+                              ("remat", REMAT_POLICIES), ("moe_dispatch", MOE_DISPATCHES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not supported; choose one of "
                                  f"{', '.join(choices)}.")
@@ -173,6 +181,12 @@ class ModelConfig:
                 f"ModelConfig.moe_group_size={self.moe_group_size} does not divide context_length="
                 f"{self.context_length}, so a capacity group would span two sequences; choose it from "
                 f"{_divisors(self.context_length)} (0: the whole sequence).")
+        if e and self.moe_dispatch == "ragged" and self.capacity_factor != 0:
+            raise ValueError(
+                f"ModelConfig.moe_dispatch='ragged' (--moe_dispatch=ragged) is dropless: it runs every token at "
+                f"each of its k experts, so it needs capacity_factor=0, not {self.capacity_factor} "
+                "(--capacity_factor): pass --capacity_factor=0 with --moe_dispatch=ragged, or use "
+                "--moe_dispatch=dense for a capacity that drops tokens.")
 
     @property
     def head_dim(self) -> int:

@@ -23,6 +23,9 @@ override only what they need:
     head(lm_head, x)        -                            FSDP: checkpoint (re-gather W)
     dispatch(x)             expert parallelism: the      expert parallelism: all_to_all over
     combine(x)              [E, G, C, D] buffers' layout  `expert` (combine: the inverse)
+    dispatch_rows(r, sizes) - (the model's own math)     expert parallelism, moe_dispatch=ragged:
+    combine_rows(r, plan)                                ragged_all_to_all over `expert` (combine:
+                                                         the reverse), rows regrouped by expert
 
 Logical axis names (on params and activations): vocab, embed, heads, mlp,
 norm, layers, experts, router (params); batch, seq, embed, heads, mlp, vocab (activations).
@@ -38,7 +41,7 @@ the [L, D, F] stack), so a collective a hook adds runs once per layer, in a
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +122,20 @@ class Parallelism:
         """The experts' outputs back to the devices of their groups: the inverse of `dispatch`
         ([E/ep, G*ep, C, D] -> [E, G, C, D] under manual expert parallelism)."""
         return x
+
+    def dispatch_rows(self, rows: Array, group_sizes: Array) -> tuple[Array, Array, Any]:
+        """The dropless path (ModelConfig.moe_dispatch='ragged', twinshard/model/moe.py
+        moe_ffn_ragged): rows [A, D], this device's A = N k assignments sorted by expert,
+        group_sizes [E] int32 (summing to A) -> (the rows of this device's experts [A', D] grouped
+        by local expert, their group sizes [E'] int32, a plan for `combine_rows`). Identity on
+        one device; manual expert parallelism: a ragged_all_to_all over `expert` (A' = ep A, the
+        worst case: every assignment of every peer on this device's experts)."""
+        return rows, group_sizes, None
+
+    def combine_rows(self, rows: Array, plan: Any) -> Array:
+        """The experts' outputs [A', D] (dispatch_rows' order) back to this device's sorted
+        assignments [A, D]: the inverse of `dispatch_rows`, whose `plan` says how."""
+        return rows
 
     def token_loss(self, logits: Array, targets: Array, vocab_size: int) -> Array:
         """Per-token cross-entropy [B, T] from logits [B, T, V(_local)]."""

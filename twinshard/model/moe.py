@@ -21,6 +21,10 @@ One block, for x [B, T, D] (after ln2):
 A token dropped at one of its experts gets nothing from that expert; dropped at all of them, its
 block output is exactly 0 and the residual carries it through. Capacity is per group, and a group
 is part of one sequence, so a device holding whole groups drops exactly what one device drops.
+
+`moe_ffn_ragged` (ModelConfig.moe_dispatch='ragged') is the dropless block without buffers: the
+same routing, the N k assignments as rows sorted by expert through jax.lax.ragged_dot, and the
+hooks `dispatch_rows` / `combine_rows` in place of `dispatch` / `combine`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,26 @@ def top_k_routing(probs: Array, k: int) -> tuple[Array, Array]:
     the k most probable experts of each token, best first (distinct experts)."""
     top, ids = jax.lax.top_k(probs, k)
     return top / jnp.sum(top, axis=-1, keepdims=True), ids
+
+
+def route(x: Array, router: Array, k: int, group_size: int) -> tuple[Array, ...]:
+    """x [B, T, D] -> (xg [G, S, D], logits and probs [G, S, E] f32, weights [G, S, k] f32,
+    ids [G, S, k] int32, choices [G, S, k, E] int32 one-hot of the ids): every dispatch's routing."""
+    b, t, d = x.shape
+    xg = x.reshape(b * t // group_size, group_size, d)  # [G, S, D]: S consecutive tokens of one sequence
+    logits, probs = router_probs(xg, router)  # [G, S, E] f32
+    weights, ids = top_k_routing(probs, k)  # [G, S, k]
+    return xg, logits, probs, weights, ids, jax.nn.one_hot(ids, router.shape[-1], dtype=jnp.int32)
+
+
+def router_losses(logits: Array, probs: Array, chosen: Array) -> tuple[Array, Array]:
+    """(aux, z) float32 [] from the router's logits, probs [G, S, E] and chosen [G, S, k, E] (the
+    one-hot choices, float32, counted before any capacity drop): moe_ffn's docstring."""
+    _, s, k, e = chosen.shape
+    assigned = jnp.sum(chosen, axis=(1, 2)) / (k * s)  # f_i per group [G, E]: no gradient (counts)
+    aux = jnp.mean(e * jnp.sum(assigned * jnp.mean(probs, axis=1), axis=-1))
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return aux, z
 
 
 def buffer_slots(choices: Array) -> Array:
@@ -86,11 +110,7 @@ def moe_ffn(x: Array, router: Array, w1: Array, w2: Array, w3: Array, *, experts
     """
     b, t, d = x.shape
     s, k = group_size, experts_per_token
-    e = router.shape[-1]
-    xg = x.reshape(b * t // s, s, d)  # [G, S, D]: a group is S consecutive tokens of one sequence
-    logits, probs = router_probs(xg, router)  # [G, S, E] f32
-    weights, ids = top_k_routing(probs, k)  # [G, S, k]
-    choices = jax.nn.one_hot(ids, e, dtype=jnp.int32)  # [G, S, k, E]
+    xg, logits, probs, weights, ids, choices = route(x, router, k, s)
     slot = buffer_slots(choices)  # [G, S, k]
     keep = slot < capacity  # [G, S, k]
     # one-hot of the kept slot [G, S, k, C]: one_hot of index `capacity` (a dropped choice) is all zeros
@@ -105,10 +125,70 @@ def moe_ffn(x: Array, router: Array, w1: Array, w2: Array, w3: Array, *, experts
     expert_out = combine(jnp.einsum("egcf,efd->egcd", layers.swiglu_gate(h1, h3), w2))  # [E, G, C, D]
     y = jnp.einsum("gsec,egcd->gsd", combine_weights, expert_out).reshape(b, t, d)
 
-    assigned = jnp.sum(chosen, axis=(1, 2)) / (k * s)  # f_i per group [G, E]: no gradient (counts)
-    aux = jnp.mean(e * jnp.sum(assigned * jnp.mean(probs, axis=1), axis=-1))
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    aux, z = router_losses(logits, probs, chosen)
     kept = choices * keep[..., None].astype(jnp.int32)  # [G, S, k, E]
     stats = {"aux": aux, "z": z, "tokens_per_expert": jnp.sum(kept, axis=(0, 1, 2)),
              "dropped": jnp.sum(jnp.logical_not(keep), dtype=jnp.int32)}
+    return y, stats
+
+
+# ----------------------------------------------------------------------------
+# Dropless: the k N assignments as rows sorted by expert, through jax.lax.ragged_dot.
+# ----------------------------------------------------------------------------
+
+def _no_exchange(rows: Array, group_sizes: Array) -> tuple[Array, Array, None]:
+    return rows, group_sizes, None
+
+
+def _no_return(rows: Array, plan: None) -> Array:
+    return rows
+
+
+def inverse_permutation(order: Array) -> Array:
+    """order [n] (a permutation of 0..n-1) -> inverse [n] with inverse[order[i]] = i, so
+    `a[order][inverse] == a`: one integer scatter, no second sort."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def expert_ffn_rows(rows: Array, w1: Array, w2: Array, w3: Array, group_sizes: Array) -> Array:
+    """SwiGLU of each expert on its rows: rows [A, D] grouped by expert (group_sizes [E'] int32,
+    expert i's rows after those of experts < i; rows past their sum give 0), w1, w3 [E', D, F],
+    w2 [E', F, D] -> [A, D]."""
+    h1 = jax.lax.ragged_dot(rows, w1, group_sizes)  # [A, F]
+    h3 = jax.lax.ragged_dot(rows, w3, group_sizes)
+    return jax.lax.ragged_dot(layers.swiglu_gate(h1, h3), w2, group_sizes)
+
+
+def moe_ffn_ragged(x: Array, router: Array, w1: Array, w2: Array, w3: Array, *, experts_per_token: int,
+                   group_size: int, dispatch_rows: Callable = _no_exchange,
+                   combine_rows: Callable = _no_return) -> tuple[Array, Stats]:
+    """`moe_ffn` without capacity (ModelConfig.moe_dispatch='ragged', capacity_factor 0): the same
+    routing, weights, aux and z, and the same y up to float rounding, with nothing dropped and no
+    [E, G, C, D] buffers. For x [B, T, D], N = B T tokens, A = N k assignments:
+
+        route           as moe_ffn: ids, weights [G, S, k]; group_size only shapes aux's groups
+        sort            [A]        a stable argsort of the ids (token-major: assignment a is token
+                                   a // k's choice a % k): grouped by expert, token order within one
+        rows            [A, D]     x's row of each sorted assignment; group sizes [E] tokens per expert
+        dispatch_rows   [A', D]    the rows of this device's experts grouped by expert, sizes [E']
+        experts         [A', D]    expert_ffn_rows: three jax.lax.ragged_dot and SwiGLU
+        combine_rows    [A, D]     back in the sorted order of `rows`
+        y               [B, T, D]  unsorted (inverse permutation), times each choice's weight,
+                                   summed over the k choices
+
+    dispatch_rows(rows, sizes) -> (rows', sizes', plan) and combine_rows(rows', plan) are
+    Parallelism's hooks (identity on one device; manual ep: ragged_all_to_all over `expert`).
+    Stats as moe_ffn's, dropped = 0 and tokens_per_expert the group sizes.
+    """
+    b, t, d = x.shape
+    k = experts_per_token
+    xg, logits, probs, weights, ids, choices = route(x, router, k, group_size)
+    order = jnp.argsort(ids.reshape(-1), stable=True)  # [A]: by expert, then by token
+    sizes = jnp.sum(choices, axis=(0, 1, 2))  # [E] int32: assignments per expert (they sum to A)
+    rows, local_sizes, plan = dispatch_rows(xg.reshape(b * t, d)[order // k], sizes)
+    out = combine_rows(expert_ffn_rows(rows, w1, w2, w3, local_sizes), plan)  # [A, D], sorted
+    out = out[inverse_permutation(order)].reshape(b * t, k, d)  # [N, k, D], token-major
+    y = jnp.einsum("nkd,nk->nd", out, weights.reshape(b * t, k).astype(x.dtype)).reshape(b, t, d)
+    aux, z = router_losses(logits, probs, choices.astype(jnp.float32))
+    stats = {"aux": aux, "z": z, "tokens_per_expert": sizes, "dropped": jnp.zeros((), jnp.int32)}
     return y, stats

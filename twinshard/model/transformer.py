@@ -178,12 +178,17 @@ class MoEFeedForward(nnx.Module):
         self.w3 = Experts(e, d, f, ("experts", "embed", "mlp"), rngs=rngs)
         self.dtype = cfg.dtype
         self.k, self.capacity, self.group = cfg.experts_per_token, cfg.expert_capacity, cfg.moe_group
+        self.ragged = cfg.moe_dispatch == "ragged"
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> tuple[Array, moe.Stats]:
-        """x: [B, T, D] -> (y [B, T, D], this layer's router stats: moe.moe_ffn)."""
+        """x: [B, T, D] -> (y [B, T, D], this layer's router stats: moe.moe_ffn, or
+        moe.moe_ffn_ragged under ModelConfig.moe_dispatch='ragged')."""
         router = _use(self.router.weight, par)  # [D, E] float32
         # [E', D, F], [E', F, D]: FSDP gathers `embed`; expert parallelism leaves E/ep local experts
         w1, w2, w3 = (_use(m.weight, par, self.dtype) for m in (self.w1, self.w2, self.w3))
+        if self.ragged:
+            return moe.moe_ffn_ragged(x, router, w1, w2, w3, experts_per_token=self.k, group_size=self.group,
+                                      dispatch_rows=par.dispatch_rows, combine_rows=par.combine_rows)
         return moe.moe_ffn(x, router, w1, w2, w3, experts_per_token=self.k, capacity=self.capacity,
                            group_size=self.group, dispatch=par.dispatch, combine=par.combine)
 

@@ -30,8 +30,9 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
 
 
 def check_options(strategy: str, impl: str, cfg: Config) -> None:
-    """The options written in one twin only: the collective matmul (manual tp_sp) and the 1F1B
-    schedule (the manual pipelines); a ValueError naming the fix otherwise."""
+    """The options written in one twin only: the collective matmul (manual tp_sp), the 1F1B
+    schedule (the manual pipelines) and ragged experts with micro-batches (manual); a ValueError
+    naming the fix otherwise."""
     if cfg.model.collective_matmul:
         if strategy != "tp_sp":
             raise ValueError(f"--collective_matmul decomposes tp_sp's sequence all-gathers, and --strategy={strategy} "
@@ -39,6 +40,11 @@ def check_options(strategy: str, impl: str, cfg: Config) -> None:
         if impl != "manual":
             raise ValueError(f"--collective_matmul is written by hand in the manual twin only (--impl={impl}): "
                              "use --impl=manual, or drop --collective_matmul (GSPMD chooses its own collectives).")
+    if impl == "auto" and cfg.model.num_experts and cfg.model.moe_dispatch == "ragged" and cfg.train.grad_accum > 1:
+        raise ValueError(f"--moe_dispatch=ragged with --grad_accum={cfg.train.grad_accum} under --impl=auto: the GSPMD "
+                         "twin accumulates each data shard's micro-batches under jax.vmap, and JAX 0.12 cannot vmap "
+                         "jax.lax.ragged_dot over weights it does not batch: use --grad_accum=1, --impl=manual "
+                         "or --moe_dispatch=dense.")
     if impl == "auto" and strategy in strategies.of_family("pipeline") and cfg.train.schedule != "gpipe":
         raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
                          "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
