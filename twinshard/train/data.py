@@ -14,11 +14,14 @@ from twinshard.train import tokenizer
 
 DEFAULT_CORPUS = tokenizer.ASSETS / "shakespeare.txt.gz"
 _CHUNK_CHARS = 1 << 20
-# A newline between printable ASCII characters always ends a pre-token under
-# GPT2_PATTERN (no letter, digit or punctuation run crosses a newline, and the
-# whitespace run stops at the next character), so cutting after it leaves the
-# encoding of the whole text unchanged.
-_SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
+# Cutting the text right after a non-space character, before a space or a newline, leaves every
+# tokenizer's encoding unchanged: GPT2_PATTERN's pre-tokens tile the text (each match starts
+# where the last ended) and are encoded one by one; the one holding the non-space character
+# ends there (letter, digit and punctuation runs hold no whitespace, whitespace runs nothing
+# else), so the next starts at the cut with or without the text before it, and the pattern
+# has no lookbehind. Space and newline are whitespace to Python and to tiktoken's Rust regex
+# alike, and Python's \S is a subset of Rust's (Python also counts U+001C-U+001F as space).
+_SAFE_CUT = re.compile(r"(?<=\S)(?=[ \n])")
 
 
 def read_text(path: str | os.PathLike, flag: str = "--data") -> str:
@@ -51,7 +54,7 @@ def read_text(path: str | os.PathLike, flag: str = "--data") -> str:
 
 
 def _chunks(text: str) -> list[str]:
-    """Cuts text at safe newlines about every _CHUNK_CHARS, so chunks encode in parallel."""
+    """Cuts text at safe cuts about every _CHUNK_CHARS, so chunks encode in parallel."""
     pieces, start = [], 0
     while start < len(text):
         cut = _SAFE_CUT.search(text, start + _CHUNK_CHARS)
