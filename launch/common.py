@@ -170,17 +170,29 @@ def init_distributed(FLAGS) -> None:
 
 
 def define_data_flags() -> None:
-    define(flags.DEFINE_string, "data", None, "UTF-8 .txt or .txt.gz corpus (default: the embedded Shakespeare).")
+    define(flags.DEFINE_string, "data", None, "UTF-8 .txt or .txt.gz corpus (default: the embedded Shakespeare), "
+           "or token shards: a directory from `python -m launch.tokenize`, a glob of .bin files or one .bin file.")
     define(flags.DEFINE_string, "cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "twinshard"),
             "Where tokenized corpora are cached (uint16 memmaps).")
+    define(flags.DEFINE_enum, "data_dtype", None, ("uint16", "uint32"), "The id type of .bin token files that "
+           "have no shards.json beside them: uint16 (nanoGPT's) or uint32.")
 
 
-def load_splits(cfg: Config, data_path: str | None, cache_dir: str):
-    """(train, validation) token arrays of the corpus; both must hold a full window."""
+def load_splits(cfg: Config, data_path: str | None, cache_dir: str, data_dtype: str | None = None):
+    """(train, validation) token arrays of the corpus (a text file, or token shards read as memmaps:
+    twinshard.train.data.open_shards); both must hold a full window. data_dtype: --data_dtype
+    (default: the flag's value, where a launcher defines it)."""
     from twinshard.train import data
 
     path = data_path or data.DEFAULT_CORPUS
-    tokens = data.tokenize_to_memmap(path, cfg.train.tokenizer, cache_dir)
+    if data_dtype is None and "data_dtype" in flags.FLAGS and flags.FLAGS.is_parsed():
+        data_dtype = flags.FLAGS.data_dtype
+    if data.is_token_files(path):
+        tokens = data.open_shards(path, cfg.train.tokenizer, cfg.model.vocab_size, data_dtype)
+    elif data_dtype is not None:
+        raise ValueError(f"--data_dtype={data_dtype} is for .bin token files; drop it for the text corpus {path}.")
+    else:
+        tokens = data.tokenize_to_memmap(path, cfg.train.tokenizer, cache_dir)
     train, val = data.split_tokens(tokens)
     for name, part in (("training", train), ("validation", val)):
         if len(part) < cfg.model.context_length + 1:

@@ -338,7 +338,8 @@ def main(argv):
     train_tokens, val_tokens = common.load_splits(cfg, FLAGS.data, FLAGS.cache_dir)  # no jax yet
     from twinshard.train import data, tokenizer
 
-    identity = {"data": str(FLAGS.data or "default"), "corpus": data.fingerprint(FLAGS.data or data.DEFAULT_CORPUS),
+    identity = {"data": str(FLAGS.data or "default"),
+                "corpus": data.fingerprint(FLAGS.data or data.DEFAULT_CORPUS, FLAGS.data_dtype),
                 "tokenizer": tokenizer.fingerprint(cfg.train.tokenizer)}
     if FLAGS.strategy != "single":
         common.simulate_cpu_devices(FLAGS.devices)  # per process

@@ -84,7 +84,7 @@ COLD_SECONDS = {
     "test_twins": 230, "test_readme": 170, "test_pipeline": 100, "test_train": 95, "test_accum": 85,
     "test_context": 80, "test_multiprocess": 70, "test_optimizers": 60, "test_scan": 45, "test_tpu_topology": 45,
     "test_precision": 40, "test_wheel": 40, "test_bf16_parallel": 180, "test_collectives_cli": 30, "test_bench": 25,
-    "test_moe": 25, "test_experts": 80, "test_ragged": 95,
+    "test_moe": 25, "test_experts": 80, "test_ragged": 95, "test_shards": 22,
     # ungrouped: their tests are dealt out after the groups, the slowest module's first
     "test_attention": 20, "test_model": 20, "test_readme_snippet": 17, "test_loss_optim": 11, "test_layers": 10,
     "test_cli_errors": 2,

@@ -153,3 +153,57 @@ def test_sample_and_bpe_errors(tmp_path, files):
     assert_user_error(run("-m", "twinshard.train.bpe", "--vocab_size=300", "--out=/missing/dir/x.tiktoken"),
                       "--out=/missing/dir/x.tiktoken: directory /missing/dir does not exist")
     assert not out.exists()
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """A corpus as byte-tokenizer shards (tmp/shards) and broken copies of them."""
+    from twinshard.train import data
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question.\n" * 200)
+    data.write_shards([corpus], tmp_path / "shards", "bytes", shard_tokens=3000)
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    for name in ("shard_000000.bin", data.SHARDS_JSON):
+        (missing / name).write_bytes((tmp_path / "shards" / name).read_bytes())
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "train.bin").write_bytes(b"\x01\x00\x02")  # 3 bytes: not whole uint16 ids
+    return {"corpus": corpus, "shards": tmp_path / "shards", "missing": missing, "bare": bare}
+
+
+@pytest.mark.parametrize("data, extra, needles", [
+    ("missing", [], ["shards.json lists shard_000001.bin, which is missing; restore it"]),
+    ("shards", ["--tokenizer=gpt2"], ["its shards were tokenized with bytes (shards.json), this run uses "
+                                      "--tokenizer=gpt2; pass --tokenizer=bytes"]),
+    ("bare", [], ["token files without shards.json", "pass --data_dtype=uint16 (nanoGPT's .bin)"]),
+    ("bare", ["--data_dtype=uint16"], ["train.bin has 3 bytes, not a whole number of uint16 ids"]),
+    ("nothing/*.bin", [], ["nothing/*.bin matches no file"]),
+    ("corpus", ["--data_dtype=uint16"], ["--data_dtype=uint16 is for .bin token files; drop it"]),
+])
+def test_bad_token_shards_fail_before_anything_is_written(shards, tmp_path, data, extra, needles):
+    spec = shards[data] if data in shards else f"{tmp_path}/{data}"
+    workdir, cache = tmp_path / "never", tmp_path / "cache"
+    proc = train(f"--data={spec}", *extra, f"--workdir={workdir}", f"--cache_dir={cache}")
+    assert_user_error(proc, *([f"--data={spec}"] if data != "corpus" else []), *needles)
+    assert not workdir.exists() and not cache.exists()
+
+
+def test_tokenize_errors(shards, files, tmp_path):
+    out = tmp_path / "out"
+    cases = [
+        ([f"--out={out}"], ["--tokenizer is required"]),
+        (["--tokenizer=bytes"], ["--out is required"]),
+        ([f"--out={out}", "--tokenizer=nope"], ["--tokenizer=nope: no such file and not a built-in tokenizer"]),
+        ([f"--out={out}", "--tokenizer=bytes", "--shard_tokens=0"], ["--shard_tokens=0 must be >= 1"]),
+        ([f"--out={shards['shards']}", "--tokenizer=bytes"], [f"--out={shards['shards']} already holds shards"]),
+        ([f"--out={files['file']}/x", "--tokenizer=bytes"], [f"{files['file']} is a file"]),
+        ([f"--input={tmp_path}/none/*.txt", f"--out={out}", "--tokenizer=bytes"], ["/none/*.txt matches no file"]),
+        ([f"--input={files['binary']}", f"--out={out}", "--tokenizer=bytes"],
+         ["--input=PATH", "is not UTF-8 text (byte 0xff at offset 0)"]),
+        ([f"--input={files['fake_gz']}", f"--out={out}", "--tokenizer=bytes"], ["not a complete gzip file"]),
+    ]
+    for args, needles in cases:
+        assert_user_error(run("-m", "launch.tokenize", *args), *needles)
+        assert not out.exists(), args

@@ -32,6 +32,23 @@ def test_chunked_encode_equals_whole_text(monkeypatch, name):
     assert data.encode(TEXT, name) == tokenizer.get_encoding(name).encode_ordinary(TEXT)
 
 
+# Characters at the edges of the safe-cut rule: spaces Python and the Rust regex disagree on
+# (U+001C-U+001F: space to Python only), Unicode spaces (NEL, NBSP, U+2028, U+3000), \r, tabs,
+# apostrophes and contraction letters, digits, punctuation, CJK and an emoji.
+_EDGES = list(" \n\n\r\t\x1c\x1f\x85\xa0\u2028\u3000'sStvemld019.,!-你🙂é") + [" ", "\n", "a", "b"] * 4
+
+
+@pytest.mark.parametrize("name", tokenizer.TOKENIZERS)
+def test_safe_cuts_leave_every_encoding_unchanged(monkeypatch, name):
+    """Random text of _EDGES, cut at (nearly) every safe cut: the chunks encode as the whole."""
+    monkeypatch.setattr(data, "_CHUNK_CHARS", 1)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        text = "".join(rng.choice(_EDGES, 400))
+        assert len(data._chunks(text)) > 20 and "".join(data._chunks(text)) == text
+        assert data.encode(text, name) == tokenizer.get_encoding(name).encode_ordinary(text), text
+
+
 def test_memmap_written_once_and_atomically(tmp_path, monkeypatch):
     corpus, cache = tmp_path / "play.txt", tmp_path / "cache"
     corpus.write_text(TEXT)
