@@ -135,30 +135,37 @@ class Preemption:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __enter__(self) -> Preemption:
-        self.signum, self.previous = None, {s: signal.signal(s, self._caught) for s in self.SIGNALS}
+        # caught: what this process's handler saw; signum: the signal every process stops for
+        self.caught = self.signum = None
+        self.previous = {s: signal.signal(s, self._caught) for s in self.SIGNALS}
         return self
 
     def _caught(self, signum, _frame) -> None:
-        self.signum = signum
+        self.caught = signum
 
     def stop(self) -> bool:
         import jax
 
         if jax.process_count() == 1:
+            self.signum = self.caught
             return self.signum is not None
         import numpy as np
         from jax.experimental import multihost_utils
 
+        sent = self.caught  # read once: the handler may run during the exchange (its value goes next step)
         try:
-            caught = multihost_utils.process_allgather(np.array([-1 if self.signum is None else self.signum]))
+            everyone = multihost_utils.process_allgather(np.array([-1 if sent is None else sent]))
         except jax.errors.JaxRuntimeError:
             # A peer left mid-exchange (gloo: "Connection reset by peer"). The coordination service
             # aborts this process with its one line (launch/distributed.py) once the peer's
             # heartbeats stop: wait for that verdict instead of printing this traceback.
             time.sleep(3 * FLAGS.heartbeat_timeout + 10)
             raise
-        if self.signum is None and (caught >= 0).any():
-            self.signum = int(caught[caught >= 0][0])
+        # Decided from the gathered values alone, so every process decides the same. Measured: a
+        # SIGTERM handled between the exchange and this decision made one process save (and wait
+        # in Orbax's barrier) while its peer trained on: both hung.
+        hits = everyone[everyone >= 0]
+        self.signum = int(hits[0]) if hits.size else None
         return self.signum is not None
 
     def __exit__(self, *exc) -> None:
