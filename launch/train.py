@@ -360,6 +360,7 @@ def main(argv):
     import numpy as np
 
     from twinshard.train.checkpoint import Checkpointer
+    from twinshard.train.trainer import router_summary
 
     main_process = jax.process_index() == 0  # every host runs this loop; one reports
     log = print if main_process else (lambda *a, **k: None)  # noqa: E731
@@ -428,8 +429,6 @@ def main(argv):
                 if do_eval:
                     rec["eval_loss"] = eval_loss(state.params)
                 if m.num_experts:  # the router on this step's batch, under the updated params
-                    from twinshard.train.trainer import router_summary
-
                     rec.update(router_summary(jax.device_get(runner.router_stats(state.params,
                                                                                  *runner.place_batch(x, y))[1])))
                 records.append(rec)

@@ -308,43 +308,25 @@ def _from_experts(x: Array, axis: str) -> Array:
     return lax.all_to_all(x, axis, split_axis=1, concat_axis=0, tiled=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def dispatch_to_experts(x: Array, axis: str) -> Array:
-    """The capacity buffers of this device's G groups for all E experts, [E, G, C, D], to the
-    devices holding the experts: this device gets its E/n experts' buffers from the n devices
-    along `axis`, [E/n, n G, C, D]. Backward: the inverse all_to_all sends each buffer's
-    gradient back to the device whose tokens filled it."""
-    return _to_experts(x, axis)
+def _exchange(forward, backward, doc: str):
+    """A custom_vjp op(x, axis): `forward` in the forward pass, `backward` on the gradient (it
+    saves nothing); the two expert exchanges below are this with the roles swapped."""
+    op = jax.custom_vjp(lambda x, axis: forward(x, axis), nondiff_argnums=(1,))
+    op.defvjp(lambda x, axis: (forward(x, axis), None), lambda axis, _, grad: (backward(grad, axis),))
+    op.__doc__ = doc
+    return op
 
 
-def _dispatch_fwd(x, axis):
-    return _to_experts(x, axis), None
+dispatch_to_experts = _exchange(_to_experts, _from_experts, """dispatch_to_experts(x, axis): the capacity
+    buffers of this device's G groups for all E experts, [E, G, C, D], to the devices holding the
+    experts: this device gets its E/n experts' buffers from the n devices along `axis`,
+    [E/n, n G, C, D]. Backward: the inverse all_to_all sends each buffer's gradient back to the
+    device whose tokens filled it.""")
 
-
-def _dispatch_bwd(axis, _, grad):
-    return (_from_experts(grad, axis),)
-
-
-dispatch_to_experts.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def combine_from_experts(x: Array, axis: str) -> Array:
-    """The experts' outputs [E/n, n G, C, D] back to the devices whose tokens they are:
-    [E, G, C, D]. Backward: the all_to_all of `dispatch_to_experts`, carrying the outputs'
-    gradient to the experts."""
-    return _from_experts(x, axis)
-
-
-def _combine_fwd(x, axis):
-    return _from_experts(x, axis), None
-
-
-def _combine_bwd(axis, _, grad):
-    return (_to_experts(grad, axis),)
-
-
-combine_from_experts.defvjp(_combine_fwd, _combine_bwd)
+combine_from_experts = _exchange(_from_experts, _to_experts, """combine_from_experts(x, axis): the
+    experts' outputs [E/n, n G, C, D] back to the devices whose tokens they are: [E, G, C, D].
+    Backward: the all_to_all of `dispatch_to_experts`, carrying the outputs' gradient to the
+    experts.""")
 
 
 # ----------------------------------------------------------------------------
