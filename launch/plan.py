@@ -71,18 +71,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 
 from absl import app, flags, logging
 
 from launch import common
-from twinshard.hardware import chips
 from twinshard import cost
-from twinshard.parallel import mesh as mesh_lib, resolve, strategies
-from twinshard.hardware.chips import Chip
-from twinshard.hardware.links import GB, Link, Topology, axis_links, parse_topology
-from twinshard.config import OPTIMIZERS, PRESETS, Config, ModelConfig, TrainConfig, preset
+from twinshard.config import OPTIMIZERS, PRESETS, Config, ModelConfig, preset
 from twinshard.cost import human
+from twinshard.hardware import chips
+from twinshard.hardware.chips import matmul_peak_flops
+from twinshard.hardware.links import GB, Topology, parse_topology
+from twinshard.hardware.plan import Plan, Skipped, plan_all, rank, runnable
+from twinshard.parallel import mesh as mesh_lib
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global).
 common.define(flags.DEFINE_string, "preset", "small", "Named preset from twinshard.config (tiny, small, gpt2_125m, ...).")
@@ -105,145 +105,6 @@ flags.DEFINE_bool("compile", False, "Compile the best TPU plan ahead of time for
                   "and print its collectives and memory_analysis beside the model.")
 FLAGS = flags.FLAGS
 
-STRATEGIES = strategies.PLANNABLE  # those a model runs under: `runnable`
-
-
-def peak_flops(chip: Chip, dtype: str) -> tuple[float, str]:
-    """FLOP/s of the matmuls in `dtype` at JAX's default precision, and which peak that is."""
-    if dtype == "bfloat16":
-        return chip.bf16 * 1e12, "bf16"
-    if chip.is_tpu:
-        return chip.bf16 * 1e12, "bf16 (TPU's default precision multiplies float32 in one bf16 pass)"
-    return chip.tf32 * 1e12, "tf32 (JAX's default precision runs float32 matmuls on TF32 tensor cores)"
-
-
-@dataclass(frozen=True)
-class Plan:
-    strategy: str
-    mesh: dict[str, int]
-    cost: cost.Cost
-    hbm_usable: float  # bytes per chip the plan may use
-    compute_s: float
-    comm_s: dict[str, float]  # per axis of the plan's mesh ('data', 'tensor' / 'expert'); 0 where nothing moves
-    links: dict[str, Link]
-
-    @property
-    def memory(self) -> int:
-        return self.cost.memory.total
-
-    @property
-    def fits(self) -> bool:
-        return self.memory <= self.hbm_usable
-
-    @property
-    def overlap_s(self) -> float:
-        return max(self.compute_s, *self.comm_s.values())
-
-    @property
-    def serial_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values())
-
-    @property
-    def bound(self) -> str:
-        terms = {"compute": self.compute_s, **{f"comm {a}": s for a, s in self.comm_s.items()}}
-        return max(terms, key=terms.get)
-
-    def step_s(self, rank_by: str) -> float:
-        return self.serial_s if rank_by == "serial" else self.overlap_s
-
-    def mesh_text(self) -> str:
-        return mesh_lib.mesh_str(self.mesh, self.strategy)
-
-
-def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
-    """Seconds per mesh axis: ring bytes / bandwidth, an all-to-all's times its link's hop factor
-    (Link.all_to_all); a group over several axes goes at the slowest."""
-    ring: dict[tuple[str, ...], float] = {}
-    for (op, axes), s in c.summary().items():
-        hops = links[min(axes, key=lambda a: links[a].bytes_per_s)].all_to_all if op == "all-to-all" else 1.0
-        ring[axes] = ring.get(axes, 0.0) + s["ring_bytes"] * hops
-    out = dict.fromkeys(c.mesh, 0.0)
-    for axes, nbytes in ring.items():
-        slowest = min(axes, key=lambda a: links[a].bytes_per_s)
-        out[slowest] += nbytes / links[slowest].bytes_per_s
-    return out
-
-
-def _train_config(cfg: ModelConfig, batch: int) -> Config:
-    return Config(cfg, TrainConfig(batch_size=batch))
-
-
-def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
-             mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw") -> Plan:
-    """One strategy on one mesh; a ValueError when launch.train would refuse the mesh for this
-    model (resolve.resolve_mesh: it also checks E over `expert`, which cost.cost does not)."""
-    resolve.resolve_mesh(strategy, mesh_lib.mesh_str(mesh, strategy), _train_config(cfg, batch), topo.chips)
-    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer)
-    links = axis_links(topo, c.mesh)
-    peak, _ = peak_flops(topo.chip, cfg.dtype)
-    return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), c.flops.per_device / (peak * mfu),
-                comm_times(c, links), links)
-
-
-def candidate_meshes(strategy: str, n: int) -> list[dict[str, int]]:
-    """Every factoring of n over the strategy's mesh axes that it allows (mesh.check_mesh: dp/fsdp
-    data x tensor 1, tp data 1, ep data x expert > 1, fsdp_ep data > 1 x expert > 1 x tensor 1);
-    the inner axis smallest first (data:64,tensor:1, data:32,tensor:2, ...)."""
-    out = []
-    for shape in mesh_lib.factorings(tuple(a for a in mesh_lib.ORDER if a in mesh_lib.NEEDS[strategy]), n):
-        try:
-            mesh_lib.check_mesh(strategy, shape, n)
-        except ValueError:
-            continue
-        out.append(shape)
-    return out
-
-
-@dataclass(frozen=True)
-class Skipped:
-    strategy: str
-    mesh: dict[str, int]
-    why: str
-
-    def mesh_text(self) -> str:
-        return mesh_lib.mesh_str(self.mesh, self.strategy)
-
-
-def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
-    """The plannable strategies the model runs under (dense: dp, fsdp, tp, fsdp_tp; a mixture of
-    experts: dp, fsdp, ep, fsdp_ep), and the others -> resolve.check_experts's reason."""
-    ok, refused = [], {}
-    for strategy in STRATEGIES:
-        try:
-            resolve.check_experts(strategy, _train_config(cfg, 1))  # it reads the model only
-        except ValueError as e:
-            refused[strategy] = str(e)
-        else:
-            ok.append(strategy)
-    return ok, refused
-
-
-def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0,
-             headroom: float = 0.25, optimizer: str = "adamw") -> tuple[list[Plan], list[Skipped]]:
-    """Every (strategy, mesh) the model splits on, and those it does not (with the first reason);
-    the strategies it cannot run under at all (`runnable`) are in neither."""
-    plans, skipped = [], []
-    for strategy in runnable(cfg)[0]:
-        for shape in candidate_meshes(strategy, topo.chips):
-            try:
-                plans.append(evaluate(cfg, topo, strategy, shape, batch, mfu, headroom, optimizer))
-            except ValueError as e:
-                skipped.append(Skipped(strategy, shape, str(e).split(";")[0]))
-    return plans, skipped
-
-
-def rank(plans: list[Plan], rank_by: str) -> tuple[list[Plan], list[Plan]]:
-    """(plans that fit, fastest first; plans that do not fit, smallest memory first)."""
-    fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s(rank_by), p.memory))
-    over = sorted((p for p in plans if not p.fits), key=lambda p: p.memory)
-    return fit, over
-
-
 # ----------------------------------------------------------------------------- text
 
 
@@ -253,7 +114,6 @@ def _ms(s: float) -> str:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
-
 
 
 def plan_table(plans: list[Plan], topo: Topology, cfg: ModelConfig, batch: int) -> str:
@@ -278,7 +138,7 @@ def _breakdown(p: Plan) -> str:
 def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
            top: int, mfu: float, headroom: float, rank_by: str) -> str:
     m, chip, batch = cfg.model, topo.chip, cfg.train.batch_size
-    peak, which = peak_flops(chip, m.dtype)
+    peak, which = matmul_peak_flops(chip, m.dtype)
     out = [f"{_count(m.num_params())}-parameter model, batch {batch} x {m.context_length} tokens, "
            f"{m.dtype} compute, on {topo.describe()}",
            f"chip {chip.name}: {chip.hbm_bytes / chips.GIB:g} GiB HBM ({human(chip.hbm_bytes * (1 - headroom))} usable at "
@@ -365,7 +225,7 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
                 "links": {a: {"bytes_per_s": link.bytes_per_s, "what": link.what, "all_to_all": link.all_to_all}
                           for a, link in p.links.items()}}
 
-    peak, which = peak_flops(topo.chip, cfg.model.dtype)
+    peak, which = matmul_peak_flops(topo.chip, cfg.model.dtype)
     return {"preset": name, "topology": topo.name, "chips": topo.chips, "grid": list(topo.grid),
             "torus": topo.torus, "chip": dataclasses.asdict(topo.chip), "batch_size": cfg.train.batch_size,
             "seq_len": cfg.model.context_length, "dtype": cfg.model.dtype,

@@ -1,5 +1,6 @@
-"""launch/plan.py: topologies, the links each mesh axis uses, one plan row by hand, the memory
-check, the ranking, docs/multi-host.md's launch lines, and the CLI (one run and its one-line errors).
+"""launch.plan and twinshard/hardware/ (links.py, plan.py): topologies, the links each mesh axis
+uses, one plan row by hand, the memory check, the ranking, docs/multi-host.md's launch lines, and
+the CLI (one run and its one-line errors).
 
 Nothing is compiled here (a --compile of the tiny preset runs in test_compile_the_best_tpu_plan,
 ~10 s: it reuses launch.collectives, which tests/test_tpu_topology.py checks in depth).
@@ -17,6 +18,7 @@ import pytest
 
 from cli import ROOT, assert_user_error, run
 from launch import plan as planner
+from twinshard.hardware import plan as plans_lib
 from twinshard.hardware import links as hardware_links
 from twinshard.hardware import chips
 from twinshard import cost
@@ -174,7 +176,7 @@ def test_a_tpu_row_by_hand():
     """llm_1b, dp on v5p:4x4x4, float32: every number from the chip table and the model's sizes."""
     v5p = chips.chip("v5p")
     B, T, n = 64, LLM_1B.context_length, 64
-    p = planner.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B)
+    p = plans_lib.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B)
     D, F, V, L, N = LLM_1B.d_model, LLM_1B.d_ff, LLM_1B.padded_vocab_size, LLM_1B.num_layers, LLM_1B.num_params()
     flops = 3 * (2 * B * T * (L * (4 * D * D + 3 * D * F) + D * V) + L * 4 * B * T * T * D)
     assert p.compute_s == pytest.approx(flops / n / (v5p.bf16 * 1e12))  # f32 on TPU: one bf16 pass
@@ -188,7 +190,7 @@ def test_a_tpu_row_by_hand():
     assert p.serial_s == p.compute_s + p.comm_s["data"] and p.overlap_s == p.compute_s
     assert p.bound == "compute"
     # --optimizer: lion keeps one f32 moment per param (the same cost.memory the tests of twinshard/cost/ check)
-    lion = planner.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B,
+    lion = plans_lib.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B,
                             optimizer="lion")
     assert lion.cost.memory.optimizer == 4 * N and lion.memory == p.memory - 4 * N
 
@@ -197,7 +199,7 @@ def test_a_gpu_row_by_hand():
     """gpt2_350m in bf16, fsdp_tp data:8 x tensor:8 on 8 H100 nodes: tensor on NVLink, data on IB."""
     cfg = dataclasses.replace(preset("gpt2_350m").model, dtype="bfloat16")
     mesh = {"data": 8, "tensor": 8}
-    p = planner.evaluate(cfg, hardware_links.parse_topology("h100:8x8"), "fsdp_tp", mesh, 64)
+    p = plans_lib.evaluate(cfg, hardware_links.parse_topology("h100:8x8"), "fsdp_tp", mesh, 64)
     c = cost.cost(cfg, "fsdp_tp", mesh, 64)
     ring = {axes: s["ring_bytes"] for axes, s in c.by_axes().items()}
     assert set(ring) == {("data",), ("tensor",), ("data", "tensor")}
@@ -207,8 +209,8 @@ def test_a_gpu_row_by_hand():
     assert p.comm_s["tensor"] == pytest.approx(ring[("tensor",)] / 450e9, rel=1e-12)
     assert p.comm_s["data"] == pytest.approx((ring[("data",)] + ring[("data", "tensor")]) / 50e9, rel=1e-12)
     # float32 runs at JAX's default matmul precision: TF32 on NVIDIA, one bf16 pass on TPU
-    assert planner.peak_flops(chips.chip("H100"), "float32")[0] == 494.7e12
-    assert planner.peak_flops(chips.chip("v5e"), "float32")[0] == 197e12
+    assert chips.matmul_peak_flops(chips.chip("H100"), "float32")[0] == 494.7e12
+    assert chips.matmul_peak_flops(chips.chip("v5e"), "float32")[0] == 197e12
     assert p.bound == max(("compute", p.compute_s), ("comm data", p.comm_s["data"]),
                           ("comm tensor", p.comm_s["tensor"]), key=lambda kv: kv[1])[0]
 
@@ -217,8 +219,8 @@ def test_plans_that_do_not_fit_are_excluded_for_memory():
     """llm_1b dp on v5e:4x4 at context 256: params, grads and activations fit 16 GiB, Adam's two
     moments do not (the issue's example); fsdp splits all three 16 ways and fits."""
     cfg = dataclasses.replace(LLM_1B, context_length=256)
-    plans, _ = planner.plan_all(cfg, hardware_links.parse_topology("v5e:4x4"), 16)
-    fit, over = planner.rank(plans, "serial")
+    plans, _ = plans_lib.plan_all(cfg, hardware_links.parse_topology("v5e:4x4"), 16)
+    fit, over = plans_lib.rank(plans, "serial")
     dp = next(p for p in over if p.strategy == "dp")
     m, usable = dp.cost.memory, 0.75 * 16 * 2**30
     assert m.total - m.optimizer < usable < m.total == dp.memory
@@ -227,13 +229,13 @@ def test_plans_that_do_not_fit_are_excluded_for_memory():
 
 
 def test_ranking():
-    plans, skipped = planner.plan_all(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), 64)
-    fit, over = planner.rank(plans, "serial")
+    plans, skipped = plans_lib.plan_all(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), 64)
+    fit, over = plans_lib.rank(plans, "serial")
     assert not over and [(p.strategy, p.mesh["tensor"]) for p in fit] == [
         ("dp", 1), ("fsdp", 1), ("fsdp_tp", 2), ("fsdp_tp", 4), ("fsdp_tp", 8), ("fsdp_tp", 16)]
     serial = [p.compute_s + p.comm_s["data"] + p.comm_s["tensor"] for p in fit]
     assert serial == sorted(serial)
-    overlap, _ = planner.rank(plans, "overlap")
+    overlap, _ = plans_lib.rank(plans, "overlap")
     times = [max(p.compute_s, *p.comm_s.values()) for p in overlap]
     assert times == sorted(times) and overlap[0].strategy in ("dp", "fsdp", "fsdp_tp")
     # on the same links, DP sends 2(n-1)/n x (the N f32 gradients + the loss); FSDP (n-1)/n x 3 x
@@ -248,7 +250,7 @@ def test_ranking():
         ("fsdp_tp", 32): "heads=16 is not divisible by mesh axis tensor=32"}
 
 
-def _hand_axis_times(p: planner.Plan, bw: dict[str, float], factor: float) -> dict[str, float]:
+def _hand_axis_times(p: plans_lib.Plan, bw: dict[str, float], factor: float) -> dict[str, float]:
     """Each (op, axes) row's ring bytes at the slower axis's hand-set bandwidth, the all-to-all's x factor."""
     out = dict.fromkeys(p.mesh, 0.0)
     for (op, axes), s in p.cost.summary().items():
@@ -261,13 +263,13 @@ def test_a_mixture_of_experts_ranks_ep_and_fsdp_ep():
     """mixtral_8x7b (bf16) on v5p:4x4x4: dp, fsdp, ep and fsdp_ep meshes, no Megatron; each ep
     plan's expert-axis time by hand from the cost model's rows and the links' numbers."""
     topo = hardware_links.parse_topology("v5p:4x4x4")
-    plans, skipped = planner.plan_all(MIXTRAL, topo, 64)
-    fit, over = planner.rank(plans, "serial")
+    plans, skipped = plans_lib.plan_all(MIXTRAL, topo, 64)
+    fit, over = plans_lib.rank(plans, "serial")
     assert [(p.strategy, p.mesh_text()) for p in fit] == [
         ("fsdp_ep", "data:8,expert:8"), ("fsdp_ep", "data:16,expert:4"), ("fsdp_ep", "data:32,expert:2"),
         ("fsdp", "data:64,tensor:1")]
     assert {p.strategy for p in plans} == {"dp", "fsdp", "ep", "fsdp_ep"}
-    assert planner.runnable(MIXTRAL)[1].keys() == {"tp", "fsdp_tp"}  # resolve.check_experts refuses Megatron
+    assert plans_lib.runnable(MIXTRAL)[1].keys() == {"tp", "fsdp_tp"}  # resolve.check_experts refuses Megatron
     # E = 8 experts split over expert <= 8 (cost.cost does not check it; launch.train does)
     assert {(s.strategy, s.mesh_text()): s.why for s in skipped} == {
         (s, f"data:{64 // e},expert:{e}"): f"experts=8 is not divisible by mesh axis expert={e}"
@@ -298,8 +300,8 @@ def test_ep_fits_mixtral_with_factored_moments_on_h200():
     """ep replicates the dense weights: with Adafactor and 2048 tokens its 84.6 GiB fit an H200's
     105.75 usable (no TPU in the table has that much), and it ranks among fsdp_ep's meshes."""
     cfg = dataclasses.replace(MIXTRAL, context_length=2048)
-    plans, _ = planner.plan_all(cfg, hardware_links.parse_topology("h200:8x8"), 64, optimizer="adafactor")
-    fit, _ = planner.rank(plans, "serial")
+    plans, _ = plans_lib.plan_all(cfg, hardware_links.parse_topology("h200:8x8"), 64, optimizer="adafactor")
+    fit, _ = plans_lib.rank(plans, "serial")
     assert [(p.strategy, p.mesh_text()) for p in fit] == [
         ("fsdp_ep", "data:8,expert:8"), ("ep", "data:8,expert:8"), ("fsdp_ep", "data:16,expert:4"),
         ("fsdp_ep", "data:32,expert:2"), ("fsdp", "data:64,tensor:1")]
@@ -308,7 +310,7 @@ def test_ep_fits_mixtral_with_factored_moments_on_h200():
 def test_the_expert_axis_in_a_gpu_node_is_nvlink_at_factor_1():
     """fsdp_ep data:2 x expert:8 on 2 H100 nodes: the exchanges on NVLink, no hop factor; the
     (data, expert) means at the slower network."""
-    p = planner.evaluate(MIXTRAL, hardware_links.parse_topology("h100:2x8"), "fsdp_ep",
+    p = plans_lib.evaluate(MIXTRAL, hardware_links.parse_topology("h100:2x8"), "fsdp_ep",
                          {"data": 2, "expert": 8, "tensor": 1}, 16)
     assert (p.links["expert"].bytes_per_s, p.links["expert"].all_to_all) == (450e9, 1.0)
     assert p.links["data"].bytes_per_s == 50e9
@@ -332,7 +334,7 @@ def test_readme_launch_lines_are_what_the_plan_prints():
         if "dtype" in given:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=given["dtype"]))
         topo = hardware_links.parse_topology(given["topology"])
-        fit, _ = planner.rank(planner.plan_all(cfg.model, topo, cfg.train.batch_size)[0], "serial")
+        fit, _ = plans_lib.rank(plans_lib.plan_all(cfg.model, topo, cfg.train.batch_size)[0], "serial")
         printed += planner.launch_commands(fit[0], topo, given["preset"], cfg)
     assert printed == shown
 

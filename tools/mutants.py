@@ -78,6 +78,7 @@ _FSDP = "manual_parallel/fsdp.py"
 _RUNNER = "manual_parallel/runner.py"
 _OPTIM = "twinshard/train/optim.py"
 _LAYERS = "twinshard/model/layers.py"
+_PLAN = "twinshard/hardware/plan.py"
 _LOSS = "twinshard/model/loss.py"
 _MODEL = "twinshard/model/transformer.py"
 _DATA = "twinshard/train/data.py"
@@ -588,17 +589,17 @@ MUTANTS: list[Mutant] = [
            "k = 2 if topo.torus else 1",
            (PLAN + "::test_links_per_axis",),
            "an axis on part of a torus side gets the bidirectional ring of a whole side"),
-    Mutant("plan-memory-without-optimizer", "plan", "launch/plan.py",
+    Mutant("plan-memory-without-optimizer", "plan", _PLAN,
            "        return self.cost.memory.total\n",
            "        return self.cost.memory.total - self.cost.memory.optimizer\n",
            (PLAN + "::test_plans_that_do_not_fit_are_excluded_for_memory", PLAN + "::test_a_tpu_row_by_hand"),
            "the HBM check ignores the Adam moments (llm_1b dp 'fits' a 16 GiB v5e)"),
-    Mutant("plan-scalar-on-faster-axis", "plan", "launch/plan.py",
+    Mutant("plan-scalar-on-faster-axis", "plan", _PLAN,
            "slowest = min(axes, key=lambda a: links[a].bytes_per_s)",
            "slowest = max(axes, key=lambda a: links[a].bytes_per_s)",
            (PLAN + "::test_a_gpu_row_by_hand",),
            "a collective over (data, tensor) is timed at the faster axis's links"),
-    Mutant("plan-rank-by-memory", "plan", "launch/plan.py",
+    Mutant("plan-rank-by-memory", "plan", _PLAN,
            "key=lambda p: (p.step_s(rank_by), p.memory))",
            "key=lambda p: (p.memory, p.step_s(rank_by)))",
            (PLAN + "::test_ranking",),

@@ -1,0 +1,144 @@
+"""Plans: one strategy on one mesh of a topology, priced by the cost model over the links each mesh
+axis crosses (`evaluate`), every such plan of a model (`plan_all`) and their ranking (`rank`).
+`launch.plan` prints them; its module docstring says what each number means.
+
+Per chip: memory (`cost.memory`) against the usable HBM, compute = FLOPs per chip / (peak x mfu),
+and per mesh axis the seconds its collectives take (`comm_times`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twinshard import cost
+from twinshard.config import Config, ModelConfig, TrainConfig
+from twinshard.hardware.chips import matmul_peak_flops
+from twinshard.hardware.links import Link, Topology, axis_links
+from twinshard.parallel import mesh as mesh_lib, resolve, strategies
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    mesh: dict[str, int]
+    cost: cost.Cost
+    hbm_usable: float  # bytes per chip the plan may use
+    compute_s: float
+    comm_s: dict[str, float]  # per axis of the plan's mesh ('data', 'tensor' / 'expert'); 0 where nothing moves
+    links: dict[str, Link]
+
+    @property
+    def memory(self) -> int:
+        return self.cost.memory.total
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.hbm_usable
+
+    @property
+    def overlap_s(self) -> float:
+        return max(self.compute_s, *self.comm_s.values())
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + sum(self.comm_s.values())
+
+    @property
+    def bound(self) -> str:
+        terms = {"compute": self.compute_s, **{f"comm {a}": s for a, s in self.comm_s.items()}}
+        return max(terms, key=terms.get)
+
+    def step_s(self, rank_by: str) -> float:
+        return self.serial_s if rank_by == "serial" else self.overlap_s
+
+    def mesh_text(self) -> str:
+        return mesh_lib.mesh_str(self.mesh, self.strategy)
+
+
+def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
+    """Seconds per mesh axis: ring bytes / bandwidth, an all-to-all's times its link's hop factor
+    (Link.all_to_all); a group over several axes goes at the slowest."""
+    ring: dict[tuple[str, ...], float] = {}
+    for (op, axes), s in c.summary().items():
+        hops = links[min(axes, key=lambda a: links[a].bytes_per_s)].all_to_all if op == "all-to-all" else 1.0
+        ring[axes] = ring.get(axes, 0.0) + s["ring_bytes"] * hops
+    out = dict.fromkeys(c.mesh, 0.0)
+    for axes, nbytes in ring.items():
+        slowest = min(axes, key=lambda a: links[a].bytes_per_s)
+        out[slowest] += nbytes / links[slowest].bytes_per_s
+    return out
+
+
+def train_config(cfg: ModelConfig, batch: int) -> Config:
+    return Config(cfg, TrainConfig(batch_size=batch))
+
+
+def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
+             mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw") -> Plan:
+    """One strategy on one mesh; a ValueError when launch.train would refuse the mesh for this
+    model (resolve.resolve_mesh: it also checks E over `expert`, which cost.cost does not)."""
+    resolve.resolve_mesh(strategy, mesh_lib.mesh_str(mesh, strategy), train_config(cfg, batch), topo.chips)
+    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer)
+    links = axis_links(topo, c.mesh)
+    peak, _ = matmul_peak_flops(topo.chip, cfg.dtype)
+    return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), c.flops.per_device / (peak * mfu),
+                comm_times(c, links), links)
+
+
+def candidate_meshes(strategy: str, n: int) -> list[dict[str, int]]:
+    """Every factoring of n over the strategy's mesh axes that it allows (mesh.check_mesh: dp/fsdp
+    data x tensor 1, tp data 1, ep data x expert > 1, fsdp_ep data > 1 x expert > 1 x tensor 1);
+    the inner axis smallest first (data:64,tensor:1, data:32,tensor:2, ...)."""
+    out = []
+    for shape in mesh_lib.factorings(tuple(a for a in mesh_lib.ORDER if a in mesh_lib.NEEDS[strategy]), n):
+        try:
+            mesh_lib.check_mesh(strategy, shape, n)
+        except ValueError:
+            continue
+        out.append(shape)
+    return out
+
+
+@dataclass(frozen=True)
+class Skipped:
+    strategy: str
+    mesh: dict[str, int]
+    why: str
+
+    def mesh_text(self) -> str:
+        return mesh_lib.mesh_str(self.mesh, self.strategy)
+
+
+def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
+    """The plannable strategies the model runs under (dense: dp, fsdp, tp, fsdp_tp; a mixture of
+    experts: dp, fsdp, ep, fsdp_ep), and the others -> resolve.check_experts's reason."""
+    ok, refused = [], {}
+    for strategy in strategies.PLANNABLE:
+        try:
+            resolve.check_experts(strategy, train_config(cfg, 1))  # it reads the model only
+        except ValueError as e:
+            refused[strategy] = str(e)
+        else:
+            ok.append(strategy)
+    return ok, refused
+
+
+def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0,
+             headroom: float = 0.25, optimizer: str = "adamw") -> tuple[list[Plan], list[Skipped]]:
+    """Every (strategy, mesh) the model splits on, and those it does not (with the first reason);
+    the strategies it cannot run under at all (`runnable`) are in neither."""
+    plans, skipped = [], []
+    for strategy in runnable(cfg)[0]:
+        for shape in candidate_meshes(strategy, topo.chips):
+            try:
+                plans.append(evaluate(cfg, topo, strategy, shape, batch, mfu, headroom, optimizer))
+            except ValueError as e:
+                skipped.append(Skipped(strategy, shape, str(e).split(";")[0]))
+    return plans, skipped
+
+
+def rank(plans: list[Plan], rank_by: str) -> tuple[list[Plan], list[Plan]]:
+    """(plans that fit, fastest first; plans that do not fit, smallest memory first)."""
+    fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s(rank_by), p.memory))
+    over = sorted((p for p in plans if not p.fits), key=lambda p: p.memory)
+    return fit, over
