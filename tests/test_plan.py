@@ -35,7 +35,13 @@ def test_topologies_parse_as_gcloud_and_slurm_write_them():
     assert (v5e.chips, v5e.torus) == (256, True)
     v4 = hardware_links.parse_topology("v4:2x2x4")  # less than a 4x4x4 cube: no wraparound links
     assert (v4.chips, v4.torus, v4.chip.ici_links) == (16, False, 6)
-    assert not hardware_links.parse_topology("v5e:8x16").torus  # v5e wraps only on the full 16x16 pod
+    # v5e, v6e wrap each side of 16 on its own (no optical switches); v4, v5p wrap whole cubes only
+    v5e_8x16 = hardware_links.parse_topology("v5e:8x16")
+    assert (v5e_8x16.wraps, v5e_8x16.torus) == ((False, True), False)
+    assert v5e_8x16.describe() == "v5e:8x16 = 128 TPU v5e chips (wraparound on y only)"
+    assert hardware_links.parse_topology("v6e:16x4").wraps == (True, False)
+    assert v4.wraps == (False, False, False) and hardware_links.parse_topology("v5p:2x4x4").wraps == (False,) * 3
+    assert hardware_links.parse_topology("v5p:4x8x12").wraps == (True,) * 3
     h100 = hardware_links.parse_topology("H100:8x8")
     assert (h100.name, h100.chips, h100.grid, h100.chip.gpus_per_node) == ("h100:8x8", 64, (8, 8), 8)
     assert hardware_links.parse_topology("h200:1x8").chip.hbm_bytes == 141 * 2**30
@@ -84,6 +90,10 @@ def test_links_per_axis():
     assert links["data"].bytes_per_s == 6 * 90 * gb  # strided over the whole of x, and y, z
     links = hardware_links.axis_links(hardware_links.parse_topology("v4:2x2x4"), {"data": 4, "tensor": 4})
     assert (links["tensor"].bytes_per_s, links["data"].bytes_per_s) == (2 * 45 * gb, 45 * gb)  # no torus
+    # v5e:8x16: tensor on x, a side of 8 without wraparound (a line: 1 x); data on y, the side of 16
+    # that wraps on its own (a ring: 2 x)
+    links = hardware_links.axis_links(hardware_links.parse_topology("v5e:8x16"), {"data": 16, "tensor": 8})
+    assert (links["tensor"].bytes_per_s, links["data"].bytes_per_s) == (45 * gb, 2 * 45 * gb)
     links = hardware_links.axis_links(hardware_links.parse_topology("h100:8x8"), {"data": 16, "tensor": 4})
     assert (links["tensor"].bytes_per_s, links["data"].bytes_per_s) == (450 * gb, 50 * gb)  # NVLink, IB
     links = hardware_links.axis_links(hardware_links.parse_topology("h100:2x8"), {"data": 1, "tensor": 16})

@@ -5,9 +5,13 @@ bandwidth, and the links to other chips:
 
 - TPU: ICI, `ici_links` links per chip (4 on the 2D torus of v5e/v6e, 6 on the 3D torus of
   v4/v5p), each `ici_link_bytes_per_s` in ONE direction (the link carries as much the other way).
-  A slice is a torus (wraparound links on every axis) when every side of its grid is a multiple
-  of `torus_multiple` (v4/v5p: whole 4x4x4 cubes, closed through the optical switches; v5e/v6e:
-  only the full 16x16 pod); a smaller slice is a mesh without wraparound.
+  Wraparound links close a side of the grid into a ring, side by side (`Topology.wraps`): on
+  v4/v5p the optical switches close whole 4x4x4 cubes, so a slice whose sides are all multiples
+  of `torus_multiple` = 4 wraps on every side and a smaller one on none (Google's v5p page: "All
+  4x4x4 and larger slices (one cube) have full 3D torus connectivity. Slices smaller than a full
+  cube ... don't have wrap-around links"); v5e/v6e have no optical switches and wrap each side
+  that spans the pod's 16 chips on its own (`wraps_per_side`; the scaling book's TPU chapter:
+  "A TPU v5e 8x16 will have a wraparound on the longer axis").
 - GPU: `nvlink_bytes_per_s` per GPU in one direction into the node's NVSwitch fabric (any GPU
   to any other in the node at that rate), `gpus_per_node` GPUs per HGX node, and the node's
   network to the other nodes, `node_network_bytes_per_s` in one direction for the whole node
@@ -50,7 +54,8 @@ class Chip:
     # TPU: the ICI torus
     ici_link_bytes_per_s: float | None = None  # one direction, one link
     ici_links: int | None = None  # per chip: 2 per torus dimension
-    torus_multiple: int | None = None  # every side a multiple of this: wraparound links on all axes
+    torus_multiple: int | None = None  # a side that is a multiple of this can wrap around (module docstring)
+    wraps_per_side: bool = False  # each such side wraps on its own (v5e, v6e); else all sides or none (v4, v5p)
     max_chips: int | None = None  # the largest single slice
     # GPU: NVLink inside a node, the network between nodes
     nvlink_bytes_per_s: float | None = None  # one direction, per GPU
@@ -85,11 +90,13 @@ CHIPS: tuple[Chip, ...] = (
     Chip("v4", ("TPU v4",), 275.0, None, None, _GCLOUD_TPU + "v4", 32 * GIB, 1.2e12, _BOOK_ICI,
          ici_link_bytes_per_s=4.5e10, ici_links=6, torus_multiple=4, max_chips=4096),
     Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197.0, None, None, _GCLOUD_TPU + "v5e", 16 * GIB, 8.19e11,
-         _BOOK_ICI, ici_link_bytes_per_s=4.5e10, ici_links=4, torus_multiple=16, max_chips=256),
+         _BOOK_ICI, ici_link_bytes_per_s=4.5e10, ici_links=4, torus_multiple=16, wraps_per_side=True,
+         max_chips=256),
     Chip("v5p", ("TPU v5p", "TPU v5"), 459.0, None, None, _GCLOUD_TPU + "v5p", 95 * GIB, 2.765e12,
          _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=6, torus_multiple=4, max_chips=6144),
     Chip("v6e", ("TPU v6 lite", "TPU v6e"), 918.0, None, None, _GCLOUD_TPU + "v6e", 32 * GIB, 1.64e12,
-         _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=4, torus_multiple=16, max_chips=256),
+         _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=4, torus_multiple=16, wraps_per_side=True,
+         max_chips=256),
 )
 
 

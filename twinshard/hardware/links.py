@@ -26,13 +26,24 @@ class Topology:
         return math.prod(self.grid)
 
     @property
+    def wraps(self) -> tuple[bool, ...]:
+        """Per physical axis of a TPU slice: do wraparound links close it into a ring? v4/v5p: every
+        side when the slice is whole 4x4x4 cubes, else none; v5e/v6e: each side of 16 on its own
+        (chips.py's docstring has the sources). () for a GPU cluster."""
+        if not self.chip.is_tpu:
+            return ()
+        whole = tuple(g % self.chip.torus_multiple == 0 for g in self.grid)
+        return whole if self.chip.wraps_per_side else (all(whole),) * len(whole)
+
+    @property
     def torus(self) -> bool:
-        """Wraparound links on every axis (TPU slices whose sides are all multiples of torus_multiple)."""
-        return self.chip.is_tpu and all(g % self.chip.torus_multiple == 0 for g in self.grid)
+        """Wraparound links on every axis."""
+        return bool(self.wraps) and all(self.wraps)
 
     def describe(self) -> str:
         if self.chip.is_tpu:
-            kind = "torus" if self.torus else "mesh without wraparound"
+            kind = ("torus" if self.torus else "mesh without wraparound" if not any(self.wraps) else
+                    "wraparound on " + " and ".join("xyz"[i] for i, w in enumerate(self.wraps) if w) + " only")
             return f"{self.name} = {self.chips} TPU {self.chip.name} chips ({kind})"
         nodes, per_node = self.grid
         return f"{self.name} = {nodes} node{'s' * (nodes > 1)} x {per_node} {self.chip.name} GPUs"
@@ -136,7 +147,7 @@ def _ici(topo: Topology, spans: list[tuple[int, int, bool]]) -> Link:
     16/15 = 32/15, half of a 16-chip ring's 64/15 (the two axes carry their shares at once)."""
     one_way, parts = topo.chip.ici_link_bytes_per_s, []
     for i, n, whole in spans:
-        k = 2 if whole and topo.torus else 1  # a bidirectional ring, or one folded back on its links
+        k = 2 if whole and topo.wraps[i] else 1  # a bidirectional ring, or one folded back on its links
         how = "torus ring" if k == 2 else "no wraparound" if whole else f"part of a side of {topo.grid[i]}"
         parts.append((k, n, f"{'xyz'[i]} ({n} chips, {how}): {k} x {one_way / GB:g} GB/s"))
     total_k, group = sum(k for k, _, _ in parts), math.prod(n for _, n, _ in parts)
