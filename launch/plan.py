@@ -6,7 +6,7 @@
     uv run --extra tpu python -m launch.plan --preset=gpt2_125m --topology=v5e:4x4 --compile
 
 --topology is a TPU slice as gcloud names it, `GEN:AxB` (v5e, v6e: a 2D torus) or `GEN:AxBxC`
-(v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips; or a GPU cluster `GPU:NODESxGPUS`, e.g. h100:8x8 =
+(v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips, up to the whole pod (v5p:16x20x28); or a GPU cluster `GPU:NODESxGPUS`, e.g. h100:8x8 =
 8 HGX nodes of 8 GPUs. The chips' numbers, with their sources, are twinshard/hardware/chips.py.
 
 For each strategy the model runs under (`runnable`: a dense model dp, fsdp, tp, fsdp_tp; a
@@ -169,6 +169,9 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
     if m.num_experts:  # why tp, fsdp_tp are missing (a dense model's refusals, ep's: --json only)
         out += ["", "== strategies a mixture of experts does not run under =="]
         out += [f"{name}: {why}" for name, why in runnable(m)[1].items()]
+    if chip.max_slice_chips and topo.chips > chip.max_slice_chips:
+        out += ["", f"NOTE: {topo.chips} chips is more than the largest single-slice job Google schedules on "
+                    f"{chip.name} ({chip.max_slice_chips} chips); planned as the whole ICI-connected grid."]
     if m.remat != "none" and _remat_ignored(m, fit + over):
         out += ["", f"NOTE: the cost model counts activations without rematerialization; --remat={m.remat} "
                     "would need less."]

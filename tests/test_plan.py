@@ -54,7 +54,9 @@ def test_topologies_parse_as_gcloud_and_slurm_write_them():
     ("v5e:0x4", "shape '0x4' is not sizes"),
     ("v5p:4x4", "v5p slices are 3-D (AxBxC, e.g. 4x4x4)"),
     ("v5e:4x4x4", "v5e slices are 2-D (AxB, e.g. 4x4)"),
-    ("v5e:32x16", "512 chips is more than the largest v5e slice (256)"),
+    ("v5e:32x16", "32x16 does not fit in a v5e pod (16x16 = 256 chips)"),
+    ("v5p:16x20x32", "16x20x32 does not fit in a v5p pod (16x20x28 = 8960 chips)"),
+    ("v4:8x8x32", "8x8x32 does not fit in a v4 pod (16x16x16 = 4096 chips)"),
     ("h100:2x16", "16 GPUs per node; an HGX H100 node has 8"),
     ("h100:8", "a GPU cluster is NODESxGPUS"),
     ("v5e:1x1", "one chip needs no parallelism plan"),
@@ -63,6 +65,25 @@ def test_bad_topologies_are_one_line_errors(text, needle):
     with pytest.raises(ValueError) as e:
         hardware_links.parse_topology(text)
     assert str(e.value).startswith(f"--topology={text}: ") and needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_any_slice_of_the_pod_plans_with_a_note_above_googles_largest_job():
+    """v5p slices up to the whole 16x20x28 pod (8960 chips, in any orientation), beyond the 6144 chips
+    Google schedules as one slice: planned, and the report says so."""
+    for name in ("v5p:16x20x28", "v5p:28x16x20", "v5p:16x16x24"):
+        topo = hardware_links.parse_topology(name)
+        assert topo.torus and topo.chips == (6144 if name.endswith("24") else 8960)
+    topo = hardware_links.parse_topology("v5p:16x20x28")
+    cfg = dataclasses.replace(preset("llm_1b"), train=dataclasses.replace(preset("llm_1b").train, batch_size=8960))
+    plans, skipped = plans_lib.plan_all(cfg.model, topo, 8960)
+    fit, over = plans_lib.rank(plans, "serial")
+    assert ("dp", {"data": 8960, "tensor": 1}) in [(p.strategy, p.mesh) for p in fit]
+    text = planner.report(fit, over, skipped, topo, "llm_1b", cfg, 3, 1.0, 0.25, "serial")
+    assert "NOTE: 8960 chips is more than the largest single-slice job Google schedules on v5p (6144 chips)" in text
+    small = hardware_links.parse_topology("v5p:16x16x24")
+    plans, skipped = plans_lib.plan_all(cfg.model, small, 6144)
+    assert "NOTE" not in planner.report(*plans_lib.rank(plans, "serial"), skipped, small, "llm_1b", cfg, 3, 1.0, 0.25,
+                                        "serial")
 
 
 def test_tensor_gets_the_physical_axes_jax_gives_it():

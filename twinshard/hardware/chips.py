@@ -11,7 +11,11 @@ bandwidth, and the links to other chips:
   4x4x4 and larger slices (one cube) have full 3D torus connectivity. Slices smaller than a full
   cube ... don't have wrap-around links"); v5e/v6e have no optical switches and wrap each side
   that spans the pod's 16 chips on its own (`wraps_per_side`; the scaling book's TPU chapter:
-  "A TPU v5e 8x16 will have a wraparound on the longer axis").
+  "A TPU v5e 8x16 will have a wraparound on the longer axis"). A slice is any grid that fits in
+  the `pod` (v5p 16x20x28 = 8960 chips, the full pod the scaling book trains LLaMA-3 on); the
+  largest single-slice job Google schedules can be smaller (`max_slice_chips`: v5p 6144 chips,
+  16x16x24, "The largest job that can be scheduled is a 96 cube (6144 chip) job"), which the
+  planner notes, not refuses.
 - GPU: `nvlink_bytes_per_s` per GPU in one direction into the node's NVSwitch fabric (any GPU
   to any other in the node at that rate), `gpus_per_node` GPUs per HGX node, and the node's
   network to the other nodes, `node_network_bytes_per_s` in one direction for the whole node
@@ -56,7 +60,8 @@ class Chip:
     ici_links: int | None = None  # per chip: 2 per torus dimension
     torus_multiple: int | None = None  # a side that is a multiple of this can wrap around (module docstring)
     wraps_per_side: bool = False  # each such side wraps on its own (v5e, v6e); else all sides or none (v4, v5p)
-    max_chips: int | None = None  # the largest single slice
+    pod: tuple[int, ...] | None = None  # the sides of the largest ICI-connected grid
+    max_slice_chips: int | None = None  # the largest single-slice job Google schedules, where smaller than the pod
     # GPU: NVLink inside a node, the network between nodes
     nvlink_bytes_per_s: float | None = None  # one direction, per GPU
     gpus_per_node: int | None = None
@@ -88,15 +93,16 @@ CHIPS: tuple[Chip, ...] = (
          _NVIDIA_DC + "dgx-a100/ (NVLink 600 GB/s per GPU both ways; 8x ConnectX-6 200 Gb/s per node)",
          nvlink_bytes_per_s=300e9, gpus_per_node=8, node_network_bytes_per_s=8 * 200 * _GBIT),
     Chip("v4", ("TPU v4",), 275.0, None, None, _GCLOUD_TPU + "v4", 32 * GIB, 1.2e12, _BOOK_ICI,
-         ici_link_bytes_per_s=4.5e10, ici_links=6, torus_multiple=4, max_chips=4096),
+         ici_link_bytes_per_s=4.5e10, ici_links=6, torus_multiple=4, pod=(16, 16, 16)),
     Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197.0, None, None, _GCLOUD_TPU + "v5e", 16 * GIB, 8.19e11,
          _BOOK_ICI, ici_link_bytes_per_s=4.5e10, ici_links=4, torus_multiple=16, wraps_per_side=True,
-         max_chips=256),
+         pod=(16, 16)),
     Chip("v5p", ("TPU v5p", "TPU v5"), 459.0, None, None, _GCLOUD_TPU + "v5p", 95 * GIB, 2.765e12,
-         _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=6, torus_multiple=4, max_chips=6144),
+         _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=6, torus_multiple=4, pod=(16, 20, 28),
+         max_slice_chips=6144),
     Chip("v6e", ("TPU v6 lite", "TPU v6e"), 918.0, None, None, _GCLOUD_TPU + "v6e", 32 * GIB, 1.64e12,
          _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=4, torus_multiple=16, wraps_per_side=True,
-         max_chips=256),
+         pod=(16, 16)),
 )
 
 

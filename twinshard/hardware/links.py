@@ -73,8 +73,9 @@ def _shape_problem(topo: Topology) -> str | None:
     if chip.is_tpu and len(grid) != chip.torus_dims:
         want = "AxBxC, e.g. 4x4x4" if chip.torus_dims == 3 else "AxB, e.g. 4x4"
         return f"{chip.name} slices are {chip.torus_dims}-D ({want})"
-    if chip.is_tpu and topo.chips > chip.max_chips:
-        return f"{topo.chips} chips is more than the largest {chip.name} slice ({chip.max_chips})"
+    if chip.is_tpu and any(g > p for g, p in zip(sorted(grid), sorted(chip.pod))):
+        pod = "x".join(map(str, chip.pod))
+        return f"{'x'.join(map(str, grid))} does not fit in a {chip.name} pod ({pod} = {math.prod(chip.pod)} chips)"
     if not chip.is_tpu and len(grid) != 2:
         return "a GPU cluster is NODESxGPUS (e.g. h100:8x8: 8 nodes of 8 GPUs)"
     if not chip.is_tpu and grid[1] > chip.gpus_per_node:

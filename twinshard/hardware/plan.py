@@ -77,7 +77,8 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
              mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw") -> Plan:
     """One strategy on one mesh; a ValueError when launch.train would refuse the mesh for this
     model (resolve.resolve_mesh: it also checks E over `expert`, which cost.cost does not)."""
-    resolve.resolve_mesh(strategy, mesh_lib.mesh_str(mesh, strategy), train_config(cfg, batch), topo.chips)
+    resolve.resolve_mesh(strategy, mesh_lib.mesh_str(mesh, strategy), train_config(cfg, batch), topo.chips,
+                         advise=False)
     c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer)
     links = axis_links(topo, c.mesh)
     peak, _ = matmul_peak_flops(topo.chip, cfg.dtype)
