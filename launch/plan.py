@@ -6,8 +6,9 @@
     uv run --extra tpu python -m launch.plan --preset=gpt2_125m --topology=v5e:4x4 --compile
 
 --topology is a TPU slice as gcloud names it, `GEN:AxB` (v5e, v6e: a 2D torus) or `GEN:AxBxC`
-(v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips, up to the whole pod (v5p:16x20x28); or a GPU cluster `GPU:NODESxGPUS`, e.g. h100:8x8 =
-8 HGX nodes of 8 GPUs. The chips' numbers, with their sources, are twinshard/hardware/chips.py.
+(v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips, up to the whole pod (v5p:16x20x28); or a GPU cluster
+`GPU:NODESxGPUS`, e.g. h100:8x8 = 8 HGX nodes of 8 GPUs. The chips' numbers, with their sources,
+are twinshard/hardware/chips.py.
 
 For each strategy the model runs under (`runnable`: a dense model dp, fsdp, tp, fsdp_tp; a
 mixture of experts dp, fsdp, ep, fsdp_ep, since resolve.check_experts refuses Megatron for it) and
@@ -55,11 +56,13 @@ Which links a mesh axis uses:
   way: the same factor. Over several physical axes the all-to-all runs as one per axis at once,
   each on its own links, and the slowest sets the time (links._ici: v5p:4x4x4 expert:16 on x
   and y, 32/15, not a 16-chip ring's 64/15).
-- GPU: `tensor` (or `expert`) inside a node on NVLink (450 GB/s one way per H100/H200); `data`
-  across nodes on the network, each GPU its NIC's share (8 x 400 Gb/s per HGX node: 50 GB/s per
-  GPU); all on NVLink when there is one node. An inner axis larger than a node crosses the
-  network too. Both are switched: an all-to-all's bytes leave each GPU through its own port once
-  (hop factor 1).
+- GPU: an axis inside a node on NVLink (450 GB/s one way per H100/H200); an axis across nodes as
+  a hierarchical ring, NVLink inside each node and the network across them through the NICs of
+  the group's GPUs (one 400 Gb/s NIC per GPU, 8 per HGX node), the two levels overlapped (the
+  scaling book's GPU chapter; links._gpu_axis): data:64 on h100:8x8 moves 7/8 of each byte
+  through a node's 400 GB/s egress (450 GB/s per GPU in ring bytes), data:8 beside tensor:8 inside
+  the nodes through each GPU's own 50 GB/s NIC. An all-to-all is not hierarchical: the share
+  bound for other nodes leaves through each GPU's NIC (its `all-to-all x` factor).
 
 --compile (TPU only; needs libtpu, the `tpu` extra) then compiles the best plan's train step
 (the manual twin) ahead of time for that slice on this machine (twinshard/hardware/topology.py) and

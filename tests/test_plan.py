@@ -115,10 +115,21 @@ def test_links_per_axis():
     # that wraps on its own (a ring: 2 x)
     links = hardware_links.axis_links(hardware_links.parse_topology("v5e:8x16"), {"data": 16, "tensor": 8})
     assert (links["tensor"].bytes_per_s, links["data"].bytes_per_s) == (45 * gb, 2 * 45 * gb)
+    # GPU: a hierarchical ring, NVLink in a node and each GPU's own NIC across nodes, overlapped:
+    # per byte of the array max((g-1)/(g 450 GB/s), (k-1)/(k g 50 GB/s)) for g GPUs in each of k nodes,
+    # = ((n-1)/n) / bytes_per_s in the ledger's ring bytes
     links = hardware_links.axis_links(hardware_links.parse_topology("h100:8x8"), {"data": 16, "tensor": 4})
-    assert (links["tensor"].bytes_per_s, links["data"].bytes_per_s) == (450 * gb, 50 * gb)  # NVLink, IB
+    assert links["tensor"].bytes_per_s == 450 * gb  # in a node
+    assert links["data"].bytes_per_s == pytest.approx((15 / 16) / max(1 / 2 / (450 * gb), 7 / 8 / (2 * 50 * gb)))
     links = hardware_links.axis_links(hardware_links.parse_topology("h100:2x8"), {"data": 1, "tensor": 16})
-    assert set(links) == {"tensor"} and links["tensor"].bytes_per_s == 50 * gb  # tensor across nodes
+    assert set(links) == {"tensor"}  # tensor across 2 nodes: NVLink's 7/8 sets the time, not the network's 1/2
+    assert links["tensor"].bytes_per_s == pytest.approx((15 / 16) / max(7 / 8 / (450 * gb), 1 / 2 / (8 * 50 * gb)))
+    # data:64 over 8 nodes: 7/8 of each byte through a node's 8 x 50 GB/s = 400 GB/s egress (the
+    # scaling book's cross-node AllGather: bytes / W_node egress), not through one GPU's 50 GB/s
+    links = hardware_links.axis_links(hardware_links.parse_topology("h100:8x8"), {"data": 64, "tensor": 1})
+    assert links["data"].bytes_per_s == pytest.approx(63 / 64 / (7 / 8 / (400 * gb)), rel=1e-12)  # = 450 GB/s
+    links = hardware_links.axis_links(hardware_links.parse_topology("h100:8x8"), {"data": 8, "tensor": 8})
+    assert links["data"].bytes_per_s == pytest.approx(50 * gb, rel=1e-12)  # one GPU per node: its own NIC
     links = hardware_links.axis_links(hardware_links.parse_topology("h200:1x8"), {"data": 8, "tensor": 1})
     assert links["data"].bytes_per_s == 450 * gb  # one node: data on NVLink too
 
@@ -154,13 +165,16 @@ def test_the_expert_axis_gets_the_closest_chips_as_tensor_does():
     ("v4:2x2x4", {"data": 4, "expert": 4}, 90, 0.5 * 2 * 4 / 3),  # x and y, 2 chips each, no wraparound
     ("v5p:4x4x8", {"data": 4, "expert": 32}, 360, 1.0 * 4 * 32 / 31),  # rings of 4 (B/2) and 8 (B): z sets it
     ("v5e:16x16", {"data": 8, "expert": 32}, 135, 2.0 * 3 * 32 / 31),  # x's ring of 16 (2B), 2 chips of y (B/2)
-    # a GPU's all-to-all leaves through its own NVLink or NIC port once: switched, factor 1
+    # a GPU's all-to-all inside a node leaves through its own NVLink port once: switched, factor 1
     ("h100:2x8", {"data": 2, "expert": 8, "tensor": 1}, 450, 1.0),
-    ("h100:2x8", {"data": 1, "expert": 16}, 50, 1.0),  # larger than a node: the network
+    # over 2 nodes: half of each GPU's B bytes goes to the other node through its 50 GB/s NIC, B/2 / 50e9
+    # seconds, against the ring bytes' 15/16 B at the hierarchical ring's rate (NVLink-bound: 15/16 / (7/8 / 450))
+    ("h100:2x8", {"data": 1, "expert": 16}, 15 / 16 / (7 / 8 / 450), (1 / 2 / 50) / (15 / 16 / (15 / 16 / (7 / 8 / 450)))),
 ])
 def test_the_all_to_all_factor_by_hand(topology, mesh, gb_s, factor):
     link = hardware_links.axis_links(hardware_links.parse_topology(topology), mesh)["expert"]
-    assert link.bytes_per_s == gb_s * 1e9 and link.all_to_all == pytest.approx(factor, rel=1e-12)
+    assert link.bytes_per_s == pytest.approx(gb_s * 1e9, rel=1e-12)
+    assert link.all_to_all == pytest.approx(factor, rel=1e-12)
 
 
 def _busiest_link(sides: tuple[int, ...], wraps: tuple[bool, ...]) -> float:
@@ -244,6 +258,10 @@ def test_a_gpu_row_by_hand():
     assert chips.matmul_peak_flops(chips.chip("v5e"), "float32")[0] == 197e12
     assert p.bound == max(("compute", p.compute_s), ("comm data", p.comm_s["data"]),
                           ("comm tensor", p.comm_s["tensor"]), key=lambda kv: kv[1])[0]
+    # dp over all 64 GPUs: the gradient all-reduce (N f32 gradients and the loss) as the scaling
+    # book's cross-node AllReduce, 2 x (X-1)/X x bytes / W_node egress over X = 8 nodes of 400 GB/s
+    dp = plans_lib.evaluate(cfg, hardware_links.parse_topology("h100:8x8"), "dp", {"data": 64, "tensor": 1}, 64)
+    assert dp.comm_s["data"] == pytest.approx(2 * 7 / 8 * 4 * (cfg.num_params() + 1) / 400e9, rel=1e-12)
 
 
 def test_plans_that_do_not_fit_are_excluded_for_memory():
@@ -329,13 +347,16 @@ def test_a_mixture_of_experts_ranks_ep_and_fsdp_ep():
 
 def test_ep_fits_mixtral_with_factored_moments_on_h200():
     """ep replicates the dense weights: with Adafactor and 2048 tokens its 84.6 GiB fit an H200's
-    105.75 usable (no TPU in the table has that much), and it ranks among fsdp_ep's meshes."""
+    105.75 usable (no TPU in the table has that much). fsdp's data:64 runs its gathers as a
+    hierarchical ring at a node's 400 GB/s egress, fsdp_ep's data:8 (beside expert:8 in the node)
+    through each GPU's 50 GB/s NIC: fsdp ranks first, ep last."""
     cfg = dataclasses.replace(MIXTRAL, context_length=2048)
     plans, _ = plans_lib.plan_all(cfg, hardware_links.parse_topology("h200:8x8"), 64, optimizer="adafactor")
     fit, _ = plans_lib.rank(plans, "serial")
     assert [(p.strategy, p.mesh_text()) for p in fit] == [
-        ("fsdp_ep", "data:8,expert:8"), ("ep", "data:8,expert:8"), ("fsdp_ep", "data:16,expert:4"),
-        ("fsdp_ep", "data:32,expert:2"), ("fsdp", "data:64,tensor:1")]
+        ("fsdp", "data:64,tensor:1"), ("fsdp_ep", "data:32,expert:2"), ("fsdp_ep", "data:16,expert:4"),
+        ("fsdp_ep", "data:8,expert:8"), ("ep", "data:8,expert:8")]
+    assert fit[-1].memory / 2**30 == pytest.approx(84.6, abs=0.05)
 
 
 def test_the_expert_axis_in_a_gpu_node_is_nvlink_at_factor_1():

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from twinshard.hardware import chips
 from twinshard.hardware.chips import Chip
+from twinshard.parallel.strategies import ORDER
 
 GB = 1e9  # link rates in GB/s, as datasheets print them
 
@@ -92,7 +93,7 @@ def _shape_problem(topo: Topology) -> str | None:
 class Link:
     bytes_per_s: float  # what one chip can send over the axis (one way)
     what: str
-    all_to_all: float = 1.0  # an all-to-all's time / (its ring bytes / bytes_per_s): 1 on a switch; ICI: `_ici`
+    all_to_all: float = 1.0  # an all-to-all's time / (its ring bytes / bytes_per_s): ICI `_ici`, GPU `_gpu_axis`
 
 
 def inner_axis(mesh: dict[str, int]) -> str:
@@ -167,15 +168,53 @@ def tpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
 
 
 def gpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
+    """Each mesh axis (of size > 1) as `_gpu_axis` prices it: jax.make_mesh lays GPUs out by id, node
+    after node, and the mesh axes row-major in mesh order, so consecutive members of an axis's group
+    are `stride` devices apart, stride = the product of the axes inside it."""
+    order = [a for a in ORDER if a in mesh]
+    strides = {a: math.prod(mesh[b] for b in order[i + 1:]) for i, a in enumerate(order)}
+    return {a: _gpu_axis(topo, mesh[a], strides[a]) for a in order if mesh[a] > 1}
+
+
+def _gpu_axis(topo: Topology, n: int, stride: int) -> Link:
+    """A group of n GPUs, `stride` devices apart, as g GPUs in each of k nodes (n = g k).
+
+    A ring collective over it runs hierarchically, its levels overlapped (the scaling book's GPU
+    chapter, "Cross-node collectives": T = bytes x max over the tree's levels of (D - 1) / (D W)):
+    inside a node a ring of the g GPUs on NVLink, (g-1)/g x S at W_nvlink; across nodes a ring of
+    the k nodes, (k-1)/k x S through the g NICs the group's GPUs own (one 400 Gb/s NIC per GPU:
+    g W_nic, the node's whole 400 GB/s egress when g is a node). Per byte of the array S:
+
+        seconds = max((g-1)/(g W_nvlink), (k-1)/(k g W_nic)),  bytes_per_s = ((n-1)/n) / seconds
+
+    so that the ledger's ring bytes ((n-1)/n S for an all-gather, twice for an all-reduce) /
+    bytes_per_s is that time. h100:8x8, data:64: 7/8 / (400 GB/s) per byte, 450 GB/s per GPU (a
+    flat ring at each GPU's 50 GB/s NIC share took 9x as long); data:8 across nodes beside
+    tensor:8 inside them: g = 1, each GPU its own NIC, 50 GB/s. An all-to-all is not hierarchical:
+    each GPU sends B/n to every other, (g-1)/n B over NVLink and (n-g)/n B through its own NIC, at
+    once (`all_to_all` = that time over the ring bytes' time). A group unevenly spread over nodes
+    (a stride or size that does not divide a node) is priced as a flat ring at the NIC share, its
+    slowest link."""
     chip, (nodes, per_node) = topo.chip, topo.grid
-    nvlink = Link(chip.nvlink_bytes_per_s, f"NVLink {chip.nvlink_bytes_per_s / GB:g} GB/s")
-    nic = chip.node_network_bytes_per_s / chip.gpus_per_node
-    network = Link(nic, f"inter-node network {nic / GB:g} GB/s per GPU "
-                        f"({chip.node_network_bytes_per_s / GB:g} GB/s per node / {chip.gpus_per_node} GPUs)")
-    inner = inner_axis(mesh)
-    links = {"data": nvlink if nodes == 1 else network,
-             inner: nvlink if per_node % mesh.get(inner, 1) == 0 else network}
-    return {axis: link for axis, link in links.items() if mesh.get(axis, 1) > 1}
+    nvlink, nic = chip.nvlink_bytes_per_s, chip.node_network_bytes_per_s / chip.gpus_per_node
+    span = n * stride
+    if nodes == 1 or (span <= per_node and per_node % span == 0):
+        g = n  # inside one node
+    elif stride % per_node == 0:
+        g = 1  # one GPU per node
+    elif per_node % stride == 0 and span % per_node == 0:
+        g = per_node // stride
+    else:  # uneven: a flat ring at the NIC share
+        return Link(nic, f"network {nic / GB:g} GB/s per GPU (a ring unevenly spread over nodes)")
+    k = n // g
+    seconds = max((g - 1) / (g * nvlink), (k - 1) / (k * g * nic))
+    rate = (n - 1) / n / seconds
+    a2a = max((g - 1) / (n * nvlink), (n - g) / (n * nic)) * rate * n / (n - 1)
+    if k == 1:
+        return Link(rate, f"NVLink {nvlink / GB:g} GB/s", a2a)
+    inside = f"NVLink ring of {g} GPUs per node, " if g > 1 else ""
+    return Link(rate, f"{inside}network ring of {k} nodes at {g} x {nic / GB:g} GB/s (each GPU's NIC), "
+                      f"overlapped", a2a)
 
 
 def axis_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
