@@ -42,8 +42,9 @@ Which links a mesh axis uses:
   axes jax.make_mesh gives it (`tensor_sides`: whole axes if some multiply to its size, else
   part of one), `data` the rest. A mesh axis that spans a whole side with wraparound links
   (Topology.wraps: v4/v5p whole cubes wrap every side, v5e/v6e each side of 16) runs a
-  bidirectional ring: 2 x the one-way link bandwidth per physical axis. On a side without wraparound, or on part of a side, the ring folds back on
-  itself and each link carries it both ways: 1 x. An axis over k physical axes adds them (the
+  bidirectional ring: 2 x the one-way link bandwidth per physical axis. On a side without
+  wraparound, or on part of a side, the ring folds back on itself and each link carries it both
+  ways: 1 x. An axis over k physical axes adds them (the
   scaling book's multi-axis collectives). v5p:4x4x4 (a torus), data:16,tensor:4: tensor on x,
   2 x 90 GB/s = 180 GB/s; data on y and z, 4 x 90 GB/s = 360 GB/s. v5e:16x16 (a torus),
   data:64,tensor:4: tensor on 4 chips of x, 1 x 45 GB/s; data on y and across x, 180 GB/s.

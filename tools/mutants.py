@@ -984,6 +984,17 @@ MUTANTS: list[Mutant] = [
            ("tests/test_train.py::test_resume_refuses_another_corpus_or_tokenizer",),
            "the tokenizer check compares the corpus field: another tokenizer of the same vocab size resumes"),
     # --- memory of the pipelines (schedule) and of context parallelism (ring attention)
+    Mutant("memory-cudnn-keeps-t-by-t", "memory", _COST_MEMORY,
+           'if kernel == "cudnn":\n        return 0',
+           'if False:\n        return 0',
+           (PLAN + "::test_cudnn_flash_attention_keeps_no_t_by_t_array_on_a_gpu",),
+           "cuDNN flash attention is charged the recompute kernel's 2 [b, H, T, T] f32 arrays (64 GiB per "
+           "H100 for Llama-3-8B at T = 8192: no plan fits)"),
+    Mutant("memory-auto-cudnn-in-float32", "memory", _COST_MEMORY,
+           'return "cudnn" if gpu and cfg.dtype == "bfloat16" else "recompute"',
+           'return "cudnn" if gpu else "recompute"',
+           (PLAN + "::test_cudnn_flash_attention_keeps_no_t_by_t_array_on_a_gpu",),
+           "attention auto on a GPU in float32 is taken for cuDNN flash attention (bf16/fp16 only)"),
     Mutant("memory-ignores-pipeline-schedule", "memory", _COST_MEMORY,
            'layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule)',
            'layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, "gpipe")',

@@ -45,14 +45,15 @@ from twinshard.config import ModelConfig
 from twinshard.cost.communication import STRATEGY_ROWS
 from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Row, _Ctx, row
 from twinshard.cost.flops import Flops, flops
-from twinshard.cost.memory import Memory, attention_backward, memory, ring_attention_memory, saved_per_layer
+from twinshard.cost.memory import (Memory, attention_backward, attention_kernel, memory, ring_attention_memory,
+                                   saved_per_layer)
 from twinshard.cost.weights import DTYPE_BYTES, F32, RULES, Weight, weights
 from twinshard.parallel import mesh as mesh_lib, strategies
 
 __all__ = [
     "AXES", "DTYPE_BYTES", "F32", "NOT_REGATHERED", "OPS", "PHASES", "PIPELINES", "RULES", "STRATEGY_ROWS",
-    "Cost", "Flops", "Memory", "Row", "Weight", "attention_backward", "compare", "compare_table", "cost",
-    "flops", "human", "memory", "ring_attention_memory", "row", "saved_per_layer", "summarize", "weights",
+    "Cost", "Flops", "Memory", "Row", "Weight", "attention_backward", "attention_kernel", "compare", "compare_table",
+    "cost", "flops", "human", "memory", "ring_attention_memory", "row", "saved_per_layer", "summarize", "weights",
 ]
 
 PIPELINES = strategies.of_family("pipeline")  # on a `stage` axis (twinshard/parallel/pipeline.py); their mesh names it
@@ -146,12 +147,13 @@ def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
 def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
          seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
          microbatches: int = 1, optimizer: str = "adamw", remat: str | None = None,
-         schedule: str = "gpipe") -> Cost:
+         schedule: str = "gpipe", gpu: bool = False) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
     split into that many. microbatches: a pipeline's M. optimizer: TrainConfig.optimizer
-    (memory only).
+    (memory only). gpu: the devices are GPUs, where attention "auto" is cuDNN flash attention in
+    bf16 (memory only: memory.attention_kernel).
 
     mesh: {'data': d, 'tensor': t} (a missing axis is 1). `remat` (default: `cfg.remat`)
     changes the activation memory only: under every policy the manual twin runs the
@@ -197,7 +199,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
                 memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer,
-                       remat, schedule), notes)
+                       remat, schedule, gpu), notes)
 
 
 _NOTES = {

@@ -23,9 +23,9 @@ Memory per device (`Memory`, bytes):
                    heads output_proj reads); 3 x [b,T,F/t] in SwiGLU (w1 and w3 outputs,
                    W2's input: layers.swiglu_gate recomputes the sigmoid); per-token norm
                    statistics (4 x [b,T,1]) and the rows' log-sum-exp [b,H/t,T,1]. No
-                   [T, T] array: layers.recompute_attention (the default off-GPU; cuDNN
-                   flash attention on a GPU in bf16 keeps none either) recomputes the
-                   probabilities in the backward pass, which `attention_backward` counts.
+                   [T, T] array: layers.recompute_attention (the default off-GPU) recomputes
+                   the probabilities in the backward pass, which `attention_backward` counts;
+                   cuDNN flash attention (the default on a GPU in bf16: `gpu`) keeps none at all.
                    (Autodiff of the reference or of jax.nn's XLA attention would save the
                    scores and the probabilities, 2 x [b,H/t,T,T] f32 per layer, instead of o.)
         full       b*T*D: the layer input (the checkpoint's argument); + b*T*D under
@@ -168,18 +168,32 @@ def moe_saved(cfg: ModelConfig, tokens: int) -> int:
     return buffers + tokens * (4 + 2 * k + e + k * e + k * c + 2 * e * c) + groups * e
 
 
-def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int) -> int:
-    """Bytes of the [T, T] arrays one layer's attention backward holds at once: the recomputed
-    probabilities and d(q k^T), 2 x [b, H/t, T, T] float32 (layers.recompute_attention; XLA
-    writes ds over dp). No layer saves a [T, T] array for the backward, so at long context
-    this working set, not the residuals, is what grows with T^2. Measured (tiny, batch 4, one
-    CPU device, temp_size_in_bytes against the model): T = 1024, 194.8 MiB against 75.0
-    without this term, 203.0 with it; T = 256, 25.8 against 19.2 / 27.2.
-    It models the default kernel off-GPU. Not modelled: cuDNN flash attention (a GPU in bf16)
-    builds no [T, T] array at all, so the term overestimates a bf16 GPU plan by these bytes;
-    `--attention=xla` / `reference` save the scores and the probabilities in every layer
-    (2 x [b,H/t,T,T] f32 per layer, uncounted); under remat=dots in bf16 the saved q k^T is
-    f32, counted at the compute dtype's bytes."""
+def attention_kernel(cfg: ModelConfig, gpu: bool = False) -> str:
+    """The kernel layers.causal_attention runs for `cfg.attention` on a GPU (`gpu`) or off it:
+    "auto" is cuDNN flash attention on a GPU in bfloat16 and the recompute kernel elsewhere."""
+    if cfg.attention == "auto":
+        return "cudnn" if gpu and cfg.dtype == "bfloat16" else "recompute"
+    return cfg.attention
+
+
+def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int, kernel: str = "recompute") -> int:
+    """Bytes of the [T, T] arrays one layer's attention backward holds at once under `kernel`
+    (`attention_kernel`).
+
+    recompute (layers.recompute_attention, the default off-GPU): the recomputed probabilities
+    and d(q k^T), 2 x [b, H/t, T, T] float32 (XLA writes ds over dp). No layer saves a [T, T]
+    array for the backward, so at long context this working set, not the residuals, is what
+    grows with T^2. Measured (tiny, batch 4, one CPU device, temp_size_in_bytes against the
+    model): T = 1024, 194.8 MiB against 75.0 without this term, 203.0 with it; T = 256, 25.8
+    against 19.2 / 27.2.
+    cudnn (flash attention, the default on a GPU in bf16): 0. Its forward and backward tile q k^T
+    through on-chip memory and keep only o and the rows' softmax statistics, which the layer
+    saves under any kernel (`saved_per_layer`): no [T, T] array is ever in HBM.
+    Not modelled: `--attention=xla` / `reference` save the scores and the probabilities in every
+    layer (2 x [b,H/t,T,T] f32 per layer, uncounted; charged here as recompute's working set);
+    under remat=dots in bf16 the saved q k^T is f32, counted at the compute dtype's bytes."""
+    if kernel == "cudnn":
+        return 0
     return 2 * b * (cfg.num_heads // t) * seq * seq * F32
 
 
@@ -251,9 +265,10 @@ def ring_attention_memory(b: int, h: int, tc: int, dh: int, c: int) -> tuple[int
 
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
            dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1,
-           optimizer: str = "adamw", remat: str | None = None, schedule: str = "gpipe") -> Memory:
+           optimizer: str = "adamw", remat: str | None = None, schedule: str = "gpipe", gpu: bool = False) -> Memory:
     """Bytes per device; `remat` (default `cfg.remat`) sets the activations, `schedule` (gpipe,
-    1f1b) and `microbatches` a pipeline's (module docstring)."""
+    1f1b) and `microbatches` a pipeline's, `gpu` the attention kernel "auto" runs
+    (`attention_kernel`: cuDNN's keeps no [T, T] array) (module docstring)."""
     mesh_lib.check_strategy(strategy)
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; choose one of "
@@ -274,7 +289,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     # rebuilt under remat, their cotangents without (measured with memory_analysis: without
     # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
     backward_layer = (saved_per_layer(cfg, "none", b, seq, t, sequence) * dtype_bytes
-                      + attention_backward(cfg, b, seq, t))
+                      + attention_backward(cfg, b, seq, t, attention_kernel(cfg, gpu)))
     ln_final = head * seq * d // t + head * seq * d if sequence else 2 * head * seq * d  # tp_sp: on shards, gathered
     final = (ln_final + head * seq * v // t) * dtype_bytes + head * seq * v // t * F32  # f32 loss
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals

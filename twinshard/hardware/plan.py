@@ -79,7 +79,7 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
     model (resolve.resolve_mesh: it also checks E over `expert`, which cost.cost does not)."""
     resolve.resolve_mesh(strategy, mesh_lib.mesh_str(mesh, strategy), train_config(cfg, batch), topo.chips,
                          advise=False)
-    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer)
+    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer, gpu=not topo.chip.is_tpu)
     links = axis_links(topo, c.mesh)
     peak, _ = matmul_peak_flops(topo.chip, cfg.dtype)
     return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), c.flops.per_device / (peak * mfu),
