@@ -16,8 +16,10 @@ each factoring of the chips over the strategy's mesh axes that launch.train acce
 (data x tensor; ep data x expert; fsdp_ep data x expert x tensor 1: resolve.resolve_mesh), the
 cost model of the manual twin (twinshard.cost) gives, per chip:
 
-- memory: params + grads + optimizer state (--optimizer; AdamW's 2 moments by default) + activations (under --remat) +
-  the backward loop's one-layer working set + FSDP's gathered layer; the plan fits when that is
+- memory: params + grads + optimizer state (--optimizer; AdamW's 2 moments by default), in
+  --param_dtype and --optimizer_dtype (float32 both by default, as launch.train trains: 16 bytes
+  per parameter; --master_weights adds a float32 copy of narrower params) + activations (under
+  --remat) + the backward loop's one-layer working set + FSDP's gathered layer; the plan fits when that is
   at most (1 - --hbm_headroom) of the HBM. XLA's buffers are a peak (arguments + outputs -
   aliased + temporaries) and the model a sum; compiled for the slice, XLA's peak can sit above
   the model's (--hbm_headroom's help says by how much), hence the default headroom of 25%;
@@ -80,12 +82,12 @@ from absl import app, flags, logging
 
 from launch import common
 from twinshard import cost
-from twinshard.config import OPTIMIZERS, PRESETS, Config, ModelConfig, preset
+from twinshard.config import COMPUTE_DTYPES, OPTIMIZERS, PRESETS, Config, ModelConfig, preset
 from twinshard.cost import human
 from twinshard.hardware import chips
 from twinshard.hardware.chips import matmul_peak_flops
 from twinshard.hardware.links import GB, Topology, parse_topology
-from twinshard.hardware.plan import Plan, Skipped, plan_all, rank, runnable
+from twinshard.hardware.plan import Plan, Precision, Skipped, plan_all, rank, runnable
 from twinshard.parallel import mesh as mesh_lib
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global).
@@ -96,8 +98,13 @@ common.define(flags.DEFINE_integer, "batch_size", None, "Global batch size in se
 common.define(flags.DEFINE_integer, "context_length", None, "Sequence length (default: the preset's context_length).")
 common.define(flags.DEFINE_string, "json", None, "Write the plans as JSON to this path.")
 common.define(flags.DEFINE_enum, "optimizer", "adamw", OPTIMIZERS, "The optimizer whose state the memory counts "
-              "(adamw: 2 moments, lion and sgd with momentum: 1, adafactor: factored second moments), all f32.")
+              "(adamw: 2 moments, lion and sgd with momentum: 1, adafactor: factored second moments).")
 common.define_precision_flags()  # --dtype (the peak and the activation bytes), --remat, ...
+flags.DEFINE_enum("param_dtype", "float32", COMPUTE_DTYPES, "Params and gradients in memory (float32: what "
+                  "launch.train keeps; bfloat16: a mixed-precision trainer's weights).")
+flags.DEFINE_enum("optimizer_dtype", "float32", COMPUTE_DTYPES, "The optimizer state in memory.")
+flags.DEFINE_bool("master_weights", False, "Count a float32 master copy of the params besides (mixed precision "
+                  "with --param_dtype=bfloat16: 2 + 2 + 4 + 8 bytes per parameter under AdamW).")
 flags.DEFINE_integer("top", 10, "Ranked plans to print.")
 flags.DEFINE_float("mfu", 1.0, "Fraction of the peak FLOP/s the matmuls reach (1: the peak, a lower bound "
                    "on the step time).")
@@ -134,13 +141,14 @@ def plan_table(plans: list[Plan], topo: Topology, cfg: ModelConfig, batch: int) 
 
 def _breakdown(p: Plan) -> str:
     m = p.cost.memory
+    master = f" + master copy {human(m.master)}" if m.master else ""
     gathered = f" + gathered layer {human(m.gathered_weights)}" if m.gathered_weights else ""
-    return (f"params {human(m.params)} + grads {human(m.grads)} + optimizer {human(m.optimizer)} + "
+    return (f"params {human(m.params)} + grads {human(m.grads)}{master} + optimizer {human(m.optimizer)} + "
             f"activations {human(m.activations)}{gathered}")
 
 
 def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
-           top: int, mfu: float, headroom: float, rank_by: str) -> str:
+           top: int, mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> str:
     m, chip, batch = cfg.model, topo.chip, cfg.train.batch_size
     peak, which = matmul_peak_flops(chip, m.dtype)
     out = [f"{_count(m.num_params())}-parameter model, batch {batch} x {m.context_length} tokens, "
@@ -176,6 +184,10 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
     if chip.max_slice_chips and topo.chips > chip.max_slice_chips:
         out += ["", f"NOTE: {topo.chips} chips is more than the largest single-slice job Google schedules on "
                     f"{chip.name} ({chip.max_slice_chips} chips); planned as the whole ICI-connected grid."]
+    if not precision.is_default:
+        out += ["", f"NOTE: params in {precision.params}, optimizer state in {precision.optimizer}"
+                    f"{', a float32 master copy' if precision.master else ''}: launch.train keeps float32 params "
+                    "and state, so its run of the launch line below needs the default's memory."]
     if m.remat != "none" and _remat_ignored(m, fit + over):
         out += ["", f"NOTE: the cost model counts activations without rematerialization; --remat={m.remat} "
                     "would need less."]
@@ -222,7 +234,7 @@ def launch_commands(plan: Plan, topo: Topology, name: str, cfg: Config) -> list[
 
 
 def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
-            mfu: float, headroom: float, rank_by: str) -> dict:
+            mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> dict:
     def one(p: Plan, rank_: int | None) -> dict:
         return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "fits": p.fits,
                 "memory": {**dataclasses.asdict(p.cost.memory), "total": p.memory}, "hbm_usable": p.hbm_usable,
@@ -237,7 +249,8 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
             "torus": topo.torus, "chip": dataclasses.asdict(topo.chip), "batch_size": cfg.train.batch_size,
             "seq_len": cfg.model.context_length, "dtype": cfg.model.dtype,
             "assumptions": {"peak_flops": peak, "peak": which, "mfu": mfu, "hbm_headroom": headroom,
-                            "rank_by": rank_by, "optimizer": f"{cfg.train.optimizer} (f32 state)", "latency": "ignored"},
+                            "rank_by": rank_by, "optimizer": f"{cfg.train.optimizer} ({precision.optimizer} state)",
+                            "precision": dataclasses.asdict(precision), "latency": "ignored"},
             "plans": [one(p, i) for i, p in enumerate(fit, 1)] + [one(p, None) for p in over],
             "skipped": [{"strategy": s.strategy, "mesh": s.mesh, "why": s.why} for s in skipped],
             "refused": runnable(cfg.model)[1],
@@ -299,6 +312,9 @@ def check_flags(topo: Topology) -> None:
         raise ValueError(f"--mfu={FLAGS.mfu} must be in (0, 1]: the fraction of the peak FLOP/s reached.")
     if not 0 <= FLAGS.hbm_headroom < 1:
         raise ValueError(f"--hbm_headroom={FLAGS.hbm_headroom} must be in [0, 1): the fraction of HBM kept free.")
+    if FLAGS.master_weights and FLAGS.param_dtype == "float32":
+        raise ValueError("--master_weights counts a float32 copy of narrower params: pass --param_dtype=bfloat16 "
+                         "too, or drop it (float32 params are their own master).")
     if FLAGS.compile and not topo.chip.is_tpu:
         raise ValueError(f"--compile is not available for GPU topologies ({topo.name}): compiling for a GPU "
                          "needs the GPU itself; drop --compile, or plan a TPU slice.")
@@ -321,14 +337,15 @@ def main(argv):
     topo = parse_topology(FLAGS.topology)
     cfg = config_from_flags()
     check_flags(topo)
+    precision = Precision(FLAGS.param_dtype, FLAGS.optimizer_dtype, FLAGS.master_weights)
     plans, skipped = plan_all(cfg.model, topo, cfg.train.batch_size, FLAGS.mfu, FLAGS.hbm_headroom,
-                              cfg.train.optimizer)
+                              cfg.train.optimizer, precision)
     if not plans:
         raise ValueError(no_plan(skipped, topo, cfg.train.batch_size))
     fit, over = rank(plans, FLAGS.rank_by)
-    print(report(fit, over, skipped, topo, FLAGS.preset, cfg, FLAGS.top, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by),
-          flush=True)
-    doc = as_dict(fit, over, skipped, topo, FLAGS.preset, cfg, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by)
+    args = (fit, over, skipped, topo, FLAGS.preset, cfg)
+    print(report(*args, FLAGS.top, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by, precision), flush=True)
+    doc = as_dict(*args, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by, precision)
     if FLAGS.compile:
         if not fit:
             raise ValueError("--compile: no plan fits in memory, so there is nothing to compile.")

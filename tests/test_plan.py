@@ -238,6 +238,16 @@ def test_a_tpu_row_by_hand():
     lion = plans_lib.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B,
                             optimizer="lion")
     assert lion.cost.memory.optimizer == 4 * N and lion.memory == p.memory - 4 * N
+    # --param_dtype / --optimizer_dtype / --master_weights: mixed precision's bf16 params and gradients
+    # (2 + 2 bytes), a float32 master copy (4) and AdamW's float32 moments (8); bf16 moments halve those
+    mixed = plans_lib.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B,
+                               precision=plans_lib.Precision("bfloat16", "float32", master=True))
+    mm = mixed.cost.memory
+    assert (mm.params, mm.grads, mm.master, mm.optimizer) == (2 * N, 2 * N, 4 * N, 8 * N)
+    assert mixed.memory == p.memory and mm.temporaries == m.temporaries - 2 * N  # 16 bytes either way
+    half = plans_lib.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B,
+                              precision=plans_lib.Precision("bfloat16", "bfloat16"))
+    assert (half.cost.memory.optimizer, half.cost.memory.master, half.memory) == (4 * N, 0, p.memory - 8 * N)
 
 
 def test_a_gpu_row_by_hand():
@@ -429,7 +439,7 @@ def test_cli_prints_ranks_and_writes_json(tmp_path):
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert [p["rank"] for p in doc["plans"]] == [1, 2, 3, 4, 5, 6] and doc["chips"] == 64
     assert doc["plans"][0]["links"]["data"]["bytes_per_s"] == 540e9 and doc["chip"]["name"] == "v5p"
-    assert doc["assumptions"]["optimizer"] == "lion (f32 state)"
+    assert doc["assumptions"]["optimizer"] == "lion (float32 state)"
 
 
 def test_cli_plans_a_mixture_of_experts(tmp_path):
@@ -457,6 +467,8 @@ def test_cli_errors_are_one_line():
                       "batch=3 is not divisible by mesh axis data=64", "pass a --batch_size divisible")
     proc = run("-m", "launch.plan", "--topology=h100:1x8", "--compile")
     assert_user_error(proc, "--compile is not available for GPU topologies (h100:1x8)")
+    proc = run("-m", "launch.plan", "--topology=h100:1x8", "--master_weights")
+    assert_user_error(proc, "--master_weights counts a float32 copy of narrower params: pass --param_dtype=bfloat16")
     proc = run("-m", "launch.plan", "--topology=h100:1x8", "--collective_matmul")
     assert_user_error(proc, "--collective_matmul belongs to strategy tp_sp")
 

@@ -147,13 +147,16 @@ def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
 def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
          seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
          microbatches: int = 1, optimizer: str = "adamw", remat: str | None = None,
-         schedule: str = "gpipe", gpu: bool = False) -> Cost:
+         schedule: str = "gpipe", gpu: bool = False, param_bytes: int = F32, state_bytes: int = F32,
+         master: bool = False) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
     split into that many. microbatches: a pipeline's M. optimizer: TrainConfig.optimizer
     (memory only). gpu: the devices are GPUs, where attention "auto" is cuDNN flash attention in
-    bf16 (memory only: memory.attention_kernel).
+    bf16 (memory only: memory.attention_kernel). param_bytes, state_bytes, master: the bytes per
+    parameter (and gradient) and per optimizer-state element, and a float32 master copy (memory
+    only; the collectives keep the manual twin's float32 gradients).
 
     mesh: {'data': d, 'tensor': t} (a missing axis is 1). `remat` (default: `cfg.remat`)
     changes the activation memory only: under every policy the manual twin runs the
@@ -199,7 +202,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
                 memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer,
-                       remat, schedule, gpu), notes)
+                       remat, schedule, gpu, param_bytes, state_bytes, master), notes)
 
 
 _NOTES = {

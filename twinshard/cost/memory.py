@@ -3,13 +3,16 @@ state, the activations saved for the backward pass and the transient working set
 notation of twinshard/cost/__init__.py.
 
 Memory per device (`Memory`, bytes):
-    params     sum over leaves of f32 leaf bytes / (its data shards x tensor shards)
-    grads      = params (same sharding)
-    optimizer  by `optimizer` (O(1) counters and placeholders ignored): adamw 2 x params
-               (mu, nu); lion, sgd 1 x params (mu; momentum trace); adafactor, per
-               leaf with two dims >= 128 (optim.factored_dims) a row and a column
-               statistic (the leaf without its largest / second-largest dim, each
-               split over the mesh axes of the dims it keeps), else a full v
+    params     sum over leaves of leaf bytes / (its data shards x tensor shards), float32 as
+               this project trains (`param_bytes` = 4; 2 models bf16 weights)
+    grads      = params (same sharding and dtype)
+    master     a float32 copy of params stored narrower (`master`; 0 by default)
+    optimizer  by `optimizer`, `state_bytes` per element (4; O(1) counters and placeholders
+               ignored): adamw 2 x the params' elements (mu, nu); lion, sgd 1 x (mu;
+               momentum trace); adafactor, per leaf with two dims >= 128
+               (optim.factored_dims) a row and a column statistic (the leaf without its
+               largest / second-largest dim, each split over the mesh axes of the dims
+               it keeps), else a full v
     activations, saved for the backward pass, per layer by `remat` (ModelConfig.remat,
         the jax.checkpoint policy of each layer: twinshard/model/transformer.py REMAT_POLICIES):
         none       b*T*(6D + 5D/t + 3F/t + 4 + H/t) elements: what autodiff saves
@@ -92,22 +95,23 @@ class Memory:
     # the backward loop's working set: one layer's residuals (rebuilt under remat) or their
     # cotangents, `saved_per_layer(..., "none")` of one layer (see `memory`)
     backward_layer: int = 0
+    master: int = 0  # float32 master copy of params stored narrower (`master=True`; 0 otherwise)
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optimizer + self.activations + self.gathered_weights
-                + self.accumulator + self.backward_layer)
+                + self.accumulator + self.backward_layer + self.master)
 
     @property
     def temporaries(self) -> int:
         """What XLA's memory_analysis() counts as temporaries (not arguments): all but the
-        params and the optimizer state, which are the (donated) step's arguments."""
-        return self.total - self.params - self.optimizer
+        params, the master copy and the optimizer state, the (donated) step's arguments."""
+        return self.total - self.params - self.optimizer - self.master
 
 
 def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[str, int],
-                     optimizer: str) -> int:
-    """Optimizer-state bytes per device (f32; see the module docstring)."""
+                     optimizer: str, state_bytes: int = F32) -> int:
+    """Optimizer-state bytes per device, `state_bytes` per element (see the module docstring)."""
     from twinshard.train.optim import factored_dims  # optax is imported only when memory is asked for
 
     def kept(shape, axes, dims) -> int:  # elements per device of a statistic keeping `dims`
@@ -127,7 +131,7 @@ def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[s
         else:
             raise ValueError(f"optimizer={optimizer!r} has no memory model; choose one of "
                              f"{', '.join(per_param)}, adafactor.")
-    return total * F32
+    return total * state_bytes
 
 
 def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequence: bool = False) -> int:
@@ -265,17 +269,22 @@ def ring_attention_memory(b: int, h: int, tc: int, dh: int, c: int) -> tuple[int
 
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
            dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1,
-           optimizer: str = "adamw", remat: str | None = None, schedule: str = "gpipe", gpu: bool = False) -> Memory:
+           optimizer: str = "adamw", remat: str | None = None, schedule: str = "gpipe", gpu: bool = False,
+           param_bytes: int = F32, state_bytes: int = F32, master: bool = False) -> Memory:
     """Bytes per device; `remat` (default `cfg.remat`) sets the activations, `schedule` (gpipe,
     1f1b) and `microbatches` a pipeline's, `gpu` the attention kernel "auto" runs
-    (`attention_kernel`: cuDNN's keeps no [T, T] array) (module docstring)."""
+    (`attention_kernel`: cuDNN's keeps no [T, T] array) (module docstring). `param_bytes` per
+    parameter and gradient element (4: the float32 params this project trains), `state_bytes` per
+    optimizer-state element (4), `master`: a float32 copy of the params besides (mixed precision's
+    master weights)."""
     mesh_lib.check_strategy(strategy)
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; choose one of "
                          f"{', '.join(PIPELINE_SCHEDULES)}.")
     remat = cfg.remat if remat is None else remat
     rules = RULES[strategy]
-    params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
+    masters = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # as float32
+    params = sum(w.count * w.size * param_bytes // _shards(w, rules, mesh) for w in weights(cfg))
     t = mesh["tensor"] if "heads" in rules else 1
     b = (batch // mesh_lib.axis_size(mesh, rules["batch"]) if "batch" in rules else batch) // grad_accum  # one micro-batch
     d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
@@ -306,16 +315,17 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
             # the compute dtype
             stage = cfg.num_layers // mesh["stage"] * layer + 2 * v * d
             gathered = stage * (F32 if schedule == "gpipe" else dtype_bytes)
-    opt = _optimizer_bytes(cfg, rules, mesh, optimizer)
+    opt = _optimizer_bytes(cfg, rules, mesh, optimizer, state_bytes)
+    copy = masters if master else 0
     if "layers" in rules and "embed" in rules:  # pp_fsdp: + the float32 gradient of what it gathered
-        return Memory(params, params, opt, acts, gathered, stage * F32, backward_layer)
+        return Memory(params, params, opt, acts, gathered, stage * F32, backward_layer, copy)
     if grad_accum == 1:
-        return Memory(params, params, opt, acts, gathered, 0, backward_layer)
+        return Memory(params, params, opt, acts, gathered, 0, backward_layer, copy)
     # the f32 accumulator of the micro-batch scan: param-sized (DP, TP); under FSDP it holds the
     # gradient of the WHOLE matrices (gather_step), so it and the gathered weights are full over data
-    accumulator = params
+    accumulator = masters
     if "embed" in rules:
         no_data = {a: m for a, m in rules.items() if m != "data"}
         accumulator = sum(w.count * w.size * F32 // _shards(w, no_data, mesh) for w in weights(cfg))
         gathered = sum(w.count * w.size for w in weights(cfg) if w.is_matrix) * dtype_bytes // t
-    return Memory(params, params, opt, acts, gathered, accumulator, backward_layer)
+    return Memory(params, params, opt, acts, gathered, accumulator, backward_layer, copy)

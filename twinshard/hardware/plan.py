@@ -12,9 +12,30 @@ from dataclasses import dataclass
 
 from twinshard import cost
 from twinshard.config import Config, ModelConfig, TrainConfig
+from twinshard.cost.weights import DTYPE_BYTES
 from twinshard.hardware.chips import matmul_peak_flops
 from twinshard.hardware.links import Link, Topology, axis_links
 from twinshard.parallel import mesh as mesh_lib, resolve, strategies
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a parameter costs besides the compute dtype: params (and their gradients) stored in
+    `params`, the optimizer state in `optimizer`, and a float32 master copy when `master` (mixed
+    precision's bf16 weights + f32 master + f32 moments). Default: float32 params and state, as
+    launch.train trains (16 bytes per parameter under AdamW)."""
+
+    params: str = "float32"
+    optimizer: str = "float32"
+    master: bool = False
+
+    def memory_kwargs(self) -> dict:
+        return {"param_bytes": DTYPE_BYTES[self.params], "state_bytes": DTYPE_BYTES[self.optimizer],
+                "master": self.master}
+
+    @property
+    def is_default(self) -> bool:
+        return self == Precision()
 
 
 @dataclass(frozen=True)
@@ -74,12 +95,14 @@ def train_config(cfg: ModelConfig, batch: int) -> Config:
 
 
 def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
-             mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw") -> Plan:
+             mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw",
+             precision: Precision = Precision()) -> Plan:
     """One strategy on one mesh; a ValueError when launch.train would refuse the mesh for this
     model (resolve.resolve_mesh: it also checks E over `expert`, which cost.cost does not)."""
     resolve.resolve_mesh(strategy, mesh_lib.mesh_str(mesh, strategy), train_config(cfg, batch), topo.chips,
                          advise=False)
-    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer, gpu=not topo.chip.is_tpu)
+    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer, gpu=not topo.chip.is_tpu,
+                  **precision.memory_kwargs())
     links = axis_links(topo, c.mesh)
     peak, _ = matmul_peak_flops(topo.chip, cfg.dtype)
     return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), c.flops.per_device / (peak * mfu),
@@ -124,15 +147,15 @@ def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
     return ok, refused
 
 
-def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0,
-             headroom: float = 0.25, optimizer: str = "adamw") -> tuple[list[Plan], list[Skipped]]:
+def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0, headroom: float = 0.25,
+             optimizer: str = "adamw", precision: Precision = Precision()) -> tuple[list[Plan], list[Skipped]]:
     """Every (strategy, mesh) the model splits on, and those it does not (with the first reason);
     the strategies it cannot run under at all (`runnable`) are in neither."""
     plans, skipped = [], []
     for strategy in runnable(cfg)[0]:
         for shape in candidate_meshes(strategy, topo.chips):
             try:
-                plans.append(evaluate(cfg, topo, strategy, shape, batch, mfu, headroom, optimizer))
+                plans.append(evaluate(cfg, topo, strategy, shape, batch, mfu, headroom, optimizer, precision))
             except ValueError as e:
                 skipped.append(Skipped(strategy, shape, str(e).split(";")[0]))
     return plans, skipped
