@@ -132,7 +132,7 @@ def plan_table(plans: list[Plan], topo: Topology, cfg: ModelConfig, batch: int) 
     axes = [a for a in mesh_lib.ORDER if any(p.mesh.get(a, 1) > 1 for p in plans)]
     head = ("rank", "strategy", "mesh", "memory/chip", "of HBM", "compute", *(f"comm {a}" for a in axes),
             "step overlap", "step serial", "bound", "tokens/s (serial)")
-    rows = [(str(i), p.strategy, p.mesh_text(), human(p.memory), f"{p.memory / topo.chip.hbm_bytes:.0%}",
+    rows = [(str(i), p.strategy, p.label(), human(p.memory), f"{p.memory / topo.chip.hbm_bytes:.0%}",
              _ms(p.compute_s), *(_ms(p.comm_s.get(a, 0.0)) for a in axes), _ms(p.overlap_s),
              _ms(p.serial_s), p.bound, f"{batch * cfg.context_length / p.serial_s:,.0f}")
             for i, p in enumerate(plans, 1)]
@@ -162,7 +162,7 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
         if len(fit) > top:
             out.append(f"... {len(fit) - top} more (--top)")
         best = fit[0]
-        out += ["", f"links of the best plan ({best.strategy} {best.mesh_text()}):"]
+        out += ["", f"links of the best plan ({best.strategy} {best.label()}):"]
         out += [f"  {axis}={best.mesh[axis]}: {link.what} = {link.bytes_per_s / GB:g} GB/s per chip"
                 + (f"; all-to-all x {link.all_to_all:.3g} (its messages cross several links)"
                    if link.all_to_all != 1 and _has_all_to_all(best, axis) else "")
@@ -173,7 +173,7 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
                    "--context_length would help ==")
     if over:
         out += ["", "== too big for HBM =="]
-        out += [f"{p.strategy} {p.mesh_text()}: needs {human(p.memory)} > {human(p.hbm_usable)} usable "
+        out += [f"{p.strategy} {p.label()}: needs {human(p.memory)} > {human(p.hbm_usable)} usable "
                 f"({_breakdown(p)})" for p in over]
     if skipped:
         out += ["", "== meshes the model does not split on =="]
@@ -184,6 +184,9 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
     if chip.max_slice_chips and topo.chips > chip.max_slice_chips:
         out += ["", f"NOTE: {topo.chips} chips is more than the largest single-slice job Google schedules on "
                     f"{chip.name} ({chip.max_slice_chips} chips); planned as the whole ICI-connected grid."]
+    if any(p.flat for p in fit + over):
+        out += ["", "NOTE: 'flat' plans split FSDP's weights flat, padded to a multiple of data (data does not "
+                    "divide d_model: twinshard/hardware/plan.py); launch.train splits d_model and refuses their meshes."]
     if not precision.is_default:
         out += ["", f"NOTE: params in {precision.params}, optimizer state in {precision.optimizer}"
                     f"{', a float32 master copy' if precision.master else ''}: launch.train keeps float32 params "
@@ -192,9 +195,18 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
         out += ["", f"NOTE: the cost model counts activations without rematerialization; --remat={m.remat} "
                     "would need less."]
     if fit:
-        out += ["", "== run the best plan: the same command on every host (jax.distributed finds the others) ==",
-                *launch_commands(fit[0], topo, name, cfg)]
+        out += ["", *launch_section(fit, topo, name, cfg)]
     return "\n".join(out)
+
+
+def launch_section(fit: list[Plan], topo: Topology, name: str, cfg: Config) -> list[str]:
+    """The launch line of the best plan launch.train runs as planned (Plan.runnable)."""
+    best = next((p for p in fit if p.runnable), None)
+    if best is None:
+        return ["== no plan that fits is one launch.train runs (all are flat) =="]
+    which = "the best plan" if best is fit[0] else f"the best plan launch.train runs ({best.strategy} {best.label()})"
+    return [f"== run {which}: the same command on every host (jax.distributed finds the others) ==",
+            *launch_commands(best, topo, name, cfg)]
 
 
 def _has_all_to_all(p: Plan, axis: str) -> bool:
@@ -236,7 +248,7 @@ def launch_commands(plan: Plan, topo: Topology, name: str, cfg: Config) -> list[
 def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
             mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> dict:
     def one(p: Plan, rank_: int | None) -> dict:
-        return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "fits": p.fits,
+        return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "flat": p.flat, "fits": p.fits,
                 "memory": {**dataclasses.asdict(p.cost.memory), "total": p.memory}, "hbm_usable": p.hbm_usable,
                 "compute_s": p.compute_s, "comm_s": p.comm_s, "overlap_s": p.overlap_s, "serial_s": p.serial_s,
                 "bound": p.bound, "flops_per_chip": p.cost.flops.per_device,
@@ -254,7 +266,7 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
             "plans": [one(p, i) for i, p in enumerate(fit, 1)] + [one(p, None) for p in over],
             "skipped": [{"strategy": s.strategy, "mesh": s.mesh, "why": s.why} for s in skipped],
             "refused": runnable(cfg.model)[1],
-            "launch": launch_commands(fit[0], topo, name, cfg) if fit else []}
+            "launch": launch_section(fit, topo, name, cfg)[1:] if fit else []}
 
 
 # ----------------------------------------------------------------------------- --compile
@@ -347,10 +359,11 @@ def main(argv):
     print(report(*args, FLAGS.top, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by, precision), flush=True)
     doc = as_dict(*args, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by, precision)
     if FLAGS.compile:
-        if not fit:
-            raise ValueError("--compile: no plan fits in memory, so there is nothing to compile.")
+        best = next((p for p in fit if p.runnable), None)
+        if best is None:
+            raise ValueError("--compile: no plan launch.train runs fits in memory, so there is nothing to compile.")
         print(f"\ncompiling the best plan for {topo.name} ahead of time (a minute or so) ...", flush=True)
-        text, doc["compile"] = compile_best(fit[0], topo, cfg)
+        text, doc["compile"] = compile_best(best, topo, cfg)
         print(text)
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:

@@ -22,7 +22,8 @@ from twinshard.hardware import plan as plans_lib
 from twinshard.hardware import links as hardware_links
 from twinshard.hardware import chips
 from twinshard import cost
-from twinshard.config import ModelConfig, preset
+from twinshard.config import Config, ModelConfig, preset
+from twinshard.parallel import resolve
 
 LLM_1B = preset("llm_1b").model
 MIXTRAL = preset("mixtral_8x7b").model  # bfloat16
@@ -82,8 +83,41 @@ def test_any_slice_of_the_pod_plans_with_a_note_above_googles_largest_job():
     assert "NOTE: 8960 chips is more than the largest single-slice job Google schedules on v5p (6144 chips)" in text
     small = hardware_links.parse_topology("v5p:16x16x24")
     plans, skipped = plans_lib.plan_all(cfg.model, small, 6144)
-    assert "NOTE" not in planner.report(*plans_lib.rank(plans, "serial"), skipped, small, "llm_1b", cfg, 3, 1.0, 0.25,
-                                        "serial")
+    assert "largest single-slice job" not in planner.report(*plans_lib.rank(plans, "serial"), skipped, small, "llm_1b",
+                                                            cfg, 3, 1.0, 0.25, "serial")
+
+
+def test_fsdp_splits_weights_flat_where_data_does_not_divide_d_model():
+    """Llama-3-70B's shapes on a 6144-chip v5p slice (16x16x24) with 1536 sequences: data:1536 =
+    3 x 512 divides none of its weights' dims (8192, 28672, 128256), so no mesh split d_model
+    and no plan fit. ZeRO-3 needs 1/data of each weight per chip, not a slice of d_model: split
+    flat (padded under data elements per weight), each chip holds N_matrices/(data x tensor)
+    matrix parameters and the replicated norm gains. launch.train's twins split d_model evenly and
+    refuse the mesh, so the report prints no launch line for it."""
+    cfg = ModelConfig(vocab_size=128256, context_length=4096, d_model=8192, num_layers=80, num_heads=64,
+                      d_ff=28672, dtype="bfloat16", remat="full")
+    topo = hardware_links.parse_topology("v5p:16x16x24")
+    plans, skipped = plans_lib.plan_all(cfg, topo, 1536)
+    fit, over = plans_lib.rank(plans, "serial")
+    assert [(p.strategy, p.label()) for p in fit] == [
+        ("fsdp_tp", "data:1536,tensor:4 flat"), ("fsdp_tp", "data:768,tensor:8 flat"),
+        ("fsdp_tp", "data:384,tensor:16 flat")]
+    best, norms = fit[0], (2 * cfg.num_layers + 1) * cfg.d_model
+    # (each weight's bytes // chips: under 4 bytes short of the exact share, 12 leaves)
+    assert best.cost.memory.params == pytest.approx(4 * ((cfg.num_params() - norms) / 6144 + norms), abs=4 * 12)
+    # the gathers and scatters move what an even split would: (d-1)/d x 3 x each bf16 matrix's tensor
+    # shard (2 gathers, 1 scatter; the embedding is not re-gathered), and the norm gains' f32 means
+    V, D, L, F = cfg.padded_vocab_size, cfg.d_model, cfg.num_layers, cfg.d_ff
+    shards = (L * (4 * D * D + 3 * D * F) + V * D) * 2 / 4  # every matrix but the embedding, bf16, / tensor
+    fsdp = 1535 / 1536 * (3 * shards + 2 * V * D * 2 / 4) + 2 * 1535 / 1536 * 4 * (norms + 1)
+    data = sum(r.ring_bytes for r in best.cost.collectives if r.axes == ("data",))
+    assert data == pytest.approx(fsdp, rel=1e-5)  # each scattered shard's bytes // data: under a byte short
+    with pytest.raises(ValueError, match="embed=8192 is not divisible by mesh axis data=1536"):
+        resolve.resolve_mesh("fsdp_tp", "data:1536,tensor:4", plans_lib.train_config(cfg, 1536), 6144)
+    text = planner.report(fit, over, skipped, topo, "llm_1b", Config(cfg, preset("llm_1b").train), 3, 1.0, 0.25,
+                          "serial")
+    assert "NOTE: 'flat' plans split FSDP's weights flat" in text
+    assert "== no plan that fits is one launch.train runs (all are flat) ==" in text and "gcloud" not in text
 
 
 def test_tensor_gets_the_physical_axes_jax_gives_it():

@@ -148,7 +148,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
          seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
          microbatches: int = 1, optimizer: str = "adamw", remat: str | None = None,
          schedule: str = "gpipe", gpu: bool = False, param_bytes: int = F32, state_bytes: int = F32,
-         master: bool = False) -> Cost:
+         master: bool = False, flat_weights: bool = False) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
@@ -156,7 +156,9 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     (memory only). gpu: the devices are GPUs, where attention "auto" is cuDNN flash attention in
     bf16 (memory only: memory.attention_kernel). param_bytes, state_bytes, master: the bytes per
     parameter (and gradient) and per optimizer-state element, and a float32 master copy (memory
-    only; the collectives keep the manual twin's float32 gradients).
+    only; the collectives keep the manual twin's float32 gradients). flat_weights: FSDP's weights
+    split flat (each device 1/data of every weight, padded: twinshard/hardware/plan.py), so d_model
+    need not divide by data; the bytes per device are the same to under one element per weight.
 
     mesh: {'data': d, 'tensor': t} (a missing axis is 1). `remat` (default: `cfg.remat`)
     changes the activation memory only: under every policy the manual twin runs the
@@ -189,7 +191,8 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
         from twinshard.parallel import pipeline
 
         pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, data=shape["data"])
-    mesh_lib.check_divisible(dims, {k: v for k, v in RULES[strategy].items() if k != "layers"}, shape)
+    skip = {"layers", "embed"} if flat_weights else {"layers"}
+    mesh_lib.check_divisible(dims, {k: v for k, v in RULES[strategy].items() if k not in skip}, shape)
     local = batch_size // mesh_lib.axis_size(shape, RULES[strategy]["batch"]) if "batch" in RULES[strategy] else batch_size
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "

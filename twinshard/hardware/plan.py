@@ -4,6 +4,14 @@ axis crosses (`evaluate`), every such plan of a model (`plan_all`) and their ran
 
 Per chip: memory (`cost.memory`) against the usable HBM, compute = FLOPs per chip / (peak x mfu),
 and per mesh axis the seconds its collectives take (`comm_times`).
+
+Where data does not divide d_model, FSDP's weights are split flat (`Plan.flat`). ZeRO-3 needs each
+device to hold 1/data of every weight, not a whole slice of its d_model dim: it can flatten a
+weight and pad it to a multiple of data (PyTorch's FSDP does: its FlatParameter), under data
+elements per weight, which the cost model's bytes // data already rounds away. No other dim would
+do in general (v5p:16x16x24's data:1536 = 3 x 512 divides none of Llama-3-70B's: 8192, 28672,
+128256 / 1536, ...). launch.train's twins split d_model itself, with even shards (shard_map and
+jit's argument shardings need them), so a flat plan is ranked but gets no launch line.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ class Plan:
     compute_s: float
     comm_s: dict[str, float]  # per axis of the plan's mesh ('data', 'tensor' / 'expert'); 0 where nothing moves
     links: dict[str, Link]
+    flat: bool = False  # FSDP's weights split flat: data does not divide d_model (module docstring)
 
     @property
     def memory(self) -> int:
@@ -69,11 +78,20 @@ class Plan:
         terms = {"compute": self.compute_s, **{f"comm {a}": s for a, s in self.comm_s.items()}}
         return max(terms, key=terms.get)
 
+    @property
+    def runnable(self) -> bool:
+        """launch.train runs it as planned (d_model split evenly)."""
+        return not self.flat
+
     def step_s(self, rank_by: str) -> float:
         return self.serial_s if rank_by == "serial" else self.overlap_s
 
     def mesh_text(self) -> str:
         return mesh_lib.mesh_str(self.mesh, self.strategy)
+
+    def label(self) -> str:
+        """The mesh, and what else sets the plan apart ('data:1536,tensor:4 flat')."""
+        return self.mesh_text() + (" flat" if self.flat else "")
 
 
 def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
@@ -94,19 +112,33 @@ def train_config(cfg: ModelConfig, batch: int) -> Config:
     return Config(cfg, TrainConfig(batch_size=batch))
 
 
+def _check_mesh(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int) -> bool:
+    """launch.train's checks of the mesh for this model (resolve.resolve_mesh: it also checks E over
+    `expert`, which cost.cost does not): True when only d_model over data fails (a flat plan), a
+    ValueError for anything else."""
+    train, spec = train_config(cfg, batch), mesh_lib.mesh_str(mesh, strategy)
+    try:
+        resolve.resolve_mesh(strategy, spec, train, topo.chips, advise=False)
+    except ValueError as e:
+        if not str(e).startswith("embed="):
+            raise
+        resolve.resolve_mesh(strategy, spec, train, topo.chips, advise=False, flat_weights=True)
+        return True
+    return False
+
+
 def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
              mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw",
              precision: Precision = Precision()) -> Plan:
     """One strategy on one mesh; a ValueError when launch.train would refuse the mesh for this
-    model (resolve.resolve_mesh: it also checks E over `expert`, which cost.cost does not)."""
-    resolve.resolve_mesh(strategy, mesh_lib.mesh_str(mesh, strategy), train_config(cfg, batch), topo.chips,
-                         advise=False)
+    model but for d_model over data (`Plan.flat`)."""
+    flat = _check_mesh(cfg, topo, strategy, mesh, batch)
     c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer, gpu=not topo.chip.is_tpu,
-                  **precision.memory_kwargs())
+                  flat_weights=flat, **precision.memory_kwargs())
     links = axis_links(topo, c.mesh)
     peak, _ = matmul_peak_flops(topo.chip, cfg.dtype)
     return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), c.flops.per_device / (peak * mfu),
-                comm_times(c, links), links)
+                comm_times(c, links), links, flat)
 
 
 def candidate_meshes(strategy: str, n: int) -> list[dict[str, int]]:
