@@ -1,12 +1,12 @@
 """A Python that has imported jax, flax, optax and orbax once and forks a child per command.
 
-tests/cli.py sends it one JSON request per line on stdin ({"argv", "cwd", "env", "stdout",
+tests/harness/forked.py sends it one JSON request per line on stdin ({"argv", "cwd", "env", "stdout",
 "stderr"}); it forks at once and answers "pid N", and "exit N CODE" whenever child N ends
 (CODE as subprocess reports it: negative for a signal), so several children may run at once
 (test_multiprocess's two processes of one run). The child is what `python ARGV...` would be,
 minus the imports already done:
 
-- the process: its own session (cli.py kills the group on a timeout), cwd, the request's
+- the process: its own session (forked.py kills the group on a timeout), cwd, the request's
   environment in full, stdin /dev/null, fds 1 and 2 on the request's files;
 - the interpreter: sys.argv, sys.path[0] (`-m`: the cwd; a script: its directory;
   `-c`: ''), `-m` through runpy as `__main__`; an uncaught exception prints its traceback
@@ -16,7 +16,7 @@ minus the imports already done:
   test that asserts a quiet stderr still sees the import-time warnings a user would.
 
 What can differ from a fresh process: settings that the preloaded modules read from the
-environment at import (jax reads JAX_* variables then): cli.py forks only when the request
+environment at import (jax reads JAX_* variables then): forked.py forks only when the request
 changes no JAX_* variable from this process's, and starts a real process otherwise. XLA reads
 XLA_FLAGS when a backend first starts, in the child (measured: a child that sets
 --xla_force_host_platform_device_count=3 gets 3 devices). numpy's OpenBLAS keeps one thread
@@ -26,7 +26,6 @@ Measured (2-core VM): the imports cost ~2.8 s of CPU per launcher process; the s
 ~50 launcher processes through cli.run.
 """
 
-import gc
 import json
 import os
 import select
@@ -34,6 +33,8 @@ import sys
 import tempfile
 import time
 import warnings
+
+import speed  # tests/harness/speed.py (sys.path[0] is this folder): stdlib imports only
 
 PRELOAD = ("numpy", "jax", "jax.numpy", "flax.nnx", "optax", "orbax.checkpoint", "absl.app", "absl.flags",
            "absl.logging", "tiktoken")
@@ -53,15 +54,6 @@ def _preload() -> bytes:
             os.close(saved)
         err.seek(0)
         return err.read()
-
-
-def tune_gc() -> None:
-    """Freeze what is alive now (the imports: never scanned again, and a fork's children share
-    those pages untouched) and collect generation 0 every 100k allocations instead of 700
-    (tests/conftest.py has the measurement)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 1000)
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -100,7 +92,11 @@ def _child(request: dict, import_stderr: bytes) -> None:
         os.dup2(opened, fd)
         os.close(opened)  # fds 0-2 only, as a fresh process has
     os.write(2, import_stderr)
-    record = _record_launcher(request["argv"]) if os.environ.get("TWINSHARD_SUITE_PROFILE") else None
+    record = None
+    if os.environ.get("TWINSHARD_SUITE_PROFILE"):
+        import suite_profile  # tests/harness/suite_profile.py
+
+        record = suite_profile.record_launcher(request["argv"])
     code = 0
     try:
         _main_program(request["argv"])
@@ -131,58 +127,12 @@ def _child(request: dict, import_stderr: bytes) -> None:
         os._exit(code & 0xFF)  # as the OS keeps it (SystemExit(-1) -> 255)
 
 
-def record_programs() -> list[list]:
-    """Record every cold backend compile of this process from now on, as [jitted function, seconds],
-    in the list returned (tests/conftest.py's suite profile; a program that two tests compile shows
-    twice). Through jax.monitoring's public listeners: a backend compile (its start is a scalar
-    event, its end a duration event, both named BACKEND_COMPILE) during which the persistent
-    compilation cache reported no hit."""
-    import jax
-
-    programs: list[list] = []
-    hit = [False]
-
-    def on_event(event: str, **_) -> None:
-        if event == CACHE_HIT:
-            hit[0] = True
-
-    def on_start(event: str, value: float, **_) -> None:
-        if event == BACKEND_COMPILE:
-            hit[0] = False
-
-    def on_end(event: str, duration: float, fun_name: str = "?", **_) -> None:
-        if event == BACKEND_COMPILE and not hit[0]:
-            programs.append([fun_name, round(duration, 3)])
-
-    jax.monitoring.register_event_listener(on_event)
-    jax.monitoring.register_scalar_listener(on_start)
-    jax.monitoring.register_event_duration_secs_listener(on_end)
-    return programs
-
-
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-CACHE_HIT = "/jax/compilation_cache/cache_hits"
-
-
-def _record_launcher(argv: list[str]):
-    """The suite profile for a launcher: its compiles, appended at its end as one JSON line to
-    FILE-launchers.jsonl (FILE: TWINSHARD_SUITE_PROFILE)."""
-    start, programs = time.perf_counter(), record_programs()
-
-    def write():
-        row = {"argv": argv, "cwd": os.getcwd(), "wall": time.perf_counter() - start, "compiled": programs}
-        with open(os.environ["TWINSHARD_SUITE_PROFILE"] + "-launchers.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    return write
-
-
 _children: set[int] = set()  # pids of the running children
 
 
 def main() -> None:
     import_stderr = _preload()
-    tune_gc()
+    speed.tune_gc()
     # OpenBLAS's one worker thread makes Python warn at every fork (see the module docstring).
     warnings.filterwarnings("ignore", message=r"This process .* is multi-threaded", category=DeprecationWarning)
     reply = sys.stdout

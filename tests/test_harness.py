@@ -1,5 +1,6 @@
-"""tests/cli.py's forked commands (tests/zygote.py) behave as a fresh `python ARGV...` does:
-the same exit code, stdout and stderr for what a program can observe of its start and end."""
+"""The test harness (tests/harness/): a command forked from the zygote behaves as a fresh
+`python ARGV...` does: the same exit code, stdout and stderr for what a program can observe of
+its start and end."""
 
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import time
 import pytest
 
 import cli
+from harness import forked
 
 PROGRAM = r"""
 import atexit, os, sys, tempfile, threading, time
@@ -57,9 +59,12 @@ def test_a_module_runs_as_main_with_the_cwd_first_on_the_path(tmp_path):
     assert forked.stdout == want.stdout == f"__main__ True {str(tmp_path)!r}\n"
 
 
-def test_a_jax_variable_gets_a_fresh_python():
-    assert cli._zygote_may_run(cli.env())
-    assert not cli._zygote_may_run(cli.env(JAX_LOG_COMPILES="1"))  # jax reads JAX_* at import
+def test_a_jax_variable_gets_a_fresh_python(monkeypatch):
+    monkeypatch.setenv("TWINSHARD_TEST_FORK", "1")
+    assert forked.may_fork(cli.env(), cli.env())
+    assert not forked.may_fork(cli.env(JAX_LOG_COMPILES="1"), cli.env())  # jax reads JAX_* at import
+    monkeypatch.setenv("TWINSHARD_TEST_FORK", "0")
+    assert not forked.may_fork(cli.env(), cli.env())
 
 
 def gone(pid: int) -> bool:
@@ -72,19 +77,19 @@ def gone(pid: int) -> bool:
 
 
 def test_a_command_past_its_timeout_is_killed_with_its_children(tmp_path):
-    """cli.run's timeout path (cli.finish) kills a command that outlives it, and the command's
+    """cli.run's timeout path (forked.finish) kills a command that outlives it, and the command's
     own child too. The timeout starts once the command has started its child (the test reads
     its 'started' line first, however long a loaded machine takes), so nothing here depends
     on how fast a process starts; the waits are hang guards."""
     code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
             "'import time; time.sleep(3600)']); print('started', child.pid, flush=True); time.sleep(3600)")
-    command = cli.Child(["-c", code], tmp_path, cli.env(), cli._Zygote.get())  # forked, as run() does
+    command = forked.Child(["-c", code], tmp_path, cli.env(), forked.Zygote.get(cli.env(), cli.ROOT))  # as run()
     line = next(command.stdout)
     assert line.startswith("started ")
     grandchild = int(line.split()[1])
     assert not gone(grandchild)
     with pytest.raises(subprocess.TimeoutExpired) as err:
-        cli.finish(command, timeout=0.1)
+        forked.finish(command, timeout=0.1)
     assert err.value.output == line and command.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 60  # a hang guard: SIGKILL of the session ends it at once
     while not gone(grandchild) and time.monotonic() < deadline:

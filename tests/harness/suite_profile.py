@@ -1,0 +1,133 @@
+"""Where the suite's time goes: `TWINSHARD_SUITE_PROFILE=FILE pytest ...`.
+
+Each process (controller, xdist workers) records, per test, its wall time and the seconds jax
+reports through jax.monitoring (public listeners) for tracing, lowering to MLIR and the XLA
+backend compile (a persistent-cache hit reports no backend compile); the controller prints one
+row per module and writes FILE (JSON lines, one per test). Each row also lists the programs
+compiled cold ("compiled": [jitted function, seconds]); the launchers forked by
+tests/harness/zygote.py append theirs, one line per command, to FILE-launchers.jsonl.
+Only the first pytest (the controller, which sets _OWNER to its pid) and its xdist workers (its
+children) record: not a pytest that a test starts (tools/mutate.py's runs inherit the variables;
+measured: such a run's summary merged and deleted the workers' files).
+
+tests/conftest.py imports this module's hooks only when the variable is set.
+"""
+
+import json
+import os
+import pathlib
+import time
+
+
+def record_programs() -> list[list]:
+    """Record every cold backend compile of this process from now on, as [jitted function, seconds],
+    in the list returned (the suite profile below; a program that two tests compile shows
+    twice). Through jax.monitoring's public listeners: a backend compile (its start is a scalar
+    event, its end a duration event, both named BACKEND_COMPILE) during which the persistent
+    compilation cache reported no hit."""
+    import jax
+
+    programs: list[list] = []
+    hit = [False]
+
+    def on_event(event: str, **_) -> None:
+        if event == CACHE_HIT:
+            hit[0] = True
+
+    def on_start(event: str, value: float, **_) -> None:
+        if event == BACKEND_COMPILE:
+            hit[0] = False
+
+    def on_end(event: str, duration: float, fun_name: str = "?", **_) -> None:
+        if event == BACKEND_COMPILE and not hit[0]:
+            programs.append([fun_name, round(duration, 3)])
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_scalar_listener(on_start)
+    jax.monitoring.register_event_duration_secs_listener(on_end)
+    return programs
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+def record_launcher(argv: list[str]):
+    """The suite profile for a launcher: its compiles, appended at its end as one JSON line to
+    FILE-launchers.jsonl (FILE: TWINSHARD_SUITE_PROFILE)."""
+    start, programs = time.perf_counter(), record_programs()
+
+    def write():
+        row = {"argv": argv, "cwd": os.getcwd(), "wall": time.perf_counter() - start, "compiled": programs}
+        with open(os.environ["TWINSHARD_SUITE_PROFILE"] + "-launchers.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    return write
+
+
+_PROFILE = os.environ.get("TWINSHARD_SUITE_PROFILE")
+if _PROFILE:
+    _OWNER = os.environ.setdefault("TWINSHARD_SUITE_PROFILE_OWNER", str(os.getpid()))
+    _IS_CONTROLLER = _OWNER == str(os.getpid())
+    if not (_IS_CONTROLLER or (os.environ.get("PYTEST_XDIST_WORKER") and _OWNER == str(os.getppid()))):
+        _PROFILE = None
+ACTIVE = bool(_PROFILE)
+if ACTIVE:
+    import jax
+    import pytest
+
+    _COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                       "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                       "/jax/core/compile/backend_compile_duration": "compile"}
+    _COLUMNS = ("wall", "compile", "trace", "lower", "programs")  # "other" = wall minus the seconds
+    _seconds: dict[str, float] = {}  # this test's seconds per _COMPILE_EVENTS kind
+
+    def _on_duration(event: str, duration: float, **_):
+        if kind := _COMPILE_EVENTS.get(event):
+            _seconds[kind] = _seconds.get(kind, 0.0) + duration
+            if kind == "compile":  # one backend compile per program
+                _seconds["programs"] = _seconds.get("programs", 0) + 1
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+    _programs = record_programs()
+
+    def _parts() -> list[pathlib.Path]:
+        """The per-process files FILE.gw0, FILE.gw1 (xdist) or FILE.main (-n0)."""
+        return sorted(pathlib.Path(_PROFILE).parent.glob(pathlib.Path(_PROFILE).name + ".*"))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _seconds.clear()
+        _programs.clear()
+        start = time.perf_counter()
+        yield
+        row = {"test": item.nodeid, "wall": time.perf_counter() - start, **_seconds, "compiled": list(_programs)}
+        with pathlib.Path(f"{_PROFILE}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def pytest_configure(config):
+        if _IS_CONTROLLER:  # before it starts the workers
+            for part in _parts():
+                part.unlink()
+            pathlib.Path(_PROFILE + "-launchers.jsonl").unlink(missing_ok=True)
+
+    def pytest_terminal_summary(terminalreporter):
+        if not _IS_CONTROLLER:
+            return
+        rows = [json.loads(line) for part in _parts() for line in part.read_text().splitlines()]
+        pathlib.Path(_PROFILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for part in _parts():
+            part.unlink()
+        modules: dict[str, dict[str, float]] = {}
+        for r in rows:
+            m = modules.setdefault(pathlib.PurePath(r["test"].split("::")[0]).stem, dict.fromkeys(_COLUMNS, 0.0))
+            for k in _COLUMNS:
+                m[k] += r.get(k, 0.0)
+        total = {k: sum(m[k] for m in modules.values()) for k in _COLUMNS}
+        write = terminalreporter.write_line
+        write(f"{'module':<28} {'wall s':>8} {'compile':>8} {'trace':>7} {'lower':>7} {'other':>8} {'programs':>8}")
+        for name, m in sorted(modules.items(), key=lambda kv: -kv[1]["wall"]) + [("TOTAL", total)]:
+            other = m["wall"] - m["compile"] - m["trace"] - m["lower"]
+            write(f"{name:<28} {m['wall']:8.1f} {m['compile']:8.1f} {m['trace']:7.1f} {m['lower']:7.1f} {other:8.1f}"
+                  f" {m['programs']:8.0f}")
