@@ -3,12 +3,16 @@
     python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4
     python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16 --json=plan.json
     python -m launch.plan --preset=mixtral_8x7b --topology=v5p:4x4x4 --dtype=bfloat16
+    python -m launch.plan --preset=llm_1b --topology=v5p:8x8x8 --slices=2 --batch_size=1024
     uv run --extra tpu python -m launch.plan --preset=gpt2_125m --topology=v5e:4x4 --compile
 
 --topology is a TPU slice as gcloud names it, `GEN:AxB` (v5e, v6e: a 2D torus) or `GEN:AxBxC`
 (v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips, up to the whole pod (v5p:16x20x28); or a GPU cluster
-`GPU:NODESxGPUS`, e.g. h100:8x8 = 8 HGX nodes of 8 GPUs. The chips' numbers, with their sources,
-are twinshard/hardware/chips.py.
+`GPU:NODESxGPUS`, e.g. h100:8x8 = 8 HGX nodes of 8 GPUs. --slices=N plans N such TPU slices, data
+parallel over the data-center network (DCN): each slice runs the plan on B/N sequences and each
+chip's gradients are all-reduced with its counterparts, 2 (N-1)/N x its gradient bytes at its
+DCN rate (v5p 50 Gb/s per chip, v5e 25). The chips' numbers, with their sources, are
+twinshard/hardware/chips.py.
 
 For each strategy the model runs under (`runnable`: a dense model dp, fsdp, tp, fsdp_tp; a
 mixture of experts dp, fsdp, ep, fsdp_ep, since resolve.check_experts refuses Megatron for it) and
@@ -86,7 +90,7 @@ from twinshard.config import COMPUTE_DTYPES, OPTIMIZERS, PRESETS, Config, ModelC
 from twinshard.cost import human
 from twinshard.hardware import chips
 from twinshard.hardware.chips import matmul_peak_flops
-from twinshard.hardware.links import GB, Topology, parse_topology
+from twinshard.hardware.links import GB, Topology, parse_topology, with_slices
 from twinshard.hardware.plan import Plan, Precision, Skipped, plan_all, rank, runnable
 from twinshard.parallel import mesh as mesh_lib
 
@@ -100,6 +104,8 @@ common.define(flags.DEFINE_string, "json", None, "Write the plans as JSON to thi
 common.define(flags.DEFINE_enum, "optimizer", "adamw", OPTIMIZERS, "The optimizer whose state the memory counts "
               "(adamw: 2 moments, lion and sgd with momentum: 1, adafactor: factored second moments).")
 common.define_precision_flags()  # --dtype (the peak and the activation bytes), --remat, ...
+flags.DEFINE_integer("slices", 1, "TPU slices of --topology, data parallel over the data-center network "
+                     "(each chip's gradients all-reduced with its counterparts; the batch split over the slices).")
 flags.DEFINE_enum("param_dtype", "float32", COMPUTE_DTYPES, "Params and gradients in memory (float32: what "
                   "launch.train keeps; bfloat16: a mixed-precision trainer's weights).")
 flags.DEFINE_enum("optimizer_dtype", "float32", COMPUTE_DTYPES, "The optimizer state in memory.")
@@ -128,8 +134,8 @@ def _count(n: int) -> str:
 
 
 def plan_table(plans: list[Plan], topo: Topology, cfg: ModelConfig, batch: int) -> str:
-    """One row per plan; a communication column per mesh axis some listed plan splits (> 1)."""
-    axes = [a for a in mesh_lib.ORDER if any(p.mesh.get(a, 1) > 1 for p in plans)]
+    """One row per plan; a communication column per mesh axis some listed plan splits (> 1), and DCN's."""
+    axes = [a for a in mesh_lib.ORDER if any(p.mesh.get(a, 1) > 1 for p in plans)] + ["dcn"] * (topo.slices > 1)
     head = ("rank", "strategy", "mesh", "memory/chip", "of HBM", "compute", *(f"comm {a}" for a in axes),
             "step overlap", "step serial", "bound", "tokens/s (serial)")
     rows = [(str(i), p.strategy, p.label(), human(p.memory), f"{p.memory / topo.chip.hbm_bytes:.0%}",
@@ -163,7 +169,7 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
             out.append(f"... {len(fit) - top} more (--top)")
         best = fit[0]
         out += ["", f"links of the best plan ({best.strategy} {best.label()}):"]
-        out += [f"  {axis}={best.mesh[axis]}: {link.what} = {link.bytes_per_s / GB:g} GB/s per chip"
+        out += [f"  {axis}={best.mesh.get(axis, best.slices)}: {link.what} = {link.bytes_per_s / GB:.4g} GB/s per chip"
                 + (f"; all-to-all x {link.all_to_all:.3g} (its messages cross several links)"
                    if link.all_to_all != 1 and _has_all_to_all(best, axis) else "")
                 for axis, link in best.links.items()]
@@ -186,7 +192,8 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
                     f"{chip.name} ({chip.max_slice_chips} chips); planned as the whole ICI-connected grid."]
     if any(p.flat for p in fit + over):
         out += ["", "NOTE: 'flat' plans split FSDP's weights flat, padded to a multiple of data (data does not "
-                    "divide d_model: twinshard/hardware/plan.py); launch.train splits d_model and refuses their meshes."]
+                    "divide d_model: twinshard/hardware/plan.py); launch.train splits d_model and refuses their "
+                    "meshes."]
     if not precision.is_default:
         out += ["", f"NOTE: params in {precision.params}, optimizer state in {precision.optimizer}"
                     f"{', a float32 master copy' if precision.master else ''}: launch.train keeps float32 params "
@@ -201,6 +208,9 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
 
 def launch_section(fit: list[Plan], topo: Topology, name: str, cfg: Config) -> list[str]:
     """The launch line of the best plan launch.train runs as planned (Plan.runnable)."""
+    if topo.slices > 1:
+        return ["== launch.train builds one slice's mesh; a multi-slice run needs its data axis over the slices "
+                "(jax.experimental.mesh_utils.create_hybrid_device_mesh) =="]
     best = next((p for p in fit if p.runnable), None)
     if best is None:
         return ["== no plan that fits is one launch.train runs (all are flat) =="]
@@ -248,7 +258,8 @@ def launch_commands(plan: Plan, topo: Topology, name: str, cfg: Config) -> list[
 def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
             mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> dict:
     def one(p: Plan, rank_: int | None) -> dict:
-        return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "flat": p.flat, "fits": p.fits,
+        return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "flat": p.flat, "slices": p.slices,
+                "fits": p.fits,
                 "memory": {**dataclasses.asdict(p.cost.memory), "total": p.memory}, "hbm_usable": p.hbm_usable,
                 "compute_s": p.compute_s, "comm_s": p.comm_s, "overlap_s": p.overlap_s, "serial_s": p.serial_s,
                 "bound": p.bound, "flops_per_chip": p.cost.flops.per_device,
@@ -257,7 +268,7 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
                           for a, link in p.links.items()}}
 
     peak, which = matmul_peak_flops(topo.chip, cfg.model.dtype)
-    return {"preset": name, "topology": topo.name, "chips": topo.chips, "grid": list(topo.grid),
+    return {"preset": name, "topology": topo.name, "chips": topo.chips, "slices": topo.slices, "grid": list(topo.grid),
             "torus": topo.torus, "chip": dataclasses.asdict(topo.chip), "batch_size": cfg.train.batch_size,
             "seq_len": cfg.model.context_length, "dtype": cfg.model.dtype,
             "assumptions": {"peak_flops": peak, "peak": which, "mfu": mfu, "hbm_headroom": headroom,
@@ -324,6 +335,9 @@ def check_flags(topo: Topology) -> None:
         raise ValueError(f"--mfu={FLAGS.mfu} must be in (0, 1]: the fraction of the peak FLOP/s reached.")
     if not 0 <= FLAGS.hbm_headroom < 1:
         raise ValueError(f"--hbm_headroom={FLAGS.hbm_headroom} must be in [0, 1): the fraction of HBM kept free.")
+    if FLAGS.compile and topo.slices > 1:
+        raise ValueError(f"--compile compiles one slice's mesh; drop --slices={topo.slices} to compile one slice's "
+                         "plan.")
     if FLAGS.master_weights and FLAGS.param_dtype == "float32":
         raise ValueError("--master_weights counts a float32 copy of narrower params: pass --param_dtype=bfloat16 "
                          "too, or drop it (float32 params are their own master).")
@@ -335,7 +349,7 @@ def check_flags(topo: Topology) -> None:
 
 def no_plan(skipped: list[Skipped], topo: Topology, batch: int) -> str:
     reasons = "; ".join(f"{s.strategy} {s.mesh_text()}: {s.why}" for s in skipped)
-    fix = (f"pass a --batch_size divisible by the data axis (e.g. {topo.chips}) or plan fewer chips"
+    fix = (f"pass a --batch_size divisible by the data axis (e.g. {topo.chips * topo.slices}) or plan fewer chips"
            if any(s.why.startswith("batch=") for s in skipped) else "plan fewer chips or a wider model")
     return f"no strategy splits this model with batch {batch} over {topo.chips} chips ({reasons}); {fix}."
 
@@ -346,7 +360,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if not FLAGS.topology:
         raise ValueError("--topology is required, e.g. --topology=v5p:4x4x4 (TPU) or --topology=h100:8x8 (GPU).")
-    topo = parse_topology(FLAGS.topology)
+    topo = with_slices(parse_topology(FLAGS.topology), FLAGS.slices)
     cfg = config_from_flags()
     check_flags(topo)
     precision = Precision(FLAGS.param_dtype, FLAGS.optimizer_dtype, FLAGS.master_weights)

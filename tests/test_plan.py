@@ -332,6 +332,35 @@ def test_cudnn_flash_attention_keeps_no_t_by_t_array_on_a_gpu():
     assert [p.strategy for p in plans_lib.rank(plans_lib.plan_all(cfg, topo, 512)[0], "serial")[0]] == ["fsdp"]
 
 
+def test_slices_are_data_parallel_over_the_data_center_network():
+    """--slices=2 of v5p:4x4x4, llm_1b, 128 sequences: each slice plans 64 (the same compute, memory and
+    ICI times as one slice of batch 64), and every chip all-reduces its gradients with its counterpart
+    in the other slice over DCN: 2 (S-1)/S x its gradient bytes at its 50 Gb/s = 6.25 GB/s (Google's
+    v5p figure; the scaling book's 25 GB/s per 4-chip host)."""
+    one = hardware_links.parse_topology("v5p:4x4x4")
+    two = hardware_links.with_slices(one, 2)
+    assert two.describe() == "2 slices over DCN, each v5p:4x4x4 = 64 TPU v5p chips (torus)"
+    N = LLM_1B.num_params()
+    for strategy, grads in (("dp", 4 * N), ("fsdp", None)):
+        mesh = {"data": 64, "tensor": 1}
+        p, alone = (plans_lib.evaluate(LLM_1B, topo, strategy, mesh, batch) for topo, batch in ((two, 128), (one, 64)))
+        grads = grads or alone.cost.memory.grads  # fsdp: this chip's 1/64 of the matrices + the norm gains
+        assert p.comm_s["dcn"] == pytest.approx(2 * (2 - 1) / 2 * grads / 6.25e9, rel=1e-12)
+        assert (p.compute_s, p.comm_s["data"], p.memory) == (alone.compute_s, alone.comm_s["data"], alone.memory)
+        assert p.label() == f"dcn:2 x {alone.mesh_text()}" and not p.runnable
+    fit, over = plans_lib.rank(plans_lib.plan_all(LLM_1B, two, 128)[0], "serial")
+    text = planner.report(fit, over, [], two, "llm_1b", preset("llm_1b"), 3, 1.0, 0.25, "serial")
+    assert "comm dcn" in text and "dcn=2: DCN 50 Gb/s per chip = 6.25 GB/s per chip" in text
+    assert "a multi-slice run needs its data axis over the slices" in text and "gcloud" not in text
+    for topology, slices, needle in (("h100:8x8", 2, "is a GPU cluster, whose nodes already share one network"),
+                                     ("v6e:16x16", 2, "no data-center network bandwidth is known for v6e"),
+                                     ("v5p:4x4x4", 0, "--slices=0 must be >= 1")):
+        with pytest.raises(ValueError, match=needle):
+            hardware_links.with_slices(hardware_links.parse_topology(topology), slices)
+    with pytest.raises(ValueError, match="batch=127 does not split over 2 slices"):
+        plans_lib.evaluate(LLM_1B, two, "dp", {"data": 64, "tensor": 1}, 127)
+
+
 def test_plans_that_do_not_fit_are_excluded_for_memory():
     """llm_1b dp on v5e:4x4 at context 256: params, grads and activations fit 16 GiB, Adam's two
     moments do not (the issue's example); fsdp splits all three 16 ways and fits."""
@@ -501,6 +530,8 @@ def test_cli_errors_are_one_line():
                       "batch=3 is not divisible by mesh axis data=64", "pass a --batch_size divisible")
     proc = run("-m", "launch.plan", "--topology=h100:1x8", "--compile")
     assert_user_error(proc, "--compile is not available for GPU topologies (h100:1x8)")
+    proc = run("-m", "launch.plan", "--topology=h100:1x8", "--slices=2")
+    assert_user_error(proc, "--slices=2: h100:1x8 is a GPU cluster, whose nodes already share one network")
     proc = run("-m", "launch.plan", "--topology=h100:1x8", "--master_weights")
     assert_user_error(proc, "--master_weights counts a float32 copy of narrower params: pass --param_dtype=bfloat16")
     proc = run("-m", "launch.plan", "--topology=h100:1x8", "--collective_matmul")

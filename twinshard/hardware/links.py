@@ -4,6 +4,7 @@ bandwidth. `launch.plan` prices every strategy's collectives over these links.""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -21,9 +22,11 @@ class Topology:
     name: str  # 'v5p:4x4x4', 'h100:8x8'
     chip: Chip
     grid: tuple[int, ...]  # TPU: chips along each physical axis; GPU: (nodes, GPUs per node)
+    slices: int = 1  # TPU slices of this grid, joined by the data-center network (`with_slices`)
 
     @property
     def chips(self) -> int:
+        """Chips of one slice (a plan's mesh covers one slice; `slices` of them run side by side)."""
         return math.prod(self.grid)
 
     @property
@@ -45,7 +48,8 @@ class Topology:
         if self.chip.is_tpu:
             kind = ("torus" if self.torus else "mesh without wraparound" if not any(self.wraps) else
                     "wraparound on " + " and ".join("xyz"[i] for i, w in enumerate(self.wraps) if w) + " only")
-            return f"{self.name} = {self.chips} TPU {self.chip.name} chips ({kind})"
+            one = f"{self.name} = {self.chips} TPU {self.chip.name} chips ({kind})"
+            return one if self.slices == 1 else f"{self.slices} slices over DCN, each {one}"
         nodes, per_node = self.grid
         return f"{self.name} = {nodes} node{'s' * (nodes > 1)} x {per_node} {self.chip.name} GPUs"
 
@@ -94,6 +98,28 @@ class Link:
     bytes_per_s: float  # what one chip can send over the axis (one way)
     what: str
     all_to_all: float = 1.0  # an all-to-all's time / (its ring bytes / bytes_per_s): ICI `_ici`, GPU `_gpu_axis`
+
+
+def with_slices(topo: Topology, slices: int) -> Topology:
+    """`slices` copies of the TPU slice `topo`, data parallel over the data-center network (DCN)."""
+    if slices < 1:
+        raise ValueError(f"--slices={slices} must be >= 1 (1: one slice, no DCN).")
+    if slices > 1 and not topo.chip.is_tpu:
+        raise ValueError(f"--slices={slices}: {topo.name} is a GPU cluster, whose nodes already share one network; "
+                         "plan more nodes instead (e.g. --topology=h100:16x8).")
+    if slices > 1 and topo.chip.dcn_bytes_per_s is None:
+        raise ValueError(f"--slices={slices}: no data-center network bandwidth is known for {topo.chip.name} "
+                         "(twinshard/hardware/chips.py); plan v5p or v5e slices, or one slice.")
+    return dataclasses.replace(topo, slices=slices)
+
+
+def dcn_link(topo: Topology) -> Link:
+    """What each chip sends to the other slices: its own share of its host's NICs (chips.py). A
+    data-parallel all-reduce across slices runs as one ring per chip position, all at once (the
+    scaling book's training chapter, "Scaling Across Pods": the slice's DCN bandwidth grows with
+    its chips, T = 2 x 2 x 2 DF / (M W_dcn) per layer for M chips)."""
+    rate = topo.chip.dcn_bytes_per_s
+    return Link(rate, f"DCN {rate * 8 / 1e9:g} Gb/s per chip")
 
 
 def inner_axis(mesh: dict[str, int]) -> str:

@@ -3,7 +3,10 @@ axis crosses (`evaluate`), every such plan of a model (`plan_all`) and their ran
 `launch.plan` prints them; its module docstring says what each number means.
 
 Per chip: memory (`cost.memory`) against the usable HBM, compute = FLOPs per chip / (peak x mfu),
-and per mesh axis the seconds its collectives take (`comm_times`).
+and per mesh axis the seconds its collectives take (`comm_times`). With `Topology.slices` > 1 each
+slice runs the plan on its share of the batch and every chip's gradients are all-reduced with its
+counterparts in the other slices over the data-center network (`comm_s['dcn']`): pure data
+parallelism across slices, the scaling book's recipe beyond one pod.
 
 Where data does not divide d_model, FSDP's weights are split flat (`Plan.flat`). ZeRO-3 needs each
 device to hold 1/data of every weight, not a whole slice of its d_model dim: it can flatten a
@@ -22,7 +25,7 @@ from twinshard import cost
 from twinshard.config import Config, ModelConfig, TrainConfig
 from twinshard.cost.weights import DTYPE_BYTES
 from twinshard.hardware.chips import matmul_peak_flops
-from twinshard.hardware.links import Link, Topology, axis_links
+from twinshard.hardware.links import Link, Topology, axis_links, dcn_link
 from twinshard.parallel import mesh as mesh_lib, resolve, strategies
 
 
@@ -53,9 +56,10 @@ class Plan:
     cost: cost.Cost
     hbm_usable: float  # bytes per chip the plan may use
     compute_s: float
-    comm_s: dict[str, float]  # per axis of the plan's mesh ('data', 'tensor' / 'expert'); 0 where nothing moves
+    comm_s: dict[str, float]  # per axis of the plan's mesh, and 'dcn' across slices; 0 where nothing moves
     links: dict[str, Link]
     flat: bool = False  # FSDP's weights split flat: data does not divide d_model (module docstring)
+    slices: int = 1
 
     @property
     def memory(self) -> int:
@@ -80,8 +84,8 @@ class Plan:
 
     @property
     def runnable(self) -> bool:
-        """launch.train runs it as planned (d_model split evenly)."""
-        return not self.flat
+        """launch.train runs it as planned (one slice, d_model split evenly)."""
+        return not self.flat and self.slices == 1
 
     def step_s(self, rank_by: str) -> float:
         return self.serial_s if rank_by == "serial" else self.overlap_s
@@ -90,8 +94,9 @@ class Plan:
         return mesh_lib.mesh_str(self.mesh, self.strategy)
 
     def label(self) -> str:
-        """The mesh, and what else sets the plan apart ('data:1536,tensor:4 flat')."""
-        return self.mesh_text() + (" flat" if self.flat else "")
+        """The mesh, and what else sets the plan apart ('data:1536,tensor:4 flat', 'dcn:2 x data:64,tensor:1')."""
+        text = self.mesh_text() + (" flat" if self.flat else "")
+        return text if self.slices == 1 else f"dcn:{self.slices} x {text}"
 
 
 def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
@@ -130,15 +135,24 @@ def _check_mesh(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str,
 def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
              mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw",
              precision: Precision = Precision()) -> Plan:
-    """One strategy on one mesh; a ValueError when launch.train would refuse the mesh for this
-    model but for d_model over data (`Plan.flat`)."""
+    """One strategy on one mesh of each slice, `batch` sequences over all `topo.slices` slices; a
+    ValueError when launch.train would refuse the mesh for this model but for d_model over data
+    (`Plan.flat`)."""
+    if batch % topo.slices:
+        raise ValueError(f"batch={batch} does not split over {topo.slices} slices; pass a --batch_size that is "
+                         f"a multiple of {topo.slices}")
+    batch //= topo.slices
     flat = _check_mesh(cfg, topo, strategy, mesh, batch)
     c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer, gpu=not topo.chip.is_tpu,
                   flat_weights=flat, **precision.memory_kwargs())
     links = axis_links(topo, c.mesh)
+    comm = comm_times(c, links)
+    if topo.slices > 1:  # each chip's gradients all-reduced with its counterparts in the other slices
+        links["dcn"] = dcn_link(topo)
+        comm["dcn"] = 2 * (topo.slices - 1) / topo.slices * c.memory.grads / links["dcn"].bytes_per_s
     peak, _ = matmul_peak_flops(topo.chip, cfg.dtype)
     return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), c.flops.per_device / (peak * mfu),
-                comm_times(c, links), links, flat)
+                comm, links, flat, topo.slices)
 
 
 def candidate_meshes(strategy: str, n: int) -> list[dict[str, int]]:
