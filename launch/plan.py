@@ -14,55 +14,49 @@ chip's gradients are all-reduced with its counterparts, 2 (N-1)/N x its gradient
 DCN rate (v5p 50 Gb/s per chip, v5e 25). The chips' numbers, with their sources, are
 twinshard/hardware/chips.py.
 
-For each strategy the model runs under (`runnable`: a dense model dp, fsdp, tp, fsdp_tp; a
-mixture of experts dp, fsdp, ep, fsdp_ep, since resolve.check_experts refuses Megatron for it) and
-each factoring of the chips over the strategy's mesh axes that launch.train accepts for the model
-(data x tensor; ep data x expert; fsdp_ep data x expert x tensor 1: resolve.resolve_mesh), the
-cost model of the manual twin (twinshard.cost) gives, per chip:
+For each strategy the model runs under (every declared strategy, twinshard/parallel/strategies.py:
+a dense model dp, fsdp, tp, fsdp_tp, tp_sp, cp, fsdp_cp, pp, pp_fsdp; a mixture of experts dp,
+fsdp, ep, fsdp_ep, as resolve.check_experts says) and each factoring of the chips over the
+strategy's mesh axes that launch.train accepts for the model (resolve.resolve_mesh; a pipeline
+with the micro-batch count and schedule that rank best on it), the cost model of the manual twin
+(twinshard.cost) gives, per chip (twinshard/hardware/plan.py):
 
 - memory: params + grads + optimizer state (--optimizer; AdamW's 2 moments by default), in
   --param_dtype and --optimizer_dtype (float32 both by default, as launch.train trains: 16 bytes
   per parameter; --master_weights adds a float32 copy of narrower params) + activations (under
-  --remat) + the backward loop's one-layer working set + FSDP's gathered layer; the plan fits when that is
-  at most (1 - --hbm_headroom) of the HBM. XLA's buffers are a peak (arguments + outputs -
-  aliased + temporaries) and the model a sum; compiled for the slice, XLA's peak can sit above
-  the model's (--hbm_headroom's help says by how much), hence the default headroom of 25%;
+  --remat) + the backward loop's one-layer working set (with the attention kernel's [T, T]
+  arrays: none for cuDNN flash attention, the default on a GPU in bf16) + FSDP's gathered layer;
+  the plan fits when that is at most (1 - --hbm_headroom) of the HBM. XLA's buffers are a peak
+  (arguments + outputs - aliased + temporaries) and the model a sum; compiled for the slice,
+  XLA's peak can sit above the model's (--hbm_headroom's help says by how much), hence the
+  default headroom of 25%;
 - compute time = FLOPs per chip / (peak x --mfu): the bf16 peak for --dtype=bfloat16, and for
   float32 the peak of JAX's default matmul precision (TF32 tensor cores on NVIDIA; on TPU one
-  bf16 MXU pass, so the bf16 peak);
+  bf16 MXU pass, so the bf16 peak); a pipeline's times its schedule's bubble (GPipe (M+S-1)/M),
+  ring attention's without the blocks it skips;
 - communication time per mesh axis = the ring bytes one chip sends over it / the bandwidth of
-  the links the axis uses (below); an all-to-all's ring bytes (ep's dispatch and combine over
-  `expert`) times the links' hop factor (below). A collective over several axes (the
-  gradient-norm scalar over (data, tensor); ep's gradient means over (data, expert)) is charged
-  to the slowest of them;
+  the links the axis uses (below); an all-to-all's ring bytes (ep's dispatch and combine)
+  times the links' hop factor; a shift (a pipeline hop, ring attention's K/V blocks) at the
+  rate of the one link it crosses. A collective over several axes (the gradient-norm scalar over
+  (data, tensor)) is charged to the slowest of them;
 - the step time two ways, both lower bounds at --mfu=1 (peak FLOP/s, full link rate, latency
   ignored): `overlap` = max(compute, comm of each axis), as if every collective hid behind
   compute (XLA's async collectives come close for FSDP's weight gathers), and `serial` = their
   sum, nothing hidden (Megatron's activation all-reduces sit on the critical path). The bound
   is the largest term. Plans are ranked by --rank_by (serial by default).
 
-Which links a mesh axis uses:
+Which links a mesh axis uses (twinshard/hardware/links.py has the formulas and their sources):
 
-- TPU (ICI): the inner mesh axis, `tensor`, or `expert` when the mesh has expert > 1 (both are
-  innermost of a plannable mesh: jax.make_mesh gives it the closest chips), gets the physical
-  axes jax.make_mesh gives it (`tensor_sides`: whole axes if some multiply to its size, else
-  part of one), `data` the rest. A mesh axis that spans a whole side with wraparound links
-  (Topology.wraps: v4/v5p whole cubes wrap every side, v5e/v6e each side of 16) runs a
-  bidirectional ring: 2 x the one-way link bandwidth per physical axis. On a side without
-  wraparound, or on part of a side, the ring folds back on itself and each link carries it both
-  ways: 1 x. An axis over k physical axes adds them (the
-  scaling book's multi-axis collectives). v5p:4x4x4 (a torus), data:16,tensor:4: tensor on x,
-  2 x 90 GB/s = 180 GB/s; data on y and z, 4 x 90 GB/s = 360 GB/s. v5e:16x16 (a torus),
-  data:64,tensor:4: tensor on 4 chips of x, 1 x 45 GB/s; data on y and across x, 180 GB/s.
-  An all-to-all is not a ring: each chip sends B/n of its B bytes to each other chip, the one
-  j steps away over min(j, n-j) links: n^2/4 / (n-1) hops on average (even n). On a bidirectional
-  ring of n chips that is n x B n/4 link-bytes over 2n one-way links, B n/8 per link and
-  direction, where the ledger's ring bytes B (n-1)/n at the ring's 2 x one-way rate stand for
-  B (n-1)/(2n): the all-to-all's ring bytes count n^2 / (4 (n-1)) times (n = 2: 1; 4: 4/3;
-  8: 16/7). A line (no wraparound, or part of a side: 1 x) loads its middle link with B n/4 each
-  way: the same factor. Over several physical axes the all-to-all runs as one per axis at once,
-  each on its own links, and the slowest sets the time (links._ici: v5p:4x4x4 expert:16 on x
-  and y, 32/15, not a 16-chip ring's 64/15).
+- TPU (ICI): the inner split axis (the last of size > 1 in mesh order: tensor, expert, context,
+  or pp_fsdp's data) gets the physical axes jax.make_mesh gives it (`tensor_sides`: whole axes if
+  some multiply to its size, else part of one), the outer one the rest. A mesh axis that spans a
+  whole side with wraparound links (Topology.wraps: v4/v5p whole cubes wrap every side, v5e/v6e
+  each side of 16) runs a bidirectional ring: 2 x the one-way link bandwidth per physical axis.
+  On a side without wraparound, or on part of a side, the ring folds back on itself and each
+  link carries it both ways: 1 x. An axis over k physical axes adds them (the scaling book's
+  multi-axis collectives). v5p:4x4x4 (a torus), data:16,tensor:4: tensor on x, 2 x 90 GB/s =
+  180 GB/s; data on y and z, 4 x 90 GB/s = 360 GB/s. An all-to-all's messages cross several
+  links: n^2 / (4 (n-1)) times its ring bytes on a ring of n chips (links._ici).
 - GPU: an axis inside a node on NVLink (450 GB/s one way per H100/H200); an axis across nodes as
   a hierarchical ring, NVLink inside each node and the network across them through the NICs of
   the group's GPUs (one 400 Gb/s NIC per GPU, 8 per HGX node), the two levels overlapped (the
@@ -229,7 +223,7 @@ def _remat_ignored(m: ModelConfig, plans: list[Plan]) -> bool:
     if p is None:
         return False
     plain = cost.memory(dataclasses.replace(m, remat="none"), p.strategy, p.mesh, p.cost.batch_size, p.cost.seq_len,
-                        p.cost.dtype_bytes)
+                        p.cost.dtype_bytes, microbatches=p.microbatches, schedule=p.schedule)
     return plain.activations == p.cost.memory.activations
 
 
@@ -240,7 +234,11 @@ def train_flags(plan: Plan, name: str, cfg: Config) -> str:
         ("batch_size", cfg.train.batch_size, base.train.batch_size),
         ("context_length", cfg.model.context_length, base.model.context_length),
         ("dtype", cfg.model.dtype, base.model.dtype), ("remat", cfg.model.remat, base.model.remat),
-        ("optimizer", cfg.train.optimizer, base.train.optimizer)) if v != d]
+        ("attention", cfg.model.attention, base.model.attention),
+        ("optimizer", cfg.train.optimizer, base.train.optimizer),
+        ("microbatches", plan.microbatches, base.train.microbatches),
+        ("schedule", plan.schedule, base.train.schedule)) if v != d]
+    extra += ["--collective_matmul"] * (plan.strategy == "tp_sp" and cfg.model.collective_matmul)
     return " ".join([f"--preset={name}", f"--strategy={plan.strategy}", "--impl=manual",
                      f"--mesh={plan.mesh_text()}", *extra, "--distributed", "--workdir=WORKDIR"])
 
@@ -258,14 +256,14 @@ def launch_commands(plan: Plan, topo: Topology, name: str, cfg: Config) -> list[
 def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
             mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> dict:
     def one(p: Plan, rank_: int | None) -> dict:
-        return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "flat": p.flat, "slices": p.slices,
-                "fits": p.fits,
+        return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "microbatches": p.microbatches,
+                "schedule": p.schedule, "flat": p.flat, "slices": p.slices, "fits": p.fits,
                 "memory": {**dataclasses.asdict(p.cost.memory), "total": p.memory}, "hbm_usable": p.hbm_usable,
                 "compute_s": p.compute_s, "comm_s": p.comm_s, "overlap_s": p.overlap_s, "serial_s": p.serial_s,
                 "bound": p.bound, "flops_per_chip": p.cost.flops.per_device,
                 "ring_bytes": {",".join(a): s["ring_bytes"] for a, s in p.cost.by_axes().items()},
-                "links": {a: {"bytes_per_s": link.bytes_per_s, "what": link.what, "all_to_all": link.all_to_all}
-                          for a, link in p.links.items()}}
+                "links": {a: {"bytes_per_s": link.bytes_per_s, "what": link.what, "all_to_all": link.all_to_all,
+                              "hop_bytes_per_s": link.hop_bytes_per_s} for a, link in p.links.items()}}
 
     peak, which = matmul_peak_flops(topo.chip, cfg.model.dtype)
     return {"preset": name, "topology": topo.name, "chips": topo.chips, "slices": topo.slices, "grid": list(topo.grid),
@@ -290,14 +288,16 @@ def compile_best(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
 
     topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
     devices = topology.devices(topo.name)
-    res = collectives.collectives(plan.strategy, "manual", plan.mesh_text(), cfg, devices)
+    train = dataclasses.replace(cfg.train, microbatches=plan.microbatches, schedule=plan.schedule)
+    res = collectives.collectives(plan.strategy, "manual", plan.mesh_text(), dataclasses.replace(cfg, train=train),
+                                  devices)
     ma = res["memory"]["analysis"]
     peak = (ma["argument_size_in_bytes"] + ma["output_size_in_bytes"] - ma["alias_size_in_bytes"]
             + ma["temp_size_in_bytes"])
     verdict = "fits" if peak <= topo.chip.hbm_bytes else "does NOT fit"
     table = cost.compare_table(res["tpu_comparison"] or res["comparison"])
     text = "\n".join([
-        f"== compiled ahead of time: {plan.strategy}/manual {plan.mesh_text()} on {res['device_kind']} "
+        f"== compiled ahead of time: {plan.strategy}/manual {plan.label()} on {res['device_kind']} "
         f"({res['hosts']} hosts) in {res['compile_s']:.1f} s ==",
         "collectives of the compiled step vs the model (as the TPU compiler prints the manual twin):", table,
         "", "memory per chip: compiled.memory_analysis() beside the model", collectives.memory_table(res),
@@ -326,9 +326,6 @@ def config_from_flags() -> Config:
 
 
 def check_flags(topo: Topology) -> None:
-    if FLAGS.collective_matmul:
-        raise ValueError("--collective_matmul belongs to strategy tp_sp (launch.train --strategy=tp_sp "
-                         "--impl=manual), which the plan does not rank; drop it here.")
     if FLAGS.top < 1:
         raise ValueError(f"--top={FLAGS.top} must be >= 1.")
     if not 0 < FLAGS.mfu <= 1:
@@ -365,7 +362,7 @@ def main(argv):
     check_flags(topo)
     precision = Precision(FLAGS.param_dtype, FLAGS.optimizer_dtype, FLAGS.master_weights)
     plans, skipped = plan_all(cfg.model, topo, cfg.train.batch_size, FLAGS.mfu, FLAGS.hbm_headroom,
-                              cfg.train.optimizer, precision)
+                              cfg.train.optimizer, precision, FLAGS.rank_by)
     if not plans:
         raise ValueError(no_plan(skipped, topo, cfg.train.batch_size))
     fit, over = rank(plans, FLAGS.rank_by)

@@ -93,15 +93,18 @@ def test_fsdp_splits_weights_flat_where_data_does_not_divide_d_model():
     and no plan fit. ZeRO-3 needs 1/data of each weight per chip, not a slice of d_model: split
     flat (padded under data elements per weight), each chip holds N_matrices/(data x tensor)
     matrix parameters and the replicated norm gains. launch.train's twins split d_model evenly and
-    refuse the mesh, so the report prints no launch line for it."""
+    refuse the mesh, so the report's launch line is the best plan they run (tp_sp, whose data axis
+    splits no weight)."""
     cfg = ModelConfig(vocab_size=128256, context_length=4096, d_model=8192, num_layers=80, num_heads=64,
                       d_ff=28672, dtype="bfloat16", remat="full")
     topo = hardware_links.parse_topology("v5p:16x16x24")
     plans, skipped = plans_lib.plan_all(cfg, topo, 1536)
     fit, over = plans_lib.rank(plans, "serial")
-    assert [(p.strategy, p.label()) for p in fit] == [
+    assert [(p.strategy, p.label()) for p in fit[:6]] == [
         ("fsdp_tp", "data:1536,tensor:4 flat"), ("fsdp_tp", "data:768,tensor:8 flat"),
-        ("fsdp_tp", "data:384,tensor:16 flat")]
+        ("fsdp_tp", "data:384,tensor:16 flat"), ("fsdp_cp", "data:1536,context:4 flat"),
+        ("fsdp_cp", "data:768,context:8 flat"), ("tp_sp", "data:192,tensor:32")]
+    assert all(p.flat == ("embed" in cost.RULES[p.strategy]) for p in plans)
     best, norms = fit[0], (2 * cfg.num_layers + 1) * cfg.d_model
     # (each weight's bytes // chips: under 4 bytes short of the exact share, 12 leaves)
     assert best.cost.memory.params == pytest.approx(4 * ((cfg.num_params() - norms) / 6144 + norms), abs=4 * 12)
@@ -117,7 +120,8 @@ def test_fsdp_splits_weights_flat_where_data_does_not_divide_d_model():
     text = planner.report(fit, over, skipped, topo, "llm_1b", Config(cfg, preset("llm_1b").train), 3, 1.0, 0.25,
                           "serial")
     assert "NOTE: 'flat' plans split FSDP's weights flat" in text
-    assert "== no plan that fits is one launch.train runs (all are flat) ==" in text and "gcloud" not in text
+    assert "== run the best plan launch.train runs (tp_sp data:192,tensor:32):" in text
+    assert "--strategy=tp_sp --impl=manual --mesh=data:192,tensor:32" in text
 
 
 def test_tensor_gets_the_physical_axes_jax_gives_it():
@@ -168,9 +172,11 @@ def test_links_per_axis():
     assert links["data"].bytes_per_s == 450 * gb  # one node: data on NVLink too
 
 
-def test_the_expert_axis_gets_the_closest_chips_as_tensor_does():
-    """jax.make_mesh on a (data, expert, tensor 1) mesh (fsdp_ep; ep's (data, expert) is the
-    (data, tensor) case above) gives expert the physical axes it gives tensor, and so do the links."""
+def test_the_inner_split_axis_gets_the_closest_chips_as_tensor_does():
+    """jax.make_mesh on a mesh whose last split axis is expert (fsdp_ep's (data, expert, tensor 1); ep's
+    (data, expert) is the (data, tensor) case above), context (fsdp_cp's (data, context, tensor 1)) or
+    data (pp_fsdp's (stage, data, tensor 1)) gives it the physical axes it gives tensor of (data,
+    tensor), the outer axis the rest, and so do the links."""
     from jax._src import mesh_utils
 
     for name in ("v5p:4x4x4", "v4:2x2x4", "v5p:4x4x8", "v5e:16x16", "v5e:4x8"):
@@ -181,9 +187,12 @@ def test_the_expert_axis_gets_the_closest_chips_as_tensor_does():
                 np.arange(n).reshape(topo.grid), (n // e, e, 1), allow_split_physical_axes=True)
             assert hardware_links.tensor_sides(topo.grid, e) == tuple(int(a) for a in assignment[:, 1]), (name, e)
             dense = hardware_links.axis_links(topo, {"data": n // e, "tensor": e})
-            for mesh in ({"data": n // e, "expert": e}, {"data": n // e, "expert": e, "tensor": 1}):
+            for outer, inner, mesh in (("data", "expert", {"data": n // e, "expert": e}),
+                                       ("data", "expert", {"data": n // e, "expert": e, "tensor": 1}),
+                                       ("data", "context", {"data": n // e, "context": e, "tensor": 1}),
+                                       ("stage", "data", {"stage": n // e, "data": e, "tensor": 1})):
                 assert hardware_links.axis_links(topo, mesh) == {
-                    "expert" if a == "tensor" else a: link for a, link in dense.items()}, (name, mesh)
+                    {"tensor": inner, "data": outer}[a]: link for a, link in dense.items()}, (name, mesh)
 
 
 @pytest.mark.parametrize("topology, mesh, gb_s, factor", [
@@ -313,7 +322,7 @@ def test_cudnn_flash_attention_keeps_no_t_by_t_array_on_a_gpu():
     4 sequences per GPU. Attention "auto" is cuDNN flash attention there: the backward loop's working
     set is one layer's residuals alone. The recompute kernel (--attention=recompute, or float32 on
     the GPU, or any TPU) adds its recomputed probabilities and their gradient, 2 x [4, 32, 8192, 8192]
-    f32 = 64 GiB, which no H100 holds: no plan fit before."""
+    f32 = 64 GiB, which no H100 holds: no fsdp plan fit before (pipelines, on micro-batches, did)."""
     cfg = ModelConfig(vocab_size=128256, context_length=8192, d_model=4096, num_layers=32, num_heads=32,
                       d_ff=14336, dtype="bfloat16", remat="full")
     topo, mesh, b, T, D, F, H = hardware_links.parse_topology("h100:16x8"), {"data": 128, "tensor": 1}, 4, 8192, 4096, \
@@ -329,7 +338,8 @@ def test_cudnn_flash_attention_keeps_no_t_by_t_array_on_a_gpu():
     tpu = plans_lib.evaluate(cfg, hardware_links.parse_topology("v5p:4x4x8"), "fsdp", mesh, 512)
     assert tpu.cost.memory.backward_layer == residuals * 2 + t_by_t
     assert flash.fits and not recompute.fits
-    assert [p.strategy for p in plans_lib.rank(plans_lib.plan_all(cfg, topo, 512)[0], "serial")[0]] == ["fsdp"]
+    assert ("fsdp", mesh) in [(p.strategy, p.mesh) for p in plans_lib.rank(plans_lib.plan_all(cfg, topo, 512)[0],
+                                                                             "serial")[0]]
 
 
 def test_slices_are_data_parallel_over_the_data_center_network():
@@ -375,15 +385,21 @@ def test_plans_that_do_not_fit_are_excluded_for_memory():
 
 
 def test_ranking():
+    """llm_1b on v5p:4x4x4 with 64 sequences: every declared strategy on every mesh its declaration
+    allows (a pipeline with its best micro-batch count per schedule), ranked by the serial step."""
     plans, skipped = plans_lib.plan_all(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), 64)
     fit, over = plans_lib.rank(plans, "serial")
-    assert not over and [(p.strategy, p.mesh["tensor"]) for p in fit] == [
-        ("dp", 1), ("fsdp", 1), ("fsdp_tp", 2), ("fsdp_tp", 4), ("fsdp_tp", 8), ("fsdp_tp", 16)]
-    serial = [p.compute_s + p.comm_s["data"] + p.comm_s["tensor"] for p in fit]
+    assert [(p.strategy, p.label()) for p in fit[:7]] == [
+        ("dp", "data:64,tensor:1"), ("fsdp", "data:64,tensor:1"), ("pp_fsdp", "stage:2,data:32 M=2 gpipe"),
+        ("pp_fsdp", "stage:4,data:16 M=4 gpipe"), ("tp_sp", "data:32,tensor:2"), ("fsdp_cp", "data:32,context:2"),
+        ("fsdp_tp", "data:32,tensor:2")]
+    assert {p.strategy for p in fit} == {"dp", "fsdp", "fsdp_tp", "tp_sp", "fsdp_cp", "pp_fsdp"}
+    assert [(p.strategy, p.label()) for p in over] == [("cp", "context:64")]  # every weight and Adam on each chip
+    serial = [p.compute_s + sum(p.comm_s.values()) for p in fit]
     assert serial == sorted(serial)
     overlap, _ = plans_lib.rank(plans, "overlap")
     times = [max(p.compute_s, *p.comm_s.values()) for p in overlap]
-    assert times == sorted(times) and overlap[0].strategy in ("dp", "fsdp", "fsdp_tp")
+    assert times == sorted(times)
     # on the same links, DP sends 2(n-1)/n x (the N f32 gradients + the loss); FSDP (n-1)/n x 3 x
     # each matrix (two gathers and a scatter; the embedding is not re-gathered), 2(n-1)/n x the
     # norm gains, the squared-norm scalar and the loss: about 1.5 x (1.46 with llm_1b's vocab)
@@ -391,9 +407,69 @@ def test_ranking():
     norms = (2 * L + 1) * D
     fsdp = 3 * (N - norms) - V * D + 2 * (norms + 2)
     assert fit[1].comm_s["data"] / fit[0].comm_s["data"] == pytest.approx(fsdp / (2 * (N + 1)))
-    assert {(s.strategy, s.mesh["tensor"]): s.why for s in skipped} == {
-        ("tp", 64): "heads=16 is not divisible by mesh axis tensor=64",
-        ("fsdp_tp", 32): "heads=16 is not divisible by mesh axis tensor=32"}
+    heads = "heads=16 is not divisible by mesh axis tensor="
+    stages = "num_layers=20 does not split into stage={} equal stages"
+    assert {(s.strategy, s.mesh_text()): s.why for s in skipped} == {
+        ("tp", "data:1,tensor:64"): heads + "64", ("fsdp_tp", "data:2,tensor:32"): heads + "32",
+        ("tp_sp", "data:2,tensor:32"): heads + "32", ("tp_sp", "data:1,tensor:64"): heads + "64",
+        ("pp", "stage:64"): stages.format(64), **{("pp_fsdp", f"stage:{k},data:{64 // k}"): stages.format(k)
+                                                 for k in (32, 16, 8)}}
+
+
+def test_pipelines_and_ring_attention_by_hand():
+    """The strategies beyond data x tensor, one number each by hand (llm_1b, float32, v5p:4x4x4).
+
+    pp_fsdp stage:2,data:32, M = 2 micro-batches of one sequence: GPipe runs M + S - 1 = 3 forward
+    and 3 backward ticks of one micro-batch each, 3/2 of the stage's FLOPs at full use; 1F1B's
+    table (pipeline.one_f_one_b(2, 2)) is, per tick, [F .] [F F] [. B] [B F] [. B] [B .]: 1 + 1 + 3
+    + 3 + 3 + 3 = 14 units (a backward re-runs the stage's forward: 3) over 3 M = 6. Each hop
+    carries one micro-batch [1, T, D] f32 to the neighbouring stage over one link, one way (90 GB/s).
+    fsdp_cp data:32,context:2: ring attention computes (C+1)/(2C) = 3/4 of the attention scores;
+    its 2 (C-1) L ring_shifts of a K or V block [2, H, T/2, dh] f32, forward and backward, each
+    over one link of context's 2 chips of x."""
+    topo = hardware_links.parse_topology("v5p:4x4x4")
+    T, D, H, dh, L = LLM_1B.context_length, LLM_1B.d_model, LLM_1B.num_heads, LLM_1B.head_dim, LLM_1B.num_layers
+    peak, one_way = 459e12, 90e9
+    gpipe, f1b1 = (plans_lib.evaluate(LLM_1B, topo, "pp_fsdp", {"stage": 2, "data": 32}, 64, microbatches=2,
+                                      schedule=s) for s in ("gpipe", "1f1b"))
+    assert gpipe.compute_s == pytest.approx(gpipe.cost.flops.per_device / peak * 3 / 2, rel=1e-12)
+    assert f1b1.compute_s == pytest.approx(gpipe.cost.flops.per_device / peak * 14 / 6, rel=1e-12)
+    hops = sum(r.ring_bytes for r in gpipe.cost.collectives if r.op == "collective-permute")
+    assert hops == 2 * 3 * T * D * 4  # 3 ticks forward, 3 back
+    others = sum(r.ring_bytes for r in gpipe.cost.collectives if r.axes == ("stage",) and r.op != "collective-permute")
+    assert gpipe.comm_s["stage"] == pytest.approx(hops / one_way + others / gpipe.links["stage"].bytes_per_s)
+    assert (gpipe.links["stage"].hop_bytes_per_s, gpipe.links["stage"].bytes_per_s) == (one_way, 2 * one_way)
+    cp = plans_lib.evaluate(LLM_1B, topo, "fsdp_cp", {"data": 32, "context": 2}, 64)
+    f = cp.cost.flops
+    assert cp.compute_s == pytest.approx((3 * f.forward_matmul + 3 * f.forward_attention * 3 / 4) / 64 / peak)
+    ring = sum(r.ring_bytes for r in cp.cost.collectives if r.op == "collective-permute")
+    assert ring == 2 * 2 * (2 - 1) * L * 2 * H * (T // 2) * dh * 4
+    # the rest over context, and the means over (data, context): context's link is the slower
+    rest = sum(r.ring_bytes for r in cp.cost.collectives if "context" in r.axes and r.op != "collective-permute")
+    assert cp.links["context"].bytes_per_s == one_way < cp.links["data"].bytes_per_s  # 2 of x's 4 chips: 1 link
+    assert cp.comm_s["context"] == pytest.approx(ring / one_way + rest / one_way)
+
+
+def test_the_collective_matmul_is_tp_sps():
+    """--collective_matmul decomposes tp_sp's sequence gathers (t-1 shifts beside the matmuls, each over
+    one link); the other strategies plan without it, and tp_sp's launch line carries the flag."""
+    cfg = dataclasses.replace(LLM_1B, collective_matmul=True)
+    topo = hardware_links.parse_topology("v5p:4x4x4")
+    plans, _ = plans_lib.plan_all(cfg, topo, 64)
+    tp_sp = next(p for p in plans if p.strategy == "tp_sp" and p.mesh["tensor"] == 4)
+    assert any(r.op == "collective-permute" and r.axes == ("tensor",) for r in tp_sp.cost.collectives)
+    assert {p.strategy for p in plans} >= {"dp", "fsdp", "fsdp_tp"}
+    train = dataclasses.replace(preset("llm_1b"), model=cfg)
+    assert planner.train_flags(tp_sp, "llm_1b", train).endswith("--collective_matmul --distributed --workdir=WORKDIR")
+
+
+def test_a_small_batch_spreads_over_the_sequence_and_the_layers():
+    """16 sequences over 64 chips cap data at 16: dp and fsdp cannot use the slice (nor pp_fsdp, whose
+    stages want M >= S micro-batches per data shard); the sequence (cp, fsdp_cp) and Megatron
+    (tp_sp, fsdp_tp) can."""
+    plans, _ = plans_lib.plan_all(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), 16)
+    assert {p.strategy for p in plans} == {"fsdp_tp", "tp_sp", "cp", "fsdp_cp"}
+    assert all(p.mesh.get("data", 1) <= 16 for p in plans)
 
 
 def _hand_axis_times(p: plans_lib.Plan, bw: dict[str, float], factor: float) -> dict[str, float]:
@@ -415,7 +491,8 @@ def test_a_mixture_of_experts_ranks_ep_and_fsdp_ep():
         ("fsdp_ep", "data:8,expert:8"), ("fsdp_ep", "data:16,expert:4"), ("fsdp_ep", "data:32,expert:2"),
         ("fsdp", "data:64,tensor:1")]
     assert {p.strategy for p in plans} == {"dp", "fsdp", "ep", "fsdp_ep"}
-    assert plans_lib.runnable(MIXTRAL)[1].keys() == {"tp", "fsdp_tp"}  # resolve.check_experts refuses Megatron
+    # resolve.check_experts: a mixture of experts runs under dp, fsdp, ep, fsdp_ep only
+    assert plans_lib.runnable(MIXTRAL)[1].keys() == {"tp", "fsdp_tp", "tp_sp", "cp", "fsdp_cp", "pp", "pp_fsdp"}
     # E = 8 experts split over expert <= 8 (cost.cost does not check it; launch.train does)
     assert {(s.strategy, s.mesh_text()): s.why for s in skipped} == {
         (s, f"data:{64 // e},expert:{e}"): f"experts=8 is not divisible by mesh axis expert={e}"
@@ -494,13 +571,13 @@ def test_cli_prints_ranks_and_writes_json(tmp_path):
                f"--json={tmp_path / 'plan.json'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "== plans that fit, ranked by the serial step time" in out and "... 4 more (--top)" in out
+    assert "== plans that fit, ranked by the serial step time" in out and "... 17 more (--top)" in out
     assert re.search(r"^1 +dp +data:64,tensor:1 .* compute ", out, re.M), out
     assert "data=64: ICI x (4 chips, torus ring): 2 x 90 GB/s" in out
     assert "--strategy=dp --impl=manual --mesh=data:64,tensor:1 --optimizer=lion --distributed" in out
     assert re.search(r"params (\S+ GiB) \+ grads \1 \+ optimizer \1 \+", out), out  # lion: 1 f32 moment
     doc = json.loads((tmp_path / "plan.json").read_text())
-    assert [p["rank"] for p in doc["plans"]] == [1, 2, 3, 4, 5, 6] and doc["chips"] == 64
+    assert [p["rank"] for p in doc["plans"]] == [*range(1, 20), None] and doc["chips"] == 64  # cp does not fit
     assert doc["plans"][0]["links"]["data"]["bytes_per_s"] == 540e9 and doc["chip"]["name"] == "v5p"
     assert doc["assumptions"]["optimizer"] == "lion (float32 state)"
 
@@ -521,21 +598,21 @@ def test_cli_plans_a_mixture_of_experts(tmp_path):
     doc = json.loads((tmp_path / "plan.json").read_text())
     best = doc["plans"][0]
     assert best["mesh"] == {"data": 8, "expert": 8, "tensor": 1} and set(best["comm_s"]) == {"data", "expert", "tensor"}
-    assert best["links"]["expert"]["all_to_all"] == pytest.approx(12 / 7) and set(doc["refused"]) == {"tp", "fsdp_tp"}
+    assert best["links"]["expert"]["all_to_all"] == pytest.approx(12 / 7)
+    assert set(doc["refused"]) == {"tp", "fsdp_tp", "tp_sp", "cp", "fsdp_cp", "pp", "pp_fsdp"}
 
 
 def test_cli_errors_are_one_line():
-    proc = run("-m", "launch.plan", "--preset=llm_1b", "--topology=v5p:4x4x4", "--batch_size=3")
+    proc = run("-m", "launch.plan", "--preset=llm_1b", "--topology=v5p:4x4x4", "--batch_size=3", "--context_length=2047")
     assert_user_error(proc, "no strategy splits this model with batch 3 over 64 chips",
-                      "batch=3 is not divisible by mesh axis data=64", "pass a --batch_size divisible")
+                      "batch=3 is not divisible by mesh axis data=64", "context_length=2047 does not split into 128",
+                      "pass a --batch_size divisible")
     proc = run("-m", "launch.plan", "--topology=h100:1x8", "--compile")
     assert_user_error(proc, "--compile is not available for GPU topologies (h100:1x8)")
     proc = run("-m", "launch.plan", "--topology=h100:1x8", "--slices=2")
     assert_user_error(proc, "--slices=2: h100:1x8 is a GPU cluster, whose nodes already share one network")
     proc = run("-m", "launch.plan", "--topology=h100:1x8", "--master_weights")
     assert_user_error(proc, "--master_weights counts a float32 copy of narrower params: pass --param_dtype=bfloat16")
-    proc = run("-m", "launch.plan", "--topology=h100:1x8", "--collective_matmul")
-    assert_user_error(proc, "--collective_matmul belongs to strategy tp_sp")
 
 
 def test_compile_the_best_tpu_plan(tmp_path):

@@ -98,6 +98,7 @@ class Link:
     bytes_per_s: float  # what one chip can send over the axis (one way)
     what: str
     all_to_all: float = 1.0  # an all-to-all's time / (its ring bytes / bytes_per_s): ICI `_ici`, GPU `_gpu_axis`
+    hop_bytes_per_s: float | None = None  # a shift to a neighbour (collective-permute) crosses one link; None: bytes_per_s
 
 
 def with_slices(topo: Topology, slices: int) -> Topology:
@@ -122,12 +123,27 @@ def dcn_link(topo: Topology) -> Link:
     return Link(rate, f"DCN {rate * 8 / 1e9:g} Gb/s per chip")
 
 
+def _split(mesh: dict[str, int]) -> list[str]:
+    """The mesh axes of size > 1, in mesh order: at most two (every strategy splits one or two)."""
+    split = [a for a in ORDER if mesh.get(a, 1) > 1]
+    assert len(split) <= 2, mesh
+    return split
+
+
 def inner_axis(mesh: dict[str, int]) -> str:
-    """The mesh axis jax.make_mesh puts on the closest chips: `expert` when the mesh has
-    expert > 1 (ep: data x expert; fsdp_ep: data x expert x tensor 1), else `tensor`
-    (tests/test_plan.py checks both against jax's own assignment)."""
-    assert mesh.get("expert", 1) == 1 or mesh.get("tensor", 1) == 1, mesh  # no strategy splits both
-    return "expert" if mesh.get("expert", 1) > 1 else "tensor"
+    """The mesh axis jax.make_mesh puts on the closest chips: the last of size > 1 in mesh order (jax
+    assigns the axes from the last, one of size 1 taking no chips): `tensor` of fsdp_tp and tp_sp,
+    `expert` of ep and fsdp_ep (tensor 1), `context` of fsdp_cp, `data` of pp_fsdp; `tensor` when
+    none is split (tests/test_plan.py checks data x tensor, data x expert, stage x data and data x
+    context against jax's own assignment)."""
+    return (_split(mesh) or ["tensor"])[-1]
+
+
+def outer_axis(mesh: dict[str, int]) -> str:
+    """The other split axis (`data` of fsdp_tp, `stage` of pp_fsdp), on the chips the inner one
+    leaves; `data` when there is none."""
+    split = _split(mesh)
+    return split[0] if len(split) == 2 else "data"
 
 
 def tensor_sides(grid: tuple[int, ...], tensor: int) -> tuple[int, ...]:
@@ -181,16 +197,16 @@ def _ici(topo: Topology, spans: list[tuple[int, int, bool]]) -> Link:
     total_k, group = sum(k for k, _, _ in parts), math.prod(n for _, n, _ in parts)
     busiest = max((n // 2) * ((n + 1) // 2) / (n * k) for k, n, _ in parts)  # x B / one-way = seconds
     return Link(total_k * one_way, "ICI " + ", ".join(what for _, _, what in parts),
-                busiest * total_k * group / (group - 1))
+                busiest * total_k * group / (group - 1), one_way)  # a shift: one link, one way
 
 
 def tpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
-    """The inner axis (tensor, or expert) on `tensor_sides` of the grid, data on the rest."""
-    inner = inner_axis(mesh)
+    """The inner split axis (`inner_axis`) on `tensor_sides` of the grid, the outer one on the rest."""
+    inner, outer = inner_axis(mesh), outer_axis(mesh)
     sides = tensor_sides(topo.grid, mesh.get(inner, 1))
     near = [(i, n, n == g) for i, (n, g) in enumerate(zip(sides, topo.grid)) if n > 1]
-    data = [(i, g // n, True) for i, (n, g) in enumerate(zip(sides, topo.grid)) if g // n > 1]
-    return {axis: _ici(topo, spans) for axis, spans in (("data", data), (inner, near)) if spans}
+    rest = [(i, g // n, True) for i, (n, g) in enumerate(zip(sides, topo.grid)) if g // n > 1]
+    return {axis: _ici(topo, spans) for axis, spans in ((outer, rest), (inner, near)) if spans}
 
 
 def gpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
@@ -218,9 +234,10 @@ def _gpu_axis(topo: Topology, n: int, stride: int) -> Link:
     flat ring at each GPU's 50 GB/s NIC share took 9x as long); data:8 across nodes beside
     tensor:8 inside them: g = 1, each GPU its own NIC, 50 GB/s. An all-to-all is not hierarchical:
     each GPU sends B/n to every other, (g-1)/n B over NVLink and (n-g)/n B through its own NIC, at
-    once (`all_to_all` = that time over the ring bytes' time). A group unevenly spread over nodes
-    (a stride or size that does not divide a node) is priced as a flat ring at the NIC share, its
-    slowest link."""
+    once (`all_to_all` = that time over the ring bytes' time). A shift (a pipeline hop, ring
+    attention's ppermute) crosses one link: a GPU's NVLink, or its NIC when the group spans nodes.
+    A group unevenly spread over nodes (a stride or size that does not divide a node) is priced as
+    a flat ring at the NIC share, its slowest link."""
     chip, (nodes, per_node) = topo.chip, topo.grid
     nvlink, nic = chip.nvlink_bytes_per_s, chip.node_network_bytes_per_s / chip.gpus_per_node
     span = n * stride
@@ -231,16 +248,16 @@ def _gpu_axis(topo: Topology, n: int, stride: int) -> Link:
     elif per_node % stride == 0 and span % per_node == 0:
         g = per_node // stride
     else:  # uneven: a flat ring at the NIC share
-        return Link(nic, f"network {nic / GB:g} GB/s per GPU (a ring unevenly spread over nodes)")
+        return Link(nic, f"network {nic / GB:g} GB/s per GPU (a ring unevenly spread over nodes)", 1.0, nic)
     k = n // g
     seconds = max((g - 1) / (g * nvlink), (k - 1) / (k * g * nic))
     rate = (n - 1) / n / seconds
     a2a = max((g - 1) / (n * nvlink), (n - g) / (n * nic)) * rate * n / (n - 1)
     if k == 1:
-        return Link(rate, f"NVLink {nvlink / GB:g} GB/s", a2a)
+        return Link(rate, f"NVLink {nvlink / GB:g} GB/s", a2a, nvlink)
     inside = f"NVLink ring of {g} GPUs per node, " if g > 1 else ""
     return Link(rate, f"{inside}network ring of {k} nodes at {g} x {nic / GB:g} GB/s (each GPU's NIC), "
-                      f"overlapped", a2a)
+                      f"overlapped", a2a, nic)
 
 
 def axis_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
