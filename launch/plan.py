@@ -144,7 +144,7 @@ def _breakdown(p: Plan) -> str:
     master = f" + master copy {human(m.master)}" if m.master else ""
     gathered = f" + gathered layer {human(m.gathered_weights)}" if m.gathered_weights else ""
     return (f"params {human(m.params)} + grads {human(m.grads)}{master} + optimizer {human(m.optimizer)} + "
-            f"activations {human(m.activations)}{gathered}")
+            f"activations {human(m.activations)} + backward layer {human(m.backward_layer)}{gathered}")
 
 
 def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
