@@ -33,11 +33,12 @@ from cli import run as run_cli
 from launch import common
 from manual_parallel import collectives, ep
 from test_moe import B, S, T, capacity, flag_values, ours, weights
-from twinshard import hlo, testing
+from twinshard import cost, hlo, testing
 from twinshard.config import Config, preset
 from twinshard.hardware import topology
 from twinshard.model import moe
 from twinshard.parallel import mesh as mesh_lib
+from twinshard.train import trainer
 from twinshard.train.trainer import SingleDevice
 
 BASE = preset("tiny_moe")
@@ -137,6 +138,25 @@ def test_ragged_model_trains_as_the_dense_dropless_model():
     np.testing.assert_allclose(ragged["losses"], dense["losses"], rtol=0, atol=1e-6)
     assert reference.max_diff(ragged["grads"], dense["grads"]) < 1e-7
     assert reference.max_diff(ragged["params"], dense["params"]) < 1e-5
+
+
+def test_flops_are_the_assigned_rows_and_xla_counts_every_expert():
+    """cost.flops of the dropless path counts the experts on the N k assigned rows only (what a
+    grouped matmul kernel computes). XLA's cost analysis of the single-device step (L = 1: XLA
+    counts a while body once) counts more, measured: it charges jax.lax.ragged_dot as a dot of
+    every row with every one of the E experts, so it equals the model plus (E - 1) x the experts'
+    forward and backward matmuls, within 5% (XLA also counts elementwise ops)."""
+    m = dataclasses.replace(RAGGED.model, num_layers=1)
+    b, t = TRAIN.batch_size, m.context_length
+    params = jax.eval_shape(functools.partial(trainer.create_params, m, 0))
+    x = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    xla = jax.jit(jax.value_and_grad(functools.partial(trainer.loss_fn, cfg=m))).lower(params, x, x).compile()
+    rows = b * t * m.experts_per_token
+    experts = 3 * 2 * rows * 3 * m.d_model * m.expert_ff  # forward + 2x backward, three matmuls
+    model = cost.flops(m, b, t).total
+    assert xla.cost_analysis()["flops"] == pytest.approx(model + (m.num_experts - 1) * experts, rel=0.05)
+    dense = cost.flops(dataclasses.replace(DENSE.model, num_layers=1), b, t).total  # buffers: E G S rows > N k
+    assert model < dense
 
 
 # ----------------------------------------------------------------------------- the ragged pair
@@ -310,6 +330,10 @@ def test_manual_twin_on_tpu_exchanges_with_four_ragged_all_to_alls_per_layer(rem
     assert {(r.dtype, math.prod(r.shape)) for r in counts} == {("s32", ep_size * (m.num_experts // ep_size + 1))}
     assert {r.source.rpartition(":")[0].rsplit("/", 1)[-1] for r in ragged} == {"ep.py"}
     assert led.filter(op="all-reduce", axes="expert").count() == 1 and not led.unparsed  # the norm's psum
+    # the cost model's exchange rows (twinshard/cost/communication.py) say the same, op for op
+    exchanges = lambda summary: {k: v for k, v in summary.items() if k[0].endswith("all-to-all")}  # noqa: E731
+    rows = cost.compare(exchanges(led.summary()), exchanges(cost.cost(m, "ep", POD_MESH, TRAIN.batch_size).summary()))
+    assert len(rows) == 2 and all(r["match"] for r in rows), cost.compare_table(rows)
 
 
 @needs_libtpu
@@ -327,3 +351,40 @@ def test_auto_twin_on_tpu_replicates_the_ragged_experts():
     assert {tuple(r.shape)[::-1][:2] for r in gathers} == {(m.expert_ff, m.d_model), (m.d_model, m.expert_ff)}
     rows = TRAIN.batch_size * m.context_length * m.experts_per_token
     assert any(tuple(r.shape) == (rows, m.d_model) for r in led.filter(op="all-reduce", axes=("data", "expert")))
+
+
+@needs_libtpu
+def test_saved_residuals_equal_the_memory_model():
+    """What the layer scan hands to the backward pass (JAX's print_saved_residuals) is exactly
+    L x cost.saved_per_layer (remat=none; the feed-forward term cost.memory's dropless rows) plus
+    the last layer's output: on one device, and per device of manual ep, whose experts run on the
+    static [ep A, D] rows ragged_dispatch returns. The manual runner is traced (not compiled) over
+    the v5e:2x4 devices: on CPU devices it refuses ragged before tracing."""
+    from test_remat import residuals
+
+    m, b, t = POD_MODEL, TRAIN.batch_size, POD_MODEL.context_length
+    tokens = jax.ShapeDtypeStruct((b, t), np.int32)
+    single_saved = residuals(functools.partial(trainer.loss_fn, cfg=m),
+                             jax.eval_shape(lambda: trainer.create_params(m, 0)), tokens, tokens)
+    _, r, _ = pod_step("manual")
+    ep_saved = []
+
+    def body(p, x, y):  # the params as the runner differentiates them: varying over the token axes
+        p = jax.tree.map(lambda w, axes: lax.pcast(w, axes, to="varying") if axes else w, p, r.replicated_over_tokens)
+        ep_saved.extend(residuals(lambda q: r._local_loss(q, x, y), p))
+        return x
+
+    batch = jax.ShapeDtypeStruct((b, t), np.int32, sharding=r.batch_sharding)
+    jax.eval_shape(jax.shard_map(body, mesh=r.mesh, in_specs=(r.param_specs, r.batch_spec, r.batch_spec),
+                                 out_specs=r.batch_spec, check_vma=True), r.abstract_state().params, batch, batch)
+    per_layer = {}
+    for saved, rows, exchange in ((single_saved, b, 0), (ep_saved, b // r.mesh.size, POD_MESH["expert"])):
+        scan = sum(n for shape, n, where in saved if "output of scan" in where and shape[1:] != (1, 1, m.d_model))
+        per_layer[exchange] = (scan // 4 - rows * t * m.d_model) // m.num_layers
+        assert scan == 4 * (m.num_layers * cost.saved_per_layer(m, "none", rows, t, 1, exchange=exchange)
+                            + rows * t * m.d_model), exchange
+    # the strategy's memory (what launch.plan ranks with) holds the exchanged rows: its backward
+    # working set is one measured manual-ep layer plus attention's
+    rows = b // r.mesh.size
+    model = cost.memory(m, "ep", POD_MESH, b, t)
+    assert model.backward_layer == 4 * per_layer[POD_MESH["expert"]] + cost.attention_backward(m, rows, t, 1)

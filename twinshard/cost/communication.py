@@ -311,6 +311,8 @@ def _token_axes(ctx: _Ctx, *axes: str) -> tuple[str, ...]:
 def _exchange_rows(ctx: _Ctx) -> list[Row]:
     """Per micro-batch and MoE layer, on each device's B/(data expert K) sequences: the dispatch and
     combine all_to_alls of the capacity buffers [E, G, C, D] forward, their inverses backward."""
+    if ctx.cfg.moe_dispatch == "ragged":
+        return _ragged_exchange_rows(ctx)
     cfg, b = ctx.cfg, ctx.batch // (ctx.d * ctx.mesh["expert"] * ctx.k)
     groups = b * ctx.seq // cfg.moe_group
     buffers = cfg.num_experts * groups * cfg.expert_capacity * cfg.d_model * ctx.s
@@ -320,6 +322,31 @@ def _exchange_rows(ctx: _Ctx) -> list[Row]:
             f"dispatch_to_experts and combine_from_experts: all_to_all of {shape} over expert (2 per layer)"),
         row(ctx, "backward", "all-to-all", ("expert",), 2 * ctx.L, buffers,
             "their backward: the inverse all_to_all of each buffer's gradient (2 per layer)"),
+    ])
+
+
+def _ragged_exchange_rows(ctx: _Ctx) -> list[Row]:
+    """The dropless exchange (manual_parallel/collectives.py ragged_dispatch / ragged_combine), per
+    micro-batch and MoE layer, on each device's A = B/(data expert K) T k assignment rows: one
+    all_to_all of the [ep, E/ep + 1] int32 counts and offsets (forward only: integers have no
+    gradient); ragged_dispatch into the static [ep A, D] rows where the experts run and
+    ragged_combine back into [A, D] forward, their reverses backward. The bytes are the static
+    buffers (what a ragged-all-to-all's result holds), whatever the routing sends."""
+    cfg, ep = ctx.cfg, ctx.mesh["expert"]
+    a = ctx.batch // (ctx.d * ep * ctx.k) * ctx.seq * cfg.experts_per_token
+    expert_rows, token_rows = [ep * a, cfg.d_model], [a, cfg.d_model]  # where the experts run; back home
+    size = lambda shape: shape[0] * shape[1] * ctx.s  # noqa: E731
+    return _times(ctx.k, [
+        row(ctx, "forward", "all-to-all", ("expert",), ctx.L, ep * (cfg.num_experts // ep + 1) * 4,
+            f"expert_route: all_to_all of the [{ep},{cfg.num_experts // ep + 1}] int32 counts and offsets (1 per layer)"),
+        row(ctx, "forward", "ragged-all-to-all", ("expert",), ctx.L, size(expert_rows),
+            f"ragged_dispatch of the rows into {expert_rows} (1 per layer)"),
+        row(ctx, "forward", "ragged-all-to-all", ("expert",), ctx.L, size(token_rows),
+            f"ragged_combine of the expert outputs into {token_rows} (1 per layer)"),
+        row(ctx, "backward", "ragged-all-to-all", ("expert",), ctx.L, size(expert_rows),
+            f"ragged_combine's reverse: the outputs' gradients into {expert_rows} (1 per layer)"),
+        row(ctx, "backward", "ragged-all-to-all", ("expert",), ctx.L, size(token_rows),
+            f"ragged_dispatch's reverse: the rows' gradients into {token_rows} (1 per layer)"),
     ])
 
 

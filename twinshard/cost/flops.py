@@ -51,9 +51,13 @@ def _moe_matmuls(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
     """(active matmul params per token, forward matmul FLOPs) of a mixture of experts: attention,
     the router [D, E] and k experts' SwiGLU per token, the lm_head; the FLOPs are what the program
     computes: every expert on its whole capacity buffer (E G C rows, full or not) and the dispatch
-    and combine einsums of the [G, S, E, C] masks (2 G S E C D each, GShard's dense dispatch)."""
+    and combine einsums of the [G, S, E, C] masks (2 G S E C D each, GShard's dense dispatch); dropless
+    (moe_dispatch='ragged'), the experts on the N k assigned rows only and the k-weighted sum."""
     d, hd, e, fe = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_experts, cfg.expert_ff
     n, c, slots = cfg.num_layers, cfg.expert_capacity, e * (tokens // cfg.moe_group) * cfg.expert_capacity
     active = n * (4 * d * hd + d * e + cfg.experts_per_token * 3 * d * fe) + d * cfg.padded_vocab_size
-    per_layer = 2 * tokens * (4 * d * hd + d * e) + 2 * slots * 3 * d * fe + 2 * 2 * tokens * e * c * d
+    moves = 2 * 2 * tokens * e * c * d  # the dispatch and combine einsums
+    if cfg.moe_dispatch == "ragged":  # ragged_dot on the A = tokens k real rows; the weighted sum of the k
+        slots, moves = tokens * cfg.experts_per_token, 2 * tokens * cfg.experts_per_token * d
+    per_layer = 2 * tokens * (4 * d * hd + d * e) + 2 * slots * 3 * d * fe + moves
     return active, n * per_layer + 2 * tokens * d * cfg.padded_vocab_size

@@ -134,16 +134,18 @@ def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[s
     return total * state_bytes
 
 
-def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequence: bool = False) -> int:
+def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequence: bool = False,
+                    exchange: int = 0) -> int:
     """Elements one layer saves for the backward pass under `remat` (module docstring);
     b sequences per device, t tensor shards (1 without tensor parallelism); `sequence`:
-    Megatron sequence parallelism (tp_sp), the residual stream on sequence shards."""
+    Megatron sequence parallelism (tp_sp), the residual stream on sequence shards; `exchange`:
+    the expert axis a dropless mixture of experts exchanges its rows over (0: none, `moe_saved`)."""
     d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
     scores = b * (h // t) * seq * seq  # [b, H/t, T, T]
     if sequence:
         return _saved_per_layer_sequence(cfg, remat, b, seq, t, scores)
     if remat == "none":  # what autodiff saves: JAX's print_saved_residuals, listed in the docstring
-        ffn = moe_saved(cfg, b * seq) if cfg.num_experts else b * seq * 3 * f // t
+        ffn = moe_saved(cfg, b * seq, exchange) if cfg.num_experts else b * seq * 3 * f // t
         return b * seq * (6 * d + 5 * d // t + 4 + h // t) + ffn
     if cfg.num_experts and remat != "full":
         raise ValueError(f"remat={remat!r} has no memory model for a mixture of experts; the model covers "
@@ -158,7 +160,7 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequ
     raise ValueError(f"remat={remat!r} has no memory model; choose one of {', '.join(REMAT_POLICIES)}.")
 
 
-def moe_saved(cfg: ModelConfig, tokens: int) -> int:
+def moe_saved(cfg: ModelConfig, tokens: int, exchange: int = 0) -> int:
     """Elements a mixture-of-experts feed-forward saves for its backward pass (remat=none) on
     `tokens` local tokens in G = tokens/S groups, whichever devices its experts run on (the
     buffers have E G C rows in all): per expert buffer [E, G, C, .] its input and output (D) and
@@ -166,10 +168,31 @@ def moe_saved(cfg: ModelConfig, tokens: int) -> int:
     chosen experts' one-hots (k E) and buffer slots (k C), the dispatch and combine masks (2 E C),
     the chosen weights and ids (2k) and 4 softmax / top-k statistics; per group the mean
     probabilities (E). Exact against JAX's print_saved_residuals (tests/test_experts.py)."""
+    if cfg.moe_dispatch == "ragged":
+        return _ragged_saved(cfg, tokens, exchange)
     e, k, c, s = cfg.num_experts, cfg.experts_per_token, cfg.expert_capacity, cfg.moe_group
     groups = tokens // s
     buffers = e * groups * c * (2 * cfg.d_model + 3 * cfg.expert_ff)
     return buffers + tokens * (4 + 2 * k + e + k * e + k * c + 2 * e * c) + groups * e
+
+
+def _ragged_saved(cfg: ModelConfig, tokens: int, exchange: int) -> int:
+    """`moe_saved` of the dropless rows (moe_dispatch='ragged') on A = tokens k assignments: the
+    router's as the dense path's (probabilities E, 4 + 2k statistics per token, the group means),
+    the sort's order and inverse [A] and the chosen weights [A], the combined outputs [A, D], and
+    where the experts run, their input rows [R, D] and SwiGLU's w1 and w3 outputs and gate
+    [R, F_e]. One device (and the GSPMD twin, which runs the same math): R = A, plus the
+    assignments per expert [E]. Manual ep over `exchange` devices: R = exchange x A (the static
+    bound of ragged_dispatch's result) with each row's local expert and receive slot [R], the
+    route's four [exchange] offsets and sizes and one scalar. Exact against JAX's
+    print_saved_residuals on both (tests/test_ragged.py)."""
+    e, k, d, f = cfg.num_experts, cfg.experts_per_token, cfg.d_model, cfg.expert_ff
+    a = tokens * k
+    router = tokens * (4 + 2 * k + e) + tokens // cfg.moe_group * e
+    if not exchange:
+        return router + 3 * a + 2 * a * d + 3 * a * f + e
+    r = exchange * a
+    return router + 3 * a + a * d + r * (2 + d + 3 * f) + 4 * exchange + 1
 
 
 def attention_kernel(cfg: ModelConfig, gpu: bool = False) -> str:
@@ -289,7 +312,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     b = (batch // mesh_lib.axis_size(mesh, rules["batch"]) if "batch" in rules else batch) // grad_accum  # one micro-batch
     d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
     sequence = "seq" in rules  # tp_sp: the residual stream on sequence shards
-    layers = cfg.num_layers * saved_per_layer(cfg, remat, b, seq, t, sequence)
+    # a dropless mixture of experts under ep: its rows exchanged over `expert` (the manual twin's)
+    exchange = mesh.get("expert", 1) if "experts" in rules and cfg.moe_dispatch == "ragged" else 0
+    layers = cfg.num_layers * saved_per_layer(cfg, remat, b, seq, t, sequence, exchange)
     head = b  # rows the lm_head and the loss run on at once
     if "layers" in rules:  # a pipeline stage: its L/S layers on micro-batches of b/M rows
         layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule)
@@ -297,7 +322,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     # The backward loop holds one layer's worth of residuals at a time beyond what was saved:
     # rebuilt under remat, their cotangents without (measured with memory_analysis: without
     # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
-    backward_layer = (saved_per_layer(cfg, "none", b, seq, t, sequence) * dtype_bytes
+    backward_layer = (saved_per_layer(cfg, "none", b, seq, t, sequence, exchange) * dtype_bytes
                       + attention_backward(cfg, b, seq, t, attention_kernel(cfg, gpu)))
     ln_final = head * seq * d // t + head * seq * d if sequence else 2 * head * seq * d  # tp_sp: on shards, gathered
     final = (ln_final + head * seq * v // t) * dtype_bytes + head * seq * v // t * F32  # f32 loss

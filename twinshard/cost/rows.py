@@ -14,7 +14,7 @@ from twinshard.hlo import ring_bytes as _ring_bytes, shift_pattern
 from twinshard.parallel import mesh as mesh_lib
 
 PHASES = ("forward", "backward", "optimizer", "metrics")
-OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+OPS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all", "ragged-all-to-all")
 AXES = mesh_lib.ORDER  # ('stage', 'data', 'expert', 'context', 'tensor'): mesh order
 
 
