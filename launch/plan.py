@@ -65,7 +65,7 @@ Which links a mesh axis uses (twinshard/hardware/links.py has the formulas and t
   the nodes through each GPU's own 50 GB/s NIC. An all-to-all is not hierarchical: the share
   bound for other nodes leaves through each GPU's NIC (its `all-to-all x` factor).
 
---compile (TPU only; needs libtpu, the `tpu` extra) then compiles the best plan's train step
+--compile (TPU only; needs libtpu, the `tpu` extra) then compiles the best runnable plan's train step
 (the manual twin) ahead of time for that slice on this machine (twinshard/hardware/topology.py) and
 prints the compiled step's collectives and memory_analysis() per chip beside the model's
 (about a minute on a 2-core CPU). GPU topologies cannot be compiled without the GPUs.
@@ -178,7 +178,7 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
     if skipped:
         out += ["", "== meshes the model does not split on =="]
         out += [f"{s.strategy} {s.mesh_text()}: {s.why}" for s in skipped]
-    if m.num_experts:  # why tp, fsdp_tp are missing (a dense model's refusals, ep's: --json only)
+    if m.num_experts:  # why Megatron, context and pipelines are missing (a dense model's refusals: --json only)
         out += ["", "== strategies a mixture of experts does not run under =="]
         out += [f"{name}: {why}" for name, why in runnable(m)[1].items()]
     if chip.max_slice_chips and topo.chips > chip.max_slice_chips:

@@ -603,7 +603,8 @@ def test_cli_plans_a_mixture_of_experts(tmp_path):
 
 
 def test_cli_errors_are_one_line():
-    proc = run("-m", "launch.plan", "--preset=llm_1b", "--topology=v5p:4x4x4", "--batch_size=3", "--context_length=2047")
+    proc = run("-m", "launch.plan", "--preset=llm_1b", "--topology=v5p:4x4x4", "--batch_size=3",
+               "--context_length=2047")
     assert_user_error(proc, "no strategy splits this model with batch 3 over 64 chips",
                       "batch=3 is not divisible by mesh axis data=64", "context_length=2047 does not split into 128",
                       "pass a --batch_size divisible")

@@ -1,6 +1,7 @@
-"""The hardware a plan runs on: a topology (a TPU slice's chip grid, or GPU nodes x GPUs per node)
-and the link each mesh axis's collectives cross (ICI, NVLink or the inter-node network), with its
-bandwidth. `launch.plan` prices every strategy's collectives over these links."""
+"""The hardware a plan runs on: a topology (a TPU slice's chip grid, or GPU nodes x GPUs per node;
+TPU slices side by side on the data-center network) and the link each mesh axis's collectives
+cross (ICI, NVLink, the inter-node network, DCN), with its bandwidth. twinshard/hardware/plan.py
+prices every strategy's collectives over these links."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ class Link:
     bytes_per_s: float  # what one chip can send over the axis (one way)
     what: str
     all_to_all: float = 1.0  # an all-to-all's time / (its ring bytes / bytes_per_s): ICI `_ici`, GPU `_gpu_axis`
-    hop_bytes_per_s: float | None = None  # a shift to a neighbour (collective-permute) crosses one link; None: bytes_per_s
+    hop_bytes_per_s: float | None = None  # a shift to a neighbour (collective-permute): one link; None: bytes_per_s
 
 
 def with_slices(topo: Topology, slices: int) -> Topology:
