@@ -58,7 +58,7 @@ from absl import app, flags, logging
 from launch import common
 from twinshard.parallel import strategies
 from twinshard.hardware.chips import Chip, chip_for  # the datasheet peaks (launch.plan reads the same table)
-from twinshard.hardware.measure import matmul_peak, p25  # noqa: F401  (p25: tests/test_bench.py)
+from twinshard.hardware import measure
 from twinshard.config import PRESETS, Config, ModelConfig, TrainConfig, preset
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global:
@@ -169,34 +169,6 @@ def check_output_path(path: str | None, flag: str) -> None:
 # ----------------------------------------------------------------------------- measuring
 
 
-class CompileEvents:
-    """Sums JAX's compile-phase durations (jax.monitoring events) recorded while active:
-    trace (jaxpr), lower (jaxpr -> StableHLO) and backend compile (XLA)."""
-
-    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
-              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-              "/jax/core/compile/backend_compile_duration": "compile_s"}
-
-    def __enter__(self) -> dict[str, float]:
-        import jax
-
-        self.times, self.active = dict.fromkeys(self.EVENTS.values(), 0.0), True
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self.times
-
-    def _listen(self, event: str, duration: float, **_) -> None:
-        if self.active and event in self.EVENTS:
-            self.times[self.EVENTS[event]] += duration
-
-    def __exit__(self, *exc) -> None:
-        import jax
-
-        self.active = False  # an older jax without unregister keeps calling it: count nothing more
-        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
-        if unregister is not None:
-            unregister(self._listen)
-
-
 def random_batch(cfg: Config):
     """Tokens x [B, T] and their shifted targets y, uniform over the real vocab (timing needs no corpus)."""
     import numpy as np
@@ -222,14 +194,10 @@ def model_cost(cfg: Config, strategy: str, mesh: dict[str, int] | None):
 
 def memory_per_device(compiled) -> dict[str, int] | None:
     """memory_analysis() fields and their peak estimate: arguments + outputs - aliased + temporaries."""
-    ma = compiled.memory_analysis()
-    if ma is None:
-        return None
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-              "temp_size_in_bytes", "generated_code_size_in_bytes")
-    out = {k: int(getattr(ma, k)) for k in fields}
-    out["peak_estimate"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
-                            - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
+    out = measure.memory_analysis(compiled)
+    if out is not None:
+        out["peak_estimate"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
+                                - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
     return out
 
 
@@ -268,7 +236,7 @@ def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps
     t2 = time.perf_counter()
     label = strategy if impl is None else f"{strategy}/{impl}"
     log(f"{label}: train step lowered in {t1 - t0:.2f}s, compiled in {t2 - t1:.2f}s; init ...")
-    with CompileEvents() as init_times:
+    with measure.CompileEvents() as init_times:
         state = runner.init_state(cfg.train.seed)
         jax.block_until_ready(state)
     init_wall = time.perf_counter() - t2
@@ -339,13 +307,6 @@ def environment() -> dict[str, Any]:
             "load_avg_before": os.getloadavg(), "noise_note": NOISE_NOTE}
 
 
-def compute_dtype(cfg: Config) -> str:
-    for part in (cfg.model, cfg.train):
-        if getattr(part, "dtype", None):
-            return str(getattr(part, "dtype"))
-    return "float32"
-
-
 def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str], meshes: dict[str, str | None],
         steps: int = DEFAULT_STEPS, warmup: int = 2, matmul_size: int | None = None,
         matmul_reps: int = 20, command: str = "", log=print) -> dict[str, Any]:
@@ -360,7 +321,7 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     dev = jax.devices()[0]
     n = matmul_size or (2048 if dev.platform == "cpu" else 8192)
     dtypes = ("float32",) if dev.platform == "cpu" else ("float32", "bfloat16")
-    peaks = {d: matmul_peak(d, n, matmul_reps, dev) for d in dtypes}
+    peaks = {d: measure.matmul_peak(d, n, matmul_reps, dev) for d in dtypes}
     for d, p in peaks.items():
         log(f"matmul peak {d} {n}^3: {p['flops_per_s'] / 1e9:,.0f} GFLOP/s")
     chip = chip_for(dev.device_kind) if dev.platform != "cpu" else None
@@ -369,17 +330,17 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     for strategy, impl, runner in runners:
         rec = bench_one(runner, strategy, impl, cfg, batch, steps, warmup, log)
         add_ratios(rec, records[0] if records and records[0]["strategy"] == "single" else None,
-                   peaks, chip, dev.platform, compute_dtype(cfg))
+                   peaks, chip, dev.platform, cfg.model.dtype)
         records.append(rec)
         log(summary_line(rec))
     env["load_avg_after"] = os.getloadavg()
     # The same matmul again: a peak that moved during the runs means the machine's load did.
-    after = matmul_peak(dtypes[0], n, matmul_reps, dev)
+    after = measure.matmul_peak(dtypes[0], n, matmul_reps, dev)
     peaks[dtypes[0]]["flops_per_s_after"] = after["flops_per_s"]
     log(f"matmul peak {dtypes[0]} {n}^3 after the runs: {after['flops_per_s'] / 1e9:,.0f} GFLOP/s")
     return {"schema": 1, "command": command, "preset": name,
             "model": dataclasses.asdict(cfg.model), "batch_size": cfg.train.batch_size,
-            "seq_len": cfg.model.context_length, "dtype": compute_dtype(cfg), "steps": steps, "warmup": warmup,
+            "seq_len": cfg.model.context_length, "dtype": cfg.model.dtype, "steps": steps, "warmup": warmup,
             "environment": env, "peaks": peaks, "chip": dataclasses.asdict(chip) if chip else None,
             "runs": records}
 

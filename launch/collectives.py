@@ -96,7 +96,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     import jax
 
     from twinshard import cost, hlo
-    from twinshard.hardware import topology
+    from twinshard.hardware import measure, topology
 
     runner = _runner(strategy, impl, mesh_spec, cfg, devices)
     mesh = {a: int(n) for a, n in runner.mesh.shape.items()}
@@ -123,8 +123,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
         notes += list(topology.TPU_NOTES)
         if impl == "manual":
             tpu_comparison = cost.compare(led.summary(), topology.tpu_expected(cfg.model, model, led))
-    ma = compiled.memory_analysis()
-    memory = {"analysis": {k: int(getattr(ma, k)) for k in MEMORY_FIELDS},
+    memory = {"analysis": measure.memory_analysis(compiled),
               "arguments": topology.argument_bytes(compiled, state, tokens, tokens),
               "model": {**dataclasses.asdict(model.memory), "total": model.memory.total}}
     return {"strategy": strategy, "impl": impl, "mesh": mesh, "platform": platform,
@@ -153,10 +152,6 @@ def report(res: dict) -> str:
     out += ["", "== memory per device: compiled.memory_analysis() beside the model ==", memory_table(res)]
     out += ["", *(f"NOTE: {n}" for n in res["notes"])] if res["notes"] else []
     return "\n".join(out)
-
-
-MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-                 "temp_size_in_bytes", "generated_code_size_in_bytes")
 
 
 def memory_table(res: dict) -> str:

@@ -180,15 +180,15 @@ def define_data_flags() -> None:
 
 def load_splits(cfg: Config, data_path: str | None, cache_dir: str, data_dtype: str | None = None):
     """(train, validation) token arrays of the corpus (a text file, or token shards read as memmaps:
-    twinshard.train.data.open_shards); both must hold a full window. data_dtype: --data_dtype
+    twinshard.train.shards.open_shards); both must hold a full window. data_dtype: --data_dtype
     (default: the flag's value, where a launcher defines it)."""
-    from twinshard.train import data
+    from twinshard.train import data, shards
 
     path = data_path or data.DEFAULT_CORPUS
     if data_dtype is None and "data_dtype" in flags.FLAGS and flags.FLAGS.is_parsed():
         data_dtype = flags.FLAGS.data_dtype
-    if data.is_token_files(path):
-        tokens = data.open_shards(path, cfg.train.tokenizer, cfg.model.vocab_size, data_dtype)
+    if shards.is_token_files(path):
+        tokens = shards.open_shards(path, cfg.train.tokenizer, cfg.model.vocab_size, data_dtype)
     elif data_dtype is not None:
         raise ValueError(f"--data_dtype={data_dtype} is for .bin token files; drop it for the text corpus {path}.")
     else:

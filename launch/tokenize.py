@@ -4,7 +4,7 @@
 For a corpus larger than memory: the text is read a few MiB at a time, cut only where
 every tokenizer encodes the same as over the whole file (twinshard.train.data.TextStream),
 and written as flat uint16 ids (uint32 for a vocab over 65536) in shards of --shard_tokens,
-with shards.json last (twinshard/train/data.py's "Token shards"). A glob in --input takes its
+with shards.json last (its format: twinshard/train/shards.py). A glob in --input takes its
 files in name order, each tokenized on its own. Prints progress every few seconds and a summary.
 """
 
@@ -33,7 +33,7 @@ def check_out(out: str | None) -> None:
     if not out:
         raise ValueError("--out is required: the directory to write the shards into, e.g. --out=data/corpus.")
     common.check_writable_dir(out, "out")
-    from twinshard.train.data import SHARDS_JSON
+    from twinshard.train.shards import SHARDS_JSON
 
     if os.path.isdir(out) and (held := sorted(n for n in os.listdir(out) if n == SHARDS_JSON or n.endswith(".bin"))):
         raise ValueError(f"--out={out} already holds shards ({held[0]}, ...); pass a new or empty directory.")
@@ -54,7 +54,7 @@ def main(argv):
     check_out(FLAGS.out)
     common.tokenizer_vocab(FLAGS.tokenizer)  # a bad name or ranks file: its one-line error
 
-    from twinshard.train import data
+    from twinshard.train import data, shards
 
     texts = data.find_texts(FLAGS.input or str(data.DEFAULT_CORPUS))
     last = [time.perf_counter()]
@@ -68,7 +68,7 @@ def main(argv):
     stats = data.write_shards(texts, FLAGS.out, FLAGS.tokenizer, shard_tokens or data.DEFAULT_SHARD_TOKENS, progress)
     print(f"done: {stats['files']} file(s), {_mb(stats['bytes'])} in {stats['seconds']:.1f}s "
           f"({stats['bytes'] / 1e6 / stats['seconds']:.1f} MB/s): {stats['tokens']:,} tokens ({stats['dtype']}) in "
-          f"{stats['shards']} shard(s) + {data.SHARDS_JSON} in {FLAGS.out}; train with --data={FLAGS.out} "
+          f"{stats['shards']} shard(s) + {shards.SHARDS_JSON} in {FLAGS.out}; train with --data={FLAGS.out} "
           f"--tokenizer={FLAGS.tokenizer}")
     if stats["forced_cuts"]:
         print(f"{stats['forced_cuts']} forced cut(s): stretches of over {data._MAX_CARRY * data._READ_BYTES >> 20} "

@@ -191,7 +191,7 @@ def train_record(runner, cfg, steps: int, grads: bool = True) -> dict:
     separate loss_and_grads: ~3.5 s of CPU for the tiny model, measured). The suite's GSPMD
     twins train without them: equal losses over the steps, equal reported norms and equal
     params after AdamW steps leave a wrong gradient no place to hide but a per-leaf constant
-    scale (AdamW is scale-free per leaf), which changes the global norm; tests/test_auto.py
+    scale (AdamW is scale-free per leaf), which changes the global norm; tests/test_data_tensor.py
     compares the dp/fsdp/tp/fsdp_tp GSPMD gradients themselves (an SGD step of lr 1)."""
     import jax
 

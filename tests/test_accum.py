@@ -38,7 +38,7 @@ MESHES = {"dp": "data:8,tensor:1", "fsdp": "data:8,tensor:1", "tp": "data:1,tens
           "fsdp_tp": "data:2,tensor:4"}
 STEPS = 2
 L = CFG.model.num_layers
-# tolerances: as tests/test_manual.py (losses are means of 512 f32 token losses, summed here
+# tolerances: as tests/test_data_tensor.py (losses are means of 512 f32 token losses, summed here
 # in micro-batches: measured max 3.3e-6; gradients 1.2e-8; params after AdamW steps ~1e-7)
 LOSS_ATOL, GRAD_ATOL, PARAM_ATOL, NORM_RTOL = 2e-5, 2e-7, 2e-5, 1e-6
 
@@ -83,7 +83,7 @@ def runner(impl: str, strategy: str, k: int = K):
 
 @functools.cache
 def twin(impl: str, strategy: str):
-    """The twin at grad_accum K, from the single-device initial state (test_manual proves it
+    """The twin at grad_accum K, from the single-device initial state (test_data_tensor proves it
     bitwise equal to the runner's own init), trained STEPS steps."""
     r = runner(impl, strategy)
     return r, train(r, jax.device_put(single()["init"], r.state_shardings))

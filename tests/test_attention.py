@@ -68,7 +68,7 @@ def test_model_with_a_kernel_equals_the_reference_single_device_and_under_tp(imp
         loss, grads = _loss_and_grads(runner, xla_cfg)
         assert abs(float(loss) - float(want[0])) < 2e-5, name
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want[1])))
-        assert diff < 2e-7, (name, diff)  # the tolerance of tests/test_manual.py (GRAD_ATOL)
+        assert diff < 2e-7, (name, diff)  # the tolerance of tests/test_data_tensor.py (GRAD_ATOL)
 
 
 @pytest.mark.parametrize("impl", ["xla", "recompute", "auto"])

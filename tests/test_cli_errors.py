@@ -159,13 +159,14 @@ def test_sample_and_bpe_errors(tmp_path, files):
 def shards(tmp_path):
     """A corpus as byte-tokenizer shards (tmp/shards) and broken copies of them."""
     from twinshard.train import data
+    from twinshard.train.shards import SHARDS_JSON
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("To be, or not to be, that is the question.\n" * 200)
     data.write_shards([corpus], tmp_path / "shards", "bytes", shard_tokens=3000)
     missing = tmp_path / "missing"
     missing.mkdir()
-    for name in ("shard_000000.bin", data.SHARDS_JSON):
+    for name in ("shard_000000.bin", SHARDS_JSON):
         (missing / name).write_bytes((tmp_path / "shards" / name).read_bytes())
     bare = tmp_path / "bare"
     bare.mkdir()

@@ -22,7 +22,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 import auto_parallel
 import manual_parallel
 import reference
-from test_auto import synced_shapes  # the all-reduced shapes, one per execution
+from test_data_tensor import synced_shapes  # the all-reduced shapes, one per execution
 from manual_parallel.ring_attention import ring_attention
 from twinshard.parallel import context
 from twinshard import cost, hlo, testing
@@ -49,7 +49,7 @@ def initial_state():
 def record(runner, grads: bool = True):
     """reference.train_record, starting from `initial_state` placed in the runner's shardings: a
     transfer instead of one more cold compile per runner (the sharded init, PlacedRunner's, is
-    the same code for every strategy and tested in test_manual / test_auto)."""
+    the same code for every strategy and tested in test_data_tensor)."""
     where = getattr(runner, "state_shardings", None)  # None: single device
     runner.init_state = lambda seed: jax.device_put(initial_state(), where)
     return reference.train_record(runner, CFG, STEPS, grads)

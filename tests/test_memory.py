@@ -4,7 +4,7 @@ A compiled train step (state donated) reports per device: arguments (the state a
 the local batch), outputs (aliased to the donated state) and temporaries. On tiny and
 small (f32, remat none), for single device and every strategy x twin. "tiny" is
 tests/runners.py's CFG and MESHES (num_heads 8, every strategy on 8 devices): the train
-steps test_manual and test_auto compile, loaded here from the compilation cache.
+steps test_data_tensor compiles, loaded here from the compilation cache.
 
 - arguments: the params and the optimizer state are exactly the model's
   (`topology.argument_bytes` splits them; CPU stores arrays unpadded);

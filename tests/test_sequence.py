@@ -1,7 +1,7 @@
 """Megatron sequence parallelism (tp_sp) in both twins, on the tiny preset (num_heads 8).
 
 Each runner is compiled once (module cache) and gives the step-1 gradients, 5 steps of
-losses and params against single device (test_manual's record, shared), its compiled step's
+losses and params against single device (test_data_tensor's record, shared), its compiled step's
 ledger and its memory_analysis(). Meshes: the manual twin on tensor:8 (sequence shards of 4
 tokens), the GSPMD twin and the collective matmul (manual, remat full) on data:2,tensor:4
 (sequence parallelism inside data parallelism); the GSPMD twin there also with grad_accum 2
@@ -9,7 +9,7 @@ tokens), the GSPMD twin and the collective matmul (manual, remat full) on data:2
 
 Measured here (JAX 0.12.0.1, XLA:CPU, opt level 0), against single device: losses 1.4e-6,
 step-1 gradients 2.4e-8, params after 5 AdamW steps 1.3e-6 (both twins, both meshes);
-tolerances as tests/test_manual.py.
+tolerances as tests/test_data_tensor.py.
 """
 
 import dataclasses
@@ -22,8 +22,8 @@ import pytest
 import auto_parallel
 import manual_parallel
 import reference
-from test_manual import CFG, STEPS, single  # the same config and single-device record
-from test_auto import synced_shapes, use_shapes  # the all-reduced shapes; each weight's shape where used
+from test_data_tensor import CFG, STEPS, single  # the same config and single-device record
+from test_data_tensor import synced_shapes, use_shapes  # the all-reduced shapes; each weight's shape where used
 from test_remat import runner_residuals
 from twinshard import cost, hlo, testing
 from twinshard.config import Config
@@ -115,7 +115,7 @@ def _ring(led: hlo.Ledger, op: str, size: int) -> float:
 def test_gather_plus_scatter_bytes_equal_tp_all_reduce_bytes():
     """Per layer, the measured all-gathers [B, T, D] + reduce-scatters [B, T/t, D] of tp_sp move
     on a ring exactly the bytes of TP's all-reduces of [B, T, D] (the cost model's tp rows, which
-    tests/test_manual.py proves equal to TP's ledger): an all-reduce IS a reduce-scatter followed
+    tests/test_data_tensor.py proves equal to TP's ledger): an all-reduce IS a reduce-scatter followed
     by an all-gather, each (t-1)/t of the array per device; tp_sp only runs the two halves at
     different places (the scatter after a row-parallel matmul, the gather before the next
     column-parallel one). Outside the layers the same holds for the embedding and lm_head."""

@@ -14,7 +14,7 @@ import pytest
 
 from cli import ROOT
 from test_train import metrics, run_train
-from twinshard.train import data, tokenizer
+from twinshard.train import data, shards, tokenizer
 
 # Multi-byte characters (2, 3 and 4 bytes), \r\n, tabs, runs of spaces and a long line, so reads of
 # a few hundred bytes split characters and lines.
@@ -28,7 +28,7 @@ def write_corpus(path: pathlib.Path, text: str = TEXT) -> pathlib.Path:
 
 
 def shards_of(directory, name: str = "bytes") -> np.ndarray:
-    return np.asarray(data.open_shards(directory, name, tokenizer.get_encoding(name).n_vocab))
+    return np.asarray(shards.open_shards(directory, name, tokenizer.get_encoding(name).n_vocab))
 
 
 @pytest.mark.parametrize("name", tokenizer.TOKENIZERS)
@@ -40,11 +40,11 @@ def test_streamed_shards_equal_whole_file_tokenization(tmp_path, monkeypatch, na
     stats = data.write_shards(texts, tmp_path / "out", name, shard_tokens=700)
     whole = [t for path in texts for t in data.encode(data.read_text(path), name)]
     assert shards_of(tmp_path / "out", name).tolist() == whole
-    meta = json.loads((tmp_path / "out" / data.SHARDS_JSON).read_text())
+    meta = json.loads((tmp_path / "out" / shards.SHARDS_JSON).read_text())
     assert [f["tokens"] for f in meta["files"]] == [700] * (len(whole) // 700) + [len(whole) % 700]
     assert meta["dtype"] == "uint16" and meta["tokenizer"] == name and stats["forced_cuts"] == 0
     assert stats["tokens"] == len(whole) and stats["bytes"] == 2 * len(TEXT.encode())
-    assert sorted(os.listdir(tmp_path / "out")) == [f["name"] for f in meta["files"]] + [data.SHARDS_JSON]
+    assert sorted(os.listdir(tmp_path / "out")) == [f["name"] for f in meta["files"]] + [shards.SHARDS_JSON]
 
 
 def test_byte_tokens_are_the_utf8_bytes_even_at_forced_cuts(tmp_path, monkeypatch):
@@ -129,8 +129,8 @@ def test_sharded_tokens_read_as_their_concatenation(tmp_path):
     names = [f"s{i}.bin" for i in range(len(cuts) - 1)]
     for name, lo, hi in zip(names, cuts, cuts[1:]):
         ids[lo:hi].tofile(tmp_path / name)
-    (tmp_path / data.SHARDS_JSON).write_text(json.dumps({"dtype": "uint16", "tokenizer": "bytes", "files": names}))
-    tokens = data.open_shards(tmp_path, "bytes", 257)
+    (tmp_path / shards.SHARDS_JSON).write_text(json.dumps({"dtype": "uint16", "tokenizer": "bytes", "files": names}))
+    tokens = shards.open_shards(tmp_path, "bytes", 257)
     assert len(tokens) == 5000 and np.array_equal(np.asarray(tokens), ids)
     assert np.array_equal(np.asarray(tokens[650:4000][40:60]), ids[690:710])
     scattered = np.random.default_rng(1).integers(0, 5000, (7, 9))  # not windows: gathered id by id
@@ -147,7 +147,7 @@ def test_an_id_past_the_vocab_in_a_window_names_the_file(tmp_path):
     ids = np.zeros(100_000, np.uint16)
     ids[50_001] = 300  # between the sampled blocks
     ids.tofile(tmp_path / "a.bin")
-    tokens = data.open_shards(tmp_path, "bytes", 257, dtype="uint16")
+    tokens = shards.open_shards(tmp_path, "bytes", 257, dtype="uint16")
     for index in (np.arange(50_000, 50_010)[None], [3, 50_001]):  # a window, and ids one by one
         with pytest.raises(ValueError, match=r"a\.bin holds token id 300 \(token 50001\), >= the model's vocab_size"):
             tokens[index]
@@ -161,11 +161,11 @@ def test_fingerprint_is_the_content_not_the_path(tmp_path, monkeypatch):
     ident = data.fingerprint(tmp_path / "one")
     moved = tmp_path / "two"
     shutil.copytree(tmp_path / "one", moved)
-    meta = json.loads((moved / data.SHARDS_JSON).read_text())
+    meta = json.loads((moved / shards.SHARDS_JSON).read_text())
     for f in meta["files"]:
         os.rename(moved / f["name"], moved / ("renamed_" + f["name"]))
         f["name"] = "renamed_" + f["name"]
-    (moved / data.SHARDS_JSON).write_text(json.dumps(meta))
+    (moved / shards.SHARDS_JSON).write_text(json.dumps(meta))
     assert data.fingerprint(moved) == ident and data.fingerprint(f"{moved}/*.bin") == ident
     assert data.fingerprint(tmp_path / "a.txt") != ident  # the text file's identity is its own hash
 
@@ -181,22 +181,22 @@ def test_fingerprint_is_the_content_not_the_path(tmp_path, monkeypatch):
         p.write_bytes(raw)
 
     def reverse_the_files(_):
-        meta = json.loads((moved / data.SHARDS_JSON).read_text())
+        meta = json.loads((moved / shards.SHARDS_JSON).read_text())
         meta["files"].reverse()
-        (moved / data.SHARDS_JSON).write_text(json.dumps(meta))
+        (moved / shards.SHARDS_JSON).write_text(json.dumps(meta))
 
     def drop_the_last_token(p):
         p.write_bytes(p.read_bytes()[:-2])
-        meta = json.loads((moved / data.SHARDS_JSON).read_text())
+        meta = json.loads((moved / shards.SHARDS_JSON).read_text())
         meta["files"] = [f["name"] for f in meta["files"]]  # names alone: no token counts to check
-        (moved / data.SHARDS_JSON).write_text(json.dumps(meta))
+        (moved / shards.SHARDS_JSON).write_text(json.dumps(meta))
 
     assert changed(flip_last_byte) != ident
     assert changed(drop_the_last_token) != ident
     assert changed(reverse_the_files) != ident
     shutil.rmtree(moved)
     shutil.copytree(tmp_path / "one", moved)
-    (moved / data.SHARDS_JSON).unlink()
+    (moved / shards.SHARDS_JSON).unlink()
     assert data.fingerprint(moved, "uint16") == ident  # bare files: the same bytes, the same ids
     np.zeros(8, np.uint16).tofile(tmp_path / "zeros.bin")
     assert data.fingerprint(tmp_path / "zeros.bin", "uint16") != data.fingerprint(tmp_path / "zeros.bin", "uint32")
@@ -207,7 +207,7 @@ def test_fingerprint_is_the_content_not_the_path(tmp_path, monkeypatch):
     real = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, at: read.append(n) or real(fd, n, at))
     data.fingerprint(tmp_path / "big.bin", "uint16")
-    assert sum(read) == data._SAMPLE_BLOCKS * data._BLOCK_BYTES == 128 << 10
+    assert sum(read) == shards._SAMPLE_BLOCKS * shards._BLOCK_BYTES == 128 << 10
 
 
 def bad_inputs(tmp_path: pathlib.Path) -> list:
@@ -224,20 +224,20 @@ def bad_inputs(tmp_path: pathlib.Path) -> list:
 
     def edit_meta(**changes):
         def edit(d):
-            meta = json.loads((d / data.SHARDS_JSON).read_text())
-            (d / data.SHARDS_JSON).write_text(json.dumps({**meta, **changes}))
+            meta = json.loads((d / shards.SHARDS_JSON).read_text())
+            (d / shards.SHARDS_JSON).write_text(json.dumps({**meta, **changes}))
         return edit
 
     missing = variant("missing", lambda d: (d / "shard_000001.bin").unlink())
     odd = variant("odd", lambda d: (d / "shard_000000.bin").write_bytes(b"\x01\x00\x02"))
     short = variant("short", lambda d: (d / "shard_000000.bin").write_bytes(b"\x01\x00"))
-    broken = variant("broken", lambda d: (d / data.SHARDS_JSON).write_text("{"))
-    bare = variant("bare", lambda d: (d / data.SHARDS_JSON).unlink())
+    broken = variant("broken", lambda d: (d / shards.SHARDS_JSON).write_text("{"))
+    bare = variant("bare", lambda d: (d / shards.SHARDS_JSON).unlink())
     np.full(10, 1000, np.uint16).tofile(bare / "zz_wide.bin")
     return [
-        (missing, None, "bytes", f"{missing / data.SHARDS_JSON} lists shard_000001.bin, which is missing"),
+        (missing, None, "bytes", f"{missing / shards.SHARDS_JSON} lists shard_000001.bin, which is missing"),
         (odd, None, "bytes", "shard_000000.bin has 3 bytes, not a whole number of uint16 ids (2 bytes each)"),
-        (short, None, "bytes", "shard_000000.bin holds 1 uint16 ids, " + f"{short / data.SHARDS_JSON} says 4000"),
+        (short, None, "bytes", "shard_000000.bin holds 1 uint16 ids, " + f"{short / shards.SHARDS_JSON} says 4000"),
         (good, None, "gpt2", f"--data={good}: its shards were tokenized with bytes (shards.json), this run uses "
                              "--tokenizer=gpt2; pass --tokenizer=bytes, or tokenize the corpus again with "
                              "--tokenizer=gpt2."),
@@ -260,7 +260,7 @@ def bad_inputs(tmp_path: pathlib.Path) -> list:
 def test_bad_token_inputs_are_one_line_errors(tmp_path):
     for spec, dtype, name, message in bad_inputs(tmp_path):
         with pytest.raises(ValueError) as e:
-            data.open_shards(spec, name, tokenizer.get_encoding(name).n_vocab, dtype)
+            shards.open_shards(spec, name, tokenizer.get_encoding(name).n_vocab, dtype)
         assert message in str(e.value) and "\n" not in str(e.value), (spec, str(e.value))
 
 
@@ -270,15 +270,15 @@ def test_train_from_shards_is_the_text_runs_and_resumes_exactly(tmp_path, tmp_pa
     shard run stopped at step 6 and resumed matches too. Resuming it with the text file is refused
     (another corpus identity)."""
     corpus = write_corpus(tmp_path / "corpus.txt", TEXT * 3)
-    shards = tmp_path / "shards"
-    data.write_shards([corpus], shards, "bytes", shard_tokens=20_000)
-    assert len(os.listdir(shards)) > 4
+    shard_dir = tmp_path / "shards"
+    data.write_shards([corpus], shard_dir, "bytes", shard_tokens=20_000)
+    assert len(os.listdir(shard_dir)) > 4
     text_run, shard_run = tmp_path / "text", tmp_path / "sharded"
     run_train(tmp_path_factory, f"--workdir={text_run}", f"--data={corpus}", "--steps=12")
-    run_train(tmp_path_factory, f"--workdir={shard_run}", f"--data={shards}", "--steps=12", "--stop_after=6")
-    with pytest.raises(ValueError, match=f"--resume with another corpus: .* pass --data={shards}"):
+    run_train(tmp_path_factory, f"--workdir={shard_run}", f"--data={shard_dir}", "--steps=12", "--stop_after=6")
+    with pytest.raises(ValueError, match=f"--resume with another corpus: .* pass --data={shard_dir}"):
         run_train(tmp_path_factory, f"--workdir={shard_run}", f"--data={corpus}", "--steps=12", "--resume")
-    run_train(tmp_path_factory, f"--workdir={shard_run}", f"--data={shards}", "--steps=12", "--resume")
+    run_train(tmp_path_factory, f"--workdir={shard_run}", f"--data={shard_dir}", "--steps=12", "--resume")
     a, b = metrics(text_run), metrics(shard_run)
     assert [r["step"] for r in b] == [2, 4, 6, 8, 10, 12]
     for ra, rb in zip(a, b, strict=True):

@@ -11,8 +11,9 @@ How a selection is chosen: the tests that hold an independent reference for the
 mutated code. A bug in shared single-device math (layers, loss, optimizer) changes
 the single-device run and both twins alike, so the twin-vs-single tests cannot see
 it: such a mutant selects the tests with hand/NumPy references (test_layers,
-test_model, test_loss_optim). test_auto never imports manual_parallel/, so
-manual-twin mutants select test_manual (and test_train, which trains manual fsdp).
+test_model, test_loss_optim). The GSPMD twin never imports manual_parallel/, so
+manual-twin mutants select the manual twin's tests of test_data_tensor (MANUAL, node ids)
+and test_train, which trains manual fsdp.
 
 `equivalent` (a reason) marks a mutant known not to change behaviour; such a
 mutant is not run unless --run-equivalent (which then checks the label).
@@ -40,8 +41,7 @@ class Mutant:
 
 
 _STRATEGIES = "twinshard/parallel/strategies.py"
-MANUAL = "tests/test_manual.py"
-AUTO = "tests/test_auto.py"
+DATA_TENSOR = "tests/test_data_tensor.py"  # dp, fsdp, tp, fsdp_tp in both twins
 COST = "tests/test_cost.py"
 HLO = "tests/test_hlo.py"
 LAYERS = "tests/test_layers.py"
@@ -66,11 +66,23 @@ OPTIMIZERS = "tests/test_optimizers.py"
 REMAT = "tests/test_remat.py"
 MEMORY = "tests/test_memory.py"
 
+# The manual twin's tests of DATA_TENSOR: its cases of the tests parametrised over [twin-strategy],
+# then its own (the last two also run the GSPMD twin).
+MANUAL = (*(f"{DATA_TENSOR}::{test}[manual-{s}]" for test in ("test_initial_params_are_bitwise_single_device",
+                                                             "test_adamw_matches_single_device",
+                                                             "test_params_and_moments_are_physically_sharded")
+            for s in ("dp", "fsdp", "tp", "fsdp_tp")),
+          *(f"{DATA_TENSOR}::{test}" for test in (
+              "test_manual_every_collective_is_named_in_manual_parallel",
+              "test_manual_dp_all_reduce_moves_exactly_the_parameter_bytes",
+              "test_manual_fsdp_gathers_each_weight_forward_and_backward_and_scatters_each_gradient",
+              "test_manual_tp_all_reduces_activations_only", "test_manual_ledger_equals_the_cost_model_exactly",
+              "test_reported_grad_norm_is_the_unclipped_float64_norm", "test_manual_matches_auto")))
 # Everything that reads a compiled ledger or the cost model (a parser or model bug shows there too).
-LEDGER_TESTS = (HLO, MANUAL, AUTO, TPU, CLI)
-COST_TESTS = (COST, MANUAL, TPU, CLI)
+LEDGER_TESTS = (HLO, DATA_TENSOR, TPU, CLI)
+COST_TESTS = (COST, *MANUAL, TPU, CLI)
 # Both twins (placement tables are read by both).
-TWINS = (MANUAL, AUTO)
+TWINS = (DATA_TENSOR,)
 
 _COLL = "manual_parallel/collectives.py"
 _TP = "manual_parallel/tp.py"
@@ -97,111 +109,111 @@ MUTANTS: list[Mutant] = [
     Mutant("fsdp-gather-wrong-dim", "collective", _COLL,
            "lax.all_gather(w_shard, axis, axis=dim, tiled=True)",
            "lax.all_gather(w_shard, axis, axis=0, tiled=True)",
-           (MANUAL,), "fsdp_gather forward gathers along dim 0 whatever dimension is sharded"),
+           MANUAL, "fsdp_gather forward gathers along dim 0 whatever dimension is sharded"),
     Mutant("fsdp-scatter-not-summed", "collective", _COLL,
            "lax.psum_scatter(grad_full, axis, scatter_dimension=dim, tiled=True) / n",
            "lax.dynamic_slice_in_dim(grad_full, lax.axis_index(axis) * (grad_full.shape[dim] // n), "
            "grad_full.shape[dim] // n, dim) / n",
-           (MANUAL,), "fsdp_gather backward keeps its own slice of the gradient instead of reduce-scattering"),
+           MANUAL, "fsdp_gather backward keeps its own slice of the gradient instead of reduce-scattering"),
     Mutant("fsdp-scatter-no-mean", "collective", _COLL,
            "lax.psum_scatter(grad_full, axis, scatter_dimension=dim, tiled=True) / n",
            "lax.psum_scatter(grad_full, axis, scatter_dimension=dim, tiled=True)",
-           (MANUAL,), "fsdp_gather backward sums instead of averaging (no division by the data size)"),
+           MANUAL, "fsdp_gather backward sums instead of averaging (no division by the data size)"),
     Mutant("copy-to-tp-bwd-pmean", "collective", _COLL,
            "return (lax.psum(grad, axis),)",
            "return (lax.pmean(grad, axis),)",
-           (MANUAL,), "Megatron f backward averages the partial input gradients instead of summing"),
+           MANUAL, "Megatron f backward averages the partial input gradients instead of summing"),
     Mutant("copy-to-tp-fwd-no-pcast", "collective", _COLL,
            'return lax.pcast(x, axis, to="varying")  # a type change: no data moves',
            "return x",
-           (MANUAL,), "Megatron f forward leaves x invariant, so autodiff adds its own psum to f's"),
+           MANUAL, "Megatron f forward leaves x invariant, so autodiff adds its own psum to f's"),
     Mutant("reduce-from-tp-fwd-pmean", "collective", _COLL,
            "return lax.psum(x, axis)",
            "return lax.pmean(x, axis)",
-           (MANUAL,), "Megatron g forward averages the row-parallel partial sums"),
+           MANUAL, "Megatron g forward averages the row-parallel partial sums"),
     Mutant("reduce-from-tp-bwd-psum", "collective", _COLL,
            'return (lax.pcast(grad, axis, to="varying"),)  # a type change: no data moves',
            "return (lax.psum(grad, axis),)",
-           (MANUAL,), "Megatron g backward all-reduces the (already replicated) output gradient"),
+           MANUAL, "Megatron g backward all-reduces the (already replicated) output gradient"),
     # --- Megatron TP specifics (manual_parallel/tp.py, twinshard/model/transformer.py, twinshard/model/loss.py)
     Mutant("tp-embed-no-mask", "tp", _TP,
            "self.exit_tensor_parallel(jnp.where(mine[..., None], rows, 0.0))",
            "self.exit_tensor_parallel(rows)",
-           (MANUAL,), "vocab-parallel embedding sums clipped lookups of ids other shards own"),
+           MANUAL, "vocab-parallel embedding sums clipped lookups of ids other shards own"),
     Mutant("tp-embed-offset", "tp", _TP,
            "local = ids - lax.axis_index(TENSOR) * v_local",
            "local = ids - lax.axis_index(TENSOR)",
-           (MANUAL,), "vocab-parallel embedding offsets ids by the shard index, not index x rows"),
+           MANUAL, "vocab-parallel embedding offsets ids by the shard index, not index x rows"),
     Mutant("tp-embed-plain-psum", "tp", _TP,
            "return self.exit_tensor_parallel(jnp.where(mine[..., None], rows, 0.0))",
            "return lax.psum(jnp.where(mine[..., None], rows, 0.0), TENSOR)",
-           (MANUAL,), "embedding psum written as a bare lax.psum instead of g",
+           MANUAL, "embedding psum written as a bare lax.psum instead of g",
            equivalent="under check_vma autodiff transposes psum into a pcast to varying, exactly "
                       "g's backward; same HLO, same source line"),
     Mutant("tp-loss-offset", "tp", _TP,
            "offset = lax.axis_index(TENSOR) * logits.shape[-1]",
            "offset = 0",
-           (MANUAL,), "vocab-parallel cross-entropy treats every shard's columns as ids 0..V/t"),
+           MANUAL, "vocab-parallel cross-entropy treats every shard's columns as ids 0..V/t"),
     Mutant("tp-loss-local-max", "tp", _TP,
            "reduce_max=functools.partial(lax.pmax, axis_name=TENSOR)",
            "reduce_max=lambda m: m",
-           (MANUAL,), "vocab-parallel cross-entropy uses each shard's own max (no pmax)"),
+           MANUAL, "vocab-parallel cross-entropy uses each shard's own max (no pmax)"),
     Mutant("tp-loss-max-psum", "tp", _TP,
            "reduce_max=functools.partial(lax.pmax, axis_name=TENSOR)",
            "reduce_max=functools.partial(lax.psum, axis_name=TENSOR)",
-           (MANUAL,), "pmax of the logit max written as psum: exact in math, exp(z - sum of "
+           MANUAL, "pmax of the logit max written as psum: exact in math, exp(z - sum of "
                             "maxes) underflows to a -inf/nan loss once logits are large"),
     Mutant("tp-loss-sum-pmean", "tp", _TP,
            "reduce_sum=functools.partial(lax.psum, axis_name=TENSOR)",
            "reduce_sum=functools.partial(lax.pmean, axis_name=TENSOR)",
-           (MANUAL,), "vocab-parallel cross-entropy averages sum-exp and the target logit"),
+           MANUAL, "vocab-parallel cross-entropy averages sum-exp and the target logit"),
     Mutant("loss-target-any-later-shard", "tp", _LOSS,
            "on_shard = (local >= 0) & (local < z.shape[-1])",
            "on_shard = local >= 0",
-           (OPTIM, MANUAL), "a shard counts the target logit of ids that live on later shards"),
+           (OPTIM, *MANUAL), "a shard counts the target logit of ids that live on later shards"),
     Mutant("model-no-f-before-lm-head", "tp", _MODEL,
            "par.head(lambda h: self.lm_head(h, par), par.enter_tensor_parallel(x))",
            "par.head(lambda h: self.lm_head(h, par), x)",
-           (MANUAL,), "Megatron f dropped before lm_head: autodiff inserts the psum itself, unnamed"),
+           MANUAL, "Megatron f dropped before lm_head: autodiff inserts the psum itself, unnamed"),
     Mutant("model-no-g-after-attention", "tp", _MODEL,
            "return par.row_parallel(out, wo)",
            "return layers.linear(out, wo)",
-           (MANUAL,), "Megatron g dropped after output_proj: attention output stays a partial sum"),
+           MANUAL, "Megatron g dropped after output_proj: attention output stays a partial sum"),
     # --- the manual runner: DP mean, pcast, loss mean, clipping norm (manual_parallel/runner.py)
     Mutant("dp-mean-psum", "runner", _RUNNER,
            "lax.pmean(g, axes) if axes else g",
            "lax.psum(g, axes) if axes else g",
-           (MANUAL,), "data-parallel gradient sync sums instead of averaging"),
+           MANUAL, "data-parallel gradient sync sums instead of averaging"),
     Mutant("dp-mean-skipped", "runner", _RUNNER,
            "return jax.tree.map(lambda g, axes: lax.pmean(g, axes) if axes else g, grads, replicated)",
            "return grads",
-           (MANUAL,), "data-parallel gradient sync forgotten"),
+           MANUAL, "data-parallel gradient sync forgotten"),
     Mutant("dp-no-pcast-before-grad", "runner", _RUNNER,
            'params = jax.tree.map(lambda p, axes: lax.pcast(p, axes, to="varying") if axes else p,\n'
            "                              params, replicated)",
            "pass",
-           (MANUAL,), "params not pcast to varying: autodiff psums over data, then the pmean double-counts"),
+           MANUAL, "params not pcast to varying: autodiff psums over data, then the pmean double-counts"),
     Mutant("loss-mean-psum", "runner", _RUNNER,
            "return lax.pmean(loss, self.token_axes) if self.token_axes else loss",
            "return lax.psum(loss, self.token_axes) if self.token_axes else loss",
-           (MANUAL,), "reported loss summed over data shards instead of averaged"),
+           MANUAL, "reported loss summed over data shards instead of averaged"),
     Mutant("norm-psum-pmean", "runner", _RUNNER,
            "lax.psum(sq, axes) if axes else sq",
            "lax.pmean(sq, axes) if axes else sq",
-           (MANUAL, TRAIN), "global-norm partial squares averaged instead of summed over shards"),
+           (*MANUAL, TRAIN), "global-norm partial squares averaged instead of summed over shards"),
     Mutant("norm-returns-square", "runner", _RUNNER,
            "return jnp.sqrt(total)",
            "return total",
-           (MANUAL, TRAIN), "global_norm returns the squared norm"),
+           (*MANUAL, TRAIN), "global_norm returns the squared norm"),
     Mutant("norm-active-axes-unordered", "runner", _RUNNER,
            "return tuple(a for a in mesh_lib.ORDER if a in axes and sizes.get(a, 1) > 1)",
            "return tuple(a for a in axes if sizes.get(a, 1) > 1)",
-           (MANUAL,), "_active keeps spec order, so P('tensor','data') and P('data','tensor') get two psums"),
+           MANUAL, "_active keeps spec order, so P('tensor','data') and P('data','tensor') get two psums"),
     # --- FSDP remat policy (manual_parallel/fsdp.py)
     Mutant("fsdp-remat-saves-gathers", "fsdp", _FSDP,
            'e.primitive.name == "all_gather" for e in params["call_jaxpr"].eqns)',
            'e.primitive.name == "all-gather" for e in params["call_jaxpr"].eqns)',
-           (SCAN, MANUAL), "the remat policy looks for the HLO op name in the jaxpr: it never recognises a "
+           (SCAN, *MANUAL), "the remat policy looks for the HLO op name in the jaxpr: it never recognises a "
                            "gathered weight and saves them all (no re-gather, full weights live to backward)"),
     Mutant("fsdp-remat-recomputes-psums", "fsdp", "manual_parallel/base.py",
            '_REDUCTIONS = frozenset({"psum", "psum_invariant", "pmax", "reduce_scatter"})',
@@ -321,7 +333,7 @@ MUTANTS: list[Mutant] = [
     Mutant("matmul-dw-via-transpose", "layers", _LAYERS,
            "dw = jnp.einsum(\"...i,...o->io\", x, g)",
            "dw = jnp.einsum(\"...o,...i->oi\", g, x).T",
-           (AUTO,), "the weight gradient as autodiff's [out, in] dot + transpose (same values; GSPMD's "
+           (f"{DATA_TENSOR}::test_auto_collectives",), "the weight gradient as autodiff's [out, in] dot + transpose (same values; GSPMD's "
            "gradient all-reduce carries it transposed and AdamW reads it strided)"),
     Mutant("matmul-dx-scaled", "layers", _LAYERS,
            "dx = jnp.dot(g, w.T) if g.ndim == 2",

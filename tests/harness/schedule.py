@@ -37,7 +37,7 @@ UNGROUPED = {
 # after the other and the second loads the first's programs from the persistent cache
 # (tests/runners.py's CFG: test_memory's tiny train steps and test_remat's remat-none gradients
 # are the base strategies' programs; test_sequence uses their single and tp).
-SHARED_GROUPS = {m: "test_twins" for m in ("test_auto", "test_manual", "test_memory", "test_remat",
+SHARED_GROUPS = {m: "test_twins" for m in ("test_data_tensor", "test_memory", "test_remat",
                                            "test_sequence")}
 
 

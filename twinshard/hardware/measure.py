@@ -1,5 +1,7 @@
-"""Timing on the device at hand: the median and 25th-percentile time of a call, and the measured
-FLOP/s of a square matmul (the peak that "% of peak" and MFU on a CPU are measured against)."""
+"""Timing on the device at hand: the median and 25th-percentile time of a call, the measured
+FLOP/s of a square matmul (the peak that "% of peak" and MFU on a CPU are measured against),
+and what JAX reports of a compile: its phases' seconds (CompileEvents) and the compiled
+program's bytes per device (memory_analysis)."""
 
 from __future__ import annotations
 
@@ -48,3 +50,42 @@ def matmul_peak(dtype: str, n: int, reps: int, device) -> dict[str, Any]:
     fast = p25(times)
     return {"dtype": dtype, "n": n, "reps": reps, "inner": inner, "median_s": med, "p25_s": fast,
             "flops_per_s": 2 * n ** 3 / fast, "flops_per_s_median": 2 * n ** 3 / med, "times_s": times}
+
+
+class CompileEvents:
+    """Sums JAX's compile-phase durations (jax.monitoring events) recorded while active:
+    trace (jaxpr), lower (jaxpr -> StableHLO) and backend compile (XLA)."""
+
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+              "/jax/core/compile/backend_compile_duration": "compile_s"}
+
+    def __enter__(self) -> dict[str, float]:
+        import jax
+
+        self.times, self.active = dict.fromkeys(self.EVENTS.values(), 0.0), True
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self.times
+
+    def _listen(self, event: str, duration: float, **_) -> None:
+        if self.active and event in self.EVENTS:
+            self.times[self.EVENTS[event]] += duration
+
+    def __exit__(self, *exc) -> None:
+        import jax
+
+        self.active = False  # an older jax without unregister keeps calling it: count nothing more
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is not None:
+            unregister(self._listen)
+
+
+MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                 "temp_size_in_bytes", "generated_code_size_in_bytes")
+
+
+def memory_analysis(compiled) -> dict[str, int] | None:
+    """`compiled.memory_analysis()`'s bytes per device, field by field (MEMORY_FIELDS); None where
+    the backend reports none."""
+    ma = compiled.memory_analysis()
+    return None if ma is None else {k: int(getattr(ma, k)) for k in MEMORY_FIELDS}
