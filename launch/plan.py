@@ -3,65 +3,69 @@
     python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4
     python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16 --json=plan.json
     python -m launch.plan --preset=mixtral_8x7b --topology=v5p:4x4x4 --dtype=bfloat16
+    python -m launch.plan --preset=llm_1b --topology=v5p:8x8x8 --slices=2 --batch_size=1024
     uv run --extra tpu python -m launch.plan --preset=gpt2_125m --topology=v5e:4x4 --compile
 
 --topology is a TPU slice as gcloud names it, `GEN:AxB` (v5e, v6e: a 2D torus) or `GEN:AxBxC`
-(v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips; or a GPU cluster `GPU:NODESxGPUS`, e.g. h100:8x8 =
-8 HGX nodes of 8 GPUs. The chips' numbers, with their sources, are twinshard/hardware/chips.py.
+(v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips, up to the whole pod (v5p:16x20x28); or a GPU cluster
+`GPU:NODESxGPUS`, e.g. h100:8x8 = 8 HGX nodes of 8 GPUs. --slices=N plans N such TPU slices, data
+parallel over the data-center network (DCN): each slice runs the plan on B/N sequences and each
+chip's gradients are all-reduced with its counterparts, 2 (N-1)/N x its gradient bytes at its
+DCN rate (v5p 50 Gb/s per chip, v5e 25). The chips' numbers, with their sources, are
+twinshard/hardware/chips.py.
 
-For each strategy the model runs under (`runnable`: a dense model dp, fsdp, tp, fsdp_tp; a
-mixture of experts dp, fsdp, ep, fsdp_ep, since resolve.check_experts refuses Megatron for it) and
-each factoring of the chips over the strategy's mesh axes that launch.train accepts for the model
-(data x tensor; ep data x expert; fsdp_ep data x expert x tensor 1: resolve.resolve_mesh), the
-cost model of the manual twin (twinshard.cost) gives, per chip:
+For each strategy the model runs under (every declared strategy, twinshard/parallel/strategies.py:
+a dense model dp, fsdp, tp, fsdp_tp, tp_sp, cp, fsdp_cp, pp, pp_fsdp; a mixture of experts dp,
+fsdp, ep, fsdp_ep, as resolve.check_experts says) and each factoring of the chips over the
+strategy's mesh axes that launch.train accepts for the model (resolve.resolve_mesh; a pipeline
+with the micro-batch count and schedule that rank best on it), the cost model of the manual twin
+(twinshard.cost) gives, per chip (twinshard/hardware/plan.py):
 
-- memory: params + grads + optimizer state (--optimizer; AdamW's 2 moments by default) + activations (under --remat) +
-  the backward loop's one-layer working set + FSDP's gathered layer; the plan fits when that is
-  at most (1 - --hbm_headroom) of the HBM. XLA's buffers are a peak (arguments + outputs -
-  aliased + temporaries) and the model a sum; compiled for the slice, XLA's peak can sit above
-  the model's (--hbm_headroom's help says by how much), hence the default headroom of 25%;
+- memory: params + grads + optimizer state (--optimizer; AdamW's 2 moments by default), in
+  --param_dtype and --optimizer_dtype (float32 both by default, as launch.train trains: 16 bytes
+  per parameter; --master_weights adds a float32 copy of narrower params) + activations (under
+  --remat) + the backward loop's one-layer working set (with the attention kernel's [T, T]
+  arrays: none for cuDNN flash attention, the default on a GPU in bf16) + FSDP's gathered layer;
+  the plan fits when that is at most (1 - --hbm_headroom) of the HBM. XLA's buffers are a peak
+  (arguments + outputs - aliased + temporaries) and the model a sum; compiled for the slice,
+  XLA's peak can sit above the model's (--hbm_headroom's help says by how much), hence the
+  default headroom of 25%;
 - compute time = FLOPs per chip / (peak x --mfu): the bf16 peak for --dtype=bfloat16, and for
   float32 the peak of JAX's default matmul precision (TF32 tensor cores on NVIDIA; on TPU one
-  bf16 MXU pass, so the bf16 peak);
+  bf16 MXU pass, so the bf16 peak); a pipeline's times its schedule's bubble (GPipe (M+S-1)/M),
+  ring attention's without the blocks it skips;
 - communication time per mesh axis = the ring bytes one chip sends over it / the bandwidth of
-  the links the axis uses (below); an all-to-all's ring bytes (ep's dispatch and combine over
-  `expert`) times the links' hop factor (below). A collective over several axes (the
-  gradient-norm scalar over (data, tensor); ep's gradient means over (data, expert)) is charged
-  to the slowest of them;
+  the links the axis uses (below); an all-to-all's ring bytes (ep's dispatch and combine)
+  times the links' hop factor; a shift (a pipeline hop, ring attention's K/V blocks) at the
+  rate of the one link it crosses. A collective over several axes (the gradient-norm scalar over
+  (data, tensor)) is charged to the slowest of them;
 - the step time two ways, both lower bounds at --mfu=1 (peak FLOP/s, full link rate, latency
   ignored): `overlap` = max(compute, comm of each axis), as if every collective hid behind
   compute (XLA's async collectives come close for FSDP's weight gathers), and `serial` = their
   sum, nothing hidden (Megatron's activation all-reduces sit on the critical path). The bound
   is the largest term. Plans are ranked by --rank_by (serial by default).
 
-Which links a mesh axis uses:
+Which links a mesh axis uses (twinshard/hardware/links.py has the formulas and their sources):
 
-- TPU (ICI): the inner mesh axis, `tensor`, or `expert` when the mesh has expert > 1 (both are
-  innermost of a plannable mesh: jax.make_mesh gives it the closest chips), gets the physical
-  axes jax.make_mesh gives it (`tensor_sides`: whole axes if some multiply to its size, else
-  part of one), `data` the rest. A mesh axis that spans a whole side of a torus (the slice has wraparound
-  links: chips.Chip.torus_multiple) runs a bidirectional ring: 2 x the one-way link bandwidth
-  per physical axis. On a side without wraparound, or on part of a side, the ring folds back on
-  itself and each link carries it both ways: 1 x. An axis over k physical axes adds them (the
-  scaling book's multi-axis collectives). v5p:4x4x4 (a torus), data:16,tensor:4: tensor on x,
-  2 x 90 GB/s = 180 GB/s; data on y and z, 4 x 90 GB/s = 360 GB/s. v5e:16x16 (a torus),
-  data:64,tensor:4: tensor on 4 chips of x, 1 x 45 GB/s; data on y and across x, 180 GB/s.
-  An all-to-all is not a ring: each chip sends B/n of its B bytes to each other chip, the one
-  j steps away over min(j, n-j) links: n^2/4 / (n-1) hops on average (even n). On a bidirectional
-  ring of n chips that is n x B n/4 link-bytes over 2n one-way links, B n/8 per link and
-  direction, where the ledger's ring bytes B (n-1)/n at the ring's 2 x one-way rate stand for
-  B (n-1)/(2n): the all-to-all's ring bytes count n^2 / (4 (n-1)) times (n = 2: 1; 4: 4/3;
-  8: 16/7). A line (no wraparound, or part of a side: 1 x) loads its middle link with B n/4 each
-  way: the same factor. Over several physical axes the all-to-all runs as one per axis at once,
-  each on its own links, and the slowest sets the time (links._ici: v5p:4x4x4 expert:16 on x
-  and y, 32/15, not a 16-chip ring's 64/15).
-- GPU: `tensor` (or `expert`) inside a node on NVLink (450 GB/s one way per H100/H200); `data`
-  across nodes on the network, each GPU its NIC's share (8 x 400 Gb/s per HGX node: 50 GB/s per
-  GPU); all on NVLink when there is one node. An inner axis larger than a node crosses the
-  network too. Both are switched: an all-to-all's bytes leave each GPU through its own port once
-  (hop factor 1).
+- TPU (ICI): the inner split axis (the last of size > 1 in mesh order: tensor, expert, context,
+  or pp_fsdp's data) gets the physical axes jax.make_mesh gives it (`tensor_sides`: whole axes if
+  some multiply to its size, else part of one), the outer one the rest. A mesh axis that spans a
+  whole side with wraparound links (Topology.wraps: v4/v5p whole cubes wrap every side, v5e/v6e
+  each side of 16) runs a bidirectional ring: 2 x the one-way link bandwidth per physical axis.
+  On a side without wraparound, or on part of a side, the ring folds back on itself and each
+  link carries it both ways: 1 x. An axis over k physical axes adds them (the scaling book's
+  multi-axis collectives). v5p:4x4x4 (a torus), data:16,tensor:4: tensor on x, 2 x 90 GB/s =
+  180 GB/s; data on y and z, 4 x 90 GB/s = 360 GB/s. An all-to-all's messages cross several
+  links: n^2 / (4 (n-1)) times its ring bytes on a ring of n chips (links._ici).
+- GPU: an axis inside a node on NVLink (450 GB/s one way per H100/H200); an axis across nodes as
+  a hierarchical ring, NVLink inside each node and the network across them through the NICs of
+  the group's GPUs (one 400 Gb/s NIC per GPU, 8 per HGX node), the two levels overlapped (the
+  scaling book's GPU chapter; links._gpu_axis): data:64 on h100:8x8 moves 7/8 of each byte
+  through a node's 400 GB/s egress (450 GB/s per GPU in ring bytes), data:8 beside tensor:8 inside
+  the nodes through each GPU's own 50 GB/s NIC. An all-to-all is not hierarchical: the share
+  bound for other nodes leaves through each GPU's NIC (its `all-to-all x` factor).
 
---compile (TPU only; needs libtpu, the `tpu` extra) then compiles the best plan's train step
+--compile (TPU only; needs libtpu, the `tpu` extra) then compiles the best runnable plan's train step
 (the manual twin) ahead of time for that slice on this machine (twinshard/hardware/topology.py) and
 prints the compiled step's collectives and memory_analysis() per chip beside the model's
 (about a minute on a 2-core CPU). GPU topologies cannot be compiled without the GPUs.
@@ -71,18 +75,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 
 from absl import app, flags, logging
 
 from launch import common
-from twinshard.hardware import chips
 from twinshard import cost
-from twinshard.parallel import mesh as mesh_lib, resolve, strategies
-from twinshard.hardware.chips import Chip
-from twinshard.hardware.links import GB, Link, Topology, axis_links, parse_topology
-from twinshard.config import OPTIMIZERS, PRESETS, Config, ModelConfig, TrainConfig, preset
+from twinshard.config import COMPUTE_DTYPES, OPTIMIZERS, PRESETS, Config, ModelConfig, preset
 from twinshard.cost import human
+from twinshard.hardware import chips
+from twinshard.hardware.chips import matmul_peak_flops
+from twinshard.hardware.links import GB, Topology, parse_topology, with_slices
+from twinshard.hardware.plan import Plan, Precision, Skipped, plan_all, rank, runnable
+from twinshard.parallel import mesh as mesh_lib
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global).
 common.define(flags.DEFINE_string, "preset", "small", "Named preset from twinshard.config (tiny, small, gpt2_125m, ...).")
@@ -92,8 +96,15 @@ common.define(flags.DEFINE_integer, "batch_size", None, "Global batch size in se
 common.define(flags.DEFINE_integer, "context_length", None, "Sequence length (default: the preset's context_length).")
 common.define(flags.DEFINE_string, "json", None, "Write the plans as JSON to this path.")
 common.define(flags.DEFINE_enum, "optimizer", "adamw", OPTIMIZERS, "The optimizer whose state the memory counts "
-              "(adamw: 2 moments, lion and sgd with momentum: 1, adafactor: factored second moments), all f32.")
+              "(adamw: 2 moments, lion and sgd with momentum: 1, adafactor: factored second moments).")
 common.define_precision_flags()  # --dtype (the peak and the activation bytes), --remat, ...
+flags.DEFINE_integer("slices", 1, "TPU slices of --topology, data parallel over the data-center network "
+                     "(each chip's gradients all-reduced with its counterparts; the batch split over the slices).")
+flags.DEFINE_enum("param_dtype", "float32", COMPUTE_DTYPES, "Params and gradients in memory (float32: what "
+                  "launch.train keeps; bfloat16: a mixed-precision trainer's weights).")
+flags.DEFINE_enum("optimizer_dtype", "float32", COMPUTE_DTYPES, "The optimizer state in memory.")
+flags.DEFINE_bool("master_weights", False, "Count a float32 master copy of the params besides (mixed precision "
+                  "with --param_dtype=bfloat16: 2 + 2 + 4 + 8 bytes per parameter under AdamW).")
 flags.DEFINE_integer("top", 10, "Ranked plans to print.")
 flags.DEFINE_float("mfu", 1.0, "Fraction of the peak FLOP/s the matmuls reach (1: the peak, a lower bound "
                    "on the step time).")
@@ -104,145 +115,6 @@ flags.DEFINE_enum("rank_by", "serial", ("serial", "overlap"), "Rank by the step 
 flags.DEFINE_bool("compile", False, "Compile the best TPU plan ahead of time for --topology (needs libtpu) "
                   "and print its collectives and memory_analysis beside the model.")
 FLAGS = flags.FLAGS
-
-STRATEGIES = strategies.PLANNABLE  # those a model runs under: `runnable`
-
-
-def peak_flops(chip: Chip, dtype: str) -> tuple[float, str]:
-    """FLOP/s of the matmuls in `dtype` at JAX's default precision, and which peak that is."""
-    if dtype == "bfloat16":
-        return chip.bf16 * 1e12, "bf16"
-    if chip.is_tpu:
-        return chip.bf16 * 1e12, "bf16 (TPU's default precision multiplies float32 in one bf16 pass)"
-    return chip.tf32 * 1e12, "tf32 (JAX's default precision runs float32 matmuls on TF32 tensor cores)"
-
-
-@dataclass(frozen=True)
-class Plan:
-    strategy: str
-    mesh: dict[str, int]
-    cost: cost.Cost
-    hbm_usable: float  # bytes per chip the plan may use
-    compute_s: float
-    comm_s: dict[str, float]  # per axis of the plan's mesh ('data', 'tensor' / 'expert'); 0 where nothing moves
-    links: dict[str, Link]
-
-    @property
-    def memory(self) -> int:
-        return self.cost.memory.total
-
-    @property
-    def fits(self) -> bool:
-        return self.memory <= self.hbm_usable
-
-    @property
-    def overlap_s(self) -> float:
-        return max(self.compute_s, *self.comm_s.values())
-
-    @property
-    def serial_s(self) -> float:
-        return self.compute_s + sum(self.comm_s.values())
-
-    @property
-    def bound(self) -> str:
-        terms = {"compute": self.compute_s, **{f"comm {a}": s for a, s in self.comm_s.items()}}
-        return max(terms, key=terms.get)
-
-    def step_s(self, rank_by: str) -> float:
-        return self.serial_s if rank_by == "serial" else self.overlap_s
-
-    def mesh_text(self) -> str:
-        return mesh_lib.mesh_str(self.mesh, self.strategy)
-
-
-def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
-    """Seconds per mesh axis: ring bytes / bandwidth, an all-to-all's times its link's hop factor
-    (Link.all_to_all); a group over several axes goes at the slowest."""
-    ring: dict[tuple[str, ...], float] = {}
-    for (op, axes), s in c.summary().items():
-        hops = links[min(axes, key=lambda a: links[a].bytes_per_s)].all_to_all if op == "all-to-all" else 1.0
-        ring[axes] = ring.get(axes, 0.0) + s["ring_bytes"] * hops
-    out = dict.fromkeys(c.mesh, 0.0)
-    for axes, nbytes in ring.items():
-        slowest = min(axes, key=lambda a: links[a].bytes_per_s)
-        out[slowest] += nbytes / links[slowest].bytes_per_s
-    return out
-
-
-def _train_config(cfg: ModelConfig, batch: int) -> Config:
-    return Config(cfg, TrainConfig(batch_size=batch))
-
-
-def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
-             mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw") -> Plan:
-    """One strategy on one mesh; a ValueError when launch.train would refuse the mesh for this
-    model (resolve.resolve_mesh: it also checks E over `expert`, which cost.cost does not)."""
-    resolve.resolve_mesh(strategy, mesh_lib.mesh_str(mesh, strategy), _train_config(cfg, batch), topo.chips)
-    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer)
-    links = axis_links(topo, c.mesh)
-    peak, _ = peak_flops(topo.chip, cfg.dtype)
-    return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), c.flops.per_device / (peak * mfu),
-                comm_times(c, links), links)
-
-
-def candidate_meshes(strategy: str, n: int) -> list[dict[str, int]]:
-    """Every factoring of n over the strategy's mesh axes that it allows (mesh.check_mesh: dp/fsdp
-    data x tensor 1, tp data 1, ep data x expert > 1, fsdp_ep data > 1 x expert > 1 x tensor 1);
-    the inner axis smallest first (data:64,tensor:1, data:32,tensor:2, ...)."""
-    out = []
-    for shape in mesh_lib.factorings(tuple(a for a in mesh_lib.ORDER if a in mesh_lib.NEEDS[strategy]), n):
-        try:
-            mesh_lib.check_mesh(strategy, shape, n)
-        except ValueError:
-            continue
-        out.append(shape)
-    return out
-
-
-@dataclass(frozen=True)
-class Skipped:
-    strategy: str
-    mesh: dict[str, int]
-    why: str
-
-    def mesh_text(self) -> str:
-        return mesh_lib.mesh_str(self.mesh, self.strategy)
-
-
-def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
-    """The plannable strategies the model runs under (dense: dp, fsdp, tp, fsdp_tp; a mixture of
-    experts: dp, fsdp, ep, fsdp_ep), and the others -> resolve.check_experts's reason."""
-    ok, refused = [], {}
-    for strategy in STRATEGIES:
-        try:
-            resolve.check_experts(strategy, _train_config(cfg, 1))  # it reads the model only
-        except ValueError as e:
-            refused[strategy] = str(e)
-        else:
-            ok.append(strategy)
-    return ok, refused
-
-
-def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0,
-             headroom: float = 0.25, optimizer: str = "adamw") -> tuple[list[Plan], list[Skipped]]:
-    """Every (strategy, mesh) the model splits on, and those it does not (with the first reason);
-    the strategies it cannot run under at all (`runnable`) are in neither."""
-    plans, skipped = [], []
-    for strategy in runnable(cfg)[0]:
-        for shape in candidate_meshes(strategy, topo.chips):
-            try:
-                plans.append(evaluate(cfg, topo, strategy, shape, batch, mfu, headroom, optimizer))
-            except ValueError as e:
-                skipped.append(Skipped(strategy, shape, str(e).split(";")[0]))
-    return plans, skipped
-
-
-def rank(plans: list[Plan], rank_by: str) -> tuple[list[Plan], list[Plan]]:
-    """(plans that fit, fastest first; plans that do not fit, smallest memory first)."""
-    fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s(rank_by), p.memory))
-    over = sorted((p for p in plans if not p.fits), key=lambda p: p.memory)
-    return fit, over
-
 
 # ----------------------------------------------------------------------------- text
 
@@ -255,13 +127,12 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
-
 def plan_table(plans: list[Plan], topo: Topology, cfg: ModelConfig, batch: int) -> str:
-    """One row per plan; a communication column per mesh axis some listed plan splits (> 1)."""
-    axes = [a for a in mesh_lib.ORDER if any(p.mesh.get(a, 1) > 1 for p in plans)]
+    """One row per plan; a communication column per mesh axis some listed plan splits (> 1), and DCN's."""
+    axes = [a for a in mesh_lib.ORDER if any(p.mesh.get(a, 1) > 1 for p in plans)] + ["dcn"] * (topo.slices > 1)
     head = ("rank", "strategy", "mesh", "memory/chip", "of HBM", "compute", *(f"comm {a}" for a in axes),
             "step overlap", "step serial", "bound", "tokens/s (serial)")
-    rows = [(str(i), p.strategy, p.mesh_text(), human(p.memory), f"{p.memory / topo.chip.hbm_bytes:.0%}",
+    rows = [(str(i), p.strategy, p.label(), human(p.memory), f"{p.memory / topo.chip.hbm_bytes:.0%}",
              _ms(p.compute_s), *(_ms(p.comm_s.get(a, 0.0)) for a in axes), _ms(p.overlap_s),
              _ms(p.serial_s), p.bound, f"{batch * cfg.context_length / p.serial_s:,.0f}")
             for i, p in enumerate(plans, 1)]
@@ -270,15 +141,16 @@ def plan_table(plans: list[Plan], topo: Topology, cfg: ModelConfig, batch: int) 
 
 def _breakdown(p: Plan) -> str:
     m = p.cost.memory
+    master = f" + master copy {human(m.master)}" if m.master else ""
     gathered = f" + gathered layer {human(m.gathered_weights)}" if m.gathered_weights else ""
-    return (f"params {human(m.params)} + grads {human(m.grads)} + optimizer {human(m.optimizer)} + "
-            f"activations {human(m.activations)}{gathered}")
+    return (f"params {human(m.params)} + grads {human(m.grads)}{master} + optimizer {human(m.optimizer)} + "
+            f"activations {human(m.activations)} + backward layer {human(m.backward_layer)}{gathered}")
 
 
 def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
-           top: int, mfu: float, headroom: float, rank_by: str) -> str:
+           top: int, mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> str:
     m, chip, batch = cfg.model, topo.chip, cfg.train.batch_size
-    peak, which = peak_flops(chip, m.dtype)
+    peak, which = matmul_peak_flops(chip, m.dtype)
     out = [f"{_count(m.num_params())}-parameter model, batch {batch} x {m.context_length} tokens, "
            f"{m.dtype} compute, on {topo.describe()}",
            f"chip {chip.name}: {chip.hbm_bytes / chips.GIB:g} GiB HBM ({human(chip.hbm_bytes * (1 - headroom))} usable at "
@@ -290,8 +162,8 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
         if len(fit) > top:
             out.append(f"... {len(fit) - top} more (--top)")
         best = fit[0]
-        out += ["", f"links of the best plan ({best.strategy} {best.mesh_text()}):"]
-        out += [f"  {axis}={best.mesh[axis]}: {link.what} = {link.bytes_per_s / GB:g} GB/s per chip"
+        out += ["", f"links of the best plan ({best.strategy} {best.label()}):"]
+        out += [f"  {axis}={best.mesh.get(axis, best.slices)}: {link.what} = {link.bytes_per_s / GB:.4g} GB/s per chip"
                 + (f"; all-to-all x {link.all_to_all:.3g} (its messages cross several links)"
                    if link.all_to_all != 1 and _has_all_to_all(best, axis) else "")
                 for axis, link in best.links.items()]
@@ -301,21 +173,44 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
                    "--context_length would help ==")
     if over:
         out += ["", "== too big for HBM =="]
-        out += [f"{p.strategy} {p.mesh_text()}: needs {human(p.memory)} > {human(p.hbm_usable)} usable "
+        out += [f"{p.strategy} {p.label()}: needs {human(p.memory)} > {human(p.hbm_usable)} usable "
                 f"({_breakdown(p)})" for p in over]
     if skipped:
         out += ["", "== meshes the model does not split on =="]
         out += [f"{s.strategy} {s.mesh_text()}: {s.why}" for s in skipped]
-    if m.num_experts:  # why tp, fsdp_tp are missing (a dense model's refusals, ep's: --json only)
+    if m.num_experts:  # why Megatron, context and pipelines are missing (a dense model's refusals: --json only)
         out += ["", "== strategies a mixture of experts does not run under =="]
         out += [f"{name}: {why}" for name, why in runnable(m)[1].items()]
+    if chip.max_slice_chips and topo.chips > chip.max_slice_chips:
+        out += ["", f"NOTE: {topo.chips} chips is more than the largest single-slice job Google schedules on "
+                    f"{chip.name} ({chip.max_slice_chips} chips); planned as the whole ICI-connected grid."]
+    if any(p.flat for p in fit + over):
+        out += ["", "NOTE: 'flat' plans split FSDP's weights flat, padded to a multiple of data (data does not "
+                    "divide d_model: twinshard/hardware/plan.py); launch.train splits d_model and refuses their "
+                    "meshes."]
+    if not precision.is_default:
+        out += ["", f"NOTE: params in {precision.params}, optimizer state in {precision.optimizer}"
+                    f"{', a float32 master copy' if precision.master else ''}: launch.train keeps float32 params "
+                    "and state, so its run of the launch line below needs the default's memory."]
     if m.remat != "none" and _remat_ignored(m, fit + over):
         out += ["", f"NOTE: the cost model counts activations without rematerialization; --remat={m.remat} "
                     "would need less."]
     if fit:
-        out += ["", "== run the best plan: the same command on every host (jax.distributed finds the others) ==",
-                *launch_commands(fit[0], topo, name, cfg)]
+        out += ["", *launch_section(fit, topo, name, cfg)]
     return "\n".join(out)
+
+
+def launch_section(fit: list[Plan], topo: Topology, name: str, cfg: Config) -> list[str]:
+    """The launch line of the best plan launch.train runs as planned (Plan.runnable)."""
+    if topo.slices > 1:
+        return ["== launch.train builds one slice's mesh; a multi-slice run needs its data axis over the slices "
+                "(jax.experimental.mesh_utils.create_hybrid_device_mesh) =="]
+    best = next((p for p in fit if p.runnable), None)
+    if best is None:
+        return ["== no plan that fits is one launch.train runs (all are flat) =="]
+    which = "the best plan" if best is fit[0] else f"the best plan launch.train runs ({best.strategy} {best.label()})"
+    return [f"== run {which}: the same command on every host (jax.distributed finds the others) ==",
+            *launch_commands(best, topo, name, cfg)]
 
 
 def _has_all_to_all(p: Plan, axis: str) -> bool:
@@ -328,7 +223,7 @@ def _remat_ignored(m: ModelConfig, plans: list[Plan]) -> bool:
     if p is None:
         return False
     plain = cost.memory(dataclasses.replace(m, remat="none"), p.strategy, p.mesh, p.cost.batch_size, p.cost.seq_len,
-                        p.cost.dtype_bytes)
+                        p.cost.dtype_bytes, microbatches=p.microbatches, schedule=p.schedule)
     return plain.activations == p.cost.memory.activations
 
 
@@ -339,7 +234,11 @@ def train_flags(plan: Plan, name: str, cfg: Config) -> str:
         ("batch_size", cfg.train.batch_size, base.train.batch_size),
         ("context_length", cfg.model.context_length, base.model.context_length),
         ("dtype", cfg.model.dtype, base.model.dtype), ("remat", cfg.model.remat, base.model.remat),
-        ("optimizer", cfg.train.optimizer, base.train.optimizer)) if v != d]
+        ("attention", cfg.model.attention, base.model.attention),
+        ("optimizer", cfg.train.optimizer, base.train.optimizer),
+        ("microbatches", plan.microbatches, base.train.microbatches),
+        ("schedule", plan.schedule, base.train.schedule)) if v != d]
+    extra += ["--collective_matmul"] * (plan.strategy == "tp_sp" and cfg.model.collective_matmul)
     return " ".join([f"--preset={name}", f"--strategy={plan.strategy}", "--impl=manual",
                      f"--mesh={plan.mesh_text()}", *extra, "--distributed", "--workdir=WORKDIR"])
 
@@ -355,26 +254,28 @@ def launch_commands(plan: Plan, topo: Topology, name: str, cfg: Config) -> list[
 
 
 def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
-            mfu: float, headroom: float, rank_by: str) -> dict:
+            mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> dict:
     def one(p: Plan, rank_: int | None) -> dict:
-        return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "fits": p.fits,
+        return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "microbatches": p.microbatches,
+                "schedule": p.schedule, "flat": p.flat, "slices": p.slices, "fits": p.fits,
                 "memory": {**dataclasses.asdict(p.cost.memory), "total": p.memory}, "hbm_usable": p.hbm_usable,
                 "compute_s": p.compute_s, "comm_s": p.comm_s, "overlap_s": p.overlap_s, "serial_s": p.serial_s,
                 "bound": p.bound, "flops_per_chip": p.cost.flops.per_device,
                 "ring_bytes": {",".join(a): s["ring_bytes"] for a, s in p.cost.by_axes().items()},
-                "links": {a: {"bytes_per_s": link.bytes_per_s, "what": link.what, "all_to_all": link.all_to_all}
-                          for a, link in p.links.items()}}
+                "links": {a: {"bytes_per_s": link.bytes_per_s, "what": link.what, "all_to_all": link.all_to_all,
+                              "hop_bytes_per_s": link.hop_bytes_per_s} for a, link in p.links.items()}}
 
-    peak, which = peak_flops(topo.chip, cfg.model.dtype)
-    return {"preset": name, "topology": topo.name, "chips": topo.chips, "grid": list(topo.grid),
+    peak, which = matmul_peak_flops(topo.chip, cfg.model.dtype)
+    return {"preset": name, "topology": topo.name, "chips": topo.chips, "slices": topo.slices, "grid": list(topo.grid),
             "torus": topo.torus, "chip": dataclasses.asdict(topo.chip), "batch_size": cfg.train.batch_size,
             "seq_len": cfg.model.context_length, "dtype": cfg.model.dtype,
             "assumptions": {"peak_flops": peak, "peak": which, "mfu": mfu, "hbm_headroom": headroom,
-                            "rank_by": rank_by, "optimizer": f"{cfg.train.optimizer} (f32 state)", "latency": "ignored"},
+                            "rank_by": rank_by, "optimizer": f"{cfg.train.optimizer} ({precision.optimizer} state)",
+                            "precision": dataclasses.asdict(precision), "latency": "ignored"},
             "plans": [one(p, i) for i, p in enumerate(fit, 1)] + [one(p, None) for p in over],
             "skipped": [{"strategy": s.strategy, "mesh": s.mesh, "why": s.why} for s in skipped],
             "refused": runnable(cfg.model)[1],
-            "launch": launch_commands(fit[0], topo, name, cfg) if fit else []}
+            "launch": launch_section(fit, topo, name, cfg)[1:] if fit else []}
 
 
 # ----------------------------------------------------------------------------- --compile
@@ -387,14 +288,16 @@ def compile_best(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
 
     topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
     devices = topology.devices(topo.name)
-    res = collectives.collectives(plan.strategy, "manual", plan.mesh_text(), cfg, devices)
+    train = dataclasses.replace(cfg.train, microbatches=plan.microbatches, schedule=plan.schedule)
+    res = collectives.collectives(plan.strategy, "manual", plan.mesh_text(), dataclasses.replace(cfg, train=train),
+                                  devices)
     ma = res["memory"]["analysis"]
     peak = (ma["argument_size_in_bytes"] + ma["output_size_in_bytes"] - ma["alias_size_in_bytes"]
             + ma["temp_size_in_bytes"])
     verdict = "fits" if peak <= topo.chip.hbm_bytes else "does NOT fit"
     table = cost.compare_table(res["tpu_comparison"] or res["comparison"])
     text = "\n".join([
-        f"== compiled ahead of time: {plan.strategy}/manual {plan.mesh_text()} on {res['device_kind']} "
+        f"== compiled ahead of time: {plan.strategy}/manual {plan.label()} on {res['device_kind']} "
         f"({res['hosts']} hosts) in {res['compile_s']:.1f} s ==",
         "collectives of the compiled step vs the model (as the TPU compiler prints the manual twin):", table,
         "", "memory per chip: compiled.memory_analysis() beside the model", collectives.memory_table(res),
@@ -423,15 +326,18 @@ def config_from_flags() -> Config:
 
 
 def check_flags(topo: Topology) -> None:
-    if FLAGS.collective_matmul:
-        raise ValueError("--collective_matmul belongs to strategy tp_sp (launch.train --strategy=tp_sp "
-                         "--impl=manual), which the plan does not rank; drop it here.")
     if FLAGS.top < 1:
         raise ValueError(f"--top={FLAGS.top} must be >= 1.")
     if not 0 < FLAGS.mfu <= 1:
         raise ValueError(f"--mfu={FLAGS.mfu} must be in (0, 1]: the fraction of the peak FLOP/s reached.")
     if not 0 <= FLAGS.hbm_headroom < 1:
         raise ValueError(f"--hbm_headroom={FLAGS.hbm_headroom} must be in [0, 1): the fraction of HBM kept free.")
+    if FLAGS.compile and topo.slices > 1:
+        raise ValueError(f"--compile compiles one slice's mesh; drop --slices={topo.slices} to compile one slice's "
+                         "plan.")
+    if FLAGS.master_weights and FLAGS.param_dtype == "float32":
+        raise ValueError("--master_weights counts a float32 copy of narrower params: pass --param_dtype=bfloat16 "
+                         "too, or drop it (float32 params are their own master).")
     if FLAGS.compile and not topo.chip.is_tpu:
         raise ValueError(f"--compile is not available for GPU topologies ({topo.name}): compiling for a GPU "
                          "needs the GPU itself; drop --compile, or plan a TPU slice.")
@@ -440,7 +346,7 @@ def check_flags(topo: Topology) -> None:
 
 def no_plan(skipped: list[Skipped], topo: Topology, batch: int) -> str:
     reasons = "; ".join(f"{s.strategy} {s.mesh_text()}: {s.why}" for s in skipped)
-    fix = (f"pass a --batch_size divisible by the data axis (e.g. {topo.chips}) or plan fewer chips"
+    fix = (f"pass a --batch_size divisible by the data axis (e.g. {topo.chips * topo.slices}) or plan fewer chips"
            if any(s.why.startswith("batch=") for s in skipped) else "plan fewer chips or a wider model")
     return f"no strategy splits this model with batch {batch} over {topo.chips} chips ({reasons}); {fix}."
 
@@ -451,22 +357,24 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if not FLAGS.topology:
         raise ValueError("--topology is required, e.g. --topology=v5p:4x4x4 (TPU) or --topology=h100:8x8 (GPU).")
-    topo = parse_topology(FLAGS.topology)
+    topo = with_slices(parse_topology(FLAGS.topology), FLAGS.slices)
     cfg = config_from_flags()
     check_flags(topo)
+    precision = Precision(FLAGS.param_dtype, FLAGS.optimizer_dtype, FLAGS.master_weights)
     plans, skipped = plan_all(cfg.model, topo, cfg.train.batch_size, FLAGS.mfu, FLAGS.hbm_headroom,
-                              cfg.train.optimizer)
+                              cfg.train.optimizer, precision, FLAGS.rank_by)
     if not plans:
         raise ValueError(no_plan(skipped, topo, cfg.train.batch_size))
     fit, over = rank(plans, FLAGS.rank_by)
-    print(report(fit, over, skipped, topo, FLAGS.preset, cfg, FLAGS.top, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by),
-          flush=True)
-    doc = as_dict(fit, over, skipped, topo, FLAGS.preset, cfg, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by)
+    args = (fit, over, skipped, topo, FLAGS.preset, cfg)
+    print(report(*args, FLAGS.top, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by, precision), flush=True)
+    doc = as_dict(*args, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by, precision)
     if FLAGS.compile:
-        if not fit:
-            raise ValueError("--compile: no plan fits in memory, so there is nothing to compile.")
+        best = next((p for p in fit if p.runnable), None)
+        if best is None:
+            raise ValueError("--compile: no plan launch.train runs fits in memory, so there is nothing to compile.")
         print(f"\ncompiling the best plan for {topo.name} ahead of time (a minute or so) ...", flush=True)
-        text, doc["compile"] = compile_best(fit[0], topo, cfg)
+        text, doc["compile"] = compile_best(best, topo, cfg)
         print(text)
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:

@@ -229,6 +229,8 @@ def check_memory(cfg, strategy: str, sizes: dict | None) -> None:
     ValueError naming what dominates and what to change. The model counts what the step must
     hold (XLA's peak was 0-75% above it in every measured case: tests/test_memory.py), so a
     model above the device's memory cannot fit; no margin is taken, to refuse only those."""
+    import jax
+
     from twinshard import cost
 
     t, m = cfg.train, cfg.model
@@ -236,7 +238,8 @@ def check_memory(cfg, strategy: str, sizes: dict | None) -> None:
     try:
         need = cost.memory(m, "dp" if strategy == "single" else strategy, mesh, t.batch_size, m.context_length,
                            dtype_bytes=cost.DTYPE_BYTES[m.dtype], grad_accum=t.grad_accum,
-                           microbatches=t.microbatches, optimizer=t.optimizer, schedule=t.schedule)
+                           microbatches=t.microbatches, optimizer=t.optimizer, schedule=t.schedule,
+                           gpu=jax.default_backend() == "gpu")  # attention auto: cuDNN's keeps no [T, T] array
     except ValueError:  # no memory model for this configuration (a mixture of experts under remat=dots)
         return
     have, what = device_memory_bytes()

@@ -147,7 +147,7 @@ def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     want = {"params": params, "grads": params, "optimizer": 2 * params,
             "activations": saved * 4 + head_bytes(m, b if schedule == "gpipe" else bm, T),
             "gathered_weights": mats * 4 if data > 1 else 0, "accumulator": mats * 4 if data > 1 else 0,
-            "backward_layer": (one["layer"] + one["scores"]) * 4}
+            "backward_layer": (one["layer"] + one["scores"]) * 4, "master": 0}
     mesh = {"stage": S, "data": data, "tensor": 1}
     got = cost.memory(m, strategy, mesh, B, T, microbatches=M, schedule=schedule)
     assert dataclasses.asdict(got) == want
@@ -172,7 +172,7 @@ def test_context_memory_is_the_hand_count(strategy):
     want = {"params": params, "grads": params, "optimizer": 2 * params,
             "activations": L * (one["layer"] + ring) * 4 + head_bytes(m, b, tc),
             "gathered_weights": max(layer_mats, V * D) * 4 if data > 1 else 0, "accumulator": 0,
-            "backward_layer": (one["layer"] + ring + 2 * b * H * tc * tc) * 4}
+            "backward_layer": (one["layer"] + ring + 2 * b * H * tc * tc) * 4, "master": 0}
     mesh = {"data": data, "context": C}
     assert dataclasses.asdict(cost.memory(m, strategy, {**mesh, "tensor": 1}, B, T)) == want
     assert dataclasses.asdict(cost.cost(m, strategy, mesh, B).memory) == want

@@ -46,14 +46,15 @@ from twinshard.config import ModelConfig
 from twinshard.cost.communication import STRATEGY_ROWS
 from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Row, _Ctx, row
 from twinshard.cost.flops import Flops, flops
-from twinshard.cost.memory import Memory, attention_backward, memory, ring_attention_memory, saved_per_layer
+from twinshard.cost.memory import (Memory, attention_backward, attention_kernel, memory, ring_attention_memory,
+                                   saved_per_layer)
 from twinshard.cost.weights import DTYPE_BYTES, F32, RULES, Weight, weights
 from twinshard.parallel import mesh as mesh_lib, strategies
 
 __all__ = [
     "AXES", "DTYPE_BYTES", "F32", "NOT_REGATHERED", "OPS", "PHASES", "PIPELINES", "RULES", "STRATEGY_ROWS",
-    "Cost", "Flops", "Memory", "Row", "Weight", "attention_backward", "compare", "compare_table", "cost",
-    "flops", "human", "memory", "ring_attention_memory", "row", "saved_per_layer", "summarize", "weights",
+    "Cost", "Flops", "Memory", "Row", "Weight", "attention_backward", "attention_kernel", "compare", "compare_table",
+    "cost", "flops", "human", "memory", "ring_attention_memory", "row", "saved_per_layer", "summarize", "weights",
 ]
 
 PIPELINES = strategies.of_family("pipeline")  # on a `stage` axis (twinshard/parallel/pipeline.py); their mesh names it
@@ -147,12 +148,18 @@ def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
 def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
          seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
          microbatches: int = 1, optimizer: str = "adamw", remat: str | None = None,
-         schedule: str = "gpipe") -> Cost:
+         schedule: str = "gpipe", gpu: bool = False, param_bytes: int = F32, state_bytes: int = F32,
+         master: bool = False, flat_weights: bool = False) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
     split into that many. microbatches: a pipeline's M. optimizer: TrainConfig.optimizer
-    (memory only).
+    (memory only). gpu: the devices are GPUs, where attention "auto" is cuDNN flash attention in
+    bf16 (memory only: memory.attention_kernel). param_bytes, state_bytes, master: the bytes per
+    parameter (and gradient) and per optimizer-state element, and a float32 master copy (memory
+    only; the collectives keep the manual twin's float32 gradients). flat_weights: FSDP's weights
+    split flat (each device 1/data of every weight, padded: twinshard/hardware/plan.py), so d_model
+    need not divide by data; the bytes per device are the same to under one element per weight.
 
     mesh: {'data': d, 'tensor': t} (a missing axis is 1). `remat` (default: `cfg.remat`)
     changes the activation memory only: under every policy the manual twin runs the
@@ -185,7 +192,8 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
         from twinshard.parallel import pipeline
 
         pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, data=shape["data"])
-    mesh_lib.check_divisible(dims, {k: v for k, v in RULES[strategy].items() if k != "layers"}, shape)
+    skip = {"layers", "embed"} if flat_weights else {"layers"}
+    mesh_lib.check_divisible(dims, {k: v for k, v in RULES[strategy].items() if k not in skip}, shape)
     local = batch_size // mesh_lib.axis_size(shape, RULES[strategy]["batch"]) if "batch" in RULES[strategy] else batch_size
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "
@@ -198,7 +206,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
                 memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer,
-                       remat, schedule), notes)
+                       remat, schedule, gpu, param_bytes, state_bytes, master), notes)
 
 
 _NOTES = {

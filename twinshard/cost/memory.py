@@ -3,13 +3,16 @@ state, the activations saved for the backward pass and the transient working set
 notation of twinshard/cost/__init__.py.
 
 Memory per device (`Memory`, bytes):
-    params     sum over leaves of f32 leaf bytes / (its data shards x tensor shards)
-    grads      = params (same sharding)
-    optimizer  by `optimizer` (O(1) counters and placeholders ignored): adamw 2 x params
-               (mu, nu); lion, sgd 1 x params (mu; momentum trace); adafactor, per
-               leaf with two dims >= 128 (optim.factored_dims) a row and a column
-               statistic (the leaf without its largest / second-largest dim, each
-               split over the mesh axes of the dims it keeps), else a full v
+    params     sum over leaves of leaf bytes / (its data shards x tensor shards), float32 as
+               this project trains (`param_bytes` = 4; 2 models bf16 weights)
+    grads      = params (same sharding and dtype)
+    master     a float32 copy of params stored narrower (`master`; 0 by default)
+    optimizer  by `optimizer`, `state_bytes` per element (4; O(1) counters and placeholders
+               ignored): adamw 2 x the params' elements (mu, nu); lion, sgd 1 x (mu;
+               momentum trace); adafactor, per leaf with two dims >= 128
+               (optim.factored_dims) a row and a column statistic (the leaf without its
+               largest / second-largest dim, each split over the mesh axes of the dims
+               it keeps), else a full v
     activations, saved for the backward pass, per layer by `remat` (ModelConfig.remat,
         the jax.checkpoint policy of each layer: twinshard/model/transformer.py REMAT_POLICIES):
         none       b*T*(6D + 5D/t + 3F/t + 4 + H/t) elements: what autodiff saves
@@ -23,9 +26,9 @@ Memory per device (`Memory`, bytes):
                    heads output_proj reads); 3 x [b,T,F/t] in SwiGLU (w1 and w3 outputs,
                    W2's input: layers.swiglu_gate recomputes the sigmoid); per-token norm
                    statistics (4 x [b,T,1]) and the rows' log-sum-exp [b,H/t,T,1]. No
-                   [T, T] array: layers.recompute_attention (the default off-GPU; cuDNN
-                   flash attention on a GPU in bf16 keeps none either) recomputes the
-                   probabilities in the backward pass, which `attention_backward` counts.
+                   [T, T] array: layers.recompute_attention (the default off-GPU) recomputes
+                   the probabilities in the backward pass, which `attention_backward` counts;
+                   cuDNN flash attention (the default on a GPU in bf16: `gpu`) keeps none at all.
                    (Autodiff of the reference or of jax.nn's XLA attention would save the
                    scores and the probabilities, 2 x [b,H/t,T,T] f32 per layer, instead of o.)
                    Grouped-query attention: k and v are kv_local = Hkv*dh/min(t, Hkv) wide,
@@ -95,22 +98,23 @@ class Memory:
     # the backward loop's working set: one layer's residuals (rebuilt under remat) or their
     # cotangents, `saved_per_layer(..., "none")` of one layer (see `memory`)
     backward_layer: int = 0
+    master: int = 0  # float32 master copy of params stored narrower (`master=True`; 0 otherwise)
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.optimizer + self.activations + self.gathered_weights
-                + self.accumulator + self.backward_layer)
+                + self.accumulator + self.backward_layer + self.master)
 
     @property
     def temporaries(self) -> int:
         """What XLA's memory_analysis() counts as temporaries (not arguments): all but the
-        params and the optimizer state, which are the (donated) step's arguments."""
-        return self.total - self.params - self.optimizer
+        params, the master copy and the optimizer state, the (donated) step's arguments."""
+        return self.total - self.params - self.optimizer - self.master
 
 
 def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[str, int],
-                     optimizer: str) -> int:
-    """Optimizer-state bytes per device (f32; see the module docstring)."""
+                     optimizer: str, state_bytes: int = F32) -> int:
+    """Optimizer-state bytes per device, `state_bytes` per element (see the module docstring)."""
     from twinshard.train.optim import factored_dims  # optax is imported only when memory is asked for
 
     def kept(shape, axes, dims) -> int:  # elements per device of a statistic keeping `dims`
@@ -130,7 +134,7 @@ def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[s
         else:
             raise ValueError(f"optimizer={optimizer!r} has no memory model; choose one of "
                              f"{', '.join(per_param)}, adafactor.")
-    return total * F32
+    return total * state_bytes
 
 
 def kv_local(cfg: ModelConfig, t: int) -> int:
@@ -209,18 +213,32 @@ def _ragged_saved(cfg: ModelConfig, tokens: int, exchange: int) -> int:
     return router + 3 * a + a * d + r * (2 + d + 3 * f) + 4 * exchange + 1
 
 
-def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int) -> int:
-    """Bytes of the [T, T] arrays one layer's attention backward holds at once: the recomputed
-    probabilities and d(q k^T), 2 x [b, H/t, T, T] float32 (layers.recompute_attention; XLA
-    writes ds over dp). No layer saves a [T, T] array for the backward, so at long context
-    this working set, not the residuals, is what grows with T^2. Measured (tiny, batch 4, one
-    CPU device, temp_size_in_bytes against the model): T = 1024, 194.8 MiB against 75.0
-    without this term, 203.0 with it; T = 256, 25.8 against 19.2 / 27.2.
-    It models the default kernel off-GPU. Not modelled: cuDNN flash attention (a GPU in bf16)
-    builds no [T, T] array at all, so the term overestimates a bf16 GPU plan by these bytes;
-    `--attention=xla` / `reference` save the scores and the probabilities in every layer
-    (2 x [b,H/t,T,T] f32 per layer, uncounted); under remat=dots in bf16 the saved q k^T is
-    f32, counted at the compute dtype's bytes."""
+def attention_kernel(cfg: ModelConfig, gpu: bool = False) -> str:
+    """The kernel layers.causal_attention runs for `cfg.attention` on a GPU (`gpu`) or off it:
+    "auto" is cuDNN flash attention on a GPU in bfloat16 and the recompute kernel elsewhere."""
+    if cfg.attention == "auto":
+        return "cudnn" if gpu and cfg.dtype == "bfloat16" else "recompute"
+    return cfg.attention
+
+
+def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int, kernel: str = "recompute") -> int:
+    """Bytes of the [T, T] arrays one layer's attention backward holds at once under `kernel`
+    (`attention_kernel`).
+
+    recompute (layers.recompute_attention, the default off-GPU): the recomputed probabilities
+    and d(q k^T), 2 x [b, H/t, T, T] float32 (XLA writes ds over dp). No layer saves a [T, T]
+    array for the backward, so at long context this working set, not the residuals, is what
+    grows with T^2. Measured (tiny, batch 4, one CPU device, temp_size_in_bytes against the
+    model): T = 1024, 194.8 MiB against 75.0 without this term, 203.0 with it; T = 256, 25.8
+    against 19.2 / 27.2.
+    cudnn (flash attention, the default on a GPU in bf16): 0. Its forward and backward tile q k^T
+    through on-chip memory and keep only o and the rows' softmax statistics, which the layer
+    saves under any kernel (`saved_per_layer`): no [T, T] array is ever in HBM.
+    Not modelled: `--attention=xla` / `reference` save the scores and the probabilities in every
+    layer (2 x [b,H/t,T,T] f32 per layer, uncounted; charged here as recompute's working set);
+    under remat=dots in bf16 the saved q k^T is f32, counted at the compute dtype's bytes."""
+    if kernel == "cudnn":
+        return 0
     return 2 * b * (cfg.num_heads // t) * seq * seq * F32
 
 
@@ -294,16 +312,22 @@ def ring_attention_memory(b: int, h: int, tc: int, dh: int, c: int, kv_heads: in
 
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
            dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1,
-           optimizer: str = "adamw", remat: str | None = None, schedule: str = "gpipe") -> Memory:
+           optimizer: str = "adamw", remat: str | None = None, schedule: str = "gpipe", gpu: bool = False,
+           param_bytes: int = F32, state_bytes: int = F32, master: bool = False) -> Memory:
     """Bytes per device; `remat` (default `cfg.remat`) sets the activations, `schedule` (gpipe,
-    1f1b) and `microbatches` a pipeline's (module docstring)."""
+    1f1b) and `microbatches` a pipeline's, `gpu` the attention kernel "auto" runs
+    (`attention_kernel`: cuDNN's keeps no [T, T] array) (module docstring). `param_bytes` per
+    parameter and gradient element (4: the float32 params this project trains), `state_bytes` per
+    optimizer-state element (4), `master`: a float32 copy of the params besides (mixed precision's
+    master weights)."""
     mesh_lib.check_strategy(strategy)
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; choose one of "
                          f"{', '.join(PIPELINE_SCHEDULES)}.")
     remat = cfg.remat if remat is None else remat
     rules = placed_rules(strategy, cfg, mesh)
-    params = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # f32 masters
+    masters = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # as float32
+    params = sum(w.count * w.size * param_bytes // _shards(w, rules, mesh) for w in weights(cfg))
     t = mesh["tensor"] if "heads" in rules else 1
     b = (batch // mesh_lib.axis_size(mesh, rules["batch"]) if "batch" in rules else batch) // grad_accum  # one micro-batch
     d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
@@ -319,7 +343,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     # rebuilt under remat, their cotangents without (measured with memory_analysis: without
     # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
     backward_layer = (saved_per_layer(cfg, "none", b, seq, t, sequence, exchange) * dtype_bytes
-                      + attention_backward(cfg, b, seq, t))
+                      + attention_backward(cfg, b, seq, t, attention_kernel(cfg, gpu)))
     ln_final = head * seq * d // t + head * seq * d if sequence else 2 * head * seq * d  # tp_sp: on shards, gathered
     final = (ln_final + head * seq * v // t) * dtype_bytes + head * seq * v // t * F32  # f32 loss
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
@@ -336,18 +360,19 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
             # the compute dtype
             stage = cfg.num_layers // mesh["stage"] * layer + 2 * v * d
             gathered = stage * (F32 if schedule == "gpipe" else dtype_bytes)
-    opt = _optimizer_bytes(cfg, rules, mesh, optimizer)
+    opt = _optimizer_bytes(cfg, rules, mesh, optimizer, state_bytes)
+    copy = masters if master else 0
     if "layers" in rules and "embed" in rules:  # pp_fsdp: + the float32 gradient of what it gathered
-        return Memory(params, params, opt, acts, gathered, stage * F32, backward_layer)
+        return Memory(params, params, opt, acts, gathered, stage * F32, backward_layer, copy)
     if grad_accum == 1:
-        return Memory(params, params, opt, acts, gathered, 0, backward_layer)
+        return Memory(params, params, opt, acts, gathered, 0, backward_layer, copy)
     # the f32 accumulator of the micro-batch scan: param-sized (DP, TP); under FSDP it holds the
     # gradient of the WHOLE matrices (gather_step), so it and the gathered weights are full over data
-    accumulator = params
+    accumulator = masters
     if "embed" in rules:
         no_data = {a: m for a, m in rules.items() if m != "data"}
         # (the piece a device uses: a replicated kv weight's gathered slice is 1/Hkv of it)
         accumulator = sum(w.count * w.size * F32 // max(_shards(w, no_data, mesh), used_shards(cfg, w, t))
                           for w in weights(cfg))
         gathered = sum(w.count * w.size // used_shards(cfg, w, t) for w in weights(cfg) if w.is_matrix) * dtype_bytes
-    return Memory(params, params, opt, acts, gathered, accumulator, backward_layer)
+    return Memory(params, params, opt, acts, gathered, accumulator, backward_layer, copy)

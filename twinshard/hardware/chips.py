@@ -5,9 +5,21 @@ bandwidth, and the links to other chips:
 
 - TPU: ICI, `ici_links` links per chip (4 on the 2D torus of v5e/v6e, 6 on the 3D torus of
   v4/v5p), each `ici_link_bytes_per_s` in ONE direction (the link carries as much the other way).
-  A slice is a torus (wraparound links on every axis) when every side of its grid is a multiple
-  of `torus_multiple` (v4/v5p: whole 4x4x4 cubes, closed through the optical switches; v5e/v6e:
-  only the full 16x16 pod); a smaller slice is a mesh without wraparound.
+  Wraparound links close a side of the grid into a ring, side by side (`Topology.wraps`): on
+  v4/v5p the optical switches close whole 4x4x4 cubes, so a slice whose sides are all multiples
+  of `torus_multiple` = 4 wraps on every side and a smaller one on none (Google's v5p page: "All
+  4x4x4 and larger slices (one cube) have full 3D torus connectivity. Slices smaller than a full
+  cube ... don't have wrap-around links"); v5e/v6e have no optical switches and wrap each side
+  that spans the pod's 16 chips on its own (`wraps_per_side`; the scaling book's TPU chapter:
+  "A TPU v5e 8x16 will have a wraparound on the longer axis"). A slice is any grid that fits in
+  the `pod` (v5p 16x20x28 = 8960 chips, the full pod the scaling book trains LLaMA-3 on); the
+  largest single-slice job Google schedules can be smaller (`max_slice_chips`: v5p 6144 chips,
+  16x16x24, "The largest job that can be scheduled is a 96 cube (6144 chip) job"), which the
+  planner notes, not refuses. Slices talk to each other over the data-center network (DCN),
+  `dcn_bytes_per_s` per chip in one direction: v5p 50 Gb/s per chip (Google's v5p page: "Data
+  center network (DCN) bandwidth per chip (Gbps) 50"; the scaling book's 25 GB/s per 4-chip
+  host), v5e 6.4 Tb/s per 256-chip pod = 25 Gb/s per chip (Google's v5e page: 2 x 100 Gb/s NICs
+  per 8-chip host); None where no figure is published.
 - GPU: `nvlink_bytes_per_s` per GPU in one direction into the node's NVSwitch fabric (any GPU
   to any other in the node at that rate), `gpus_per_node` GPUs per HGX node, and the node's
   network to the other nodes, `node_network_bytes_per_s` in one direction for the whole node
@@ -50,8 +62,11 @@ class Chip:
     # TPU: the ICI torus
     ici_link_bytes_per_s: float | None = None  # one direction, one link
     ici_links: int | None = None  # per chip: 2 per torus dimension
-    torus_multiple: int | None = None  # every side a multiple of this: wraparound links on all axes
-    max_chips: int | None = None  # the largest single slice
+    torus_multiple: int | None = None  # a side that is a multiple of this can wrap around (module docstring)
+    wraps_per_side: bool = False  # each such side wraps on its own (v5e, v6e); else all sides or none (v4, v5p)
+    pod: tuple[int, ...] | None = None  # the sides of the largest ICI-connected grid
+    max_slice_chips: int | None = None  # the largest single-slice job Google schedules, where smaller than the pod
+    dcn_bytes_per_s: float | None = None  # data-center network between slices, one direction, per chip
     # GPU: NVLink inside a node, the network between nodes
     nvlink_bytes_per_s: float | None = None  # one direction, per GPU
     gpus_per_node: int | None = None
@@ -70,6 +85,8 @@ class Chip:
 _NVIDIA_DC = "https://www.nvidia.com/en-us/data-center/"
 _GCLOUD_TPU = "https://cloud.google.com/tpu/docs/"
 _BOOK_ICI = "https://jax-ml.github.io/scaling-book/tpus/ (ICI bandwidth per link, one-way)"
+_V5P_DCN = 50 * _GBIT  # per chip: cloud.google.com/tpu/docs/v5p
+_V5E_DCN = 6.4e12 / 8 / 256  # per chip: cloud.google.com/tpu/docs/v5e (6.4 Tbps per 256-chip pod)
 
 # Order matters: the first chip whose kind is a substring of device_kind wins ('TPU v5 lite' before 'TPU v5').
 CHIPS: tuple[Chip, ...] = (
@@ -83,13 +100,16 @@ CHIPS: tuple[Chip, ...] = (
          _NVIDIA_DC + "dgx-a100/ (NVLink 600 GB/s per GPU both ways; 8x ConnectX-6 200 Gb/s per node)",
          nvlink_bytes_per_s=300e9, gpus_per_node=8, node_network_bytes_per_s=8 * 200 * _GBIT),
     Chip("v4", ("TPU v4",), 275.0, None, None, _GCLOUD_TPU + "v4", 32 * GIB, 1.2e12, _BOOK_ICI,
-         ici_link_bytes_per_s=4.5e10, ici_links=6, torus_multiple=4, max_chips=4096),
+         ici_link_bytes_per_s=4.5e10, ici_links=6, torus_multiple=4, pod=(16, 16, 16)),
     Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197.0, None, None, _GCLOUD_TPU + "v5e", 16 * GIB, 8.19e11,
-         _BOOK_ICI, ici_link_bytes_per_s=4.5e10, ici_links=4, torus_multiple=16, max_chips=256),
+         _BOOK_ICI, ici_link_bytes_per_s=4.5e10, ici_links=4, torus_multiple=16, wraps_per_side=True,
+         pod=(16, 16), dcn_bytes_per_s=_V5E_DCN),
     Chip("v5p", ("TPU v5p", "TPU v5"), 459.0, None, None, _GCLOUD_TPU + "v5p", 95 * GIB, 2.765e12,
-         _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=6, torus_multiple=4, max_chips=6144),
+         _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=6, torus_multiple=4, pod=(16, 20, 28),
+         max_slice_chips=6144, dcn_bytes_per_s=_V5P_DCN),
     Chip("v6e", ("TPU v6 lite", "TPU v6e"), 918.0, None, None, _GCLOUD_TPU + "v6e", 32 * GIB, 1.64e12,
-         _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=4, torus_multiple=16, max_chips=256),
+         _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=4, torus_multiple=16, wraps_per_side=True,
+         pod=(16, 16)),
 )
 
 

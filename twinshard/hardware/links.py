@@ -1,9 +1,11 @@
-"""The hardware a plan runs on: a topology (a TPU slice's chip grid, or GPU nodes x GPUs per node)
-and the link each mesh axis's collectives cross (ICI, NVLink or the inter-node network), with its
-bandwidth. `launch.plan` prices every strategy's collectives over these links."""
+"""The hardware a plan runs on: a topology (a TPU slice's chip grid, or GPU nodes x GPUs per node;
+TPU slices side by side on the data-center network) and the link each mesh axis's collectives
+cross (ICI, NVLink, the inter-node network, DCN), with its bandwidth. twinshard/hardware/plan.py
+prices every strategy's collectives over these links."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 from twinshard.hardware import chips
 from twinshard.hardware.chips import Chip
+from twinshard.parallel.strategies import ORDER
 
 GB = 1e9  # link rates in GB/s, as datasheets print them
 
@@ -20,20 +23,34 @@ class Topology:
     name: str  # 'v5p:4x4x4', 'h100:8x8'
     chip: Chip
     grid: tuple[int, ...]  # TPU: chips along each physical axis; GPU: (nodes, GPUs per node)
+    slices: int = 1  # TPU slices of this grid, joined by the data-center network (`with_slices`)
 
     @property
     def chips(self) -> int:
+        """Chips of one slice (a plan's mesh covers one slice; `slices` of them run side by side)."""
         return math.prod(self.grid)
 
     @property
+    def wraps(self) -> tuple[bool, ...]:
+        """Per physical axis of a TPU slice: do wraparound links close it into a ring? v4/v5p: every
+        side when the slice is whole 4x4x4 cubes, else none; v5e/v6e: each side of 16 on its own
+        (chips.py's docstring has the sources). () for a GPU cluster."""
+        if not self.chip.is_tpu:
+            return ()
+        whole = tuple(g % self.chip.torus_multiple == 0 for g in self.grid)
+        return whole if self.chip.wraps_per_side else (all(whole),) * len(whole)
+
+    @property
     def torus(self) -> bool:
-        """Wraparound links on every axis (TPU slices whose sides are all multiples of torus_multiple)."""
-        return self.chip.is_tpu and all(g % self.chip.torus_multiple == 0 for g in self.grid)
+        """Wraparound links on every axis."""
+        return bool(self.wraps) and all(self.wraps)
 
     def describe(self) -> str:
         if self.chip.is_tpu:
-            kind = "torus" if self.torus else "mesh without wraparound"
-            return f"{self.name} = {self.chips} TPU {self.chip.name} chips ({kind})"
+            kind = ("torus" if self.torus else "mesh without wraparound" if not any(self.wraps) else
+                    "wraparound on " + " and ".join("xyz"[i] for i, w in enumerate(self.wraps) if w) + " only")
+            one = f"{self.name} = {self.chips} TPU {self.chip.name} chips ({kind})"
+            return one if self.slices == 1 else f"{self.slices} slices over DCN, each {one}"
         nodes, per_node = self.grid
         return f"{self.name} = {nodes} node{'s' * (nodes > 1)} x {per_node} {self.chip.name} GPUs"
 
@@ -62,8 +79,9 @@ def _shape_problem(topo: Topology) -> str | None:
     if chip.is_tpu and len(grid) != chip.torus_dims:
         want = "AxBxC, e.g. 4x4x4" if chip.torus_dims == 3 else "AxB, e.g. 4x4"
         return f"{chip.name} slices are {chip.torus_dims}-D ({want})"
-    if chip.is_tpu and topo.chips > chip.max_chips:
-        return f"{topo.chips} chips is more than the largest {chip.name} slice ({chip.max_chips})"
+    if chip.is_tpu and any(g > p for g, p in zip(sorted(grid), sorted(chip.pod))):
+        pod = "x".join(map(str, chip.pod))
+        return f"{'x'.join(map(str, grid))} does not fit in a {chip.name} pod ({pod} = {math.prod(chip.pod)} chips)"
     if not chip.is_tpu and len(grid) != 2:
         return "a GPU cluster is NODESxGPUS (e.g. h100:8x8: 8 nodes of 8 GPUs)"
     if not chip.is_tpu and grid[1] > chip.gpus_per_node:
@@ -80,15 +98,53 @@ def _shape_problem(topo: Topology) -> str | None:
 class Link:
     bytes_per_s: float  # what one chip can send over the axis (one way)
     what: str
-    all_to_all: float = 1.0  # an all-to-all's time / (its ring bytes / bytes_per_s): 1 on a switch; ICI: `_ici`
+    all_to_all: float = 1.0  # an all-to-all's time / (its ring bytes / bytes_per_s): ICI `_ici`, GPU `_gpu_axis`
+    hop_bytes_per_s: float | None = None  # a shift to a neighbour (collective-permute): one link; None: bytes_per_s
+
+
+def with_slices(topo: Topology, slices: int) -> Topology:
+    """`slices` copies of the TPU slice `topo`, data parallel over the data-center network (DCN)."""
+    if slices < 1:
+        raise ValueError(f"--slices={slices} must be >= 1 (1: one slice, no DCN).")
+    if slices > 1 and not topo.chip.is_tpu:
+        raise ValueError(f"--slices={slices}: {topo.name} is a GPU cluster, whose nodes already share one network; "
+                         "plan more nodes instead (e.g. --topology=h100:16x8).")
+    if slices > 1 and topo.chip.dcn_bytes_per_s is None:
+        raise ValueError(f"--slices={slices}: no data-center network bandwidth is known for {topo.chip.name} "
+                         "(twinshard/hardware/chips.py); plan v5p or v5e slices, or one slice.")
+    return dataclasses.replace(topo, slices=slices)
+
+
+def dcn_link(topo: Topology) -> Link:
+    """What each chip sends to the other slices: its own share of its host's NICs (chips.py). A
+    data-parallel all-reduce across slices runs as one ring per chip position, all at once (the
+    scaling book's training chapter, "Scaling Across Pods": the slice's DCN bandwidth grows with
+    its chips, T = 2 x 2 x 2 DF / (M W_dcn) per layer for M chips)."""
+    rate = topo.chip.dcn_bytes_per_s
+    return Link(rate, f"DCN {rate * 8 / 1e9:g} Gb/s per chip")
+
+
+def _split(mesh: dict[str, int]) -> list[str]:
+    """The mesh axes of size > 1, in mesh order: at most two (every strategy splits one or two)."""
+    split = [a for a in ORDER if mesh.get(a, 1) > 1]
+    assert len(split) <= 2, mesh
+    return split
 
 
 def inner_axis(mesh: dict[str, int]) -> str:
-    """The mesh axis jax.make_mesh puts on the closest chips: `expert` when the mesh has
-    expert > 1 (ep: data x expert; fsdp_ep: data x expert x tensor 1), else `tensor`
-    (tests/test_plan.py checks both against jax's own assignment)."""
-    assert mesh.get("expert", 1) == 1 or mesh.get("tensor", 1) == 1, mesh  # no strategy splits both
-    return "expert" if mesh.get("expert", 1) > 1 else "tensor"
+    """The mesh axis jax.make_mesh puts on the closest chips: the last of size > 1 in mesh order (jax
+    assigns the axes from the last, one of size 1 taking no chips): `tensor` of fsdp_tp and tp_sp,
+    `expert` of ep and fsdp_ep (tensor 1), `context` of fsdp_cp, `data` of pp_fsdp; `tensor` when
+    none is split (tests/test_plan.py checks data x tensor, data x expert, stage x data and data x
+    context against jax's own assignment)."""
+    return (_split(mesh) or ["tensor"])[-1]
+
+
+def outer_axis(mesh: dict[str, int]) -> str:
+    """The other split axis (`data` of fsdp_tp, `stage` of pp_fsdp), on the chips the inner one
+    leaves; `data` when there is none."""
+    split = _split(mesh)
+    return split[0] if len(split) == 2 else "data"
 
 
 def tensor_sides(grid: tuple[int, ...], tensor: int) -> tuple[int, ...]:
@@ -136,34 +192,73 @@ def _ici(topo: Topology, spans: list[tuple[int, int, bool]]) -> Link:
     16/15 = 32/15, half of a 16-chip ring's 64/15 (the two axes carry their shares at once)."""
     one_way, parts = topo.chip.ici_link_bytes_per_s, []
     for i, n, whole in spans:
-        k = 2 if whole and topo.torus else 1  # a bidirectional ring, or one folded back on its links
+        k = 2 if whole and topo.wraps[i] else 1  # a bidirectional ring, or one folded back on its links
         how = "torus ring" if k == 2 else "no wraparound" if whole else f"part of a side of {topo.grid[i]}"
         parts.append((k, n, f"{'xyz'[i]} ({n} chips, {how}): {k} x {one_way / GB:g} GB/s"))
     total_k, group = sum(k for k, _, _ in parts), math.prod(n for _, n, _ in parts)
     busiest = max((n // 2) * ((n + 1) // 2) / (n * k) for k, n, _ in parts)  # x B / one-way = seconds
     return Link(total_k * one_way, "ICI " + ", ".join(what for _, _, what in parts),
-                busiest * total_k * group / (group - 1))
+                busiest * total_k * group / (group - 1), one_way)  # a shift: one link, one way
 
 
 def tpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
-    """The inner axis (tensor, or expert) on `tensor_sides` of the grid, data on the rest."""
-    inner = inner_axis(mesh)
+    """The inner split axis (`inner_axis`) on `tensor_sides` of the grid, the outer one on the rest."""
+    inner, outer = inner_axis(mesh), outer_axis(mesh)
     sides = tensor_sides(topo.grid, mesh.get(inner, 1))
     near = [(i, n, n == g) for i, (n, g) in enumerate(zip(sides, topo.grid)) if n > 1]
-    data = [(i, g // n, True) for i, (n, g) in enumerate(zip(sides, topo.grid)) if g // n > 1]
-    return {axis: _ici(topo, spans) for axis, spans in (("data", data), (inner, near)) if spans}
+    rest = [(i, g // n, True) for i, (n, g) in enumerate(zip(sides, topo.grid)) if g // n > 1]
+    return {axis: _ici(topo, spans) for axis, spans in ((outer, rest), (inner, near)) if spans}
 
 
 def gpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
+    """Each mesh axis (of size > 1) as `_gpu_axis` prices it: jax.make_mesh lays GPUs out by id, node
+    after node, and the mesh axes row-major in mesh order, so consecutive members of an axis's group
+    are `stride` devices apart, stride = the product of the axes inside it."""
+    order = [a for a in ORDER if a in mesh]
+    strides = {a: math.prod(mesh[b] for b in order[i + 1:]) for i, a in enumerate(order)}
+    return {a: _gpu_axis(topo, mesh[a], strides[a]) for a in order if mesh[a] > 1}
+
+
+def _gpu_axis(topo: Topology, n: int, stride: int) -> Link:
+    """A group of n GPUs, `stride` devices apart, as g GPUs in each of k nodes (n = g k).
+
+    A ring collective over it runs hierarchically, its levels overlapped (the scaling book's GPU
+    chapter, "Cross-node collectives": T = bytes x max over the tree's levels of (D - 1) / (D W)):
+    inside a node a ring of the g GPUs on NVLink, (g-1)/g x S at W_nvlink; across nodes a ring of
+    the k nodes, (k-1)/k x S through the g NICs the group's GPUs own (one 400 Gb/s NIC per GPU:
+    g W_nic, the node's whole 400 GB/s egress when g is a node). Per byte of the array S:
+
+        seconds = max((g-1)/(g W_nvlink), (k-1)/(k g W_nic)),  bytes_per_s = ((n-1)/n) / seconds
+
+    so that the ledger's ring bytes ((n-1)/n S for an all-gather, twice for an all-reduce) /
+    bytes_per_s is that time. h100:8x8, data:64: 7/8 / (400 GB/s) per byte, 450 GB/s per GPU (a
+    flat ring at each GPU's 50 GB/s NIC share took 9x as long); data:8 across nodes beside
+    tensor:8 inside them: g = 1, each GPU its own NIC, 50 GB/s. An all-to-all is not hierarchical:
+    each GPU sends B/n to every other, (g-1)/n B over NVLink and (n-g)/n B through its own NIC, at
+    once (`all_to_all` = that time over the ring bytes' time). A shift (a pipeline hop, ring
+    attention's ppermute) crosses one link: a GPU's NVLink, or its NIC when the group spans nodes.
+    A group unevenly spread over nodes (a stride or size that does not divide a node) is priced as
+    a flat ring at the NIC share, its slowest link."""
     chip, (nodes, per_node) = topo.chip, topo.grid
-    nvlink = Link(chip.nvlink_bytes_per_s, f"NVLink {chip.nvlink_bytes_per_s / GB:g} GB/s")
-    nic = chip.node_network_bytes_per_s / chip.gpus_per_node
-    network = Link(nic, f"inter-node network {nic / GB:g} GB/s per GPU "
-                        f"({chip.node_network_bytes_per_s / GB:g} GB/s per node / {chip.gpus_per_node} GPUs)")
-    inner = inner_axis(mesh)
-    links = {"data": nvlink if nodes == 1 else network,
-             inner: nvlink if per_node % mesh.get(inner, 1) == 0 else network}
-    return {axis: link for axis, link in links.items() if mesh.get(axis, 1) > 1}
+    nvlink, nic = chip.nvlink_bytes_per_s, chip.node_network_bytes_per_s / chip.gpus_per_node
+    span = n * stride
+    if nodes == 1 or (span <= per_node and per_node % span == 0):
+        g = n  # inside one node
+    elif stride % per_node == 0:
+        g = 1  # one GPU per node
+    elif per_node % stride == 0 and span % per_node == 0:
+        g = per_node // stride
+    else:  # uneven: a flat ring at the NIC share
+        return Link(nic, f"network {nic / GB:g} GB/s per GPU (a ring unevenly spread over nodes)", 1.0, nic)
+    k = n // g
+    seconds = max((g - 1) / (g * nvlink), (k - 1) / (k * g * nic))
+    rate = (n - 1) / n / seconds
+    a2a = max((g - 1) / (n * nvlink), (n - g) / (n * nic)) * rate * n / (n - 1)
+    if k == 1:
+        return Link(rate, f"NVLink {nvlink / GB:g} GB/s", a2a, nvlink)
+    inside = f"NVLink ring of {g} GPUs per node, " if g > 1 else ""
+    return Link(rate, f"{inside}network ring of {k} nodes at {g} x {nic / GB:g} GB/s (each GPU's NIC), "
+                      f"overlapped", a2a, nic)
 
 
 def axis_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:

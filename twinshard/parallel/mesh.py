@@ -259,16 +259,21 @@ def advice(needs: Mapping[str, str], dims: Mapping[str, int], rules: Mapping[str
     return f"no mesh on {n_devices} or fewer devices splits this model for this strategy"
 
 
-def check_divisible(dims: Mapping[str, int], rules: Mapping[str, str], shape: Mapping[str, int]) -> None:
+def check_divisible(dims: Mapping[str, int], rules: Mapping[str, str], shape: Mapping[str, int],
+                    advise: bool = True) -> None:
     """Every logical dimension split by `rules` must divide by its mesh axis size.
 
     dims: logical name -> size (e.g. {'heads': 4, 'mlp': 192, 'batch': 8, ...}).
     The advice keeps the device count (prod(shape)) and the axes the rules use (> 1; the
-    others = 1, as each strategy's mesh needs), or names a device count that works.
+    others = 1, as each strategy's mesh needs), or names a device count that works. Its search
+    grows with the device count (minutes over a 8960-chip pod), so launch.plan, which asks about
+    every mesh of a slice, passes advise=False: the problem and its config change alone.
     """
     problem = _divisibility_problem(dims, rules, shape)
     if problem is None:
         return
+    if not advise:
+        raise ValueError(f"{problem[0]}; {problem[1]}.")
     used = {a for axis in rules.values() for a in ((axis,) if isinstance(axis, str) else axis)}
     needs = {a: MANY if a in used else ONE for a in shape}
     fix = advice(needs, dims, rules, math.prod(shape.values()))

@@ -12,9 +12,13 @@ from twinshard.config import Config
 from twinshard.parallel.placement import logical_dims
 
 
-def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> dict[str, int]:
+def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int,
+                 advise: bool = True, flat_weights: bool = False) -> dict[str, int]:
     """Parse (or default) and validate the mesh of `strategy` against the devices and the model
-    (a pipeline also against L, M and the batch; context parallelism against T and its layout)."""
+    (a pipeline also against L, M and the batch; context parallelism against T and its layout).
+    advise=False: a dimension that does not divide is named without a mesh that fits
+    (mesh.check_divisible). flat_weights: FSDP's weights split flat, so d_model need not divide by
+    data (launch.plan's flat plans, twinshard/hardware/plan.py; the twins split d_model)."""
     decl = strategies.get(strategy)
     check_experts(strategy, cfg)  # first: no mesh fixes a model the strategy cannot run
     shape = mesh_lib.parse_mesh(mesh_spec, strategy) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
@@ -25,7 +29,8 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
                        cfg.train.grad_accum, shape.get("data", 1))
     if decl.family == "context":
         context.check(cfg.model.context_length, shape[context.CONTEXT], cfg.train.cp_layout)
-    mesh_lib.check_divisible(logical_dims(cfg), decl.split_rules, shape)
+    rules = {k: v for k, v in decl.split_rules.items() if not (flat_weights and k == "embed")}
+    mesh_lib.check_divisible(logical_dims(cfg), rules, shape, advise)
     return shape
 
 

@@ -4,7 +4,8 @@ A declaration is data: the mesh axes the strategy needs, its placement (logical 
 mesh axis, for the stored parameters and for activations and weights where they are used),
 what it composes, and its family (which layout machinery runs it). Both twins
 (`auto_parallel/<name>.py`, `manual_parallel/<name>.py`), the launchers, mesh validation and
-advice, the cost model and the planner read it; nothing else names a strategy.
+advice, the cost model and the planner (every declared strategy is planned) read it; nothing
+else names a strategy.
 
     strategy  composes   splits over the mesh                               family
     dp        -          the batch over data                                base
@@ -60,7 +61,6 @@ class Strategy:
     family:      base (one program over data/tensor), pipeline (a `stage` axis, its schedule),
                  context (a `context` axis, its sequence layout), experts (an `expert`
                  axis; the model must be a mixture of experts).
-    plannable:   launch.plan ranks it.
     """
 
     name: str
@@ -71,7 +71,6 @@ class Strategy:
     sequence: Mapping[str, str] | None = None
     composes: tuple[str, ...] = ()
     family: str = "base"
-    plannable: bool = False
     twins: tuple[str, ...] = field(default=("auto", "manual"))
 
     def __post_init__(self) -> None:
@@ -119,17 +118,15 @@ def compose(name: str, summary: str, *parts: Strategy, family: str = "base") -> 
             needs[axis] = MANY if MANY in (need, needs.get(axis)) else need
     union = lambda table: {k: v for part in parts for k, v in getattr(part, table).items()}  # noqa: E731
     return Strategy(name, summary, mesh={a: needs[a] for a in ORDER if a in needs}, params=union("params"),
-                    activations=union("activations"), composes=tuple(p.name for p in parts), family=family,
-                    plannable=all(p.plannable for p in parts))
+                    activations=union("activations"), composes=tuple(p.name for p in parts), family=family)
 
 
 DP = Strategy("dp", "replicate every weight; split the batch over data",
-              mesh={"data": MANY, "tensor": ONE}, params={}, activations={"batch": "data"}, plannable=True)
+              mesh={"data": MANY, "tensor": ONE}, params={}, activations={"batch": "data"})
 FSDP = Strategy("fsdp", "ZeRO-3: every weight's d_model over data, gathered whole before use; batch over data",
-                mesh={"data": MANY, "tensor": ONE}, params={"embed": "data"}, activations={"batch": "data"},
-                plannable=True)
+                mesh={"data": MANY, "tensor": ONE}, params={"embed": "data"}, activations={"batch": "data"})
 TP = Strategy("tp", "Megatron: heads, d_ff and the vocabulary over tensor; the batch replicated",
-              mesh={"data": ONE, "tensor": MANY}, params=_TP, activations=_TP, plannable=True)
+              mesh={"data": ONE, "tensor": MANY}, params=_TP, activations=_TP)
 FSDP_TP = compose("fsdp_tp", "fsdp over data inside Megatron tp over tensor", FSDP, TP)
 TP_SP = Strategy("tp_sp", "Megatron sequence parallelism: tp, and the residual stream's T over tensor",
                  mesh={"data": ANY, "tensor": MANY}, params=_TP, activations={"batch": "data", **_TP},
@@ -148,13 +145,12 @@ PP_FSDP = compose("pp_fsdp", "pp over stage, fsdp over data inside each stage", 
 EP = Strategy("ep", "expert parallelism: the experts over expert, the batch over (data, expert), the rest replicated",
               mesh={"data": ANY, "expert": MANY}, params={"experts": "expert"},
               activations={"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"},
-              family="experts", plannable=True)
+              family="experts")
 FSDP_EP = compose("fsdp_ep", "ep, plus fsdp of every weight's d_model over data", FSDP, EP, family="experts")
 
 DECLARATIONS: tuple[Strategy, ...] = (DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, PP, PP_FSDP, EP, FSDP_EP)
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in DECLARATIONS})
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
-PLANNABLE: tuple[str, ...] = tuple(s.name for s in DECLARATIONS if s.plannable)
 # The strategies whose mesh is exactly data x tensor, both axes always named (size 1 allowed):
 # dp, fsdp, tp, fsdp_tp (tp_sp's data is optional, so its mesh string may omit it).
 DATA_TENSOR: tuple[str, ...] = tuple(s.name for s in DECLARATIONS

@@ -1,0 +1,287 @@
+"""Plans: one strategy on one mesh of a topology, priced by the cost model over the links each mesh
+axis crosses (`evaluate`), every such plan of a model (`plan_all`) and their ranking (`rank`).
+`launch.plan` prints them; its module docstring says what each number means.
+
+Every declared strategy (twinshard/parallel/strategies.py) the model runs under is planned, on
+every mesh its declaration allows; a pipeline with the micro-batch count and schedule that rank
+best on that mesh (`_pipeline_plans`). Per chip: memory (`cost.memory`) against the usable HBM;
+compute = FLOPs per chip / (peak x mfu), ring attention's skipped blocks left out
+(`_flops_per_chip`), times a pipeline's schedule (`pipeline_factor`); and per mesh axis the
+seconds its collectives take (`comm_times`). With `Topology.slices` > 1 each
+slice runs the plan on its share of the batch and every chip's gradients are all-reduced with its
+counterparts in the other slices over the data-center network (`comm_s['dcn']`): pure data
+parallelism across slices, the scaling book's recipe beyond one pod.
+
+Where data does not divide d_model, FSDP's weights are split flat (`Plan.flat`). ZeRO-3 needs each
+device to hold 1/data of every weight, not a whole slice of its d_model dim: it can flatten a
+weight and pad it to a multiple of data (PyTorch's FSDP does: its FlatParameter), under data
+elements per weight, which the cost model's bytes // data already rounds away. No other dim would
+do in general (v5p:16x16x24's data:1536 = 3 x 512 divides none of Llama-3-70B's: 8192, 28672,
+128256 / 1536, ...). launch.train's twins split d_model itself, with even shards (shard_map and
+jit's argument shardings need them), so a flat plan is ranked but gets no launch line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from twinshard import cost
+from twinshard.config import Config, ModelConfig, TrainConfig
+from twinshard.cost.weights import DTYPE_BYTES
+from twinshard.hardware.chips import matmul_peak_flops
+from twinshard.hardware.links import Link, Topology, axis_links, dcn_link
+from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, strategies
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a parameter costs besides the compute dtype: params (and their gradients) stored in
+    `params`, the optimizer state in `optimizer`, and a float32 master copy when `master` (mixed
+    precision's bf16 weights + f32 master + f32 moments). Default: float32 params and state, as
+    launch.train trains (16 bytes per parameter under AdamW)."""
+
+    params: str = "float32"
+    optimizer: str = "float32"
+    master: bool = False
+
+    def memory_kwargs(self) -> dict:
+        return {"param_bytes": DTYPE_BYTES[self.params], "state_bytes": DTYPE_BYTES[self.optimizer],
+                "master": self.master}
+
+    @property
+    def is_default(self) -> bool:
+        return self == Precision()
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    mesh: dict[str, int]
+    cost: cost.Cost
+    hbm_usable: float  # bytes per chip the plan may use
+    compute_s: float
+    comm_s: dict[str, float]  # per axis of the plan's mesh, and 'dcn' across slices; 0 where nothing moves
+    links: dict[str, Link]
+    flat: bool = False  # FSDP's weights split flat: data does not divide d_model (module docstring)
+    slices: int = 1
+    microbatches: int = 1  # a pipeline's M
+    schedule: str = "gpipe"  # a pipeline's schedule
+
+    @property
+    def memory(self) -> int:
+        return self.cost.memory.total
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.hbm_usable
+
+    @property
+    def overlap_s(self) -> float:
+        return max(self.compute_s, *self.comm_s.values())
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + sum(self.comm_s.values())
+
+    @property
+    def bound(self) -> str:
+        terms = {"compute": self.compute_s, **{f"comm {a}": s for a, s in self.comm_s.items()}}
+        return max(terms, key=terms.get)
+
+    @property
+    def runnable(self) -> bool:
+        """launch.train runs it as planned (one slice, d_model split evenly)."""
+        return not self.flat and self.slices == 1
+
+    def step_s(self, rank_by: str) -> float:
+        return self.serial_s if rank_by == "serial" else self.overlap_s
+
+    def mesh_text(self) -> str:
+        return mesh_lib.mesh_str(self.mesh, self.strategy)
+
+    def label(self) -> str:
+        """The mesh, and what else sets the plan apart ('data:1536,tensor:4 flat', 'dcn:2 x data:64,tensor:1',
+        'stage:4 M=16 1f1b')."""
+        text = self.mesh_text() + (" flat" if self.flat else "")
+        if self.strategy in cost.PIPELINES:
+            text += f" M={self.microbatches} {self.schedule}"
+        return text if self.slices == 1 else f"dcn:{self.slices} x {text}"
+
+
+def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
+    """Seconds per mesh axis: ring bytes / bandwidth; an all-to-all's times its link's hop factor
+    (Link.all_to_all), a shift's (collective-permute: a pipeline hop, ring attention) at the rate of
+    the one link it crosses (Link.hop_bytes_per_s); a group over several axes goes at the slowest."""
+    out = dict.fromkeys(c.mesh, 0.0)
+    for (op, axes), s in c.summary().items():
+        slowest = min(axes, key=lambda a: links[a].bytes_per_s)
+        link = links[slowest]
+        if op == "collective-permute":
+            out[slowest] += s["ring_bytes"] / (link.hop_bytes_per_s or link.bytes_per_s)
+        else:
+            out[slowest] += s["ring_bytes"] * (link.all_to_all if op == "all-to-all" else 1.0) / link.bytes_per_s
+    return out
+
+
+def pipeline_factor(microbatches: int, stages: int, schedule: str) -> float:
+    """A pipeline stage's step time / the time of its share of the FLOPs at full use. GPipe: M + S - 1
+    forward ticks and as many backward ticks, each one micro-batch on the stage (a bubble tick
+    computes too): (M + S - 1) / M. 1F1B (pipeline.one_f_one_b, a tick as long as its slowest
+    stage's op): a forward 1 unit, a backward 3 (2, and the stage's forward again: its jax.vjp
+    re-runs it), over the 3 M units of the stage's share."""
+    if schedule == "gpipe":
+        return pipeline.ticks(microbatches, stages) / microbatches
+    units = {pipeline.IDLE: 0, pipeline.FORWARD: 1, pipeline.BACKWARD: 3}
+    kinds, _ = pipeline.one_f_one_b(microbatches, stages)
+    return sum(max(units[k] for k in row) for row in kinds) / (3 * microbatches)
+
+
+def _flops_per_chip(c: cost.Cost) -> float:
+    """cost.flops per device; under ring attention (a `context` axis of C) the attention scores'
+    (C+1)/(2C) only, the blocks it does not skip (twinshard/cost/flops.py)."""
+    f, n = c.flops, c.mesh.get("context", 1)
+    skipped = 3 * f.forward_attention * (1 - (n + 1) / (2 * n))
+    return f.per_device * (1 - skipped / f.total)
+
+
+def train_config(cfg: ModelConfig, batch: int, microbatches: int = 1, schedule: str = "gpipe") -> Config:
+    return Config(cfg, TrainConfig(batch_size=batch, microbatches=microbatches, schedule=schedule))
+
+
+def _check_mesh(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], train: Config) -> bool:
+    """launch.train's checks of the mesh for this model (resolve.resolve_mesh: it also checks E over
+    `expert`, which cost.cost does not): True when only d_model over data fails (a flat plan), a
+    ValueError for anything else."""
+    spec = mesh_lib.mesh_str(mesh, strategy)
+    try:
+        resolve.resolve_mesh(strategy, spec, train, topo.chips, advise=False)
+    except ValueError as e:
+        if not str(e).startswith("embed="):
+            raise
+        resolve.resolve_mesh(strategy, spec, train, topo.chips, advise=False, flat_weights=True)
+        return True
+    return False
+
+
+def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
+             mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw",
+             precision: Precision = Precision(), microbatches: int = 1, schedule: str = "gpipe") -> Plan:
+    """One strategy on one mesh of each slice, `batch` sequences over all `topo.slices` slices (a
+    pipeline in `microbatches` and `schedule`); a ValueError when launch.train would refuse the
+    mesh for this model but for d_model over data (`Plan.flat`)."""
+    if batch % topo.slices:
+        raise ValueError(f"batch={batch} does not split over {topo.slices} slices; pass a --batch_size that is "
+                         f"a multiple of {topo.slices}")
+    batch //= topo.slices
+    if strategy not in cost.PIPELINES:
+        microbatches, schedule = 1, "gpipe"
+    flat = _check_mesh(cfg, topo, strategy, mesh, train_config(cfg, batch, microbatches, schedule))
+    if strategy != "tp_sp":  # the collective matmul decomposes tp_sp's gathers only
+        cfg = dataclasses.replace(cfg, collective_matmul=False)
+    c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer, microbatches=microbatches,
+                  schedule=schedule, gpu=not topo.chip.is_tpu, flat_weights=flat, **precision.memory_kwargs())
+    links = axis_links(topo, c.mesh)
+    comm = comm_times(c, links)
+    if topo.slices > 1:  # each chip's gradients all-reduced with its counterparts in the other slices
+        links["dcn"] = dcn_link(topo)
+        comm["dcn"] = 2 * (topo.slices - 1) / topo.slices * c.memory.grads / links["dcn"].bytes_per_s
+    peak, _ = matmul_peak_flops(topo.chip, cfg.dtype)
+    compute = _flops_per_chip(c) / (peak * mfu)
+    if strategy in cost.PIPELINES:
+        compute *= pipeline_factor(microbatches, mesh["stage"], schedule)
+    return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), compute, comm, links, flat, topo.slices,
+                microbatches, schedule)
+
+
+def candidate_meshes(strategy: str, n: int) -> list[dict[str, int]]:
+    """Every factoring of n over the strategy's mesh axes that its declaration allows
+    (mesh.check_mesh: dp/fsdp data x tensor 1, tp data 1, pp stage x data 1 x tensor 1, ...); the
+    inner axis smallest first (data:64,tensor:1, data:32,tensor:2, ...)."""
+    out = []
+    for shape in mesh_lib.factorings(tuple(a for a in mesh_lib.ORDER if a in mesh_lib.NEEDS[strategy]), n):
+        try:
+            mesh_lib.check_mesh(strategy, shape, n)
+        except ValueError:
+            continue
+        out.append(shape)
+    return out
+
+
+@dataclass(frozen=True)
+class Skipped:
+    strategy: str
+    mesh: dict[str, int]
+    why: str
+
+    def mesh_text(self) -> str:
+        return mesh_lib.mesh_str(self.mesh, self.strategy)
+
+
+def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
+    """The declared strategies the model runs under (a dense model all but ep and fsdp_ep; a
+    mixture of experts dp, fsdp, ep, fsdp_ep), and the others -> resolve.check_experts's reason."""
+    ok, refused = [], {}
+    for strategy in strategies.NAMES:
+        try:
+            resolve.check_experts(strategy, train_config(cfg, 1))  # it reads the model only
+        except ValueError as e:
+            refused[strategy] = str(e)
+        else:
+            ok.append(strategy)
+    return ok, refused
+
+
+def _best(plans: list[Plan], rank_by: str) -> Plan:
+    """The fastest plan that fits, else the smallest."""
+    fit = [p for p in plans if p.fits]
+    return min(fit, key=lambda p: (p.step_s(rank_by), p.memory)) if fit else min(plans, key=lambda p: p.memory)
+
+
+def _pipeline_plans(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
+                    rank_by: str, **kwargs) -> list[Plan]:
+    """One plan per schedule, with the micro-batch count M (a divisor >= S of a data shard's rows)
+    that ranks best; the first ValueError when no M gives a plan."""
+    rows, stages = batch // topo.slices // mesh.get("data", 1), mesh["stage"]
+    counts = [m for m in range(stages, rows + 1) if rows % m == 0]
+    if not counts:  # pipeline.check names the value and the fix
+        pipeline.check(cfg.num_layers, batch // topo.slices, stages, stages, data=mesh.get("data", 1))
+    out, error = [], None
+    for schedule in pipeline.SCHEDULES:
+        plans = []
+        for m in counts:
+            try:
+                plans.append(evaluate(cfg, topo, strategy, mesh, batch, microbatches=m, schedule=schedule, **kwargs))
+            except ValueError as e:
+                error = error or e
+        if plans:
+            out.append(_best(plans, rank_by))
+    if not out:
+        raise error
+    return out
+
+
+def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0, headroom: float = 0.25,
+             optimizer: str = "adamw", precision: Precision = Precision(),
+             rank_by: str = "serial") -> tuple[list[Plan], list[Skipped]]:
+    """Every (strategy, mesh) the model splits on, and those it does not (with the first reason);
+    the strategies it cannot run under at all (`runnable`) are in neither."""
+    plans, skipped = [], []
+    kwargs = dict(mfu=mfu, headroom=headroom, optimizer=optimizer, precision=precision)
+    for strategy in runnable(cfg)[0]:
+        for shape in candidate_meshes(strategy, topo.chips):
+            try:
+                if strategy in cost.PIPELINES:
+                    plans += _pipeline_plans(cfg, topo, strategy, shape, batch, rank_by, **kwargs)
+                else:
+                    plans.append(evaluate(cfg, topo, strategy, shape, batch, **kwargs))
+            except ValueError as e:
+                skipped.append(Skipped(strategy, shape, str(e).split(";")[0]))
+    return plans, skipped
+
+
+def rank(plans: list[Plan], rank_by: str) -> tuple[list[Plan], list[Plan]]:
+    """(plans that fit, fastest first; plans that do not fit, smallest memory first)."""
+    fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s(rank_by), p.memory))
+    over = sorted((p for p in plans if not p.fits), key=lambda p: p.memory)
+    return fit, over
