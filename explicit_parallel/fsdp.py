@@ -28,6 +28,8 @@ __all__ = ["FullyShardedDataParallel", "parallelism"]
 
 
 class FullyShardedDataParallel(Explicit):
+    gathers_weights = True  # grad_accum > 1: the runner gathers every matrix once per step (`weight`)
+
     def weight(self, w, axes):
         """w: [D@data, F] (one layer's) -> [D, F]{R:data}: gathered whole, typed `reduced` so that
         its gradient comes back unreduced and the transpose of this reshard reduce-scatters it.

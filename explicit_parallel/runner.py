@@ -46,8 +46,8 @@ from twinshard.train.trainer import (accumulated_value_and_grad, check_grad_accu
                                      stats_fn, train_step)
 
 Rules = Mapping[str, str]
-NORM = "norm"  # the logical axis of the RMSNorm gains
-TOKEN_AXES = ("data",)  # the mesh axes that split the tokens (each device's loss: its own tokens' mean)
+DATA, NORM = "data", "norm"  # NORM: the logical axis of the RMSNorm gains
+TOKEN_AXES = (DATA,)  # the mesh axes that split the tokens (each device's loss: its own tokens' mean)
 
 
 def _split(mesh: jax.sharding.Mesh, rules: Rules) -> dict[str, str]:
@@ -57,6 +57,8 @@ def _split(mesh: jax.sharding.Mesh, rules: Rules) -> dict[str, str]:
 
 class Explicit(Parallelism):
     """Single-device math on a mesh of Explicit axes: the hooks say the layouts JAX cannot infer."""
+
+    gathers_weights = False  # FSDP: `weight` gathers (the runner gathers once per step under grad_accum)
 
     def __init__(self, mesh: jax.sharding.Mesh, activation_rules: Rules):
         self.mesh, self.rules = mesh, _split(mesh, activation_rules)
@@ -118,25 +120,37 @@ class ExplicitRunner(placement.PlacedRunner):
         self.loss_and_grads = jax.jit(self._loss_and_grads, in_shardings=batch_in,
                                       out_shardings=(replicated, self.state_shardings.params))
 
-    def cast_reduced(self, params):
-        """Each param replicated over token axes -> `reduced` over them: no data moves; its
-        gradient then leaves the backward pass `unreduced` (per-device partial sums)."""
-        def cast(p, axes):
+    def step_params(self, params):
+        """Each param in the type the step differentiates (no data moves, but FSDP's once-per-step
+        gather): a matrix replicated over token axes is cast to `reduced` over them, so its
+        gradient leaves the backward pass `unreduced` (per-device partial sums). With
+        grad_accum = K > 1, a matrix FSDP splits over `data` is gathered whole ONCE, in the
+        compute dtype and `reduced` over `data` (the strategy's own `weight` reshard), so the K
+        micro-batches run on resident weights and add up their unreduced gradients (the manual
+        twin's gather_step)."""
+        gather = self.cfg.train.grad_accum > 1 and self.par.gathers_weights
+        dtype = self.cfg.model.dtype
+
+        def typed(p, axes, logical):
+            if gather and DATA in placement.sharded_axes(jax.typeof(p).sharding.spec) and NORM not in logical:
+                return self.par.weight(p.astype(dtype), logical)
             if not axes:
                 return p
             s = jax.typeof(p).sharding
             return jax.sharding.reshard(p, NamedSharding(self.mesh, P(*s.spec.partitions, reduced=set(axes))))
-        return jax.tree.map(cast, params, self.reduced_over)
+        return jax.tree.map(typed, params, self.reduced_over, logical_axes(self.cfg.model))
 
     def _loss_and_grads(self, params, x, y):
         """(mean loss, gradients) of x, y [B@data, T] over grad_accum = K micro-batches: the
         gradients of the `reduced` params stay `unreduced` through the backward layer loop and
         the micro-batch loop; the reshard of each to its param's sharding is the step's ONE
-        gradient all-reduce per leaf (FSDP's matrices come out of their gather's transpose
-        already reduce-scattered: that reshard moves nothing)."""
-        loss, grads = accumulated_value_and_grad(self.loss, self.cast_reduced(params), x, y,
-                                                 self.cfg.train.grad_accum)
-        return loss, jax.tree.map(jax.sharding.reshard, grads, self.state_shardings.params)
+        gradient reduction per leaf: an all-reduce, or FSDP's reduce-scatter of a matrix
+        gathered once (K = 1: FSDP's matrices come out of their per-layer gather's transpose
+        already reduce-scattered, and this reshard moves nothing)."""
+        typed = self.step_params(params)
+        loss, grads = accumulated_value_and_grad(self.loss, typed, x, y, self.cfg.train.grad_accum)
+        sync = lambda g, t, p, s: jax.sharding.reshard(g.astype(t.dtype), s).astype(p.dtype)  # noqa: E731
+        return loss, jax.tree.map(sync, grads, typed, params, self.state_shardings.params)
 
     def global_norm(self, grads) -> jax.Array:
         """sqrt(sum of squares of the full gradient): each leaf's sum of squares left `unreduced`

@@ -178,7 +178,7 @@ def _type_of(x):
     if isinstance(x, jax.ShapeDtypeStruct):
         return x.shape, x.sharding, f"{x.dtype}{list(x.shape)}"
     aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
-    return aval.shape, aval.sharding, aval.str_short(short_dtypes=True)
+    return aval.shape, aval.sharding, aval.str_short()
 
 
 def _canonical(s: P, ndim: int, sizes: Mapping[str, int]):
