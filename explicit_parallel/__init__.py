@@ -14,7 +14,7 @@ from explicit_parallel.runner import ExplicitRunner
 from twinshard.config import Config
 from twinshard.parallel.resolve import check_options, resolve_mesh
 
-STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")  # written in this twin (docs/explicit.md: the others)
+STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp", "tp_sp")  # written in this twin (docs/explicit.md: the others)
 MODULES = {name: importlib.import_module(f"explicit_parallel.{name}") for name in STRATEGIES}
 
 

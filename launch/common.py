@@ -49,7 +49,7 @@ def define_model_flags() -> None:
     define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
     define(flags.DEFINE_enum, "strategy", "single", STRATEGIES, "Parallelism strategy.")
     define(flags.DEFINE_enum, "impl", "auto", IMPLS, "auto (GSPMD annotations), manual (shard_map collectives) or "
-           "explicit (sharding in types: dp, fsdp, tp, fsdp_tp; docs/explicit.md).")
+           "explicit (sharding in types: dp, fsdp, tp, fsdp_tp, tp_sp; docs/explicit.md).")
     define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
     define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU; "
            "given explicitly, a single-process run with more devices uses only the first N.")

@@ -1,8 +1,8 @@
 """The explicit twin (explicit_parallel/: sharding in JAX's types) against single-device training,
 its compiled collectives, and its types at trace time.
 
-Every strategy it writes (dp, fsdp, tp, fsdp_tp) on tests/runners.py's CFG and MESHES, so that
-single device compiles the programs of tests/test_manual.py: the same losses, step-1
+Every strategy it writes (dp, fsdp, tp, fsdp_tp, tp_sp) on tests/runners.py's CFG and MESHES
+(tp_sp: tensor:8), so that single device compiles the programs of tests/test_manual.py: the same losses, step-1
 gradients and 5-step parameters as single device, within test_manual's tolerances (measured
 here, JAX 0.12.0.1, XLA:CPU, max over the four: losses 1.4e-6, step-1 gradients 2.4e-8, params
 after 5 AdamW steps 1.7e-6 (tp)). Its compiled step carries the collectives each strategy should,
@@ -40,12 +40,13 @@ N_GAINS = 2 * L + 1  # ln1, ln2 per layer, ln_final: one [D] each
 MATRIX_LEAVES = 7 + 2  # the stacked [L, ...] leaves of the 7 kinds, the embedding, the lm_head
 ACT = 4 * B * T * D  # an f32 [B, T, D]
 STRATEGIES = explicit_parallel.STRATEGIES
+MESH = {**MESHES, "tp_sp": "tensor:8"}  # tp_sp: tests/test_sequence.py's mesh
 
 
 @functools.cache
 def runner(strategy: str, grad_accum: int = 1) -> explicit_parallel.ExplicitRunner:
     cfg = CFG if grad_accum == 1 else accum_cfg(grad_accum)
-    return explicit_parallel.make_runner(strategy, MESHES[strategy], cfg)
+    return explicit_parallel.make_runner(strategy, MESH[strategy], cfg)
 
 
 def accum_cfg(grad_accum: int) -> Config:
@@ -85,7 +86,7 @@ def test_state_is_placed_as_the_manual_twin_declares(strategy):
     """The trained arrays carry the placement the manual runner declares for the same strategy."""
     import manual_parallel
 
-    declared = manual_parallel.make_runner(strategy, MESHES[strategy], CFG).state_specs  # builds, compiles nothing
+    declared = manual_parallel.make_runner(strategy, MESH[strategy], CFG).state_specs  # builds, compiles nothing
     got = [x.sharding.spec for x in jax.tree.leaves(explicit(strategy)["state"])]
     assert got == jax.tree.leaves(declared, is_leaf=lambda x: isinstance(x, P))
 
@@ -155,6 +156,18 @@ def test_fsdp_tp_composes_both():
     expect_collectives(led, "all-reduce", "data", count=N_MATRICES + N_GAINS + 1)
     expect_collectives(led, "all-reduce", ("data", "tensor"), count=1)  # the global norm's one sum
     expect_bytes(led, "tensor", (4 * L + 2) * ACT / 2 + 3 * 4 * B * T / 2, rel=0, op="all-reduce")  # [B/2, ...]
+
+
+def test_tp_sp_gathers_and_scatters_the_sequence():
+    led = ledger("tp_sp")
+    testing.expect_parsed(led)
+    # f: 2 per layer and one before the lm_head; g's transposes: 2 per layer and the embedding's
+    expect_collectives(led, "all-gather", "tensor", count=4 * L + 2)
+    expect_bytes(led, "tensor", (4 * L + 2) * ACT, rel=0, op="all-gather")  # each the whole [B, T, D]
+    # g: 2 per layer, the lookup; f's transposes: 2 per layer, the lm_head's (XLA:CPU's reduce-
+    # scatters: all-reduce + slice); the gains' gradients over the sequence shards, 3 statistics, the norm
+    expect_collectives(led, "all-reduce", "tensor", count=4 * L + 2 + N_GAINS + 3 + 1)
+    assert sum(r.multiplicity for r in led.filter(op="all-reduce") if r.bytes == ACT) == 4 * L + 2, led.table()
 
 
 # --- the types, at trace time ------------------------------------------------------------------
@@ -318,9 +331,9 @@ def test_partial_sums_only_in_explicit_mode():
 
 # --- what this twin refuses --------------------------------------------------------------------
 
-@pytest.mark.parametrize("strategy", ["tp_sp", "cp", "pp"])
+@pytest.mark.parametrize("strategy", ["cp", "pp", "ep"])
 def test_refuses_the_strategies_it_does_not_write(strategy):
-    with pytest.raises(ValueError, match=rf"--impl=explicit runs dp, fsdp, tp, fsdp_tp, not --strategy={strategy}"):
+    with pytest.raises(ValueError, match=rf"--impl=explicit runs dp, fsdp, tp, fsdp_tp, tp_sp, not --strategy={strategy}"):
         explicit_parallel.make_runner(strategy, None, CFG)
 
 
