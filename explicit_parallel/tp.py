@@ -6,8 +6,8 @@ moves) -> column-parallel Q, K, V / W1, W3 ([B, T, D]{R:tensor} @ [D, F@tensor])
 row-parallel O / W2, whose contraction over the split heads / d_ff leaves [B, T, D] typed
 `unreduced` over `tensor` (twinshard/model/layers.py `partial_sums`) -> g = the reshard of
 that partial sum to replicated: the all-reduce, where the manual twin's g stands (2 per
-layer). Vocab-parallel embedding: a lookup in the [V@tensor, D] table whose output type
-says replicated over `tensor` (the partitioner's masked lookup and all-reduce).
+layer). Vocab-parallel embedding: a lookup in the [V@tensor, D] table whose output is typed
+`unreduced` over `tensor` (each device's rows, zeros for the others' ids), reduced by g.
 Vocab-parallel cross-entropy: Explicit mode cannot type the target-logit pick over a split
 vocabulary (jnp.take_along_axis has no out_sharding in JAX 0.12), so `token_loss` runs the
 manual twin's loss (manual_parallel/tp.py: pmax and psums of per-token statistics) in a
@@ -42,6 +42,13 @@ class TensorParallel(Explicit):
     def exit_tensor_parallel(self, x):
         """g: the row-parallel partial sums [B, T, D]{U:tensor} -> [B, T, D]: the all-reduce."""
         return jax.sharding.reshard(x, self.sharding(ACTIVATION))
+
+    def embed(self, ids, table):
+        """Megatron's vocab-parallel lookup: ids [B, T], table [V@tensor, D] -> each device's rows of
+        its vocabulary shard (zeros for the others), typed [B, T, D]{U:tensor}; then g reduces
+        them: the all-reduce where the manual twin's psum stands."""
+        partial = table.at[ids].get(out_sharding=self.sharding(ACTIVATION, unreduced={TENSOR}))
+        return self.exit_tensor_parallel(partial)
 
     def token_loss(self, logits, targets, vocab_size):
         """logits: [B, T, V@tensor], targets: [B, T] -> [B, T]: the manual twin's vocab-parallel

@@ -5,10 +5,8 @@ table). Mesh `tensor:M` or `data:D,tensor:M`.
 Forward, per layer: f = a reshard of the sequence shards [B, T@tensor, D] to the whole
 sequence, `reduced` over `tensor` ([B, T, D]{R:tensor}): the all-gather along T; g = a reshard
 of the row-parallel partial sums [B, T, D]{U:tensor} to sequence shards: the reduce-scatter
-(2 each per layer, where TP all-reduces twice). The embedding: TP's lookup (an all-reduce over
-`tensor` by the partitioner), then a reshard to sequence shards, which moves nothing (the
-manual twin reduce-scatters the partial lookups instead: half the bytes; a gather's output
-cannot be typed `unreduced` in JAX 0.12). Before the lm_head: f's all-gather; the
+(2 each per layer, where TP all-reduces twice). The embedding: TP's lookup typed `unreduced`
+over `tensor`, then g: a reduce-scatter along T. Before the lm_head: f's all-gather; the
 vocab-parallel loss as TP's.
 Backward: the transposes: f's is a reshard of the summed, unreduced input gradients to
 sequence shards (a reduce-scatter), g's a reshard of sequence-split gradients to `reduced`
@@ -49,10 +47,6 @@ class SequenceParallel(TensorParallel):
     def exit_tensor_parallel(self, x):
         """g: partial sums [B, T, D]{U:tensor} -> [B, T@tensor, D]: the reduce-scatter along T."""
         return jax.sharding.reshard(x, self.sequence.sharding(ACTIVATION))
-
-    def embed(self, ids, table):
-        """TP's vocab-parallel lookup [B, T, D], then this device's sequence shard (a slice)."""
-        return self.exit_tensor_parallel(super().embed(ids, table))
 
 
 def parallelism(mesh, cfg) -> SequenceParallel:
