@@ -321,6 +321,15 @@ def test_expect_sharding_reads_arrays_tracers_and_avals():
         expect_sharding(jax.ShapeDtypeStruct((2,), np.float32), P())
 
 
+def test_readme_expect_sharding_example_runs():
+    """The README's expect_sharding block runs as written, after the imports of the file above it."""
+    from test_readme_snippet import snippet
+
+    namespace: dict = {}
+    exec(snippet(containing="def test_"), namespace)  # the imports (and its own definitions)
+    exec(snippet(containing="grad_once"), namespace)
+
+
 def test_partial_sums_only_in_explicit_mode():
     """Outside Explicit mode (one device, GSPMD's Auto axes) the layer math states no sharding."""
     auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))

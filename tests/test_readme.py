@@ -55,6 +55,7 @@ VARIANTS = {
     "uv run python -m launch.collectives --preset=tiny --strategy=tp_sp --impl=manual --mesh=tensor:4 --devices=4 "
     "--collective_matmul": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=cp --impl=manual --mesh=context:4 --devices=4": [],
+    "uv run python -m launch.collectives --preset=tiny --strategy=fsdp --impl=explicit": [],
     "uv run python -m launch.train --preset=tiny_moe --strategy=ep --impl=manual --mesh=data:2,expert:4 "
     "--workdir=runs/ep": [],
     "uv run python -m launch.collectives --preset=tiny_moe --strategy=ep --impl=manual --mesh=data:2,expert:4": [],
@@ -168,6 +169,8 @@ def test_strategy_compare_and_collectives_examples(readme_runs):
     png = cwd / "tp.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "fsdp/manual on cpu mesh data:8,tensor:1" in out(readme_runs, "launch.collectives")
+    typed = out(readme_runs, "--strategy=fsdp --impl=explicit")  # docs/explicit.md
+    assert "fsdp/explicit on cpu mesh data:8,tensor:1" in typed and "NOTE: The model describes the manual" in typed
 
 
 def test_own_tokenizer_trains_and_samples(readme_runs):
