@@ -330,6 +330,22 @@ def test_readme_expect_sharding_example_runs():
     exec(snippet(containing="grad_once"), namespace)
 
 
+def test_a_replicated_weight_gets_its_gradient_reduced_in_the_matmul_backward():
+    """layers.matmul's weight gradient over data-split rows is a partial sum; for a replicated (not
+    `reduced`) weight, `cotangent_like` reduces it to the weight's own type in the backward pass
+    (what JAX's transpose of a plain dot does): replicated, equal to NumPy's x^T g."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rng = np.random.default_rng(0)
+    xs, ws = rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(4, 3)).astype(np.float32)
+    x = jax.device_put(xs, NamedSharding(mesh, P("data")))
+    w = jax.device_put(ws, NamedSharding(mesh, P()))
+    grad = jax.jit(jax.grad(lambda w, x: jnp.sum(layers.linear(x, w) ** 2)))
+    g = grad(w, x)
+    expect_sharding(g, P())
+    np.testing.assert_allclose(np.asarray(g), 2 * xs.T @ (xs @ ws), rtol=1e-5)
+    expect_collectives(hlo.ledger(grad.lower(w, x).compile(), mesh), "all-reduce", "data", count=1)
+
+
 def test_partial_sums_only_in_explicit_mode():
     """Outside Explicit mode (one device, GSPMD's Auto axes) the layer math states no sharding."""
     auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))

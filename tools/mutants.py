@@ -1172,8 +1172,9 @@ MUTANTS: list[Mutant] = [
     Mutant("cotangent-like-explicit-not-resharded", "explicit", _LAYERS,
            "            ct = jax.sharding.reshard(ct, want)",
            "            ct = ct",
-           (f"{EXPLICIT}::test_gradients_leave_the_backward_pass_typed",),
-           "a custom backward's cotangent keeps the dot's type, not its primal's (JAX rejects the program)"),
+           (f"{EXPLICIT}::test_a_replicated_weight_gets_its_gradient_reduced_in_the_matmul_backward",),
+           "a custom backward's cotangent keeps the dot's type, not its primal's: a replicated weight's "
+           "gradient stays a partial sum (JAX rejects the program)"),
     Mutant("per-token-divisor-not-reduced", "explicit", "twinshard/train/trainer.py",
            "    if sharding.spec.unreduced:",
            "    if False:",
