@@ -21,4 +21,4 @@ class FSDPTensorParallel(FullyShardedDataParallel, TensorParallel):
 
 
 def parallelism(mesh, cfg) -> FSDPTensorParallel:
-    return FSDPTensorParallel(mesh, FSDP_TP.activations)
+    return FSDPTensorParallel(mesh, FSDP_TP.placed(cfg.model.kv_heads, mesh.shape).activations)

@@ -77,7 +77,7 @@ class AutoRunner(placement.PlacedRunner):
         """`tx` replaces the AdamW of `cfg.train` (tests pass SGD); its state must be a
         `GuardState` (wrap it in `optim.clip_and_guard`), as `trainer.apply_gradients` reads it."""
         self.name = name
-        decl = strategies.get(name)  # the placement tables
+        decl = strategies.get(name).placed(cfg.model.kv_heads, mesh_shape)  # the placement tables, for this model
         self.tx = make_optimizer(cfg.train) if tx is None else tx
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Auto, devices, decl.params, decl.activations)
         check_grad_accum(cfg.train, self.sizes.get("data", 1))

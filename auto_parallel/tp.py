@@ -10,6 +10,8 @@ GSPMD all-reduces the input gradient of q, k, v, w1 and w3 separately, where Meg
 f (the manual twin) sums them first and all-reduces twice.
 Optimizer: one scalar all-reduce per tensor-sharded gradient leaf (global norm).
 No weight-sized collective.
+Grouped-query attention with tensor > kv heads: the k/v weights are placed replicated
+(Strategy.placed) and GSPMD chooses how to use them (every device may compute all kv heads).
 """
 
 from auto_parallel.runner import GSPMD
@@ -23,4 +25,4 @@ class TensorParallel(GSPMD):
 
 
 def parallelism(mesh, cfg) -> TensorParallel:
-    return TensorParallel(mesh, TP.activations)
+    return TensorParallel(mesh, TP.placed(cfg.model.kv_heads, mesh.shape).activations)

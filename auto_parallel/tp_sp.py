@@ -36,7 +36,8 @@ from twinshard.parallel.strategies import TP_SP
 
 __all__ = ["SequenceParallel", "parallelism"]
 
-# Inside a region: [B, T, H*dh/t] or [B, T, F/t] (heads and mlp both map to tensor).
+# Inside a region: [B, T, H*dh/t] or [B, T, F/t] (heads and mlp both map to tensor; the kv heads'
+# [B, T, Hkv*dh/t] too while tensor divides them, else whole: Strategy.placed).
 REGION = ("batch", "seq", "heads")
 
 
@@ -44,9 +45,10 @@ class SequenceParallel(GSPMD):
     """GSPMD with two layouts of the residual stream [B, T, D]: split along T between the
     tensor-parallel regions, whole inside them (the manual twin's gather / scatter)."""
 
-    def __init__(self, mesh):
-        super().__init__(mesh, TP_SP.activations)  # TP's, the batch over data
-        self.sequence = GSPMD(mesh, TP_SP.sequence)  # the residual stream [B, T, D]: T over tensor too
+    def __init__(self, mesh, kv_heads: int):
+        placed = TP_SP.placed(kv_heads, mesh.shape)
+        super().__init__(mesh, placed.activations)  # TP's, the batch over data
+        self.sequence = GSPMD(mesh, placed.sequence)  # the residual stream [B, T, D]: T over tensor too
         self.flat_rows = self.sequence.flat_rows  # False: the residual stream is split along T
 
     def constrain(self, x, axes):
@@ -62,9 +64,11 @@ class SequenceParallel(GSPMD):
         """[B, T/t, D] -> whole T, before the column-parallel matmuls and the lm_head."""
         return super().constrain(x, ACTIVATION)
 
-    def column_parallel(self, x, ws):
-        """x @ each w on the whole sequence, each output [B, T, out/t] (heads or mlp: tensor)."""
-        return tuple(self.constrain(y, REGION) for y in super().column_parallel(x, ws))
+    def column_parallel(self, x, ws, axes=None):
+        """x @ each w on the whole sequence, each output [B, T, out/t] (heads or mlp: tensor; kv
+        heads as placed)."""
+        outs = super().column_parallel(x, ws, axes)
+        return tuple(self.constrain(y, REGION[:2] + (a,)) for y, a in zip(outs, axes or (REGION[2],) * len(outs)))
 
     def row_parallel(self, x, w):
         """x [B, T, in/t] (heads or mlp on tensor) @ w [in/t, D], then the reduce-scatter."""
@@ -82,4 +86,4 @@ class SequenceParallel(GSPMD):
 
 
 def parallelism(mesh, cfg) -> SequenceParallel:
-    return SequenceParallel(mesh)
+    return SequenceParallel(mesh, cfg.model.kv_heads)

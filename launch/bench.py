@@ -66,7 +66,6 @@ from twinshard.config import PRESETS, Config, ModelConfig, TrainConfig, preset
 common.define(flags.DEFINE_string, "preset", "small", "Named preset from twinshard.config (tiny, small, gpt2_125m, ...).")
 common.define(flags.DEFINE_integer, "steps", None, "Timed steps per run, after the warm-up (default 10).")
 common.define(flags.DEFINE_integer, "batch_size", None, "Global batch size in sequences.")
-common.define(flags.DEFINE_integer, "context_length", None, "Sequence length (default: the preset's context_length).")
 common.define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
 common.define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
 common.define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU.")
@@ -79,10 +78,7 @@ common.define(flags.DEFINE_integer, "warmup", 2, "Untimed steps before the timed
 common.define(flags.DEFINE_integer, "matmul_size", None,
               "n of the n^3 peak matmul (default 2048 on CPU, 8192 on accelerators).")
 common.define(flags.DEFINE_integer, "matmul_reps", 20, "Timed matmuls for the peak (its 25th percentile time).")
-for _name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff"):
-    common.define(flags.DEFINE_integer, _name, None, f"Override the preset's {_name}" + (
-        " (a new d_model without --d_ff re-derives d_ff = 8/3 d_model)." if _name == "d_model" else "."))
-FLAGS = flags.FLAGS
+FLAGS = flags.FLAGS  # the model-shape flags (--d_model, --num_kv_heads, ...): common.define_shape_flags
 
 # MaxText 0.2.5's llama-style reference (d_model 256, 4 layers, 4 heads x 64, mlp 1024,
 # vocab 4096, seq 256, global batch 16, fp32): tools/maxtext_compare.sh runs MaxText on it.
@@ -109,16 +105,12 @@ def config_from_flags() -> Config:
     else:
         raise ValueError(f"--preset={FLAGS.preset}: unknown; choose one of "
                          f"{', '.join((*PRESETS, *BENCH_PRESETS))}.")
-    model = {k: getattr(FLAGS, k) for k in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff",
-                                            "context_length") if getattr(FLAGS, k) is not None}
     train = {k: getattr(FLAGS, k) for k in ("batch_size", "seed") if getattr(FLAGS, k) is not None}
     try:
-        if "d_model" in model and "d_ff" not in model:
-            model["d_ff"] = 0  # re-derive 8/3 d_model for the new width
-        cfg = Config(dataclasses.replace(cfg.model, **model), dataclasses.replace(cfg.train, **train))
+        cfg = Config(cfg.model, dataclasses.replace(cfg.train, **train))
     except ValueError as e:
-        raise ValueError(f"{e} (from the flags {_flags_text(model | train)})") from None
-    return common.with_model_flags(cfg, FLAGS)
+        raise ValueError(f"{e} (from the flags {_flags_text(train)})") from None
+    return common.with_model_flags(cfg, FLAGS)  # the shape flags too
 
 
 def _flags_text(values: dict) -> str:
@@ -389,7 +381,8 @@ def markdown(doc: dict) -> str:
              "",
              f"`{doc['command']}`" if doc["command"] else "",
              "",
-             f"- model: d_model {m['d_model']}, {m['num_layers']} layers, {m['num_heads']} heads, d_ff {m['d_ff']}, "
+             f"- model: d_model {m['d_model']}, {m['num_layers']} layers, {m['num_heads']} heads"
+             + (f" ({m['num_kv_heads']} key/value)" if m.get("num_kv_heads") else "") + f", d_ff {m['d_ff']}, "
              f"vocab {m['vocab_size']}; {doc['steps']} timed steps after {doc['warmup']} warm-up",
              f"- machine: {env['backend']} ({env['device_kind']}), {env['device_count']} device(s), "
              f"{env['cpus_usable']} usable CPUs of {env['cpu_count']}, load avg "
@@ -457,8 +450,7 @@ def main(argv):
 
 
 BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "devices", "steps", "warmup", "batch_size",
-               "context_length", "seed", "dtype", "attention", "scan_unroll", "remat", "vocab_size", "d_model",
-               "num_layers", "num_heads", "d_ff",
+               "seed", "dtype", "attention", "scan_unroll", "remat", *common.SHAPE_FLAGS,
                "matmul_size", "matmul_reps", "json", "markdown")
 
 

@@ -44,7 +44,6 @@ def define_model_flags() -> None:
     define(flags.DEFINE_string, "preset", "small", "Named preset from twinshard.config (tiny, small, gpt2_125m, ...).")
     define(flags.DEFINE_integer, "steps", None, "Training steps (default: the preset's).")
     define(flags.DEFINE_integer, "batch_size", None, "Global batch size in sequences.")
-    define(flags.DEFINE_integer, "context_length", None, "Sequence length (default: the preset's context_length).")
     define(flags.DEFINE_float, "lr", None, "Peak learning rate.")
     define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
     define(flags.DEFINE_enum, "strategy", "single", STRATEGIES, "Parallelism strategy.")
@@ -83,7 +82,29 @@ def define_precision_flags() -> None:
     define(flags.DEFINE_enum, "remat", None, REMAT_POLICIES, "Rematerialization of each layer (default none; "
            "full: recompute the layer in backward; dots: save only matmul outputs; dots_no_batch: save only "
            "matmul outputs without a batch dimension).")
-    define_moe_flags()  # every launcher that builds a model config (train, plan, bench) takes them
+    define_shape_flags()  # every launcher that builds a model config (train, plan, bench, collectives,
+    define_moe_flags()  # compare) takes them
+
+
+# The model-shape flags: each overrides the ModelConfig field of its name (None: the preset's), so
+# any shape can be trained, compiled, benchmarked or planned (with_model_flags applies them).
+_SHAPE_FLAGS = (
+    ("vocab_size", "vocabulary size (padded to a multiple of 128 in the embedding; with a tokenizer, at "
+     "least its ids)."),
+    ("d_model", "model width D (a new d_model without --d_ff re-derives d_ff = 8/3 d_model)."),
+    ("num_layers", "transformer blocks L."),
+    ("num_heads", "query heads H, a divisor of d_model (head_dim = d_model / num_heads, even)."),
+    ("num_kv_heads", "key/value heads of grouped-query attention, a divisor of num_heads (1: multi-query; "
+     "0: num_heads, multi-head attention)."),
+    ("d_ff", "SwiGLU width F (0: 8/3 d_model rounded up to a multiple of 64)."),
+    ("context_length", "sequence length T."),
+)
+SHAPE_FLAGS = tuple(name for name, _ in _SHAPE_FLAGS)
+
+
+def define_shape_flags() -> None:
+    for name, text in _SHAPE_FLAGS:
+        define(flags.DEFINE_integer, name, None, f"Model shape (default: the preset's): {text}")
 
 
 # The mixture-of-experts flags: each overrides the ModelConfig field of its name (None: the preset's).
@@ -112,19 +133,22 @@ def define_moe_flags() -> None:
 
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:
-    """--dtype / --attention / --scan_unroll / --remat and the MoE flags applied to the model config
-    (None: the preset's). A value ModelConfig refuses is its ValueError, the flags named first."""
-    names = ("dtype", "attention", "scan_unroll", "remat", "collective_matmul", *MOE_FLAGS)
+    """--dtype / --attention / --scan_unroll / --remat, the shape flags (SHAPE_FLAGS) and the MoE flags
+    applied to the model config (None: the preset's). A value ModelConfig refuses is its ValueError,
+    the flags named first."""
+    names = ("dtype", "attention", "scan_unroll", "remat", "collective_matmul", *SHAPE_FLAGS, *MOE_FLAGS)
     over = {k: getattr(FLAGS, k) for k in names if getattr(FLAGS, k, None) is not None}
     if over.get("scan_unroll", 1) < 1:
         raise ValueError(f"--scan_unroll={over['scan_unroll']} must be >= 1 (layers per scan iteration; "
                          f"{cfg.model.num_layers} unrolls the stack fully).")
     if not over:
         return cfg
+    given = " ".join(f"--{k}={v}" for k, v in over.items() if k in MOE_FLAGS or k in SHAPE_FLAGS)
+    if "d_model" in over and "d_ff" not in over:
+        over["d_ff"] = 0  # re-derive 8/3 d_model for the new width
     try:
         model = dataclasses.replace(cfg.model, **over)
     except ValueError as e:
-        given = " ".join(f"--{k}={v}" for k, v in over.items() if k in MOE_FLAGS)
         if not given:
             raise
         raise ValueError(f"{given}: {e}") from None
@@ -232,15 +256,20 @@ def config_from_flags(FLAGS) -> Config:
     check_model_flags(FLAGS)
     cfg = preset(FLAGS.preset)
     model: ModelConfig = cfg.model
-    if FLAGS.context_length is not None:
-        model = dataclasses.replace(model, context_length=FLAGS.context_length)
     overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed", "optimizer", "grad_accum",
                                                 "microbatches", "schedule", "cp_layout") if getattr(FLAGS, k) is not None}
     if FLAGS.tokenizer is not None:
+        if FLAGS.vocab_size is not None:
+            raise ValueError(f"--vocab_size={FLAGS.vocab_size} and --tokenizer={FLAGS.tokenizer}: the tokenizer sets "
+                             "the vocabulary; pass one of them.")
         # a file by absolute path: launch.sample and --resume find it from any directory
         overrides["tokenizer"] = FLAGS.tokenizer if not os.path.isfile(FLAGS.tokenizer) \
             else os.path.abspath(FLAGS.tokenizer)
         model = dataclasses.replace(model, vocab_size=tokenizer_vocab(FLAGS.tokenizer))
+    elif FLAGS.vocab_size is not None and FLAGS.vocab_size < (ids := tokenizer_vocab(cfg.train.tokenizer)):
+        raise ValueError(f"--vocab_size={FLAGS.vocab_size} is below the {ids} ids of the preset's tokenizer "
+                         f"{cfg.train.tokenizer}, whose tokens would fall outside the embedding; pass "
+                         f"--vocab_size >= {ids}, or a --tokenizer of at most {FLAGS.vocab_size} ids.")
     train: TrainConfig = cfg.train
     accum, batch = overrides.get("grad_accum", train.grad_accum), overrides.get("batch_size", train.batch_size)
     micro = overrides.get("microbatches", train.microbatches)

@@ -57,6 +57,7 @@ class FullyShardedDataParallel(ManualParallelism):
         """w: the local slice, e.g. W1 [D/data, F] -> gathered [D, F]."""
         if self.is_resident:
             return w  # gathered once for the whole step (grad_accum > 1: gather_step)
+        w = super().weight(w, axes)  # fsdp_tp: TP's columns of a replicated kv weight, gathered alone
         for dim, logical in enumerate(axes):
             if self.param_rules.get(logical) == "data":
                 full = fsdp_gather(w, "data", dim)

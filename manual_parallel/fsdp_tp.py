@@ -16,8 +16,9 @@ __all__ = ["FSDPTensorParallel", "parallelism"]
 
 
 class FSDPTensorParallel(FullyShardedDataParallel, TensorParallel):
-    """weight/remat from FSDP; enter/exit_tensor_parallel, embed, token_loss from TP."""
+    """weight/remat from FSDP (after TP's slice of a replicated kv weight); enter/exit_tensor_parallel,
+    embed, token_loss from TP."""
 
 
 def parallelism(mesh, cfg) -> FSDPTensorParallel:
-    return FSDPTensorParallel(FSDP_TP.params)
+    return FSDPTensorParallel(FSDP_TP.placed(cfg.model.kv_heads, mesh.shape).params, cfg.model.kv_heads)

@@ -107,12 +107,17 @@ BLOCKS = {"zigzag": _zigzag_block, "contiguous": _contiguous_block}
 
 
 def ring_attention(q: Array, k: Array, v: Array, positions: np.ndarray, axis: str, layout: str) -> Array:
-    """Causal attention of this device's q, k, v [B, h, T/C, dh] over the whole sequence.
+    """Causal attention of this device's q [B, h, T/C, dh] and k, v [B, hk, T/C, dh] over the whole
+    sequence.
 
     positions: [C, T/C], row c = the true positions of device c's tokens in `layout`
     (context.shard_positions); inside shard_map over `axis` (size C). Step 0 (the device's own
     block) is masked by the true positions; later blocks compute only what the layout leaves
-    visible (BLOCKS). Returns [B, h, T/C, dh] in q's dtype."""
+    visible (BLOCKS). Grouped-query attention (hk < h): the blocks travel as the hk kv heads
+    (layers.group_heads: [B, hk, 1, T/C, dh], h/hk times fewer bytes than the query heads) and
+    the merges broadcast them over each group. Returns [B, h, T/C, dh] in q's dtype."""
+    if q.ndim == 4 and k.shape[1] != q.shape[1]:  # -> [B, hk, h/hk, T/C, dh] and [B, hk, 1, T/C, dh]
+        return layers.ungroup_heads(ring_attention(*layers.group_heads(q, k, v), positions, axis, layout))
     n, me = lax.axis_size(axis), lax.axis_index(axis)
     assert positions.shape == (n, q.shape[-2]), (positions.shape, n, q.shape)
     q_pos = jnp.asarray(positions)[me]  # [T/C]

@@ -40,6 +40,7 @@ partial mean, as a data shard's).
 from __future__ import annotations
 
 import functools
+import math
 from types import ModuleType
 from typing import Mapping
 
@@ -74,7 +75,8 @@ class ManualRunner(placement.PlacedRunner):
     def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
                  devices=None):
         self.name = name
-        decl = strategies.get(name)  # the placement tables
+        declared = strategies.get(name)
+        decl = declared.placed(cfg.model.kv_heads, mesh_shape)  # the placement tables, for this model
         shapes = jax.eval_shape(functools.partial(create_params, cfg.model, 0))  # whole params
         blocks = jax.tree.map(lambda a, s: Block(a.shape, self.block_mean(s)), shapes,
                               placement.param_specs(cfg, decl.params))
@@ -88,6 +90,14 @@ class ManualRunner(placement.PlacedRunner):
         self.replicated_over_tokens = jax.tree.map(
             lambda s: tuple(a for a in self.token_axes if a not in placement.sharded_axes(s)),
             self.param_specs, is_leaf=lambda x: isinstance(x, P))
+        # per param, the mesh axes its declaration splits it over and this model's placement
+        # replicates it on: grouped-query attention's k/v weights on a tensor axis larger than the
+        # kv heads (Strategy.placed), of which each device uses one kv head's columns
+        # (manual_parallel/tp.py); their gradient is the sum over those axes (`mean_over_tokens`)
+        self.summed_over = jax.tree.map(
+            lambda d, s: _active(tuple(a for a in placement.sharded_axes(d) if a not in placement.sharded_axes(s)),
+                                 self.sizes),
+            placement.param_specs(cfg, declared.params), self.param_specs, is_leaf=lambda x: isinstance(x, P))
         smap = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=True)
         b = self.batch_spec
         self.train_step = jax.jit(smap(self._train_step, in_specs=(self.state_specs, b, b),
@@ -106,8 +116,8 @@ class ManualRunner(placement.PlacedRunner):
     def _loss_and_grads(self, params, x, y):
         """x, y: [B/data, T] (cp: [B/data, T/C], this shard's tokens in the layout's order)."""
         replicated = self.replicated_over_tokens
-        params = jax.tree.map(lambda p, axes: lax.pcast(p, axes, to="varying") if axes else p,
-                              params, replicated)
+        params = jax.tree.map(lambda p, axes, summed: lax.pcast(p, axes + summed, to="varying") if axes + summed else p,
+                              params, replicated, self.summed_over)
         if self._gathers_once():
             loss, grads = self._gathered_loss_and_grads(params, x, y)
         else:
@@ -149,8 +159,15 @@ class ManualRunner(placement.PlacedRunner):
         its param is replicated over (`replicated`: a tuple of axes per param). DP: all of them
         over `data`; FSDP: the norm gains (sharded weights were already reduce-scattered by
         fsdp_gather's backward); cp: all of them over (data, context), one all-reduce each;
-        fsdp_cp: the matrices' shards over `context`, the norm gains over (data, context)."""
-        return jax.tree.map(lambda g, axes: lax.pmean(g, axes) if axes else g, grads, replicated)
+        fsdp_cp: the matrices' shards over `context`, the norm gains over (data, context).
+        A param with `summed_over` axes (replicated kv heads) is summed over them in the same
+        all-reduce: psum over both, divided by the token axes' devices."""
+        def sync(g, mean, summed):
+            if not summed:
+                return lax.pmean(g, mean) if mean else g
+            total = lax.psum(g, _active(mean + summed, self.sizes))
+            return total / math.prod(self.sizes[a] for a in mean) if mean else total
+        return jax.tree.map(sync, grads, replicated, self.summed_over)
 
     def _mean_loss(self, loss):
         return lax.pmean(loss, self.token_axes) if self.token_axes else loss

@@ -62,8 +62,9 @@ class SequenceParallel(TensorParallel):
         return scatter_sequence(x, TENSOR)
 
     def weight(self, w, axes):
-        """RMSNorm gains run on sequence shards: f makes their gradient the sum over all tokens."""
-        return copy_to_tp(w, TENSOR) if axes == ("norm",) else w
+        """RMSNorm gains run on sequence shards: f makes their gradient the sum over all tokens.
+        (A replicated kv weight: TP's slice.)"""
+        return copy_to_tp(w, TENSOR) if axes == ("norm",) else super().weight(w, axes)
 
 
 class CollectiveMatmul(SequenceParallel):
@@ -71,7 +72,7 @@ class CollectiveMatmul(SequenceParallel):
     ppermutes, each beside the matmul of the chunk already here (collectives.all_gather_matmul).
     The lm_head keeps gather_sequence (enter_tensor_parallel)."""
 
-    def column_parallel(self, x, ws):
+    def column_parallel(self, x, ws, axes=None):
         """x [b, T/t, D] -> x_all @ w [b, T, out/t] for each w, without the all-gather."""
         return all_gather_matmul(x, ws, TENSOR)
 
@@ -79,5 +80,5 @@ class CollectiveMatmul(SequenceParallel):
 def parallelism(mesh, cfg) -> SequenceParallel:
     """CollectiveMatmul under cfg.model.collective_matmul."""
     cls = CollectiveMatmul if cfg.model.collective_matmul else SequenceParallel
-    return cls(TP_SP.params)
+    return cls(TP_SP.placed(cfg.model.kv_heads, mesh.shape).params, cfg.model.kv_heads)
 

@@ -80,13 +80,21 @@ def large_logits(rng, shape, peak=100.0):
     return q, k, rng.normal(size=shape)
 
 
+def gqa_attention(q, k, v, mask):
+    """Grouped-query attention: q [..., H, T, d], k and v [..., Hkv, T, d]; query head i attends
+    with kv head i // (H / Hkv) (each kv head repeated over its group of consecutive query heads)."""
+    group = q.shape[-3] // k.shape[-3]
+    return attention(q, np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3), mask)
+
+
 def mha(x, wq, wk, wv, wo, num_heads, theta):
+    """Multi-head attention, or grouped-query attention when wk, wv [Hkv*dh, D] are narrower than wq."""
     b, t, d = x.shape
     dh = wq.shape[0] // num_heads
-    heads = lambda y: y.reshape(b, t, num_heads, dh).transpose(0, 2, 1, 3)  # noqa: E731
+    heads = lambda y: y.reshape(b, t, -1, dh).transpose(0, 2, 1, 3)  # noqa: E731
     pos = np.arange(t)
     q, k, v = rope(heads(linear(x, wq)), pos, theta), rope(heads(linear(x, wk)), pos, theta), heads(linear(x, wv))
-    out = attention(q, k, v, np.tril(np.ones((t, t), bool)))
+    out = gqa_attention(q, k, v, np.tril(np.ones((t, t), bool)))
     return linear(out.transpose(0, 2, 1, 3).reshape(b, t, num_heads * dh), wo)
 
 

@@ -74,9 +74,10 @@ def test_every_param_has_logical_axes():
     # the L blocks are one stack: 9 leaves of [L, ...] (not 9L), + embedding, ln_final, lm_head
     assert len(flat_axes) == len(jax.tree.leaves(params)) == 3 + 9
     for ax, p in zip(flat_axes, jax.tree.leaves(params)):
-        assert len(ax) == p.ndim and set(ax) <= {"vocab", "embed", "heads", "mlp", "norm", "layers"}
+        assert len(ax) == p.ndim and set(ax) <= {"vocab", "embed", "heads", "kv_heads", "mlp", "norm", "layers"}
         assert ("layers" in ax) == (ax[0] == "layers") and (ax[0] != "layers" or p.shape[0] == CFG.num_layers)
     assert axes["layers"]["attn"]["output_proj"]["weight"] == ("layers", "heads", "embed")
+    assert axes["layers"]["attn"]["k_proj"]["weight"] == ("layers", "embed", "kv_heads")
 
 
 def test_state_dict_names_layout_and_exact_round_trip(model):

@@ -1,7 +1,7 @@
 """The strategy registry: one declaration per strategy, read by everything that names one.
 
 The expected tables are written out by hand from the strategies' definitions (ZeRO-3 splits
-every weight's d_model over data; Megatron splits heads, d_ff and the vocabulary; sequence
+every weight's d_model over data; Megatron splits heads, kv heads, d_ff and the vocabulary; sequence
 parallelism splits the residual stream's T over tensor; ring attention splits the sequence
 over context; a pipeline splits the layer stack over stage; expert parallelism splits the
 experts over expert and the tokens over data x expert), not derived from the code, so a
@@ -21,7 +21,7 @@ from twinshard import cost
 from twinshard.parallel import mesh as mesh_lib, strategies
 from twinshard.parallel.strategies import ANY, MANY, ONE
 
-TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 #           mesh needs                                          params                          activations
 EXPECTED = {
     "dp": ({"data": MANY, "tensor": ONE}, {}, {"batch": "data"}),

@@ -115,25 +115,28 @@ bench() {
 
 # The attention kernel the bf16 runs use ("auto" = cuDNN flash attention on a GPU in bf16), jax.nn's
 # XLA kernel and layers.recompute_attention (the f32 runs' "auto") against the readable reference,
-# on gpt2_125m's attention shape, values and gradients (~20 s).
+# on gpt2_125m's attention shape, values and gradients, with 12 key/value heads and with 4 (grouped-
+# query attention, which cuDNN takes natively) (~30 s).
 echo "== attention: cudnn, xla and recompute vs reference" | tee -a "$MD"
 timeout 120 "$PY" - <<'PY' 2>&1 | tee -a "$MD"
 import jax, jax.numpy as jnp
-from twinshard import layers
+from twinshard.model import layers
 if jax.default_backend() != "gpu":
     print("attention check: SKIPPED (no GPU: cuDNN flash attention needs one)")
 else:
     ks = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(kk, (4, 12, 1024, 64), jnp.bfloat16) for kk in ks)
     loss = lambda impl: lambda *a: jnp.sum(layers.causal_attention(*a, impl).astype(jnp.float32) ** 2)
-    for impl in ("cudnn", "xla", "recompute"):
-        out = layers.causal_attention(q, k, v, impl).astype(jnp.float32)
-        ref = layers.causal_attention(q, k, v, "reference").astype(jnp.float32)
-        g = jax.grad(loss(impl), argnums=(0, 1, 2))(q, k, v)
-        gr = jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v)
-        gd = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in zip(g, gr))
-        print(f"attention {impl} vs reference (bf16 [4,12,1024,64]): out max|diff| "
-              f"{float(jnp.max(jnp.abs(out - ref))):.3g}, grads max|diff| {gd:.3g}")
+    for hk in (12, 4):
+        q = jax.random.normal(ks[0], (4, 12, 1024, 64), jnp.bfloat16)
+        k, v = (jax.random.normal(kk, (4, hk, 1024, 64), jnp.bfloat16) for kk in ks[1:])
+        for impl in ("cudnn", "xla", "recompute"):
+            out = layers.causal_attention(q, k, v, impl).astype(jnp.float32)
+            ref = layers.causal_attention(q, k, v, "reference").astype(jnp.float32)
+            g = jax.grad(loss(impl), argnums=(0, 1, 2))(q, k, v)
+            gr = jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v)
+            gd = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in zip(g, gr))
+            print(f"attention {impl} vs reference (bf16 q [4,12,1024,64], {hk} kv heads): out max|diff| "
+                  f"{float(jnp.max(jnp.abs(out - ref))):.3g}, grads max|diff| {gd:.3g}")
 PY
 echo >> "$MD"
 

@@ -65,6 +65,7 @@ ACCUM = "tests/test_accum.py"
 OPTIMIZERS = "tests/test_optimizers.py"
 REMAT = "tests/test_remat.py"
 MEMORY = "tests/test_memory.py"
+GQA = "tests/test_gqa.py"
 
 # The manual twin's tests of DATA_TENSOR: its cases of the tests parametrised over [twin-strategy],
 # then its own (the last two also run the GSPMD twin).
@@ -93,12 +94,15 @@ _LAYERS = "twinshard/model/layers.py"
 _PLAN = "twinshard/hardware/plan.py"
 _LOSS = "twinshard/model/loss.py"
 _MODEL = "twinshard/model/transformer.py"
+_ATTENTION = "twinshard/model/attention.py"
+_LINEAR = "twinshard/model/linear.py"
 _DATA = "twinshard/train/data.py"
 _HLO_PARSE = "twinshard/hlo/parse.py"
 _HLO_GROUPS = "twinshard/hlo/groups.py"
 _HLO_LOOPS = "twinshard/hlo/loops.py"
 _HLO_RECORDS = "twinshard/hlo/records.py"
 _COST_ROWS = "twinshard/cost/communication.py"
+_COST_ROWS_BUILDERS = "twinshard/cost/rows.py"
 _COST_FLOPS = "twinshard/cost/flops.py"
 _COST_MEMORY = "twinshard/cost/memory.py"
 _COST_WEIGHTS = "twinshard/cost/weights.py"
@@ -175,22 +179,22 @@ MUTANTS: list[Mutant] = [
            "par.head(lambda h: self.lm_head(h, par), par.enter_tensor_parallel(x))",
            "par.head(lambda h: self.lm_head(h, par), x)",
            MANUAL, "Megatron f dropped before lm_head: autodiff inserts the psum itself, unnamed"),
-    Mutant("model-no-g-after-attention", "tp", _MODEL,
+    Mutant("model-no-g-after-attention", "tp", _ATTENTION,
            "return par.row_parallel(out, wo)",
            "return layers.linear(out, wo)",
            MANUAL, "Megatron g dropped after output_proj: attention output stays a partial sum"),
     # --- the manual runner: DP mean, pcast, loss mean, clipping norm (manual_parallel/runner.py)
     Mutant("dp-mean-psum", "runner", _RUNNER,
-           "lax.pmean(g, axes) if axes else g",
-           "lax.psum(g, axes) if axes else g",
+           "return lax.pmean(g, mean) if mean else g",
+           "return lax.psum(g, mean) if mean else g",
            MANUAL, "data-parallel gradient sync sums instead of averaging"),
     Mutant("dp-mean-skipped", "runner", _RUNNER,
-           "return jax.tree.map(lambda g, axes: lax.pmean(g, axes) if axes else g, grads, replicated)",
+           "return jax.tree.map(sync, grads, replicated, self.summed_over)",
            "return grads",
            MANUAL, "data-parallel gradient sync forgotten"),
     Mutant("dp-no-pcast-before-grad", "runner", _RUNNER,
-           'params = jax.tree.map(lambda p, axes: lax.pcast(p, axes, to="varying") if axes else p,\n'
-           "                              params, replicated)",
+           'params = jax.tree.map(lambda p, axes, summed: lax.pcast(p, axes + summed, to="varying") if axes + summed else p,\n'
+           "                              params, replicated, self.summed_over)",
            "pass",
            MANUAL, "params not pcast to varying: autodiff psums over data, then the pmean double-counts"),
     Mutant("loss-mean-psum", "runner", _RUNNER,
@@ -437,12 +441,12 @@ MUTANTS: list[Mutant] = [
            "stats, tok = batch * ctx.seq * ctx.s, f\"[{batch},{ctx.seq}] f32\"",
            COST_TESTS, "cross-entropy statistics sized with the compute dtype, not f32"),
     Mutant("cost-tp-activations-whole", "cost", _COST_MEMORY,
-           "return b * seq * (6 * d + 5 * d // t + 4 + h // t) + ffn",
-           "return b * seq * (6 * d + 5 * d + 4 + h) + ffn * t",
+           "return b * seq * (6 * d + 3 * d // t + 2 * kv + 4 + h // t) + ffn + _kv_slices(cfg, remat, t)",
+           "return b * seq * (6 * d + 3 * d + 2 * kv * t + 4 + h) + ffn * t + _kv_slices(cfg, remat, t)",
            COST_TESTS, "TP activation memory not divided by the tensor size"),
     Mutant("cost-fsdp_tp-gathered-whole", "cost", _COST_MEMORY,
-           "gathered = max(layer, v * d) * dtype_bytes // t",
-           "gathered = max(layer, v * d) * dtype_bytes",
+           "gathered = max(layer, v * d // t) * dtype_bytes",
+           "gathered = max(layer * t, v * d) * dtype_bytes",
            COST_TESTS, "fsdp_tp's gathered-weight memory not divided by the tensor size"),
     Mutant("cost-reduce-scatter-operand-bytes", "cost", _COST_ROWS,
            "w.count, _local_bytes(ctx, w, tensor_shards) // ctx.d,",
@@ -477,7 +481,7 @@ MUTANTS: list[Mutant] = [
            "per_param = {\"adamw\": 1,",
            COST_TESTS, "optimizer memory counts one AdamW moment"),
     # --- bf16 compute (ModelConfig.dtype) and the fused attention seam
-    Mutant("bf16-cast-after-gather", "precision", _MODEL,
+    Mutant("bf16-cast-after-gather", "precision", _LINEAR,
            "return par.weight(var[...].astype(dtype), var.logical_axes)",
            "return par.weight(var[...], var.logical_axes).astype(dtype)",
            (TPU,), "weights cast to bf16 after the strategy hook: FSDP gathers f32 (twice the bytes)"),
@@ -862,8 +866,8 @@ MUTANTS: list[Mutant] = [
            ("tests/test_sequence.py::test_tp_sp_matches_single_device",),
            "scatter_sequence averages the row-parallel partial sums instead of summing them"),
     Mutant("tp-sp-norm-gain-unsummed", "tp_sp", "manual_parallel/tp_sp.py",
-           'return copy_to_tp(w, TENSOR) if axes == ("norm",) else w',
-           "return w",
+           'return copy_to_tp(w, TENSOR) if axes == ("norm",) else super().weight(w, axes)',
+           "return super().weight(w, axes)",
            ("tests/test_sequence.py::test_manual_ledger_equals_the_cost_model",),
            "the RMSNorm gains skip Megatron's f: autodiff sums their gradient silently, no named psum"),
     Mutant("tp-sp-cost-no-regather", "tp_sp", _COST_ROWS,
@@ -1251,4 +1255,88 @@ MUTANTS: list[Mutant] = [
            "wraps = (False, True)",
            (HLO,),
            "expect_permute(wrap=False) also counts a ring: a pipeline hop that wraps last -> first passes"),
+    # --- grouped-query attention and the model shapes (tests/test_gqa.py)
+    Mutant("gqa-kv-heads-interleaved", "models", _LAYERS,
+           "return q.reshape(b, hk, h // hk, t, dh), k[:, :, None], v[:, :, None]",
+           "return q.reshape(b, h // hk, hk, t, dh).swapaxes(1, 2), k[:, :, None], v[:, :, None]",
+           (f"{GQA}::test_every_kernel_is_float64_gqa_attention",),
+           "query head i attends with kv head i % Hkv, not i // (H/Hkv) (jax.nn's grouping), in the reference "
+           "and recompute kernels"),
+    Mutant("gqa-recompute-dk-per-query-head", "models", _LAYERS,
+           "return cotangent_like(dq, q), cotangent_like(_sum_to(dk, k.shape), k), cotangent_like(_sum_to(dv, v.shape), v)",
+           "return cotangent_like(dq, q), cotangent_like(dk[:, :, :1], k), cotangent_like(dv[:, :, :1], v)",
+           (f"{GQA}::test_every_kernel_is_float64_gqa_attention",),
+           "recompute's backward keeps the first query head's dk, dv of each group instead of the group's sum"),
+    Mutant("gqa-tp-wrong-kv-head", "models", _TP,
+           "w = lax.dynamic_slice_in_dim(w, lax.axis_index(TENSOR) // (t // self.kv_heads) * width, width, axis=-1)",
+           "w = lax.dynamic_slice_in_dim(w, lax.axis_index(TENSOR) % self.kv_heads * width, width, axis=-1)",
+           (f"{GQA}::test_twin_with_gqa_matches_single_device",),
+           "a device of replicated kv heads slices kv head i % Hkv: its query heads attend with another group's"),
+    Mutant("gqa-tp-no-kv-slice", "models", _TP,
+           "if axes[-1] == KV_HEADS and KV_HEADS not in self.param_rules:",
+           "if False:",
+           (f"{GQA}::test_twin_with_gqa_matches_single_device",),
+           "replicated kv weights used whole: every device runs all Hkv kv heads against its query heads"),
+    Mutant("gqa-kv-grad-not-pcast", "models", _RUNNER,
+           'lambda p, axes, summed: lax.pcast(p, axes + summed, to="varying") if axes + summed else p',
+           'lambda p, axes, summed: lax.pcast(p, axes, to="varying") if axes else p',
+           (f"{GQA}::test_twin_with_gqa_matches_single_device",),
+           "replicated kv weights left invariant over tensor: autodiff sums their gradient silently, then the "
+           "runner's psum sums it again (tensor times too large)"),
+    Mutant("gqa-kv-grad-averaged", "models", _RUNNER,
+           "total = lax.psum(g, _active(mean + summed, self.sizes))",
+           "total = lax.pmean(g, _active(mean + summed, self.sizes))",
+           (f"{GQA}::test_twin_with_gqa_matches_single_device",),
+           "the replicated kv weights' gradient averaged over tensor, not summed over the query-head groups"),
+    Mutant("gqa-placed-keeps-kv-split", "models", _STRATEGIES,
+           "if axis is None or kv_heads % mesh.get(axis, 1) == 0:",
+           "if axis is None or kv_heads % mesh.get(axis, 1) == 0 or True:",
+           (f"{GQA}::test_the_tensor_axis_splits_the_kv_heads_it_divides_and_replicates_the_others",
+            f"{GQA}::test_twin_with_gqa_matches_single_device"),
+           "a tensor axis larger than the kv heads still splits their columns: a device holds part of a kv head"),
+    Mutant("gqa-mesh-refuses-replication", "models", "twinshard/parallel/mesh.py",
+           "            if n % size == 0:\n                continue\n",
+           "",
+           (f"{GQA}::test_a_tensor_axis_that_cuts_a_kv_head_group_is_refused",),
+           "a tensor axis that is a multiple of the kv heads is refused instead of replicating them"),
+    Mutant("gqa-config-accepts-non-divisor", "models", "twinshard/config.py",
+           "if kv < 0 or kv and h % kv:",
+           "if kv < 0:",
+           (f"{GQA}::test_num_kv_heads_defaults_to_num_heads_and_must_divide_it",),
+           "num_kv_heads that does not divide num_heads is accepted (a group would straddle kv heads)"),
+    Mutant("gqa-num-params-full-kv", "models", "twinshard/config.py",
+           "per_layer = 2 * d * d + 2 * d * self.kv_dim + ffn + 2 * d",
+           "per_layer = 4 * d * d + ffn + 2 * d",
+           (f"{GQA}::test_llama3_presets_have_metas_published_shapes_and_parameter_counts",),
+           "the parameter count assumes full-size k and v: Llama 3 8B would count 8.6B"),
+    Mutant("gqa-flops-full-kv", "models", _COST_FLOPS,
+           "n_mm = n * (2 * d * hd + 2 * d * cfg.kv_dim + 3 * d * f) + d * v",
+           "n_mm = n * (4 * d * hd + 3 * d * f) + d * v",
+           (f"{GQA}::test_flops_per_token_are_6_n_plus_attention",),
+           "the FLOPs count k and v at full size under grouped-query attention"),
+    Mutant("gqa-cost-no-kv-sum", "models", _COST_ROWS_BUILDERS,
+           "    if not kv_replicated(ctx.cfg, ctx.mesh):\n        return []\n    return [row(",
+           "    if True:\n        return []\n    return [row(",
+           (f"{GQA}::test_manual_ledger_with_gqa_is_the_cost_model",),
+           "the cost model forgets the replicated kv weights' gradient sums over tensor"),
+    Mutant("gqa-cost-gathers-whole-kv", "models", _COST_WEIGHTS,
+           "return min(t, cfg.kv_heads) if KV_HEADS in w.axes else t",
+           "return t",
+           (f"{GQA}::test_manual_ledger_with_gqa_is_the_cost_model",),
+           "the cost model's fsdp_tp gathers k and v as 1/t shards where each device gathers one kv head"),
+    Mutant("gqa-cost-ring-full-heads", "models", _COST_ROWS,
+           "block = b * tc * cfg.kv_dim * ctx.s",
+           "block = b * tc * cfg.num_heads * cfg.head_dim * ctx.s",
+           (f"{GQA}::test_gqa_shrinks_ring_attention_blocks_and_cp_equals_single_device",),
+           "the cost model's ring attention sends K/V blocks of every query head, not the kv heads"),
+    Mutant("gqa-memory-kv-split-past-heads", "models", _COST_MEMORY,
+           "return cfg.kv_dim // min(t, cfg.kv_heads)",
+           "return cfg.kv_dim // t",
+           (f"{GQA}::test_saved_residuals_with_gqa_are_the_memory_model",),
+           "the memory model splits k and v over a tensor axis larger than the kv heads"),
+    Mutant("gqa-flags-keep-d_ff", "models", "launch/common.py",
+           'over["d_ff"] = 0  # re-derive 8/3 d_model for the new width',
+           "pass",
+           (f"{GQA}::test_shape_flags_give_any_shape_and_name_themselves_in_errors",),
+           "--d_model without --d_ff keeps the preset's d_ff instead of re-deriving 8/3 d_model"),
 ]

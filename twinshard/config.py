@@ -90,6 +90,10 @@ class ModelConfig:
     num_layers: int
     num_heads: int
     d_ff: int = 0  # 0 -> default_d_ff(d_model)
+    # Grouped-query attention: key/value heads, each shared by num_heads / num_kv_heads query heads
+    # (1: multi-query attention). 0: num_heads, the CS336 model's multi-head attention; it stays 0
+    # (`kv_heads` resolves it), so a config replaced with another num_heads keeps multi-head attention.
+    num_kv_heads: int = 0
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     # Compute dtype of activations and matmul inputs ("float32" or "bfloat16"). Params and
@@ -148,6 +152,7 @@ class ModelConfig:
                 f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
                 f"choose num_heads from {_divisors(self.d_model)} or change d_model."
             )
+        self._check_kv_heads()
         if self.head_dim % 2:
             raise ValueError(
                 f"head_dim = d_model/num_heads = {self.head_dim} is odd; RoPE rotates "
@@ -161,6 +166,16 @@ class ModelConfig:
         elif self.d_ff < 0:
             raise ValueError(f"ModelConfig.d_ff={self.d_ff} must be positive (or 0 for 8/3 d_model).")
         self._check_moe()
+
+    def _check_kv_heads(self) -> None:
+        """num_kv_heads: 0 (num_heads) or a divisor of num_heads (query head i attends with
+        key/value head i // (num_heads / num_kv_heads))."""
+        h, kv = self.num_heads, self.num_kv_heads
+        if kv < 0 or kv and h % kv:
+            raise ValueError(
+                f"ModelConfig.num_kv_heads={kv} (--num_kv_heads) must divide num_heads={h}: each key/value head "
+                f"serves an equal group of query heads; choose --num_kv_heads from {_divisors(h)} "
+                "(0: num_heads, multi-head attention; 1: multi-query).")
 
     def _check_moe(self) -> None:
         e, k = self.num_experts, self.experts_per_token
@@ -193,6 +208,16 @@ class ModelConfig:
         return self.d_model // self.num_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Hkv: the key/value heads (num_kv_heads, or num_heads where it is 0)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Hkv * head_dim: the width of the key and value projections (d_model without GQA)."""
+        return self.kv_heads * self.head_dim
+
+    @property
     def padded_vocab_size(self) -> int:
         return _round_up(self.vocab_size, VOCAB_MULTIPLE)
 
@@ -219,11 +244,17 @@ class ModelConfig:
         return min(s, max(1, math.ceil(round(k * s * self.capacity_factor / e, 9))))
 
     def num_params(self, padded: bool = True) -> int:
-        """Exact parameter count of `TransformerLM` (embedding and lm_head untied)."""
+        """Exact parameter count of `TransformerLM` (embedding and lm_head untied, no biases):
+
+            N = 2 V D + L (2 D^2 + 2 D Hkv dh + 3 D F + 2 D) + D
+
+        (V the vocabulary, padded unless padded=False; per layer q and output_proj [D, D], k and v
+        [D, Hkv dh], w1, w2, w3 and the two norm gains; then ln_final). Without GQA (Hkv = H)
+        the attention term is 4 D^2. A mixture of experts has D E + 3 E D F_e in place of 3 D F."""
         v = self.padded_vocab_size if padded else self.vocab_size
         d, f, e = self.d_model, self.d_ff, self.num_experts
         ffn = 3 * d * f if not e else d * e + e * 3 * d * self.expert_ff  # MoE: router + E SwiGLUs
-        per_layer = 4 * d * d + ffn + 2 * d
+        per_layer = 2 * d * d + 2 * d * self.kv_dim + ffn + 2 * d
         return 2 * v * d + self.num_layers * per_layer + d
 
 
@@ -353,6 +384,27 @@ _PRESETS: dict[str, Config] = {
         ModelConfig(vocab_size=32000, context_length=4096, d_model=4096, num_layers=32, num_heads=32,
                     d_ff=14336, rope_theta=1e6, norm_eps=1e-5, dtype="bfloat16",
                     num_experts=8, experts_per_token=2, capacity_factor=1.25, expert_d_ff=14336),
+        TrainConfig(batch_size=64, steps=5000, lr=2e-4, min_lr=2e-5, warmup_steps=500,
+                    tokenizer="bytes", log_every=10, eval_every=500),
+    ),
+    # Llama 3's published shapes, for planning (launch.plan) at scale, from the config.json of
+    # huggingface.co/meta-llama/Meta-Llama-3-8B and .../Meta-Llama-3-70B (hidden_size,
+    # intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size,
+    # rope_theta, rms_norm_eps, max_position_embeddings; tie_word_embeddings false, no biases): grouped-
+    # query attention with 8 key/value heads; Meta's published 8.03B and 70.6B parameters are
+    # ModelConfig.num_params. What differs without changing a shape: RoPE here rotates interleaved
+    # feature pairs (Meta's checkpoints on huggingface.co rotate halves), and Llama 3's tiktoken
+    # vocabulary is not shipped ("bytes" is a placeholder whose ids stay inside the 128256 rows). The
+    # train fields are planning defaults, not Meta's recipe.
+    "llama3_8b": Config(
+        ModelConfig(vocab_size=128256, context_length=8192, d_model=4096, num_layers=32, num_heads=32,
+                    num_kv_heads=8, d_ff=14336, rope_theta=500_000.0, norm_eps=1e-5, dtype="bfloat16"),
+        TrainConfig(batch_size=64, steps=5000, lr=2e-4, min_lr=2e-5, warmup_steps=500,
+                    tokenizer="bytes", log_every=10, eval_every=500),
+    ),
+    "llama3_70b": Config(
+        ModelConfig(vocab_size=128256, context_length=8192, d_model=8192, num_layers=80, num_heads=64,
+                    num_kv_heads=8, d_ff=28672, rope_theta=500_000.0, norm_eps=1e-5, dtype="bfloat16"),
         TrainConfig(batch_size=64, steps=5000, lr=2e-4, min_lr=2e-5, warmup_steps=500,
                     tokenizer="bytes", log_every=10, eval_every=500),
     ),

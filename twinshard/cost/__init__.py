@@ -20,11 +20,12 @@ Notation
     T  sequence length                 t  size of mesh axis `tensor`
     D  d_model (= H*dh)                b  per-device batch: B/d (dp, fsdp, fsdp_tp), B (tp)
     H  heads, dh head dim              L  num_layers
+    Hkv  key/value heads (= H without grouped-query attention)
     F  d_ff                            V  padded vocab (multiple of 128)
     s  bytes per element of the COMPUTE dtype (dtype_bytes: 4 = float32, 2 = bfloat16)
 
 The model, by concern (each module's docstring holds its formulas):
-    weights.py        the parameter tree `weights(cfg)` and how each strategy splits it (`RULES`)
+    weights.py        the parameter tree `weights(cfg)` and how each strategy splits it (`RULES`, `rules`)
     communication.py  the collective rows: byte conventions, one function per strategy
     flops.py          FLOPs of a step
     memory.py         bytes per device: params, gradients, optimizer state, activations
@@ -185,7 +186,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
         dtype_bytes = DTYPE_BYTES[cfg.dtype]
     if dtype_bytes not in (1, 2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes} must be 1, 2, 4 or 8 (4 for float32).")
-    dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads,
+    dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads, "kv_heads": cfg.kv_heads,
             "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size, "seq": seq, "experts": cfg.num_experts}
     if strategy in PIPELINES:
         from twinshard.parallel import pipeline

@@ -60,16 +60,21 @@ tp (tensor=t; Megatron). Activation A = B*T*D*s bytes, token stats B*T*4.
     before lm_head). Weight gradients need no communication. optimizer:
     all-reduce over tensor of the f32 squared-norm partial sum. metrics: none
     (the loss is already identical on every device).
+    Grouped-query attention with t > Hkv (kv heads replicated over tensor, each device
+    using its kv head's slice: manual_parallel/tp.py): backward, one all-reduce over tensor
+    per k/v leaf of its f32 gradient, L*D*Hkv*dh*4 bytes each (`_kv_sum_rows`).
 fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
     vocab dim) and over data (its D dim). fsdp's rows over data, but each
-    gathered array is the matrix's TENSOR shard (full/t bytes) and each
-    reduce-scatter result is full/(t*d); tp's rows over tensor with the
+    gathered array is the matrix's TENSOR shard (full/t bytes; GQA's k and v
+    full/min(t, Hkv): the kv head slice where t > Hkv) and each reduce-scatter
+    result is that / d; tp's rows over tensor with the
     per-device batch b = B/d (A = (B/d)*T*D*s, stats (B/d)*T*4); the
     squared-norm all-reduce runs over (data, tensor); the loss is all-reduced
-    over data.
+    over data; with t > Hkv, tp's k/v sums on the 1/d shards.
 cp (context=C; twinshard/parallel/context.py, manual_parallel/cp.py). Every weight replicated;
     each device holds T/C tokens of every sequence. forward: per layer 2(C-1)
-    collective-permutes of a K or V block [B, H, T/C, dh] (ring attention's ring_shift);
+    collective-permutes of a K or V block [B, Hkv, T/C, dh] (ring attention's ring_shift; Hkv the
+    key/value heads, H without grouped-query attention);
     backward: the reverse ring, 2(C-1) more. A sequence shard's gradient is a partial
     mean like a data shard's: all-reduce (pmean) over context of every gradient leaf (12,
     N*4 bytes), and of the loss. optimizer: none (replicated gradients).
@@ -88,7 +93,9 @@ tp_sp (tensor=t, data=d >= 1; Megatron sequence parallelism, manual_parallel/tp_
     than none the 2L column-parallel inputs are gathered again in the backward pass.
     With `collective_matmul` each of the 2L per-layer all-gathers is t-1 collective-permutes
     of A/t (forward) and so is its reduce-scatter (backward). With d > 1: dp's gradient
-    means over data of each leaf's tensor shard and the loss mean.
+    means over data of each leaf's tensor shard and the loss mean. With t > Hkv: tp's k/v sums
+    over tensor, joined to the k/v leaves' means over data where d > 1 (one all-reduce over
+    (data, tensor) each).
 pp, pp_fsdp (stage=S): the stage hops of `_hop_rows` and the stage sums; see `_pp`, `_pp_fsdp`.
 
 Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences). What
@@ -105,10 +112,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from twinshard.cost.rows import (Row, _Ctx, _cross_entropy_rows, _fsdp_rows, _fsdp_step_rows, _loss_row,
-                                 _matrices, _norm_row, _norms, _times, _tp_rows, row)
-from twinshard.cost.weights import F32, RULES, _leaf_shape, _shards, weights
+from twinshard.cost.rows import (Row, _Ctx, _cross_entropy_rows, _fsdp_rows, _fsdp_step_rows, _kv_sum_rows,
+                                 _loss_row, _matrices, _norm_row, _norms, _times, _tp_rows, row)
+from twinshard.cost.weights import F32, _leaf_shape, _shards, kv_replicated, rules as placed_rules, weights
 from twinshard.parallel import context, strategies
+from twinshard.parallel.strategies import KV_HEADS
 
 # ----------------------------------------------------------------------------- strategies
 
@@ -125,12 +133,14 @@ def _fsdp(ctx: _Ctx) -> list[Row]:
 
 
 def _tp(ctx: _Ctx) -> list[Row]:
-    return _tp_rows(ctx, batch=ctx.batch) + [_norm_row(ctx, ("tensor",))]
+    return _tp_rows(ctx, batch=ctx.batch) + _kv_sum_rows(ctx) + [_norm_row(ctx, ("tensor",))]
 
 
 def _fsdp_tp(ctx: _Ctx) -> list[Row]:
+    # replicated kv heads: their leaves are split over data alone, a sharding group of the norm's own
+    kv_norm = [_norm_row(ctx, ("data",))] if kv_replicated(ctx.cfg, ctx.mesh) else []
     return (_fsdp_rows(ctx, tensor_shards=ctx.t) + _tp_rows(ctx, batch=ctx.batch // ctx.d)
-            + [_norm_row(ctx, ("data", "tensor")), _loss_row(ctx)])
+            + _kv_sum_rows(ctx, data_shards=ctx.d) + [_norm_row(ctx, ("data", "tensor")), *kv_norm, _loss_row(ctx)])
 
 
 def _pp(ctx: _Ctx) -> list[Row]:
@@ -172,11 +182,15 @@ def _tp_sp(ctx: _Ctx) -> list[Row]:
     b = ctx.batch // ctx.d
     rows = _times(ctx.k, _tp_sp_micro_batch_rows(ctx, b // ctx.k)) + [_norm_row(ctx, ("tensor",))]
     if ctx.d == 1:
-        return rows
-    shards = {w.name: _shards(w, RULES["tp_sp"], ctx.mesh) for w in weights(ctx.cfg)}  # over tensor
-    return rows + [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32 // shards[w.name],
+        return rows + _kv_sum_rows(ctx)
+    rules = placed_rules("tp_sp", ctx.cfg, ctx.mesh)
+    shards = {w.name: _shards(w, rules, ctx.mesh) for w in weights(ctx.cfg)}  # over tensor
+    # replicated kv heads: their sum over tensor joins the mean over data (one all-reduce each)
+    over = lambda w: ("data", "tensor") if KV_HEADS in w.axes and kv_replicated(ctx.cfg, ctx.mesh) else ("data",)  # noqa: E731
+    return rows + [row(ctx, "backward", "all-reduce", over(w), w.leaves, w.layers * w.size * F32 // shards[w.name],
                        f"pmean over data of d({w.name}) {_leaf_shape(w)}"
-                       + (f"/{shards[w.name]} (its tensor shard)" if shards[w.name] > 1 else ""))
+                       + (f"/{shards[w.name]} (its tensor shard)" if shards[w.name] > 1 else "")
+                       + (", summed over tensor (kv heads replicated over it)" if len(over(w)) > 1 else ""))
                    for w in weights(ctx.cfg)] + [_loss_row(ctx)]
 
 
@@ -260,13 +274,14 @@ def _pp_fsdp(ctx: _Ctx) -> list[Row]:
 
 def _ring_rows(ctx: _Ctx, batch: int) -> list[Row]:
     """Ring attention (manual_parallel/ring_attention.py) on `batch` sequences per device, T/C tokens
-    each: per layer C-1 ring_shifts of the K block and C-1 of the V block [b, H, T/C, dh] forward,
-    the reverse ring of their gradients backward; per micro-batch (K times per step)."""
+    each: per layer C-1 ring_shifts of the K block and C-1 of the V block [b, Hkv, T/C, dh] forward
+    (Hkv = H without grouped-query attention), the reverse ring of their gradients backward; per
+    micro-batch (K times per step)."""
     c, cfg = ctx.mesh["context"], ctx.cfg
     context.check(ctx.seq, c, "contiguous")  # the ledger does not depend on the layout
     b, tc = batch // ctx.k, ctx.seq // c
-    block = b * tc * cfg.num_heads * cfg.head_dim * ctx.s
-    kv = f"[{b},{cfg.num_heads},{tc},{cfg.head_dim}]"
+    block = b * tc * cfg.kv_dim * ctx.s
+    kv = f"[{b},{cfg.kv_heads},{tc},{cfg.head_dim}]"
     n = 2 * (c - 1) * ctx.L
     return _times(ctx.k, [
         row(ctx, "forward", "collective-permute", ("context",), n, block,

@@ -2,13 +2,19 @@
 
 A matmul [m,k]x[k,n] costs 2mkn.
     forward  = 2 * B*T * N_mm + L * 2 * 2 * B * T^2 * D
-    with N_mm = L(4D*H*dh + 3DF) + DV the matmul parameters (the embedding is a
-    lookup: 0 FLOPs; norms, RoPE, softmax, SiLU are elementwise and ignored).
+    with N_mm = L(2D*H*dh + 2D*Hkv*dh + 3DF) + DV the matmul parameters (q and output_proj,
+    k and v with Hkv key/value heads: Hkv = H without grouped-query attention; the embedding is
+    a lookup: 0 FLOPs; norms, RoPE, softmax, SiLU are elementwise and ignored). So a train step
+    costs 6 N_mm per token (N_mm = N minus the embedding table and the norm gains) plus
+    attention's 12 L T H*dh per token: the scores and AV products run on every query head,
+    whatever Hkv.
     The attention term is QK^T and AV, 2*B*T*T*D each per layer; it is NOT
     halved for causality (our attention computes the full T x T scores and
     masks them). backward = 2 x forward (grad wrt inputs + grad wrt weights).
     total = 3 x forward; per device = total / (d*t) (every strategy splits all
-    matmuls evenly: batch over data, heads / d_ff / vocab over tensor).
+    matmuls evenly: batch over data, heads / d_ff / vocab over tensor; a tensor axis larger
+    than Hkv makes each device compute its kv head's k and v in full, t/Hkv copies of the
+    4 B T D Hkv dh forward FLOPs of k and v, not counted).
 The formula counts every score; ring attention (cp, fsdp_cp) computes only the visible
 blocks after its own, (C+1)/(2C) of the attention scores in total (zig-zag: half a block
 per device per step, balanced; contiguous: the same total, device c doing c + 1 blocks).
@@ -38,7 +44,7 @@ class Flops:
 
 def flops(cfg: ModelConfig, batch: int, seq: int, n_devices: int = 1) -> Flops:
     d, hd, f, v, n = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.d_ff, cfg.padded_vocab_size, cfg.num_layers
-    n_mm = n * (4 * d * hd + 3 * d * f) + d * v  # q,k,v,o + w1,w2,w3 per layer, + lm_head
+    n_mm = n * (2 * d * hd + 2 * d * cfg.kv_dim + 3 * d * f) + d * v  # q,o + k,v + w1,w2,w3 per layer, + lm_head
     fwd_mm = 2 * batch * seq * n_mm
     if cfg.num_experts:
         n_mm, fwd_mm = _moe_matmuls(cfg, batch * seq)
@@ -55,9 +61,10 @@ def _moe_matmuls(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
     (moe_dispatch='ragged'), the experts on the N k assigned rows only and the k-weighted sum."""
     d, hd, e, fe = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_experts, cfg.expert_ff
     n, c, slots = cfg.num_layers, cfg.expert_capacity, e * (tokens // cfg.moe_group) * cfg.expert_capacity
-    active = n * (4 * d * hd + d * e + cfg.experts_per_token * 3 * d * fe) + d * cfg.padded_vocab_size
+    attn = 2 * d * hd + 2 * d * cfg.kv_dim  # q, o; k, v
+    active = n * (attn + d * e + cfg.experts_per_token * 3 * d * fe) + d * cfg.padded_vocab_size
     moves = 2 * 2 * tokens * e * c * d  # the dispatch and combine einsums
     if cfg.moe_dispatch == "ragged":  # ragged_dot on the A = tokens k real rows; the weighted sum of the k
         slots, moves = tokens * cfg.experts_per_token, 2 * tokens * cfg.experts_per_token * d
-    per_layer = 2 * tokens * (4 * d * hd + d * e) + 2 * slots * 3 * d * fe + moves
+    per_layer = 2 * tokens * (attn + d * e) + 2 * slots * 3 * d * fe + moves
     return active, n * per_layer + 2 * tokens * d * cfg.padded_vocab_size

@@ -31,6 +31,9 @@ Memory per device (`Memory`, bytes):
                    cuDNN flash attention (the default on a GPU in bf16: `gpu`) keeps none at all.
                    (Autodiff of the reference or of jax.nn's XLA attention would save the
                    scores and the probabilities, 2 x [b,H/t,T,T] f32 per layer, instead of o.)
+                   Grouped-query attention: k and v are kv_local = Hkv*dh/min(t, Hkv) wide,
+                   not D/t (3D/t + 2 kv_local in place of 5D/t, also in the policies below),
+                   and where t > Hkv the layer keeps its two kv head slices [D, dh].
         full       b*T*D: the layer input (the checkpoint's argument); + b*T*D under
                    tensor parallelism, the attention block's g output (the manual twin
                    saves Megatron g's psum outputs so no all-reduce is recomputed, and
@@ -78,7 +81,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from twinshard.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ModelConfig
-from twinshard.cost.weights import F32, RULES, _shards, weights
+from twinshard.cost.weights import F32, _shards, rules as placed_rules, used_shards, weights
 from twinshard.parallel import mesh as mesh_lib
 
 
@@ -134,25 +137,40 @@ def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[s
     return total * state_bytes
 
 
+def kv_local(cfg: ModelConfig, t: int) -> int:
+    """The key/value width one device computes over t tensor shards: Hkv*dh / min(t, Hkv) (D/t
+    without grouped-query attention; one kv head's dh where t > Hkv)."""
+    return cfg.kv_dim // min(t, cfg.kv_heads)
+
+
+def _kv_slices(cfg: ModelConfig, remat: str, t: int) -> int:
+    """Elements of the two kv head slices [D, dh] (k, v) a layer of the manual tp twins keeps for
+    its backward pass under remat=none where t > Hkv (the matmuls' weights are the slices,
+    manual_parallel/tp.py); a remat policy recomputes them. Not batch-sized."""
+    return 2 * cfg.d_model * cfg.head_dim if remat == "none" and cfg.kv_heads % t else 0
+
+
 def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequence: bool = False,
                     exchange: int = 0) -> int:
     """Elements one layer saves for the backward pass under `remat` (module docstring);
     b sequences per device, t tensor shards (1 without tensor parallelism); `sequence`:
     Megatron sequence parallelism (tp_sp), the residual stream on sequence shards; `exchange`:
-    the expert axis a dropless mixture of experts exchanges its rows over (0: none, `moe_saved`)."""
+    the expert axis a dropless mixture of experts exchanges its rows over (0: none, `moe_saved`).
+    Grouped-query attention's k and v are `kv_local` wide (D/t without it)."""
     d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
+    kv = kv_local(cfg, t)
     scores = b * (h // t) * seq * seq  # [b, H/t, T, T]
     if sequence:
         return _saved_per_layer_sequence(cfg, remat, b, seq, t, scores)
     if remat == "none":  # what autodiff saves: JAX's print_saved_residuals, listed in the docstring
         ffn = moe_saved(cfg, b * seq, exchange) if cfg.num_experts else b * seq * 3 * f // t
-        return b * seq * (6 * d + 5 * d // t + 4 + h // t) + ffn
+        return b * seq * (6 * d + 3 * d // t + 2 * kv + 4 + h // t) + ffn + _kv_slices(cfg, remat, t)
     if cfg.num_experts and remat != "full":
         raise ValueError(f"remat={remat!r} has no memory model for a mixture of experts; the model covers "
                          "remat=none and remat=full.")
     if remat == "full":
         return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
-    no_batch = b * seq * (2 * d + 3 * d // t + 2 * f // t)
+    no_batch = b * seq * (2 * d + d // t + 2 * kv + 2 * f // t)
     if remat == "dots_no_batch":
         return no_batch
     if remat == "dots":
@@ -248,12 +266,13 @@ def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t:
     them, as TP: q, k, v, SwiGLU, the scores. New: under `none` the two gathered inputs of the
     column-parallel matmuls [b, T, D] (their weight gradients read them); a remat policy
     saves the shard instead and gathers it again (tp_sp.py)."""
-    d, f, h = cfg.d_model, cfg.d_ff, cfg.num_heads
+    d, f, h, kv = cfg.d_model, cfg.d_ff, cfg.num_heads, kv_local(cfg, t)
     if remat == "none":  # 4 [b,T/t,D] + 4 [b,T/t,1] + 2 gathered [b,T,D] + q, k, v, o, lse + ...
-        return b * seq * (9 * d // t + 2 * d + 3 * f // t + h // t) + 4 * b * seq // t
+        return (b * seq * (7 * d // t + 2 * kv + 2 * d + 3 * f // t + h // t) + 4 * b * seq // t
+                + _kv_slices(cfg, remat, t))
     if remat == "full":  # the layer input and the attention block's reduce-scatter output, [b,T/t,D]
         return 2 * b * seq * d // t
-    no_batch = b * seq * (5 * d // t + 2 * f // t)  # the two [b,T/t,D] above, q, k, v, w1 and w3 outputs
+    no_batch = b * seq * (3 * d // t + 2 * kv + 2 * f // t)  # the two [b,T/t,D] above, q, k, v, w1 and w3 outputs
     if remat == "dots_no_batch":
         return no_batch
     if remat == "dots":
@@ -272,20 +291,21 @@ def _cp_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int, s: i
     2048, 4096, 8192: 4.8, 15.5, 40.9, 131.5 MiB per device) against 4.9, 15.5, 36.7,
     103.0."""
     tc, d, v = seq // c, cfg.d_model, cfg.padded_vocab_size
-    ring, block = ring_attention_memory(b, cfg.num_heads, tc, cfg.head_dim, c)
+    ring, block = ring_attention_memory(b, cfg.num_heads, tc, cfg.head_dim, c, cfg.kv_heads)
     layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + ring)
     backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + ring + block) * s
     final = (2 * b * tc * d + b * tc * v) * s + b * tc * v * F32
     return layers, backward_layer, final
 
 
-def ring_attention_memory(b: int, h: int, tc: int, dh: int, c: int) -> tuple[int, int]:
+def ring_attention_memory(b: int, h: int, tc: int, dh: int, c: int, kv_heads: int | None = None) -> tuple[int, int]:
     """(elements one layer's ring attention saves, elements its backward rebuilds at once) on a
-    device holding q, k, v [b, h, T/C, dh] of C shards (manual_parallel/ring_attention.py): the
-    C-1 received K and V blocks and each of the C steps' running statistics (acc [b, h, T/C, dh],
-    max and sum [b, h, T/C, 1]: a checkpointed merge saves its inputs only); the backward pass
-    rebuilds one block's scores and probabilities [b, h, T/C, T/C] at a time."""
-    kv = 2 * (c - 1) * b * h * tc * dh
+    device holding q [b, h, T/C, dh] and k, v [b, hk, T/C, dh] (hk = kv_heads, h by default) of C
+    shards (manual_parallel/ring_attention.py): the C-1 received K and V blocks and each of the C
+    steps' running statistics (acc [b, h, T/C, dh], max and sum [b, h, T/C, 1]: a checkpointed
+    merge saves its inputs only); the backward pass rebuilds one block's scores and probabilities
+    [b, h, T/C, T/C] at a time."""
+    kv = 2 * (c - 1) * b * (h if kv_heads is None else kv_heads) * tc * dh
     stats = c * (b * h * tc * dh + 2 * b * h * tc)
     return kv + stats, 2 * b * h * tc * tc
 
@@ -305,7 +325,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
         raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; choose one of "
                          f"{', '.join(PIPELINE_SCHEDULES)}.")
     remat = cfg.remat if remat is None else remat
-    rules = RULES[strategy]
+    rules = placed_rules(strategy, cfg, mesh)
     masters = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # as float32
     params = sum(w.count * w.size * param_bytes // _shards(w, rules, mesh) for w in weights(cfg))
     t = mesh["tensor"] if "heads" in rules else 1
@@ -332,9 +352,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     gathered = 0
     if "embed" in rules:
         experts = {"experts": rules["experts"]} if "experts" in rules else {}  # fsdp of a MoE: all E experts
-        layer = sum(w.size * w.count // w.layers // _shards(w, experts, mesh)
+        layer = sum(w.size * w.count // w.layers // (_shards(w, experts, mesh) * used_shards(cfg, w, t))
                     for w in weights(cfg) if w.is_matrix and w.layers > 1)  # one layer's matrices (E/ep experts)
-        gathered = max(layer, v * d) * dtype_bytes // t
+        gathered = max(layer, v * d // t) * dtype_bytes
         if "layers" in rules:  # pp_fsdp: the stage's L/S layers, embedding and lm_head, gathered for the
             # step; GPipe's tick loop reads them as float32 (manual_parallel/pp.py `_gpipe`), 1F1B in
             # the compute dtype
@@ -351,6 +371,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     accumulator = masters
     if "embed" in rules:
         no_data = {a: m for a, m in rules.items() if m != "data"}
-        accumulator = sum(w.count * w.size * F32 // _shards(w, no_data, mesh) for w in weights(cfg))
-        gathered = sum(w.count * w.size for w in weights(cfg) if w.is_matrix) * dtype_bytes // t
+        # (the piece a device uses: a replicated kv weight's gathered slice is 1/Hkv of it)
+        accumulator = sum(w.count * w.size * F32 // max(_shards(w, no_data, mesh), used_shards(cfg, w, t))
+                          for w in weights(cfg))
+        gathered = sum(w.count * w.size // used_shards(cfg, w, t) for w in weights(cfg) if w.is_matrix) * dtype_bytes
     return Memory(params, params, opt, acts, gathered, accumulator, backward_layer, copy)

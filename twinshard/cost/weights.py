@@ -8,7 +8,8 @@ twinshard/model/transformer.py), in the notation of the package docstring
 
     kind    weight                   shape        logical axes     count   leaves
     matrix  token_embeddings         [V, D]       (vocab, embed)   1       1
-    matrix  attn.{q,k,v}_proj        [D, H*dh]    (embed, heads)   3L      3 x [L, D, H*dh]
+    matrix  attn.q_proj              [D, H*dh]    (embed, heads)   L       1 x [L, D, H*dh]
+    matrix  attn.{k,v}_proj          [D, Hkv*dh]  (embed, kv_heads) 2L     2 x [L, D, Hkv*dh]
     matrix  attn.output_proj         [H*dh, D]    (heads, embed)   L       1 x [L, H*dh, D]
     matrix  ffn.{w1,w3}              [D, F]       (embed, mlp)     2L      2 x [L, D, F]
     matrix  ffn.w2                   [F, D]       (mlp, embed)     L       1 x [L, F, D]
@@ -17,13 +18,15 @@ twinshard/model/transformer.py), in the notation of the package docstring
     norm    ln_final                 [D]          (norm,)          1       1
 
 so there are 7L + 2 matrices and 2L + 1 norm vectors in 12 leaves,
-N = 2VD + L(4D^2 + 3DF + 2D) + D parameters (= `ModelConfig.num_params()`).
+N = 2VD + L(2D^2 + 2D Hkv dh + 3DF + 2D) + D parameters (= `ModelConfig.num_params()`; Hkv the
+key/value heads, = H and so 4D^2 without grouped-query attention).
 A mixture of experts (E experts of width F_e) has, in place of the three ffn matrices:
 
     matrix  ffn.router               [D, E]         (embed, router)          L   1 x [L, D, E] (f32)
     matrix  ffn.{w1,w3}              [E, D, F_e]    (experts, embed, mlp)    2L  2 x [L, E, D, F_e]
     matrix  ffn.w2                   [E, F_e, D]    (experts, mlp, embed)    L   1 x [L, E, F_e, D]
-`RULES` maps each logical axis to the mesh axis a strategy splits it over; `_shards`,
+`RULES` maps each logical axis to the mesh axis a strategy splits it over (`rules`: for one model on
+one mesh, grouped-query attention's kv heads replicated where the tensor axis is larger); `_shards`,
 `_held` and the shape labels size a weight's piece on one device.
 """
 
@@ -36,12 +39,33 @@ from dataclasses import dataclass
 from twinshard.config import ModelConfig
 from twinshard.parallel import strategies
 from twinshard.parallel.mesh import axis_size
+from twinshard.parallel.strategies import KV_HEADS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # ModelConfig.dtype -> bytes per element
 F32 = 4  # bytes of the loss, the squared-norm scalar and the cross-entropy statistics
 
 # logical axis -> mesh axis of everything each strategy splits (its declaration's tables).
 RULES: dict[str, dict[str, str]] = {s.name: s.split_rules for s in strategies.DECLARATIONS}
+
+
+def rules(strategy: str, cfg: ModelConfig, mesh: Mapping[str, int]) -> dict[str, str]:
+    """RULES[strategy] for this model on this mesh: without kv_heads where the tensor axis is larger
+    than the key/value heads, which are then replicated over it (strategies.Strategy.placed)."""
+    return strategies.get(strategy).placed(cfg.kv_heads, mesh).split_rules
+
+
+def used_shards(cfg: ModelConfig, w: Weight, t: int) -> int:
+    """Into how many column pieces Megatron over t tensor devices cuts w where it is used: t for
+    a head / mlp / vocab-split weight; min(t, Hkv) for grouped-query attention's k and v (Hkv/t
+    kv heads per device, or one kv head where the tensor axis is larger: each device slices its
+    own from the replicated weight, manual_parallel/tp.py)."""
+    return min(t, cfg.kv_heads) if KV_HEADS in w.axes else t
+
+
+def kv_replicated(cfg: ModelConfig, mesh: Mapping[str, int]) -> bool:
+    """The k/v weights are replicated over `tensor` by the strategies that split heads over it:
+    a tensor axis larger than (a multiple of) the kv heads."""
+    return cfg.kv_heads % mesh.get("tensor", 1) != 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +116,8 @@ class Weight:
 def weights(cfg: ModelConfig) -> list[Weight]:
     """The weights of `TransformerLM`, grouped by shape and role (block weights stacked [L, ...])."""
     v, d, f, hd, n = cfg.padded_vocab_size, cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.head_dim, cfg.num_layers
+    attn = [Weight("attn.q_proj", (d, hd), ("embed", "heads"), n, layers=n),
+            Weight("attn.{k,v}_proj", (d, cfg.kv_dim), ("embed", KV_HEADS), 2 * n, layers=n)]
     if cfg.num_experts:
         e, fe = cfg.num_experts, cfg.expert_ff
         ffn = [Weight("ffn.router", (d, e), ("embed", "router"), n, layers=n, float32=True),
@@ -102,7 +128,7 @@ def weights(cfg: ModelConfig) -> list[Weight]:
                Weight("ffn.w2", (f, d), ("mlp", "embed"), n, layers=n)]
     return [
         Weight("token_embeddings", (v, d), ("vocab", "embed"), 1),
-        Weight("attn.{q,k,v}_proj", (d, hd), ("embed", "heads"), 3 * n, layers=n),
+        *attn,
         Weight("attn.output_proj", (hd, d), ("heads", "embed"), n, layers=n),
         *ffn,
         Weight("lm_head", (d, v), ("embed", "vocab"), 1),

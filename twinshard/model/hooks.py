@@ -7,7 +7,8 @@ single-device behaviour (every hook is the identity or the plain layer), so
 override only what they need:
 
     hook                    auto_parallel (GSPMD)        manual_parallel (shard_map)
-    weight(w, axes)         constraint to the use layout FSDP: all_gather over data
+    weight(w, axes)         constraint to the use layout FSDP: all_gather over data; TP:
+                                                         a replicated kv weight's own kv head
     constrain(x, axes)      with_sharding_constraint     -
     enter_tensor_parallel   -                            Megatron f: identity / psum
     exit_tensor_parallel    -                            Megatron g: psum / identity
@@ -27,8 +28,8 @@ override only what they need:
     combine_rows(r, plan)                                ragged_all_to_all over `expert` (combine:
                                                          the reverse), rows regrouped by expert
 
-Logical axis names (on params and activations): vocab, embed, heads, mlp,
-norm, layers, experts, router (params); batch, seq, embed, heads, mlp, vocab (activations).
+Logical axis names (on params and activations): vocab, embed, heads, kv_heads, mlp,
+norm, layers, experts, router (params); batch, seq, embed, heads, kv_heads, mlp, vocab (activations).
 The MoE router's [D, E] is ('embed', 'router'): no strategy maps `router`, so every
 device holds all E columns (each token scores every expert).
 
@@ -74,9 +75,12 @@ class Parallelism:
         """After a row-parallel matmul (Megatron's g)."""
         return x
 
-    def column_parallel(self, x: Array, ws: tuple[Array, ...]) -> tuple[Array, ...]:
+    def column_parallel(self, x: Array, ws: tuple[Array, ...], axes: Axes | None = None) -> tuple[Array, ...]:
         """x [B, T, D] @ each w [D, out] (sharing one input: q, k, v; w1, w3) -> [B, T, out] each.
-        Megatron's f, then the column-parallel matmuls on this device's columns."""
+        Megatron's f, then the column-parallel matmuls on this device's columns. axes: each
+        output's logical axis (attention: heads, kv_heads, kv_heads; None: the SwiGLU's mlp),
+        for the strategies that place the two kinds apart (GSPMD tp_sp: grouped-query attention's
+        kv heads replicated over a tensor axis larger than them)."""
         x = self.enter_tensor_parallel(x)
         return layers.linears(x, ws, self.flat_rows)
 

@@ -214,9 +214,30 @@ def attention_scores(q: Array, k: Array, mask: Array | None = None) -> Array:
     return scores
 
 
+def group_heads(q: Array, k: Array, v: Array) -> tuple[Array, Array, Array]:
+    """Grouped-query attention's layout: q [B, h, T, dh] and k, v [B, hk, Tk, dh] (h a multiple of
+    hk) -> q [B, hk, h/hk, T, dh], k and v [B, hk, 1, Tk, dh]. Query head i attends with key/value
+    head i // (h/hk) (the heads of a group are consecutive, as in jax.nn.dot_product_attention), and
+    every "..." einsum of an attention kernel broadcasts each kv head over its group without a copy
+    (jnp.einsum squeezes the size-1 dim: one dot_general batched over (B, hk)). ungroup_heads
+    inverts it."""
+    b, h, t, dh = q.shape
+    hk = k.shape[-3]
+    assert h % hk == 0 and k.shape == v.shape[:-1] + (k.shape[-1],), (q.shape, k.shape, v.shape)
+    return q.reshape(b, hk, h // hk, t, dh), k[:, :, None], v[:, :, None]
+
+
+def ungroup_heads(o: Array) -> Array:
+    """[B, hk, h/hk, T, dh] -> [B, h, T, dh] (group_heads' inverse for the output)."""
+    b, hk, g, t, dh = o.shape
+    return o.reshape(b, hk * g, t, dh)
+
+
 def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto",
                      positions: tuple[int, ...] | None = None) -> Array:
-    """Causal attention of q, k, v: [B, h, T, dh] -> [B, h, T, dh] (h local heads under TP).
+    """Causal attention of q [B, h, T, dh] with k, v [B, hk, T, dh] -> [B, h, T, dh] (h local heads
+    under TP). hk = h: multi-head attention; hk < h (a divisor): grouped-query attention, query head
+    i attending with kv head i // (h/hk) (`group_heads`; jax.nn's kernels take it natively).
 
     impl: "reference" is `scaled_dot_product_attention` above, the readable one every
     other is tested against; "recompute" is `recompute_attention` below (the same math,
@@ -234,10 +255,14 @@ def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto",
         half = q.dtype in (jnp.bfloat16, jnp.float16)
         on_gpu = half and jax.default_backend() == "gpu" and positions is None
         impl = "cudnn" if on_gpu else "recompute"
-    if impl == "recompute":
-        return recompute_attention(q, k, v, positions)
-    if impl == "reference" or positions is not None:
-        return scaled_dot_product_attention(q, k, v, _keep_mask(q.shape[-2], positions))
+    if impl in ("recompute", "reference") or positions is not None:
+        grouped = k.shape[-3] != q.shape[-3]
+        qg, kg, vg = group_heads(q, k, v) if grouped else (q, k, v)
+        if impl == "recompute":
+            o = recompute_attention(qg, kg, vg, positions)
+        else:
+            o = scaled_dot_product_attention(qg, kg, vg, _keep_mask(q.shape[-2], positions))
+        return ungroup_heads(o) if grouped else o
     bthd = lambda t: t.transpose(0, 2, 1, 3)  # noqa: E731  [B, h, T, dh] <-> [B, T, h, dh]
     return bthd(jax.nn.dot_product_attention(bthd(q), bthd(k), bthd(v), is_causal=True, implementation=impl))
 
@@ -246,6 +271,8 @@ def recompute_attention(q: Array, k: Array, v: Array, positions: tuple[int, ...]
     """Causal softmax(q k^T / sqrt(dh)) v, [B, h, T, dh] x3 -> [B, h, T, dh], whose backward
     saves o and the rows' log-sum-exp [B, h, T, 1] and recomputes the probabilities from q and
     k: flash attention's backward, untiled. A layer keeps no [T, T] array for the backward.
+    Grouped-query attention passes group_heads' layout (k, v broadcast over a size-1 group dim;
+    their gradients are summed over the group).
 
     Autodiff of the reference (and of jax.nn.dot_product_attention's XLA path) saves the
     masked scores and the probabilities, 2 x [B, h, T, T] float32 per layer, which the
@@ -311,7 +338,14 @@ def _recompute_attention_bwd(positions, res, do: Array) -> tuple[Array, Array, A
     ds = p * (dp - delta) / np.sqrt(q.shape[-1]).astype(np.float32)  # d(q k^T) [B, h, T, T]
     dq = jnp.einsum("...qk,...kd->...qd", ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
     dk = jnp.einsum("...qk,...qd->...kd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
-    return cotangent_like(dq, q), cotangent_like(dk, k), cotangent_like(dv, v)
+    return cotangent_like(dq, q), cotangent_like(_sum_to(dk, k.shape), k), cotangent_like(_sum_to(dv, v.shape), v)
+
+
+def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
+    """x summed over the dims where `shape` has 1 and x does not (kept as 1): the gradient of an
+    operand the einsums broadcast (grouped-query attention's k, v [B, hk, 1, T, dh])."""
+    dims = tuple(i for i, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
+    return jnp.sum(x, axis=dims, keepdims=True) if dims else x
 
 
 _recompute_attention.defvjp(_recompute_attention_fwd, _recompute_attention_bwd)
@@ -331,12 +365,12 @@ def merge_heads(x: Array) -> Array:
 
 def attend_heads(q: Array, k: Array, v: Array, positions: Array, head_dim: int, theta: float, max_len: int,
                  attend=causal_attention) -> Array:
-    """The attention core on projections: q, k, v [B, T, h*dh] -> [B, T, h*dh].
+    """The attention core on projections: q [B, T, h*dh], k, v [B, T, hk*dh] -> [B, T, h*dh].
 
     Splits heads, rotates q and k by RoPE at `positions` [T] (the tokens' places in the
     whole sequence: arange(T) on one device; a context-parallel shard's own chunk
-    positions), and runs `attend` ([B, h, T, dh] x3 -> [B, h, T, dh]; causal_attention, or
-    ring attention across sequence shards)."""
+    positions), and runs `attend` (q [B, h, T, dh], k, v [B, hk, T, dh] -> [B, h, T, dh];
+    causal_attention, or ring attention across sequence shards)."""
     q = apply_rope(split_heads(q, head_dim), positions, theta, max_len)
     k = apply_rope(split_heads(k, head_dim), positions, theta, max_len)
     return merge_heads(attend(q, k, split_heads(v, head_dim)))
@@ -346,10 +380,11 @@ def causal_self_attention(
     x: Array, wq: Array, wk: Array, wv: Array, wo: Array,
     head_dim: int, theta: float, max_len: int, attention: str = "auto",
 ) -> Array:
-    """Causal multi-head self-attention with RoPE on q and k.
+    """Causal multi-head (or grouped-query) self-attention with RoPE on q and k.
 
-    x: [B, T, D]; wq/wk/wv: [D, h*dh]; wo: [h*dh, D]; h = wq.shape[1] // head_dim
-    (all H heads on one device, H/tensor under Megatron TP). Returns [B, T, D]
+    x: [B, T, D]; wq: [D, h*dh]; wk/wv: [D, hk*dh]; wo: [h*dh, D]; h = wq.shape[1] // head_dim
+    (all H heads on one device, H/tensor under Megatron TP), hk the key/value heads (h without
+    GQA; a divisor of h with it). Returns [B, T, D]
     (a partial sum over heads under TP: the caller reduces it). The model runs the same
     steps through its strategy's hooks (transformer.CausalSelfAttention).
     """

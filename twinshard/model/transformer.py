@@ -1,7 +1,9 @@
 """The decoder-only Transformer LM (Flax NNX), mesh-free.
 
-Every parameter carries `logical_axes` metadata (vocab, embed, heads, mlp,
-norm); a strategy maps those names to mesh axes. The model never mentions a
+Every parameter carries `logical_axes` metadata (vocab, embed, heads, kv_heads,
+mlp, norm); a strategy maps those names to mesh axes. The modules' weights are
+declared and used through twinshard/model/linear.py; attention is
+twinshard/model/attention.py. The model never mentions a
 mesh: strategy-specific behaviour comes in through a `Parallelism` object
 (twinshard/model/hooks.py) passed to `__call__`.
 
@@ -12,7 +14,8 @@ a leading [L] axis with logical name `layers` (the pipeline strategies map it to
 
     token_embeddings.weight          [V_pad, D]      (vocab, embed)
     layers.ln1.weight                [L, D]          (layers, norm)
-    layers.attn.{q,k,v}_proj.weight  [L, D, H*dh]    (layers, embed, heads)
+    layers.attn.q_proj.weight        [L, D, H*dh]    (layers, embed, heads)
+    layers.attn.{k,v}_proj.weight    [L, D, Hkv*dh]  (layers, embed, kv_heads)  Hkv = H without GQA
     layers.attn.output_proj.weight   [L, H*dh, D]    (layers, heads, embed)
     layers.ln2.weight                [L, D]          (layers, norm)
     layers.ffn.{w1,w3}.weight        [L, D, F]       (layers, embed, mlp)
@@ -52,48 +55,13 @@ from flax import nnx
 
 from twinshard.model import layers, moe
 from twinshard.config import ModelConfig
+from twinshard.model.attention import CausalSelfAttention
 from twinshard.model.hooks import SINGLE_DEVICE, Parallelism, Policy
+from twinshard.model.linear import Linear, param as _param, truncated_normal as _truncated_normal, use as _use
 
 Array = jax.Array
 ACTIVATION = ("batch", "seq", "embed")  # logical axes of the residual stream [B, T, D]
 LOGITS = ("batch", "seq", "vocab")  # [B, T, V_pad]
-
-
-def _param(value: Array, axes: tuple[str, ...]) -> nnx.Param:
-    return nnx.Param(value, logical_axes=axes)
-
-
-def _use(var: nnx.Param, par: Parallelism, dtype: str = "float32") -> Array:
-    """A weight as the strategy hands it to the math (FSDP: gathered), keyed by its logical axes.
-
-    Cast to the compute dtype BEFORE the hook, so FSDP gathers the bf16 copy (half the bytes)
-    and its gradient comes back through the cast as float32 for the float32 master weight."""
-    return par.weight(var[...].astype(dtype), var.logical_axes)
-
-
-def _truncated_normal(key: Array, shape: tuple[int, ...], std: float) -> Array:
-    """N(0, std^2) truncated at +-3 std."""
-    return std * jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32)
-
-
-class Linear(nnx.Module):
-    """y = x W, W: [d_in, d_out], std sqrt(2 / (d_in + d_out)).
-
-    `fan_out` overrides d_out in the std (the lm_head uses the unpadded vocab,
-    as the CS336 model does); `valid_out` zeroes the padded output columns.
-    """
-
-    def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, rngs: nnx.Rngs,
-                 fan_out: int | None = None, valid_out: int | None = None, dtype: str = "float32"):
-        std = math.sqrt(2.0 / (d_in + (fan_out or d_out)))
-        w = _truncated_normal(rngs.params(), (d_in, d_out), std)
-        if valid_out is not None:
-            w = jnp.where(jnp.arange(d_out) < valid_out, w, 0.0)
-        self.weight = _param(w, axes)
-        self.dtype = dtype
-
-    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        return layers.linear(x, _use(self.weight, par, self.dtype), par.flat_rows)
 
 
 class Embedding(nnx.Module):
@@ -118,28 +86,6 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         return layers.rms_norm(x, _use(self.weight, par), self.eps)
-
-
-class CausalSelfAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, hd = cfg.d_model, cfg.num_heads * cfg.head_dim
-        self.q_proj = Linear(d, hd, ("embed", "heads"), rngs=rngs, dtype=cfg.dtype)
-        self.k_proj = Linear(d, hd, ("embed", "heads"), rngs=rngs, dtype=cfg.dtype)
-        self.v_proj = Linear(d, hd, ("embed", "heads"), rngs=rngs, dtype=cfg.dtype)
-        self.output_proj = Linear(hd, d, ("heads", "embed"), rngs=rngs, dtype=cfg.dtype)
-        self.head_dim, self.theta, self.max_len = cfg.head_dim, cfg.rope_theta, cfg.context_length
-        self.dtype, self.attention = cfg.dtype, cfg.attention
-
-    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel.
-        (layers.causal_self_attention is the same math on one device, hook-free.)"""
-        wq, wk, wv, wo = (_use(m.weight, par, self.dtype)
-                          for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj))
-        q, k, v = par.column_parallel(x, (wq, wk, wv))  # [B, T, h*dh] each (h = H/tensor under TP)
-        attend = functools.partial(par.attention, impl=self.attention)
-        out = layers.attend_heads(q, k, v, par.positions(q.shape[-2]), self.head_dim, self.theta, self.max_len,
-                                  attend)
-        return par.row_parallel(out, wo)
 
 
 class SwiGLU(nnx.Module):

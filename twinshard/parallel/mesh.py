@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from twinshard.parallel import strategies
-from twinshard.parallel.strategies import ANY, MANY, ONE
+from twinshard.parallel.strategies import ANY, KV_HEADS, MANY, ONE
 
 AXES = ("data", "tensor")  # the axes of DATA_TENSOR's meshes (both always named)
 # Mesh order of every axis: pipeline stages outermost (one hop per micro-batch), then data,
@@ -188,7 +188,7 @@ def check_mesh(strategy: str, shape: Mapping[str, int], n_devices: int) -> None:
 
 
 # What to change in the config for each splittable logical dimension.
-_FIELDS = {"batch": "--batch_size", "embed": "d_model", "heads": "num_heads", "mlp": "d_ff",
+_FIELDS = {"batch": "--batch_size", "embed": "d_model", "heads": "num_heads", "kv_heads": "--num_kv_heads", "mlp": "d_ff",
            "seq": "--context_length", "experts": "--num_experts"}
 # Checked elsewhere, with a better message: `layers` over `stage` (pipeline.check names the
 # stage counts that fit L), `seq` over `context` (context.check: zig-zag needs 2C chunks).
@@ -208,6 +208,12 @@ def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
         if axis is None or (name, axis) in _NOT_HERE or size % axis_size(shape, axis) == 0:
             continue
         n = axis_size(shape, axis)
+        if name == KV_HEADS:  # split when the axis divides them, else replicated (Strategy.placed)
+            if n % size == 0:
+                continue
+            return (f"kv_heads={size} neither divides nor is divided by mesh axis {axis}={n} (a device's query "
+                    f"heads would span two key/value heads)",
+                    f"make num_kv_heads (--num_kv_heads) a divisor or a multiple of {n}")
         change = (f"pick a vocab_size whose padded size (a multiple of 128) is a multiple of {n}"
                   if name == "vocab" else f"make {name} ({_FIELDS.get(name, name)}) a multiple of {n}")
         where = f"mesh axis {axis}={n}" if isinstance(axis, str) else f"mesh axes {' x '.join(axis)} = {n} devices"

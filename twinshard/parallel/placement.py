@@ -109,7 +109,7 @@ def place_global(x, sharding: jax.sharding.Sharding) -> jax.Array:
 def logical_dims(cfg: Config) -> dict[str, int]:
     """Sizes of every logical dimension a strategy may split (for divisibility checks)."""
     m = cfg.model
-    return {"batch": cfg.train.batch_size, "embed": m.d_model, "heads": m.num_heads,
+    return {"batch": cfg.train.batch_size, "embed": m.d_model, "heads": m.num_heads, "kv_heads": m.kv_heads,
             "mlp": m.d_ff, "vocab": m.padded_vocab_size, "layers": m.num_layers, "seq": m.context_length,
             "experts": m.num_experts}
 

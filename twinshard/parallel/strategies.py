@@ -10,7 +10,7 @@ else names a strategy.
     strategy  composes   splits over the mesh                               family
     dp        -          the batch over data                                base
     fsdp      -          the batch and every weight's d_model over data     base
-    tp        -          heads, d_ff, vocab over tensor                     base
+    tp        -          heads, kv heads, d_ff, vocab over tensor           base
     fsdp_tp   fsdp x tp  both of the above                                  base
     tp_sp     (tp)       tp's, plus the residual stream's T over tensor     base
     cp        -          the sequence over context (ring attention)         context
@@ -20,18 +20,26 @@ else names a strategy.
     ep        -          the experts over expert, the batch over (data, expert)  experts
     fsdp_ep   fsdp x ep  both                                               experts
 
-Logical axes: vocab, embed, heads, mlp, norm, layers, experts (parameters); batch, seq, embed,
-heads, mlp, vocab, experts, expert_groups (activations). An axis absent from a table is
-replicated; a tuple of mesh axes splits a dimension over their product (ep's batch).
+Logical axes: vocab, embed, heads, kv_heads, mlp, norm, layers, experts (parameters); batch, seq,
+embed, heads, kv_heads, mlp, vocab, experts, expert_groups (activations). An axis absent from a
+table is replicated; a tuple of mesh axes splits a dimension over their product (ep's batch).
+
+Grouped-query attention (ModelConfig.num_kv_heads < num_heads): Megatron splits the key/value
+heads over `tensor` with the query heads when the axis divides them; when it is larger (a multiple
+of them) each key/value head is REPLICATED over the tensor devices of its query-head group, as
+Megatron replicates kv heads beyond its tensor-parallel size. `Strategy.placed` is a declaration's
+tables for one model on one mesh: kv_heads dropped (replicated) where its mesh axis does not
+divide the kv heads. Every reader of placement (both twins, the cost model) reads those tables.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 MANY, ONE, ANY = ">1", "=1", ">=1"  # what a mesh axis's size must be: split over, unused, either
+KV_HEADS = "kv_heads"  # the logical axis of the key/value projections' output columns
 FAMILIES = ("base", "pipeline", "context", "experts")
 
 
@@ -78,6 +86,18 @@ class Strategy:
         the cost model): the parameter and activation tables, or the residual stream's."""
         return {**self.params, **(self.sequence if self.sequence is not None else self.activations)}
 
+    def placed(self, kv_heads: int, mesh: Mapping[str, int]) -> Strategy:
+        """This declaration for a model of `kv_heads` key/value heads on `mesh` (axis -> size):
+        kv_heads stays split where its mesh axis divides them, and is dropped from every table -
+        each kv head replicated over the tensor devices of its query-head group - where the axis
+        is larger (mesh.check_divisible refuses an axis that neither divides nor is a multiple)."""
+        axis = self.params.get(KV_HEADS)
+        if axis is None or kv_heads % mesh.get(axis, 1) == 0:
+            return self
+        drop = lambda table: {k: v for k, v in table.items() if k != KV_HEADS}  # noqa: E731
+        return replace(self, params=drop(self.params), activations=drop(self.activations),
+                       sequence=None if self.sequence is None else drop(self.sequence))
+
     @property
     def split_axes(self) -> tuple[str, ...]:
         """The mesh axes it splits something over (size > 1)."""
@@ -85,7 +105,8 @@ class Strategy:
 
 
 ORDER = ("stage", "data", "expert", "context", "tensor")  # mesh order, outermost first (twinshard/parallel/mesh.py says why)
-_TP = {"heads": "tensor", "mlp": "tensor", "vocab": "tensor"}  # Megatron: column/row/vocab-parallel
+# Megatron: column/row/vocab-parallel (the kv heads too, while the tensor axis divides them: `placed`)
+_TP = {"heads": "tensor", KV_HEADS: "tensor", "mlp": "tensor", "vocab": "tensor"}
 
 
 def compose(name: str, summary: str, *parts: Strategy, family: str = "base") -> Strategy:
