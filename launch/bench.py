@@ -73,7 +73,8 @@ common.define(flags.DEFINE_string, "json", None, "Write the results as JSON here
 common.define(flags.DEFINE_string, "markdown", None, "Write the results as a Markdown section here.")
 common.define_precision_flags()  # --dtype, --attention
 common.define(flags.DEFINE_list, "strategies", "single,dp,fsdp,tp,fsdp_tp", "Runs: single and/or strategies.")
-common.define(flags.DEFINE_list, "impls", "auto,manual", "Twins to run for each strategy.")
+common.define(flags.DEFINE_list, "impls", "auto,manual", "Twins to run for each strategy: auto, manual, explicit "
+              "(explicit: dp, fsdp, tp, fsdp_tp, tp_sp).")
 common.define(flags.DEFINE_integer, "warmup", 2, "Untimed steps before the timed ones.")
 common.define(flags.DEFINE_integer, "matmul_size", None,
               "n of the n^3 peak matmul (default 2048 on CPU, 8192 on accelerators).")

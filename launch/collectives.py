@@ -49,9 +49,10 @@ common.define_model_flags()  # --devices: simulated CPU devices (ignored with --
 FLAGS = flags.FLAGS
 
 CPU_REDUCE_SCATTER_NOTE = (
-    "XLA:CPU never emits reduce-scatter for GSPMD: the auto twin's gradient reduce-scatter over "
-    "data is an all-reduce of the FULL gradient followed by a dynamic-slice. So on CPU the auto "
-    "ledger shows no reduce-scatter rows and extra all-reduce bytes over data (each model "
+    "XLA:CPU never emits reduce-scatter for the partitioner (GSPMD, and the explicit twin's reshards): "
+    "a gradient reduce-scatter over data is an all-reduce of the FULL gradient followed by a "
+    "dynamic-slice. So on CPU the auto and explicit ledgers show no reduce-scatter rows and extra "
+    "all-reduce bytes over data (each model "
     "reduce-scatter of r bytes appears as an all-reduce of r x |data| bytes). The manual twin "
     "(psum_scatter) shows a real reduce-scatter on every backend.")
 
@@ -61,6 +62,15 @@ AUTO_NOTE = (
     "differ: measured on XLA:CPU (JAX 0.12), it keeps FSDP-gathered weights for the backward pass "
     "instead of re-gathering them, all-reduces the TP input gradients of q, k, v (and w1, w3) "
     "separately instead of summing them first, and reduces the squared gradient norm leaf by leaf.")
+
+
+EXPLICIT_NOTE = (
+    "The model describes the manual (shard_map) twin. The explicit twin (sharding in types) differs "
+    "where the types place a reduction elsewhere: measured on XLA:CPU (JAX 0.12), the RMSNorm gains' "
+    "gradients are all-reduced inside the backward layer loop, one [D] per layer and gain (a gain "
+    "multiplies data-split activations elementwise, which JAX refuses for a `reduced` operand), and an "
+    "unreduced gradient resharded to its data-split parameter compiles to an all-reduce + dynamic-slice "
+    "(docs/explicit.md).")
 
 
 def _topology_devices(name: str):
@@ -116,8 +126,9 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     platform = first.platform
     notes = list(model.notes)
     has_rs = any(r.op == "reduce-scatter" for r in model.collectives)
-    if impl == "auto":
-        notes[:0] = [AUTO_NOTE] + ([CPU_REDUCE_SCATTER_NOTE] if platform == "cpu" and has_rs else [])
+    if impl in ("auto", "explicit"):
+        notes[:0] = ([AUTO_NOTE] if impl == "auto" else [EXPLICIT_NOTE]) + (
+            [CPU_REDUCE_SCATTER_NOTE] if platform == "cpu" and has_rs else [])
     tpu_comparison = None
     if platform == "tpu":
         notes += list(topology.TPU_NOTES)

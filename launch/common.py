@@ -31,7 +31,7 @@ from twinshard.config import CP_LAYOUTS, MOE_DISPATCHES, OPTIMIZERS, Config, Mod
 from twinshard.errors import guarded
 
 STRATEGIES = ("single", *strategies.NAMES)  # single: the single-device reference
-IMPLS = ("auto", "manual")
+IMPLS = ("auto", "manual", "explicit")
 
 
 def define(definer, name: str, *args, **kwargs) -> None:
@@ -47,7 +47,8 @@ def define_model_flags() -> None:
     define(flags.DEFINE_float, "lr", None, "Peak learning rate.")
     define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
     define(flags.DEFINE_enum, "strategy", "single", STRATEGIES, "Parallelism strategy.")
-    define(flags.DEFINE_enum, "impl", "auto", IMPLS, "auto (GSPMD annotations) or manual (shard_map collectives).")
+    define(flags.DEFINE_enum, "impl", "auto", IMPLS, "auto (GSPMD annotations), manual (shard_map collectives) or "
+           "explicit (sharding in types: dp, fsdp, tp, fsdp_tp, tp_sp; docs/explicit.md).")
     define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
     define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU; "
            "given explicitly, a single-process run with more devices uses only the first N.")
@@ -369,6 +370,9 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 
     from twinshard.parallel.resolve import check_options
 
+    if impl == "explicit" and strategy != "single":
+        from explicit_parallel import check
+        check(strategy, cfg)  # the strategies this twin writes, before the mesh's advice
     if impl != "single":  # launch.compare's single-device reference runs the same math without it
         check_options(strategy, impl, cfg)
     if strategy == "single":
@@ -377,6 +381,9 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
     if impl == "auto":
         from auto_parallel import make_runner as make_auto
         return make_auto(strategy, mesh_spec, cfg, devices)
+    if impl == "explicit":
+        from explicit_parallel import make_runner as make_explicit
+        return make_explicit(strategy, mesh_spec, cfg, devices)
     from manual_parallel import make_runner as make_manual
     return make_manual(strategy, mesh_spec, cfg, devices)
 

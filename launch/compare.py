@@ -1,11 +1,12 @@
-"""Run single-device, auto (GSPMD) and manual (shard_map) training side by side.
+"""Run single-device, auto (GSPMD), manual (shard_map) and explicit (sharding in types) training
+side by side (explicit: for the strategies it writes, explicit_parallel.STRATEGIES).
 
     python -m launch.compare --strategy=fsdp_tp --mesh=data:2,tensor:4 --preset=tiny --steps=10 \
         --plot=compare.png --json=compare.json
 
 All three start from the same init (same seed) and see the same batches of the
 preset's corpus. Prints per-step losses, the largest gradient difference at
-step 1 and parameter difference at the end, and both twins' collective ledgers
+step 1 and parameter difference at the end, and each twin's collective ledger
 beside the analytic cost model.
 """
 
@@ -40,16 +41,24 @@ def _max_abs_diff(a, b) -> float:
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def run_three(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) -> dict:
-    """Train single/auto/manual on `batches` (the twins on `devices`, None: all); return losses,
-    diffs and ledgers."""
+def twins(strategy: str) -> tuple[str, ...]:
+    """The twins that write `strategy`: auto and manual, and explicit for its strategies."""
+    from explicit_parallel import STRATEGIES as EXPLICIT
+
+    return ("auto", "manual", "explicit") if strategy in EXPLICIT else ("auto", "manual")
+
+
+def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) -> dict:
+    """Train single and every twin of `strategy` on `batches` (the twins on `devices`, None: all);
+    return losses, diffs and ledgers."""
     import jax
     import numpy as np
 
     from twinshard import hlo
 
+    impls = ("single", *twins(strategy))
     runners = {impl: common.make_runner(strategy if impl != "single" else "single", impl, mesh_spec, cfg, devices)
-               for impl in ("single", "auto", "manual")}
+               for impl in impls}
     out: dict = {"strategy": strategy, "mesh": dict(runners["manual"].sizes), "losses": {}, "ledgers": {}}
     params, grads = {}, {}
     for impl, r in runners.items():
@@ -64,10 +73,12 @@ def run_three(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) 
             xs = jax.ShapeDtypeStruct(np.shape(batches[0][0]), np.int32, sharding=r.batch_sharding)
             compiled = r.train_step.lower(r.abstract_state(), xs, xs).compile()
             out["ledgers"][impl] = hlo.ledger(compiled, r.mesh)
-    for impl in ("auto", "manual"):
+    for impl in impls[1:]:
         out[f"max_param_diff_{impl}_vs_single"] = _max_abs_diff(params[impl], params["single"])
         out[f"max_grad_diff_{impl}_vs_single"] = _max_abs_diff(grads[impl], grads["single"])
     out["max_param_diff_manual_vs_auto"] = _max_abs_diff(params["manual"], params["auto"])
+    if "explicit" in params:
+        out["max_param_diff_explicit_vs_manual"] = _max_abs_diff(params["explicit"], params["manual"])
     return out
 
 
@@ -82,14 +93,15 @@ def plot(result: dict, path: str) -> None:
     steps = np.arange(1, len(losses["single"]) + 1)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
                                       gridspec_kw={"height_ratios": [2, 1]})
-    styles = {"single": ("k", "-", 3.0), "auto": ("tab:blue", "--", 1.8), "manual": ("tab:orange", ":", 1.8)}
+    styles = {"single": ("k", "-", 3.0), "auto": ("tab:blue", "--", 1.8), "manual": ("tab:orange", ":", 1.8),
+              "explicit": ("tab:green", "-.", 1.8)}
     for impl, curve in losses.items():
         color, ls, lw = styles[impl]
         top.plot(steps, curve, color=color, ls=ls, lw=lw, label=impl)
     top.set_ylabel("training loss")
-    top.set_title(f"{result['strategy']} on mesh {result['mesh']}: single vs auto vs manual")
+    top.set_title(f"{result['strategy']} on mesh {result['mesh']}: single vs {' vs '.join(list(losses)[1:])}")
     top.legend()
-    for impl in ("auto", "manual"):
+    for impl in list(losses)[1:]:
         bottom.semilogy(steps, np.abs(losses[impl] - losses["single"]) + 1e-12,
                         color=styles[impl][0], marker="o", ms=3, label=f"|{impl} - single|")
     bottom.set_xlabel("step (points at the 1e-12 floor: bitwise equal)")
@@ -114,9 +126,10 @@ def model_comparison(result: dict, cfg) -> str:
 
 
 def report(result: dict, cost_table: str | None) -> str:
-    lines = [f"{'step':>5} {'single':>10} {'auto':>10} {'manual':>10}"]
-    for i, (s, a, m) in enumerate(zip(*(result["losses"][k] for k in ("single", "auto", "manual"))), 1):
-        lines.append(f"{i:5d} {s:10.6f} {a:10.6f} {m:10.6f}")
+    impls = list(result["losses"])  # single, then the twins
+    lines = [f"{'step':>5} " + " ".join(f"{impl:>10}" for impl in impls)]
+    for i, row in enumerate(zip(*(result["losses"][k] for k in impls)), 1):
+        lines.append(f"{i:5d} " + " ".join(f"{v:10.6f}" for v in row))
     for key in sorted(k for k in result if k.startswith("max_")):
         lines.append(f"{key}: {result[key]:.3e}")
     for impl, led in result["ledgers"].items():
@@ -139,7 +152,7 @@ def main(argv):
     batches = _batches(cfg, FLAGS.steps or 10)  # the corpus is checked before jax starts
     common.simulate_cpu_devices(FLAGS.devices)
     devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present)
-    result = run_three(FLAGS.strategy, FLAGS.mesh, cfg, batches, devices)
+    result = run_twins(FLAGS.strategy, FLAGS.mesh, cfg, batches, devices)
     print(report(result, model_comparison(result, cfg)))
     if FLAGS.plot:
         plot(result, FLAGS.plot)

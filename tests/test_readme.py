@@ -55,6 +55,7 @@ VARIANTS = {
     "uv run python -m launch.collectives --preset=tiny --strategy=tp_sp --impl=manual --mesh=tensor:4 --devices=4 "
     "--collective_matmul": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=cp --impl=manual --mesh=context:4 --devices=4": [],
+    "uv run python -m launch.collectives --preset=tiny --strategy=fsdp --impl=explicit": [],
     "uv run python -m launch.train --preset=tiny_moe --strategy=ep --impl=manual --mesh=data:2,expert:4 "
     "--workdir=runs/ep": [],
     "uv run python -m launch.collectives --preset=tiny_moe --strategy=ep --impl=manual --mesh=data:2,expert:4": [],
@@ -149,15 +150,16 @@ def test_strategy_compare_and_collectives_examples(readme_runs):
     cwd, _ = readme_runs
     assert "done: step 20 of 20" in out(readme_runs, "--strategy=fsdp_tp --impl=manual")
     compared = out(readme_runs, "launch.compare")
-    # single vs auto vs manual from one init on the same batches: the three losses of each step
+    # single vs auto vs manual vs explicit from one init on the same batches: the four losses of each step
     losses = [[float(v) for v in line.split()[1:]] for line in compared.splitlines()
-              if re.match(r"^ +\d+ +\d+\.\d+ +\d+\.\d+ +\d+\.\d+$", line)]
+              if re.match(r"^ +\d+( +\d+\.\d+){4}$", line)]
     assert len(losses) == 3, compared[:2000]  # --steps=3
-    for single, auto, manual in losses:
-        assert abs(auto - single) < 2e-5 and abs(manual - single) < 2e-5, losses
+    for single, *twins in losses:
+        assert all(abs(twin - single) < 2e-5 for twin in twins), losses
     diffs = dict(re.findall(r"^(max_\w+): (\S+)$", compared, re.M))
-    assert set(diffs) == {f"max_grad_diff_{i}_vs_single" for i in ("auto", "manual")} | {
-        "max_param_diff_auto_vs_single", "max_param_diff_manual_vs_single", "max_param_diff_manual_vs_auto"}
+    impls = ("auto", "manual", "explicit")
+    assert set(diffs) == {f"max_{d}_diff_{i}_vs_single" for i in impls for d in ("grad", "param")} | {
+        "max_param_diff_manual_vs_auto", "max_param_diff_explicit_vs_manual"}
     for key, value in diffs.items():  # measured: grads 4.5e-08, params 2.4e-07
         assert float(value) < (1e-6 if "grad" in key else 2e-5), (key, value)
     manual_vs_model = compared.split("manual ledger vs cost model:")[1]
@@ -167,6 +169,8 @@ def test_strategy_compare_and_collectives_examples(readme_runs):
     png = cwd / "tp.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "fsdp/manual on cpu mesh data:8,tensor:1" in out(readme_runs, "launch.collectives")
+    typed = out(readme_runs, "--strategy=fsdp --impl=explicit")  # docs/explicit.md
+    assert "fsdp/explicit on cpu mesh data:8,tensor:1" in typed and "NOTE: The model describes the manual" in typed
 
 
 def test_own_tokenizer_trains_and_samples(readme_runs):

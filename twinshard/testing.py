@@ -11,6 +11,14 @@ shows every collective of the program:
     expect_bytes(led, ("tensor",), bytes=4 * B * T * D, op="all-reduce")
     expect_permute(led, {"stage": +1}, wrap=False, count=ticks)  # who sends to whom
 
+`expect_sharding` checks a type instead of a program: in JAX's Explicit mode the sharding
+is part of an array's type (`jax.typeof(x)`: `float32[8@data,64]{U:tensor}`), so a layout,
+or a gradient left `unreduced` until one reduction, can be asserted at trace time, inside
+the traced function, before anything compiles:
+
+    expect_sharding(grad, P(None, "data"))                   # the gradient sharded as its param
+    expect_sharding(acc, P(None, None, unreduced={"data"}))  # partial sums, not reduced yet
+
 Every helper first refuses a ledger that did not come from a parsed HLO
 module (`ledger.instructions == 0`, e.g. `Ledger([], mesh)` built by hand):
 "no collectives" and "count=0" mean something only if a program was read.
@@ -26,6 +34,9 @@ collective in a scan of length 3 counts 3 times).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+
+import jax
+from jax.sharding import PartitionSpec as P
 
 from twinshard.hlo import OPS, Ledger, shift_pairs
 
@@ -144,3 +155,37 @@ def expect_permute(ledger: Ledger, shift: Mapping[str, int], wrap: bool | None =
                       f"found {sum(r.multiplicity for r in found)} (collective-permutes by "
                       f"pattern: {seen})")
     return found
+
+
+def expect_sharding(x, spec: P) -> None:
+    """Assert the sharding in the type of `x` is `spec` (JAX's Explicit mode, or any array with
+    a NamedSharding): its partitions, and its `unreduced` / `reduced` mesh axes.
+
+    x: an array, a tracer inside a traced function (checked at trace time), or an aval
+    (`jax.typeof(x)`, a `jax.ShapeDtypeStruct` with a sharding). Trailing unsplit dims may be
+    left out of `spec`, a 1-tuple of axes equals the axis, and mesh axes of size 1 split nothing
+    (P('data') on a data axis of 1 equals P(None)). Raises AssertionError naming both types."""
+    shape, sharding, shown = _type_of(x)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        raise AssertionError(f"expected sharding {spec} for {shown}: its type carries no NamedSharding")
+    sizes = dict(sharding.mesh.shape)
+    if _canonical(sharding.spec, len(shape), sizes) != _canonical(spec, len(shape), sizes):
+        raise AssertionError(f"expected sharding {spec}; the type is {shown}, sharding {sharding.spec}")
+
+
+def _type_of(x):
+    """(shape, sharding, printable type) of an array, tracer or aval."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x.shape, x.sharding, f"{x.dtype}{list(x.shape)}"
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    return aval.shape, aval.sharding, aval.str_short()
+
+
+def _canonical(s: P, ndim: int, sizes: Mapping[str, int]):
+    """A spec as (partitions per dim, unreduced, reduced), axes of size 1 dropped."""
+    def axes(entry) -> tuple[str, ...]:
+        found = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        return tuple(a for a in found if sizes.get(a, 2) > 1)
+    parts = s.partitions + (None,) * (ndim - len(s.partitions))
+    return (tuple(axes(p) for p in parts), frozenset(axes(tuple(s.unreduced))),
+            frozenset(axes(tuple(s.reduced))))

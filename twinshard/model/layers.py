@@ -41,7 +41,45 @@ def linear(x: Array, w: Array, flat: bool = True) -> Array:
 
 def _product(x: Array, w: Array) -> Array:
     """x [..., in] @ w [in, out]: a 2-D dot on rows, an einsum keeping the batch dims otherwise."""
-    return jnp.dot(x, w) if x.ndim == 2 else jnp.einsum("...i,io->...o", x, w)
+    if x.ndim == 2:
+        return jnp.dot(x, w, out_sharding=partial_sums("ij,jk->ik", x, w))
+    return jnp.einsum("...i,io->...o", x, w, out_sharding=partial_sums("...i,io->...o", x, w))
+
+
+def partial_sums(spec: str, a: Array, b: Array) -> jax.sharding.NamedSharding | None:
+    """The output sharding of the contraction `jnp.einsum(spec, a, b)` in JAX's Explicit mode
+    (sharding in types: explicit_parallel/), None elsewhere (one device, GSPMD, inside shard_map).
+
+    Each output dim is split as the input dim it comes from; a contracted dim split over the
+    same mesh axes in both operands leaves the result `unreduced` over them: each device's
+    partial sum, no communication. JAX 0.12 refuses such a contraction without an out_sharding
+    ("Contracting dimensions are sharded and it is ambiguous how the output should be sharded"),
+    so whoever reduces the partial sums says where the all-reduce runs: a hook (Megatron's g)
+    or `cotangent_like` (a gradient, as its primal's type asks). spec: two operands, ellipsis
+    ('...') of one length in all three terms."""
+    types = jax.typeof(a), jax.typeof(b)
+    mesh = next((t.sharding.mesh for t in types if not t.sharding.mesh.empty), None)
+    if mesh is None or not mesh.explicit_axes:
+        return None
+    terms, out = spec.split("->")
+    n = types[0].ndim - len(terms.split(",")[0].replace("...", ""))  # the dims '...' stands for
+    expand = lambda term: term.replace("...", "".join(chr(0x3b1 + i) for i in range(n)))  # noqa: E731
+    da, db = ({letter: _partition(t, i) for i, letter in enumerate(expand(term))}
+              for term, t in zip(terms.split(","), types))
+    unreduced = {axis for letter in set(da) & set(db) - set(expand(out))
+                 if da[letter] is not None and da[letter] == db[letter] for axis in _mesh_axes(da[letter])}
+    parts = [da[letter] if letter in da else db[letter] for letter in expand(out)]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts, unreduced=unreduced))
+
+
+def _partition(aval, dim: int):
+    """The mesh axis (or tuple of axes, or None) splitting dim `dim` of `aval`."""
+    spec = aval.sharding.spec.partitions
+    return spec[dim] if dim < len(spec) else None
+
+
+def _mesh_axes(partition) -> tuple[str, ...]:
+    return (partition,) if isinstance(partition, str) else tuple(partition)
 
 
 @jax.custom_vjp
@@ -68,8 +106,10 @@ def _matmul_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
 
 def _matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     x, w = res  # x: [..., in], w: [in, out], g: [..., out]
-    dx = jnp.dot(g, w.T) if g.ndim == 2 else jnp.einsum("...o,io->...i", g, w)  # [..., in]
-    dw = jnp.einsum("...i,...o->io", x, g)  # x^T g: ONE dot_general(x, g) -> [in, out], no transpose after
+    dx = (jnp.dot(g, w.T, out_sharding=partial_sums("ij,jk->ik", g, w.T)) if g.ndim == 2
+          else jnp.einsum("...o,io->...i", g, w, out_sharding=partial_sums("...o,io->...i", g, w)))  # [..., in]
+    # x^T g: ONE dot_general(x, g) -> [in, out], no transpose after
+    dw = jnp.einsum("...i,...o->io", x, g, out_sharding=partial_sums("...i,...o->io", x, g))
     return cotangent_like(dx, x), cotangent_like(dw, w)
 
 
@@ -86,9 +126,18 @@ def cotangent_like(ct: Array, primal: Array) -> Array:
     (their manual twins pcast first); a bug that forgets the pcast then fails as it would under
     plain autodiff: gradients N times too large. The reverse (a primal varying over an
     axis its cotangent does not) cannot happen here: each cotangent above is a product with
-    the output's cotangent, which varies over every axis either input does."""
+    the output's cotangent, which varies over every axis either input does.
+
+    In Explicit mode (explicit_parallel/) the cotangent is resharded to the type autodiff gives
+    the primal's cotangent (`to_ct_aval`: a replicated weight's gradient replicated, a `reduced`
+    one's left `unreduced`): a partial sum `partial_sums` left over the batch is reduced here
+    (dp: the gradient all-reduce) or kept for a later reduction the types place."""
     if extra := tuple(sorted(_varying_axes(ct) - _varying_axes(primal))):
         ct = jax.lax.psum(ct, extra)
+    elif jax.typeof(primal).sharding.mesh.explicit_axes:
+        want = jax.typeof(primal).to_ct_aval().sharding
+        if jax.typeof(ct).sharding.spec != want.spec:
+            ct = jax.sharding.reshard(ct, want)
     return ct.astype(primal.dtype)
 
 

@@ -148,12 +148,35 @@ def accumulated_value_and_grad(loss: Callable[..., jax.Array], params: Params, x
         return jax.tree.map(jnp.add, grad_sum, grads), (loss_sum, tokens)
 
     # the carry: a float32 zero gradient (jnp.zeros_like keeps each leaf's sharding and
-    # shard_map varying-axes type); per-micro-batch scalars come out stacked [K]
-    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    # shard_map varying-axes type; Explicit mode: the gradient's type, `zero_gradient`);
+    # per-micro-batch scalars come out stacked [K]
+    zeros = jax.tree.map(zero_gradient, params)
     grad_sum, (loss_sums, tokens) = jax.lax.scan(
         body, zeros, (micro_batches(x, grad_accum), micro_batches(y, grad_accum)))
     total = jnp.sum(tokens)
-    return jnp.sum(loss_sums) / total, jax.tree.map(lambda g: g / total, grad_sum)
+    return jnp.sum(loss_sums) / total, jax.tree.map(lambda g: per_token(g, total), grad_sum)
+
+
+def zero_gradient(p: jax.Array) -> jax.Array:
+    """A float32 zero of p's gradient type: jnp.zeros_like(p), in JAX's Explicit mode resharded to
+    the cotangent type of p (a `reduced` param's gradient is `unreduced`: the accumulator of
+    explicit_parallel/runner.py adds each micro-batch's partial sums, reduced once after the loop;
+    zeros move no data)."""
+    zero = jnp.zeros_like(p, jnp.float32)
+    if not jax.typeof(p).sharding.mesh.explicit_axes:
+        return zero
+    return jax.sharding.reshard(zero, jax.typeof(p).to_ct_aval().sharding)
+
+
+def per_token(grad_sum: jax.Array, total: jax.Array) -> jax.Array:
+    """grad_sum / total. In Explicit mode a sum of partial sums (`unreduced`) divides only by a
+    denominator `reduced` over the same axes (JAX 0.12: "Denominator should be reduced along the
+    same axes numerator is unreduced on"): the scalar is cast to it, no data moves."""
+    sharding = jax.typeof(grad_sum).sharding
+    if sharding.spec.unreduced:
+        total = jax.sharding.reshard(total, sharding.update(spec=jax.sharding.PartitionSpec(
+            reduced=sharding.spec.unreduced)))
+    return grad_sum / total
 
 
 def apply_gradients(state: TrainState, grads: Params, tx: optax.GradientTransformation,

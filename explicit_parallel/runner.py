@@ -1,0 +1,168 @@
+"""The Explicit machinery shared by every explicit strategy: sharding in types.
+
+The mesh's axes are `AxisType.Explicit`: every array's type carries its sharding
+(`jax.typeof(x)` prints `float32[8@data,64]`), JAX derives each op's output sharding from
+its inputs' at trace time, and where its rules cannot decide, the program must say it:
+
+- a contraction over a dim split in both operands needs an `out_sharding`
+  (twinshard/model/layers.py `partial_sums` leaves it `unreduced`: each device's partial
+  sum, reduced by whoever the types say: a hook, or the gradient's own type);
+- a lookup whose ids are split over `data` needs one (`table.at[ids].get(out_sharding=...)`,
+  `Explicit.embed`);
+- moving data is a `jax.sharding.reshard` to another type: FSDP's gather, Megatron's g.
+
+Two states beyond sharded and replicated do the rest (JAX's "Autodiff and sharding"): an
+`unreduced` array holds partial sums (`{U:data}`), a `reduced` one is replicated with
+unreduced cotangents (`{R:data}`). A reshard to `reduced` moves nothing forward and is the
+reduction backward.
+
+The step (`ExplicitRunner._loss_and_grads`), as the manual twin's: every parameter
+replicated over a token axis (`data`; dp: all of them, fsdp: the norm gains) is cast to
+`reduced` over it before `grad`, so its gradient leaves the backward pass `unreduced`, the
+K micro-batches of `grad_accum` add up unreduced, and ONE reshard per leaf after them is
+the gradient all-reduce. The rest is the single-device train step (twinshard/train/trainer.py)
+jitted with the strategy's shardings.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from twinshard import testing
+from twinshard.config import Config
+from twinshard.model.hooks import Parallelism
+from twinshard.model.transformer import ACTIVATION
+from twinshard.parallel import mesh as mesh_lib, placement, strategies
+from twinshard.parallel.placement import spec
+from twinshard.train.optim import make_optimizer
+from twinshard.train.trainer import (accumulated_value_and_grad, check_grad_accum, logical_axes, loss_fn,
+                                     stats_fn, train_step)
+
+Rules = Mapping[str, str]
+DATA, NORM = "data", "norm"  # NORM: the logical axis of the RMSNorm gains
+TOKEN_AXES = (DATA,)  # the mesh axes that split the tokens (each device's loss: its own tokens' mean)
+
+
+def _split(mesh: jax.sharding.Mesh, rules: Rules) -> dict[str, str]:
+    """The rules without the mesh axes of size 1 (JAX drops them from types)."""
+    return {k: a for k, a in rules.items() if mesh.shape.get(a, 1) > 1}
+
+
+class Explicit(Parallelism):
+    """Single-device math on a mesh of Explicit axes: the hooks say the layouts JAX cannot infer."""
+
+    gathers_weights = False  # FSDP: `weight` gathers (the runner gathers once per step under grad_accum)
+
+    def __init__(self, mesh: jax.sharding.Mesh, activation_rules: Rules):
+        self.mesh, self.rules = mesh, _split(mesh, activation_rules)
+
+    def sharding(self, axes, **extra) -> NamedSharding:
+        """The sharding of an array with logical `axes` under the activation rules; `extra`:
+        `unreduced=` / `reduced=` mesh axes."""
+        return NamedSharding(self.mesh, P(*spec(axes, self.rules), **extra))
+
+    def constrain(self, x, axes):
+        """The residual stream and the logits: their type is checked, nothing moves (the
+        GSPMD twin's constraint is a hint; here JAX's rules already decided, and a layout the
+        strategy does not declare is a bug of its hooks, caught at trace time)."""
+        testing.expect_sharding(x, spec(axes, self.rules))
+        return x
+
+    def embed(self, ids, table):
+        """ids: [B@data, T]; table: [V, D] in its use type -> [B@data, T, D].
+
+        jnp.take refuses ids split over `data` in Explicit mode (JAX 0.12: "Use
+        `.at[...].get(out_sharding=)` to provide output PartitionSpec for the gather"), even
+        from a replicated table: the lookup says its output's layout."""
+        return table.at[ids].get(out_sharding=self.sharding(ACTIVATION))
+
+
+class ExplicitRunner(placement.PlacedRunner):
+    """Runs one strategy on a mesh of Explicit axes; the interface of trainer.SingleDevice."""
+
+    def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
+                 devices=None, tx: optax.GradientTransformation | None = None):
+        """`tx` replaces the AdamW of `cfg.train` (its state must be a `GuardState`, as for the
+        GSPMD twin)."""
+        self.name = name
+        decl = strategies.get(name)  # the placement tables
+        self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm) if tx is None else tx
+        self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices, decl.params, decl.activations)
+        check_grad_accum(cfg.train, self.sizes.get("data", 1))
+        self.par = par = strategy.parallelism(self.mesh, cfg)  # the strategy's hooks (explicit_parallel/<name>.py)
+        token_axes = tuple(a for a in mesh_lib.ORDER if a in TOKEN_AXES and self.sizes.get(a, 1) > 1)
+        # per matrix, the token axes it is replicated over: cast to `reduced` over them for grad.
+        # Not the RMSNorm gains: they multiply [B@data, T, D] elementwise, which JAX 0.12 refuses
+        # for an operand reduced over `data` ("Inputs cannot be sharded/varying on the same axes
+        # that another input is reduced on"); they stay replicated, and JAX's rules reduce their
+        # gradients inside the backward layer loop (one [D] all-reduce per layer and gain).
+        self.reduced_over = jax.tree.map(
+            lambda s, axes: () if NORM in axes else tuple(a for a in token_axes if a not in placement.sharded_axes(s)),
+            self.param_specs, logical_axes(cfg.model), is_leaf=lambda x: isinstance(x, P))
+        self.loss = functools.partial(loss_fn, cfg=cfg.model, par=par)
+        step = functools.partial(train_step, cfg=cfg.model, train_cfg=cfg.train, tx=self.tx, par=par,
+                                 value_and_grad=self._loss_and_grads)
+        replicated = self.named(P())
+        batch_in = (self.state_shardings.params, self.batch_sharding, self.batch_sharding)
+        self.train_step = jax.jit(
+            step, in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self.eval_loss = jax.jit(self.loss, in_shardings=batch_in, out_shardings=replicated)
+        self.router_stats = jax.jit(functools.partial(stats_fn, cfg=cfg.model, par=par), in_shardings=batch_in,
+                                    out_shardings=replicated)
+        self.loss_and_grads = jax.jit(self._loss_and_grads, in_shardings=batch_in,
+                                      out_shardings=(replicated, self.state_shardings.params))
+
+    def step_params(self, params):
+        """Each param in the type the step differentiates (no data moves, but FSDP's once-per-step
+        gather): a matrix replicated over token axes is cast to `reduced` over them, so its
+        gradient leaves the backward pass `unreduced` (per-device partial sums). With
+        grad_accum = K > 1, a matrix FSDP splits over `data` is gathered whole ONCE, in the
+        compute dtype and `reduced` over `data` (the strategy's own `weight` reshard), so the K
+        micro-batches run on resident weights and add up their unreduced gradients (the manual
+        twin's gather_step)."""
+        gather = self.cfg.train.grad_accum > 1 and self.par.gathers_weights
+        dtype = self.cfg.model.dtype
+
+        def typed(p, axes, logical):
+            if gather and DATA in placement.sharded_axes(jax.typeof(p).sharding.spec) and NORM not in logical:
+                return self.par.weight(p.astype(dtype), logical)
+            if not axes:
+                return p
+            s = jax.typeof(p).sharding
+            return jax.sharding.reshard(p, NamedSharding(self.mesh, P(*s.spec.partitions, reduced=set(axes))))
+        return jax.tree.map(typed, params, self.reduced_over, logical_axes(self.cfg.model))
+
+    def _loss_and_grads(self, params, x, y):
+        """(mean loss, gradients) of x, y [B@data, T] over grad_accum = K micro-batches: the
+        gradients of the `reduced` params stay `unreduced` through the backward layer loop and
+        the micro-batch loop; the reshard of each to its param's sharding is the step's ONE
+        gradient reduction per leaf: an all-reduce, or FSDP's reduce-scatter of a matrix
+        gathered once (K = 1: FSDP's matrices come out of their per-layer gather's transpose
+        already reduce-scattered, and this reshard moves nothing)."""
+        typed = self.step_params(params)
+        loss, grads = accumulated_value_and_grad(self.loss, typed, x, y, self.cfg.train.grad_accum)
+        sync = lambda g, t, p, s: jax.sharding.reshard(g.astype(t.dtype), s).astype(p.dtype)  # noqa: E731
+        return loss, jax.tree.map(sync, grads, typed, params, self.state_shardings.params)
+
+    def global_norm(self, grads) -> jax.Array:
+        """sqrt(sum of squares of the full gradient): each leaf's sum of squares left `unreduced`
+        over the mesh axes that split it, the sums of one group of axes added unreduced, one
+        reshard to replicated per group: its all-reduce (the manual twin's psum per group). The
+        plain norm under JAX's rules reduced every leaf's sum apart: one all-reduce per leaf
+        (measured, JAX 0.12)."""
+        groups: dict[tuple[str, ...], jax.Array] = {}
+        for g in jax.tree.leaves(grads):
+            split = placement.sharded_axes(jax.typeof(g).sharding.spec)
+            axes = tuple(a for a in mesh_lib.ORDER if a in split and self.sizes.get(a, 1) > 1)
+            out = NamedSharding(self.mesh, P(unreduced=set(axes)))
+            sq = jax.lax.reduce_sum(jnp.square(g.astype(jnp.float32)), tuple(range(g.ndim)), out_sharding=out)
+            groups[axes] = groups[axes] + sq if axes in groups else sq
+        return jnp.sqrt(sum(jax.sharding.reshard(sq, NamedSharding(self.mesh, P())) for sq in groups.values()))

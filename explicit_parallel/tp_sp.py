@@ -1,0 +1,53 @@
+"""Megatron sequence parallelism (tp_sp), explicit twin: TP's placement, with the residual
+stream between the tensor-parallel regions typed [B, T@tensor, D] (the strategy's `sequence`
+table). Mesh `tensor:M` or `data:D,tensor:M`.
+
+Forward, per layer: f = a reshard of the sequence shards [B, T@tensor, D] to the whole
+sequence, `reduced` over `tensor` ([B, T, D]{R:tensor}): the all-gather along T; g = a reshard
+of the row-parallel partial sums [B, T, D]{U:tensor} to sequence shards: the reduce-scatter
+(2 each per layer, where TP all-reduces twice). The embedding: TP's lookup typed `unreduced`
+over `tensor`, then g: a reduce-scatter along T. Before the lm_head: f's all-gather; the
+vocab-parallel loss as TP's.
+Backward: the transposes: f's is a reshard of the summed, unreduced input gradients to
+sequence shards (a reduce-scatter), g's a reshard of sequence-split gradients to `reduced`
+(an all-gather). The RMSNorm gains see this device's tokens: JAX's rules sum their gradients
+over `tensor` (and `data`) inside the backward layer loop.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from explicit_parallel.runner import Explicit
+from explicit_parallel.tp import TENSOR, TensorParallel
+from twinshard.model.transformer import ACTIVATION
+from twinshard.parallel.strategies import TP_SP
+
+__all__ = ["SequenceParallel", "parallelism"]
+
+
+class SequenceParallel(TensorParallel):
+    """TP's hooks, with two types of the residual stream: sequence shards between the regions,
+    the whole sequence inside them."""
+
+    def __init__(self, mesh):
+        super().__init__(mesh, TP_SP.activations)  # TP's, the batch over data
+        self.sequence = Explicit(mesh, TP_SP.sequence)  # the residual stream: T over tensor too
+        self.flat_rows = False  # [B, T@tensor] rows do not merge into one split dim
+
+    def constrain(self, x, axes):
+        """The residual stream (embedding and block outputs) typed on sequence shards."""
+        return (self.sequence if axes == ACTIVATION else super()).constrain(x, axes)
+
+    def enter_tensor_parallel(self, x):
+        """f: [B, T@tensor, D] -> [B, T, D]{R:tensor}: the all-gather along T (backward: the
+        reduce-scatter of the summed input gradients)."""
+        return jax.sharding.reshard(x, self.sharding(ACTIVATION, reduced={TENSOR}))
+
+    def exit_tensor_parallel(self, x):
+        """g: partial sums [B, T, D]{U:tensor} -> [B, T@tensor, D]: the reduce-scatter along T."""
+        return jax.sharding.reshard(x, self.sequence.sharding(ACTIVATION))
+
+
+def parallelism(mesh, cfg) -> SequenceParallel:
+    return SequenceParallel(mesh)
