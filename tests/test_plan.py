@@ -22,7 +22,7 @@ from twinshard.hardware import plan as plans_lib
 from twinshard.hardware import links as hardware_links
 from twinshard.hardware import chips
 from twinshard import cost
-from twinshard.config import Config, ModelConfig, preset
+from twinshard.config import Config, preset
 from twinshard.parallel import resolve
 
 LLM_1B = preset("llm_1b").model
@@ -88,30 +88,30 @@ def test_any_slice_of_the_pod_plans_with_a_note_above_googles_largest_job():
 
 
 def test_fsdp_splits_weights_flat_where_data_does_not_divide_d_model():
-    """Llama-3-70B's shapes on a 6144-chip v5p slice (16x16x24) with 1536 sequences: data:1536 =
-    3 x 512 divides none of its weights' dims (8192, 28672, 128256), so no mesh split d_model
+    """Llama-3-70B on a 6144-chip v5p slice (16x16x24) with 1536 sequences: data:1536 = 3 x 512
+    divides none of its weights' dims (8192, 28672, 1024, 128256), so no mesh split d_model
     and no plan fit. ZeRO-3 needs 1/data of each weight per chip, not a slice of d_model: split
     flat (padded under data elements per weight), each chip holds N_matrices/(data x tensor)
     matrix parameters and the replicated norm gains. launch.train's twins split d_model evenly and
     refuse the mesh, so the report's launch line is the best plan they run (tp_sp, whose data axis
     splits no weight)."""
-    cfg = ModelConfig(vocab_size=128256, context_length=4096, d_model=8192, num_layers=80, num_heads=64,
-                      d_ff=28672, dtype="bfloat16", remat="full")
+    cfg = dataclasses.replace(preset("llama3_70b").model, context_length=4096, remat="full")
     topo = hardware_links.parse_topology("v5p:16x16x24")
     plans, skipped = plans_lib.plan_all(cfg, topo, 1536)
     fit, over = plans_lib.rank(plans, "serial")
-    assert [(p.strategy, p.label()) for p in fit[:6]] == [
-        ("fsdp_tp", "data:1536,tensor:4 flat"), ("fsdp_tp", "data:768,tensor:8 flat"),
-        ("fsdp_tp", "data:384,tensor:16 flat"), ("fsdp_cp", "data:1536,context:4 flat"),
-        ("fsdp_cp", "data:768,context:8 flat"), ("tp_sp", "data:192,tensor:32")]
+    assert [(p.strategy, p.label()) for p in fit] == [
+        ("fsdp_tp", "data:1536,tensor:4 flat"), ("fsdp_cp", "data:1536,context:4 flat"),
+        ("fsdp_cp", "data:768,context:8 flat"), ("fsdp_tp", "data:768,tensor:8 flat"),
+        ("fsdp_tp", "data:384,tensor:16 flat"), ("fsdp_cp", "data:384,context:16 flat"),
+        ("fsdp_cp", "data:192,context:32 flat"), ("tp_sp", "data:192,tensor:32"), ("tp_sp", "data:96,tensor:64")]
     assert all(p.flat == ("embed" in cost.RULES[p.strategy]) for p in plans)
     best, norms = fit[0], (2 * cfg.num_layers + 1) * cfg.d_model
     # (each weight's bytes // chips: under 4 bytes short of the exact share, 12 leaves)
     assert best.cost.memory.params == pytest.approx(4 * ((cfg.num_params() - norms) / 6144 + norms), abs=4 * 12)
     # the gathers and scatters move what an even split would: (d-1)/d x 3 x each bf16 matrix's tensor
     # shard (2 gathers, 1 scatter; the embedding is not re-gathered), and the norm gains' f32 means
-    V, D, L, F = cfg.padded_vocab_size, cfg.d_model, cfg.num_layers, cfg.d_ff
-    shards = (L * (4 * D * D + 3 * D * F) + V * D) * 2 / 4  # every matrix but the embedding, bf16, / tensor
+    V, D, L, F, kv = cfg.padded_vocab_size, cfg.d_model, cfg.num_layers, cfg.d_ff, 8 * 128
+    shards = (L * (2 * D * D + 2 * D * kv + 3 * D * F) + V * D) * 2 / 4  # all matrices but the embedding, bf16, / t
     fsdp = 1535 / 1536 * (3 * shards + 2 * V * D * 2 / 4) + 2 * 1535 / 1536 * 4 * (norms + 1)
     data = sum(r.ring_bytes for r in best.cost.collectives if r.axes == ("data",))
     assert data == pytest.approx(fsdp, rel=1e-5)  # each scattered shard's bytes // data: under a byte short
@@ -318,17 +318,17 @@ def test_a_gpu_row_by_hand():
 
 
 def test_cudnn_flash_attention_keeps_no_t_by_t_array_on_a_gpu():
-    """Llama-3-8B's shapes (32 heads, T = 8192, bf16, remat full) on 16 H100 nodes, fsdp data:128,
-    4 sequences per GPU. Attention "auto" is cuDNN flash attention there: the backward loop's working
+    """Llama-3-8B (32 query heads and 8 key/value heads, T = 8192, bf16) under remat full on 16 H100
+    nodes, fsdp data:128, 4 sequences per GPU. Attention "auto" is cuDNN flash attention there: the backward loop's working
     set is one layer's residuals alone. The recompute kernel (--attention=recompute, or float32 on
     the GPU, or any TPU) adds its recomputed probabilities and their gradient, 2 x [4, 32, 8192, 8192]
     f32 = 64 GiB, which no H100 holds: no fsdp plan fit before (pipelines, on micro-batches, did)."""
-    cfg = ModelConfig(vocab_size=128256, context_length=8192, d_model=4096, num_layers=32, num_heads=32,
-                      d_ff=14336, dtype="bfloat16", remat="full")
+    cfg = dataclasses.replace(preset("llama3_8b").model, remat="full")
     topo, mesh, b, T, D, F, H = hardware_links.parse_topology("h100:16x8"), {"data": 128, "tensor": 1}, 4, 8192, 4096, \
         14336, 32
     flash = plans_lib.evaluate(cfg, topo, "fsdp", mesh, 512)
-    residuals = b * T * (6 * D + 5 * D + 3 * F + 4 + H)  # one layer under remat none (cost/memory.py)
+    kv = 8 * 128  # k and v: 8 heads of 128
+    residuals = b * T * (6 * D + 3 * D + 2 * kv + 3 * F + 4 + H)  # one layer under remat none (cost/memory.py)
     assert flash.cost.memory.backward_layer == residuals * 2
     recompute = plans_lib.evaluate(dataclasses.replace(cfg, attention="recompute"), topo, "fsdp", mesh, 512)
     t_by_t = 2 * b * H * T * T * 4
@@ -628,3 +628,79 @@ def test_compile_the_best_tpu_plan(tmp_path):
     assert f"compiled ahead of time: {best['strategy']}/manual" in proc.stdout
     assert "XLA's peak per chip" in proc.stdout and ": fits (the model said" in proc.stdout
     assert doc["compile"]["peak_bytes"] > 0 and doc["compile"]["compile_s"] > 0
+
+
+# ----------------------------------------------------------------------------- the scaling book's LLaMA-3-70B
+
+
+def llama3_70b_rows() -> dict[str, tuple[float | str, float | str, float | str, float]]:
+    """docs/planning.md's table: the scaling book's LLaMA-3-70B worked example beside the planner.
+    Row -> (the book's value, the reference the planner must reproduce: the book's value, or its
+    formula with what the planner models besides, the planner's value, relative tolerance). The
+    book's setting: T = 4096 (its 4M-token batch is 1024 x 4096), v5p's C = 4.59e14 FLOP/s and
+    9e10 B/s one-way ICI links, bf16 weights and float32 Adam where memory counts."""
+    m = dataclasses.replace(preset("llama3_70b").model, context_length=4096, remat="full")
+    L, D, F, H, K, dh = m.num_layers, m.d_model, m.d_ff, m.num_heads, m.kv_heads, m.head_dim
+    C, ici, book_precision = 4.59e14, 9e10, plans_lib.Precision("bfloat16", "float32")
+    rows = {"parameters": (70.4e9, 70.4e9, m.num_params(), 0.005)}
+    f = cost.flops(m, 1024, 4096)
+    rows["training FLOPs per token"] = (4.2e11, 4.2e11, 3 * f.forward_matmul / (1024 * 4096), 0.01)
+    # the pod's 8960 = 2^8 x 35 chips split 1120 sequences (1024 do not); the days do not depend on it
+    pod = plans_lib.evaluate(m, hardware_links.parse_topology("v5p:16x20x28"), "fsdp_tp", {"data": 1120, "tensor": 8},
+                             1120, mfu=0.4, precision=book_precision)
+    matmuls = pod.compute_s * pod.cost.flops.forward_matmul / pod.cost.flops.forward
+    rows["days for 15e12 tokens, 8960 chips, 40% MFU"] = (44.0, 44.0, matmuls * 15e12 / (1120 * 4096) / 86400, 0.01)
+    one = cost.memory(m, "dp", {"data": 1, "tensor": 1}, 1, 4096, **book_precision.memory_kwargs())
+    rows["params in bf16 (bytes)"] = (140e9, 140e9, one.params, 0.01)
+    rows["Adam's moments in f32 (bytes)"] = (560e9, 560e9, one.optimizer, 0.01)
+    # FSDP over the 3 axes of a torus, 3 x 2 x 9e10 B/s: compute-bound above C / W tokens per chip
+    s16 = hardware_links.parse_topology("v5p:16x16x16")
+    fsdp = plans_lib.evaluate(m, s16, "fsdp", {"data": 4096, "tensor": 1}, 4096)
+    fsdp_matmuls = fsdp.compute_s * fsdp.cost.flops.forward_matmul / fsdp.cost.flops.forward
+    rows["FSDP's critical batch per chip (tokens)"] = (850, C / (3 * 2 * ici), 4096 * fsdp.comm_s["data"] / fsdp_matmuls,
+                                                      0.02)
+    plans, _ = plans_lib.plan_all(m, s16, 1024, precision=book_precision)
+    best = plans_lib.rank(plans, "serial")[0][0]
+    rows["mesh for 1024 x 4096 tokens"] = ("data 1024 x tensor 4", "fsdp_tp data:1024,tensor:4",
+                                           f"{best.strategy} {best.label()}", 0)
+    # Megatron over one side of 16 (2 x 9e10 B/s): compute / comm goes as 1 / (Y - 1), 1 at the largest Y
+    tp = plans_lib.evaluate(m, s16, "fsdp_tp", {"data": 256, "tensor": 16}, 1024)
+    alpha = C / (2 * ici)
+    tp_matmuls = tp.compute_s * tp.cost.flops.forward_matmul / tp.cost.flops.forward
+    rows["TP's largest compute-bound Y, one axis"] = (F / alpha, 1 + (1.125 * F + 0.375 * 2 * dh * (H + K)) / alpha,
+                                                     1 + 15 * tp_matmuls / tp.comm_s["tensor"], 0.02)
+    # 2 slices over DCN, fsdp inside: the bf16 gradients' all-reduce against the backward pass's matmuls
+    dcn = plans_lib.evaluate(m, hardware_links.with_slices(s16, 2), "fsdp", {"data": 4096, "tensor": 1}, 8192,
+                             precision=book_precision)
+    backward = 2 / 3 * dcn.compute_s * dcn.cost.flops.forward_matmul / dcn.cost.flops.forward
+    each_chip = dcn.cost.memory.grads / (2 * f.matmul_params / 4096)  # its bytes / the book's 2 N / M
+    rows["DCN's critical batch per slice (tokens)"] = (C / 6.25e9, C / 6.25e9 * (2 - 1) / 2 * each_chip,
+                                                      8192 * 4096 / 2 * dcn.comm_s["dcn"] / backward, 0.001)
+    return rows
+
+
+def _shown(x: float | str) -> str:
+    """A table cell: 4 significant digits ('7.055e10', '40,131', '858.4')."""
+    if isinstance(x, str):
+        return x
+    if x >= 1e6:
+        exp = len(str(int(x))) - 1
+        return f"{x / 10 ** exp:.4g}e{exp}"
+    return f"{x:,.0f}" if x >= 1e4 else f"{x:.4g}"
+
+
+def test_the_scaling_books_llama3_70b():
+    """Every row of docs/planning.md's LLaMA-3-70B table: the planner's value within the row's
+    tolerance of the reference (the book's value, or its formula with what the planner models
+    besides, stated in the row), and the page shows the planner's value as computed here."""
+    text = (ROOT / "docs" / "planning.md").read_text()
+    table = {cells[0]: cells for cells in (
+        [c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| quantity"))}
+    for name, (book, reference, planner, tolerance) in llama3_70b_rows().items():
+        if tolerance:
+            assert planner == pytest.approx(reference, rel=tolerance), name
+        else:
+            assert planner == reference, name
+        row = table[name]
+        assert (row[1], row[3], row[4]) == (_shown(book), _shown(reference), _shown(planner)), (name, row)

@@ -17,8 +17,9 @@ device to hold 1/data of every weight, not a whole slice of its d_model dim: it 
 weight and pad it to a multiple of data (PyTorch's FSDP does: its FlatParameter), under data
 elements per weight, which the cost model's bytes // data already rounds away. No other dim would
 do in general (v5p:16x16x24's data:1536 = 3 x 512 divides none of Llama-3-70B's: 8192, 28672,
-128256 / 1536, ...). launch.train's twins split d_model itself, with even shards (shard_map and
-jit's argument shardings need them), so a flat plan is ranked but gets no launch line.
+1024, 128256). launch.train's twins split d_model itself, with even shards (shard_map and
+jit's argument shardings need them): a flat plan is ranked, and the launch line is the best
+plan launch.train runs (`Plan.runnable`).
 """
 
 from __future__ import annotations
