@@ -41,7 +41,8 @@ class FullyShardedDataParallel(Explicit):
     def layer_policy(self, policy):
         """Each layer checkpointed under every remat policy, minus the gathered weights (the
         manual twin's structure: the backward loop re-gathers each layer's matrices)."""
-        return never_gathered(everything_saveable if policy is None else policy)
+        inner = super().layer_policy(policy)  # + saves_reductions (fsdp_tp's Megatron g)
+        return never_gathered(everything_saveable if inner is None else inner)
 
     def head(self, lm_head, x):
         """lm_head(x) checkpointed: the backward pass re-gathers the lm_head weight."""

@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from twinshard import testing
 from twinshard.config import Config
+from manual_parallel.base import either
 from twinshard.model.hooks import Parallelism
 from twinshard.model.transformer import ACTIVATION
 from twinshard.parallel import mesh as mesh_lib, placement, strategies
@@ -53,6 +54,11 @@ TOKEN_AXES = (DATA,)  # the mesh axes that split the tokens (each device's loss:
 def _split(mesh: jax.sharding.Mesh, rules: Rules) -> dict[str, str]:
     """The rules without the mesh axes of size 1 (JAX drops them from types)."""
     return {k: a for k, a in rules.items() if mesh.shape.get(a, 1) > 1}
+
+
+def saves_reductions(prim, *avals, **params) -> bool:
+    """Remat policy: True for a reshard whose input is typed `unreduced` (its output is a sum)."""
+    return prim.name == "reshard" and bool(avals[0].sharding.spec.unreduced)
 
 
 class Explicit(Parallelism):
@@ -74,6 +80,13 @@ class Explicit(Parallelism):
         strategy does not declare is a bug of its hooks, caught at trace time)."""
         testing.expect_sharding(x, spec(axes, self.rules))
         return x
+
+    def layer_policy(self, policy):
+        """The layer's policy, plus: the output of a reshard from an `unreduced` type (Megatron's g,
+        tp_sp's reduce-scatter) is saved, so a checkpointed layer's backward pass recomputes
+        matmuls, never a reduction (manual_parallel/base.py `saves_reductions`; without it remat
+        `full` re-ran g in the backward loop, measured)."""
+        return None if policy is None else either(policy, saves_reductions)
 
     def embed(self, ids, table):
         """ids: [B@data, T]; table: [V, D] in its use type -> [B@data, T, D].

@@ -148,6 +148,15 @@ def test_tp_all_reduces_activations_where_megatron_does():
     expect_no_collective(led, op="all-gather")
 
 
+def test_remat_recomputes_matmuls_never_a_reduction():
+    """remat=full under tp: each checkpointed layer saves g's output (a reshard from `unreduced`),
+    so the backward loop repeats no all-reduce: the loss and gradients move what remat=none does."""
+    cfg = Config(dataclasses.replace(M, remat="full"), CFG.train)
+    r = explicit_parallel.make_runner("tp", MESH["tp"], cfg)
+    led = hlo.ledger(r.loss_and_grads.lower(r.abstract_state().params, tokens(r), tokens(r)).compile(), r.mesh)
+    expect_collectives(led, "all-reduce", "tensor", count=4 * L + 2 + 3)
+
+
 def test_fsdp_tp_composes_both():
     led = ledger("fsdp_tp")
     testing.expect_parsed(led)

@@ -162,9 +162,10 @@ def test_strategy_compare_and_collectives_examples(readme_runs):
         "max_param_diff_manual_vs_auto", "max_param_diff_explicit_vs_manual"}
     for key, value in diffs.items():  # measured: grads 4.5e-08, params 2.4e-07
         assert float(value) < (1e-6 if "grad" in key else 2e-5), (key, value)
-    manual_vs_model = compared.split("manual ledger vs cost model:")[1]
-    rows = [line for line in manual_vs_model.splitlines() if re.match(r"(all-reduce|TOTAL) ", line)]
-    assert len(rows) == 2 and all(line.rstrip().endswith("ok") for line in rows), manual_vs_model
+    for twin in ("manual", "explicit"):  # tp: both ledgers equal the cost model
+        vs_model = compared.split(f"{twin} ledger vs cost model:")[1].split("ledger vs cost model:")[0]
+        rows = [line for line in vs_model.splitlines() if re.match(r"(all-reduce|TOTAL) ", line)]
+        assert len(rows) == 2 and all(line.rstrip().endswith("ok") for line in rows), (twin, vs_model)
     assert "plot: tp.png" in compared
     png = cwd / "tp.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -1264,6 +1264,11 @@ MUTANTS: list[Mutant] = [
            (f"{EXPLICIT}::test_gradients_leave_the_backward_pass_typed", EXPLICIT),
            "the replicated matrices are not cast to reduced: dp's gradients are all-reduced per layer inside "
            "the backward loop (and per micro-batch)"),
+    Mutant("explicit-remat-recomputes-g", "explicit", "explicit_parallel/runner.py",
+           'return prim.name == "reshard" and bool(avals[0].sharding.spec.unreduced)',
+           "return False",
+           (f"{EXPLICIT}::test_remat_recomputes_matmuls_never_a_reduction",),
+           "a checkpointed layer does not save Megatron's g: the backward loop all-reduces again"),
     Mutant("explicit-norm-per-leaf", "explicit", "explicit_parallel/runner.py",
            "groups[axes] = groups[axes] + sq if axes in groups else sq",
            "groups[(*axes, str(len(groups)))] = sq",
