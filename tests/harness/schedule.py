@@ -20,7 +20,7 @@ COLD_SECONDS = {
     "test_twins": 230, "test_readme": 170, "test_pipeline": 100, "test_train": 95, "test_accum": 85,
     "test_context": 80, "test_multiprocess": 70, "test_optimizers": 60, "test_scan": 45, "test_tpu_topology": 45,
     "test_precision": 40, "test_wheel": 40, "test_bf16_parallel": 180, "test_collectives_cli": 30, "test_bench": 25,
-    "test_moe": 25, "test_experts": 80, "test_ragged": 95, "test_shards": 22,
+    "test_moe": 25, "test_experts": 80, "test_ragged": 95, "test_shards": 22, "test_explicit": 100, "test_gqa": 110,
     # ungrouped: their tests are dealt out after the groups, the slowest module's first
     "test_attention": 20, "test_model": 20, "test_readme_snippet": 17, "test_loss_optim": 11, "test_layers": 10,
     "test_cli_errors": 2,
@@ -33,10 +33,12 @@ UNGROUPED = {
     "test_readme_snippet", "test_hlo", "test_hlo_input", "test_compile_cache", "test_harness", "test_mutate",
     "test_strategies", "test_same_programs",
 }
-# Modules that compile the same programs (same config and mesh) share one group, so they run one
-# after the other and the second loads the first's programs from the persistent cache
-# (tests/runners.py's CFG: test_memory's tiny train steps and test_remat's remat-none gradients
-# are the base strategies' programs; test_sequence uses their single and tp).
+# Modules that build the same runners (tests/runners.py's CFG) share one group, so they run on one
+# worker, one after the other: test_sequence reuses test_data_tensor's single-device record in
+# process (functools.cache). Measured: the persistent cache does NOT carry programs from one module
+# to the next, since JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY (conftest) puts the calling test
+# file's source lines into the key: test_memory's tiny train steps compiled cold right after
+# test_data_tensor compiled the same programs.
 SHARED_GROUPS = {m: "test_twins" for m in ("test_data_tensor", "test_memory", "test_remat",
                                            "test_sequence")}
 
