@@ -262,7 +262,7 @@ def test_dense_tree_unchanged_and_num_params():
         "layers.ffn.w2.weight": (2, 3, 96, 64), "layers.ffn.w3.weight": (2, 3, 64, 96)}
     for cfg in (preset("tiny").model, TINY_MOE.model, moe_cfg, preset("mixtral_8x7b").model):
         assert sum(np.prod(s) for s in param_shapes(cfg).values()) == cfg.num_params()
-    assert preset("mixtral_8x7b").model.num_params() / 1e9 == pytest.approx(47.5, abs=0.05)
+    assert preset("mixtral_8x7b").model.num_params() / 1e9 == pytest.approx(46.7, abs=0.05)  # Mistral's count
 
 
 def test_init_scales(model):

@@ -375,14 +375,15 @@ _PRESETS: dict[str, Config] = {
         TrainConfig(batch_size=8, steps=20, lr=3e-3, min_lr=3e-4, warmup_steps=2,
                     tokenizer="bytes", log_every=5, eval_every=10, eval_batches=2),
     ),
-    # Mixtral 8x7B's shapes, for planning (launch.plan) at scale. Mixtral has 8 key/value heads
-    # (grouped-query attention), which this model does not have: its attention parameters here
-    # are the full multi-head ones (4 D^2 per layer, not 2.5 D^2): 47.5B parameters, 0.8B more than
-    # Mixtral's 46.7B. Its 32000-token SentencePiece vocabulary is not shipped; "bytes" is a placeholder
-    # whose ids (< 257) stay inside the 32000 rows, where gpt2's (up to 50256) would not.
+    # Mixtral 8x7B's shapes, for planning (launch.plan) at scale, from the config.json of
+    # huggingface.co/mistralai/Mixtral-8x7B-v0.1: grouped-query attention with 8 key/value heads, 8
+    # experts of 14336, 2 per token; Mistral's published 46.7B parameters are ModelConfig.num_params
+    # (the context here is 4096 of its 32768). Its 32000-token SentencePiece vocabulary is not shipped;
+    # "bytes" is a placeholder whose ids (< 257) stay inside the 32000 rows, where gpt2's (up to
+    # 50256) would not.
     "mixtral_8x7b": Config(
         ModelConfig(vocab_size=32000, context_length=4096, d_model=4096, num_layers=32, num_heads=32,
-                    d_ff=14336, rope_theta=1e6, norm_eps=1e-5, dtype="bfloat16",
+                    num_kv_heads=8, d_ff=14336, rope_theta=1e6, norm_eps=1e-5, dtype="bfloat16",
                     num_experts=8, experts_per_token=2, capacity_factor=1.25, expert_d_ff=14336),
         TrainConfig(batch_size=64, steps=5000, lr=2e-4, min_lr=2e-5, warmup_steps=500,
                     tokenizer="bytes", log_every=10, eval_every=500),
