@@ -149,7 +149,7 @@ def test_gqa_is_multi_head_attention_on_repeated_kv_heads():
 
 def test_the_model_is_the_float64_gqa_transformer():
     """Logits of a GQA TransformerLM from its CS336 state dict (k, v [Hkv*dh, D]) against the
-    float64 reference model. Measured: 1.9e-6 apart (logits of order 1)."""
+    float64 reference model. Measured: 8.2e-7 apart (logits up to 2.9)."""
     from flax import nnx
 
     from twinshard.model import TransformerLM, state_dict
