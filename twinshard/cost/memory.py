@@ -372,7 +372,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     if "embed" in rules:
         no_data = {a: m for a, m in rules.items() if m != "data"}
         # (the piece a device uses: a replicated kv weight's gathered slice is 1/Hkv of it)
-        accumulator = sum(w.count * w.size * F32 // max(_shards(w, no_data, mesh), used_shards(cfg, w, t))
-                          for w in weights(cfg))
+        accumulator = sum(w.count * w.size * F32 // max(_shards(w, no_data, mesh),
+                                                        used_shards(cfg, w, t) if w.is_matrix else 1)
+                          for w in weights(cfg))  # the norm gains are whole on every device
         gathered = sum(w.count * w.size // used_shards(cfg, w, t) for w in weights(cfg) if w.is_matrix) * dtype_bytes
     return Memory(params, params, opt, acts, gathered, accumulator, backward_layer, copy)
