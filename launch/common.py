@@ -111,7 +111,9 @@ def define_shape_flags() -> None:
 # The mixture-of-experts flags: each overrides the ModelConfig field of its name (None: the preset's).
 _MOE_FLAGS = (
     (flags.DEFINE_integer, "num_experts", "experts per layer, 0 = the dense feed-forward, >= 2 = every layer "
-     "routed (default: the preset's; tiny_moe, mixtral_8x7b have 4, 8)."),
+     "after --first_dense_layers routed (default: the preset's; tiny_moe, mixtral_8x7b have 4, 8)."),
+    (flags.DEFINE_integer, "first_dense_layers", "which layers are MoE: the first K keep the dense feed-forward "
+     "(DeepSeek's first_k_dense_replace), layers K..L-1 are routed (0 <= K < --num_layers; default 0: all)."),
     (flags.DEFINE_integer, "experts_per_token", "each token's top-k experts (1 <= k <= --num_experts; default 2)."),
     (flags.DEFINE_float, "capacity_factor", "buffer slots per expert per group, ceil(k * group * factor / "
      "num_experts); tokens past them are dropped (default 1.25; 0: dropless)."),

@@ -1,6 +1,7 @@
 """Expert parallelism (ep, fsdp_ep) in both twins: the all_to_all pair, each twin against
 single-device training with and without dropped tokens, the manual ledger against the cost
-model, what GSPMD inserts, router statistics and checkpoints across strategies.
+model, what GSPMD inserts, router statistics and checkpoints across strategies; a model whose
+first layer stays dense (first_dense_layers) under fsdp_ep.
 
 tiny_moe (E = 4 experts, k = 2, T = 32, one capacity group per sequence, L = 2, B = 8) with
 capacity_factor 0.5 (C = 8 slots per expert and group, against k S / E = 16 assignments on
@@ -35,7 +36,9 @@ BASE = preset("tiny_moe")
 TRAIN = dataclasses.replace(BASE.train, grad_clip=0.25)
 DROPS = Config(dataclasses.replace(BASE.model, capacity_factor=0.5), TRAIN)
 DROPLESS = Config(dataclasses.replace(BASE.model, capacity_factor=0.0), TRAIN)
-CONFIGS = {"drops": DROPS, "dropless": DROPLESS}
+# L = 3 whose layer 0 keeps the dense feed-forward (ModelConfig.first_dense_layers): two scanned stacks
+FIRST_DENSE = Config(dataclasses.replace(DROPS.model, num_layers=3, first_dense_layers=1), TRAIN)
+CONFIGS = {"drops": DROPS, "dropless": DROPLESS, "first_dense": FIRST_DENSE}
 MESHES = {"ep": "data:2,expert:4", "fsdp_ep": "data:2,expert:2"}
 STEPS = 3
 # Measured (JAX 0.12.0.1, XLA:CPU), every twin vs single device, both configs: losses within
@@ -112,6 +115,12 @@ def test_dropless_ep_matches_single_device(impl):
     assert_matches_single_device(twin(impl, "ep", "dropless"), single("dropless"), grads=impl == "manual")
 
 
+@pytest.mark.parametrize("impl", ["auto", "manual"])
+def test_first_dense_layers_under_fsdp_ep_match_single_device(impl):
+    """A dense stack and a MoE stack: FSDP gathers both stacks' weights, only the MoE stack exchanges."""
+    assert_matches_single_device(twin(impl, "fsdp_ep", "first_dense"), single("first_dense"), grads=impl == "manual")
+
+
 def assert_matches_single_device(got, want, grads: bool):
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
     if grads:
@@ -123,14 +132,18 @@ def assert_matches_single_device(got, want, grads: bool):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_twin_drops_exactly_the_tokens_one_device_drops(name):
     """router_stats on the first batch, at the initial params: the dropped assignments and the
-    tokens kept per expert are integers and must be equal; drops > 0 with capacity 0.5, 0 dropless."""
+    tokens kept per expert are integers and must be equal; drops > 0 with capacity 0.5, 0 dropless;
+    one row per MoE layer."""
     cfg = CONFIGS[name]
     x = first_batch(cfg)
     one = SingleDevice(cfg.model, cfg.train)
     _, want = jax.device_get(one.router_stats(single(name)["init"], *one.place_batch(*x)))
-    assert (int(np.sum(want["dropped"])) > 0) == (name == "drops"), want["dropped"]
+    assert (int(np.sum(want["dropped"])) > 0) == (name != "dropless"), want["dropped"]
+    assert want["dropped"].shape == (cfg.model.moe_layers,)
     assert int(want["assignments"]) == cfg.model.experts_per_token * x[0].size
-    for impl, strategy in [("manual", "ep"), ("auto", "ep")] + ([("manual", "fsdp_ep")] if name == "drops" else []):
+    twins = {"drops": [("manual", "ep"), ("auto", "ep"), ("manual", "fsdp_ep")], "dropless": [("manual", "ep"), ("auto", "ep")],
+             "first_dense": [("manual", "fsdp_ep")]}
+    for impl, strategy in twins[name]:
         r = twin(impl, strategy, name)["runner"]
         params = jax.device_put(single(name)["init"], r.state_shardings.params)
         _, got = jax.device_get(r.router_stats(params, *r.place_batch(*x)))
@@ -142,38 +155,42 @@ def test_every_twin_drops_exactly_the_tokens_one_device_drops(name):
 # ----------------------------------------------------------------------------- collectives
 
 
-@pytest.mark.parametrize("strategy", list(MESHES))
-def test_manual_ledger_equals_the_cost_model_exactly(strategy):
+LEDGERS = [("ep", "drops"), ("fsdp_ep", "drops"), ("fsdp_ep", "first_dense")]
+
+
+@pytest.mark.parametrize("strategy, name", LEDGERS)
+def test_manual_ledger_equals_the_cost_model_exactly(strategy, name):
     """Per MoE layer 2 all_to_alls of the capacity buffers [E, G, C, D] forward (dispatch,
     combine) and 2 backward (their inverses), each from manual_parallel/ep.py's hooks; ep: every
     dense gradient's mean over (data, expert), each expert gradient's over data; fsdp_ep: FSDP's
-    gathers and scatters over data, the dense shards' mean over expert."""
-    runner = twin("manual", strategy)["runner"]
-    led = compiled_ledger("manual", strategy)
-    m, b = DROPS.model, DROPS.train.batch_size
+    gathers and scatters over data, the dense shards' mean over expert. first_dense: none in the
+    dense layer (4 x 2 all_to_alls, not 4 x 3), FSDP's of both stacks."""
+    runner = twin("manual", strategy, name)["runner"]
+    led = compiled_ledger("manual", strategy, name)
+    m, b = CONFIGS[name].model, DROPS.train.batch_size
     model = cost.cost(m, strategy, runner.sizes, b)
     rows = cost.compare(led.summary(), model.summary())
     assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
     groups = b // (runner.sizes["data"] * runner.sizes["expert"]) * m.context_length // m.moe_group
     buffers = m.num_experts * groups * m.expert_capacity * m.d_model * 4
-    testing.expect_collectives(led, "all-to-all", ("expert",), count=4 * m.num_layers)
-    assert led.filter(op="all-to-all").total_bytes() == 4 * m.num_layers * buffers
+    testing.expect_collectives(led, "all-to-all", ("expert",), count=4 * m.moe_layers)
+    assert led.filter(op="all-to-all").total_bytes() == 4 * m.moe_layers * buffers
     assert {r.source.rpartition(":")[0].rsplit("/", 1)[-1] for r in led.filter(op="all-to-all").records} == {"ep.py"}
 
 
-@pytest.mark.parametrize("strategy", list(MESHES))
-def test_auto_twin_exchanges_the_buffers_with_all_to_alls(strategy):
+@pytest.mark.parametrize("strategy, name", LEDGERS)
+def test_auto_twin_exchanges_the_buffers_with_all_to_alls(strategy, name):
     """What GSPMD inserts for ep's two buffer layouts (auto_parallel/ep.py), measured: the same
     4 all-to-alls per MoE layer over `expert`, of the same bytes as the manual twin's, and no
     all-gather of the buffers (its only all-gather over data,expert is the router's [G, S, E]
     probabilities, which GSPMD gathers whole for top_k: 2 per step, one per layer)."""
-    auto, manual = compiled_ledger("auto", strategy), compiled_ledger("manual", strategy)
-    m = DROPS.model
-    testing.expect_collectives(auto, "all-to-all", ("expert",), count=4 * m.num_layers)
+    auto, manual = compiled_ledger("auto", strategy, name), compiled_ledger("manual", strategy, name)
+    m = CONFIGS[name].model
+    testing.expect_collectives(auto, "all-to-all", ("expert",), count=4 * m.moe_layers)
     assert auto.filter(op="all-to-all").total_bytes() == manual.filter(op="all-to-all").total_bytes()
     probs = DROPS.train.batch_size * m.context_length * m.num_experts * 4
     gathered = auto.filter(op="all-gather", axes=("data", "expert"))
-    assert gathered.count() == m.num_layers and gathered.total_bytes() == m.num_layers * probs, auto.table()
+    assert gathered.count() == m.moe_layers and gathered.total_bytes() == m.moe_layers * probs, auto.table()
 
 
 def test_remat_never_repeats_an_exchange():
@@ -255,14 +272,14 @@ BANDS = {("manual", "ep"): (0.85, 1.8), ("manual", "fsdp_ep"): (0.85, 1.35), ("a
          ("auto", "fsdp_ep"): (0.85, 1.75)}
 
 
-@pytest.mark.parametrize("strategy", list(MESHES))
-@pytest.mark.parametrize("impl", ["auto", "manual"])
-def test_compiled_step_beside_the_memory_model(impl, strategy):
+@pytest.mark.parametrize("impl, strategy, name", [(impl, strategy, "drops") for impl in ("auto", "manual")
+                                                   for strategy in MESHES] + [("manual", "fsdp_ep", "first_dense")])
+def test_compiled_step_beside_the_memory_model(impl, strategy, name):
     """memory_analysis() of the compiled step: its arguments hold exactly the model's params and
     optimizer state (the experts split over `expert`), its temporaries within the band of the
     model's (activations with the capacity buffers, gathered weights, the backward working set)."""
-    r = twin(impl, strategy)["runner"]
-    cfg = DROPS
+    r = twin(impl, strategy, name)["runner"]
+    cfg = CONFIGS[name]
     xs = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32, sharding=r.batch_sharding)
     state = r.abstract_state()
     step = r.train_step.lower(state, xs, xs).compile()
@@ -273,11 +290,13 @@ def test_compiled_step_beside_the_memory_model(impl, strategy):
     assert low < step.memory_analysis().temp_size_in_bytes / model.temporaries < high, model
 
 
-def test_flops_match_xlas_count():
+@pytest.mark.parametrize("layers, dense", [(1, 0), (2, 1)])
+def test_flops_match_xlas_count(layers, dense):
     """cost.flops of a mixture of experts (every expert on its whole capacity buffer, the dispatch
-    and combine einsums) against XLA's cost analysis of the single-device step, on L = 1 (XLA
-    counts a while body once: tests/test_cost.py) and within 5% (XLA also counts elementwise ops)."""
-    m = dataclasses.replace(DROPS.model, num_layers=1)
+    and combine einsums) against XLA's cost analysis of the single-device step, on one layer per
+    stack (XLA counts a while body once: tests/test_cost.py) and within 5% (XLA also counts
+    elementwise ops); (2, 1): a dense layer, then a MoE layer."""
+    m = dataclasses.replace(DROPS.model, num_layers=layers, first_dense_layers=dense)
     b, t = DROPS.train.batch_size, m.context_length
     params = jax.eval_shape(functools.partial(create_params, m, 0))
     x = jax.ShapeDtypeStruct((b, t), jnp.int32)

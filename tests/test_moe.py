@@ -4,7 +4,7 @@ The block (twinshard/model/moe.py) in float32 against tests/reference.py's token
 NumPy float64 `moe_ffn` (routing, top-k, renormalised weights, choice-major capacity, drops,
 expert SwiGLU, combine, aux, z, counts), for k = 1 and 2, dropless and dropping; its gradients
 against float64 central differences of the reference; the whole tiny_moe model against the
-reference LM; capacity per group; the CS336 state dict; remat; config and flag errors; and 20
+reference LM (also with the first layer dense); capacity per group; the CS336 state dict; remat; config and flag errors; and 20
 training steps on one device.
 """
 
@@ -167,8 +167,13 @@ def model():
     return nnx.merge(graphdef(MODEL_CFG), params())
 
 
-def test_model_matches_float64_reference(model):
-    cfg = MODEL_CFG
+# layers.0 keeps the dense SwiGLU (ModelConfig.first_dense_layers), layers.1 and layers.2 are MoE
+FIRST_DENSE_CFG = dataclasses.replace(MODEL_CFG, num_layers=3, first_dense_layers=1)
+
+
+@pytest.mark.parametrize("cfg", [MODEL_CFG, FIRST_DENSE_CFG], ids=["every_layer", "first_dense"])
+def test_model_matches_float64_reference(cfg, model):
+    model = model if cfg == MODEL_CFG else nnx.merge(graphdef(cfg), create_params(cfg, 0))
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, cfg.context_length + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     loss, stats = jax.jit(lambda t, u: model.loss_and_stats(t, u))(jnp.asarray(x), jnp.asarray(y))
@@ -177,12 +182,15 @@ def test_model_matches_float64_reference(model):
 
     def ffn(i, h):
         p = lambda n: sd64[f"layers.{i}.ffn.{n}.weight"]  # noqa: E731
+        if i < cfg.first_dense_layers:
+            return ref.swiglu(h, p("w1"), p("w2"), p("w3"))
         out, st = ref.moe_ffn(h, p("router"), p("experts.w1"), p("experts.w2"), p("experts.w3"),
                               k=cfg.experts_per_token, capacity=cfg.expert_capacity, group_size=cfg.moe_group)
         layer_stats.append(st)
         return out
 
     logits = ref.transformer_lm(sd64, x, cfg.num_layers, cfg.num_heads, cfg.rope_theta, ffn=ffn)
+    assert len(layer_stats) == cfg.moe_layers == len(stats["aux"])
     ce = ref.cross_entropy(logits, y)
     np.testing.assert_allclose(float(stats["ce"]), ce, rtol=1e-5)
     for name in ("aux", "z"):
@@ -260,8 +268,27 @@ def test_dense_tree_unchanged_and_num_params():
     assert {k: v for k, v in shapes.items() if ".ffn." in k} == {
         "layers.ffn.router.weight": (2, 64, 3), "layers.ffn.w1.weight": (2, 3, 64, 96),
         "layers.ffn.w2.weight": (2, 3, 96, 64), "layers.ffn.w3.weight": (2, 3, 64, 96)}
-    for cfg in (preset("tiny").model, TINY_MOE.model, moe_cfg, preset("mixtral_8x7b").model):
+    for cfg in (preset("tiny").model, TINY_MOE.model, moe_cfg, preset("mixtral_8x7b").model, FIRST_DENSE_CFG):
         assert sum(np.prod(s) for s in param_shapes(cfg).values()) == cfg.num_params()
+
+
+def test_first_dense_layers_are_a_dense_stack_before_the_moe_stack():
+    """first_dense_layers=1 of 3: `dense_layers` holds layer 0 [1, ...] as the dense tree does, `layers`
+    the two MoE layers [2, ...]; the state dict numbers them in running order, and loads back."""
+    shapes = param_shapes(FIRST_DENSE_CFG)
+    f, fe = FIRST_DENSE_CFG.d_ff, FIRST_DENSE_CFG.expert_ff
+    assert shapes["dense_layers.ffn.w1.weight"] == (1, 64, f) and shapes["dense_layers.ln1.weight"] == (1, 64)
+    assert shapes["layers.ffn.w1.weight"] == (2, E, 64, fe) and shapes["layers.attn.q_proj.weight"] == (2, 64, 64)
+    model = nnx.merge(graphdef(FIRST_DENSE_CFG), create_params(FIRST_DENSE_CFG, 0))
+    sd = state_dict(model)
+    assert sd["layers.0.ffn.w1.weight"].shape == (f, 64) and "layers.0.ffn.router.weight" not in sd
+    assert sd["layers.2.ffn.experts.w1.weight"].shape == (E, fe, 64) and "layers.3.ln1.weight" not in sd
+    np.testing.assert_array_equal(sd["layers.2.attn.q_proj.weight"], np.asarray(model.layers.attn.q_proj.weight[1]).T)
+    np.testing.assert_array_equal(sd["layers.0.ln2.weight"], np.asarray(model.dense_layers.ln2.weight[0]))
+    other = nnx.merge(graphdef(FIRST_DENSE_CFG), jax.tree.map(jnp.zeros_like, create_params(FIRST_DENSE_CFG, 0)))
+    load_state_dict(other, sd)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(other, nnx.Param))):
+        np.testing.assert_array_equal(a, b)
     assert preset("mixtral_8x7b").model.num_params() / 1e9 == pytest.approx(46.7, abs=0.05)  # Mistral's count
 
 
@@ -306,6 +333,10 @@ def test_expert_capacity():
     ({"router_z_loss": -1e-3}, ["ModelConfig.router_z_loss=-0.001", ">= 0"]),
     ({"expert_d_ff": -1}, ["ModelConfig.expert_d_ff=-1", ">= 0", "0: d_ff"]),
     ({"num_experts": 2.0}, ["ModelConfig.num_experts=2.0", "expected an int"]),
+    ({"first_dense_layers": 2}, ["ModelConfig.first_dense_layers=2", "[0, num_layers=2)", "choose 0 to 1"]),
+    ({"first_dense_layers": -1}, ["ModelConfig.first_dense_layers=-1", "choose 0 to 1"]),
+    ({"num_experts": 0, "first_dense_layers": 1}, ["ModelConfig.first_dense_layers=1", "num_experts=0",
+                                                   "--num_experts=4", "--first_dense_layers=0"]),
 ])
 def test_bad_moe_config(over, needles):
     with pytest.raises(ValueError) as e:
@@ -322,7 +353,7 @@ def test_dense_ignores_k_but_not_a_bad_group():
 
 
 def flag_values(**given):
-    names = ("dtype", "attention", "scan_unroll", "remat", "collective_matmul", *common.MOE_FLAGS)
+    names = ("dtype", "attention", "scan_unroll", "remat", "collective_matmul", *common.SHAPE_FLAGS, *common.MOE_FLAGS)
     return types.SimpleNamespace(**{n: given.get(n) for n in names})
 
 
@@ -336,6 +367,10 @@ def test_flags_override_the_preset_and_bad_values_fail_before_any_work():
         common.with_model_flags(preset("tiny"), flag_values(num_experts=4, experts_per_token=7))
     with pytest.raises(ValueError, match=r"^--capacity_factor=-1.0: ModelConfig.capacity_factor=-1.0 must be >= 0"):
         common.with_model_flags(TINY_MOE, flag_values(capacity_factor=-1.0))
+    m = common.with_model_flags(TINY_MOE, flag_values(num_layers=3, first_dense_layers=1)).model
+    assert (m.num_layers, m.first_dense_layers, m.moe_layers) == (3, 1, 2)
+    with pytest.raises(ValueError, match=r"^--first_dense_layers=2: ModelConfig.first_dense_layers=2 \(--first_dense_layers\) must be in \[0, "):
+        common.with_model_flags(TINY_MOE, flag_values(first_dense_layers=2))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -124,6 +124,21 @@ def test_incompatible_checkpoint_is_a_clear_error(full_run, tmp_path_factory):
         run_train(tmp_path_factory, f"--workdir={full_run}", "--steps=12", "--resume", "--batch_size=4")
 
 
+def test_a_config_field_newer_than_the_checkpoint_reads_as_its_default():
+    """A checkpoint written before ModelConfig had first_dense_layers restores into a model that
+    leaves it at 0, and only there."""
+    import dataclasses
+
+    from twinshard.config import preset
+    from twinshard.train.checkpoint import CheckpointError, _check_same
+
+    now = dataclasses.asdict(preset("tiny_moe").model)
+    older = {k: v for k, v in now.items() if k != "first_dense_layers"}
+    _check_same("model", older, now, "ckpt/3")
+    with pytest.raises(CheckpointError, match=r"different model .*'first_dense_layers': \(None, 1\)"):
+        _check_same("model", older, {**now, "first_dense_layers": 1}, "ckpt/3")
+
+
 def test_bad_flags_fail_before_anything_is_written(tmp_path, tmp_path_factory):
     workdir = tmp_path / "never"
     cases = [(["--stop_after=12"], "stop_after=12 must be between 1 and steps-1"),

@@ -118,9 +118,11 @@ class ModelConfig:
     # (manual_parallel/collectives.py all_gather_matmul). Launchers check the strategy and twin.
     collective_matmul: bool = False
     # Mixture of experts (twinshard/model/moe.py). num_experts = 0 is the dense SwiGLU block;
-    # E >= 2 makes EVERY layer's feed-forward a routed one: the L blocks are one scanned stack
-    # of identical layers, so interleaving dense and MoE layers would need two stacks.
+    # E >= 2 makes the feed-forward of every layer after the first `first_dense_layers` a routed
+    # one. The dense first layers (DeepSeek-MoE's and DeepSeek-V3's `first_k_dense_replace`) are a
+    # second scanned stack, run before the MoE stack: `ModelConfig.stacks`.
     num_experts: int = 0
+    first_dense_layers: int = 0  # K: layers 0..K-1 keep the dense SwiGLU of width d_ff; 0 <= K < L
     experts_per_token: int = 2  # k: each token's top-k experts, weights renormalised over the k
     # Expert buffer slots per capacity group: C = min(S, ceil(k S capacity_factor / E)) (S = the
     # group's tokens); a token past its expert's C slots is dropped there. 0: dropless, C = S.
@@ -196,6 +198,15 @@ class ModelConfig:
                 f"ModelConfig.moe_group_size={self.moe_group_size} does not divide context_length="
                 f"{self.context_length}, so a capacity group would span two sequences; choose it from "
                 f"{_divisors(self.context_length)} (0: the whole sequence).")
+        dense = self.first_dense_layers
+        if dense and not e:
+            raise ValueError(f"ModelConfig.first_dense_layers={dense} (--first_dense_layers) keeps the first layers "
+                             "dense in a mixture of experts, but num_experts=0: add experts (--num_experts=4), or "
+                             "pass --first_dense_layers=0.")
+        if not 0 <= dense < self.num_layers:
+            raise ValueError(f"ModelConfig.first_dense_layers={dense} (--first_dense_layers) must be in "
+                             f"[0, num_layers={self.num_layers}): at least one layer must be a mixture of experts; "
+                             f"choose 0 to {self.num_layers - 1}, or --num_experts=0 for a dense model.")
         if e and self.moe_dispatch == "ragged" and self.capacity_factor != 0:
             raise ValueError(
                 f"ModelConfig.moe_dispatch='ragged' (--moe_dispatch=ragged) is dropless: it runs every token at "
@@ -243,6 +254,29 @@ class ModelConfig:
         # rounded to 9 places first, so 1.1 * 40 = 44.00000000000001 slots is 44, not 45
         return min(s, max(1, math.ceil(round(k * s * self.capacity_factor / e, 9))))
 
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose feed-forward is a mixture of experts: L - first_dense_layers (0: dense)."""
+        return self.num_layers - self.first_dense_layers if self.num_experts else 0
+
+    @property
+    def stacks(self) -> tuple[tuple[str, "ModelConfig"], ...]:
+        """The model's scanned stacks of identical layers, in the order they run, as (parameter
+        name, the config of one stack: its num_layers is the stack's depth):
+
+            dense            (("layers", self),)
+            experts, K = 0   (("layers", self),)
+            experts, K > 0   (("dense_layers", K dense layers of width d_ff), ("layers", the L - K MoE layers))
+
+        A stack's config describes its layers whole: a dense stack's has num_experts 0, so the
+        model, the cost model and the memory model each treat a stack as a model of that depth."""
+        k = self.first_dense_layers
+        if not k:
+            return (("layers", self),)
+        dense = dataclasses.replace(self, num_layers=k, num_experts=0, first_dense_layers=0)
+        return (("dense_layers", dense), ("layers", dataclasses.replace(self, num_layers=self.num_layers - k,
+                                                                        first_dense_layers=0)))
+
     def num_params(self, padded: bool = True) -> int:
         """Exact parameter count of `TransformerLM` (embedding and lm_head untied, no biases):
 
@@ -250,12 +284,14 @@ class ModelConfig:
 
         (V the vocabulary, padded unless padded=False; per layer q and output_proj [D, D], k and v
         [D, Hkv dh], w1, w2, w3 and the two norm gains; then ln_final). Without GQA (Hkv = H)
-        the attention term is 4 D^2. A mixture of experts has D E + 3 E D F_e in place of 3 D F."""
+        the attention term is 4 D^2. A mixture of experts has D E + 3 E D F_e in place of 3 D F in
+        its moe_layers (the first_dense_layers keep 3 D F)."""
         v = self.padded_vocab_size if padded else self.vocab_size
         d, f, e = self.d_model, self.d_ff, self.num_experts
-        ffn = 3 * d * f if not e else d * e + e * 3 * d * self.expert_ff  # MoE: router + E SwiGLUs
-        per_layer = 2 * d * d + 2 * d * self.kv_dim + ffn + 2 * d
-        return 2 * v * d + self.num_layers * per_layer + d
+        per_layer = 2 * d * d + 2 * d * self.kv_dim + 2 * d  # attention and the two norm gains
+        moe = d * e + e * 3 * d * self.expert_ff  # router + E SwiGLUs
+        dense_ffn = (self.num_layers - self.moe_layers) * 3 * d * f
+        return 2 * v * d + self.num_layers * per_layer + dense_ffn + self.moe_layers * moe + d
 
 
 @dataclasses.dataclass(frozen=True)

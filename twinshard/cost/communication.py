@@ -244,7 +244,7 @@ def _stage_sum_rows(ctx: _Ctx) -> list[Row]:
     ln_final, lm_head): f32, the matrices as their 1/data shards under pp_fsdp."""
     out = []
     for w in weights(ctx.cfg):
-        if w.layers == 1:
+        if not w.stacked:
             shards = ctx.d if w.is_matrix else 1
             out.append(row(ctx, "backward", "all-reduce", ("stage",), 1, w.size * F32 // shards,
                            f"psum over stage of d({w.name}) {_leaf_shape(w)}{f'/{shards}' if shards > 1 else ''} "
@@ -324,18 +324,18 @@ def _token_axes(ctx: _Ctx, *axes: str) -> tuple[str, ...]:
 
 
 def _exchange_rows(ctx: _Ctx) -> list[Row]:
-    """Per micro-batch and MoE layer, on each device's B/(data expert K) sequences: the dispatch and
+    """Per micro-batch and MoE layer (ModelConfig.moe_layers), on each device's B/(data expert K) sequences: the dispatch and
     combine all_to_alls of the capacity buffers [E, G, C, D] forward, their inverses backward."""
     if ctx.cfg.moe_dispatch == "ragged":
         return _ragged_exchange_rows(ctx)
-    cfg, b = ctx.cfg, ctx.batch // (ctx.d * ctx.mesh["expert"] * ctx.k)
+    cfg, b, moe = ctx.cfg, ctx.batch // (ctx.d * ctx.mesh["expert"] * ctx.k), ctx.cfg.moe_layers
     groups = b * ctx.seq // cfg.moe_group
     buffers = cfg.num_experts * groups * cfg.expert_capacity * cfg.d_model * ctx.s
     shape = f"[{cfg.num_experts},{groups},{cfg.expert_capacity},{cfg.d_model}]"
     return _times(ctx.k, [
-        row(ctx, "forward", "all-to-all", ("expert",), 2 * ctx.L, buffers,
+        row(ctx, "forward", "all-to-all", ("expert",), 2 * moe, buffers,
             f"dispatch_to_experts and combine_from_experts: all_to_all of {shape} over expert (2 per layer)"),
-        row(ctx, "backward", "all-to-all", ("expert",), 2 * ctx.L, buffers,
+        row(ctx, "backward", "all-to-all", ("expert",), 2 * moe, buffers,
             "their backward: the inverse all_to_all of each buffer's gradient (2 per layer)"),
     ])
 
@@ -347,20 +347,20 @@ def _ragged_exchange_rows(ctx: _Ctx) -> list[Row]:
     gradient); ragged_dispatch into the static [ep A, D] rows where the experts run and
     ragged_combine back into [A, D] forward, their reverses backward. The bytes are the static
     buffers (what a ragged-all-to-all's result holds), whatever the routing sends."""
-    cfg, ep = ctx.cfg, ctx.mesh["expert"]
+    cfg, ep, moe = ctx.cfg, ctx.mesh["expert"], ctx.cfg.moe_layers
     a = ctx.batch // (ctx.d * ep * ctx.k) * ctx.seq * cfg.experts_per_token
     expert_rows, token_rows = [ep * a, cfg.d_model], [a, cfg.d_model]  # where the experts run; back home
     size = lambda shape: shape[0] * shape[1] * ctx.s  # noqa: E731
     return _times(ctx.k, [
-        row(ctx, "forward", "all-to-all", ("expert",), ctx.L, ep * (cfg.num_experts // ep + 1) * 4,
+        row(ctx, "forward", "all-to-all", ("expert",), moe, ep * (cfg.num_experts // ep + 1) * 4,
             f"expert_route: all_to_all of the [{ep},{cfg.num_experts // ep + 1}] int32 counts and offsets (1 per layer)"),
-        row(ctx, "forward", "ragged-all-to-all", ("expert",), ctx.L, size(expert_rows),
+        row(ctx, "forward", "ragged-all-to-all", ("expert",), moe, size(expert_rows),
             f"ragged_dispatch of the rows into {expert_rows} (1 per layer)"),
-        row(ctx, "forward", "ragged-all-to-all", ("expert",), ctx.L, size(token_rows),
+        row(ctx, "forward", "ragged-all-to-all", ("expert",), moe, size(token_rows),
             f"ragged_combine of the expert outputs into {token_rows} (1 per layer)"),
-        row(ctx, "backward", "ragged-all-to-all", ("expert",), ctx.L, size(expert_rows),
+        row(ctx, "backward", "ragged-all-to-all", ("expert",), moe, size(expert_rows),
             f"ragged_combine's reverse: the outputs' gradients into {expert_rows} (1 per layer)"),
-        row(ctx, "backward", "ragged-all-to-all", ("expert",), ctx.L, size(token_rows),
+        row(ctx, "backward", "ragged-all-to-all", ("expert",), moe, size(token_rows),
             f"ragged_dispatch's reverse: the rows' gradients into {token_rows} (1 per layer)"),
     ])
 

@@ -18,8 +18,9 @@ A matmul [m,k]x[k,n] costs 2mkn.
 The formula counts every score; ring attention (cp, fsdp_cp) computes only the visible
 blocks after its own, (C+1)/(2C) of the attention scores in total (zig-zag: half a block
 per device per step, balanced; contiguous: the same total, device c doing c + 1 blocks).
-Gradient accumulation does not change the FLOPs. A mixture of experts (`_moe_matmuls`) counts
-the expert matmuls on the capacity buffers and the dispatch / combine einsums.
+Gradient accumulation does not change the FLOPs. A mixture of experts (`_moe_layer`) counts
+the expert matmuls on the capacity buffers and the dispatch / combine einsums in its MoE
+layers; its first dense layers (ModelConfig.first_dense_layers) count as a dense model's.
 """
 
 from __future__ import annotations
@@ -43,28 +44,38 @@ class Flops:
 
 
 def flops(cfg: ModelConfig, batch: int, seq: int, n_devices: int = 1) -> Flops:
-    d, hd, f, v, n = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.d_ff, cfg.padded_vocab_size, cfg.num_layers
-    n_mm = n * (2 * d * hd + 2 * d * cfg.kv_dim + 3 * d * f) + d * v  # q,o + k,v + w1,w2,w3 per layer, + lm_head
-    fwd_mm = 2 * batch * seq * n_mm
-    if cfg.num_experts:
-        n_mm, fwd_mm = _moe_matmuls(cfg, batch * seq)
-    fwd_attn = n * 2 * 2 * batch * seq * seq * hd  # QK^T and AV; the causal half is computed too
+    tokens, d, v = batch * seq, cfg.d_model, cfg.padded_vocab_size
+    n_mm, fwd_mm = d * v, 2 * tokens * d * v  # the lm_head
+    for _, stack in cfg.stacks:  # the first dense layers, then the MoE layers (or the one stack)
+        active, per_layer = (_moe_layer if stack.num_experts else _dense_layer)(stack, tokens)
+        n_mm, fwd_mm = n_mm + stack.num_layers * active, fwd_mm + stack.num_layers * per_layer
+    fwd_attn = cfg.num_layers * 2 * 2 * batch * seq * seq * cfg.num_heads * cfg.head_dim  # QK^T, AV; causal half too
     fwd = fwd_mm + fwd_attn
     return Flops(n_mm, fwd_mm, fwd_attn, fwd, 2 * fwd, 3 * fwd, 3 * fwd / n_devices)
 
 
-def _moe_matmuls(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
-    """(active matmul params per token, forward matmul FLOPs) of a mixture of experts: attention,
-    the router [D, E] and k experts' SwiGLU per token, the lm_head; the FLOPs are what the program
+def _attention_matmuls(cfg: ModelConfig) -> int:
+    return 2 * cfg.d_model * cfg.num_heads * cfg.head_dim + 2 * cfg.d_model * cfg.kv_dim  # q, o; k, v
+
+
+def _dense_layer(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
+    """(matmul params, forward matmul FLOPs) of one dense layer: attention's four projections and
+    SwiGLU's three, each 2 FLOPs per parameter and token."""
+    active = _attention_matmuls(cfg) + 3 * cfg.d_model * cfg.d_ff
+    return active, 2 * tokens * active
+
+
+def _moe_layer(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
+    """(active matmul params per token, forward matmul FLOPs) of one mixture-of-experts layer:
+    attention, the router [D, E] and k experts' SwiGLU per token; the FLOPs are what the program
     computes: every expert on its whole capacity buffer (E G C rows, full or not) and the dispatch
     and combine einsums of the [G, S, E, C] masks (2 G S E C D each, GShard's dense dispatch); dropless
     (moe_dispatch='ragged'), the experts on the N k assigned rows only and the k-weighted sum."""
-    d, hd, e, fe = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.num_experts, cfg.expert_ff
-    n, c, slots = cfg.num_layers, cfg.expert_capacity, e * (tokens // cfg.moe_group) * cfg.expert_capacity
-    attn = 2 * d * hd + 2 * d * cfg.kv_dim  # q, o; k, v
-    active = n * (attn + d * e + cfg.experts_per_token * 3 * d * fe) + d * cfg.padded_vocab_size
+    d, e, fe, c = cfg.d_model, cfg.num_experts, cfg.expert_ff, cfg.expert_capacity
+    slots = e * (tokens // cfg.moe_group) * c
+    attn = _attention_matmuls(cfg)
+    active = attn + d * e + cfg.experts_per_token * 3 * d * fe
     moves = 2 * 2 * tokens * e * c * d  # the dispatch and combine einsums
     if cfg.moe_dispatch == "ragged":  # ragged_dot on the A = tokens k real rows; the weighted sum of the k
         slots, moves = tokens * cfg.experts_per_token, 2 * tokens * cfg.experts_per_token * d
-    per_layer = 2 * tokens * (attn + d * e) + 2 * slots * 3 * d * fe + moves
-    return active, n * per_layer + 2 * tokens * d * cfg.padded_vocab_size
+    return active, 2 * tokens * (attn + d * e) + 2 * slots * 3 * d * fe + moves

@@ -334,7 +334,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     sequence = "seq" in rules  # tp_sp: the residual stream on sequence shards
     # a dropless mixture of experts under ep: its rows exchanged over `expert` (the manual twin's)
     exchange = mesh.get("expert", 1) if "experts" in rules and cfg.moe_dispatch == "ragged" else 0
-    layers = cfg.num_layers * saved_per_layer(cfg, remat, b, seq, t, sequence, exchange)
+    # every stack's layers (the first dense layers', then the MoE layers': ModelConfig.stacks)
+    layers = sum(stack.num_layers * saved_per_layer(stack, remat, b, seq, t, sequence, exchange)
+                 for _, stack in cfg.stacks)
     head = b  # rows the lm_head and the loss run on at once
     if "layers" in rules:  # a pipeline stage: its L/S layers on micro-batches of b/M rows
         layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule)
@@ -342,8 +344,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     # The backward loop holds one layer's worth of residuals at a time beyond what was saved:
     # rebuilt under remat, their cotangents without (measured with memory_analysis: without
     # this term the model missed 25-30% of tiny's and 15% of small's single-device temporaries).
-    backward_layer = (saved_per_layer(cfg, "none", b, seq, t, sequence, exchange) * dtype_bytes
-                      + attention_backward(cfg, b, seq, t, attention_kernel(cfg, gpu)))
+    backward_layer = (max(saved_per_layer(stack, "none", b, seq, t, sequence, exchange) for _, stack in cfg.stacks)
+                      * dtype_bytes + attention_backward(cfg, b, seq, t, attention_kernel(cfg, gpu)))
     ln_final = head * seq * d // t + head * seq * d if sequence else 2 * head * seq * d  # tp_sp: on shards, gathered
     final = (ln_final + head * seq * v // t) * dtype_bytes + head * seq * v // t * F32  # f32 loss
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
@@ -352,8 +354,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     gathered = 0
     if "embed" in rules:
         experts = {"experts": rules["experts"]} if "experts" in rules else {}  # fsdp of a MoE: all E experts
-        layer = sum(w.size * w.count // w.layers // (_shards(w, experts, mesh) * used_shards(cfg, w, t))
-                    for w in weights(cfg) if w.is_matrix and w.layers > 1)  # one layer's matrices (E/ep experts)
+        layer = max(sum(w.size * w.count // w.layers // (_shards(w, experts, mesh) * used_shards(cfg, w, t))
+                        for w in weights(stack) if w.is_matrix and w.stacked)
+                    for _, stack in cfg.stacks)  # one layer's matrices (E/ep experts), the largest stack's
         gathered = max(layer, v * d // t) * dtype_bytes
         if "layers" in rules:  # pp_fsdp: the stage's L/S layers, embedding and lm_head, gathered for the
             # step; GPipe's tick loop reads them as float32 (manual_parallel/pp.py `_gpipe`), 1F1B in

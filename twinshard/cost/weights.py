@@ -25,6 +25,8 @@ A mixture of experts (E experts of width F_e) has, in place of the three ffn mat
     matrix  ffn.router               [D, E]         (embed, router)          L   1 x [L, D, E] (f32)
     matrix  ffn.{w1,w3}              [E, D, F_e]    (experts, embed, mlp)    2L  2 x [L, E, D, F_e]
     matrix  ffn.w2                   [E, F_e, D]    (experts, mlp, embed)    L   1 x [L, E, F_e, D]
+With K = first_dense_layers > 0 every block weight is two groups, one per stack
+(ModelConfig.stacks): `dense_layers.*` of K layers (the dense ffn) and the L - K MoE layers'.
 `RULES` maps each logical axis to the mesh axis a strategy splits it over (`rules`: for one model on
 one mesh, grouped-query attention's kv heads replicated where the tensor axis is larger); `_shards`,
 `_held` and the shape labels size a weight's piece on one device.
@@ -32,6 +34,7 @@ one mesh, grouped-query attention's kv heads replicated where the tensor axis is
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -83,7 +86,8 @@ class Weight:
     shape: tuple[int, ...]  # one layer's weight
     axes: tuple[str, ...]  # its logical axes
     count: int
-    layers: int = 1  # L for the stacked block params, 1 otherwise
+    layers: int = 1  # n, the depth of its stack, for the stacked block params; 1 otherwise
+    stacked: bool = False  # a block weight: `leaves` leaves [n, *shape] (a stack of one is [1, ...])
     float32: bool = False  # used in float32 whatever the compute dtype (the router)
 
     @property
@@ -97,11 +101,11 @@ class Weight:
 
     @property
     def leaf_shape(self) -> tuple[int, ...]:
-        return self.shape if self.layers == 1 else (self.layers, *self.shape)
+        return (self.layers, *self.shape) if self.stacked else self.shape
 
     @property
     def leaf_axes(self) -> tuple[str, ...]:
-        return self.axes if self.layers == 1 else ("layers", *self.axes)
+        return ("layers", *self.axes) if self.stacked else self.axes
 
     @property
     def is_matrix(self) -> bool:
@@ -114,27 +118,35 @@ class Weight:
 
 
 def weights(cfg: ModelConfig) -> list[Weight]:
-    """The weights of `TransformerLM`, grouped by shape and role (block weights stacked [L, ...])."""
-    v, d, f, hd, n = cfg.padded_vocab_size, cfg.d_model, cfg.d_ff, cfg.num_heads * cfg.head_dim, cfg.num_layers
+    """The weights of `TransformerLM`, grouped by shape and role (block weights stacked [n, ...],
+    one group per stack of ModelConfig.stacks: the first dense layers' named `dense_layers.*`)."""
+    v, d = cfg.padded_vocab_size, cfg.d_model
+    blocks = [_block_weights(stack, "" if name == "layers" else f"{name}.") for name, stack in cfg.stacks]
+    return [
+        Weight("token_embeddings", (v, d), ("vocab", "embed"), 1),
+        *(w for stack in blocks for w in stack if w.is_matrix),
+        Weight("lm_head", (d, v), ("embed", "vocab"), 1),
+        *(w for stack in blocks for w in stack if not w.is_matrix),
+        Weight("ln_final", (d,), ("norm",), 1),
+    ]
+
+
+def _block_weights(stack: ModelConfig, prefix: str) -> list[Weight]:
+    """One stack's weights (stack.num_layers of its identical layers), names after `prefix`."""
+    d, f, hd, n = stack.d_model, stack.d_ff, stack.num_heads * stack.head_dim, stack.num_layers
     attn = [Weight("attn.q_proj", (d, hd), ("embed", "heads"), n, layers=n),
-            Weight("attn.{k,v}_proj", (d, cfg.kv_dim), ("embed", KV_HEADS), 2 * n, layers=n)]
-    if cfg.num_experts:
-        e, fe = cfg.num_experts, cfg.expert_ff
+            Weight("attn.{k,v}_proj", (d, stack.kv_dim), ("embed", KV_HEADS), 2 * n, layers=n),
+            Weight("attn.output_proj", (hd, d), ("heads", "embed"), n, layers=n)]
+    if stack.num_experts:
+        e, fe = stack.num_experts, stack.expert_ff
         ffn = [Weight("ffn.router", (d, e), ("embed", "router"), n, layers=n, float32=True),
                Weight("ffn.{w1,w3}", (e, d, fe), ("experts", "embed", "mlp"), 2 * n, layers=n),
                Weight("ffn.w2", (e, fe, d), ("experts", "mlp", "embed"), n, layers=n)]
     else:
         ffn = [Weight("ffn.{w1,w3}", (d, f), ("embed", "mlp"), 2 * n, layers=n),
                Weight("ffn.w2", (f, d), ("mlp", "embed"), n, layers=n)]
-    return [
-        Weight("token_embeddings", (v, d), ("vocab", "embed"), 1),
-        *attn,
-        Weight("attn.output_proj", (hd, d), ("heads", "embed"), n, layers=n),
-        *ffn,
-        Weight("lm_head", (d, v), ("embed", "vocab"), 1),
-        Weight("ln1, ln2", (d,), ("norm",), 2 * n, layers=n),
-        Weight("ln_final", (d,), ("norm",), 1),
-    ]
+    norms = [Weight("ln1, ln2", (d,), ("norm",), 2 * n, layers=n)]
+    return [dataclasses.replace(w, name=prefix + w.name, stacked=True) for w in attn + ffn + norms]
 
 
 def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int:
@@ -144,12 +156,12 @@ def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int
 def _held(w: Weight, stages: int = 1) -> int:
     """How many of w's layers one device holds: L/S of a stacked block weight split over `stages`
     pipeline stages (L without a pipeline), 1 otherwise."""
-    return w.layers // stages if w.layers > 1 else 1
+    return w.layers // stages if w.stacked else 1
 
 
 def _leaf_shape(w: Weight, stages: int = 1) -> str:
     """w's parameter leaf, "[L, D, F]"; on one of `stages` pipeline stages "[L/S, D, F]"."""
-    return "[" + ",".join(str(n) for n in (w.shape if w.layers == 1 else (_held(w, stages), *w.shape))) + "]"
+    return "[" + ",".join(str(n) for n in ((_held(w, stages), *w.shape) if w.stacked else w.shape)) + "]"
 
 
 def _shape(w: Weight, tensor_shards: int) -> str:

@@ -30,11 +30,15 @@ place of every layer's ffn above (F_e = ModelConfig.expert_ff):
     layers.ffn.{w1,w3}.weight        [L, E, D, F_e]  (layers, experts, embed, mlp)
     layers.ffn.w2.weight             [L, E, F_e, D]  (layers, experts, mlp, embed)
 
+and with K = ModelConfig.first_dense_layers > 0 two stacks (ModelConfig.stacks), scanned one
+after the other: `dense_layers.*` [K, ...], the first K layers as in the dense tree above, then
+`layers.*` [L - K, ...], the mixture-of-experts layers.
+
 Inside the scan body a layer's params are one slice (`[D, H*dh]`, logical axes
 without `layers`), so the strategy hooks (`Parallelism.weight`: FSDP's gather,
 GSPMD's pin) act per weight and per layer, exactly as in an unrolled model.
-The CS336 state dict keeps `layers.{i}.*` names: `state_dict` unstacks,
-`load_state_dict` stacks.
+The CS336 state dict keeps `layers.{i}.*` names: twinshard/model/state_dict.py unstacks and
+stacks.
 
 Initialisation draws each stacked weight kind with ONE random call of shape
 [L, ...] (`nnx.vmap` over L split keys), not L calls: each truncated normal costs
@@ -50,7 +54,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from twinshard.model import layers, moe
@@ -160,7 +163,7 @@ class Block(nnx.Module):
         return par.constrain(x + self.ffn(self.ln2(x, par), par), ACTIVATION)
 
 
-LAYERS = "layers"  # logical axis of the stacked blocks' leading [L] dimension
+LAYERS = "layers"  # logical axis of the stacked blocks' leading [n] dimension (and the stack's name)
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -273,8 +276,11 @@ def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array,
         # prevent_cse: in a rolled scan the forward and backward loops keep the original and
         # its recomputation apart (jax.checkpoint's docstring: unnecessary inside lax.scan),
         # but an unrolled one puts both in one computation, where XLA merged them (measured:
-        # manual FSDP at scan_unroll=L gathered each weight once and kept it for backward).
-        body = jax.checkpoint(body, policy=policy, prevent_cse=cfg.scan_unroll > 1)
+        # manual FSDP at scan_unroll=L gathered each weight once and kept it for backward). A
+        # stack of ONE layer is unrolled too: XLA removes a while loop of trip count 1 (measured:
+        # a first_dense_layers=1 stack's 7 weights gathered once, not re-gathered for backward).
+        depth = jax.tree.leaves(stacked)[0].shape[0]
+        body = jax.checkpoint(body, policy=policy, prevent_cse=cfg.scan_unroll > 1 or depth == 1)
     x, stats = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)
     return (x, stats) if cfg.num_experts else x
 
@@ -284,7 +290,8 @@ class TransformerLM(nnx.Module):
         self.cfg = cfg
         v, vp, d = cfg.vocab_size, cfg.padded_vocab_size, cfg.d_model
         self.token_embeddings = Embedding(v, vp, d, rngs=rngs, dtype=cfg.dtype)
-        self.layers = stacked_blocks(cfg, rngs)  # params [L, ...]
+        for name, stack in cfg.stacks:  # `layers` [L, ...]; or `dense_layers` [K, ...], `layers` [L-K, ...]
+            setattr(self, name, stacked_blocks(stack, rngs))
         self.ln_final = RMSNorm(d, cfg.norm_eps)
         self.lm_head = Linear(d, vp, ("embed", "vocab"), rngs=rngs, fan_out=v, valid_out=v, dtype=cfg.dtype)
 
@@ -299,9 +306,13 @@ class TransformerLM(nnx.Module):
 
     def blocks(self, tokens: Array, par: Parallelism = SINGLE_DEVICE) -> tuple[Array, moe.Stats | None]:
         """tokens [B, T] -> (the residual stream after the L blocks [B, T, D], the router stats
-        stacked over layers: scan_stacked; None for a dense model)."""
-        out = scan_layers(self.layers, self.cfg, self.embed(tokens, par), par)
-        return out if self.cfg.num_experts else (out, None)
+        stacked over the MoE layers: scan_stacked; None for a dense model). Each stack of
+        ModelConfig.stacks is one scan, in order (the first dense layers, then the MoE layers)."""
+        x, stats = self.embed(tokens, par), None
+        for name, stack in self.cfg.stacks:
+            out = scan_layers(getattr(self, name), stack, x, par)
+            x, stats = out if stack.num_experts else (out, stats)
+        return x, stats
 
     # The three pieces of __call__, which pipeline parallelism runs on different stages.
 
@@ -334,12 +345,13 @@ class TransformerLM(nnx.Module):
         router_z_loss * mean_l z_l (ce alone for a dense model). stats:
 
             ce                 float32 []      mean next-token cross-entropy
-            aux, z             float32 [L]     each layer's load-balancing and z loss (moe.moe_ffn)
-            tokens_per_expert  int32 [L, E]    kept assignments per layer and expert
-            dropped            int32 [L]       assignments over capacity, per layer
+            aux, z             float32 [Lm]    each MoE layer's load-balancing and z loss (moe.moe_ffn)
+            tokens_per_expert  int32 [Lm, E]   kept assignments per MoE layer and expert
+            dropped            int32 [Lm]      assignments over capacity, per MoE layer
             assignments        int32 []        k * B * T: each layer's assignments (kept + dropped)
 
-        A dense model's stats hold ce alone. Values are this program's (local) tokens'."""
+        Lm = ModelConfig.moe_layers. A dense model's stats hold ce alone. Values are this
+        program's (local) tokens'."""
         cfg = self.cfg
         x, layer_stats = self.blocks(tokens, par)
         ce = jnp.mean(par.token_loss(self.head(x, par), targets, cfg.vocab_size))
@@ -351,104 +363,3 @@ class TransformerLM(nnx.Module):
                 loss = loss + coefficient * jnp.mean(layer_stats[name])
         assignments = jnp.asarray(cfg.experts_per_token * tokens.size, jnp.int32)
         return loss, {"ce": ce, **layer_stats, "assignments": assignments}
-
-
-# ----------------------------------------------------------------------------
-# Weight interop with the CS336 PyTorch model: names, [out, in] layout, unpadded vocab.
-# A mixture-of-experts layer's experts keep their stack: layers.{i}.ffn.experts.w1.weight is
-# [E, out, in] (each expert in torch layout); its router layers.{i}.ffn.router.weight is [E, D].
-# ----------------------------------------------------------------------------
-
-def _cs336_layout(path: str, w: np.ndarray, vocab_size: int) -> np.ndarray:
-    if path == "token_embeddings.weight":
-        return w[:vocab_size]  # [V, D]
-    if path == "lm_head.weight":
-        return w[:, :vocab_size].T  # [D, V_pad] -> [V, D]
-    return np.swapaxes(w, -1, -2) if w.ndim >= 2 else w  # Linear [(E,) in, out] -> torch [(E,) out, in]
-
-
-def _from_cs336_layout(path: str, w: np.ndarray, old: np.ndarray) -> np.ndarray:
-    """Inverse of `_cs336_layout`; `old` (our layout) supplies the padded vocab rows/columns."""
-    if path == "token_embeddings.weight":
-        return np.concatenate([w, old[w.shape[0]:]], axis=0)
-    if path == "lm_head.weight":
-        return np.concatenate([w.T, old[:, w.shape[0]:]], axis=1)
-    return np.swapaxes(w, -1, -2) if w.ndim >= 2 else w
-
-
-def _is_stacked(path: str) -> bool:
-    return path.startswith(LAYERS + ".")
-
-
-_EXPERT_NAMES = {f"ffn.{w}.weight": f"ffn.experts.{w}.weight" for w in ("w1", "w2", "w3")}
-
-
-def _layer_names(path: str, cfg: ModelConfig) -> list[str]:
-    """'layers.ffn.w1.weight' (stacked) -> ['layers.0.ffn.w1.weight', ...] (with experts:
-    'layers.0.ffn.experts.w1.weight', ...); other paths: [path]."""
-    if not _is_stacked(path):
-        return [path]
-    rest = path[len(LAYERS) + 1:]
-    rest = _EXPERT_NAMES.get(rest, rest) if cfg.num_experts else rest
-    return [f"{LAYERS}.{i}.{rest}" for i in range(cfg.num_layers)]
-
-
-def _flat_params(model: TransformerLM) -> list[tuple[str, nnx.Variable]]:
-    return [(".".join(str(p) for p in path), var)
-            for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))]
-
-
-def state_dict(model: TransformerLM) -> dict[str, np.ndarray]:
-    """CS336 / PyTorch-named float32 numpy weights (unpadded vocab, Linear as [out, in]);
-    the stacked [L, ...] blocks unstacked into `layers.{i}.*`."""
-    out = {}
-    for path, var in _flat_params(model):
-        w = np.asarray(var[...])
-        for name, wi in zip(_layer_names(path, model.cfg), w if _is_stacked(path) else [w]):
-            out[name] = _cs336_layout(name, wi, model.cfg.vocab_size)
-    return out
-
-
-def _checked_weight(name: str, value: object) -> np.ndarray:
-    """`value` as a numpy array if it is a finite floating-point numpy/jax array, else ValueError.
-
-    Python lists, strings, scalars and torch tensors are refused rather than
-    converted: a list may hold anything, and `np.asarray(torch_tensor)` silently
-    copies through the CPU; the caller converts knowingly (`t.float().numpy()`).
-    """
-    if not isinstance(value, (np.ndarray, jax.Array)):
-        raise ValueError(f"state dict entry {name!r} is a {type(value).__name__}, not an array; pass a "
-                         "numpy or jax array (np.asarray(x, np.float32); a torch tensor: t.float().numpy()).")
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-        raise ValueError(f"state dict entry {name!r} has dtype {value.dtype}; weights must be floating "
-                         "point (float32, bfloat16, float16, float64): cast with .astype(np.float32).")
-    w = np.asarray(value)
-    bad = w.size - int(np.count_nonzero(np.isfinite(w)))
-    if bad:
-        raise ValueError(f"state dict entry {name!r} has {bad} non-finite values (nan or inf) out of "
-                         f"{w.size}; a model cannot train or sample from them.")
-    return w
-
-
-def load_state_dict(model: TransformerLM, sd: dict[str, np.ndarray]) -> None:
-    """Load CS336-named weights in place. Raises ValueError, before any weight changes, on
-    missing/extra names, a value that is not a finite floating-point numpy/jax array, or a shape."""
-    if not hasattr(sd, "keys"):
-        raise ValueError(f"the state dict is a {type(sd).__name__}; pass a dict of name -> array "
-                         "(as twinshard.model.state_dict returns).")
-    current = state_dict(model)
-    missing, extra = sorted(set(current) - set(sd)), sorted(set(sd) - set(current))
-    if missing or extra:
-        raise ValueError(f"state dict does not match the model: missing {missing[:5]}, unexpected {extra[:5]}.")
-    for name, want in current.items():
-        got = _checked_weight(name, sd[name])
-        if got.shape != want.shape:
-            raise ValueError(f"{name}: shape {got.shape} in the state dict, the model needs {want.shape}.")
-    for path, var in _flat_params(model):
-        old = np.asarray(var[...])
-        if _is_stacked(path):  # stack layers.{i}.* into [L, ...]
-            w = np.stack([_from_cs336_layout(n, np.asarray(sd[n], np.float32), o)
-                          for n, o in zip(_layer_names(path, model.cfg), old)])
-        else:
-            w = _from_cs336_layout(path, np.asarray(sd[path], np.float32), old)
-        var[...] = jnp.asarray(w)

@@ -24,6 +24,7 @@ and nothing advises deleting it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -254,11 +255,23 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
 
+def _field_defaults() -> dict[str, dict[str, Any]]:
+    from twinshard.config import ModelConfig, TrainConfig
+
+    return {key: {f.name: f.default for f in dataclasses.fields(c)}
+            for key, c in (("model", ModelConfig), ("train", TrainConfig))}
+
+
 def _check_same(key: str, saved: Any, want: Any, where: str) -> None:
+    """A field added to ModelConfig / TrainConfig after a checkpoint was written reads as its
+    default there (e.g. first_dense_layers: 0), so older checkpoints of the same model restore."""
     if saved == want:
         return
     if isinstance(want, dict) and isinstance(saved, dict):
-        diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+        defaults = _field_defaults().get(key, {})
+        diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k, defaults.get(k)) != v}
+        if not diff:
+            return
     else:
         diff = {key: (saved, want)}
     raise CheckpointError(
