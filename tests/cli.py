@@ -16,7 +16,7 @@ import pathlib
 import subprocess
 import sys
 
-from harness import forked
+from harness import cache, forked
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def cached_env(**extra: str) -> dict[str, str]:
     """os.environ (with tests/harness/speed.py's bytecode settings) and the compilation cache
     of tests/conftest.py."""
-    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".cache" / "jax"),
+    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache.directory()),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
             **extra}
 

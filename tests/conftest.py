@@ -16,18 +16,18 @@ tests/harness/ (why, and its measured gain, in its __init__).
 """
 
 import os
-import pathlib
 
-from harness import schedule, speed  # stdlib imports only
+from harness import cache, schedule, speed  # stdlib imports only
 
 speed.use_bytecode_cache()  # before the heavy imports below
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-# Source locations are part of the persistent cache key (JAX strips them by default): the ledger
-# tests assert which line of the code asked for each collective, and an executable cached before
-# a module moved carried the old file name (measured: "twinshard/loss.py:53" after the move to
-# twinshard/model/loss.py). Launcher subprocesses inherit it.
-os.environ["JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY"] = "true"
+# The persistent compilation cache, keyed by the library's sources (why: tests/harness/cache.py);
+# the xdist workers and every launcher subprocess inherit the directory.
+if "TWINSHARD_TEST_CACHE" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+    cache.prune(keep=cache.directory())  # the first pytest process only: earlier sources' caches
+os.environ["TWINSHARD_TEST_CACHE"] = str(cache.directory())
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["TWINSHARD_TEST_CACHE"]
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
@@ -42,8 +42,7 @@ os.environ.setdefault("GLIBC_TUNABLES", MALLOC_TUNABLES)
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 
-_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
-jax.config.update("jax_compilation_cache_dir", str(_CACHE))
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

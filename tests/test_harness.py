@@ -10,7 +10,7 @@ import time
 import pytest
 
 import cli
-from harness import forked
+from harness import cache, forked
 
 PROGRAM = r"""
 import atexit, os, sys, tempfile, threading, time
@@ -96,3 +96,25 @@ def test_a_command_past_its_timeout_is_killed_with_its_children(tmp_path):
         time.sleep(0.05)
     assert gone(grandchild)
     assert cli.run("-c", "print('next')").stdout == "next\n"  # the zygote still serves
+
+
+def test_the_compilation_cache_is_keyed_by_the_library_sources(tmp_path, monkeypatch):
+    """Any edit to a library file names a new cache directory (tests/harness/cache.py): no cached
+    executable outlives the source locations it carries. prune keeps only the current one."""
+    (tmp_path / "twinshard").mkdir()
+    (tmp_path / "twinshard" / "a.py").write_text("x = 1\n")
+    before = cache.source_key(tmp_path)
+    (tmp_path / "twinshard" / "a.py").write_text("x = 1\n\n")  # one blank line moves every location below
+    edited = cache.source_key(tmp_path)
+    assert edited != before
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "b.py").write_text("y = 2\n")  # a test file: not part of the key
+    assert cache.source_key(tmp_path) == edited
+    monkeypatch.setattr(cache, "ROOT", tmp_path)
+    jax_cache = tmp_path / ".cache" / "jax"
+    for old in ("0123456789abcdef", "jit_step-abc-cache"):
+        (jax_cache / old).mkdir(parents=True)
+    keep = jax_cache / "fedcba9876543210"
+    keep.mkdir()
+    cache.prune(keep)
+    assert [p.name for p in jax_cache.iterdir()] == [keep.name]

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 
+from harness import cache
 from twinshard import cost
 from twinshard.config import preset
 
@@ -50,7 +51,7 @@ def test_snippet_counts_are_the_cost_models() -> None:
 def test_snippet_runs_as_written(tmp_path: pathlib.Path) -> None:
     (tmp_path / "example.py").write_text(snippet())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["JAX_COMPILATION_CACHE_DIR"] = str(ROOT / ".cache" / "jax")  # reruns skip the compile
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache.directory())  # reruns skip the compile
     proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

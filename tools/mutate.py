@@ -12,8 +12,8 @@ tree, run the tests that should catch it, and report caught / missed.
 The developer's working tree is never written: the tree (`git ls-files`: tracked
 files plus untracked, non-ignored ones) is read once at the start, and each
 mutant runs in a fresh copy of that snapshot in a fixed per-repo directory under
-the system temp dir, with the repo's `.venv` and `.cache/jax` compilation cache
-shared (symlinked). At the end every file of the tree is compared with the
+the system temp dir, with the repo's `.venv` (symlinked) and the developer's test
+compilation cache (tests/harness/cache.py) shared. At the end every file of the tree is compared with the
 snapshot and the report says "working tree unchanged (N files verified)" (or
 names the files someone edited meanwhile: the results are for the snapshot).
 
@@ -74,6 +74,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from mutants import MUTANTS, Mutant  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import cache  # noqa: E402  (stdlib only)
+
+TEST_CACHE = cache.directory()  # the developer's tree's, shared by every mutant's run
 PYTEST_ARGS = ("-x", "-q", "-n", "0", "-p", "no:cacheprovider")
 MIN_TIMEOUT_S = 180
 DEFAULT_TIMEOUT_S = 1200  # per mutant, when there is no baseline time to scale
@@ -173,9 +177,7 @@ class Slot:
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(data)
             dst.chmod(mode)
-        (ROOT / ".cache" / "jax").mkdir(parents=True, exist_ok=True)
         (self.tree / ".cache").mkdir()
-        (self.tree / ".cache" / "jax").symlink_to(ROOT / ".cache" / "jax")
         (self.tree / ".venv").symlink_to(ROOT / ".venv")
         if mutant is not None:
             path = self.tree / locate(mutant, self.snap)  # not None: checked by stale_reason
@@ -186,6 +188,9 @@ class Slot:
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
         # The venv's editable install puts the developer's tree on sys.path; the copy goes first.
         env["PYTHONPATH"] = str(self.tree)
+        # The developer's compilation cache (tests/harness/cache.py), with the source locations in the
+        # key: a mutant that moves the line asking for a collective must not read the original's.
+        env["TWINSHARD_TEST_CACHE"] = str(TEST_CACHE)
         env["JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY"] = "true"
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # no .pyc of a mutated file, ever: tests/conftest.py and
         env["TWINSHARD_READ_ONLY_BYTECODE"] = "1"  # tests/cli.py keep the first when they see this

@@ -35,10 +35,8 @@ UNGROUPED = {
 }
 # Modules that build the same runners (tests/runners.py's CFG) share one group, so they run on one
 # worker, one after the other: test_sequence reuses test_data_tensor's single-device record in
-# process (functools.cache). Measured: the persistent cache does NOT carry programs from one module
-# to the next, since JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY (conftest) puts the calling test
-# file's source lines into the key: test_memory's tiny train steps compiled cold right after
-# test_data_tensor compiled the same programs.
+# process (functools.cache), and the others find its programs in the persistent cache (whose key
+# leaves out source locations: tests/harness/cache.py) without waiting for the other worker.
 SHARED_GROUPS = {m: "test_twins" for m in ("test_data_tensor", "test_memory", "test_remat",
                                            "test_sequence")}
 

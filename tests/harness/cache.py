@@ -1,0 +1,48 @@
+"""The persistent compilation cache of every test process: `.cache/jax/<source key>`.
+
+JAX keys a cached executable by its program WITHOUT the source locations in its metadata (the
+default, JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY unset), so the same step compiled from
+two places (a test module's training loop, then its ledger's `.lower().compile()`, or another
+module) is one compile. The executable then carries the source locations of its first compile;
+the ledger tests read them ("ep.py:45"), so the directory is keyed by the library's sources:
+any change to them starts a new cache, and no executable outlives the file layout it points into
+(measured before this key: "twinshard/loss.py:53" read back after the move to
+twinshard/model/loss.py). Measured, tests/test_experts.py alone on a cold cache: 124 s with
+the locations in the key, 93 s without.
+
+TWINSHARD_TEST_CACHE names the directory instead (tools/mutate.py: a mutant's tree shares the
+developer's cache, and keeps the locations in the key).
+"""
+
+import hashlib
+import os
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+SOURCES = ("twinshard", "auto_parallel", "manual_parallel", "explicit_parallel", "launch")
+
+
+def source_key(root: pathlib.Path = ROOT) -> str:
+    """16 hex digits of the sha256 of every .py file of the library under `root` (names and bytes)."""
+    h = hashlib.sha256()
+    for path in sorted(p for package in SOURCES for p in (root / package).rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def directory() -> pathlib.Path:
+    """TWINSHARD_TEST_CACHE, or .cache/jax/<source_key()> of this checkout."""
+    named = os.environ.get("TWINSHARD_TEST_CACHE")
+    return pathlib.Path(named) if named else ROOT / ".cache" / "jax" / source_key()
+
+
+def prune(keep: pathlib.Path) -> None:
+    """Delete everything in .cache/jax but `keep`: the caches of earlier sources (never read again)."""
+    import shutil
+
+    parent = ROOT / ".cache" / "jax"
+    if keep.parent != parent or not parent.is_dir():
+        return  # a directory named by TWINSHARD_TEST_CACHE: not ours to prune
+    for entry in parent.iterdir():
+        if entry != keep:
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
