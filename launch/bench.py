@@ -180,8 +180,7 @@ def model_cost(cfg: Config, strategy: str, mesh: dict[str, int] | None):
         return None, cost.flops(cfg.model, B, T, 1), cost.memory(
             cfg.model, "dp", {"data": 1, "tensor": 1}, B, T, cost.DTYPE_BYTES[cfg.model.dtype], grad_accum=K,
             optimizer=cfg.train.optimizer)
-    c = cost.cost(cfg.model, strategy, mesh, B, T, grad_accum=K, microbatches=cfg.train.microbatches,
-                  optimizer=cfg.train.optimizer, schedule=cfg.train.schedule)
+    c = cost.of_run(cfg, strategy, mesh)
     return c, c.flops, c.memory
 
 

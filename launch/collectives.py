@@ -110,9 +110,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
 
     runner = _runner(strategy, impl, mesh_spec, cfg, devices)
     mesh = {a: int(n) for a, n in runner.mesh.shape.items()}
-    model = cost.cost(cfg.model, strategy, mesh, cfg.train.batch_size, cfg.model.context_length,
-                      grad_accum=cfg.train.grad_accum, microbatches=cfg.train.microbatches,
-                      optimizer=cfg.train.optimizer, schedule=cfg.train.schedule)
+    model = cost.of_run(cfg, strategy, mesh)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
                                   sharding=runner.batch_sharding)
     state = runner.abstract_state()

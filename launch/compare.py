@@ -116,9 +116,7 @@ def model_comparison(result: dict, cfg) -> str:
     """The analytic cost model beside each twin's ledger, per (op, mesh axes)."""
     from twinshard import cost
 
-    model = cost.cost(cfg.model, result["strategy"], result["mesh"], cfg.train.batch_size,
-                      grad_accum=cfg.train.grad_accum, microbatches=cfg.train.microbatches,
-                      optimizer=cfg.train.optimizer, schedule=cfg.train.schedule)
+    model = cost.of_run(cfg, result["strategy"], result["mesh"])
     parts = [model.table()]
     for impl, led in result["ledgers"].items():
         parts += ["", f"{impl} ledger vs cost model:", cost.compare_table(cost.compare(led.summary(), model.summary()))]

@@ -15,8 +15,9 @@ and the launcher tests start ~50 Python processes), on 2 cores with a 15-minute 
 - suite_profile.py: `TWINSHARD_SUITE_PROFILE=FILE pytest` says where the time goes (a tool,
   off by default).
 
-Measured gain, fresh clone, `bash .ci/run`, 963-964 tests, 2-core EPYC VM: with this harness
-691 s, 718 s and 750 s (three runs); plain pytest-xdist (`-n 2 --dist loadfile`, every command a
-fresh `python`: TWINSHARD_TEST_FORK=0) 846 s. Each piece is measured above on its own; the
-zygote and the scheduler were measured only together.
+Measured gain, fresh clone, `bash .ci/run`, 2-core EPYC VM: with this harness 691 s, 718 s and
+750 s (963-964 tests, three runs); plain pytest-xdist (`-n 2 --dist loadfile`, every command a
+fresh `python`: TWINSHARD_TEST_FORK=0) 846 s. cache.py then took 1074 tests to 629 s (1599 ->
+1226 worker seconds; BENCHMARKS.md). Each piece is measured above on its own; the zygote and
+the scheduler were measured only together.
 """

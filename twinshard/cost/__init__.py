@@ -42,7 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinshard.config import ModelConfig
+from twinshard.config import Config, ModelConfig
 from twinshard.cost.communication import STRATEGY_ROWS
 from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Row, _Ctx, row
 from twinshard.cost.flops import Flops, flops
@@ -54,7 +54,7 @@ from twinshard.parallel import mesh as mesh_lib, strategies
 __all__ = [
     "AXES", "DTYPE_BYTES", "F32", "NOT_REGATHERED", "OPS", "PHASES", "PIPELINES", "RULES", "STRATEGY_ROWS",
     "Cost", "Flops", "Memory", "Row", "Weight", "attention_backward", "attention_kernel", "compare", "compare_table",
-    "cost", "flops", "human", "memory", "ring_attention_memory", "row", "saved_per_layer", "summarize", "weights",
+    "cost", "flops", "human", "memory", "of_run", "ring_attention_memory", "row", "saved_per_layer", "summarize", "weights",
 ]
 
 PIPELINES = strategies.of_family("pipeline")  # on a `stage` axis (twinshard/parallel/pipeline.py); their mesh names it
@@ -207,6 +207,16 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
                 memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer,
                        remat, schedule, gpu, param_bytes, state_bytes, master), notes)
+
+
+def of_run(run: Config, strategy: str, mesh: Mapping[str, int]) -> Cost:
+    """`cost` of one train step of a run (its Config): the model, its context, and the training
+    settings that change the collectives or the memory (batch, grad_accum, a pipeline's
+    micro-batches and schedule, the optimizer). What launch.bench, launch.collectives and
+    launch.compare set beside their measurements."""
+    t = run.train
+    return cost(run.model, strategy, mesh, t.batch_size, run.model.context_length, grad_accum=t.grad_accum,
+                microbatches=t.microbatches, optimizer=t.optimizer, schedule=t.schedule)
 
 
 _NOTES = {
