@@ -141,8 +141,8 @@ def test_every_twin_drops_exactly_the_tokens_one_device_drops(name):
     assert (int(np.sum(want["dropped"])) > 0) == (name != "dropless"), want["dropped"]
     assert want["dropped"].shape == (cfg.model.moe_layers,)
     assert int(want["assignments"]) == cfg.model.experts_per_token * x[0].size
-    twins = {"drops": [("manual", "ep"), ("auto", "ep"), ("manual", "fsdp_ep")], "dropless": [("manual", "ep"), ("auto", "ep")],
-             "first_dense": [("manual", "fsdp_ep")]}
+    twins = {"drops": [("manual", "ep"), ("auto", "ep"), ("manual", "fsdp_ep")],
+             "dropless": [("manual", "ep"), ("auto", "ep")], "first_dense": [("manual", "fsdp_ep")]}
     for impl, strategy in twins[name]:
         r = twin(impl, strategy, name)["runner"]
         params = jax.device_put(single(name)["init"], r.state_shardings.params)
@@ -262,6 +262,21 @@ def test_saved_residuals_per_layer_equal_the_memory_model():
     for saved, rows in ((single_saved, b), (ep_saved, b // r.mesh.size)):
         scan = sum(n for shape, n, where in saved if "output of scan" in where and shape[1:] != (1, 1, m.d_model))
         assert scan == 4 * (m.num_layers * cost.saved_per_layer(m, "none", rows, t, 1) + rows * t * m.d_model)
+
+
+def test_saved_residuals_of_the_two_stacks_equal_the_memory_model():
+    """first_dense: each scan hands its own layers' residuals to the backward pass, the dense
+    layer SwiGLU's [b,T,F] three, the MoE layers' buffers: exactly cost.saved_by_stacks (the sum over
+    ModelConfig.stacks of n x saved_per_layer of the stack), plus the dense scan's output."""
+    from test_remat import residuals
+
+    m, b, t = FIRST_DENSE.model, FIRST_DENSE.train.batch_size, FIRST_DENSE.model.context_length
+    tokens = jax.ShapeDtypeStruct((b, t), np.int32)
+    saved = residuals(functools.partial(loss_fn, cfg=m), jax.eval_shape(lambda: create_params(m, 0)), tokens, tokens)
+    scan = sum(n for shape, n, where in saved if "output of scan" in where and shape[1:] != (1, 1, m.d_model))
+    assert scan == 4 * (cost.saved_by_stacks(m, "none", b, t, 1) + b * t * m.d_model)
+    (_, dense), (_, moe) = m.stacks
+    assert cost.saved_per_layer(dense, "none", b, t, 1) < cost.saved_per_layer(moe, "none", b, t, 1)
 
 
 # temp / model bands as for the dense strategies (tests/test_memory.py): manual ep replicates

@@ -47,14 +47,15 @@ from twinshard.cost.communication import STRATEGY_ROWS
 from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Row, _Ctx, row
 from twinshard.cost.flops import Flops, flops
 from twinshard.cost.memory import (Memory, attention_backward, attention_kernel, memory, ring_attention_memory,
-                                   saved_per_layer)
+                                   saved_by_stacks, saved_per_layer)
 from twinshard.cost.weights import DTYPE_BYTES, F32, RULES, Weight, weights
 from twinshard.parallel import mesh as mesh_lib, strategies
 
 __all__ = [
     "AXES", "DTYPE_BYTES", "F32", "NOT_REGATHERED", "OPS", "PHASES", "PIPELINES", "RULES", "STRATEGY_ROWS",
     "Cost", "Flops", "Memory", "Row", "Weight", "attention_backward", "attention_kernel", "compare", "compare_table",
-    "cost", "flops", "human", "memory", "of_run", "ring_attention_memory", "row", "saved_per_layer", "summarize", "weights",
+    "cost", "flops", "human", "memory", "of_run", "ring_attention_memory", "row", "saved_by_stacks", "saved_per_layer",
+    "summarize", "weights",
 ]
 
 PIPELINES = strategies.of_family("pipeline")  # on a `stage` axis (twinshard/parallel/pipeline.py); their mesh names it

@@ -178,6 +178,14 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequ
     raise ValueError(f"remat={remat!r} has no memory model; choose one of {', '.join(REMAT_POLICIES)}.")
 
 
+def saved_by_stacks(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequence: bool = False,
+                    exchange: int = 0) -> int:
+    """Elements all L layers save: each stack of ModelConfig.stacks (the first dense layers, then
+    the MoE layers) n x `saved_per_layer` of its own layers."""
+    return sum(stack.num_layers * saved_per_layer(stack, remat, b, seq, t, sequence, exchange)
+               for _, stack in cfg.stacks)
+
+
 def moe_saved(cfg: ModelConfig, tokens: int, exchange: int = 0) -> int:
     """Elements a mixture-of-experts feed-forward saves for its backward pass (remat=none) on
     `tokens` local tokens in G = tokens/S groups, whichever devices its experts run on (the
@@ -334,9 +342,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     sequence = "seq" in rules  # tp_sp: the residual stream on sequence shards
     # a dropless mixture of experts under ep: its rows exchanged over `expert` (the manual twin's)
     exchange = mesh.get("expert", 1) if "experts" in rules and cfg.moe_dispatch == "ragged" else 0
-    # every stack's layers (the first dense layers', then the MoE layers': ModelConfig.stacks)
-    layers = sum(stack.num_layers * saved_per_layer(stack, remat, b, seq, t, sequence, exchange)
-                 for _, stack in cfg.stacks)
+    layers = saved_by_stacks(cfg, remat, b, seq, t, sequence, exchange)
     head = b  # rows the lm_head and the loss run on at once
     if "layers" in rules:  # a pipeline stage: its L/S layers on micro-batches of b/M rows
         layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule)
