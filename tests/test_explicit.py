@@ -328,6 +328,15 @@ def test_expect_sharding_reads_arrays_tracers_and_avals():
     expect_sharding(jax.device_put(x, NamedSharding(ones, P("data"))), P("data", "tensor"))  # tensor: size 1
     with pytest.raises(AssertionError, match="carries no NamedSharding"):
         expect_sharding(jax.ShapeDtypeStruct((2,), np.float32), P())
+    # On Auto axes a value's type says nothing of its placement (its type sharding is P(None, None)):
+    # a concrete array is checked where it is, a traced one refused.
+    auto = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    y = jax.device_put(np.zeros((8, 6), np.float32), NamedSharding(auto, P("data")))
+    expect_sharding(y, P("data"))
+    with pytest.raises(AssertionError, match=r"is sharded P\('data',\)"):
+        expect_sharding(y, P())
+    with pytest.raises(AssertionError, match=r"mesh axes \['data', 'tensor'\] are not Explicit"):
+        jax.eval_shape(lambda v: expect_sharding(v, P("data")), y)
 
 
 def test_readme_expect_sharding_example_runs():
