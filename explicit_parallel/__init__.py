@@ -35,11 +35,4 @@ def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None,
     check(strategy, cfg)
     check_options(strategy, "explicit", cfg)
     shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
-    tensor, kv_heads = shape.get("tensor", 1), cfg.model.kv_heads
-    if kv_heads % tensor:
-        # measured (JAX 0.12): the replicated kv heads' [B, T, D/tensor] -> [B, T, H/tensor, dh]
-        # reshape of a typed-sharded array asks for an out_sharding this twin does not state
-        raise ValueError(f"--impl=explicit splits kv heads over tensor, and tensor={tensor} does not divide "
-                         f"--num_kv_heads={kv_heads}: use --impl=auto or --impl=manual (they replicate the kv "
-                         f"heads), or a tensor axis that divides {kv_heads}.")
     return ExplicitRunner(strategy, MODULES[strategy], shape, cfg, devices, tx=tx)

@@ -4,30 +4,31 @@ batch split over `data`; the gather is a change of type.
 Forward: `weight` reshards each weight matrix from its stored type ([D@data, F]) to its use
 type, whole and `reduced` over `data` ([D, F]{R:data}): the all-gather, one layer at a time
 inside the layer loop.
-Backward: each layer is checkpointed without its gathered weights (`layer_policy`), so the
-backward loop re-gathers them; the weight gradient leaves the matmul `unreduced` over `data`
+Backward: each layer is checkpointed without its gathered weights (RegathersWeights, as in the
+manual twin), so the backward loop re-gathers them; the weight gradient leaves the matmul `unreduced` over `data`
 (the cotangent type of a `reduced` weight), and the gather's transpose, a reshard from
 `{U:data}` to [D@data, F], is its reduce-scatter (XLA:CPU writes it as an all-reduce +
-dynamic-slice, as for GSPMD; measured, JAX 0.12). The replicated RMSNorm gains get the
-runner's one all-reduce each.
-Optimizer: the global norm's partial sums, reduced by JAX's rules.
+dynamic-slice, as for GSPMD; measured, JAX 0.12). The replicated RMSNorm gains' gradients are
+reduced by JAX's rules inside the backward layer loop (one [D] all-reduce per layer and gain).
+Optimizer: one reduction of the squared norms per group of shardings (runner.global_norm).
 """
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from explicit_parallel.runner import Explicit
-from twinshard.model.hooks import Policy
+from twinshard.model.hooks import RegathersWeights
 from twinshard.parallel.placement import spec
 from twinshard.parallel.strategies import FSDP
 
-everything_saveable = jax.checkpoint_policies.everything_saveable
 DATA = "data"
 
 __all__ = ["FullyShardedDataParallel", "parallelism"]
 
 
-class FullyShardedDataParallel(Explicit):
+class FullyShardedDataParallel(RegathersWeights, Explicit):
+    """layer_policy, head: RegathersWeights (twinshard/model/hooks.py), with this twin's `gathers`."""
+
     gathers_weights = True  # grad_accum > 1: the runner gathers every matrix once per step (`weight`)
 
     def weight(self, w, axes):
@@ -38,25 +39,11 @@ class FullyShardedDataParallel(Explicit):
             return w
         return jax.sharding.reshard(w, NamedSharding(self.mesh, P(*spec(axes, self.rules), reduced={DATA})))
 
-    def layer_policy(self, policy):
-        """Each layer checkpointed under every remat policy, minus the gathered weights (the
-        manual twin's structure: the backward loop re-gathers each layer's matrices)."""
-        inner = super().layer_policy(policy)  # + saves_reductions (fsdp_tp's Megatron g)
-        return never_gathered(everything_saveable if inner is None else inner)
-
-    def head(self, lm_head, x):
-        """lm_head(x) checkpointed: the backward pass re-gathers the lm_head weight."""
-        return jax.checkpoint(lm_head, policy=never_gathered(everything_saveable))(x)
-
-
-def gathers(prim, **params) -> bool:
-    """True for a reshard to a `reduced` type: FSDP's gather (Megatron's g reshards to replicated)."""
-    return prim.name == "reshard" and bool(params["dst_sharding"].spec.reduced)
-
-
-def never_gathered(policy: Policy) -> Policy:
-    """`policy`, except that a gathered weight is never saved: it is gathered again."""
-    return lambda prim, *args, **params: not gathers(prim, **params) and policy(prim, *args, **params)
+    @staticmethod
+    def gathers(prim, **params) -> bool:
+        """True for a reshard to a type `reduced` over `data`: FSDP's gather (Megatron's f under
+        fsdp_tp reshards to `reduced` over `tensor`, and its g to replicated)."""
+        return prim.name == "reshard" and DATA in params["dst_sharding"].spec.reduced
 
 
 def parallelism(mesh, cfg) -> FullyShardedDataParallel:

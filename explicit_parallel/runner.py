@@ -16,11 +16,13 @@ Two states beyond sharded and replicated do the rest (JAX's "Autodiff and shardi
 unreduced cotangents (`{R:data}`). A reshard to `reduced` moves nothing forward and is the
 reduction backward.
 
-The step (`ExplicitRunner._loss_and_grads`), as the manual twin's: every parameter
-replicated over a token axis (`data`; dp: all of them, fsdp: the norm gains) is cast to
-`reduced` over it before `grad`, so its gradient leaves the backward pass `unreduced`, the
-K micro-batches of `grad_accum` add up unreduced, and ONE reshard per leaf after them is
-the gradient all-reduce. The rest is the single-device train step (twinshard/train/trainer.py)
+The step (`ExplicitRunner._loss_and_grads`), as the manual twin's: every weight matrix
+replicated over a token axis (`data`; dp: all of them, fsdp: none) is cast to `reduced` over
+it before `grad`, so its gradient leaves the backward pass `unreduced`, the K micro-batches
+of `grad_accum` add up unreduced, and ONE reshard per leaf after them is the gradient
+all-reduce. The RMSNorm gains stay replicated (JAX refuses a `reduced` operand of an
+elementwise product with [B@data, T, D]): JAX's rules reduce their gradients inside the
+backward layer loop, one [D] all-reduce per layer and gain. The rest is the single-device train step (twinshard/train/trainer.py)
 jitted with the strategy's shardings.
 """
 
@@ -37,8 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from twinshard import testing
 from twinshard.config import Config
-from manual_parallel.base import either
-from twinshard.model.hooks import Parallelism
+from twinshard.model.hooks import Parallelism, either
 from twinshard.model.transformer import ACTIVATION
 from twinshard.parallel import mesh as mesh_lib, placement, strategies
 from twinshard.parallel.placement import spec
@@ -97,6 +98,18 @@ class Explicit(Parallelism):
         return table.at[ids].get(out_sharding=self.sharding(ACTIVATION))
 
 
+def check_kv_heads(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
+    """This twin splits the k and v columns (Hkv * dh) over `tensor` as its tables say (it does not
+    replicate them as Strategy.placed does for the other twins): where tensor does not divide Hkv
+    a device's columns cut a head, and JAX refuses the typed [B, T, Hkv*dh/t] -> [B, T, Hkv, dh]
+    reshape (measured, JAX 0.12: ShardingTypeError; q's reshape, whole heads, is accepted)."""
+    tensor, kv_heads = mesh_shape.get("tensor", 1), cfg.model.kv_heads
+    if kv_heads % tensor:
+        raise ValueError(f"--impl=explicit splits kv heads over tensor, and tensor={tensor} does not divide "
+                         f"--num_kv_heads={kv_heads}: use --impl=auto or --impl=manual (they replicate the kv "
+                         f"heads), or a tensor axis that divides {kv_heads}.")
+
+
 class ExplicitRunner(placement.PlacedRunner):
     """Runs one strategy on a mesh of Explicit axes; the interface of trainer.SingleDevice."""
 
@@ -105,6 +118,7 @@ class ExplicitRunner(placement.PlacedRunner):
         """`tx` replaces the AdamW of `cfg.train` (its state must be a `GuardState`, as for the
         GSPMD twin)."""
         self.name = name
+        check_kv_heads(cfg, mesh_shape)
         decl = strategies.get(name)  # the placement tables
         self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm) if tx is None else tx
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices, decl.params, decl.activations)

@@ -40,9 +40,9 @@ class SequenceParallel(TensorParallel):
         return (self.sequence if axes == ACTIVATION else super()).constrain(x, axes)
 
     def enter_tensor_parallel(self, x):
-        """f: [B, T@tensor, D] -> [B, T, D]{R:tensor}: the all-gather along T (backward: the
-        reduce-scatter of the summed input gradients)."""
-        return jax.sharding.reshard(x, self.sharding(ACTIVATION, reduced={TENSOR}))
+        """f: [B, T@tensor, D] -> [B, T, D]{R:tensor}: TP's reshard, which from sequence shards is
+        the all-gather along T (backward: the reduce-scatter of the summed input gradients)."""
+        return super().enter_tensor_parallel(x)
 
     def exit_tensor_parallel(self, x):
         """g: partial sums [B, T, D]{U:tensor} -> [B, T@tensor, D]: the reduce-scatter along T."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from twinshard.model.hooks import Parallelism, Policy
+from twinshard.model.hooks import Parallelism, Policy, either
 
 # Primitives whose output is a forward reduction: an all-reduce (Megatron g, the vocab-parallel
 # statistics; `psum_invariant` is the psum of a value invariant over the axis under check_vma)
@@ -28,11 +28,6 @@ def saves_reductions(prim, *_, **params) -> bool:
     if prim.name == "custom_vjp_call":
         return any(e.primitive.name in _REDUCTIONS for e in params["call_jaxpr"].eqns)
     return prim.name in _REDUCTIONS
-
-
-def either(*policies: Policy) -> Policy:
-    """A residual is saved if any of `policies` saves it."""
-    return lambda prim, *args, **params: any(p(prim, *args, **params) for p in policies)
 
 
 class ManualParallelism(Parallelism):

@@ -42,14 +42,14 @@ from jax import lax
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import fsdp_gather
 from twinshard.parallel.strategies import FSDP
-from twinshard.model.hooks import Policy
-
-everything_saveable = jax.checkpoint_policies.everything_saveable
+from twinshard.model.hooks import RegathersWeights
 
 __all__ = ["FullyShardedDataParallel", "parallelism"]
 
 
-class FullyShardedDataParallel(ManualParallelism):
+class FullyShardedDataParallel(RegathersWeights, ManualParallelism):
+    """layer_policy, head: RegathersWeights (twinshard/model/hooks.py), with this twin's `gathers`."""
+
     gathers_weights = True
     is_resident = False  # True in the copy `resident()` returns: the weights are already whole
 
@@ -64,24 +64,6 @@ class FullyShardedDataParallel(ManualParallelism):
                 assert full.shape[dim] == w.shape[dim] * lax.axis_size("data"), (w.shape, full.shape)
                 return full
         return w  # RMSNorm gains are replicated
-
-    def layer_policy(self, policy):
-        """Each layer is checkpointed under every ModelConfig.remat: the layer's policy
-        (with the psum outputs of fsdp_tp's Megatron g, base.py; remat=none: everything
-        autodiff saves), minus the gathered weights. The backward loop then re-gathers each layer's 7
-        matrices in its own iteration, and no gathered weight outlives its layer
-        (tests/test_remat.py asserts it for every policy).
-
-        jax.checkpoint policies do not nest: a checkpoint around the whole loss overrides the
-        layer's policy and re-gathers every layer's weights at once (measured, JAX 0.12)."""
-        inner = super().layer_policy(policy)  # + saves_reductions (fsdp_tp's Megatron g)
-        return never_gathered(everything_saveable if inner is None else inner)
-
-    def head(self, lm_head, x):
-        """lm_head(x) checkpointed: the backward pass re-gathers the lm_head weight
-        ([D, V], or [D, V/tensor] under fsdp_tp) instead of keeping it. The embedding
-        needs nothing of the kind: its backward is a scatter-add that reads no table."""
-        return jax.checkpoint(lm_head, policy=never_gathered(everything_saveable))(x)
 
     # Gradient accumulation: the step gathers once, the micro-batches run on resident weights.
 
@@ -99,28 +81,23 @@ class FullyShardedDataParallel(ManualParallelism):
         sharded = lambda ax: any(self.param_rules.get(a) == "data" for a in ax)  # noqa: E731
         return jax.tree.map(lambda w, ax: self.weight(w.astype(dtype), ax) if sharded(ax) else w, params, axes)
 
+    @staticmethod
+    def gathers(prim, **params) -> bool:
+        """True for the output of `fsdp_gather` (a custom_vjp around an all_gather): a full weight.
+
+        Measured (JAX 0.12): this one exclusion is enough. The matmuls read the gathered weight
+        itself (no transposed or cast copy to hide in), so under RegathersWeights' layer policy
+        the backward pass re-gathers every matrix; under `everything_saveable` alone it
+        re-gathers none."""
+        return prim.name == "custom_vjp_call" and any(
+            e.primitive.name == "all_gather" for e in params["call_jaxpr"].eqns)
+
     def resident(self) -> "FullyShardedDataParallel":
         """These hooks with `weight` the identity: for weights `gather_step` made whole (no
         remat is needed either: nothing is re-gathered in the backward pass)."""
         par = copy.copy(self)
         par.is_resident = True
         return par
-
-
-def gathers(prim, **params) -> bool:
-    """True for the output of `fsdp_gather` (a custom_vjp around an all_gather): a full weight."""
-    return prim.name == "custom_vjp_call" and any(
-        e.primitive.name == "all_gather" for e in params["call_jaxpr"].eqns)
-
-
-def never_gathered(policy: Policy) -> Policy:
-    """`policy`, except that a gathered weight is never saved: it is gathered again.
-
-    Measured (JAX 0.12): this one exclusion is enough. The matmuls read the gathered
-    weight itself (no transposed or cast copy to hide in), so under
-    `never_gathered(everything_saveable)` the backward pass re-gathers every matrix; under
-    `everything_saveable` alone it re-gathers none."""
-    return lambda prim, *args, **params: not gathers(prim, **params) and policy(prim, *args, **params)
 
 
 def parallelism(mesh, cfg) -> FullyShardedDataParallel:

@@ -395,5 +395,9 @@ def test_grouped_query_attention_splits_kv_heads_or_is_refused():
     want = reference.train_record(trainer.SingleDevice(cfg.model, cfg.train), cfg, 3, grads=False)
     np.testing.assert_allclose(got["losses"], want["losses"], atol=2e-5, rtol=0)
     assert reference.max_diff(got["params"], want["params"]) < 2e-5
-    with pytest.raises(ValueError, match=r"tensor=4 does not divide --num_kv_heads=2: use --impl=auto or --impl=manual"):
+    refused = r"tensor=4 does not divide --num_kv_heads=2: use --impl=auto or --impl=manual"
+    with pytest.raises(ValueError, match=refused):
         explicit_parallel.make_runner("tp", "data:1,tensor:4", cfg, devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match=refused):  # the runner itself refuses, however it is built
+        explicit_parallel.ExplicitRunner("tp", explicit_parallel.MODULES["tp"], {"data": 1, "tensor": 4}, cfg,
+                                         jax.devices()[:4])

@@ -179,7 +179,8 @@ def expect_sharding(x, spec: P) -> None:
         raise AssertionError(f"expected sharding {spec} for {shown}: its type cannot say, the mesh axes {auto} are "
                              "not Explicit; check the concrete array (outside jit), or use an Explicit mesh.")
     if _canonical(sharding.spec, len(shape), sizes) != _canonical(spec, len(shape), sizes):
-        raise AssertionError(f"expected sharding {spec}; {shown} is sharded {sharding.spec}")
+        found = f"the type is {shown}, sharding {sharding.spec}" if typed else f"{shown} is sharded {sharding.spec}"
+        raise AssertionError(f"expected sharding {spec}; {found}")
 
 
 def _type_of(x):
