@@ -9,9 +9,10 @@ Backward: an all-reduce of [B, T, D] for the lm_head input gradient and 5 per la
 GSPMD all-reduces the input gradient of q, k, v, w1 and w3 separately, where Megatron's
 f (the manual twin) sums them first and all-reduces twice.
 Optimizer: one scalar all-reduce per tensor-sharded gradient leaf (global norm).
-No weight-sized collective.
-Grouped-query attention with tensor > kv heads: the k/v weights are placed replicated
-(Strategy.placed) and GSPMD chooses how to use them (every device may compute all kv heads).
+No weight-sized collective, but with grouped-query attention where tensor > kv heads: the k/v
+weights are placed replicated (Strategy.placed), GSPMD chooses how to use them (every device may
+compute all kv heads), and their gradients, computed from each device's query heads, are summed
+over `tensor`.
 """
 
 from auto_parallel.runner import GSPMD

@@ -124,7 +124,7 @@ class ExplicitRunner(placement.PlacedRunner):
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices, decl.params, decl.activations)
         check_grad_accum(cfg.train, self.sizes.get("data", 1))
         self.par = par = strategy.parallelism(self.mesh, cfg)  # the strategy's hooks (explicit_parallel/<name>.py)
-        token_axes = tuple(a for a in mesh_lib.ORDER if a in TOKEN_AXES and self.sizes.get(a, 1) > 1)
+        token_axes = placement.active_axes(TOKEN_AXES, self.sizes)
         # per matrix, the token axes it is replicated over: cast to `reduced` over them for grad.
         # Not the RMSNorm gains: they multiply [B@data, T, D] elementwise, which JAX 0.12 refuses
         # for an operand reduced over `data` ("Inputs cannot be sharded/varying on the same axes
@@ -188,7 +188,7 @@ class ExplicitRunner(placement.PlacedRunner):
         groups: dict[tuple[str, ...], jax.Array] = {}
         for g in jax.tree.leaves(grads):
             split = placement.sharded_axes(jax.typeof(g).sharding.spec)
-            axes = tuple(a for a in mesh_lib.ORDER if a in split and self.sizes.get(a, 1) > 1)
+            axes = placement.active_axes(split, self.sizes)
             out = NamedSharding(self.mesh, P(unreduced=set(axes)))
             sq = jax.lax.reduce_sum(jnp.square(g.astype(jnp.float32)), tuple(range(g.ndim)), out_sharding=out)
             groups[axes] = groups[axes] + sq if axes in groups else sq

@@ -1,7 +1,8 @@
 """Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): causal
 attention over a sequence split across the `context` axis, with K/V blocks travelling a ring.
 
-Each of the C devices holds the q, k, v of its T/C tokens ([B, h, T/C, dh]) and their true
+Each of the C devices holds the q [B, h, T/C, dh] and k, v [B, hk, T/C, dh] of its T/C tokens
+(hk = h without grouped-query attention; with it each kv head serves h/hk query heads) and their true
 positions (twinshard/parallel/context.py: contiguous or zig-zag). C steps:
 
     step 0: its own block, masked by the true positions (causal within the block);
@@ -27,11 +28,11 @@ Equal to the single-device attention (tests/test_context.py): the skipped scores
 the masked ones, which add exp(-inf) = 0.
 
 Collectives per call (one layer): forward C-1 `ring_shift`s of K and C-1 of V, each a
-collective-permute of [B, h, T/C, dh] over `context`; backward (ring_shift's custom_vjp,
+collective-permute of [B, hk, T/C, dh] over `context`; backward (ring_shift's custom_vjp,
 manual_parallel/collectives.py) the reverse ring, C-1 of dK and C-1 of dV.
 
 Memory: each step's merge is checkpointed (`_merge`), so autodiff saves only its inputs -
-every K/V block the device held (the whole sequence's K and V, [B, H, T, dh] each) and each
+every K/V block the device held (the whole sequence's K and V, [B, Hkv, T, dh] each) and each
 step's running statistics (O(T/C dh)) - and the backward pass recomputes one block's scores
 and probabilities at a time, flash attention's trade of FLOPs for memory
 (tools/long_context.py measures it against the probabilities saved and against tp's

@@ -58,12 +58,6 @@ from twinshard.train.trainer import (TrainState, accumulated_value_and_grad, app
 DATA, TENSOR = "data", "tensor"
 
 
-def _active(axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[str, ...]:
-    """The axes of size > 1 among `axes`, in mesh order (so P('tensor','data') and
-    P('data','tensor') gradients share one psum)."""
-    return tuple(a for a in mesh_lib.ORDER if a in axes and sizes.get(a, 1) > 1)
-
-
 class ManualRunner(placement.PlacedRunner):
     """Runs one strategy as a shard_map program; the interface of trainer.SingleDevice."""
 
@@ -84,7 +78,7 @@ class ManualRunner(placement.PlacedRunner):
         self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices, decl.params, decl.activations)
         self.par = strategy.parallelism(self.mesh, cfg)  # the strategy's hooks (manual_parallel/<name>.py)
         check_grad_accum(cfg.train, self.sizes[DATA])
-        self.token_axes = _active(self.TOKEN_AXES, self.sizes)  # those of size > 1
+        self.token_axes = placement.active_axes(self.TOKEN_AXES, self.sizes)  # those of size > 1
         # per param, the token axes it is replicated over: its gradient's mean runs over them
         # (dp: data; fsdp: data for the norm gains, none for the matrices; cp: data and context)
         self.replicated_over_tokens = jax.tree.map(
@@ -95,7 +89,7 @@ class ManualRunner(placement.PlacedRunner):
         # kv heads (Strategy.placed), of which each device uses one kv head's columns
         # (manual_parallel/tp.py); their gradient is the sum over those axes (`mean_over_tokens`)
         self.summed_over = jax.tree.map(
-            lambda d, s: _active(tuple(a for a in placement.sharded_axes(d) if a not in placement.sharded_axes(s)),
+            lambda d, s: placement.active_axes(tuple(a for a in placement.sharded_axes(d) if a not in placement.sharded_axes(s)),
                                  self.sizes),
             placement.param_specs(cfg, declared.params), self.param_specs, is_leaf=lambda x: isinstance(x, P))
         smap = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=True)
@@ -165,7 +159,7 @@ class ManualRunner(placement.PlacedRunner):
         def sync(g, mean, summed):
             if not summed:
                 return lax.pmean(g, mean) if mean else g
-            total = lax.psum(g, _active(mean + summed, self.sizes))
+            total = lax.psum(g, placement.active_axes(mean + summed, self.sizes))
             return total / math.prod(self.sizes[a] for a in mean) if mean else total
         return jax.tree.map(sync, grads, replicated, self.summed_over)
 
@@ -177,7 +171,7 @@ class ManualRunner(placement.PlacedRunner):
         per group of gradients sharded over the same mesh axes."""
         groups: dict[tuple[str, ...], jax.Array] = {}
         for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, P))):
-            axes = _active(placement.sharded_axes(s), self.sizes)
+            axes = placement.active_axes(placement.sharded_axes(s), self.sizes)
             groups[axes] = groups.get(axes, 0.0) + jnp.sum(jnp.square(g.astype(jnp.float32)))
         total = sum(lax.psum(sq, axes) if axes else sq for axes, sq in groups.items())
         return jnp.sqrt(total)
@@ -191,7 +185,7 @@ class ManualRunner(placement.PlacedRunner):
         differentiated."""
         def mean(x, dims):
             local = jnp.mean(x, axis=dims, keepdims=True)
-            axes = _active(placement.sharded_axes(P(*(spec[d] for d in dims))), self.sizes)
+            axes = placement.active_axes(placement.sharded_axes(P(*(spec[d] for d in dims))), self.sizes)
             return lax.pmean(local, axes) if axes else local
         return mean
 

@@ -19,7 +19,9 @@ nothing); reduce-scatter before the lm_head, all-gather for the embedding gradie
 The RMSNorm gains see only this device's tokens: each gain goes through Megatron's f
 (`copy_to_tp`: identity forward, psum of its gradient over `tensor`; 2L + 1 small
 all-reduces, [D] f32). Weight matrices' gradients need no communication (each device
-holds its columns / rows and every token's activations in the regions that use them).
+holds its columns / rows and every token's activations in the regions that use them), but
+for k/v weights replicated over `tensor` (grouped-query attention with tensor > Hkv), whose
+gradients are summed over `tensor` (manual_parallel/runner.py `summed_over`).
 Under a remat policy (not `none`) each layer's backward pass re-gathers its 2 sequence
 shards: only the reduce-scatter outputs [b, T/t, D] are saved (base.saves_reductions),
 as Megatron stores the sharded input and re-gathers it in the backward pass.

@@ -210,10 +210,10 @@ MUTANTS: list[Mutant] = [
            "return jnp.sqrt(total)",
            "return total",
            (*MANUAL, TRAIN), "global_norm returns the squared norm"),
-    Mutant("norm-active-axes-unordered", "runner", _RUNNER,
+    Mutant("norm-active-axes-unordered", "runner", "twinshard/parallel/placement.py",
            "return tuple(a for a in mesh_lib.ORDER if a in axes and sizes.get(a, 1) > 1)",
            "return tuple(a for a in axes if sizes.get(a, 1) > 1)",
-           MANUAL, "_active keeps spec order, so P('tensor','data') and P('data','tensor') get two psums"),
+           MANUAL, "active_axes keeps spec order, so P('tensor','data') and P('data','tensor') get two psums"),
     # --- FSDP remat policy (manual_parallel/fsdp.py)
     Mutant("fsdp-remat-saves-gathers", "fsdp", _FSDP,
            'e.primitive.name == "all_gather" for e in params["call_jaxpr"].eqns)',
@@ -1407,8 +1407,8 @@ MUTANTS: list[Mutant] = [
            "replicated kv weights left invariant over tensor: autodiff sums their gradient silently, then the "
            "runner's psum sums it again (tensor times too large)"),
     Mutant("gqa-kv-grad-averaged", "models", _RUNNER,
-           "total = lax.psum(g, _active(mean + summed, self.sizes))",
-           "total = lax.pmean(g, _active(mean + summed, self.sizes))",
+           "total = lax.psum(g, placement.active_axes(mean + summed, self.sizes))",
+           "total = lax.pmean(g, placement.active_axes(mean + summed, self.sizes))",
            (f"{GQA}::test_twin_with_gqa_matches_single_device",),
            "the replicated kv weights' gradient averaged over tensor, not summed over the query-head groups"),
     Mutant("gqa-placed-keeps-kv-split", "models", _STRATEGIES,

@@ -45,8 +45,8 @@ class CausalSelfAttention(nnx.Module):
         (layers.causal_self_attention is the same math on one device, hook-free.)"""
         wq, wk, wv, wo = (use(m.weight, par, self.dtype)
                           for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj))
-        # q [B, T, h*dh], k, v [B, T, hk*dh] (h = H/tensor under TP; hk = Hkv/tensor, or 1 kv head
-        # where the tensor axis is larger than Hkv)
+        # q [B, T, h*dh], k, v [B, T, hk*dh] (h = H/tensor under TP; hk = Hkv/tensor, or where the
+        # tensor axis is larger than Hkv 1 kv head in the manual twin, all Hkv in the GSPMD twin)
         q, k, v = par.column_parallel(x, (wq, wk, wv), QKV_AXES)
         attend = functools.partial(par.attention, impl=self.attention)
         out = layers.attend_heads(q, k, v, par.positions(q.shape[-2]), self.head_dim, self.theta, self.max_len,

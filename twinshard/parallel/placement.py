@@ -122,6 +122,12 @@ def sharded_axes(s: P) -> tuple[str, ...]:
     return tuple(out)
 
 
+def active_axes(axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes of size > 1 among `axes`, in mesh order (so P('tensor','data') and
+    P('data','tensor') gradients share one reduction); a reduction over none moves nothing."""
+    return tuple(a for a in mesh_lib.ORDER if a in axes and sizes.get(a, 1) > 1)
+
+
 class PlacedRunner:
     """What both twins' runners share: the mesh, the placed train state and batches.
 

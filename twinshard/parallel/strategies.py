@@ -35,7 +35,7 @@ divide the kv heads. Every reader of placement (both twins, the cost model) read
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 MANY, ONE, ANY = ">1", "=1", ">=1"  # what a mesh axis's size must be: split over, unused, either
@@ -71,7 +71,6 @@ class Strategy:
     sequence: Mapping[str, str] | None = None
     composes: tuple[str, ...] = ()
     family: str = "base"
-    twins: tuple[str, ...] = field(default=("auto", "manual"))
 
     def __post_init__(self) -> None:
         assert self.family in FAMILIES, self.family
