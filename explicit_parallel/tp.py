@@ -54,8 +54,7 @@ class TensorParallel(Explicit):
         """logits: [B, T, V@tensor], targets: [B, T] -> [B, T]: the manual twin's vocab-parallel
         cross-entropy (each device's V/tensor columns, pmax and psum over `tensor`), in a
         shard_map manual over `tensor` only (`data` stays Explicit inside)."""
-        manual = manual_tp.TensorParallel(TP.params)
-        local = jax.shard_map(lambda z, t: manual.token_loss(z, t, vocab_size), mesh=self.mesh,
+        local = jax.shard_map(lambda z, t: manual_tp.vocab_parallel_token_loss(z, t, vocab_size), mesh=self.mesh,
                               in_specs=(P(*spec(LOGITS, {"vocab": TENSOR})), P()), out_specs=P(),
                               axis_names={TENSOR})
         return local(logits, targets)

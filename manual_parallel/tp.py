@@ -34,13 +34,13 @@ from manual_parallel.collectives import copy_to_tp, reduce_from_tp
 from twinshard.model import layers, loss
 from twinshard.parallel.strategies import KV_HEADS, TP
 
-__all__ = ["TensorParallel", "parallelism"]
+__all__ = ["TensorParallel", "parallelism", "vocab_parallel_token_loss"]
 
 TENSOR = "tensor"
 
 
 class TensorParallel(ManualParallelism):
-    def __init__(self, param_rules, kv_heads: int = 0):
+    def __init__(self, param_rules, kv_heads: int):
         """param_rules: the strategy's table placed for the model (Strategy.placed); kv_heads:
         the model's Hkv, whose heads are replicated over `tensor` when param_rules does not
         split `kv_heads`."""
@@ -75,13 +75,20 @@ class TensorParallel(ManualParallelism):
         return self.exit_tensor_parallel(jnp.where(mine[..., None], rows, 0.0))  # the partial sums: g
 
     def token_loss(self, logits, targets, vocab_size):
-        """logits: [B/data, T, V/tensor] for global ids offset + [0, V/tensor); targets: [B/data, T]."""
-        assert logits.shape[:-1] == targets.shape, (logits.shape, targets.shape)
-        offset = lax.axis_index(TENSOR) * logits.shape[-1]
-        return loss.token_cross_entropy(
-            logits, targets, vocab_size, offset,
-            reduce_max=functools.partial(lax.pmax, axis_name=TENSOR),
-            reduce_sum=functools.partial(lax.psum, axis_name=TENSOR))
+        return vocab_parallel_token_loss(logits, targets, vocab_size)
+
+
+def vocab_parallel_token_loss(logits, targets, vocab_size):
+    """Megatron's vocab-parallel cross-entropy, inside a shard_map manual over `tensor`: logits
+    [B', T, V/tensor] for global ids offset + [0, V/tensor), targets [B', T] -> [B', T]: the
+    row max by pmax, the sum of exponentials and the target logit by psum over `tensor` (the
+    explicit twin runs it too: explicit_parallel/tp.py)."""
+    assert logits.shape[:-1] == targets.shape, (logits.shape, targets.shape)
+    offset = lax.axis_index(TENSOR) * logits.shape[-1]
+    return loss.token_cross_entropy(
+        logits, targets, vocab_size, offset,
+        reduce_max=functools.partial(lax.pmax, axis_name=TENSOR),
+        reduce_sum=functools.partial(lax.psum, axis_name=TENSOR))
 
 
 def parallelism(mesh, cfg) -> TensorParallel:
