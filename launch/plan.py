@@ -228,13 +228,14 @@ def _remat_ignored(m: ModelConfig, plans: list[Plan]) -> bool:
 
 
 def train_flags(plan: Plan, name: str, cfg: Config) -> str:
-    """launch.train's flags for this plan on preset `name` (and what the flags changed in it)."""
+    """launch.train's flags for this plan on preset `name` (and what the flags changed in it: every
+    model field of common.MODEL_FLAGS that differs from the preset's, so launch.train trains the
+    model that was planned)."""
     base = preset(name)
+    model = [(k, getattr(cfg.model, k), getattr(base.model, k)) for k in common.MODEL_FLAGS
+             if k != "collective_matmul"]  # tp_sp's alone, below
     extra = [f"--{k}={v}" for k, v, d in (
-        ("batch_size", cfg.train.batch_size, base.train.batch_size),
-        ("context_length", cfg.model.context_length, base.model.context_length),
-        ("dtype", cfg.model.dtype, base.model.dtype), ("remat", cfg.model.remat, base.model.remat),
-        ("attention", cfg.model.attention, base.model.attention),
+        ("batch_size", cfg.train.batch_size, base.train.batch_size), *model,
         ("optimizer", cfg.train.optimizer, base.train.optimizer),
         ("microbatches", plan.microbatches, base.train.microbatches),
         ("schedule", plan.schedule, base.train.schedule)) if v != d]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from cli import ROOT, assert_user_error, run
-from launch import plan as planner
+from launch import common, plan as planner
 from twinshard.hardware import plan as plans_lib
 from twinshard.hardware import links as hardware_links
 from twinshard.hardware import chips
@@ -517,6 +517,27 @@ def test_a_mixture_of_experts_ranks_ep_and_fsdp_ep():
     assert a2a * (12 / 7 - 1) / (270 * gb) > 0.1 * best.comm_s["expert"]  # the hops are no rounding error
     assert planner.train_flags(ep[8], "mixtral_8x7b", preset("mixtral_8x7b")).startswith(
         "--preset=mixtral_8x7b --strategy=ep --impl=manual --mesh=data:8,expert:8 --distributed")
+
+
+def test_the_launch_line_trains_the_planned_model():
+    """Every model flag the plan was given that differs from the preset (a shape, the MoE layout, the
+    kernel) is on the launch line: applied to the preset as launch.train applies it, it gives the
+    model that was planned."""
+    base = preset("tiny_moe")
+    model = dataclasses.replace(base.model, first_dense_layers=1, num_kv_heads=2, context_length=64,
+                                capacity_factor=2.0, scan_unroll=2, remat="full")
+    cfg = dataclasses.replace(base, model=model)
+    p = plans_lib.evaluate(model, hardware_links.parse_topology("v5p:2x2x2"), "fsdp_ep",
+                           {"data": 2, "expert": 4}, base.train.batch_size)
+    line = planner.train_flags(p, "tiny_moe", cfg)
+    given = dict(re.findall(r"--(\w+)=(\S+)", line))
+    assert {k: given[k] for k in ("first_dense_layers", "num_kv_heads", "context_length", "capacity_factor",
+                                  "scan_unroll", "remat")} == {
+        "first_dense_layers": "1", "num_kv_heads": "2", "context_length": "64", "capacity_factor": "2.0",
+        "scan_unroll": "2", "remat": "full"}, line
+    flags = dataclasses.make_dataclass("Flags", [(k, object, None) for k in common.MODEL_FLAGS])(
+        **{k: type(getattr(base.model, k))(given[k]) for k in common.MODEL_FLAGS if k in given})
+    assert common.with_model_flags(base, flags).model == model
 
 
 def test_ep_fits_mixtral_with_factored_moments_on_h200():
