@@ -81,7 +81,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from twinshard.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ModelConfig
-from twinshard.cost.weights import F32, _shards, rules as placed_rules, used_shards, weights
+from twinshard.cost.weights import F32, _shards, local_bytes, rules as placed_rules, weights
 from twinshard.parallel import mesh as mesh_lib
 
 
@@ -357,32 +357,29 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
         layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes)
     acts = layers * dtype_bytes + final
-    gathered = 0
-    if "embed" in rules:
-        experts = {"experts": rules["experts"]} if "experts" in rules else {}  # fsdp of a MoE: all E experts
-        layer = max(sum(w.size * w.count // w.layers // (_shards(w, experts, mesh) * used_shards(cfg, w, t))
-                        for w in weights(stack) if w.is_matrix and w.stacked)
-                    for _, stack in cfg.stacks)  # one layer's matrices (E/ep experts), the largest stack's
-        gathered = max(layer, v * d // t) * dtype_bytes
-        if "layers" in rules:  # pp_fsdp: the stage's L/S layers, embedding and lm_head, gathered for the
-            # step; GPipe's tick loop reads them as float32 (manual_parallel/pp.py `_gpipe`), 1F1B in
-            # the compute dtype
-            stage = cfg.num_layers // mesh["stage"] * layer + 2 * v * d
-            gathered = stage * (F32 if schedule == "gpipe" else dtype_bytes)
+    def layer(s: int) -> int:  # one layer's gathered matrices in s bytes (E/ep experts, the router in
+        # float32), the largest stack's
+        return max(sum(w.count // w.layers * local_bytes(cfg, w, mesh, t, s)
+                       for w in weights(stack) if w.is_matrix and w.stacked) for _, stack in cfg.stacks)
+
+    def stage(s: int) -> int:  # pp_fsdp: the stage's L/S layers, embedding and lm_head in s bytes
+        return cfg.num_layers // mesh["stage"] * layer(s) + 2 * v * d * s
+
+    gathered = max(layer(dtype_bytes), v * d // t * dtype_bytes) if "embed" in rules else 0
     opt = _optimizer_bytes(cfg, rules, mesh, optimizer, state_bytes)
     copy = masters if master else 0
-    if "layers" in rules and "embed" in rules:  # pp_fsdp: + the float32 gradient of what it gathered
-        return Memory(params, params, opt, acts, gathered, stage * F32, backward_layer, copy)
+    if "layers" in rules and "embed" in rules:  # pp_fsdp: the stage gathered for the step, GPipe's tick loop
+        # reading it as float32 (manual_parallel/pp.py `_gpipe`), 1F1B in the compute dtype; + the float32
+        # gradient of what it gathered
+        gathered = stage(F32 if schedule == "gpipe" else dtype_bytes)
+        return Memory(params, params, opt, acts, gathered, stage(F32), backward_layer, copy)
     if grad_accum == 1:
         return Memory(params, params, opt, acts, gathered, 0, backward_layer, copy)
     # the f32 accumulator of the micro-batch scan: param-sized (DP, TP); under FSDP it holds the
     # gradient of the WHOLE matrices (gather_step), so it and the gathered weights are full over data
+    # (the piece a device uses: its E/ep experts, a replicated kv weight's 1/Hkv slice, the norm gains whole)
     accumulator = masters
     if "embed" in rules:
-        no_data = {a: m for a, m in rules.items() if m != "data"}
-        # (the piece a device uses: a replicated kv weight's gathered slice is 1/Hkv of it)
-        accumulator = sum(w.count * w.size * F32 // max(_shards(w, no_data, mesh),
-                                                        used_shards(cfg, w, t) if w.is_matrix else 1)
-                          for w in weights(cfg))  # the norm gains are whole on every device
-        gathered = sum(w.count * w.size // used_shards(cfg, w, t) for w in weights(cfg) if w.is_matrix) * dtype_bytes
+        accumulator = sum(w.count * local_bytes(cfg, w, mesh, t, F32) for w in weights(cfg))
+        gathered = sum(w.count * local_bytes(cfg, w, mesh, t, dtype_bytes) for w in weights(cfg) if w.is_matrix)
     return Memory(params, params, opt, acts, gathered, accumulator, backward_layer, copy)

@@ -29,7 +29,7 @@ With K = first_dense_layers > 0 every block weight is two groups, one per stack
 (ModelConfig.stacks): `dense_layers.*` of K layers (the dense ffn) and the L - K MoE layers'.
 `RULES` maps each logical axis to the mesh axis a strategy splits it over (`rules`: for one model on
 one mesh, grouped-query attention's kv heads replicated where the tensor axis is larger); `_shards`,
-`_held` and the shape labels size a weight's piece on one device.
+`_held`, `local_bytes` and the shape labels size a weight's piece on one device.
 """
 
 from __future__ import annotations
@@ -63,6 +63,16 @@ def used_shards(cfg: ModelConfig, w: Weight, t: int) -> int:
     kv heads per device, or one kv head where the tensor axis is larger: each device slices its
     own from the replicated weight, manual_parallel/tp.py)."""
     return min(t, cfg.kv_heads) if KV_HEADS in w.axes else t
+
+
+def local_bytes(cfg: ModelConfig, w: Weight, mesh: Mapping[str, int], t: int, s: int) -> int:
+    """Bytes of one device's piece of one layer's weight w where it is used (FSDP's gathered value):
+    a matrix cut into `used_shards` column pieces over t tensor devices and, for the experts, into
+    the `expert` axis's E/ep; a norm gain whole. `s` bytes per element, the router's float32."""
+    if not w.is_matrix:
+        return w.size * s
+    experts = mesh.get("expert", 1) if w.is_experts else 1
+    return w.size * (F32 if w.float32 else s) // (used_shards(cfg, w, t) * experts)
 
 
 def kv_replicated(cfg: ModelConfig, mesh: Mapping[str, int]) -> bool:
