@@ -10,7 +10,7 @@
 (v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips, up to the whole pod (v5p:16x20x28); or a GPU cluster
 `GPU:NODESxGPUS`, e.g. h100:8x8 = 8 HGX nodes of 8 GPUs. --slices=N plans N such TPU slices, data
 parallel over the data-center network (DCN): each slice runs the plan on B/N sequences and each
-chip's gradients are all-reduced with its counterparts, 2 (N-1)/N x its gradient bytes at its
+chip's gradients are all-reduced with its counterparts, 2 (N-1)/N x its float32 gradient bytes at its
 DCN rate (v5p 50 Gb/s per chip, v5e 25). The chips' numbers, with their sources, are
 twinshard/hardware/chips.py.
 

@@ -358,6 +358,10 @@ def test_slices_are_data_parallel_over_the_data_center_network():
         assert p.comm_s["dcn"] == pytest.approx(2 * (2 - 1) / 2 * grads / 6.25e9, rel=1e-12)
         assert (p.compute_s, p.comm_s["data"], p.memory) == (alone.compute_s, alone.comm_s["data"], alone.memory)
         assert p.label() == f"dcn:2 x {alone.mesh_text()}" and not p.runnable
+        # bf16 params: the gradients cross DCN in float32 all the same, as they cross the slice's ICI
+        bf16 = plans_lib.evaluate(LLM_1B, two, strategy, mesh, 128, precision=plans_lib.Precision("bfloat16"))
+        assert bf16.cost.memory.grads * 2 == p.cost.memory.grads
+        assert (bf16.comm_s["dcn"], bf16.comm_s["data"]) == (p.comm_s["dcn"], p.comm_s["data"])
     fit, over = plans_lib.rank(plans_lib.plan_all(LLM_1B, two, 128)[0], "serial")
     text = planner.report(fit, over, [], two, "llm_1b", preset("llm_1b"), 3, 1.0, 0.25, "serial")
     assert "comm dcn" in text and "dcn=2: DCN 50 Gb/s per chip = 6.25 GB/s per chip" in text
@@ -690,11 +694,12 @@ def llama3_70b_rows() -> dict[str, tuple[float | str, float | str, float | str, 
     tp_matmuls = tp.compute_s * tp.cost.flops.forward_matmul / tp.cost.flops.forward
     rows["TP's largest compute-bound Y, one axis"] = (F / alpha, 1 + (1.125 * F + 0.375 * 2 * dh * (H + K)) / alpha,
                                                      1 + 15 * tp_matmuls / tp.comm_s["tensor"], 0.02)
-    # 2 slices over DCN, fsdp inside: the bf16 gradients' all-reduce against the backward pass's matmuls
+    # 2 slices over DCN, fsdp inside: the gradients' all-reduce against the backward pass's matmuls, in
+    # float32 as the manual twin's (the book's are bf16: 2 N / M bytes per chip)
     dcn = plans_lib.evaluate(m, hardware_links.with_slices(s16, 2), "fsdp", {"data": 4096, "tensor": 1}, 8192,
                              precision=book_precision)
     backward = 2 / 3 * dcn.compute_s * dcn.cost.flops.forward_matmul / dcn.cost.flops.forward
-    each_chip = dcn.cost.memory.grads / (2 * f.matmul_params / 4096)  # its bytes / the book's 2 N / M
+    each_chip = 2 * dcn.cost.memory.grads / (2 * f.matmul_params / 4096)  # its f32 bytes / the book's 2 N / M
     rows["DCN's critical batch per slice (tokens)"] = (C / 6.25e9, C / 6.25e9 * (2 - 1) / 2 * each_chip,
                                                       8192 * 4096 / 2 * dcn.comm_s["dcn"] / backward, 0.001)
     return rows

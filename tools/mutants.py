@@ -647,7 +647,7 @@ MUTANTS: list[Mutant] = [
            (PLAN + "::test_slices_are_data_parallel_over_the_data_center_network",),
            "each slice is planned with the whole batch instead of its share"),
     Mutant("plan-dcn-bytes-of-the-loss-only", "plan", _PLAN,
-           "* c.memory.grads / links[\"dcn\"].bytes_per_s",
+           "* grads / links[\"dcn\"].bytes_per_s",
            "* 4 / links[\"dcn\"].bytes_per_s",
            (PLAN + "::test_slices_are_data_parallel_over_the_data_center_network",),
            "the all-reduce across slices moves a scalar, not each chip's gradients"),
