@@ -184,6 +184,8 @@ def test_of_run_prices_a_gpu_run_and_the_single_device_reference():
     ("dp", {"data": 2, "pipeline": 2}, {}, r"mesh axis 'pipeline' is not one of"),
     ("dp", {"data": 2}, {"seq_len": 64}, r"seq_len=64 must be in \[1, context_length=32\]"),
     ("dp", {"data": 2}, {"dtype_bytes": 3}, r"dtype_bytes=3"),
+    ("pp", {"stage": 2}, {"grad_accum": 2, "microbatches": 2},
+     r"grad_accum=2: a pipeline already accumulates .* use --microbatches instead"),
 ])
 def test_bad_input_names_the_value_and_the_fix(strategy, mesh, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -227,7 +227,7 @@ def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
     ok, refused = [], {}
     for strategy in strategies.NAMES:
         try:
-            resolve.check_experts(strategy, train_config(cfg, 1))  # it reads the model only
+            resolve.check_experts(strategy, cfg)
         except ValueError as e:
             refused[strategy] = str(e)
         else:
