@@ -192,9 +192,6 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
         out += ["", f"NOTE: params in {precision.params}, optimizer state in {precision.optimizer}"
                     f"{', a float32 master copy' if precision.master else ''}: launch.train keeps float32 params "
                     "and state, so its run of the launch line below needs the default's memory."]
-    if m.remat != "none" and _remat_ignored(m, fit + over):
-        out += ["", f"NOTE: the cost model counts activations without rematerialization; --remat={m.remat} "
-                    "would need less."]
     if fit:
         out += ["", *launch_section(fit, topo, name, cfg)]
     return "\n".join(out)
@@ -215,16 +212,6 @@ def launch_section(fit: list[Plan], topo: Topology, name: str, cfg: Config) -> l
 
 def _has_all_to_all(p: Plan, axis: str) -> bool:
     return any(op == "all-to-all" and axis in axes for op, axes in p.cost.summary())
-
-
-def _remat_ignored(m: ModelConfig, plans: list[Plan]) -> bool:
-    """Does the cost model give the same activations with remat as without? (It did when written.)"""
-    p = plans[0] if plans else None
-    if p is None:
-        return False
-    plain = cost.memory(dataclasses.replace(m, remat="none"), p.strategy, p.mesh, p.cost.batch_size, p.cost.seq_len,
-                        p.cost.dtype_bytes, microbatches=p.microbatches, schedule=p.schedule)
-    return plain.activations == p.cost.memory.activations
 
 
 def train_flags(plan: Plan, name: str, cfg: Config) -> str:
