@@ -63,15 +63,20 @@ Memory per device (`Memory`, bytes):
         policy (the manual FSDP twin checkpoints the lm_head matmul alone, which keeps
         its input and output). An estimate: XLA fuses, recomputes and frees buffers
         (compare with `compiled.memory_analysis()`; tests/test_remat.py states the factor).
-    gathered_weights (fsdp, fsdp_tp: transient) one layer's gathered matrices or
-        the gathered embedding / lm_head, whichever is larger: 7 per layer at
-        full/t elements each, x s bytes (gathered in the compute dtype).
+    gathered_weights (fsdp, fsdp_tp, fsdp_cp, fsdp_ep: transient) one layer's gathered
+        matrices (of the stack whose layer is largest: ModelConfig.stacks) or the gathered
+        embedding / lm_head V*D/t, whichever is larger, x s bytes (gathered in the compute
+        dtype). Each matrix is the piece one device uses (weights.local_bytes): full/t
+        elements (Megatron's column pieces under fsdp_tp), grouped-query attention's k and v
+        full/min(t, Hkv), the experts E/ep of E (a MoE layer's 8 matrices with the router,
+        which stays float32). pp_fsdp: the stage's L/S layers, embedding and lm_head, for the
+        whole step (GPipe in float32), + their float32 gradient as `accumulator`.
 
 Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences):
 activations of one micro-batch, plus `accumulator`, the float32 gradient accumulator
-(dp, tp: the local params' size; fsdp, fsdp_tp: the whole matrices over data, / t), and
-under fsdp `gathered_weights` becomes every matrix, gathered in the compute dtype (/ t):
-both are resident for the whole step.
+(dp, tp: the local params' size; under FSDP the whole matrices over data, each the piece
+a device uses as above, and the norm gains), and under FSDP `gathered_weights` becomes every
+matrix, those same pieces gathered in the compute dtype: both are resident for the whole step.
 """
 
 from __future__ import annotations

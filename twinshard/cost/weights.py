@@ -83,13 +83,14 @@ def kv_replicated(cfg: ModelConfig, mesh: Mapping[str, int]) -> bool:
 
 @dataclass(frozen=True)
 class Weight:
-    """A group of identical per-layer weights (e.g. the 3L q/k/v projections).
+    """A group of identical per-layer weights (e.g. the 2L k/v projections).
 
     `count` weights of `shape` are used per forward pass. A `stacked` group
     lives in `count // layers` parameter leaves of shape [layers, *shape] (the
-    scanned block stack: e.g. q, k, v are 3 leaves [L, D, H*dh]); collectives
-    inside the scan body act on one layer's weight (`count` of them per
-    step), those on whole gradients on one leaf (`leaves` of them).
+    scanned block stack: e.g. k and v are 2 leaves [L, D, Hkv*dh], q is its
+    own group, 1 leaf [L, D, H*dh]); collectives inside the scan body act on
+    one layer's weight (`count` of them per step), those on whole gradients on
+    one leaf (`leaves` of them).
     """
 
     name: str
