@@ -343,7 +343,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     params = sum(w.count * w.size * param_bytes // _shards(w, rules, mesh) for w in weights(cfg))
     t = mesh["tensor"] if "heads" in rules else 1
     b = (batch // mesh_lib.axis_size(mesh, rules["batch"]) if "batch" in rules else batch) // grad_accum  # one micro-batch
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
+    d, v = cfg.d_model, cfg.padded_vocab_size
     sequence = "seq" in rules  # tp_sp: the residual stream on sequence shards
     # a dropless mixture of experts under ep: its rows exchanged over `expert` (the manual twin's)
     exchange = mesh.get("expert", 1) if "experts" in rules and cfg.moe_dispatch == "ragged" else 0
