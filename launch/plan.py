@@ -301,16 +301,13 @@ def compile_best(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
 def config_from_flags() -> Config:
     if FLAGS.preset not in PRESETS:
         raise ValueError(f"--preset={FLAGS.preset}: unknown preset; choose one of {', '.join(PRESETS)}.")
-    for name in ("batch_size", "context_length"):
-        if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
-            raise ValueError(f"--{name}={getattr(FLAGS, name)} must be >= 1; drop it for the preset's value.")
+    if FLAGS.batch_size is not None and FLAGS.batch_size < 1:
+        raise ValueError(f"--batch_size={FLAGS.batch_size} must be >= 1; drop it for the preset's value.")
     cfg = preset(FLAGS.preset)
-    if FLAGS.context_length is not None:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, context_length=FLAGS.context_length))
     if FLAGS.batch_size is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=FLAGS.optimizer))
-    return common.with_model_flags(cfg, FLAGS)
+    return common.with_model_flags(cfg, FLAGS)  # the model flags, --context_length among them
 
 
 def check_flags(topo: Topology) -> None:
