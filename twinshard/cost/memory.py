@@ -86,7 +86,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from twinshard.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ModelConfig
-from twinshard.cost.weights import F32, _shards, local_bytes, rules as placed_rules, weights
+from twinshard.cost.weights import F32, _shards, kv_replicated, local_bytes, rules as placed_rules, weights
 from twinshard.parallel import mesh as mesh_lib
 
 
@@ -152,7 +152,7 @@ def _kv_slices(cfg: ModelConfig, remat: str, t: int) -> int:
     """Elements of the two kv head slices [D, dh] (k, v) a layer of the manual tp twins keeps for
     its backward pass under remat=none where t > Hkv (the matmuls' weights are the slices,
     manual_parallel/tp.py); a remat policy recomputes them. Not batch-sized."""
-    return 2 * cfg.d_model * cfg.head_dim if remat == "none" and cfg.kv_heads % t else 0
+    return 2 * cfg.d_model * cfg.head_dim if remat == "none" and kv_replicated(cfg, {"tensor": t}) else 0
 
 
 def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequence: bool = False,
