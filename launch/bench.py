@@ -172,16 +172,14 @@ def random_batch(cfg: Config):
 
 
 def model_cost(cfg: Config, strategy: str, mesh: dict[str, int] | None):
-    """(cost-model Cost or None, Flops, Memory) of one step; single device uses the 1-device formulas."""
+    """(cost-model Cost or None, Flops, Memory) of one step on this backend's devices (cost.of_run; single
+    device: no Cost, its collectives are none)."""
+    import jax
+
     from twinshard import cost
 
-    B, T, K = cfg.train.batch_size, cfg.model.context_length, cfg.train.grad_accum
-    if strategy == "single":
-        return None, cost.flops(cfg.model, B, T, 1), cost.memory(
-            cfg.model, "dp", {"data": 1, "tensor": 1}, B, T, cost.DTYPE_BYTES[cfg.model.dtype], grad_accum=K,
-            optimizer=cfg.train.optimizer)
-    c = cost.of_run(cfg, strategy, mesh)
-    return c, c.flops, c.memory
+    c = cost.of_run(cfg, strategy, mesh, gpu=jax.default_backend() == "gpu")  # attention auto on a GPU: cuDNN's
+    return None if strategy == "single" else c, c.flops, c.memory
 
 
 def memory_per_device(compiled) -> dict[str, int] | None:

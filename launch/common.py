@@ -135,12 +135,16 @@ def define_moe_flags() -> None:
     define(flags.DEFINE_enum, "moe_dispatch", None, MOE_DISPATCHES, "Mixture of experts: " + _MOE_DISPATCH_TEXT)
 
 
+# The flags that override the ModelConfig field of their name (with_model_flags; launch.plan's
+# launch line carries those that differ from the preset).
+MODEL_FLAGS = ("dtype", "remat", "attention", "scan_unroll", "collective_matmul", *SHAPE_FLAGS, *MOE_FLAGS)
+
+
 def with_model_flags(cfg: Config, FLAGS) -> Config:
     """--dtype / --attention / --scan_unroll / --remat, the shape flags (SHAPE_FLAGS) and the MoE flags
-    applied to the model config (None: the preset's). A value ModelConfig refuses is its ValueError,
-    the flags named first."""
-    names = ("dtype", "attention", "scan_unroll", "remat", "collective_matmul", *SHAPE_FLAGS, *MOE_FLAGS)
-    over = {k: getattr(FLAGS, k) for k in names if getattr(FLAGS, k, None) is not None}
+    (MODEL_FLAGS) applied to the model config (None: the preset's). A value ModelConfig refuses is its
+    ValueError, the flags named first."""
+    over = {k: getattr(FLAGS, k) for k in MODEL_FLAGS if getattr(FLAGS, k, None) is not None}
     if over.get("scan_unroll", 1) < 1:
         raise ValueError(f"--scan_unroll={over['scan_unroll']} must be >= 1 (layers per scan iteration; "
                          f"{cfg.model.num_layers} unrolls the stack fully).")

@@ -10,7 +10,7 @@
 (v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips, up to the whole pod (v5p:16x20x28); or a GPU cluster
 `GPU:NODESxGPUS`, e.g. h100:8x8 = 8 HGX nodes of 8 GPUs. --slices=N plans N such TPU slices, data
 parallel over the data-center network (DCN): each slice runs the plan on B/N sequences and each
-chip's gradients are all-reduced with its counterparts, 2 (N-1)/N x its gradient bytes at its
+chip's gradients are all-reduced with its counterparts, 2 (N-1)/N x its float32 gradient bytes at its
 DCN rate (v5p 50 Gb/s per chip, v5e 25). The chips' numbers, with their sources, are
 twinshard/hardware/chips.py.
 
@@ -192,9 +192,6 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
         out += ["", f"NOTE: params in {precision.params}, optimizer state in {precision.optimizer}"
                     f"{', a float32 master copy' if precision.master else ''}: launch.train keeps float32 params "
                     "and state, so its run of the launch line below needs the default's memory."]
-    if m.remat != "none" and _remat_ignored(m, fit + over):
-        out += ["", f"NOTE: the cost model counts activations without rematerialization; --remat={m.remat} "
-                    "would need less."]
     if fit:
         out += ["", *launch_section(fit, topo, name, cfg)]
     return "\n".join(out)
@@ -217,24 +214,15 @@ def _has_all_to_all(p: Plan, axis: str) -> bool:
     return any(op == "all-to-all" and axis in axes for op, axes in p.cost.summary())
 
 
-def _remat_ignored(m: ModelConfig, plans: list[Plan]) -> bool:
-    """Does the cost model give the same activations with remat as without? (It did when written.)"""
-    p = plans[0] if plans else None
-    if p is None:
-        return False
-    plain = cost.memory(dataclasses.replace(m, remat="none"), p.strategy, p.mesh, p.cost.batch_size, p.cost.seq_len,
-                        p.cost.dtype_bytes, microbatches=p.microbatches, schedule=p.schedule)
-    return plain.activations == p.cost.memory.activations
-
-
 def train_flags(plan: Plan, name: str, cfg: Config) -> str:
-    """launch.train's flags for this plan on preset `name` (and what the flags changed in it)."""
+    """launch.train's flags for this plan on preset `name` (and what the flags changed in it: every
+    model field of common.MODEL_FLAGS that differs from the preset's, so launch.train trains the
+    model that was planned)."""
     base = preset(name)
+    model = [(k, getattr(cfg.model, k), getattr(base.model, k)) for k in common.MODEL_FLAGS
+             if k != "collective_matmul"]  # tp_sp's alone, below
     extra = [f"--{k}={v}" for k, v, d in (
-        ("batch_size", cfg.train.batch_size, base.train.batch_size),
-        ("context_length", cfg.model.context_length, base.model.context_length),
-        ("dtype", cfg.model.dtype, base.model.dtype), ("remat", cfg.model.remat, base.model.remat),
-        ("attention", cfg.model.attention, base.model.attention),
+        ("batch_size", cfg.train.batch_size, base.train.batch_size), *model,
         ("optimizer", cfg.train.optimizer, base.train.optimizer),
         ("microbatches", plan.microbatches, base.train.microbatches),
         ("schedule", plan.schedule, base.train.schedule)) if v != d]
@@ -313,16 +301,13 @@ def compile_best(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
 def config_from_flags() -> Config:
     if FLAGS.preset not in PRESETS:
         raise ValueError(f"--preset={FLAGS.preset}: unknown preset; choose one of {', '.join(PRESETS)}.")
-    for name in ("batch_size", "context_length"):
-        if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
-            raise ValueError(f"--{name}={getattr(FLAGS, name)} must be >= 1; drop it for the preset's value.")
+    if FLAGS.batch_size is not None and FLAGS.batch_size < 1:
+        raise ValueError(f"--batch_size={FLAGS.batch_size} must be >= 1; drop it for the preset's value.")
     cfg = preset(FLAGS.preset)
-    if FLAGS.context_length is not None:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, context_length=FLAGS.context_length))
     if FLAGS.batch_size is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=FLAGS.optimizer))
-    return common.with_model_flags(cfg, FLAGS)
+    return common.with_model_flags(cfg, FLAGS)  # the model flags, --context_length among them
 
 
 def check_flags(topo: Topology) -> None:

@@ -233,13 +233,8 @@ def check_memory(cfg, strategy: str, sizes: dict | None) -> None:
 
     from twinshard import cost
 
-    t, m = cfg.train, cfg.model
-    mesh = sizes if sizes is not None else {"data": 1, "tensor": 1}
-    try:
-        need = cost.memory(m, "dp" if strategy == "single" else strategy, mesh, t.batch_size, m.context_length,
-                           dtype_bytes=cost.DTYPE_BYTES[m.dtype], grad_accum=t.grad_accum,
-                           microbatches=t.microbatches, optimizer=t.optimizer, schedule=t.schedule,
-                           gpu=jax.default_backend() == "gpu")  # attention auto: cuDNN's keeps no [T, T] array
+    try:  # attention auto on a GPU: cuDNN's, which keeps no [T, T] array
+        need = cost.of_run(cfg, strategy, sizes, gpu=jax.default_backend() == "gpu").memory
     except ValueError:  # no memory model for this configuration (a mixture of experts under remat=dots)
         return
     have, what = device_memory_bytes()

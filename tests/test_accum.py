@@ -251,3 +251,18 @@ def test_memory_with_grad_accum(strategy):
     assert two.backward_layer * 2 == one.backward_layer  # one layer's working set, of one micro-batch
     assert two.total == one.total - one.activations + two.activations + two.accumulator \
         + two.gathered_weights - one.gathered_weights - one.backward_layer + two.backward_layer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp_ep_gathers_its_local_experts_with_grad_accum(dtype):
+    """fsdp_ep's gather_step gathers each device's E/ep experts, not all E: the gathered weights are
+    the bytes its all-gathers over data bring in (the router in float32), and the float32
+    accumulator holds the same pieces, plus the norm gains whole."""
+    model = dataclasses.replace(preset("tiny_moe").model, dtype=dtype)
+    c = cost.cost(model, "fsdp_ep", {"data": 2, "expert": 4}, 16, grad_accum=K)
+    gathers = [r for r in c.collectives if (r.op, r.axes) == ("all-gather", ("data",))]
+    assert c.memory.gathered_weights == sum(r.bytes for r in gathers)
+    norms = sum(w.count * w.size for w in cost.weights(model) if not w.is_matrix)
+    f32 = cost.cost(dataclasses.replace(model, dtype="float32"), "fsdp_ep", {"data": 2, "expert": 4}, 16,
+                    grad_accum=K).memory.gathered_weights
+    assert c.memory.accumulator == f32 + 4 * norms

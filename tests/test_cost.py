@@ -11,6 +11,7 @@ T = 32, B = 8. Per-weight bytes (f32):
     norms      = 5 * 256 = 1280;     M + norms = 623872 = 4 * num_params (155968)
 """
 
+import dataclasses
 import functools
 import json
 from collections import Counter
@@ -159,6 +160,21 @@ def test_memory_per_device():
     assert fsdp_tp.params == M // 8 + NORMS and fsdp_tp.total > fsdp_tp.params * 4
 
 
+def test_of_run_prices_a_gpu_run_and_the_single_device_reference():
+    """cost.of_run, what launch.bench and launch.train price a run with: on a GPU (attention auto in
+    bf16: cuDNN flash attention, no [T, T] working set) and for the single-device reference (dp's
+    memory on one device, no collectives)."""
+    run = preset("tiny")
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, dtype="bfloat16"),
+                              train=dataclasses.replace(run.train, batch_size=B, grad_accum=2))
+    gpu = cost.of_run(run, "dp", {"data": 4}, gpu=True)
+    assert gpu.memory == cost.cost(run.model, "dp", {"data": 4}, B, grad_accum=2, gpu=True).memory
+    assert gpu.memory.backward_layer < cost.of_run(run, "dp", {"data": 4}).memory.backward_layer
+    one = cost.of_run(run, "single", None, gpu=True)
+    assert one.collectives == [] and one.flops == cost.flops(run.model, B, T, 1)
+    assert one.memory == cost.memory(run.model, "dp", {"data": 1, "tensor": 1}, B, T, 2, grad_accum=2, gpu=True)
+
+
 @pytest.mark.parametrize("strategy, mesh, kwargs, match", [
     ("zero3", {"data": 8}, {}, r"unknown strategy 'zero3'.*dp, fsdp, tp, fsdp_tp"),
     ("tp", {"data": 2, "tensor": 4}, {}, r"tp needs data = 1.*--mesh=data:1,tensor:8"),
@@ -168,6 +184,8 @@ def test_memory_per_device():
     ("dp", {"data": 2, "pipeline": 2}, {}, r"mesh axis 'pipeline' is not one of"),
     ("dp", {"data": 2}, {"seq_len": 64}, r"seq_len=64 must be in \[1, context_length=32\]"),
     ("dp", {"data": 2}, {"dtype_bytes": 3}, r"dtype_bytes=3"),
+    ("pp", {"stage": 2}, {"grad_accum": 2, "microbatches": 2},
+     r"grad_accum=2: a pipeline already accumulates .* use --microbatches instead"),
 ])
 def test_bad_input_names_the_value_and_the_fix(strategy, mesh, kwargs, match):
     with pytest.raises(ValueError, match=match):

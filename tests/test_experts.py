@@ -324,3 +324,12 @@ def test_flops_match_xlas_count(layers, dense, capacity_factor):
 def test_the_cost_model_refuses_experts_that_do_not_split():
     with pytest.raises(ValueError, match=r"experts=4 is not divisible by mesh axis expert=8"):
         cost.cost(BASE.model, "ep", {"data": 1, "expert": 8}, BASE.train.batch_size)
+
+
+@pytest.mark.parametrize("strategy, mesh", [("tp", {"tensor": 2}), ("tp_sp", {"tensor": 2}), ("cp", {"context": 2}),
+                                            ("pp", {"stage": 2}), ("pp_fsdp", {"stage": 2, "data": 2})])
+def test_the_cost_model_refuses_strategies_experts_do_not_run_under(strategy, mesh):
+    """As launch.train (resolve.check_experts): no numbers for a program that does not exist."""
+    with pytest.raises(ValueError, match=rf"--num_experts=4: a mixture of experts runs under dp, fsdp, ep, fsdp_ep "
+                                         rf"\(or single\), not --strategy={strategy}"):
+        cost.cost(BASE.model, strategy, mesh, BASE.train.batch_size, microbatches=2)

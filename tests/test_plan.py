@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from cli import ROOT, assert_user_error, run
-from launch import plan as planner
+from launch import common, plan as planner
 from twinshard.hardware import plan as plans_lib
 from twinshard.hardware import links as hardware_links
 from twinshard.hardware import chips
@@ -358,6 +358,10 @@ def test_slices_are_data_parallel_over_the_data_center_network():
         assert p.comm_s["dcn"] == pytest.approx(2 * (2 - 1) / 2 * grads / 6.25e9, rel=1e-12)
         assert (p.compute_s, p.comm_s["data"], p.memory) == (alone.compute_s, alone.comm_s["data"], alone.memory)
         assert p.label() == f"dcn:2 x {alone.mesh_text()}" and not p.runnable
+        # bf16 params: the gradients cross DCN in float32 all the same, as they cross the slice's ICI
+        bf16 = plans_lib.evaluate(LLM_1B, two, strategy, mesh, 128, precision=plans_lib.Precision("bfloat16"))
+        assert bf16.cost.memory.grads * 2 == p.cost.memory.grads
+        assert (bf16.comm_s["dcn"], bf16.comm_s["data"]) == (p.comm_s["dcn"], p.comm_s["data"])
     fit, over = plans_lib.rank(plans_lib.plan_all(LLM_1B, two, 128)[0], "serial")
     text = planner.report(fit, over, [], two, "llm_1b", preset("llm_1b"), 3, 1.0, 0.25, "serial")
     assert "comm dcn" in text and "dcn=2: DCN 50 Gb/s per chip = 6.25 GB/s per chip" in text
@@ -519,6 +523,27 @@ def test_a_mixture_of_experts_ranks_ep_and_fsdp_ep():
         "--preset=mixtral_8x7b --strategy=ep --impl=manual --mesh=data:8,expert:8 --distributed")
 
 
+def test_the_launch_line_trains_the_planned_model():
+    """Every model flag the plan was given that differs from the preset (a shape, the MoE layout, the
+    kernel) is on the launch line: applied to the preset as launch.train applies it, it gives the
+    model that was planned."""
+    base = preset("tiny_moe")
+    model = dataclasses.replace(base.model, first_dense_layers=1, num_kv_heads=2, context_length=64,
+                                capacity_factor=2.0, scan_unroll=2, remat="full")
+    cfg = dataclasses.replace(base, model=model)
+    p = plans_lib.evaluate(model, hardware_links.parse_topology("v5p:2x2x2"), "fsdp_ep",
+                           {"data": 2, "expert": 4}, base.train.batch_size)
+    line = planner.train_flags(p, "tiny_moe", cfg)
+    given = dict(re.findall(r"--(\w+)=(\S+)", line))
+    assert {k: given[k] for k in ("first_dense_layers", "num_kv_heads", "context_length", "capacity_factor",
+                                  "scan_unroll", "remat")} == {
+        "first_dense_layers": "1", "num_kv_heads": "2", "context_length": "64", "capacity_factor": "2.0",
+        "scan_unroll": "2", "remat": "full"}, line
+    flags = dataclasses.make_dataclass("Flags", [(k, object, None) for k in common.MODEL_FLAGS])(
+        **{k: type(getattr(base.model, k))(given[k]) for k in common.MODEL_FLAGS if k in given})
+    assert common.with_model_flags(base, flags).model == model
+
+
 def test_ep_fits_mixtral_with_factored_moments_on_h200():
     """ep replicates the dense weights: with Adafactor and 2048 tokens its 76.8 GiB (no [T, T] array:
     bf16 on a GPU is cuDNN flash attention) fit an H200's 105.75 usable (no TPU in the table has that
@@ -669,11 +694,12 @@ def llama3_70b_rows() -> dict[str, tuple[float | str, float | str, float | str, 
     tp_matmuls = tp.compute_s * tp.cost.flops.forward_matmul / tp.cost.flops.forward
     rows["TP's largest compute-bound Y, one axis"] = (F / alpha, 1 + (1.125 * F + 0.375 * 2 * dh * (H + K)) / alpha,
                                                      1 + 15 * tp_matmuls / tp.comm_s["tensor"], 0.02)
-    # 2 slices over DCN, fsdp inside: the bf16 gradients' all-reduce against the backward pass's matmuls
+    # 2 slices over DCN, fsdp inside: the gradients' all-reduce against the backward pass's matmuls, in
+    # float32 as the manual twin's (the book's are bf16: 2 N / M bytes per chip)
     dcn = plans_lib.evaluate(m, hardware_links.with_slices(s16, 2), "fsdp", {"data": 4096, "tensor": 1}, 8192,
                              precision=book_precision)
     backward = 2 / 3 * dcn.compute_s * dcn.cost.flops.forward_matmul / dcn.cost.flops.forward
-    each_chip = dcn.cost.memory.grads / (2 * f.matmul_params / 4096)  # its bytes / the book's 2 N / M
+    each_chip = 2 * dcn.cost.memory.grads / (2 * f.matmul_params / 4096)  # its f32 bytes / the book's 2 N / M
     rows["DCN's critical batch per slice (tokens)"] = (C / 6.25e9, C / 6.25e9 * (2 - 1) / 2 * each_chip,
                                                       8192 * 4096 / 2 * dcn.comm_s["dcn"] / backward, 0.001)
     return rows

@@ -217,6 +217,21 @@ def test_bf16_compute_moves_bf16(step):
     assert {r.bytes for r in acts} == {2 * math.prod(act)}  # f32: 4 x prod, measured before the cut
 
 
+def test_norm_gain_all_reduces_of_every_stack_are_not_taken_for_reduce_scatters():
+    """With first_dense_layers the gains are leaves [K, D] and [L-K, D]: their all-reduces over data
+    (here a hand ledger of those alone, no libtpu needed) are the model's own, not reduce-scatters
+    TPU compiled in full, so tpu_expected leaves the model as it is."""
+    model_cfg = dataclasses.replace(preset("tiny_moe").model, num_layers=3, first_dense_layers=1)
+    mesh = {"data": 8, "tensor": 1}
+    model = cost.cost(model_cfg, "fsdp", mesh, 8)
+    gains = [w.leaf_shape for w in cost.weights(model_cfg) if not w.is_matrix]
+    assert {(1, 64), (2, 64), (64,)} == set(gains)
+    records = [hlo.Collective("all-reduce", "f32", shape, 4 * math.prod(shape), 0.0, (), (), ("data",), (), 8, 1,
+                              "", "", "", "") for shape in gains]
+    ledger = hlo.Ledger(records, hlo.MeshSpec(tuple(mesh), tuple(mesh.values())))
+    assert topology.tpu_expected(model_cfg, model, ledger) == model.summary()
+
+
 def test_without_libtpu_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError
     assert not topology.libtpu_installed()

@@ -110,6 +110,18 @@ def test_config_ranges_name_the_field(cls, field, value, message) -> None:
         build(cls, **{field: value})
 
 
+def test_first_dense_layers_out_of_range_names_a_fix_that_works() -> None:
+    """K outside [0, L) is the range error whatever num_experts (a dense model's -1 too), and its
+    advice for a dense model builds one."""
+    with pytest.raises(ValueError, match=r"^ModelConfig.first_dense_layers=-1 \(--first_dense_layers\) must be in "
+                                         r"\[0, num_layers=2\)"):
+        build(ModelConfig, first_dense_layers=-1)
+    with pytest.raises(ValueError, match=r"choose 0 to 1, or --num_experts=0 --first_dense_layers=0 for a dense "
+                                         r"model\.$"):
+        build(ModelConfig, num_experts=4, first_dense_layers=2)
+    assert build(ModelConfig, num_experts=0, first_dense_layers=0).moe_layers == 0
+
+
 # ----------------------------------------------------------------------------- load_state_dict
 
 

@@ -199,14 +199,15 @@ class ModelConfig:
                 f"{self.context_length}, so a capacity group would span two sequences; choose it from "
                 f"{_divisors(self.context_length)} (0: the whole sequence).")
         dense = self.first_dense_layers
+        if not 0 <= dense < self.num_layers:
+            raise ValueError(f"ModelConfig.first_dense_layers={dense} (--first_dense_layers) must be in "
+                             f"[0, num_layers={self.num_layers}): at least one layer must be a mixture of experts; "
+                             f"choose 0 to {self.num_layers - 1}, or --num_experts=0 --first_dense_layers=0 for a "
+                             "dense model.")
         if dense and not e:
             raise ValueError(f"ModelConfig.first_dense_layers={dense} (--first_dense_layers) keeps the first layers "
                              "dense in a mixture of experts, but num_experts=0: add experts (--num_experts=4), or "
                              "pass --first_dense_layers=0.")
-        if not 0 <= dense < self.num_layers:
-            raise ValueError(f"ModelConfig.first_dense_layers={dense} (--first_dense_layers) must be in "
-                             f"[0, num_layers={self.num_layers}): at least one layer must be a mixture of experts; "
-                             f"choose 0 to {self.num_layers - 1}, or --num_experts=0 for a dense model.")
         if e and self.moe_dispatch == "ragged" and self.capacity_factor != 0:
             raise ValueError(
                 f"ModelConfig.moe_dispatch='ragged' (--moe_dispatch=ragged) is dropless: it runs every token at "

@@ -49,7 +49,7 @@ from twinshard.cost.flops import Flops, flops
 from twinshard.cost.memory import (Memory, attention_backward, attention_kernel, memory, ring_attention_memory,
                                    saved_by_stacks, saved_per_layer)
 from twinshard.cost.weights import DTYPE_BYTES, F32, RULES, Weight, weights
-from twinshard.parallel import mesh as mesh_lib, strategies
+from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, strategies
 
 __all__ = [
     "AXES", "DTYPE_BYTES", "F32", "NOT_REGATHERED", "OPS", "PHASES", "PIPELINES", "RULES", "STRATEGY_ROWS",
@@ -168,9 +168,12 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     policy; TP's g outputs are saved, never recomputed: manual_parallel/base.py), except
     tp_sp, which re-gathers its sequence shards under any policy but none (manual_parallel/tp_sp.py). Invalid
     input raises ValueError naming the value and the fix (unknown strategy, wrong axes for
-    the strategy, a dimension not divisible by its mesh axis, seq_len > context_length).
+    the strategy, a dimension not divisible by its mesh axis, seq_len > context_length), as do
+    the runs launch.train refuses (a mixture of experts under a strategy it does not run under:
+    resolve.check_experts; a pipeline with grad_accum > 1: pipeline.check).
     """
     mesh_lib.check_strategy(strategy)
+    resolve.check_experts(strategy, cfg)  # as launch.train: no numbers for a program that does not exist
     if cfg.collective_matmul and strategy != "tp_sp":
         raise ValueError(f"collective_matmul decomposes tp_sp's sequence all-gathers; strategy {strategy} has "
                          "none: use strategy tp_sp or collective_matmul=False.")
@@ -190,9 +193,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads, "kv_heads": cfg.kv_heads,
             "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size, "seq": seq, "experts": cfg.num_experts}
     if strategy in PIPELINES:
-        from twinshard.parallel import pipeline
-
-        pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, data=shape["data"])
+        pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, grad_accum, shape["data"])
     skip = {"layers", "embed"} if flat_weights else {"layers"}
     mesh_lib.check_divisible(dims, {k: v for k, v in RULES[strategy].items() if k not in skip}, shape)
     local = batch_size // mesh_lib.axis_size(shape, RULES[strategy]["batch"]) if "batch" in RULES[strategy] else batch_size
@@ -210,14 +211,21 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
                        remat, schedule, gpu, param_bytes, state_bytes, master), notes)
 
 
-def of_run(run: Config, strategy: str, mesh: Mapping[str, int]) -> Cost:
+def of_run(run: Config, strategy: str, mesh: Mapping[str, int] | None, gpu: bool = False) -> Cost:
     """`cost` of one train step of a run (its Config): the model, its context, and the training
     settings that change the collectives or the memory (batch, grad_accum, a pipeline's
-    micro-batches and schedule, the optimizer). What launch.bench, launch.collectives and
-    launch.compare set beside their measurements."""
-    t = run.train
-    return cost(run.model, strategy, mesh, t.batch_size, run.model.context_length, grad_accum=t.grad_accum,
-                microbatches=t.microbatches, optimizer=t.optimizer, schedule=t.schedule)
+    micro-batches and schedule, the optimizer); `gpu`: it runs on GPUs (`cost`'s). Strategy
+    "single" (the single-device reference, `mesh` unused): no collectives, and the memory and FLOPs
+    of dp on a mesh of one. What launch.bench, launch.collectives and launch.compare set beside
+    their measurements, and what launch.train checks against a device's memory."""
+    t, m = run.train, run.model
+    if strategy == "single":  # dp on one device, which `cost` refuses (dp needs data > 1)
+        one, s = {"data": 1, "tensor": 1}, DTYPE_BYTES[m.dtype]
+        return Cost(strategy, one, t.batch_size, m.context_length, s, [], flops(m, t.batch_size, m.context_length, 1),
+                    memory(m, "dp", one, t.batch_size, m.context_length, s, t.grad_accum, optimizer=t.optimizer,
+                           gpu=gpu))
+    return cost(m, strategy, mesh, t.batch_size, m.context_length, grad_accum=t.grad_accum,
+                microbatches=t.microbatches, optimizer=t.optimizer, schedule=t.schedule, gpu=gpu)
 
 
 _NOTES = {

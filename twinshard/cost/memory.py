@@ -63,15 +63,20 @@ Memory per device (`Memory`, bytes):
         policy (the manual FSDP twin checkpoints the lm_head matmul alone, which keeps
         its input and output). An estimate: XLA fuses, recomputes and frees buffers
         (compare with `compiled.memory_analysis()`; tests/test_remat.py states the factor).
-    gathered_weights (fsdp, fsdp_tp: transient) one layer's gathered matrices or
-        the gathered embedding / lm_head, whichever is larger: 7 per layer at
-        full/t elements each, x s bytes (gathered in the compute dtype).
+    gathered_weights (fsdp, fsdp_tp, fsdp_cp, fsdp_ep: transient) one layer's gathered
+        matrices (of the stack whose layer is largest: ModelConfig.stacks) or the gathered
+        embedding / lm_head V*D/t, whichever is larger, x s bytes (gathered in the compute
+        dtype). Each matrix is the piece one device uses (weights.local_bytes): full/t
+        elements (Megatron's column pieces under fsdp_tp), grouped-query attention's k and v
+        full/min(t, Hkv), the experts E/ep of E (a MoE layer's 8 matrices with the router,
+        which stays float32). pp_fsdp: the stage's L/S layers, embedding and lm_head, for the
+        whole step (GPipe in float32), + their float32 gradient as `accumulator`.
 
 Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences):
 activations of one micro-batch, plus `accumulator`, the float32 gradient accumulator
-(dp, tp: the local params' size; fsdp, fsdp_tp: the whole matrices over data, / t), and
-under fsdp `gathered_weights` becomes every matrix, gathered in the compute dtype (/ t):
-both are resident for the whole step.
+(dp, tp: the local params' size; under FSDP the whole matrices over data, each the piece
+a device uses as above, and the norm gains), and under FSDP `gathered_weights` becomes every
+matrix, those same pieces gathered in the compute dtype: both are resident for the whole step.
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from twinshard.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ModelConfig
-from twinshard.cost.weights import F32, _shards, rules as placed_rules, used_shards, weights
+from twinshard.cost.weights import F32, _shards, kv_replicated, local_bytes, rules as placed_rules, weights
 from twinshard.parallel import mesh as mesh_lib
 
 
@@ -147,7 +152,7 @@ def _kv_slices(cfg: ModelConfig, remat: str, t: int) -> int:
     """Elements of the two kv head slices [D, dh] (k, v) a layer of the manual tp twins keeps for
     its backward pass under remat=none where t > Hkv (the matmuls' weights are the slices,
     manual_parallel/tp.py); a remat policy recomputes them. Not batch-sized."""
-    return 2 * cfg.d_model * cfg.head_dim if remat == "none" and cfg.kv_heads % t else 0
+    return 2 * cfg.d_model * cfg.head_dim if remat == "none" and kv_replicated(cfg, {"tensor": t}) else 0
 
 
 def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequence: bool = False,
@@ -338,7 +343,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     params = sum(w.count * w.size * param_bytes // _shards(w, rules, mesh) for w in weights(cfg))
     t = mesh["tensor"] if "heads" in rules else 1
     b = (batch // mesh_lib.axis_size(mesh, rules["batch"]) if "batch" in rules else batch) // grad_accum  # one micro-batch
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
+    d, v = cfg.d_model, cfg.padded_vocab_size
     sequence = "seq" in rules  # tp_sp: the residual stream on sequence shards
     # a dropless mixture of experts under ep: its rows exchanged over `expert` (the manual twin's)
     exchange = mesh.get("expert", 1) if "experts" in rules and cfg.moe_dispatch == "ragged" else 0
@@ -357,32 +362,29 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
         layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes)
     acts = layers * dtype_bytes + final
-    gathered = 0
-    if "embed" in rules:
-        experts = {"experts": rules["experts"]} if "experts" in rules else {}  # fsdp of a MoE: all E experts
-        layer = max(sum(w.size * w.count // w.layers // (_shards(w, experts, mesh) * used_shards(cfg, w, t))
-                        for w in weights(stack) if w.is_matrix and w.stacked)
-                    for _, stack in cfg.stacks)  # one layer's matrices (E/ep experts), the largest stack's
-        gathered = max(layer, v * d // t) * dtype_bytes
-        if "layers" in rules:  # pp_fsdp: the stage's L/S layers, embedding and lm_head, gathered for the
-            # step; GPipe's tick loop reads them as float32 (manual_parallel/pp.py `_gpipe`), 1F1B in
-            # the compute dtype
-            stage = cfg.num_layers // mesh["stage"] * layer + 2 * v * d
-            gathered = stage * (F32 if schedule == "gpipe" else dtype_bytes)
+    def layer(s: int) -> int:  # one layer's gathered matrices in s bytes (E/ep experts, the router in
+        # float32), the largest stack's
+        return max(sum(w.count // w.layers * local_bytes(cfg, w, mesh, t, s)
+                       for w in weights(stack) if w.is_matrix and w.stacked) for _, stack in cfg.stacks)
+
+    def stage(s: int) -> int:  # pp_fsdp: the stage's L/S layers, embedding and lm_head in s bytes
+        return cfg.num_layers // mesh["stage"] * layer(s) + 2 * v * d * s
+
+    gathered = max(layer(dtype_bytes), v * d // t * dtype_bytes) if "embed" in rules else 0
     opt = _optimizer_bytes(cfg, rules, mesh, optimizer, state_bytes)
     copy = masters if master else 0
-    if "layers" in rules and "embed" in rules:  # pp_fsdp: + the float32 gradient of what it gathered
-        return Memory(params, params, opt, acts, gathered, stage * F32, backward_layer, copy)
+    if "layers" in rules and "embed" in rules:  # pp_fsdp: the stage gathered for the step, GPipe's tick loop
+        # reading it as float32 (manual_parallel/pp.py `_gpipe`), 1F1B in the compute dtype; + the float32
+        # gradient of what it gathered
+        gathered = stage(F32 if schedule == "gpipe" else dtype_bytes)
+        return Memory(params, params, opt, acts, gathered, stage(F32), backward_layer, copy)
     if grad_accum == 1:
         return Memory(params, params, opt, acts, gathered, 0, backward_layer, copy)
     # the f32 accumulator of the micro-batch scan: param-sized (DP, TP); under FSDP it holds the
     # gradient of the WHOLE matrices (gather_step), so it and the gathered weights are full over data
+    # (the piece a device uses: its E/ep experts, a replicated kv weight's 1/Hkv slice, the norm gains whole)
     accumulator = masters
     if "embed" in rules:
-        no_data = {a: m for a, m in rules.items() if m != "data"}
-        # (the piece a device uses: a replicated kv weight's gathered slice is 1/Hkv of it)
-        accumulator = sum(w.count * w.size * F32 // max(_shards(w, no_data, mesh),
-                                                        used_shards(cfg, w, t) if w.is_matrix else 1)
-                          for w in weights(cfg))  # the norm gains are whole on every device
-        gathered = sum(w.count * w.size // used_shards(cfg, w, t) for w in weights(cfg) if w.is_matrix) * dtype_bytes
+        accumulator = sum(w.count * local_bytes(cfg, w, mesh, t, F32) for w in weights(cfg))
+        gathered = sum(w.count * local_bytes(cfg, w, mesh, t, dtype_bytes) for w in weights(cfg) if w.is_matrix)
     return Memory(params, params, opt, acts, gathered, accumulator, backward_layer, copy)

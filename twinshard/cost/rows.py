@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass
 
 from twinshard.config import ModelConfig
-from twinshard.cost.weights import F32, Weight, _held, _leaf_shape, _shape, kv_replicated, used_shards, weights
+from twinshard.cost.weights import (F32, Weight, _held, _leaf_shape, _shape, kv_replicated, local_bytes, used_shards,
+                                    weights)
 from twinshard.hlo import ring_bytes as _ring_bytes, shift_pattern
 from twinshard.parallel import mesh as mesh_lib
 from twinshard.parallel.strategies import KV_HEADS
@@ -96,15 +97,8 @@ def _norms(ctx: _Ctx) -> list[Weight]:
 
 
 def _local_bytes(ctx: _Ctx, w: Weight, tensor_shards: int = 1) -> int:
-    """Bytes of one device's piece of one (layer's) weight w where it is used: the compute dtype
-    (the router: float32), split over `tensor_shards` (`_used_shards`) and, for the experts, over
-    `expert`."""
-    experts = ctx.mesh.get("expert", 1) if w.is_experts else 1
-    return w.size * (F32 if w.float32 else ctx.s) // (_used_shards(ctx, w, tensor_shards) * experts)
-
-
-def _used_shards(ctx: _Ctx, w: Weight, tensor_shards: int) -> int:
-    return used_shards(ctx.cfg, w, tensor_shards)
+    """weights.local_bytes in the compute dtype over `tensor_shards`."""
+    return local_bytes(ctx.cfg, w, ctx.mesh, tensor_shards, ctx.s)
 
 
 def _kv_sum_rows(ctx: _Ctx, data_shards: int = 1) -> list[Row]:
@@ -127,7 +121,7 @@ def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
         return _fsdp_step_rows(ctx, tensor_shards)
     gather = lambda phase, w, what: row(  # noqa: E731
         ctx, phase, "all-gather", ("data",), w.count, _local_bytes(ctx, w, tensor_shards),
-        what.format(f"{w.name} {_shape(w, _used_shards(ctx, w, tensor_shards))}"))
+        what.format(f"{w.name} {_shape(w, used_shards(ctx.cfg, w, tensor_shards))}"))
     rows = [gather("forward", w, "fsdp_gather: all_gather {} over data before its use") for w in _matrices(ctx)]
     rows += [gather("backward", w, "fsdp_gather re-gathers {} (remat: gathered weights not saved)")
              for w in _matrices(ctx) if w.name not in NOT_REGATHERED]

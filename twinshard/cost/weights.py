@@ -29,7 +29,7 @@ With K = first_dense_layers > 0 every block weight is two groups, one per stack
 (ModelConfig.stacks): `dense_layers.*` of K layers (the dense ffn) and the L - K MoE layers'.
 `RULES` maps each logical axis to the mesh axis a strategy splits it over (`rules`: for one model on
 one mesh, grouped-query attention's kv heads replicated where the tensor axis is larger); `_shards`,
-`_held` and the shape labels size a weight's piece on one device.
+`_held`, `local_bytes` and the shape labels size a weight's piece on one device.
 """
 
 from __future__ import annotations
@@ -65,6 +65,16 @@ def used_shards(cfg: ModelConfig, w: Weight, t: int) -> int:
     return min(t, cfg.kv_heads) if KV_HEADS in w.axes else t
 
 
+def local_bytes(cfg: ModelConfig, w: Weight, mesh: Mapping[str, int], t: int, s: int) -> int:
+    """Bytes of one device's piece of one layer's weight w where it is used (FSDP's gathered value):
+    a matrix cut into `used_shards` column pieces over t tensor devices and, for the experts, into
+    the `expert` axis's E/ep; a norm gain whole. `s` bytes per element, the router's float32."""
+    if not w.is_matrix:
+        return w.size * s
+    experts = mesh.get("expert", 1) if w.is_experts else 1
+    return w.size * (F32 if w.float32 else s) // (used_shards(cfg, w, t) * experts)
+
+
 def kv_replicated(cfg: ModelConfig, mesh: Mapping[str, int]) -> bool:
     """The k/v weights are replicated over `tensor` by the strategies that split heads over it:
     a tensor axis larger than (a multiple of) the kv heads."""
@@ -73,13 +83,14 @@ def kv_replicated(cfg: ModelConfig, mesh: Mapping[str, int]) -> bool:
 
 @dataclass(frozen=True)
 class Weight:
-    """A group of identical per-layer weights (e.g. the 3L q/k/v projections).
+    """A group of identical per-layer weights (e.g. the 2L k/v projections).
 
     `count` weights of `shape` are used per forward pass. A `stacked` group
     lives in `count // layers` parameter leaves of shape [layers, *shape] (the
-    scanned block stack: e.g. q, k, v are 3 leaves [L, D, H*dh]); collectives
-    inside the scan body act on one layer's weight (`count` of them per
-    step), those on whole gradients on one leaf (`leaves` of them).
+    scanned block stack: e.g. k and v are 2 leaves [L, D, Hkv*dh], q is its
+    own group, 1 leaf [L, D, H*dh]); collectives inside the scan body act on
+    one layer's weight (`count` of them per step), those on whole gradients on
+    one leaf (`leaves` of them).
     """
 
     name: str

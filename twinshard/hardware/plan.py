@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from twinshard import cost
 from twinshard.config import Config, ModelConfig, TrainConfig
-from twinshard.cost.weights import DTYPE_BYTES
+from twinshard.cost.weights import DTYPE_BYTES, F32
 from twinshard.hardware.chips import matmul_peak_flops
 from twinshard.hardware.links import Link, Topology, axis_links, dcn_link
 from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, strategies
@@ -184,9 +184,11 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
                   schedule=schedule, gpu=not topo.chip.is_tpu, flat_weights=flat, **precision.memory_kwargs())
     links = axis_links(topo, c.mesh)
     comm = comm_times(c, links)
-    if topo.slices > 1:  # each chip's gradients all-reduced with its counterparts in the other slices
+    if topo.slices > 1:  # each chip's gradients all-reduced with its counterparts in the other slices, in
+        # float32 as the in-slice collectives (cost.cost: param_bytes sizes the memory only)
         links["dcn"] = dcn_link(topo)
-        comm["dcn"] = 2 * (topo.slices - 1) / topo.slices * c.memory.grads / links["dcn"].bytes_per_s
+        grads = c.memory.grads * F32 // DTYPE_BYTES[precision.params]
+        comm["dcn"] = 2 * (topo.slices - 1) / topo.slices * grads / links["dcn"].bytes_per_s
     peak, _ = matmul_peak_flops(topo.chip, cfg.dtype)
     compute = _flops_per_chip(c) / (peak * mfu)
     if strategy in cost.PIPELINES:
@@ -225,7 +227,7 @@ def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
     ok, refused = [], {}
     for strategy in strategies.NAMES:
         try:
-            resolve.check_experts(strategy, train_config(cfg, 1))  # it reads the model only
+            resolve.check_experts(strategy, cfg)
         except ValueError as e:
             refused[strategy] = str(e)
         else:

@@ -246,10 +246,11 @@ def tpu_expected(cfg: Any, model: Any, ledger: Any) -> dict[tuple[str, tuple[str
     2. where the model has reduce-scatters over data, each all-reduce over data of a matrix
        gradient in `ledger` is one of them compiled as all-reduce + slice: the reduce-scatter
        row loses it (bytes / |data|), the all-reduce row gains it (full bytes). The manual
-       twin's only other data all-reduces are of norm gains ([D], or [L, D] for the stacked
-       ln1/ln2) and scalars.
+       twin's only other data all-reduces are of norm gains (their leaves: [D] for ln_final,
+       [n, D] for each stack's ln1/ln2, ModelConfig.stacks) and scalars.
     Measured on v5e (libtpu 0.0.50.1); other generations may differ.
     """
+    from twinshard import cost
     from twinshard.hlo import ring_bytes
 
     d, s = model.mesh["data"], model.dtype_bytes
@@ -262,7 +263,7 @@ def tpu_expected(cfg: Any, model: Any, ledger: Any) -> dict[tuple[str, tuple[str
             ag["bytes"] = sum(r.bytes * r.multiplicity for r in gathers)
     rs = exp.get(("reduce-scatter", ("data",)))
     if rs:
-        norms = {(cfg.d_model,), (cfg.num_layers, cfg.d_model)}
+        norms = {w.leaf_shape for w in cost.weights(cfg) if not w.is_matrix}
         dec = [r for r in ledger.filter(op="all-reduce", axes=("data",))
                if len(r.shape) >= 2 and tuple(r.shape) not in norms]
         k, b = sum(r.multiplicity for r in dec), sum(r.bytes * r.multiplicity for r in dec)

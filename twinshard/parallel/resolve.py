@@ -8,7 +8,7 @@ with a ValueError naming the value and the fix, before anything is compiled.
 from __future__ import annotations
 
 from twinshard.parallel import context, mesh as mesh_lib, pipeline, strategies
-from twinshard.config import Config
+from twinshard.config import Config, ModelConfig
 from twinshard.parallel.placement import logical_dims
 
 
@@ -20,7 +20,7 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     (mesh.check_divisible). flat_weights: FSDP's weights split flat, so d_model need not divide by
     data (launch.plan's flat plans, twinshard/hardware/plan.py; the twins split d_model)."""
     decl = strategies.get(strategy)
-    check_experts(strategy, cfg)  # first: no mesh fixes a model the strategy cannot run
+    check_experts(strategy, cfg.model)  # first: no mesh fixes a model the strategy cannot run
     shape = mesh_lib.parse_mesh(mesh_spec, strategy) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
     mesh_lib.check_mesh(strategy, shape, n_devices)
     # the family's own checks first: their messages name the fix in its terms (stages, zig-zag chunks)
@@ -60,10 +60,10 @@ def check_options(strategy: str, impl: str, cfg: Config) -> None:
 MOE_STRATEGIES = ("dp", "fsdp", *strategies.of_family("experts"))
 
 
-def check_experts(strategy: str, cfg: Config) -> None:
+def check_experts(strategy: str, model: ModelConfig) -> None:
     """ep and fsdp_ep need a mixture of experts; a mixture of experts runs only under
     MOE_STRATEGIES (and single): a ValueError naming the fix otherwise."""
-    experts = cfg.model.num_experts
+    experts = model.num_experts
     if strategy in strategies.of_family("experts") and experts == 0:
         raise ValueError(f"--strategy={strategy} splits the experts over the `expert` axis, and this model is dense "
                          "(--num_experts=0): add experts (--preset=tiny_moe, or --num_experts=4), or use dp/fsdp.")
