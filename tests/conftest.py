@@ -22,7 +22,7 @@ from harness import cache, schedule, speed  # stdlib imports only
 speed.use_bytecode_cache()  # before the heavy imports below
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-# The persistent compilation cache, keyed by the library's sources (why: tests/harness/cache.py);
+# The persistent compilation cache, keyed by the traced code's sources (why: tests/harness/cache.py);
 # the xdist workers and every launcher subprocess inherit the directory.
 if "TWINSHARD_TEST_CACHE" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
     cache.prune(keep=cache.directory())  # the first pytest process only: earlier sources' caches

@@ -101,14 +101,15 @@ def test_a_command_past_its_timeout_is_killed_with_its_children(tmp_path):
 def test_the_compilation_cache_is_keyed_by_the_library_sources(tmp_path, monkeypatch):
     """Any edit to a library file names a new cache directory (tests/harness/cache.py): no cached
     executable outlives the source locations it carries. prune keeps only the current one."""
-    (tmp_path / "twinshard").mkdir()
-    (tmp_path / "twinshard" / "a.py").write_text("x = 1\n")
+    (tmp_path / "manual_parallel").mkdir()
+    (tmp_path / "manual_parallel" / "a.py").write_text("x = 1\n")
     before = cache.source_key(tmp_path)
-    (tmp_path / "twinshard" / "a.py").write_text("x = 1\n\n")  # one blank line moves every location below
+    (tmp_path / "manual_parallel" / "a.py").write_text("x = 1\n\n")  # one blank line moves every location below
     edited = cache.source_key(tmp_path)
     assert edited != before
-    (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "b.py").write_text("y = 2\n")  # a test file: not part of the key
+    for outside in ("tests", "launch", "twinshard/cost"):  # code whose lines no program carries
+        (tmp_path / outside).mkdir(parents=True)
+        (tmp_path / outside / "b.py").write_text("y = 2\n")
     assert cache.source_key(tmp_path) == edited
     monkeypatch.setattr(cache, "ROOT", tmp_path)
     jax_cache = tmp_path / ".cache" / "jax"

@@ -10,6 +10,10 @@ any change to them starts a new cache, and no executable outlives the file layou
 twinshard/model/loss.py). Measured, tests/test_experts.py alone on a cold cache: 124 s with
 the locations in the key, 93 s without.
 
+The key covers the packages whose code runs inside the traced programs, the ones a ledger's
+source locations point into (the model, the training step, placement and the three twins): an
+edit to the cost model, the planner, the HLO reader or a launcher keeps the cache.
+
 TWINSHARD_TEST_CACHE names the directory instead (tools/mutate.py: a mutant's tree shares the
 developer's cache, and keeps the locations in the key).
 """
@@ -19,11 +23,12 @@ import os
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
-SOURCES = ("twinshard", "auto_parallel", "manual_parallel", "explicit_parallel", "launch")
+SOURCES = ("twinshard/model", "twinshard/train", "twinshard/parallel", "auto_parallel", "manual_parallel",
+           "explicit_parallel")
 
 
 def source_key(root: pathlib.Path = ROOT) -> str:
-    """16 hex digits of the sha256 of every .py file of the library under `root` (names and bytes)."""
+    """16 hex digits of the sha256 of every .py file of SOURCES under `root` (names and bytes)."""
     h = hashlib.sha256()
     for path in sorted(p for package in SOURCES for p in (root / package).rglob("*.py")):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
