@@ -448,8 +448,7 @@ def main(argv):
 
 
 BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "devices", "steps", "warmup", "batch_size",
-               "seed", "dtype", "attention", "scan_unroll", "remat", *common.SHAPE_FLAGS,
-               "matmul_size", "matmul_reps", "json", "markdown")
+               "seed", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown")
 
 
 def argv_flags() -> list[str]:

@@ -56,16 +56,24 @@ def single(name: str):
     return reference.train_record(SingleDevice(cfg.model, cfg.train), cfg, STEPS)
 
 
-@functools.cache
 def twin(impl: str, strategy: str, name: str = "drops"):
+    return _twin(impl, strategy, name)  # one cache entry, however `name` is passed
+
+
+@functools.cache
+def _twin(impl: str, strategy: str, name: str):
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
     cfg, mesh = CONFIGS[name], MESHES[strategy]
     return reference.train_record(make(strategy, mesh, cfg, devices=devices_of(mesh)), cfg, STEPS,
                                   grads=impl == "manual")
 
 
-@functools.cache
 def compiled_ledger(impl: str, strategy: str, name: str = "drops") -> hlo.Ledger:
+    return _compiled_ledger(impl, strategy, name)
+
+
+@functools.cache
+def _compiled_ledger(impl: str, strategy: str, name: str) -> hlo.Ledger:
     r = twin(impl, strategy, name)["runner"]
     cfg = CONFIGS[name]
     xs = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32, sharding=r.batch_sharding)

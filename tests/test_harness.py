@@ -2,6 +2,7 @@
 `python ARGV...` does: the same exit code, stdout and stderr for what a program can observe of
 its start and end."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -100,7 +101,7 @@ def test_a_command_past_its_timeout_is_killed_with_its_children(tmp_path):
 
 def test_the_compilation_cache_is_keyed_by_the_library_sources(tmp_path, monkeypatch):
     """Any edit to a library file names a new cache directory (tests/harness/cache.py): no cached
-    executable outlives the source locations it carries. prune keeps only the current one."""
+    executable outlives the source locations it carries. prune deletes the others that are days old."""
     (tmp_path / "manual_parallel").mkdir()
     (tmp_path / "manual_parallel" / "a.py").write_text("x = 1\n")
     before = cache.source_key(tmp_path)
@@ -111,11 +112,15 @@ def test_the_compilation_cache_is_keyed_by_the_library_sources(tmp_path, monkeyp
         (tmp_path / outside).mkdir(parents=True)
         (tmp_path / outside / "b.py").write_text("y = 2\n")
     assert cache.source_key(tmp_path) == edited
+    (tmp_path / "manual_parallel" / ".#a.py").symlink_to("nowhere")  # an editor's lock file: skipped
+    assert cache.source_key(tmp_path) == edited
     monkeypatch.setattr(cache, "ROOT", tmp_path)
     jax_cache = tmp_path / ".cache" / "jax"
-    for old in ("0123456789abcdef", "jit_step-abc-cache"):
+    for old in ("0123456789abcdef", "jit_step-abc-cache", "recent0123456789"):
         (jax_cache / old).mkdir(parents=True)
+    for old in ("0123456789abcdef", "jit_step-abc-cache"):  # last written 4 days ago
+        os.utime(jax_cache / old, (time.time() - 4 * 86400,) * 2)
     keep = jax_cache / "fedcba9876543210"
     keep.mkdir()
     cache.prune(keep)
-    assert [p.name for p in jax_cache.iterdir()] == [keep.name]
+    assert sorted(p.name for p in jax_cache.iterdir()) == [keep.name, "recent0123456789"]

@@ -30,7 +30,7 @@ SOURCES = ("twinshard/model", "twinshard/train", "twinshard/parallel", "auto_par
 def source_key(root: pathlib.Path = ROOT) -> str:
     """16 hex digits of the sha256 of every .py file of SOURCES under `root` (names and bytes)."""
     h = hashlib.sha256()
-    for path in sorted(p for package in SOURCES for p in (root / package).rglob("*.py")):
+    for path in sorted(p for package in SOURCES for p in (root / package).rglob("*.py") if p.is_file()):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
@@ -41,13 +41,24 @@ def directory() -> pathlib.Path:
     return pathlib.Path(named) if named else ROOT / ".cache" / "jax" / source_key()
 
 
-def prune(keep: pathlib.Path) -> None:
-    """Delete everything in .cache/jax but `keep`: the caches of earlier sources (never read again)."""
+STALE_DAYS = 3  # a cache of other sources untouched this long is deleted (another branch's, or an old edit's)
+
+
+def prune(keep: pathlib.Path, stale_days: float = STALE_DAYS) -> None:
+    """Delete the entries of .cache/jax other than `keep` that nothing has written for `stale_days`:
+    the caches of earlier sources. A recent one stays: another checkout state may come back (a
+    branch switch), and a run still going (tools/mutate.py's) may be writing it."""
     import shutil
+    import time
 
     parent = ROOT / ".cache" / "jax"
     if keep.parent != parent or not parent.is_dir():
         return  # a directory named by TWINSHARD_TEST_CACHE: not ours to prune
+    cutoff = time.time() - stale_days * 86400
     for entry in parent.iterdir():
-        if entry != keep:
+        try:
+            fresh = entry == keep or entry.lstat().st_mtime > cutoff
+        except FileNotFoundError:
+            continue
+        if not fresh:
             shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
