@@ -41,11 +41,13 @@ class ContextParallel(GSPMD):
         """The whole (permuted) sequence's true positions [T] (a constant)."""
         return jnp.asarray(context.order(t, self.shards, self.layout))
 
-    def attention(self, q, k, v, impl="auto"):
+    def attention(self, q, k, v, impl="auto", block=0):
         """q, k, v: [B, h, T, dh] global (T split over context). Contiguous: the single-device
-        causal attention; zig-zag: masked by the true positions (layers.causal_attention)."""
+        causal attention; zig-zag: masked by the true positions (layers.causal_attention). Splash
+        runs recompute: its kernel needs the whole sequence on a device."""
         order = context.order(q.shape[-2], self.shards, self.layout)
         positions = None if self.layout == "contiguous" else tuple(int(i) for i in order)
+        impl = "recompute" if layers.attention_kernel(impl, q.dtype) == "splash" else impl
         return layers.causal_attention(q, k, v, impl, positions)
 
 

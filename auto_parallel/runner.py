@@ -59,6 +59,10 @@ class GSPMD(Parallelism):
     def constrain(self, x, axes):
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec(axes, self.rules)))
 
+    def attention(self, q, k, v, impl="auto", block=0):
+        """Causal attention of q, k, v [B, h, T, dh] as placed; splash in a shard_map (placement.sharded_attention)."""
+        return placement.sharded_attention(self.mesh, self.rules, q, k, v, impl, block)
+
     def without_batch(self) -> GSPMD:
         """These hooks with 'batch' dropped from the activation rules: the hooks of the
         per-data-shard vmap of `AutoRunner._loss_and_grads`, whose vmapped axis carries `data`

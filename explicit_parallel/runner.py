@@ -82,6 +82,10 @@ class Explicit(Parallelism):
         testing.expect_sharding(x, spec(axes, self.rules))
         return x
 
+    def attention(self, q, k, v, impl="auto", block=0):
+        """Causal attention of q, k, v [B, h, T, dh] as typed; splash in a shard_map (placement.sharded_attention)."""
+        return placement.sharded_attention(self.mesh, self.rules, q, k, v, impl, block)
+
     def layer_policy(self, policy):
         """The layer's policy, plus: the output of a reshard from an `unreduced` type (Megatron's g,
         tp_sp's reduce-scatter) is saved, so a checkpointed layer's backward pass recomputes

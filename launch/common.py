@@ -74,8 +74,12 @@ def define_precision_flags() -> None:
     define(flags.DEFINE_enum, "dtype", None, COMPUTE_DTYPES, "Compute dtype (default: the preset's, float32): "
            "bfloat16 = bf16 activations and matmuls, float32 master weights, optimizer state, norms and loss.")
     define(flags.DEFINE_enum, "attention", None, ATTENTION_IMPLS, "Attention kernel (default auto: cuDNN flash "
-           "attention on a GPU in bf16, recompute elsewhere: its backward recomputes the probabilities, "
-           "saving no [T, T] array; xla: jax.nn's XLA kernel; reference: the readable twinshard.model.layers one).")
+           "attention on a GPU in bf16, splash on a TPU in bf16, recompute elsewhere: its backward recomputes the "
+           "probabilities, saving no [T, T] array; splash: JAX's Pallas TPU flash attention, interpret mode off a "
+           "TPU, recompute under cp and fsdp_cp; xla: jax.nn's XLA kernel; reference: the readable "
+           "twinshard.model.layers one).")
+    define(flags.DEFINE_integer, "attention_block", None, "The splash kernel's block of queries and keys: a "
+           "multiple of 128 dividing --context_length rounded up to 128 (default 0: the largest up to 512).")
     define(flags.DEFINE_integer, "scan_unroll", None, "Layers per iteration of the layer scan (default 1: "
            "compile time flat in depth; num_layers: fully unrolled, faster on CPU, compiles longer).")
     define(flags.DEFINE_bool, "collective_matmul", None, "tp_sp, manual twin: decompose each sequence "
@@ -137,7 +141,7 @@ def define_moe_flags() -> None:
 
 # The flags that override the ModelConfig field of their name (with_model_flags; launch.plan's
 # launch line carries those that differ from the preset).
-MODEL_FLAGS = ("dtype", "remat", "attention", "scan_unroll", "collective_matmul", *SHAPE_FLAGS, *MOE_FLAGS)
+MODEL_FLAGS = ("dtype", "remat", "attention", "attention_block", "scan_unroll", "collective_matmul", *SHAPE_FLAGS, *MOE_FLAGS)
 
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:
@@ -160,6 +164,24 @@ def with_model_flags(cfg: Config, FLAGS) -> Config:
             raise
         raise ValueError(f"{given}: {e}") from None
     return dataclasses.replace(cfg, model=model)
+
+
+def attention_line(cfg: Config, strategy: str) -> str:
+    """Which attention kernel runs (launchers print it): splash serves whole sequences, so the
+    context-parallel strategies run recompute in its place."""
+    import jax
+    import jax.numpy as jnp
+
+    from twinshard.config import splash_block
+    from twinshard.model import layers
+
+    kernel = layers.attention_kernel(cfg.model.attention, jnp.dtype(cfg.model.dtype))
+    if kernel != "splash":
+        return f"attention: {kernel}"
+    if strategy != "single" and strategies.get(strategy).family == "context":
+        return f"attention: recompute (splash needs whole sequences; {strategy} splits them)"
+    mode = "" if jax.default_backend() == "tpu" else ", Pallas interpret mode: no TPU"
+    return f"attention: splash (block {splash_block(cfg.model.context_length, cfg.model.attention_block)}{mode})"
 
 
 def define_distributed_flags() -> None:

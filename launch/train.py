@@ -390,6 +390,7 @@ def main(argv):
         f"devices={n_devices} batch={t.batch_size}x{m.context_length} steps={t.steps}")
     utilization = Utilization(cfg, n_devices)
     log(f"MFU against {utilization.what}")
+    log(common.attention_line(cfg, FLAGS.strategy))
     profiled, profile_dir = profile_steps(t.steps), os.path.join(FLAGS.workdir, "profile")
 
     def eval_loss(params):

@@ -50,9 +50,9 @@ class ContextParallel(ManualParallelism):
         """This shard's t = T/C positions in the whole sequence."""
         return jnp.asarray(self.table(t))[lax.axis_index(CONTEXT)]
 
-    def attention(self, q, k, v, impl="auto"):
-        """q, k, v: [B, h, T/C, dh] -> [B, h, T/C, dh], ring attention over `context` (impl is
-        unused: the ring computes its blocks itself)."""
+    def attention(self, q, k, v, impl="auto", block=0):
+        """q, k, v: [B, h, T/C, dh] -> [B, h, T/C, dh], ring attention over `context` (impl and
+        block are unused: the ring computes its blocks itself)."""
         return ring_attention(q, k, v, self.table(q.shape[-2]), CONTEXT, self.layout)
 
     def layer_policy(self, policy):

@@ -24,7 +24,7 @@ import numbers
 from typing import Any
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn")  # twinshard.model.layers.causal_attention
+ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn", "splash")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
@@ -43,6 +43,32 @@ def _round_up(x: int, multiple: int) -> int:
 def default_d_ff(d_model: int) -> int:
     """SwiGLU width: 8/3 d_model rounded up to a multiple of 64 (JAX-LM spec)."""
     return _round_up(math.ceil(8 * d_model / 3), 64)
+
+
+SPLASH_LANES = 128  # the splash kernel's key blocks are multiples of 128 tokens (its NUM_LANES)
+SPLASH_MAX_BLOCK = 512  # splash_block's largest choice
+
+
+def splash_padded(t: int) -> int:
+    """The sequence length the splash kernel runs on (layers.splash_attention): t rounded up to a
+    multiple of 128."""
+    return _round_up(t, SPLASH_LANES)
+
+
+def splash_blocks(t: int) -> list[int]:
+    """The block sizes the splash kernel takes for t tokens: multiples of 128 dividing splash_padded(t)."""
+    padded = splash_padded(t)
+    return [b for b in range(SPLASH_LANES, padded + 1, SPLASH_LANES) if padded % b == 0]
+
+
+def splash_block(t: int, block: int = 0) -> int:
+    """The splash kernel's block (queries and keys, forward and backward) for t tokens: `block`
+    (ModelConfig.attention_block), or for 0 the largest of splash_blocks(t) up to 512."""
+    if block and block not in splash_blocks(t):
+        raise ValueError(f"ModelConfig.attention_block={block} (--attention_block) must be a multiple of "
+                         f"{SPLASH_LANES} dividing the {t}-token sequence padded to {splash_padded(t)}; choose "
+                         f"from {splash_blocks(t)} (0: automatic).")
+    return block or max(b for b in splash_blocks(t) if b <= SPLASH_MAX_BLOCK)
 
 
 def _checked(where: str, value: Any, kind: str) -> Any:
@@ -101,10 +127,14 @@ class ModelConfig:
     # softmax statistics and the loss are float32 (docs/speed.md, "bf16 compute").
     dtype: str = "float32"
     # Attention kernel (twinshard.model.layers.causal_attention): "auto" = cuDNN flash attention on a
-    # GPU in bf16, "recompute" elsewhere (layers.recompute_attention: no [T, T] array saved for
-    # the backward); "xla" = jax.nn's XLA kernel; "reference" = the readable
+    # GPU in bf16, splash on a TPU in bf16, "recompute" elsewhere (layers.recompute_attention: no
+    # [T, T] array saved for the backward); "splash" = JAX's Pallas TPU flash attention
+    # (interpret mode off a TPU); "xla" = jax.nn's XLA kernel; "reference" = the readable
     # layers.scaled_dot_product_attention.
     attention: str = "auto"
+    # The splash kernel's block of queries and keys (layers.splash_attention): a multiple of 128
+    # dividing context_length rounded up to 128; 0: the largest such block up to 512.
+    attention_block: int = 0
     # Layers per iteration of the layer scan: 1 keeps ONE compiled layer (compile time flat in
     # depth); num_layers unrolls it fully (XLA:CPU ran the step up to 26% faster, measured:
     # BENCHMARKS.md, and the compiled step grows with depth again).
@@ -155,6 +185,10 @@ class ModelConfig:
                 f"choose num_heads from {_divisors(self.d_model)} or change d_model."
             )
         self._check_kv_heads()
+        if self.attention_block < 0:
+            raise ValueError(f"ModelConfig.attention_block={self.attention_block} (--attention_block) must be "
+                             f">= 0 (0: automatic).")
+        splash_block(self.context_length, self.attention_block)
         if self.head_dim % 2:
             raise ValueError(
                 f"head_dim = d_model/num_heads = {self.head_dim} is odd; RoPE rotates "

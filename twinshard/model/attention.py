@@ -38,7 +38,7 @@ class CausalSelfAttention(nnx.Module):
         self.v_proj = Linear(d, kv, ("embed", "kv_heads"), rngs=rngs, dtype=cfg.dtype)
         self.output_proj = Linear(hd, d, ("heads", "embed"), rngs=rngs, dtype=cfg.dtype)
         self.head_dim, self.theta, self.max_len = cfg.head_dim, cfg.rope_theta, cfg.context_length
-        self.dtype, self.attention = cfg.dtype, cfg.attention
+        self.dtype, self.attention, self.attention_block = cfg.dtype, cfg.attention, cfg.attention_block
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel.
@@ -48,7 +48,7 @@ class CausalSelfAttention(nnx.Module):
         # q [B, T, h*dh], k, v [B, T, hk*dh] (h = H/tensor under TP; hk = Hkv/tensor, or where the
         # tensor axis is larger than Hkv 1 kv head in the manual twin, all Hkv in the GSPMD twin)
         q, k, v = par.column_parallel(x, (wq, wk, wv), QKV_AXES)
-        attend = functools.partial(par.attention, impl=self.attention)
+        attend = functools.partial(par.attention, impl=self.attention, block=self.attention_block)
         out = layers.attend_heads(q, k, v, par.positions(q.shape[-2]), self.head_dim, self.theta, self.max_len,
                                   attend)
         return par.row_parallel(out, wo)

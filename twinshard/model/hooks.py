@@ -127,9 +127,10 @@ class Parallelism:
         """Positions in the whole sequence of this program's t tokens (RoPE): 0..t-1."""
         return jnp.arange(t)
 
-    def attention(self, q: Array, k: Array, v: Array, impl: str = "auto") -> Array:
-        """Causal attention of this program's q, k, v [B, h, T, dh] (layers.causal_attention)."""
-        return layers.causal_attention(q, k, v, impl)
+    def attention(self, q: Array, k: Array, v: Array, impl: str = "auto", block: int = 0) -> Array:
+        """Causal attention of this program's q, k, v [B, h, T, dh] (layers.causal_attention; block:
+        the splash kernel's, ModelConfig.attention_block)."""
+        return layers.causal_attention(q, k, v, impl, block=block)
 
     def layer_stack(self, stacked: dict, cfg, x: Array, scan: Callable[..., Array]) -> Array:
         """Run the L stacked blocks (every param leaf [L, ...]) on x [B, T, D] with

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from twinshard.config import splash_block, splash_padded
+
 
 Array = jax.Array
 
@@ -282,8 +284,19 @@ def ungroup_heads(o: Array) -> Array:
     return o.reshape(b, hk * g, t, dh)
 
 
+def attention_kernel(impl: str, dtype, positions: tuple[int, ...] | None = None) -> str:
+    """The kernel `causal_attention` runs for `impl` on this backend: "auto" is cudnn on a GPU in
+    bf16/fp16, splash on a TPU in bf16, recompute elsewhere; with permuted `positions` (the GSPMD
+    context-parallel twin) splash runs recompute (its mask here is by index)."""
+    if impl == "auto":
+        backend, half = jax.default_backend(), dtype in (jnp.bfloat16, jnp.float16)
+        impl = ("cudnn" if half and backend == "gpu" and positions is None
+                else "splash" if dtype == jnp.bfloat16 and backend == "tpu" else "recompute")
+    return "recompute" if impl == "splash" and positions is not None else impl
+
+
 def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto",
-                     positions: tuple[int, ...] | None = None) -> Array:
+                     positions: tuple[int, ...] | None = None, block: int = 0) -> Array:
     """Causal attention of q [B, h, T, dh] with k, v [B, hk, T, dh] -> [B, h, T, dh] (h local heads
     under TP). hk = h: multi-head attention; hk < h (a divisor): grouped-query attention, query head
     i attending with kv head i // (h/hk) (`group_heads`; jax.nn's kernels take it natively).
@@ -292,18 +305,18 @@ def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto",
     other is tested against; "recompute" is `recompute_attention` below (the same math,
     a backward that saves no [T, T] array); "xla" and "cudnn" are
     `jax.nn.dot_product_attention`'s implementations (cuDNN flash attention: GPU,
-    bf16/fp16 only; it never builds the [T, T] scores); "auto" is cudnn on a GPU in
-    bf16/fp16, recompute elsewhere.
+    bf16/fp16 only; it never builds the [T, T] scores); "splash" is `splash_attention` below
+    (Pallas TPU flash attention, blocks of `block` tokens, 0: `splash_block`'s choice);
+    "auto" is `attention_kernel`'s choice for q's dtype and this backend.
 
     positions: the tokens' true places in a permuted sequence (the GSPMD context-parallel
     twin's zig-zag layout, auto_parallel/cp.py): key j is seen by query i iff positions[j] <=
     positions[i]; None: arange(T). jax.nn's kernels mask by index only, so with positions
-    "auto" is recompute and "xla" / "cudnn" run the reference.
+    "auto" and "splash" are recompute and "xla" / "cudnn" run the reference.
     """
-    if impl == "auto":
-        half = q.dtype in (jnp.bfloat16, jnp.float16)
-        on_gpu = half and jax.default_backend() == "gpu" and positions is None
-        impl = "cudnn" if on_gpu else "recompute"
+    impl = attention_kernel(impl, q.dtype, positions)
+    if impl == "splash":
+        return splash_attention(q, k, v, block)
     if impl in ("recompute", "reference") or positions is not None:
         grouped = k.shape[-3] != q.shape[-3]
         qg, kg, vg = group_heads(q, k, v) if grouped else (q, k, v)
@@ -314,6 +327,89 @@ def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto",
         return ungroup_heads(o) if grouped else o
     bthd = lambda t: t.transpose(0, 2, 1, 3)  # noqa: E731  [B, h, T, dh] <-> [B, T, h, dh]
     return bthd(jax.nn.dot_product_attention(bthd(q), bthd(k), bthd(v), is_causal=True, implementation=impl))
+
+
+SPLASH_RESIDUALS = "splash_attention_residuals"  # the checkpoint_name of splash's saved o and logsumexp
+def splash_attention(q: Array, k: Array, v: Array, block: int = 0) -> Array:
+    """Causal attention by JAX's Pallas splash attention kernel (TPU flash attention: tiled, it
+    never builds a [T, T] array), q [B, h, T, dh], k, v [B, hk, T, dh] -> [B, h, T, dh].
+
+    Grouped-query attention natively: the multi-head kernel takes hk kv heads dividing h (query
+    head i reads kv head i // (h/hk), as `group_heads`), the multi-query kernel one kv head [T, dh].
+    The kernel runs per example (a vmap over B), takes no softmax scale (q is scaled by
+    1/sqrt(dh) first) and names its residuals (o and the rows' logsumexp) SPLASH_RESIDUALS for
+    remat policies. Off a TPU it runs in Pallas' interpret mode (the same kernel as plain XLA
+    ops: CPU tests). T is padded with zeros to a multiple of 128 (the kernel refuses a key block
+    that is not one: "bkv_compute=32 must be a multiple of 128", JAX 0.12); causal, no real query
+    sees a padded key, and the padded queries' rows are dropped (zero cotangent)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    b, h, t, dh = q.shape
+    hk, padded = k.shape[-3], splash_padded(t)
+    n = splash_block(t, block)
+    sizes = splash.BlockSizes(block_q=n, block_kv=n, block_kv_compute=n, block_q_dkv=n, block_kv_dkv=n,
+                              block_kv_dkv_compute=n, block_q_dq=n, block_kv_dq=n)
+    make = splash.make_splash_mqa if hk == 1 else splash.make_splash_mha
+
+    def run(q, k, v):  # the kernel built where it runs: its mask tables are arrays of that trace
+        kernel = make(masks.MultiHeadMask([masks.CausalMask((padded, padded))] * h), block_sizes=sizes,
+                      head_shards=1, q_seq_shards=1, residual_checkpoint_name=SPLASH_RESIDUALS,
+                      interpret=jax.default_backend() != "tpu")
+        return jax.vmap(kernel)(q, k, v)
+
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, padded - t), (0, 0)))  # noqa: E731
+    q = pad(q * np.asarray(1 / np.sqrt(dh), q.dtype))
+    k, v = pad(k), pad(v)
+    if hk == 1:
+        k, v = k[:, 0], v[:, 0]  # [B, T, dh]: the multi-query kernel's one kv head
+    o = _unchecked(run, q, k, v) if _varying_axes(q) | _varying_axes(k) | _varying_axes(v) else run(q, k, v)
+    return o[:, :, :t]
+
+
+def _unchecked(f, *args: Array) -> Array:
+    """f(*args) of per-device arrays inside a check_vma shard_map (the manual twin), for a Pallas
+    kernel whose output shapes carry no varying axes: JAX 0.12 refuses it there ("When
+    `check_vma=True` on `jax.shard_map`, `manual_axis_type` on `jax.ShapeDtypeStruct` must not be
+    `None`"), and autodiff through a nested check_vma=False shard_map types the inputs' cotangents
+    invariant (measured). So f runs in a nested shard_map over no axes without the check, its
+    output typed varying as the inputs, and the backward pass is a custom_vjp that recomputes f
+    and takes its gradients the same way (bwd type checks off inside), typed as each input:
+    values untouched, no collective; the cost is one more forward of f in the backward pass."""
+    return _unchecked_vjp(f, *args)
+
+
+def _untyped(f, *args):
+    """f(*args) in a shard_map over no mesh axes with check_vma=False (jax_disable_bwd_checks on
+    while it traces: the backward's cotangents are typed invariant in there)."""
+    from jax._src import config  # jax_disable_bwd_checks, as a context (JAX 0.10 and 0.12)
+
+    with config.disable_bwd_checks(True):
+        return jax.shard_map(f, in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(),
+                             axis_names=frozenset(), check_vma=False)(*args)
+
+
+def _varying_as(x: Array, *like: Array) -> Array:
+    """x typed varying over every mesh axis one of `like` varies over (a pcast: no data moves)."""
+    axes = tuple(sorted(frozenset().union(*(_varying_axes(a) for a in like)) - _varying_axes(x)))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _unchecked_vjp(f, *args):
+    return _varying_as(_untyped(f, *args), *args)
+
+
+def _unchecked_fwd(f, *args):
+    return _unchecked_vjp(f, *args), args
+
+
+def _unchecked_bwd(f, args, g):
+    grads = lambda g, *a: jax.grad(lambda *a: jnp.sum(f(*a) * g), argnums=tuple(range(len(a))))(*a)  # noqa: E731
+    return tuple(_varying_as(ct, a) for ct, a in zip(_untyped(grads, g, *args), args))
+
+
+_unchecked_vjp.defvjp(_unchecked_fwd, _unchecked_bwd)
 
 
 def recompute_attention(q: Array, k: Array, v: Array, positions: tuple[int, ...] | None = None) -> Array:

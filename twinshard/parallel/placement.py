@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax.sharding import NamedSharding
 
+from twinshard.model import layers
 from twinshard.parallel import mesh as mesh_lib
 from twinshard.train import optim
 from twinshard.config import Config
@@ -28,6 +29,38 @@ Rules = Mapping[str, str]
 def spec(axes: tuple[str | None, ...], rules: Rules) -> P:
     """Logical axes -> PartitionSpec, e.g. ('embed', 'mlp') with {'embed': 'data'} -> P('data', None)."""
     return P(*(rules.get(a) for a in axes))
+
+
+ATTENTION_Q = ("batch", "heads", "seq", None)  # q and attention's output [B, h, T, dh]
+ATTENTION_KV = ("batch", "kv_heads", "seq", None)  # k, v [B, hk, T, dh]
+
+
+def sharded_attention(mesh: jax.sharding.Mesh, rules: Rules, q, k, v, impl: str = "auto", block: int = 0):
+    """Causal attention of q [B, H, T, dh], k, v [B, Hkv, T, dh] placed by `rules` on `mesh` (the
+    GSPMD and Explicit twins' `attention` hook). The splash kernel is a Pallas call that XLA's
+    partitioner cannot split, so it runs in a shard_map over the mesh: each device its batch rows
+    and heads as `rules` place them, as in the manual twin (MaxText does the same). Where the kv
+    heads are replicated over a tensor axis larger than them (Strategy.placed) a device takes
+    its query heads' one kv head. Every other kernel runs on the global arrays. The sequence must
+    not be split (cp's hooks run their own attention)."""
+    if layers.attention_kernel(impl, q.dtype) != "splash":
+        return layers.causal_attention(q, k, v, impl, block=block)
+    if rules.get("seq") is not None:
+        raise ValueError(f"splash attention runs on whole sequences; the sequence is split over {rules['seq']}")
+    heads_axis = rules.get("heads")
+    replicated_kv = heads_axis is not None and rules.get("kv_heads") is None and mesh.shape[heads_axis] > 1
+
+    def local(q, k, v):  # q: [B/data, H/tensor, T, dh]; k, v: [B/data, Hkv/tensor (or Hkv), T, dh]
+        if replicated_kv:  # tensor = Hkv x group devices: this device's kv head is its index // group
+            group = mesh.shape[heads_axis] // k.shape[1]
+            at = jax.lax.axis_index(heads_axis) // group
+            k, v = (jax.lax.dynamic_slice_in_dim(x, at, 1, axis=1) for x in (k, v))
+        return layers.splash_attention(q, k, v, block)
+
+    q_spec, kv_spec = spec(ATTENTION_Q, rules), spec(ATTENTION_KV, rules)
+    # check_vma=False: the kernel's output shapes carry no varying axes (layers._unchecked)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v)
 
 
 def param_specs(cfg: Config, rules: Rules):
