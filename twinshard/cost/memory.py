@@ -247,10 +247,14 @@ def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int, kernel: str =
     cudnn (flash attention, the default on a GPU in bf16): 0. Its forward and backward tile q k^T
     through on-chip memory and keep only o and the rows' softmax statistics, which the layer
     saves under any kernel (`saved_per_layer`): no [T, T] array is ever in HBM.
+    splash (Pallas flash attention, layers.splash_attention; "auto" on a TPU in bf16, which this
+    model, told only `gpu`, counts as recompute): 0, for the same reason. Its saved residuals are
+    recompute's: q (scaled), k, v, o and the rows' logsumexp [b, H/t, T] f32 (print_saved_residuals,
+    JAX 0.12), at T rounded up to 128.
     Not modelled: `--attention=xla` / `reference` save the scores and the probabilities in every
     layer (2 x [b,H/t,T,T] f32 per layer, uncounted; charged here as recompute's working set);
     under remat=dots in bf16 the saved q k^T is f32, counted at the compute dtype's bytes."""
-    if kernel == "cudnn":
+    if kernel in ("cudnn", "splash"):
         return 0
     return 2 * b * (cfg.num_heads // t) * seq * seq * F32
 

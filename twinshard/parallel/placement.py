@@ -58,9 +58,16 @@ def sharded_attention(mesh: jax.sharding.Mesh, rules: Rules, q, k, v, impl: str 
         return layers.splash_attention(q, k, v, block)
 
     q_spec, kv_spec = spec(ATTENTION_Q, rules), spec(ATTENTION_KV, rules)
-    # check_vma=False: the kernel's output shapes carry no varying axes (layers._unchecked)
+    # check_vma=False: the kernel's output shapes carry no varying axes (layers._unchecked). Its
+    # transpose then sums an input's cotangent over every manual axis the input is not split over
+    # (the replicated kv heads' over tensor), so the axes of size 1 stay out: a sum over each was
+    # an all-reduce of one device per q, k and v per layer (measured, JAX 0.12). An Explicit mesh
+    # keeps them: Pallas' interpret mode fails on arrays typed over an Explicit axis left outside.
+    manual = frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1 or mesh.explicit_axes)
+    if not manual:
+        return local(q, k, v)
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v)
+                         axis_names=manual, check_vma=False)(q, k, v)
 
 
 def param_specs(cfg: Config, rules: Rules):
