@@ -59,7 +59,10 @@ Memory per device (`Memory`, bytes):
         cp, fsdp_cp  those of T/C tokens, plus the C-1 received K and V blocks and each ring
                    step's statistics (its probabilities are recomputed: `_cp_activations`)
         final      2*b*T*D (ln_final in/out; tp_sp: b*T*D/t in, b*T*D gathered out) + b*T*V/t (logits) x s, and b*T*V/t x 4
-        (exp(z - max) in the f32 loss); the rest x s bytes. Not rematerialized by any
+        (exp(z - max) in the f32 loss); the rest x s bytes. With ModelConfig.loss_chunks = n
+        (vocabulary tiling, twinshard/model/loss.py) the logits terms are one chunk's, b*T/n*V/t
+        x (s + 4), plus each token's log-sum-exp b*T x 4 and the f32 lm_head gradient
+        accumulator D*V/t x 4 of the chunk loop. Not rematerialized by any
         policy (the manual FSDP twin checkpoints the lm_head matmul alone, which keeps
         its input and output). An estimate: XLA fuses, recomputes and frees buffers
         (compare with `compiled.memory_analysis()`; tests/test_remat.py states the factor).
@@ -359,6 +362,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
                       * dtype_bytes + attention_backward(cfg, b, seq, t, attention_kernel(cfg, gpu)))
     ln_final = head * seq * d // t + head * seq * d if sequence else 2 * head * seq * d  # tp_sp: on shards, gathered
     final = (ln_final + head * seq * v // t) * dtype_bytes + head * seq * v // t * F32  # f32 loss
+    if cfg.loss_chunks:  # vocabulary tiling: one chunk's logits, each token's lse, the f32 dW accumulator
+        final = (ln_final * dtype_bytes + head * seq // cfg.loss_chunks * v // t * (dtype_bytes + F32)
+                 + head * seq * F32 + d * v // t * F32)
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
         layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes)
     acts = layers * dtype_bytes + final

@@ -330,14 +330,29 @@ class TransformerLM(nnx.Module):
 
     def head_loss(self, x: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """Mean next-token cross-entropy of the residual stream x [B, T, D] after the blocks."""
-        return jnp.mean(par.token_loss(self.head(x, par), targets, self.cfg.vocab_size))
+        return jnp.mean(self.token_losses(x, targets, par))
+
+    def token_losses(self, x: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
+        """Per-token cross-entropy [B, T] of the residual stream x [B, T, D] after the blocks: from
+        the logits (`head`), or with ModelConfig.loss_chunks > 0 from the lm_head's input, chunk by
+        chunk (`par.chunked_token_loss`: no [B, T, V] array). The lm_head weight is used inside the
+        function `par.head` wraps, so FSDP's checkpoint re-gathers it for the backward pass."""
+        cfg = self.cfg
+        if not cfg.loss_chunks:
+            return par.token_loss(self.head(x, par), targets, cfg.vocab_size)
+
+        def lm_loss(h: Array) -> Array:  # h [B, T, D] -> [B, T]
+            w = _use(self.lm_head.weight, par, cfg.dtype)  # [D, V_pad(/tensor)]
+            return par.chunked_token_loss(h, w, targets, cfg.vocab_size, cfg.loss_chunks)
+
+        return par.head(lm_loss, par.enter_tensor_parallel(self.ln_final(x, par)))
 
     def loss(self, tokens: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """Mean next-token cross-entropy over this program's (local) tokens; with experts, plus
         the router losses (loss_and_stats)."""
         if self.cfg.num_experts:
             return self.loss_and_stats(tokens, targets, par)[0]
-        return jnp.mean(par.token_loss(self(tokens, par), targets, self.cfg.vocab_size))
+        return self.head_loss(self.blocks(tokens, par)[0], targets, par)
 
     def loss_and_stats(self, tokens: Array, targets: Array,
                        par: Parallelism = SINGLE_DEVICE) -> tuple[Array, dict[str, Array]]:
@@ -354,7 +369,7 @@ class TransformerLM(nnx.Module):
         program's (local) tokens'."""
         cfg = self.cfg
         x, layer_stats = self.blocks(tokens, par)
-        ce = jnp.mean(par.token_loss(self.head(x, par), targets, cfg.vocab_size))
+        ce = self.head_loss(x, targets, par)
         if layer_stats is None:
             return ce, {"ce": ce}
         loss = ce
