@@ -26,7 +26,7 @@ from typing import Any
 COMPUTE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "minimal")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # twinshard/parallel/pipeline.py  # twinshard.train.optim.make_optimizer
 CP_LAYOUTS = ("zigzag", "contiguous")  # context parallelism's token layout (twinshard/parallel/context.py)
@@ -111,7 +111,9 @@ class ModelConfig:
     scan_unroll: int = 1
     # Rematerialization of the scanned block (jax.checkpoint policy): "none" saves what autodiff
     # saves; "full" saves only each layer's input; "dots" saves matmul outputs; "dots_no_batch"
-    # saves matmul outputs without batch dimensions (the weights' uses, not the activations').
+    # saves matmul outputs without batch dimensions (the weights' uses, not the activations');
+    # "save_qkv_proj" saves q, k, v by name; "minimal" every projection and the attention kernel's
+    # out and log-sum-exp by name (twinshard/model/transformer.py REMAT_POLICIES).
     remat: str = "none"
     # Vocabulary tiling (MaxText's num_vocab_tiling): 0 computes the loss from the whole [B, T, V]
     # logits (f32 for the loss; autodiff keeps them for the backward pass); n >= 1 makes each

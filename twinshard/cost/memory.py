@@ -42,6 +42,12 @@ Memory per device (`Memory`, bytes):
                    output (TP: g's psum of it), w1 and w3 outputs. w2's output is a dot
                    too, but the backward pass never reads it: JAX saves what is read.
         dots       dots_no_batch + b*T*D/t (the AV product) + b*(H/t)*T^2 (the QK^T scores)
+        save_qkv_proj  b*T*(D + D/t + 2 kv_local): the input and the named q, k, v; + b*T*D under
+                   tensor parallelism (Megatron g's output, as full)
+        minimal    b*T*(2D + 3D/t + 2 kv_local + H/t + 2F/t): the input, the named q, k, v, the
+                   attention kernel's o and lse (layers.ATTENTION_RESIDUALS), the merged context,
+                   out_proj's output (TP: g's psum of it) and w1, w3 outputs; w2's output is named
+                   but never read by the backward pass (tp_sp: no model for the name policies)
         and, for every policy, one layer's `none` residuals once: the working set the
         backward loop rebuilds (or, under none, the cotangents it builds) for the layer it
         differentiates, + its attention backward's [T, T] arrays (`attention_backward`).
@@ -178,6 +184,10 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequ
                          "remat=none and remat=full.")
     if remat == "full":
         return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
+    if remat == "save_qkv_proj":  # the input, q, k, v (+ Megatron g's output under tp, as full)
+        return b * seq * (d + d // t + 2 * kv + (d if t > 1 else 0))
+    if remat == "minimal":  # the input, q, k, v, the kernel's o and lse, context, out_proj, w1 and w3 outputs
+        return b * seq * (2 * d + 3 * d // t + 2 * kv + h // t + 2 * f // t)
     no_batch = b * seq * (2 * d + d // t + 2 * kv + 2 * f // t)
     if remat == "dots_no_batch":
         return no_batch
