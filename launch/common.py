@@ -86,7 +86,11 @@ def define_precision_flags() -> None:
            "all-gather before the column-parallel matmuls into ppermutes overlapped with the matmuls.")
     define(flags.DEFINE_enum, "remat", None, REMAT_POLICIES, "Rematerialization of each layer (default none; "
            "full: recompute the layer in backward; dots: save only matmul outputs; dots_no_batch: save only "
-           "matmul outputs without a batch dimension).")
+           "matmul outputs without a batch dimension; save_qkv_proj: save q, k, v by name; minimal: save every "
+           "projection and the attention kernel's out and log-sum-exp by name).")
+    define(flags.DEFINE_integer, "loss_chunks", None, "Vocabulary tiling (default 0: off): the cross-entropy "
+           "of each device's tokens in this many chunks, each chunk's logits recomputed in the backward pass, so "
+           "no [B, T, V] float32 array is held; a divisor of the per-device batch x --context_length.")
     define_shape_flags()  # every launcher that builds a model config (train, plan, bench, collectives,
     define_moe_flags()  # compare) takes them
 
@@ -141,7 +145,8 @@ def define_moe_flags() -> None:
 
 # The flags that override the ModelConfig field of their name (with_model_flags; launch.plan's
 # launch line carries those that differ from the preset).
-MODEL_FLAGS = ("dtype", "remat", "attention", "attention_block", "scan_unroll", "collective_matmul", *SHAPE_FLAGS, *MOE_FLAGS)
+MODEL_FLAGS = ("dtype", "remat", "attention", "attention_block", "scan_unroll", "collective_matmul", "loss_chunks",
+               *SHAPE_FLAGS, *MOE_FLAGS)
 
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:

@@ -26,7 +26,7 @@ from typing import Any
 COMPUTE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn", "splash")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "minimal")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # twinshard/parallel/pipeline.py  # twinshard.train.optim.make_optimizer
 CP_LAYOUTS = ("zigzag", "contiguous")  # context parallelism's token layout (twinshard/parallel/context.py)
@@ -141,8 +141,18 @@ class ModelConfig:
     scan_unroll: int = 1
     # Rematerialization of the scanned block (jax.checkpoint policy): "none" saves what autodiff
     # saves; "full" saves only each layer's input; "dots" saves matmul outputs; "dots_no_batch"
-    # saves matmul outputs without batch dimensions (the weights' uses, not the activations').
+    # saves matmul outputs without batch dimensions (the weights' uses, not the activations');
+    # "save_qkv_proj" saves q, k, v by name; "minimal" every projection and the attention kernel's
+    # out and log-sum-exp by name (twinshard/model/transformer.py REMAT_POLICIES).
     remat: str = "none"
+    # Vocabulary tiling (MaxText's num_vocab_tiling): 0 computes the loss from the whole [B, T, V]
+    # logits (f32 for the loss; autodiff keeps them for the backward pass); n >= 1 makes each
+    # device's B*T tokens' logits n chunks at a time, forward and again in the backward pass
+    # (twinshard/model/loss.py chunked_token_cross_entropy), so the largest logits array is
+    # [B*T/n, V/tensor]. A count of chunks, not tokens, so each twin's chunk is a device's
+    # B*T/n tokens. Off by default (every program as before); on a TPU, pick n so that B*T/n
+    # is ~4-8k tokens per device when V*B*T/tensor x 6 bytes nears a tenth of HBM.
+    loss_chunks: int = 0
     # Megatron sequence parallelism (tp_sp), manual twin only: each all-gather before the
     # column-parallel matmuls decomposed into ppermutes overlapped with the matmuls
     # (manual_parallel/collectives.py all_gather_matmul). Launchers check the strategy and twin.
@@ -176,6 +186,9 @@ class ModelConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not supported; choose one of "
                                  f"{', '.join(choices)}.")
+        if self.loss_chunks < 0:
+            raise ValueError(f"ModelConfig.loss_chunks={self.loss_chunks} (--loss_chunks) must be >= 0 (0: the "
+                             "loss from whole logits; n: each device's tokens in n chunks).")
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "scan_unroll"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive.")
@@ -404,6 +417,12 @@ class TrainConfig:
 class Config:
     model: ModelConfig
     train: TrainConfig
+
+    def __post_init__(self):
+        chunks, tokens = self.model.loss_chunks, self.train.batch_size * self.model.context_length
+        if chunks and tokens % chunks:  # per device: loss.check_chunks, when the program is traced
+            raise ValueError(f"ModelConfig.loss_chunks={chunks} (--loss_chunks) does not divide batch_size x "
+                             f"context_length = {tokens} tokens; choose a divisor of {tokens} (0: off).")
 
 
 def _divisors(n: int) -> list[int]:

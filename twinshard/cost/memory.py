@@ -42,6 +42,12 @@ Memory per device (`Memory`, bytes):
                    output (TP: g's psum of it), w1 and w3 outputs. w2's output is a dot
                    too, but the backward pass never reads it: JAX saves what is read.
         dots       dots_no_batch + b*T*D/t (the AV product) + b*(H/t)*T^2 (the QK^T scores)
+        save_qkv_proj  b*T*(D + D/t + 2 kv_local): the input and the named q, k, v; + b*T*D under
+                   tensor parallelism (Megatron g's output, as full)
+        minimal    b*T*(2D + 3D/t + 2 kv_local + H/t + 2F/t): the input, the named q, k, v, the
+                   attention kernel's o and lse (layers.ATTENTION_RESIDUALS), the merged context,
+                   out_proj's output (TP: g's psum of it) and w1, w3 outputs; w2's output is named
+                   but never read by the backward pass (tp_sp: no model for the name policies)
         and, for every policy, one layer's `none` residuals once: the working set the
         backward loop rebuilds (or, under none, the cotangents it builds) for the layer it
         differentiates, + its attention backward's [T, T] arrays (`attention_backward`).
@@ -59,7 +65,10 @@ Memory per device (`Memory`, bytes):
         cp, fsdp_cp  those of T/C tokens, plus the C-1 received K and V blocks and each ring
                    step's statistics (its probabilities are recomputed: `_cp_activations`)
         final      2*b*T*D (ln_final in/out; tp_sp: b*T*D/t in, b*T*D gathered out) + b*T*V/t (logits) x s, and b*T*V/t x 4
-        (exp(z - max) in the f32 loss); the rest x s bytes. Not rematerialized by any
+        (exp(z - max) in the f32 loss); the rest x s bytes. With ModelConfig.loss_chunks = n
+        (vocabulary tiling, twinshard/model/loss.py) the logits terms are one chunk's, b*T/n*V/t
+        x (s + 4), plus each token's log-sum-exp b*T x 4 and the f32 lm_head gradient
+        accumulator D*V/t x 4 of the chunk loop. Not rematerialized by any
         policy (the manual FSDP twin checkpoints the lm_head matmul alone, which keeps
         its input and output). An estimate: XLA fuses, recomputes and frees buffers
         (compare with `compiled.memory_analysis()`; tests/test_remat.py states the factor).
@@ -175,6 +184,10 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequ
                          "remat=none and remat=full.")
     if remat == "full":
         return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
+    if remat == "save_qkv_proj":  # the input, q, k, v (+ Megatron g's output under tp, as full)
+        return b * seq * (d + d // t + 2 * kv + (d if t > 1 else 0))
+    if remat == "minimal":  # the input, q, k, v, the kernel's o and lse, context, out_proj, w1 and w3 outputs
+        return b * seq * (2 * d + 3 * d // t + 2 * kv + h // t + 2 * f // t)
     no_batch = b * seq * (2 * d + d // t + 2 * kv + 2 * f // t)
     if remat == "dots_no_batch":
         return no_batch
@@ -363,6 +376,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
                       * dtype_bytes + attention_backward(cfg, b, seq, t, attention_kernel(cfg, gpu)))
     ln_final = head * seq * d // t + head * seq * d if sequence else 2 * head * seq * d  # tp_sp: on shards, gathered
     final = (ln_final + head * seq * v // t) * dtype_bytes + head * seq * v // t * F32  # f32 loss
+    if cfg.loss_chunks:  # vocabulary tiling: one chunk's logits, each token's lse, the f32 dW accumulator
+        final = (ln_final * dtype_bytes + head * seq // cfg.loss_chunks * v // t * (dtype_bytes + F32)
+                 + head * seq * F32 + d * v // t * F32)
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
         layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes)
     acts = layers * dtype_bytes + final

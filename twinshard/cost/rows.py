@@ -165,12 +165,16 @@ def _times(k: int, rows: list[Row]) -> list[Row]:
 
 
 def _cross_entropy_rows(ctx: _Ctx, batch: int) -> list[Row]:
-    """The vocab-parallel cross-entropy's 3 all-reduces of per-token statistics [b, T] f32."""
-    stats, tok = batch * ctx.seq * F32, f"[{batch},{ctx.seq}] f32"
+    """The vocab-parallel cross-entropy's 3 all-reduces of per-token statistics [b, T] f32; with
+    ModelConfig.loss_chunks = n, 3 per chunk of [b T / n] (the same bytes; none in the backward
+    pass, which reads the saved log-sum-exp)."""
+    n = ctx.cfg.loss_chunks or 1
+    stats = batch * ctx.seq * F32 // n
+    tok = f"[{batch},{ctx.seq}] f32" if n == 1 and not ctx.cfg.loss_chunks else f"[{batch * ctx.seq // n}] f32 x {n} chunks"
     return [
-        row(ctx, "forward", "all-reduce", ("tensor",), 1, stats,
+        row(ctx, "forward", "all-reduce", ("tensor",), n, stats,
             f"vocab-parallel cross-entropy: pmax of the per-token max {tok} (an all-reduce with max)"),
-        row(ctx, "forward", "all-reduce", ("tensor",), 2, stats,
+        row(ctx, "forward", "all-reduce", ("tensor",), 2 * n, stats,
             f"vocab-parallel cross-entropy: psum of sum-exp and of the target logit {tok}"),
     ]
 

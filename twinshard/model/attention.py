@@ -19,6 +19,7 @@ import functools
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from twinshard.config import ModelConfig
 from twinshard.model import layers
@@ -28,6 +29,11 @@ from twinshard.model.linear import Linear, use
 Array = jax.Array
 # The logical axis of each column-parallel output (q, k, v), for the hooks that place them.
 QKV_AXES = ("heads", "kv_heads", "kv_heads")
+# jax.ad_checkpoint.checkpoint_name of the projections (MaxText's names), for the remat policies
+# that save them by name (transformer.REMAT_POLICIES); an identity in every program that does not.
+QKV_NAMES = ("query_proj", "key_proj", "value_proj")  # q, k, v after projection, before RoPE
+CONTEXT = "context"  # the attention output, heads merged, before output_proj [B, T, h*dh]
+OUT_PROJ = "out_proj"  # output_proj's output (after Megatron g under TP) [B, T, D]
 
 
 class CausalSelfAttention(nnx.Module):
@@ -47,8 +53,8 @@ class CausalSelfAttention(nnx.Module):
                           for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj))
         # q [B, T, h*dh], k, v [B, T, hk*dh] (h = H/tensor under TP; hk = Hkv/tensor, or where the
         # tensor axis is larger than Hkv 1 kv head in the manual twin, all Hkv in the GSPMD twin)
-        q, k, v = par.column_parallel(x, (wq, wk, wv), QKV_AXES)
+        q, k, v = (checkpoint_name(p, n) for p, n in zip(par.column_parallel(x, (wq, wk, wv), QKV_AXES), QKV_NAMES))
         attend = functools.partial(par.attention, impl=self.attention, block=self.attention_block)
         out = layers.attend_heads(q, k, v, par.positions(q.shape[-2]), self.head_dim, self.theta, self.max_len,
-                                  attend)
-        return par.row_parallel(out, wo)
+                                  attend)  # [B, T, h*dh]
+        return checkpoint_name(par.row_parallel(checkpoint_name(out, CONTEXT), wo), OUT_PROJ)

@@ -18,6 +18,7 @@ override only what they need:
     attention(q, k, v)      layers.causal_attention      positions; ring attention
     embed(ids, table)       -                            vocab-parallel lookup + psum
     token_loss(...)         -                            vocab-parallel cross-entropy
+    chunked_token_loss(...) -                            the same, chunk by chunk (loss_chunks)
     layer_stack(...)        pipeline: stages under vmap  - (manual_parallel/pp.py runs its own loop)
     layer_policy(policy)    -                            + save psum outputs (Megatron g);
                                                          FSDP: never save a gathered weight
@@ -149,7 +150,8 @@ class Parallelism:
         return policy
 
     def head(self, lm_head: Callable[[Array], Array], x: Array) -> Array:
-        """lm_head(x): x [B, T, D] -> logits [B, T, V(_local)]; FSDP checkpoints it."""
+        """lm_head(x): x [B, T, D] -> logits [B, T, V(_local)] (with ModelConfig.loss_chunks: the
+        per-token loss [B, T], the lm_head inside it); FSDP checkpoints it."""
         return lm_head(x)
 
     def dispatch(self, x: Array) -> Array:
@@ -180,6 +182,11 @@ class Parallelism:
     def token_loss(self, logits: Array, targets: Array, vocab_size: int) -> Array:
         """Per-token cross-entropy [B, T] from logits [B, T, V(_local)]."""
         return loss.token_cross_entropy(logits, targets, vocab_size)
+
+    def chunked_token_loss(self, x: Array, w: Array, targets: Array, vocab_size: int, chunks: int) -> Array:
+        """Per-token cross-entropy [B, T] of the lm_head's input x [B, T, D] and weight w [D, V(_local)],
+        `chunks` chunks of tokens at a time (ModelConfig.loss_chunks: loss.chunked_token_cross_entropy)."""
+        return loss.chunked_token_cross_entropy(x, w, targets, vocab_size, chunks)
 
 
 SINGLE_DEVICE = Parallelism()

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from twinshard.config import splash_block, splash_padded
 
@@ -457,6 +458,12 @@ def _keep_mask(t: int, positions: tuple[int, ...] | None) -> Array:
     return jnp.asarray(visible(pos, pos))
 
 
+# jax.ad_checkpoint.checkpoint_name of the attention kernel's saved out and log-sum-exp
+# (recompute_attention here; a kernel taking `residual_checkpoint_name` is given the same), for the
+# remat policies that keep them (transformer.REMAT_POLICIES "minimal").
+ATTENTION_RESIDUALS = "attention_residuals"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _recompute_attention(q: Array, k: Array, v: Array, positions: tuple[int, ...] | None) -> Array:
     return _recompute_attention_fwd(q, k, v, positions)[0]
@@ -470,7 +477,8 @@ def _recompute_attention_fwd(q: Array, k: Array, v: Array, positions: tuple[int,
     o = (jnp.einsum("...qk,...kd->...qd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
          / total).astype(v.dtype)  # [B, h, T, dh]
     lse = m + jnp.log(total)  # [B, h, T, 1] f32: p = exp(s - lse)
-    return o, (q, k, v, o, lse)
+    name = functools.partial(checkpoint_name, name=ATTENTION_RESIDUALS)  # an identity without a policy naming it
+    return o, (q, k, v, name(o), name(lse))
 
 
 def _recompute_attention_bwd(positions, res, do: Array) -> tuple[Array, Array, Array]:

@@ -55,9 +55,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from twinshard.model import layers, moe
 from twinshard.config import ModelConfig
+from twinshard.model import attention
 from twinshard.model.attention import CausalSelfAttention
 from twinshard.model.hooks import SINGLE_DEVICE, Parallelism, Policy
 from twinshard.model.linear import Linear, param as _param, truncated_normal as _truncated_normal, use as _use
@@ -91,6 +93,10 @@ class RMSNorm(nnx.Module):
         return layers.rms_norm(x, _use(self.weight, par), self.eps)
 
 
+# checkpoint_name of the SwiGLU projections (MaxText's names): w1, w3 outputs; w2's output.
+MLP_IN, MLP_OUT = ("mlpwi_0", "mlpwi_1"), "mlpwo"
+
+
 class SwiGLU(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs, dtype: str = "float32"):
         self.w1 = Linear(d_model, d_ff, ("embed", "mlp"), rngs=rngs, dtype=dtype)
@@ -101,8 +107,8 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """x: [B, T, D] -> [B, T, D]; w1/w3 column-parallel, w2 row-parallel."""
         w1, w2, w3 = (_use(m.weight, par, self.dtype) for m in (self.w1, self.w2, self.w3))
-        h1, h3 = par.column_parallel(x, (w1, w3))  # [B, T, F] each (F/tensor under TP)
-        return par.row_parallel(layers.swiglu_gate(h1, h3), w2)
+        h1, h3 = (checkpoint_name(h, n) for h, n in zip(par.column_parallel(x, (w1, w3)), MLP_IN))  # [B, T, F] each
+        return checkpoint_name(par.row_parallel(layers.swiglu_gate(h1, h3), w2), MLP_OUT)  # F/tensor under TP
 
 
 class Experts(nnx.Module):
@@ -215,13 +221,21 @@ REMAT_POLICIES: dict[str, Policy | None] = {
     # (no [b,H,T,T] residual; Korthikanti et al. 2022's "selective recomputation" of the
     # attention core).
     "dots_no_batch": _POLICIES.dots_with_no_batch_dims_saveable,
+    # By name (jax.ad_checkpoint.checkpoint_name in the layer math; MaxText's policies): q, k, v
+    # after projection; the backward loop recomputes the rest of the layer from them and the input.
+    "save_qkv_proj": _POLICIES.save_only_these_names(*attention.QKV_NAMES),
+    # Every projection (q, k, v, the attention output before and after output_proj, SwiGLU's w1,
+    # w3 and w2 outputs) and the attention kernel's out and log-sum-exp: the backward loop
+    # recomputes norms, RoPE and SwiGLU's gate alone, never a matmul or the attention core.
+    # (MaxText's "minimal" is dots_with_no_batch_dims, which here recomputes the attention core.)
+    "minimal": _POLICIES.save_only_these_names(*attention.QKV_NAMES, attention.CONTEXT, attention.OUT_PROJ,
+                                               *MLP_IN, MLP_OUT, layers.ATTENTION_RESIDUALS),
 }
 # Not offered (JAX 0.12's jax.checkpoint_policies): the offload policies
 # (`offload_dot_with_no_batch_dims`, `save_and_offload_only_these_names`) move residuals to
 # pinned host memory, which XLA:CPU does not separate from device memory (nothing the tests
-# could measure); the name policies (`save_only_these_names` with `checkpoint_name`) would
-# need names in the layer math, and with one policy per layer "full" already keeps just the
-# layer input; `save_anything_except_these_names` is a stub in 0.12 (it saves everything).
+# could measure). `save_anything_except_these_names` is a stub in 0.12.0.1 (read: it returns
+# `lambda *_, **__: True`, saving everything); `save_any_names_but_these` is its working form.
 
 
 def remat_policy(cfg: ModelConfig) -> Policy | None:
@@ -330,14 +344,29 @@ class TransformerLM(nnx.Module):
 
     def head_loss(self, x: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """Mean next-token cross-entropy of the residual stream x [B, T, D] after the blocks."""
-        return jnp.mean(par.token_loss(self.head(x, par), targets, self.cfg.vocab_size))
+        return jnp.mean(self.token_losses(x, targets, par))
+
+    def token_losses(self, x: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
+        """Per-token cross-entropy [B, T] of the residual stream x [B, T, D] after the blocks: from
+        the logits (`head`), or with ModelConfig.loss_chunks > 0 from the lm_head's input, chunk by
+        chunk (`par.chunked_token_loss`: no [B, T, V] array). The lm_head weight is used inside the
+        function `par.head` wraps, so FSDP's checkpoint re-gathers it for the backward pass."""
+        cfg = self.cfg
+        if not cfg.loss_chunks:
+            return par.token_loss(self.head(x, par), targets, cfg.vocab_size)
+
+        def lm_loss(h: Array) -> Array:  # h [B, T, D] -> [B, T]
+            w = _use(self.lm_head.weight, par, cfg.dtype)  # [D, V_pad(/tensor)]
+            return par.chunked_token_loss(h, w, targets, cfg.vocab_size, cfg.loss_chunks)
+
+        return par.head(lm_loss, par.enter_tensor_parallel(self.ln_final(x, par)))
 
     def loss(self, tokens: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """Mean next-token cross-entropy over this program's (local) tokens; with experts, plus
         the router losses (loss_and_stats)."""
         if self.cfg.num_experts:
             return self.loss_and_stats(tokens, targets, par)[0]
-        return jnp.mean(par.token_loss(self(tokens, par), targets, self.cfg.vocab_size))
+        return self.head_loss(self.blocks(tokens, par)[0], targets, par)
 
     def loss_and_stats(self, tokens: Array, targets: Array,
                        par: Parallelism = SINGLE_DEVICE) -> tuple[Array, dict[str, Array]]:
@@ -354,7 +383,7 @@ class TransformerLM(nnx.Module):
         program's (local) tokens'."""
         cfg = self.cfg
         x, layer_stats = self.blocks(tokens, par)
-        ce = jnp.mean(par.token_loss(self.head(x, par), targets, cfg.vocab_size))
+        ce = self.head_loss(x, targets, par)
         if layer_stats is None:
             return ce, {"ce": ce}
         loss = ce

@@ -34,6 +34,11 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     return shape
 
 
+# The strategies whose twins run ModelConfig.loss_chunks, held to single-device gradients and their
+# ledgers by tests/test_loss_chunks.py (sequence-split and pipelined layouts, the explicit twins: not yet).
+LOSS_CHUNK_STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")
+
+
 def check_options(strategy: str, impl: str, cfg: Config) -> None:
     """The options written in one twin only: the collective matmul (manual tp_sp), the 1F1B
     schedule (the manual pipelines) and ragged experts with micro-batches (manual); a ValueError
@@ -50,6 +55,10 @@ def check_options(strategy: str, impl: str, cfg: Config) -> None:
                          "twin accumulates each data shard's micro-batches under jax.vmap, and JAX 0.12 cannot vmap "
                          "jax.lax.ragged_dot over weights it does not batch: use --grad_accum=1, --impl=manual "
                          "or --moe_dispatch=dense.")
+    if cfg.model.loss_chunks and (impl not in ("manual", "auto") or strategy not in LOSS_CHUNK_STRATEGIES):
+        raise ValueError(f"--loss_chunks={cfg.model.loss_chunks} (vocabulary tiling) is written and tested for "
+                         f"--strategy={'/'.join(LOSS_CHUNK_STRATEGIES)} with --impl=manual or auto, not --strategy="
+                         f"{strategy} --impl={impl}: use one of those, or --loss_chunks=0.")
     if impl == "auto" and strategy in strategies.of_family("pipeline") and cfg.train.schedule != "gpipe":
         raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
                          "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
