@@ -24,6 +24,7 @@ import numbers
 from typing import Any
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("float32", "bfloat16")  # ModelConfig.weight_dtype: the params', gradients' and moments' dtype
 ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -100,6 +101,10 @@ class ModelConfig:
     # optimizer state stay float32 (master weights); matmuls accumulate in float32; norms,
     # softmax statistics and the loss are float32 (docs/speed.md, "bf16 compute").
     dtype: str = "float32"
+    # Storage dtype of the params, and so of their gradients and the optimizer's moments (MaxText's
+    # weight_dtype, whose mu_dtype follows it): "float32" (master weights) or "bfloat16" (8 bytes per
+    # parameter with AdamW instead of 16; no float32 copy is kept). Init draws in float32 and rounds.
+    weight_dtype: str = "float32"
     # Attention kernel (twinshard.model.layers.causal_attention): "auto" = cuDNN flash attention on a
     # GPU in bf16, "recompute" elsewhere (layers.recompute_attention: no [T, T] array saved for
     # the backward); "xla" = jax.nn's XLA kernel; "reference" = the readable
@@ -141,8 +146,9 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_types(self)
-        for name, choices in (("dtype", COMPUTE_DTYPES), ("attention", ATTENTION_IMPLS),
-                              ("remat", REMAT_POLICIES), ("moe_dispatch", MOE_DISPATCHES)):
+        for name, choices in (("dtype", COMPUTE_DTYPES), ("weight_dtype", WEIGHT_DTYPES),
+                              ("attention", ATTENTION_IMPLS), ("remat", REMAT_POLICIES),
+                              ("moe_dispatch", MOE_DISPATCHES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not supported; choose one of "
                                  f"{', '.join(choices)}.")
