@@ -3,6 +3,7 @@
     python -m launch.bench --preset=small --steps=10 --json=bench.json --markdown=bench.md
     python -m launch.bench --preset=maxtext_llama_ref --strategies=single,fsdp,fsdp_tp,dp
     python -m launch.bench --preset=gpt2_125m --strategies=single --batch_size=16   # one GPU
+    python -m launch.bench --preset=gpt2_350m --strategies=single --batch_size=16 --grad_accum=4   # 4 x 4 sequences
     python -m launch.bench --preset=tiny --mesh='tp=data:1,tensor:4'   # tp on 4 of the 8 devices
 
 For each run (the single-device reference, then each strategy with each twin):
@@ -67,6 +68,8 @@ common.define(flags.DEFINE_string, "preset", "small", "Named preset from twinsha
 common.define(flags.DEFINE_integer, "steps", None, "Timed steps per run, after the warm-up (default 10).")
 common.define(flags.DEFINE_integer, "batch_size", None, "Global batch size in sequences.")
 common.define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
+common.define(flags.DEFINE_integer, "grad_accum", None, "Micro-batches per step: the batch is split into "
+              "grad_accum micro-batches whose gradients are accumulated (default 1).")
 common.define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
 common.define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU.")
 common.define(flags.DEFINE_string, "json", None, "Write the results as JSON here.")
@@ -106,7 +109,7 @@ def config_from_flags() -> Config:
     else:
         raise ValueError(f"--preset={FLAGS.preset}: unknown; choose one of "
                          f"{', '.join((*PRESETS, *BENCH_PRESETS))}.")
-    train = {k: getattr(FLAGS, k) for k in ("batch_size", "seed") if getattr(FLAGS, k) is not None}
+    train = {k: getattr(FLAGS, k) for k in ("batch_size", "seed", "grad_accum") if getattr(FLAGS, k) is not None}
     try:
         cfg = Config(cfg.model, dataclasses.replace(cfg.train, **train))
     except ValueError as e:
@@ -330,6 +333,7 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     log(f"matmul peak {dtypes[0]} {n}^3 after the runs: {after['flops_per_s'] / 1e9:,.0f} GFLOP/s")
     return {"schema": 1, "command": command, "preset": name,
             "model": dataclasses.asdict(cfg.model), "batch_size": cfg.train.batch_size,
+            "grad_accum": cfg.train.grad_accum,
             "seq_len": cfg.model.context_length, "dtype": cfg.model.dtype, "steps": steps, "warmup": warmup,
             "environment": env, "peaks": peaks, "chip": dataclasses.asdict(chip) if chip else None,
             "runs": records}
@@ -375,7 +379,8 @@ def markdown(doc: dict) -> str:
     """One Markdown section: the setup, the peaks, and one table row per run."""
     env, m = doc["environment"], doc["model"]
     where = env["backend"] if env["backend"] == "cpu" else env["device_kind"]
-    lines = [f"### {doc['preset']} on {where}: batch {doc['batch_size']}x{doc['seq_len']}, {doc['dtype']}",
+    accum = f" in {doc['grad_accum']} micro-batches" if doc.get("grad_accum", 1) > 1 else ""
+    lines = [f"### {doc['preset']} on {where}: batch {doc['batch_size']}x{doc['seq_len']}{accum}, {doc['dtype']}",
              "",
              f"`{doc['command']}`" if doc["command"] else "",
              "",
@@ -448,7 +453,7 @@ def main(argv):
 
 
 BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "devices", "steps", "warmup", "batch_size",
-               "seed", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown")
+               "seed", "grad_accum", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown")
 
 
 def argv_flags() -> list[str]:

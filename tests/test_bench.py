@@ -81,6 +81,26 @@ def test_manual_twin_moves_exactly_the_cost_models_bytes(doc):
     assert auto["ledger_bytes"] > 0 and auto["model_bytes"] == manual["model_bytes"]
 
 
+def test_grad_accum_runs_micro_batches(tmp_path):
+    """--grad_accum=2 on one device: the step runs 2 micro-batches of 4 (the cost model counts the
+    float32 accumulator), and the record and the Markdown say so; 3 does not split the batch of 8."""
+    FLAGS.unparse_flags()
+    FLAGS(["bench", "--preset=tiny", "--strategies=single", "--grad_accum=2", "--steps=1", "--warmup=0",
+           "--matmul_size=64", "--matmul_reps=1", f"--json={tmp_path / 'b.json'}"])
+    try:
+        assert bench.main(["bench"]) == 0
+        FLAGS["grad_accum"].value = 3
+        with pytest.raises(ValueError, match="grad_accum=3"):
+            bench.config_from_flags()
+    finally:
+        FLAGS.unparse_flags()
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert doc["grad_accum"] == 2 and "--grad_accum=2" in doc["command"]
+    run = doc["runs"][0]
+    assert run["memory"]["model"]["accumulator"] > 0 and math.isfinite(run["loss_first"])
+    assert "batch 8x32 in 2 micro-batches" in bench.markdown(doc)
+
+
 def test_bad_input_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="'tp' is not one of the benchmarked strategies"):
         bench.parse_meshes("fsdp=data:8,tensor:1;tp=data:1,tensor:8", ["single", "fsdp"])
