@@ -56,7 +56,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from launch import common
+from launch import common, fit
 from twinshard.parallel import strategies
 from twinshard.hardware.chips import Chip, chip_for  # the datasheet peaks (launch.plan reads the same table)
 from twinshard.hardware import measure
@@ -74,7 +74,7 @@ common.define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (de
 common.define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU.")
 common.define(flags.DEFINE_string, "json", None, "Write the results as JSON here.")
 common.define(flags.DEFINE_string, "markdown", None, "Write the results as a Markdown section here.")
-common.define_precision_flags()  # --dtype, --attention
+common.define_precision_flags()  # --dtype, --attention, fit's --skip_memory_check, --device_memory_gib
 common.define(flags.DEFINE_list, "strategies", "single,dp,fsdp,tp,fsdp_tp", "Runs: single and/or strategies.")
 common.define(flags.DEFINE_list, "impls", "auto,manual", "Twins to run for each strategy: auto, manual, explicit "
               "(explicit: dp, fsdp, tp, fsdp_tp, tp_sp).")
@@ -225,7 +225,7 @@ def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps
     t0 = time.perf_counter()
     lowered = runner.train_step.lower(abstract, xs, xs)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = fit.compile_checked(lowered, cfg, strategy, mesh)  # refused in one line if it cannot fit
     t2 = time.perf_counter()
     label = strategy if impl is None else f"{strategy}/{impl}"
     log(f"{label}: train step lowered in {t1 - t0:.2f}s, compiled in {t2 - t1:.2f}s; init ...")
@@ -310,6 +310,8 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
         raise ValueError(f"need --steps >= 1, --warmup >= 0, --matmul_reps >= 1, --matmul_size >= 1; got "
                          f"{steps}, {warmup}, {matmul_reps}, {matmul_size}.")
     runners = build_runners(cfg, strategies, impls, meshes)  # validates every mesh first
+    for strategy, _, runner in runners:  # every step's memory by the cost model, before any compiles
+        fit.check_model(cfg, strategy, getattr(runner, "sizes", None))
     env = environment()
     dev = jax.devices()[0]
     n = matmul_size or (2048 if dev.platform == "cpu" else 8192)

@@ -69,6 +69,9 @@ def define_model_flags() -> None:
 
 
 def define_precision_flags() -> None:
+    from launch import fit
+
+    fit.define_flags()  # --skip_memory_check, --device_memory_gib: every launcher that builds a step
     from twinshard.config import ATTENTION_IMPLS, COMPUTE_DTYPES, REMAT_POLICIES, WEIGHT_DTYPES
 
     define(flags.DEFINE_enum, "dtype", None, COMPUTE_DTYPES, "Compute dtype (default: the preset's, float32): "
