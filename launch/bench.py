@@ -15,9 +15,8 @@ For each run (the single-device reference, then each strategy with each twin):
 - step: the compiled step run `--warmup` times, then `--steps` times, each
   step timed to `block_until_ready`; the median is reported, with tokens/s =
   B*T / median and model FLOP/s = the cost model's FLOPs per step / median
-  (twinshard.cost: 6 N_mm B T + 3 x the attention matmuls; the embedding
-  lookup counts 0; causal attention is counted in full because it is computed
-  in full).
+  (twinshard.cost `model_total`: 6 N_mm B T + 3 x the attention matmuls, causal
+  attention counted half as MaxText does since mid-2025; the embedding lookup counts 0).
 - peak: a float32 (and, on accelerators, bfloat16) matmul of
   `--matmul_size`^3 timed the same way, the 25th percentile time of `--matmul_reps` (the
   undisturbed rate: a shared VM's bursts drag a median down), measured
@@ -251,7 +250,8 @@ def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps
            "lower_s": t1 - t0, "compile_s": t2 - t1,
            "init": {"wall_s": init_wall, **init_times},
            "step_s": {"median": med, "min": min(times), "max": max(times), "all": times},
-           "tokens_per_s": B * T / med, "model_flops_per_step": flops.total, "model_flops_per_s": flops.total / med,
+           "tokens_per_s": B * T / med, "model_flops_per_step": flops.model_total,
+           "model_flops_per_s": flops.model_total / med,
            "loss_first": losses[0], "loss_last": losses[-1],
            "memory": {"xla": memory_per_device(compiled), "model": {**dataclasses.asdict(mem), "total": mem.total}},
            "collectives": collectives_vs_model(compiled, runner, model) if model is not None else None}
@@ -373,7 +373,8 @@ def summary_line(rec: dict) -> str:
     c = rec["collectives"]
     return (f"{rec['run']:<16} compile {rec['compile_s']:6.2f}s  init {rec['init']['wall_s']:6.2f}s  "
             f"step {1e3 * rec['step_s']['median']:8.1f} ms  {rec['tokens_per_s']:9,.0f} tok/s  "
-            f"{_si(rec['model_flops_per_s'], 'FLOP/s'):>13}  {100 * rec['fraction_of_measured_peak']:5.1f}% of peak"
+            f"{_si(rec['model_flops_per_s'], 'FLOP/s'):>13}  {100 * rec['fraction_of_measured_peak']:5.1f}% of peak "
+            "(causal attention counted half)"
             + (f"  ledger/model bytes {c['bytes_ratio']:.3f}" if c and c["bytes_ratio"] is not None else ""))
 
 
@@ -402,7 +403,7 @@ def markdown(doc: dict) -> str:
         lines.append(f"- nominal {c['name']}: bf16 {c['bf16']} TFLOP/s, tf32 {c['tf32']}, fp32 {c['fp32']} "
                      f"({c['source']})")
     head = ("run", "mesh", "lower s", "compile s", "compile / single", "init s (XLA compile)", "step ms (min-max)",
-            "tokens/s", "step / single", "model FLOP/s", "% of peak", "mem/dev MiB: XLA / model",
+            "tokens/s", "step / single", "model FLOP/s (causal attention counted half)", "% of peak", "mem/dev MiB: XLA / model",
             "ledger/model bytes")
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["runs"]:

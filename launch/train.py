@@ -200,8 +200,9 @@ def _check_same_run(saved: dict, meta: dict, step: int) -> None:
 class Utilization:
     """Model FLOP/s per device and MFU of a step time, and the device's peak memory.
 
-    FLOPs: the cost model's per step (twinshard/cost/flops.py: 6 x the matmul parameters x tokens
-    plus attention's QK^T and AV counted in full, as the kernels compute them). The peak: the chip
+    FLOPs: the cost model's per step in MFU's convention (twinshard/cost/flops.py `model_total`: 6 x
+    the matmul parameters x tokens plus attention's QK^T and AV, causal attention counted half:
+    flash and splash kernels skip the masked half; MaxText's convention since mid-2025). The peak: the chip
     table's (twinshard/hardware/chips.py) for the run's dtype x the devices; on a CPU, a float32
     matmul measured at start-up, for the whole machine (simulated devices share its cores)."""
 
@@ -211,7 +212,7 @@ class Utilization:
         from twinshard import cost
         from twinshard.hardware import chips, measure
 
-        self.flops = cost.flops(cfg.model, cfg.train.batch_size, cfg.model.context_length).total
+        self.flops = cost.flops(cfg.model, cfg.train.batch_size, cfg.model.context_length).model_total
         self.n_devices, self.device = n_devices, jax.local_devices()[0]
         chip = chips.chip_for(self.device.device_kind)
         if chip is not None:
@@ -235,7 +236,7 @@ class Utilization:
     @staticmethod
     def text(rec: dict) -> str:
         out = f" | {rec['tflops_per_device']:.3g} TFLOP/s/dev"
-        out += f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else ""
+        out += f" | MFU {100 * rec['mfu']:.1f}% (causal attention counted half)" if "mfu" in rec else ""
         return out + (f" | peak mem {rec['peak_memory_bytes'] / 2**30:.2f} GiB" if "peak_memory_bytes" in rec else "")
 
 

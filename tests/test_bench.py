@@ -66,8 +66,10 @@ def test_writes_every_field(doc):
 def test_model_flops_are_the_hand_count(doc):
     # tiny: V=384 (257 padded), D=64, F=192, L=2, H*dh=64, B=8, T=32.
     # matmul params N_mm = L(4 D^2 + 3 D F) + D V = 2(16384 + 36864) + 24576 = 131072
-    # forward = 2 B T N_mm + L * 4 B T^2 D = 67108864 + 4194304; a step is 3 forwards.
-    assert all(r["model_flops_per_step"] == 3 * (67108864 + 4194304) for r in doc["runs"])
+    # forward = 2 B T N_mm + L * 4 B T^2 D = 67108864 + 4194304; a step is 3 forwards; MFU's
+    # FLOPs count causal attention half: 3 * (67108864 + 4194304 / 2).
+    assert all(r["model_flops_per_step"] == 3 * (67108864 + 2097152) for r in doc["runs"])
+    assert "(causal attention counted half)" in doc["_markdown"]
 
 
 def test_manual_twin_moves_exactly_the_cost_models_bytes(doc):
