@@ -85,3 +85,18 @@ def test_a_cpu_has_no_limit_after_compiling():
     assert fit.limit(after_compile=True) is None  # nothing is compiled twice on a CPU: check_step returns None
     have, what = fit.limit(after_compile=False)
     assert have > 0 and "host" in what
+
+
+def test_llama_v5e_fits_one_v5e_with_float32_state():
+    """The preset's step by the cost model: its exact state plus 1.25 x its temporaries (the top of
+    tests/test_memory.py's single-device band) below a v5e's usable HBM (13.7 GiB estimated, 14.96 at
+    the band's top); Llama's shape rules hold."""
+    from twinshard.config import preset
+
+    cfg = preset("llama_v5e")
+    m = cfg.model
+    assert m.head_dim == 128 and m.kv_heads < m.num_heads and m.vocab_size % 256 == 0 and m.context_length == 2048
+    assert m.weight_dtype == "float32" and cfg.train.optimizer == "adamw" and 0.5e9 < m.num_params() < 1e9
+    need = cost.of_run(cfg, "single", None).memory
+    worst = need.total - need.temporaries + 1.25 * need.temporaries
+    assert worst < 15.75 * GIB, worst / GIB  # a v5e's bytes_limit (of its 16 GiB HBM)
