@@ -3,6 +3,7 @@
     python -m launch.bench --preset=small --steps=10 --json=bench.json --markdown=bench.md
     python -m launch.bench --preset=maxtext_llama_ref --strategies=single,fsdp,fsdp_tp,dp
     python -m launch.bench --preset=gpt2_125m --strategies=single --batch_size=16   # one GPU
+    python -m launch.bench --preset=gpt2_350m --strategies=single --batch_size=16 --grad_accum=4   # 4 x 4 sequences
     python -m launch.bench --preset=tiny --mesh='tp=data:1,tensor:4'   # tp on 4 of the 8 devices
 
 For each run (the single-device reference, then each strategy with each twin):
@@ -14,9 +15,8 @@ For each run (the single-device reference, then each strategy with each twin):
 - step: the compiled step run `--warmup` times, then `--steps` times, each
   step timed to `block_until_ready`; the median is reported, with tokens/s =
   B*T / median and model FLOP/s = the cost model's FLOPs per step / median
-  (twinshard.cost: 6 N_mm B T + 3 x the attention matmuls; the embedding
-  lookup counts 0; causal attention is counted in full because it is computed
-  in full).
+  (twinshard.cost `model_total`: 6 N_mm B T + 3 x the attention matmuls, causal
+  attention counted half as MaxText does since mid-2025; the embedding lookup counts 0).
 - peak: a float32 (and, on accelerators, bfloat16) matmul of
   `--matmul_size`^3 timed the same way, the 25th percentile time of `--matmul_reps` (the
   undisturbed rate: a shared VM's bursts drag a median down), measured
@@ -55,7 +55,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from launch import common
+from launch import common, fit
 from twinshard.parallel import strategies
 from twinshard.hardware.chips import Chip, chip_for  # the datasheet peaks (launch.plan reads the same table)
 from twinshard.hardware import measure
@@ -67,11 +67,13 @@ common.define(flags.DEFINE_string, "preset", "small", "Named preset from twinsha
 common.define(flags.DEFINE_integer, "steps", None, "Timed steps per run, after the warm-up (default 10).")
 common.define(flags.DEFINE_integer, "batch_size", None, "Global batch size in sequences.")
 common.define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
+common.define(flags.DEFINE_integer, "grad_accum", None, "Micro-batches per step: the batch is split into "
+              "grad_accum micro-batches whose gradients are accumulated (default 1).")
 common.define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
 common.define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU.")
 common.define(flags.DEFINE_string, "json", None, "Write the results as JSON here.")
 common.define(flags.DEFINE_string, "markdown", None, "Write the results as a Markdown section here.")
-common.define_precision_flags()  # --dtype, --attention
+common.define_precision_flags()  # --dtype, --attention, fit's --skip_memory_check, --device_memory_gib
 common.define(flags.DEFINE_list, "strategies", "single,dp,fsdp,tp,fsdp_tp", "Runs: single and/or strategies.")
 common.define(flags.DEFINE_list, "impls", "auto,manual", "Twins to run for each strategy: auto, manual, explicit "
               "(explicit: dp, fsdp, tp, fsdp_tp, tp_sp).")
@@ -106,7 +108,7 @@ def config_from_flags() -> Config:
     else:
         raise ValueError(f"--preset={FLAGS.preset}: unknown; choose one of "
                          f"{', '.join((*PRESETS, *BENCH_PRESETS))}.")
-    train = {k: getattr(FLAGS, k) for k in ("batch_size", "seed") if getattr(FLAGS, k) is not None}
+    train = {k: getattr(FLAGS, k) for k in ("batch_size", "seed", "grad_accum") if getattr(FLAGS, k) is not None}
     try:
         cfg = Config(cfg.model, dataclasses.replace(cfg.train, **train))
     except ValueError as e:
@@ -222,7 +224,7 @@ def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps
     t0 = time.perf_counter()
     lowered = runner.train_step.lower(abstract, xs, xs)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = fit.compile_checked(lowered, cfg, strategy, mesh)  # refused in one line if it cannot fit
     t2 = time.perf_counter()
     label = strategy if impl is None else f"{strategy}/{impl}"
     log(f"{label}: train step lowered in {t1 - t0:.2f}s, compiled in {t2 - t1:.2f}s; init ...")
@@ -248,7 +250,8 @@ def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps
            "lower_s": t1 - t0, "compile_s": t2 - t1,
            "init": {"wall_s": init_wall, **init_times},
            "step_s": {"median": med, "min": min(times), "max": max(times), "all": times},
-           "tokens_per_s": B * T / med, "model_flops_per_step": flops.total, "model_flops_per_s": flops.total / med,
+           "tokens_per_s": B * T / med, "model_flops_per_step": flops.model_total,
+           "model_flops_per_s": flops.model_total / med,
            "loss_first": losses[0], "loss_last": losses[-1],
            "memory": {"xla": memory_per_device(compiled), "model": {**dataclasses.asdict(mem), "total": mem.total}},
            "collectives": collectives_vs_model(compiled, runner, model) if model is not None else None}
@@ -307,6 +310,8 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
         raise ValueError(f"need --steps >= 1, --warmup >= 0, --matmul_reps >= 1, --matmul_size >= 1; got "
                          f"{steps}, {warmup}, {matmul_reps}, {matmul_size}.")
     runners = build_runners(cfg, strategies, impls, meshes)  # validates every mesh first
+    for strategy, _, runner in runners:  # every step's memory by the cost model, before any compiles
+        fit.check_model(cfg, strategy, getattr(runner, "sizes", None))
     env = environment()
     dev = jax.devices()[0]
     n = matmul_size or (2048 if dev.platform == "cpu" else 8192)
@@ -330,6 +335,7 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     log(f"matmul peak {dtypes[0]} {n}^3 after the runs: {after['flops_per_s'] / 1e9:,.0f} GFLOP/s")
     return {"schema": 1, "command": command, "preset": name,
             "model": dataclasses.asdict(cfg.model), "batch_size": cfg.train.batch_size,
+            "grad_accum": cfg.train.grad_accum,
             "seq_len": cfg.model.context_length, "dtype": cfg.model.dtype, "steps": steps, "warmup": warmup,
             "environment": env, "peaks": peaks, "chip": dataclasses.asdict(chip) if chip else None,
             "runs": records}
@@ -367,7 +373,8 @@ def summary_line(rec: dict) -> str:
     c = rec["collectives"]
     return (f"{rec['run']:<16} compile {rec['compile_s']:6.2f}s  init {rec['init']['wall_s']:6.2f}s  "
             f"step {1e3 * rec['step_s']['median']:8.1f} ms  {rec['tokens_per_s']:9,.0f} tok/s  "
-            f"{_si(rec['model_flops_per_s'], 'FLOP/s'):>13}  {100 * rec['fraction_of_measured_peak']:5.1f}% of peak"
+            f"{_si(rec['model_flops_per_s'], 'FLOP/s'):>13}  {100 * rec['fraction_of_measured_peak']:5.1f}% of peak "
+            "(causal attention counted half)"
             + (f"  ledger/model bytes {c['bytes_ratio']:.3f}" if c and c["bytes_ratio"] is not None else ""))
 
 
@@ -375,7 +382,8 @@ def markdown(doc: dict) -> str:
     """One Markdown section: the setup, the peaks, and one table row per run."""
     env, m = doc["environment"], doc["model"]
     where = env["backend"] if env["backend"] == "cpu" else env["device_kind"]
-    lines = [f"### {doc['preset']} on {where}: batch {doc['batch_size']}x{doc['seq_len']}, {doc['dtype']}",
+    accum = f" in {doc['grad_accum']} micro-batches" if doc.get("grad_accum", 1) > 1 else ""
+    lines = [f"### {doc['preset']} on {where}: batch {doc['batch_size']}x{doc['seq_len']}{accum}, {doc['dtype']}",
              "",
              f"`{doc['command']}`" if doc["command"] else "",
              "",
@@ -395,7 +403,7 @@ def markdown(doc: dict) -> str:
         lines.append(f"- nominal {c['name']}: bf16 {c['bf16']} TFLOP/s, tf32 {c['tf32']}, fp32 {c['fp32']} "
                      f"({c['source']})")
     head = ("run", "mesh", "lower s", "compile s", "compile / single", "init s (XLA compile)", "step ms (min-max)",
-            "tokens/s", "step / single", "model FLOP/s", "% of peak", "mem/dev MiB: XLA / model",
+            "tokens/s", "step / single", "model FLOP/s (causal attention counted half)", "% of peak", "mem/dev MiB: XLA / model",
             "ledger/model bytes")
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["runs"]:
@@ -448,7 +456,7 @@ def main(argv):
 
 
 BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "devices", "steps", "warmup", "batch_size",
-               "seed", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown")
+               "seed", "grad_accum", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown")
 
 
 def argv_flags() -> list[str]:

@@ -37,7 +37,7 @@ import time
 
 from absl import app, flags, logging
 
-from launch import common
+from launch import common, fit
 
 common.define(flags.DEFINE_string, "json", None, "Write ledger, model and comparison as JSON to this path.")
 common.define(flags.DEFINE_string, "hlo", None, "Write the compiled (optimized) HLO text to this path.")
@@ -101,6 +101,14 @@ def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
     return common.make_runner(strategy, impl, mesh_spec, cfg, devices)
 
 
+def _pod_memory(devices) -> tuple[int, str] | None:
+    """(HBM bytes, what) of a --topology's chip (twinshard.hardware.chips), or None: this host's devices."""
+    from twinshard.hardware import chips
+
+    chip = None if devices is None else chips.chip_for(devices[0].device_kind)
+    return None if chip is None else (chip.hbm_bytes, f"{chip.name}'s HBM")
+
+
 def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None) -> dict:
     """Compile the train step AOT; return ledger, model, comparison, notes, HLO text, timings."""
     import jax
@@ -114,9 +122,12 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
                                   sharding=runner.batch_sharding)
     state = runner.abstract_state()
+    bound = _pod_memory(devices)
+    fit.check_model(cfg, strategy, mesh, bound)
     t0 = time.perf_counter()
     lowered = runner.train_step.lower(state, tokens, tokens)
-    compiled = lowered.compile() if devices is None else topology.compile_for_pod(lowered)  # a TPU pod's devices
+    compiled = fit.compile_checked(lowered, cfg, strategy, mesh, bound,  # a TPU pod's devices: compiled for them
+                                   None if devices is None else topology.compile_for_pod)
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     led = hlo.ledger(text, runner.mesh)

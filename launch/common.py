@@ -69,10 +69,16 @@ def define_model_flags() -> None:
 
 
 def define_precision_flags() -> None:
-    from twinshard.config import ATTENTION_IMPLS, COMPUTE_DTYPES, REMAT_POLICIES
+    from launch import fit
+
+    fit.define_flags()  # --skip_memory_check, --device_memory_gib: every launcher that builds a step
+    from twinshard.config import ATTENTION_IMPLS, COMPUTE_DTYPES, REMAT_POLICIES, WEIGHT_DTYPES
 
     define(flags.DEFINE_enum, "dtype", None, COMPUTE_DTYPES, "Compute dtype (default: the preset's, float32): "
            "bfloat16 = bf16 activations and matmuls, float32 master weights, optimizer state, norms and loss.")
+    define(flags.DEFINE_enum, "weight_dtype", None, WEIGHT_DTYPES, "Storage dtype of the params, their "
+           "gradients and the optimizer's moments (default: the preset's, float32; bfloat16: half the bytes "
+           "per parameter, no float32 master copy).")
     define(flags.DEFINE_enum, "attention", None, ATTENTION_IMPLS, "Attention kernel (default auto: cuDNN flash "
            "attention on a GPU in bf16, splash on a TPU in bf16, recompute elsewhere: its backward recomputes the "
            "probabilities, saving no [T, T] array; splash: JAX's Pallas TPU flash attention, interpret mode off a "
@@ -145,8 +151,8 @@ def define_moe_flags() -> None:
 
 # The flags that override the ModelConfig field of their name (with_model_flags; launch.plan's
 # launch line carries those that differ from the preset).
-MODEL_FLAGS = ("dtype", "remat", "attention", "attention_block", "scan_unroll", "collective_matmul", "loss_chunks",
-               *SHAPE_FLAGS, *MOE_FLAGS)
+MODEL_FLAGS = ("dtype", "weight_dtype", "remat", "attention", "attention_block", "scan_unroll", "collective_matmul",
+               "loss_chunks", *SHAPE_FLAGS, *MOE_FLAGS)
 
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:

@@ -16,7 +16,7 @@ import json
 
 from absl import flags, logging
 
-from launch import common
+from launch import common, fit
 
 common.define(flags.DEFINE_string, "json", None, "Write the comparison as JSON here.")
 common.define(flags.DEFINE_string, "plot", None, "Write a PNG of the loss curves and their differences here.")
@@ -59,6 +59,10 @@ def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) 
     impls = ("single", *twins(strategy))
     runners = {impl: common.make_runner(strategy if impl != "single" else "single", impl, mesh_spec, cfg, devices)
                for impl in impls}
+    for impl, r in runners.items():  # every step checked against the device's memory before any runs
+        fit.check_model(cfg, strategy if impl != "single" else "single", getattr(r, "sizes", None))
+    for impl, r in runners.items():
+        fit.check_step(r, cfg, strategy if impl != "single" else "single")
     out: dict = {"strategy": strategy, "mesh": dict(runners["manual"].sizes), "losses": {}, "ledgers": {}}
     params, grads = {}, {}
     for impl, r in runners.items():

@@ -25,7 +25,7 @@ import time
 
 from absl import flags, logging
 
-from launch import common
+from launch import common, fit
 
 common.define(flags.DEFINE_string, "workdir", "runs/default", "Output directory: metrics.jsonl and checkpoints/.")
 flags.DEFINE_integer("log_every", None, "Log every N steps (default: the preset's).")
@@ -37,8 +37,6 @@ flags.DEFINE_integer("resume_step", None, "Resume from the checkpoint of this st
                      "--resume); the later ones are replaced when this run writes its first checkpoint.")
 flags.DEFINE_integer("stop_after", None, "Stop (with a checkpoint) after this step, as a preemption "
                      "would; the schedule still runs to --steps, so --resume continues it exactly.")
-flags.DEFINE_bool("skip_memory_check", False, "Compile even when the cost model's per-device memory exceeds "
-                  "the device's (the model is a lower bound: XLA's own peak sits 0-75% above it).")
 flags.DEFINE_string("profile_steps", None, "START:COUNT: a jax.profiler trace of steps START..START+COUNT-1 "
                     "(1-based; skip step 1, it compiles) in <workdir>/profile, for TensorBoard and Perfetto.")
 common.define_model_flags()
@@ -199,59 +197,12 @@ def _check_same_run(saved: dict, meta: dict, step: int) -> None:
                          "an exact continuation needs the same ones; use a new --workdir to change them.")
 
 
-def device_memory_bytes() -> tuple[int, str]:
-    """(bytes one device may use, what that is): the accelerator's limit, or on a CPU the host's
-    physical memory shared by its local (simulated) devices."""
-    import jax
-
-    local = jax.local_devices()
-    stats = local[0].memory_stats()
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]), f"{local[0].device_kind}'s memory"
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total // len(local), f"this host's {total / 2**30:.1f} GiB shared by {len(local)} device(s)"
-
-
-# What to change when each part of the memory model dominates.
-_MEMORY_FIXES = {
-    "activations": "--remat=full, a smaller --batch_size or --context_length, or the sequence over more devices (cp)",
-    "backward_layer": "a smaller --batch_size or --context_length (attention's [T, T] grows with T^2), or cp",
-    "params": "more devices with fsdp (or fsdp_tp), or a smaller model",
-    "grads": "more devices with fsdp (or fsdp_tp), or a smaller model",
-    "optimizer": "--optimizer=adafactor, more devices with fsdp, or a smaller model",
-    "gathered_weights": "tp or fsdp_tp (each device gathers only its tensor shard)",
-    "accumulator": "a smaller --grad_accum with a smaller --batch_size",
-}
-
-
-def check_memory(cfg, strategy: str, sizes: dict | None) -> None:
-    """The cost model's bytes per device against the device's, before anything compiles: a
-    ValueError naming what dominates and what to change. The model counts what the step must
-    hold (XLA's peak was 0-75% above it in every measured case: tests/test_memory.py), so a
-    model above the device's memory cannot fit; no margin is taken, to refuse only those."""
-    import jax
-
-    from twinshard import cost
-
-    try:  # attention auto on a GPU: cuDNN's, which keeps no [T, T] array
-        need = cost.of_run(cfg, strategy, sizes, gpu=jax.default_backend() == "gpu").memory
-    except ValueError:  # no memory model for this configuration (a mixture of experts under remat=dots)
-        return
-    have, what = device_memory_bytes()
-    if need.total <= have:
-        return
-    parts = dataclasses.asdict(need)
-    top = max(parts, key=parts.get)
-    raise ValueError(f"this step needs ~{need.total / 2**30:.1f} GiB per device (cost model; {top} "
-                     f"{parts[top] / 2**30:.1f} GiB) and a device has {have / 2**30:.1f} GiB ({what}): try "
-                     f"{_MEMORY_FIXES[top]}; --skip_memory_check compiles anyway.")
-
-
 class Utilization:
     """Model FLOP/s per device and MFU of a step time, and the device's peak memory.
 
-    FLOPs: the cost model's per step (twinshard/cost/flops.py: 6 x the matmul parameters x tokens
-    plus attention's QK^T and AV counted in full, as the kernels compute them). The peak: the chip
+    FLOPs: the cost model's per step in MFU's convention (twinshard/cost/flops.py `model_total`: 6 x
+    the matmul parameters x tokens plus attention's QK^T and AV, causal attention counted half:
+    flash and splash kernels skip the masked half; MaxText's convention since mid-2025). The peak: the chip
     table's (twinshard/hardware/chips.py) for the run's dtype x the devices; on a CPU, a float32
     matmul measured at start-up, for the whole machine (simulated devices share its cores)."""
 
@@ -261,7 +212,7 @@ class Utilization:
         from twinshard import cost
         from twinshard.hardware import chips, measure
 
-        self.flops = cost.flops(cfg.model, cfg.train.batch_size, cfg.model.context_length).total
+        self.flops = cost.flops(cfg.model, cfg.train.batch_size, cfg.model.context_length).model_total
         self.n_devices, self.device = n_devices, jax.local_devices()[0]
         chip = chips.chip_for(self.device.device_kind)
         if chip is not None:
@@ -285,7 +236,7 @@ class Utilization:
     @staticmethod
     def text(rec: dict) -> str:
         out = f" | {rec['tflops_per_device']:.3g} TFLOP/s/dev"
-        out += f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else ""
+        out += f" | MFU {100 * rec['mfu']:.1f}% (causal attention counted half)" if "mfu" in rec else ""
         return out + (f" | peak mem {rec['peak_memory_bytes'] / 2**30:.2f} GiB" if "peak_memory_bytes" in rec else "")
 
 
@@ -351,8 +302,8 @@ def main(argv):
     common.init_distributed(FLAGS)
     devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present) if FLAGS.strategy != "single" else None
     runner = common.make_runner(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # validates the mesh
-    if not FLAGS.skip_memory_check:
-        check_memory(cfg, FLAGS.strategy, getattr(runner, "sizes", None))  # before anything compiles
+    fit.check_model(cfg, FLAGS.strategy, getattr(runner, "sizes", None))  # before anything compiles
+    fit.check_step(runner, cfg, FLAGS.strategy)  # compiled, its memory_analysis checked, before any write
 
     import jax
     import numpy as np

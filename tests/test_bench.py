@@ -66,8 +66,10 @@ def test_writes_every_field(doc):
 def test_model_flops_are_the_hand_count(doc):
     # tiny: V=384 (257 padded), D=64, F=192, L=2, H*dh=64, B=8, T=32.
     # matmul params N_mm = L(4 D^2 + 3 D F) + D V = 2(16384 + 36864) + 24576 = 131072
-    # forward = 2 B T N_mm + L * 4 B T^2 D = 67108864 + 4194304; a step is 3 forwards.
-    assert all(r["model_flops_per_step"] == 3 * (67108864 + 4194304) for r in doc["runs"])
+    # forward = 2 B T N_mm + L * 4 B T^2 D = 67108864 + 4194304; a step is 3 forwards; MFU's
+    # FLOPs count causal attention half: 3 * (67108864 + 4194304 / 2).
+    assert all(r["model_flops_per_step"] == 3 * (67108864 + 2097152) for r in doc["runs"])
+    assert "(causal attention counted half)" in doc["_markdown"]
 
 
 def test_manual_twin_moves_exactly_the_cost_models_bytes(doc):
@@ -79,6 +81,26 @@ def test_manual_twin_moves_exactly_the_cost_models_bytes(doc):
     assert manual["ledger_count"] == manual["model_count"] == 16 + 15 + 16 + 3 + 1 + 1
     auto = doc["runs"][0]["collectives"]
     assert auto["ledger_bytes"] > 0 and auto["model_bytes"] == manual["model_bytes"]
+
+
+def test_grad_accum_runs_micro_batches(tmp_path):
+    """--grad_accum=2 on one device: the step runs 2 micro-batches of 4 (the cost model counts the
+    float32 accumulator), and the record and the Markdown say so; 3 does not split the batch of 8."""
+    FLAGS.unparse_flags()
+    FLAGS(["bench", "--preset=tiny", "--strategies=single", "--grad_accum=2", "--steps=1", "--warmup=0",
+           "--matmul_size=64", "--matmul_reps=1", f"--json={tmp_path / 'b.json'}"])
+    try:
+        assert bench.main(["bench"]) == 0
+        FLAGS["grad_accum"].value = 3
+        with pytest.raises(ValueError, match="grad_accum=3"):
+            bench.config_from_flags()
+    finally:
+        FLAGS.unparse_flags()
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert doc["grad_accum"] == 2 and "--grad_accum=2" in doc["command"]
+    run = doc["runs"][0]
+    assert run["memory"]["model"]["accumulator"] > 0 and math.isfinite(run["loss_first"])
+    assert "batch 8x32 in 2 micro-batches" in bench.markdown(doc)
 
 
 def test_bad_input_is_refused_before_any_work(tmp_path):

@@ -100,7 +100,7 @@ def test_a_step_too_big_for_the_device_is_refused_before_compiling(tmp_path):
     cost model's estimate refuses it in one line naming what dominates, before anything compiles
     or is written (without the check: RESOURCE_EXHAUSTED after the compile, 24 lines)."""
     proc = train("--context_length=100000", f"--workdir={tmp_path / 'never'}")
-    assert_user_error(proc, "per device (cost model; backward_layer", "attention's [T, T] grows with T^2",
+    assert_user_error(proc, "per device by the cost model (one layer's backward working set", "[T, T] grows with T^2",
                       "--skip_memory_check")
     assert not (tmp_path / "never").exists()
 

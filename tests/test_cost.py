@@ -121,6 +121,9 @@ def test_flops_hand_count():
     # 6 N tokens (N with the embedding) overestimates by the embedding + norms, ~16% here.
     assert 6 * CFG.num_params() * B * T == pytest.approx(f.total, rel=0.2)
     assert cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B).flops.per_device == f.total / 8
+    # MFU's FLOPs: the masked half of causal attention is not counted (flash/splash skip it)
+    assert f.model_total == 6 * n_mm * B * T + 3 * attention // 2 == 3 * (67108864 + 2097152)
+    assert cost.cost(CFG, "fsdp_tp", {"data": 2, "tensor": 4}, B).flops.model_per_device == f.model_total / 8
 
 
 def test_flops_match_xlas_count():

@@ -114,7 +114,7 @@ def test_memory_model_keeps_no_square_array_for_splash():
 
 
 def test_splash_names_its_residuals_for_remat():
-    """Under a checkpoint saving only SPLASH_RESIDUALS, o [B, h, T, dh] and the logsumexp [B, h, T]
+    """Under a checkpoint saving only ATTENTION_RESIDUALS, o [B, h, T, dh] and the logsumexp [B, h, T]
     are saved (nothing_saveable: neither), so a policy can keep them and skip the forward kernel."""
     q = jnp.ones((1, 2, 128, 16))
     f = lambda q: layers.splash_attention(q, q, q)  # noqa: E731
@@ -125,7 +125,7 @@ def test_splash_names_its_residuals_for_remat():
             print_saved_residuals(jax.checkpoint(f, policy=policy), q)
         return text.getvalue()
 
-    named = saved(jax.checkpoint_policies.save_only_these_names(layers.SPLASH_RESIDUALS))
+    named = saved(jax.checkpoint_policies.save_only_these_names(layers.ATTENTION_RESIDUALS))
     assert "f32[1,2,128] output of" in named and named.count("f32[1,2,128,16] output of") == 1  # lse, o
     nothing = saved(jax.checkpoint_policies.nothing_saveable)
     assert "f32[1,2,128] output of" not in nothing and "f32[1,2,128,16] output of" not in nothing

@@ -61,7 +61,9 @@ def test_log_reports_model_flops_and_mfu(full_run):
     from twinshard.config import preset
 
     cfg = preset("tiny")
-    step_flops = cost.flops(cfg.model, cfg.train.batch_size, cfg.model.context_length).total
+    f = cost.flops(cfg.model, cfg.train.batch_size, cfg.model.context_length)
+    step_flops = f.model_total  # causal attention counted half
+    assert step_flops == 3 * (f.forward_matmul + f.forward_attention // 2) < f.total
     for r in metrics(full_run):
         assert r["tflops_per_device"] * 1e12 * r["step_time"] == pytest.approx(step_flops, rel=1e-9)
         assert r["peak_flops"] > 0 and r["mfu"] == pytest.approx(step_flops / r["step_time"] / r["peak_flops"])

@@ -61,6 +61,9 @@ def define_flags() -> None:
     flags.DEFINE_string("dtype", None, "Compute dtype override (float32, bfloat16).")
     flags.DEFINE_string("remat", None, "Remat policy override.")
     flags.DEFINE_integer("batch_size", None, "Global batch size override (sequences).")
+    from launch import fit
+
+    fit.define_flags()  # --skip_memory_check, --device_memory_gib: a step that cannot fit is refused
 
 # name = type op(...): a tuple type "(f32[8]{0}, s8[64]{0})" has spaces (multi-output fusions, GEMMs)
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w\-]+)\(", re.M)
@@ -173,10 +176,14 @@ def build(cfg):
     from launch import bench, common
     from twinshard.train import trainer
 
+    from launch import fit
+
     if FLAGS.strategy == "single":
         runner = trainer.SingleDevice(cfg.model, cfg.train)
     else:
         runner = common.make_runner(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg)
+    fit.check_model(cfg, FLAGS.strategy, getattr(runner, "sizes", None))  # before compiling or allocating
+    fit.check_step(runner, cfg, FLAGS.strategy)
     x, y = bench.random_batch(cfg)
     return runner, runner.init_state(0), runner.place_batch(x, y)
 

@@ -24,6 +24,7 @@ import numbers
 from typing import Any
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("float32", "bfloat16")  # ModelConfig.weight_dtype: the params', gradients' and moments' dtype
 ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn", "splash")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "minimal")
@@ -126,6 +127,10 @@ class ModelConfig:
     # optimizer state stay float32 (master weights); matmuls accumulate in float32; norms,
     # softmax statistics and the loss are float32 (docs/speed.md, "bf16 compute").
     dtype: str = "float32"
+    # Storage dtype of the params, and so of their gradients and the optimizer's moments (MaxText's
+    # weight_dtype, whose mu_dtype follows it): "float32" (master weights) or "bfloat16" (8 bytes per
+    # parameter with AdamW instead of 16; no float32 copy is kept). Init draws in float32 and rounds.
+    weight_dtype: str = "float32"
     # Attention kernel (twinshard.model.layers.causal_attention): "auto" = cuDNN flash attention on a
     # GPU in bf16, splash on a TPU in bf16, "recompute" elsewhere (layers.recompute_attention: no
     # [T, T] array saved for the backward); "splash" = JAX's Pallas TPU flash attention
@@ -181,8 +186,9 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_types(self)
-        for name, choices in (("dtype", COMPUTE_DTYPES), ("attention", ATTENTION_IMPLS),
-                              ("remat", REMAT_POLICIES), ("moe_dispatch", MOE_DISPATCHES)):
+        for name, choices in (("dtype", COMPUTE_DTYPES), ("weight_dtype", WEIGHT_DTYPES),
+                              ("attention", ATTENTION_IMPLS), ("remat", REMAT_POLICIES),
+                              ("moe_dispatch", MOE_DISPATCHES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not supported; choose one of "
                                  f"{', '.join(choices)}.")
@@ -487,6 +493,18 @@ _PRESETS: dict[str, Config] = {
     # feature pairs (Meta's checkpoints on huggingface.co rotate halves), and Llama 3's tiktoken
     # vocabulary is not shipped ("bytes" is a placeholder whose ids stay inside the 128256 rows). The
     # train fields are planning defaults, not Meta's recipe.
+    # Llama-shaped for ONE TPU v5e (15.75 GiB HBM) with float32 master weights and AdamW moments: head_dim
+    # 128, 4 key/value heads, vocab 32768 (a multiple of 256; "bytes" a placeholder, as llama3's), T 2048,
+    # 0.77B params. The cost model (launch/fit.py): 13.7 GiB per chip at batch 2 under remat full in
+    # bf16 (12.2 GiB of weights, gradients and moments); batch 4 is 15.5 GiB, too close to fit.
+    # Intended: batch 2 x 2048, remat full, bf16 compute (set here), no grad_accum (its float32
+    # accumulator is another 2.9 GiB). Not yet measured on a TPU.
+    "llama_v5e": Config(
+        ModelConfig(vocab_size=32768, context_length=2048, d_model=2048, num_layers=14, num_heads=16,
+                    num_kv_heads=4, d_ff=5632, rope_theta=500_000.0, norm_eps=1e-5, dtype="bfloat16", remat="full"),
+        TrainConfig(batch_size=2, steps=5000, lr=3e-4, min_lr=3e-5, warmup_steps=200,
+                    tokenizer="bytes", log_every=10, eval_every=500),
+    ),
     "llama3_8b": Config(
         ModelConfig(vocab_size=128256, context_length=8192, d_model=4096, num_layers=32, num_heads=32,
                     num_kv_heads=8, d_ff=14336, rope_theta=500_000.0, norm_eps=1e-5, dtype="bfloat16"),

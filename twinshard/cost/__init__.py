@@ -214,18 +214,20 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
 def of_run(run: Config, strategy: str, mesh: Mapping[str, int] | None, gpu: bool = False) -> Cost:
     """`cost` of one train step of a run (its Config): the model, its context, and the training
     settings that change the collectives or the memory (batch, grad_accum, a pipeline's
-    micro-batches and schedule, the optimizer); `gpu`: it runs on GPUs (`cost`'s). Strategy
+    micro-batches and schedule, the optimizer, the weights' dtype); `gpu`: it runs on GPUs (`cost`'s). Strategy
     "single" (the single-device reference, `mesh` unused): no collectives, and the memory and FLOPs
     of dp on a mesh of one. What launch.bench, launch.collectives and launch.compare set beside
     their measurements, and what launch.train checks against a device's memory."""
     t, m = run.train, run.model
+    w = DTYPE_BYTES[m.weight_dtype]  # params, gradients and moments (ModelConfig.weight_dtype)
     if strategy == "single":  # dp on one device, which `cost` refuses (dp needs data > 1)
         one, s = {"data": 1, "tensor": 1}, DTYPE_BYTES[m.dtype]
         return Cost(strategy, one, t.batch_size, m.context_length, s, [], flops(m, t.batch_size, m.context_length, 1),
                     memory(m, "dp", one, t.batch_size, m.context_length, s, t.grad_accum, optimizer=t.optimizer,
-                           gpu=gpu))
+                           gpu=gpu, param_bytes=w, state_bytes=w))
     return cost(m, strategy, mesh, t.batch_size, m.context_length, grad_accum=t.grad_accum,
-                microbatches=t.microbatches, optimizer=t.optimizer, schedule=t.schedule, gpu=gpu)
+                microbatches=t.microbatches, optimizer=t.optimizer, schedule=t.schedule, gpu=gpu,
+                param_bytes=w, state_bytes=w)
 
 
 _NOTES = {

@@ -10,7 +10,12 @@ A matmul [m,k]x[k,n] costs 2mkn.
     whatever Hkv.
     The attention term is QK^T and AV, 2*B*T*T*D each per layer; it is NOT
     halved for causality (our attention computes the full T x T scores and
-    masks them). backward = 2 x forward (grad wrt inputs + grad wrt weights).
+    masks them, and XLA's cost_analysis counts them). backward = 2 x forward (grad wrt
+    inputs + grad wrt weights).
+    MFU's FLOPs (`model_total`, `model_per_device`) count causal attention HALF, MaxText's
+    convention since mid-2025: flash and splash kernels do not compute the masked half, so a
+    step's useful work is 3 (forward_matmul + forward_attention / 2). The launchers' MFU and
+    model FLOP/s and launch.plan's compute time use them.
     total = 3 x forward; per device = total / (d*t) (every strategy splits all
     matmuls evenly: batch over data, heads / d_ff / vocab over tensor; a tensor axis larger
     than Hkv makes each device compute its kv head's k and v in full, t/Hkv copies of the
@@ -41,6 +46,8 @@ class Flops:
     backward: int  # 2 x forward
     total: int  # 3 x forward
     per_device: float  # total / number of devices
+    model_total: int  # 3 x (forward_matmul + forward_attention / 2): MFU's FLOPs, causal attention half
+    model_per_device: float  # model_total / number of devices
 
 
 def flops(cfg: ModelConfig, batch: int, seq: int, n_devices: int = 1) -> Flops:
@@ -51,7 +58,8 @@ def flops(cfg: ModelConfig, batch: int, seq: int, n_devices: int = 1) -> Flops:
         n_mm, fwd_mm = n_mm + stack.num_layers * active, fwd_mm + stack.num_layers * per_layer
     fwd_attn = cfg.num_layers * 2 * 2 * batch * seq * seq * cfg.num_heads * cfg.head_dim  # QK^T, AV; causal half too
     fwd = fwd_mm + fwd_attn
-    return Flops(n_mm, fwd_mm, fwd_attn, fwd, 2 * fwd, 3 * fwd, 3 * fwd / n_devices)
+    useful = 3 * (fwd_mm + fwd_attn // 2)
+    return Flops(n_mm, fwd_mm, fwd_attn, fwd, 2 * fwd, 3 * fwd, 3 * fwd / n_devices, useful, useful / n_devices)
 
 
 def _attention_matmuls(cfg: ModelConfig) -> int:

@@ -20,6 +20,10 @@ from twinshard.config import splash_block, splash_padded
 
 
 Array = jax.Array
+# jax.ad_checkpoint.checkpoint_name of the attention kernel's saved out and log-sum-exp
+# (recompute_attention's, and splash's through its `residual_checkpoint_name`), for the
+# remat policies that keep them (transformer.REMAT_POLICIES "minimal").
+ATTENTION_RESIDUALS = "attention_residuals"
 
 
 def linear(x: Array, w: Array, flat: bool = True) -> Array:
@@ -330,7 +334,6 @@ def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto",
     return bthd(jax.nn.dot_product_attention(bthd(q), bthd(k), bthd(v), is_causal=True, implementation=impl))
 
 
-SPLASH_RESIDUALS = "splash_attention_residuals"  # the checkpoint_name of splash's saved o and logsumexp
 def splash_attention(q: Array, k: Array, v: Array, block: int = 0) -> Array:
     """Causal attention by JAX's Pallas splash attention kernel (TPU flash attention: tiled, it
     never builds a [T, T] array), q [B, h, T, dh], k, v [B, hk, T, dh] -> [B, h, T, dh].
@@ -338,7 +341,7 @@ def splash_attention(q: Array, k: Array, v: Array, block: int = 0) -> Array:
     Grouped-query attention natively: the multi-head kernel takes hk kv heads dividing h (query
     head i reads kv head i // (h/hk), as `group_heads`), the multi-query kernel one kv head [T, dh].
     The kernel runs per example (a vmap over B), takes no softmax scale (q is scaled by
-    1/sqrt(dh) first) and names its residuals (o and the rows' logsumexp) SPLASH_RESIDUALS for
+    1/sqrt(dh) first) and names its residuals (o and the rows' logsumexp) ATTENTION_RESIDUALS for
     remat policies. Off a TPU it runs in Pallas' interpret mode (the same kernel as plain XLA
     ops: CPU tests). T is padded with zeros to a multiple of 128 (the kernel refuses a key block
     that is not one: "bkv_compute=32 must be a multiple of 128", JAX 0.12); causal, no real query
@@ -355,7 +358,7 @@ def splash_attention(q: Array, k: Array, v: Array, block: int = 0) -> Array:
 
     def run(q, k, v):  # the kernel built where it runs: its mask tables are arrays of that trace
         kernel = make(masks.MultiHeadMask([masks.CausalMask((padded, padded))] * h), block_sizes=sizes,
-                      head_shards=1, q_seq_shards=1, residual_checkpoint_name=SPLASH_RESIDUALS,
+                      head_shards=1, q_seq_shards=1, residual_checkpoint_name=ATTENTION_RESIDUALS,
                       interpret=jax.default_backend() != "tpu")
         return jax.vmap(kernel)(q, k, v)
 
@@ -458,10 +461,6 @@ def _keep_mask(t: int, positions: tuple[int, ...] | None) -> Array:
     return jnp.asarray(visible(pos, pos))
 
 
-# jax.ad_checkpoint.checkpoint_name of the attention kernel's saved out and log-sum-exp
-# (recompute_attention here; a kernel taking `residual_checkpoint_name` is given the same), for the
-# remat policies that keep them (transformer.REMAT_POLICIES "minimal").
-ATTENTION_RESIDUALS = "attention_residuals"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -42,8 +42,10 @@ class TrainState(NamedTuple):
 
 
 def create_params(cfg: ModelConfig, seed: int) -> Params:
-    """Initial parameters as a nested dict (same seed -> same values under any sharding)."""
-    return nnx.to_pure_dict(nnx.state(TransformerLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+    """Initial parameters as a nested dict (same seed -> same values under any sharding), stored in
+    cfg.weight_dtype (drawn in float32, then rounded)."""
+    params = nnx.to_pure_dict(nnx.state(TransformerLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+    return jax.tree.map(lambda p: p.astype(cfg.weight_dtype), params)
 
 
 @functools.lru_cache(maxsize=None)
