@@ -21,7 +21,8 @@ from harness import cache, schedule, speed  # stdlib imports only
 
 speed.use_bytecode_cache()  # before the heavy imports below
 
-os.environ["JAX_PLATFORMS"] = "cpu"
+# TWINSHARD_TEST_PLATFORM=tpu: the kernel tests on a real chip (tools/tpu_bench.sh); CPU otherwise
+os.environ["JAX_PLATFORMS"] = os.environ.get("TWINSHARD_TEST_PLATFORM", "cpu")
 # The persistent compilation cache, keyed by the traced code's sources (why: tests/harness/cache.py);
 # the xdist workers and every launcher subprocess inherit the directory.
 if "TWINSHARD_TEST_CACHE" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:

@@ -185,3 +185,30 @@ def test_step_profile_reads_a_gpu_module_and_counts_device_kernels_not_host_laun
         'str_value: "custom-call.7" }', 'str_value: "custom-call.7" } stats { metadata_id: 2 str_value: "jit_other" }')
     per_op, *_ = sp.op_times(jax.profiler.ProfileData.from_text_proto(other), kinds, module="jit_train_step")
     assert per_op == {"fusion.3": 5000, "custom-call.8": 1000}, per_op
+
+
+# A trace as a TPU writes it (the shape measured on a v5e, JAX 0.10.2): the device plane's "XLA Ops"
+# events are named by their HLO text and carry no `hlo_op`; "XLA Modules" holds one event per program
+# run and "Async XLA Ops" repeats the async copies' spans (both must not be counted again).
+TPU_TRACE = """
+planes { id: 2 name: "/device:TPU:0"
+  lines { id: 1 name: "XLA Modules" timestamp_ns: 1000
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 9000000 } }
+  lines { id: 2 name: "XLA Ops" timestamp_ns: 1000
+    events { metadata_id: 2 offset_ps: 0 duration_ps: 5000000 }
+    events { metadata_id: 3 offset_ps: 6000000 duration_ps: 1000000 } }
+  lines { id: 3 name: "Async XLA Ops" timestamp_ns: 1000
+    events { metadata_id: 3 offset_ps: 6000000 duration_ps: 2500000 stats { metadata_id: 1 str_value: "custom-call.7" } } }
+  event_metadata { key: 1 value { id: 1 name: "jit_train_step(123)" } }
+  event_metadata { key: 2 value { id: 2 name: "%fusion.3 = bf16[16,32]{1,0:T(8,128)(2,1)} fusion(%Arg_0.1, %Arg_1.2), kind=kOutput" } }
+  event_metadata { key: 3 value { id: 3 name: "%custom-call.7 = (bf16[16,32]{1,0}, s8[4194304]{0}) custom-call(%Arg_0.1)" } }
+  stat_metadata { key: 1 value { id: 1 name: "hlo_op" } } }
+"""
+
+
+def test_step_profile_reads_the_tpu_device_plane_by_instruction_text():
+    sp = step_profile()
+    kinds, _ = sp.hlo_kinds(GPU_HLO)
+    per_op, kernels, device, busiest = sp.op_times(jax.profiler.ProfileData.from_text_proto(TPU_TRACE), kinds)
+    assert device and per_op == {"fusion.3": 5000, "custom-call.7": 1000} and busiest == 6000, per_op
+    assert kernels == {"fusion.3": 5000, "custom-call.7": 1000}

