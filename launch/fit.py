@@ -149,6 +149,11 @@ def _refuse_compiled(used: str, have: str, why: str, cfg, strategy: str, sizes, 
 def check_compiled(compiled, cfg, strategy: str, sizes, bound: tuple[int, str] | None = None) -> None:
     """(b): refuse a compiled step whose memory_analysis() exceeds the device's limit (`bound`: as
     check_model's)."""
+    if _flag("device_memory_gib") is None and _on_tpu():
+        # XLA:TPU refuses at compile time what does not fit (compile_checked's line), and its
+        # memory_analysis() overstates the peak: gpt2_125m 16x1024 bf16 reported 18.12 GiB and ran
+        # in a v5e's 15.75 GiB (measured, JAX 0.10.2). So on a TPU the compiler's verdict stands.
+        return
     if _flag("device_memory_gib") is not None or bound is None:
         bound = limit(after_compile=True)
     if _flag("skip_memory_check", False) or bound is None:
@@ -160,6 +165,12 @@ def check_compiled(compiled, cfg, strategy: str, sizes, bound: tuple[int, str] |
     raise _refuse_compiled(human(got["peak"]), f"{human(bound[0])} ({bound[1]})",
                            f"XLA's memory_analysis: temporaries {human(got['temporaries'])}, arguments "
                            f"{human(got['arguments'])}", cfg, strategy, sizes, temporaries)
+
+
+def _on_tpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "tpu"
 
 
 # XLA:TPU's compile error: "... Ran out of memory in memory space hbm. Used 27.10G of 15.75G hbm. ..."

@@ -33,7 +33,7 @@ elif [[ $MODE == run ]]; then
     flax==0.12.8 optax orbax-checkpoint absl-py matplotlib tiktoken pytest 2>&1 | grep -v notice
   echo "install: $(( $(date +%s) - t0 )) s"
   export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site
-  RUNS=("gpt2_125m --batch_size=16" "gpt2_350m --batch_size=16 --remat=minimal --loss_chunks=4"
+  RUNS=("gpt2_125m --batch_size=16" "gpt2_350m --batch_size=16 --remat=save_qkv_proj --loss_chunks=4"
         "llama_v5e")
   PROFILE=(--preset=gpt2_125m --batch_size=16)
   STEPS=(--steps=10 --warmup=3)
@@ -48,7 +48,7 @@ LOG=$OUT/tpu_bench.log
 "$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tee -a "$LOG"
 if (( ${#TESTS[@]} )); then
   # conftest simulates 8 CPU devices: the TPU run asks for the chip instead
-  timeout "$CAP_S" env TWINSHARD_TEST_PLATFORM=tpu "$PY" -m pytest -q -p no:cacheprovider -n 0 "${TESTS[@]}" -k "reference or residuals" 2>&1 \
+  timeout "$CAP_S" env TWINSHARD_TEST_PLATFORM=tpu "$PY" -m pytest -q -p no:cacheprovider -o addopts="" "${TESTS[@]}" -k "reference or residuals" 2>&1 \
     | tail -15 | tee -a "$LOG"
 fi
 i=0

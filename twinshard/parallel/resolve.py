@@ -55,7 +55,7 @@ def check_options(strategy: str, impl: str, cfg: Config) -> None:
                          "twin accumulates each data shard's micro-batches under jax.vmap, and JAX 0.12 cannot vmap "
                          "jax.lax.ragged_dot over weights it does not batch: use --grad_accum=1, --impl=manual "
                          "or --moe_dispatch=dense.")
-    if cfg.model.loss_chunks and (impl not in ("manual", "auto") or strategy not in LOSS_CHUNK_STRATEGIES):
+    if cfg.model.loss_chunks and strategy != "single" and (impl not in ("manual", "auto") or strategy not in LOSS_CHUNK_STRATEGIES):
         raise ValueError(f"--loss_chunks={cfg.model.loss_chunks} (vocabulary tiling) is written and tested for "
                          f"--strategy={'/'.join(LOSS_CHUNK_STRATEGIES)} with --impl=manual or auto, not --strategy="
                          f"{strategy} --impl={impl}: use one of those, or --loss_chunks=0.")
