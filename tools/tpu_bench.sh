@@ -29,16 +29,16 @@ elif [[ $MODE == run ]]; then
   PY=${PYTHON:-$(cd / && python3 -c 'import sys; print(sys.executable)')}  # the 3.11 with JAX, not .python-version's
   t0=$(date +%s)
   PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --only-binary=:all: \
-    --index-url "${TPU_INDEX:-file:///opt/pypi/simple}" --target /tmp/site \
+    --index-url "${TPU_INDEX:-file:///opt/pypi/simple}" --target /tmp/site --upgrade \
     flax==0.12.8 optax orbax-checkpoint absl-py matplotlib tiktoken pytest 2>&1 | grep -v notice
   echo "install: $(( $(date +%s) - t0 )) s"
   export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site
-  RUNS=("gpt2_125m --batch_size=16" "gpt2_350m --batch_size=16 --remat=save_qkv_proj --loss_chunks=4"
-        "llama_v5e")
+  RUNS=("gpt2_125m --batch_size=16" "gpt2_125m --batch_size=16 --loss_chunks=4"
+        "gpt2_350m --batch_size=16 --remat=save_qkv_proj --loss_chunks=4" "llama_v5e" "llama_v5e --loss_chunks=2")
   PROFILE=(--preset=gpt2_125m --batch_size=16)
   STEPS=(--steps=10 --warmup=3)
   TESTS=(tests/test_splash.py)  # the kernel against the reference (the twins need 8 devices)
-  CAP_S=${CAP_S:-170}
+  CAP_S=${CAP_S:-100}
 else
   echo "usage: tools/tpu_bench.sh [--dry-run]  (no argument: the TPU run)" >&2; exit 2
 fi
