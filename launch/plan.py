@@ -30,7 +30,8 @@ with the micro-batch count and schedule that rank best on it), the cost model of
   (arguments + outputs - aliased + temporaries) and the model a sum; compiled for the slice,
   XLA's peak can sit above the model's (--hbm_headroom's help says by how much), hence the
   default headroom of 25%;
-- compute time = FLOPs per chip / (peak x --mfu): the bf16 peak for --dtype=bfloat16, and for
+- compute time = FLOPs per chip / (peak x --mfu), the FLOPs in MFU's convention (causal attention
+  counted half, as flash and splash compute it): the bf16 peak for --dtype=bfloat16, and for
   float32 the peak of JAX's default matmul precision (TF32 tensor cores on NVIDIA; on TPU one
   bf16 MXU pass, so the bf16 peak); a pipeline's times its schedule's bubble (GPipe (M+S-1)/M),
   ring attention's without the blocks it skips;

@@ -15,6 +15,7 @@ when a new test does not need its own. What else makes the suite fast lives in
 tests/harness/ (why, and its measured gain, in its __init__).
 """
 
+import importlib.util
 import os
 
 from harness import cache, schedule, speed  # stdlib imports only
@@ -52,7 +53,8 @@ speed.tune_gc()  # after the imports: they are frozen
 from harness import suite_profile  # noqa: E402  (imports jax when active: after XLA_FLAGS)
 
 # The hooks of tests/harness/: xdist scheduling, and the suite profile when asked for.
-pytest_xdist_make_scheduler = schedule.pytest_xdist_make_scheduler
+if importlib.util.find_spec("xdist"):  # pytest refuses a hook of a plugin it lacks (a TPU machine's pytest)
+    pytest_xdist_make_scheduler = schedule.pytest_xdist_make_scheduler
 pytest_collection_modifyitems = schedule.pytest_collection_modifyitems
 if suite_profile.ACTIVE:
     from harness.suite_profile import pytest_configure, pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401

@@ -266,7 +266,8 @@ def test_a_tpu_row_by_hand():
     B, T, n = 64, LLM_1B.context_length, 64
     p = plans_lib.evaluate(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), "dp", {"data": 64, "tensor": 1}, B)
     D, F, V, L, N = LLM_1B.d_model, LLM_1B.d_ff, LLM_1B.padded_vocab_size, LLM_1B.num_layers, LLM_1B.num_params()
-    flops = 3 * (2 * B * T * (L * (4 * D * D + 3 * D * F) + D * V) + L * 4 * B * T * T * D)
+    # MFU's FLOPs: causal attention (4 B T^2 D per layer forward: QK^T and PV) counted half
+    flops = 3 * (2 * B * T * (L * (4 * D * D + 3 * D * F) + D * V) + L * 4 * B * T * T * D / 2)
     assert p.compute_s == pytest.approx(flops / n / (v5p.bf16 * 1e12))  # f32 on TPU: one bf16 pass
     # one all-reduce of every f32 gradient (N params) and of the f32 loss; the data axis spans
     # x, y and z of a torus: a bidirectional ring on each, 6 x 90 GB/s
@@ -301,7 +302,7 @@ def test_a_gpu_row_by_hand():
     c = cost.cost(cfg, "fsdp_tp", mesh, 64)
     ring = {axes: s["ring_bytes"] for axes, s in c.by_axes().items()}
     assert set(ring) == {("data",), ("tensor",), ("data", "tensor")}
-    assert p.compute_s == pytest.approx(c.flops.per_device / 989.4e12)
+    assert p.compute_s == pytest.approx(c.flops.model_per_device / 989.4e12)  # causal attention half
     # the gradient-norm scalar over (data, tensor) goes at the slower axis, the network: a few
     # bytes among megabytes, hence the tight tolerance
     assert p.comm_s["tensor"] == pytest.approx(ring[("tensor",)] / 450e9, rel=1e-12)
@@ -436,8 +437,8 @@ def test_pipelines_and_ring_attention_by_hand():
     peak, one_way = 459e12, 90e9
     gpipe, f1b1 = (plans_lib.evaluate(LLM_1B, topo, "pp_fsdp", {"stage": 2, "data": 32}, 64, microbatches=2,
                                       schedule=s) for s in ("gpipe", "1f1b"))
-    assert gpipe.compute_s == pytest.approx(gpipe.cost.flops.per_device / peak * 3 / 2, rel=1e-12)
-    assert f1b1.compute_s == pytest.approx(gpipe.cost.flops.per_device / peak * 14 / 6, rel=1e-12)
+    assert gpipe.compute_s == pytest.approx(gpipe.cost.flops.model_per_device / peak * 3 / 2, rel=1e-12)
+    assert f1b1.compute_s == pytest.approx(gpipe.cost.flops.model_per_device / peak * 14 / 6, rel=1e-12)
     hops = sum(r.ring_bytes for r in gpipe.cost.collectives if r.op == "collective-permute")
     assert hops == 2 * 3 * T * D * 4  # 3 ticks forward, 3 back
     others = sum(r.ring_bytes for r in gpipe.cost.collectives if r.axes == ("stage",) and r.op != "collective-permute")
@@ -673,7 +674,7 @@ def llama3_70b_rows() -> dict[str, tuple[float | str, float | str, float | str, 
     # the pod's 8960 = 2^8 x 35 chips split 1120 sequences (1024 do not); the days do not depend on it
     pod = plans_lib.evaluate(m, hardware_links.parse_topology("v5p:16x20x28"), "fsdp_tp", {"data": 1120, "tensor": 8},
                              1120, mfu=0.4, precision=book_precision)
-    matmuls = pod.compute_s * pod.cost.flops.forward_matmul / pod.cost.flops.forward
+    matmuls = pod.compute_s * matmul_share(pod.cost.flops)
     rows["days for 15e12 tokens, 8960 chips, 40% MFU"] = (44.0, 44.0, matmuls * 15e12 / (1120 * 4096) / 86400, 0.01)
     one = cost.memory(m, "dp", {"data": 1, "tensor": 1}, 1, 4096, **book_precision.memory_kwargs())
     rows["params in bf16 (bytes)"] = (140e9, 140e9, one.params, 0.01)
@@ -681,7 +682,7 @@ def llama3_70b_rows() -> dict[str, tuple[float | str, float | str, float | str, 
     # FSDP over the 3 axes of a torus, 3 x 2 x 9e10 B/s: compute-bound above C / W tokens per chip
     s16 = hardware_links.parse_topology("v5p:16x16x16")
     fsdp = plans_lib.evaluate(m, s16, "fsdp", {"data": 4096, "tensor": 1}, 4096)
-    fsdp_matmuls = fsdp.compute_s * fsdp.cost.flops.forward_matmul / fsdp.cost.flops.forward
+    fsdp_matmuls = fsdp.compute_s * matmul_share(fsdp.cost.flops)
     rows["FSDP's critical batch per chip (tokens)"] = (850, C / (3 * 2 * ici), 4096 * fsdp.comm_s["data"] / fsdp_matmuls,
                                                       0.02)
     plans, _ = plans_lib.plan_all(m, s16, 1024, precision=book_precision)
@@ -691,14 +692,14 @@ def llama3_70b_rows() -> dict[str, tuple[float | str, float | str, float | str, 
     # Megatron over one side of 16 (2 x 9e10 B/s): compute / comm goes as 1 / (Y - 1), 1 at the largest Y
     tp = plans_lib.evaluate(m, s16, "fsdp_tp", {"data": 256, "tensor": 16}, 1024)
     alpha = C / (2 * ici)
-    tp_matmuls = tp.compute_s * tp.cost.flops.forward_matmul / tp.cost.flops.forward
+    tp_matmuls = tp.compute_s * matmul_share(tp.cost.flops)
     rows["TP's largest compute-bound Y, one axis"] = (F / alpha, 1 + (1.125 * F + 0.375 * 2 * dh * (H + K)) / alpha,
                                                      1 + 15 * tp_matmuls / tp.comm_s["tensor"], 0.02)
     # 2 slices over DCN, fsdp inside: the gradients' all-reduce against the backward pass's matmuls, in
     # float32 as the manual twin's (the book's are bf16: 2 N / M bytes per chip)
     dcn = plans_lib.evaluate(m, hardware_links.with_slices(s16, 2), "fsdp", {"data": 4096, "tensor": 1}, 8192,
                              precision=book_precision)
-    backward = 2 / 3 * dcn.compute_s * dcn.cost.flops.forward_matmul / dcn.cost.flops.forward
+    backward = 2 / 3 * dcn.compute_s * matmul_share(dcn.cost.flops)
     each_chip = 2 * dcn.cost.memory.grads / (2 * f.matmul_params / 4096)  # its f32 bytes / the book's 2 N / M
     rows["DCN's critical batch per slice (tokens)"] = (C / 6.25e9, C / 6.25e9 * (2 - 1) / 2 * each_chip,
                                                       8192 * 4096 / 2 * dcn.comm_s["dcn"] / backward, 0.001)
@@ -713,6 +714,11 @@ def _shown(x: float | str) -> str:
         exp = len(str(int(x))) - 1
         return f"{x / 10 ** exp:.4g}e{exp}"
     return f"{x:,.0f}" if x >= 1e4 else f"{x:.4g}"
+
+
+def matmul_share(f) -> float:
+    """The weight matmuls' share of the planner's compute (MFU's FLOPs: causal attention half)."""
+    return f.forward_matmul / (f.forward_matmul + f.forward_attention / 2)
 
 
 def test_the_scaling_books_llama3_70b():

@@ -5,7 +5,7 @@ axis crosses (`evaluate`), every such plan of a model (`plan_all`) and their ran
 Every declared strategy (twinshard/parallel/strategies.py) the model runs under is planned, on
 every mesh its declaration allows; a pipeline with the micro-batch count and schedule that rank
 best on that mesh (`_pipeline_plans`). Per chip: memory (`cost.memory`) against the usable HBM;
-compute = FLOPs per chip / (peak x mfu), ring attention's skipped blocks left out
+compute = FLOPs per chip / (peak x mfu), causal attention half (ring attention: its skipped blocks left out)
 (`_flops_per_chip`), times a pipeline's schedule (`pipeline_factor`); and per mesh axis the
 seconds its collectives take (`comm_times`). With `Topology.slices` > 1 each
 slice runs the plan on its share of the batch and every chip's gradients are all-reduced with its
@@ -139,10 +139,11 @@ def pipeline_factor(microbatches: int, stages: int, schedule: str) -> float:
 
 
 def _flops_per_chip(c: cost.Cost) -> float:
-    """cost.flops per device; under ring attention (a `context` axis of C) the attention scores'
-    (C+1)/(2C) only, the blocks it does not skip (twinshard/cost/flops.py)."""
+    """MFU's FLOPs per device: causal attention half (`model_per_device`, MaxText's convention: flash
+    and splash skip the masked half); under ring attention (a `context` axis of C) the (C+1)/(2C)
+    of the attention blocks it computes (twinshard/cost/flops.py)."""
     f, n = c.flops, c.mesh.get("context", 1)
-    skipped = 3 * f.forward_attention * (1 - (n + 1) / (2 * n))
+    skipped = 3 * f.forward_attention * (1 - (n + 1) / (2 * n) if n > 1 else 0.5)
     return f.per_device * (1 - skipped / f.total)
 
 

@@ -208,8 +208,8 @@ class PlacedRunner:
     def init_state(self, seed: int) -> TrainState:
         """Created sharded: each device computes only its own shards (no full copy
         anywhere), with the same init function and seed as the single-device run."""
-        init = functools.partial(init_state, self.cfg.model, self.tx, seed)
-        return jax.jit(init, out_shardings=self.state_shardings)()
+        init = functools.partial(init_state, self.cfg.model, self.tx)
+        return jax.jit(init, out_shardings=self.state_shardings)(trainer.init_key(seed, self.mesh.devices.flat))
 
     def place_batch(self, x, y):
         return place_global(x, self.batch_sharding), place_global(y, self.batch_sharding)

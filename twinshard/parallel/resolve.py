@@ -7,6 +7,8 @@ with a ValueError naming the value and the fix, before anything is compiled.
 
 from __future__ import annotations
 
+import jax
+
 from twinshard.parallel import context, mesh as mesh_lib, pipeline, strategies
 from twinshard.config import Config, ModelConfig
 from twinshard.parallel.placement import logical_dims
@@ -59,6 +61,11 @@ def check_options(strategy: str, impl: str, cfg: Config) -> None:
         raise ValueError(f"--loss_chunks={cfg.model.loss_chunks} (vocabulary tiling) is written and tested for "
                          f"--strategy={'/'.join(LOSS_CHUNK_STRATEGIES)} with --impl=manual or auto, not --strategy="
                          f"{strategy} --impl={impl}: use one of those, or --loss_chunks=0.")
+    if (impl == "manual" and cfg.model.attention == "splash" and jax.default_backend() != "tpu"
+            and "tensor" in strategies.get(strategy).split_axes):
+        raise ValueError(f"--attention=splash under --strategy={strategy} --impl=manual runs Pallas' interpret mode off "
+                         "a TPU, which fails inside the manual twin's checked shard_map over `tensor` (a loop carry typed "
+                         "varying over it; docs/speed.md): use --impl=auto, or --attention=recompute here.")
     if impl == "auto" and strategy in strategies.of_family("pipeline") and cfg.train.schedule != "gpipe":
         raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
                          "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
