@@ -137,12 +137,14 @@ def test_every_kernel_is_float64_gqa_attention(impl, hk):
 
 
 def test_gqa_is_multi_head_attention_on_repeated_kv_heads():
-    """The grouping itself, bitwise: query head i attends with kv head i // (H/Hkv) (jax.nn's
+    """The grouping itself: query head i attends with kv head i // (H/Hkv) (jax.nn's
     layout): the recompute kernel on k, v equals it on k, v repeated per query head."""
     q, k, v = (jnp.asarray(a, jnp.float32) for a in _qkv(np.random.default_rng(0)))
     rep = lambda x: jnp.repeat(x, 4, axis=1)  # noqa: E731
-    np.testing.assert_array_equal(layers.causal_attention(q, k, v, "reference"),
-                                  layers.causal_attention(q, rep(k), rep(v), "reference"))
+    # Bitwise on the AVX2 and AVX-512 Xeons measured before; on a Xeon with AMX and AVX512-FP16 the
+    # grouped and repeated einsums round differently (XLA:CPU's dot kernels follow the CPU): 2.4e-7.
+    np.testing.assert_allclose(layers.causal_attention(q, k, v, "reference"),
+                               layers.causal_attention(q, rep(k), rep(v), "reference"), rtol=0, atol=1e-6)
     np.testing.assert_allclose(layers.causal_attention(q, k, v, "recompute"),
                                layers.causal_attention(q, rep(k), rep(v), "recompute"), rtol=0, atol=1e-6)
 
@@ -285,7 +287,9 @@ def test_pipeline_and_experts_run_with_gqa(strategy, mesh, preset_name):
     got = reference.train_record(manual_parallel.make_runner(strategy, mesh, cfg, devices), cfg, 2, grads=False)
     want = reference.train_record(SingleDevice(cfg.model, cfg.train), cfg, 2, grads=False)
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
-    assert reference.max_diff(got["params"], want["params"]) < PARAM_ATOL
+    # ep measured 2.2e-5 on a Xeon with AMX (under 2e-5 on the CPUs measured before): AdamW moves an
+    # entry of near-zero gradient by ~lr whatever its size, so a rounding difference shows there
+    assert reference.max_diff(got["params"], want["params"]) < (5e-5 if strategy == "ep" else PARAM_ATOL)
 
 
 # ----------------------------------------------------------------------------- the memory model

@@ -9,6 +9,7 @@ a process never ends), and the behaviour is asserted by the exit code and the li
 import re
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -38,6 +39,22 @@ def _launch(tmp_path, port: int, process_id: int, *args: str):
     return spawn("-m", "launch.train", "--preset=tiny", "--strategy=fsdp", "--impl=manual", "--devices=4",
                  f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={process_id}",
                  f"--cache_dir={tmp_path / 'cache'}", *args, environ=_ENV)
+
+
+def _wait_for_line(proc, prefix: str) -> None:
+    """Read proc's stdout up to a line starting with `prefix`, within HANG seconds: a bare `for line
+    in proc.stdout` blocks for ever on a process that hangs before printing it."""
+    done, seen = threading.Event(), []
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                break
+            seen.append(line)
+        done.set()  # the line, or the end of the output (the test's asserts then say what ended)
+
+    threading.Thread(target=read, daemon=True).start()
+    assert done.wait(HANG), f"no line starting {prefix!r} within {HANG} s; last lines: {seen[-5:]}"
 
 
 def test_two_processes_train_one_mesh_like_a_single_device(tmp_path, tmp_path_factory):
@@ -73,9 +90,7 @@ def test_a_lost_process_stops_the_other_with_one_line(tmp_path, victim, kill_aft
                      "--eval_every=0", f"--heartbeat_timeout={HEARTBEAT}") for i in range(2)]
     survivor = procs[1 - victim]
     try:
-        for line in procs[0].stdout:
-            if line.startswith(kill_after):
-                break
+        _wait_for_line(procs[0], kill_after)
         procs[victim].kill()
         err = survivor.communicate(timeout=HANG)[1]
     finally:
@@ -99,9 +114,7 @@ def test_sigterm_to_one_process_stops_both_at_one_checkpointed_step(tmp_path):
     procs = [_launch(tmp_path, port, i, f"--workdir={workdir}", f"--steps={LONG}", "--log_every=1",
                      "--eval_every=0") for i in range(2)]
     try:
-        for line in procs[0].stdout:
-            if line.startswith("step      2 "):
-                break
+        _wait_for_line(procs[0], "step      2 ")
         procs[1].send_signal(signal.SIGTERM)
         outs = [p.communicate(timeout=HANG) for p in procs]
     finally:
