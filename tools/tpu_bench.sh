@@ -10,8 +10,9 @@
 # into /tmp/site, after the machine's JAX on PYTHONPATH. Then, each capped by CAP_S:
 #   1. the splash kernel's tests, natively (tests/test_splash.py: kernel and twins against the reference)
 #   2. launch.bench, single device, bf16 compute, float32 weights and AdamW moments unless stated:
-#      gpt2_125m 16x1024, gpt2_350m 16x1024, llama_v5e (its preset's batch and remat)
-#   3. tools/step_profile.py on gpt2_125m 16x1024: device time per op kind, busy against idle
+#      gpt2_125m 16x1024, gpt2_350m 16x1024 (remat save_qkv_proj, 4 loss chunks), llama_v5e
+#      (its preset's batch and remat); each reports its init's XLA compile too
+#   3. tools/step_profile.py on each of those: device time per op kind, busy against idle
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-run}
@@ -20,7 +21,7 @@ if [[ $MODE == --dry-run ]]; then
   OUT=${OUT:-$(mktemp -d -t tpu_bench.XXXXXX)}
   PY=${PYTHON:-.venv/bin/python}
   RUNS=("tiny --batch_size=8" "tiny --batch_size=8 --remat=minimal --loss_chunks=2")
-  PROFILE=(--preset=tiny --batch_size=8)
+  PROFILES=("--preset=tiny --batch_size=8" "--preset=tiny --batch_size=8 --remat=minimal --loss_chunks=2")
   STEPS=(--steps=2 --warmup=1 --matmul_size=256 --matmul_reps=3)
   TESTS=()
   CAP_S=${CAP_S:-300}
@@ -33,9 +34,10 @@ elif [[ $MODE == run ]]; then
     flax==0.12.8 optax orbax-checkpoint absl-py matplotlib tiktoken pytest 2>&1 | grep -v notice
   echo "install: $(( $(date +%s) - t0 )) s"
   export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site
-  RUNS=("gpt2_125m --batch_size=16" "gpt2_125m --batch_size=16 --loss_chunks=4"
-        "gpt2_350m --batch_size=16 --remat=save_qkv_proj --loss_chunks=4" "llama_v5e" "llama_v5e --loss_chunks=2")
-  PROFILE=(--preset=gpt2_125m --batch_size=16)
+  # the best configuration of each preset (BENCHMARKS.md, "TPU"), each benchmarked, then profiled
+  RUNS=("gpt2_125m --batch_size=16" "gpt2_350m --batch_size=16 --remat=save_qkv_proj --loss_chunks=4" "llama_v5e")
+  PROFILES=("--preset=gpt2_125m --batch_size=16" "--preset=gpt2_350m --batch_size=16 --remat=save_qkv_proj --loss_chunks=4"
+            "--preset=llama_v5e")
   STEPS=(--steps=10 --warmup=3)
   TESTS=(tests/test_splash.py)  # the kernel against the reference (the twins need 8 devices)
   CAP_S=${CAP_S:-100}
@@ -60,7 +62,12 @@ for run in "${RUNS[@]}"; do
     "${STEPS[@]}" --json="$OUT/run$i.json" --markdown="$OUT/run$i.md" 2>&1 | grep -v "^[WI]0000" | tail -8 | tee -a "$LOG" \
     || echo "run $i ($run): failed or timed out" | tee -a "$LOG"
 done
-timeout "$CAP_S" "$PY" tools/step_profile.py "${PROFILE[@]}" --strategy=single --dtype=bfloat16 --steps=3 --top=12 \
-  2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile.txt" | tail -40
+i=0
+for profile in "${PROFILES[@]}"; do
+  i=$((i + 1))
+  # shellcheck disable=SC2086
+  timeout "$CAP_S" "$PY" tools/step_profile.py $profile --strategy=single --dtype=bfloat16 --steps=3 --top=12 \
+    2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile$i.txt" | tail -40 || echo "profile $i ($profile): failed or timed out"
+done
 cat "$OUT"/run*.md > "$OUT/tpu_bench.md" 2>/dev/null
 echo "results in $OUT"
