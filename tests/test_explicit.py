@@ -340,7 +340,7 @@ def test_expect_sharding_reads_arrays_tracers_and_avals():
 
 
 def test_readme_expect_sharding_example_runs():
-    """The README's expect_sharding block runs as written, after the imports of the file above it."""
+    """docs/hlo-assertions.md's expect_sharding block runs as written, after the imports of its pytest file."""
     from test_readme_snippet import snippet
 
     namespace: dict = {}

@@ -21,7 +21,7 @@ What the test changes, and why (each variant only adds flags; absl keeps the las
   embedded Shakespeare corpus.
 
 `tools/mutate.py` runs from the repository root (its path is made absolute).
-Not run here: the test command (it is this suite) and the multi-process command
+Not run here: the test command (it is this suite), the Cloud TPU VM's gpt2_125m run and the multi-process command
 (`--coordinator_address`, `--num_processes` or `--distributed`: tests/test_multiprocess.py).
 """
 
@@ -74,7 +74,9 @@ VARIANTS = {
     "uv run python tools/mutate.py --list": [],
     "uv run python tools/mutate.py --only adamw-betas-swapped": ["--no-baseline"],
 }
-NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test suite itself"}
+NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test suite itself",
+           "pip install uv && uv run --locked --extra tpu python -m launch.train --preset=gpt2_125m "
+           "--dtype=bfloat16 --batch_size=16 --workdir=runs/g125": "the Cloud TPU VM example (a TPU's job)"}
 
 
 def docs_text() -> str:
@@ -92,6 +94,14 @@ def readme_commands() -> list[str]:
             if line:
                 commands.append(line)
     return commands
+
+
+README_MAX_LINES = 300  # the details live in docs/
+
+
+def test_readme_stays_short():
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move detail to docs/"
 
 
 def is_multi_process(command: str) -> bool:

@@ -4,6 +4,7 @@ The code block is read from README.md (an edit that breaks it fails here) and ru
 as `python example.py` in a fresh process with neither XLA_FLAGS nor JAX_PLATFORMS
 set: the snippet must set its own device flags before importing jax. Its counts
 are also checked, without compiling, against the analytic cost model they cite.
+The examples that moved to docs/hlo-assertions.md are read from there (`snippet`).
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ from twinshard.config import preset
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SECTION = "## Collective assertions for your own tests"
+GUIDE = "docs/hlo-assertions.md"
 
 
 def snippet(containing: str = "make_runner") -> str:
-    """The ```python block of the section (up to the next `## ` heading) that contains `containing`."""
+    """The one ```python block that contains `containing`, in the README's section (up to the next
+    `## ` heading) or in docs/hlo-assertions.md."""
     readme = (ROOT / "README.md").read_text()
     assert SECTION in readme, f"README.md lost its section {SECTION!r}"
-    section = readme.split(SECTION, 1)[1].split("\n## ", 1)[0]
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if containing in b]
-    assert len(blocks) == 1, f"expected one ```python block with {containing!r} under {SECTION!r}"
+    text = readme.split(SECTION, 1)[1].split("\n## ", 1)[0] + (ROOT / GUIDE).read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if containing in b]
+    assert len(blocks) == 1, f"expected one ```python block with {containing!r} under {SECTION!r} or in {GUIDE}"
     return blocks[0]
 
 
@@ -60,3 +63,11 @@ def test_snippet_runs_as_written(tmp_path: pathlib.Path) -> None:
     assert rows == {"all-gather": ["data", "31"], "reduce-scatter": ["data", "16"],
                     "all-reduce": ["data", "5"]}, proc.stdout
     assert proc.stdout.rstrip().endswith("unparsed: 0"), proc.stdout
+
+
+def test_permute_example_runs() -> None:
+    """docs/hlo-assertions.md's expect_permute block runs as written, after the imports of its pytest file."""
+    namespace: dict = {}
+    exec(snippet(containing="def test_"), namespace)
+    exec(snippet(containing="expect_permute(hop_led"), namespace)
+    assert namespace["hop_led"].patterns() == {"stage +1": 1, "stage ring -1": 1}  # the block's comment

@@ -4,9 +4,8 @@ The wheel is built from this checkout (hatchling, the build backend of pyproject
 installed with `--no-deps` into a new virtual environment that holds only this project's
 locked third-party packages (`uv export --format pylock.toml`, installed `--offline` from uv's
 cache, which `uv run --locked` filled); `uv pip check` then proves the wheel's declared
-dependency ranges accept them. The README's pytest file (the first block of its section
-"Collective assertions for your own tests", a test of the user's own shard_map function) runs
-there, from a directory outside the repository, so only the installed package can be imported.
+dependency ranges accept them. docs/hlo-assertions.md's pytest file (a test of the user's own
+shard_map function) runs there, from a directory outside the repository, so only the installed package can be imported.
 """
 
 from __future__ import annotations

@@ -4,30 +4,32 @@ The model (twinshard/model/transformer.py) is mesh-free. At the few points where
 must act, it calls a method of a `Parallelism` object. This base class is the
 single-device behaviour (every hook is the identity or the plain layer), so
 `TransformerLM(...)(tokens)` is ordinary single-device code. Strategies
-override only what they need:
+override only what they need (-: this class's behaviour):
 
-    hook                    auto_parallel (GSPMD)        manual_parallel (shard_map)
-    weight(w, axes)         constraint to the use layout FSDP: all_gather over data; TP:
-                                                         a replicated kv weight's own kv head
-    constrain(x, axes)      with_sharding_constraint     -
-    enter_tensor_parallel   -                            Megatron f: identity / psum
-    exit_tensor_parallel    -                            Megatron g: psum / identity
-    column_parallel(x, ws)  f, then x @ w for each w     (sequence parallelism: gather T;
-    row_parallel(x, w)      x @ w, then g                 collective matmul: fused)
-    positions(t)            arange(t)                    context parallelism: this shard's
-    attention(q, k, v)      layers.causal_attention      positions; ring attention
-    embed(ids, table)       -                            vocab-parallel lookup + psum
-    token_loss(...)         -                            vocab-parallel cross-entropy
-    chunked_token_loss(...) -                            the same, chunk by chunk (loss_chunks)
-    layer_stack(...)        pipeline: stages under vmap  - (manual_parallel/pp.py runs its own loop)
-    layer_policy(policy)    -                            + save psum outputs (Megatron g);
-                                                         FSDP: never save a gathered weight
-    head(lm_head, x)        -                            FSDP: checkpoint (re-gather W)
-    dispatch(x)             expert parallelism: the      expert parallelism: all_to_all over
-    combine(x)              [E, G, C, D] buffers' layout  `expert` (combine: the inverse)
-    dispatch_rows(r, sizes) - (the model's own math)     expert parallelism, moe_dispatch=ragged:
-    combine_rows(r, plan)                                ragged_all_to_all over `expert` (combine:
-                                                         the reverse), rows regrouped by expert
+    hook                    auto_parallel (GSPMD)     manual_parallel (shard_map)   explicit_parallel (types)
+    weight(w, axes)         FSDP: pin the use layout  FSDP: all_gather over data;   FSDP: reshard to
+                                                      TP: a replicated kv weight's  [D, F]{R:data}
+                                                      own kv head
+    constrain(x, axes)      with_sharding_constraint  -                             check the declared type
+    enter_tensor_parallel   tp_sp: whole T            Megatron f: identity / psum   f: reshard to {R:tensor}
+    exit_tensor_parallel    tp_sp: T shards           Megatron g: psum / identity   g: reshard {U:tensor} away
+    column_parallel(x, ws)  tp_sp: region layouts     sequence parallelism: gather  -
+    row_parallel(x, w)                                T; collective matmul: fused
+    positions(t)            cp: true positions        cp: this shard's positions    -
+    attention(q, k, v)      splash in a shard_map;    cp: ring attention            splash in a shard_map
+                            cp: masked by positions
+    embed(ids, table)       tp_sp: then T shards      vocab-parallel lookup + psum  .at[ids].get(out_sharding);
+                                                                                    TP: typed {U:tensor}
+    token_loss(...)         -                         vocab-parallel cross-entropy  TP: manual's, in a shard_map
+    chunked_token_loss(...) per batch shard (vmap)    the same, chunk by chunk      -
+    layer_stack(...)        pp: stages under vmap     - (manual pp.py: own loop)    - (no pipelines)
+    layer_policy(policy)    -                         + save psum outputs; FSDP:    + save reductions; FSDP:
+                                                      never save a gathered weight  the same
+    head(lm_head, x)        -                         FSDP: checkpoint (re-gather)  FSDP: the same
+    dispatch(x) / combine   ep: the [E, G, C, D]      ep: all_to_all over `expert`  - (no experts)
+                            buffers' layout           (combine: the inverse)
+    dispatch_rows(r, sizes) - (the model's own math)  ep, moe_dispatch=ragged:      - (no experts)
+    combine_rows(r, plan)                             ragged_all_to_all, regrouped
 
 Logical axis names (on params and activations): vocab, embed, heads, kv_heads, mlp,
 norm, layers, experts, router (params); batch, seq, embed, heads, kv_heads, mlp, vocab (activations).

@@ -32,8 +32,6 @@ replicated over `data` (their gradients are averaged over it, as under fsdp).
 
 from __future__ import annotations
 
-from typing import Mapping
-
 from twinshard.config import PIPELINE_SCHEDULES as SCHEDULES  # noqa: F401  ("gpipe", "1f1b")
 
 STAGE = "stage"
@@ -75,15 +73,6 @@ def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accu
         rows = " (each data shard's B/data rows into M)" if data > 1 else ""
         raise ValueError(f"batch={batch} does not split into {split} equal micro-batches{rows}; choose microbatches "
                          f"from {fits} or a --batch_size that is a multiple of {data * microbatches}.")
-
-
-def microbatch_size(batch: int, microbatches: int) -> int:
-    return batch // microbatches
-
-
-def stage_layers(num_layers: int, mesh: Mapping[str, int]) -> int:
-    """Layers per stage, L/S."""
-    return num_layers // mesh[STAGE]
 
 
 def one_f_one_b(microbatches: int, stages: int) -> tuple[list[list[int]], list[list[int]]]:
