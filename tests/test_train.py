@@ -381,6 +381,10 @@ def test_orbax_noise_is_held_back_only_when_the_read_fails(capfd, monkeypatch):
     assert capfd.readouterr().err == "kept for debugging\n"
 
 
+@pytest.mark.dp
+@pytest.mark.fsdp
+@pytest.mark.tp
+@pytest.mark.fsdp_tp
 @pytest.mark.parametrize("impl", ["auto", "manual"])
 def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
     """The initial state of each strategy (tp on 4 devices: tiny has 4 heads), saved sharded,
