@@ -18,7 +18,7 @@ tests/harness/ (why, and its measured gain, in its __init__).
 import importlib.util
 import os
 
-from harness import cache, schedule, speed  # stdlib imports only
+from harness import cache, markers, schedule, speed  # stdlib imports only
 
 speed.use_bytecode_cache()  # before the heavy imports below
 
@@ -55,9 +55,19 @@ from harness import suite_profile  # noqa: E402  (imports jax when active: after
 # The hooks of tests/harness/: xdist scheduling, and the suite profile when asked for.
 if importlib.util.find_spec("xdist"):  # pytest refuses a hook of a plugin it lacks (a TPU machine's pytest)
     pytest_xdist_make_scheduler = schedule.pytest_xdist_make_scheduler
-pytest_collection_modifyitems = schedule.pytest_collection_modifyitems
 if suite_profile.ACTIVE:
-    from harness.suite_profile import pytest_configure, pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401
+    from harness.suite_profile import pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401
+
+
+def pytest_configure(config):
+    markers.pytest_configure(config)  # `pytest -m fsdp`: every proof of a strategy (harness/markers.py)
+    if suite_profile.ACTIVE:
+        suite_profile.pytest_configure(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    markers.mark_strategies(items)
+    schedule.pytest_collection_modifyitems(config, items)
 
 
 def pytest_sessionstart(session):

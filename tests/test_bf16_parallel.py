@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jax_core
 
 import auto_parallel
 import manual_parallel
@@ -194,6 +195,36 @@ def test_manual_pipelines_hand_bf16_between_stages(name, data):
         assert_all_bf16(gathers, "FSDP gathers", led)
         assert [r.multiplicity for r in gathers] == [1] * 9, led.table()
         assert gathers.total_bytes() == matrix_bytes(c.cfg, stages)
+
+
+def scans(jaxpr):
+    """Every scan equation of a jaxpr, at any depth (inside jit, shard_map, cond, other scans)."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            yield e
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, (jax_core.ClosedJaxpr, jax_core.Jaxpr)):
+                    yield from scans(getattr(sub, "jaxpr", sub))
+
+
+def test_one_f_one_b_sums_the_micro_batch_gradients_in_float32():
+    """pp_fsdp's 1F1B tick loop carries, besides its three rings of bf16 micro-batches, the
+    gradients of its stage's gathered bf16 weights as float32 sums. A bf16 sum rounds each of
+    the M additions to 8 bits, yet keeps the losses within LOSS_ATOL of single device (measured),
+    so the carried dtype is what is asserted."""
+    c = case("manual_pp_fsdp_1f1b")
+    stages, data = c.runner.sizes["stage"], c.runner.sizes["data"]
+    xs = jax.ShapeDtypeStruct((c.cfg.train.batch_size, c.cfg.model.context_length), np.int32,
+                              sharding=c.runner.batch_sharding)
+    jaxpr = jax.make_jaxpr(c.runner.loss_and_grads)(c.runner.abstract_state().params, xs, xs).jaxpr
+    ring = (stages, *hop(c.cfg, data))
+    (ticks,) = [e for e in scans(jaxpr) if e.outvars[0].aval.shape == ring]
+    carried = [v.aval for v in ticks.outvars]
+    assert [(a.shape, a.dtype) for a in carried[:3]] == [(ring, jnp.bfloat16)] * 3
+    sums = carried[3:]  # every parameter leaf's gradient, then the loss
+    assert len(sums) == len(jax.tree.leaves(c.runner.abstract_state().params)) + 1
+    assert {a.dtype for a in sums} == {np.dtype(np.float32)}, [(a.shape, a.dtype) for a in sums]
 
 
 def test_auto_pipeline_shifts_its_stage_buffer_in_bf16():

@@ -214,6 +214,7 @@ def test_remat_never_repeats_an_exchange():
 # ----------------------------------------------------------------------------- checkpoints and errors
 
 
+@pytest.mark.ep
 def test_a_checkpoint_written_under_ep_restores_under_single_and_fsdp_ep(tmp_path):
     """The state after 3 manual ep steps (8 devices), saved sharded over (data, expert), restores
     bit for bit on one device and under fsdp_ep on 4 (Orbax reshards it)."""

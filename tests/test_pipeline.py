@@ -72,6 +72,7 @@ def _twin(impl: str, stages: int, schedule: str):
 max_diff = reference.max_diff
 
 
+@pytest.mark.pp
 @pytest.mark.parametrize("stages", STAGES)
 @pytest.mark.parametrize("impl", ["auto", "manual"])
 def test_pipeline_matches_single_device(impl, stages):
@@ -160,6 +161,7 @@ def compiled_ledger(impl: str, stages: int, schedule: str = "gpipe") -> hlo.Ledg
     return hlo.ledger(compiled_step(impl, stages, schedule).as_text(), twin(impl, stages, schedule)["runner"].mesh)
 
 
+@pytest.mark.pp
 @pytest.mark.parametrize("stages, schedule", [(4, "gpipe"), (4, "1f1b")])
 def test_manual_ledger_equals_the_cost_model_exactly(stages, schedule):
     """GPipe: 2 (M + S - 1) collective-permutes of one micro-batch [B/M, T, D] (forward hand-off
@@ -254,6 +256,7 @@ def _fsdp_twin(impl: str, schedule: str):
     return run(make("pp_fsdp", FSDP_MESH, with_schedule(schedule), devices=jax.devices()[:4]), grads=impl == "manual")
 
 
+@pytest.mark.pp_fsdp
 @pytest.mark.parametrize("impl, schedule", [("auto", "gpipe"), ("manual", "gpipe"), ("manual", "1f1b")])
 def test_pp_fsdp_matches_single_device(impl, schedule):
     """Measured (XLA:CPU): losses to 2e-6, step-1 gradients 1.4e-8, params after 5 AdamW steps
@@ -297,6 +300,7 @@ def stage_matrix_bytes() -> int:
     return sum(w.size * (w.count // 2 if w.layers > 1 else 1) for w in cost.weights(CFG.model) if w.is_matrix) * 4
 
 
+@pytest.mark.pp_fsdp
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pp_fsdp_manual_ledger_equals_the_cost_model_exactly(schedule):
     """pp's collective-permutes, per tick, of one micro-batch of one data shard; each matrix leaf

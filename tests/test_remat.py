@@ -44,8 +44,10 @@ from jax.ad_checkpoint import print_saved_residuals
 import auto_parallel
 import manual_parallel
 import reference
+from launch import collectives
 from twinshard import cost, hlo
 from twinshard.config import REMAT_POLICIES, Config, preset
+from twinshard.parallel import strategies
 from twinshard.train.trainer import SingleDevice, create_params, loss_fn
 
 BASE = preset("tiny")
@@ -65,6 +67,7 @@ POLICIES = {"single": tuple(REMAT_POLICIES), "manual fsdp": ("none", "full", "do
             "manual tp": ("none", "full", "dots", "save_qkv_proj", "minimal"), "auto fsdp": ("none", "full"), "auto tp": ("none", "full"),
             "manual cp": ("none", "full", "dots"), "auto cp": ("none", "full", "dots")}
 RUNNERS = tuple(POLICIES)
+EVERY_POLICY = ("fsdp", "tp")  # the manual twins whose ledger is compared under every policy
 
 
 def config(policy: str) -> Config:
@@ -142,6 +145,8 @@ def test_temp_bytes_follow_the_policy(name):
         assert 1 / FACTOR <= ratio <= FACTOR, (policy, ratio)
 
 
+@pytest.mark.fsdp
+@pytest.mark.tp
 def test_manual_collectives_equal_the_cost_model_under_every_policy():
     """The manual twin runs the same collectives under every policy, and the cost model's
     rows (but the optimizer's, which loss_and_grads does not run) say exactly which: FSDP
@@ -150,7 +155,7 @@ def test_manual_collectives_equal_the_cost_model_under_every_policy():
     TP saves Megatron g's outputs, so no all-reduce is recomputed."""
     m = CFG.model
     per_layer = [(m.d_model, m.d_model)] * 4 + [(m.d_model, m.d_ff)] * 2 + [(m.d_ff, m.d_model)]
-    for name in ("manual fsdp", "manual tp"):
+    for name in (f"manual {s}" for s in EVERY_POLICY):
         for policy in POLICIES[name]:
             led, r = run(name, policy)["ledger"], run(name, policy)["runner"]
             rows = cost.cost(CFG.model, name.split()[1], r.sizes, B, remat=policy).collectives
@@ -160,6 +165,28 @@ def test_manual_collectives_equal_the_cost_model_under_every_policy():
                 in_loop = [g.shape for g in led.filter(op="all-gather", axes="data") if g.multiplicity == L]
                 assert sorted(in_loop) == sorted(per_layer * 2), (policy, in_loop)
                 assert led.count("all-gather", "data") == 2 * (7 * L + 2) - 1, policy
+
+
+# Every other strategy's manual train step under --remat=full (fsdp and tp: every policy, above), on
+# CFG and its default mesh of 8 devices but where a family needs more: the experts' model, a pipeline's
+# micro-batches, a mesh the default does not give (tiny's 2 layers over 2 stages, its 4 experts).
+REMAT_LEDGERS = [s for s in strategies.NAMES if s not in EVERY_POLICY]
+REMAT_MESHES = {"pp": "stage:2", "pp_fsdp": "stage:2,data:4", "ep": "data:2,expert:4"}
+
+
+@pytest.mark.parametrize("strategy", REMAT_LEDGERS)
+def test_manual_ledger_under_full_remat_equals_the_cost_model(strategy):
+    """A checkpointed layer's backward recomputes its math, never its communication: the compiled
+    step's collectives under full are the cost model's row for row (cp's ring saves each received
+    K/V block: no forward permute runs again in the backward loop)."""
+    family = strategies.get(strategy).family
+    model = preset("tiny_moe").model if family == "experts" else CFG.model
+    train = dataclasses.replace(CFG.train, microbatches=2) if family == "pipeline" else CFG.train
+    mesh = REMAT_MESHES.get(strategy)
+    n = math.prod(int(p.split(":")[1]) for p in mesh.split(",")) if mesh else jax.device_count()
+    res = collectives.collectives(strategy, "manual", mesh, Config(dataclasses.replace(model, remat="full"), train),
+                                  jax.devices()[:n])
+    assert all(c["match"] for c in res["comparison"]), cost.compare_table(res["comparison"]) + "\n" + res["ledger"].table()
 
 
 def test_auto_twins_recompute_collectives_under_remat():

@@ -31,6 +31,7 @@ from twinshard.config import Config
 B, T, D, L = CFG.train.batch_size, CFG.model.context_length, CFG.model.d_model, CFG.model.num_layers
 PARAM_ATOL, LOSS_ATOL, GRAD_ATOL = 2e-5, 2e-5, 2e-7
 # name: (strategy, mesh, model overrides)
+pytestmark = pytest.mark.tp_sp  # every test here proves tp_sp (some against tp)
 RUNS = {"manual": ("tp_sp", "tensor:8", {}), "auto": ("tp_sp", "data:2,tensor:4", {}),
         "manual tp": ("tp", "data:1,tensor:8", {}),
         # the collective matmul, inside data parallelism, under remat full (its ppermutes re-run)

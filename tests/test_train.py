@@ -381,6 +381,10 @@ def test_orbax_noise_is_held_back_only_when_the_read_fails(capfd, monkeypatch):
     assert capfd.readouterr().err == "kept for debugging\n"
 
 
+@pytest.mark.dp
+@pytest.mark.fsdp
+@pytest.mark.tp
+@pytest.mark.fsdp_tp
 @pytest.mark.parametrize("impl", ["auto", "manual"])
 def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
     """The initial state of each strategy (tp on 4 devices: tiny has 4 heads), saved sharded,
@@ -452,8 +456,8 @@ def same_params(a, b) -> bool:
     return len(leaves_a) == len(leaves_b) and all(np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b))
 
 
-def resume_and_capture(tmp_path_factory, monkeypatch, capsys, workdir, *args):
-    """Resume in this process; returns (the params Checkpointer.restore gave the launcher, its stdout)."""
+def spy_restores(monkeypatch) -> list:
+    """The params of each Checkpointer.restore in this process, appended as they are restored."""
     import jax
 
     from twinshard.train.checkpoint import Checkpointer
@@ -466,6 +470,12 @@ def resume_and_capture(tmp_path_factory, monkeypatch, capsys, workdir, *args):
         return state, meta
 
     monkeypatch.setattr(Checkpointer, "restore", spy)
+    return restored
+
+
+def resume_and_capture(tmp_path_factory, monkeypatch, capsys, workdir, *args):
+    """Resume in this process; returns (the params Checkpointer.restore gave the launcher, its stdout)."""
+    restored = spy_restores(monkeypatch)
     capsys.readouterr()
     run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", *args)
     assert len(restored) == 1
@@ -504,6 +514,23 @@ def test_resume_restores_the_latest_complete_checkpoint(kept_run, tmp_path_facto
                      "step 4, the latest complete one."], out
     assert f"resumed from {ckpts} at step 4\n" in out
     assert same_params(params, step4)
+
+
+def test_sample_restores_the_latest_complete_checkpoint(kept_run, tmp_path_factory, monkeypatch):
+    """Of steps 2, 4, 6 launch.sample restores 6's params as they are on disk; with 6 left as an
+    interrupted save leaves it, 4's."""
+    from launch import sample
+
+    restored = spy_restores(monkeypatch)
+    workdir = kept_copy(kept_run, tmp_path_factory)
+    ckpts = workdir / "checkpoints"
+    for latest, older in ((6, 4), (4, 2)):
+        assert not same_params(saved_params(ckpts / str(latest)), saved_params(ckpts / str(older)))
+        FLAGS.unparse_flags()
+        FLAGS(["sample", f"--workdir={workdir}", "--max_new_tokens=1", "--temperature=0"])
+        sample.main([])
+        assert same_params(restored.pop(), saved_params(ckpts / str(latest))), latest
+        (ckpts / str(latest)).rename(ckpts / f"{latest}.orbax-checkpoint-tmp")
 
 
 @contextlib.contextmanager
