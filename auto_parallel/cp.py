@@ -25,7 +25,6 @@ from auto_parallel.runner import GSPMD, AutoRunner
 from twinshard.parallel import context
 from twinshard.model import layers
 from twinshard.parallel.context import CONTEXT
-from twinshard.parallel.strategies import CP
 
 __all__ = ["ContextParallel", "ContextRunner", "Runner", "parallelism"]
 
@@ -51,16 +50,12 @@ class ContextParallel(GSPMD):
         return layers.causal_attention(q, k, v, impl, positions)
 
 
-def parallelism(mesh, cfg) -> ContextParallel:
-    return ContextParallel(mesh, CP.activations, cfg.train.cp_layout)
+def parallelism(mesh, run) -> ContextParallel:
+    return ContextParallel(mesh, run.placed.activations, run.cfg.train.cp_layout)
 
 
 class ContextRunner(context.PermutedBatches, AutoRunner):
     """AutoRunner on a batch permuted into the layout on the host."""
-
-    def __init__(self, name, strategy, mesh_shape, cfg, devices=None, tx=None):
-        context.check(cfg.model.context_length, mesh_shape[CONTEXT], cfg.train.cp_layout)
-        super().__init__(name, strategy, mesh_shape, cfg, devices, tx=tx)
 
 
 Runner = ContextRunner  # the batch is permuted into the context layout on the host

@@ -9,7 +9,6 @@ Optimizer: gradients are replicated, so the global norm is local.
 """
 
 from auto_parallel.runner import GSPMD
-from twinshard.parallel.strategies import DP
 
 __all__ = ["DataParallel", "parallelism"]
 
@@ -18,5 +17,5 @@ class DataParallel(GSPMD):
     """No hooks: the placement (strategies.DP) is all there is; XLA derives the all-reduces."""
 
 
-def parallelism(mesh, cfg) -> DataParallel:
-    return DataParallel(mesh, DP.activations)
+def parallelism(mesh, run) -> DataParallel:
+    return DataParallel(mesh, run.placed.activations)

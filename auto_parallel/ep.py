@@ -12,7 +12,6 @@ Optimizer: small all-reduces for the global norm.
 """
 
 from auto_parallel.runner import GSPMD
-from twinshard.parallel.strategies import EP
 
 __all__ = ["ExpertParallel", "parallelism"]
 
@@ -30,5 +29,5 @@ class ExpertParallel(GSPMD):
         return self.constrain(self.constrain(x, AT_EXPERTS), ROUTED)
 
 
-def parallelism(mesh, cfg) -> ExpertParallel:
-    return ExpertParallel(mesh, EP.activations)
+def parallelism(mesh, run) -> ExpertParallel:
+    return ExpertParallel(mesh, run.placed.activations)

@@ -12,7 +12,6 @@ Gradient accumulation: AutoRunner.gather_step pins every matrix whole once per s
 """
 
 from auto_parallel.runner import GSPMD
-from twinshard.parallel.strategies import FSDP
 
 __all__ = ["FullyShardedDataParallel", "parallelism"]
 
@@ -28,5 +27,5 @@ class FullyShardedDataParallel(GSPMD):
         return self.constrain(w, axes)
 
 
-def parallelism(mesh, cfg) -> FullyShardedDataParallel:
-    return FullyShardedDataParallel(mesh, FSDP.activations)
+def parallelism(mesh, run) -> FullyShardedDataParallel:
+    return FullyShardedDataParallel(mesh, run.placed.activations)

@@ -19,7 +19,6 @@ covers the data shards, not the sequence shards); tests/test_context.py
 
 from auto_parallel.cp import ContextParallel, ContextRunner
 from auto_parallel.fsdp import FullyShardedDataParallel
-from twinshard.parallel.strategies import FSDP_CP
 
 __all__ = ["FSDPContextParallel", "Runner", "parallelism"]
 
@@ -28,8 +27,8 @@ class FSDPContextParallel(FullyShardedDataParallel, ContextParallel):
     """weight from FSDP (the pin: the all-gather over `data`); positions / attention from cp."""
 
 
-def parallelism(mesh, cfg) -> FSDPContextParallel:
-    return FSDPContextParallel(mesh, FSDP_CP.activations, cfg.train.cp_layout)
+def parallelism(mesh, run) -> FSDPContextParallel:
+    return FSDPContextParallel(mesh, run.placed.activations, run.cfg.train.cp_layout)
 
 
 Runner = ContextRunner

@@ -9,7 +9,6 @@ Optimizer: small all-reduces for the global norm.
 
 from auto_parallel.ep import ExpertParallel
 from auto_parallel.fsdp import FullyShardedDataParallel
-from twinshard.parallel.strategies import FSDP_EP
 
 __all__ = ["FSDPExpertParallel", "parallelism"]
 
@@ -18,5 +17,5 @@ class FSDPExpertParallel(FullyShardedDataParallel, ExpertParallel):
     """weight from FSDP; dispatch / combine from ep."""
 
 
-def parallelism(mesh, cfg) -> FSDPExpertParallel:
-    return FSDPExpertParallel(mesh, FSDP_EP.activations)
+def parallelism(mesh, run) -> FSDPExpertParallel:
+    return FSDPExpertParallel(mesh, run.placed.activations)

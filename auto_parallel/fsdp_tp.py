@@ -11,7 +11,6 @@ Optimizer: small all-reduces for the global norm.
 
 from auto_parallel.fsdp import FullyShardedDataParallel
 from auto_parallel.tp import TensorParallel
-from twinshard.parallel.strategies import FSDP_TP
 
 __all__ = ["FSDPTensorParallel", "parallelism"]
 
@@ -20,5 +19,5 @@ class FSDPTensorParallel(FullyShardedDataParallel, TensorParallel):
     """weight from FSDP; TP's layout from the placement."""
 
 
-def parallelism(mesh, cfg) -> FSDPTensorParallel:
-    return FSDPTensorParallel(mesh, FSDP_TP.placed(cfg.model.kv_heads, mesh.shape).activations)
+def parallelism(mesh, run) -> FSDPTensorParallel:
+    return FSDPTensorParallel(mesh, run.placed.activations)

@@ -43,7 +43,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from auto_parallel.runner import GSPMD
 from twinshard.parallel import pipeline
 from twinshard.parallel.pipeline import STAGE
-from twinshard.parallel.strategies import PP
 
 class PipelineParallel(GSPMD):
     """GSPMD hooks plus the GPipe loop over a stage-sharded dimension."""
@@ -93,5 +92,5 @@ class PipelineParallel(GSPMD):
         return finished[n - 1].reshape(m, dp, b // dp, t, d).swapaxes(0, 1).reshape(m * b, t, d)
 
 
-def parallelism(mesh, cfg) -> PipelineParallel:
-    return PipelineParallel(mesh, PP.activations, cfg.train.microbatches)
+def parallelism(mesh, run) -> PipelineParallel:
+    return PipelineParallel(mesh, run.placed.activations, run.cfg.train.microbatches)

@@ -24,7 +24,6 @@ asserts them.
 
 from auto_parallel.fsdp import FullyShardedDataParallel
 from auto_parallel.pp import PipelineParallel
-from twinshard.parallel.strategies import PP_FSDP
 
 __all__ = ["FSDPPipelineParallel", "parallelism"]
 
@@ -33,5 +32,5 @@ class FSDPPipelineParallel(FullyShardedDataParallel, PipelineParallel):
     """weight from FSDP (each stage's layers pinned whole over `data`); layer_stack from pp."""
 
 
-def parallelism(mesh, cfg) -> FSDPPipelineParallel:
-    return FSDPPipelineParallel(mesh, PP_FSDP.activations, cfg.train.microbatches)
+def parallelism(mesh, run) -> FSDPPipelineParallel:
+    return FSDPPipelineParallel(mesh, run.placed.activations, run.cfg.train.microbatches)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from types import ModuleType
 from typing import Mapping
 
 import jax
@@ -38,8 +37,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twinshard.parallel import placement, strategies
-from twinshard.config import Config
+from twinshard.parallel import placement
+from twinshard.parallel.resolve import Run
 from twinshard.train.optim import make_optimizer
 from twinshard.model.hooks import Parallelism
 from twinshard.parallel.placement import spec
@@ -93,16 +92,14 @@ class GSPMD(Parallelism):
 class AutoRunner(placement.PlacedRunner):
     """Runs one strategy with GSPMD; the interface of trainer.SingleDevice."""
 
-    def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
-                 devices=None, tx: optax.GradientTransformation | None = None):
+    def __init__(self, run: Run, tx: optax.GradientTransformation | None = None):
         """`tx` replaces the AdamW of `cfg.train` (tests pass SGD); its state must be a
         `GuardState` (wrap it in `optim.clip_and_guard`), as `trainer.apply_gradients` reads it."""
-        self.name = name
-        decl = strategies.get(name).placed(cfg.model.kv_heads, mesh_shape)  # the placement tables, for this model
+        cfg = run.cfg
         self.tx = make_optimizer(cfg.train) if tx is None else tx
-        self._place(cfg, mesh_shape, jax.sharding.AxisType.Auto, devices, decl.params, decl.activations)
+        self._place(run, jax.sharding.AxisType.Auto)
         check_grad_accum(cfg.train, self.sizes.get("data", 1))
-        self.par = par = strategy.parallelism(self.mesh, cfg)  # the strategy's hooks (auto_parallel/<name>.py)
+        self.par = par = self.hooks()  # the strategy's hooks (auto_parallel/<name>.py)
         self.loss = functools.partial(loss_fn, cfg=cfg.model, par=par)
         # inside the per-data-shard vmap of `_loss_and_grads` the vmapped axis carries 'batch'
         self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=par.without_batch())

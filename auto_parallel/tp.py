@@ -16,7 +16,6 @@ over `tensor`.
 """
 
 from auto_parallel.runner import GSPMD
-from twinshard.parallel.strategies import TP
 
 __all__ = ["TensorParallel", "parallelism"]
 
@@ -25,5 +24,5 @@ class TensorParallel(GSPMD):
     """No hooks: the placement derives Megatron's f and g, the vocab-parallel lookup and loss."""
 
 
-def parallelism(mesh, cfg) -> TensorParallel:
-    return TensorParallel(mesh, TP.placed(cfg.model.kv_heads, mesh.shape).activations)
+def parallelism(mesh, run) -> TensorParallel:
+    return TensorParallel(mesh, run.placed.activations)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from auto_parallel.runner import GSPMD
 from twinshard.model import ACTIVATION
-from twinshard.parallel.strategies import TP_SP
+from twinshard.parallel.strategies import Strategy
 
 __all__ = ["SequenceParallel", "parallelism"]
 
@@ -45,8 +45,7 @@ class SequenceParallel(GSPMD):
     """GSPMD with two layouts of the residual stream [B, T, D]: split along T between the
     tensor-parallel regions, whole inside them (the manual twin's gather / scatter)."""
 
-    def __init__(self, mesh, kv_heads: int):
-        placed = TP_SP.placed(kv_heads, mesh.shape)
+    def __init__(self, mesh, placed: Strategy):
         super().__init__(mesh, placed.activations)  # TP's, the batch over data
         self.sequence = GSPMD(mesh, placed.sequence)  # the residual stream [B, T, D]: T over tensor too
         self.flat_rows = self.sequence.flat_rows  # False: the residual stream is split along T
@@ -85,5 +84,5 @@ class SequenceParallel(GSPMD):
         return hooks
 
 
-def parallelism(mesh, cfg) -> SequenceParallel:
-    return SequenceParallel(mesh, cfg.model.kv_heads)
+def parallelism(mesh, run) -> SequenceParallel:
+    return SequenceParallel(mesh, run.placed)

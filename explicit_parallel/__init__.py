@@ -7,32 +7,18 @@ from __future__ import annotations
 
 import importlib
 
-import jax
 import optax
 
 from explicit_parallel.runner import ExplicitRunner
 from twinshard.config import Config
-from twinshard.parallel.resolve import check_options, resolve_mesh
+from twinshard.parallel import resolve, support
 
-STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp", "tp_sp")  # written in this twin (docs/explicit.md: the others)
+STRATEGIES = support.written_by("explicit")  # docs/explicit.md: the others
+RUNNER = ExplicitRunner
 MODULES = {name: importlib.import_module(f"explicit_parallel.{name}") for name in STRATEGIES}
-
-
-def check(strategy: str, cfg: Config) -> None:
-    """A ValueError naming the fix for what this twin does not run."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"--impl=explicit runs {', '.join(STRATEGIES)}, not --strategy={strategy} "
-                         "(docs/explicit.md says why): use --impl=auto or --impl=manual.")
-    if cfg.model.num_experts:
-        raise ValueError(f"--impl=explicit runs dense models (--num_experts={cfg.model.num_experts}): "
-                         "use --impl=auto or --impl=manual, or --num_experts=0.")
 
 
 def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None,
                 tx: optax.GradientTransformation | None = None) -> ExplicitRunner:
     """The explicit runner of `strategy` on `mesh_spec` (None: the strategy's default mesh)."""
-    n_devices = len(jax.devices() if devices is None else devices)
-    check(strategy, cfg)
-    check_options(strategy, "explicit", cfg)
-    shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
-    return ExplicitRunner(strategy, MODULES[strategy], shape, cfg, devices, tx=tx)
+    return resolve.make_runner(resolve.resolve_run(strategy, "explicit", mesh_spec, cfg, devices), tx)

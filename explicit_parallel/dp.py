@@ -11,7 +11,6 @@ Optimizer: gradients are replicated, so the global norm is local.
 """
 
 from explicit_parallel.runner import Explicit
-from twinshard.parallel.strategies import DP
 
 __all__ = ["DataParallel", "parallelism"]
 
@@ -20,5 +19,5 @@ class DataParallel(Explicit):
     """No hooks: the placement (strategies.DP) and the runner's `reduced` cast are all there is."""
 
 
-def parallelism(mesh, cfg) -> DataParallel:
-    return DataParallel(mesh, DP.activations)
+def parallelism(mesh, run) -> DataParallel:
+    return DataParallel(mesh, run.placed.activations)

@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from explicit_parallel.runner import Explicit
 from twinshard.model.hooks import RegathersWeights
 from twinshard.parallel.placement import spec
-from twinshard.parallel.strategies import FSDP
 
 DATA = "data"
 
@@ -46,5 +45,5 @@ class FullyShardedDataParallel(RegathersWeights, Explicit):
         return prim.name == "reshard" and DATA in params["dst_sharding"].spec.reduced
 
 
-def parallelism(mesh, cfg) -> FullyShardedDataParallel:
-    return FullyShardedDataParallel(mesh, FSDP.activations)
+def parallelism(mesh, run) -> FullyShardedDataParallel:
+    return FullyShardedDataParallel(mesh, run.placed.activations)

@@ -9,7 +9,6 @@ gradient), f, g, the vocab-parallel lookup and loss are TP's over `tensor`, on
 
 from explicit_parallel.fsdp import FullyShardedDataParallel
 from explicit_parallel.tp import TensorParallel
-from twinshard.parallel.strategies import FSDP_TP
 
 __all__ = ["FSDPTensorParallel", "parallelism"]
 
@@ -18,5 +17,5 @@ class FSDPTensorParallel(FullyShardedDataParallel, TensorParallel):
     """weight and remat from FSDP; f, g and the vocab-parallel loss from TP."""
 
 
-def parallelism(mesh, cfg) -> FSDPTensorParallel:
-    return FSDPTensorParallel(mesh, FSDP_TP.activations)
+def parallelism(mesh, run) -> FSDPTensorParallel:
+    return FSDPTensorParallel(mesh, run.placed.activations)

@@ -29,7 +29,6 @@ jitted with the strategy's shardings.
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 from typing import Mapping
 
 import jax
@@ -38,11 +37,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from twinshard import testing
-from twinshard.config import Config
 from twinshard.model.hooks import Parallelism, either
 from twinshard.model.transformer import ACTIVATION
-from twinshard.parallel import mesh as mesh_lib, placement, strategies
+from twinshard.parallel import placement
 from twinshard.parallel.placement import spec
+from twinshard.parallel.resolve import Run
 from twinshard.train.optim import make_optimizer
 from twinshard.train.trainer import (accumulated_value_and_grad, check_grad_accum, logical_axes, loss_fn,
                                      stats_fn, train_step)
@@ -102,32 +101,17 @@ class Explicit(Parallelism):
         return table.at[ids].get(out_sharding=self.sharding(ACTIVATION))
 
 
-def check_kv_heads(cfg: Config, mesh_shape: Mapping[str, int]) -> None:
-    """This twin splits the k and v columns (Hkv * dh) over `tensor` as its tables say (it does not
-    replicate them as Strategy.placed does for the other twins): where tensor does not divide Hkv
-    a device's columns cut a head, and JAX refuses the typed [B, T, Hkv*dh/t] -> [B, T, Hkv, dh]
-    reshape (measured, JAX 0.12: ShardingTypeError; q's reshape, whole heads, is accepted)."""
-    tensor, kv_heads = mesh_shape.get("tensor", 1), cfg.model.kv_heads
-    if kv_heads % tensor:
-        raise ValueError(f"--impl=explicit splits kv heads over tensor, and tensor={tensor} does not divide "
-                         f"--num_kv_heads={kv_heads}: use --impl=auto or --impl=manual (they replicate the kv "
-                         f"heads), or a tensor axis that divides {kv_heads}.")
-
-
 class ExplicitRunner(placement.PlacedRunner):
     """Runs one strategy on a mesh of Explicit axes; the interface of trainer.SingleDevice."""
 
-    def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
-                 devices=None, tx: optax.GradientTransformation | None = None):
+    def __init__(self, run: Run, tx: optax.GradientTransformation | None = None):
         """`tx` replaces the AdamW of `cfg.train` (its state must be a `GuardState`, as for the
         GSPMD twin)."""
-        self.name = name
-        check_kv_heads(cfg, mesh_shape)
-        decl = strategies.get(name)  # the placement tables
+        cfg = run.cfg
         self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm) if tx is None else tx
-        self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices, decl.params, decl.activations)
+        self._place(run, jax.sharding.AxisType.Explicit)  # kv heads split: resolve.check_kv_heads
         check_grad_accum(cfg.train, self.sizes.get("data", 1))
-        self.par = par = strategy.parallelism(self.mesh, cfg)  # the strategy's hooks (explicit_parallel/<name>.py)
+        self.par = par = self.hooks()  # the strategy's hooks (explicit_parallel/<name>.py)
         token_axes = placement.active_axes(TOKEN_AXES, self.sizes)
         # per matrix, the token axes it is replicated over: cast to `reduced` over them for grad.
         # Not the RMSNorm gains: they multiply [B@data, T, D] elementwise, which JAX 0.12 refuses

@@ -27,7 +27,6 @@ from explicit_parallel.runner import Explicit
 from manual_parallel import tp as manual_tp
 from twinshard.model.transformer import ACTIVATION, LOGITS
 from twinshard.parallel.placement import spec
-from twinshard.parallel.strategies import TP
 
 __all__ = ["TensorParallel", "parallelism"]
 
@@ -60,5 +59,5 @@ class TensorParallel(Explicit):
         return local(logits, targets)
 
 
-def parallelism(mesh, cfg) -> TensorParallel:
-    return TensorParallel(mesh, TP.activations)
+def parallelism(mesh, run) -> TensorParallel:
+    return TensorParallel(mesh, run.placed.activations)

@@ -21,7 +21,7 @@ import jax
 from explicit_parallel.runner import Explicit
 from explicit_parallel.tp import TENSOR, TensorParallel
 from twinshard.model.transformer import ACTIVATION
-from twinshard.parallel.strategies import TP_SP
+from twinshard.parallel.strategies import Strategy
 
 __all__ = ["SequenceParallel", "parallelism"]
 
@@ -30,9 +30,9 @@ class SequenceParallel(TensorParallel):
     """TP's hooks, with two types of the residual stream: sequence shards between the regions,
     the whole sequence inside them."""
 
-    def __init__(self, mesh):
-        super().__init__(mesh, TP_SP.activations)  # TP's, the batch over data
-        self.sequence = Explicit(mesh, TP_SP.sequence)  # the residual stream: T over tensor too
+    def __init__(self, mesh, placed: Strategy):
+        super().__init__(mesh, placed.activations)  # TP's, the batch over data
+        self.sequence = Explicit(mesh, placed.sequence)  # the residual stream: T over tensor too
         self.flat_rows = False  # [B, T@tensor] rows do not merge into one split dim
 
     def constrain(self, x, axes):
@@ -49,5 +49,5 @@ class SequenceParallel(TensorParallel):
         return jax.sharding.reshard(x, self.sequence.sharding(ACTIVATION))
 
 
-def parallelism(mesh, cfg) -> SequenceParallel:
-    return SequenceParallel(mesh)
+def parallelism(mesh, run) -> SequenceParallel:
+    return SequenceParallel(mesh, run.placed)

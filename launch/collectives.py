@@ -91,14 +91,14 @@ def _topology_devices(name: str):
 
 def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
     """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils."""
-    from twinshard.parallel.resolve import resolve_mesh
+    from dataclasses import replace
+
     from twinshard.hardware import topology
 
+    run = common.resolve_run(strategy, impl, mesh_spec, cfg, devices)
     if devices is not None:
-        common.check_mesh_fits(strategy, mesh_spec, cfg, len(devices))  # the advice that works
-        shape = resolve_mesh(strategy, mesh_spec, cfg, len(devices))
-        devices = list(topology.mesh_devices(shape, devices))
-    return common.make_runner(strategy, impl, mesh_spec, cfg, devices)
+        run = replace(run, devices=tuple(topology.mesh_devices(run.mesh, devices)))
+    return common.runner_of(run, cfg)
 
 
 def _pod_memory(devices) -> tuple[int, str] | None:

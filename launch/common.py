@@ -282,7 +282,7 @@ def check_model_flags(FLAGS) -> None:
     if FLAGS.devices < 1:
         raise ValueError(f"--devices={FLAGS.devices} must be >= 1.")
     if FLAGS.strategy == "single" and FLAGS.mesh:
-        raise ValueError(f"--mesh={FLAGS.mesh} needs a parallel --strategy (dp, fsdp, tp, fsdp_tp); "
+        raise ValueError(f"--mesh={FLAGS.mesh} needs a parallel --strategy ({', '.join(strategies.NAMES)}); "
                          "drop it for single-device training.")
 
 
@@ -399,43 +399,31 @@ def run(main: Callable, name: str) -> None:
     app.run(lambda argv: guarded(main, argv, debug=flags.FLAGS.debug, name=name))
 
 
-def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None):
-    """Build the runner for a strategy; validation errors are ValueErrors naming the fix.
+def resolve_run(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None):
+    """The run of `strategy` in twin `impl` (twinshard.parallel.resolve.resolve_run, every check once);
+    None for the single-device runner, whose options are checked here.
 
     devices: None (all of jax.devices(), ordered by jax.make_mesh) or an explicit, ordered list."""
-    import jax
+    from twinshard.parallel import resolve
 
+    if strategy == "single":
+        if impl != "single":  # launch.compare's single-device reference runs the same math without it
+            resolve.check_options(strategy, impl, cfg)
+        return None
+    return resolve.resolve_run(strategy, impl, mesh_spec, cfg, devices)
+
+
+def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None):
+    """Build the runner for a strategy; validation errors are ValueErrors naming the fix."""
+    return runner_of(resolve_run(strategy, impl, mesh_spec, cfg, devices), cfg)
+
+
+def runner_of(run, cfg: Config):
+    """The runner of a resolved run (`resolve_run`); None: the single-device runner of `cfg`."""
+    from twinshard.parallel import resolve
     from twinshard.train.trainer import SingleDevice
 
-    from twinshard.parallel.resolve import check_options
-
-    if impl == "explicit" and strategy != "single":
-        from explicit_parallel import check
-        check(strategy, cfg)  # the strategies this twin writes, before the mesh's advice
-    if impl != "single":  # launch.compare's single-device reference runs the same math without it
-        check_options(strategy, impl, cfg)
-    if strategy == "single":
-        return SingleDevice(cfg.model, cfg.train)
-    check_mesh_fits(strategy, mesh_spec, cfg, len(jax.devices() if devices is None else devices))
-    if impl == "auto":
-        from auto_parallel import make_runner as make_auto
-        return make_auto(strategy, mesh_spec, cfg, devices)
-    if impl == "explicit":
-        from explicit_parallel import make_runner as make_explicit
-        return make_explicit(strategy, mesh_spec, cfg, devices)
-    from manual_parallel import make_runner as make_manual
-    return make_manual(strategy, mesh_spec, cfg, devices)
-
-
-def check_mesh_fits(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int) -> None:
-    """The mesh against strategy, devices and model at once, so its advice works in one step
-    (a mesh on these devices, or a --devices count with a mesh that fits)."""
-    from twinshard.parallel import mesh
-    from twinshard.parallel.placement import logical_dims
-    from twinshard.parallel.resolve import resolve_mesh
-
-    mesh.resolve(strategy, mesh_spec, logical_dims(cfg), strategies.get(strategy).split_rules, n_devices)
-    resolve_mesh(strategy, mesh_spec, cfg, n_devices)  # and a pipeline's L, M and batch
+    return SingleDevice(cfg.model, cfg.train) if run is None else resolve.make_runner(run)
 
 
 def default_platform() -> None:

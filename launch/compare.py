@@ -1,5 +1,5 @@
 """Run single-device, auto (GSPMD), manual (shard_map) and explicit (sharding in types) training
-side by side (explicit: for the strategies it writes, explicit_parallel.STRATEGIES).
+side by side (each twin that writes the strategy: twinshard/parallel/support.py).
 
     python -m launch.compare --strategy=fsdp_tp --mesh=data:2,tensor:4 --preset=tiny --steps=10 \
         --plot=compare.png --json=compare.json
@@ -17,6 +17,7 @@ import json
 from absl import flags, logging
 
 from launch import common, fit
+from twinshard.parallel import strategies
 
 common.define(flags.DEFINE_string, "json", None, "Write the comparison as JSON here.")
 common.define(flags.DEFINE_string, "plot", None, "Write a PNG of the loss curves and their differences here.")
@@ -42,10 +43,10 @@ def _max_abs_diff(a, b) -> float:
 
 
 def twins(strategy: str) -> tuple[str, ...]:
-    """The twins that write `strategy`: auto and manual, and explicit for its strategies."""
-    from explicit_parallel import STRATEGIES as EXPLICIT
+    """The twins that write `strategy` (twinshard/parallel/support.py)."""
+    from twinshard.parallel import support
 
-    return ("auto", "manual", "explicit") if strategy in EXPLICIT else ("auto", "manual")
+    return support.get(strategy).twins
 
 
 def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) -> dict:
@@ -57,10 +58,11 @@ def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) 
     from twinshard import hlo
 
     impls = ("single", *twins(strategy))
-    runners = {impl: common.make_runner(strategy if impl != "single" else "single", impl, mesh_spec, cfg, devices)
-               for impl in impls}
-    for impl, r in runners.items():  # every step checked against the device's memory before any runs
-        fit.check_model(cfg, strategy if impl != "single" else "single", getattr(r, "sizes", None))
+    runs = {impl: common.resolve_run(strategy if impl != "single" else "single", impl, mesh_spec, cfg, devices)
+            for impl in impls}
+    for impl, run in runs.items():  # every step checked against the device's memory before any runs
+        fit.check_model(cfg, strategy if impl != "single" else "single", None if run is None else run.mesh)
+    runners = {impl: common.runner_of(run, cfg) for impl, run in runs.items()}
     for impl, r in runners.items():
         fit.check_step(r, cfg, strategy if impl != "single" else "single")
     out: dict = {"strategy": strategy, "mesh": dict(runners["manual"].sizes), "losses": {}, "ledgers": {}}
@@ -146,7 +148,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     common.default_platform()
     if FLAGS.strategy == "single":
-        raise ValueError("--strategy=single has nothing to compare; pick one of dp, fsdp, tp, fsdp_tp.")
+        raise ValueError(f"--strategy=single has nothing to compare; pick one of {', '.join(strategies.NAMES)}.")
     cfg = common.config_from_flags(FLAGS)
     common.check_output_path(FLAGS.plot, "plot")  # before the run, not after it
     common.check_output_path(FLAGS.json, "json")

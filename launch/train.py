@@ -301,8 +301,9 @@ def main(argv):
         common.simulate_cpu_devices(FLAGS.devices)  # per process
     common.init_distributed(FLAGS)
     devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present) if FLAGS.strategy != "single" else None
-    runner = common.make_runner(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # validates the mesh
-    fit.check_model(cfg, FLAGS.strategy, getattr(runner, "sizes", None))  # before anything compiles
+    run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # every check, once
+    fit.check_model(cfg, FLAGS.strategy, None if run is None else run.mesh)  # before anything compiles
+    runner = common.runner_of(run, cfg)
     fit.check_step(runner, cfg, FLAGS.strategy)  # compiled, its memory_analysis checked, before any write
 
     import jax

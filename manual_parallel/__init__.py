@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import importlib
 
-import jax
-
 from manual_parallel.runner import ManualRunner
-from twinshard.parallel import strategies
 from twinshard.config import Config
-from twinshard.parallel.resolve import check_options, resolve_mesh
+from twinshard.parallel import resolve, support
 
-MODULES = {name: importlib.import_module(f"manual_parallel.{name}") for name in strategies.NAMES}
+RUNNER = ManualRunner  # a strategy module's `Runner` replaces it
+MODULES = {name: importlib.import_module(f"manual_parallel.{name}") for name in support.written_by("manual")}
 
 
 def make_runner(strategy: str, mesh_spec: str | None, cfg: Config, devices=None) -> ManualRunner:
     """The shard_map runner of `strategy` on `mesh_spec` (None: the strategy's default mesh)."""
-    n_devices = len(jax.devices() if devices is None else devices)  # None: jax.make_mesh orders them
-    check_options(strategy, "manual", cfg)
-    shape = resolve_mesh(strategy, mesh_spec, cfg, n_devices)
-    module = MODULES[strategy]
-    return getattr(module, "Runner", ManualRunner)(strategy, module, shape, cfg, devices)
+    return resolve.make_runner(resolve.resolve_run(strategy, "manual", mesh_spec, cfg, devices))

@@ -24,7 +24,6 @@ communication).
 import jax.numpy as jnp
 from jax import lax
 
-from twinshard.parallel.strategies import CP
 from manual_parallel.base import ManualParallelism, either
 from manual_parallel.ring_attention import ring_attention, saves_ring_shifts
 from manual_parallel.runner import DATA, ManualRunner
@@ -67,13 +66,9 @@ class ContextRunner(context.PermutedBatches, ManualRunner):
 
     TOKEN_AXES = (DATA, CONTEXT)
 
-    def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
-        context.check(cfg.model.context_length, mesh_shape[CONTEXT], cfg.train.cp_layout)
-        super().__init__(name, strategy, mesh_shape, cfg, devices)  # hooks: `parallelism(mesh, cfg)` below
 
-
-def parallelism(mesh, cfg) -> ContextParallel:
-    return ContextParallel(CP.params, cfg.train.cp_layout)
+def parallelism(mesh, run) -> ContextParallel:
+    return ContextParallel(run.placed.params, run.cfg.train.cp_layout)
 
 
 Runner = ContextRunner  # the batch is permuted into the context layout on the host

@@ -9,7 +9,6 @@ Optimizer: gradients are replicated, so the global norm is local.
 """
 
 from manual_parallel.base import ManualParallelism
-from twinshard.parallel.strategies import DP
 
 __all__ = ["DataParallel", "parallelism"]
 
@@ -18,5 +17,5 @@ class DataParallel(ManualParallelism):
     """No hooks: the model runs unchanged on local batch rows [B/data, T]; the runner means the gradients."""
 
 
-def parallelism(mesh, cfg) -> DataParallel:
-    return DataParallel(DP.params)
+def parallelism(mesh, run) -> DataParallel:
+    return DataParallel(run.placed.params)

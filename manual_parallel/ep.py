@@ -32,7 +32,6 @@ from manual_parallel.collectives import (combine_from_experts, dispatch_to_exper
 from manual_parallel.runner import DATA, ManualRunner
 from twinshard.model.moe import inverse_permutation
 from twinshard.parallel import placement
-from twinshard.parallel.strategies import EP
 
 __all__ = ["ExpertParallel", "ExpertRunner", "Runner", "parallelism"]
 
@@ -103,13 +102,9 @@ class ExpertRunner(ManualRunner):
     it the gradients of every device whose tokens it served, each the gradient of that device's
     mean loss. The step's loss is the mean over all data x expert devices, so after the mean
     over `data` the expert gradients are divided by the `expert` size (a scale, no collective).
-    Under moe_dispatch='ragged' it refuses CPU devices first (`check_dispatch`)."""
+    Under moe_dispatch='ragged' resolve.check_dispatch refuses CPU devices."""
 
     TOKEN_AXES = (DATA, EXPERT)
-
-    def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
-        check_dispatch(jax.devices() if devices is None else devices, cfg)  # ep and fsdp_ep
-        super().__init__(name, strategy, mesh_shape, cfg, devices)
 
     def mean_over_tokens(self, grads, replicated):
         grads = super().mean_over_tokens(grads, replicated)
@@ -118,19 +113,8 @@ class ExpertRunner(ManualRunner):
                             self.param_specs)
 
 
-def check_dispatch(devices, cfg) -> None:
-    """moe_dispatch='ragged' exchanges with ragged_all_to_all, which XLA:CPU cannot compile: a
-    ValueError naming the fix on CPU devices, before anything is traced."""
-    if cfg.model.moe_dispatch == "ragged" and any(d.platform == "cpu" for d in devices):
-        raise ValueError("--moe_dispatch=ragged under the manual expert-parallel twin exchanges tokens with "
-                         "jax.lax.ragged_all_to_all, and XLA:CPU cannot run ragged-all-to-all (these devices are "
-                         "CPUs): use --moe_dispatch=dense (with --capacity_factor=0 it drops nothing either), "
-                         "or run on TPU or GPU. (--impl=auto runs the ragged math on CPU, but GSPMD replicates "
-                         "the experts' work instead of exchanging tokens: docs/experts.md.)")
-
-
-def parallelism(mesh, cfg) -> ExpertParallel:
-    return ExpertParallel(EP.params)
+def parallelism(mesh, run) -> ExpertParallel:
+    return ExpertParallel(run.placed.params)
 
 
 Runner = ExpertRunner

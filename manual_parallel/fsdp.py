@@ -41,7 +41,6 @@ from jax import lax
 
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import fsdp_gather
-from twinshard.parallel.strategies import FSDP
 from twinshard.model.hooks import RegathersWeights
 
 __all__ = ["FullyShardedDataParallel", "parallelism"]
@@ -100,5 +99,5 @@ class FullyShardedDataParallel(RegathersWeights, ManualParallelism):
         return par
 
 
-def parallelism(mesh, cfg) -> FullyShardedDataParallel:
-    return FullyShardedDataParallel(FSDP.params)
+def parallelism(mesh, run) -> FullyShardedDataParallel:
+    return FullyShardedDataParallel(run.placed.params)

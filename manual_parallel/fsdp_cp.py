@@ -19,7 +19,6 @@ costs: params, gradients and optimizer state are 1/d per device, not 1/(dC), and
 gradient shard takes one more all-reduce over `context` (W/d per matrix, once per step).
 """
 
-from twinshard.parallel.strategies import FSDP_CP
 from manual_parallel.cp import ContextParallel, ContextRunner
 from manual_parallel.fsdp import FullyShardedDataParallel
 
@@ -31,8 +30,8 @@ class FSDPContextParallel(FullyShardedDataParallel, ContextParallel):
     (FSDP never saves a gathered weight; cp saves the received K/V blocks)."""
 
 
-def parallelism(mesh, cfg) -> FSDPContextParallel:
-    return FSDPContextParallel(FSDP_CP.params, cfg.train.cp_layout)
+def parallelism(mesh, run) -> FSDPContextParallel:
+    return FSDPContextParallel(run.placed.params, run.cfg.train.cp_layout)
 
 
 Runner = ContextRunner  # the batch is permuted into the context layout on the host

@@ -14,7 +14,6 @@ Optimizer: one psum over `data` and one over (data, expert) of the shards' squar
 
 from manual_parallel.ep import ExpertParallel, ExpertRunner
 from manual_parallel.fsdp import FullyShardedDataParallel
-from twinshard.parallel.strategies import FSDP_EP
 
 __all__ = ["FSDPExpertParallel", "Runner", "parallelism"]
 
@@ -24,8 +23,8 @@ class FSDPExpertParallel(FullyShardedDataParallel, ExpertParallel):
     (FSDP never saves a gathered weight; ep saves the exchanged buffers)."""
 
 
-def parallelism(mesh, cfg) -> FSDPExpertParallel:
-    return FSDPExpertParallel(FSDP_EP.params)
+def parallelism(mesh, run) -> FSDPExpertParallel:
+    return FSDPExpertParallel(run.placed.params)
 
 
 Runner = ExpertRunner

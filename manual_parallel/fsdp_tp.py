@@ -10,7 +10,6 @@ Optimizer: one psum over (data, tensor) of the shards' squared norms.
 
 from manual_parallel.fsdp import FullyShardedDataParallel
 from manual_parallel.tp import TensorParallel
-from twinshard.parallel.strategies import FSDP_TP
 
 __all__ = ["FSDPTensorParallel", "parallelism"]
 
@@ -20,5 +19,5 @@ class FSDPTensorParallel(FullyShardedDataParallel, TensorParallel):
     embed, token_loss from TP."""
 
 
-def parallelism(mesh, cfg) -> FSDPTensorParallel:
-    return FSDPTensorParallel(FSDP_TP.placed(cfg.model.kv_heads, mesh.shape).params, cfg.model.kv_heads)
+def parallelism(mesh, run) -> FSDPTensorParallel:
+    return FSDPTensorParallel(run.placed.params, run.cfg.model.kv_heads)

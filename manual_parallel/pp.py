@@ -47,7 +47,6 @@ from manual_parallel.runner import ManualRunner
 from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.parallel.pipeline import STAGE
-from twinshard.parallel.strategies import PP
 from twinshard.train.trainer import graphdef
 
 __all__ = ["PipelineParallel", "PipelineRunner", "Runner", "parallelism"]
@@ -57,18 +56,16 @@ class PipelineParallel(ManualParallelism):
     """No model hooks: a stage runs the single-device layers; `PipelineRunner` runs the stages."""
 
 
-def parallelism(mesh, cfg) -> PipelineParallel:
-    return PipelineParallel(PP.params)
+def parallelism(mesh, run) -> PipelineParallel:
+    return PipelineParallel(run.placed.params)
 
 
 class PipelineRunner(ManualRunner):
     """ManualRunner whose gradients come from the pipeline (GPipe or 1F1B); the step, the
     optimizer and the global norm (one psum over `stage`) are ManualRunner's."""
 
-    def __init__(self, name, strategy, mesh_shape, cfg, devices=None):
-        pipeline.check(cfg.model.num_layers, cfg.train.batch_size, mesh_shape[STAGE], cfg.train.microbatches,
-                       cfg.train.grad_accum, mesh_shape.get("data", 1))
-        super().__init__(name, strategy, mesh_shape, cfg, devices)
+    def __init__(self, run):
+        super().__init__(run)
         # True for params replicated over `stage` (their gradients are summed over it)
         self.replicated_over_stage = {k: k != "layers" for k in self.param_specs}
 

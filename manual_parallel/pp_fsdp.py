@@ -47,7 +47,6 @@ per step too (auto_parallel/pp_fsdp.py).
 
 from manual_parallel.fsdp import FullyShardedDataParallel
 from manual_parallel.pp import PipelineParallel, PipelineRunner
-from twinshard.parallel.strategies import PP_FSDP
 
 __all__ = ["FSDPPipelineParallel", "Runner", "parallelism"]
 
@@ -56,8 +55,8 @@ class FSDPPipelineParallel(FullyShardedDataParallel, PipelineParallel):
     """weight / gather_step / resident from FSDP, run by pp's PipelineRunner."""
 
 
-def parallelism(mesh, cfg) -> FSDPPipelineParallel:
-    return FSDPPipelineParallel(PP_FSDP.params)
+def parallelism(mesh, run) -> FSDPPipelineParallel:
+    return FSDPPipelineParallel(run.placed.params)
 
 
 Runner = PipelineRunner

@@ -41,16 +41,14 @@ from __future__ import annotations
 
 import functools
 import math
-from types import ModuleType
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from twinshard.parallel import mesh as mesh_lib, placement, strategies
-from twinshard.config import Config
+from twinshard.parallel import placement
+from twinshard.parallel.resolve import Run
 from twinshard.train.optim import Block, BlockMean, make_optimizer
 from twinshard.train.trainer import (TrainState, accumulated_value_and_grad, apply_gradients, check_grad_accum,
                                      create_params, logical_axes, loss_fn, stats_fn)
@@ -66,17 +64,14 @@ class ManualRunner(placement.PlacedRunner):
     # cp and fsdp_cp split the sequence over `context` too (manual_parallel/cp.py).
     TOKEN_AXES: tuple[str, ...] = (DATA,)
 
-    def __init__(self, name: str, strategy: ModuleType, mesh_shape: Mapping[str, int], cfg: Config,
-                 devices=None):
-        self.name = name
-        declared = strategies.get(name)
-        decl = declared.placed(cfg.model.kv_heads, mesh_shape)  # the placement tables, for this model
+    def __init__(self, run: Run):
+        cfg, declared, decl = run.cfg, run.declared, run.placed  # decl: the placement tables, for this model
         shapes = jax.eval_shape(functools.partial(create_params, cfg.model, 0))  # whole params
         blocks = jax.tree.map(lambda a, s: Block(a.shape, self.block_mean(s)), shapes,
                               placement.param_specs(cfg, decl.params))
         self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm, blocks=blocks)
-        self._place(cfg, mesh_shape, jax.sharding.AxisType.Explicit, devices, decl.params, decl.activations)
-        self.par = strategy.parallelism(self.mesh, cfg)  # the strategy's hooks (manual_parallel/<name>.py)
+        self._place(run, jax.sharding.AxisType.Explicit)
+        self.par = self.hooks()  # the strategy's hooks (manual_parallel/<name>.py)
         check_grad_accum(cfg.train, self.sizes[DATA])
         self.token_axes = placement.active_axes(self.TOKEN_AXES, self.sizes)  # those of size > 1
         # per param, the token axes it is replicated over: its gradient's mean runs over them

@@ -32,7 +32,7 @@ from jax import lax
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import copy_to_tp, reduce_from_tp
 from twinshard.model import layers, loss
-from twinshard.parallel.strategies import KV_HEADS, TP
+from twinshard.parallel.strategies import KV_HEADS
 
 __all__ = ["TensorParallel", "parallelism", "vocab_parallel_token_loss"]
 
@@ -97,5 +97,5 @@ def vocab_parallel_token_loss(logits, targets, vocab_size, w=None, chunks=0):
     return loss.token_cross_entropy(logits, targets, vocab_size, offset, reduce_max=reduce_max, reduce_sum=reduce_sum)
 
 
-def parallelism(mesh, cfg) -> TensorParallel:
-    return TensorParallel(TP.placed(cfg.model.kv_heads, mesh.shape).params, cfg.model.kv_heads)
+def parallelism(mesh, run) -> TensorParallel:
+    return TensorParallel(run.placed.params, run.cfg.model.kv_heads)

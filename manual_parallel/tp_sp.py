@@ -42,7 +42,6 @@ gathers' reduce-scatters. The same ring bytes; on a TPU the sends overlap the ma
 
 from jax import lax
 
-from twinshard.parallel.strategies import TP_SP
 from manual_parallel.collectives import all_gather_matmul, copy_to_tp, gather_sequence, scatter_sequence
 from manual_parallel.tp import TENSOR, TensorParallel
 
@@ -79,8 +78,8 @@ class CollectiveMatmul(SequenceParallel):
         return all_gather_matmul(x, ws, TENSOR)
 
 
-def parallelism(mesh, cfg) -> SequenceParallel:
+def parallelism(mesh, run) -> SequenceParallel:
     """CollectiveMatmul under cfg.model.collective_matmul."""
-    cls = CollectiveMatmul if cfg.model.collective_matmul else SequenceParallel
-    return cls(TP_SP.placed(cfg.model.kv_heads, mesh.shape).params, cfg.model.kv_heads)
+    cls = CollectiveMatmul if run.cfg.model.collective_matmul else SequenceParallel
+    return cls(run.placed.params, run.cfg.model.kv_heads)
 

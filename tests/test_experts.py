@@ -234,8 +234,8 @@ def test_a_checkpoint_written_under_ep_restores_under_single_and_fsdp_ep(tmp_pat
     ("ep", "data:2,expert:4", preset("tiny"), r"--strategy=ep splits the experts .* dense \(--num_experts=0\): add experts"),
     ("tp", "data:1,tensor:4", BASE, r"--num_experts=4: a mixture of experts runs under dp, fsdp, ep, fsdp_ep"),
     ("pp", "stage:2", BASE, r"--num_experts=4: a mixture of experts runs under"),
-    ("ep", "data:1,expert:8", BASE, r"experts=4 is not divisible by mesh axis expert=8; try --mesh=data:4,expert:2, or make experts "
-     r"\(--num_experts\) a multiple of 8"),
+    ("ep", "data:1,expert:8", BASE, r"experts=4 is not divisible by mesh axis expert=8 \(or make experts "
+     r"\(--num_experts\) a multiple of 8\); try --mesh=data:4,expert:2"),
 ])
 def test_bad_expert_configs_are_clear_errors(strategy, mesh, cfg, message):
     for twin_module in (auto_parallel, manual_parallel):

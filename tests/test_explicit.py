@@ -29,7 +29,7 @@ from test_data_tensor import GRAD_ATOL, LOSS_ATOL, NORM_RTOL, PARAM_ATOL, STEPS,
 from twinshard import hlo, testing
 from twinshard.config import Config, preset
 from twinshard.model import layers
-from twinshard.parallel import placement
+from twinshard.parallel import placement, resolve
 from twinshard.train import trainer
 from twinshard.testing import expect_bytes, expect_collectives, expect_no_collective, expect_sharding
 
@@ -398,6 +398,7 @@ def test_grouped_query_attention_splits_kv_heads_or_is_refused():
     refused = r"tensor=4 does not divide --num_kv_heads=2: use --impl=auto or --impl=manual"
     with pytest.raises(ValueError, match=refused):
         explicit_parallel.make_runner("tp", "data:1,tensor:4", cfg, devices=jax.devices()[:4])
-    with pytest.raises(ValueError, match=refused):  # the runner itself refuses, however it is built
-        explicit_parallel.ExplicitRunner("tp", explicit_parallel.MODULES["tp"], {"data": 1, "tensor": 4}, cfg,
-                                         jax.devices()[:4])
+    with pytest.raises(ValueError, match=refused):  # resolve_run's one check, which the other twins pass
+        resolve.check_kv_heads("tp", "explicit", {"data": 1, "tensor": 4}, cfg)
+    for twin in ("auto", "manual"):
+        resolve.check_kv_heads("tp", twin, {"data": 1, "tensor": 4}, cfg)

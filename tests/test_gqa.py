@@ -185,14 +185,14 @@ def test_the_tensor_axis_splits_the_kv_heads_it_divides_and_replicates_the_other
 
 def test_a_tensor_axis_that_cuts_a_kv_head_group_is_refused():
     """6 query heads in 3 kv groups on tensor 2: a device's 3 query heads would span two kv heads."""
-    from launch.common import check_mesh_fits
+    from twinshard.parallel.resolve import resolve_run
 
     cfg = Config(dataclasses.replace(CFG.model, d_model=96, num_heads=6, num_kv_heads=3), CFG.train)
     with pytest.raises(ValueError, match=r"kv_heads=3 neither divides nor is divided by mesh axis tensor=2.*"
                                          r"make num_kv_heads \(--num_kv_heads\) a divisor or a multiple of 2"):
-        check_mesh_fits("tp", "data:1,tensor:2", cfg, 2)
-    check_mesh_fits("tp", "data:1,tensor:3", cfg, 3)  # 3 kv heads over 3: split
-    check_mesh_fits("tp", "data:1,tensor:6", cfg, 6)  # over 6: each replicated twice
+        resolve_run("tp", "manual", "data:1,tensor:2", cfg, jax.devices()[:2])
+    resolve_run("tp", "manual", "data:1,tensor:3", cfg, jax.devices()[:3])  # 3 kv heads over 3: split
+    resolve_run("tp", "manual", "data:1,tensor:6", cfg, jax.devices()[:6])  # over 6: each replicated twice
 
 
 # ----------------------------------------------------------------------------- both twins against single device

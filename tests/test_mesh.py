@@ -296,6 +296,10 @@ def test_prime_dimension_offers_only_the_config_fix():
 
 
 @pytest.mark.parametrize("strategy, spec, shape", [
+    ("tp", "tensor:2", {"data": 1, "tensor": 2}),
+    ("dp", "data:8", {"data": 8, "tensor": 1}),
+    ("fsdp", "data:8", {"data": 8, "tensor": 1}),
+    ("ep", "expert:8", {"data": 1, "expert": 8}),
     ("pp", "stage:4", {"stage": 4, "data": 1, "tensor": 1}),
     ("pp_fsdp", "data:2, stage:4", {"stage": 4, "data": 2, "tensor": 1}),
     ("tp_sp", "tensor:8", {"data": 1, "tensor": 8}),
@@ -318,7 +322,21 @@ def test_newer_strategies_default_meshes(strategy, default):
     mesh_lib.check_mesh(strategy, mesh_lib.default_mesh(strategy, 8), 8)
 
 
+def test_a_mesh_may_omit_any_axis_of_size_one():
+    """Every strategy's mesh string names only the axes it splits; the launchers resolve it so."""
+    assert resolve_mesh("tp", "tensor:8", TP8, 8) == {"data": 1, "tensor": 8}
+    assert resolve_mesh("fsdp", "data:8", TP8, 8) == {"data": 8, "tensor": 1}
+    for name in strategies.NAMES:
+        shape = mesh_lib.default_mesh(name, 8)
+        split = ",".join(f"{a}:{n}" for a, n in shape.items() if n > 1)
+        assert mesh_lib.parse_mesh(split, name) == shape, name
+
+
 @pytest.mark.parametrize("strategy, spec, match", [
+    ("tp", "tensor:4", r"mesh data:1,tensor:4 has 4 devices but 8 are available"),
+    ("dp", "tensor:8", r"mesh 'tensor:8' lacks axis 'data', which strategy dp splits; e\.g\. data:8,tensor:1"),
+    ("fsdp_tp", "data:8", r"mesh 'data:8' lacks axis 'tensor', which strategy fsdp_tp splits; e\.g\. data:4,tensor:2"),
+    ("tp", "context:8", r"unknown axis 'context' \(the axes of strategy tp are data, tensor\)"),
     ("pp", "data:8", r"mesh 'data:8' lacks axis 'stage', which strategy pp splits; e\.g\. stage:8"),
     ("cp", "context:4,tensor:2", r"strategy cp needs tensor = 1, got mesh context:4,tensor:2; try --mesh=context:8"),
     ("fsdp_cp", "context:8", r"mesh 'context:8' lacks axis 'data', which strategy fsdp_cp splits; "

@@ -37,7 +37,7 @@ from twinshard import cost, hlo, testing
 from twinshard.config import Config, preset
 from twinshard.hardware import topology
 from twinshard.model import moe
-from twinshard.parallel import mesh as mesh_lib
+from twinshard.parallel import mesh as mesh_lib, resolve
 from twinshard.train import trainer
 from twinshard.train.trainer import SingleDevice
 
@@ -72,9 +72,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 @pytest.fixture
 def emulated(monkeypatch):
     """ragged_all_to_all emulated (collectives.py calls it as lax.ragged_all_to_all) and the
-    CPU refusal of manual_parallel/ep.py lifted, for this test only."""
+    CPU refusal of twinshard/parallel/resolve.py lifted, for this test only."""
     monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    monkeypatch.setattr(ep, "check_dispatch", lambda devices, cfg: None)
+    monkeypatch.setattr(resolve, "check_dispatch", lambda *args: None)
 
 
 def expert_mesh(n: int):

@@ -10,15 +10,19 @@ slip in a declaration or in `compose` fails here.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
+import re
 
 import pytest
 
 import auto_parallel
+import explicit_parallel
 import manual_parallel
 from launch import common
 from twinshard import cost
-from twinshard.parallel import mesh as mesh_lib, strategies
+from twinshard.config import preset
+from twinshard.parallel import mesh as mesh_lib, resolve, strategies, support
 from twinshard.parallel.strategies import ANY, MANY, ONE
 
 TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
@@ -72,7 +76,7 @@ def test_compositions_name_their_parts_and_unite_their_tables() -> None:
 def test_every_reader_of_the_registry_sees_every_strategy() -> None:
     names = set(EXPECTED)
     assert set(strategies.NAMES) == names
-    assert set(auto_parallel.MODULES) == set(manual_parallel.MODULES) == names
+    assert set(auto_parallel.MODULES) == set(manual_parallel.MODULES) == set(support.SUPPORT) == names
     assert set(cost.STRATEGY_ROWS) == names and set(cost.RULES) == names
     assert set(mesh_lib.NEEDS) == names
     assert set(common.STRATEGIES) == names | {"single"}
@@ -85,3 +89,42 @@ def test_an_unknown_strategy_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of dp, fsdp, tp, fsdp_tp, tp_sp, "
                                          r"cp, fsdp_cp, pp, pp_fsdp, ep, fsdp_ep\."):
         strategies.get("zero3")
+
+
+def readme_strategies() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the strategies of README.md's "## Strategies" table, in order; those its text says explicit writes)."""
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("\n## Strategies\n", 1)[1].split("\n## ", 1)[0]
+    rows = tuple(re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE))
+    explicit = re.search(r"\(explicit: ([\w, \n]+)\)", section)
+    return rows, tuple(n.strip() for n in explicit.group(1).split(","))
+
+
+def test_the_readme_table_agrees_with_the_support_table() -> None:
+    rows, explicit = readme_strategies()
+    assert rows == tuple(support.SUPPORT) == strategies.NAMES  # every declared strategy, in order
+    assert support.written_by("auto") == support.written_by("manual") == rows  # --impl=auto|manual: any
+    assert explicit == support.written_by("explicit") == explicit_parallel.STRATEGIES
+
+
+def test_every_option_is_run_by_twins_that_write_the_strategy() -> None:
+    fields = [f.name for f in dataclasses.fields(support.Support) if f.name != "twins"]
+    for name, row in support.SUPPORT.items():
+        assert set(row.twins) <= set(support.TWINS), name
+        for field in fields:
+            assert set(getattr(row, field)) <= set(row.twins), (name, field)
+    assert support.with_option("moe") == resolve.MOE_STRATEGIES == ("dp", "fsdp", "ep", "fsdp_ep")
+    assert support.with_option("one_f_one_b") == strategies.of_family("pipeline")
+    assert support.with_option("collective_matmul") == ("tp_sp",)
+
+
+@pytest.mark.parametrize("twin", support.TWINS)
+def test_a_twin_runs_exactly_the_strategies_the_table_gives_it(twin) -> None:
+    cfg = preset("tiny")
+    for name, row in support.SUPPORT.items():
+        if twin in row.twins:
+            resolve.check_twin(name, twin, cfg)
+        else:
+            with pytest.raises(ValueError, match=rf"--impl={twin} runs {', '.join(support.written_by(twin))}, "
+                                                 rf"not --strategy={name}"):
+                resolve.check_twin(name, twin, cfg)

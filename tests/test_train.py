@@ -10,6 +10,7 @@ from absl import flags
 
 from cli import assert_user_error, run
 from launch import train
+from twinshard.parallel import strategies
 
 FLAGS = flags.FLAGS
 
@@ -146,7 +147,7 @@ def test_bad_flags_fail_before_anything_is_written(tmp_path, tmp_path_factory):
     cases = [(["--stop_after=12"], "stop_after=12 must be between 1 and steps-1"),
              (["--log_every=0"], "log_every=0 must be >= 1"),
              (["--eval_every=-1"], "eval_every=-1 must be >= 0"),
-             (["--mesh=data:8,tensor:1"], "needs a parallel --strategy"),
+             (["--mesh=data:8,tensor:1"], rf"needs a parallel --strategy \({', '.join(strategies.NAMES)}\)"),
              (["--resume"], "no checkpoint in"),
              (["--strategy=fsdp", "--mesh=data:3,tensor:1"], "3 devices but 8"),
              (["--preset=huge"], "unknown preset 'huge'")]

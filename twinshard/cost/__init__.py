@@ -49,7 +49,7 @@ from twinshard.cost.flops import Flops, flops
 from twinshard.cost.memory import (Memory, attention_backward, attention_kernel, memory, ring_attention_memory,
                                    saved_by_stacks, saved_per_layer)
 from twinshard.cost.weights import DTYPE_BYTES, F32, RULES, Weight, weights
-from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, strategies
+from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, strategies, support
 
 __all__ = [
     "AXES", "DTYPE_BYTES", "F32", "NOT_REGATHERED", "OPS", "PHASES", "PIPELINES", "RULES", "STRATEGY_ROWS",
@@ -174,7 +174,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     """
     mesh_lib.check_strategy(strategy)
     resolve.check_experts(strategy, cfg)  # as launch.train: no numbers for a program that does not exist
-    if cfg.collective_matmul and strategy != "tp_sp":
+    if cfg.collective_matmul and strategy not in support.with_option("collective_matmul"):
         raise ValueError(f"collective_matmul decomposes tp_sp's sequence all-gathers; strategy {strategy} has "
                          "none: use strategy tp_sp or collective_matmul=False.")
     if strategy not in STRATEGY_ROWS:

@@ -32,7 +32,7 @@ from twinshard.config import Config, ModelConfig, TrainConfig
 from twinshard.cost.weights import DTYPE_BYTES, F32
 from twinshard.hardware.chips import matmul_peak_flops
 from twinshard.hardware.links import Link, Topology, axis_links, dcn_link
-from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, strategies
+from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, support
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
     if strategy not in cost.PIPELINES:
         microbatches, schedule = 1, "gpipe"
     flat = _check_mesh(cfg, topo, strategy, mesh, train_config(cfg, batch, microbatches, schedule))
-    if strategy != "tp_sp":  # the collective matmul decomposes tp_sp's gathers only
+    if strategy not in support.with_option("collective_matmul"):  # tp_sp's gathers only
         cfg = dataclasses.replace(cfg, collective_matmul=False)
     c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer, microbatches=microbatches,
                   schedule=schedule, gpu=not topo.chip.is_tpu, flat_weights=flat, **precision.memory_kwargs())
@@ -223,10 +223,11 @@ class Skipped:
 
 
 def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
-    """The declared strategies the model runs under (a dense model all but ep and fsdp_ep; a
-    mixture of experts dp, fsdp, ep, fsdp_ep), and the others -> resolve.check_experts's reason."""
+    """The declared strategies the model runs under (twinshard/parallel/support.py: a dense model
+    all but ep and fsdp_ep; a mixture of experts dp, fsdp, ep, fsdp_ep), and the others ->
+    resolve.check_experts's reason."""
     ok, refused = [], {}
-    for strategy in strategies.NAMES:
+    for strategy in support.SUPPORT:
         try:
             resolve.check_experts(strategy, cfg)
         except ValueError as e:

@@ -9,9 +9,8 @@ how big each must be: `>1` (the strategy splits something over it), `=1` (presen
 unused) or `>=1` (either). The mesh holds exactly those axes, in `ORDER` (outermost
 first; on a TPU torus `jax.make_mesh` gives the innermost axis, `tensor`, the closest chips).
 
-Mesh syntax: `data:4,tensor:2`. The base strategies (dp, fsdp, tp, fsdp_tp) name
-both `data` and `tensor` (size 1 allowed); the others name the
-axes they split (`stage:4`, `data:2,context:4`) and an omitted axis is size 1.
+Mesh syntax: `data:4,tensor:2`. A strategy's mesh names the axes it splits (`tensor:2` for tp,
+`stage:4`, `data:2,context:4`); an omitted axis is size 1.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from jax.sharding import AxisType, Mesh
 from twinshard.parallel import strategies
 from twinshard.parallel.strategies import ANY, KV_HEADS, MANY, ONE
 
-AXES = ("data", "tensor")  # the axes of DATA_TENSOR's meshes (both always named)
+AXES = ("data", "tensor")  # the axes of DATA_TENSOR's meshes (mesh_str shows both)
 # Mesh order of every axis: pipeline stages outermost (one hop per micro-batch), then data,
 # the experts (ep's all-to-alls every MoE layer), the sequence (context parallelism: ring
 # attention's K/V blocks), tensor innermost (Megatron's all-reduces every layer: the closest
@@ -52,9 +51,9 @@ def _is_base(strategy: str | None) -> bool:
 
 
 def _required(strategy: str | None) -> tuple[str, ...]:
-    """The axes a mesh string must name: both base axes, or the axes the strategy splits."""
+    """The axes a mesh string must name: the axes the strategy splits (without one: both base axes)."""
     needs = _needs(strategy)
-    return AXES if _is_base(strategy) else tuple(a for a in ORDER if needs.get(a) == MANY)
+    return AXES if strategy is None else tuple(a for a in ORDER if needs.get(a) == MANY)
 
 
 def _example(strategy: str | None) -> str:
@@ -66,7 +65,8 @@ def parse_mesh(spec: str, strategy: str | None = None) -> dict[str, int]:
     """'data:4,tensor:2' -> {'data': 4, 'tensor': 2} (any order, spaces allowed).
 
     With `strategy`: its axes only; an omitted axis the strategy does not split is 1
-    (`stage:4` for pp -> {'stage': 4, 'data': 1, 'tensor': 1})."""
+    (`stage:4` for pp -> {'stage': 4, 'data': 1, 'tensor': 1}; `tensor:2` for tp -> data:1,tensor:2).
+    Without one, both base axes are named."""
     if strategy is not None:
         check_strategy(strategy)
     if not isinstance(spec, str):
@@ -90,7 +90,7 @@ def parse_mesh(spec: str, strategy: str | None = None) -> dict[str, int]:
                          f"each axis once and sizes >= 1 (e.g. {_example(strategy)}).")
     missing = [a for a in _required(strategy) if a not in shape]
     if missing:
-        if _is_base(strategy):
+        if strategy is None:
             example = ",".join(f"{a}:{shape.get(a, 1)}" for a in AXES) if shape else "data:4,tensor:2"
             raise ValueError(f"mesh {spec!r} lacks axis {missing[0]!r}; name both axes (size 1 allowed), "
                              f"e.g. {example}.")
@@ -284,16 +284,32 @@ def resolve(strategy: str, spec: str | None, dims: Mapping[str, int], rules: Map
             n_devices: int) -> dict[str, int]:
     """Parse (or default) the mesh and check it against the strategy, the devices and the model;
     an error advises one mesh (or device count) that passes all three checks."""
+    shape = resolve_axes(strategy, spec, dims, rules, n_devices)
+    check_split(strategy, shape, dims, rules)
+    return shape
+
+
+def resolve_axes(strategy: str, spec: str | None, dims: Mapping[str, int], rules: Mapping[str, str],
+                 n_devices: int) -> dict[str, int]:
+    """`resolve`'s mesh (parsed or default) checked against the strategy and the devices only."""
     check_strategy(strategy)
     _check_device_count(n_devices)
     shape = parse_mesh(spec, strategy) if spec is not None else default_mesh(strategy, n_devices)
     problem = _mesh_problem(strategy, shape, n_devices)
-    if problem is None and (split := _divisibility_problem(dims, rules, shape)) is not None:
-        problem = f"{split[0]} (or {split[1]})"
     if problem is not None:
-        fix = advice(NEEDS[strategy], dims, rules, n_devices, default_mesh(strategy, n_devices), strategy)
-        raise ValueError(f"{problem}; {fix}.")
+        _refuse(strategy, problem, dims, rules, n_devices)
     return shape
+
+
+def check_split(strategy: str, shape: Mapping[str, int], dims: Mapping[str, int], rules: Mapping[str, str]) -> None:
+    """`resolve`'s divisibility check of a mesh `resolve_axes` accepted."""
+    if (split := _divisibility_problem(dims, rules, shape)) is not None:
+        _refuse(strategy, f"{split[0]} (or {split[1]})", dims, rules, math.prod(shape.values()))
+
+
+def _refuse(strategy: str, problem: str, dims: Mapping[str, int], rules: Mapping[str, str], n_devices: int):
+    fix = advice(NEEDS[strategy], dims, rules, n_devices, default_mesh(strategy, n_devices), strategy)
+    raise ValueError(f"{problem}; {fix}.")
 
 
 def make_mesh(shape: Mapping[str, int], axis_type: AxisType = AxisType.Auto,

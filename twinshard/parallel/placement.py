@@ -7,6 +7,7 @@ and optimizer-state layout is identical under GSPMD and shard_map.
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from typing import Mapping
 
@@ -171,16 +172,17 @@ def active_axes(axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[str, .
 class PlacedRunner:
     """What both twins' runners share: the mesh, the placed train state and batches.
 
-    A subclass sets `self.tx` (its optimizer) and then calls `_place`; it adds
-    the compiled `train_step`, `eval_loss` and `loss_and_grads`.
+    A subclass sets `self.tx` (its optimizer) and then calls `_place` with its resolved run
+    (twinshard/parallel/resolve.py); it adds the compiled `train_step`, `eval_loss` and `loss_and_grads`.
     """
 
     tx: optax.GradientTransformation
 
-    def _place(self, cfg: Config, mesh_shape: Mapping[str, int], axis_type, devices,
-               param_rules: Rules, activation_rules: Rules) -> None:
-        self.cfg, self.sizes = cfg, dict(mesh_shape)
-        self.mesh = mesh_lib.make_mesh(mesh_shape, axis_type, devices)
+    def _place(self, run, axis_type) -> None:
+        """The mesh and the placed state and batch of `run` (a resolve.Run): its placed tables."""
+        self.run, self.name, self.cfg, self.sizes = run, run.strategy, run.cfg, dict(run.mesh)
+        cfg, param_rules, activation_rules = run.cfg, run.placed.params, run.placed.activations
+        self.mesh = mesh_lib.make_mesh(run.mesh, axis_type, run.devices)
         self.param_specs = param_specs(cfg, param_rules)
         self.state_specs = state_specs(cfg, self.tx, param_rules)
         check_state_divisible(self.state_specs, trainer.abstract_state(cfg.model, self.tx), self.sizes)
@@ -190,6 +192,11 @@ class PlacedRunner:
         self.batch_spec = spec(("batch", "seq"), used)
         self.state_shardings = jax.tree.map(self.named, self.state_specs, is_leaf=lambda x: isinstance(x, P))
         self.batch_sharding = self.named(self.batch_spec)
+
+    def hooks(self):
+        """The strategy's Parallelism hooks: `parallelism(mesh, run)` of <twin>_parallel/<strategy>.py."""
+        module = importlib.import_module(f"{self.run.twin}_parallel.{self.run.strategy}")
+        return module.parallelism(self.mesh, self.run)
 
     def _split(self, axis: str | tuple[str, ...]) -> str | tuple[str, ...] | None:
         """A table's mesh axis (or tuple of axes: ep's batch over data x expert) without the axes

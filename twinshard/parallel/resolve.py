@@ -1,23 +1,92 @@
-"""From a strategy's name, a mesh string, the config and a device count to a validated mesh.
+"""From a strategy's name, a twin, a mesh string, the config and the devices to a resolved run.
 
-Both twins and the launchers call `resolve_mesh` and `check_options`, so an invalid
-(strategy, mesh, model, batch, option) combination fails the same way whichever twin runs,
-with a ValueError naming the value and the fix, before anything is compiled.
+`resolve_run` is the one place a run is validated: every launcher and every twin's `make_runner`
+calls it once, so an invalid (strategy, twin, mesh, model, batch, option) combination fails the
+same way wherever it is asked for, with a ValueError naming the value and the fix, before anything
+is compiled. Its `Run` carries the placed declaration and the mesh to the runner and its hooks.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
 import jax
 
-from twinshard.parallel import context, mesh as mesh_lib, pipeline, strategies
+from twinshard.parallel import context, mesh as mesh_lib, pipeline, strategies, support
 from twinshard.config import Config, ModelConfig
 from twinshard.parallel.placement import logical_dims
+from twinshard.parallel.strategies import Strategy
+
+
+@dataclass(frozen=True)
+class Run:
+    """A validated run: `declared` placed for the model on `mesh` (axis -> size, in mesh order)."""
+
+    strategy: str
+    twin: str
+    declared: Strategy
+    placed: Strategy
+    mesh: Mapping[str, int]
+    cfg: Config
+    devices: tuple | None = None  # None: every device, ordered by jax.make_mesh
+
+
+def resolve_run(strategy: str, twin: str, mesh_spec: str | None, cfg: Config, devices=None) -> Run:
+    """Every check of (strategy, twin, mesh, model, options, devices), each once, and the run they allow."""
+    declared = strategies.get(strategy)
+    check_twin(strategy, twin, cfg)
+    check_options(strategy, twin, cfg)
+    check_experts(strategy, cfg.model)  # no mesh fixes a model the strategy cannot run
+    found = jax.devices() if devices is None else devices
+    dims = logical_dims(cfg)
+    shape = mesh_lib.resolve_axes(strategy, mesh_spec, dims, declared.split_rules, len(found))
+    check_family(declared, shape, cfg)  # their messages name the fix in its terms (stages, zig-zag chunks)
+    mesh_lib.check_split(strategy, shape, dims, declared.split_rules)
+    check_kv_heads(strategy, twin, shape, cfg)
+    check_dispatch(strategy, twin, found, cfg)
+    return Run(strategy, twin, declared, declared.placed(cfg.model.kv_heads, shape), MappingProxyType(shape), cfg,
+               None if devices is None else tuple(devices))
+
+
+PACKAGES = {twin: f"{twin}_parallel" for twin in support.TWINS}
+
+
+def make_runner(run: Run, tx=None):
+    """The runner of `run` in its twin: the strategy module's `Runner`, else the twin's. `tx`
+    replaces the optimizer of `run.cfg.train` (auto and explicit)."""
+    package = importlib.import_module(PACKAGES[run.twin])
+    module = package.MODULES[run.strategy]
+    return getattr(module, "Runner", package.RUNNER)(run, **({} if tx is None else {"tx": tx}))
+
+
+def check_twin(strategy: str, twin: str, cfg: Config) -> None:
+    """The strategies `twin` writes, and the models: a ValueError naming the fix otherwise."""
+    if twin not in support.TWINS:
+        raise ValueError(f"--impl={twin} is not a twin; choose one of {', '.join(support.TWINS)}.")
+    if twin not in support.get(strategy).twins:
+        raise ValueError(f"--impl={twin} runs {', '.join(support.written_by(twin))}, not --strategy={strategy} "
+                         "(docs/explicit.md says why): use --impl=auto or --impl=manual.")
+    if cfg.model.num_experts and not support.with_option("moe", twin):
+        raise ValueError(f"--impl={twin} runs dense models (--num_experts={cfg.model.num_experts}): "
+                         "use --impl=auto or --impl=manual, or --num_experts=0.")
+
+
+def check_family(declared: Strategy, shape: Mapping[str, int], cfg: Config) -> None:
+    """A pipeline's L, M and batch over `stage`; context parallelism's T over `context` in its layout."""
+    if declared.family == "pipeline":
+        pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
+                       cfg.train.grad_accum, shape.get("data", 1))
+    if declared.family == "context":
+        context.check(cfg.model.context_length, shape[context.CONTEXT], cfg.train.cp_layout)
 
 
 def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int,
                  advise: bool = True, flat_weights: bool = False) -> dict[str, int]:
-    """Parse (or default) and validate the mesh of `strategy` against the devices and the model
-    (a pipeline also against L, M and the batch; context parallelism against T and its layout).
+    """The mesh checks of `resolve_run` on a device count, for the planner (launch.plan): parse (or
+    default) and validate the mesh of `strategy` against the devices and the model.
     advise=False: a dimension that does not divide is named without a mesh that fits
     (mesh.check_divisible). flat_weights: FSDP's weights split flat, so d_model need not divide by
     data (launch.plan's flat plans, twinshard/hardware/plan.py; the twins split d_model)."""
@@ -25,12 +94,7 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     check_experts(strategy, cfg.model)  # first: no mesh fixes a model the strategy cannot run
     shape = mesh_lib.parse_mesh(mesh_spec, strategy) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
     mesh_lib.check_mesh(strategy, shape, n_devices)
-    # the family's own checks first: their messages name the fix in its terms (stages, zig-zag chunks)
-    if decl.family == "pipeline":
-        pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
-                       cfg.train.grad_accum, shape.get("data", 1))
-    if decl.family == "context":
-        context.check(cfg.model.context_length, shape[context.CONTEXT], cfg.train.cp_layout)
+    check_family(decl, shape, cfg)  # first: their messages name the fix in its terms
     rules = {k: v for k, v in decl.split_rules.items() if not (flat_weights and k == "embed")}
     mesh_lib.check_divisible(logical_dims(cfg), rules, shape, advise)
     return shape
@@ -38,42 +102,46 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
 
 # The strategies whose twins run ModelConfig.loss_chunks, held to single-device gradients and their
 # ledgers by tests/test_loss_chunks.py (sequence-split and pipelined layouts, the explicit twins: not yet).
-LOSS_CHUNK_STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")
+LOSS_CHUNK_STRATEGIES = support.with_option("loss_chunks")
 
 
 def check_options(strategy: str, impl: str, cfg: Config) -> None:
-    """The options written in one twin only: the collective matmul (manual tp_sp), the 1F1B
-    schedule (the manual pipelines) and ragged experts with micro-batches (manual); a ValueError
-    naming the fix otherwise."""
-    if cfg.model.collective_matmul:
-        if strategy != "tp_sp":
+    """The options written in some twins only (twinshard/parallel/support.py): the collective
+    matmul, the 1F1B schedule, ragged experts with micro-batches, vocabulary tiling, splash under
+    a manual `tensor` axis; a ValueError naming the fix otherwise. `single` runs every option."""
+    model, train = cfg.model, cfg.train
+    if model.collective_matmul:
+        if strategy not in support.with_option("collective_matmul"):
             raise ValueError(f"--collective_matmul decomposes tp_sp's sequence all-gathers, and --strategy={strategy} "
                              "has none: use --strategy=tp_sp --impl=manual, or drop --collective_matmul.")
-        if impl != "manual":
+        if impl not in support.get(strategy).collective_matmul:
             raise ValueError(f"--collective_matmul is written by hand in the manual twin only (--impl={impl}): "
                              "use --impl=manual, or drop --collective_matmul (GSPMD chooses its own collectives).")
-    if impl == "auto" and cfg.model.num_experts and cfg.model.moe_dispatch == "ragged" and cfg.train.grad_accum > 1:
-        raise ValueError(f"--moe_dispatch=ragged with --grad_accum={cfg.train.grad_accum} under --impl=auto: the GSPMD "
+    if strategy == "single":
+        return
+    row = support.get(strategy)
+    if model.num_experts and model.moe_dispatch == "ragged" and train.grad_accum > 1 and impl not in row.ragged_accum:
+        raise ValueError(f"--moe_dispatch=ragged with --grad_accum={train.grad_accum} under --impl={impl}: the GSPMD "
                          "twin accumulates each data shard's micro-batches under jax.vmap, and JAX 0.12 cannot vmap "
                          "jax.lax.ragged_dot over weights it does not batch: use --grad_accum=1, --impl=manual "
                          "or --moe_dispatch=dense.")
-    if cfg.model.loss_chunks and strategy != "single" and (impl not in ("manual", "auto") or strategy not in LOSS_CHUNK_STRATEGIES):
-        raise ValueError(f"--loss_chunks={cfg.model.loss_chunks} (vocabulary tiling) is written and tested for "
+    if model.loss_chunks and impl not in row.loss_chunks:
+        raise ValueError(f"--loss_chunks={model.loss_chunks} (vocabulary tiling) is written and tested for "
                          f"--strategy={'/'.join(LOSS_CHUNK_STRATEGIES)} with --impl=manual or auto, not --strategy="
                          f"{strategy} --impl={impl}: use one of those, or --loss_chunks=0.")
-    if (impl == "manual" and cfg.model.attention == "splash" and jax.default_backend() != "tpu"
+    if (impl == "manual" and model.attention == "splash" and jax.default_backend() != "tpu"
             and "tensor" in strategies.get(strategy).split_axes):
         raise ValueError(f"--attention=splash under --strategy={strategy} --impl=manual runs Pallas' interpret mode off "
                          "a TPU, which fails inside the manual twin's checked shard_map over `tensor` (a loop carry typed "
                          "varying over it; docs/speed.md): use --impl=auto, or --attention=recompute here.")
-    if impl == "auto" and strategy in strategies.of_family("pipeline") and cfg.train.schedule != "gpipe":
-        raise ValueError(f"--schedule={cfg.train.schedule} is written by hand in the manual twin only "
+    if strategies.get(strategy).family == "pipeline" and train.schedule != "gpipe" and impl not in row.one_f_one_b:
+        raise ValueError(f"--schedule={train.schedule} is written by hand in the manual twin only "
                          "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
 
 
 # The strategies a mixture-of-experts model runs under: its expert block has the dispatch /
 # combine hooks and FSDP's gather, not Megatron's regions, a sequence layout or pipeline stages.
-MOE_STRATEGIES = ("dp", "fsdp", *strategies.of_family("experts"))
+MOE_STRATEGIES = support.with_option("moe")
 
 
 def check_experts(strategy: str, model: ModelConfig) -> None:
@@ -86,3 +154,28 @@ def check_experts(strategy: str, model: ModelConfig) -> None:
     if experts and strategy not in MOE_STRATEGIES:
         raise ValueError(f"--num_experts={experts}: a mixture of experts runs under {', '.join(MOE_STRATEGIES)} "
                          f"(or single), not --strategy={strategy}: pick one of those, or --num_experts=0.")
+
+
+def check_kv_heads(strategy: str, twin: str, shape: Mapping[str, int], cfg: Config) -> None:
+    """An axis larger than the kv heads replicates them (Strategy.placed) in the twins that write
+    it. The explicit twin splits the k and v columns (Hkv * dh) as its tables say: where tensor does
+    not divide Hkv a device's columns cut a head, and JAX refuses the typed [B, T, Hkv*dh/t] ->
+    [B, T, Hkv, dh] reshape (measured, JAX 0.12: ShardingTypeError; q's reshape, whole heads, is accepted)."""
+    axis, kv_heads = strategies.get(strategy).params.get(strategies.KV_HEADS), cfg.model.kv_heads
+    n = shape.get(axis, 1) if axis is not None else 1
+    if kv_heads % n and twin not in support.get(strategy).uneven_kv_heads:
+        raise ValueError(f"--impl={twin} splits kv heads over {axis}, and {axis}={n} does not divide "
+                         f"--num_kv_heads={kv_heads}: use --impl=auto or --impl=manual (they replicate the kv "
+                         f"heads), or a {axis} axis that divides {kv_heads}.")
+
+
+def check_dispatch(strategy: str, twin: str, devices, cfg: Config) -> None:
+    """moe_dispatch='ragged' under the manual expert-parallel twin exchanges tokens with
+    ragged_all_to_all, which XLA:CPU cannot compile: a ValueError naming the fix on CPU devices."""
+    if (twin == "manual" and strategies.get(strategy).family == "experts" and cfg.model.moe_dispatch == "ragged"
+            and any(d.platform == "cpu" for d in devices)):
+        raise ValueError("--moe_dispatch=ragged under the manual expert-parallel twin exchanges tokens with "
+                         "jax.lax.ragged_all_to_all, and XLA:CPU cannot run ragged-all-to-all (these devices are "
+                         "CPUs): use --moe_dispatch=dense (with --capacity_factor=0 it drops nothing either), "
+                         "or run on TPU or GPU. (--impl=auto runs the ragged math on CPU, but GSPMD replicates "
+                         "the experts' work instead of exchanging tokens: docs/experts.md.)")

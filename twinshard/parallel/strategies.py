@@ -150,8 +150,8 @@ FSDP_EP = compose("fsdp_ep", "ep, plus fsdp of every weight's d_model over data"
 DECLARATIONS: tuple[Strategy, ...] = (DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, PP, PP_FSDP, EP, FSDP_EP)
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in DECLARATIONS})
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
-# The strategies whose mesh is exactly data x tensor, both axes always named (size 1 allowed):
-# dp, fsdp, tp, fsdp_tp (tp_sp's data is optional, so its mesh string may omit it).
+# The strategies whose mesh is exactly data x tensor, each axis either split or 1: dp, fsdp, tp,
+# fsdp_tp (mesh_str shows both axes; tp_sp's data may be either).
 DATA_TENSOR: tuple[str, ...] = tuple(s.name for s in DECLARATIONS
                                      if s.family == "base" and ANY not in s.mesh.values())
 
