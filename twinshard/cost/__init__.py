@@ -44,7 +44,7 @@ from typing import Any
 
 from twinshard.config import Config, ModelConfig
 from twinshard.cost.communication import STRATEGY_ROWS
-from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Row, _Ctx, row
+from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Ctx, Row, row
 from twinshard.cost.flops import Flops, flops
 from twinshard.cost.memory import (Memory, attention_backward, attention_kernel, memory, ring_attention_memory,
                                    saved_by_stacks, saved_per_layer)
@@ -202,7 +202,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
                          f"of {local} sequences; choose one of {[k for k in range(1, local + 1) if local % k == 0]}.")
     if remat is not None:  # tp_sp's collectives depend on it (its re-gathers), the others' do not
         cfg = dataclasses.replace(cfg, remat=remat)
-    ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule)
+    ctx = Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule)
     rows = sorted(STRATEGY_ROWS[strategy](ctx), key=lambda r: PHASES.index(r.phase))  # stable
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
