@@ -95,7 +95,7 @@ class Cost:
         lines = [(r.phase, r.op, r.pattern or ",".join(r.axes), str(r.count), human(r.bytes), human(r.ring_bytes),
                   r.what)
                  for r in self.collectives]
-        out = _fmt_table(head, lines) if lines else ["(no collectives)"]
+        out = format_table(head, lines) if lines else ["(no collectives)"]
         for axes, s in self.by_axes().items():
             out.append(f"total over {','.join(axes)}: {s['count']} collectives, {human(s['bytes'])}, "
                        f"ring {human(s['ring_bytes'])} per device")
@@ -303,7 +303,7 @@ def compare_table(rows: list[dict[str, Any]]) -> str:
     for axes, (mc, wc, mb, wb, mr, wr) in totals.items():
         lines.append(("TOTAL", ",".join(axes) or "-", f"{mc}/{wc}", human(mb), human(wb), ratio(mb, wb),
                       human(mr), human(wr), "ok" if (mc, mb) == (wc, wb) else "DIFFERS"))
-    return "\n".join(_fmt_table(head, lines) if lines else ["(no collectives)"])
+    return "\n".join(format_table(head, lines) if lines else ["(no collectives)"])
 
 
 # ----------------------------------------------------------------------------- text
@@ -317,7 +317,7 @@ def human(n: float) -> str:
     return f"{n}"
 
 
-def _fmt_table(head: tuple[str, ...], lines: list[tuple]) -> list[str]:
+def format_table(head: tuple[str, ...], lines: list[tuple]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
 
     def fmt(r) -> str:

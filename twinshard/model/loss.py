@@ -185,6 +185,6 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 def _zeros_varying(shape: tuple[int, ...], *like: Array) -> Array:
     """f32 zeros varying over every mesh axis one of `like` varies over (inside shard_map, a scan's
     carry must have the type its body returns)."""
-    axes = tuple(sorted(set().union(*(layers._varying_axes(a) for a in like))))
+    axes = tuple(sorted(set().union(*(layers.varying_axes(a) for a in like))))
     zeros = jnp.zeros(shape, jnp.float32)
     return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
