@@ -36,12 +36,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twinshard import testing
 from twinshard.model.hooks import Parallelism, either
 from twinshard.model.transformer import ACTIVATION
 from twinshard.parallel import placement
 from twinshard.parallel.placement import spec
 from twinshard.parallel.resolve import Run
+from twinshard.parallel.sharding import expect_sharding
 from twinshard.train.optim import make_optimizer
 from twinshard.train.trainer import (accumulated_value_and_grad, check_grad_accum, logical_axes, loss_fn,
                                      stats_fn, train_step)
@@ -78,7 +78,7 @@ class Explicit(Parallelism):
         """The residual stream and the logits: their type is checked, nothing moves (the
         GSPMD twin's constraint is a hint; here JAX's rules already decided, and a layout the
         strategy does not declare is a bug of its hooks, caught at trace time)."""
-        testing.expect_sharding(x, spec(axes, self.rules))
+        expect_sharding(x, spec(axes, self.rules))
         return x
 
     def attention(self, q, k, v, impl="auto", block=0):

@@ -10,7 +10,7 @@ layer). Vocab-parallel embedding: a lookup in the [V@tensor, D] table whose outp
 `unreduced` over `tensor` (each device's rows, zeros for the others' ids), reduced by g.
 Vocab-parallel cross-entropy: Explicit mode cannot type the target-logit pick over a split
 vocabulary (jnp.take_along_axis has no out_sharding in JAX 0.12), so `token_loss` runs the
-manual twin's loss (manual_parallel/tp.py: pmax and psums of per-token statistics) in a
+manual twin's loss (loss.vocab_parallel_token_loss: pmax and psums of per-token statistics) in a
 shard_map over `tensor` alone, inside the explicit program; the full [B, T, V] logits never
 exist.
 Backward, per layer: g's transpose is free (replicated -> reduced); the input gradients of
@@ -24,7 +24,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from explicit_parallel.runner import Explicit
-from manual_parallel import tp as manual_tp
+from twinshard.model.loss import vocab_parallel_token_loss
 from twinshard.model.transformer import ACTIVATION, LOGITS
 from twinshard.parallel.placement import spec
 
@@ -53,7 +53,7 @@ class TensorParallel(Explicit):
         """logits: [B, T, V@tensor], targets: [B, T] -> [B, T]: the manual twin's vocab-parallel
         cross-entropy (each device's V/tensor columns, pmax and psum over `tensor`), in a
         shard_map manual over `tensor` only (`data` stays Explicit inside)."""
-        local = jax.shard_map(lambda z, t: manual_tp.vocab_parallel_token_loss(z, t, vocab_size), mesh=self.mesh,
+        local = jax.shard_map(lambda z, t: vocab_parallel_token_loss(z, t, vocab_size, TENSOR), mesh=self.mesh,
                               in_specs=(P(*spec(LOGITS, {"vocab": TENSOR})), P()), out_specs=P(),
                               axis_names={TENSOR})
         return local(logits, targets)

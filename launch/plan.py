@@ -137,7 +137,7 @@ def plan_table(plans: list[Plan], topo: Topology, cfg: ModelConfig, batch: int) 
              _ms(p.compute_s), *(_ms(p.comm_s.get(a, 0.0)) for a in axes), _ms(p.overlap_s),
              _ms(p.serial_s), p.bound, f"{batch * cfg.context_length / p.serial_s:,.0f}")
             for i, p in enumerate(plans, 1)]
-    return "\n".join(cost._fmt_table(head, rows))
+    return "\n".join(cost.format_table(head, rows))
 
 
 def _breakdown(p: Plan) -> str:

@@ -24,8 +24,6 @@ weights to varying over `tensor` before `grad` and sums their gradients over it 
 (one psum per leaf: the kv head's query-head groups each contribute a share).
 """
 
-import functools
-
 import jax.numpy as jnp
 from jax import lax
 
@@ -34,7 +32,7 @@ from manual_parallel.collectives import copy_to_tp, reduce_from_tp
 from twinshard.model import layers, loss
 from twinshard.parallel.strategies import KV_HEADS
 
-__all__ = ["TensorParallel", "parallelism", "vocab_parallel_token_loss"]
+__all__ = ["TensorParallel", "parallelism"]
 
 TENSOR = "tensor"
 
@@ -75,26 +73,10 @@ class TensorParallel(ManualParallelism):
         return self.exit_tensor_parallel(jnp.where(mine[..., None], rows, 0.0))  # the partial sums: g
 
     def token_loss(self, logits, targets, vocab_size):
-        return vocab_parallel_token_loss(logits, targets, vocab_size)
+        return loss.vocab_parallel_token_loss(logits, targets, vocab_size, TENSOR)
 
     def chunked_token_loss(self, x, w, targets, vocab_size, chunks):
-        return vocab_parallel_token_loss(x, targets, vocab_size, w, chunks)
-
-
-def vocab_parallel_token_loss(logits, targets, vocab_size, w=None, chunks=0):
-    """Megatron's vocab-parallel cross-entropy, inside a shard_map manual over `tensor`: logits
-    [B', T, V/tensor] for global ids offset + [0, V/tensor), targets [B', T] -> [B', T]: the
-    row max by pmax, the sum of exponentials and the target logit by psum over `tensor` (the
-    explicit twin runs it too: explicit_parallel/tp.py). With w [D, V/tensor] (loss_chunks > 0),
-    `logits` is the lm_head's input [B', T, D] and the logits are made `chunks` chunks at a time
-    (loss.chunked_token_cross_entropy): the same pmax and psums per chunk, none in its backward."""
-    reduce_max, reduce_sum = (functools.partial(f, axis_name=TENSOR) for f in (lax.pmax, lax.psum))
-    if w is not None:
-        offset = lax.axis_index(TENSOR) * w.shape[-1]
-        return loss.chunked_token_cross_entropy(logits, w, targets, vocab_size, chunks, offset, reduce_max, reduce_sum)
-    assert logits.shape[:-1] == targets.shape, (logits.shape, targets.shape)
-    offset = lax.axis_index(TENSOR) * logits.shape[-1]
-    return loss.token_cross_entropy(logits, targets, vocab_size, offset, reduce_max=reduce_max, reduce_sum=reduce_sum)
+        return loss.vocab_parallel_token_loss(x, targets, vocab_size, TENSOR, w, chunks)
 
 
 def parallelism(mesh, run) -> TensorParallel:

@@ -44,7 +44,7 @@ from typing import Any
 
 from twinshard.config import Config, ModelConfig
 from twinshard.cost.communication import STRATEGY_ROWS
-from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Row, _Ctx, row
+from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Ctx, Row, row
 from twinshard.cost.flops import Flops, flops
 from twinshard.cost.memory import (Memory, attention_backward, attention_kernel, memory, ring_attention_memory,
                                    saved_by_stacks, saved_per_layer)
@@ -95,7 +95,7 @@ class Cost:
         lines = [(r.phase, r.op, r.pattern or ",".join(r.axes), str(r.count), human(r.bytes), human(r.ring_bytes),
                   r.what)
                  for r in self.collectives]
-        out = _fmt_table(head, lines) if lines else ["(no collectives)"]
+        out = format_table(head, lines) if lines else ["(no collectives)"]
         for axes, s in self.by_axes().items():
             out.append(f"total over {','.join(axes)}: {s['count']} collectives, {human(s['bytes'])}, "
                        f"ring {human(s['ring_bytes'])} per device")
@@ -202,7 +202,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
                          f"of {local} sequences; choose one of {[k for k in range(1, local + 1) if local % k == 0]}.")
     if remat is not None:  # tp_sp's collectives depend on it (its re-gathers), the others' do not
         cfg = dataclasses.replace(cfg, remat=remat)
-    ctx = _Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule)
+    ctx = Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule)
     rows = sorted(STRATEGY_ROWS[strategy](ctx), key=lambda r: PHASES.index(r.phase))  # stable
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
@@ -303,7 +303,7 @@ def compare_table(rows: list[dict[str, Any]]) -> str:
     for axes, (mc, wc, mb, wb, mr, wr) in totals.items():
         lines.append(("TOTAL", ",".join(axes) or "-", f"{mc}/{wc}", human(mb), human(wb), ratio(mb, wb),
                       human(mr), human(wr), "ok" if (mc, mb) == (wc, wb) else "DIFFERS"))
-    return "\n".join(_fmt_table(head, lines) if lines else ["(no collectives)"])
+    return "\n".join(format_table(head, lines) if lines else ["(no collectives)"])
 
 
 # ----------------------------------------------------------------------------- text
@@ -317,7 +317,7 @@ def human(n: float) -> str:
     return f"{n}"
 
 
-def _fmt_table(head: tuple[str, ...], lines: list[tuple]) -> list[str]:
+def format_table(head: tuple[str, ...], lines: list[tuple]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
 
     def fmt(r) -> str:

@@ -62,7 +62,7 @@ tp (tensor=t; Megatron). Activation A = B*T*D*s bytes, token stats B*T*4.
     (the loss is already identical on every device).
     Grouped-query attention with t > Hkv (kv heads replicated over tensor, each device
     using its kv head's slice: manual_parallel/tp.py): backward, one all-reduce over tensor
-    per k/v leaf of its f32 gradient, L*D*Hkv*dh*4 bytes each (`_kv_sum_rows`).
+    per k/v leaf of its f32 gradient, L*D*Hkv*dh*4 bytes each (`kv_sum_rows`).
 fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
     vocab dim) and over data (its D dim). fsdp's rows over data, but each
     gathered array is the matrix's TENSOR shard (full/t bytes; GQA's k and v
@@ -99,7 +99,7 @@ tp_sp (tensor=t, data=d >= 1; Megatron sequence parallelism, manual_parallel/tp_
 pp, pp_fsdp (stage=S): the stage hops of `_hop_rows` and the stage sums; see `_pp`, `_pp_fsdp`.
 
 Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences). What
-runs in each micro-batch's forward and backward runs K times per step (`_times`): tp's
+runs in each micro-batch's forward and backward runs K times per step (`repeated`): tp's
 rows, on activations of b/K sequences (the same bytes per step, K x the count). The
 gradient syncs run once, after the micro-batch loop: dp's means, the norm psum, the
 loss. fsdp (and fsdp_tp's data rows) changes structure (manual_parallel/fsdp.py
@@ -112,46 +112,46 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from twinshard.cost.rows import (Row, _Ctx, _cross_entropy_rows, _fsdp_rows, _fsdp_step_rows, _kv_sum_rows,
-                                 _loss_row, _matrices, _norm_row, _norms, _times, _tp_rows, row)
-from twinshard.cost.weights import F32, _leaf_shape, _shards, kv_replicated, rules as placed_rules, weights
+from twinshard.cost.rows import (Ctx, Row, cross_entropy_rows, fsdp_rows, fsdp_step_rows, kv_sum_rows, loss_row,
+                                 matrix_weights, norm_row, norm_weights, repeated, row, tp_rows)
+from twinshard.cost.weights import F32, kv_replicated, leaf_label, rules as placed_rules, shard_count, weights
 from twinshard.parallel import context, strategies
 from twinshard.parallel.strategies import KV_HEADS
 
 # ----------------------------------------------------------------------------- strategies
 
 
-def _dp(ctx: _Ctx) -> list[Row]:
+def _dp(ctx: Ctx) -> list[Row]:
     """Gradients averaged over data, leaf by leaf; the loss averaged for the metrics."""
     grads = [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32,
-                 f"pmean over data of d({w.name}) {_leaf_shape(w)}") for w in weights(ctx.cfg)]
-    return grads + [_loss_row(ctx)]
+                 f"pmean over data of d({w.name}) {leaf_label(w)}") for w in weights(ctx.cfg)]
+    return grads + [loss_row(ctx)]
 
 
-def _fsdp(ctx: _Ctx) -> list[Row]:
-    return _fsdp_rows(ctx, tensor_shards=1) + [_norm_row(ctx, ("data",)), _loss_row(ctx)]
+def _fsdp(ctx: Ctx) -> list[Row]:
+    return fsdp_rows(ctx, tensor_shards=1) + [norm_row(ctx, ("data",)), loss_row(ctx)]
 
 
-def _tp(ctx: _Ctx) -> list[Row]:
-    return _tp_rows(ctx, batch=ctx.batch) + _kv_sum_rows(ctx) + [_norm_row(ctx, ("tensor",))]
+def _tp(ctx: Ctx) -> list[Row]:
+    return tp_rows(ctx, batch=ctx.batch) + kv_sum_rows(ctx) + [norm_row(ctx, ("tensor",))]
 
 
-def _fsdp_tp(ctx: _Ctx) -> list[Row]:
+def _fsdp_tp(ctx: Ctx) -> list[Row]:
     # replicated kv heads: their leaves are split over data alone, a sharding group of the norm's own
-    kv_norm = [_norm_row(ctx, ("data",))] if kv_replicated(ctx.cfg, ctx.mesh) else []
-    return (_fsdp_rows(ctx, tensor_shards=ctx.t) + _tp_rows(ctx, batch=ctx.batch // ctx.d)
-            + _kv_sum_rows(ctx, data_shards=ctx.d) + [_norm_row(ctx, ("data", "tensor")), *kv_norm, _loss_row(ctx)])
+    kv_norm = [norm_row(ctx, ("data",))] if kv_replicated(ctx.cfg, ctx.mesh) else []
+    return (fsdp_rows(ctx, tensor_shards=ctx.t) + tp_rows(ctx, batch=ctx.batch // ctx.d)
+            + kv_sum_rows(ctx, data_shards=ctx.d) + [norm_row(ctx, ("data", "tensor")), *kv_norm, loss_row(ctx)])
 
 
-def _pp(ctx: _Ctx) -> list[Row]:
+def _pp(ctx: Ctx) -> list[Row]:
     """GPipe (manual_parallel/pp.py): M + S - 1 ticks, each handing one micro-batch's
     activations [B/M, T, D] to the next stage forward and its gradient back; the replicated
     embedding, ln_final and lm_head gradients summed over stage; the loss summed over stage
     (only the last stage's is non-zero)."""
-    return _hop_rows(ctx) + _stage_sum_rows(ctx) + [_norm_row(ctx, ("stage",)), _stage_loss_row(ctx)]
+    return _hop_rows(ctx) + _stage_sum_rows(ctx) + [norm_row(ctx, ("stage",)), _stage_loss_row(ctx)]
 
 
-def _ticks(ctx: _Ctx) -> int:
+def _ticks(ctx: Ctx) -> int:
     """GPipe: M + S - 1 forward ticks, then as many backward; 1F1B: every tick of its table
     hands a forward output on AND an input gradient back (zeros when the stage idled)."""
     from twinshard.parallel import pipeline
@@ -160,7 +160,7 @@ def _ticks(ctx: _Ctx) -> int:
     return pipeline.ticks(m, n) if ctx.schedule == "gpipe" else len(pipeline.one_f_one_b(m, n)[0])
 
 
-def _hop_rows(ctx: _Ctx) -> list[Row]:
+def _hop_rows(ctx: Ctx) -> list[Row]:
     """One micro-batch's activations [B/(data M), T, D] per tick and hop, forward and back."""
     ticks, b = _ticks(ctx), ctx.batch // (ctx.d * ctx.microbatches)
     act = f"[{b},{ctx.seq},{ctx.cfg.d_model}]"
@@ -175,26 +175,26 @@ def _hop_rows(ctx: _Ctx) -> list[Row]:
 # ----------------------------------------------------------------------------- tp_sp
 
 
-def _tp_sp(ctx: _Ctx) -> list[Row]:
+def _tp_sp(ctx: Ctx) -> list[Row]:
     """Megatron sequence parallelism (manual_parallel/tp_sp.py) with B/data sequences per
     device: its per-micro-batch rows K times, the gains' psums, then TP's norm psum and, with
     data > 1, dp's gradient means and the loss mean over data."""
     b = ctx.batch // ctx.d
-    rows = _times(ctx.k, _tp_sp_micro_batch_rows(ctx, b // ctx.k)) + [_norm_row(ctx, ("tensor",))]
+    rows = repeated(ctx.k, _tp_sp_micro_batch_rows(ctx, b // ctx.k)) + [norm_row(ctx, ("tensor",))]
     if ctx.d == 1:
-        return rows + _kv_sum_rows(ctx)
+        return rows + kv_sum_rows(ctx)
     rules = placed_rules("tp_sp", ctx.cfg, ctx.mesh)
-    shards = {w.name: _shards(w, rules, ctx.mesh) for w in weights(ctx.cfg)}  # over tensor
+    shards = {w.name: shard_count(w, rules, ctx.mesh) for w in weights(ctx.cfg)}  # over tensor
     # replicated kv heads: their sum over tensor joins the mean over data (one all-reduce each)
     over = lambda w: ("data", "tensor") if KV_HEADS in w.axes and kv_replicated(ctx.cfg, ctx.mesh) else ("data",)  # noqa: E731
     return rows + [row(ctx, "backward", "all-reduce", over(w), w.leaves, w.layers * w.size * F32 // shards[w.name],
-                       f"pmean over data of d({w.name}) {_leaf_shape(w)}"
+                       f"pmean over data of d({w.name}) {leaf_label(w)}"
                        + (f"/{shards[w.name]} (its tensor shard)" if shards[w.name] > 1 else "")
                        + (", summed over tensor (kv heads replicated over it)" if len(over(w)) > 1 else ""))
-                   for w in weights(ctx.cfg)] + [_loss_row(ctx)]
+                   for w in weights(ctx.cfg)] + [loss_row(ctx)]
 
 
-def _tp_sp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
+def _tp_sp_micro_batch_rows(ctx: Ctx, batch: int) -> list[Row]:
     """TP's rows with each all-reduce of the residual stream split in its two halves (an
     all-reduce is a reduce-scatter followed by an all-gather): the reduce-scatter where TP's g
     (or its backward, f) sums, the all-gather where the next region needs the whole sequence.
@@ -202,7 +202,7 @@ def _tp_sp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
     (t-1)/t A each - 8 (t-1)/t A in all, exactly TP's 4 all-reduces of 2 (t-1)/t A."""
     a, t, L = ctx.activation(batch), ctx.t, ctx.L
     act, shard = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]", f"[{batch},{ctx.seq // t},{ctx.cfg.d_model}]"
-    stats = _cross_entropy_rows(ctx, batch)  # as TP's: the lm_head sees the whole sequence
+    stats = cross_entropy_rows(ctx, batch)  # as TP's: the lm_head sees the whole sequence
     regather = ctx.cfg.remat != "none"  # the column-parallel inputs, see tp_sp.py
     rows = stats + [
         row(ctx, "forward", "reduce-scatter", ("tensor",), 1, a // t,
@@ -239,7 +239,7 @@ def _tp_sp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
          if regather else [])
 
 
-def _stage_sum_rows(ctx: _Ctx) -> list[Row]:
+def _stage_sum_rows(ctx: Ctx) -> list[Row]:
     """psum over stage of the gradients of the params replicated over stage (embedding,
     ln_final, lm_head): f32, the matrices as their 1/data shards under pp_fsdp."""
     out = []
@@ -247,16 +247,16 @@ def _stage_sum_rows(ctx: _Ctx) -> list[Row]:
         if not w.stacked:
             shards = ctx.d if w.is_matrix else 1
             out.append(row(ctx, "backward", "all-reduce", ("stage",), 1, w.size * F32 // shards,
-                           f"psum over stage of d({w.name}) {_leaf_shape(w)}{f'/{shards}' if shards > 1 else ''} "
+                           f"psum over stage of d({w.name}) {leaf_label(w)}{f'/{shards}' if shards > 1 else ''} "
                            "(replicated over stage, f32)"))
     return out
 
 
-def _stage_loss_row(ctx: _Ctx) -> Row:
+def _stage_loss_row(ctx: Ctx) -> Row:
     return row(ctx, "metrics", "all-reduce", ("stage",), 1, F32, "psum over stage of the loss (last stage's; f32)")
 
 
-def _pp_fsdp(ctx: _Ctx) -> list[Row]:
+def _pp_fsdp(ctx: Ctx) -> list[Row]:
     """pp's hops and stage sums, plus FSDP over data inside each stage, in both schedules
     (manual_parallel/pp_fsdp.py): each matrix leaf of the stage (7 stacked [L/S, ...] leaves,
     the embedding and the lm_head) gathered whole once per step, before the tick loop, and its
@@ -264,15 +264,15 @@ def _pp_fsdp(ctx: _Ctx) -> list[Row]:
     over data; the global norm, one psum per sharding group; the loss (psum over stage, pmean
     over data). The gathers, scatters and norm means are fsdp's under grad_accum, on a stage's
     leaves (manual_parallel/pp_fsdp.py: the same code path)."""
-    return (_hop_rows(ctx) + _fsdp_step_rows(ctx, 1, ctx.mesh["stage"]) + _stage_sum_rows(ctx)
-            + [_norm_row(ctx, axes) for axes in (("stage", "data"), ("stage",), ("data",))]
-            + [_stage_loss_row(ctx), _loss_row(ctx)])
+    return (_hop_rows(ctx) + fsdp_step_rows(ctx, 1, ctx.mesh["stage"]) + _stage_sum_rows(ctx)
+            + [norm_row(ctx, axes) for axes in (("stage", "data"), ("stage",), ("data",))]
+            + [_stage_loss_row(ctx), loss_row(ctx)])
 
 
 # ----------------------------------------------------------------------------- context parallelism
 
 
-def _ring_rows(ctx: _Ctx, batch: int) -> list[Row]:
+def _ring_rows(ctx: Ctx, batch: int) -> list[Row]:
     """Ring attention (manual_parallel/ring_attention.py) on `batch` sequences per device, T/C tokens
     each: per layer C-1 ring_shifts of the K block and C-1 of the V block [b, Hkv, T/C, dh] forward
     (Hkv = H without grouped-query attention), the reverse ring of their gradients backward; per
@@ -283,7 +283,7 @@ def _ring_rows(ctx: _Ctx, batch: int) -> list[Row]:
     block = b * tc * cfg.kv_dim * ctx.s
     kv = f"[{b},{cfg.kv_heads},{tc},{cfg.head_dim}]"
     n = 2 * (c - 1) * ctx.L
-    return _times(ctx.k, [
+    return repeated(ctx.k, [
         row(ctx, "forward", "collective-permute", ("context",), n, block,
             f"ring_shift: ppermute c -> c+1 of the K and the V block {kv}, C-1 each per layer", shift=(1, True)),
         row(ctx, "backward", "collective-permute", ("context",), n, block,
@@ -291,39 +291,39 @@ def _ring_rows(ctx: _Ctx, batch: int) -> list[Row]:
     ])
 
 
-def _cp(ctx: _Ctx) -> list[Row]:
+def _cp(ctx: Ctx) -> list[Row]:
     """The ring; every gradient leaf and the loss averaged over context (a sequence shard's
     gradient is a partial mean, as a data shard's: manual_parallel/cp.py)."""
     grads = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32,
-                 f"pmean over context of d({w.name}) {_leaf_shape(w)}") for w in weights(ctx.cfg)]
+                 f"pmean over context of d({w.name}) {leaf_label(w)}") for w in weights(ctx.cfg)]
     return _ring_rows(ctx, ctx.batch) + grads + [
         row(ctx, "metrics", "all-reduce", ("context",), 1, F32, "pmean over context of the loss (f32 scalar)")]
 
 
-def _fsdp_cp(ctx: _Ctx) -> list[Row]:
+def _fsdp_cp(ctx: Ctx) -> list[Row]:
     """FSDP's gathers and scatters over data (its norm-gain means replaced: one pmean over
     (data, context) each); the ring on B/d sequences; each matrix gradient SHARD (f32, 1/d)
     averaged over context (params are replicated over context: manual_parallel/fsdp_cp.py)."""
-    fsdp = [r for r in _fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
+    fsdp = [r for r in fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
     shards = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32 // ctx.d,
-                  f"pmean over context of d({w.name}) {_leaf_shape(w)}/data (f32 shard)") for w in _matrices(ctx)]
+                  f"pmean over context of d({w.name}) {leaf_label(w)}/data (f32 shard)") for w in matrix_weights(ctx)]
     gains = [row(ctx, "backward", "all-reduce", ("data", "context"), w.leaves, w.layers * w.size * F32,
-                 f"pmean over data,context of d({w.name}) {_leaf_shape(w)} (replicated f32 norm gains)")
-             for w in _norms(ctx)]
+                 f"pmean over data,context of d({w.name}) {leaf_label(w)} (replicated f32 norm gains)")
+             for w in norm_weights(ctx)]
     return fsdp + _ring_rows(ctx, ctx.batch // ctx.d) + shards + gains + [
-        _norm_row(ctx, ("data",)),
+        norm_row(ctx, ("data",)),
         row(ctx, "metrics", "all-reduce", ("data", "context"), 1, F32, "pmean over data,context of the loss")]
 
 
 # ----------------------------------------------------------------------------- expert parallelism
 
 
-def _token_axes(ctx: _Ctx, *axes: str) -> tuple[str, ...]:
+def _token_axes(ctx: Ctx, *axes: str) -> tuple[str, ...]:
     """The axes among `axes` of size > 1 (the runner's `_active`): a mean over a size-1 axis is no collective."""
     return tuple(a for a in axes if ctx.mesh.get(a, 1) > 1)
 
 
-def _exchange_rows(ctx: _Ctx) -> list[Row]:
+def _exchange_rows(ctx: Ctx) -> list[Row]:
     """Per micro-batch and MoE layer (ModelConfig.moe_layers), on each device's B/(data expert K) sequences: the dispatch and
     combine all_to_alls of the capacity buffers [E, G, C, D] forward, their inverses backward."""
     if ctx.cfg.moe_dispatch == "ragged":
@@ -332,7 +332,7 @@ def _exchange_rows(ctx: _Ctx) -> list[Row]:
     groups = b * ctx.seq // cfg.moe_group
     buffers = cfg.num_experts * groups * cfg.expert_capacity * cfg.d_model * ctx.s
     shape = f"[{cfg.num_experts},{groups},{cfg.expert_capacity},{cfg.d_model}]"
-    return _times(ctx.k, [
+    return repeated(ctx.k, [
         row(ctx, "forward", "all-to-all", ("expert",), 2 * moe, buffers,
             f"dispatch_to_experts and combine_from_experts: all_to_all of {shape} over expert (2 per layer)"),
         row(ctx, "backward", "all-to-all", ("expert",), 2 * moe, buffers,
@@ -340,7 +340,7 @@ def _exchange_rows(ctx: _Ctx) -> list[Row]:
     ])
 
 
-def _ragged_exchange_rows(ctx: _Ctx) -> list[Row]:
+def _ragged_exchange_rows(ctx: Ctx) -> list[Row]:
     """The dropless exchange (manual_parallel/collectives.py ragged_dispatch / ragged_combine), per
     micro-batch and MoE layer, on each device's A = B/(data expert K) T k assignment rows: one
     all_to_all of the [ep, E/ep + 1] int32 counts and offsets (forward only: integers have no
@@ -351,7 +351,7 @@ def _ragged_exchange_rows(ctx: _Ctx) -> list[Row]:
     a = ctx.batch // (ctx.d * ep * ctx.k) * ctx.seq * cfg.experts_per_token
     expert_rows, token_rows = [ep * a, cfg.d_model], [a, cfg.d_model]  # where the experts run; back home
     size = lambda shape: shape[0] * shape[1] * ctx.s  # noqa: E731
-    return _times(ctx.k, [
+    return repeated(ctx.k, [
         row(ctx, "forward", "all-to-all", ("expert",), moe, ep * (cfg.num_experts // ep + 1) * 4,
             f"expert_route: all_to_all of the [{ep},{cfg.num_experts // ep + 1}] int32 counts and offsets (1 per layer)"),
         row(ctx, "forward", "ragged-all-to-all", ("expert",), moe, size(expert_rows),
@@ -365,7 +365,7 @@ def _ragged_exchange_rows(ctx: _Ctx) -> list[Row]:
     ])
 
 
-def _ep(ctx: _Ctx) -> list[Row]:
+def _ep(ctx: Ctx) -> list[Row]:
     """ep (manual_parallel/ep.py): the exchanges; every replicated gradient leaf averaged over the
     token axes (data, expert), each expert leaf over data (its sum over expert arrived through the
     all_to_all); the expert shards' squared norms summed over expert; the loss averaged."""
@@ -376,30 +376,30 @@ def _ep(ctx: _Ctx) -> list[Row]:
         if over:
             split = ctx.mesh["expert"] if w.is_experts else 1
             grads.append(row(ctx, "backward", "all-reduce", over, w.leaves, w.layers * w.size * F32 // split,
-                             f"pmean over {','.join(over)} of d({w.name}) {_leaf_shape(w)}"
+                             f"pmean over {','.join(over)} of d({w.name}) {leaf_label(w)}"
                              + (" (this device's experts)" if split > 1 else "")))
     return _exchange_rows(ctx) + grads + [
-        _norm_row(ctx, ("expert",)),
+        norm_row(ctx, ("expert",)),
         row(ctx, "metrics", "all-reduce", tokens, 1, F32, f"pmean over {','.join(tokens)} of the loss (f32 scalar)")]
 
 
-def _fsdp_ep(ctx: _Ctx) -> list[Row]:
+def _fsdp_ep(ctx: Ctx) -> list[Row]:
     """fsdp_ep (manual_parallel/fsdp_ep.py): FSDP's gathers and scatters over data (the experts'
     local E/ep), the exchanges, each replicated-over-expert matrix shard averaged over expert, each
     norm gain over (data, expert); the norm psums of the two sharding groups; the loss averaged."""
-    fsdp = [r for r in _fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
+    fsdp = [r for r in fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
     shards = [row(ctx, "backward", "all-reduce", ("expert",), w.leaves, w.layers * w.size * F32 // ctx.d,
-                  f"pmean over expert of d({w.name}) {_leaf_shape(w)}/data (f32 shard)")
-              for w in _matrices(ctx) if not w.is_experts]
+                  f"pmean over expert of d({w.name}) {leaf_label(w)}/data (f32 shard)")
+              for w in matrix_weights(ctx) if not w.is_experts]
     gains = [row(ctx, "backward", "all-reduce", ("data", "expert"), w.leaves, w.layers * w.size * F32,
-                 f"pmean over data,expert of d({w.name}) {_leaf_shape(w)} (replicated f32 norm gains)")
-             for w in _norms(ctx)]
+                 f"pmean over data,expert of d({w.name}) {leaf_label(w)} (replicated f32 norm gains)")
+             for w in norm_weights(ctx)]
     return fsdp + _exchange_rows(ctx) + shards + gains + [
-        _norm_row(ctx, ("data",)), _norm_row(ctx, ("data", "expert")),
+        norm_row(ctx, ("data",)), norm_row(ctx, ("data", "expert")),
         row(ctx, "metrics", "all-reduce", ("data", "expert"), 1, F32, "pmean over data,expert of the loss")]
 
 
-def _rows_of(name: str) -> Callable[[_Ctx], list[Row]]:
+def _rows_of(name: str) -> Callable[[Ctx], list[Row]]:
     """The rows function of the strategy declared as `name`: `_<name>` in this module."""
     rows = globals().get(f"_{name}")
     if rows is None:
@@ -408,4 +408,4 @@ def _rows_of(name: str) -> Callable[[_Ctx], list[Row]]:
     return rows
 
 
-STRATEGY_ROWS: dict[str, Callable[[_Ctx], list[Row]]] = {s.name: _rows_of(s.name) for s in strategies.DECLARATIONS}
+STRATEGY_ROWS: dict[str, Callable[[Ctx], list[Row]]] = {s.name: _rows_of(s.name) for s in strategies.DECLARATIONS}

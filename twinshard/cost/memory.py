@@ -10,7 +10,7 @@ Memory per device (`Memory`, bytes):
     optimizer  by `optimizer`, `state_bytes` per element (4; O(1) counters and placeholders
                ignored): adamw 2 x the params' elements (mu, nu); lion, sgd 1 x (mu;
                momentum trace); adafactor, per leaf with two dims >= 128
-               (optim.factored_dims) a row and a column statistic (the leaf without its
+               (optimizer_state.factored_dims) a row and a column statistic (the leaf without its
                largest / second-largest dim, each split over the mesh axes of the dims
                it keeps), else a full v
     activations, saved for the backward pass, per layer by `remat` (ModelConfig.remat,
@@ -95,7 +95,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from twinshard.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ModelConfig
-from twinshard.cost.weights import F32, _shards, kv_replicated, local_bytes, rules as placed_rules, weights
+from twinshard.cost.weights import F32, kv_replicated, local_bytes, rules as placed_rules, shard_count, weights
+from twinshard.optimizer_state import factored_dims
 from twinshard.parallel import mesh as mesh_lib
 
 
@@ -129,8 +130,6 @@ class Memory:
 def _optimizer_bytes(cfg: ModelConfig, rules: Mapping[str, str], mesh: Mapping[str, int],
                      optimizer: str, state_bytes: int = F32) -> int:
     """Optimizer-state bytes per device, `state_bytes` per element (see the module docstring)."""
-    from twinshard.train.optim import factored_dims  # optax is imported only when memory is asked for
-
     def kept(shape, axes, dims) -> int:  # elements per device of a statistic keeping `dims`
         split = math.prod(mesh_lib.axis_size(mesh, rules[axes[k]]) for k in dims if axes[k] in rules)
         return math.prod(shape[k] for k in dims) // split
@@ -356,8 +355,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
                          f"{', '.join(PIPELINE_SCHEDULES)}.")
     remat = cfg.remat if remat is None else remat
     rules = placed_rules(strategy, cfg, mesh)
-    masters = sum(w.count * w.size * F32 // _shards(w, rules, mesh) for w in weights(cfg))  # as float32
-    params = sum(w.count * w.size * param_bytes // _shards(w, rules, mesh) for w in weights(cfg))
+    masters = sum(w.count * w.size * F32 // shard_count(w, rules, mesh) for w in weights(cfg))  # as float32
+    params = sum(w.count * w.size * param_bytes // shard_count(w, rules, mesh) for w in weights(cfg))
     t = mesh["tensor"] if "heads" in rules else 1
     b = (batch // mesh_lib.axis_size(mesh, rules["batch"]) if "batch" in rules else batch) // grad_accum  # one micro-batch
     d, v = cfg.d_model, cfg.padded_vocab_size

@@ -1,5 +1,5 @@
 """The row builders of the communication model (twinshard/cost/communication.py): a `Row` per
-kind of collective, the `_Ctx` every strategy's rows read, and the pieces several strategies
+kind of collective, the `Ctx` every strategy's rows read, and the pieces several strategies
 share (FSDP's gathers and scatters, Megatron's all-reduces, the norm and loss means)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 
 from twinshard.config import ModelConfig
-from twinshard.cost.weights import (F32, Weight, _held, _leaf_shape, _shape, kv_replicated, local_bytes, used_shards,
-                                    weights)
+from twinshard.cost.weights import (F32, Weight, kv_replicated, layers_held, leaf_label, local_bytes, shape_label,
+                                    used_shards, weights)
 from twinshard.hlo import ring_bytes as _ring_bytes, shift_pattern
 from twinshard.parallel import mesh as mesh_lib
 from twinshard.parallel.strategies import KV_HEADS
@@ -45,7 +45,7 @@ class Row:
 
 
 @dataclass(frozen=True)
-class _Ctx:
+class Ctx:
     """Everything a strategy's rows need."""
 
     cfg: ModelConfig
@@ -74,7 +74,7 @@ class _Ctx:
         return batch * self.seq * self.cfg.d_model * self.s
 
 
-def row(ctx: _Ctx, phase: str, op: str, axes: tuple[str, ...], count: int, each: int, what: str,
+def row(ctx: Ctx, phase: str, op: str, axes: tuple[str, ...], count: int, each: int, what: str,
         shift: tuple[int, bool] | None = None) -> Row:
     """`count` collectives of `each` result bytes over `axes` (ring bytes from the group size);
     a collective-permute's `shift` = (k, wrap): every device sends k steps along its one axis,
@@ -88,83 +88,84 @@ def row(ctx: _Ctx, phase: str, op: str, axes: tuple[str, ...], count: int, each:
                pattern)
 
 
-def _matrices(ctx: _Ctx) -> list[Weight]:
+def matrix_weights(ctx: Ctx) -> list[Weight]:
     return [w for w in weights(ctx.cfg) if w.is_matrix]
 
 
-def _norms(ctx: _Ctx) -> list[Weight]:
+def norm_weights(ctx: Ctx) -> list[Weight]:
     return [w for w in weights(ctx.cfg) if not w.is_matrix]
 
 
-def _local_bytes(ctx: _Ctx, w: Weight, tensor_shards: int = 1) -> int:
+def _local_bytes(ctx: Ctx, w: Weight, tensor_shards: int = 1) -> int:
     """weights.local_bytes in the compute dtype over `tensor_shards`."""
     return local_bytes(ctx.cfg, w, ctx.mesh, tensor_shards, ctx.s)
 
 
-def _kv_sum_rows(ctx: _Ctx, data_shards: int = 1) -> list[Row]:
+def kv_sum_rows(ctx: Ctx, data_shards: int = 1) -> list[Row]:
     """The gradient of grouped-query attention's k/v weights replicated over `tensor` (a tensor
     axis larger than the kv heads): each device's slice gradient, summed over tensor once per
     step, per leaf (ManualRunner.mean_over_tokens); f32, the 1/data shard under fsdp_tp."""
     if not kv_replicated(ctx.cfg, ctx.mesh):
         return []
     return [row(ctx, "backward", "all-reduce", ("tensor",), w.leaves, w.layers * w.size * F32 // data_shards,
-                f"psum over tensor of d({w.name}) {_leaf_shape(w)}" + (f"/{data_shards}" if data_shards > 1 else "")
+                f"psum over tensor of d({w.name}) {leaf_label(w)}" + (f"/{data_shards}" if data_shards > 1 else "")
                 + " (kv heads replicated over tensor: each device's kv head slice)")
-            for w in _matrices(ctx) if KV_HEADS in w.axes]
+            for w in matrix_weights(ctx) if KV_HEADS in w.axes]
 
 
-def _fsdp_rows(ctx: _Ctx, tensor_shards: int) -> list[Row]:
+def fsdp_rows(ctx: Ctx, tensor_shards: int) -> list[Row]:
     """ZeRO-3 over data: gather each matrix (forward, again in backward), scatter its gradient,
     all-reduce each replicated norm gradient. `tensor_shards` = t under fsdp_tp (each device
     gathers only its tensor shard), 1 under fsdp."""
     if ctx.k > 1:
-        return _fsdp_step_rows(ctx, tensor_shards)
+        return fsdp_step_rows(ctx, tensor_shards)
     gather = lambda phase, w, what: row(  # noqa: E731
         ctx, phase, "all-gather", ("data",), w.count, _local_bytes(ctx, w, tensor_shards),
-        what.format(f"{w.name} {_shape(w, used_shards(ctx.cfg, w, tensor_shards))}"))
-    rows = [gather("forward", w, "fsdp_gather: all_gather {} over data before its use") for w in _matrices(ctx)]
+        what.format(f"{w.name} {shape_label(w, used_shards(ctx.cfg, w, tensor_shards))}"))
+    rows = [gather("forward", w, "fsdp_gather: all_gather {} over data before its use") for w in matrix_weights(ctx)]
     rows += [gather("backward", w, "fsdp_gather re-gathers {} (remat: gathered weights not saved)")
-             for w in _matrices(ctx) if w.name not in NOT_REGATHERED]
+             for w in matrix_weights(ctx) if w.name not in NOT_REGATHERED]
     rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.count, _local_bytes(ctx, w, tensor_shards) // ctx.d,
-                 f"fsdp_gather backward: psum_scatter of d({w.name}) over data") for w in _matrices(ctx)]
+                 f"fsdp_gather backward: psum_scatter of d({w.name}) over data") for w in matrix_weights(ctx)]
     return rows + _fsdp_norm_rows(ctx)
 
 
-def _fsdp_step_rows(ctx: _Ctx, tensor_shards: int, stages: int = 1) -> list[Row]:
+def fsdp_step_rows(ctx: Ctx, tensor_shards: int, stages: int = 1) -> list[Row]:
     """grad_accum = K > 1 (manual_parallel/fsdp.py gather_step): each matrix LEAF (a stacked
     [L, ...] block leaf at once) gathered once before the micro-batch loop and never re-gathered,
     its accumulated gradient reduce-scattered once after it; the norm gradients' mean once.
     pp_fsdp (`stages` = S): the same on a stage's leaves, [L/S, ...] of a block weight."""
-    rows = [row(ctx, "forward", "all-gather", ("data",), w.leaves, _held(w, stages) * _local_bytes(ctx, w, tensor_shards),
-                f"gather_step: fsdp_gather of {w.name} {_leaf_shape(w, stages)} over data, once per step")
-            for w in _matrices(ctx)]
+    rows = [row(ctx, "forward", "all-gather", ("data",), w.leaves,
+                layers_held(w, stages) * _local_bytes(ctx, w, tensor_shards),
+                f"gather_step: fsdp_gather of {w.name} {leaf_label(w, stages)} over data, once per step")
+            for w in matrix_weights(ctx)]
     rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.leaves,
-                 _held(w, stages) * _local_bytes(ctx, w, tensor_shards) // ctx.d,
+                 layers_held(w, stages) * _local_bytes(ctx, w, tensor_shards) // ctx.d,
                  f"fsdp_gather backward: psum_scatter of the accumulated d({w.name}), once per step")
-             for w in _matrices(ctx)]
+             for w in matrix_weights(ctx)]
     return rows + _fsdp_norm_rows(ctx, stages)
 
 
-def _fsdp_norm_rows(ctx: _Ctx, stages: int = 1) -> list[Row]:
-    return [row(ctx, "backward", "all-reduce", ("data",), w.leaves, _held(w, stages) * w.size * F32,
-                f"pmean over data of d({w.name}) {_leaf_shape(w, stages)} (replicated f32 norm gains)")
-            for w in _norms(ctx)]
+def _fsdp_norm_rows(ctx: Ctx, stages: int = 1) -> list[Row]:
+    return [row(ctx, "backward", "all-reduce", ("data",), w.leaves, layers_held(w, stages) * w.size * F32,
+                f"pmean over data of d({w.name}) {leaf_label(w, stages)} (replicated f32 norm gains)")
+            for w in norm_weights(ctx)]
 
 
-def _tp_rows(ctx: _Ctx, batch: int) -> list[Row]:
+def tp_rows(ctx: Ctx, batch: int) -> list[Row]:
     """Megatron over tensor with `batch` sequences per device (B under tp, B/d under fsdp_tp):
     per micro-batch of batch/K sequences, K times per step (they are in each micro-batch's
     forward and backward)."""
-    return _times(ctx.k, _tp_micro_batch_rows(ctx, batch // ctx.k))
+    return repeated(ctx.k, _tp_micro_batch_rows(ctx, batch // ctx.k))
 
 
-def _times(k: int, rows: list[Row]) -> list[Row]:
+def repeated(k: int, rows: list[Row]) -> list[Row]:
     """The rows of one micro-batch, run k times per step (count, bytes, ring bytes x k)."""
     return [dataclasses.replace(r, count=k * r.count, bytes=k * r.bytes, ring_bytes=k * r.ring_bytes)
             for r in rows]
 
 
-def _cross_entropy_rows(ctx: _Ctx, batch: int) -> list[Row]:
+def cross_entropy_rows(ctx: Ctx, batch: int) -> list[Row]:
     """The vocab-parallel cross-entropy's 3 all-reduces of per-token statistics [b, T] f32; with
     ModelConfig.loss_chunks = n, 3 per chunk of [b T / n] (the same bytes; none in the backward
     pass, which reads the saved log-sum-exp)."""
@@ -179,7 +180,7 @@ def _cross_entropy_rows(ctx: _Ctx, batch: int) -> list[Row]:
     ]
 
 
-def _tp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
+def _tp_micro_batch_rows(ctx: Ctx, batch: int) -> list[Row]:
     a, L = ctx.activation(batch), ctx.L
     act = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]"
     return [
@@ -187,7 +188,7 @@ def _tp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
             f"vocab-parallel embedding: masked local lookup + psum {act}"),
         row(ctx, "forward", "all-reduce", ("tensor",), 2 * L, a,
             f"Megatron g: psum {act} after output_proj and after w2 (2 per layer)"),
-        *_cross_entropy_rows(ctx, batch),
+        *cross_entropy_rows(ctx, batch),
         row(ctx, "backward", "all-reduce", ("tensor",), 2 * L, a,
             f"Megatron f: psum of d{act} before attention and before the MLP (2 per layer)"),
         row(ctx, "backward", "all-reduce", ("tensor",), 1, a,
@@ -195,10 +196,10 @@ def _tp_micro_batch_rows(ctx: _Ctx, batch: int) -> list[Row]:
     ]
 
 
-def _norm_row(ctx: _Ctx, axes: tuple[str, ...]) -> Row:
+def norm_row(ctx: Ctx, axes: tuple[str, ...]) -> Row:
     return row(ctx, "optimizer", "all-reduce", axes, 1, F32,
                f"global grad norm: psum over {','.join(axes)} of the local sum of squares (f32 scalar)")
 
 
-def _loss_row(ctx: _Ctx) -> Row:
+def loss_row(ctx: Ctx) -> Row:
     return row(ctx, "metrics", "all-reduce", ("data",), 1, F32, "pmean over data of the loss (f32 scalar)")

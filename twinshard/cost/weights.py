@@ -28,8 +28,8 @@ A mixture of experts (E experts of width F_e) has, in place of the three ffn mat
 With K = first_dense_layers > 0 every block weight is two groups, one per stack
 (ModelConfig.stacks): `dense_layers.*` of K layers (the dense ffn) and the L - K MoE layers'.
 `RULES` maps each logical axis to the mesh axis a strategy splits it over (`rules`: for one model on
-one mesh, grouped-query attention's kv heads replicated where the tensor axis is larger); `_shards`,
-`_held`, `local_bytes` and the shape labels size a weight's piece on one device.
+one mesh, grouped-query attention's kv heads replicated where the tensor axis is larger); `shard_count`,
+`layers_held`, `local_bytes` and the shape labels size a weight's piece on one device.
 """
 
 from __future__ import annotations
@@ -160,20 +160,20 @@ def _block_weights(stack: ModelConfig, prefix: str) -> list[Weight]:
     return [dataclasses.replace(w, name=prefix + w.name, stacked=True) for w in attn + ffn + norms]
 
 
-def _shards(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int:
+def shard_count(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) -> int:
     return math.prod(axis_size(mesh, rules[a]) for a in w.leaf_axes if a in rules)
 
 
-def _held(w: Weight, stages: int = 1) -> int:
+def layers_held(w: Weight, stages: int = 1) -> int:
     """How many of w's layers one device holds: L/S of a stacked block weight split over `stages`
     pipeline stages (L without a pipeline), 1 otherwise."""
     return w.layers // stages if w.stacked else 1
 
 
-def _leaf_shape(w: Weight, stages: int = 1) -> str:
+def leaf_label(w: Weight, stages: int = 1) -> str:
     """w's parameter leaf, "[L, D, F]"; on one of `stages` pipeline stages "[L/S, D, F]"."""
-    return "[" + ",".join(str(n) for n in ((_held(w, stages), *w.shape) if w.stacked else w.shape)) + "]"
+    return "[" + ",".join(str(n) for n in ((layers_held(w, stages), *w.shape) if w.stacked else w.shape)) + "]"
 
 
-def _shape(w: Weight, tensor_shards: int) -> str:
+def shape_label(w: Weight, tensor_shards: int) -> str:
     return "[" + ",".join(str(n) for n in w.shape) + "]" + (f"/{tensor_shards}" if tensor_shards > 1 else "")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from twinshard.hardware import chips
 from twinshard.hardware.chips import Chip
-from twinshard.parallel.strategies import ORDER
+from twinshard.parallel.axes import ORDER
 
 GB = 1e9  # link rates in GB/s, as datasheets print them
 

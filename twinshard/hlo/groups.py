@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from twinshard.hlo.parse import _split_top
+from twinshard.hlo.parse import split_top
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _iota_groups(text: str) -> list[list[int]]:
     return ids.reshape(out_shape[0], -1).tolist()
 
 
-def _explicit_groups(text: str) -> list[list[int]]:
+def explicit_groups(text: str) -> list[list[int]]:
     """`{{0,4},{1,5}}` -> [[0,4],[1,5]]; `{}` -> []."""
     inner = text.strip()
     if not (inner.startswith("{") and inner.endswith("}")):
@@ -141,7 +141,7 @@ def _mesh_groups(text: str) -> tuple[list[list[int]], list[list[int]]]:
     names = [a for a, _ in axes]
     sizes = [int(s) for _, s in axes]
     refs = []  # (axis index, stride, size): sub-coordinate = coord // stride % size
-    for ref in _split_top(m.group(3)):
+    for ref in split_top(m.group(3)):
         r = re.fullmatch(r"'([^']+)'(?::\((\d+)\)(\d+))?", ref)
         if not r or r.group(1) not in names:
             raise ValueError(f"bad mesh axis {ref!r} in {text!r}")
@@ -174,7 +174,7 @@ def decode_replica_groups(text: str, num_partitions: int) -> tuple[list[list[int
     text = text.strip()
     if text.startswith("mesh"):
         return _mesh_groups(text)
-    groups = _iota_groups(text) if text.startswith("[") else _explicit_groups(text)
+    groups = _iota_groups(text) if text.startswith("[") else explicit_groups(text)
     if not groups:
         groups = [list(range(num_partitions))]
     return groups, groups
@@ -205,7 +205,7 @@ def classify(groups: Iterable[Iterable[int]], mesh: MeshSpec) -> tuple[tuple[str
     return in_mesh_order(varying), in_mesh_order(partial)
 
 
-def _components(pairs: Iterable[tuple[int, int]]) -> list[list[int]]:
+def pair_components(pairs: Iterable[tuple[int, int]]) -> list[list[int]]:
     """Connected components of a permutation's pair graph."""
     parent: dict[int, int] = {}
 

@@ -1,7 +1,7 @@
 """How many times each computation runs, and which printed collectives are copies of one.
 
-`_multiplicities` walks the call graph from ENTRY and gives every computation its runs per
-step; `_async_fusion_copies` finds the collectives that TPU async collective fusions print
+`multiplicities` walks the call graph from ENTRY and gives every computation its runs per
+step; `async_fusion_copies` finds the collectives that TPU async collective fusions print
 more than once, so the ledger counts each once.
 
 Loops. A collective inside a `while` body (a `lax.scan`) prints once; its
@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import re
 
-from twinshard.hlo.parse import _Instr, _Module, _base_op, _parse_shape
+from twinshard.hlo.parse import Instr, Module, base_opcode, parse_shape
 
 
 # ----------------------------------------------------------------------------- multiplicity
@@ -72,24 +72,24 @@ _CALL_KEYS = re.compile(
 )
 
 
-def _is_done_side(instr: _Instr) -> bool:
+def _is_done_side(instr: Instr) -> bool:
     """`*-done`, `async-update`/`async-done`, and fusions named `*done*` (TPU)."""
     op = instr.opcode
     return (op.endswith("-done") or op in ("async-update", "async-done")
             or (op == "fusion" and "done" in instr.name))
 
 
-def _call_edges(instr: _Instr) -> list[tuple[str, str]]:
+def call_edges(instr: Instr) -> list[tuple[str, str]]:
     """(attribute, callee) edges of an instruction, minus async-done style back edges."""
     return [] if _is_done_side(instr) else _edges(instr)
 
 
-def _done_edges(instr: _Instr) -> list[tuple[str, str]]:
-    """The edges `_call_edges` leaves out: those of done-side ops."""
+def _done_edges(instr: Instr) -> list[tuple[str, str]]:
+    """The edges `call_edges` leaves out: those of done-side ops."""
     return _edges(instr) if _is_done_side(instr) else []
 
 
-def _edges(instr: _Instr) -> list[tuple[str, str]]:
+def _edges(instr: Instr) -> list[tuple[str, str]]:
     if not _CALL_KEYS.search(instr.attr_text):
         return []
     edges = []
@@ -102,7 +102,7 @@ def _edges(instr: _Instr) -> list[tuple[str, str]]:
     return edges
 
 
-def _trip_count(w: _Instr, mod: _Module) -> tuple[int | None, bool]:
+def _trip_count(w: Instr, mod: Module) -> tuple[int | None, bool]:
     """(trip count, exact) of a while: known_trip_count, else `i < constant(N)`."""
     config = w.attrs.get("backend_config", "")
     m = re.search(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)', config)
@@ -121,13 +121,13 @@ def _trip_count(w: _Instr, mod: _Module) -> tuple[int | None, bool]:
     return None, False
 
 
-def _multiplicities(mod: _Module, warnings: list[str]) -> dict[str, tuple[int, bool, bool]]:
+def multiplicities(mod: Module, warnings: list[str]) -> dict[str, tuple[int, bool, bool]]:
     """computation -> (times run per call of ENTRY, exact?, reached through async?)."""
-    callers: dict[str, list[tuple[str, _Instr, str]]] = {}
-    done_callers: dict[str, list[tuple[str, _Instr, str]]] = {}
+    callers: dict[str, list[tuple[str, Instr, str]]] = {}
+    done_callers: dict[str, list[tuple[str, Instr, str]]] = {}
     for comp, instrs in mod.computations.items():
         for instr in instrs:
-            for key, callee in _call_edges(instr):
+            for key, callee in call_edges(instr):
                 callers.setdefault(callee, []).append((comp, instr, key))
             for key, callee in _done_edges(instr):
                 done_callers.setdefault(callee, []).append((comp, instr, key))
@@ -181,7 +181,7 @@ def _multiplicities(mod: _Module, warnings: list[str]) -> dict[str, tuple[int, b
 # ----------------------------------------------------------------------------- TPU async collective fusions
 
 
-def _root_call_target(instrs: list[_Instr]) -> str:
+def _root_call_target(instrs: list[Instr]) -> str:
     """custom_call_target of a computation's ROOT custom-call ('' if none)."""
     root = next((i for i in instrs if i.is_root), None)
     if root is None or root.opcode != "custom-call":
@@ -189,25 +189,25 @@ def _root_call_target(instrs: list[_Instr]) -> str:
     return root.attrs.get("custom_call_target", "").strip('"')
 
 
-def _copy_key(instr: _Instr) -> tuple | None:
+def _copy_key(instr: Instr) -> tuple | None:
     """What every printed copy of one async collective shares (None: not a collective).
 
     channel_id alone is not enough: measured (libtpu 0.0.50.1, shard_map FSDP on
     v5e:4x4), three distinct all-gathers, two of them async, all had channel_id=1.
     """
-    op = _base_op(instr.opcode)[0]
+    op = base_opcode(instr.opcode)[0]
     if op is None:
         return None
     a = instr.attrs
     try:
-        shape = repr(_parse_shape(instr.shape_text))  # layouts differ between copies
+        shape = repr(parse_shape(instr.shape_text))  # layouts differ between copies
     except ValueError:
         shape = instr.shape_text
     return (op, a.get("channel_id"), a.get("replica_groups"), a.get("source_target_pairs"),
             a.get("dimensions"), shape)
 
 
-def _chain_copies(start: _Instr, instrs: list[_Instr], keys: set[tuple], mod: _Module,
+def _chain_copies(start: Instr, instrs: list[Instr], keys: set[tuple], mod: Module,
                   dones: set[str]) -> set[tuple[str, str]]:
     """Copies of the start's collective along its chain, followed by data flow.
 
@@ -244,7 +244,7 @@ def _chain_copies(start: _Instr, instrs: list[_Instr], keys: set[tuple], mod: _M
     return found
 
 
-def _async_fusion_copies(mod: _Module, warnings: list[str]) -> tuple[set[str], set[tuple[str, str]]]:
+def async_fusion_copies(mod: Module, warnings: list[str]) -> tuple[set[str], set[tuple[str, str]]]:
     """(start computations, {(computation, instr)} of copies) of TPU async collective fusions.
 
     One async collective is printed once per computation of its chain: the
@@ -261,7 +261,7 @@ def _async_fusion_copies(mod: _Module, warnings: list[str]) -> tuple[set[str], s
     regular, done_only, fusion_only = set(), set(), {}
     for instrs in mod.computations.values():
         for i in instrs:
-            for _, callee in _call_edges(i):
+            for _, callee in call_edges(i):
                 regular.add(callee)
                 fusion_only[callee] = fusion_only.get(callee, True) and i.opcode == "fusion"
             done_only.update(c for _, c in _done_edges(i))
@@ -275,7 +275,7 @@ def _async_fusion_copies(mod: _Module, warnings: list[str]) -> tuple[set[str], s
             dones.add(comp)
         for i in instrs:
             if i.opcode == "fusion" and "async" in i.name and "start" in i.name:
-                starts.update(c for k, c in _call_edges(i) if k == "calls")
+                starts.update(c for k, c in call_edges(i) if k == "calls")
     keys_of = {c: {k for i in mod.computations.get(c, []) if (k := _copy_key(i))} for c in starts}
     all_keys = set().union(*keys_of.values())
     copies: set[tuple[str, str]] = set()

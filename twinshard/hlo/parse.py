@@ -1,9 +1,9 @@
 """Reading HLO module text: computations of instructions, shapes, attributes, source tables.
 
-`_parse_module` splits the text of an HLO module (what a `jax.stages.Compiled` prints with
-`.as_text()`) into computations of `_Instr` in one linear scan; attributes and shapes are
-parsed on demand (`_Instr.attrs`, `_parse_shape`). Lines that look like a collective but
-cannot be read are kept in `_Module.bad_lines` (the ledger's `unparsed`). `_base_op` says
+`parse_module` splits the text of an HLO module (what a `jax.stages.Compiled` prints with
+`.as_text()`) into computations of `Instr` in one linear scan; attributes and shapes are
+parsed on demand (`Instr.attrs`, `parse_shape`). Lines that look like a collective but
+cannot be read are kept in `Module.bad_lines` (the ledger's `unparsed`). `base_opcode` says
 which collective an opcode is and in which form (sync, async start / done / update).
 
 Sources (JAX 0.12.0.1). Metadata carries `stack_frame_id=N`, not `source_file`:
@@ -71,7 +71,7 @@ def _match_close(s: str, i: int) -> int:
     raise ValueError(f"unbalanced brackets in {s[i:i + 80]!r}")
 
 
-def _split_top(s: str, sep: str = ",") -> list[str]:
+def split_top(s: str, sep: str = ",") -> list[str]:
     """Split on `sep` outside brackets and double quotes."""
     parts, start = [], 0
     for j, c, depth in _unquoted(s):
@@ -86,7 +86,7 @@ def _parse_attrs(tail: str) -> dict[str, str]:
     """`, a=1, b={..}` -> {'a': '1', 'b': '{..}'}; re-joins `mesh[..], device_ids=(..) {..}`."""
     out: dict[str, str] = {}
     last = None
-    for piece in _split_top(tail):
+    for piece in split_top(tail):
         key, eq, value = piece.partition("=")
         if not eq:
             continue
@@ -100,7 +100,7 @@ def _parse_attrs(tail: str) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class _Shape:
+class Shape:
     dtype: str
     dims: tuple[int, ...]
 
@@ -114,24 +114,24 @@ class _Shape:
 _ARRAY = re.compile(r"^([a-z][a-z0-9]*)\[([^\]]*)\]")
 
 
-def _parse_shape(text: str) -> _Shape | list:
-    """`f32[16,4]{1,0}` -> _Shape; `(a, (b, c))` -> nested list of _Shape."""
+def parse_shape(text: str) -> Shape | list:
+    """`f32[16,4]{1,0}` -> Shape; `(a, (b, c))` -> nested list of Shape."""
     text = text.strip()
     if text.startswith("("):
         inner = text[1:_match_close(text, 0)]
-        return [_parse_shape(p) for p in _split_top(inner)]
+        return [parse_shape(p) for p in split_top(inner)]
     m = _ARRAY.match(text)
     if not m:
         raise ValueError(f"cannot read shape {text!r}")
     dims = tuple(int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip())
-    return _Shape(m.group(1), dims)
+    return Shape(m.group(1), dims)
 
 
 # ----------------------------------------------------------------------------- module parse
 
 
 @dataclass
-class _Instr:
+class Instr:
     name: str
     shape_text: str
     opcode: str
@@ -148,8 +148,8 @@ class _Instr:
 
 
 @dataclass
-class _Module:
-    computations: dict[str, list[_Instr]] = field(default_factory=dict)
+class Module:
+    computations: dict[str, list[Instr]] = field(default_factory=dict)
     entry: str | None = None
     num_partitions: int | None = None
     frames: dict[int, str] = field(default_factory=dict)  # stack_frame_id -> "file:line"
@@ -161,7 +161,7 @@ _HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*(->.*)?\{\s*$")
 _COMMENT = re.compile(r"/\*.*?\*/")
 
 
-def _parse_instr(line: str, computation: str) -> _Instr:
+def _parse_instr(line: str, computation: str) -> Instr:
     m = _INSTR.match(line)
     if not m:
         raise ValueError("not an instruction")
@@ -176,8 +176,8 @@ def _parse_instr(line: str, computation: str) -> _Instr:
         raise ValueError("no opcode")
     open_at = om.end() - 1
     close_at = _match_close(rest, open_at)
-    operands = [p.split()[-1].lstrip("%") for p in _split_top(rest[open_at + 1 : close_at])]
-    return _Instr(m.group(2), shape_text, om.group(1), operands, rest[close_at + 1 :], computation,
+    operands = [p.split()[-1].lstrip("%") for p in split_top(rest[open_at + 1 : close_at])]
+    return Instr(m.group(2), shape_text, om.group(1), operands, rest[close_at + 1 :], computation,
                   line.strip(), bool(m.group(1)))
 
 
@@ -206,9 +206,9 @@ def _parse_frames(sections: dict[str, list[str]]) -> dict[int, str]:
     return frames
 
 
-def _parse_module(text: str) -> _Module:
+def parse_module(text: str) -> Module:
     """Split HLO module text into computations of instructions (linear scan)."""
-    mod = _Module()
+    mod = Module()
     current: str | None = None
     sections: dict[str, list[str]] = {}
     section: str | None = None
@@ -254,7 +254,7 @@ def _parse_module(text: str) -> _Module:
     return mod
 
 
-def _base_op(opcode: str) -> tuple[str | None, str]:
+def base_opcode(opcode: str) -> tuple[str | None, str]:
     """opcode -> (collective op, form) with form in sync/start/done/other."""
     if opcode in OPS:
         return opcode, "sync"

@@ -56,10 +56,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinshard.hlo.groups import (MeshSpec, Shift, _components, _explicit_groups, classify,
-                                  decode_replica_groups, describe_permute, mesh_spec)
-from twinshard.hlo.loops import _async_fusion_copies, _call_edges, _multiplicities
-from twinshard.hlo.parse import OPS, _Instr, _Module, _Shape, _base_op, _parse_module, _parse_shape
+from twinshard.hlo.groups import (MeshSpec, Shift, classify, decode_replica_groups, describe_permute,
+                                  explicit_groups, mesh_spec, pair_components)
+from twinshard.hlo.loops import async_fusion_copies, call_edges, multiplicities
+from twinshard.hlo.parse import OPS, Instr, Module, Shape, base_opcode, parse_module, parse_shape
 
 
 # ----------------------------------------------------------------------------- records
@@ -113,8 +113,8 @@ def ring_bytes(op: str, nbytes: int, n: int) -> float:
 # ----------------------------------------------------------------------------- ledger
 
 
-def _flat(shape: _Shape | list) -> list[_Shape]:
-    return [shape] if isinstance(shape, _Shape) else [s for x in shape for s in _flat(x)]
+def _flat(shape: Shape | list) -> list[Shape]:
+    return [shape] if isinstance(shape, Shape) else [s for x in shape for s in _flat(x)]
 
 
 def _metadata(attrs: dict[str, str], frames: dict[int, str]) -> tuple[str, str]:
@@ -132,11 +132,11 @@ def _metadata(attrs: dict[str, str], frames: dict[int, str]) -> tuple[str, str]:
     return (op.group(1) if op else ""), source
 
 
-def _result_shapes(instr: _Instr, base_op: str, done: _Instr | None) -> list[_Shape] | list:
+def _result_shapes(instr: Instr, base_op: str, done: Instr | None) -> list[Shape] | list:
     """Result shape (list of parts) of a sync op or of an async start (from its done)."""
     if done is not None:
-        return _parse_shape(done.shape_text)
-    shape = _parse_shape(instr.shape_text)
+        return parse_shape(done.shape_text)
+    shape = parse_shape(instr.shape_text)
     if not instr.opcode.endswith("-start") or base_op == "all-reduce":
         return shape
     if isinstance(shape, list) and len(shape) > 1:
@@ -297,8 +297,8 @@ def _human(n: float) -> str:
     return f"{n}"
 
 
-def _records(instr: _Instr, op: str, mod: _Module, mesh: MeshSpec, mult: tuple[int, bool, bool],
-             done: _Instr | None, gte_meta: dict[tuple[str, int], dict[str, str]]) -> list[Collective]:
+def _records(instr: Instr, op: str, mod: Module, mesh: MeshSpec, mult: tuple[int, bool, bool],
+             done: Instr | None, gte_meta: dict[tuple[str, int], dict[str, str]]) -> list[Collective]:
     """Records of one collective instruction (several for a tuple all-reduce)."""
     nparts = mod.num_partitions or mesh.size
     pairs: tuple[tuple[int, int], ...] = ()
@@ -306,10 +306,10 @@ def _records(instr: _Instr, op: str, mod: _Module, mesh: MeshSpec, mult: tuple[i
         if "source_target_pairs" not in instr.attrs:
             raise ValueError("collective-permute without source_target_pairs")
         pairs = tuple((a, b) for a, b in
-                      (tuple(g) for g in _explicit_groups(instr.attrs["source_target_pairs"])))
+                      (tuple(g) for g in explicit_groups(instr.attrs["source_target_pairs"])))
         if any(len(p) != 2 for p in pairs):
             raise ValueError("bad source_target_pairs")
-        id_groups, pos_groups = [], _components(pairs)
+        id_groups, pos_groups = [], pair_components(pairs)
         n = max((len(c) for c in pos_groups), default=1)
     else:
         rg = instr.attrs.get("replica_groups", "{}")
@@ -389,7 +389,7 @@ def _hlo_text(compiled_or_text: Any) -> str:
     return text
 
 
-def _parsed_module(text: str) -> _Module:
+def _parsed_module(text: str) -> Module:
     """Parse HLO module text, refusing text that is not a compiled program's HLO."""
     if _MLIR.search(text):
         raise NotCompiledHLO(
@@ -402,7 +402,7 @@ def _parsed_module(text: str) -> _Module:
             "ledger got HLO that XLA has not compiled yet (it still carries xla.sdy / sharding "
             "custom-calls, as `lowered.as_text(dialect='hlo')` prints); the collectives of a "
             f"GSPMD program exist only after compilation: {_PASS_COMPILED}.")
-    mod = _parse_module(text)
+    mod = parse_module(text)
     if not any(mod.computations.values()):
         raise NotCompiledHLO(f"ledger read no HLO instruction in this text (it starts "
                              f"{text.strip()[:60]!r}): it is not an HLO module; {_PASS_COMPILED}.")
@@ -427,13 +427,13 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
             f"{dict(zip(spec.names, spec.shape))} has {spec.size} devices: pass the mesh it was compiled for"
         )
     warnings: list[str] = []
-    mults = _multiplicities(mod, warnings)
-    async_starts, async_copies = _async_fusion_copies(mod, warnings)
-    done_of: dict[tuple[str, str], _Instr] = {}
+    mults = multiplicities(mod, warnings)
+    async_starts, async_copies = async_fusion_copies(mod, warnings)
+    done_of: dict[tuple[str, str], Instr] = {}
     gte_meta: dict[tuple[str, int], dict[str, str]] = {}
     for instrs in mod.computations.values():
         for i in instrs:
-            if i.operands and (_base_op(i.opcode)[1] == "done" or i.opcode == "async-done"):
+            if i.operands and (base_opcode(i.opcode)[1] == "done" or i.opcode == "async-done"):
                 done_of[(i.computation, i.operands[0])] = i
             if i.opcode == "get-tuple-element" and "metadata=" in i.attr_text and "metadata" in i.attrs:
                 idx = re.match(r"\d+", i.attrs.get("index", ""))
@@ -443,19 +443,19 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
     unparsed = list(mod.bad_lines)
     for comp, instrs in mod.computations.items():
         for i in instrs:
-            op, form = _base_op(i.opcode)
+            op, form = base_opcode(i.opcode)
             if op is None:
                 if any(name in i.opcode for name in OPS):
                     unparsed.append(i.line)
                 elif i.opcode == "async-start" and not any(
-                        c in mod.computations for _, c in _call_edges(i)) and any(
+                        c in mod.computations for _, c in call_edges(i)) and any(
                         name in i.line for name in OPS):
                     unparsed.append(i.line)  # wrapped computation not printed
                 continue
             if form in ("done", "update") or (comp, i.name) in async_copies:
                 continue
             if form == "start" and any(c in mod.computations and _has_collective(mod.computations[c])
-                                       for k, c in _call_edges(i) if k == "calls"):
+                                       for k, c in call_edges(i) if k == "calls"):
                 continue  # sugared async wrapper whose computation is printed: counted inside
             try:
                 mult = mults[comp]
@@ -467,5 +467,5 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
     return Ledger(records, spec, unparsed, warnings, instructions)
 
 
-def _has_collective(instrs: list[_Instr]) -> bool:
-    return any(_base_op(i.opcode)[0] is not None for i in instrs)
+def _has_collective(instrs: list[Instr]) -> bool:
+    return any(base_opcode(i.opcode)[0] is not None for i in instrs)

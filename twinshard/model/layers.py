@@ -139,7 +139,7 @@ def cotangent_like(ct: Array, primal: Array) -> Array:
     the primal's cotangent (`to_ct_aval`: a replicated weight's gradient replicated, a `reduced`
     one's left `unreduced`): a partial sum `partial_sums` left over the batch is reduced here
     (dp: the gradient all-reduce) or kept for a later reduction the types place."""
-    if extra := tuple(sorted(_varying_axes(ct) - _varying_axes(primal))):
+    if extra := tuple(sorted(varying_axes(ct) - varying_axes(primal))):
         ct = jax.lax.psum(ct, extra)
     elif jax.typeof(primal).sharding.mesh.explicit_axes:
         want = jax.typeof(primal).to_ct_aval().sharding
@@ -148,7 +148,7 @@ def cotangent_like(ct: Array, primal: Array) -> Array:
     return ct.astype(primal.dtype)
 
 
-def _varying_axes(x: Array) -> frozenset:
+def varying_axes(x: Array) -> frozenset:
     """The mesh axes x varies over inside shard_map (empty outside). JAX 0.12 keeps them in
     `jax.typeof(x).manual_axis_type.varying` (printed as {V:axis}); there is no `.vma`."""
     return jax.typeof(x).manual_axis_type.varying
@@ -369,7 +369,7 @@ def splash_attention(q: Array, k: Array, v: Array, block: int = 0) -> Array:
     k, v = pad(k), pad(v)
     if hk == 1:
         k, v = k[:, 0], v[:, 0]  # [B, T, dh]: the multi-query kernel's one kv head
-    o = _unchecked(run, q, k, v) if _varying_axes(q) | _varying_axes(k) | _varying_axes(v) else run(q, k, v)
+    o = _unchecked(run, q, k, v) if varying_axes(q) | varying_axes(k) | varying_axes(v) else run(q, k, v)
     return o[:, :, :t]
 
 
@@ -397,7 +397,7 @@ def _untyped(f, *args):
 
 def _varying_as(x: Array, *like: Array) -> Array:
     """x typed varying over every mesh axis one of `like` varies over (a pcast: no data moves)."""
-    axes = tuple(sorted(frozenset().union(*(_varying_axes(a) for a in like)) - _varying_axes(x)))
+    axes = tuple(sorted(frozenset().union(*(varying_axes(a) for a in like)) - varying_axes(x)))
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 

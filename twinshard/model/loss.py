@@ -2,7 +2,7 @@
 
 The loss is written once, in terms of three statistics, each followed by a
 reduction hook. On one device (and under GSPMD) the hooks are the identity;
-Megatron's vocab-parallel cross-entropy (manual_parallel/tp.py) passes
+Megatron's vocab-parallel cross-entropy (`vocab_parallel_token_loss`) passes
 `pmax`/`psum` over `tensor`, so no device ever holds the full [B, T, V] logits:
 
     m      = max_v z_v                       -> reduce_max (pmax)
@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from twinshard.model import layers
 
@@ -125,6 +126,22 @@ def chunked_token_cross_entropy(
     return per_token.T.reshape(targets.shape)
 
 
+def vocab_parallel_token_loss(logits, targets, vocab_size, axis, w=None, chunks=0):
+    """Megatron's vocab-parallel cross-entropy, inside a shard_map manual over `axis`: logits
+    [B', T, V/t] for global ids offset + [0, V/t), targets [B', T] -> [B', T]: the row max by
+    pmax, the sum of exponentials and the target logit by psum over `axis` (both twins' tensor
+    parallelism run it). With w [D, V/t] (loss_chunks > 0), `logits` is the lm_head's input
+    [B', T, D] and the logits are made `chunks` chunks at a time (chunked_token_cross_entropy):
+    the same pmax and psums per chunk, none in its backward."""
+    reduce_max, reduce_sum = (functools.partial(f, axis_name=axis) for f in (lax.pmax, lax.psum))
+    if w is not None:
+        offset = lax.axis_index(axis) * w.shape[-1]
+        return chunked_token_cross_entropy(logits, w, targets, vocab_size, chunks, offset, reduce_max, reduce_sum)
+    assert logits.shape[:-1] == targets.shape, (logits.shape, targets.shape)
+    offset = lax.axis_index(axis) * logits.shape[-1]
+    return token_cross_entropy(logits, targets, vocab_size, offset, reduce_max=reduce_max, reduce_sum=reduce_sum)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _tiled(rows: Array, w: Array, ys: Array, offset: Array, tiling: _Tiling) -> Array:
     return _tiled_fwd(rows, w, ys, offset, tiling)[0]
@@ -168,6 +185,6 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 def _zeros_varying(shape: tuple[int, ...], *like: Array) -> Array:
     """f32 zeros varying over every mesh axis one of `like` varies over (inside shard_map, a scan's
     carry must have the type its body returns)."""
-    axes = tuple(sorted(set().union(*(layers._varying_axes(a) for a in like))))
+    axes = tuple(sorted(set().union(*(layers.varying_axes(a) for a in like))))
     zeros = jnp.zeros(shape, jnp.float32)
     return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros

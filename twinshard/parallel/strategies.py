@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from twinshard.parallel.axes import ORDER
+
 MANY, ONE, ANY = ">1", "=1", ">=1"  # what a mesh axis's size must be: split over, unused, either
 KV_HEADS = "kv_heads"  # the logical axis of the key/value projections' output columns
 FAMILIES = ("base", "pipeline", "context", "experts")
@@ -103,7 +105,6 @@ class Strategy:
         return tuple(a for a, need in self.mesh.items() if need == MANY)
 
 
-ORDER = ("stage", "data", "expert", "context", "tensor")  # mesh order, outermost first (twinshard/parallel/mesh.py says why)
 # Megatron: column/row/vocab-parallel (the kv heads too, while the tensor axis divides them: `placed`)
 _TP = {"heads": "tensor", KV_HEADS: "tensor", "mlp": "tensor", "vocab": "tensor"}
 

@@ -51,10 +51,10 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from twinshard.config import TrainConfig
+from twinshard.optimizer_state import MIN_DIM_SIZE_TO_FACTOR, factored_dims
 
 NormFn = Callable[[optax.Updates], jax.Array]
 
@@ -138,7 +138,6 @@ class Block:
     shape: tuple[int, ...]
     mean: BlockMean
 
-MIN_DIM_SIZE_TO_FACTOR = 128  # optax.adafactor's default: smaller params keep a full `v`
 CLIPPING_THRESHOLD = 1.0  # update clipping: block RMS of the scaled update <= 1
 MIN_PARAM_SCALE = 1e-3  # the lr is relative to max(RMS(param), 1e-3)
 DECAY_EXPONENT = 0.8  # second-moment decay 1 - (t+1)^-0.8
@@ -148,19 +147,6 @@ EPS = 1e-30  # added to squared gradients
 def full_mean(x: jax.Array, dims: tuple[int, ...]) -> jax.Array:
     """The BlockMean of a whole array (one device; GSPMD's global view)."""
     return jnp.mean(x, axis=dims, keepdims=True)
-
-
-def factored_dims(shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """(d1, d0): the dims Adafactor factors - the second largest and the largest, ordered as
-    np.argsort orders ties (optax's rule) - or None when the param has < 2 dims or its second
-    largest is < MIN_DIM_SIZE_TO_FACTOR. A stacked [L, D, F] block param factors (D, F), or L
-    and F once L > D."""
-    if len(shape) < 2:
-        return None
-    order = np.argsort(shape)
-    if shape[order[-2]] < MIN_DIM_SIZE_TO_FACTOR:
-        return None
-    return int(order[-2]), int(order[-1])
 
 
 def kept_dims(field: str | None, param_shape: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -1,0 +1,3 @@
+"""The mesh axes' names in mesh order, outermost first (twinshard/parallel/mesh.py says why)."""
+
+ORDER = ("stage", "data", "expert", "context", "tensor")
