@@ -30,7 +30,9 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
                        cfg.train.grad_accum, shape.get("data", 1))
     if decl.family == "context":
-        context.check(cfg.model.context_length, shape[context.CONTEXT], cfg.train.cp_layout)
+        context.check(cfg.model.context_length, shape[context.CONTEXT], context.layout_of(strategy, cfg.train.cp_layout))
+        if strategy in strategies.ALL_TO_ALL_CONTEXT:
+            context.check_heads(cfg.model.num_heads, shape[context.CONTEXT])
     rules = {k: v for k, v in decl.split_rules.items() if not (flat_weights and k == "embed")}
     mesh_lib.check_divisible(logical_dims(cfg), rules, shape, advise)
     return shape
