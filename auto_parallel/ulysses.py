@@ -6,11 +6,12 @@ layouts. Grouped-query attention repeats the kv heads as the manual twin does
 (context.kv_repeats) before the pin. Splash runs in placement.sharded_attention's shard_map over
 the head axis (this module's head rules).
 
-What XLA inserts (tests/test_ulysses.py, test_auto_all_to_alls, compiled on XLA:CPU): per layer
-the 4 all-to-alls of the manual twin forward (q, k, v to head shards, the output back) and 4
-backward, each [B, h, T/C, dh]: the resharding seq -> heads of an array is exactly an
-all-to-all, which the SPMD partitioner emits for a change of the split dimension. The gradients
-are all-reduced over `context`, as cp's.
+What XLA inserts (measured, JAX 0.12 XLA:CPU, tests/test_ulysses.py test_auto_inserts_all_to_alls):
+all-to-alls only, 9 per layer of [B, h, T/C, dh] over `context`: 3 in the forward loop (q, k, v
+to head shards: resharding an array from one split dimension to another is an all-to-all) and 6
+in the backward loop, no all-gather, so GSPMD's output resharding rides with the backward pass's;
+the manual twin's 8 per layer move 8/9 of the bytes. Every weight gradient is all-reduced over
+`context`, per layer, as cp's.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class UlyssesParallel(GSPMD):
         heads = {a: m for a, m in self.rules.items() if a != "seq"} | {"heads": CONTEXT, "kv_heads": CONTEXT}
         pin = lambda x, axes, rules: jax.lax.with_sharding_constraint(  # noqa: E731
             x, NamedSharding(self.mesh, spec(axes, rules)))
+        # seq-split first: without it the head layout propagated back into RoPE and the norms, and
+        # GSPMD gathered the residual stream [B, T, D] over context there (measured, JAX 0.12)
+        q, k, v = pin(q, ATTENTION_Q, self.rules), pin(k, ATTENTION_KV, self.rules), pin(v, ATTENTION_KV, self.rules)
         q, k, v = pin(q, ATTENTION_Q, heads), pin(k, ATTENTION_KV, heads), pin(v, ATTENTION_KV, heads)
         out = pin(placement.sharded_attention(self.mesh, heads, q, k, v, impl, block), ATTENTION_Q, heads)
         return pin(out, ATTENTION_Q, self.rules)
