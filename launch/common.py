@@ -64,7 +64,7 @@ def define_model_flags() -> None:
            "twins); 1f1b (manual twin): one forward, one backward, at most S micro-batches alive per stage.")
     define(flags.DEFINE_enum, "cp_layout", None, CP_LAYOUTS, "Context parallelism (cp, fsdp_cp): "
            "zigzag (default: shard c holds chunks c and 2C-1-c of 2C, balancing causal attention; "
-           "--context_length a multiple of 2C) or contiguous (shard c holds the c-th T/C tokens).")
+           "--context_length a multiple of 2C) or contiguous (shard c holds the c-th T/C tokens; ulysses always).")
     define_precision_flags()
 
 
@@ -189,7 +189,7 @@ def attention_line(cfg: Config, strategy: str) -> str:
     kernel = layers.attention_kernel(cfg.model.attention, jnp.dtype(cfg.model.dtype))
     if kernel != "splash":
         return f"attention: {kernel}"
-    if strategy != "single" and strategies.get(strategy).family == "context":
+    if strategy != "single" and strategies.get(strategy).family == "context" and strategy not in strategies.ALL_TO_ALL_CONTEXT:
         return f"attention: recompute (splash needs whole sequences; {strategy} splits them)"
     mode = "" if jax.default_backend() == "tpu" else ", Pallas interpret mode: no TPU"
     return f"attention: splash (block {splash_block(cfg.model.context_length, cfg.model.attention_block)}{mode})"

@@ -28,6 +28,9 @@ a strategy file).
                               ragged_all_to_all [m, D] -> [a, D]    ([a, D] -> [m, D])
     expert_route(sizes, a, ax)  all_to_all over ax of the   - (integers: no gradient)
                               per-expert counts [n, E/n + 1]
+    seq_to_heads(x, ax)       all_to_all over ax:         heads_to_seq of the gradient
+                              [B, h, T/n, dh] -> [B, h/n, T, dh]
+    heads_to_seq(x, ax)       the inverse all_to_all      seq_to_heads of the gradient
 """
 
 from __future__ import annotations
@@ -423,3 +426,29 @@ def _ragged_combine_bwd(rows, axis, saved, grad):
 
 
 ragged_combine.defvjp(_ragged_combine_fwd, _ragged_combine_bwd)
+
+
+# ----------------------------------------------------------------------------
+# All-to-all sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023): attention's sequence
+# shards become head shards of whole sequences and back; each op is the other's backward.
+# ----------------------------------------------------------------------------
+
+HEADS, TOKENS = 1, 2  # the head and sequence dims of q, k, v [B, h, T, dh]
+
+
+def _to_heads(x: Array, axis: str) -> Array:
+    """[B, h, T/n, dh] -> [B, h/n, T, dh]: head chunk j of every device to device j, which stacks
+    the n senders' tokens in device order (the contiguous layout: the true order)."""
+    return lax.all_to_all(x, axis, split_axis=HEADS, concat_axis=TOKENS, tiled=True)
+
+
+def _to_seq(x: Array, axis: str) -> Array:
+    """[B, h/n, T, dh] -> [B, h, T/n, dh]: the inverse of `_to_heads`."""
+    return lax.all_to_all(x, axis, split_axis=TOKENS, concat_axis=HEADS, tiled=True)
+
+
+seq_to_heads = _exchange(_to_heads, _to_seq, """seq_to_heads(x, axis): this device's tokens of every head,
+    [B, h, T/n, dh], to whole sequences of its h/n heads, [B, h/n, T, dh]. Backward: heads_to_seq.""")
+
+heads_to_seq = _exchange(_to_seq, _to_heads, """heads_to_seq(x, axis): whole sequences of h/n heads,
+    [B, h/n, T, dh], back to this device's tokens of every head, [B, h, T/n, dh]. Backward: seq_to_heads.""")

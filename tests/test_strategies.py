@@ -36,6 +36,9 @@ EXPECTED = {
     "cp": ({"data": ONE, "context": MANY, "tensor": ONE}, {}, {"seq": "context"}),
     "fsdp_cp": ({"data": MANY, "context": MANY, "tensor": ONE}, {"embed": "data"},
                 {"batch": "data", "seq": "context"}),
+    "ulysses": ({"data": ONE, "context": MANY, "tensor": ONE}, {}, {"seq": "context"}),
+    "fsdp_ulysses": ({"data": MANY, "context": MANY, "tensor": ONE}, {"embed": "data"},
+                     {"batch": "data", "seq": "context"}),
     "pp": ({"stage": MANY, "data": ONE, "tensor": ONE}, {"layers": "stage"}, {}),
     "pp_fsdp": ({"stage": MANY, "data": MANY, "tensor": ONE}, {"layers": "stage", "embed": "data"},
                 {"batch": "data"}),
@@ -64,7 +67,7 @@ def test_sequence_parallelism_splits_the_residual_stream_over_tensor() -> None:
 def test_compositions_name_their_parts_and_unite_their_tables() -> None:
     composed = {s.name: s.composes for s in strategies.DECLARATIONS if len(s.composes) > 1}
     assert composed == {"fsdp_tp": ("fsdp", "tp"), "fsdp_cp": ("fsdp", "cp"), "pp_fsdp": ("pp", "fsdp"),
-                        "fsdp_ep": ("fsdp", "ep")}
+                        "fsdp_ep": ("fsdp", "ep"), "fsdp_ulysses": ("fsdp", "ulysses")}
     for name, parts in composed.items():
         decl = strategies.get(name)
         for table in ("params", "activations"):
@@ -87,7 +90,7 @@ def test_every_reader_of_the_registry_sees_every_strategy() -> None:
 
 def test_an_unknown_strategy_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of dp, fsdp, tp, fsdp_tp, tp_sp, "
-                                         r"cp, fsdp_cp, pp, pp_fsdp, ep, fsdp_ep\."):
+                                         r"cp, fsdp_cp, ulysses, fsdp_ulysses, pp, pp_fsdp, ep, fsdp_ep\."):
         strategies.get("zero3")
 
 

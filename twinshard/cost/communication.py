@@ -82,6 +82,9 @@ fsdp_cp (data=d, context=C). fsdp's gathers and reduce-scatters over data; the r
     b = B/d; each matrix gradient SHARD (f32, 1/d) all-reduced over context (params are
     replicated over context: hybrid sharding, manual_parallel/fsdp_cp.py); each norm gain
     and the loss all-reduced once over (data, context); the squared-norm psum over data.
+ulysses, fsdp_ulysses (context=C): cp's and fsdp_cp's rows with the ring replaced by 4 all-to-alls
+    over context per layer forward (q, k, v [b, H (Hkv r), T/C, dh] to head shards, the output back)
+    and their 4 inverses backward (`_head_exchange_rows`).
 tp_sp (tensor=t, data=d >= 1; Megatron sequence parallelism, manual_parallel/tp_sp.py). TP's
     placement, the residual stream split along T. Each of TP's all-reduces of A (with
     b = B/d) becomes its two halves: forward, 2L reduce-scatters (result A/t) after
@@ -291,16 +294,44 @@ def _ring_rows(ctx: Ctx, batch: int) -> list[Row]:
     ])
 
 
-def _cp(ctx: Ctx) -> list[Row]:
-    """The ring; every gradient leaf and the loss averaged over context (a sequence shard's
-    gradient is a partial mean, as a data shard's: manual_parallel/cp.py)."""
+def _head_exchange_rows(ctx: Ctx, batch: int) -> list[Row]:
+    """ulysses's attention (manual_parallel/ulysses.py) on `batch` sequences per device, T/C tokens
+    each: per layer seq_to_heads of q [b, H, T/C, dh] and of k, v [b, Hkv r, T/C, dh] (r:
+    context.kv_repeats) and heads_to_seq of the output forward, their inverses backward; per
+    micro-batch (K times per step). A remat policy saves their outputs: nothing re-runs."""
+    c, cfg = ctx.mesh["context"], ctx.cfg
+    context.check(ctx.seq, c, "contiguous")
+    b, tc, kv = batch // ctx.k, ctx.seq // c, cfg.kv_heads * context.kv_repeats(cfg.num_heads, cfg.kv_heads, c)
+    q_bytes, kv_bytes = b * tc * cfg.d_model * ctx.s, b * tc * kv * cfg.head_dim * ctx.s
+    q_shape, kv_shape = f"[{b},{cfg.num_heads},{tc},{cfg.head_dim}]", f"[{b},{kv},{tc},{cfg.head_dim}]"
+    rows = []
+    for phase, pre in (("forward", ""), ("backward", "d")):
+        rows += [row(ctx, phase, "all-to-all", ("context",), 2 * ctx.L, q_bytes,
+                     f"{'heads_to_seq' if pre else 'seq_to_heads'} of {pre}q {q_shape} and "
+                     f"{'seq_to_heads' if pre else 'heads_to_seq'} of the {pre}output (1 each per layer)"),
+                 row(ctx, phase, "all-to-all", ("context",), 2 * ctx.L, kv_bytes,
+                     f"{'heads_to_seq' if pre else 'seq_to_heads'} of {pre}k and {pre}v {kv_shape} (1 each per layer)")]
+    return repeated(ctx.k, rows)
+
+
+def _ulysses(ctx: Ctx) -> list[Row]:
+    return _cp(ctx, _head_exchange_rows)
+
+
+def _fsdp_ulysses(ctx: Ctx) -> list[Row]:
+    return _fsdp_cp(ctx, _head_exchange_rows)
+
+
+def _cp(ctx: Ctx, attention: Callable[[Ctx, int], list[Row]] = _ring_rows) -> list[Row]:
+    """The ring (ulysses: `attention`'s rows); every gradient leaf and the loss averaged over context
+    (a sequence shard's gradient is a partial mean, as a data shard's: manual_parallel/cp.py)."""
     grads = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32,
                  f"pmean over context of d({w.name}) {leaf_label(w)}") for w in weights(ctx.cfg)]
-    return _ring_rows(ctx, ctx.batch) + grads + [
+    return attention(ctx, ctx.batch) + grads + [
         row(ctx, "metrics", "all-reduce", ("context",), 1, F32, "pmean over context of the loss (f32 scalar)")]
 
 
-def _fsdp_cp(ctx: Ctx) -> list[Row]:
+def _fsdp_cp(ctx: Ctx, attention: Callable[[Ctx, int], list[Row]] = _ring_rows) -> list[Row]:
     """FSDP's gathers and scatters over data (its norm-gain means replaced: one pmean over
     (data, context) each); the ring on B/d sequences; each matrix gradient SHARD (f32, 1/d)
     averaged over context (params are replicated over context: manual_parallel/fsdp_cp.py)."""
@@ -310,7 +341,7 @@ def _fsdp_cp(ctx: Ctx) -> list[Row]:
     gains = [row(ctx, "backward", "all-reduce", ("data", "context"), w.leaves, w.layers * w.size * F32,
                  f"pmean over data,context of d({w.name}) {leaf_label(w)} (replicated f32 norm gains)")
              for w in norm_weights(ctx)]
-    return fsdp + _ring_rows(ctx, ctx.batch // ctx.d) + shards + gains + [
+    return fsdp + attention(ctx, ctx.batch // ctx.d) + shards + gains + [
         norm_row(ctx, ("data",)),
         row(ctx, "metrics", "all-reduce", ("data", "context"), 1, F32, "pmean over data,context of the loss")]
 

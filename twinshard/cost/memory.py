@@ -97,7 +97,7 @@ from dataclasses import dataclass
 from twinshard.config import PIPELINE_SCHEDULES, REMAT_POLICIES, ModelConfig
 from twinshard.cost.weights import F32, kv_replicated, local_bytes, rules as placed_rules, shard_count, weights
 from twinshard.optimizer_state import factored_dims
-from twinshard.parallel import mesh as mesh_lib
+from twinshard.parallel import context, mesh as mesh_lib, strategies
 
 
 @dataclass(frozen=True)
@@ -327,6 +327,20 @@ def _cp_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int, s: i
     return layers, backward_layer, final
 
 
+def _ulysses_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int, s: int,
+                         kernel: str) -> tuple[int, int, int]:
+    """cp's position-wise residuals of T/C tokens, with ulysses's attention (manual_parallel/ulysses.py)
+    in place of the ring: under a remat policy each layer also keeps its 4 all-to-all outputs (q, k,
+    v on head shards, the output back: T/C tokens' worth each); the backward loop rebuilds one
+    layer's attention on [b, H/C, T, T] (`attention_backward` with C head shards)."""
+    tc, d, v = seq // c, cfg.d_model, cfg.padded_vocab_size
+    exchanged = b * tc * (2 * d + 2 * cfg.kv_heads * context.kv_repeats(cfg.num_heads, cfg.kv_heads, c) * cfg.head_dim)
+    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + (exchanged if remat != "none" else 0))
+    backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + exchanged) * s + attention_backward(cfg, b, seq, c, kernel)
+    final = (2 * b * tc * d + b * tc * v) * s + b * tc * v * F32
+    return layers, backward_layer, final
+
+
 def ring_attention_memory(b: int, h: int, tc: int, dh: int, c: int, kv_heads: int | None = None) -> tuple[int, int]:
     """(elements one layer's ring attention saves, elements its backward rebuilds at once) on a
     device holding q [b, h, T/C, dh] and k, v [b, hk, T/C, dh] (hk = kv_heads, h by default) of C
@@ -379,7 +393,9 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
         final = (ln_final * dtype_bytes + head * seq // cfg.loss_chunks * v // t * (dtype_bytes + F32)
                  + head * seq * F32 + d * v // t * F32)
     if rules.get("seq") == "context":  # T/C tokens per device, ring attention's residuals
-        layers, backward_layer, final = _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes)
+        layers, backward_layer, final = (
+            _ulysses_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes, attention_kernel(cfg, gpu))
+            if strategy in strategies.ALL_TO_ALL_CONTEXT else _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes))
     acts = layers * dtype_bytes + final
     def layer(s: int) -> int:  # one layer's gathered matrices in s bytes (E/ep experts, the router in
         # float32), the largest stack's

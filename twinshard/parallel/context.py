@@ -83,3 +83,26 @@ class PermutedBatches:
     def place_batch(self, x, y):
         perm = order(np.shape(x)[1], self.sizes[CONTEXT], self.cfg.train.cp_layout)
         return super().place_batch(np.asarray(x)[:, perm], np.asarray(y)[:, perm])
+
+
+def layout_of(strategy: str, cp_layout: str) -> str:
+    """The layout `strategy` runs: the ring's `cp_layout`, contiguous for the all-to-all strategies."""
+    from twinshard.parallel import strategies
+
+    return "contiguous" if strategy in strategies.ALL_TO_ALL_CONTEXT else cp_layout
+
+
+def kv_repeats(heads: int, kv_heads: int, shards: int) -> int:
+    """How often ulysses repeats each kv head so that the kv heads split over `shards` devices: the
+    least r with shards | kv_heads r | heads (as tp replicates a kv head over its query group)."""
+    check_heads(heads, shards)
+    return next(r for r in range(1, heads // kv_heads + 1) if (kv_heads * r) % shards == 0 and heads % (kv_heads * r) == 0)
+
+
+def check_heads(heads: int, shards: int) -> None:
+    """ValueError unless the all-to-all strategies can split `heads` query heads over `shards` devices."""
+    if heads % shards:
+        fits = [k for k in range(2, shards + 1) if heads % k == 0]
+        raise ValueError(f"num_heads={heads} does not split over context={shards} (ulysses's attention runs h/C "
+                         f"heads per device); make --num_heads a multiple of {shards}"
+                         + (f", or use context from {fits}" if fits else "") + ", or use --strategy=cp (the ring).")

@@ -80,7 +80,9 @@ def check_family(declared: Strategy, shape: Mapping[str, int], cfg: Config) -> N
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
                        cfg.train.grad_accum, shape.get("data", 1))
     if declared.family == "context":
-        context.check(cfg.model.context_length, shape[context.CONTEXT], cfg.train.cp_layout)
+        context.check(cfg.model.context_length, shape[context.CONTEXT], context.layout_of(declared.name, cfg.train.cp_layout))
+        if declared.name in strategies.ALL_TO_ALL_CONTEXT:
+            context.check_heads(cfg.model.num_heads, shape[context.CONTEXT])
 
 
 def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int,

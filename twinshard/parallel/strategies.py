@@ -15,6 +15,8 @@ else names a strategy.
     tp_sp     (tp)       tp's, plus the residual stream's T over tensor     base
     cp        -          the sequence over context (ring attention)         context
     fsdp_cp   fsdp x cp  both                                               context
+    ulysses   -          the sequence over context (all-to-all to heads in attention)  context
+    fsdp_ulysses  fsdp x ulysses  both                                      context
     pp        -          the layer stack over stage                         pipeline
     pp_fsdp   pp x fsdp  both                                               pipeline
     ep        -          the experts over expert, the batch over (data, expert)  experts
@@ -135,6 +137,13 @@ CP = Strategy("cp", "context parallelism: the sequence over context (ring attent
               mesh={"data": ONE, "context": MANY, "tensor": ONE}, params={}, activations={"seq": "context"},
               family="context")
 FSDP_CP = compose("fsdp_cp", "fsdp over data, the sequence over context", FSDP, CP, family="context")
+# DeepSpeed-Ulysses (Jacobs et al. 2023): cp's placement; attention all-to-alls the sequence shards
+# into head shards (whole sequences) and back, so it holds the contiguous layout and splash runs.
+ULYSSES = Strategy("ulysses", "all-to-all sequence parallelism: the sequence over context, attention on "
+                   "whole sequences of h/C heads, weights replicated",
+                   mesh={"data": ONE, "context": MANY, "tensor": ONE}, params={}, activations={"seq": "context"},
+                   family="context")
+FSDP_ULYSSES = compose("fsdp_ulysses", "fsdp over data, ulysses over context", FSDP, ULYSSES, family="context")
 PP = Strategy("pp", "pipeline: the layer stack over stage, micro-batches handed stage to stage",
               mesh={"stage": MANY, "data": ONE, "tensor": ONE}, params={"layers": "stage"}, activations={},
               family="pipeline")
@@ -148,13 +157,19 @@ EP = Strategy("ep", "expert parallelism: the experts over expert, the batch over
               family="experts")
 FSDP_EP = compose("fsdp_ep", "ep, plus fsdp of every weight's d_model over data", FSDP, EP, family="experts")
 
-DECLARATIONS: tuple[Strategy, ...] = (DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, PP, PP_FSDP, EP, FSDP_EP)
+DECLARATIONS: tuple[Strategy, ...] = (DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, ULYSSES, FSDP_ULYSSES, PP, PP_FSDP,
+                                      EP, FSDP_EP)
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in DECLARATIONS})
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
 # The strategies whose mesh is exactly data x tensor, each axis either split or 1: dp, fsdp, tp,
 # fsdp_tp (mesh_str shows both axes; tp_sp's data may be either).
 DATA_TENSOR: tuple[str, ...] = tuple(s.name for s in DECLARATIONS
                                      if s.family == "base" and ANY not in s.mesh.values())
+
+
+# The context strategies whose attention sees whole sequences (head shards, after an all-to-all):
+# their tokens stay in the contiguous layout, whatever --cp_layout says (the ring's option).
+ALL_TO_ALL_CONTEXT: tuple[str, ...] = (ULYSSES.name, FSDP_ULYSSES.name)
 
 
 def get(name: str) -> Strategy:

@@ -1,0 +1,54 @@
+"""All-to-all sequence parallelism (DeepSpeed-Ulysses), GSPMD twin: the sequence dimension of
+the batch and of every activation split over `context`, every weight replicated (cp's placement),
+and inside attention q, k, v and the output pinned to head shards of whole sequences:
+[B, h, T, dh] split over `context` on h, not T. XLA derives the communication between the two
+layouts. Grouped-query attention repeats the kv heads as the manual twin does
+(context.kv_repeats) before the pin. Splash runs in placement.sharded_attention's shard_map over
+the head axis (this module's head rules).
+
+What XLA inserts (measured, JAX 0.12 XLA:CPU, tests/test_ulysses.py test_auto_inserts_all_to_alls):
+all-to-alls only, 9 per layer of [B, h, T/C, dh] over `context`: 3 in the forward loop (q, k, v
+to head shards: resharding an array from one split dimension to another is an all-to-all) and 6
+in the backward loop, no all-gather, so GSPMD's output resharding rides with the backward pass's;
+the manual twin's 8 per layer move 8/9 of the bytes. Every weight gradient is all-reduced over
+`context`, per layer, as cp's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from auto_parallel.runner import GSPMD, AutoRunner
+from twinshard.parallel import context, placement
+from twinshard.parallel.context import CONTEXT
+from twinshard.parallel.placement import ATTENTION_KV, ATTENTION_Q, spec
+from twinshard.parallel.strategies import ULYSSES
+
+__all__ = ["UlyssesParallel", "Runner", "parallelism"]
+
+
+class UlyssesParallel(GSPMD):
+    """GSPMD hooks of ulysses: the sequence split everywhere but in attention, split on heads there."""
+
+    def attention(self, q, k, v, impl="auto", block=0):
+        """q [B, h, T, dh], k, v [B, hk, T, dh] global, T split over context -> the same."""
+        r = context.kv_repeats(q.shape[1], k.shape[1], self.mesh.shape[CONTEXT])
+        k, v = (jnp.repeat(x, r, axis=1) if r > 1 else x for x in (k, v))
+        heads = {a: m for a, m in self.rules.items() if a != "seq"} | {"heads": CONTEXT, "kv_heads": CONTEXT}
+        pin = lambda x, axes, rules: jax.lax.with_sharding_constraint(  # noqa: E731
+            x, NamedSharding(self.mesh, spec(axes, rules)))
+        # seq-split first: without it the head layout propagated back into RoPE and the norms, and
+        # GSPMD gathered the residual stream [B, T, D] over context there (measured, JAX 0.12)
+        q, k, v = pin(q, ATTENTION_Q, self.rules), pin(k, ATTENTION_KV, self.rules), pin(v, ATTENTION_KV, self.rules)
+        q, k, v = pin(q, ATTENTION_Q, heads), pin(k, ATTENTION_KV, heads), pin(v, ATTENTION_KV, heads)
+        out = pin(placement.sharded_attention(self.mesh, heads, q, k, v, impl, block), ATTENTION_Q, heads)
+        return pin(out, ATTENTION_Q, self.rules)
+
+
+def parallelism(mesh, cfg) -> UlyssesParallel:
+    return UlyssesParallel(mesh, ULYSSES.activations)
+
+
+Runner = AutoRunner

@@ -1,0 +1,74 @@
+"""All-to-all sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023), shard_map twin: the
+sequence is split over `context` (C shards of T/C tokens, the contiguous layout) from the
+embedding to the loss, every weight replicated, as under cp (manual_parallel/cp.py); only
+attention differs.
+
+Attention: RoPE rotates the local q and k [B, h, T/C, dh] by their true positions, then one
+all_to_all each (collectives.seq_to_heads) turns q, k and v into whole sequences of h/C heads,
+[B, h/C, T, dh]; the single-device kernel runs on them unchanged (any --attention: the positions
+are the natural order); one all_to_all (heads_to_seq) turns the output back. Causal attention
+sees whole sequences, so the work is balanced without a zig-zag layout. Grouped-query attention:
+the hk kv heads split over `context` when C divides them; otherwise each is repeated r times
+(context.kv_repeats: C | hk r | h) first, as tp replicates a kv head over its query group.
+Forward, per layer: 4 all-to-alls over `context` (q, k, v in, the output back), each of
+[B, h (hk r for k, v), T/C, dh]. Backward: their 4 inverses. Then every gradient is averaged over
+(data, context), as cp's (`UlyssesRunner.TOKEN_AXES`).
+
+Remat: a checkpointed layer keeps the all-to-alls' outputs (`saves_exchanges`), so its backward
+never re-runs them (remat trades FLOPs, not communication): [B, h/C, T, dh] each, as many
+elements as the T/C-token q, k, v and output it would otherwise keep.
+"""
+
+import jax.numpy as jnp
+from jax import lax
+
+from manual_parallel.base import either
+from manual_parallel.collectives import heads_to_seq, seq_to_heads
+from manual_parallel.cp import ContextParallel
+from manual_parallel.runner import DATA, ManualRunner
+from twinshard.model import layers
+from twinshard.parallel import context
+from twinshard.parallel.context import CONTEXT
+from twinshard.parallel.strategies import ULYSSES
+
+__all__ = ["UlyssesParallel", "UlyssesRunner", "Runner", "parallelism", "saves_exchanges"]
+
+
+def saves_exchanges(prim, *_, **__) -> bool:
+    """Remat policy: save every all_to_all output (seq_to_heads / heads_to_seq). The policy sees the
+    custom_vjps' forward, a bare all_to_all: matching custom_vjp_call as cp's does saved nothing and
+    the backward re-ran all 4 per layer (measured, JAX 0.12)."""
+    return prim.name == "all_to_all"
+
+
+class UlyssesParallel(ContextParallel):
+    """cp's positions (the contiguous layout); attention on whole sequences of h/C heads."""
+
+    def __init__(self, param_rules):
+        super().__init__(param_rules, "contiguous")
+
+    def attention(self, q, k, v, impl="auto", block=0):
+        """q [B, h, T/C, dh], k, v [B, hk, T/C, dh] -> [B, h, T/C, dh]: all_to_all to head shards,
+        the single-device kernel, all_to_all back."""
+        r = context.kv_repeats(q.shape[1], k.shape[1], lax.axis_size(CONTEXT))
+        k, v = (jnp.repeat(x, r, axis=1) if r > 1 else x for x in (k, v))
+        q, k, v = (seq_to_heads(x, CONTEXT) for x in (q, k, v))
+        return heads_to_seq(layers.causal_attention(q, k, v, impl, block=block), CONTEXT)
+
+    def layer_policy(self, policy):
+        inner = super(ContextParallel, self).layer_policy(policy)  # ManualParallelism's, not the ring's
+        return None if inner is None else either(inner, saves_exchanges)
+
+
+class UlyssesRunner(ManualRunner):
+    """ManualRunner whose tokens are split over `context` too (contiguous: no permutation); the
+    gradients and the loss averaged over (data, context)."""
+
+    TOKEN_AXES = (DATA, CONTEXT)
+
+
+def parallelism(mesh, cfg) -> UlyssesParallel:
+    return UlyssesParallel(ULYSSES.params)
+
+
+Runner = UlyssesRunner

@@ -1,0 +1,186 @@
+"""All-to-all sequence parallelism (ulysses, fsdp_ulysses) in both twins: the all-to-all pair, each
+twin against single-device training (with and without grouped-query attention, under
+--remat=full and --grad_accum=2), the manual ledger against the cost model, what GSPMD inserts,
+and the configurations refused before compiling.
+
+tests/runners.py's CFG (tiny, 8 heads, T = 32, B = 8, clipped steps); ulysses on context:4,
+fsdp_ulysses on data:2,context:2.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import auto_parallel
+import manual_parallel
+import reference
+from manual_parallel.collectives import heads_to_seq, seq_to_heads
+from runners import CFG
+from twinshard import cost, hlo, testing
+from twinshard.config import Config, preset
+from twinshard.parallel import context
+from twinshard.train.trainer import SingleDevice
+
+MESHES = {"ulysses": "context:4", "fsdp_ulysses": "data:2,context:2"}
+STEPS = 3
+# Measured (JAX 0.12.0.1, XLA:CPU), every twin below vs single device: losses equal to 9.6e-7,
+# step-1 gradients to 2.6e-8, params after 3 AdamW steps to 1.0e-6; test_context.py's tolerances.
+LOSS_ATOL, GRAD_ATOL, NORM_RTOL, PARAM_ATOL = 1e-5, 2e-7, 1e-6, 2e-5
+
+
+def config(kv_heads: int = 0, **train) -> Config:
+    model = dataclasses.replace(CFG.model, num_kv_heads=kv_heads) if kv_heads else CFG.model
+    return Config(model, dataclasses.replace(CFG.train, **train))
+
+
+@functools.cache
+def single(kv_heads: int = 0):
+    cfg = config(kv_heads)
+    return reference.train_record(SingleDevice(cfg.model, cfg.train), cfg, STEPS)
+
+
+@functools.cache
+def twin(impl: str, strategy: str, mesh: str | None = None, kv_heads: int = 0, remat: str = "none",
+         grad_accum: int = 1):
+    mesh = mesh or MESHES[strategy]
+    n = math.prod(int(p.split(":")[1]) for p in mesh.split(","))
+    cfg = config(kv_heads, grad_accum=grad_accum)
+    cfg = Config(dataclasses.replace(cfg.model, remat=remat), cfg.train)
+    make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
+    return reference.train_record(make(strategy, mesh, cfg, devices=jax.devices()[:n]), cfg, STEPS,
+                                  grads=impl == "manual")
+
+
+def ledger(record) -> hlo.Ledger:
+    r = record["runner"]
+    xs = jax.ShapeDtypeStruct((CFG.train.batch_size, CFG.model.context_length), np.int32, sharding=r.batch_sharding)
+    return hlo.ledger(r.train_step.lower(r.abstract_state(), xs, xs).compile().as_text(), r.mesh)
+
+
+def assert_matches_single_device(got, kv_heads: int = 0):
+    want = single(kv_heads)
+    np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
+    if got["grads"] is not None:
+        assert reference.max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
+    assert reference.max_diff(got["params"], want["params"]) < PARAM_ATOL
+
+
+def assert_ledger_is_the_cost_model(record):
+    runner, led = record["runner"], ledger(record)
+    cfg = runner.cfg
+    model = cost.cost(cfg.model, runner.name, runner.sizes, cfg.train.batch_size, grad_accum=cfg.train.grad_accum)
+    rows = cost.compare(led.summary(), model.summary())
+    assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
+    return led
+
+
+# ----------------------------------------------------------------------------- the all-to-all pair
+
+
+def test_seq_to_heads_gives_whole_sequences_of_a_head_slice_and_heads_to_seq_inverts_it():
+    """On context:4, x [B, h, T, dh] placed T-split in, head-split out: the global array is unchanged
+    (device j holds heads [j h/4, (j+1) h/4) of every position, in order); the gradient of the pair
+    is the identity's, and seq_to_heads' pullback is heads_to_seq."""
+    mesh = jax.make_mesh((4,), ("context",), devices=jax.devices()[:4], axis_types=(AxisType.Auto,))
+    seq, heads = P(None, None, "context"), P(None, "context")
+    x = jax.random.normal(jax.random.key(0), (2, 8, 16, 4))
+    to_heads = jax.shard_map(lambda a: seq_to_heads(a, "context"), mesh=mesh, in_specs=seq, out_specs=heads)
+    to_seq = jax.shard_map(lambda a: heads_to_seq(a, "context"), mesh=mesh, in_specs=heads, out_specs=seq)
+    np.testing.assert_array_equal(jax.jit(to_heads)(x), x)
+    np.testing.assert_array_equal(jax.jit(lambda a: to_seq(to_heads(a)))(x), x)
+    w = jax.random.normal(jax.random.key(1), x.shape)
+    np.testing.assert_array_equal(jax.jit(jax.grad(lambda a: jnp.sum(to_heads(a) * w)))(x), w)
+    np.testing.assert_array_equal(jax.jit(jax.grad(lambda a: jnp.sum(to_seq(a) * w)))(x), w)
+
+
+def test_kv_repeats_reach_a_multiple_of_context_that_divides_the_heads():
+    assert [context.kv_repeats(8, kv, c) for kv, c in ((2, 2), (2, 4), (4, 2), (4, 4), (4, 8), (1, 4))] == [
+        1, 2, 1, 1, 2, 4]
+
+
+# ----------------------------------------------------------------------------- twins vs single device
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+@pytest.mark.parametrize("impl", ["auto", "manual"])
+def test_twins_match_single_device(impl, strategy):
+    assert_matches_single_device(twin(impl, strategy))
+
+
+@pytest.mark.parametrize("kv_heads, mesh", [(2, "context:2"), (2, "context:4"), (4, "context:2"), (4, "context:4")])
+def test_grouped_query_attention_matches_single_device(kv_heads, mesh):
+    """8 query heads: 2 kv heads split over context:2; on context:4 each is repeated twice first
+    (context.kv_repeats), so the k, v all-to-alls carry 4 heads; 4 kv heads split over either."""
+    assert_matches_single_device(twin("manual", "ulysses", mesh, kv_heads), kv_heads)
+    if (kv_heads, mesh) == (2, "context:4"):
+        assert_matches_single_device(twin("auto", "ulysses", mesh, kv_heads), kv_heads)
+        assert_ledger_is_the_cost_model(twin("manual", "ulysses", mesh, kv_heads))
+
+
+def test_remat_full_saves_the_all_to_alls():
+    """--remat=full: equal to single device, and the ledger is the cost model's 16 all-to-alls (8 per
+    layer): the checkpointed layer's backward does not re-run the forward 4 (saves_exchanges)."""
+    got = twin("manual", "ulysses", remat="full")
+    assert_matches_single_device(got)
+    led = assert_ledger_is_the_cost_model(got)
+    testing.expect_collectives(led, "all-to-all", ("context",), count=8 * CFG.model.num_layers)
+
+
+@pytest.mark.parametrize("impl", ["auto", "manual"])
+def test_fsdp_ulysses_accumulates(impl):
+    got = twin(impl, "fsdp_ulysses", grad_accum=2)
+    assert_matches_single_device(got)
+    if impl == "manual":
+        led = assert_ledger_is_the_cost_model(got)
+        testing.expect_collectives(led, "all-to-all", ("context",), count=2 * 8 * CFG.model.num_layers)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+@pytest.mark.parametrize("strategy", list(MESHES))
+def test_manual_ledger_equals_the_cost_model_exactly(strategy):
+    """Per layer 4 all-to-alls over context forward and 4 backward, each [b, H, T/C, dh]; cp's
+    gradient means (fsdp_ulysses: fsdp_cp's); nothing else over context."""
+    led = assert_ledger_is_the_cost_model(twin("manual", strategy))
+    sizes, m = twin("manual", strategy)["runner"].sizes, CFG.model
+    c, d = sizes["context"], sizes["data"]
+    each = CFG.train.batch_size // d * CFG.model.context_length // c * m.d_model * 4
+    testing.expect_collectives(led, "all-to-all", ("context",), count=8 * m.num_layers)
+    assert {r.bytes for r in led.filter(op="all-to-all")} == {each}
+    testing.expect_no_collective(led, op="collective-permute")
+
+
+def test_auto_inserts_all_to_alls():
+    """GSPMD's resharding between the pinned layouts (auto_parallel/ulysses.py), measured: 9
+    all-to-alls of [B, H, T/C, dh] per layer (3 forward, 6 backward), no all-gather over context."""
+    led = ledger(twin("auto", "ulysses"))
+    m = CFG.model
+    testing.expect_collectives(led, "all-to-all", ("context",), count=9 * m.num_layers)
+    assert {r.bytes for r in led.filter(op="all-to-all")} == {CFG.train.batch_size * m.context_length // 4 * m.d_model * 4}
+    testing.expect_no_collective(led, op="all-gather")
+
+
+# ----------------------------------------------------------------------------- refused
+
+
+@pytest.mark.parametrize("make", [manual_parallel.make_runner, auto_parallel.make_runner])
+def test_bad_configs_are_refused_before_compiling(make):
+    four_heads = Config(dataclasses.replace(CFG.model, num_heads=4), CFG.train)
+    with pytest.raises(ValueError, match=r"num_heads=4 does not split over context=8 .*multiple of 8.*context from "
+                                         r"\[2, 4\].*--strategy=cp"):
+        make("ulysses", "context:8", four_heads)
+    odd = Config(dataclasses.replace(CFG.model, context_length=36), CFG.train)
+    with pytest.raises(ValueError, match=r"context_length=36 does not split into 8 equal chunks \(contiguous layout"):
+        make("ulysses", "context:8", odd)
+    with pytest.raises(ValueError, match=r"--num_experts=4: a mixture of experts runs under .* not --strategy=ulysses"):
+        make("ulysses", "context:4", preset("tiny_moe"))
+    with pytest.raises(ValueError, match=r"stage"):
+        make("ulysses", "stage:2,context:4", CFG)
