@@ -14,11 +14,12 @@ import explicit_parallel
 from twinshard.parallel import strategies
 
 DATA_TENSOR, SEQUENCE, CONTEXT = "test_data_tensor.py", "test_sequence.py", "test_context.py"
-PIPELINE, EXPERTS = "test_pipeline.py", "test_experts.py"
+PIPELINE, EXPERTS, ULYSSES = "test_pipeline.py", "test_experts.py", "test_ulysses.py"
 TWIN_TESTS = [(DATA_TENSOR, "test_adamw_matches_single_device"), (SEQUENCE, "test_tp_sp_matches_single_device"),
               (CONTEXT, "test_context_parallel_matches_single_device"),
               (PIPELINE, "test_pipeline_matches_single_device"), (PIPELINE, "test_pp_fsdp_matches_single_device"),
-              (EXPERTS, "test_expert_parallel_matches_single_device_while_dropping_tokens")]
+              (EXPERTS, "test_expert_parallel_matches_single_device_while_dropping_tokens"),
+              (ULYSSES, "test_twins_match_single_device")]
 # kind -> (module, test function, the word its parameters must hold, or None)
 PROOFS = {
     "manual twin vs single device": [(*t, "manual") for t in TWIN_TESTS],
@@ -30,7 +31,8 @@ PROOFS = {
         (CONTEXT, "test_manual_ledger_equals_the_cost_model_exactly"),
         (PIPELINE, "test_manual_ledger_equals_the_cost_model_exactly"),
         (PIPELINE, "test_pp_fsdp_manual_ledger_equals_the_cost_model_exactly"),
-        (EXPERTS, "test_manual_ledger_equals_the_cost_model_exactly")]],
+        (EXPERTS, "test_manual_ledger_equals_the_cost_model_exactly"),
+        (ULYSSES, "test_manual_ledger_equals_the_cost_model_exactly")]],
     "ledger under --remat vs cost model": [
         ("test_remat.py", "test_manual_collectives_equal_the_cost_model_under_every_policy", None),
         ("test_remat.py", "test_manual_ledger_under_full_remat_equals_the_cost_model", None)],
@@ -39,14 +41,17 @@ PROOFS = {
         (SEQUENCE, "test_temporaries_below_tp"),
         (CONTEXT, "test_compiled_temporaries_beside_the_memory_model"),
         (PIPELINE, "test_compiled_temporaries_beside_the_memory_model"),
-        (EXPERTS, "test_compiled_step_beside_the_memory_model")]],
+        (EXPERTS, "test_compiled_step_beside_the_memory_model"),
+        (ULYSSES, "test_compiled_temporaries_beside_the_memory_model")]],
     "checkpoint restores elsewhere": [
         ("test_train.py", "test_every_strategy_checkpoint_restores_on_one_device", None),
-        ("test_experts.py", "test_a_checkpoint_written_under_ep_restores_under_single_and_fsdp_ep", None)],
+        ("test_experts.py", "test_a_checkpoint_written_under_ep_restores_under_single_and_fsdp_ep", None),
+        (ULYSSES, "test_a_checkpoint_written_under_ulysses_restores_under_single_and_cp", None)],
 }
 _NO_CHECKPOINT = ("no test writes a checkpoint under it: test_every_strategy_checkpoint_restores_on_one_device "
                   "covers dp, fsdp, tp, fsdp_tp (its config and devices per family are still to be written)")
-MISSING = {(s, "checkpoint restores elsewhere"): _NO_CHECKPOINT for s in ("tp_sp", "cp", "fsdp_cp", "pp", "pp_fsdp", "fsdp_ep")}
+MISSING = {(s, "checkpoint restores elsewhere"): _NO_CHECKPOINT for s in ("tp_sp", "cp", "fsdp_cp", "pp", "pp_fsdp", "fsdp_ep",
+                                                                   "fsdp_ulysses")}
 
 _COLLECT = """
 import json, sys

@@ -47,6 +47,8 @@ SUPPORT: dict[str, Support] = {
     "tp_sp": Support(_ALL, collective_matmul=_MANUAL, **_MEGATRON),
     "cp": Support(_TWO),
     "fsdp_cp": Support(_TWO),
+    "ulysses": Support(_TWO),
+    "fsdp_ulysses": Support(_TWO),
     "pp": Support(_TWO, one_f_one_b=_MANUAL),
     "pp_fsdp": Support(_TWO, one_f_one_b=_MANUAL),
     "ep": Support(_TWO, **_MOE),
