@@ -35,15 +35,13 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from twinshard.parallel import placement
 from twinshard.parallel.resolve import Run
-from twinshard.train.optim import make_optimizer
 from twinshard.model.hooks import Parallelism
 from twinshard.parallel.placement import spec
-from twinshard.train.trainer import (accumulated_value_and_grad, check_grad_accum, logical_axes, loss_fn, stats_fn,
-                                     train_step)
+from twinshard.train.trainer import accumulated_value_and_grad, logical_axes, loss_fn
 
 Rules = Mapping[str, str]
 
@@ -89,32 +87,15 @@ class GSPMD(Parallelism):
         return hooks
 
 
-class AutoRunner(placement.PlacedRunner):
+class AutoRunner(placement.GlobalRunner):
     """Runs one strategy with GSPMD; the interface of trainer.SingleDevice."""
 
+    AXIS_TYPE = jax.sharding.AxisType.Auto
+
     def __init__(self, run: Run, tx: optax.GradientTransformation | None = None):
-        """`tx` replaces the AdamW of `cfg.train` (tests pass SGD); its state must be a
-        `GuardState` (wrap it in `optim.clip_and_guard`), as `trainer.apply_gradients` reads it."""
-        cfg = run.cfg
-        self.tx = make_optimizer(cfg.train) if tx is None else tx
-        self._place(run, jax.sharding.AxisType.Auto)
-        check_grad_accum(cfg.train, self.sizes.get("data", 1))
-        self.par = par = self.hooks()  # the strategy's hooks (auto_parallel/<name>.py)
-        self.loss = functools.partial(loss_fn, cfg=cfg.model, par=par)
+        super().__init__(run, tx)
         # inside the per-data-shard vmap of `_loss_and_grads` the vmapped axis carries 'batch'
-        self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=par.without_batch())
-        step = functools.partial(train_step, cfg=cfg.model, train_cfg=cfg.train, tx=self.tx, par=par,
-                                 value_and_grad=self._loss_and_grads)
-        replicated = self.named(P())
-        self.train_step = jax.jit(
-            step, in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        batch_in = (self.state_shardings.params, self.batch_sharding, self.batch_sharding)
-        self.eval_loss = jax.jit(self.loss, in_shardings=batch_in, out_shardings=replicated)
-        self.router_stats = jax.jit(functools.partial(stats_fn, cfg=cfg.model, par=par), in_shardings=batch_in,
-                                    out_shardings=replicated)
-        self.loss_and_grads = jax.jit(self._loss_and_grads, in_shardings=batch_in,
-                                      out_shardings=(replicated, self.state_shardings.params))
+        self.shard_loss = functools.partial(loss_fn, cfg=run.cfg.model, par=self.par.without_batch())
 
     def _loss_and_grads(self, params, x, y):
         """(mean loss, gradients) of x, y [B, T], over grad_accum = K micro-batches.
@@ -130,21 +111,9 @@ class AutoRunner(placement.PlacedRunner):
             return accumulated_value_and_grad(self.loss, params, x, y, k)
         shards = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731  [data, B/data, T]
         per_shard = jax.vmap(functools.partial(accumulated_value_and_grad, self.shard_loss,
-                                               self.gather_step(params), grad_accum=k), spmd_axis_name="data")
+                                               self.par.gather_step(params, logical_axes(self.cfg.model), self.param_specs,
+                                                                   self.cfg.model.dtype), grad_accum=k), spmd_axis_name="data")
         losses, grads = per_shard(shards(x), shards(y))  # [data], [data, *param]: each device its own
         grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(jnp.mean(g, axis=0), s),
                              grads, self.state_shardings.params)
         return jnp.mean(losses), grads
-
-    def gather_step(self, params):
-        """Every matrix sharded over `data` (FSDP) pinned whole - its use layout, in the compute
-        dtype - once, before the micro-batch loop: GSPMD's all-gathers move out of the loop (the
-        twin of manual_parallel/fsdp.py `gather_step`). Other leaves are returned as they are.
-        The bf16 copy is pinned to the shard's layout first: without that pin GSPMD gathered the
-        f32 master shard and cast after it on XLA:CPU, twice the bytes (measured, JAX 0.12)."""
-        def gather(w, axes, s):
-            if "data" not in placement.sharded_axes(s):
-                return w
-            shard = jax.lax.with_sharding_constraint(w.astype(self.cfg.model.dtype), NamedSharding(self.mesh, s))
-            return self.par.weight(shard, axes)
-        return jax.tree.map(gather, params, logical_axes(self.cfg.model), self.param_specs)

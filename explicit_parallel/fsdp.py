@@ -16,9 +16,9 @@ Optimizer: one reduction of the squared norms per group of shardings (runner.glo
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from explicit_parallel.runner import Explicit
-from twinshard.model.hooks import RegathersWeights
-from twinshard.parallel.placement import spec
+from explicit_parallel.runner import NORM, Explicit
+from twinshard.model.remat import RegathersWeights
+from twinshard.parallel.placement import sharded_axes, spec
 
 DATA = "data"
 
@@ -26,9 +26,7 @@ __all__ = ["FullyShardedDataParallel", "parallelism"]
 
 
 class FullyShardedDataParallel(RegathersWeights, Explicit):
-    """layer_policy, head: RegathersWeights (twinshard/model/hooks.py), with this twin's `gathers`."""
-
-    gathers_weights = True  # grad_accum > 1: the runner gathers every matrix once per step (`weight`)
+    """layer_policy, head: RegathersWeights (twinshard/model/remat.py), with this twin's `gathers`."""
 
     def weight(self, w, axes):
         """w: [D@data, F] (one layer's) -> [D, F]{R:data}: gathered whole, typed `reduced` so that
@@ -37,6 +35,15 @@ class FullyShardedDataParallel(RegathersWeights, Explicit):
         if DATA not in jax.typeof(w).sharding.spec.partitions:
             return w
         return jax.sharding.reshard(w, NamedSharding(self.mesh, P(*spec(axes, self.rules), reduced={DATA})))
+
+    def gather_step(self, params, axes, specs, dtype):
+        """grad_accum > 1: every matrix typed over `data` gathered once, in the compute dtype, by
+        `weight`; the K micro-batches add up its unreduced gradients (norm gains pass unchanged)."""
+        def gather(p, ax):
+            if DATA in sharded_axes(jax.typeof(p).sharding.spec) and NORM not in ax:
+                return self.weight(p.astype(dtype), ax)
+            return p
+        return jax.tree.map(gather, params, axes)
 
     @staticmethod
     def gathers(prim, **params) -> bool:

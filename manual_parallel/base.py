@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from twinshard.model.hooks import Parallelism, Policy, either
+from twinshard.model.hooks import Parallelism
+from twinshard.model.remat import also_saving
 
 # Primitives whose output is a forward reduction: an all-reduce (Megatron g, the vocab-parallel
 # statistics; `psum_invariant` is the psum of a value invariant over the axis under check_vma)
@@ -45,4 +46,4 @@ class ManualParallelism(Parallelism):
         recomputes matmuls, never a reduction (tp, fsdp_tp: Megatron g; tp_sp: its reduce-scatter,
         but it re-gathers the sequence shards, see tp_sp.py; dp and fsdp run no
         all-reduce in a layer's forward, so for them this adds nothing)."""
-        return None if policy is None else either(policy, saves_reductions)
+        return also_saving(policy, saves_reductions)

@@ -24,9 +24,10 @@ communication).
 import jax.numpy as jnp
 from jax import lax
 
-from manual_parallel.base import ManualParallelism, either
+from manual_parallel.base import ManualParallelism
 from manual_parallel.ring_attention import ring_attention, saves_ring_shifts
 from manual_parallel.runner import DATA, ManualRunner
+from twinshard.model.remat import also_saving
 from twinshard.parallel import context
 from twinshard.parallel.context import CONTEXT
 
@@ -55,8 +56,7 @@ class ContextParallel(ManualParallelism):
         return ring_attention(q, k, v, self.table(q.shape[-2]), CONTEXT, self.layout)
 
     def layer_policy(self, policy):
-        inner = super().layer_policy(policy)
-        return None if inner is None else either(inner, saves_ring_shifts)
+        return also_saving(super().layer_policy(policy), saves_ring_shifts)
 
 
 class ContextRunner(context.PermutedBatches, ManualRunner):

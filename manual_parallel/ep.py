@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from manual_parallel.base import ManualParallelism, either
+from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import (combine_from_experts, dispatch_to_experts, expert_route, ragged_combine,
                                          ragged_dispatch)
 from manual_parallel.runner import DATA, ManualRunner
 from twinshard.model.moe import inverse_permutation
+from twinshard.model.remat import also_saving
 from twinshard.parallel import placement
 
 __all__ = ["ExpertParallel", "ExpertRunner", "Runner", "parallelism"]
@@ -67,8 +68,7 @@ class ExpertParallel(ManualParallelism):
     def layer_policy(self, policy):
         """A checkpointed layer also saves the exchanged buffers: its backward recomputes the
         experts' matmuls, never an all_to_all (remat trades FLOPs, not communication)."""
-        inner = super().layer_policy(policy)
-        return None if inner is None else either(inner, saves_exchanges)
+        return also_saving(super().layer_policy(policy), saves_exchanges)
 
 
 _EXCHANGES = frozenset({"all_to_all", "ragged_all_to_all"})

@@ -41,13 +41,14 @@ from jax import lax
 
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import fsdp_gather
-from twinshard.model.hooks import RegathersWeights
+from twinshard.model.remat import RegathersWeights
+from twinshard.parallel.placement import sharded_axes
 
 __all__ = ["FullyShardedDataParallel", "parallelism"]
 
 
 class FullyShardedDataParallel(RegathersWeights, ManualParallelism):
-    """layer_policy, head: RegathersWeights (twinshard/model/hooks.py), with this twin's `gathers`."""
+    """layer_policy, head: RegathersWeights (twinshard/model/remat.py), with this twin's `gathers`."""
 
     gathers_weights = True
     is_resident = False  # True in the copy `resident()` returns: the weights are already whole
@@ -66,19 +67,12 @@ class FullyShardedDataParallel(RegathersWeights, ManualParallelism):
 
     # Gradient accumulation: the step gathers once, the micro-batches run on resident weights.
 
-    def gather_step(self, params, axes, dtype: str):
-        """Gradient accumulation (grad_accum = K > 1): every matrix gathered ONCE per step.
-
-        params: the local shards (W1 stacked: [L, D/data, F]); axes: their logical axes
-        (('layers', 'embed', 'mlp')). Returns the whole matrices in the compute dtype
-        ([L, D, F]; the norm gains, replicated, unchanged in float32), for the K
-        micro-batches to run on with the `resident` hooks.
-        Forward: the 7L+2 all-gathers of `fsdp_gather`, before the micro-batch loop.
-        Backward (the caller's `jax.vjp` pullback, applied once to the accumulated
-        full-size gradient): `fsdp_gather`'s psum_scatter / data of each matrix.
-        """
-        sharded = lambda ax: any(self.param_rules.get(a) == "data" for a in ax)  # noqa: E731
-        return jax.tree.map(lambda w, ax: self.weight(w.astype(dtype), ax) if sharded(ax) else w, params, axes)
+    def gather_step(self, params, axes, specs, dtype):
+        """Every matrix whole ONCE per step, in the compute dtype ([L, D/data, F] -> [L, D, F]; norm
+        gains unchanged), for the K micro-batches' `resident` hooks: 9 all-gathers (7 stacked leaves,
+        embedding, lm_head); the caller's `jax.vjp` pullback is their reduce-scatters."""
+        return jax.tree.map(lambda w, ax, s: self.weight(w.astype(dtype), ax) if "data" in sharded_axes(s) else w,
+                            params, axes, specs)
 
     @staticmethod
     def gathers(prim, **params) -> bool:

@@ -126,9 +126,9 @@ class ManualRunner(placement.PlacedRunner):
         return accumulated_value_and_grad(local, params, x, y, self.cfg.train.grad_accum)
 
     def _gather_step(self, params):
-        """FSDP's gather_step: every matrix leaf whole, in the compute dtype ([L, D/data, F] ->
-        [L, D, F]; the norm gains unchanged); its pullback is the once-per-step reduce-scatter."""
-        return self.par.gather_step(params, logical_axes(self.cfg.model), self.cfg.model.dtype)
+        """The strategy's `gather_step`: the params every micro-batch reads (FSDP: each matrix
+        whole); its pullback is the once-per-step gradient reduction."""
+        return self.par.gather_step(params, logical_axes(self.cfg.model), self.param_specs, self.cfg.model.dtype)
 
     def _gathered_loss_and_grads(self, params, x, y):
         """FSDP with several micro-batches per step: gather every matrix once, run the micro-batches

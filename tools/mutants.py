@@ -95,6 +95,7 @@ _LAYERS = "twinshard/model/layers.py"
 _PLAN = "twinshard/hardware/plan.py"
 _LOSS = "twinshard/model/loss.py"
 _MODEL = "twinshard/model/transformer.py"
+_REMAT = "twinshard/model/remat.py"
 _ATTENTION = "twinshard/model/attention.py"
 _LINEAR = "twinshard/model/linear.py"
 _DATA = "twinshard/train/data.py"
@@ -793,28 +794,28 @@ MUTANTS: list[Mutant] = [
            "optax.lion(schedule, b1=cfg.beta2, b2=cfg.beta1,",
            (OPTIMIZERS,), "Lion's interpolation and momentum decay rates swapped"),
     # --- remat: the checkpoint policy of each scanned layer (ModelConfig.remat)
-    Mutant("remat-dots-is-no-batch", "remat", _MODEL,
+    Mutant("remat-dots-is-no-batch", "remat", _REMAT,
            '"dots": _POLICIES.dots_saveable,',
            '"dots": _POLICIES.dots_with_no_batch_dims_saveable,',
            (REMAT + "::test_saved_residuals_per_layer_equal_the_model",),
            "--remat=dots runs the dots_no_batch policy (attention scores recomputed, not saved)"),
-    Mutant("remat-full-is-none", "remat", _MODEL,
+    Mutant("remat-full-is-none", "remat", _REMAT,
            '"full": _POLICIES.nothing_saveable,',
            '"full": None,',
            (REMAT + "::test_saved_residuals_per_layer_equal_the_model",),
            "--remat=full checkpoints nothing: every residual is saved"),
-    Mutant("remat-fsdp-saves-gathered", "remat", "twinshard/model/hooks.py",
+    Mutant("remat-fsdp-saves-gathered", "remat", _REMAT,
            "not self.gathers(prim, **params) and policy(prim, *args, **params)",
            "policy(prim, *args, **params)",
            (REMAT + "::test_no_gathered_weight_is_saved", REMAT),
            "the FSDP composition drops the never-save-a-gathered-weight rule (remat=none saves every "
            "layer's gathered matrices)"),
-    Mutant("remat-fsdp-ignores-policy", "remat", "twinshard/model/hooks.py",
+    Mutant("remat-fsdp-ignores-policy", "remat", _REMAT,
            "return self.never_gathered(jax.checkpoint_policies.everything_saveable if inner is None else inner)",
            "return self.never_gathered(jax.checkpoint_policies.everything_saveable)",
            (REMAT + "::test_temp_bytes_follow_the_policy",),
            "manual FSDP ignores --remat (every policy behaves like none)"),
-    Mutant("remat-fsdp-head-keeps-weight", "remat", "twinshard/model/hooks.py",
+    Mutant("remat-fsdp-head-keeps-weight", "remat", _REMAT,
            "return jax.checkpoint(lm_head, policy=self.never_gathered(jax.checkpoint_policies.everything_saveable))(x)",
            "return lm_head(x)",
            (REMAT + "::test_no_gathered_weight_is_saved", SCAN),
@@ -826,7 +827,7 @@ MUTANTS: list[Mutant] = [
            "an unrolled scan lets XLA merge FSDP's backward re-gather with the forward gather (the "
            "gathered weight lives until the backward pass)"),
     Mutant("remat-tp-recomputes-g", "remat", "manual_parallel/base.py",
-           "return None if policy is None else either(policy, saves_reductions)",
+           "return also_saving(policy, saves_reductions)",
            "return policy",
            (REMAT + "::test_manual_collectives_equal_the_cost_model_under_every_policy",),
            "a checkpointed TP layer recomputes Megatron g's psum in the backward loop"),
@@ -982,9 +983,9 @@ MUTANTS: list[Mutant] = [
            "the cost model's pp_fsdp gathers, scatters and norm means cover all L layers, not the stage's L/S"),
     # --- the GSPMD accumulation's vmap runs the strategy's own hooks (GSPMD.without_batch)
     Mutant("auto-accum-plain-gspmd-hooks", "accumulation", "auto_parallel/runner.py",
-           "self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=par.without_batch())",
-           "self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=GSPMD(\n"
-           "            self.mesh, {a: m for a, m in decl.activations.items() if a != 'batch'}))",
+           "self.shard_loss = functools.partial(loss_fn, cfg=run.cfg.model, par=self.par.without_batch())",
+           "self.shard_loss = functools.partial(loss_fn, cfg=run.cfg.model, par=GSPMD(\n"
+           "            self.mesh, {a: m for a, m in run.placed.activations.items() if a != 'batch'}))",
            ("tests/test_context.py::test_auto_fsdp_cp_accumulates_in_the_context_layout",
             "tests/test_sequence.py::test_auto_twin_accumulates_on_sequence_shards"),
            "the micro-batches of grad_accum > 1 run with plain GSPMD hooks: fsdp_cp's RoPE and mask "
@@ -1100,14 +1101,14 @@ MUTANTS: list[Mutant] = [
            ("tests/test_bf16_parallel.py::test_manual_pipelines_hand_bf16_between_stages",),
            "the GPipe tick loop's carry starts in f32: under bf16 every stage hop moves twice the bytes"),
     Mutant("fsdp-gather-step-f32", "precision", _FSDP,
-           "return jax.tree.map(lambda w, ax: self.weight(w.astype(dtype), ax) if sharded(ax) else w, params, axes)",
-           "return jax.tree.map(lambda w, ax: self.weight(w, ax) if sharded(ax) else w, params, axes)",
+           "return jax.tree.map(lambda w, ax, s: self.weight(w.astype(dtype), ax) if \"data\" in sharded_axes(s) else w,",
+           "return jax.tree.map(lambda w, ax, s: self.weight(w, ax) if \"data\" in sharded_axes(s) else w,",
            ("tests/test_bf16_parallel.py::test_fsdp_accumulation_gathers_bf16_once",
             "tests/test_bf16_parallel.py::test_manual_pipelines_hand_bf16_between_stages"),
            "gather_step gathers the f32 master shards (cast after): twice the gather bytes under bf16"),
-    Mutant("auto-gather-step-unpinned-cast", "precision", "auto_parallel/runner.py",
-           "shard = jax.lax.with_sharding_constraint(w.astype(self.cfg.model.dtype), NamedSharding(self.mesh, s))",
-           "shard = w.astype(self.cfg.model.dtype)",
+    Mutant("auto-gather-step-unpinned-cast", "precision", "auto_parallel/fsdp.py",
+           "return self.weight(jax.lax.with_sharding_constraint(w.astype(dtype), NamedSharding(self.mesh, s)), ax)",
+           "return self.weight(w.astype(dtype), ax)",
            ("tests/test_bf16_parallel.py::test_fsdp_accumulation_gathers_bf16_once",),
            "the bf16 cast not pinned to the shard: GSPMD gathers the f32 master and casts after"),
     Mutant("recompute-delta-in-bf16", "precision", _LAYERS,
@@ -1286,13 +1287,13 @@ MUTANTS: list[Mutant] = [
            (f"{EXPLICIT}::test_fsdp_gathers_each_weight_forward_and_backward",),
            "the layer's checkpoint saves the gathered weights: the backward loop re-gathers none"),
     Mutant("explicit-fsdp-accumulates-per-layer-gathers", "explicit", "explicit_parallel/runner.py",
-           "gather = self.cfg.train.grad_accum > 1 and self.par.gathers_weights",
-           "gather = False",
+           "        if self.cfg.train.grad_accum > 1:\n            params = self.par.gather_step(",
+           "        if False:\n            params = self.par.gather_step(",
            (f"{EXPLICIT}::test_accumulation_stays_unreduced_until_one_reduction",
             f"{EXPLICIT}::test_fsdp_accumulates_on_weights_gathered_once"),
            "grad_accum > 1 under fsdp gathers and reduce-scatters every layer of every micro-batch"),
     Mutant("explicit-no-reduced-cast", "explicit", "explicit_parallel/runner.py",
-           "return jax.sharding.reshard(p, NamedSharding(self.mesh, P(*s.spec.partitions, reduced=set(axes))))",
+           "return jax.sharding.reshard(p, NamedSharding(self.mesh, P(*s.spec.partitions, reduced=set(over))))",
            "return p",
            (f"{EXPLICIT}::test_gradients_leave_the_backward_pass_typed", EXPLICIT),
            "the replicated matrices are not cast to reduced: dp's gradients are all-reduced per layer inside "
@@ -1463,8 +1464,8 @@ MUTANTS: list[Mutant] = [
            (f"{GQA}::test_shape_flags_give_any_shape_and_name_themselves_in_errors",),
            "--d_model without --d_ff keeps the preset's d_ff instead of re-deriving 8/3 d_model"),
     Mutant("cp-remat-reruns-ring", "remat", "manual_parallel/cp.py",
-           "return None if inner is None else either(inner, saves_ring_shifts)",
-           "return inner",
+           "return also_saving(super().layer_policy(policy), saves_ring_shifts)",
+           "return super().layer_policy(policy)",
            (f"{REMAT}::test_manual_ledger_under_full_remat_equals_the_cost_model[cp]",
             f"{REMAT}::test_manual_ledger_under_full_remat_equals_the_cost_model[fsdp_cp]"),
            "a checkpointed cp layer saves no received K/V block: its backward re-runs the ring's forward permutes"),
