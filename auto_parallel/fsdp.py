@@ -1,15 +1,7 @@
 """FSDP (ZeRO-3), GSPMD twin: every weight's d_model dimension sharded over `data`, the batch
 split over `data`.
 
-Forward: `weight` pins each weight to its use layout (whole): GSPMD's all-gather over `data`
-of each weight matrix, one layer at a time inside the layer loop.
-Backward: with --remat=none GSPMD keeps the gathered weights (no re-gather, unlike the manual
-twin, which never saves one); under a remat policy that recomputes them GSPMD re-gathers what
-it recomputes. Each weight gradient is reduce-scattered over `data`, which XLA:CPU writes as
-an all-reduce + dynamic-slice (GPU/TPU: a reduce-scatter).
-Optimizer: one small all-reduce per sharded stacked gradient for the global norm.
-Gradient accumulation: AutoRunner.gather_step pins every matrix whole once per step.
-"""
+The collectives and why: docs/memory.md (auto_parallel/fsdp.py)."""
 
 import jax
 from jax.sharding import NamedSharding

@@ -1,29 +1,6 @@
 """The GSPMD machinery shared by every auto strategy.
 
-A strategy is two tables (its declaration in twinshard/parallel/strategies.py): `params` and
-`activations`, logical axis -> mesh axis. From them this module builds
-NamedShardings for the params, the optimizer state (moments sharded exactly
-like their params), the batch and the residual stream, then jits the single-device train step (twinshard/train/trainer.py) with
-those shardings. XLA's SPMD partitioner inserts every collective.
-
-Gradient accumulation (grad_accum = K > 1, `AutoRunner._loss_and_grads`). The plain
-single-device accumulation (trainer.accumulated_value_and_grad) under GSPMD syncs
-every micro-batch: the gradient of a replicated (or gathered) weight from a
-batch-sharded micro-batch is a partial sum, and GSPMD all-reduces it to the layout
-of the accumulator inside the loop - no sharding constraint on the accumulator can
-express "not reduced yet" in Auto mode. So the accumulation is vmapped over the
-data shards ([data, B/data, T], `spmd_axis_name='data'`): each device carries its
-OWN gradient [data, *param] (dim 0 on `data`: one full-size accumulator per
-device), and the mean over dim 0 after the loop, constrained to the param
-sharding, is the step's one gradient sync. FSDP matrices are pinned whole
-(`gather_step`, the manual twin's structure) before the loop, so their all-gathers
-run once per step too. Inside the vmap the strategy's own hooks run with 'batch'
-dropped from their activation rules (`GSPMD.without_batch`: the vmapped axis carries
-`data`), so fsdp_cp keeps its context layout and tp_sp its sequence shards.
-Without the vmap every gradient sync (and every per-layer gather) ran K times (measured,
-JAX 0.12); tests/test_accum.py (test_auto_syncs_gradients_once_per_step,
-test_auto_data_collectives_do_not_grow_with_k) asserts that they run once.
-"""
+The collectives and why: docs/design.md (auto_parallel/runner.py)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
 """FSDP (ZeRO-3), explicit twin: every weight's d_model dimension sharded over `data`, the
 batch split over `data`; the gather is a change of type.
 
-Forward: `weight` reshards each weight matrix from its stored type ([D@data, F]) to its use
-type, whole and `reduced` over `data` ([D, F]{R:data}): the all-gather, one layer at a time
-inside the layer loop.
-Backward: each layer is checkpointed without its gathered weights (RegathersWeights, as in the
-manual twin), so the backward loop re-gathers them; the weight gradient leaves the matmul `unreduced` over `data`
-(the cotangent type of a `reduced` weight), and the gather's transpose, a reshard from
-`{U:data}` to [D@data, F], is its reduce-scatter (XLA:CPU writes it as an all-reduce +
-dynamic-slice, as for GSPMD; measured, JAX 0.12). The replicated RMSNorm gains' gradients are
-reduced by JAX's rules inside the backward layer loop (one [D] all-reduce per layer and gain).
-Optimizer: one reduction of the squared norms per group of shardings (runner.global_norm).
-"""
+The collectives and why: docs/memory.md (explicit_parallel/fsdp.py)."""
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P

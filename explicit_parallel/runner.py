@@ -1,30 +1,6 @@
 """The Explicit machinery shared by every explicit strategy: sharding in types.
 
-The mesh's axes are `AxisType.Explicit`: every array's type carries its sharding
-(`jax.typeof(x)` prints `float32[8@data,64]`), JAX derives each op's output sharding from
-its inputs' at trace time, and where its rules cannot decide, the program must say it:
-
-- a contraction over a dim split in both operands needs an `out_sharding`
-  (twinshard/model/layers.py `partial_sums` leaves it `unreduced`: each device's partial
-  sum, reduced by whoever the types say: a hook, or the gradient's own type);
-- a lookup whose ids are split over `data` needs one (`table.at[ids].get(out_sharding=...)`,
-  `Explicit.embed`);
-- moving data is a `jax.sharding.reshard` to another type: FSDP's gather, Megatron's g.
-
-Two states beyond sharded and replicated do the rest (JAX's "Autodiff and sharding"): an
-`unreduced` array holds partial sums (`{U:data}`), a `reduced` one is replicated with
-unreduced cotangents (`{R:data}`). A reshard to `reduced` moves nothing forward and is the
-reduction backward.
-
-The step (`ExplicitRunner._loss_and_grads`), as the manual twin's: every weight matrix
-replicated over a token axis (`data`; dp: all of them, fsdp: none) is cast to `reduced` over
-it before `grad`, so its gradient leaves the backward pass `unreduced`, the K micro-batches
-of `grad_accum` add up unreduced, and ONE reshard per leaf after them is the gradient
-all-reduce. The RMSNorm gains stay replicated (JAX refuses a `reduced` operand of an
-elementwise product with [B@data, T, D]): JAX's rules reduce their gradients inside the
-backward layer loop, one [D] all-reduce per layer and gain. The rest is the single-device train step (twinshard/train/trainer.py)
-jitted with the strategy's shardings.
-"""
+The collectives and why: docs/explicit.md (explicit_parallel/runner.py)."""
 
 from __future__ import annotations
 

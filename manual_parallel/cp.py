@@ -2,24 +2,7 @@
 tokens, twinshard/parallel/context.py's layout) from the embedding to the loss; every weight is
 replicated; attention is ring attention (manual_parallel/ring_attention.py).
 
-Every position-wise op runs on the local [B, T/C] tokens unchanged; RoPE rotates them by
-their true positions (`positions`: this shard's row of context.shard_positions).
-Forward, per layer: 2(C-1) collective-permutes over `context` (C-1 of the K block and C-1 of
-the V block [B, h, T/C, dh], `ring_shift`).
-Backward, per layer: the reverse ring, 2(C-1) collective-permutes of dK and dV blocks.
-Then the gradient of EVERY param is averaged over `context`: a sequence shard is to the
-params what a data shard is - its loss is the mean over its own T/C tokens, the global loss
-the mean of the C equal-sized shard means, so dL/dW = mean over shards of each shard's
-gradient, for the embedding and lm_head as for the attention weights. `ContextRunner` names
-`context` a token axis beside `data` (ManualRunner.TOKEN_AXES): ManualRunner then pcasts the
-params to varying over it before `grad` (so autodiff adds no psum of its own) and pmeans the
-gradients and the loss over the token axes each param is replicated on (cp: (data, context);
-fsdp_cp's matrix shards: context alone). Optimizer: gradients are replicated after the mean: the global norm is local.
-
-Remat: a checkpointed layer keeps the received K/V blocks (`layer_policy`), so its backward
-never re-runs the ring's forward permutes (the project's rule: remat trades FLOPs, not
-communication).
-"""
+The collectives and why: docs/long-context.md (manual_parallel/cp.py)."""
 
 import jax.numpy as jnp
 from jax import lax
