@@ -87,9 +87,9 @@ class AutoRunner(placement.GlobalRunner):
         if k == 1 or d == 1:  # K = 1: the program without accumulation; tp: no gradient sync at all
             return accumulated_value_and_grad(self.loss, params, x, y, k)
         shards = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731  [data, B/data, T]
-        per_shard = jax.vmap(functools.partial(accumulated_value_and_grad, self.shard_loss,
-                                               self.par.gather_step(params, logical_axes(self.cfg.model), self.param_specs,
-                                                                   self.cfg.model.dtype), grad_accum=k), spmd_axis_name="data")
+        shared = self.par.gather_step(params, logical_axes(self.cfg.model), self.param_specs, self.cfg.model.dtype)
+        per_shard = jax.vmap(functools.partial(accumulated_value_and_grad, self.shard_loss, shared, grad_accum=k),
+                             spmd_axis_name="data")
         losses, grads = per_shard(shards(x), shards(y))  # [data], [data, *param]: each device its own
         grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(jnp.mean(g, axis=0), s),
                              grads, self.state_shardings.params)

@@ -79,8 +79,8 @@ class ManualRunner(placement.PlacedRunner):
         return self._mean_loss(loss), self.mean_over_tokens(grads, replicated)
 
     def _gathers_once(self) -> bool:
-        """FSDP gathers every matrix once per step, not per layer, when the step runs several
-        micro-batches: grad_accum = K > 1 (docs/memory.md; pp_fsdp: always)."""
+        """Hooks that gather their weights (`gathers_weights`) gather them once per step when it runs
+        several micro-batches: grad_accum = K > 1 (docs/memory.md; a pipeline: always)."""
         return self.cfg.train.grad_accum > 1 and self.par.gathers_weights
 
     def _value_and_grad(self, params, x, y, par):
@@ -96,9 +96,8 @@ class ManualRunner(placement.PlacedRunner):
         return self.par.gather_step(params, logical_axes(self.cfg.model), self.param_specs, self.cfg.model.dtype)
 
     def _gathered_loss_and_grads(self, params, x, y):
-        """FSDP with several micro-batches per step: gather every matrix once, run the micro-batches
-        on the whole weights (`resident()` hooks), reduce-scatter each accumulated gradient once
-        (docs/memory.md; pp_fsdp: the pipeline's micro-batches).
+        """Several micro-batches per step: the strategy's `gather_step` once, the micro-batches on its
+        output (`resident()` hooks), its pullback once on the accumulated gradient (docs/memory.md).
 
         x, y: [B/data, T]; W1: [L, D/data, F] -> full [L, D, F] -> grad [L, D/data, F]."""
         full, scatter = jax.vjp(self._gather_step, params)
