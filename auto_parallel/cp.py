@@ -1,21 +1,7 @@
 """Context parallelism, GSPMD twin: the sequence dimension of the batch and of every activation
 is split over `context`; every weight is replicated.
 
-The placement (twinshard/parallel/strategies.py CP) plus the layout (twinshard/parallel/context.py):
-the runner permutes the batch into the layout on the host, RoPE takes the permuted true
-positions (`positions`) and, for the zig-zag layout, attention masks by true positions (key
-position <= query position) instead of by index. XLA derives the communication.
-GSPMD does not run a ring: it all-gathers K (after RoPE) and V, [B, H, T, dh], over `context`
-in the forward layer loop and again in the backward loop (it saves the local shards, not the
-gathered copies); the gradients of the gathered K and V come back as full-size all-reduces
-(XLA:CPU's reduce-scatter), and every weight gradient is all-reduced over `context`. The
-manual twin's ring sends the same K and V in collective-permutes and their gradients back
-as many, with no all-reduce of dK, dV. Both hold the whole K and V per device for the
-backward pass (the ring's autodiff keeps every block it received:
-manual_parallel/ring_attention.py). tests/test_context.py
-(test_auto_gathers_k_and_v_over_context) asserts the collectives.
-Optimizer: gradients are replicated, so the global norm is local.
-"""
+The collectives and why: docs/long-context.md (auto_parallel/cp.py)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
 """Expert parallelism, GSPMD twin: the experts split over `expert`, the batch over
 (data, expert); the dense weights and the router replicated.
 
-The placement (strategies.EP) puts the expert weights [L, E, D, F] on P(None, 'expert') and
-the tokens on (data, expert); `dispatch` and `combine` pin the capacity buffers [E, G, C, D]
-to the two layouts the manual twin exchanges them between: groups over (data, expert) where
-the tokens are routed, experts over `expert` and groups over `data` where the experts run.
-XLA derives the collectives of the reshard between them.
-Backward: the transposes of the reshards; every dense and router gradient all-reduced over
-(data, expert), every expert gradient over `data`.
-Optimizer: small all-reduces for the global norm.
-"""
+The collectives and why: docs/experts.md (auto_parallel/ep.py)."""
 
 from auto_parallel.runner import GSPMD
 

@@ -1,17 +1,13 @@
 """FSDP (ZeRO-3), GSPMD twin: every weight's d_model dimension sharded over `data`, the batch
 split over `data`.
 
-Forward: `weight` pins each weight to its use layout (whole): GSPMD's all-gather over `data`
-of each weight matrix, one layer at a time inside the layer loop.
-Backward: with --remat=none GSPMD keeps the gathered weights (no re-gather, unlike the manual
-twin, which never saves one); under a remat policy that recomputes them GSPMD re-gathers what
-it recomputes. Each weight gradient is reduce-scattered over `data`, which XLA:CPU writes as
-an all-reduce + dynamic-slice (GPU/TPU: a reduce-scatter).
-Optimizer: one small all-reduce per sharded stacked gradient for the global norm.
-Gradient accumulation: AutoRunner.gather_step pins every matrix whole once per step.
-"""
+The collectives and why: docs/memory.md (auto_parallel/fsdp.py)."""
+
+import jax
+from jax.sharding import NamedSharding
 
 from auto_parallel.runner import GSPMD
+from twinshard.parallel import placement
 
 __all__ = ["FullyShardedDataParallel", "parallelism"]
 
@@ -25,6 +21,17 @@ class FullyShardedDataParallel(GSPMD):
         all-to-all'ed the lookup; under fsdp_tp it moved the ids to the vocab x data-sharded
         table and warned of an involuntary full rematerialization (measured, JAX 0.12)."""
         return self.constrain(w, axes)
+
+    def gather_step(self, params, axes, specs, dtype):
+        """Every matrix sharded over `data` pinned whole, in the compute dtype, once before the
+        micro-batch loop (grad_accum > 1): GSPMD's all-gathers leave the loop. The bf16 copy is
+        pinned to the shard's layout first: without that pin GSPMD gathered the f32 master shard
+        and cast after it on XLA:CPU, twice the bytes (measured, JAX 0.12)."""
+        def gather(w, ax, s):
+            if "data" not in placement.sharded_axes(s):
+                return w
+            return self.weight(jax.lax.with_sharding_constraint(w.astype(dtype), NamedSharding(self.mesh, s)), ax)
+        return jax.tree.map(gather, params, axes, specs)
 
 
 def parallelism(mesh, run) -> FullyShardedDataParallel:

@@ -1,11 +1,7 @@
 """FSDP + expert parallelism, GSPMD twin: ep's experts over `expert` and batch over
 (data, expert), with every weight's d_model dimension (the experts' too) sliced over `data`.
 
-Each hook composes the two strategies: `weight` is FSDP's pin (the all-gather over `data`, the
-reduce-scatter of its gradient), `dispatch` / `combine` are ep's layouts of the capacity buffers.
-Backward: FSDP's reduce-scatters over `data`; the dense gradients' all-reduce over `expert`.
-Optimizer: small all-reduces for the global norm.
-"""
+The collectives and why: docs/experts.md (auto_parallel/fsdp_ep.py)."""
 
 from auto_parallel.ep import ExpertParallel
 from auto_parallel.fsdp import FullyShardedDataParallel

@@ -1,13 +1,7 @@
 """FSDP + Megatron TP, GSPMD twin: the TP layout over `tensor`, with every weight's d_model
 dimension further sliced over `data`; the batch over `data`.
 
-Each hook composes the two strategies: `weight` is FSDP's pin (the all-gather over `data` of
-the local TP shard, the reduce-scatter of its gradient); the Megatron all-reduces over `tensor`
-on [B/data, T, D] activations come from TP's placement.
-Backward: the TP all-reduces; each gradient reduce-scattered over `data`
-(XLA:CPU: all-reduce + dynamic-slice).
-Optimizer: small all-reduces for the global norm.
-"""
+The collectives and why: docs/design.md (auto_parallel/fsdp_tp.py)."""
 
 from auto_parallel.fsdp import FullyShardedDataParallel
 from auto_parallel.tp import TensorParallel

@@ -4,7 +4,6 @@
 
 from auto_parallel.fsdp import FullyShardedDataParallel
 from auto_parallel.ulysses import UlyssesParallel
-from twinshard.parallel.strategies import FSDP_ULYSSES
 
 __all__ = ["FSDPUlyssesParallel", "parallelism"]
 
@@ -13,5 +12,5 @@ class FSDPUlyssesParallel(FullyShardedDataParallel, UlyssesParallel):
     """weight from FSDP (the pin: the all-gather over `data`); attention from ulysses."""
 
 
-def parallelism(mesh, cfg) -> FSDPUlyssesParallel:
-    return FSDPUlyssesParallel(mesh, FSDP_ULYSSES.activations)
+def parallelism(mesh, run) -> FSDPUlyssesParallel:
+    return FSDPUlyssesParallel(mesh, run.placed.activations)

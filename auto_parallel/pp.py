@@ -2,36 +2,7 @@
 program over a stage dimension, sharded over `stage`; XLA turns the shift of
 that dimension into collective-permutes.
 
-Placement (twinshard/parallel/strategies.py PP): the stacked block params [L, ...] split
-over `stage` on their `layers` dim, viewed as [S, L/S, ...]; embedding, ln_final and
-lm_head replicated (twinshard/parallel/pipeline.py says why).
-
-`PipelineParallel.layer_stack` replaces the model's one scan over L layers
-(twinshard/model/hooks.py Parallelism.layer_stack). Global arrays, dim 0 = stage, pinned
-to P('stage'), so each device holds and computes only its own row:
-
-    inject   [S, M, B/M, T, D]  row 0: the M embedded micro-batches, other rows 0
-    state    [S, B/M, T, D]     what each stage works on this tick
-    finished [S, M, B/M, T, D]  row S-1: the micro-batches that left the last stage
-
-and M + S - 1 ticks of a `lax.scan`:
-
-    state    = where(stage == 0, inject[:, i], state)      (stage 0 takes micro-batch i)
-    out      = vmap(stage's L/S layers)(params [S, L/S, ...], state)
-    finished = where(stage == S-1 and i >= S-1, finished.at[:, i-S+1].set(out), finished)
-    state    = roll(out, 1, axis=0)                           (stage s -> s+1)
-
-The roll is a cyclic collective-permute of one micro-batch [1, B/M, T, D] per tick forward
-(the wrap-around carries a value nobody uses: S hops where the manual twin sends S-1), and
-its transpose in the backward loop; once per step the embedded batch reaches row 0 and the
-finished row S-1 reaches the loss. tests/test_pipeline.py
-(test_auto_shifts_the_stage_buffer_with_collective_permutes) asserts them.
-The stage function runs with these hooks (the residual stream's constraint under the
-strategy's activation rules; pp_fsdp: FSDP's weight pin) under `vmap(..., spmd_axis_name='stage')`,
-which puts `stage` on the vmapped dim of every constraint inside. Without
-spmd_axis_name a constraint on the per-stage shape would pin the stage dim
-(replicated) and gather every stage's weights.
-"""
+The collectives and why: docs/pipelines.md (auto_parallel/pp.py)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
 """The GSPMD machinery shared by every auto strategy.
 
-A strategy is two tables (its declaration in twinshard/parallel/strategies.py): `params` and
-`activations`, logical axis -> mesh axis. From them this module builds
-NamedShardings for the params, the optimizer state (moments sharded exactly
-like their params), the batch and the residual stream, then jits the single-device train step (twinshard/train/trainer.py) with
-those shardings. XLA's SPMD partitioner inserts every collective.
-
-Gradient accumulation (grad_accum = K > 1, `AutoRunner._loss_and_grads`). The plain
-single-device accumulation (trainer.accumulated_value_and_grad) under GSPMD syncs
-every micro-batch: the gradient of a replicated (or gathered) weight from a
-batch-sharded micro-batch is a partial sum, and GSPMD all-reduces it to the layout
-of the accumulator inside the loop - no sharding constraint on the accumulator can
-express "not reduced yet" in Auto mode. So the accumulation is vmapped over the
-data shards ([data, B/data, T], `spmd_axis_name='data'`): each device carries its
-OWN gradient [data, *param] (dim 0 on `data`: one full-size accumulator per
-device), and the mean over dim 0 after the loop, constrained to the param
-sharding, is the step's one gradient sync. FSDP matrices are pinned whole
-(`gather_step`, the manual twin's structure) before the loop, so their all-gathers
-run once per step too. Inside the vmap the strategy's own hooks run with 'batch'
-dropped from their activation rules (`GSPMD.without_batch`: the vmapped axis carries
-`data`), so fsdp_cp keeps its context layout and tp_sp its sequence shards.
-Without the vmap every gradient sync (and every per-layer gather) ran K times (measured,
-JAX 0.12); tests/test_accum.py (test_auto_syncs_gradients_once_per_step,
-test_auto_data_collectives_do_not_grow_with_k) asserts that they run once.
-"""
+The collectives and why: docs/design.md (auto_parallel/runner.py)."""
 
 from __future__ import annotations
 
@@ -35,15 +12,13 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from twinshard.parallel import placement
 from twinshard.parallel.resolve import Run
-from twinshard.train.optim import make_optimizer
 from twinshard.model.hooks import Parallelism
 from twinshard.parallel.placement import spec
-from twinshard.train.trainer import (accumulated_value_and_grad, check_grad_accum, logical_axes, loss_fn, stats_fn,
-                                     train_step)
+from twinshard.train.trainer import accumulated_value_and_grad, logical_axes, loss_fn
 
 Rules = Mapping[str, str]
 
@@ -89,32 +64,15 @@ class GSPMD(Parallelism):
         return hooks
 
 
-class AutoRunner(placement.PlacedRunner):
+class AutoRunner(placement.GlobalRunner):
     """Runs one strategy with GSPMD; the interface of trainer.SingleDevice."""
 
+    AXIS_TYPE = jax.sharding.AxisType.Auto
+
     def __init__(self, run: Run, tx: optax.GradientTransformation | None = None):
-        """`tx` replaces the AdamW of `cfg.train` (tests pass SGD); its state must be a
-        `GuardState` (wrap it in `optim.clip_and_guard`), as `trainer.apply_gradients` reads it."""
-        cfg = run.cfg
-        self.tx = make_optimizer(cfg.train) if tx is None else tx
-        self._place(run, jax.sharding.AxisType.Auto)
-        check_grad_accum(cfg.train, self.sizes.get("data", 1))
-        self.par = par = self.hooks()  # the strategy's hooks (auto_parallel/<name>.py)
-        self.loss = functools.partial(loss_fn, cfg=cfg.model, par=par)
+        super().__init__(run, tx)
         # inside the per-data-shard vmap of `_loss_and_grads` the vmapped axis carries 'batch'
-        self.shard_loss = functools.partial(loss_fn, cfg=cfg.model, par=par.without_batch())
-        step = functools.partial(train_step, cfg=cfg.model, train_cfg=cfg.train, tx=self.tx, par=par,
-                                 value_and_grad=self._loss_and_grads)
-        replicated = self.named(P())
-        self.train_step = jax.jit(
-            step, in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        batch_in = (self.state_shardings.params, self.batch_sharding, self.batch_sharding)
-        self.eval_loss = jax.jit(self.loss, in_shardings=batch_in, out_shardings=replicated)
-        self.router_stats = jax.jit(functools.partial(stats_fn, cfg=cfg.model, par=par), in_shardings=batch_in,
-                                    out_shardings=replicated)
-        self.loss_and_grads = jax.jit(self._loss_and_grads, in_shardings=batch_in,
-                                      out_shardings=(replicated, self.state_shardings.params))
+        self.shard_loss = functools.partial(loss_fn, cfg=run.cfg.model, par=self.par.without_batch())
 
     def _loss_and_grads(self, params, x, y):
         """(mean loss, gradients) of x, y [B, T], over grad_accum = K micro-batches.
@@ -129,22 +87,10 @@ class AutoRunner(placement.PlacedRunner):
         if k == 1 or d == 1:  # K = 1: the program without accumulation; tp: no gradient sync at all
             return accumulated_value_and_grad(self.loss, params, x, y, k)
         shards = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731  [data, B/data, T]
-        per_shard = jax.vmap(functools.partial(accumulated_value_and_grad, self.shard_loss,
-                                               self.gather_step(params), grad_accum=k), spmd_axis_name="data")
+        shared = self.par.gather_step(params, logical_axes(self.cfg.model), self.param_specs, self.cfg.model.dtype)
+        per_shard = jax.vmap(functools.partial(accumulated_value_and_grad, self.shard_loss, shared, grad_accum=k),
+                             spmd_axis_name="data")
         losses, grads = per_shard(shards(x), shards(y))  # [data], [data, *param]: each device its own
         grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(jnp.mean(g, axis=0), s),
                              grads, self.state_shardings.params)
         return jnp.mean(losses), grads
-
-    def gather_step(self, params):
-        """Every matrix sharded over `data` (FSDP) pinned whole - its use layout, in the compute
-        dtype - once, before the micro-batch loop: GSPMD's all-gathers move out of the loop (the
-        twin of manual_parallel/fsdp.py `gather_step`). Other leaves are returned as they are.
-        The bf16 copy is pinned to the shard's layout first: without that pin GSPMD gathered the
-        f32 master shard and cast after it on XLA:CPU, twice the bytes (measured, JAX 0.12)."""
-        def gather(w, axes, s):
-            if "data" not in placement.sharded_axes(s):
-                return w
-            shard = jax.lax.with_sharding_constraint(w.astype(self.cfg.model.dtype), NamedSharding(self.mesh, s))
-            return self.par.weight(shard, axes)
-        return jax.tree.map(gather, params, logical_axes(self.cfg.model), self.param_specs)

@@ -1,32 +1,7 @@
 """Megatron sequence parallelism (tp_sp), GSPMD twin: TP's placement, plus the residual
 stream between blocks split along the sequence over `tensor`, [B/data, T/tensor, D].
 
-Placement (twinshard/parallel/strategies.py TP_SP): the parameters are placed as TP's; the
-batch (tokens) is replicated over `tensor` as in TP (split over `data`); the residual
-stream - the `ACTIVATION` constraint on the embedding output and on each block's output
-(twinshard/model/transformer.py) - uses its `sequence` table (seq -> tensor). The hooks pin
-the two layouts of the manual twin: whole T entering a tensor-parallel region
-(enter_tensor_parallel, before the column-parallel matmuls and the lm_head) and inside it
-(column/row-parallel activations on heads/mlp), sequence shards leaving it
-(exit_tensor_parallel) and after the embedding lookup. XLA derives the collectives.
-
-Why each pin (measured, JAX 0.12):
-- The residual-stream rule alone is not enough: GSPMD then split the column-parallel
-  matmuls by gathering the WEIGHTS, all-reduced weight gradients and sent attention's
-  pieces through all-to-alls. With the region layouts pinned it all-gathers the sequence
-  as the manual twin does.
-- GSPMD's partial-sum -> sequence-shard reshard is an all-reduce + dynamic-slice, never a
-  reduce-scatter, on XLA:CPU and on a TPU ahead-of-time compile alike, so the auto twin
-  moves TP's all-reduce bytes PLUS the all-gathers.
-- Without the `embed` pin GSPMD split the token ids along T (s32 all-gathers and
-  collective-permutes).
-grad_accum K > 1 with data > 1: the runner's per-data-shard vmap (auto_parallel/runner.py
-`shard_loss`) runs these hooks with 'batch' dropped from both tables (`without_batch`), so
-each micro-batch [B/(data K), T, D] runs sequence-parallel (with plain GSPMD hooks in the
-vmap the micro-batches ran as TP). tests/test_sequence.py
-(test_auto_twin_gathers_and_scatters_the_sequence, test_auto_twin_accumulates_on_sequence_shards)
-asserts the collectives.
-"""
+The collectives and why: docs/design.md (auto_parallel/tp_sp.py)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,6 @@ from auto_parallel.runner import GSPMD, AutoRunner
 from twinshard.parallel import context, placement
 from twinshard.parallel.context import CONTEXT
 from twinshard.parallel.placement import ATTENTION_KV, ATTENTION_Q, spec
-from twinshard.parallel.strategies import ULYSSES
 
 __all__ = ["UlyssesParallel", "Runner", "parallelism"]
 
@@ -47,8 +46,8 @@ class UlyssesParallel(GSPMD):
         return pin(out, ATTENTION_Q, self.rules)
 
 
-def parallelism(mesh, cfg) -> UlyssesParallel:
-    return UlyssesParallel(mesh, ULYSSES.activations)
+def parallelism(mesh, run) -> UlyssesParallel:
+    return UlyssesParallel(mesh, run.placed.activations)
 
 
 Runner = AutoRunner

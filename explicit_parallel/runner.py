@@ -1,34 +1,9 @@
 """The Explicit machinery shared by every explicit strategy: sharding in types.
 
-The mesh's axes are `AxisType.Explicit`: every array's type carries its sharding
-(`jax.typeof(x)` prints `float32[8@data,64]`), JAX derives each op's output sharding from
-its inputs' at trace time, and where its rules cannot decide, the program must say it:
-
-- a contraction over a dim split in both operands needs an `out_sharding`
-  (twinshard/model/layers.py `partial_sums` leaves it `unreduced`: each device's partial
-  sum, reduced by whoever the types say: a hook, or the gradient's own type);
-- a lookup whose ids are split over `data` needs one (`table.at[ids].get(out_sharding=...)`,
-  `Explicit.embed`);
-- moving data is a `jax.sharding.reshard` to another type: FSDP's gather, Megatron's g.
-
-Two states beyond sharded and replicated do the rest (JAX's "Autodiff and sharding"): an
-`unreduced` array holds partial sums (`{U:data}`), a `reduced` one is replicated with
-unreduced cotangents (`{R:data}`). A reshard to `reduced` moves nothing forward and is the
-reduction backward.
-
-The step (`ExplicitRunner._loss_and_grads`), as the manual twin's: every weight matrix
-replicated over a token axis (`data`; dp: all of them, fsdp: none) is cast to `reduced` over
-it before `grad`, so its gradient leaves the backward pass `unreduced`, the K micro-batches
-of `grad_accum` add up unreduced, and ONE reshard per leaf after them is the gradient
-all-reduce. The RMSNorm gains stay replicated (JAX refuses a `reduced` operand of an
-elementwise product with [B@data, T, D]): JAX's rules reduce their gradients inside the
-backward layer loop, one [D] all-reduce per layer and gain. The rest is the single-device train step (twinshard/train/trainer.py)
-jitted with the strategy's shardings.
-"""
+The collectives and why: docs/explicit.md (explicit_parallel/runner.py)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Mapping
 
 import jax
@@ -36,15 +11,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from twinshard.model.hooks import Parallelism, either
+from twinshard.model.hooks import Parallelism
+from twinshard.model.remat import also_saving
 from twinshard.model.transformer import ACTIVATION
 from twinshard.parallel import placement
 from twinshard.parallel.placement import spec
 from twinshard.parallel.resolve import Run
 from twinshard.parallel.sharding import expect_sharding
 from twinshard.train.optim import make_optimizer
-from twinshard.train.trainer import (accumulated_value_and_grad, check_grad_accum, logical_axes, loss_fn,
-                                     stats_fn, train_step)
+from twinshard.train.trainer import accumulated_value_and_grad, logical_axes
 
 Rules = Mapping[str, str]
 DATA, NORM = "data", "norm"  # NORM: the logical axis of the RMSNorm gains
@@ -63,8 +38,6 @@ def saves_reductions(prim, *avals, **params) -> bool:
 
 class Explicit(Parallelism):
     """Single-device math on a mesh of Explicit axes: the hooks say the layouts JAX cannot infer."""
-
-    gathers_weights = False  # FSDP: `weight` gathers (the runner gathers once per step under grad_accum)
 
     def __init__(self, mesh: jax.sharding.Mesh, activation_rules: Rules):
         self.mesh, self.rules = mesh, _split(mesh, activation_rules)
@@ -90,7 +63,7 @@ class Explicit(Parallelism):
         tp_sp's reduce-scatter) is saved, so a checkpointed layer's backward pass recomputes
         matmuls, never a reduction (manual_parallel/base.py `saves_reductions`; without it remat
         `full` re-ran g in the backward loop, measured)."""
-        return None if policy is None else either(policy, saves_reductions)
+        return also_saving(policy, saves_reductions)
 
     def embed(self, ids, table):
         """ids: [B@data, T]; table: [V, D] in its use type -> [B@data, T, D].
@@ -101,17 +74,13 @@ class Explicit(Parallelism):
         return table.at[ids].get(out_sharding=self.sharding(ACTIVATION))
 
 
-class ExplicitRunner(placement.PlacedRunner):
+class ExplicitRunner(placement.GlobalRunner):
     """Runs one strategy on a mesh of Explicit axes; the interface of trainer.SingleDevice."""
 
+    AXIS_TYPE = jax.sharding.AxisType.Explicit  # kv heads split: resolve.check_kv_heads
+
     def __init__(self, run: Run, tx: optax.GradientTransformation | None = None):
-        """`tx` replaces the AdamW of `cfg.train` (its state must be a `GuardState`, as for the
-        GSPMD twin)."""
-        cfg = run.cfg
-        self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm) if tx is None else tx
-        self._place(run, jax.sharding.AxisType.Explicit)  # kv heads split: resolve.check_kv_heads
-        check_grad_accum(cfg.train, self.sizes.get("data", 1))
-        self.par = par = self.hooks()  # the strategy's hooks (explicit_parallel/<name>.py)
+        super().__init__(run, tx)
         token_axes = placement.active_axes(TOKEN_AXES, self.sizes)
         # per matrix, the token axes it is replicated over: cast to `reduced` over them for grad.
         # Not the RMSNorm gains: they multiply [B@data, T, D] elementwise, which JAX 0.12 refuses
@@ -120,40 +89,26 @@ class ExplicitRunner(placement.PlacedRunner):
         # gradients inside the backward layer loop (one [D] all-reduce per layer and gain).
         self.reduced_over = jax.tree.map(
             lambda s, axes: () if NORM in axes else tuple(a for a in token_axes if a not in placement.sharded_axes(s)),
-            self.param_specs, logical_axes(cfg.model), is_leaf=lambda x: isinstance(x, P))
-        self.loss = functools.partial(loss_fn, cfg=cfg.model, par=par)
-        step = functools.partial(train_step, cfg=cfg.model, train_cfg=cfg.train, tx=self.tx, par=par,
-                                 value_and_grad=self._loss_and_grads)
-        replicated = self.named(P())
-        batch_in = (self.state_shardings.params, self.batch_sharding, self.batch_sharding)
-        self.train_step = jax.jit(
-            step, in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
-        self.eval_loss = jax.jit(self.loss, in_shardings=batch_in, out_shardings=replicated)
-        self.router_stats = jax.jit(functools.partial(stats_fn, cfg=cfg.model, par=par), in_shardings=batch_in,
-                                    out_shardings=replicated)
-        self.loss_and_grads = jax.jit(self._loss_and_grads, in_shardings=batch_in,
-                                      out_shardings=(replicated, self.state_shardings.params))
+            self.param_specs, logical_axes(run.cfg.model), is_leaf=lambda x: isinstance(x, P))
+
+    def optimizer(self, train_cfg) -> optax.GradientTransformation:
+        return make_optimizer(train_cfg, norm_fn=self.global_norm)
 
     def step_params(self, params):
-        """Each param in the type the step differentiates (no data moves, but FSDP's once-per-step
-        gather): a matrix replicated over token axes is cast to `reduced` over them, so its
-        gradient leaves the backward pass `unreduced` (per-device partial sums). With
-        grad_accum = K > 1, a matrix FSDP splits over `data` is gathered whole ONCE, in the
-        compute dtype and `reduced` over `data` (the strategy's own `weight` reshard), so the K
-        micro-batches run on resident weights and add up their unreduced gradients (the manual
-        twin's gather_step)."""
-        gather = self.cfg.train.grad_accum > 1 and self.par.gathers_weights
-        dtype = self.cfg.model.dtype
+        """Each param in the type the step differentiates: the strategy's `gather_step` under
+        grad_accum = K > 1 (FSDP: each matrix gathered once), then a matrix replicated over token
+        axes cast to `reduced` over them (no data moves), so its gradient leaves the backward pass
+        `unreduced` and the K micro-batches add up per-device partial sums."""
+        axes = logical_axes(self.cfg.model)
+        if self.cfg.train.grad_accum > 1:
+            params = self.par.gather_step(params, axes, self.param_specs, self.cfg.model.dtype)
 
-        def typed(p, axes, logical):
-            if gather and DATA in placement.sharded_axes(jax.typeof(p).sharding.spec) and NORM not in logical:
-                return self.par.weight(p.astype(dtype), logical)
-            if not axes:
+        def typed(p, over):
+            if not over:
                 return p
             s = jax.typeof(p).sharding
-            return jax.sharding.reshard(p, NamedSharding(self.mesh, P(*s.spec.partitions, reduced=set(axes))))
-        return jax.tree.map(typed, params, self.reduced_over, logical_axes(self.cfg.model))
+            return jax.sharding.reshard(p, NamedSharding(self.mesh, P(*s.spec.partitions, reduced=set(over))))
+        return jax.tree.map(typed, params, self.reduced_over)
 
     def _loss_and_grads(self, params, x, y):
         """(mean loss, gradients) of x, y [B@data, T] over grad_accum = K micro-batches: the

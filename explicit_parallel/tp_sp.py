@@ -2,17 +2,7 @@
 stream between the tensor-parallel regions typed [B, T@tensor, D] (the strategy's `sequence`
 table). Mesh `tensor:M` or `data:D,tensor:M`.
 
-Forward, per layer: f = a reshard of the sequence shards [B, T@tensor, D] to the whole
-sequence, `reduced` over `tensor` ([B, T, D]{R:tensor}): the all-gather along T; g = a reshard
-of the row-parallel partial sums [B, T, D]{U:tensor} to sequence shards: the reduce-scatter
-(2 each per layer, where TP all-reduces twice). The embedding: TP's lookup typed `unreduced`
-over `tensor`, then g: a reduce-scatter along T. Before the lm_head: f's all-gather; the
-vocab-parallel loss as TP's.
-Backward: the transposes: f's is a reshard of the summed, unreduced input gradients to
-sequence shards (a reduce-scatter), g's a reshard of sequence-split gradients to `reduced`
-(an all-gather). The RMSNorm gains see this device's tokens: JAX's rules sum their gradients
-over `tensor` (and `data`) inside the backward layer loop.
-"""
+The collectives and why: docs/design.md (explicit_parallel/tp_sp.py)."""
 
 from __future__ import annotations
 

@@ -2,31 +2,15 @@
 tokens, twinshard/parallel/context.py's layout) from the embedding to the loss; every weight is
 replicated; attention is ring attention (manual_parallel/ring_attention.py).
 
-Every position-wise op runs on the local [B, T/C] tokens unchanged; RoPE rotates them by
-their true positions (`positions`: this shard's row of context.shard_positions).
-Forward, per layer: 2(C-1) collective-permutes over `context` (C-1 of the K block and C-1 of
-the V block [B, h, T/C, dh], `ring_shift`).
-Backward, per layer: the reverse ring, 2(C-1) collective-permutes of dK and dV blocks.
-Then the gradient of EVERY param is averaged over `context`: a sequence shard is to the
-params what a data shard is - its loss is the mean over its own T/C tokens, the global loss
-the mean of the C equal-sized shard means, so dL/dW = mean over shards of each shard's
-gradient, for the embedding and lm_head as for the attention weights. `ContextRunner` names
-`context` a token axis beside `data` (ManualRunner.TOKEN_AXES): ManualRunner then pcasts the
-params to varying over it before `grad` (so autodiff adds no psum of its own) and pmeans the
-gradients and the loss over the token axes each param is replicated on (cp: (data, context);
-fsdp_cp's matrix shards: context alone). Optimizer: gradients are replicated after the mean: the global norm is local.
-
-Remat: a checkpointed layer keeps the received K/V blocks (`layer_policy`), so its backward
-never re-runs the ring's forward permutes (the project's rule: remat trades FLOPs, not
-communication).
-"""
+The collectives and why: docs/long-context.md (manual_parallel/cp.py)."""
 
 import jax.numpy as jnp
 from jax import lax
 
-from manual_parallel.base import ManualParallelism, either
+from manual_parallel.base import ManualParallelism
 from manual_parallel.ring_attention import ring_attention, saves_ring_shifts
 from manual_parallel.runner import DATA, ManualRunner
+from twinshard.model.remat import also_saving
 from twinshard.parallel import context
 from twinshard.parallel.context import CONTEXT
 
@@ -55,8 +39,7 @@ class ContextParallel(ManualParallelism):
         return ring_attention(q, k, v, self.table(q.shape[-2]), CONTEXT, self.layout)
 
     def layer_policy(self, policy):
-        inner = super().layer_policy(policy)
-        return None if inner is None else either(inner, saves_ring_shifts)
+        return also_saving(super().layer_policy(policy), saves_ring_shifts)
 
 
 class ContextRunner(context.PermutedBatches, ManualRunner):

@@ -1,12 +1,7 @@
 """Data parallelism, shard_map twin: every weight replicated, the batch split over `data`;
 each device runs the single-device program on its B/data rows.
 
-Forward: no communication.
-Backward: the gradient of every parameter is averaged over `data`: the all-reduce written in
-manual_parallel/runner.py `mean_over_tokens`, once per stacked [L, ...] gradient after the
-layer loop (params are `pcast` to varying over `data` first, so autodiff adds no psum of its own).
-Optimizer: gradients are replicated, so the global norm is local.
-"""
+The collectives and why: docs/design.md (manual_parallel/dp.py)."""
 
 from manual_parallel.base import ManualParallelism
 

@@ -1,36 +1,18 @@
 """Expert parallelism, shard_map twin: the experts split over `expert`, the batch over
 (data, expert); the dense weights and the router replicated.
 
-Each device routes its own tokens (B/(data expert) rows, capacity groups of S tokens) and fills
-the capacity buffers of every expert, [E, G, C, D] (twinshard/model/moe.py). `dispatch`
-sends each expert's buffers to the device holding it and `combine` brings the outputs back:
-Forward, per MoE layer: `dispatch_to_experts`, an all_to_all over `expert`
-[E, G, C, D] -> [E/ep, ep G, C, D]; the local experts [E/ep, D, F] run on it;
-`combine_from_experts`, the inverse all_to_all [E/ep, ep G, C, D] -> [E, G, C, D].
-Backward, per MoE layer: the two transposes, each the other's all_to_all (2 more).
-Then the dense weights' and the router's gradients are averaged over (data, expert) and the
-experts' over `data` (ExpertRunner.mean_over_tokens); the loss over (data, expert).
-Optimizer: one psum over `expert` of the expert shards' squared norms.
-
-Dropless (ModelConfig.moe_dispatch='ragged', twinshard/model/moe.py moe_ffn_ragged): each device
-sorts its A = N k assignments by expert, and `dispatch_rows` sends them with `expert_route`'s
-small all_to_all of the counts, then `ragged_dispatch` (a ragged_all_to_all over `expert`)
-[A, D] -> [ep A, D], peer j's rows in region j; it regroups them by local expert for
-ragged_dot. `combine_rows` undoes the regrouping and `ragged_combine` sends the outputs back,
-[ep A, D] -> [A, D]. Per MoE layer: forward 1 all_to_all of [ep, E/ep + 1] int32 and 2
-ragged_all_to_alls, backward 2 (each the other's reverse). XLA:CPU has no ragged-all-to-all:
-ExpertRunner refuses CPU devices (`check_dispatch`).
-"""
+The collectives and why: docs/experts.md (manual_parallel/ep.py)."""
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from manual_parallel.base import ManualParallelism, either
+from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import (combine_from_experts, dispatch_to_experts, expert_route, ragged_combine,
                                          ragged_dispatch)
 from manual_parallel.runner import DATA, ManualRunner
 from twinshard.model.moe import inverse_permutation
+from twinshard.model.remat import also_saving
 from twinshard.parallel import placement
 
 __all__ = ["ExpertParallel", "ExpertRunner", "Runner", "parallelism"]
@@ -67,8 +49,7 @@ class ExpertParallel(ManualParallelism):
     def layer_policy(self, policy):
         """A checkpointed layer also saves the exchanged buffers: its backward recomputes the
         experts' matmuls, never an all_to_all (remat trades FLOPs, not communication)."""
-        inner = super().layer_policy(policy)
-        return None if inner is None else either(inner, saves_exchanges)
+        return also_saving(super().layer_policy(policy), saves_exchanges)
 
 
 _EXCHANGES = frozenset({"all_to_all", "ragged_all_to_all"})

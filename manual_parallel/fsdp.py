@@ -2,37 +2,7 @@
 d_model dimension; it is all-gathered right before its matmul and its gradient
 is reduce-scattered straight back to the slice.
 
-Forward: `fsdp_gather` = all_gather over `data` of each weight matrix (7L+2):
-inside the layer scan, one layer's 7 matrices per iteration (W1: [D/data, F]
--> [D, F]), so at most one layer's gathered weights exist at a time.
-Backward: all_gather again (gathered weights are not saved: `layer_policy` and
-`head` checkpoint every use), inside the backward layer loop, of every matrix but
-the embedding table (its gradient is a scatter-add that reads no table values),
-then psum_scatter over `data` of each weight gradient (fsdp_gather's backward: 7L+2);
-the replicated RMSNorm gains get the DP mean (manual_parallel/runner.py).
-Optimizer: one psum over `data` of the shards' squared norms.
-
-Gradient accumulation (grad_accum = K > 1; manual_parallel/runner.py
-`_gathered_loss_and_grads`): the gradient reduce-scatter must run ONCE per step,
-but here it lives in fsdp_gather's backward, per layer, inside every micro-batch's
-backward scan. So the step changes shape (ZeRO-2-like within the step):
-`gather_step` all-gathers every matrix leaf whole ONCE (7 stacked [L, ...] leaves +
-embedding + lm_head: 9 all-gathers), the K micro-batches run on the resident
-weights (`resident()`: `weight` is the identity, no remat re-gather), a full-size
-float32 accumulator sums their gradients, and the `jax.vjp` pullback of
-`gather_step` - fsdp_gather's backward - reduce-scatters each accumulated leaf once
-(9 reduce-scatters). The same bytes as one ZeRO-3 forward gather, whatever K.
-
-Why this shape: ZeRO-3 per micro-batch moves 3W of ring bytes
-K times (W: one pass over the weights); per-layer gathers into an unreduced full-size
-accumulator still move ~(2K + 1) W, and autodiff cannot return a full-size gradient for a
-shard-shaped param from inside the layer scan. Gather once + scatter once moves 2W whatever
-K, for the gathered weights and the float32 accumulator held through the step.
-Once a full-size accumulator is held (the price of a single scatter), keeping the
-gathered weights adds at most as much again and removes 2K - 1 weight gathers.
-When even one full copy does not fit, K = 1 (ZeRO-3) with a smaller batch, or remat,
-is the answer. The TP all-reduces of fsdp_tp stay per micro-batch (K times).
-"""
+The collectives and why: docs/memory.md (manual_parallel/fsdp.py)."""
 
 import copy
 
@@ -41,13 +11,14 @@ from jax import lax
 
 from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import fsdp_gather
-from twinshard.model.hooks import RegathersWeights
+from twinshard.model.remat import RegathersWeights
+from twinshard.parallel.placement import sharded_axes
 
 __all__ = ["FullyShardedDataParallel", "parallelism"]
 
 
 class FullyShardedDataParallel(RegathersWeights, ManualParallelism):
-    """layer_policy, head: RegathersWeights (twinshard/model/hooks.py), with this twin's `gathers`."""
+    """layer_policy, head: RegathersWeights (twinshard/model/remat.py), with this twin's `gathers`."""
 
     gathers_weights = True
     is_resident = False  # True in the copy `resident()` returns: the weights are already whole
@@ -66,19 +37,12 @@ class FullyShardedDataParallel(RegathersWeights, ManualParallelism):
 
     # Gradient accumulation: the step gathers once, the micro-batches run on resident weights.
 
-    def gather_step(self, params, axes, dtype: str):
-        """Gradient accumulation (grad_accum = K > 1): every matrix gathered ONCE per step.
-
-        params: the local shards (W1 stacked: [L, D/data, F]); axes: their logical axes
-        (('layers', 'embed', 'mlp')). Returns the whole matrices in the compute dtype
-        ([L, D, F]; the norm gains, replicated, unchanged in float32), for the K
-        micro-batches to run on with the `resident` hooks.
-        Forward: the 7L+2 all-gathers of `fsdp_gather`, before the micro-batch loop.
-        Backward (the caller's `jax.vjp` pullback, applied once to the accumulated
-        full-size gradient): `fsdp_gather`'s psum_scatter / data of each matrix.
-        """
-        sharded = lambda ax: any(self.param_rules.get(a) == "data" for a in ax)  # noqa: E731
-        return jax.tree.map(lambda w, ax: self.weight(w.astype(dtype), ax) if sharded(ax) else w, params, axes)
+    def gather_step(self, params, axes, specs, dtype):
+        """Every matrix whole ONCE per step, in the compute dtype ([L, D/data, F] -> [L, D, F]; norm
+        gains unchanged), for the K micro-batches' `resident` hooks: 9 all-gathers (7 stacked leaves,
+        embedding, lm_head); the caller's `jax.vjp` pullback is their reduce-scatters."""
+        return jax.tree.map(lambda w, ax, s: self.weight(w.astype(dtype), ax) if "data" in sharded_axes(s) else w,
+                            params, axes, specs)
 
     @staticmethod
     def gathers(prim, **params) -> bool:

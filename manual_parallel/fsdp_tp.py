@@ -1,12 +1,7 @@
 """FSDP + Megatron TP, shard_map twin: the TP layout over `tensor`, with every
 weight's d_model dimension further sliced over `data`.
 
-Each hook composes the two strategies: `weight` is FSDP's (all_gather over
-`data` of the local TP shard, reduce-scatter of its gradient), the Megatron
-f/g, vocab-parallel embedding and cross-entropy are TP's over `tensor`.
-Backward adds the DP mean over `data` of the replicated RMSNorm gains.
-Optimizer: one psum over (data, tensor) of the shards' squared norms.
-"""
+The collectives and why: docs/design.md (manual_parallel/fsdp_tp.py)."""
 
 from manual_parallel.fsdp import FullyShardedDataParallel
 from manual_parallel.tp import TensorParallel

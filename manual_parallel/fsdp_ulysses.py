@@ -8,7 +8,6 @@ layer each way over `context` on B/data sequences, each matrix gradient shard av
 
 from manual_parallel.fsdp import FullyShardedDataParallel
 from manual_parallel.ulysses import UlyssesParallel, UlyssesRunner
-from twinshard.parallel.strategies import FSDP_ULYSSES
 
 __all__ = ["FSDPUlyssesParallel", "Runner", "parallelism"]
 
@@ -18,8 +17,8 @@ class FSDPUlyssesParallel(FullyShardedDataParallel, UlyssesParallel):
     (FSDP never saves a gathered weight; ulysses saves the all-to-alls' outputs)."""
 
 
-def parallelism(mesh, cfg) -> FSDPUlyssesParallel:
-    return FSDPUlyssesParallel(FSDP_ULYSSES.params)
+def parallelism(mesh, run) -> FSDPUlyssesParallel:
+    return FSDPUlyssesParallel(run.placed.params)
 
 
 Runner = UlyssesRunner

@@ -1,38 +1,7 @@
 """Pipeline parallelism (GPipe), shard_map twin: each device IS one stage and runs
 only its own L/S layers; micro-batches travel between stages by `ppermute`.
 
-Placement (twinshard/parallel/strategies.py PP, as in the GSPMD twin): the stacked block
-params [L, ...] are split over `stage` on their `layers` dim (stage s holds layers
-[s*L/S, (s+1)*L/S) as [L/S, ...]); embedding, ln_final and lm_head are replicated over `stage`
-(twinshard/parallel/pipeline.py says why). The batch is replicated over `stage`.
-
-Per device, M + S - 1 ticks of a `lax.scan` (twinshard/parallel/pipeline.py draws them):
-
-    input  = embed(micro-batch i)  if this is stage 0, else what arrived last tick
-    output = this stage's L/S layers (model.scan_stacked) on input   [B/M, T, D]
-    stage S-1 keeps output as micro-batch i-(S-1)'s final activations
-    send output to stage s+1: `shift_to_next_stage` (ppermute; stage S-1 sends nothing)
-
-Forward: M + S - 1 collective-permutes of [B/M, T, D] over `stage`.
-Backward (autodiff of the tick loop, GPipe: all forwards, then all backwards;
-the activations of all M + S - 1 ticks are saved): the transpose of each
-ppermute is the reverse ppermute, stage s+1 -> s, carrying the gradient of the
-activations: M + S - 1 more. Then an all-reduce (psum) over `stage` of the
-gradients of the replicated embedding, ln_final and lm_head (only stage 0 /
-stage S-1 has a non-zero one), and the psum of the loss, which only stage S-1
-computes (`lax.cond`: the other stages skip the lm_head and the cross-entropy).
-Optimizer: one psum over `stage` of the stage-sharded gradients' squared norms.
-
-`--schedule=1f1b` (`PipelineRunner._one_f_one_b`, this twin only) replaces the
-autodiff of the tick loop by the one-forward-one-backward schedule written out:
-a static table (pipeline.one_f_one_b) says what each stage does in each tick; a
-backward is a `jax.vjp` of the stage on its saved input, so a stage keeps at most
-S micro-batch inputs where GPipe keeps every tick's residuals. Same gradients.
-
-pp_fsdp (manual_parallel/pp_fsdp.py) is this runner with FSDP's hooks: both schedules run
-on weights gathered over `data` once per step (ManualRunner._gathered_loss_and_grads, as fsdp
-under grad_accum), the batch split over `data`.
-"""
+The collectives and why: docs/pipelines.md (manual_parallel/pp.py)."""
 
 from __future__ import annotations
 
@@ -85,7 +54,7 @@ class PipelineRunner(ManualRunner):
 
     def _gathers_once(self) -> bool:
         """pp_fsdp gathers each matrix leaf of its stage once per step, for both schedules (a
-        pipeline's micro-batches are a gradient accumulation; manual_parallel/pp_fsdp.py says why)."""
+        pipeline's micro-batches are a gradient accumulation; docs/pipelines.md says why)."""
         return self.par.gathers_weights
 
     def _value_and_grad(self, params, x, y, par):

@@ -1,45 +1,7 @@
 """Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): causal
 attention over a sequence split across the `context` axis, with K/V blocks travelling a ring.
 
-Each of the C devices holds the q [B, h, T/C, dh] and k, v [B, hk, T/C, dh] of its T/C tokens
-(hk = h without grouped-query attention; with it each kv head serves h/hk query heads) and their true
-positions (twinshard/parallel/context.py: contiguous or zig-zag). C steps:
-
-    step 0: its own block, masked by the true positions (causal within the block);
-    step s: ring_shift K and V on (collectives.ring_shift, ppermute c -> c+1), so it now holds the block of device
-            (c - s) mod C; score the local q against it (f32) and merge into running
-            statistics (m: row max, l: sum of exp(score - m), acc: sum of exp(score - m) v).
-    out = acc / l
-
-the online softmax of flash attention (Milakov & Gimelshein 2018; Dao et al. 2022) across
-devices. Step 0 holds every query's diagonal key, so m is finite after it.
-
-The work per step follows the layout (twinshard/parallel/context.py), and is what zig-zag balances.
-A block from another device is either wholly visible to a query chunk or wholly masked, so
-no mask is needed after step 0, only the right slices (`lax.cond` on "did an earlier device
-send it?"):
-    contiguous  an earlier device's block: all of it; a later one's: nothing (skipped).
-                Device c computes its own block and c others: device C-1 does ~C times the
-                work of device 0.
-    zigzag      an earlier device's block: every query against its early chunk; a later
-                one's: the late query chunk against all of it. Exactly half a block on every
-                device at every step: balanced.
-Equal to the single-device attention (tests/test_context.py): the skipped scores are exactly
-the masked ones, which add exp(-inf) = 0.
-
-Collectives per call (one layer): forward C-1 `ring_shift`s of K and C-1 of V, each a
-collective-permute of [B, hk, T/C, dh] over `context`; backward (ring_shift's custom_vjp,
-manual_parallel/collectives.py) the reverse ring, C-1 of dK and C-1 of dV.
-
-Memory: each step's merge is checkpointed (`_merge`), so autodiff saves only its inputs -
-every K/V block the device held (the whole sequence's K and V, [B, Hkv, T, dh] each) and each
-step's running statistics (O(T/C dh)) - and the backward pass recomputes one block's scores
-and probabilities at a time, flash attention's trade of FLOPs for memory
-(tools/long_context.py measures it against the probabilities saved and against tp's
-attention; tests/test_context.py holds it to the memory model). A hand-written backward that
-passes K/V around the ring again (with dK/dV) would not even keep the K/V blocks, for twice
-the backward permutes: left out.
-"""
+The collectives and why: docs/long-context.md (manual_parallel/ring_attention.py)."""
 
 from __future__ import annotations
 

@@ -1,41 +1,6 @@
 """The shard_map machinery shared by every manual strategy.
 
-The whole train step - forward, backward, gradient synchronization, global-norm
-clipping and the optimizer update - is ONE `jax.shard_map` over the mesh with
-`check_vma=True`. Inside it every array is a local shard (shapes in comments
-are per device; inside the layer scan, per device and per layer) and the only
-communication is what the code names:
-
-- the strategy's `Parallelism` hooks (manual_parallel/<strategy>.py): FSDP
-  gathers, Megatron f/g, vocab-parallel embedding and cross-entropy;
-- `mean_over_tokens` below: the data-parallel gradient mean (`pmean` over
-  the `token_axes`, the mesh axes that split the tokens: `data`; cp and fsdp_cp
-  add `context`) of every parameter, over those of them it is replicated on;
-- `global_norm` below: one `psum` of partial squared norms per group of
-  gradients sharded over the same mesh axes;
-- `block_mean` below (Adafactor only): a `pmean` over the mesh axes that split
-  a row, a column or a whole param, for its factored second moments, update
-  clipping and parameter scale;
-- `lax.pmean(loss, token_axes)`: the reported loss.
-
-Gradient accumulation (grad_accum = K > 1): the K micro-batches [K, B/(data K), T]
-run under `lax.scan` (trainer.accumulated_value_and_grad) on each device's local
-rows; the accumulator holds each device's own, unsynchronized gradient, and the
-syncs above run ONCE per step, after the loop: `mean_over_tokens`, the global-norm
-psum, the loss pmean. FSDP's reduce-scatter lives in fsdp_gather's backward, so
-FSDP gathers its weights once per step instead (manual_parallel/fsdp.py says why
-and what it costs). Megatron's f/g all-reduces belong to each micro-batch's
-forward and backward: K times. tests/test_accum.py holds the manual ledger equal to the
-cost model with `grad_accum`.
-
-Why params are `pcast` to varying before `grad` (measured, JAX 0.12): with
-`check_vma=True`, differentiating a loss that varies over `data` with respect
-to params that are *invariant* over `data` makes autodiff insert a `psum` over
-`data` silently (the transpose of the implicit broadcast). Casting them to
-varying first keeps each device's gradient local, so the mean is our own line.
-The same holds for every token axis (`context`: a sequence shard's loss is a
-partial mean, as a data shard's).
-"""
+The collectives and why: docs/design.md (manual_parallel/runner.py)."""
 
 from __future__ import annotations
 
@@ -114,8 +79,8 @@ class ManualRunner(placement.PlacedRunner):
         return self._mean_loss(loss), self.mean_over_tokens(grads, replicated)
 
     def _gathers_once(self) -> bool:
-        """FSDP gathers every matrix once per step, not per layer, when the step runs several
-        micro-batches: grad_accum = K > 1 (the module docstring; pp_fsdp: always)."""
+        """Hooks that gather their weights (`gathers_weights`) gather them once per step when it runs
+        several micro-batches: grad_accum = K > 1 (docs/memory.md; a pipeline: always)."""
         return self.cfg.train.grad_accum > 1 and self.par.gathers_weights
 
     def _value_and_grad(self, params, x, y, par):
@@ -126,14 +91,13 @@ class ManualRunner(placement.PlacedRunner):
         return accumulated_value_and_grad(local, params, x, y, self.cfg.train.grad_accum)
 
     def _gather_step(self, params):
-        """FSDP's gather_step: every matrix leaf whole, in the compute dtype ([L, D/data, F] ->
-        [L, D, F]; the norm gains unchanged); its pullback is the once-per-step reduce-scatter."""
-        return self.par.gather_step(params, logical_axes(self.cfg.model), self.cfg.model.dtype)
+        """The strategy's `gather_step`: the params every micro-batch reads (FSDP: each matrix
+        whole); its pullback is the once-per-step gradient reduction."""
+        return self.par.gather_step(params, logical_axes(self.cfg.model), self.param_specs, self.cfg.model.dtype)
 
     def _gathered_loss_and_grads(self, params, x, y):
-        """FSDP with several micro-batches per step: gather every matrix once, run the micro-batches
-        on the whole weights (`resident()` hooks), reduce-scatter each accumulated gradient once
-        (module docstring; pp_fsdp: the pipeline's micro-batches).
+        """Several micro-batches per step: the strategy's `gather_step` once, the micro-batches on its
+        output (`resident()` hooks), its pullback once on the accumulated gradient (docs/memory.md).
 
         x, y: [B/data, T]; W1: [L, D/data, F] -> full [L, D, F] -> grad [L, D/data, F]."""
         full, scatter = jax.vjp(self._gather_step, params)

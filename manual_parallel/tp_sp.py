@@ -3,42 +3,7 @@ stream between the tensor-parallel regions split along the sequence over `tensor
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", section 4.2.2). Mesh `tensor:M` or `data:D,tensor:M` (the batch over `data`).
 
-    x [b, T/t, D] -> RMSNorm on the shard -> gather_sequence -> [b, T, D]
-      -> Q,K,V / W1,W3 column-parallel [b, T, out/t] -> attention / SwiGLU on local heads
-      -> O / W2 row-parallel, partial sums [b, T, D] -> scatter_sequence -> [b, T/t, D]
-
-Forward, per layer: 2 all-gathers along T (before attention and before the MLP, result
-[b, T, D]) and 2 reduce-scatters along T (after O and after W2, result [b, T/t, D]),
-where TP all-reduces twice. Vocab-parallel embedding: masked lookup in the local
-[V/t, D] rows, then a reduce-scatter along T (TP: a psum). Before the lm_head: an
-all-gather of the [b, T, D] stream (Megatron's choice; the vocab-parallel lm_head and
-cross-entropy then run as in TP on the whole sequence: pmax/psum of [b, T] statistics).
-Backward, per layer: the conjugates - reduce-scatter of each column-parallel block's
-input gradient (TP: an all-reduce), all-gather of each row-parallel output gradient (TP:
-nothing); reduce-scatter before the lm_head, all-gather for the embedding gradient.
-The RMSNorm gains see only this device's tokens: each gain goes through Megatron's f
-(`copy_to_tp`: identity forward, psum of its gradient over `tensor`; 2L + 1 small
-all-reduces, [D] f32). Weight matrices' gradients need no communication (each device
-holds its columns / rows and every token's activations in the regions that use them), but
-for k/v weights replicated over `tensor` (grouped-query attention with tensor > Hkv), whose
-gradients are summed over `tensor` (manual_parallel/runner.py `summed_over`).
-Under a remat policy (not `none`) each layer's backward pass re-gathers its 2 sequence
-shards: only the reduce-scatter outputs [b, T/t, D] are saved (base.saves_reductions),
-as Megatron stores the sharded input and re-gathers it in the backward pass.
-Optimizer: one psum over `tensor` of the shards' squared norms (+ the DP mean over `data`).
-
-Bytes per layer (A = b*T*D*s): TP's 4 all-reduces move 4 x 2(t-1)/t A per device on a
-ring; tp_sp's 4 all-gathers ((t-1)/t A each) and 4 reduce-scatters ((t-1)/t A each) the
-same 8(t-1)/t A: an all-reduce IS a reduce-scatter followed by an all-gather, and
-sequence parallelism only moves the all-gather half to where the next region begins.
-What it saves is memory: every activation outside the column/row-parallel regions (the
-residual stream, the norms, the layer input) is 1/t of TP's (twinshard/cost/memory.py).
-
---collective_matmul (`CollectiveMatmul`): each layer's 2 gathers before the column-parallel
-matmuls become t-1 ppermutes of [b, T/t, D], each beside the matmuls of the chunk already
-here (collectives.all_gather_matmul); their backward, t-1 reverse ppermutes, replaces the
-gathers' reduce-scatters. The same ring bytes; on a TPU the sends overlap the matmuls.
-"""
+The collectives and why: docs/design.md (manual_parallel/tp_sp.py)."""
 
 from jax import lax
 

@@ -22,14 +22,13 @@ elements as the T/C-token q, k, v and output it would otherwise keep.
 import jax.numpy as jnp
 from jax import lax
 
-from manual_parallel.base import either
 from manual_parallel.collectives import heads_to_seq, seq_to_heads
 from manual_parallel.cp import ContextParallel
 from manual_parallel.runner import DATA, ManualRunner
 from twinshard.model import layers
 from twinshard.parallel import context
 from twinshard.parallel.context import CONTEXT
-from twinshard.parallel.strategies import ULYSSES
+from twinshard.model.remat import also_saving
 
 __all__ = ["UlyssesParallel", "UlyssesRunner", "Runner", "parallelism", "saves_exchanges"]
 
@@ -56,8 +55,8 @@ class UlyssesParallel(ContextParallel):
         return heads_to_seq(layers.causal_attention(q, k, v, impl, block=block), CONTEXT)
 
     def layer_policy(self, policy):
-        inner = super(ContextParallel, self).layer_policy(policy)  # ManualParallelism's, not the ring's
-        return None if inner is None else either(inner, saves_exchanges)
+        # ManualParallelism's policy, not the ring's
+        return also_saving(super(ContextParallel, self).layer_policy(policy), saves_exchanges)
 
 
 class UlyssesRunner(ManualRunner):
@@ -67,8 +66,8 @@ class UlyssesRunner(ManualRunner):
     TOKEN_AXES = (DATA, CONTEXT)
 
 
-def parallelism(mesh, cfg) -> UlyssesParallel:
-    return UlyssesParallel(ULYSSES.params)
+def parallelism(mesh, run) -> UlyssesParallel:
+    return UlyssesParallel(run.placed.params)
 
 
 Runner = UlyssesRunner

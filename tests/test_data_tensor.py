@@ -387,7 +387,7 @@ def test_auto_collectives(strategy):
 
 @pytest.mark.parametrize("strategy", MESHES)
 def test_auto_no_involuntary_rematerialization(strategy):
-    """The plan regression of auto_parallel/fsdp_tp.py's docstring: without the weight
+    """The plan regression of auto_parallel/fsdp.py's `weight`: without the weight
     layout pinned, GSPMD planned the vocab-sharded embedding lookup with gathered token
     ids, an all-to-all and a collective-permute, and fully rematerialized a tensor.
 

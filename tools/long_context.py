@@ -1,10 +1,10 @@
 """Long context, measured: per-device memory and step time against the sequence length.
 
-    uv run python tools/long_context.py                                  # tp, tp_sp, cp; T = 512 ... 8192
+    uv run python tools/long_context.py                                  # tp, tp_sp, cp, ulysses; T = 512 ... 8192
     uv run python tools/long_context.py --strategies=tp,cp --impls=manual,auto --budget_mib=512 \\
         --time_up_to=2048 --json=long_context.json --markdown=long_context.md
 
-For each strategy (tp and tp_sp on tensor:N, cp on context:N; N = --devices) and each context
+For each strategy (tp and tp_sp on tensor:N, cp and ulysses on context:N; N = --devices) and each context
 length T (powers of two from --min_context to --max_context), a tiny-width model (--d_model,
 --heads, --layers; byte vocabulary) is compiled ahead of time on --batch sequences and
 `compiled.memory_analysis()` gives the per-device bytes: arguments (params, optimizer state,
@@ -18,7 +18,9 @@ H/N heads' [T, T] probabilities while one layer's attention runs (layers.recompu
 saves none of them for the backward pass, which recomputes them one layer at a time); tp_sp
 splits the residual stream (and the norms) over T but still gathers it for attention; manual
 cp splits the sequence everywhere and holds one [T/N, T/N] block at a time (ring attention
-keeps every received K/V block for the backward pass). The [T, T] working set dominates at
+keeps every received K/V block for the backward pass); ulysses splits the sequence everywhere but
+inside attention, where each device holds whole sequences of H/N heads (the [T, T] working set of
+H/N heads, as tp's). The [T, T] working set dominates at
 long T, so tp's memory grows ~T^2 H/N / H and manual cp's ~T until its per-block [T/N, T/N]
 term (also ~T^2, N^2 times smaller) takes over.
 
@@ -50,12 +52,12 @@ import manual_parallel  # noqa: E402
 from twinshard.config import ATTENTION_IMPLS, Config, ModelConfig, TrainConfig  # noqa: E402
 
 MIB = 2 ** 20
-AXIS = {"tp": "tensor", "tp_sp": "tensor", "cp": "context"}  # the one axis each strategy splits here
+AXIS = {"tp": "tensor", "tp_sp": "tensor", "cp": "context", "ulysses": "context"}  # the one axis each strategy splits here
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--strategies", default="tp,tp_sp,cp")
+    p.add_argument("--strategies", default="tp,tp_sp,cp,ulysses")
     p.add_argument("--impls", default="manual", help="manual and/or auto")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--d_model", type=int, default=64)

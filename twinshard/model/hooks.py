@@ -26,6 +26,7 @@ override only what they need (-: this class's behaviour):
     layer_policy(policy)    -                         + save psum outputs; FSDP:    + save reductions; FSDP:
                                                       never save a gathered weight  the same
     head(lm_head, x)        -                         FSDP: checkpoint (re-gather)  FSDP: the same
+    gather_step(params,..)  FSDP: matrices whole      FSDP: all_gather once         FSDP: reshard once
     dispatch(x) / combine   ep: the [E, G, C, D]      ep: all_to_all over `expert`  - (no experts)
                             buffers' layout           (combine: the inverse)
     dispatch_rows(r, sizes) - (the model's own math)  ep, moe_dispatch=ragged:      - (no experts)
@@ -45,51 +46,18 @@ the [L, D, F] stack), so a collective a hook adds runs once per layer, in a
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from twinshard.model import layers, loss
 
+if TYPE_CHECKING:
+    from twinshard.model.remat import Policy
+
 Array = jax.Array
 Axes = tuple[str | None, ...]
-Policy = Callable[..., bool]  # a jax.checkpoint policy
-
-
-def either(*policies: Policy) -> Policy:
-    """A residual is saved if any of `policies` saves it."""
-    return lambda prim, *args, **params: any(p(prim, *args, **params) for p in policies)
-
-
-class RegathersWeights:
-    """FSDP's remat structure, the same in the manual and explicit twins (mixed in before the
-    twin's hooks class): no gathered weight is kept for the backward pass. Each layer is
-    checkpointed under every ModelConfig.remat, with the layer's policy (remat=none: everything
-    autodiff saves) minus the gathered weights, so the backward loop re-gathers each layer's
-    matrices in its own iteration; the lm_head is checkpointed the same way. A twin says what a
-    gathered weight is in a jaxpr: `gathers(prim, **params)`.
-
-    jax.checkpoint policies do not nest: a checkpoint around the whole loss overrides the
-    layer's policy and re-gathers every layer's weights at once (measured, JAX 0.12)."""
-
-    @staticmethod
-    def gathers(prim, **params) -> bool:
-        raise NotImplementedError("a FSDP twin says which primitive's output is a gathered weight")
-
-    def never_gathered(self, policy: Policy) -> Policy:
-        """`policy`, except that a gathered weight is never saved: it is gathered again."""
-        return lambda prim, *args, **params: not self.gathers(prim, **params) and policy(prim, *args, **params)
-
-    def layer_policy(self, policy: Policy | None) -> Policy:
-        inner = super().layer_policy(policy)  # the twin's own additions (fsdp_tp: Megatron g's outputs saved)
-        return self.never_gathered(jax.checkpoint_policies.everything_saveable if inner is None else inner)
-
-    def head(self, lm_head: Callable[[Array], Array], x: Array) -> Array:
-        """lm_head(x) checkpointed: the backward pass re-gathers the lm_head weight instead of
-        keeping it. The embedding needs nothing of the kind: its backward is a scatter-add that
-        reads no table."""
-        return jax.checkpoint(lm_head, policy=self.never_gathered(jax.checkpoint_policies.everything_saveable))(x)
 
 
 class Parallelism:
@@ -148,8 +116,13 @@ class Parallelism:
 
     def layer_policy(self, policy: Policy | None) -> Policy | None:
         """The jax.checkpoint policy of one scanned layer, given the one `ModelConfig.remat`
-        names (model.REMAT_POLICIES); None: the layer is not checkpointed."""
+        names (remat.REMAT_POLICIES); None: the layer is not checkpointed."""
         return policy
+
+    def gather_step(self, params: Any, axes: Any, specs: Any, dtype: str) -> Any:
+        """The params every micro-batch of a step reads (axes, specs: their logical axes and
+        PartitionSpecs; dtype: the compute dtype). FSDP gathers each matrix whole once here."""
+        return params
 
     def head(self, lm_head: Callable[[Array], Array], x: Array) -> Array:
         """lm_head(x): x [B, T, D] -> logits [B, T, V(_local)] (with ModelConfig.loss_chunks: the

@@ -24,6 +24,8 @@ Array = jax.Array
 # (recompute_attention's, and splash's through its `residual_checkpoint_name`), for the
 # remat policies that keep them (transformer.REMAT_POLICIES "minimal").
 ATTENTION_RESIDUALS = "attention_residuals"
+# checkpoint_name of the SwiGLU projections (MaxText's names): w1, w3 outputs; w2's output.
+MLP_IN, MLP_OUT = ("mlpwi_0", "mlpwi_1"), "mlpwo"
 
 
 def linear(x: Array, w: Array, flat: bool = True) -> Array:

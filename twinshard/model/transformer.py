@@ -59,9 +59,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from twinshard.model import layers, moe
 from twinshard.config import ModelConfig
-from twinshard.model import attention
 from twinshard.model.attention import CausalSelfAttention
-from twinshard.model.hooks import SINGLE_DEVICE, Parallelism, Policy
+from twinshard.model.hooks import SINGLE_DEVICE, Parallelism
+from twinshard.model.layers import MLP_IN, MLP_OUT
+from twinshard.model.remat import remat_policy
 from twinshard.model.linear import Linear, param as _param, truncated_normal as _truncated_normal, use as _use
 
 Array = jax.Array
@@ -91,10 +92,6 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         return layers.rms_norm(x, _use(self.weight, par), self.eps)
-
-
-# checkpoint_name of the SwiGLU projections (MaxText's names): w1, w3 outputs; w2's output.
-MLP_IN, MLP_OUT = ("mlpwi_0", "mlpwi_1"), "mlpwo"
 
 
 class SwiGLU(nnx.Module):
@@ -191,56 +188,6 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
 def _layer_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
     """One layer's `Block` structure: per-layer logical axes (no 'layers'), no arrays."""
     return nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
-
-
-# ----------------------------------------------------------------------------
-# Rematerialization of the scanned block (ModelConfig.remat).
-# ----------------------------------------------------------------------------
-
-_POLICIES = jax.checkpoint_policies
-
-# ModelConfig.remat -> the jax.checkpoint policy of ONE layer (the scan body). A policy is
-# asked, for each primitive of the layer, whether its output may be saved for the backward
-# pass; what it refuses is recomputed from what it saved, inside the backward loop.
-REMAT_POLICIES: dict[str, Policy | None] = {
-    # No checkpoint: autodiff saves whatever the backward pass reads: per layer the norm
-    # outputs and statistics, q and k after RoPE, v, the attention output and its rows'
-    # log-sum-exp (layers.recompute_attention, the default off-GPU, saves no [b,H,T,T]
-    # array), SwiGLU's three [b,T,F] (h1, h3 and W2's input: layers.swiglu_gate recomputes the
-    # sigmoid in its backward); twinshard/cost/memory.py lists them exactly.
-    "none": None,
-    # Save nothing inside the layer: the forward loop keeps each layer's input [b,T,D] (the
-    # checkpoint's argument), the backward loop re-runs the layer's forward first.
-    "full": _POLICIES.nothing_saveable,
-    # Save every dot_general output: the 7 projections AND attention's QK^T scores
-    # [b,H,T,T] and AV output; recompute norms, RoPE, softmax, SiLU (elementwise work).
-    "dots": _POLICIES.dots_saveable,
-    # Save the dot_generals without batch dimensions. `layers.linear` is a 2-D dot on
-    # [B*T, in] rows (or einsum('...i,io->...o'): B and T free dimensions either way), so the
-    # 7 projections ARE saved; attention's two einsums batch over (B, h) and are recomputed
-    # (no [b,H,T,T] residual; Korthikanti et al. 2022's "selective recomputation" of the
-    # attention core).
-    "dots_no_batch": _POLICIES.dots_with_no_batch_dims_saveable,
-    # By name (jax.ad_checkpoint.checkpoint_name in the layer math; MaxText's policies): q, k, v
-    # after projection; the backward loop recomputes the rest of the layer from them and the input.
-    "save_qkv_proj": _POLICIES.save_only_these_names(*attention.QKV_NAMES),
-    # Every projection (q, k, v, the attention output before and after output_proj, SwiGLU's w1,
-    # w3 and w2 outputs) and the attention kernel's out and log-sum-exp: the backward loop
-    # recomputes norms, RoPE and SwiGLU's gate alone, never a matmul or the attention core.
-    # (MaxText's "minimal" is dots_with_no_batch_dims, which here recomputes the attention core.)
-    "minimal": _POLICIES.save_only_these_names(*attention.QKV_NAMES, attention.CONTEXT, attention.OUT_PROJ,
-                                               *MLP_IN, MLP_OUT, layers.ATTENTION_RESIDUALS),
-}
-# Not offered (JAX 0.12's jax.checkpoint_policies): the offload policies
-# (`offload_dot_with_no_batch_dims`, `save_and_offload_only_these_names`) move residuals to
-# pinned host memory, which XLA:CPU does not separate from device memory (nothing the tests
-# could measure). `save_anything_except_these_names` is a stub in 0.12.0.1 (read: it returns
-# `lambda *_, **__: True`, saving everything); `save_any_names_but_these` is its working form.
-
-
-def remat_policy(cfg: ModelConfig) -> Policy | None:
-    """The jax.checkpoint policy of one scanned layer for `cfg.remat` (None: no checkpoint)."""
-    return REMAT_POLICIES[cfg.remat]
 
 
 def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:

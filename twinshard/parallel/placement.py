@@ -220,3 +220,39 @@ class PlacedRunner:
 
     def place_batch(self, x, y):
         return place_global(x, self.batch_sharding), place_global(y, self.batch_sharding)
+
+
+class GlobalRunner(PlacedRunner):
+    """What the GSPMD and explicit runners share: the single-device step on global arrays, jitted
+    with the placed shardings. A subclass names its mesh's `AXIS_TYPE`, may replace `optimizer`,
+    and writes `_loss_and_grads` (the step's gradient)."""
+
+    AXIS_TYPE: jax.sharding.AxisType
+
+    def __init__(self, run, tx: optax.GradientTransformation | None = None):
+        """`tx` replaces the optimizer of `cfg.train` (tests pass SGD); its state must be a
+        `GuardState` (wrap it in `optim.clip_and_guard`), as `trainer.apply_gradients` reads it."""
+        cfg = run.cfg
+        self.tx = self.optimizer(cfg.train) if tx is None else tx
+        self._place(run, self.AXIS_TYPE)
+        trainer.check_grad_accum(cfg.train, self.sizes.get("data", 1))
+        self.par = par = self.hooks()  # the strategy's hooks (<twin>_parallel/<name>.py)
+        self.loss = functools.partial(trainer.loss_fn, cfg=cfg.model, par=par)
+        step = functools.partial(trainer.train_step, cfg=cfg.model, train_cfg=cfg.train, tx=self.tx, par=par,
+                                 value_and_grad=self._loss_and_grads)
+        replicated = self.named(P())
+        batch_in = (self.state_shardings.params, self.batch_sharding, self.batch_sharding)
+        self.train_step = jax.jit(
+            step, in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self.eval_loss = jax.jit(self.loss, in_shardings=batch_in, out_shardings=replicated)
+        self.router_stats = jax.jit(functools.partial(trainer.stats_fn, cfg=cfg.model, par=par),
+                                    in_shardings=batch_in, out_shardings=replicated)
+        self.loss_and_grads = jax.jit(self._loss_and_grads, in_shardings=batch_in,
+                                      out_shardings=(replicated, self.state_shardings.params))
+
+    def optimizer(self, train_cfg) -> optax.GradientTransformation:
+        return optim.make_optimizer(train_cfg)
+
+    def _loss_and_grads(self, params, x, y):
+        raise NotImplementedError
