@@ -115,6 +115,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
 
     from twinshard import cost, hlo
     from twinshard.hardware import measure, topology
+    from twinshard.model import layers
 
     runner = _runner(strategy, impl, mesh_spec, cfg, devices)
     mesh = {a: int(n) for a, n in runner.mesh.shape.items()}
@@ -125,7 +126,8 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     bound = _pod_memory(devices)
     fit.check_model(cfg, strategy, mesh, bound)
     t0 = time.perf_counter()
-    lowered = runner.train_step.lower(state, tokens, tokens)
+    with layers.compiling_for(runner.mesh.devices.flat[0].platform):  # a --topology's chips: TPU kernels
+        lowered = runner.train_step.lower(state, tokens, tokens)
     compiled = fit.compile_checked(lowered, cfg, strategy, mesh, bound,  # a TPU pod's devices: compiled for them
                                    None if devices is None else topology.compile_for_pod)
     compile_s = time.perf_counter() - t0

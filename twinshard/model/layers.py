@@ -9,6 +9,7 @@ Notation: B batch, T sequence, D d_model, H heads, dh head dim, F d_ff, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -291,12 +292,31 @@ def ungroup_heads(o: Array) -> Array:
     return o.reshape(b, hk * g, t, dh)
 
 
+_TARGET: list[str] = []  # compiling_for's platform, innermost last
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+    """Trace the kernels for `platform` instead of this process's backend: a TPU topology compiled
+    ahead of time from a CPU host lowers splash for the chip (Mosaic), not in interpret mode."""
+    _TARGET.append(platform)
+    try:
+        yield
+    finally:
+        _TARGET.pop()
+
+
+def target_backend() -> str:
+    """The platform the traced kernels run on (compiling_for's, else jax.default_backend())."""
+    return _TARGET[-1] if _TARGET else jax.default_backend()
+
+
 def attention_kernel(impl: str, dtype, positions: tuple[int, ...] | None = None) -> str:
     """The kernel `causal_attention` runs for `impl` on this backend: "auto" is cudnn on a GPU in
     bf16/fp16, splash on a TPU in bf16, recompute elsewhere; with permuted `positions` (the GSPMD
     context-parallel twin) splash runs recompute (its mask here is by index)."""
     if impl == "auto":
-        backend, half = jax.default_backend(), dtype in (jnp.bfloat16, jnp.float16)
+        backend, half = target_backend(), dtype in (jnp.bfloat16, jnp.float16)
         impl = ("cudnn" if half and backend == "gpu" and positions is None
                 else "splash" if dtype == jnp.bfloat16 and backend == "tpu" else "recompute")
     return "recompute" if impl == "splash" and positions is not None else impl
@@ -363,7 +383,7 @@ def splash_attention(q: Array, k: Array, v: Array, block: int = 0) -> Array:
     def run(q, k, v):  # the kernel built where it runs: its mask tables are arrays of that trace
         kernel = make(masks.MultiHeadMask([masks.CausalMask((padded, padded))] * h), block_sizes=sizes,
                       head_shards=1, q_seq_shards=1, residual_checkpoint_name=ATTENTION_RESIDUALS,
-                      interpret=jax.default_backend() != "tpu")
+                      interpret=target_backend() != "tpu")
         return jax.vmap(kernel)(q, k, v)
 
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, padded - t), (0, 0)))  # noqa: E731
