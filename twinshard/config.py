@@ -1,14 +1,7 @@
-"""Typed configuration and named presets.
-
-A preset is a `Config` = `ModelConfig` (the architecture) + `TrainConfig` (the
-optimisation run). `preset(name)` returns the (frozen) preset; launchers
-override single fields with `dataclasses.replace`.
-
-Every field is checked when a config is built: its type first (an `int` field
-takes an int, not a bool or 64.0; a `float` field takes any finite int or
-float; `bool` takes True/False; `str` a non-empty string), then its range. A bad
-value is a ValueError naming the field as `ModelConfig.d_model`, the value and
-what is accepted (launchers translate the name to their flag).
+"""Typed configuration and named presets: a `Config` = `ModelConfig` + `TrainConfig`;
+`preset(name)` returns a frozen preset that launchers override with `dataclasses.replace`.
+Every field is checked by type, then range, when built; a bad value is a ValueError naming
+`ModelConfig.d_model`-style the field, the value and what is accepted.
 
     >>> from twinshard.config import preset
     >>> cfg = preset("tiny")
@@ -47,14 +40,12 @@ def default_d_ff(d_model: int) -> int:
 
 
 SPLASH_LANES = 128  # the splash kernel's key blocks are multiples of 128 tokens (its NUM_LANES)
-# splash_block's largest automatic block: 512 up to T = 1024, 1024 beyond. Measured on a TPU v5e (JAX 0.10.2,
-# bf16, fused backward, fwd+bwd): B16 H12 T1024 dh64 3.25 ms at 512, 3.41 at 1024, 5.50 at 256;
-# B8 H16 T2048 dh128 5.85 ms at 512, 5.47 at 1024.
+# splash_block's largest automatic block: 512 up to T = 1024, 1024 beyond (measured, TPU v5e, JAX
+# 0.10.2, bf16 fwd+bwd: B16 H12 T1024 dh64 3.25 ms at 512, 3.41 at 1024; B8 H16 T2048 dh128 5.85 at 512, 5.47 at 1024).
 
 
 def splash_padded(t: int) -> int:
-    """The sequence length the splash kernel runs on (layers.splash_attention): t rounded up to a
-    multiple of 128."""
+    """t rounded up to a multiple of 128: the sequence length the splash kernel runs on."""
     return _round_up(t, SPLASH_LANES)
 
 
@@ -65,8 +56,7 @@ def splash_blocks(t: int) -> list[int]:
 
 
 def splash_block(t: int, block: int = 0) -> int:
-    """The splash kernel's block (queries and keys, forward and backward) for t tokens: `block`
-    (ModelConfig.attention_block), or for 0 the largest of splash_blocks(t) up to 512 (1024 when t > 1024)."""
+    """The splash kernel's block for t tokens: `block`, or for 0 the largest of splash_blocks(t) up to 512 (1024 when t > 1024)."""
     if block and block not in splash_blocks(t):
         raise ValueError(f"ModelConfig.attention_block={block} (--attention_block) must be a multiple of "
                          f"{SPLASH_LANES} dividing the {t}-token sequence padded to {splash_padded(t)}; choose "
@@ -120,71 +110,41 @@ class ModelConfig:
     num_layers: int
     num_heads: int
     d_ff: int = 0  # 0 -> default_d_ff(d_model)
-    # Grouped-query attention: key/value heads, each shared by num_heads / num_kv_heads query heads
-    # (1: multi-query attention). 0: num_heads, the CS336 model's multi-head attention; it stays 0
-    # (`kv_heads` resolves it), so a config replaced with another num_heads keeps multi-head attention.
+    # key/value heads (1: multi-query); 0 stays 0 and means num_heads, so a replaced num_heads keeps MHA
     num_kv_heads: int = 0
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
-    # Compute dtype of activations and matmul inputs ("float32" or "bfloat16"). Params and
-    # optimizer state stay float32 (master weights); matmuls accumulate in float32; norms,
-    # softmax statistics and the loss are float32 (docs/speed.md, "bf16 compute").
+    # compute dtype of activations and matmul inputs; params, norms, softmax statistics and the loss stay f32
     dtype: str = "float32"
-    # Storage dtype of the params, and so of their gradients and the optimizer's moments (MaxText's
-    # weight_dtype, whose mu_dtype follows it): "float32" (master weights) or "bfloat16" (8 bytes per
-    # parameter with AdamW instead of 16; no float32 copy is kept). Init draws in float32 and rounds.
+    # storage dtype of params, gradients and moments (MaxText's weight_dtype; bfloat16 keeps no f32 copy)
     weight_dtype: str = "float32"
-    # Attention kernel (twinshard.model.layers.causal_attention): "auto" = cuDNN flash attention on a
-    # GPU in bf16, splash on a TPU in bf16, "recompute" elsewhere (layers.recompute_attention: no
-    # [T, T] array saved for the backward); "splash" = JAX's Pallas TPU flash attention
-    # (interpret mode off a TPU); "xla" = jax.nn's XLA kernel; "reference" = the readable
-    # layers.scaled_dot_product_attention.
+    # twinshard.model.layers.causal_attention's kernel; "auto": cuDNN on a GPU, splash on a TPU (bf16), else recompute
     attention: str = "auto"
-    # The splash kernel's block of queries and keys (layers.splash_attention): a multiple of 128
-    # dividing context_length rounded up to 128; 0: the largest such block up to 512.
+    # the splash kernel's block: a multiple of 128 dividing the padded context_length; 0: splash_block's choice
     attention_block: int = 0
-    # Layers per iteration of the layer scan: 1 keeps ONE compiled layer (compile time flat in
-    # depth); num_layers unrolls it fully (XLA:CPU ran the step up to 26% faster, measured:
-    # BENCHMARKS.md, and the compiled step grows with depth again).
+    # layers per layer-scan iteration: 1 compiles ONE layer; num_layers unrolls (XLA:CPU up to 26% faster, BENCHMARKS.md)
     scan_unroll: int = 1
-    # Rematerialization of the scanned block (jax.checkpoint policy): "none" saves what autodiff
-    # saves; "full" saves only each layer's input; "dots" saves matmul outputs; "dots_no_batch"
-    # saves matmul outputs without batch dimensions (the weights' uses, not the activations');
-    # "save_qkv_proj" saves q, k, v by name; "minimal" every projection and the attention kernel's
-    # out and log-sum-exp by name (twinshard/model/transformer.py REMAT_POLICIES).
+    # jax.checkpoint policy of the scanned block (twinshard/model/transformer.py REMAT_POLICIES; docs/memory.md)
     remat: str = "none"
-    # Vocabulary tiling (MaxText's num_vocab_tiling): 0 computes the loss from the whole [B, T, V]
-    # logits (f32 for the loss; autodiff keeps them for the backward pass); n >= 1 makes each
-    # device's B*T tokens' logits n chunks at a time, forward and again in the backward pass
-    # (twinshard/model/loss.py chunked_token_cross_entropy), so the largest logits array is
-    # [B*T/n, V/tensor]. A count of chunks, not tokens, so each twin's chunk is a device's
-    # B*T/n tokens. Off by default (every program as before); on a TPU, pick n so that B*T/n
-    # is ~4-8k tokens per device when V*B*T/tensor x 6 bytes nears a tenth of HBM.
+    # vocabulary tiling: 0 computes the loss from the whole [B, T, V] logits; n makes each device's
+    # logits n chunks at a time (twinshard/model/loss.py); on a TPU pick B*T/n ~ 4-8k tokens per device
     loss_chunks: int = 0
-    # Megatron sequence parallelism (tp_sp), manual twin only: each all-gather before the
-    # column-parallel matmuls decomposed into ppermutes overlapped with the matmuls
-    # (manual_parallel/collectives.py all_gather_matmul). Launchers check the strategy and twin.
+    # tp_sp's manual twin: each all-gather before a column-parallel matmul as ppermutes overlapped with it
     collective_matmul: bool = False
-    # Mixture of experts (twinshard/model/moe.py). num_experts = 0 is the dense SwiGLU block;
-    # E >= 2 makes the feed-forward of every layer after the first `first_dense_layers` a routed
-    # one. The dense first layers (DeepSeek-MoE's and DeepSeek-V3's `first_k_dense_replace`) are a
-    # second scanned stack, run before the MoE stack: `ModelConfig.stacks`.
+    # mixture of experts (twinshard/model/moe.py): 0 is dense; E >= 2 routes every layer after
+    # the first `first_dense_layers`, which form a second scanned stack (`ModelConfig.stacks`)
     num_experts: int = 0
     first_dense_layers: int = 0  # K: layers 0..K-1 keep the dense SwiGLU of width d_ff; 0 <= K < L
     experts_per_token: int = 2  # k: each token's top-k experts, weights renormalised over the k
-    # Expert buffer slots per capacity group: C = min(S, ceil(k S capacity_factor / E)) (S = the
-    # group's tokens); a token past its expert's C slots is dropped there. 0: dropless, C = S.
+    # expert buffer slots per group: C = min(S, ceil(k S capacity_factor / E)); 0: dropless, C = S
     capacity_factor: float = 1.25
-    # Tokens per capacity group S; 0: context_length. It divides context_length, so a group is
-    # part of one sequence and a batch shard (data parallelism) always holds whole groups.
+    # tokens per capacity group S (0: context_length); divides context_length, so groups never span sequences
     moe_group_size: int = 0
     router_aux_loss: float = 0.01  # Switch load-balancing loss coefficient
     router_z_loss: float = 0.0  # ST-MoE router z-loss coefficient
     expert_d_ff: int = 0  # each expert's SwiGLU width F_e; 0 -> d_ff
-    # "dense": the [E, G, C, D] capacity buffers, dispatch/combine einsums, an all_to_all pair under
-    # ep. "ragged" (dropless, capacity_factor 0): the k N assignments as rows sorted by expert,
-    # jax.lax.ragged_dot, and under manual ep a ragged_all_to_all pair (accelerators only: XLA:CPU
-    # has no ragged-all-to-all).
+    # "dense" capacity buffers and einsums, or "ragged" dropless rows through jax.lax.ragged_dot
+    # (manual ep: ragged_all_to_all, accelerators only: XLA:CPU has none)
     moe_dispatch: str = "dense"
 
     def __post_init__(self):
@@ -226,8 +186,7 @@ class ModelConfig:
         self._check_moe()
 
     def _check_kv_heads(self) -> None:
-        """num_kv_heads: 0 (num_heads) or a divisor of num_heads (query head i attends with
-        key/value head i // (num_heads / num_kv_heads))."""
+        """num_kv_heads: 0 (num_heads) or a divisor of num_heads."""
         h, kv = self.num_heads, self.num_kv_heads
         if kv < 0 or kv and h % kv:
             raise ValueError(
@@ -301,8 +260,7 @@ class ModelConfig:
 
     @property
     def expert_capacity(self) -> int:
-        """C: buffer slots per expert per group, min(S, ceil(k S capacity_factor / E)) (0 for a
-        dense model; S when capacity_factor is 0: dropless). k S / E is the mean load of an expert."""
+        """C: buffer slots per expert per group, min(S, ceil(k S capacity_factor / E)); S when dropless, 0 when dense."""
         e, k, s = self.num_experts, self.experts_per_token, self.moe_group
         if not e:
             return 0
@@ -318,15 +276,9 @@ class ModelConfig:
 
     @property
     def stacks(self) -> tuple[tuple[str, "ModelConfig"], ...]:
-        """The model's scanned stacks of identical layers, in the order they run, as (parameter
-        name, the config of one stack: its num_layers is the stack's depth):
-
-            dense            (("layers", self),)
-            experts, K = 0   (("layers", self),)
-            experts, K > 0   (("dense_layers", K dense layers of width d_ff), ("layers", the L - K MoE layers))
-
-        A stack's config describes its layers whole: a dense stack's has num_experts 0, so the
-        model, the cost model and the memory model each treat a stack as a model of that depth."""
+        """The scanned stacks of identical layers in run order, as (parameter name, the config of one
+        stack whose num_layers is its depth): ("layers",) alone, or ("dense_layers", "layers") when
+        first_dense_layers > 0; a dense stack's config has num_experts 0."""
         k = self.first_dense_layers
         if not k:
             return (("layers", self),)
@@ -335,14 +287,8 @@ class ModelConfig:
                                                                         first_dense_layers=0)))
 
     def num_params(self, padded: bool = True) -> int:
-        """Exact parameter count of `TransformerLM` (embedding and lm_head untied, no biases):
-
-            N = 2 V D + L (2 D^2 + 2 D Hkv dh + 3 D F + 2 D) + D
-
-        (V the vocabulary, padded unless padded=False; per layer q and output_proj [D, D], k and v
-        [D, Hkv dh], w1, w2, w3 and the two norm gains; then ln_final). Without GQA (Hkv = H)
-        the attention term is 4 D^2. A mixture of experts has D E + 3 E D F_e in place of 3 D F in
-        its moe_layers (the first_dense_layers keep 3 D F)."""
+        """Exact parameter count of `TransformerLM`: N = 2 V D + L (2 D^2 + 2 D Hkv dh + 3 D F + 2 D) + D,
+        with D E + 3 E D F_e in place of 3 D F in the MoE layers."""
         v = self.padded_vocab_size if padded else self.vocab_size
         d, f, e = self.d_model, self.d_ff, self.num_experts
         per_layer = 2 * d * d + 2 * d * self.kv_dim + 2 * d  # attention and the two norm gains
@@ -474,12 +420,8 @@ _PRESETS: dict[str, Config] = {
         TrainConfig(batch_size=8, steps=20, lr=3e-3, min_lr=3e-4, warmup_steps=2,
                     tokenizer="bytes", log_every=5, eval_every=10, eval_batches=2),
     ),
-    # Mixtral 8x7B's shapes, for planning (launch.plan) at scale, from the config.json of
-    # huggingface.co/mistralai/Mixtral-8x7B-v0.1: grouped-query attention with 8 key/value heads, 8
-    # experts of 14336, 2 per token; Mistral's published 46.7B parameters are ModelConfig.num_params
-    # (the context here is 4096 of its 32768). Its 32000-token SentencePiece vocabulary is not shipped;
-    # "bytes" is a placeholder whose ids (< 257) stay inside the 32000 rows, where gpt2's (up to
-    # 50256) would not.
+    # Mixtral 8x7B's shapes for launch.plan, from huggingface.co/mistralai/Mixtral-8x7B-v0.1's
+    # config.json (46.7B = num_params; context 4096 of 32768; "bytes" a placeholder vocabulary)
     "mixtral_8x7b": Config(
         ModelConfig(vocab_size=32000, context_length=4096, d_model=4096, num_layers=32, num_heads=32,
                     num_kv_heads=8, d_ff=14336, rope_theta=1e6, norm_eps=1e-5, dtype="bfloat16",
@@ -487,21 +429,11 @@ _PRESETS: dict[str, Config] = {
         TrainConfig(batch_size=64, steps=5000, lr=2e-4, min_lr=2e-5, warmup_steps=500,
                     tokenizer="bytes", log_every=10, eval_every=500),
     ),
-    # Llama 3's published shapes, for planning (launch.plan) at scale, from the config.json of
-    # huggingface.co/meta-llama/Meta-Llama-3-8B and .../Meta-Llama-3-70B (hidden_size,
-    # intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size,
-    # rope_theta, rms_norm_eps, max_position_embeddings; tie_word_embeddings false, no biases): grouped-
-    # query attention with 8 key/value heads; Meta's published 8.03B and 70.6B parameters are
-    # ModelConfig.num_params. What differs without changing a shape: RoPE here rotates interleaved
-    # feature pairs (Meta's checkpoints on huggingface.co rotate halves), and Llama 3's tiktoken
-    # vocabulary is not shipped ("bytes" is a placeholder whose ids stay inside the 128256 rows). The
-    # train fields are planning defaults, not Meta's recipe.
-    # Llama-shaped for ONE TPU v5e (15.75 GiB HBM) with float32 master weights and AdamW moments: head_dim
-    # 128, 4 key/value heads, vocab 32768 (a multiple of 256; "bytes" a placeholder, as llama3's), T 2048,
-    # 0.77B params. The cost model (launch/fit.py): 13.7 GiB per chip at batch 2 under remat full in
-    # bf16 (12.2 GiB of weights, gradients and moments); batch 4 is 15.5 GiB, too close to fit.
-    # Intended: batch 2 x 2048, remat full, bf16 compute (set here), no grad_accum (its float32
-    # accumulator is another 2.9 GiB). Not yet measured on a TPU.
+    # Llama 3's published shapes for launch.plan, from the config.json of huggingface.co/meta-llama/
+    # Meta-Llama-3-8B and -70B (8.03B, 70.6B = num_params); RoPE here rotates interleaved pairs
+    # (Meta's checkpoints rotate halves) and "bytes" is a placeholder vocabulary.
+    # Llama-shaped for ONE TPU v5e (15.75 GiB) at batch 2 x 2048, remat full, bf16: 13.7 GiB per chip
+    # by the cost model (batch 4 is 15.5 GiB, too close). Not yet measured on a TPU.
     "llama_v5e": Config(
         ModelConfig(vocab_size=32768, context_length=2048, d_model=2048, num_layers=14, num_heads=16,
                     num_kv_heads=4, d_ff=5632, rope_theta=500_000.0, norm_eps=1e-5, dtype="bfloat16", remat="full"),

@@ -1,9 +1,5 @@
-"""One error wrapper for every command line of the project (launchers and `twinshard.train.bpe`).
-
-A user error (a ValueError or OSError: a bad flag value, an unreadable file, a mesh that does
-not fit) reaches the user as one message on stderr and exit status 1; `--debug` or
-TWINSHARD_DEBUG=1 shows the traceback.
-"""
+"""One error wrapper for every command line: a ValueError or OSError becomes one message on
+stderr and exit status 1 (`--debug` or TWINSHARD_DEBUG=1 shows the traceback)."""
 
 from __future__ import annotations
 
@@ -13,11 +9,8 @@ from typing import Callable
 
 
 def guarded(main: Callable, *args, debug: bool = False, name: str | None = None):
-    """Run main(*args); a ValueError or OSError becomes one message on stderr and exit status 1.
-
-    The traceback is shown with debug=True or TWINSHARD_DEBUG=1. The process ends with
-    os._exit after flushing: measured, a failed Orbax read leaves tensorstore callbacks that,
-    at interpreter shutdown, print dozens of 'Event loop is closed' tracebacks."""
+    """Run main(*args), ending with os._exit after flushing (measured: a failed Orbax read leaves
+    tensorstore callbacks that print 'Event loop is closed' tracebacks at interpreter shutdown)."""
     try:
         return main(*args)
     except (ValueError, OSError) as e:
@@ -26,9 +19,7 @@ def guarded(main: Callable, *args, debug: bool = False, name: str | None = None)
         sys.stdout.flush()
         prog = name or os.path.basename(sys.argv[0])
         message = f"{prog}: error: {e}\n(for the traceback, add --debug or set TWINSHARD_DEBUG=1)\n"
-        # Other threads (tensorstore callbacks after a failed Orbax read) may still print
-        # 'Event loop is closed' tracebacks while we exit (measured under load): send fd 2 and
-        # sys.stderr to /dev/null first, and write the message to a private copy of stderr.
+        # send fd 2 and sys.stderr to /dev/null first; the message goes to a private copy of stderr
         sys.stderr.flush()
         own = os.dup(2)
         devnull = os.open(os.devnull, os.O_WRONLY)

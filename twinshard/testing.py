@@ -1,8 +1,6 @@
 """pytest helpers over the collective ledger (MaxText `hlo_test_utils` style).
 
-Each helper raises `AssertionError` whose message starts with what was expected
-and what was found, followed by the full `ledger.table()`, so a failing test
-shows every collective of the program:
+Each helper's AssertionError starts with what was expected and found, then `ledger.table()`:
 
     led = hlo.ledger(step.lower(*args).compile(), mesh)
     expect_parsed(led)
@@ -11,24 +9,14 @@ shows every collective of the program:
     expect_bytes(led, ("tensor",), bytes=4 * B * T * D, op="all-reduce")
     expect_permute(led, {"stage": +1}, wrap=False, count=ticks)  # who sends to whom
 
-`expect_sharding` checks a type instead of a program: in JAX's Explicit mode the sharding
-is part of an array's type (`jax.typeof(x)`: `float32[8@data,64]{U:tensor}`), so a layout,
-or a gradient left `unreduced` until one reduction, can be asserted at trace time, inside
-the traced function, before anything compiles:
+`expect_sharding` asserts a type at trace time in JAX's Explicit mode instead:
 
     expect_sharding(grad, P(None, "data"))                   # the gradient sharded as its param
     expect_sharding(acc, P(None, None, unreduced={"data"}))  # partial sums, not reduced yet
 
-Every helper first refuses a ledger that did not come from a parsed HLO
-module (`ledger.instructions == 0`, e.g. `Ledger([], mesh)` built by hand):
-"no collectives" and "count=0" mean something only if a program was read.
-`expect_no_collective` also refuses while a collective-looking line it could
-match was left unparsed (that line may be the very collective).
-
-`axes` selects records whose axes equal exactly that set of mesh axes
-(`'data'` == `('data',)`; order is normalised to mesh order); `axes=None`
-means any axes. Counts and byte totals are multiplicity-weighted (a
-collective in a scan of length 3 counts 3 times).
+Every helper refuses a ledger not parsed from an HLO module, and `expect_no_collective` one with
+unparsed collective-looking lines. `axes` is an exact set of mesh axes (None: any); counts and
+bytes are multiplicity-weighted.
 """
 
 from __future__ import annotations
@@ -74,8 +62,7 @@ def expect_collectives(ledger: Ledger, op: str, axes: Axes = None, count: int | 
 
 def _out_of_bounds(found: Ledger, count: int | None, min_count: int | None,
                    max_count: int | None) -> str:
-    """The bounds as text when the multiplicity-weighted count breaks them ('' when it does
-    not); no bound given means at least one."""
+    """The bounds as text when the count breaks them ('' when not; no bound means at least one)."""
     n = sum(r.multiplicity for r in found)
     if count is None and min_count is None and max_count is None:
         min_count = 1
@@ -124,16 +111,8 @@ def expect_parsed(ledger: Ledger) -> None:
 def expect_permute(ledger: Ledger, shift: Mapping[str, int], wrap: bool | None = None,
                    count: int | None = None, min_count: int | None = None,
                    max_count: int | None = None) -> Ledger:
-    """Assert how many collective-permutes send every device's data exactly `shift` along the
-    mesh (at least one if no bound given): {"stage": +1} = each device to the next index along
-    stage, its other coordinates equal.
-
-    A permute matches only when its pairs are exactly that set (`hlo.shift_pairs`): none
-    missing, none extra, none reversed, none along another axis. wrap=False: a line, the
-    device whose target would fall off the end sends nothing (a pipeline's last stage);
-    wrap=True: a ring, every device sends (n-1 -> 0 for +1); None: either. Counts are
-    multiplicity-weighted; the failure lists the permutes' patterns, then the table.
-    """
+    """Assert how many collective-permutes send every device's data exactly `shift` along the mesh
+    ({"stage": +1}: to the next stage index); wrap=False a line, True a ring, None either."""
     _require_module(ledger)
     if not shift:
         raise ValueError("shift names no axis: pass e.g. {'stage': +1}")

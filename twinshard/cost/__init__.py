@@ -1,12 +1,8 @@
 """The analytic cost model: collectives, FLOPs and memory of one train step.
 
-`cost(model_cfg, strategy, mesh, batch_size)` says, for our exact layers
-(twinshard/model/transformer.py), which collectives the *manual* twin
-(manual_parallel/) runs per step, how many FLOPs the step does and how much
-memory each device holds. It is plain arithmetic (no JAX is run), written in
-the scaling book's notation (Austin et al., "How to Scale Your Model",
-the training chapter), and it is what the collective ledger of the compiled
-HLO (twinshard/hlo/) is compared with (`compare`, `launch/collectives.py`).
+`cost(model_cfg, strategy, mesh, batch_size)` says which collectives the *manual* twin runs per
+step, how many FLOPs the step does and how much memory each device holds: plain arithmetic in
+the scaling book's notation, compared with the compiled HLO's collective ledger (`compare`).
 
     >>> from twinshard.config import preset
     >>> c = cost(preset("tiny").model, "fsdp", {"data": 8, "tensor": 1}, batch_size=8)
@@ -24,13 +20,8 @@ Notation
     F  d_ff                            V  padded vocab (multiple of 128)
     s  bytes per element of the COMPUTE dtype (dtype_bytes: 4 = float32, 2 = bfloat16)
 
-The model, by concern (each module's docstring holds its formulas):
-    weights.py        the parameter tree `weights(cfg)` and how each strategy splits it (`RULES`, `rules`)
-    communication.py  the collective rows: byte conventions, one function per strategy
-    flops.py          FLOPs of a step
-    memory.py         bytes per device: params, gradients, optimizer state, activations
-This module: the entry point `cost()` and its result `Cost`, `compare` / `compare_table`
-against a compiled step's ledger, and the text tables.
+weights.py (the parameter tree and how each strategy splits it), communication.py (collective
+rows), flops.py, memory.py; this module: `cost()`, `Cost`, `compare` against a ledger, the tables.
 """
 
 from __future__ import annotations
@@ -153,25 +144,10 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
          master: bool = False, flat_weights: bool = False) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
-    grad_accum: micro-batches per step (TrainConfig.grad_accum); each device's batch must
-    split into that many. microbatches: a pipeline's M. optimizer: TrainConfig.optimizer
-    (memory only). gpu: the devices are GPUs, where attention "auto" is cuDNN flash attention in
-    bf16 (memory only: memory.attention_kernel). param_bytes, state_bytes, master: the bytes per
-    parameter (and gradient) and per optimizer-state element, and a float32 master copy (memory
-    only; the collectives keep the manual twin's float32 gradients). flat_weights: FSDP's weights
-    split flat (each device 1/data of every weight, padded: twinshard/hardware/plan.py), so d_model
-    need not divide by data; the bytes per device are the same to under one element per weight.
-
-    mesh: {'data': d, 'tensor': t} (a missing axis is 1). `remat` (default: `cfg.remat`)
-    changes the activation memory only: under every policy the manual twin runs the
-    same collectives (FSDP re-gathers each matrix once in the backward pass whatever the
-    policy; TP's g outputs are saved, never recomputed: manual_parallel/base.py), except
-    tp_sp, which re-gathers its sequence shards under any policy but none (manual_parallel/tp_sp.py). Invalid
-    input raises ValueError naming the value and the fix (unknown strategy, wrong axes for
-    the strategy, a dimension not divisible by its mesh axis, seq_len > context_length), as do
-    the runs launch.train refuses (a mixture of experts under a strategy it does not run under:
-    resolve.check_experts; a pipeline with grad_accum > 1: pipeline.check).
-    """
+    `remat` (default cfg.remat) changes the memory only, except under tp_sp, which re-gathers its
+    sequence shards under any policy but none. flat_weights: FSDP's weights split flat (padded,
+    twinshard/hardware/plan.py), so d_model need not divide by data. Invalid input (and the runs
+    launch.train refuses) raises a one-line ValueError."""
     mesh_lib.check_strategy(strategy)
     resolve.check_experts(strategy, cfg)  # as launch.train: no numbers for a program that does not exist
     if cfg.collective_matmul and strategy not in support.with_option("collective_matmul"):
@@ -212,12 +188,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
 
 
 def of_run(run: Config, strategy: str, mesh: Mapping[str, int] | None, gpu: bool = False) -> Cost:
-    """`cost` of one train step of a run (its Config): the model, its context, and the training
-    settings that change the collectives or the memory (batch, grad_accum, a pipeline's
-    micro-batches and schedule, the optimizer, the weights' dtype); `gpu`: it runs on GPUs (`cost`'s). Strategy
-    "single" (the single-device reference, `mesh` unused): no collectives, and the memory and FLOPs
-    of dp on a mesh of one. What launch.bench, launch.collectives and launch.compare set beside
-    their measurements, and what launch.train checks against a device's memory."""
+    """`cost` of one train step of a run (its Config); strategy "single" is dp on a mesh of one, without collectives."""
     t, m = run.train, run.model
     w = DTYPE_BYTES[m.weight_dtype]  # params, gradients and moments (ModelConfig.weight_dtype)
     if strategy == "single":  # dp on one device, which `cost` refuses (dp needs data > 1)
@@ -241,8 +212,7 @@ _NOTES = {
 
 
 def summarize(rows: list[Row]) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
-    """(op, axes) -> {count, bytes, ring_bytes}; a collective-permute's also `patterns`:
-    {pattern: count}, as `Ledger.summary()`."""
+    """(op, axes) -> {count, bytes, ring_bytes} (+ a collective-permute's `patterns`), as `Ledger.summary()`."""
     out: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
     for r in rows:
         s = out.setdefault((r.op, r.axes), {"count": 0, "bytes": 0, "ring_bytes": 0.0})
@@ -257,12 +227,8 @@ def summarize(rows: list[Row]) -> dict[tuple[str, tuple[str, ...]], dict[str, An
 
 def compare(measured: Mapping[tuple[str, tuple[str, ...]], Mapping[str, float]],
             model: Mapping[tuple[str, tuple[str, ...]], Mapping[str, float]]) -> list[dict[str, Any]]:
-    """One row per (op, axes) in either summary: measured and model count/bytes/ring bytes.
-
-    `measured` is `Ledger.summary()`, `model` is `Cost.summary()`; `match` is True when
-    count and bytes agree exactly and, where the model says who sends to whom (a
-    collective-permute's `patterns`), the measured patterns are those, count for count.
-    """
+    """One row per (op, axes) of `measured` (Ledger.summary()) or `model` (Cost.summary()); `match`
+    when count, bytes and any collective-permute patterns agree exactly."""
     zero = {"count": 0, "bytes": 0, "ring_bytes": 0.0}
     keys = list(model) + [k for k in measured if k not in model]
     out = []

@@ -1,115 +1,10 @@
 """Which collectives the manual twin (manual_parallel/) runs per train step, strategy by strategy.
 
-One `Row` per kind of collective, in the notation of twinshard/cost/__init__.py. Each
-strategy's rows are one function named after it, `_<name>(ctx)` (`_dp`, `_fsdp`, ...);
-`STRATEGY_ROWS` finds them by the names declared in twinshard/parallel/strategies.py, and
-a declared strategy without its function fails at import. Each row names the manual twin's
-line in `what`.
-
-A collective in the scan body (FSDP's gather and scatter, Megatron's f/g)
-runs once per layer: `count` times per step (the ledger multiplies by the
-while loop's trip count); one on a whole gradient leaf (the DP mean) runs
-once per leaf.
-
-Collective rows (one `Row` per kind of collective; `count` collectives of
-`bytes / count` bytes each). Byte conventions are the ledger's: `bytes` is the
-array size of the collective's RESULT, summed over `count`:
-
-    all-gather      the gathered (full) array
-    reduce-scatter  the scattered shard (the result), = operand / n
-    all-reduce      the array
-
-and `ring_bytes` is what one device sends with a ring algorithm on a group of
-n devices: all-gather (n-1)/n x result, reduce-scatter (n-1) x result,
-all-reduce 2(n-1)/n x bytes (`twinshard.hlo.ring_bytes`).
-
-Scalars (the loss, a squared gradient norm) and the cross-entropy statistics
-are float32 (4 bytes) whatever `dtype_bytes` says: the loss is computed in f32.
-So are the master params, their gradients and the optimizer state (DP's
-gradient all-reduce and the norm gains' mean move f32). What
-`s` sizes is what the compute dtype touches: activations (TP's all-reduces),
-FSDP's gathered weights (cast to bf16 before the gather) and their gradients
-(reduce-scattered in bf16, cast to f32 after).
-
-Per strategy:
-
-dp (data=d). backward: one all-reduce (pmean) over data of every gradient
-    leaf, N*4 bytes (f32) in total (scaling book: 2N(d-1)/d x 4
-    ring bytes per device). metrics: all-reduce (pmean) of the f32 loss.
-    optimizer: none (gradients are replicated after the mean, so the global
-    norm is local).
-fsdp (data=d; each matrix sharded over data on its D dim, norms replicated).
-    forward: all-gather of each matrix (7L+2), bytes = the full matrix.
-    backward: all-gather again (gathered weights are rematerialized, not
-    saved) of every matrix but the embedding (7L+1): the backward of a lookup
-    is a scatter-add of the output gradient that never reads the table, so
-    its re-gather is dead code; reduce-scatter of each matrix gradient (result =
-    matrix/d); all-reduce of each norm gradient leaf (ln1 and ln2 [L, D],
-    ln_final [D]: (2L+1)*D*4 bytes in total, f32).
-    optimizer: all-reduce of the f32 partial sum of squared (sharded)
-    gradients for the global norm. metrics: all-reduce of the loss. Per step
-    each matrix (but the embedding) moves 3x its size through the ring
-    ((d-1)/d * (2 gathers + 1 scatter)), the scaling book's FSDP volume.
-tp (tensor=t; Megatron). Activation A = B*T*D*s bytes, token stats B*T*4.
-    forward: per layer 2 all-reduces of A (Megatron g after output_proj and
-    after w2); 1 all-reduce of A for the vocab-parallel embedding (masked
-    local lookup + psum); the vocab-parallel cross-entropy: 1 all-reduce with
-    max (pmax) of the per-token max and 2 all-reduces (psum) of per-token
-    sum-exp and target logit, B*T*4 bytes each. backward: per layer 2
-    all-reduces of A (Megatron f before attention and before the MLP) + 1 (f
-    before lm_head). Weight gradients need no communication. optimizer:
-    all-reduce over tensor of the f32 squared-norm partial sum. metrics: none
-    (the loss is already identical on every device).
-    Grouped-query attention with t > Hkv (kv heads replicated over tensor, each device
-    using its kv head's slice: manual_parallel/tp.py): backward, one all-reduce over tensor
-    per k/v leaf of its f32 gradient, L*D*Hkv*dh*4 bytes each (`kv_sum_rows`).
-fsdp_tp (data=d, tensor=t). Each matrix sharded over tensor (heads / mlp /
-    vocab dim) and over data (its D dim). fsdp's rows over data, but each
-    gathered array is the matrix's TENSOR shard (full/t bytes; GQA's k and v
-    full/min(t, Hkv): the kv head slice where t > Hkv) and each reduce-scatter
-    result is that / d; tp's rows over tensor with the
-    per-device batch b = B/d (A = (B/d)*T*D*s, stats (B/d)*T*4); the
-    squared-norm all-reduce runs over (data, tensor); the loss is all-reduced
-    over data; with t > Hkv, tp's k/v sums on the 1/d shards.
-cp (context=C; twinshard/parallel/context.py, manual_parallel/cp.py). Every weight replicated;
-    each device holds T/C tokens of every sequence. forward: per layer 2(C-1)
-    collective-permutes of a K or V block [B, Hkv, T/C, dh] (ring attention's ring_shift; Hkv the
-    key/value heads, H without grouped-query attention);
-    backward: the reverse ring, 2(C-1) more. A sequence shard's gradient is a partial
-    mean like a data shard's: all-reduce (pmean) over context of every gradient leaf (12,
-    N*4 bytes), and of the loss. optimizer: none (replicated gradients).
-fsdp_cp (data=d, context=C). fsdp's gathers and reduce-scatters over data; the ring with
-    b = B/d; each matrix gradient SHARD (f32, 1/d) all-reduced over context (params are
-    replicated over context: hybrid sharding, manual_parallel/fsdp_cp.py); each norm gain
-    and the loss all-reduced once over (data, context); the squared-norm psum over data.
-ulysses, fsdp_ulysses (context=C): cp's and fsdp_cp's rows with the ring replaced by 4 all-to-alls
-    over context per layer forward (q, k, v [b, H (Hkv r), T/C, dh] to head shards, the output back)
-    and their 4 inverses backward (`_head_exchange_rows`).
-tp_sp (tensor=t, data=d >= 1; Megatron sequence parallelism, manual_parallel/tp_sp.py). TP's
-    placement, the residual stream split along T. Each of TP's all-reduces of A (with
-    b = B/d) becomes its two halves: forward, 2L reduce-scatters (result A/t) after
-    output_proj and w2, 1 after the embedding lookup, 2L all-gathers (result A) before
-    attention and the MLP, 1 before lm_head; backward, the conjugates (2L + 1
-    reduce-scatters, 2L + 1 all-gathers); the cross-entropy's 3 all-reduces as TP; 2L + 1
-    all-reduces of the RMSNorm gains' f32 gradients [D] (each device normalises only its
-    tokens). Per layer the ring bytes equal TP's: 8 (t-1)/t A. Under a remat policy other
-    than none the 2L column-parallel inputs are gathered again in the backward pass.
-    With `collective_matmul` each of the 2L per-layer all-gathers is t-1 collective-permutes
-    of A/t (forward) and so is its reduce-scatter (backward). With d > 1: dp's gradient
-    means over data of each leaf's tensor shard and the loss mean. With t > Hkv: tp's k/v sums
-    over tensor, joined to the k/v leaves' means over data where d > 1 (one all-reduce over
-    (data, tensor) each).
-pp, pp_fsdp (stage=S): the stage hops of `_hop_rows` and the stage sums; see `_pp`, `_pp_fsdp`.
-
-Gradient accumulation (`grad_accum` = K > 1, micro-batches of b/K sequences). What
-runs in each micro-batch's forward and backward runs K times per step (`repeated`): tp's
-rows, on activations of b/K sequences (the same bytes per step, K x the count). The
-gradient syncs run once, after the micro-batch loop: dp's means, the norm psum, the
-loss. fsdp (and fsdp_tp's data rows) changes structure (manual_parallel/fsdp.py
-`gather_step`): each matrix LEAF is all-gathered once before the loop (a stacked
-[L, ...] leaf at once: 7 + 2 gathers of the same bytes as the 7L + 2 per-layer ones),
-never re-gathered, and its accumulated gradient reduce-scattered once (7 + 2).
-"""
+One `Row` per kind of collective (`count` collectives, `bytes` the summed result sizes, as the
+ledger counts them), in the notation of twinshard/cost/__init__.py; each strategy's rows are
+`_<name>(ctx)`, found by STRATEGY_ROWS from twinshard/parallel/strategies.py (a declared strategy
+without one fails at import). The model, strategy by strategy, is in docs/design.md ("The
+collectives per strategy, counted")."""
 
 from __future__ import annotations
 
@@ -147,16 +42,12 @@ def _fsdp_tp(ctx: Ctx) -> list[Row]:
 
 
 def _pp(ctx: Ctx) -> list[Row]:
-    """GPipe (manual_parallel/pp.py): M + S - 1 ticks, each handing one micro-batch's
-    activations [B/M, T, D] to the next stage forward and its gradient back; the replicated
-    embedding, ln_final and lm_head gradients summed over stage; the loss summed over stage
-    (only the last stage's is non-zero)."""
+    """GPipe (manual_parallel/pp.py): the stage hops, the replicated leaves' gradients and the loss summed over stage."""
     return _hop_rows(ctx) + _stage_sum_rows(ctx) + [norm_row(ctx, ("stage",)), _stage_loss_row(ctx)]
 
 
 def _ticks(ctx: Ctx) -> int:
-    """GPipe: M + S - 1 forward ticks, then as many backward; 1F1B: every tick of its table
-    hands a forward output on AND an input gradient back (zeros when the stage idled)."""
+    """GPipe: M + S - 1 forward ticks; 1F1B: every tick of its table hands an output on and a gradient back."""
     from twinshard.parallel import pipeline
 
     m, n = ctx.microbatches, ctx.mesh["stage"]
@@ -179,9 +70,7 @@ def _hop_rows(ctx: Ctx) -> list[Row]:
 
 
 def _tp_sp(ctx: Ctx) -> list[Row]:
-    """Megatron sequence parallelism (manual_parallel/tp_sp.py) with B/data sequences per
-    device: its per-micro-batch rows K times, the gains' psums, then TP's norm psum and, with
-    data > 1, dp's gradient means and the loss mean over data."""
+    """Megatron sequence parallelism (manual_parallel/tp_sp.py) with B/data sequences per device."""
     b = ctx.batch // ctx.d
     rows = repeated(ctx.k, _tp_sp_micro_batch_rows(ctx, b // ctx.k)) + [norm_row(ctx, ("tensor",))]
     if ctx.d == 1:
@@ -198,11 +87,8 @@ def _tp_sp(ctx: Ctx) -> list[Row]:
 
 
 def _tp_sp_micro_batch_rows(ctx: Ctx, batch: int) -> list[Row]:
-    """TP's rows with each all-reduce of the residual stream split in its two halves (an
-    all-reduce is a reduce-scatter followed by an all-gather): the reduce-scatter where TP's g
-    (or its backward, f) sums, the all-gather where the next region needs the whole sequence.
-    Per layer: the all-gathers' A plus the reduce-scatters' A/t result bytes move, on a ring,
-    (t-1)/t A each - 8 (t-1)/t A in all, exactly TP's 4 all-reduces of 2 (t-1)/t A."""
+    """TP's rows with each all-reduce of the residual stream split into a reduce-scatter (where g,
+    or backward f, sums) and an all-gather: 8 (t-1)/t A ring bytes per layer, exactly TP's."""
     a, t, L = ctx.activation(batch), ctx.t, ctx.L
     act, shard = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]", f"[{batch},{ctx.seq // t},{ctx.cfg.d_model}]"
     stats = cross_entropy_rows(ctx, batch)  # as TP's: the lm_head sees the whole sequence
@@ -243,8 +129,7 @@ def _tp_sp_micro_batch_rows(ctx: Ctx, batch: int) -> list[Row]:
 
 
 def _stage_sum_rows(ctx: Ctx) -> list[Row]:
-    """psum over stage of the gradients of the params replicated over stage (embedding,
-    ln_final, lm_head): f32, the matrices as their 1/data shards under pp_fsdp."""
+    """psum over stage of the stage-replicated leaves' f32 gradients (matrices as 1/data shards under pp_fsdp)."""
     out = []
     for w in weights(ctx.cfg):
         if not w.stacked:
@@ -260,13 +145,7 @@ def _stage_loss_row(ctx: Ctx) -> Row:
 
 
 def _pp_fsdp(ctx: Ctx) -> list[Row]:
-    """pp's hops and stage sums, plus FSDP over data inside each stage, in both schedules
-    (manual_parallel/pp_fsdp.py): each matrix leaf of the stage (7 stacked [L/S, ...] leaves,
-    the embedding and the lm_head) gathered whole once per step, before the tick loop, and its
-    accumulated gradient reduce-scattered once after it (gather_step); the norm gains' mean
-    over data; the global norm, one psum per sharding group; the loss (psum over stage, pmean
-    over data). The gathers, scatters and norm means are fsdp's under grad_accum, on a stage's
-    leaves (manual_parallel/pp_fsdp.py: the same code path)."""
+    """pp's hops and stage sums plus fsdp's gather_step over data inside each stage (manual_parallel/pp_fsdp.py)."""
     return (_hop_rows(ctx) + fsdp_step_rows(ctx, 1, ctx.mesh["stage"]) + _stage_sum_rows(ctx)
             + [norm_row(ctx, axes) for axes in (("stage", "data"), ("stage",), ("data",))]
             + [_stage_loss_row(ctx), loss_row(ctx)])
@@ -276,10 +155,8 @@ def _pp_fsdp(ctx: Ctx) -> list[Row]:
 
 
 def _ring_rows(ctx: Ctx, batch: int) -> list[Row]:
-    """Ring attention (manual_parallel/ring_attention.py) on `batch` sequences per device, T/C tokens
-    each: per layer C-1 ring_shifts of the K block and C-1 of the V block [b, Hkv, T/C, dh] forward
-    (Hkv = H without grouped-query attention), the reverse ring of their gradients backward; per
-    micro-batch (K times per step)."""
+    """Ring attention on `batch` sequences per device: per layer 2(C-1) ring_shifts of K/V blocks
+    [b, Hkv, T/C, dh] forward, the reverse ring backward; K times per step."""
     c, cfg = ctx.mesh["context"], ctx.cfg
     context.check(ctx.seq, c, "contiguous")  # the ledger does not depend on the layout
     b, tc = batch // ctx.k, ctx.seq // c
@@ -295,10 +172,8 @@ def _ring_rows(ctx: Ctx, batch: int) -> list[Row]:
 
 
 def _head_exchange_rows(ctx: Ctx, batch: int) -> list[Row]:
-    """ulysses's attention (manual_parallel/ulysses.py) on `batch` sequences per device, T/C tokens
-    each: per layer seq_to_heads of q [b, H, T/C, dh] and of k, v [b, Hkv r, T/C, dh] (r:
-    context.kv_repeats) and heads_to_seq of the output forward, their inverses backward; per
-    micro-batch (K times per step). A remat policy saves their outputs: nothing re-runs."""
+    """ulysses (manual_parallel/ulysses.py): per layer 4 all-to-alls forward (q, k, v to head shards,
+    the output back), their inverses backward; a remat policy saves their outputs, so nothing re-runs."""
     c, cfg = ctx.mesh["context"], ctx.cfg
     context.check(ctx.seq, c, "contiguous")
     b, tc, kv = batch // ctx.k, ctx.seq // c, cfg.kv_heads * context.kv_repeats(cfg.num_heads, cfg.kv_heads, c)
@@ -323,8 +198,7 @@ def _fsdp_ulysses(ctx: Ctx) -> list[Row]:
 
 
 def _cp(ctx: Ctx, attention: Callable[[Ctx, int], list[Row]] = _ring_rows) -> list[Row]:
-    """The ring (ulysses: `attention`'s rows); every gradient leaf and the loss averaged over context
-    (a sequence shard's gradient is a partial mean, as a data shard's: manual_parallel/cp.py)."""
+    """The ring (or `attention`'s rows); every gradient leaf and the loss averaged over context."""
     grads = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32,
                  f"pmean over context of d({w.name}) {leaf_label(w)}") for w in weights(ctx.cfg)]
     return attention(ctx, ctx.batch) + grads + [
@@ -332,9 +206,7 @@ def _cp(ctx: Ctx, attention: Callable[[Ctx, int], list[Row]] = _ring_rows) -> li
 
 
 def _fsdp_cp(ctx: Ctx, attention: Callable[[Ctx, int], list[Row]] = _ring_rows) -> list[Row]:
-    """FSDP's gathers and scatters over data (its norm-gain means replaced: one pmean over
-    (data, context) each); the ring on B/d sequences; each matrix gradient SHARD (f32, 1/d)
-    averaged over context (params are replicated over context: manual_parallel/fsdp_cp.py)."""
+    """FSDP over data, the ring on B/d sequences, each f32 matrix gradient shard averaged over context."""
     fsdp = [r for r in fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
     shards = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32 // ctx.d,
                   f"pmean over context of d({w.name}) {leaf_label(w)}/data (f32 shard)") for w in matrix_weights(ctx)]
@@ -355,8 +227,7 @@ def _token_axes(ctx: Ctx, *axes: str) -> tuple[str, ...]:
 
 
 def _exchange_rows(ctx: Ctx) -> list[Row]:
-    """Per micro-batch and MoE layer (ModelConfig.moe_layers), on each device's B/(data expert K) sequences: the dispatch and
-    combine all_to_alls of the capacity buffers [E, G, C, D] forward, their inverses backward."""
+    """Per micro-batch and MoE layer: the dispatch and combine all_to_alls of [E, G, C, D], inverses backward."""
     if ctx.cfg.moe_dispatch == "ragged":
         return _ragged_exchange_rows(ctx)
     cfg, b, moe = ctx.cfg, ctx.batch // (ctx.d * ctx.mesh["expert"] * ctx.k), ctx.cfg.moe_layers
@@ -372,12 +243,9 @@ def _exchange_rows(ctx: Ctx) -> list[Row]:
 
 
 def _ragged_exchange_rows(ctx: Ctx) -> list[Row]:
-    """The dropless exchange (manual_parallel/collectives.py ragged_dispatch / ragged_combine), per
-    micro-batch and MoE layer, on each device's A = B/(data expert K) T k assignment rows: one
-    all_to_all of the [ep, E/ep + 1] int32 counts and offsets (forward only: integers have no
-    gradient); ragged_dispatch into the static [ep A, D] rows where the experts run and
-    ragged_combine back into [A, D] forward, their reverses backward. The bytes are the static
-    buffers (what a ragged-all-to-all's result holds), whatever the routing sends."""
+    """The dropless exchange (ragged_dispatch / ragged_combine) per micro-batch and MoE layer, on A =
+    B/(data expert K) T k rows: the int32 counts' all_to_all (forward only), then the ragged rows;
+    bytes are the static buffers, whatever the routing sends."""
     cfg, ep, moe = ctx.cfg, ctx.mesh["expert"], ctx.cfg.moe_layers
     a = ctx.batch // (ctx.d * ep * ctx.k) * ctx.seq * cfg.experts_per_token
     expert_rows, token_rows = [ep * a, cfg.d_model], [a, cfg.d_model]  # where the experts run; back home
@@ -397,9 +265,7 @@ def _ragged_exchange_rows(ctx: Ctx) -> list[Row]:
 
 
 def _ep(ctx: Ctx) -> list[Row]:
-    """ep (manual_parallel/ep.py): the exchanges; every replicated gradient leaf averaged over the
-    token axes (data, expert), each expert leaf over data (its sum over expert arrived through the
-    all_to_all); the expert shards' squared norms summed over expert; the loss averaged."""
+    """ep (manual_parallel/ep.py): the exchanges; dense gradients averaged over (data, expert), experts' over data."""
     tokens = _token_axes(ctx, "data", "expert")
     grads = []
     for w in weights(ctx.cfg):
@@ -415,9 +281,7 @@ def _ep(ctx: Ctx) -> list[Row]:
 
 
 def _fsdp_ep(ctx: Ctx) -> list[Row]:
-    """fsdp_ep (manual_parallel/fsdp_ep.py): FSDP's gathers and scatters over data (the experts'
-    local E/ep), the exchanges, each replicated-over-expert matrix shard averaged over expert, each
-    norm gain over (data, expert); the norm psums of the two sharding groups; the loss averaged."""
+    """fsdp_ep (manual_parallel/fsdp_ep.py): FSDP over data, the exchanges, dense shards averaged over expert."""
     fsdp = [r for r in fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
     shards = [row(ctx, "backward", "all-reduce", ("expert",), w.leaves, w.layers * w.size * F32 // ctx.d,
                   f"pmean over expert of d({w.name}) {leaf_label(w)}/data (f32 shard)")
@@ -431,7 +295,7 @@ def _fsdp_ep(ctx: Ctx) -> list[Row]:
 
 
 def _rows_of(name: str) -> Callable[[Ctx], list[Row]]:
-    """The rows function of the strategy declared as `name`: `_<name>` in this module."""
+    """The rows function `_<name>` of the strategy declared as `name`."""
     rows = globals().get(f"_{name}")
     if rows is None:
         raise ImportError(f"strategy {name!r} (twinshard/parallel/strategies.py) has no collective rows: "

@@ -1,32 +1,11 @@
 """FLOPs of one train step (`flops`, `Flops`), in the notation of twinshard/cost/__init__.py.
 
-A matmul [m,k]x[k,n] costs 2mkn.
-    forward  = 2 * B*T * N_mm + L * 2 * 2 * B * T^2 * D
-    with N_mm = L(2D*H*dh + 2D*Hkv*dh + 3DF) + DV the matmul parameters (q and output_proj,
-    k and v with Hkv key/value heads: Hkv = H without grouped-query attention; the embedding is
-    a lookup: 0 FLOPs; norms, RoPE, softmax, SiLU are elementwise and ignored). So a train step
-    costs 6 N_mm per token (N_mm = N minus the embedding table and the norm gains) plus
-    attention's 12 L T H*dh per token: the scores and AV products run on every query head,
-    whatever Hkv.
-    The attention term is QK^T and AV, 2*B*T*T*D each per layer; it is NOT
-    halved for causality (our attention computes the full T x T scores and
-    masks them, and XLA's cost_analysis counts them). backward = 2 x forward (grad wrt
-    inputs + grad wrt weights).
-    MFU's FLOPs (`model_total`, `model_per_device`) count causal attention HALF, MaxText's
-    convention since mid-2025: flash and splash kernels do not compute the masked half, so a
-    step's useful work is 3 (forward_matmul + forward_attention / 2). The launchers' MFU and
-    model FLOP/s and launch.plan's compute time use them.
-    total = 3 x forward; per device = total / (d*t) (every strategy splits all
-    matmuls evenly: batch over data, heads / d_ff / vocab over tensor; a tensor axis larger
-    than Hkv makes each device compute its kv head's k and v in full, t/Hkv copies of the
-    4 B T D Hkv dh forward FLOPs of k and v, not counted).
-The formula counts every score; ring attention (cp, fsdp_cp) computes only the visible
-blocks after its own, (C+1)/(2C) of the attention scores in total (zig-zag: half a block
-per device per step, balanced; contiguous: the same total, device c doing c + 1 blocks).
-Gradient accumulation does not change the FLOPs. A mixture of experts (`_moe_layer`) counts
-the expert matmuls on the capacity buffers and the dispatch / combine einsums in its MoE
-layers; its first dense layers (ModelConfig.first_dense_layers) count as a dense model's.
-"""
+forward = 2 B T N_mm + 4 L B T^2 H dh, with N_mm = L(2D H dh + 2D Hkv dh + 3DF) + DV the matmul
+parameters; attention is NOT halved for causality (the kernels compute and mask the full T x T,
+and XLA's cost_analysis counts it); total = 3 x forward, split evenly over devices.
+`model_total` (MFU's FLOPs) counts causal attention half, MaxText's convention. Ring attention
+computes (C+1)/(2C) of the scores; a mixture of experts counts its whole capacity buffers and
+the dispatch / combine einsums."""
 
 from __future__ import annotations
 
@@ -37,7 +16,7 @@ from twinshard.config import ModelConfig
 
 @dataclass(frozen=True)
 class Flops:
-    """FLOPs of one train step (see the module docstring for the formula)."""
+    """FLOPs of one train step (module docstring)."""
 
     matmul_params: int  # N_mm: parameters that take part in a matmul
     forward_matmul: int  # 2 * B*T * N_mm
@@ -67,18 +46,15 @@ def _attention_matmuls(cfg: ModelConfig) -> int:
 
 
 def _dense_layer(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
-    """(matmul params, forward matmul FLOPs) of one dense layer: attention's four projections and
-    SwiGLU's three, each 2 FLOPs per parameter and token."""
+    """(matmul params, forward matmul FLOPs) of one dense layer."""
     active = _attention_matmuls(cfg) + 3 * cfg.d_model * cfg.d_ff
     return active, 2 * tokens * active
 
 
 def _moe_layer(cfg: ModelConfig, tokens: int) -> tuple[int, int]:
-    """(active matmul params per token, forward matmul FLOPs) of one mixture-of-experts layer:
-    attention, the router [D, E] and k experts' SwiGLU per token; the FLOPs are what the program
-    computes: every expert on its whole capacity buffer (E G C rows, full or not) and the dispatch
-    and combine einsums of the [G, S, E, C] masks (2 G S E C D each, GShard's dense dispatch); dropless
-    (moe_dispatch='ragged'), the experts on the N k assigned rows only and the k-weighted sum."""
+    """(active matmul params per token, forward matmul FLOPs) of one MoE layer, as the program
+    computes them: every expert on its whole capacity buffer plus the [G, S, E, C] dispatch and
+    combine einsums; dropless (ragged), the experts on the N k assigned rows only."""
     d, e, fe, c = cfg.d_model, cfg.num_experts, cfg.expert_ff, cfg.expert_capacity
     slots = e * (tokens // cfg.moe_group) * c
     attn = _attention_matmuls(cfg)

@@ -102,9 +102,7 @@ def _local_bytes(ctx: Ctx, w: Weight, tensor_shards: int = 1) -> int:
 
 
 def kv_sum_rows(ctx: Ctx, data_shards: int = 1) -> list[Row]:
-    """The gradient of grouped-query attention's k/v weights replicated over `tensor` (a tensor
-    axis larger than the kv heads): each device's slice gradient, summed over tensor once per
-    step, per leaf (ManualRunner.mean_over_tokens); f32, the 1/data shard under fsdp_tp."""
+    """The k/v weights' gradient summed over a `tensor` axis larger than the kv heads, once per step per leaf (f32)."""
     if not kv_replicated(ctx.cfg, ctx.mesh):
         return []
     return [row(ctx, "backward", "all-reduce", ("tensor",), w.leaves, w.layers * w.size * F32 // data_shards,
@@ -114,9 +112,8 @@ def kv_sum_rows(ctx: Ctx, data_shards: int = 1) -> list[Row]:
 
 
 def fsdp_rows(ctx: Ctx, tensor_shards: int) -> list[Row]:
-    """ZeRO-3 over data: gather each matrix (forward, again in backward), scatter its gradient,
-    all-reduce each replicated norm gradient. `tensor_shards` = t under fsdp_tp (each device
-    gathers only its tensor shard), 1 under fsdp."""
+    """ZeRO-3 over data: gather each matrix (forward, again backward), scatter its gradient, mean the
+    norm gains; `tensor_shards` = t under fsdp_tp (each device gathers its tensor shard)."""
     if ctx.k > 1:
         return fsdp_step_rows(ctx, tensor_shards)
     gather = lambda phase, w, what: row(  # noqa: E731
@@ -131,10 +128,8 @@ def fsdp_rows(ctx: Ctx, tensor_shards: int) -> list[Row]:
 
 
 def fsdp_step_rows(ctx: Ctx, tensor_shards: int, stages: int = 1) -> list[Row]:
-    """grad_accum = K > 1 (manual_parallel/fsdp.py gather_step): each matrix LEAF (a stacked
-    [L, ...] block leaf at once) gathered once before the micro-batch loop and never re-gathered,
-    its accumulated gradient reduce-scattered once after it; the norm gradients' mean once.
-    pp_fsdp (`stages` = S): the same on a stage's leaves, [L/S, ...] of a block weight."""
+    """grad_accum > 1 (manual_parallel/fsdp.py gather_step): each matrix leaf gathered once before the
+    micro-batch loop, its gradient reduce-scattered once after; pp_fsdp: a stage's [L/S, ...] leaves."""
     rows = [row(ctx, "forward", "all-gather", ("data",), w.leaves,
                 layers_held(w, stages) * _local_bytes(ctx, w, tensor_shards),
                 f"gather_step: fsdp_gather of {w.name} {leaf_label(w, stages)} over data, once per step")
@@ -153,9 +148,7 @@ def _fsdp_norm_rows(ctx: Ctx, stages: int = 1) -> list[Row]:
 
 
 def tp_rows(ctx: Ctx, batch: int) -> list[Row]:
-    """Megatron over tensor with `batch` sequences per device (B under tp, B/d under fsdp_tp):
-    per micro-batch of batch/K sequences, K times per step (they are in each micro-batch's
-    forward and backward)."""
+    """Megatron over tensor with `batch` sequences per device, per micro-batch, K times per step."""
     return repeated(ctx.k, _tp_micro_batch_rows(ctx, batch // ctx.k))
 
 
@@ -166,9 +159,7 @@ def repeated(k: int, rows: list[Row]) -> list[Row]:
 
 
 def cross_entropy_rows(ctx: Ctx, batch: int) -> list[Row]:
-    """The vocab-parallel cross-entropy's 3 all-reduces of per-token statistics [b, T] f32; with
-    ModelConfig.loss_chunks = n, 3 per chunk of [b T / n] (the same bytes; none in the backward
-    pass, which reads the saved log-sum-exp)."""
+    """The vocab-parallel cross-entropy's 3 all-reduces of per-token f32 statistics [b, T] (per chunk under loss_chunks)."""
     n = ctx.cfg.loss_chunks or 1
     stats = batch * ctx.seq * F32 // n
     tok = f"[{batch},{ctx.seq}] f32" if n == 1 and not ctx.cfg.loss_chunks else f"[{batch * ctx.seq // n}] f32 x {n} chunks"

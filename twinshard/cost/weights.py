@@ -1,10 +1,7 @@
 """The parameter tree as the cost model sees it, and how each strategy splits it.
 
-`weights(cfg)` lists the weights of `TransformerLM` (leaf names as in
-twinshard/model/transformer.py), in the notation of the package docstring
-(twinshard/cost/__init__.py). The blocks are one stack scanned over L
-(model.scan_layers): each block weight is a leaf [L, ...] with logical axes
-('layers', ...), and the scan body uses one layer's slice (the shape below):
+`weights(cfg)` lists the weights of `TransformerLM` (notation: twinshard/cost/__init__.py); each
+block weight is a scanned leaf [L, ...] whose one-layer slice is:
 
     kind    weight                   shape        logical axes     count   leaves
     matrix  token_embeddings         [V, D]       (vocab, embed)   1       1
@@ -17,19 +14,14 @@ twinshard/model/transformer.py), in the notation of the package docstring
     norm    ln1, ln2                 [D]          (norm,)          2L      2 x [L, D]
     norm    ln_final                 [D]          (norm,)          1       1
 
-so there are 7L + 2 matrices and 2L + 1 norm vectors in 12 leaves,
-N = 2VD + L(2D^2 + 2D Hkv dh + 3DF + 2D) + D parameters (= `ModelConfig.num_params()`; Hkv the
-key/value heads, = H and so 4D^2 without grouped-query attention).
+so 7L + 2 matrices and 2L + 1 norm vectors in 12 leaves (= `ModelConfig.num_params()`).
 A mixture of experts (E experts of width F_e) has, in place of the three ffn matrices:
 
     matrix  ffn.router               [D, E]         (embed, router)          L   1 x [L, D, E] (f32)
     matrix  ffn.{w1,w3}              [E, D, F_e]    (experts, embed, mlp)    2L  2 x [L, E, D, F_e]
     matrix  ffn.w2                   [E, F_e, D]    (experts, mlp, embed)    L   1 x [L, E, F_e, D]
-With K = first_dense_layers > 0 every block weight is two groups, one per stack
-(ModelConfig.stacks): `dense_layers.*` of K layers (the dense ffn) and the L - K MoE layers'.
-`RULES` maps each logical axis to the mesh axis a strategy splits it over (`rules`: for one model on
-one mesh, grouped-query attention's kv heads replicated where the tensor axis is larger); `shard_count`,
-`layers_held`, `local_bytes` and the shape labels size a weight's piece on one device.
+With first_dense_layers > 0 each block weight is two groups, one per stack (ModelConfig.stacks).
+`RULES` maps each logical axis to the mesh axis a strategy splits it over.
 """
 
 from __future__ import annotations
@@ -52,23 +44,17 @@ RULES: dict[str, dict[str, str]] = {s.name: s.split_rules for s in strategies.DE
 
 
 def rules(strategy: str, cfg: ModelConfig, mesh: Mapping[str, int]) -> dict[str, str]:
-    """RULES[strategy] for this model on this mesh: without kv_heads where the tensor axis is larger
-    than the key/value heads, which are then replicated over it (strategies.Strategy.placed)."""
+    """RULES[strategy] for this model on this mesh, without kv_heads where tensor exceeds the kv heads."""
     return strategies.get(strategy).placed(cfg.kv_heads, mesh).split_rules
 
 
 def used_shards(cfg: ModelConfig, w: Weight, t: int) -> int:
-    """Into how many column pieces Megatron over t tensor devices cuts w where it is used: t for
-    a head / mlp / vocab-split weight; min(t, Hkv) for grouped-query attention's k and v (Hkv/t
-    kv heads per device, or one kv head where the tensor axis is larger: each device slices its
-    own from the replicated weight, manual_parallel/tp.py)."""
+    """Column pieces Megatron over t devices cuts w into where used: t, or min(t, Hkv) for k and v."""
     return min(t, cfg.kv_heads) if KV_HEADS in w.axes else t
 
 
 def local_bytes(cfg: ModelConfig, w: Weight, mesh: Mapping[str, int], t: int, s: int) -> int:
-    """Bytes of one device's piece of one layer's weight w where it is used (FSDP's gathered value):
-    a matrix cut into `used_shards` column pieces over t tensor devices and, for the experts, into
-    the `expert` axis's E/ep; a norm gain whole. `s` bytes per element, the router's float32."""
+    """Bytes of one device's piece of one layer's weight w where it is used (FSDP's gathered value)."""
     if not w.is_matrix:
         return w.size * s
     experts = mesh.get("expert", 1) if w.is_experts else 1
@@ -76,22 +62,14 @@ def local_bytes(cfg: ModelConfig, w: Weight, mesh: Mapping[str, int], t: int, s:
 
 
 def kv_replicated(cfg: ModelConfig, mesh: Mapping[str, int]) -> bool:
-    """The k/v weights are replicated over `tensor` by the strategies that split heads over it:
-    a tensor axis larger than (a multiple of) the kv heads."""
+    """The k/v weights are replicated over a `tensor` axis larger than the kv heads."""
     return cfg.kv_heads % mesh.get("tensor", 1) != 0
 
 
 @dataclass(frozen=True)
 class Weight:
-    """A group of identical per-layer weights (e.g. the 2L k/v projections).
-
-    `count` weights of `shape` are used per forward pass. A `stacked` group
-    lives in `count // layers` parameter leaves of shape [layers, *shape] (the
-    scanned block stack: e.g. k and v are 2 leaves [L, D, Hkv*dh], q is its
-    own group, 1 leaf [L, D, H*dh]); collectives inside the scan body act on
-    one layer's weight (`count` of them per step), those on whole gradients on
-    one leaf (`leaves` of them).
-    """
+    """A group of identical per-layer weights (e.g. the 2L k/v projections): `count` per forward
+    pass; a `stacked` group lives in `leaves` parameter leaves [layers, *shape]."""
 
     name: str
     shape: tuple[int, ...]  # one layer's weight
@@ -129,8 +107,7 @@ class Weight:
 
 
 def weights(cfg: ModelConfig) -> list[Weight]:
-    """The weights of `TransformerLM`, grouped by shape and role (block weights stacked [n, ...],
-    one group per stack of ModelConfig.stacks: the first dense layers' named `dense_layers.*`)."""
+    """The weights of `TransformerLM`, one group per stack of ModelConfig.stacks."""
     v, d = cfg.padded_vocab_size, cfg.d_model
     blocks = [_block_weights(stack, "" if name == "layers" else f"{name}.") for name, stack in cfg.stacks]
     return [
@@ -165,8 +142,7 @@ def shard_count(w: Weight, rules: Mapping[str, str], mesh: Mapping[str, int]) ->
 
 
 def layers_held(w: Weight, stages: int = 1) -> int:
-    """How many of w's layers one device holds: L/S of a stacked block weight split over `stages`
-    pipeline stages (L without a pipeline), 1 otherwise."""
+    """How many of w's layers one device holds: L/S under `stages` pipeline stages, 1 if not stacked."""
     return w.layers // stages if w.stacked else 1
 
 

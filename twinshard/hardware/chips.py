@@ -1,40 +1,11 @@
 """What one accelerator chip can do: the datasheet table that `launch.plan` and `launch.bench` read.
 
-Per chip: dense peak FLOP/s (bf16; tf32/fp32 where the vendor publishes them), HBM capacity and
-bandwidth, and the links to other chips:
-
-- TPU: ICI, `ici_links` links per chip (4 on the 2D torus of v5e/v6e, 6 on the 3D torus of
-  v4/v5p), each `ici_link_bytes_per_s` in ONE direction (the link carries as much the other way).
-  Wraparound links close a side of the grid into a ring, side by side (`Topology.wraps`): on
-  v4/v5p the optical switches close whole 4x4x4 cubes, so a slice whose sides are all multiples
-  of `torus_multiple` = 4 wraps on every side and a smaller one on none (Google's v5p page: "All
-  4x4x4 and larger slices (one cube) have full 3D torus connectivity. Slices smaller than a full
-  cube ... don't have wrap-around links"); v5e/v6e have no optical switches and wrap each side
-  that spans the pod's 16 chips on its own (`wraps_per_side`; the scaling book's TPU chapter:
-  "A TPU v5e 8x16 will have a wraparound on the longer axis"). A slice is any grid that fits in
-  the `pod` (v5p 16x20x28 = 8960 chips, the full pod the scaling book trains LLaMA-3 on); the
-  largest single-slice job Google schedules can be smaller (`max_slice_chips`: v5p 6144 chips,
-  16x16x24, "The largest job that can be scheduled is a 96 cube (6144 chip) job"), which the
-  planner notes, not refuses. Slices talk to each other over the data-center network (DCN),
-  `dcn_bytes_per_s` per chip in one direction: v5p 50 Gb/s per chip (Google's v5p page: "Data
-  center network (DCN) bandwidth per chip (Gbps) 50"; the scaling book's 25 GB/s per 4-chip
-  host), v5e 6.4 Tb/s per 256-chip pod = 25 Gb/s per chip (Google's v5e page: 2 x 100 Gb/s NICs
-  per 8-chip host); None where no figure is published.
-- GPU: `nvlink_bytes_per_s` per GPU in one direction into the node's NVSwitch fabric (any GPU
-  to any other in the node at that rate), `gpus_per_node` GPUs per HGX node, and the node's
-  network to the other nodes, `node_network_bytes_per_s` in one direction for the whole node
-  (HGX H100/H200: 8 ConnectX-7 NICs x 400 Gb/s InfiniBand NDR = 400 GB/s; one NIC per GPU).
-
-Units are in the field names, except the peaks (`bf16`, `tf32`, `fp32`), which are TFLOP/s as
-datasheets print them (dense: NVIDIA's figures "with sparsity" halved). "GB" of HBM on
-datasheets is read as GiB, which is what the devices report (an H100 80GB shows 81559 MiB
-in nvidia-smi; Google's v4/v5p pages say GiB).
-
-Sources: `source` is the vendor page of the peaks and HBM; `network_source` that of the links.
-The ICI per-link figures are the scaling book's (Austin et al., "How to Scale Your Model",
-https://jax-ml.github.io/scaling-book/tpus/: one-way 4.5e10 B/s on v4 and v5e, 9e10 on v5p and
-v6e); Google's pages give per-chip totals a few percent higher (v5e 400 GB/s bidirectional over
-4 ports, v6e 800 GB/s, v5p 1200 GB/s over 6).
+Per chip: dense peak FLOP/s (TFLOP/s as datasheets print them; NVIDIA's "with sparsity" halved),
+HBM (datasheet "GB" read as GiB, as devices report), and the links: TPU ICI (`ici_links` links,
+each `ici_link_bytes_per_s` one way; wraparound per docs/planning.md), the data-center network
+between slices (`dcn_bytes_per_s` per chip), GPU NVLink per GPU and the node's network. `source`
+and `network_source` name the vendor pages; the ICI per-link figures are the scaling book's
+(https://jax-ml.github.io/scaling-book/tpus/: one-way 4.5e10 B/s on v4 and v5e, 9e10 on v5p and v6e).
 
     >>> chip("v5p").hbm_bytes / 2**30, chip("H100").nvlink_bytes_per_s / 1e9
     (95.0, 450.0)

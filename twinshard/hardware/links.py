@@ -32,9 +32,7 @@ class Topology:
 
     @property
     def wraps(self) -> tuple[bool, ...]:
-        """Per physical axis of a TPU slice: do wraparound links close it into a ring? v4/v5p: every
-        side when the slice is whole 4x4x4 cubes, else none; v5e/v6e: each side of 16 on its own
-        (chips.py's docstring has the sources). () for a GPU cluster."""
+        """Per physical axis of a TPU slice: do wraparound links close it into a ring? () for a GPU (docs/planning.md)."""
         if not self.chip.is_tpu:
             return ()
         whole = tuple(g % self.chip.torus_multiple == 0 for g in self.grid)
@@ -116,10 +114,8 @@ def with_slices(topo: Topology, slices: int) -> Topology:
 
 
 def dcn_link(topo: Topology) -> Link:
-    """What each chip sends to the other slices: its own share of its host's NICs (chips.py). A
-    data-parallel all-reduce across slices runs as one ring per chip position, all at once (the
-    scaling book's training chapter, "Scaling Across Pods": the slice's DCN bandwidth grows with
-    its chips, T = 2 x 2 x 2 DF / (M W_dcn) per layer for M chips)."""
+    """What each chip sends to the other slices: its share of its host's NICs; a cross-slice
+    all-reduce runs one ring per chip position, all at once (the scaling book, "Scaling Across Pods")."""
     rate = topo.chip.dcn_bytes_per_s
     return Link(rate, f"DCN {rate * 8 / 1e9:g} Gb/s per chip")
 
@@ -132,32 +128,21 @@ def _split(mesh: dict[str, int]) -> list[str]:
 
 
 def inner_axis(mesh: dict[str, int]) -> str:
-    """The mesh axis jax.make_mesh puts on the closest chips: the last of size > 1 in mesh order (jax
-    assigns the axes from the last, one of size 1 taking no chips): `tensor` of fsdp_tp and tp_sp,
-    `expert` of ep and fsdp_ep (tensor 1), `context` of fsdp_cp, `data` of pp_fsdp; `tensor` when
-    none is split (tests/test_plan.py checks data x tensor, data x expert, stage x data and data x
-    context against jax's own assignment)."""
+    """The mesh axis jax.make_mesh puts on the closest chips: the last of size > 1 in mesh order
+    (`tensor` when none is split; tests/test_plan.py checks it against jax's own assignment)."""
     return (_split(mesh) or ["tensor"])[-1]
 
 
 def outer_axis(mesh: dict[str, int]) -> str:
-    """The other split axis (`data` of fsdp_tp, `stage` of pp_fsdp), on the chips the inner one
-    leaves; `data` when there is none."""
+    """The other split axis (`data` of fsdp_tp, `stage` of pp_fsdp); `data` when there is none."""
     split = _split(mesh)
     return split[0] if len(split) == 2 else "data"
 
 
 def tensor_sides(grid: tuple[int, ...], tensor: int) -> tuple[int, ...]:
-    """Chips of the tensor axis along each physical axis, as jax's mesh_utils lays out a
-    (data, tensor) mesh on a TPU slice (tensor, the more communication-heavy, placed first;
-    tests/test_plan.py checks this against jax's own assignment), and of the expert axis of a
-    (data, expert) or (data, expert, tensor 1) mesh:
-
-    1. whole physical axes whose sizes multiply to `tensor`, as many of them as possible
-       (v5p 4x4x4, tensor 16: x and y);
-    2. else part of some: the most chips on whole axes, then the most whole axes, then the
-       first axes (v5e 16x16, tensor 4: 4 chips of x; v5p 4x4x4, tensor 8: x and 2 chips of y).
-    """
+    """Chips of the tensor (or expert) axis along each physical axis, as jax's mesh_utils lays it out:
+    whole physical axes multiplying to `tensor` if possible (v5p 4x4x4, tensor 16: x and y), else
+    the most chips on whole axes first (v5p 4x4x4, tensor 8: x and 2 of y)."""
     for k in range(len(grid), 0, -1):
         for axes in itertools.combinations(range(len(grid)), k):
             if math.prod(grid[i] for i in axes) == tensor:
@@ -175,21 +160,12 @@ def tensor_sides(grid: tuple[int, ...], tensor: int) -> tuple[int, ...]:
 def _ici(topo: Topology, spans: list[tuple[int, int, bool]]) -> Link:
     """An axis over (physical axis, its chips along it, spans the whole side?): a ring on each.
 
-    Its all-to-all factor. The ledger's ring bytes of an all-to-all of B bytes over N chips are
-    (N-1)/N B per chip, as if every message went one hop: true on a switch (NVLink, the
-    inter-node fabric: factor 1), not on ICI. Dimension-ordered routing makes an all-to-all over
-    n_1 x n_2 ... chips one all-to-all of B bytes per chip along each physical axis, each on its
-    own links, at once. Along an axis of n chips each chip sends B/n to each other chip, min(j, n-j)
-    hops away: B floor(n/2) ceil(n/2) / n link-bytes per chip, spread evenly over the 2 one-way
-    links per chip of a torus ring (k = 2: B n/8 per direction for even n); on a line (k = 1) the
-    middle link carries floor(n/2) ceil(n/2) B/n each way: the same B n/(4k). So the axis takes
-    B floor(n/2) ceil(n/2) / (n k) / one-way seconds, and the Link (K = sum of k one-way links) gives
+    Its all-to-all factor: dimension-ordered routing sends B/n to each of n chips min(j, n-j) hops
+    away along each physical axis at once, over k one-way links (2 on a torus ring, 1 on a line), so
 
         factor = max_i [floor(n_i/2) ceil(n_i/2) / (n_i k_i)] x K N / (N - 1)
 
-    One physical axis: floor(n/2) ceil(n/2) / (n - 1), a ring's mean hops: n^2 / (4 (n-1)) for even
-    n (2: 1, 4: 4/3, 8: 16/7), (n+1)/4 for odd n. A 4x4 torus face (x and y, N = 16): 1/2 x 4 x
-    16/15 = 32/15, half of a 16-chip ring's 64/15 (the two axes carry their shares at once)."""
+    (one axis: n^2 / (4 (n-1)) for even n; a 4x4 torus face: 32/15)."""
     one_way, parts = topo.chip.ici_link_bytes_per_s, []
     for i, n, whole in spans:
         k = 2 if whole and topo.wraps[i] else 1  # a bidirectional ring, or one folded back on its links
@@ -220,25 +196,13 @@ def gpu_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
 
 
 def _gpu_axis(topo: Topology, n: int, stride: int) -> Link:
-    """A group of n GPUs, `stride` devices apart, as g GPUs in each of k nodes (n = g k).
-
-    A ring collective over it runs hierarchically, its levels overlapped (the scaling book's GPU
-    chapter, "Cross-node collectives": T = bytes x max over the tree's levels of (D - 1) / (D W)):
-    inside a node a ring of the g GPUs on NVLink, (g-1)/g x S at W_nvlink; across nodes a ring of
-    the k nodes, (k-1)/k x S through the g NICs the group's GPUs own (one 400 Gb/s NIC per GPU:
-    g W_nic, the node's whole 400 GB/s egress when g is a node). Per byte of the array S:
+    """A group of n GPUs, `stride` devices apart, as g GPUs in each of k nodes (n = g k): a ring runs
+    hierarchically, levels overlapped (the scaling book's "Cross-node collectives"):
 
         seconds = max((g-1)/(g W_nvlink), (k-1)/(k g W_nic)),  bytes_per_s = ((n-1)/n) / seconds
 
-    so that the ledger's ring bytes ((n-1)/n S for an all-gather, twice for an all-reduce) /
-    bytes_per_s is that time. h100:8x8, data:64: 7/8 / (400 GB/s) per byte, 450 GB/s per GPU (a
-    flat ring at each GPU's 50 GB/s NIC share took 9x as long); data:8 across nodes beside
-    tensor:8 inside them: g = 1, each GPU its own NIC, 50 GB/s. An all-to-all is not hierarchical:
-    each GPU sends B/n to every other, (g-1)/n B over NVLink and (n-g)/n B through its own NIC, at
-    once (`all_to_all` = that time over the ring bytes' time). A shift (a pipeline hop, ring
-    attention's ppermute) crosses one link: a GPU's NVLink, or its NIC when the group spans nodes.
-    A group unevenly spread over nodes (a stride or size that does not divide a node) is priced as
-    a flat ring at the NIC share, its slowest link."""
+    An all-to-all is not hierarchical (NVLink and NIC shares at once); a shift crosses one link; a
+    group unevenly spread over nodes is a flat ring at the NIC share (docs/planning.md)."""
     chip, (nodes, per_node) = topo.chip, topo.grid
     nvlink, nic = chip.nvlink_bytes_per_s, chip.node_network_bytes_per_s / chip.gpus_per_node
     span = n * stride

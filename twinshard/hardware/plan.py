@@ -2,24 +2,10 @@
 axis crosses (`evaluate`), every such plan of a model (`plan_all`) and their ranking (`rank`).
 `launch.plan` prints them; its module docstring says what each number means.
 
-Every declared strategy (twinshard/parallel/strategies.py) the model runs under is planned, on
-every mesh its declaration allows; a pipeline with the micro-batch count and schedule that rank
-best on that mesh (`_pipeline_plans`). Per chip: memory (`cost.memory`) against the usable HBM;
-compute = FLOPs per chip / (peak x mfu), causal attention half (ring attention: its skipped blocks left out)
-(`_flops_per_chip`), times a pipeline's schedule (`pipeline_factor`); and per mesh axis the
-seconds its collectives take (`comm_times`). With `Topology.slices` > 1 each
-slice runs the plan on its share of the batch and every chip's gradients are all-reduced with its
-counterparts in the other slices over the data-center network (`comm_s['dcn']`): pure data
-parallelism across slices, the scaling book's recipe beyond one pod.
-
-Where data does not divide d_model, FSDP's weights are split flat (`Plan.flat`). ZeRO-3 needs each
-device to hold 1/data of every weight, not a whole slice of its d_model dim: it can flatten a
-weight and pad it to a multiple of data (PyTorch's FSDP does: its FlatParameter), under data
-elements per weight, which the cost model's bytes // data already rounds away. No other dim would
-do in general (v5p:16x16x24's data:1536 = 3 x 512 divides none of Llama-3-70B's: 8192, 28672,
-1024, 128256). launch.train's twins split d_model itself, with even shards (shard_map and
-jit's argument shardings need them): a flat plan is ranked, and the launch line is the best
-plan launch.train runs (`Plan.runnable`).
+Every strategy the model runs under is planned on every mesh its declaration allows. Per chip:
+memory against usable HBM, compute = FLOPs / (peak x mfu) times a pipeline's `pipeline_factor`,
+and per mesh axis its collectives' seconds; `Topology.slices` > 1 adds data parallelism over DCN.
+Where data does not divide d_model, FSDP's weights are split flat (`Plan.flat`, docs/planning.md).
 """
 
 from __future__ import annotations
@@ -37,10 +23,7 @@ from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, support
 
 @dataclass(frozen=True)
 class Precision:
-    """What a parameter costs besides the compute dtype: params (and their gradients) stored in
-    `params`, the optimizer state in `optimizer`, and a float32 master copy when `master` (mixed
-    precision's bf16 weights + f32 master + f32 moments). Default: float32 params and state, as
-    launch.train trains (16 bytes per parameter under AdamW)."""
+    """Params' (and gradients') and optimizer state's storage, plus a float32 master copy when `master`."""
 
     params: str = "float32"
     optimizer: str = "float32"
@@ -102,8 +85,7 @@ class Plan:
         return mesh_lib.mesh_str(self.mesh, self.strategy)
 
     def label(self) -> str:
-        """The mesh, and what else sets the plan apart ('data:1536,tensor:4 flat', 'dcn:2 x data:64,tensor:1',
-        'stage:4 M=16 1f1b')."""
+        """The mesh, and what else sets the plan apart ('data:1536,tensor:4 flat', 'stage:4 M=16 1f1b')."""
         text = self.mesh_text() + (" flat" if self.flat else "")
         if self.strategy in cost.PIPELINES:
             text += f" M={self.microbatches} {self.schedule}"
@@ -111,9 +93,7 @@ class Plan:
 
 
 def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
-    """Seconds per mesh axis: ring bytes / bandwidth; an all-to-all's times its link's hop factor
-    (Link.all_to_all), a shift's (collective-permute: a pipeline hop, ring attention) at the rate of
-    the one link it crosses (Link.hop_bytes_per_s); a group over several axes goes at the slowest."""
+    """Seconds per mesh axis: ring bytes / bandwidth (x Link.all_to_all for an all-to-all, a shift at one link's rate)."""
     out = dict.fromkeys(c.mesh, 0.0)
     for (op, axes), s in c.summary().items():
         slowest = min(axes, key=lambda a: links[a].bytes_per_s)
@@ -126,11 +106,8 @@ def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
 
 
 def pipeline_factor(microbatches: int, stages: int, schedule: str) -> float:
-    """A pipeline stage's step time / the time of its share of the FLOPs at full use. GPipe: M + S - 1
-    forward ticks and as many backward ticks, each one micro-batch on the stage (a bubble tick
-    computes too): (M + S - 1) / M. 1F1B (pipeline.one_f_one_b, a tick as long as its slowest
-    stage's op): a forward 1 unit, a backward 3 (2, and the stage's forward again: its jax.vjp
-    re-runs it), over the 3 M units of the stage's share."""
+    """A pipeline stage's step time over its FLOPs' time: GPipe (M + S - 1) / M; 1F1B a forward 1
+    unit, a backward 3 (its jax.vjp re-runs the forward), per tick the slowest stage's op."""
     if schedule == "gpipe":
         return pipeline.ticks(microbatches, stages) / microbatches
     units = {pipeline.IDLE: 0, pipeline.FORWARD: 1, pipeline.BACKWARD: 3}
@@ -139,9 +116,7 @@ def pipeline_factor(microbatches: int, stages: int, schedule: str) -> float:
 
 
 def _flops_per_chip(c: cost.Cost) -> float:
-    """MFU's FLOPs per device: causal attention half (`model_per_device`, MaxText's convention: flash
-    and splash skip the masked half); under ring attention (a `context` axis of C) the (C+1)/(2C)
-    of the attention blocks it computes (twinshard/cost/flops.py)."""
+    """MFU's FLOPs per device: causal attention half, and (C+1)/(2C) of it under ring attention."""
     f, n = c.flops, c.mesh.get("context", 1)
     skipped = 3 * f.forward_attention * (1 - (n + 1) / (2 * n) if n > 1 else 0.5)
     return f.per_device * (1 - skipped / f.total)
@@ -152,9 +127,7 @@ def train_config(cfg: ModelConfig, batch: int, microbatches: int = 1, schedule: 
 
 
 def _check_mesh(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], train: Config) -> bool:
-    """launch.train's checks of the mesh for this model (resolve.resolve_mesh: it also checks E over
-    `expert`, which cost.cost does not): True when only d_model over data fails (a flat plan), a
-    ValueError for anything else."""
+    """launch.train's mesh checks for this model: True when only d_model over data fails (flat), else ValueError."""
     spec = mesh_lib.mesh_str(mesh, strategy)
     try:
         resolve.resolve_mesh(strategy, spec, train, topo.chips, advise=False)
@@ -169,9 +142,7 @@ def _check_mesh(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str,
 def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
              mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw",
              precision: Precision = Precision(), microbatches: int = 1, schedule: str = "gpipe") -> Plan:
-    """One strategy on one mesh of each slice, `batch` sequences over all `topo.slices` slices (a
-    pipeline in `microbatches` and `schedule`); a ValueError when launch.train would refuse the
-    mesh for this model but for d_model over data (`Plan.flat`)."""
+    """One strategy on one mesh of each slice; ValueError where launch.train would refuse the mesh (flat aside)."""
     if batch % topo.slices:
         raise ValueError(f"batch={batch} does not split over {topo.slices} slices; pass a --batch_size that is "
                          f"a multiple of {topo.slices}")
@@ -185,8 +156,7 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
                   schedule=schedule, gpu=not topo.chip.is_tpu, flat_weights=flat, **precision.memory_kwargs())
     links = axis_links(topo, c.mesh)
     comm = comm_times(c, links)
-    if topo.slices > 1:  # each chip's gradients all-reduced with its counterparts in the other slices, in
-        # float32 as the in-slice collectives (cost.cost: param_bytes sizes the memory only)
+    if topo.slices > 1:  # each chip's f32 gradients all-reduced with its counterparts in the other slices
         links["dcn"] = dcn_link(topo)
         grads = c.memory.grads * F32 // DTYPE_BYTES[precision.params]
         comm["dcn"] = 2 * (topo.slices - 1) / topo.slices * grads / links["dcn"].bytes_per_s
@@ -199,9 +169,7 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
 
 
 def candidate_meshes(strategy: str, n: int) -> list[dict[str, int]]:
-    """Every factoring of n over the strategy's mesh axes that its declaration allows
-    (mesh.check_mesh: dp/fsdp data x tensor 1, tp data 1, pp stage x data 1 x tensor 1, ...); the
-    inner axis smallest first (data:64,tensor:1, data:32,tensor:2, ...)."""
+    """Every factoring of n over the strategy's mesh axes its declaration allows, inner axis smallest first."""
     out = []
     for shape in mesh_lib.factorings(tuple(a for a in mesh_lib.ORDER if a in mesh_lib.NEEDS[strategy]), n):
         try:
@@ -223,9 +191,7 @@ class Skipped:
 
 
 def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
-    """The declared strategies the model runs under (twinshard/parallel/support.py: a dense model
-    all but ep and fsdp_ep; a mixture of experts dp, fsdp, ep, fsdp_ep), and the others ->
-    resolve.check_experts's reason."""
+    """The declared strategies the model runs under, and the others -> resolve.check_experts's reason."""
     ok, refused = [], {}
     for strategy in support.SUPPORT:
         try:
@@ -245,8 +211,7 @@ def _best(plans: list[Plan], rank_by: str) -> Plan:
 
 def _pipeline_plans(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
                     rank_by: str, **kwargs) -> list[Plan]:
-    """One plan per schedule, with the micro-batch count M (a divisor >= S of a data shard's rows)
-    that ranks best; the first ValueError when no M gives a plan."""
+    """One plan per schedule with the micro-batch count M that ranks best; ValueError when none gives a plan."""
     rows, stages = batch // topo.slices // mesh.get("data", 1), mesh["stage"]
     counts = [m for m in range(stages, rows + 1) if rows % m == 0]
     if not counts:  # pipeline.check names the value and the fix
@@ -269,8 +234,7 @@ def _pipeline_plans(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[
 def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0, headroom: float = 0.25,
              optimizer: str = "adamw", precision: Precision = Precision(),
              rank_by: str = "serial") -> tuple[list[Plan], list[Skipped]]:
-    """Every (strategy, mesh) the model splits on, and those it does not (with the first reason);
-    the strategies it cannot run under at all (`runnable`) are in neither."""
+    """Every (strategy, mesh) the model splits on, and those it does not (with the first reason)."""
     plans, skipped = [], []
     kwargs = dict(mfu=mfu, headroom=headroom, optimizer=optimizer, precision=precision)
     for strategy in runnable(cfg)[0]:

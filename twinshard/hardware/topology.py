@@ -1,39 +1,19 @@
 """TPU pods without TPUs: compile for a TPU topology on this CPU machine (AOT only).
 
-With the `tpu` extra installed (`jax[tpu]==0.12.0.1`, libtpu 0.0.50.1),
-`devices("v5e:4x4")` returns the 16 devices of a 4-host v5e pod that is not
-here. A runner built on them (`make_runner(strategy, mesh, cfg,
-devices=mesh_devices(shape, devs))`) lowers and compiles its train step for
-that pod: `train_step.lower(runner.abstract_state(), x, x).compile()` is real
-TPU HLO (`twinshard.hlo.ledger`) and `memory_analysis()` is per chip. Nothing
-runs and nothing touches the network; CPU jax keeps working beside it
-(JAX_PLATFORMS=cpu is fine: the topology does not need a TPU backend).
+With the `tpu` extra (libtpu 0.0.50.1), `devices("v5e:4x4")` returns the 16 devices of a pod
+that is not here; a runner built on them compiles real TPU HLO and per-chip `memory_analysis()`
+for it. Nothing runs, nothing touches the network, and CPU jax keeps working beside it.
 
     >>> devs = devices("v5e:4x4")                        # doctest: +SKIP
     >>> runner = make_runner("fsdp", "data:16,tensor:1", cfg, devices=mesh_devices(
     ...     {"data": 16, "tensor": 1}, devs))            # doctest: +SKIP
 
-How the TPU compiler prints the manual twin differs from the cost model in two
-ways (measured, libtpu 0.0.50.1; `tpu_expected` turns the model into what TPU prints,
-tests/test_tpu_topology.py holds the two equal):
-
-1. FSDP all-gathers of weights that a matmul reads are done in bf16: TPU's
-   default matmul precision reads f32 operands as bf16, so XLA converts before
-   the gather and moves half the bytes. The embedding table is read by a
-   lookup, not a matmul, and is gathered in f32. Counts are unchanged.
-2. Some reduce-scatters are compiled as an all-reduce of the full gradient
-   followed by a local slice: all of the FSDP gradient reduce-scatters when the
-   group spans the whole grid (data=16 on v5e:4x4), and on data=4 x tensor=4
-   those of output_proj and of the embedding, whose scattered dimension (d_model)
-   is the minor one of the TPU layout. Such an all-reduce
-   carries |data| x the bytes of the reduce-scatter it replaces and no source
-   line (it is combined into one tuple all-reduce with the norm-gain pmeans).
-
-Per-chip memory: `argument_bytes` splits `memory_analysis().argument_size_in_bytes`
-into params / optimizer moments / the rest (step counters, the local batch),
-each as the unpadded shard bytes (what `twinshard.cost.memory` models) and as
-TPU stores it: every array padded to its layout tile (f32 [16,16] with tile
-(8,128) takes [16,128]), which is exactly how XLA counts argument bytes.
+The TPU compiler prints the manual twin differently from the cost model (measured, libtpu
+0.0.50.1; `tpu_expected` converts, tests/test_tpu_topology.py holds them equal): FSDP gathers of
+matmul weights run in bf16 (TPU's default precision reads f32 as bf16), and some reduce-scatters
+become an all-reduce of the full gradient + a slice (all of them when the group spans the whole
+grid; on data=4 x tensor=4 those whose scattered dim, d_model, is the TPU layout's minor one).
+`argument_bytes` splits argument memory into params / moments / the rest, unpadded and tile-padded.
 """
 
 from __future__ import annotations
@@ -77,8 +57,7 @@ def _grid(name: str) -> tuple[int, ...]:
 
 
 def chips_per_host(name: str) -> tuple[int, int, int]:
-    """Default chips per host for a topology: 2x2x1, each bound lowered to 1 where it does not
-    divide the grid (so v5e:1x1 is one host and v5e:4x4 is 4 hosts of 2x2)."""
+    """Default chips per host: 2x2x1, each bound lowered to 1 where it does not divide the grid."""
     grid = _grid(name) + (1,) * (3 - len(_grid(name)))
     x, y, z = (b if g % b == 0 else 1 for b, g in zip(DEFAULT_CHIPS_PER_HOST, grid))
     return x, y, z
@@ -86,11 +65,7 @@ def chips_per_host(name: str) -> tuple[int, int, int]:
 
 def devices(name: str, chips_per_host_bounds: Sequence[int] | None = None,
             num_slices: int = 1) -> list:
-    """The devices of TPU topology `name` (e.g. 'v5e:4x4': 16 chips on 4 hosts), for AOT.
-
-    Needs libtpu (the `tpu` extra); raises ValueError naming the fix when it is
-    missing or when the name / host bounds do not describe a topology.
-    """
+    """The devices of TPU topology `name` (e.g. 'v5e:4x4'), for AOT; needs libtpu (the `tpu` extra)."""
     grid = _grid(name)
     if not libtpu_installed():
         raise ValueError(f"--topology={name}: {LIBTPU_MISSING}")
@@ -99,9 +74,8 @@ def devices(name: str, chips_per_host_bounds: Sequence[int] | None = None,
     bounds = tuple(chips_per_host_bounds) if chips_per_host_bounds else chips_per_host(name)
     chip_config = "megacore" if name.startswith(_MEGACORE) else "default"
     if not tpu_chips_here():
-        # libtpu takes /tmp/libtpu_lockfile when it loads, so a second process (the CLI beside a
-        # test run) fails with "ABORTED: Internal error when accessing libtpu multi-process
-        # lockfile" (measured). The lock guards TPU chips; with none here, do not take it.
+        # libtpu's /tmp/libtpu_lockfile makes a second process fail ("ABORTED: ... multi-process
+        # lockfile", measured); it guards TPU chips, and there are none here
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         with _quiet_libtpu_load():
@@ -120,11 +94,8 @@ def devices(name: str, chips_per_host_bounds: Sequence[int] | None = None,
 
 @contextlib.contextmanager
 def _quiet_libtpu_load():
-    """Drop what libtpu writes to stderr (fd 2) while it loads on a machine without TPU chips:
-    'Failed to find host bounds...' and 'E0000 ... unexpected worker hostname ...
-    TPU_WORKER_HOSTNAMES' (it looks for the TPU VM metadata of this host, which compiling for
-    a topology does not use; measured, libtpu 0.0.50.1). Errors still raise. On a machine with
-    TPU chips nothing is dropped."""
+    """Drop what libtpu writes to fd 2 while it loads without TPU chips ('Failed to find host bounds',
+    'TPU_WORKER_HOSTNAMES'; measured, libtpu 0.0.50.1); errors still raise."""
     if tpu_chips_here():
         yield
         return
@@ -140,10 +111,8 @@ def _quiet_libtpu_load():
 
 
 def compile_for_pod(lowered):
-    """`lowered.compile()` for a topology's devices, with JAX's persistent compilation cache off:
-    JAX 0.12 writes a compile-only TPU executable to the cache and cannot read it back (no TPU
-    client to load it into; twinshard/train/compile_cache.py), so the entry is dead weight on disk
-    and a warning plus a recompile in every later run."""
+    """`lowered.compile()` with the persistent cache off: JAX 0.12 writes a compile-only TPU
+    executable to the cache and cannot read it back (twinshard/train/compile_cache.py)."""
     from twinshard.train import compile_cache
 
     with compile_cache.disabled():
@@ -151,9 +120,7 @@ def compile_for_pod(lowered):
 
 
 def mesh_devices(shape: Mapping[str, int], devs: Sequence[Any]) -> list:
-    """`devs` ordered for a ('data', 'tensor') mesh of `shape` by `mesh_utils` (neighbours on
-    the fast ICI links), flattened row-major: pass it as `make_runner(..., devices=...)`.
-    An axis that is no product of physical axes (tensor:8 on a 4x4 grid) splits one."""
+    """`devs` ordered for a ('data', 'tensor') mesh of `shape` by `mesh_utils`, flattened row-major."""
     from jax.experimental import mesh_utils
 
     from twinshard.parallel import mesh as mesh_lib
@@ -173,9 +140,7 @@ def mesh_devices(shape: Mapping[str, int], devs: Sequence[Any]) -> list:
 
 
 def padded_bytes(shape: Sequence[int], dtype: Any, layout: Any) -> int:
-    """Bytes of one array as the device stores it: the minor dims (in `layout.major_to_minor`
-    order) rounded up to the first tile of `layout.tiling` (TPU: f32 (8,128), scalars (128,)).
-    A layout without tiling (CPU) gives the plain size."""
+    """Bytes of one array as the device stores it: minor dims rounded up to the layout's tile (TPU f32 (8,128))."""
     itemsize = np.dtype(dtype).itemsize
     if layout is None or not getattr(layout, "tiling", None):
         return math.prod(shape) * itemsize
@@ -188,15 +153,9 @@ def padded_bytes(shape: Sequence[int], dtype: Any, layout: Any) -> int:
 
 
 def argument_bytes(compiled: Any, state: Any, *batch: Any) -> dict[str, dict[str, int]]:
-    """Per-chip argument bytes of a compiled train step `step(state, *batch)`, by part.
-
-    {'params' | 'optimizer' | 'counters' | 'batch' | 'total': {'bytes': unpadded shard
-    bytes, 'padded': as stored (tile-padded)}}: 'optimizer' = the AdamW moments (mu, nu),
-    'counters' = the rest of the state (step, Adam count, skipped), 'batch' = the local
-    tokens. Inputs XLA pruned (unused, e.g. the previous grad norm) take no memory and
-    are left out. total/padded equals `compiled.memory_analysis().argument_size_in_bytes`
-    (measured on TPU and CPU).
-    """
+    """Per-chip argument bytes of a compiled `step(state, *batch)`: {'params' | 'optimizer' |
+    'counters' | 'batch' | 'total': {'bytes', 'padded'}}; inputs XLA pruned are left out, and
+    total/padded equals memory_analysis().argument_size_in_bytes (measured on TPU and CPU)."""
     import jax
 
     formats = jax.tree.leaves(compiled.input_formats)
@@ -236,20 +195,10 @@ TPU_NOTES = (
 
 
 def tpu_expected(cfg: Any, model: Any, ledger: Any) -> dict[tuple[str, tuple[str, ...]], dict[str, float]]:
-    """`model.summary()` (twinshard.cost) as the TPU compiler prints the manual twin.
-
-    1. all-gather over data: the model's elements, each gather in bf16 or f32 as TPU chose
-       (the default matmul precision reads f32 as bf16, so XLA may convert before the gather;
-       the embedding table is always f32). Which weights TPU gathers in bf16 depends on
-       the layer loop (measured, libtpu 0.0.50.1), so the bytes are the ledger's own
-       when, and only when, its gathers carry exactly the model's elements.
-    2. where the model has reduce-scatters over data, each all-reduce over data of a matrix
-       gradient in `ledger` is one of them compiled as all-reduce + slice: the reduce-scatter
-       row loses it (bytes / |data|), the all-reduce row gains it (full bytes). The manual
-       twin's only other data all-reduces are of norm gains (their leaves: [D] for ln_final,
-       [n, D] for each stack's ln1/ln2, ModelConfig.stacks) and scalars.
-    Measured on v5e (libtpu 0.0.50.1); other generations may differ.
-    """
+    """`model.summary()` (twinshard.cost) as the TPU compiler prints the manual twin (module
+    docstring): gathers over data in the ledger's bf16/f32 bytes when they carry exactly the model's
+    elements; each data all-reduce of a matrix gradient moved from the reduce-scatter row to the
+    all-reduce row. Measured on v5e (libtpu 0.0.50.1)."""
     from twinshard import cost
     from twinshard.hlo import ring_bytes
 
@@ -286,8 +235,7 @@ _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s8
 
 
 def tpu_chips_here() -> bool:
-    """Is a TPU chip attached to this machine? JAX's own test (PCI ids, `jax._src.hardware_utils`),
-    falling back to the device files TPU VMs have (/dev/accel*, /dev/vfio/N)."""
+    """Is a TPU chip attached? JAX's own PCI test, falling back to /dev/accel* and /dev/vfio/N."""
     try:
         from jax._src import hardware_utils
         return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
@@ -300,13 +248,9 @@ def gpu_here() -> bool:
 
 
 def default_to_cpu() -> bool:
-    """With libtpu installed (the tpu extra) on a machine without TPU chips, JAX's platform probe
-    (JAX_PLATFORMS unset) loads libtpu, which prints errors ('Failed to find host bounds',
-    'E0000 ... TPU_WORKER_HOSTNAMES') and holds /tmp/libtpu_lockfile for the life of the
-    process, before JAX falls back to CPU (measured: ~0.1 s, same results). Skip the probe: set
-    jax_platforms=cpu unless JAX_PLATFORMS is set, a TPU chip or a GPU is here, or libtpu is
-    absent. Call before JAX's backend starts (before the first jax.devices() or computation;
-    importing jax is fine). Returns whether it set it."""
+    """Set jax_platforms=cpu unless JAX_PLATFORMS is set, a TPU chip or GPU is here, or libtpu is
+    absent: libtpu's probe on a chipless machine prints errors and holds /tmp/libtpu_lockfile (measured).
+    Call before JAX's backend starts; returns whether it set it."""
     if os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_FORCE_TPU_INIT") or not libtpu_installed():
         return False
     if tpu_chips_here() or gpu_here():

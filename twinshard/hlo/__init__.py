@@ -1,11 +1,7 @@
 """The collective ledger of a compiled XLA program, and the HLO reading behind it.
 
-`ledger(compiled, mesh)` lists every collective of a compiled program (user reference:
-docs/hlo-assertions.md). The modules, each importing only those before it: `parse` (HLO
-text -> computations of instructions), `groups` (replica groups, mesh axes,
-collective-permute patterns), `loops` (how many times each computation runs; the copies
-TPU async collective fusions print), `records` (`Collective`, `Ledger`, `ledger()`; not
-named `ledger`, which would clash with the function re-exported here).
+`ledger(compiled, mesh)` lists every collective of a compiled program (docs/hlo-assertions.md).
+Modules, each importing only those before it: parse, groups, loops, records.
 """
 
 from twinshard.hlo.groups import (MeshSpec, Shift, classify, decode_replica_groups, describe_permute,

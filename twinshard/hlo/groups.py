@@ -3,47 +3,14 @@
 `decode_replica_groups` turns any printed `replica_groups` into groups of partition ids,
 `classify` names the mesh axes a group spans (and those it covers only partly), and
 `shift_pairs` / `describe_permute` go between a collective-permute's `source_target_pairs`
-and its pattern. Real lines below: JAX 0.12.0.1 / XLA:CPU.
+and its pattern.
 
-Replica groups. Group ids are *partition ids* = row-major positions in the
-mesh, NOT `device.id`: a shard_map over a mesh whose devices are reversed still
-prints `source_target_pairs={{0,4},{4,0},...}` for a ppermute over 'data'.
-
-- mesh-named ("RGV3"), what shard_map emits, also GSPMD with renamed axes::
-
-    %all_gather.3 = f32[16,4]{1,0} all-gather(%param.1), channel_id=1,
-        replica_groups=mesh['data'=2,'tensor'=4] {'tensor'}, dimensions={0}, ...
-    %all-reduce = f32[8,8]{1,0} all-reduce(%ynn_fusion), channel_id=1,
-        replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, ...      (GSPMD)
-
-  Sub-axes are `'name':(pre)size` (Shardy notation: split the axis into
-  pre x size x rest and take the middle factor). Measured on the same program
-  with `--xla_enable_rgv3_materialization=false`:
-  `{'tensor':(1)2}` == `[4,2]<=[4,2]T(1,0)` and `{'tensor':(2)2}` == `[4,2]<=[8]`.
-  Never seen printed here, but accepted by XLA's HLO parser, so decoded too:
-  `mesh[...] {}` (no axes: every device alone) and
-  `mesh[...], device_ids=(7,6,...) {'data'}` (ids = device_ids[position];
-  axes are classified from positions).
-- iota, with and without transpose (GSPMD, even with RGV3 on: mixed formats
-  in one module)::
-
-    %all-reduce = f32[8,2]{1,0} all-reduce(%ynn_fusion), channel_id=1,
-        replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, ...
-    %all-gather = f32[4,8]{0,1} all-gather(%all-reduce), channel_id=2,
-        replica_groups=[4,2]<=[8], dimensions={1}, ...
-
-- explicit `replica_groups={{0,4},{1,5},{2,6},{3,7}}` and `{}` (= all
-  partitions in one group): accepted by the XLA parser, not printed by JAX
-  0.12 on CPU; older JAX and hand-written HLO use them.
-
-Who sends to whom. A collective-permute's `source_target_pairs` are decoded to
-mesh coordinates (`coordinate_pairs`), one `Shift` per axis they move along, and
-a `pattern`: 'stage +1' when every device sends one step along `stage` and the
-last sends nothing (a line), 'context ring -1' when every device sends one step
-back around a ring, and a description marked irregular for any other set (a
-pair extra or missing, both directions, a pair moving along two axes). The
-pattern is the permute's axes column in `Ledger.table()` and counted per pattern in
-`Ledger.summary()`; `twinshard.testing.expect_permute` asserts it.
+Group ids are *partition ids* (row-major positions in the mesh), NOT `device.id`. Formats
+(JAX 0.12.0.1 / XLA:CPU): mesh-named `replica_groups=mesh['data'=2,'tensor'=4] {'tensor'}`
+(shard_map, also GSPMD with renamed axes; sub-axes `'name':(pre)size`, measured equal to
+`{'tensor':(1)2}` == `[4,2]<=[4,2]T(1,0)`), iota `[4,2]<=[2,4]T(1,0)` (GSPMD, mixed in one module),
+and explicit `{{0,4},{1,5}}` (accepted by XLA's parser, not printed by JAX 0.12 on CPU).
+A permute's pattern: 'stage +1' (a line), 'context ring -1' (a ring), or marked irregular.
 """
 
 from __future__ import annotations
@@ -61,12 +28,8 @@ from twinshard.hlo.parse import split_top
 
 @dataclass(frozen=True)
 class Shift:
-    """How a collective-permute moves data along one mesh axis.
-
-    `steps`: the signed steps of its pairs along `axis`, sorted (+1 = to the next index);
-    `wrap`: some pair goes around the end (n-1 -> 0 is a step of +1), as a ring does; a line
-    (no wrap) leaves the device whose target would fall off the end sending nothing.
-    """
+    """How a collective-permute moves data along one mesh axis: its sorted signed `steps`, and `wrap`
+    when some pair goes around the end (a ring)."""
 
     axis: str
     steps: tuple[int, ...]
@@ -228,10 +191,8 @@ def pair_components(pairs: Iterable[tuple[int, int]]) -> list[list[int]]:
 
 
 def shift_pairs(mesh: Any, shift: Mapping[str, int], wrap: bool) -> frozenset[tuple[int, int]]:
-    """Source-target pairs (partition ids) of every device sending `shift[axis]` steps along
-    each named axis, its other coordinates kept. wrap=True: modulo the axis size (a ring,
-    every device sends); wrap=False: a device whose target falls off the end sends nothing
-    (a line: the last stage of a pipeline)."""
+    """Source-target pairs of every device sending `shift[axis]` steps along each axis; wrap=True a
+    ring, wrap=False a line (the device falling off the end sends nothing)."""
     spec = mesh_spec(mesh)
     coords = np.indices(spec.shape).reshape(len(spec.shape), -1)  # [axis, position]
     target = coords.copy()
@@ -247,35 +208,26 @@ def shift_pairs(mesh: Any, shift: Mapping[str, int], wrap: bool) -> frozenset[tu
 
 
 def ring_step(k: int, n: int) -> int:
-    """The step of a ring of n printed for `k`: k mod n in (-n/2, n/2] (on 2 devices +1 and -1
-    are one ring, printed +1)."""
+    """The step of a ring of n printed for `k`: k mod n in (-n/2, n/2]."""
     r = k % n
     return r - n if r > n / 2 else r
 
 
 def shift_pattern(axis: str, k: int, n: int, wrap: bool) -> str:
-    """`pattern` of a permute sending every device k steps along `axis` of size n:
-    'stage +1' (a line), 'context ring -1' (a ring)."""
+    """`pattern` of a permute sending every device k steps along `axis`: 'stage +1', 'context ring -1'."""
     return f"{axis} ring {ring_step(k, n):+d}" if wrap else f"{axis} {k:+d}"
 
 
 def _pair_step(d: int, n: int) -> tuple[int, bool]:
-    """(step, wraps) of one pair moving d along an axis of n: the shorter way round; a tie
-    does not wrap."""
+    """(step, wraps) of one pair moving d along an axis of n: the shorter way round, a tie not wrapping."""
     w = d - n if d > 0 else d + n
     return (w, True) if abs(w) < abs(d) else (d, False)
 
 
 def describe_permute(pairs: Iterable[tuple[int, int]], mesh: Any) -> tuple[
         tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], tuple[Shift, ...], str]:
-    """(pairs as mesh coordinates, shifts, pattern) of a collective-permute's pairs.
-
-    The pattern is `shift_pattern`'s when the pairs are exactly `shift_pairs(mesh, {axis: k},
-    wrap)` for one axis: a line ('stage +1', every device but the last sends to the next) or
-    a ring ('context ring +1'). Any other set - a pair missing or extra, steps of both signs,
-    a pair that moves along two axes - is described per axis and marked irregular:
-    'stage -1/+1 (irregular, 4 pairs)'.
-    """
+    """(pairs as mesh coordinates, shifts, pattern) of a collective-permute's pairs; any set but
+    exactly `shift_pairs` along one axis is marked irregular: 'stage -1/+1 (irregular, 4 pairs)'."""
     spec = mesh_spec(mesh)
     pairs = tuple(pairs)
     if not pairs:

@@ -4,56 +4,17 @@
 step; `async_fusion_copies` finds the collectives that TPU async collective fusions print
 more than once, so the ledger counts each once.
 
-Loops. A collective inside a `while` body (a `lax.scan`) prints once; its
-`multiplicity` is the product of the enclosing loops' trip counts, read from
-`backend_config={..."known_trip_count":{"n":"3"}}` (XLA:CPU). Surprise: the
-TPU compiler drops `known_trip_count` from the `while` (measured, libtpu
-0.0.50.1: `%while.10 = (...) while(%tuple.20), condition=%wide.region_3.0_spmd,
-body=%wide.region_1.0_spmd.sunk`), so it is inferred from a condition whose ROOT
-is `compare(..., constant(N)), direction=LT` and the record is marked
-`multiplicity_exact=False` (with a ledger warning). Conditional branches count
-as taken (an upper bound); a computation called from k sites runs k times.
+A collective in a `while` body runs the product of the enclosing trip counts
+(`known_trip_count`); the TPU compiler drops it (measured, libtpu 0.0.50.1), so it is inferred
+from a condition `compare(..., constant(N)), direction=LT` and marked `multiplicity_exact=False`.
+Conditional branches count as taken; a computation called from k sites runs k times. In a generic
+`async-start(...), calls=%comp` the collective is counted inside `%comp`; edges from done-side ops
+are not call sites unless they are the only caller.
 
-Async call edges. In a generic `async-start(...), calls=%comp` the collective is the
-instruction inside `%comp`, counted there, once. XLA prints `calls=` on async-done
-too: call edges from `*-done` / `async-update` ops and from fusions named
-`*done*` are not call sites, unless the done side is the computation's only
-caller (next paragraph).
-
-TPU async collective fusions (measured, libtpu 0.0.50.1 on v5e:4x4, for both
-GSPMD FSDP and shard_map all_gather programs): ONE collective is printed in
-every computation of its chain::
-
-    %fused_computation.16 (...) -> (...) {            <- start: counted here
-      %all-gather.25 = bf16[256,256]{...} all-gather(%param_0.42), channel_id=4, ...
-      ROOT %custom-call.1 = (...) custom-call(%all-gather.25),
-          custom_call_target="AsyncCollectiveStart" }
-    %async_collective_fusion.19 (...) {              <- continuation: a copy
-      ... compute overlapped with the gather ...
-      %all-gather.27 = ... all-gather(%param_0.45), channel_id=4, ... }
-    %fused_computation.18 (...) -> bf16[256,256] {    <- done: a copy
-      %all-gather.29 = ... all-gather(%param_0.47), channel_id=4, ...
-      ROOT %custom-call.3 = ... custom-call(..., %all-gather.29, ...),
-          custom_call_target="AsyncCollectiveDone" }
-    ENTRY ... {
-      %async-collective-start = (...) fusion(%convert_element_type.13), kind=kCustom,
-          calls=%fused_computation.16
-      %fusion.19 = (...) fusion(%get-tuple-element.4, ...), kind=kOutput, calls=%async_collective_fusion.19
-      %async-collective-done = bf16[256,256]{...} fusion(%get-tuple-element.19, ...),
-          kind=kCustom, calls=%fused_computation.18
-
-Start computations: ROOT custom-call "AsyncCollectiveStart", or called by a
-fusion named `*async*start*`. Done computations: ROOT custom-call
-"AsyncCollectiveDone", or called only from the done side (whose fusion is
-then their call site: multiplicity as usual, no "no caller" warning).
-Continuations: 0 or more per collective. The collective is counted once, at the
-start. The copies are found by data flow: fusions that take the start's results
-(through get-tuple-element, then each continuation's) and whose computation holds
-a collective with the same op, channel_id, groups, dimensions and shape applied to
-those values (channel_id alone does not identify it: see `_copy_key`). Where the
-flow does not reach, a done's collective with a start's key is still a copy; one
-with none is counted at the done, and a continuation-like one is counted, both
-with a ledger warning.
+TPU async collective fusions (measured, libtpu 0.0.50.1, v5e:4x4) print ONE collective in every
+computation of its chain: the start (ROOT custom-call "AsyncCollectiveStart"), 0 or more
+continuations and the done ("AsyncCollectiveDone"). It is counted at the start; the copies are
+found by data flow from the start fusion (`_chain_copies`), else by `_copy_key` with a warning.
 """
 
 from __future__ import annotations
@@ -131,9 +92,7 @@ def multiplicities(mod: Module, warnings: list[str]) -> dict[str, tuple[int, boo
                 callers.setdefault(callee, []).append((comp, instr, key))
             for key, callee in _done_edges(instr):
                 done_callers.setdefault(callee, []).append((comp, instr, key))
-    # A computation called only from the done side (TPU `%async-collective-done =
-    # fusion(...), calls=%c`) runs once per done: that is its caller. Where the
-    # start also calls it (generic async-start/-done), the done edge is a back edge.
+    # A computation called only from the done side runs once per done; where the start also calls it, the done edge is a back edge.
     for callee, sites in done_callers.items():
         callers.setdefault(callee, sites)
     memo: dict[str, tuple[int, bool, bool]] = {}
@@ -190,11 +149,8 @@ def _root_call_target(instrs: list[Instr]) -> str:
 
 
 def _copy_key(instr: Instr) -> tuple | None:
-    """What every printed copy of one async collective shares (None: not a collective).
-
-    channel_id alone is not enough: measured (libtpu 0.0.50.1, shard_map FSDP on
-    v5e:4x4), three distinct all-gathers, two of them async, all had channel_id=1.
-    """
+    """What every printed copy of one async collective shares (channel_id alone is not: measured,
+    libtpu 0.0.50.1, three distinct all-gathers all had channel_id=1)."""
     op = base_opcode(instr.opcode)[0]
     if op is None:
         return None
@@ -209,13 +165,7 @@ def _copy_key(instr: Instr) -> tuple | None:
 
 def _chain_copies(start: Instr, instrs: list[Instr], keys: set[tuple], mod: Module,
                   dones: set[str]) -> set[tuple[str, str]]:
-    """Copies of the start's collective along its chain, followed by data flow.
-
-    The chain's values are the start fusion, each continuation fusion, and their
-    get-tuple-elements. A fusion that takes chain values is a continuation (or the
-    done, which ends the chain) when its computation holds a collective with the
-    start's key whose operands are all parameters bound to chain values.
-    """
+    """Copies of the start's collective along its chain, followed by data flow through the chain's fusions."""
     state, found, changed = {start.name}, set(), True
     while changed:
         changed = False
@@ -245,19 +195,7 @@ def _chain_copies(start: Instr, instrs: list[Instr], keys: set[tuple], mod: Modu
 
 
 def async_fusion_copies(mod: Module, warnings: list[str]) -> tuple[set[str], set[tuple[str, str]]]:
-    """(start computations, {(computation, instr)} of copies) of TPU async collective fusions.
-
-    One async collective is printed once per computation of its chain: the
-    start's (ROOT custom-call "AsyncCollectiveStart", or called by a fusion named
-    *async*start*), each continuation's (compute fused with the in-flight
-    collective, called by a plain fusion) and the done's (ROOT custom-call
-    "AsyncCollectiveDone", or called only from the done side). It is counted at
-    the start; the others are copies, found by data flow from the start fusion.
-    Fallbacks, where data flow does not reach (e.g. state carried through a
-    loop): a done's collective with a start's key is a copy; one without is
-    counted at the done, with a warning; a continuation-like one is counted,
-    with a warning.
-    """
+    """(start computations, {(computation, instr)} of copies) of TPU async collective fusions (module docstring)."""
     regular, done_only, fusion_only = set(), set(), {}
     for instrs in mod.computations.values():
         for i in instrs:

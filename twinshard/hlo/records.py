@@ -1,49 +1,12 @@
 """The collective ledger: every collective of a compiled XLA program, one record each.
 
-`ledger(compiled, mesh)` reads the optimized HLO text of a `jax.stages.Compiled`
-(or any HLO module text) and returns a `Ledger` of `Collective` records: which
-op, over which mesh axes, how many bytes, how many times per step, and which
-line of our code asked for it. Tests assert on it (see `twinshard.testing`).
-What is not a compiled program's HLO raises `NotCompiledHLO` (a ValueError)
-saying what to pass: a `Lowered`, StableHLO text (`lowered.as_text()`), HLO
-not yet compiled (`lowered.as_text(dialect='hlo')`), empty or unreadable text.
-
-Ops and forms (real lines, JAX 0.12.0.1 / XLA:CPU unless marked):
-
-- sync ops print once: `all-gather`, `reduce-scatter`, `all-reduce`,
-  `all-to-all`, `collective-permute` (with `source_target_pairs={{0,1},...}`),
-  `collective-broadcast`, `ragged-all-to-all`.
-- tuple all-reduce from the CPU combiner, split into one record per operand
-  (each operand's source comes from its `get-tuple-element` user)::
-
-    %all-reduce = (f32[4,4]{1,0}, f32[4,4]{1,0}) all-reduce(%param.1,
-        %broadcast_multiply_fusion), channel_id=1, replica_groups=mesh[...] {'data'}, ...
-
-- tuple all-to-all: XLA:CPU lowers `lax.all_to_all` over a group of n to an
-  all-to-all of n operands, one per peer. That is ONE collective: one record,
-  `shape` = one part, `parts` = n, `bytes` = all parts::
-
-    %all-to-all = (f32[1,4]{1,0}, f32[1,4]{1,0}, f32[1,4]{1,0}, f32[1,4]{1,0})
-        all-to-all(%wrapped_slice, ...), channel_id=1, replica_groups=mesh[...] {'tensor'}
-
-- async pairs (GPU/TPU; CPU has none), counted once at `-start`, the result
-  shape taken from the matching `-done` (TPU, libtpu 0.0.50.1)::
-
-    %collective-permute-start = (f32[64,256]{1,0:T(8,128)S(1)}, f32[64,256]{...},
-        u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%reduce_scatter.7), ...
-    %collective-permute-done = f32[64,256]{1,0:T(8,128)S(1)} collective-permute-done(...)
-
-  Also `all-gather-start/done`, `all-reduce-start/done` and the sugared async
-  forms `reduce-scatter-start/done`, `all-to-all-start/done`.
-  Measured: XLA's printer turns a hand-written `async-start(...),
-  calls=%comp` wrapping a reduce-scatter into `reduce-scatter-start` /
-  `reduce-scatter-done` and stops printing `%comp`.
-- generic `async-start` and TPU async collective fusions: see `twinshard.hlo.loops`.
-
-Ring bytes (per device sent by a ring algorithm, n = group size):
-all-gather (n-1)/n x result; reduce-scatter (n-1) x result (= (n-1)/n x operand);
-all-reduce 2(n-1)/n x bytes; all-to-all and ragged-all-to-all (n-1)/n x bytes;
-collective-permute and collective-broadcast: bytes.
+`ledger(compiled, mesh)` reads the optimized HLO text of a `jax.stages.Compiled` (or HLO module
+text) into a `Ledger` of `Collective` records: op, mesh axes, bytes, runs per step and the source
+line; anything else raises `NotCompiledHLO` saying what to pass. Forms (docs/hlo-assertions.md):
+sync ops print once; XLA:CPU's tuple all-reduce is split into one record per operand; its tuple
+all-to-all (one operand per peer) is ONE record with `parts` = n; GPU/TPU async pairs count once
+at `-start`, the shape from `-done` (measured: XLA's printer turns a hand-written `async-start`
+wrapping a reduce-scatter into `reduce-scatter-start` and stops printing the computation).
 """
 
 from __future__ import annotations
@@ -88,8 +51,7 @@ class Collective:
     tuple_index: int | None = None
     parts: int = 1
     multiplicity_exact: bool = True
-    # collective-permute only: the pairs as mesh coordinates (mesh order), one Shift per
-    # axis they move along, and `pattern`, what the pairs do in words (see describe_permute)
+    # collective-permute only: the pairs as mesh coordinates, one Shift per axis, `pattern` in words
     coordinate_pairs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     shifts: tuple[Shift, ...] = ()
     pattern: str = ""
@@ -146,13 +108,8 @@ def _result_shapes(instr: Instr, base_op: str, done: Instr | None) -> list[Shape
 
 @dataclass
 class Ledger:
-    """All collectives of one compiled program, plus what could not be read.
-
-    `instructions` is how many HLO instructions `ledger()` parsed from the
-    module (> 0 for any real program, even one with no collectives). A Ledger
-    built by hand has 0, and every `twinshard.testing.expect_*` refuses it: an
-    empty ledger proves "no collectives" only when a module was actually read.
-    """
+    """All collectives of one compiled program, plus what could not be read; `instructions` is 0
+    only for a Ledger built by hand, which every `twinshard.testing.expect_*` refuses."""
 
     records: list[Collective]
     mesh: MeshSpec
@@ -204,8 +161,7 @@ class Ledger:
         return sum(getattr(r, kind) * r.multiplicity for r in self.filter(op, axes))
 
     def summary(self) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
-        """(op, axes) -> {count, bytes, ring_bytes}, all multiplicity-weighted; a
-        collective-permute's entry also has `patterns`: {pattern: count}."""
+        """(op, axes) -> {count, bytes, ring_bytes} multiplicity-weighted (+ a permute's `patterns`)."""
         out: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
         for r in self.records:
             s = out.setdefault((r.op, r.axes), {"count": 0, "bytes": 0, "ring_bytes": 0.0})
@@ -218,16 +174,14 @@ class Ledger:
         return out
 
     def patterns(self, axes: str | Iterable[str] | None = None) -> dict[str, int]:
-        """pattern -> multiplicity-weighted count of the collective-permutes over `axes`
-        (None: any), e.g. {'stage +1': 7, 'stage -1': 7}."""
+        """pattern -> multiplicity-weighted count of the collective-permutes over `axes`."""
         out: dict[str, int] = {}
         for r in self.filter("collective-permute", axes):
             out[r.pattern] = out.get(r.pattern, 0) + r.multiplicity
         return out
 
     def table(self) -> str:
-        """Fixed-width table, one row per (op, axes, partial axes, permute pattern); a
-        collective-permute's axes column is its pattern ('stage +1', 'context ring -1')."""
+        """Fixed-width table, one row per (op, axes, partial axes, permute pattern)."""
         rows: dict[tuple, list[Collective]] = {}
         for r in self.records:
             rows.setdefault((r.op, r.axes, r.partial_axes, r.pattern), []).append(r)
@@ -350,26 +304,17 @@ def _records(instr: Instr, op: str, mod: Module, mesh: MeshSpec, mult: tuple[int
 
 
 class NotCompiledHLO(ValueError, TypeError):
-    """`ledger` was given something that is not the optimized HLO of a compiled program.
-
-    A ValueError; also a TypeError, which is what a `Lowered` used to raise."""
+    """`ledger` was given something that is not the optimized HLO of a compiled program (also a TypeError)."""
 
 
 _PASS_COMPILED = "pass `jax.jit(f).lower(*args).compile()` (a jax.stages.Compiled) or its `.as_text()`"
-# StableHLO / MLIR text, what `lowered.as_text()` prints (measured, JAX 0.12):
-#   module @jit_f attributes {mhlo.num_partitions = 8 : i32, ...} {
-#     func.func public @main(%arg0: tensor<8x4xf32> {...}) -> (tensor<f32> ...) {
-#       %0 = stablehlo.sine %arg0 : tensor<8x4xf32>
-# No line of HLO text starts like these (HLO instructions are `name = shape opcode(...)`).
+# StableHLO / MLIR text (`lowered.as_text()`), e.g. `module @jit_f attributes {...` or
+# `%0 = stablehlo.sine %arg0`; no line of HLO text starts like these.
 _MLIR = re.compile(r'^\s*(?:module\s+(?:@|attributes\b)|func\.func\b'
                    r'|%[\w#:]+\s*=\s*"?(?:stablehlo|mhlo|sdy|func)\.)', re.M)
-# HLO of a `Lowered` before compilation (`lowered.as_text(dialect="hlo")`): not
-# partitioned yet, so GSPMD's collectives do not exist. Measured, JAX 0.12: its
-# header holds `frontend_attributes={xla.sdy.meshes=...}` and shard_map bodies sit
-# between `custom_call_target="xla.sdy.GlobalToLocalShape"` / `"...LocalToGlobalShape"`;
-# no compiled module prints `xla.sdy.` (measured: CPU GSPMD and shard_map programs,
-# every train step in tests/, the v5e:4x4 AOT compiles of tests/test_tpu_topology.py).
-# The other three are GSPMD's markers when Shardy is off (inferred, not seen here).
+# HLO of a `Lowered` before compilation (not partitioned yet): measured, JAX 0.12, it holds
+# `xla.sdy.` markers, which no compiled module prints (CPU, shard_map and the v5e:4x4 AOT compiles);
+# the other three are GSPMD's markers when Shardy is off (inferred, not seen here).
 _UNCOMPILED = re.compile(r'xla\.sdy\.|custom_call_target="(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape)"')
 
 
@@ -410,14 +355,8 @@ def _parsed_module(text: str) -> Module:
 
 
 def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
-    """Every collective of a compiled program (or HLO module text) on `mesh`.
-
-    Group ids are read as partition ids = row-major positions in `mesh`
-    (`jax.sharding.Mesh`, `AbstractMesh`, or `{'data': 2, 'tensor': 4}`).
-    Raises `NotCompiledHLO` for anything but a compiled program's HLO; a module
-    with no collectives (a single-device step) gives an empty Ledger whose
-    `instructions` is > 0.
-    """
+    """Every collective of a compiled program (or HLO module text) on `mesh` (a Mesh, AbstractMesh
+    or {'data': 2, ...}; group ids read as row-major partition ids)."""
     spec = mesh_spec(mesh)
     mod = _parsed_module(_hlo_text(compiled_or_hlo_text))
     instructions = sum(len(instrs) for instrs in mod.computations.values())

@@ -1,17 +1,7 @@
 """Causal self-attention (Flax NNX), mesh-free: multi-head, or grouped-query with
-ModelConfig.num_kv_heads < num_heads (1: multi-query).
-
-    attn.q_proj.weight          [D, H*dh]     (embed, heads)
-    attn.{k,v}_proj.weight      [D, Hkv*dh]   (embed, kv_heads)
-    attn.output_proj.weight     [H*dh, D]     (heads, embed)
-
-Query head i attends with key/value head i // (H/Hkv) (layers.group_heads). Without GQA
-(Hkv = H) the tree, the init and the program are the CS336 model's. The key/value projections
-carry their own logical axis, `kv_heads`: Megatron splits it over `tensor` while the axis divides
-the kv heads, and replicates each kv head over its query-head group's devices beyond that
-(twinshard/parallel/strategies.py `Strategy.placed`), so a device's q heads always find their kv
-head locally.
-"""
+ModelConfig.num_kv_heads < num_heads. k and v carry their own logical axis `kv_heads`, which
+Megatron splits over `tensor` while it divides the kv heads and replicates beyond that
+(docs/design.md, grouped-query attention)."""
 
 from __future__ import annotations
 
@@ -29,8 +19,7 @@ from twinshard.model.linear import Linear, use
 Array = jax.Array
 # The logical axis of each column-parallel output (q, k, v), for the hooks that place them.
 QKV_AXES = ("heads", "kv_heads", "kv_heads")
-# jax.ad_checkpoint.checkpoint_name of the projections (MaxText's names), for the remat policies
-# that save them by name (transformer.REMAT_POLICIES); an identity in every program that does not.
+# checkpoint_name of the projections (MaxText's names), for the remat policies that save them
 QKV_NAMES = ("query_proj", "key_proj", "value_proj")  # q, k, v after projection, before RoPE
 CONTEXT = "context"  # the attention output, heads merged, before output_proj [B, T, h*dh]
 OUT_PROJ = "out_proj"  # output_proj's output (after Megatron g under TP) [B, T, D]
@@ -47,12 +36,10 @@ class CausalSelfAttention(nnx.Module):
         self.dtype, self.attention, self.attention_block = cfg.dtype, cfg.attention, cfg.attention_block
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel.
-        (layers.causal_self_attention is the same math on one device, hook-free.)"""
+        """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel."""
         wq, wk, wv, wo = (use(m.weight, par, self.dtype)
                           for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj))
-        # q [B, T, h*dh], k, v [B, T, hk*dh] (h = H/tensor under TP; hk = Hkv/tensor, or where the
-        # tensor axis is larger than Hkv 1 kv head in the manual twin, all Hkv in the GSPMD twin)
+        # q [B, T, h*dh], k, v [B, T, hk*dh] (h = H/tensor under TP)
         q, k, v = (checkpoint_name(p, n) for p, n in zip(par.column_parallel(x, (wq, wk, wv), QKV_AXES), QKV_NAMES))
         attend = functools.partial(par.attention, impl=self.attention, block=self.attention_block)
         out = layers.attend_heads(q, k, v, par.positions(q.shape[-2]), self.head_dim, self.theta, self.max_len,

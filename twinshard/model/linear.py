@@ -1,9 +1,5 @@
-"""How a module declares and uses a weight (Flax NNX), shared by the Transformer's modules.
-
-A weight is an `nnx.Param` carrying its `logical_axes` (vocab, embed, heads, kv_heads, mlp, ...),
-which a strategy maps to mesh axes; `use` hands it to the math as the strategy wants it (FSDP:
-gathered), in the compute dtype. `Linear` is the bias-free [in, out] matmul every projection is.
-"""
+"""How a module declares and uses a weight (Flax NNX): an `nnx.Param` with its `logical_axes`,
+handed to the math by `use` as the strategy wants it; `Linear` is the bias-free [in, out] matmul."""
 
 from __future__ import annotations
 
@@ -24,10 +20,7 @@ def param(value: Array, axes: tuple[str, ...]) -> nnx.Param:
 
 
 def use(var: nnx.Param, par: Parallelism, dtype: str = "float32") -> Array:
-    """A weight as the strategy hands it to the math (FSDP: gathered), keyed by its logical axes.
-
-    Cast to the compute dtype BEFORE the hook, so FSDP gathers the bf16 copy (half the bytes)
-    and its gradient comes back through the cast as float32 for the float32 master weight."""
+    """A weight as the strategy hands it to the math, cast to the compute dtype BEFORE the hook (FSDP gathers bf16)."""
     return par.weight(var[...].astype(dtype), var.logical_axes)
 
 
@@ -37,11 +30,7 @@ def truncated_normal(key: Array, shape: tuple[int, ...], std: float) -> Array:
 
 
 class Linear(nnx.Module):
-    """y = x W, W: [d_in, d_out], std sqrt(2 / (d_in + d_out)).
-
-    `fan_out` overrides d_out in the std (the lm_head uses the unpadded vocab,
-    as the CS336 model does); `valid_out` zeroes the padded output columns.
-    """
+    """y = x W, W: [d_in, d_out], std sqrt(2 / (d_in + fan_out)); `valid_out` zeroes padded columns."""
 
     def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, rngs: nnx.Rngs,
                  fan_out: int | None = None, valid_out: int | None = None, dtype: str = "float32"):

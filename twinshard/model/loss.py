@@ -1,21 +1,12 @@
-"""Cross-entropy over a padded (and possibly vocab-sharded) logit matrix.
+"""Cross-entropy over a padded (and possibly vocab-sharded) logit matrix, written once in terms
+of three statistics, each followed by a reduction hook (identity on one device; pmax / psum over
+`tensor` in Megatron's vocab-parallel cross-entropy):
 
-The loss is written once, in terms of three statistics, each followed by a
-reduction hook. On one device (and under GSPMD) the hooks are the identity;
-Megatron's vocab-parallel cross-entropy (`vocab_parallel_token_loss`) passes
-`pmax`/`psum` over `tensor`, so no device ever holds the full [B, T, V] logits:
+    m = max_v z_v (reduce_max), s = sum_v exp(z_v - m) (reduce_sum), z_y (reduce_sum); loss = m + log s - z_y
 
-    m      = max_v z_v                       -> reduce_max (pmax)
-    s      = sum_v exp(z_v - m)              -> reduce_sum (psum)
-    z_y    = z_target (0 off this shard)     -> reduce_sum (psum)
-    loss   = m + log s - z_y
-
-`chunked_token_cross_entropy` (ModelConfig.loss_chunks, MaxText's vocabulary tiling) computes the
-same statistics from the lm_head's input, a chunk of tokens at a time, and recomputes each chunk's
-logits in its backward pass: no [B, T, V] array, f32 or otherwise, exists in the step (measured,
-XLA:CPU, gpt2_125m at batch 2 on one device: temporaries 2280 MB -> 1809 MB with 8 chunks, 920 MB
--> 493 MB under remat=full).
-"""
+`chunked_token_cross_entropy` (loss_chunks, MaxText's vocabulary tiling) recomputes each chunk's
+logits in its backward, so no [B, T, V] array exists (measured, XLA:CPU, gpt2_125m batch 2:
+temporaries 2280 MB -> 1809 MB with 8 chunks)."""
 
 from __future__ import annotations
 
@@ -37,12 +28,7 @@ def _identity(x: Array) -> Array:
 
 
 def mask_padded_logits(logits: Array, vocab_size: int, vocab_offset: Array | int = 0) -> Array:
-    """-inf on columns whose global id >= vocab_size, so padding takes no probability.
-
-    logits: [..., V_local]; this shard holds global ids vocab_offset + [0, V_local).
-    A shard known (statically) to hold no padding is returned as it is: the select over
-    [B, T, V] costs a visible share of a CPU step.
-    """
+    """-inf on columns whose global id >= vocab_size. logits: [..., V_local] holding ids vocab_offset + [0, V_local)."""
     if isinstance(vocab_offset, int) and vocab_offset + logits.shape[-1] <= vocab_size:
         return logits
     ids = vocab_offset + jnp.arange(logits.shape[-1])
@@ -64,12 +50,7 @@ def token_cross_entropy(
     logits: Array, targets: Array, vocab_size: int, vocab_offset: Array | int = 0,
     reduce_max: Reduce = _identity, reduce_sum: Reduce = _identity,
 ) -> Array:
-    """Per-token -log softmax(logits)[target]. logits: [..., V_local], targets: [...] -> [...].
-
-    Stable at any logit scale (log-sum-exp with the max subtracted); the max is a
-    constant shift, so it is excluded from differentiation (the loss does not
-    depend on it).
-    """
+    """Per-token -log softmax(logits)[target]. logits: [..., V_local], targets: [...] -> [...]."""
     z = mask_padded_logits(logits.astype(jnp.float32), vocab_size, vocab_offset)
     m, s, z_y = _statistics(z, targets, vocab_offset, reduce_max, reduce_sum)
     return m + jnp.log(s) - z_y
@@ -80,10 +61,7 @@ def cross_entropy(logits: Array, targets: Array, vocab_size: int) -> Array:
     return jnp.mean(token_cross_entropy(logits, targets, vocab_size))
 
 
-# ----------------------------------------------------------------------------
-# Vocabulary tiling (MaxText's num_vocab_tiling): the loss from the lm_head's INPUT, chunk by
-# chunk, with a backward that recomputes each chunk's logits.
-# ----------------------------------------------------------------------------
+# Vocabulary tiling: the loss from the lm_head's INPUT, chunk by chunk.
 
 class _Tiling(NamedTuple):
     """The static half of chunked_token_cross_entropy's arguments (custom_vjp's nondiff one)."""
@@ -106,15 +84,10 @@ def chunked_token_cross_entropy(
     x: Array, w: Array, targets: Array, vocab_size: int, chunks: int, vocab_offset: Array | int = 0,
     reduce_max: Reduce = _identity, reduce_sum: Reduce = _identity,
 ) -> Array:
-    """token_cross_entropy(x @ w, targets, ...) without ever holding the [B, T, V] logits: x [B, T, D]
-    (the lm_head's input, compute dtype), w [D, V_local] (compute dtype), targets [B, T] -> [B, T] f32.
-
-    The B*T tokens run in `chunks` chunks of N = B*T/chunks, chunk c the tokens i with i % chunks == c
-    (strided, so that each chunk holds N/data tokens of every batch shard under GSPMD). Forward: per
-    chunk the logits [N, V_local] (in x's dtype, then f32 as `TransformerLM.head`) and their statistics;
-    it saves x, w and each token's log-sum-exp [B*T] f32. Backward: per chunk the logits again, dz =
-    g (softmax - onehot), dx = dz w^T (a partial sum over vocab shards: Megatron f's backward sums it)
-    and dw += x^T dz in f32. The hooks are token_cross_entropy's (pmax / psum over `tensor`)."""
+    """token_cross_entropy(x @ w, targets) without the [B, T, V] logits: x [B, T, D], w [D, V_local],
+    targets [B, T] -> [B, T] f32. Chunk c holds the tokens i with i % chunks == c (strided, so each
+    chunk spans every batch shard); the forward saves x, w and each token's lse [B*T] f32, the
+    backward recomputes each chunk's logits and accumulates dw in f32."""
     tokens = targets.size
     check_chunks(chunks, tokens)
     n = tokens // chunks
@@ -127,12 +100,8 @@ def chunked_token_cross_entropy(
 
 
 def vocab_parallel_token_loss(logits, targets, vocab_size, axis, w=None, chunks=0):
-    """Megatron's vocab-parallel cross-entropy, inside a shard_map manual over `axis`: logits
-    [B', T, V/t] for global ids offset + [0, V/t), targets [B', T] -> [B', T]: the row max by
-    pmax, the sum of exponentials and the target logit by psum over `axis` (both twins' tensor
-    parallelism run it). With w [D, V/t] (loss_chunks > 0), `logits` is the lm_head's input
-    [B', T, D] and the logits are made `chunks` chunks at a time (chunked_token_cross_entropy):
-    the same pmax and psums per chunk, none in its backward."""
+    """Megatron's vocab-parallel cross-entropy inside a shard_map manual over `axis`: logits [B', T,
+    V/t] -> [B', T] by pmax and psum; with w [D, V/t] `logits` is the lm_head's input, chunked."""
     reduce_max, reduce_sum = (functools.partial(f, axis_name=axis) for f in (lax.pmax, lax.psum))
     if w is not None:
         offset = lax.axis_index(axis) * w.shape[-1]
@@ -183,8 +152,7 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 def _zeros_varying(shape: tuple[int, ...], *like: Array) -> Array:
-    """f32 zeros varying over every mesh axis one of `like` varies over (inside shard_map, a scan's
-    carry must have the type its body returns)."""
+    """f32 zeros varying over every mesh axis one of `like` varies over (a scan carry's type)."""
     axes = tuple(sorted(set().union(*(layers.varying_axes(a) for a in like))))
     zeros = jnp.zeros(shape, jnp.float32)
     return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros

@@ -1,11 +1,5 @@
-"""Weight interop with the CS336 PyTorch model: names, [out, in] layout, unpadded vocab.
-
-`state_dict(model)` gives CS336 / PyTorch-named float32 numpy weights; `load_state_dict` loads
-them in place. The model's scanned stacks (ModelConfig.stacks: `dense_layers` [K, ...], then
-`layers` [L - K, ...]) are unstacked into `layers.{i}.*`, numbered in the order the layers run.
-A mixture-of-experts layer's experts keep their stack: layers.{i}.ffn.experts.w1.weight is
-[E, out, in] (each expert in torch layout); its router layers.{i}.ffn.router.weight is [E, D].
-"""
+"""Weight interop with the CS336 PyTorch model: names, [out, in] layout, unpadded vocab; the
+scanned stacks are unstacked into `layers.{i}.*` in run order (experts keep their [E, out, in] stack)."""
 
 from __future__ import annotations
 
@@ -39,9 +33,7 @@ _EXPERT_NAMES = {f"ffn.{w}.weight": f"ffn.experts.{w}.weight" for w in ("w1", "w
 
 
 def _layer_names(path: str, cfg: ModelConfig) -> list[str] | None:
-    """A stacked leaf's per-layer names, in the order the layers run: 'layers.ffn.w1.weight' ->
-    ['layers.0.ffn.w1.weight', ...] (experts: 'layers.0.ffn.experts.w1.weight', ...; after K
-    first dense layers the MoE stack's are layers.K ...); None for a leaf outside the stacks."""
+    """A stacked leaf's per-layer names in run order ('layers.ffn.w1.weight' -> ['layers.0.ffn.w1.weight', ...]), None outside the stacks."""
     stack, _, rest = path.partition(".")
     first = 0  # the stack's first layer
     for name, layers in cfg.stacks:
@@ -58,8 +50,7 @@ def _flat_params(model: TransformerLM) -> list[tuple[str, nnx.Variable]]:
 
 
 def state_dict(model: TransformerLM) -> dict[str, np.ndarray]:
-    """CS336 / PyTorch-named float32 numpy weights (unpadded vocab, Linear as [out, in]);
-    the stacked [n, ...] blocks unstacked into `layers.{i}.*`."""
+    """CS336 / PyTorch-named float32 numpy weights (unpadded vocab, Linear as [out, in])."""
     out = {}
     for path, var in _flat_params(model):
         w = np.asarray(var[...])
@@ -70,12 +61,8 @@ def state_dict(model: TransformerLM) -> dict[str, np.ndarray]:
 
 
 def _checked_weight(name: str, value: object) -> np.ndarray:
-    """`value` as a numpy array if it is a finite floating-point numpy/jax array, else ValueError.
-
-    Python lists, strings, scalars and torch tensors are refused rather than
-    converted: a list may hold anything, and `np.asarray(torch_tensor)` silently
-    copies through the CPU; the caller converts knowingly (`t.float().numpy()`).
-    """
+    """`value` as a numpy array if it is a finite floating-point numpy/jax array, else ValueError
+    (lists, scalars and torch tensors are refused: the caller converts knowingly)."""
     if not isinstance(value, (np.ndarray, jax.Array)):
         raise ValueError(f"state dict entry {name!r} is a {type(value).__name__}, not an array; pass a "
                          "numpy or jax array (np.asarray(x, np.float32); a torch tensor: t.float().numpy()).")

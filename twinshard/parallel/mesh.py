@@ -1,16 +1,8 @@
 """Meshes for every strategy: parsing, defaults and validation.
 
-Both twins build their mesh here, so an invalid (strategy, mesh, model, batch)
-combination fails the same way, with a `ValueError` that names the value and a
-valid alternative, before anything is compiled.
-
-Each strategy's declaration (twinshard/parallel/strategies.py) names the mesh axes it uses and
-how big each must be: `>1` (the strategy splits something over it), `=1` (present,
-unused) or `>=1` (either). The mesh holds exactly those axes, in `ORDER` (outermost
-first; on a TPU torus `jax.make_mesh` gives the innermost axis, `tensor`, the closest chips).
-
-Mesh syntax: `data:4,tensor:2`. A strategy's mesh names the axes it splits (`tensor:2` for tp,
-`stage:4`, `data:2,context:4`); an omitted axis is size 1.
+Both twins build their mesh here, so an invalid (strategy, mesh, model, batch) fails the same
+way, with a ValueError naming the value and a valid alternative, before anything compiles.
+Mesh syntax: `data:4,tensor:2`; an omitted axis is size 1.
 """
 
 from __future__ import annotations
@@ -26,10 +18,8 @@ from twinshard.parallel import strategies
 from twinshard.parallel.strategies import ANY, KV_HEADS, MANY, ONE
 
 AXES = ("data", "tensor")  # the axes of DATA_TENSOR's meshes (mesh_str shows both)
-# Mesh order of every axis: pipeline stages outermost (one hop per micro-batch), then data,
-# the experts (ep's all-to-alls every MoE layer), the sequence (context parallelism: ring
-# attention's K/V blocks), tensor innermost (Megatron's all-reduces every layer: the closest
-# chips; with tensor 1, fsdp_ep's expert axis gets them).
+# Mesh order: stage outermost (one hop per micro-batch), then data, expert, context, and tensor
+# innermost (Megatron's all-reduces every layer get the closest chips).
 ORDER = strategies.ORDER
 DATA_TENSOR = strategies.DATA_TENSOR  # dp, fsdp, tp, fsdp_tp: their meshes name exactly data and tensor
 
@@ -62,11 +52,7 @@ def _example(strategy: str | None) -> str:
 
 
 def parse_mesh(spec: str, strategy: str | None = None) -> dict[str, int]:
-    """'data:4,tensor:2' -> {'data': 4, 'tensor': 2} (any order, spaces allowed).
-
-    With `strategy`: its axes only; an omitted axis the strategy does not split is 1
-    (`stage:4` for pp -> {'stage': 4, 'data': 1, 'tensor': 1}; `tensor:2` for tp -> data:1,tensor:2).
-    Without one, both base axes are named."""
+    """'data:4,tensor:2' -> {'data': 4, 'tensor': 2}; with `strategy`, its axes only, an omitted one 1."""
     if strategy is not None:
         check_strategy(strategy)
     if not isinstance(spec, str):
@@ -105,8 +91,7 @@ def _check_device_count(n_devices: int) -> None:
 
 
 def default_mesh(strategy: str, n_devices: int) -> dict[str, int]:
-    """All devices on the strategy's one split axis; with two (fsdp_tp, fsdp_cp, pp_fsdp) the
-    second gets the smallest factor of the device count (fsdp_tp on 8: data:4,tensor:2)."""
+    """All devices on the strategy's one split axis; a second gets the smallest factor (fsdp_tp on 8: data:4,tensor:2)."""
     check_strategy(strategy)
     _check_device_count(n_devices)
     needs = NEEDS[strategy]
@@ -171,10 +156,7 @@ def _mesh_problem(strategy: str, shape: Mapping[str, int], n_devices: int) -> st
 
 
 def check_mesh(strategy: str, shape: Mapping[str, int], n_devices: int) -> None:
-    """Every axis of the strategy present with a size >= 1, each sized as the strategy needs,
-    using every device.
-
-    Knows nothing of the model: `resolve` also checks divisibility and advises a mesh that fits both."""
+    """Every axis of the strategy present, sized as it needs, using every device (no model checks)."""
     check_strategy(strategy)
     _check_device_count(n_devices)
     problem = _mesh_problem(strategy, shape, n_devices)
@@ -222,8 +204,7 @@ def _divisibility_problem(dims: Mapping[str, int], rules: Mapping[str, str],
 
 
 def factorings(axes: tuple[str, ...], n: int) -> Iterator[dict[str, int]]:
-    """Every {axis: size} over `axes` with product n; the last axis grows slowest-first
-    (data:8,tensor:1, then data:4,tensor:2, ...): most devices on the outer axes first."""
+    """Every {axis: size} over `axes` with product n, most devices on the outer axes first."""
     if len(axes) == 1:
         yield {axes[0]: n}
         return
@@ -234,8 +215,7 @@ def factorings(axes: tuple[str, ...], n: int) -> Iterator[dict[str, int]]:
 
 def fitting_mesh(needs: Mapping[str, str], dims: Mapping[str, int], rules: Mapping[str, str],
                  n_devices: int, prefer: Mapping[str, int] | None = None) -> dict[str, int] | None:
-    """A mesh on exactly n_devices whose axes are sized as `needs` says ({axis: MANY/ONE/ANY})
-    and that splits every dimension evenly; `prefer` first if it fits, then most on the outer axes."""
+    """A mesh on exactly n_devices sized as `needs` that splits every dimension evenly; `prefer` first."""
     candidates = list(factorings(tuple(a for a in ORDER if a in needs), n_devices))
     if prefer is not None:
         candidates.insert(0, dict(prefer))
@@ -261,14 +241,8 @@ def advice(needs: Mapping[str, str], dims: Mapping[str, int], rules: Mapping[str
 
 def check_divisible(dims: Mapping[str, int], rules: Mapping[str, str], shape: Mapping[str, int],
                     advise: bool = True) -> None:
-    """Every logical dimension split by `rules` must divide by its mesh axis size.
-
-    dims: logical name -> size (e.g. {'heads': 4, 'mlp': 192, 'batch': 8, ...}).
-    The advice keeps the device count (prod(shape)) and the axes the rules use (> 1; the
-    others = 1, as each strategy's mesh needs), or names a device count that works. Its search
-    grows with the device count (minutes over a 8960-chip pod), so launch.plan, which asks about
-    every mesh of a slice, passes advise=False: the problem and its config change alone.
-    """
+    """Every logical dimension split by `rules` must divide by its mesh axis size; the error advises a
+    mesh on the same devices unless advise=False (launch.plan: the search takes minutes on a pod)."""
     problem = _divisibility_problem(dims, rules, shape)
     if problem is None:
         return
@@ -314,10 +288,8 @@ def _refuse(strategy: str, problem: str, dims: Mapping[str, int], rules: Mapping
 
 def make_mesh(shape: Mapping[str, int], axis_type: AxisType = AxisType.Auto,
               devices: list | None = None) -> Mesh:
-    """A mesh of the axes in `shape`, in ORDER (('data', 'tensor') for the base strategies,
-    ('stage', 'data', 'tensor') for pipelines, ...). jax.make_mesh orders devices for the
-    physical topology (on TPU, tensor neighbours share the fast links); on CPU the order is
-    row-major, so partition id = data_index * tensor_size + tensor_index."""
+    """A mesh of the axes in `shape`, in ORDER; on CPU the device order is row-major
+    (partition id = data_index * tensor_size + tensor_index)."""
     names = tuple(a for a in ORDER if a in shape)
     sizes = tuple(shape[a] for a in names)
     if devices is None:

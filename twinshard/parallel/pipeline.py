@@ -1,13 +1,8 @@
 """Pipeline parallelism: what both twins share (the schedule, the mesh, the checks).
 
-The L stacked blocks ([L, ...] params, logical axis `layers`) are split into S
-contiguous stages of L/S layers by one placement rule, `layers -> stage`: stage s
-holds layers [s*L/S, (s+1)*L/S). The batch [B, T] is split into M micro-batches
-of B/M sequences. GPipe runs M + S - 1 *ticks*; at tick i, stage s runs its
-layers on micro-batch i - s (when 0 <= i - s < M; otherwise it computes on a
-bubble whose result is never used), then every stage hands its output to the
-next one: one activation tensor [B/M, T, D] per hop, forward; the backward pass
-(autodiff of the tick loop) hands the gradients back the other way, tick by tick.
+The L stacked blocks are split into S contiguous stages of L/S layers (`layers -> stage`), the
+batch into M micro-batches of B/M. GPipe runs M + S - 1 ticks; at tick i stage s runs micro-batch
+i - s (a bubble otherwise) and hands [B/M, T, D] to the next stage; autodiff hands gradients back.
 
     tick  0    1    2    3    4    5    6          S = 4 stages, M = 4 micro-batches
     s=0   m0   m1   m2   m3   .    .    .          '.' = bubble: (S-1)/(M+S-1) of the
@@ -15,19 +10,9 @@ next one: one activation tensor [B/M, T, D] per hop, forward; the backward pass
     s=2   .    .    m0   m1   m2   m3   .
     s=3   .    .    .    m0   m1   m2   m3   -> loss of m_j at tick j + S - 1
 
-The embedding runs where the first stage needs it and the loss where the last
-stage finishes; both twins keep embedding, ln_final and lm_head REPLICATED over
-`stage` (every stage holds a copy: 2VD + D parameters, small beside the L/S
-blocks of a deep model) because a shard_map program is the same on every device;
-only the first (embedding) or last (ln_final, lm_head) stage's copy receives a
-gradient, so the manual twin sums those gradients over `stage` (an all-reduce of
-2VD + D floats per step) to keep the copies identical.
-
-pp_fsdp adds a `data` axis (mesh `stage:S,data:D`): FSDP inside each stage. The batch is
-split over `data` first, then each data shard's B/data rows into M micro-batches of
-B/(data M); each stage's L/S layers, and the embedding and lm_head replicated over `stage`,
-are sharded over `data` on their d_model dim (FSDP's `embed -> data`); the norm gains stay
-replicated over `data` (their gradients are averaged over it, as under fsdp).
+Embedding, ln_final and lm_head are replicated over `stage` (a shard_map program is the same on
+every device); the manual twin sums their gradients over `stage`. pp_fsdp adds FSDP over `data`
+inside each stage. More in docs/pipelines.md.
 """
 
 from __future__ import annotations
@@ -50,9 +35,7 @@ def bubble_fraction(microbatches: int, stages: int) -> float:
 
 def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accum: int = 1,
           data: int = 1) -> None:
-    """L splits into S stages, the batch into M micro-batches (pp_fsdp: each data shard's B/data
-    rows into M), and M >= S (else a stage idles the whole step). A ValueError names the value
-    and the fix."""
+    """L splits into S stages, the batch (pp_fsdp: each data shard's) into M >= S micro-batches, or ValueError."""
     if grad_accum != 1:
         raise ValueError(f"grad_accum={grad_accum}: a pipeline already accumulates the gradients of its "
                          "micro-batches; use --microbatches instead and leave --grad_accum at 1.")
@@ -76,14 +59,9 @@ def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accu
 
 
 def one_f_one_b(microbatches: int, stages: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The 1F1B (PipeDream-flush) schedule as two [ticks][stages] tables: what each stage
-    does in each tick (IDLE, FORWARD or BACKWARD) and on which micro-batch.
-
-    Stage s runs S-1-s warm-up forwards, then alternates one forward and one backward,
-    then drains its backwards; each op runs at the first tick its input has arrived (a
-    forward needs stage s-1's forward of that micro-batch one tick earlier, a backward
-    stage s+1's backward, or on the last stage its own forward). So stage s holds at most
-    S - s micro-batches between their forward and their backward, whatever M is:
+    """The 1F1B (PipeDream-flush) schedule as two [ticks][stages] tables: the op (IDLE, FORWARD,
+    BACKWARD) and its micro-batch. Stage s runs S-1-s warm-up forwards, then alternates, each op at
+    the first tick its input has arrived, so it holds at most S - s micro-batches whatever M is:
 
         M=4, S=2   tick:  0   1   2   3   4   5   6   7   8   9
               stage 0:    F0  F1  .   B0  F2  B1  F3  B2  .   B3

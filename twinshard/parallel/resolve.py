@@ -1,9 +1,7 @@
 """From a strategy's name, a twin, a mesh string, the config and the devices to a resolved run.
 
-`resolve_run` is the one place a run is validated: every launcher and every twin's `make_runner`
-calls it once, so an invalid (strategy, twin, mesh, model, batch, option) combination fails the
-same way wherever it is asked for, with a ValueError naming the value and the fix, before anything
-is compiled. Its `Run` carries the placed declaration and the mesh to the runner and its hooks.
+`resolve_run` is the one place a run is validated (every launcher and `make_runner`), so an invalid
+combination fails the same way everywhere, with a ValueError naming the value and the fix.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ PACKAGES = {twin: f"{twin}_parallel" for twin in support.TWINS}
 
 
 def make_runner(run: Run, tx=None):
-    """The runner of `run` in its twin: the strategy module's `Runner`, else the twin's. `tx`
-    replaces the optimizer of `run.cfg.train` (auto and explicit)."""
+    """The runner of `run` in its twin; `tx` replaces the optimizer (auto and explicit)."""
     package = importlib.import_module(PACKAGES[run.twin])
     module = package.MODULES[run.strategy]
     return getattr(module, "Runner", package.RUNNER)(run, **({} if tx is None else {"tx": tx}))
@@ -87,11 +84,8 @@ def check_family(declared: Strategy, shape: Mapping[str, int], cfg: Config) -> N
 
 def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: int,
                  advise: bool = True, flat_weights: bool = False) -> dict[str, int]:
-    """The mesh checks of `resolve_run` on a device count, for the planner (launch.plan): parse (or
-    default) and validate the mesh of `strategy` against the devices and the model.
-    advise=False: a dimension that does not divide is named without a mesh that fits
-    (mesh.check_divisible). flat_weights: FSDP's weights split flat, so d_model need not divide by
-    data (launch.plan's flat plans, twinshard/hardware/plan.py; the twins split d_model)."""
+    """`resolve_run`'s mesh checks on a device count, for launch.plan; flat_weights: FSDP split flat,
+    so d_model need not divide by data."""
     decl = strategies.get(strategy)
     check_experts(strategy, cfg.model)  # first: no mesh fixes a model the strategy cannot run
     shape = mesh_lib.parse_mesh(mesh_spec, strategy) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
@@ -102,15 +96,12 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     return shape
 
 
-# The strategies whose twins run ModelConfig.loss_chunks, held to single-device gradients and their
-# ledgers by tests/test_loss_chunks.py (sequence-split and pipelined layouts, the explicit twins: not yet).
+# The strategies whose twins run ModelConfig.loss_chunks (tests/test_loss_chunks.py)
 LOSS_CHUNK_STRATEGIES = support.with_option("loss_chunks")
 
 
 def check_options(strategy: str, impl: str, cfg: Config) -> None:
-    """The options written in some twins only (twinshard/parallel/support.py): the collective
-    matmul, the 1F1B schedule, ragged experts with micro-batches, vocabulary tiling, splash under
-    a manual `tensor` axis; a ValueError naming the fix otherwise. `single` runs every option."""
+    """The options written in some twins only (twinshard/parallel/support.py), or a ValueError."""
     model, train = cfg.model, cfg.train
     if model.collective_matmul:
         if strategy not in support.with_option("collective_matmul"):
@@ -141,14 +132,12 @@ def check_options(strategy: str, impl: str, cfg: Config) -> None:
                          "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
 
 
-# The strategies a mixture-of-experts model runs under: its expert block has the dispatch /
-# combine hooks and FSDP's gather, not Megatron's regions, a sequence layout or pipeline stages.
+# The strategies a mixture-of-experts model runs under
 MOE_STRATEGIES = support.with_option("moe")
 
 
 def check_experts(strategy: str, model: ModelConfig) -> None:
-    """ep and fsdp_ep need a mixture of experts; a mixture of experts runs only under
-    MOE_STRATEGIES (and single): a ValueError naming the fix otherwise."""
+    """ep and fsdp_ep need a mixture of experts, which runs only under MOE_STRATEGIES (and single)."""
     experts = model.num_experts
     if strategy in strategies.of_family("experts") and experts == 0:
         raise ValueError(f"--strategy={strategy} splits the experts over the `expert` axis, and this model is dense "
@@ -159,10 +148,8 @@ def check_experts(strategy: str, model: ModelConfig) -> None:
 
 
 def check_kv_heads(strategy: str, twin: str, shape: Mapping[str, int], cfg: Config) -> None:
-    """An axis larger than the kv heads replicates them (Strategy.placed) in the twins that write
-    it. The explicit twin splits the k and v columns (Hkv * dh) as its tables say: where tensor does
-    not divide Hkv a device's columns cut a head, and JAX refuses the typed [B, T, Hkv*dh/t] ->
-    [B, T, Hkv, dh] reshape (measured, JAX 0.12: ShardingTypeError; q's reshape, whole heads, is accepted)."""
+    """The explicit twin refuses a tensor axis that does not divide the kv heads (measured, JAX 0.12:
+    the typed [B, T, Hkv*dh/t] -> [B, T, Hkv, dh] reshape raises ShardingTypeError)."""
     axis, kv_heads = strategies.get(strategy).params.get(strategies.KV_HEADS), cfg.model.kv_heads
     n = shape.get(axis, 1) if axis is not None else 1
     if kv_heads % n and twin not in support.get(strategy).uneven_kv_heads:
@@ -172,8 +159,7 @@ def check_kv_heads(strategy: str, twin: str, shape: Mapping[str, int], cfg: Conf
 
 
 def check_dispatch(strategy: str, twin: str, devices, cfg: Config) -> None:
-    """moe_dispatch='ragged' under the manual expert-parallel twin exchanges tokens with
-    ragged_all_to_all, which XLA:CPU cannot compile: a ValueError naming the fix on CPU devices."""
+    """moe_dispatch='ragged' under manual ep needs ragged_all_to_all, which XLA:CPU cannot compile."""
     if (twin == "manual" and strategies.get(strategy).family == "experts" and cfg.model.moe_dispatch == "ragged"
             and any(d.platform == "cpu" for d in devices)):
         raise ValueError("--moe_dispatch=ragged under the manual expert-parallel twin exchanges tokens with "

@@ -1,11 +1,8 @@
 """Every parallelism strategy, declared once.
 
-A declaration is data: the mesh axes the strategy needs, its placement (logical axis ->
-mesh axis, for the stored parameters and for activations and weights where they are used),
-what it composes, and its family (which layout machinery runs it). Both twins
-(`auto_parallel/<name>.py`, `manual_parallel/<name>.py`), the launchers, mesh validation and
-advice, the cost model and the planner (every declared strategy is planned) read it; nothing
-else names a strategy.
+A declaration is data: the mesh axes the strategy needs, its placement (logical axis -> mesh
+axis) and what it composes; the twins, launchers, mesh checks, cost model and planner read it,
+and nothing else names a strategy.
 
     strategy  composes   splits over the mesh                               family
     dp        -          the batch over data                                base
@@ -22,16 +19,9 @@ else names a strategy.
     ep        -          the experts over expert, the batch over (data, expert)  experts
     fsdp_ep   fsdp x ep  both                                               experts
 
-Logical axes: vocab, embed, heads, kv_heads, mlp, norm, layers, experts (parameters); batch, seq,
-embed, heads, kv_heads, mlp, vocab, experts, expert_groups (activations). An axis absent from a
-table is replicated; a tuple of mesh axes splits a dimension over their product (ep's batch).
-
-Grouped-query attention (ModelConfig.num_kv_heads < num_heads): Megatron splits the key/value
-heads over `tensor` with the query heads when the axis divides them; when it is larger (a multiple
-of them) each key/value head is REPLICATED over the tensor devices of its query-head group, as
-Megatron replicates kv heads beyond its tensor-parallel size. `Strategy.placed` is a declaration's
-tables for one model on one mesh: kv_heads dropped (replicated) where its mesh axis does not
-divide the kv heads. Every reader of placement (both twins, the cost model) reads those tables.
+An axis absent from a table is replicated; a tuple of mesh axes splits a dimension over their
+product. `Strategy.placed` drops kv_heads (replicated) where the tensor axis exceeds the kv heads
+(docs/design.md, grouped-query attention).
 """
 
 from __future__ import annotations
@@ -53,19 +43,9 @@ def _frozen(table: Mapping[str, str]) -> Mapping[str, str]:
 
 @dataclass(frozen=True)
 class Strategy:
-    """One strategy: its name, mesh needs and placement tables.
-
-    mesh:        mesh axis -> MANY / ONE / ANY, the axes its mesh holds (in mesh order).
-    params:      logical axis -> mesh axis of the stored parameters (and optimizer moments).
-    activations: logical axis -> mesh axis of activations, and of a weight where it is used
-                 (FSDP's 'embed' -> 'data' is absent here: the weight is gathered whole).
-    sequence:    the residual stream's table where it differs from `activations` (tp_sp: T
-                 split over tensor between the tensor-parallel regions).
-    composes:    the strategies it combines (fsdp_tp = fsdp x tp).
-    family:      base (one program over data/tensor), pipeline (a `stage` axis, its schedule),
-                 context (a `context` axis, its sequence layout), experts (an `expert`
-                 axis; the model must be a mixture of experts).
-    """
+    """One strategy: `mesh` (axis -> MANY / ONE / ANY), `params` and `activations` (logical axis ->
+    mesh axis; a weight where it is used follows `activations`), `sequence` (the residual stream's
+    table where it differs: tp_sp), `composes`, and `family` (base, pipeline, context, experts)."""
 
     name: str
     summary: str
@@ -85,15 +65,11 @@ class Strategy:
 
     @property
     def split_rules(self) -> dict[str, str]:
-        """Every logical dim the strategy splits -> its mesh axis (for divisibility checks and
-        the cost model): the parameter and activation tables, or the residual stream's."""
+        """Every logical dim the strategy splits -> its mesh axis."""
         return {**self.params, **(self.sequence if self.sequence is not None else self.activations)}
 
     def placed(self, kv_heads: int, mesh: Mapping[str, int]) -> Strategy:
-        """This declaration for a model of `kv_heads` key/value heads on `mesh` (axis -> size):
-        kv_heads stays split where its mesh axis divides them, and is dropped from every table -
-        each kv head replicated over the tensor devices of its query-head group - where the axis
-        is larger (mesh.check_divisible refuses an axis that neither divides nor is a multiple)."""
+        """This declaration for `kv_heads` key/value heads on `mesh`: kv_heads dropped from every table where its axis exceeds them."""
         axis = self.params.get(KV_HEADS)
         if axis is None or kv_heads % mesh.get(axis, 1) == 0:
             return self
@@ -112,8 +88,7 @@ _TP = {"heads": "tensor", KV_HEADS: "tensor", "mlp": "tensor", "vocab": "tensor"
 
 
 def compose(name: str, summary: str, *parts: Strategy, family: str = "base") -> Strategy:
-    """The product of `parts`: the union of their tables; an axis one part splits (MANY) and
-    another leaves unused (ONE) is split."""
+    """The product of `parts`: the union of their tables (MANY wins over ONE)."""
     needs: dict[str, str] = {}
     for part in parts:
         for axis, need in part.mesh.items():
@@ -148,9 +123,8 @@ PP = Strategy("pp", "pipeline: the layer stack over stage, micro-batches handed 
               mesh={"stage": MANY, "data": ONE, "tensor": ONE}, params={"layers": "stage"}, activations={},
               family="pipeline")
 PP_FSDP = compose("pp_fsdp", "pp over stage, fsdp over data inside each stage", PP, FSDP, family="pipeline")
-# Expert parallelism: expert e's weights live on the devices of expert index e // (E/ep); the
-# tokens (groups) of all (data, expert) devices travel to them and back (all_to_all). Where the
-# experts run, their buffers [E, G, C, D] are split experts over `expert`, groups over `data`.
+# Expert parallelism: expert e lives on expert index e // (E/ep); all (data, expert) devices' tokens
+# travel to it and back (all_to_all).
 EP = Strategy("ep", "expert parallelism: the experts over expert, the batch over (data, expert), the rest replicated",
               mesh={"data": ANY, "expert": MANY}, params={"experts": "expert"},
               activations={"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"},
@@ -161,14 +135,12 @@ DECLARATIONS: tuple[Strategy, ...] = (DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP,
                                       EP, FSDP_EP)
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in DECLARATIONS})
 NAMES: tuple[str, ...] = tuple(STRATEGIES)
-# The strategies whose mesh is exactly data x tensor, each axis either split or 1: dp, fsdp, tp,
-# fsdp_tp (mesh_str shows both axes; tp_sp's data may be either).
+# The strategies whose mesh is exactly data x tensor, each axis split or 1
 DATA_TENSOR: tuple[str, ...] = tuple(s.name for s in DECLARATIONS
                                      if s.family == "base" and ANY not in s.mesh.values())
 
 
-# The context strategies whose attention sees whole sequences (head shards, after an all-to-all):
-# their tokens stay in the contiguous layout, whatever --cp_layout says (the ring's option).
+# The context strategies whose attention sees whole sequences: contiguous layout whatever --cp_layout says
 ALL_TO_ALL_CONTEXT: tuple[str, ...] = (ULYSSES.name, FSDP_ULYSSES.name)
 
 

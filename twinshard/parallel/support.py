@@ -1,9 +1,6 @@
 """What each twin writes: the strategies, and the options each runs them with.
 
-One row per declared strategy (twinshard/parallel/strategies.py); each field names the twins that
-run it. Validation (twinshard/parallel/resolve.py), the planner (twinshard/hardware/plan.py), the
-cost model's check and the launchers read this table; README.md's strategy table agrees with it
-(tests/test_strategies.py).
+One row per declared strategy; each field names the twins that run it. README.md's table agrees (tests/test_strategies.py).
 """
 
 from __future__ import annotations
@@ -18,15 +15,8 @@ _ALL, _TWO, _MANUAL, _NONE = TWINS, ("auto", "manual"), ("manual",), ()
 
 @dataclass(frozen=True)
 class Support:
-    """The twins that write a strategy, and those of them that run each option under it.
-
-    moe:               a mixture of experts (ep and fsdp_ep need one).
-    one_f_one_b:       --schedule=1f1b (the others run GPipe).
-    collective_matmul: --collective_matmul (tp_sp's sequence all-gathers decomposed).
-    ragged_accum:      --moe_dispatch=ragged with --grad_accum > 1.
-    uneven_kv_heads:   a tensor axis larger than the kv heads (each kv head replicated, Strategy.placed).
-    loss_chunks:       --loss_chunks (vocabulary tiling).
-    """
+    """The twins that write a strategy, and those of them that run each option under it
+    (moe, --schedule=1f1b, --collective_matmul, ragged with grad_accum, kv heads replicated, --loss_chunks)."""
 
     twins: tuple[str, ...]
     moe: tuple[str, ...] = _NONE

@@ -1,24 +1,11 @@
 """Orbax checkpoints of the train state, with a compatibility check before restore.
 
-Layout: `<workdir>/checkpoints/<step>/{state,meta}`. `meta` is JSON: the model
-config (must match to restore), the train config and the data description.
-Orbax writes each step into a temporary directory and renames it when complete,
-so an interrupted save never leaves a checkpoint that looks valid.
-
-Restore takes an *abstract* state (ShapeDtypeStructs) and reads every array
-into the sharding its leaf names, so a checkpoint written on N devices under one
-strategy restores on M devices under another: Orbax reads each shard where the
-target sharding wants it. Measured (orbax-checkpoint 0.12.8): a leaf *without*
-a sharding makes Orbax fall back to the sharding saved in the checkpoint, which
-names the writer's devices, and a checkpoint written on 8 devices then fails on
-1 with "Topology mismatch detected". So leaves without one (the single-device
-runner's abstract state) are placed on this process's first device.
-
-A restore that fails is diagnosed before it is reported: the checkpoint is
-called corrupt only if its files cannot be read at all (JSON metadata that does
-not parse, array bytes that do not decode, read as plain NumPy with no target
-layout). A readable checkpoint that does not fit this run is reported as such,
-and nothing advises deleting it.
+Layout: `<workdir>/checkpoints/<step>/{state,meta}`, `meta` the JSON configs and data description.
+Restore reads every array into the sharding its abstract leaf names, so a checkpoint written on N
+devices under one strategy restores on M under another. Measured (orbax-checkpoint 0.12.8): a leaf
+without a sharding falls back to the writer's devices ("Topology mismatch detected"), so such leaves
+are placed on this process's first device. A failed restore is called corrupt only if the files
+cannot be read at all.
 """
 
 from __future__ import annotations
@@ -66,16 +53,13 @@ def on_local_device(abstract: TrainState) -> TrainState:
 
 class Checkpointer:
     def __init__(self, directory: str, create: bool = True, keep: int = 3):
-        """`create=False` (readers such as launch.sample) never makes the directory; `keep`: the
-        latest checkpoints kept, older ones deleted as new ones complete."""
+        """`create=False` (readers such as launch.sample) never makes the directory; `keep` latest kept."""
         self.directory = directory
         self._mgr = _manager(directory, create=create, keep=keep)
 
     def save(self, step: int, state: TrainState, meta: dict[str, Any], wait: bool = True) -> None:
-        """Save `state` as step `step`. wait=False returns once the arrays are copied off the
-        devices (Orbax's async save: the files are written by a background thread, so the next
-        steps run, and may donate `state`'s buffers, meanwhile); the checkpoint appears under its
-        step's name only when complete, so a crash mid-write leaves the previous one as the latest."""
+        """Save `state` as step `step`; wait=False returns once the arrays are off the devices (an
+        incomplete checkpoint never appears under its step's name)."""
         self._mgr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         if wait:
@@ -94,11 +78,8 @@ class Checkpointer:
 
     def restore(self, abstract: TrainState, expect: dict[str, Any], step: int | None = None
                 ) -> tuple[TrainState, dict[str, Any]]:
-        """Restore `step` (default: latest) into the layout of `abstract`.
-
-        `expect` maps metadata keys to what this run needs, e.g. {"model": asdict(model_cfg)};
-        any difference is a CheckpointError naming the fields, raised before reading arrays.
-        """
+        """Restore `step` (default: latest) into `abstract`'s layout; a metadata difference from `expect`
+        is a CheckpointError naming the fields, raised before reading arrays."""
         step = self._step(step)
         meta = self.read_meta(step)
         for key, want in expect.items():
@@ -147,10 +128,7 @@ class Checkpointer:
 
 
 def unreadable(step_dir: str) -> str | None:
-    """Why the checkpoint in `step_dir` cannot be read at all (None: it reads).
-
-    Reads every JSON metadata file, then every array as NumPy on the host (no
-    devices, no shardings), so a checkpoint that merely needs another layout reads."""
+    """Why the checkpoint in `step_dir` cannot be read at all, as plain NumPy (None: it reads)."""
     _ignore_late_callbacks()
     for root, _, files in os.walk(step_dir):
         for name in files:
@@ -182,16 +160,8 @@ def unreadable(step_dir: str) -> str | None:
 
 @contextlib.contextmanager
 def _stderr_held_on_failure():
-    """Hold what is written to file descriptor 2 while Orbax reads; pass it on if the read works.
-
-    Measured (CI, orbax 0.12.8 under load): after one array read fails, Orbax's
-    abandoned read coroutines are finalized by the garbage collector whenever it
-    next runs, and each prints a traceback ('GeneratorExit ... Exception:
-    Encountered error while reading array index', a whole TensorStore spec)
-    before our one-line message. So everything written to fd 2 (Python,
-    absl logging, C++ threads) goes to a temporary file during the read; on a
-    failure those objects are collected *inside* the window, and what they wrote
-    is dropped (kept with TWINSHARD_DEBUG=1). On success it is written out as usual."""
+    """Hold fd 2 while Orbax reads; pass it on if the read works, drop it on failure (measured, orbax
+    0.12.8: a failed read's abandoned coroutines print tracebacks when collected)."""
     sys.stderr.flush()
     real = os.dup(2)
     with tempfile.TemporaryFile() as held:
@@ -213,13 +183,8 @@ def _stderr_held_on_failure():
 
 
 def _ignore_late_callbacks() -> None:
-    """Drop tensorstore's late callbacks into Orbax's closed event loop.
-
-    Measured (orbax 0.12.8, tensorstore 0.1.86): when one array read fails, Orbax
-    closes its event loop while other reads are in flight; each of them later
-    calls `loop.call_soon_threadsafe` from a tensorstore thread, and the
-    RuntimeError('Event loop is closed') is printed through sys.excepthook, dozens
-    of tracebacks burying the real message. Nothing can act on them any more."""
+    """Drop tensorstore's late callbacks into Orbax's closed event loop (measured, orbax 0.12.8,
+    tensorstore 0.1.86: dozens of 'Event loop is closed' tracebacks after one failed read)."""
     previous = sys.excepthook
     if getattr(previous, "_twinshard_quiet", False):
         return
@@ -231,8 +196,7 @@ def _ignore_late_callbacks() -> None:
         if not late(kind, value):
             previous(kind, value, tb)
 
-    # Under load some of them arrive through sys.unraisablehook and threading.excepthook
-    # instead (measured: interleaved 'Traceback ... call_soon_threadsafe' lines).
+    # under load some arrive through sys.unraisablehook and threading.excepthook instead (measured)
     previous_unraisable, previous_thread = sys.unraisablehook, threading.excepthook
 
     def unraisable(u):
@@ -263,8 +227,7 @@ def _field_defaults() -> dict[str, dict[str, Any]]:
 
 
 def _check_same(key: str, saved: Any, want: Any, where: str) -> None:
-    """A field added to ModelConfig / TrainConfig after a checkpoint was written reads as its
-    default there (e.g. first_dense_layers: 0), so older checkpoints of the same model restore."""
+    """A field added after a checkpoint was written reads as its default there, so older checkpoints restore."""
     if saved == want:
         return
     if isinstance(want, dict) and isinstance(saved, dict):

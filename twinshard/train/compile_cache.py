@@ -1,16 +1,8 @@
 """JAX's persistent compilation cache, switched off for a block of code.
 
-Measured (JAX 0.12): `jax.config.update("jax_enable_compilation_cache", False)` is read only
-by a process's FIRST compile; JAX then memoizes whether the cache is used. After any compile
-with the cache on, setting the flag to False changes nothing (a later compile still writes its
-entry; tests/test_compile_cache.py shows both). `reset_cache()` drops that memo, so the flag
-is read again at the next compile.
-
-Two users: TPU topology compiles (a compile-only TPU executable is written to the cache but
-cannot be read back: the next compile of the same program warns "Error reading persistent
-compilation cache entry ... PjRtCompiler must be constructed with a Client to call
-DeserializeLoadedExecutable" and compiles again), and launch.bench, which times real
-compiles, not cache reads.
+Measured (JAX 0.12): `jax_enable_compilation_cache` is read only by a process's FIRST compile and
+then memoized; `reset_cache()` drops that memo (tests/test_compile_cache.py). Users: TPU topology
+compiles (whose cache entries cannot be read back) and launch.bench, which times real compiles.
 """
 
 from __future__ import annotations

@@ -1,46 +1,16 @@
 """Optimizers: global-norm clipping + AdamW | Adafactor | Lion | SGD on the CS336 warmup/cosine schedule.
 
-`make_optimizer(cfg)` builds `TrainConfig.optimizer` inside `clip_and_guard`
-(global-norm clipping, then the skip of non-finite steps; its `GuardState` is
-the outer state, which `trainer.apply_gradients` reads). Every optimizer runs
-on the same lr schedule and decays weights the same way: decoupled, by
-lr(t) * weight_decay * param per step (AdamW's convention), so `--lr`,
-`--weight_decay` and the schedule keep their meaning across optimizers.
+`make_optimizer(cfg)` builds `TrainConfig.optimizer` inside `clip_and_guard` (global-norm clipping,
+then the skip of non-finite steps). Every optimizer runs on the same lr schedule with decoupled
+weight decay lr(t) * weight_decay * param, so the flags keep their meaning across optimizers:
+adamw (optax.adamw), lion (optax.lion: every step lr in size, so it wants an lr 3-10x below
+AdamW's), sgd (heavy-ball momentum beta1, SGDW), adafactor (optax.adafactor's defaults, beta1,
+beta2 and eps unused).
 
-    adamw      optax.adamw(b1=beta1, b2=beta2, eps=eps, weight_decay).
-               State 2 x params (mu, nu).
-    lion       optax.lion(b1=beta1, b2=beta2, weight_decay): update
-               sign(b1 m + (1-b1) g), momentum m <- b2 m + (1-b2) g (Chen et al.
-               2023). State 1 x params (mu). The sign makes every step lr in
-               size: Lion wants an lr 3-10x below AdamW's (and weight_decay
-               3-10x above) - set them with --lr/--weight_decay.
-    sgd        heavy-ball momentum with beta1 (optax.trace: m <- g + beta1 m,
-               update -lr (m + weight_decay p): SGDW, the decay outside the
-               momentum). The momentum buffer is always kept (beta1=0 is plain
-               SGD with a buffer equal to g): state 1 x params.
-    adafactor  `adafactor` below (Shazeer & Stern 2018) = optax.adafactor with
-               its defaults - factored second moments for params with two dims
-               >= 128 (min_dim_size_to_factor), decay 1-(t+1)^-0.8, eps 1e-30,
-               update clipping at block RMS 1, lr relative to the param's RMS
-               (multiply_by_parameter_scale, floor 1e-3), no momentum - on our
-               lr schedule, with weight decay lr(t) * weight_decay. beta1/beta2/
-               eps are NOT used. State: for a factored [.., n, .., m ..] param
-               one row and one column statistic (the param with one of its two
-               largest dims removed), else a full `v`.
-
-The global norm is computed by a `norm_fn` the caller may replace: on one
-device (and under GSPMD) it is `optax.tree.norm`; the manual shard_map twin
-passes a norm whose partial sums of squares are `psum`-ed over the mesh axes
-each gradient is sharded on. AdamW, Lion and SGD are elementwise after that,
-so they run unchanged on local shards. Adafactor is not: its factored
-statistics are means over whole rows and columns, its update clipping and its
-parameter scale are RMSs of whole params. It takes those means from
-`blocks` (one `Block` per param: its whole shape and a `BlockMean`): `full_mean`
-(jnp.mean) on one device and under GSPMD (XLA adds the all-reduces), and in the
-manual twin a local mean followed by a `pmean` over exactly the mesh axes that
-split the reduced dims (manual_parallel/runner.py, `block_mean`). The GSPMD twin
-needs nothing: its arrays are global, and XLA partitions each mean itself.
-The extra all-reduces are rows and scalars, a few KiB a step.
+The global norm is a `norm_fn` the manual twin replaces with a psum of partial squares; AdamW,
+Lion and SGD are then elementwise on local shards. Adafactor's means over whole rows, columns and
+params come from `blocks` (one `Block` per param): `full_mean` on one device and under GSPMD, a
+local mean + `pmean` over the axes splitting the reduced dims in the manual twin.
 """
 
 from __future__ import annotations
@@ -60,8 +30,7 @@ NormFn = Callable[[optax.Updates], jax.Array]
 
 
 def cosine_lr(t, lr_max: float, lr_min: float, warmup_steps: int, cosine_steps: int):
-    """CS336 `get_lr_cosine_schedule`: linear warmup from 0, cosine to lr_min at
-    `cosine_steps`, then constant lr_min. Works on Python numbers and JAX arrays."""
+    """CS336 `get_lr_cosine_schedule`: linear warmup from 0, cosine to lr_min at `cosine_steps`, then lr_min."""
     t = jnp.asarray(t, jnp.float32)
     warm = lr_max * t / max(warmup_steps, 1)
     span = max(cosine_steps - warmup_steps, 1)
@@ -84,18 +53,14 @@ def clip_and_guard(
     inner: optax.GradientTransformation, max_norm: float, skip_nonfinite: bool,
     norm_fn: NormFn = optax.tree.norm,
 ) -> optax.GradientTransformation:
-    """Clip gradients to global L2 norm `max_norm` (0: no clipping), then run `inner`.
-
-    With `skip_nonfinite`, a step whose norm is inf/nan leaves params and the
-    inner state unchanged (a zero update) and increments `skipped`.
-    """
+    """Clip gradients to global L2 norm `max_norm` (0: none), then run `inner`; with `skip_nonfinite`
+    an inf/nan norm makes a zero update and increments `skipped`."""
 
     def init(params):
         return GuardState(inner.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def update(grads, state, params=None):
-        # float32 sums of squares whatever the gradients' dtype (bfloat16 weights: their norm in bf16
-        # came back bfloat16, changing GuardState's type after the first step; XLA fuses the casts)
+        # float32 sums of squares whatever the gradients' dtype (a bf16 norm changed GuardState's type)
         norm = norm_fn(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
         if max_norm > 0:
             scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
@@ -113,10 +78,8 @@ def clip_and_guard(
 
 
 def in_param_dtypes(grads: optax.Updates, params: optax.Params | None) -> optax.Updates:
-    """Each gradient in its param's dtype (bfloat16 weights: ModelConfig.weight_dtype), so the
-    moments the optimizer keeps stay in that dtype. Measured (optax 0.2): lion's and sgd's moments
-    initialised as bfloat16 came back float32 from an update on float32 gradients (the float32
-    accumulator of grad_accum), so the donated state changed type after the first step."""
+    """Each gradient in its param's dtype, so the moments keep it (measured, optax 0.2: lion's and
+    sgd's bf16 moments came back float32 from float32 gradients, changing the donated state's type)."""
     if params is None:
         return grads
     return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -131,9 +94,8 @@ BlockMean = Callable[[jax.Array, tuple[int, ...]], jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """What Adafactor must know of a param beyond its (possibly local) value: the whole param's
-    shape (which dims are factored is decided on it - on a shard [L, D/8, F] the second largest
-    dim may fall below 128) and how to take means over whole rows, columns and params."""
+    """What Adafactor must know of a param beyond its local value: the whole shape (which decides the
+    factored dims) and how to take means over whole rows, columns and params."""
 
     shape: tuple[int, ...]
     mean: BlockMean
@@ -150,12 +112,8 @@ def full_mean(x: jax.Array, dims: tuple[int, ...]) -> jax.Array:
 
 
 def kept_dims(field: str | None, param_shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The param dims an optimizer-state leaf keeps, in order; None for a placeholder.
-
-    `field` names the state leaf (optax's FactoredState: `v_row` = the param without d0,
-    `v_col` = without d1, `v` = the full second moment of an unfactored param; the other
-    slot(s) of each param hold zeros((1,)) placeholders). Every other optimizer's moments
-    (mu, nu, trace) keep all dims."""
+    """The param dims an optimizer-state leaf keeps (optax's FactoredState: `v_row` without d0,
+    `v_col` without d1, `v` all); None for a placeholder; other optimizers' moments keep all."""
     every = tuple(range(len(param_shape)))
     dims = factored_dims(param_shape)
     if field in ("v_row", "v_col"):
@@ -178,15 +136,8 @@ def _everything(x: jax.Array) -> tuple[int, ...]:
 
 
 def scale_by_factored_rms(blocks=None) -> optax.GradientTransformation:
-    """optax.scale_by_factored_rms (defaults) with its row/column means taken by `blocks`.
-
-    For a factored param g [..., n@d1, ..., m@d0, ...] (keepdims shapes in comments):
-        v_row <- r v_row + (1-r) mean_d0(g^2 + eps)        [..., n, ..., 1, ...]
-        v_col <- r v_col + (1-r) mean_d1(g^2 + eps)        [..., 1, ..., m, ...]
-        update = g / sqrt(v_row / mean_d1(v_row)) / sqrt(v_col)
-    with r = 1 - (t+1)^-0.8; unfactored params: v <- r v + (1-r)(g^2 + eps), update g / sqrt(v).
-    The state (and its init, on whole params) is optax's FactoredState.
-    """
+    """optax.scale_by_factored_rms (defaults) with its row/column means taken by `blocks`; for a
+    factored g: v_row, v_col <- r v + (1-r) mean(g^2 + eps), update g / sqrt(v_row / mean(v_row)) / sqrt(v_col)."""
     init = optax.scale_by_factored_rms(min_dim_size_to_factor=MIN_DIM_SIZE_TO_FACTOR, epsilon=EPS).init
 
     def leaf(rate, g, v_row, v_col, v, block: Block):
@@ -236,9 +187,7 @@ def scale_by_param_block_rms(min_scale: float, blocks=None) -> optax.GradientTra
 
 def adafactor(learning_rate: optax.Schedule, weight_decay: optax.Schedule,
               blocks=None) -> optax.GradientTransformation:
-    """optax.adafactor(learning_rate, weight_decay_rate=weight_decay) with optax's defaults,
-    written out so that its four block means come from `blocks` (a params-shaped tree of Block;
-    None: the arrays are whole params). Same chain and state as optax (tests/test_optimizers.py)."""
+    """optax.adafactor with optax's defaults, its block means from `blocks` (tests/test_optimizers.py)."""
     return optax.chain(
         scale_by_factored_rms(blocks),
         clip_by_block_rms(CLIPPING_THRESHOLD, blocks),
@@ -257,13 +206,8 @@ def sgd(learning_rate: optax.Schedule, momentum: float, weight_decay: float) -> 
 
 def make_optimizer(cfg: TrainConfig, norm_fn: NormFn = optax.tree.norm,
                    blocks=None) -> optax.GradientTransformation:
-    """`cfg.optimizer` on `lr_schedule(cfg)` inside `clip_and_guard` (module docstring).
-
-    norm_fn: the global gradient norm (manual twin: psum of partial squares).
-    blocks: for Adafactor, a params-shaped tree of Block - each param's whole shape and its
-    means over whole rows, columns and params (manual twin: local mean + pmean); None: the
-    updated arrays are whole params (one device, GSPMD). Unused by the other optimizers.
-    """
+    """`cfg.optimizer` on `lr_schedule(cfg)` inside `clip_and_guard`; `norm_fn` and `blocks` as the
+    module docstring says (None: the arrays are whole params)."""
     schedule = lr_schedule(cfg)
     if cfg.optimizer == "adamw":
         inner = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
