@@ -55,6 +55,8 @@ VARIANTS = {
     "uv run python -m launch.collectives --preset=tiny --strategy=tp_sp --impl=manual --mesh=tensor:4 --devices=4 "
     "--collective_matmul": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=cp --impl=manual --mesh=context:4 --devices=4": [],
+    "uv run python -m launch.collectives --preset=tiny --num_heads=8 --strategy=ulysses --impl=manual --mesh=context:4 "
+    "--devices=4": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=fsdp --impl=explicit": [],
     "uv run python -m launch.train --preset=tiny_moe --strategy=ep --impl=manual --mesh=data:2,expert:4 "
     "--workdir=runs/ep": [],
