@@ -23,7 +23,7 @@ from twinshard.train.trainer import accumulated_value_and_grad, logical_axes
 
 Rules = Mapping[str, str]
 DATA, NORM = "data", "norm"  # NORM: the logical axis of the RMSNorm gains
-TOKEN_AXES = (DATA,)  # the mesh axes that split the tokens (each device's loss: its own tokens' mean)
+TOKEN_AXES = (DATA, "context")  # the mesh axes that split the tokens (each device's loss: its own tokens' mean)
 
 
 def _split(mesh: jax.sharding.Mesh, rules: Rules) -> dict[str, str]:

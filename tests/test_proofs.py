@@ -24,7 +24,9 @@ TWIN_TESTS = [(DATA_TENSOR, "test_adamw_matches_single_device"), (SEQUENCE, "tes
 PROOFS = {
     "manual twin vs single device": [(*t, "manual") for t in TWIN_TESTS],
     "auto twin vs single device": [(*t, "auto") for t in TWIN_TESTS],
-    "explicit twin vs single device": [("test_explicit.py", "test_explicit_matches_single_device", None)],
+    "explicit twin vs single device": [("test_explicit.py", "test_explicit_matches_single_device", None),
+                                       (ULYSSES, "test_explicit_twin_matches_single_device_with_the_manual_twins_all_to_alls",
+                                        None)],
     "ledger vs cost model": [(m, f, None) for m, f in [
         (DATA_TENSOR, "test_manual_ledger_equals_the_cost_model_exactly"),
         (SEQUENCE, "test_manual_ledger_equals_the_cost_model"),

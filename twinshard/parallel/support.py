@@ -37,7 +37,7 @@ SUPPORT: dict[str, Support] = {
     "tp_sp": Support(_ALL, collective_matmul=_MANUAL, **_MEGATRON),
     "cp": Support(_TWO),
     "fsdp_cp": Support(_TWO),
-    "ulysses": Support(_TWO),
+    "ulysses": Support(_ALL),
     "fsdp_ulysses": Support(_TWO),
     "pp": Support(_TWO, one_f_one_b=_MANUAL),
     "pp_fsdp": Support(_TWO, one_f_one_b=_MANUAL),
