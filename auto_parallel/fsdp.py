@@ -14,19 +14,16 @@ __all__ = ["FullyShardedDataParallel", "parallelism"]
 
 class FullyShardedDataParallel(GSPMD):
     def weight(self, w, axes):
-        """w: the local slice, e.g. W1 [D/data, F] -> pinned whole [D, F] (the activation rules
-        have no `embed -> data`): the all-gather, and its gradient's reduce-scatter.
+        """W1 [D/data, F] -> pinned whole [D, F]: the all-gather, and its gradient's reduce-scatter.
 
-        Without this pin GSPMD gathered the token ids instead of the embedding table and
-        all-to-all'ed the lookup; under fsdp_tp it moved the ids to the vocab x data-sharded
-        table and warned of an involuntary full rematerialization (measured, JAX 0.12)."""
+        Without this pin GSPMD gathered the token ids instead of the embedding table (measured, JAX 0.12)."""
         return self.constrain(w, axes)
 
     def gather_step(self, params, axes, specs, dtype):
-        """Every matrix sharded over `data` pinned whole, in the compute dtype, once before the
-        micro-batch loop (grad_accum > 1): GSPMD's all-gathers leave the loop. The bf16 copy is
-        pinned to the shard's layout first: without that pin GSPMD gathered the f32 master shard
-        and cast after it on XLA:CPU, twice the bytes (measured, JAX 0.12)."""
+        """Every matrix sharded over `data` pinned whole in the compute dtype, once per step.
+
+        The bf16 copy is pinned to the shard's layout first: without it GSPMD gathered the f32 master
+        shard and cast after it on XLA:CPU, twice the bytes (measured, JAX 0.12)."""
         def gather(w, ax, s):
             if "data" not in placement.sharded_axes(s):
                 return w

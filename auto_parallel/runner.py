@@ -39,11 +39,8 @@ class GSPMD(Parallelism):
         return placement.sharded_attention(self.mesh, self.rules, q, k, v, impl, block)
 
     def chunked_token_loss(self, x, w, targets, vocab_size, chunks):
-        """The chunked loss (loss.chunked_token_cross_entropy) of each batch shard apart: a vmap over
-        [S, B/S, T] with the vmapped axis on the batch's mesh axes (spmd_axis_name), so each device
-        runs its own B/S*T tokens in `chunks` chunks and the lm_head's gradient is summed over the
-        shards ONCE, after the chunk loop. Without the vmap GSPMD all-reduced the f32 accumulator
-        dw [D, V] in every chunk (measured, JAX 0.12: `chunks` all-reduces over `data`, not 1)."""
+        """The chunked loss of each batch shard apart (a vmap over [S, B/S, T], spmd_axis_name): without
+        it GSPMD all-reduced the f32 accumulator dw [D, V] in every chunk (measured, JAX 0.12)."""
         axis = self.rules.get("batch")
         shards = 1 if axis is None else math.prod(
             self.mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
@@ -55,10 +52,7 @@ class GSPMD(Parallelism):
         return per_shard(split(x), split(targets)).reshape(targets.shape)
 
     def without_batch(self) -> GSPMD:
-        """These hooks with 'batch' dropped from the activation rules: the hooks of the
-        per-data-shard vmap of `AutoRunner._loss_and_grads`, whose vmapped axis carries `data`
-        (spmd_axis_name). A copy, so a subclass keeps its own hooks (cp's positions and mask,
-        tp_sp's sequence layouts: it overrides this for its second table)."""
+        """A copy of these hooks with 'batch' dropped from the rules, for the per-data-shard vmap."""
         hooks = copy.copy(self)
         hooks.rules = {a: m for a, m in self.rules.items() if a != "batch"}
         return hooks
@@ -75,14 +69,8 @@ class AutoRunner(placement.GlobalRunner):
         self.shard_loss = functools.partial(loss_fn, cfg=run.cfg.model, par=self.par.without_batch())
 
     def _loss_and_grads(self, params, x, y):
-        """(mean loss, gradients) of x, y [B, T], over grad_accum = K micro-batches.
-
-        K > 1 with data > 1: each data shard's gradient is accumulated apart - a vmap over
-        [data, B/data, T] with the vmapped axis on `data` (spmd_axis_name) - so the K
-        micro-batches' gradients [data, ...] are never reduced inside the loop; the mean over
-        `data` after it is the step's ONE gradient sync (GSPMD: an all-reduce, or the FSDP
-        reduce-scatter into the param sharding).
-        """
+        """(mean loss, gradients) of x, y [B, T] over K micro-batches; K > 1 with data > 1: each data
+        shard's gradient accumulated apart in a vmap, the mean over `data` after it the ONE sync."""
         k, d = self.cfg.train.grad_accum, self.sizes.get("data", 1)
         if k == 1 or d == 1:  # K = 1: the program without accumulation; tp: no gradient sync at all
             return accumulated_value_and_grad(self.loss, params, x, y, k)

@@ -1,18 +1,7 @@
-"""All-to-all sequence parallelism (DeepSpeed-Ulysses), GSPMD twin: the sequence dimension of
-the batch and of every activation split over `context`, every weight replicated (cp's placement),
-and inside attention q, k, v and the output pinned to head shards of whole sequences:
-[B, h, T, dh] split over `context` on h, not T. XLA derives the communication between the two
-layouts. Grouped-query attention repeats the kv heads as the manual twin does
-(context.kv_repeats) before the pin. Splash runs in placement.sharded_attention's shard_map over
-the head axis (this module's head rules).
+"""All-to-all sequence parallelism (DeepSpeed-Ulysses), GSPMD twin: cp's placement, and inside
+attention q, k, v and the output pinned to head shards of whole sequences, [B, h@context, T, dh].
 
-What XLA inserts (measured, JAX 0.12 XLA:CPU, tests/test_ulysses.py test_auto_inserts_all_to_alls):
-all-to-alls only, 9 per layer of [B, h, T/C, dh] over `context`: 3 in the forward loop (q, k, v
-to head shards: resharding an array from one split dimension to another is an all-to-all) and 6
-in the backward loop, no all-gather, so GSPMD's output resharding rides with the backward pass's;
-the manual twin's 8 per layer move 8/9 of the bytes. Every weight gradient is all-reduced over
-`context`, per layer, as cp's.
-"""
+The collectives and why: docs/long-context.md (auto_parallel/ulysses.py)."""
 
 from __future__ import annotations
 

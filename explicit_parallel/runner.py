@@ -48,9 +48,7 @@ class Explicit(Parallelism):
         return NamedSharding(self.mesh, P(*spec(axes, self.rules), **extra))
 
     def constrain(self, x, axes):
-        """The residual stream and the logits: their type is checked, nothing moves (the
-        GSPMD twin's constraint is a hint; here JAX's rules already decided, and a layout the
-        strategy does not declare is a bug of its hooks, caught at trace time)."""
+        """The residual stream and the logits: their type is checked at trace time, nothing moves."""
         expect_sharding(x, spec(axes, self.rules))
         return x
 
@@ -59,18 +57,11 @@ class Explicit(Parallelism):
         return placement.sharded_attention(self.mesh, self.rules, q, k, v, impl, block)
 
     def layer_policy(self, policy):
-        """The layer's policy, plus: the output of a reshard from an `unreduced` type (Megatron's g,
-        tp_sp's reduce-scatter) is saved, so a checkpointed layer's backward pass recomputes
-        matmuls, never a reduction (manual_parallel/base.py `saves_reductions`; without it remat
-        `full` re-ran g in the backward loop, measured)."""
+        """The layer's policy, plus `saves_reductions` (without it remat `full` re-ran g in the backward loop, measured)."""
         return also_saving(policy, saves_reductions)
 
     def embed(self, ids, table):
-        """ids: [B@data, T]; table: [V, D] in its use type -> [B@data, T, D].
-
-        jnp.take refuses ids split over `data` in Explicit mode (JAX 0.12: "Use
-        `.at[...].get(out_sharding=)` to provide output PartitionSpec for the gather"), even
-        from a replicated table: the lookup says its output's layout."""
+        """ids: [B@data, T]; table: [V, D] -> [B@data, T, D] (jnp.take refuses ids split over `data`, JAX 0.12)."""
         return table.at[ids].get(out_sharding=self.sharding(ACTIVATION))
 
 
@@ -83,10 +74,7 @@ class ExplicitRunner(placement.GlobalRunner):
         super().__init__(run, tx)
         token_axes = placement.active_axes(TOKEN_AXES, self.sizes)
         # per matrix, the token axes it is replicated over: cast to `reduced` over them for grad.
-        # Not the RMSNorm gains: they multiply [B@data, T, D] elementwise, which JAX 0.12 refuses
-        # for an operand reduced over `data` ("Inputs cannot be sharded/varying on the same axes
-        # that another input is reduced on"); they stay replicated, and JAX's rules reduce their
-        # gradients inside the backward layer loop (one [D] all-reduce per layer and gain).
+        # Not the RMSNorm gains: JAX 0.12 refuses an elementwise operand reduced over `data`.
         self.reduced_over = jax.tree.map(
             lambda s, axes: () if NORM in axes else tuple(a for a in token_axes if a not in placement.sharded_axes(s)),
             self.param_specs, logical_axes(run.cfg.model), is_leaf=lambda x: isinstance(x, P))
@@ -95,10 +83,8 @@ class ExplicitRunner(placement.GlobalRunner):
         return make_optimizer(train_cfg, norm_fn=self.global_norm)
 
     def step_params(self, params):
-        """Each param in the type the step differentiates: the strategy's `gather_step` under
-        grad_accum = K > 1 (FSDP: each matrix gathered once), then a matrix replicated over token
-        axes cast to `reduced` over them (no data moves), so its gradient leaves the backward pass
-        `unreduced` and the K micro-batches add up per-device partial sums."""
+        """Each param in the type the step differentiates: `gather_step` under grad_accum > 1, then
+        `reduced` over the token axes it is replicated over (its gradient comes back `unreduced`)."""
         axes = logical_axes(self.cfg.model)
         if self.cfg.train.grad_accum > 1:
             params = self.par.gather_step(params, axes, self.param_specs, self.cfg.model.dtype)
@@ -111,23 +97,16 @@ class ExplicitRunner(placement.GlobalRunner):
         return jax.tree.map(typed, params, self.reduced_over)
 
     def _loss_and_grads(self, params, x, y):
-        """(mean loss, gradients) of x, y [B@data, T] over grad_accum = K micro-batches: the
-        gradients of the `reduced` params stay `unreduced` through the backward layer loop and
-        the micro-batch loop; the reshard of each to its param's sharding is the step's ONE
-        gradient reduction per leaf: an all-reduce, or FSDP's reduce-scatter of a matrix
-        gathered once (K = 1: FSDP's matrices come out of their per-layer gather's transpose
-        already reduce-scattered, and this reshard moves nothing)."""
+        """(mean loss, gradients) of x, y [B@data, T] over K micro-batches; the reshard of each gradient
+        to its param's sharding is the step's ONE reduction per leaf."""
         typed = self.step_params(params)
         loss, grads = accumulated_value_and_grad(self.loss, typed, x, y, self.cfg.train.grad_accum)
         sync = lambda g, t, p, s: jax.sharding.reshard(g.astype(t.dtype), s).astype(p.dtype)  # noqa: E731
         return loss, jax.tree.map(sync, grads, typed, params, self.state_shardings.params)
 
     def global_norm(self, grads) -> jax.Array:
-        """sqrt(sum of squares of the full gradient): each leaf's sum of squares left `unreduced`
-        over the mesh axes that split it, the sums of one group of axes added unreduced, one
-        reshard to replicated per group: its all-reduce (the manual twin's psum per group). The
-        plain norm under JAX's rules reduced every leaf's sum apart: one all-reduce per leaf
-        (measured, JAX 0.12)."""
+        """sqrt(sum of squares of the full gradient): one reshard of unreduced partial sums per group of
+        axes (the plain norm under JAX's rules ran one all-reduce per leaf, measured, JAX 0.12)."""
         groups: dict[tuple[str, ...], jax.Array] = {}
         for g in jax.tree.leaves(grads):
             split = placement.sharded_axes(jax.typeof(g).sharding.spec)

@@ -39,13 +39,8 @@ class PipelineRunner(ManualRunner):
         self.replicated_over_stage = {k: k != "layers" for k in self.param_specs}
 
     def _loss_and_grads(self, params, x, y):
-        """x, y: [B/data, T] (pp: data = 1, the whole batch on every stage).
-
-        ManualRunner's step around the pipeline (`_value_and_grad`), between a pcast to varying
-        over `stage` of the params replicated over it (embedding, ln_final, lm_head: autodiff
-        then adds no psum of its own) and the psum over `stage` of their gradients, the line
-        below. ManualRunner adds the pcast over data and the DP mean of what is replicated over
-        data (pp_fsdp's norm gains) and, under pp_fsdp, the once-per-step gather and scatter."""
+        """x, y: [B/data, T]. ManualRunner's step, with the params replicated over `stage` (embedding,
+        ln_final, lm_head) pcast to varying over it and their gradients psummed over it."""
         rep = self.replicated_over_stage
         params = {k: jax.tree.map(lambda p: lax.pcast(p, STAGE, to="varying"), v) if rep[k] else v
                   for k, v in params.items()}
@@ -81,18 +76,9 @@ class PipelineRunner(ManualRunner):
         return out, loss
 
     def _one_f_one_b(self, params, x, y, par):
-        """1F1B by hand: every tick each stage runs the op its row of the static schedule
-        (pipeline.one_f_one_b) names - a forward, a backward (`jax.vjp` of `_stage` on the
-        saved input of that micro-batch: its forward is recomputed, so a stage keeps only the
-        INPUTS of its in-flight micro-batches, at most S, in a ring of S slots), or nothing -
-        then hands its forward output to stage s+1 and its input gradient to stage s-1.
-
-        Per tick: 2 collective-permutes of [B/M, T, D] (shift_to_next_stage of the forward
-        output, shift_to_previous_stage of the input gradient; zeros when the op was not a
-        forward / backward), over ~2(M + S - 1) ticks. Same gradients as GPipe.
-
-        The gradients accumulate in float32 (pp_fsdp under bf16: each micro-batch's bf16 gradient
-        of the gathered weights added to a float32 sum, as in accumulated_value_and_grad)."""
+        """1F1B by hand (pipeline.one_f_one_b's schedule; docs/pipelines.md): per tick a forward, a
+        backward (`jax.vjp` of `_stage` on the saved input, at most S in a ring of S slots) or
+        nothing, then 2 collective-permutes of [B/M, T, D]. Gradients accumulate in float32."""
         cfg, m = self.cfg.model, self.cfg.train.microbatches
         stage, n = lax.axis_index(STAGE), lax.axis_size(STAGE)
         kinds, mbs = (jnp.asarray(t, jnp.int32) for t in pipeline.one_f_one_b(m, n))  # [ticks, S]
@@ -141,11 +127,8 @@ class PipelineRunner(ManualRunner):
         return self._mean_loss(self._pipeline_loss(params, x, y, par))
 
     def _gpipe(self, params, x, y, par):
-        """GPipe: autodiff of the tick loop. It sums each weight's gradient over the ticks in the
-        weight's own dtype (measured, JAX 0.12: the transposed scan carries a loop-invariant's
-        cotangent in its dtype), so the loop reads a float32 copy of the weights: float32
-        accumulation, as pp's float32 master weights get (pp_fsdp under bf16: the gathered bf16
-        stage, upcast here, after the gather; a no-op otherwise)."""
+        """GPipe: autodiff of the tick loop, on a float32 copy of the weights, since the transposed scan
+        carries a loop-invariant's cotangent in its own dtype (measured, JAX 0.12)."""
         f32 = lambda p: jax.tree.map(lambda w: w.astype(jnp.float32), p)  # noqa: E731
         return jax.value_and_grad(lambda p: self._pipeline_loss(f32(p), x, y, par))(params)
 

@@ -44,10 +44,8 @@ class ManualRunner(placement.PlacedRunner):
         self.replicated_over_tokens = jax.tree.map(
             lambda s: tuple(a for a in self.token_axes if a not in placement.sharded_axes(s)),
             self.param_specs, is_leaf=lambda x: isinstance(x, P))
-        # per param, the mesh axes its declaration splits it over and this model's placement
-        # replicates it on: grouped-query attention's k/v weights on a tensor axis larger than the
-        # kv heads (Strategy.placed), of which each device uses one kv head's columns
-        # (manual_parallel/tp.py); their gradient is the sum over those axes (`mean_over_tokens`)
+        # per param, the axes its declaration splits and the model's placement replicates (GQA's
+        # replicated kv heads, manual_parallel/tp.py): its gradient is summed over them
         self.summed_over = jax.tree.map(
             lambda d, s: placement.active_axes(tuple(a for a in placement.sharded_axes(d) if a not in placement.sharded_axes(s)),
                                  self.sizes),
@@ -84,9 +82,7 @@ class ManualRunner(placement.PlacedRunner):
         return self.cfg.train.grad_accum > 1 and self.par.gathers_weights
 
     def _value_and_grad(self, params, x, y, par):
-        """(mean loss over this device's tokens, its unsynchronized gradient) with hooks `par`: the
-        K micro-batches under lax.scan (K = 1: one value_and_grad), no collective in the loop.
-        PipelineRunner runs its pipeline here instead."""
+        """(mean loss over this device's tokens, its unsynchronized gradient): K micro-batches under lax.scan."""
         local = functools.partial(self._local_loss, par=par)
         return accumulated_value_and_grad(local, params, x, y, self.cfg.train.grad_accum)
 
@@ -108,13 +104,8 @@ class ManualRunner(placement.PlacedRunner):
         return loss, grads
 
     def mean_over_tokens(self, grads, replicated):
-        """Data-parallel gradient sync: all-reduce (mean) of every gradient over the token axes
-        its param is replicated over (`replicated`: a tuple of axes per param). DP: all of them
-        over `data`; FSDP: the norm gains (sharded weights were already reduce-scattered by
-        fsdp_gather's backward); cp: all of them over (data, context), one all-reduce each;
-        fsdp_cp: the matrices' shards over `context`, the norm gains over (data, context).
-        A param with `summed_over` axes (replicated kv heads) is summed over them in the same
-        all-reduce: psum over both, divided by the token axes' devices."""
+        """Data-parallel gradient sync: pmean of every gradient over the token axes its param is
+        replicated over (`replicated`), summed too over its `summed_over` axes in the same all-reduce."""
         def sync(g, mean, summed):
             if not summed:
                 return lax.pmean(g, mean) if mean else g
@@ -136,12 +127,9 @@ class ManualRunner(placement.PlacedRunner):
         return jnp.sqrt(total)
 
     def block_mean(self, spec: P) -> BlockMean:
-        """Adafactor's mean over whole rows / columns / params of a param placed as `spec`
-        (twinshard.train.optim.BlockMean): the local mean, then a `pmean` over exactly the mesh axes
-        that split the reduced dims (equal shards: the mean of the shard means is the mean).
-        fsdp_tp's W1 [L, D/data, F/tensor]: v_row's mean over F is a pmean over `tensor`, v_col's
-        over D one over `data`, the block RMS one over both. Forward only: the optimizer is not
-        differentiated."""
+        """Adafactor's mean over whole rows / columns / params of a param placed as `spec`: the local
+        mean, then a `pmean` over the mesh axes that split the reduced dims (fsdp_tp's W1
+        [L, D/data, F/tensor]: over F a pmean over `tensor`, over D one over `data`)."""
         def mean(x, dims):
             local = jnp.mean(x, axis=dims, keepdims=True)
             axes = placement.active_axes(placement.sharded_axes(P(*(spec[d] for d in dims))), self.sizes)

@@ -1,27 +1,8 @@
-"""Megatron tensor parallelism, shard_map twin: heads, d_ff and the vocabulary
-are split over `tensor`; every device holds the whole batch and the whole
-residual stream.
+"""Megatron tensor parallelism, shard_map twin: heads, d_ff and the vocabulary split over `tensor`.
 
-Forward, per layer: f (identity) -> column-parallel Q,K,V / W1,W3 on H/tensor
-heads or F/tensor columns -> row-parallel O / W2 -> g = psum over `tensor`
-(2 all-reduces of [B, T, D]). Vocab-parallel embedding: masked lookup in the
-local [V/tensor, D] rows + psum. Vocab-parallel cross-entropy: pmax and psum
-of per-token statistics; the full [B, T, V] logits never exist.
-Backward, per layer: g is the identity; f psums the input gradient of each
-column-parallel block (2 all-reduces of [B, T, D]); one more f before lm_head.
-Weight gradients need no communication.
-Optimizer: one psum over `tensor` of the shards' squared norms.
-
-Grouped-query attention (Hkv < H kv heads): the k/v projections split with the query heads
-while `tensor` divides Hkv (Hkv/tensor kv heads per device). A larger tensor axis (a multiple of
-Hkv) leaves each device's H/tensor query heads inside ONE kv head's group: the k/v weights
-[D, Hkv*dh] are then stored replicated over `tensor` (Strategy.placed: the parameter tree, its
-init and its checkpoints stay the model's, whatever the mesh), and each device multiplies by its
-kv head's columns [D, dh] alone (`weight`: a local slice, no data moves; under remat=none the
-layer keeps the two slices for its backward pass). Each device
-thus computes the gradient of its slice from its own query heads; ManualRunner pcasts these
-weights to varying over `tensor` before `grad` and sums their gradients over it once per step
-(one psum per leaf: the kv head's query-head groups each contribute a share).
+Per layer: f (identity; backward psum) before the column-parallel Q,K,V / W1,W3, g (psum of
+[B, T, D]; backward identity) after the row-parallel O / W2. The collectives and grouped-query
+attention's replicated kv heads: docs/design.md (The strategies; manual_parallel/tp.py).
 """
 
 import jax.numpy as jnp
@@ -39,17 +20,13 @@ TENSOR = "tensor"
 
 class TensorParallel(ManualParallelism):
     def __init__(self, param_rules, kv_heads: int):
-        """param_rules: the strategy's table placed for the model (Strategy.placed); kv_heads:
-        the model's Hkv, whose heads are replicated over `tensor` when param_rules does not
-        split `kv_heads`."""
+        """param_rules: Strategy.placed's table; kv_heads: Hkv, replicated over `tensor` unless split."""
         super().__init__(param_rules)
         self.kv_heads = kv_heads
 
     def weight(self, w, axes):
-        """A replicated kv weight [(L,) D, Hkv*dh] (on every device) -> the columns [(L,) D, dh] of the
-        kv head this device's query heads [i H/t, (i+1) H/t) attend with: head i // (t/Hkv) at
-        `tensor` index i (a local slice, no data moves). Before FSDP's gather (fsdp_tp calls it
-        first), so FSDP gathers that one head's columns. Other weights: as stored."""
+        """A replicated kv weight [(L,) D, Hkv*dh] -> its columns [(L,) D, dh] of kv head i // (t/Hkv)
+        at `tensor` index i (a local slice, before FSDP's gather). Other weights: as stored."""
         if axes[-1] == KV_HEADS and KV_HEADS not in self.param_rules:
             t = lax.axis_size(TENSOR)
             assert t % self.kv_heads == 0, (t, self.kv_heads)  # mesh.check_divisible

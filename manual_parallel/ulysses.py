@@ -1,22 +1,6 @@
-"""All-to-all sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023), shard_map twin: the
-sequence is split over `context` (C shards of T/C tokens, the contiguous layout) from the
-embedding to the loss, every weight replicated, as under cp (manual_parallel/cp.py); only
-attention differs.
-
-Attention: RoPE rotates the local q and k [B, h, T/C, dh] by their true positions, then one
-all_to_all each (collectives.seq_to_heads) turns q, k and v into whole sequences of h/C heads,
-[B, h/C, T, dh]; the single-device kernel runs on them unchanged (any --attention: the positions
-are the natural order); one all_to_all (heads_to_seq) turns the output back. Causal attention
-sees whole sequences, so the work is balanced without a zig-zag layout. Grouped-query attention:
-the hk kv heads split over `context` when C divides them; otherwise each is repeated r times
-(context.kv_repeats: C | hk r | h) first, as tp replicates a kv head over its query group.
-Forward, per layer: 4 all-to-alls over `context` (q, k, v in, the output back), each of
-[B, h (hk r for k, v), T/C, dh]. Backward: their 4 inverses. Then every gradient is averaged over
-(data, context), as cp's (`UlyssesRunner.TOKEN_AXES`).
-
-Remat: a checkpointed layer keeps the all-to-alls' outputs (`saves_exchanges`), so its backward
-never re-runs them (remat trades FLOPs, not communication): [B, h/C, T, dh] each, as many
-elements as the T/C-token q, k, v and output it would otherwise keep.
+"""All-to-all sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023), shard_map twin: cp's
+placement and contiguous layout; attention runs on whole sequences of h/C heads between
+all_to_alls (4 per layer over `context`, their 4 inverses backward). docs/long-context.md says more.
 """
 
 import jax.numpy as jnp
@@ -47,8 +31,8 @@ class UlyssesParallel(ContextParallel):
         super().__init__(param_rules, "contiguous")
 
     def attention(self, q, k, v, impl="auto", block=0):
-        """q [B, h, T/C, dh], k, v [B, hk, T/C, dh] -> [B, h, T/C, dh]: all_to_all to head shards,
-        the single-device kernel, all_to_all back."""
+        """q [B, h, T/C, dh], k, v [B, hk, T/C, dh] -> [B, h, T/C, dh]; kv heads repeated r times
+        (context.kv_repeats: C | hk r | h) when C does not divide them."""
         r = context.kv_repeats(q.shape[1], k.shape[1], lax.axis_size(CONTEXT))
         k, v = (jnp.repeat(x, r, axis=1) if r > 1 else x for x in (k, v))
         q, k, v = (seq_to_heads(x, CONTEXT) for x in (q, k, v))
@@ -60,8 +44,7 @@ class UlyssesParallel(ContextParallel):
 
 
 class UlyssesRunner(ManualRunner):
-    """ManualRunner whose tokens are split over `context` too (contiguous: no permutation); the
-    gradients and the loss averaged over (data, context)."""
+    """ManualRunner whose tokens are split over `context` too: gradients and loss averaged over (data, context)."""
 
     TOKEN_AXES = (DATA, CONTEXT)
 

@@ -1,10 +1,5 @@
-"""The seam between the model and a parallelism strategy.
-
-The model (twinshard/model/transformer.py) is mesh-free. At the few points where a strategy
-must act, it calls a method of a `Parallelism` object. This base class is the
-single-device behaviour (every hook is the identity or the plain layer), so
-`TransformerLM(...)(tokens)` is ordinary single-device code. Strategies
-override only what they need (-: this class's behaviour):
+"""The seam between the mesh-free model and a parallelism strategy: the model calls a hook of a
+`Parallelism` object; this base class is the single-device behaviour (-: in the table below).
 
     hook                    auto_parallel (GSPMD)     manual_parallel (shard_map)   explicit_parallel (types)
     weight(w, axes)         FSDP: pin the use layout  FSDP: all_gather over data;   FSDP: reshard to
@@ -32,16 +27,7 @@ override only what they need (-: this class's behaviour):
     dispatch_rows(r, sizes) - (the model's own math)  ep, moe_dispatch=ragged:      - (no experts)
     combine_rows(r, plan)                             ragged_all_to_all, regrouped
 
-Logical axis names (on params and activations): vocab, embed, heads, kv_heads, mlp,
-norm, layers, experts, router (params); batch, seq, embed, heads, kv_heads, mlp, vocab (activations).
-The MoE router's [D, E] is ('embed', 'router'): no strategy maps `router`, so every
-device holds all E columns (each token scores every expert).
-
-The blocks run inside a `jax.lax.scan` over the stacked [L, ...] params
-(model.scan_layers): the hooks are called in the scan body, on ONE layer's
-weight (`weight(w, axes)` sees W1 as [D, F] with axes ('embed', 'mlp'), never
-the [L, D, F] stack), so a collective a hook adds runs once per layer, in a
-`while` loop of trip count L.
+The hooks run in the scan body over the stacked layers, on ONE layer's weight (W1 as [D, F]).
 """
 
 from __future__ import annotations
@@ -82,11 +68,8 @@ class Parallelism:
         return x
 
     def column_parallel(self, x: Array, ws: tuple[Array, ...], axes: Axes | None = None) -> tuple[Array, ...]:
-        """x [B, T, D] @ each w [D, out] (sharing one input: q, k, v; w1, w3) -> [B, T, out] each.
-        Megatron's f, then the column-parallel matmuls on this device's columns. axes: each
-        output's logical axis (attention: heads, kv_heads, kv_heads; None: the SwiGLU's mlp),
-        for the strategies that place the two kinds apart (GSPMD tp_sp: grouped-query attention's
-        kv heads replicated over a tensor axis larger than them)."""
+        """x [B, T, D] @ each w [D, out] -> [B, T, out] each, after Megatron's f; axes: each output's
+        logical axis (None: the SwiGLU's mlp)."""
         x = self.enter_tensor_parallel(x)
         return layers.linears(x, ws, self.flat_rows)
 
@@ -99,59 +82,44 @@ class Parallelism:
         return jnp.arange(t)
 
     def attention(self, q: Array, k: Array, v: Array, impl: str = "auto", block: int = 0) -> Array:
-        """Causal attention of this program's q, k, v [B, h, T, dh] (layers.causal_attention; block:
-        the splash kernel's, ModelConfig.attention_block)."""
+        """Causal attention of this program's q, k, v [B, h, T, dh] (layers.causal_attention)."""
         return layers.causal_attention(q, k, v, impl, block=block)
 
     def layer_stack(self, stacked: dict, cfg, x: Array, scan: Callable[..., Array]) -> Array:
-        """Run the L stacked blocks (every param leaf [L, ...]) on x [B, T, D] with
-        `scan(stacked, cfg, x, hooks)` (the model's scan over layers, passed in so that this
-        seam does not import the model): one scan; a pipeline splits the stack into stages
-        (auto_parallel/pp.py). Returns what `scan` returns: x, or (x, router stats [L, ...])
-        for a mixture-of-experts model."""
+        """The L stacked blocks [L, ...] on x [B, T, D] with the model's `scan(stacked, cfg, x, hooks)`;
+        a pipeline splits the stack into stages (auto_parallel/pp.py)."""
         return scan(stacked, cfg, x, self)
 
     def embed(self, ids: Array, table: Array) -> Array:
         return layers.embedding(ids, table)
 
     def layer_policy(self, policy: Policy | None) -> Policy | None:
-        """The jax.checkpoint policy of one scanned layer, given the one `ModelConfig.remat`
-        names (remat.REMAT_POLICIES); None: the layer is not checkpointed."""
+        """The jax.checkpoint policy of one scanned layer, given ModelConfig.remat's (None: none)."""
         return policy
 
     def gather_step(self, params: Any, axes: Any, specs: Any, dtype: str) -> Any:
-        """The params every micro-batch of a step reads (axes, specs: their logical axes and
-        PartitionSpecs; dtype: the compute dtype). FSDP gathers each matrix whole once here."""
+        """The params every micro-batch of a step reads (FSDP: each matrix gathered once)."""
         return params
 
     def head(self, lm_head: Callable[[Array], Array], x: Array) -> Array:
-        """lm_head(x): x [B, T, D] -> logits [B, T, V(_local)] (with ModelConfig.loss_chunks: the
-        per-token loss [B, T], the lm_head inside it); FSDP checkpoints it."""
+        """lm_head(x): x [B, T, D] -> logits [B, T, V(_local)] (or the chunked loss [B, T])."""
         return lm_head(x)
 
     def dispatch(self, x: Array) -> Array:
-        """x [E, G, C, D]: every group's capacity buffers, expert-major (twinshard/model/moe.py).
-        Expert parallelism sends each expert's buffers to the device holding it (manual:
-        all_to_all over `expert`, [E, G, C, D] -> [E/ep, G*ep, C, D]); identity on one device."""
+        """x [E, G, C, D] capacity buffers to the devices of their experts (manual ep: [E/ep, G*ep, C, D])."""
         return x
 
     def combine(self, x: Array) -> Array:
-        """The experts' outputs back to the devices of their groups: the inverse of `dispatch`
-        ([E/ep, G*ep, C, D] -> [E, G, C, D] under manual expert parallelism)."""
+        """The experts' outputs back to the devices of their groups: the inverse of `dispatch`."""
         return x
 
     def dispatch_rows(self, rows: Array, group_sizes: Array) -> tuple[Array, Array, Any]:
-        """The dropless path (ModelConfig.moe_dispatch='ragged', twinshard/model/moe.py
-        moe_ffn_ragged): rows [A, D], this device's A = N k assignments sorted by expert,
-        group_sizes [E] int32 (summing to A) -> (the rows of this device's experts [A', D] grouped
-        by local expert, their group sizes [E'] int32, a plan for `combine_rows`). Identity on
-        one device; manual expert parallelism: a ragged_all_to_all over `expert` (A' = ep A, the
-        worst case: every assignment of every peer on this device's experts)."""
+        """Dropless path: rows [A, D] sorted by expert, group_sizes [E] -> (this device's experts' rows
+        [A', D], their group sizes [E'], a plan for `combine_rows`); manual ep: A' = ep A."""
         return rows, group_sizes, None
 
     def combine_rows(self, rows: Array, plan: Any) -> Array:
-        """The experts' outputs [A', D] (dispatch_rows' order) back to this device's sorted
-        assignments [A, D]: the inverse of `dispatch_rows`, whose `plan` says how."""
+        """The experts' outputs [A', D] back to this device's sorted assignments [A, D]."""
         return rows
 
     def token_loss(self, logits: Array, targets: Array, vocab_size: int) -> Array:
@@ -159,8 +127,7 @@ class Parallelism:
         return loss.token_cross_entropy(logits, targets, vocab_size)
 
     def chunked_token_loss(self, x: Array, w: Array, targets: Array, vocab_size: int, chunks: int) -> Array:
-        """Per-token cross-entropy [B, T] of the lm_head's input x [B, T, D] and weight w [D, V(_local)],
-        `chunks` chunks of tokens at a time (ModelConfig.loss_chunks: loss.chunked_token_cross_entropy)."""
+        """Per-token cross-entropy [B, T] of x [B, T, D] @ w [D, V(_local)], `chunks` chunks at a time."""
         return loss.chunked_token_cross_entropy(x, w, targets, vocab_size, chunks)
 
 

@@ -23,13 +23,10 @@ MLP_IN, MLP_OUT = ("mlpwi_0", "mlpwi_1"), "mlpwo"
 
 
 def linear(x: Array, w: Array, flat: bool = True) -> Array:
-    """y = x W with W stored [in, out] (bias-free). x: [..., in] -> [..., out].
+    """y = x W, W [in, out]: x [..., in] -> [..., out]; flat: ONE 2-D dot on [prod(...), in] rows.
 
-    flat: ONE 2-D dot on the rows [prod(...), in]; with the batch dims kept XLA:CPU computed the
-    weight gradient after a transposing copy of the cotangent (measured, JAX 0.12). cp and tp_sp
-    pass flat=False: merging a sharded T with an unsharded B is not a tiling, so GSPMD gathers.
-    A float32 result (`preferred_element_type`) made JAX run both backward matmuls in f32 x f32
-    (measured, JAX 0.12), so the bf16 dot returns bf16 and the backend accumulates in f32."""
+    Batch dims kept made XLA:CPU transpose-copy the cotangent for dW; a float32 result made JAX run
+    both backward matmuls in f32 (measured, JAX 0.12). cp and tp_sp pass flat=False (GSPMD gathers)."""
     if not flat:
         return matmul(x, w)
     return matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
@@ -43,11 +40,8 @@ def _product(x: Array, w: Array) -> Array:
 
 
 def partial_sums(spec: str, a: Array, b: Array) -> jax.sharding.NamedSharding | None:
-    """The output sharding of `jnp.einsum(spec, a, b)` in JAX's Explicit mode, None elsewhere.
-
-    A contracted dim split over the same mesh axes in both operands leaves the result `unreduced`
-    (partial sums, no communication): JAX 0.12 refuses such a contraction without an out_sharding,
-    so whoever reduces says where the all-reduce runs (a hook, or `cotangent_like`)."""
+    """The output sharding of `jnp.einsum(spec, a, b)` in Explicit mode (None elsewhere): `unreduced`
+    over a contracted dim split alike in both (JAX 0.12 refuses that contraction without one)."""
     types = jax.typeof(a), jax.typeof(b)
     mesh = next((t.sharding.mesh for t in types if not t.sharding.mesh.empty), None)
     if mesh is None or not mesh.explicit_axes:
@@ -75,12 +69,8 @@ def _mesh_axes(partition) -> tuple[str, ...]:
 
 @jax.custom_vjp
 def matmul(x: Array, w: Array) -> Array:
-    """x [..., in] @ w [in, out] -> [..., out]; its weight gradient is ONE dot x^T g -> [in, out].
-
-    Autodiff computes dW as transpose(dot(g, x)); under GSPMD the gradient's all-reduce lands on
-    the [out, in] dot, so the transpose cannot fold and fuses into AdamW's consumers, which read
-    it column by column, several times slower on CPU (measured, JAX 0.12). Remat policies see the
-    same forward dot as for `x @ w`."""
+    """x [..., in] @ w [in, out] -> [..., out] with dW as ONE dot x^T g -> [in, out]: autodiff's
+    transpose(dot(g, x)) fused into AdamW column by column, several times slower on CPU (measured, JAX 0.12)."""
     return _product(x, w)
 
 
@@ -101,10 +91,8 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def cotangent_like(ct: Array, primal: Array) -> Array:
-    """A custom backward's cotangent as autodiff would leave it: in the primal's dtype, summed over
-    the mesh axes it varies over and the primal does not (inside check_vma shard_map JAX rejects the
-    program otherwise: docs/design.md, JAX facts), and in Explicit mode resharded to the type
-    autodiff gives the primal's cotangent (a partial sum reduced here or left `unreduced`)."""
+    """A custom backward's cotangent as autodiff would leave it: the primal's dtype, psummed over the axes
+    only it varies over (docs/design.md, JAX facts), in Explicit mode resharded to the cotangent type."""
     if extra := tuple(sorted(varying_axes(ct) - varying_axes(primal))):
         ct = jax.lax.psum(ct, extra)
     elif jax.typeof(primal).sharding.mesh.explicit_axes:
@@ -265,13 +253,10 @@ def attention_kernel(impl: str, dtype, positions: tuple[int, ...] | None = None)
 
 def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto",
                      positions: tuple[int, ...] | None = None, block: int = 0) -> Array:
-    """Causal attention of q [B, h, T, dh] with k, v [B, hk, T, dh] -> [B, h, T, dh]; hk < h is
-    grouped-query attention.
+    """Causal attention of q [B, h, T, dh] with k, v [B, hk, T, dh] -> [B, h, T, dh] (hk < h: GQA).
 
-    impl: "reference" (`scaled_dot_product_attention`, what the others are tested against),
-    "recompute", "xla" / "cudnn" (jax.nn.dot_product_attention), "splash", or "auto".
-    positions: the tokens' true places in a permuted sequence (auto_parallel/cp.py's zig-zag);
-    jax.nn's kernels mask by index only, so with positions they run recompute or the reference."""
+    impl: reference, recompute, xla / cudnn, splash or auto; positions: true places in a permuted
+    sequence (jax.nn's kernels mask by index only, so with positions recompute or reference runs)."""
     impl = attention_kernel(impl, q.dtype, positions)
     if impl == "splash":
         return splash_attention(q, k, v, block)
@@ -320,10 +305,8 @@ def splash_attention(q: Array, k: Array, v: Array, block: int = 0) -> Array:
 
 
 def _unchecked(f, *args: Array) -> Array:
-    """f(*args) inside a check_vma shard_map for a Pallas kernel whose outputs carry no varying axes
-    (JAX 0.12 refuses it there: "`manual_axis_type` on `jax.ShapeDtypeStruct` must not be `None`";
-    autodiff through a nested check_vma=False shard_map types the cotangents invariant, measured).
-    So f runs unchecked, typed varying as its inputs, with a custom_vjp that recomputes f."""
+    """A Pallas kernel f(*args) in a check_vma shard_map, unchecked, typed varying as its inputs, with a
+    custom_vjp (JAX 0.12 refuses it checked: "`manual_axis_type` ... must not be `None`", measured)."""
     return _unchecked_vjp(f, *args)
 
 
@@ -360,11 +343,8 @@ _unchecked_vjp.defvjp(_unchecked_fwd, _unchecked_bwd)
 
 
 def recompute_attention(q: Array, k: Array, v: Array, positions: tuple[int, ...] | None = None) -> Array:
-    """Causal softmax(q k^T / sqrt(dh)) v, [B, h, T, dh] x3 -> [B, h, T, dh], whose backward saves o
-    and the log-sum-exp [B, h, T, 1] and recomputes the probabilities: flash attention's backward,
-    untiled, so no [T, T] array is saved (autodiff of the reference saves 2 x [B, h, T, T] f32 per
-    layer). Statistics and q k^T are f32; the products with v take p in v's dtype. positions: a
-    static tuple, so the mask is a constant of the program."""
+    """Causal softmax(q k^T / sqrt(dh)) v, [B, h, T, dh] x3 -> [B, h, T, dh]; the backward saves o and the
+    log-sum-exp [B, h, T, 1] and recomputes the probabilities (no [T, T] array saved)."""
     return _recompute_attention(q, k, v, positions)
 
 

@@ -63,11 +63,8 @@ def buffer_slots(choices: Array) -> Array:
 def moe_ffn(x: Array, router: Array, w1: Array, w2: Array, w3: Array, *, experts_per_token: int,
             capacity: int, group_size: int, dispatch: Callable[[Array], Array] = _identity,
             combine: Callable[[Array], Array] = _identity) -> tuple[Array, Stats]:
-    """The MoE feed-forward of x [B, T, D] -> (y [B, T, D], this layer's router stats).
-
-    w1, w3 [E', D, F], w2 [E', F, D] with E' = E or E/ep; `dispatch` / `combine` move the [E, G, C, D]
-    buffers to and from the experts' devices. Stats: aux (Switch load-balancing loss, 1 when uniform),
-    z (ST-MoE z-loss), tokens_per_expert int32 [E], dropped int32 []."""
+    """x [B, T, D] -> (y [B, T, D], router stats: aux, z, tokens_per_expert [E], dropped []); w1, w3
+    [E', D, F], w2 [E', F, D] with E' = E or E/ep (`dispatch` / `combine` move the [E, G, C, D] buffers)."""
     b, t, d = x.shape
     s, k = group_size, experts_per_token
     xg, logits, probs, weights, ids, choices = route(x, router, k, s)

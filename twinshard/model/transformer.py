@@ -1,50 +1,6 @@
-"""The decoder-only Transformer LM (Flax NNX), mesh-free.
-
-Every parameter carries `logical_axes` metadata (vocab, embed, heads, kv_heads,
-mlp, norm); a strategy maps those names to mesh axes. The modules' weights are
-declared and used through twinshard/model/linear.py; attention is
-twinshard/model/attention.py. The model never mentions a
-mesh: strategy-specific behaviour comes in through a `Parallelism` object
-(twinshard/model/hooks.py) passed to `__call__`.
-
-Parameter tree (paths mirror the CS336 state-dict names; Linear weights are
-stored [in, out]). The L blocks are ONE stacked `Block` whose every param has
-a leading [L] axis with logical name `layers` (the pipeline strategies map it to
-`stage`; the others leave it whole), run by `jax.lax.scan`:
-
-    token_embeddings.weight          [V_pad, D]      (vocab, embed)
-    layers.ln1.weight                [L, D]          (layers, norm)
-    layers.attn.q_proj.weight        [L, D, H*dh]    (layers, embed, heads)
-    layers.attn.{k,v}_proj.weight    [L, D, Hkv*dh]  (layers, embed, kv_heads)  Hkv = H without GQA
-    layers.attn.output_proj.weight   [L, H*dh, D]    (layers, heads, embed)
-    layers.ln2.weight                [L, D]          (layers, norm)
-    layers.ffn.{w1,w3}.weight        [L, D, F]       (layers, embed, mlp)
-    layers.ffn.w2.weight             [L, F, D]       (layers, mlp, embed)
-    ln_final.weight                  [D]             (norm,)
-    lm_head.weight                   [D, V_pad]      (embed, vocab)
-
-A mixture-of-experts model (ModelConfig.num_experts = E > 0; twinshard/model/moe.py) has, in
-place of every layer's ffn above (F_e = ModelConfig.expert_ff):
-
-    layers.ffn.router.weight         [L, D, E]       (layers, embed, router)
-    layers.ffn.{w1,w3}.weight        [L, E, D, F_e]  (layers, experts, embed, mlp)
-    layers.ffn.w2.weight             [L, E, F_e, D]  (layers, experts, mlp, embed)
-
-and with K = ModelConfig.first_dense_layers > 0 two stacks (ModelConfig.stacks), scanned one
-after the other: `dense_layers.*` [K, ...], the first K layers as in the dense tree above, then
-`layers.*` [L - K, ...], the mixture-of-experts layers.
-
-Inside the scan body a layer's params are one slice (`[D, H*dh]`, logical axes
-without `layers`), so the strategy hooks (`Parallelism.weight`: FSDP's gather,
-GSPMD's pin) act per weight and per layer, exactly as in an unrolled model.
-The CS336 state dict keeps `layers.{i}.*` names: twinshard/model/state_dict.py unstacks and
-stacks.
-
-Initialisation draws each stacked weight kind with ONE random call of shape
-[L, ...] (`nnx.vmap` over L split keys), not L calls: each truncated normal costs
-a fixed slice of compile time whatever its size, so the compiled init does not
-grow with depth. Every strategy draws the same bits from the same seed (the init
-is jitted with out_shardings, each device computing only its shards).
+"""The decoder-only Transformer LM (Flax NNX), mesh-free: every parameter carries logical axes,
+the L blocks are ONE stacked [L, ...] `Block` under jax.lax.scan, and a strategy acts through the
+`Parallelism` hooks passed to `__call__`. The parameter tree and its init: docs/design.md.
 """
 
 from __future__ import annotations
@@ -170,11 +126,7 @@ LAYERS = "layers"  # logical axis of the stacked blocks' leading [n] dimension (
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """L blocks as ONE `Block` whose params are [L, ...] with logical axes ('layers', ...).
-
-    `nnx.vmap` over L keys split from the params stream: each weight kind is
-    one random call of shape [L, ...] in the compiled init (not L calls).
-    """
+    """L blocks as ONE `Block` whose params are [L, ...]: one random call per weight kind (nnx.vmap)."""
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=0, out_axes=0, axis_size=cfg.num_layers,
               transform_metadata={nnx.PARTITION_NAME: LAYERS, "logical_axes": LAYERS})
@@ -191,38 +143,14 @@ def _layer_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
 
 
 def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-    """x: [B, T, D] through the L stacked blocks with `jax.lax.scan` (one compiled body).
-
-    Each iteration merges one layer's params (a [L, ...] -> [...] slice) into a
-    per-layer `Block`, so the strategy hooks see per-layer weights and logical
-    axes: the manual FSDP twin all-gathers ONE layer's weights per iteration,
-    and the backward scan re-gathers them (remat) and reduce-scatters their
-    gradients, one layer at a time. Collectives in the body appear once in the
-    HLO, inside a `while` of trip count L (twinshard/hlo/loops.py multiplies).
-
-    The compiled step does not grow with L; the loop costs run time on XLA:CPU
-    (an unrolled or `unroll=4` scan ran faster than a rolled one, measured, JAX 0.12), so
-    `cfg.scan_unroll` (default 1) lets a CPU run trade compile time for speed.
-
-    `cfg.remat` checkpoints the body (ONE layer) with the policy of REMAT_POLICIES, as the
-    strategy adapts it (`par.layer_policy`: manual TP also saves Megatron g's outputs,
-    manual FSDP never saves a gathered weight and checkpoints even under "none"). The
-    forward loop then saves, per layer, what the policy allows (stacked [L, ...]); the
-    backward loop recomputes the rest of layer i in iteration i. The checkpoint must sit
-    here, on the body: jax.checkpoint policies do not nest: an outer policy overrides the
-    layer's (measured, JAX 0.12).
-    """
+    """x: [B, T, D] through the L stacked blocks with `jax.lax.scan`, one layer's params per iteration,
+    checkpointed with `par.layer_policy(remat_policy(cfg))` (docs/design.md: the model's parameters)."""
     return par.layer_stack(nnx.to_pure_dict(nnx.state(blocks, nnx.Param)), cfg, x, scan_stacked)
 
 
 def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array,
                  par: Parallelism = SINGLE_DEVICE) -> Array | tuple[Array, moe.Stats]:
-    """`scan_layers` on the blocks' params as a pure dict, every leaf [n, ...] for any n layers
-    (pipeline stages run their own n = L/S slice of the stack).
-
-    Dense: x [B, T, D]. Mixture of experts (cfg.num_experts > 0): (x, stats), each layer's
-    router stats (moe.moe_ffn) stacked by the scan: aux [n], z [n], tokens_per_expert [n, E],
-    dropped [n]."""
+    """`scan_layers` on a pure dict of [n, ...] leaves -> x [B, T, D], or (x, router stats stacked [n, ...])."""
     layer_def = _layer_graphdef(cfg)
 
     if cfg.num_experts:
@@ -234,12 +162,8 @@ def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array,
 
     policy = par.layer_policy(remat_policy(cfg))
     if policy is not None:
-        # prevent_cse: in a rolled scan the forward and backward loops keep the original and
-        # its recomputation apart (jax.checkpoint's docstring: unnecessary inside lax.scan),
-        # but an unrolled one puts both in one computation, where XLA merged them (measured:
-        # manual FSDP at scan_unroll=L gathered each weight once and kept it for backward). A
-        # stack of ONE layer is unrolled too: XLA removes a while loop of trip count 1 (measured:
-        # a first_dense_layers=1 stack's 7 weights gathered once, not re-gathered for backward).
+        # prevent_cse when unrolled (or ONE layer: XLA removes a trip-count-1 loop): XLA otherwise
+        # merged the recomputation with the original (measured: manual FSDP kept its gathered weights).
         depth = jax.tree.leaves(stacked)[0].shape[0]
         body = jax.checkpoint(body, policy=policy, prevent_cse=cfg.scan_unroll > 1 or depth == 1)
     x, stats = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)
@@ -257,18 +181,12 @@ class TransformerLM(nnx.Module):
         self.lm_head = Linear(d, vp, ("embed", "vocab"), rngs=rngs, fan_out=v, valid_out=v, dtype=cfg.dtype)
 
     def __call__(self, tokens: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        """tokens: [B, T] int -> logits [B, T, V_pad] (V_pad/tensor under vocab parallelism).
-
-        Padded logits are not masked here; the loss and the sampler mask them. A mixture-of-
-        experts model's router stats are dropped (loss_and_stats keeps them).
-        """
+        """tokens: [B, T] int -> logits [B, T, V_pad], padded logits unmasked (the loss and sampler mask them)."""
         x, _ = self.blocks(tokens, par)
         return self.head(x, par)
 
     def blocks(self, tokens: Array, par: Parallelism = SINGLE_DEVICE) -> tuple[Array, moe.Stats | None]:
-        """tokens [B, T] -> (the residual stream after the L blocks [B, T, D], the router stats
-        stacked over the MoE layers: scan_stacked; None for a dense model). Each stack of
-        ModelConfig.stacks is one scan, in order (the first dense layers, then the MoE layers)."""
+        """tokens [B, T] -> (the residual stream after the blocks [B, T, D], router stats or None)."""
         x, stats = self.embed(tokens, par), None
         for name, stack in self.cfg.stacks:
             out = scan_layers(getattr(self, name), stack, x, par)
@@ -294,10 +212,8 @@ class TransformerLM(nnx.Module):
         return jnp.mean(self.token_losses(x, targets, par))
 
     def token_losses(self, x: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        """Per-token cross-entropy [B, T] of the residual stream x [B, T, D] after the blocks: from
-        the logits (`head`), or with ModelConfig.loss_chunks > 0 from the lm_head's input, chunk by
-        chunk (`par.chunked_token_loss`: no [B, T, V] array). The lm_head weight is used inside the
-        function `par.head` wraps, so FSDP's checkpoint re-gathers it for the backward pass."""
+        """Per-token cross-entropy [B, T] of x [B, T, D]: from the logits, or chunk by chunk (loss_chunks)
+        with the lm_head weight used inside `par.head`, so FSDP's checkpoint re-gathers it."""
         cfg = self.cfg
         if not cfg.loss_chunks:
             return par.token_loss(self.head(x, par), targets, cfg.vocab_size)
@@ -309,25 +225,15 @@ class TransformerLM(nnx.Module):
         return par.head(lm_loss, par.enter_tensor_parallel(self.ln_final(x, par)))
 
     def loss(self, tokens: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        """Mean next-token cross-entropy over this program's (local) tokens; with experts, plus
-        the router losses (loss_and_stats)."""
+        """Mean next-token cross-entropy over this program's tokens (with experts: plus the router losses)."""
         if self.cfg.num_experts:
             return self.loss_and_stats(tokens, targets, par)[0]
         return self.head_loss(self.blocks(tokens, par)[0], targets, par)
 
     def loss_and_stats(self, tokens: Array, targets: Array,
                        par: Parallelism = SINGLE_DEVICE) -> tuple[Array, dict[str, Array]]:
-        """(loss, stats) for the training log. loss = ce + router_aux_loss * mean_l aux_l +
-        router_z_loss * mean_l z_l (ce alone for a dense model). stats:
-
-            ce                 float32 []      mean next-token cross-entropy
-            aux, z             float32 [Lm]    each MoE layer's load-balancing and z loss (moe.moe_ffn)
-            tokens_per_expert  int32 [Lm, E]   kept assignments per MoE layer and expert
-            dropped            int32 [Lm]      assignments over capacity, per MoE layer
-            assignments        int32 []        k * B * T: each layer's assignments (kept + dropped)
-
-        Lm = ModelConfig.moe_layers. A dense model's stats hold ce alone. Values are this
-        program's (local) tokens'."""
+        """(loss, stats): loss = ce + router_aux_loss * mean_l aux_l + router_z_loss * mean_l z_l; stats:
+        ce [], aux and z [Lm], tokens_per_expert [Lm, E], dropped [Lm], assignments [] (ce alone if dense)."""
         cfg = self.cfg
         x, layer_stats = self.blocks(tokens, par)
         ce = self.head_loss(x, targets, par)
