@@ -29,8 +29,12 @@ def cached_env(**extra: str) -> dict[str, str]:
             **extra}
 
 
+# conftest's flags but the device count (a launcher asks for its own): opt level 0, one codegen module
+LAUNCHER_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
+
+
 def env(**extra: str) -> dict[str, str]:
-    return cached_env(**{"XLA_FLAGS": "--xla_backend_optimization_level=0", "JAX_PLATFORMS": "cpu",
+    return cached_env(**{"XLA_FLAGS": LAUNCHER_XLA_FLAGS, "JAX_PLATFORMS": "cpu",
                          "TWINSHARD_DEBUG": "0", **extra})
 
 

@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-from cli import cached_env, run, spawn
+from cli import LAUNCHER_XLA_FLAGS, cached_env, run, spawn
 from launch import distributed
 from test_train import metrics, run_train
 
 # XLA_FLAGS: each process asks for its own 4 devices; opt level 0, the compilation cache as in
 # conftest (after the first run, the processes start training in seconds) and the bytecode cache
-_ENV = cached_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+_ENV = cached_env(JAX_PLATFORMS="cpu", XLA_FLAGS=LAUNCHER_XLA_FLAGS)
 
 
 LONG = 100_000  # --steps of every 2-process run here: one program (see the first test)
