@@ -82,3 +82,12 @@ def pytest_sessionstart(session):
             f"tests need 8 simulated CPU devices, found {n}: jax was imported before "
             "tests/conftest.py set XLA_FLAGS (run tests with `uv run pytest`)."
         )
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Release compiled programs after a module's last test, or sooner where one module's programs
+    near Linux's limit on a process's memory mappings (tests/harness/speed.py says why)."""
+    if nextitem is None or nextitem.module is not item.module:
+        speed.release_executables(item.module)
+    elif speed.memory_mappings() > speed.MAX_MAPPINGS:
+        speed.release_executables(None)

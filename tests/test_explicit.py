@@ -30,6 +30,7 @@ from twinshard import hlo, testing
 from twinshard.config import Config, preset
 from twinshard.model import layers
 from twinshard.parallel import placement, resolve
+from twinshard.parallel.strategies import DATA_TENSOR
 from twinshard.train import trainer
 from twinshard.testing import expect_bytes, expect_collectives, expect_no_collective, expect_sharding
 
@@ -39,7 +40,8 @@ N_MATRICES = 7 * L + 2  # q, k, v, o, w1, w2, w3 per layer, the embedding, the l
 N_GAINS = 2 * L + 1  # ln1, ln2 per layer, ln_final: one [D] each
 MATRIX_LEAVES = 7 + 2  # the stacked [L, ...] leaves of the 7 kinds, the embedding, the lm_head
 ACT = 4 * B * T * D  # an f32 [B, T, D]
-STRATEGIES = explicit_parallel.STRATEGIES
+# the data x tensor strategies of this twin (its ulysses: tests/test_ulysses.py)
+STRATEGIES = tuple(s for s in explicit_parallel.STRATEGIES if s in DATA_TENSOR)
 MESH = {**MESHES, "tp_sp": "tensor:8"}  # tp_sp: tests/test_sequence.py's mesh
 
 
@@ -376,7 +378,7 @@ def test_partial_sums_only_in_explicit_mode():
 
 @pytest.mark.parametrize("strategy", ["cp", "pp", "ep"])
 def test_refuses_the_strategies_it_does_not_write(strategy):
-    with pytest.raises(ValueError, match=rf"--impl=explicit runs dp, fsdp, tp, fsdp_tp, tp_sp, not --strategy={strategy}"):
+    with pytest.raises(ValueError, match=rf"--impl=explicit runs dp, fsdp, tp, fsdp_tp, tp_sp, ulysses, not --strategy={strategy}"):
         explicit_parallel.make_runner(strategy, None, CFG)
 
 
