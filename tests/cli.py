@@ -29,8 +29,7 @@ def cached_env(**extra: str) -> dict[str, str]:
             **extra}
 
 
-# conftest's flags but the device count (a launcher asks for its own): opt level 0, one codegen module
-LAUNCHER_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
+LAUNCHER_XLA_FLAGS = "--xla_backend_optimization_level=0"  # conftest's, but the device count (a launcher asks)
 
 
 def env(**extra: str) -> dict[str, str]:

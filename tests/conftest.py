@@ -35,11 +35,6 @@ if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
-# One LLVM module per program: twice in CI (2 workers on 2 cores) a worker died of a segfault inside
-# XLA:CPU's compile or its executable's serialize() for the compilation cache, in different programs
-# that compile and serialize cleanly when run alone (JAX 0.12.0.1); the split only parallelises codegen.
-if "xla_cpu_parallel_codegen_split_count" not in _flags:
-    _flags += " --xla_cpu_parallel_codegen_split_count=1"
 os.environ["XLA_FLAGS"] = _flags.strip()
 # The launchers' malloc tunables (launch/__init__.py): inherited by the xdist workers and every
 # launcher subprocess (glibc reads them at process start, so this process keeps its own).

@@ -29,8 +29,7 @@ from test_data_tensor import GRAD_ATOL, LOSS_ATOL, NORM_RTOL, PARAM_ATOL, STEPS,
 from twinshard import hlo, testing
 from twinshard.config import Config, preset
 from twinshard.model import layers
-from twinshard.parallel import placement, resolve
-from twinshard.parallel.strategies import DATA_TENSOR
+from twinshard.parallel import placement, resolve, strategies
 from twinshard.train import trainer
 from twinshard.testing import expect_bytes, expect_collectives, expect_no_collective, expect_sharding
 
@@ -41,7 +40,7 @@ N_GAINS = 2 * L + 1  # ln1, ln2 per layer, ln_final: one [D] each
 MATRIX_LEAVES = 7 + 2  # the stacked [L, ...] leaves of the 7 kinds, the embedding, the lm_head
 ACT = 4 * B * T * D  # an f32 [B, T, D]
 # the data x tensor strategies of this twin (its ulysses: tests/test_ulysses.py)
-STRATEGIES = tuple(s for s in explicit_parallel.STRATEGIES if s in DATA_TENSOR)
+STRATEGIES = tuple(s for s in explicit_parallel.STRATEGIES if strategies.get(s).family == "base")
 MESH = {**MESHES, "tp_sp": "tensor:8"}  # tp_sp: tests/test_sequence.py's mesh
 
 
