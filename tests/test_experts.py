@@ -215,17 +215,18 @@ def test_remat_never_repeats_an_exchange():
 
 
 @pytest.mark.ep
-def test_a_checkpoint_written_under_ep_restores_under_single_and_fsdp_ep(tmp_path):
-    """The state after 3 manual ep steps (8 devices), saved sharded over (data, expert), restores
-    bit for bit on one device and under fsdp_ep on 4 (Orbax reshards it)."""
-    state = twin("manual", "ep")["state"]
+@pytest.mark.parametrize("writer, reader", [("ep", "fsdp_ep"), ("fsdp_ep", "ep")])
+def test_a_checkpoint_written_under_one_expert_strategy_restores_under_single_and_the_other(tmp_path, writer, reader):
+    """The state after 3 manual steps of `writer` (ep on 8 devices, fsdp_ep on 4), saved sharded,
+    restores bit for bit on one device and under `reader` (Orbax reshards it)."""
+    state = twin("manual", writer)["state"]
     want = jax.device_get(state)
-    ckpt = Checkpointer(str(tmp_path / "ep"))
-    ckpt.save(STEPS, state, {"strategy": "ep"})
+    ckpt = Checkpointer(str(tmp_path / writer))
+    ckpt.save(STEPS, state, {"strategy": writer})
     targets = {"single": SingleDevice(DROPS.model, DROPS.train).abstract_state(),
-               "fsdp_ep": twin("manual", "fsdp_ep")["runner"].abstract_state()}
+               reader: twin("manual", reader)["runner"].abstract_state()}
     for where, target in targets.items():
-        got, _ = ckpt.restore(target, expect={"strategy": "ep"})
+        got, _ = ckpt.restore(target, expect={"strategy": writer})
         for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(got)), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=where)
 

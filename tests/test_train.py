@@ -1,6 +1,7 @@
 """End to end: the launcher trains the tiny preset, checkpoints, and resumes exactly."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -382,10 +383,22 @@ def test_orbax_noise_is_held_back_only_when_the_read_fails(capfd, monkeypatch):
     assert capfd.readouterr().err == "kept for debugging\n"
 
 
+# every dense strategy (ep and fsdp_ep: tests/test_experts.py), on its default mesh over n devices
+CHECKPOINTED = (("dp", 8), ("fsdp", 8), ("tp", 4), ("fsdp_tp", 8), ("tp_sp", 4), ("cp", 4), ("fsdp_cp", 8),
+                ("ulysses", 4), ("fsdp_ulysses", 8), ("pp", 2), ("pp_fsdp", 4))
+
+
 @pytest.mark.dp
 @pytest.mark.fsdp
 @pytest.mark.tp
 @pytest.mark.fsdp_tp
+@pytest.mark.tp_sp
+@pytest.mark.cp
+@pytest.mark.fsdp_cp
+@pytest.mark.ulysses
+@pytest.mark.fsdp_ulysses
+@pytest.mark.pp
+@pytest.mark.pp_fsdp
 @pytest.mark.parametrize("impl", ["auto", "manual"])
 def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
     """The initial state of each strategy (tp on 4 devices: tiny has 4 heads), saved sharded,
@@ -403,8 +416,10 @@ def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
     cfg = preset("tiny")
     single = SingleDevice(cfg.model, cfg.train)
     want = jax.device_get(single.init_state(cfg.train.seed))
-    for strategy, n in (("dp", 8), ("fsdp", 8), ("tp", 4), ("fsdp_tp", 8)):
-        state = common.make_runner(strategy, impl, None, cfg, jax.devices()[:n]).init_state(cfg.train.seed)
+    for strategy, n in CHECKPOINTED:
+        pipelined = (dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2))
+                     if strategy.startswith("pp") else cfg)  # two micro-batches fill two stages
+        state = common.make_runner(strategy, impl, None, pipelined, jax.devices()[:n]).init_state(cfg.train.seed)
         ckpt = Checkpointer(str(tmp_path / strategy))
         ckpt.save(0, state, {"strategy": strategy})
         # into SingleDevice's layout, and into a target without shardings (jax.eval_shape's),
