@@ -6,7 +6,6 @@ The collectives and why: docs/long-context.md (auto_parallel/ulysses.py)."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from auto_parallel.runner import GSPMD, AutoRunner
@@ -22,9 +21,8 @@ class UlyssesParallel(GSPMD):
 
     def attention(self, q, k, v, impl="auto", block=0):
         """q [B, h, T, dh], k, v [B, hk, T, dh] global, T split over context -> the same."""
-        r = context.kv_repeats(q.shape[1], k.shape[1], self.mesh.shape[CONTEXT])
-        k, v = (jnp.repeat(x, r, axis=1) if r > 1 else x for x in (k, v))
-        heads = {a: m for a, m in self.rules.items() if a != "seq"} | {"heads": CONTEXT, "kv_heads": CONTEXT}
+        k, v = context.repeat_kv(k, v, q.shape[1], self.mesh.shape[CONTEXT])
+        heads = context.head_rules(self.rules)
         pin = lambda x, axes, rules: jax.lax.with_sharding_constraint(  # noqa: E731
             x, NamedSharding(self.mesh, spec(axes, rules)))
         # seq-split first: without it the head layout propagated back into RoPE and the norms, and

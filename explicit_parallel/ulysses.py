@@ -7,7 +7,6 @@ The collectives and why: docs/long-context.md (ulysses)."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from explicit_parallel.runner import Explicit
@@ -28,9 +27,8 @@ class Ulysses(Explicit):
     def attention(self, q, k, v, impl="auto", block=0):
         """q [B, h, T@context, dh], k, v [B, hk, T@context, dh] -> [B, h, T@context, dh]: reshard to
         [B, h@context, T, dh] (forward and backward: an all-to-all), the kernel, reshard back."""
-        r = context.kv_repeats(q.shape[1], k.shape[1], self.mesh.shape[CONTEXT])
-        k, v = (jnp.repeat(x, r, axis=1) if r > 1 else x for x in (k, v))
-        heads = {a: m for a, m in self.rules.items() if a != "seq"} | {"heads": CONTEXT, "kv_heads": CONTEXT}
+        k, v = context.repeat_kv(k, v, q.shape[1], self.mesh.shape[CONTEXT])
+        heads = context.head_rules(self.rules)
         to = lambda x, axes, rules: jax.sharding.reshard(x, NamedSharding(self.mesh, P(*spec(axes, rules))))  # noqa: E731
         q, k, v = to(q, ATTENTION_Q, heads), to(k, ATTENTION_KV, heads), to(v, ATTENTION_KV, heads)
         return to(placement.sharded_attention(self.mesh, heads, q, k, v, impl, block), ATTENTION_Q, self.rules)

@@ -3,7 +3,6 @@ placement and contiguous layout; attention runs on whole sequences of h/C heads 
 all_to_alls (4 per layer over `context`, their 4 inverses backward). docs/long-context.md says more.
 """
 
-import jax.numpy as jnp
 from jax import lax
 
 from manual_parallel.collectives import heads_to_seq, seq_to_heads
@@ -33,8 +32,7 @@ class UlyssesParallel(ContextParallel):
     def attention(self, q, k, v, impl="auto", block=0):
         """q [B, h, T/C, dh], k, v [B, hk, T/C, dh] -> [B, h, T/C, dh]; kv heads repeated r times
         (context.kv_repeats: C | hk r | h) when C does not divide them."""
-        r = context.kv_repeats(q.shape[1], k.shape[1], lax.axis_size(CONTEXT))
-        k, v = (jnp.repeat(x, r, axis=1) if r > 1 else x for x in (k, v))
+        k, v = context.repeat_kv(k, v, q.shape[1], lax.axis_size(CONTEXT))
         q, k, v = (seq_to_heads(x, CONTEXT) for x in (q, k, v))
         return heads_to_seq(layers.causal_attention(q, k, v, impl, block=block), CONTEXT)
 

@@ -973,7 +973,7 @@ MUTANTS: list[Mutant] = [
            "seq_to_heads = _exchange(_to_heads, _to_heads,",
            ("tests/test_ulysses.py::test_seq_to_heads_gives_whole_sequences_of_a_head_slice_and_heads_to_seq_inverts_it",),
            "seq_to_heads's backward sends the gradient on to head shards instead of back to the sequence shards"),
-    Mutant("ulysses-kv-tiled-not-repeated", "context", "manual_parallel/ulysses.py",
+    Mutant("ulysses-kv-tiled-not-repeated", "context", "twinshard/parallel/context.py",
            "k, v = (jnp.repeat(x, r, axis=1) if r > 1 else x for x in (k, v))",
            "k, v = (jnp.tile(x, (1, r, 1, 1)) if r > 1 else x for x in (k, v))",
            ("tests/test_ulysses.py::test_grouped_query_attention_matches_single_device",),

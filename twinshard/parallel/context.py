@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
 import numpy as np
 
 from twinshard.config import CP_LAYOUTS as LAYOUTS  # ("zigzag", "contiguous")
@@ -74,6 +75,18 @@ def kv_repeats(heads: int, kv_heads: int, shards: int) -> int:
     """How often ulysses repeats each kv head: the least r with shards | kv_heads r | heads."""
     check_heads(heads, shards)
     return next(r for r in range(1, heads // kv_heads + 1) if (kv_heads * r) % shards == 0 and heads % (kv_heads * r) == 0)
+
+
+def repeat_kv(k, v, heads: int, shards: int):
+    """k, v [B, hk, T, dh] with each kv head repeated kv_repeats times (C | hk r | h): every twin's ulysses."""
+    r = kv_repeats(heads, k.shape[1], shards)
+    k, v = (jnp.repeat(x, r, axis=1) if r > 1 else x for x in (k, v))
+    return k, v
+
+
+def head_rules(rules: dict) -> dict:
+    """Attention's activation rules under ulysses: the heads (kv heads too) over context, not the sequence."""
+    return {a: m for a, m in rules.items() if a != "seq"} | {"heads": CONTEXT, "kv_heads": CONTEXT}
 
 
 def check_heads(heads: int, shards: int) -> None:
