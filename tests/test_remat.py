@@ -63,8 +63,8 @@ FACTOR = 2.2
 # device; none, full and dots (the ordering) for the manual twins; none and full for the
 # auto twins but cp (none, full, dots: cp under --remat in both twins). dots_no_batch in the twins is covered by tracing alone (the saved-residual
 # tests below), as is the manual fsdp_tp composition.
-POLICIES = {"single": tuple(REMAT_POLICIES), "manual fsdp": ("none", "full", "dots", "save_qkv_proj", "minimal"),
-            "manual tp": ("none", "full", "dots", "save_qkv_proj", "minimal"), "auto fsdp": ("none", "full"), "auto tp": ("none", "full"),
+POLICIES = {"single": tuple(REMAT_POLICIES), "manual fsdp": ("none", "full", "dots", "save_qkv_proj", "save_dot_except_mlp", "minimal"),
+            "manual tp": ("none", "full", "dots", "save_qkv_proj", "save_dot_except_mlp", "minimal"), "auto fsdp": ("none", "full"), "auto tp": ("none", "full"),
             "manual cp": ("none", "full", "dots"), "auto cp": ("none", "full", "dots")}
 RUNNERS = tuple(POLICIES)
 EVERY_POLICY = ("fsdp", "tp")  # the manual twins whose ledger is compared under every policy
@@ -134,9 +134,9 @@ def test_temp_bytes_follow_the_policy(name):
     dots_over_none = 1.01 if name == "manual cp" else 1
     assert temps["full"] < temps.get("dots", temps["none"]) <= temps["none"] * dots_over_none, temps
     assert temps.get("dots_no_batch", 0) <= temps.get("dots", math.inf), temps
-    # the name policies: full < save_qkv_proj <= minimal <= none (each saves a superset of the last)
+    # the name policies: full < save_qkv_proj <= save_dot_except_mlp <= minimal <= none (each a superset)
     if "minimal" in temps:
-        assert temps["full"] < temps["save_qkv_proj"] <= temps["minimal"] <= temps["none"], temps
+        assert temps["full"] < temps["save_qkv_proj"] <= temps["save_dot_except_mlp"] <= temps["minimal"] <= temps["none"], temps
     strategy = "dp" if name == "single" else name.split()[1]
     mesh = {"data": 1, "tensor": 1} if name == "single" else run(name, "none")["runner"].sizes
     for policy, temp in temps.items():

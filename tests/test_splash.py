@@ -36,6 +36,10 @@ from twinshard.train.trainer import SingleDevice
 
 F32_ATOL = 1e-5  # 4x the measured 2.5e-6
 BF16_RTOL = 2e-2  # of the largest |reference| value: measured 9.4e-2 / ~10
+# On the chip (tools/tpu_bench.sh, v5e, jax 0.10.2) the float32 cases missed 1e-5 while the bf16
+# cases passed: XLA:TPU runs a float32 matmul at its default precision as one bf16 pass, so there
+# float32 is held to the bf16 bound.
+NATIVE_TPU = jax.default_backend() == "tpu"
 
 
 def _attention_and_grads(impl, q, k, v, w):
@@ -58,7 +62,7 @@ def test_splash_is_the_reference_in_values_and_gradients(kv, t, dtype):
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
         assert g.shape == r.shape
-        atol = F32_ATOL if dtype == "float32" else BF16_RTOL * np.abs(r).max()
+        atol = F32_ATOL if dtype == "float32" and not NATIVE_TPU else BF16_RTOL * np.abs(r).max()
         np.testing.assert_allclose(g, r, atol=atol, rtol=0)
 
 

@@ -1045,8 +1045,8 @@ MUTANTS: list[Mutant] = [
            "the padded logit columns are never masked: padding takes probability from every token"),
     # --- a resumed single-device run compiles the fresh run's program
     Mutant("single-init-uncommitted", "resume", "twinshard/train/trainer.py",
-           "functools.partial(init_state, self.model_cfg, self.tx), out_shardings=self.sharding)(key)",
-           "functools.partial(init_state, self.model_cfg, self.tx))(key)",
+           "return jax.jit(init, out_shardings=self.sharding)(init_key(seed))",
+           "return jax.jit(init)(init_key(seed))",
            ("tests/test_train.py::test_a_resumed_single_device_run_runs_the_fresh_runs_program",),
            "the single-device init leaves its state uncommitted: a restored (committed) state lowers "
            "another train step, compiled again on every --resume"),

@@ -61,6 +61,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("width", 150, "Characters of each listed instruction's HLO line.")
     flags.DEFINE_string("dtype", None, "Compute dtype override (float32, bfloat16).")
     flags.DEFINE_string("remat", None, "Remat policy override.")
+    flags.DEFINE_string("weight_dtype", None, "Storage dtype override of the params and optimizer moments.")
     flags.DEFINE_integer("batch_size", None, "Global batch size override (sequences).")
     flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiling override (ModelConfig.loss_chunks).")
     from launch import fit
@@ -230,7 +231,7 @@ def main(argv):
     if FLAGS.steps < 1:
         raise ValueError(f"--steps={FLAGS.steps}: profile at least one step.")
     cfg = bench.BENCH_PRESETS.get(FLAGS.preset) or preset(FLAGS.preset)
-    overrides = {k: getattr(FLAGS, k) for k in ("dtype", "remat", "loss_chunks") if getattr(FLAGS, k) is not None}
+    overrides = {k: getattr(FLAGS, k) for k in ("dtype", "weight_dtype", "remat", "loss_chunks") if getattr(FLAGS, k) is not None}
     if overrides:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **overrides))
     if FLAGS.batch_size is not None:

@@ -10,8 +10,8 @@
 # into /tmp/site, after the machine's JAX on PYTHONPATH. Then, each capped by CAP_S:
 #   1. the splash kernel's tests, natively (tests/test_splash.py: kernel and twins against the reference)
 #   2. launch.bench, single device, bf16 compute, float32 weights and AdamW moments unless stated:
-#      gpt2_125m 16x1024, gpt2_350m 16x1024 (remat save_qkv_proj, 4 loss chunks), llama_v5e
-#      (its preset's batch and remat); each reports its init's XLA compile too
+#      gpt2_125m 16x1024; gpt2_350m 16x1024 (bf16 weights and moments, remat save_dot_except_mlp,
+#      4 loss chunks); llama_v5e (bf16 weights and moments, no remat); each reports its init too
 #   3. tools/step_profile.py on each of those: device time per op kind, busy against idle
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +20,8 @@ if [[ $MODE == --dry-run ]]; then
   export JAX_PLATFORMS=cpu
   OUT=${OUT:-$(mktemp -d -t tpu_bench.XXXXXX)}
   PY=${PYTHON:-.venv/bin/python}
-  RUNS=("tiny --batch_size=8" "tiny --batch_size=8 --remat=minimal --loss_chunks=2")
-  PROFILES=("--preset=tiny --batch_size=8" "--preset=tiny --batch_size=8 --remat=minimal --loss_chunks=2")
+  RUNS=("tiny --batch_size=8" "tiny --batch_size=8 --weight_dtype=bfloat16 --remat=save_dot_except_mlp --loss_chunks=2")
+  PROFILES=("--preset=${RUNS[0]}" "--preset=${RUNS[1]}")
   STEPS=(--steps=2 --warmup=1 --matmul_size=256 --matmul_reps=3)
   TESTS=()
   CAP_S=${CAP_S:-300}
@@ -35,9 +35,10 @@ elif [[ $MODE == run ]]; then
   echo "install: $(( $(date +%s) - t0 )) s"
   export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site
   # the best configuration of each preset (BENCHMARKS.md, "TPU"), each benchmarked, then profiled
-  RUNS=("gpt2_125m --batch_size=16" "gpt2_350m --batch_size=16 --remat=save_qkv_proj --loss_chunks=4" "llama_v5e")
-  PROFILES=("--preset=gpt2_125m --batch_size=16" "--preset=gpt2_350m --batch_size=16 --remat=save_qkv_proj --loss_chunks=4"
-            "--preset=llama_v5e")
+  BF16="--weight_dtype=bfloat16"
+  RUNS=("gpt2_125m --batch_size=16" "gpt2_350m --batch_size=16 $BF16 --remat=save_dot_except_mlp --loss_chunks=4"
+        "llama_v5e $BF16 --remat=none")
+  PROFILES=("--preset=${RUNS[0]}" "--preset=${RUNS[1]}" "--preset=${RUNS[2]}")
   STEPS=(--steps=10 --warmup=3)
   TESTS=(tests/test_splash.py)  # the kernel against the reference (the twins need 8 devices)
   CAP_S=${CAP_S:-100}
@@ -50,8 +51,8 @@ LOG=$OUT/tpu_bench.log
 "$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tee -a "$LOG"
 if (( ${#TESTS[@]} )); then
   # conftest simulates 8 CPU devices: the TPU run asks for the chip instead
-  timeout "$CAP_S" env TWINSHARD_TEST_PLATFORM=tpu "$PY" -m pytest -q -p no:cacheprovider -o addopts="" "${TESTS[@]}" -k "reference or residuals" 2>&1 \
-    | tail -15 | tee -a "$LOG"
+  timeout "$CAP_S" env TWINSHARD_TEST_PLATFORM=tpu "$PY" -m pytest -q -p no:cacheprovider -o addopts="" "${TESTS[@]}" -k "reference or residuals" --tb=short 2>&1 \
+    | tail -40 | tee -a "$LOG"
 fi
 i=0
 for run in "${RUNS[@]}"; do
@@ -59,7 +60,7 @@ for run in "${RUNS[@]}"; do
   read -r preset rest <<< "$run"
   # shellcheck disable=SC2086
   timeout "$CAP_S" "$PY" -m launch.bench --preset="$preset" $rest --strategies=single --dtype=bfloat16 \
-    "${STEPS[@]}" --json="$OUT/run$i.json" --markdown="$OUT/run$i.md" 2>&1 | grep -v "^[WI]0000" | tail -8 | tee -a "$LOG" \
+    "${STEPS[@]}" --json="$OUT/run$i.json" --markdown="$OUT/run$i.md.tmp" 2>&1 | grep -v "^[WI]0000" | tail -8 | tee -a "$LOG" \
     || echo "run $i ($run): failed or timed out" | tee -a "$LOG"
 done
 i=0
@@ -67,7 +68,7 @@ for profile in "${PROFILES[@]}"; do
   i=$((i + 1))
   # shellcheck disable=SC2086
   timeout "$CAP_S" "$PY" tools/step_profile.py $profile --strategy=single --dtype=bfloat16 --steps=3 --top=12 \
-    2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile$i.txt" | tail -40 || echo "profile $i ($profile): failed or timed out"
+    2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile$i.txt" | tail -25 || echo "profile $i ($profile): failed or timed out"
 done
-cat "$OUT"/run*.md > "$OUT/tpu_bench.md" 2>/dev/null
+cat "$OUT"/run*.md.tmp > "$OUT/tpu_bench.md" 2>/dev/null && rm -f "$OUT"/run*.md.tmp  # 8 files in all
 echo "results in $OUT"

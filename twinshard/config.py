@@ -20,7 +20,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 WEIGHT_DTYPES = ("float32", "bfloat16")  # ModelConfig.weight_dtype: the params', gradients' and moments' dtype
 ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn", "splash")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "minimal")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_dot_except_mlp", "minimal")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # twinshard/parallel/pipeline.py  # twinshard.train.optim.make_optimizer
 CP_LAYOUTS = ("zigzag", "contiguous")  # context parallelism's token layout (twinshard/parallel/context.py)

@@ -91,6 +91,8 @@ def saved_per_layer(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, sequ
         return b * seq * d * (2 if t > 1 else 1)  # + Megatron g's output under tp
     if remat == "save_qkv_proj":  # the input, q, k, v (+ Megatron g's output under tp, as full)
         return b * seq * (d + d // t + 2 * kv + (d if t > 1 else 0))
+    if remat == "save_dot_except_mlp":  # minimal without the MLP's w1 and w3 outputs
+        return b * seq * (2 * d + 3 * d // t + 2 * kv + h // t)
     if remat == "minimal":  # the input, q, k, v, the kernel's o and lse, context, out_proj, w1 and w3 outputs
         return b * seq * (2 * d + 3 * d // t + 2 * kv + h // t + 2 * f // t)
     no_batch = b * seq * (2 * d + d // t + 2 * kv + 2 * f // t)

@@ -216,7 +216,7 @@ class PlacedRunner:
         """Created sharded: each device computes only its own shards (no full copy
         anywhere), with the same init function and seed as the single-device run."""
         init = functools.partial(init_state, self.cfg.model, self.tx)
-        return jax.jit(init, out_shardings=self.state_shardings)(trainer.init_key(seed, self.mesh.devices.flat))
+        return jax.jit(init, out_shardings=self.state_shardings)(trainer.init_key(seed))
 
     def place_batch(self, x, y):
         return place_global(x, self.batch_sharding), place_global(y, self.batch_sharding)

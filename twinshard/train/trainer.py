@@ -30,14 +30,34 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: number of updates applied
 
 
-def init_key(seed: int, devices=None) -> jax.Array:
-    """The init's PRNG key, made outside the compiled init (a constant key let XLA fold it: tiny's
-    TPU init compile 3.3 s -> 1.3 s, measured AOT for v5e:1x1). On one TPU chip "rbg" (threefry's
-    unrolled rounds cost the compiler seconds: gpt2_125m 10.1 s -> 4.4 s), elsewhere threefry, the
-    same values under any sharding (docs/speed.md, "init on a TPU")."""
-    devices = jax.devices() if devices is None else list(devices)
-    one_tpu = len(devices) == 1 and devices[0].platform == "tpu"
-    return jax.random.key(seed, impl="rbg" if one_tpu else "threefry2x32")
+def init_key(seed: int) -> jax.Array:
+    """The init's PRNG key, passed to the compiled init as an argument (a constant key let XLA fold
+    its derivations at compile time: tiny's TPU init compile 3.3 s -> 1.3 s, measured AOT for v5e:1x1)."""
+    return jax.random.key(seed)
+
+
+def draws_on_host(devices) -> bool:
+    """Whether the init's random draws run on the host CPU: on one TPU chip, where each random
+    chain costs the TPU compiler seconds (measured on a v5e: one normal [12, 768, 2048] 1.5-3.9 s
+    with rbg bits, 10.5 s with threefry; gpt2_125m's whole init 8.4 s). The host's threefry draws
+    the same values as any device (docs/speed.md, "Init on a TPU")."""
+    devices = list(devices)
+    if len(devices) != 1 or devices[0].platform != "tpu":
+        return False
+    try:
+        return bool(jax.devices("cpu"))
+    except RuntimeError:  # JAX_PLATFORMS=tpu: no host backend to draw on
+        return False
+
+
+def init_on_host(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int, sharding) -> TrainState:
+    """init_state's values with the params drawn by the host CPU, copied to `sharding`'s device,
+    and the optimizer state (zeros) made there."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        params = jax.jit(functools.partial(create_params, model_cfg))(init_key(seed))
+    params = jax.device_put(params, sharding)
+    return jax.jit(functools.partial(state_of, tx), out_shardings=sharding, donate_argnums=0)(params)
 
 
 def create_params(cfg: ModelConfig, seed: int | jax.Array) -> Params:
@@ -61,9 +81,13 @@ def logical_axes(cfg: ModelConfig) -> Params:
         is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int | jax.Array) -> TrainState:
-    params = create_params(model_cfg, seed)
+def state_of(tx: optax.GradientTransformation, params: Params) -> TrainState:
+    """The train state at step 0 around `params`."""
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+
+
+def init_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, seed: int | jax.Array) -> TrainState:
+    return state_of(tx, create_params(model_cfg, seed))
 
 
 def abstract_state(model_cfg: ModelConfig, tx: optax.GradientTransformation) -> TrainState:
@@ -206,8 +230,10 @@ class SingleDevice:
             grad_accum=train_cfg.grad_accum))
 
     def init_state(self, seed: int) -> TrainState:
-        key = init_key(seed, self.sharding.device_set)
-        return jax.jit(functools.partial(init_state, self.model_cfg, self.tx), out_shardings=self.sharding)(key)
+        if draws_on_host(self.sharding.device_set):
+            return init_on_host(self.model_cfg, self.tx, seed, self.sharding)
+        init = functools.partial(init_state, self.model_cfg, self.tx)
+        return jax.jit(init, out_shardings=self.sharding)(init_key(seed))
 
     def place_batch(self, x, y):
         return jnp.asarray(x), jnp.asarray(y)
