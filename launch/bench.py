@@ -43,7 +43,6 @@ import dataclasses
 import datetime
 import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -210,21 +209,21 @@ def collectives_vs_model(compiled, runner, model) -> dict[str, Any]:
             "rows": rows}
 
 
-def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps: int, warmup: int,
-              log=print) -> dict:
+def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log=print) -> dict:
     """Compile, init, and time one runner; returns one JSON-ready record. Logs each phase as it
     ends, so a run killed by a time limit shows how far it got."""
     import jax
     import numpy as np
 
+    strategy, cfg = run.strategy, run.cfg
     B, T = cfg.train.batch_size, cfg.model.context_length
-    mesh = dict(runner.sizes) if strategy != "single" else None
+    mesh = dict(run.mesh) if strategy != "single" else None
     xs = jax.ShapeDtypeStruct((B, T), np.int32, sharding=getattr(runner, "batch_sharding", None))
     abstract = runner.abstract_state()
     t0 = time.perf_counter()
     lowered = runner.train_step.lower(abstract, xs, xs)
     t1 = time.perf_counter()
-    compiled = fit.compile_checked(lowered, cfg, strategy, mesh)  # refused in one line if it cannot fit
+    compiled = fit.compile_checked(lowered, run)  # refused in one line if it cannot fit
     t2 = time.perf_counter()
     label = strategy if impl is None else f"{strategy}/{impl}"
     log(f"{label}: train step lowered in {t1 - t0:.2f}s, compiled in {t2 - t1:.2f}s; init ...")
@@ -261,22 +260,14 @@ def bench_one(runner, strategy: str, impl: str | None, cfg: Config, batch, steps
 
 
 def build_runners(cfg: Config, strategies: Sequence[str], impls: Sequence[str],
-                  meshes: dict[str, str | None]) -> list[tuple[str, str | None, Any]]:
+                  meshes: dict[str, str | None]) -> list[tuple[Any, str | None, Any]]:
     """Every runner, built (and its mesh validated) before anything compiles. A --mesh smaller
     than the device count runs on the first devices (tiny's 4 heads: tp on tensor:4 of 8)."""
-    import jax
-
-    from twinshard.parallel import mesh as mesh_lib
-
     runs = []
     for s in strategies:
-        spec = meshes.get(s)
-        devices = None
-        if spec:
-            n = math.prod(mesh_lib.parse_mesh(spec, s).values())
-            devices = jax.devices()[:n] if n < jax.device_count() else None
         for impl in ([None] if s == "single" else impls):
-            runs.append((s, impl, common.make_runner(s, impl or "auto", spec, cfg, devices)))
+            run = common.resolve_run(s, impl or "auto", meshes.get(s), cfg, first_devices=True)
+            runs.append((run, impl, common.runner_of(run)))
     return runs
 
 
@@ -310,8 +301,8 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
         raise ValueError(f"need --steps >= 1, --warmup >= 0, --matmul_reps >= 1, --matmul_size >= 1; got "
                          f"{steps}, {warmup}, {matmul_reps}, {matmul_size}.")
     runners = build_runners(cfg, strategies, impls, meshes)  # validates every mesh first
-    for strategy, _, runner in runners:  # every step's memory by the cost model, before any compiles
-        fit.check_model(cfg, strategy, getattr(runner, "sizes", None))
+    for run, _, _ in runners:  # every step's memory by the cost model, before any compiles
+        fit.check_model(run)
     env = environment()
     dev = jax.devices()[0]
     n = matmul_size or (2048 if dev.platform == "cpu" else 8192)
@@ -322,8 +313,8 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     chip = chip_for(dev.device_kind) if dev.platform != "cpu" else None
     batch = random_batch(cfg)
     records = []
-    for strategy, impl, runner in runners:
-        rec = bench_one(runner, strategy, impl, cfg, batch, steps, warmup, log)
+    for run, impl, runner in runners:
+        rec = bench_one(runner, run, impl, batch, steps, warmup, log)
         add_ratios(rec, records[0] if records and records[0]["strategy"] == "single" else None,
                    peaks, chip, dev.platform, cfg.model.dtype)
         records.append(rec)

@@ -98,7 +98,7 @@ def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
     run = common.resolve_run(strategy, impl, mesh_spec, cfg, devices)
     if devices is not None:
         run = replace(run, devices=tuple(topology.mesh_devices(run.mesh, devices)))
-    return common.runner_of(run, cfg)
+    return run, common.runner_of(run)
 
 
 def _pod_memory(devices) -> tuple[int, str] | None:
@@ -117,18 +117,18 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     from twinshard.hardware import measure, topology
     from twinshard.model import layers
 
-    runner = _runner(strategy, impl, mesh_spec, cfg, devices)
-    mesh = {a: int(n) for a, n in runner.mesh.shape.items()}
+    run, runner = _runner(strategy, impl, mesh_spec, cfg, devices)
+    mesh = dict(run.mesh)
     model = cost.of_run(cfg, strategy, mesh)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
                                   sharding=runner.batch_sharding)
     state = runner.abstract_state()
     bound = _pod_memory(devices)
-    fit.check_model(cfg, strategy, mesh, bound)
+    fit.check_model(run, bound)
     t0 = time.perf_counter()
     with layers.compiling_for(runner.mesh.devices.flat[0].platform):  # a --topology's chips: TPU kernels
         lowered = runner.train_step.lower(state, tokens, tokens)
-    compiled = fit.compile_checked(lowered, cfg, strategy, mesh, bound,  # a TPU pod's devices: compiled for them
+    compiled = fit.compile_checked(lowered, run, bound,  # a TPU pod's devices: compiled for them
                                    None if devices is None else topology.compile_for_pod)
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()

@@ -399,31 +399,30 @@ def run(main: Callable, name: str) -> None:
     app.run(lambda argv: guarded(main, argv, debug=flags.FLAGS.debug, name=name))
 
 
-def resolve_run(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None):
-    """The run of `strategy` in twin `impl` (twinshard.parallel.resolve.resolve_run, every check once);
-    None for the single-device runner, whose options are checked here.
+def resolve_run(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None,
+                first_devices: bool = False):
+    """The run of `strategy` in twin `impl` (twinshard.parallel.resolve.resolve_run, every check once;
+    `single_run` for the single-device runner).
 
     devices: None (all of jax.devices(), ordered by jax.make_mesh) or an explicit, ordered list."""
     from twinshard.parallel import resolve
 
-    if strategy == "single":
-        if impl != "single":  # launch.compare's single-device reference runs the same math without it
-            resolve.check_options(strategy, impl, cfg)
-        return None
-    return resolve.resolve_run(strategy, impl, mesh_spec, cfg, devices)
+    if strategy == "single":  # launch.compare's reference (impl a twin) runs the same math without it
+        return resolve.single_run(cfg, impl or "single")
+    return resolve.resolve_run(strategy, impl, mesh_spec, cfg, devices, first_devices)
 
 
 def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None):
     """Build the runner for a strategy; validation errors are ValueErrors naming the fix."""
-    return runner_of(resolve_run(strategy, impl, mesh_spec, cfg, devices), cfg)
+    return runner_of(resolve_run(strategy, impl, mesh_spec, cfg, devices))
 
 
-def runner_of(run, cfg: Config):
-    """The runner of a resolved run (`resolve_run`); None: the single-device runner of `cfg`."""
+def runner_of(run):
+    """The runner of a resolved run (`resolve_run`): the single-device runner for strategy "single"."""
     from twinshard.parallel import resolve
     from twinshard.train.trainer import SingleDevice
 
-    return SingleDevice(cfg.model, cfg.train) if run is None else resolve.make_runner(run)
+    return SingleDevice(run.cfg.model, run.cfg.train) if run.strategy == "single" else resolve.make_runner(run)
 
 
 def default_platform() -> None:

@@ -61,10 +61,10 @@ def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) 
     runs = {impl: common.resolve_run(strategy if impl != "single" else "single", impl, mesh_spec, cfg, devices)
             for impl in impls}
     for impl, run in runs.items():  # every step checked against the device's memory before any runs
-        fit.check_model(cfg, strategy if impl != "single" else "single", None if run is None else run.mesh)
-    runners = {impl: common.runner_of(run, cfg) for impl, run in runs.items()}
+        fit.check_model(run)
+    runners = {impl: common.runner_of(run) for impl, run in runs.items()}
     for impl, r in runners.items():
-        fit.check_step(r, cfg, strategy if impl != "single" else "single")
+        fit.check_step(r, runs[impl])
     out: dict = {"strategy": strategy, "mesh": dict(runners["manual"].sizes), "losses": {}, "ledgers": {}}
     params, grads = {}, {}
     for impl, r in runners.items():

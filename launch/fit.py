@@ -102,22 +102,22 @@ def _largest(memory, among=None) -> str:
     return max(parts, key=parts.get)
 
 
-def model_memory(cfg, strategy: str, sizes):
-    """The cost model's Memory of this run on this backend, or None where it has none."""
+def model_memory(run):
+    """The cost model's Memory of `run` (a resolved run) on this backend, or None where it has none."""
     import jax
 
     from twinshard import cost
 
     try:  # attention auto on a GPU: cuDNN's, which keeps no [T, T] array
-        return cost.of_run(cfg, strategy, sizes, gpu=jax.default_backend() == "gpu").memory
+        return cost.of_run(run.cfg, run.strategy, dict(run.mesh), gpu=jax.default_backend() == "gpu").memory
     except ValueError:  # no memory model for this configuration (a mixture of experts under remat=dots)
         return None
 
 
-def check_model(cfg, strategy: str, sizes, bound: tuple[int, str] | None = None) -> None:
-    """(a): refuse, before compiling, a step the cost model surely cannot fit (module docstring);
-    `bound`: (bytes, what) of devices that are not this host's (a TPU topology compiled on a CPU)."""
-    if _flag("skip_memory_check", False) or (need := model_memory(cfg, strategy, sizes)) is None:
+def check_model(run, bound: tuple[int, str] | None = None) -> None:
+    """(a): refuse, before compiling, a step of `run` the cost model surely cannot fit (module
+    docstring); `bound`: (bytes, what) of devices that are not this host's (a TPU topology)."""
+    if _flag("skip_memory_check", False) or (need := model_memory(run)) is None:
         return
     have, what = bound if bound is not None and _flag("device_memory_gib") is None else limit(after_compile=False)
     surely = need.total - (1 - SURE) * need.temporaries
@@ -138,15 +138,15 @@ def compiled_bytes(compiled) -> dict[str, int] | None:
     return {"arguments": int(ma.argument_size_in_bytes), "temporaries": int(ma.temp_size_in_bytes), "peak": int(peak)}
 
 
-def _refuse_compiled(used: str, have: str, why: str, cfg, strategy: str, sizes, temporaries: bool) -> ValueError:
-    need = model_memory(cfg, strategy, sizes)
+def _refuse_compiled(used: str, have: str, why: str, run, temporaries: bool) -> ValueError:
+    need = model_memory(run)
     top = "activations" if need is None else _largest(need, TEMPORARY if temporaries else ("params", "optimizer"))
     part = "" if need is None else f"; the cost model's largest part: {PARTS[top][0]} {human(getattr(need, top))}"
     return ValueError(f"the compiled step needs {used} per device ({why}{part}) and a device has {have}: try "
                       f"{_fix(top)}; --skip_memory_check runs anyway.")
 
 
-def check_compiled(compiled, cfg, strategy: str, sizes, bound: tuple[int, str] | None = None) -> None:
+def check_compiled(compiled, run, bound: tuple[int, str] | None = None) -> None:
     """(b): refuse a compiled step whose memory_analysis() exceeds the device's limit (`bound`: as
     check_model's)."""
     if _flag("device_memory_gib") is None and _on_tpu():
@@ -164,7 +164,7 @@ def check_compiled(compiled, cfg, strategy: str, sizes, bound: tuple[int, str] |
     temporaries = got["temporaries"] >= got["arguments"]
     raise _refuse_compiled(human(got["peak"]), f"{human(bound[0])} ({bound[1]})",
                            f"XLA's memory_analysis: temporaries {human(got['temporaries'])}, arguments "
-                           f"{human(got['arguments'])}", cfg, strategy, sizes, temporaries)
+                           f"{human(got['arguments'])}", run, temporaries)
 
 
 def _on_tpu() -> bool:
@@ -177,7 +177,7 @@ def _on_tpu() -> bool:
 _USED = re.compile(r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) (\w+)")
 
 
-def compile_checked(lowered, cfg, strategy: str, sizes, bound: tuple[int, str] | None = None, compile=None):
+def compile_checked(lowered, run, bound: tuple[int, str] | None = None, compile=None):
     """`compile(lowered)` (default lowered.compile()), with XLA's RESOURCE_EXHAUSTED and
     check_compiled's verdict as one line each."""
     import jax
@@ -189,13 +189,12 @@ def compile_checked(lowered, cfg, strategy: str, sizes, bound: tuple[int, str] |
             raise
         m = _USED.search(str(e))
         used, have = (m[1], f"{m[2]} ({m[3]})") if m else ("more than a device has", "less")
-        raise _refuse_compiled(used, have, "XLA refused to compile it: RESOURCE_EXHAUSTED", cfg, strategy, sizes,
-                               True) from None
-    check_compiled(compiled, cfg, strategy, sizes, bound)
+        raise _refuse_compiled(used, have, "XLA refused to compile it: RESOURCE_EXHAUSTED", run, True) from None
+    check_compiled(compiled, run, bound)
     return compiled
 
 
-def check_step(runner, cfg, strategy: str):
+def check_step(runner, run):
     """The runner's train step compiled ahead of time on its abstract state and checked (b); the
     jitted step reuses this compile (measured, JAX 0.12: no second backend compile at the first call).
     Nothing is compiled here where no check could run (a CPU without --device_memory_gib)."""
@@ -204,7 +203,7 @@ def check_step(runner, cfg, strategy: str):
 
     if _flag("skip_memory_check", False) or limit(after_compile=True) is None:
         return None
+    cfg = run.cfg
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32,
                                   sharding=getattr(runner, "batch_sharding", None))
-    return compile_checked(runner.train_step.lower(runner.abstract_state(), tokens, tokens), cfg, strategy,
-                           getattr(runner, "sizes", None))
+    return compile_checked(runner.train_step.lower(runner.abstract_state(), tokens, tokens), run)

@@ -302,9 +302,9 @@ def main(argv):
     common.init_distributed(FLAGS)
     devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present) if FLAGS.strategy != "single" else None
     run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # every check, once
-    fit.check_model(cfg, FLAGS.strategy, None if run is None else run.mesh)  # before anything compiles
-    runner = common.runner_of(run, cfg)
-    fit.check_step(runner, cfg, FLAGS.strategy)  # compiled, its memory_analysis checked, before any write
+    fit.check_model(run)  # before anything compiles
+    runner = common.runner_of(run)
+    fit.check_step(runner, run)  # compiled, its memory_analysis checked, before any write
 
     import jax
     import numpy as np

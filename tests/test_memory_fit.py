@@ -16,6 +16,7 @@ from cli import assert_user_error, run
 from launch import fit
 from runners import BASE
 from twinshard import cost
+from twinshard.parallel.resolve import single_run
 
 GIB = 2 ** 30
 
@@ -75,7 +76,7 @@ class FakeLowered:
 def test_xlas_resource_exhausted_becomes_one_line():
     cfg = dataclasses.replace(BASE, model=dataclasses.replace(BASE.model, dtype="bfloat16"))
     with pytest.raises(ValueError) as e:
-        fit.compile_checked(FakeLowered(), cfg, "single", None)
+        fit.compile_checked(FakeLowered(), single_run(cfg))
     text = str(e.value)
     assert "\n" not in text and "needs 27.10G per device" in text and "has 15.75G (hbm)" in text
     assert "RESOURCE_EXHAUSTED" in text and "saved activations" in text and "--remat=full" in text

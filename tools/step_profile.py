@@ -193,17 +193,12 @@ def read_trace(trace_dir: str):
 
 def build(cfg):
     """(runner, initial state, placed batch) for --strategy/--impl."""
-    from launch import bench, common
-    from twinshard.train import trainer
+    from launch import bench, common, fit
 
-    from launch import fit
-
-    if FLAGS.strategy == "single":
-        runner = trainer.SingleDevice(cfg.model, cfg.train)
-    else:
-        runner = common.make_runner(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg)
-    fit.check_model(cfg, FLAGS.strategy, getattr(runner, "sizes", None))  # before compiling or allocating
-    fit.check_step(runner, cfg, FLAGS.strategy)
+    run = common.resolve_run(FLAGS.strategy, "single" if FLAGS.strategy == "single" else FLAGS.impl, FLAGS.mesh, cfg)
+    runner = common.runner_of(run)
+    fit.check_model(run)  # before compiling or allocating
+    fit.check_step(runner, run)
     x, y = bench.random_batch(cfg)
     return runner, runner.init_state(0), runner.place_batch(x, y)
 

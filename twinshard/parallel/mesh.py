@@ -263,12 +263,16 @@ def resolve(strategy: str, spec: str | None, dims: Mapping[str, int], rules: Map
     return shape
 
 
-def resolve_axes(strategy: str, spec: str | None, dims: Mapping[str, int], rules: Mapping[str, str],
-                 n_devices: int) -> dict[str, int]:
-    """`resolve`'s mesh (parsed or default) checked against the strategy and the devices only."""
+def resolve_axes(strategy: str, spec: str | Mapping[str, int] | None, dims: Mapping[str, int],
+                 rules: Mapping[str, str], n_devices: int) -> dict[str, int]:
+    """`resolve`'s mesh (`spec` parsed, already parsed, or the default) checked against the
+    strategy and the devices only."""
     check_strategy(strategy)
     _check_device_count(n_devices)
-    shape = parse_mesh(spec, strategy) if spec is not None else default_mesh(strategy, n_devices)
+    if spec is None:
+        shape = default_mesh(strategy, n_devices)
+    else:
+        shape = parse_mesh(spec, strategy) if isinstance(spec, str) else dict(spec)
     problem = _mesh_problem(strategy, shape, n_devices)
     if problem is not None:
         _refuse(strategy, problem, dims, rules, n_devices)

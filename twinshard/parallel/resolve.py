@@ -7,6 +7,7 @@ combination fails the same way everywhere, with a ValueError naming the value an
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -21,32 +22,46 @@ from twinshard.parallel.strategies import Strategy
 
 @dataclass(frozen=True)
 class Run:
-    """A validated run: `declared` placed for the model on `mesh` (axis -> size, in mesh order)."""
+    """A validated run: `declared` placed for the model on `mesh` (axis -> size, in mesh order);
+    the single-device run (`single_run`) has no declaration and an empty mesh."""
 
     strategy: str
     twin: str
-    declared: Strategy
-    placed: Strategy
+    declared: Strategy | None
+    placed: Strategy | None
     mesh: Mapping[str, int]
     cfg: Config
     devices: tuple | None = None  # None: every device, ordered by jax.make_mesh
 
 
-def resolve_run(strategy: str, twin: str, mesh_spec: str | None, cfg: Config, devices=None) -> Run:
-    """Every check of (strategy, twin, mesh, model, options, devices), each once, and the run they allow."""
+def resolve_run(strategy: str, twin: str, mesh_spec: str | None, cfg: Config, devices=None,
+                first_devices: bool = False) -> Run:
+    """Every check of (strategy, twin, mesh, model, options, devices), each once, and the run they
+    allow; `first_devices`: a `mesh_spec` of fewer devices than there are runs on the first ones."""
     declared = strategies.get(strategy)
     check_twin(strategy, twin, cfg)
     check_options(strategy, twin, cfg)
     check_experts(strategy, cfg.model)  # no mesh fixes a model the strategy cannot run
     found = jax.devices() if devices is None else devices
+    asked = None if mesh_spec is None else mesh_lib.parse_mesh(mesh_spec, strategy)  # the one parse
+    if first_devices and asked is not None and (n := math.prod(asked.values())) < len(found):
+        devices = found = found[:n]
     dims = logical_dims(cfg)
-    shape = mesh_lib.resolve_axes(strategy, mesh_spec, dims, declared.split_rules, len(found))
+    shape = mesh_lib.resolve_axes(strategy, asked, dims, declared.split_rules, len(found))
     check_family(declared, shape, cfg)  # their messages name the fix in its terms (stages, zig-zag chunks)
     mesh_lib.check_split(strategy, shape, dims, declared.split_rules)
     check_kv_heads(strategy, twin, shape, cfg)
     check_dispatch(strategy, twin, found, cfg)
     return Run(strategy, twin, declared, declared.placed(cfg.model.kv_heads, shape), MappingProxyType(shape), cfg,
                None if devices is None else tuple(devices))
+
+
+def single_run(cfg: Config, twin: str = "single") -> Run:
+    """The single-device reference run of `cfg`; `twin` other than "single": the reference of that
+    twin's comparison (launch.compare), whose options are checked as the twin's."""
+    if twin != "single":
+        check_options("single", twin, cfg)
+    return Run("single", twin, None, None, MappingProxyType({}), cfg)
 
 
 PACKAGES = {twin: f"{twin}_parallel" for twin in support.TWINS}
