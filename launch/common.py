@@ -93,7 +93,7 @@ def define_precision_flags() -> None:
     define(flags.DEFINE_enum, "remat", None, REMAT_POLICIES, "Rematerialization of each layer (default none; "
            "full: recompute the layer in backward; dots: save only matmul outputs; dots_no_batch: save only "
            "matmul outputs without a batch dimension; save_qkv_proj: save q, k, v by name; save_dot_except_mlp: also the attention's "
-           "output and out_proj (only the MLP recomputed); minimal: save every projection and the attention kernel's out and log-sum-exp by name).")
+           "output and out_proj (the MLP, norms and RoPE recomputed); minimal: save every projection and the attention kernel's out and log-sum-exp by name).")
     define(flags.DEFINE_integer, "loss_chunks", None, "Vocabulary tiling (default 0: off): the cross-entropy "
            "of each device's tokens in this many chunks, each chunk's logits recomputed in the backward pass, so "
            "no [B, T, V] float32 array is held; a divisor of the per-device batch x --context_length.")

@@ -23,7 +23,7 @@ REMAT_POLICIES: dict[str, Policy | None] = {
     "dots": _POLICIES.dots_saveable,  # every dot_general, attention's [b,H,T,T] scores included
     "dots_no_batch": _POLICIES.dots_with_no_batch_dims_saveable,  # the 7 projections, not attention's einsums
     "save_qkv_proj": _POLICIES.save_only_these_names(*attention.QKV_NAMES),
-    # q, k, v, the attention kernel's out and log-sum-exp, context and out_proj: only the MLP is recomputed
+    # q, k, v, the attention kernel's out and log-sum-exp, context and out_proj: the norms, RoPE and the MLP are recomputed
     "save_dot_except_mlp": _POLICIES.save_only_these_names(*attention.QKV_NAMES, attention.CONTEXT, attention.OUT_PROJ,
                                                            layers.ATTENTION_RESIDUALS),
     # every projection and the attention kernel's out and log-sum-exp

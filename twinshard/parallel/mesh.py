@@ -272,7 +272,7 @@ def resolve_axes(strategy: str, spec: str | Mapping[str, int] | None, dims: Mapp
     if spec is None:
         shape = default_mesh(strategy, n_devices)
     else:
-        shape = parse_mesh(spec, strategy) if isinstance(spec, str) else dict(spec)
+        shape = dict(spec) if isinstance(spec, Mapping) else parse_mesh(spec, strategy)
     problem = _mesh_problem(strategy, shape, n_devices)
     if problem is not None:
         _refuse(strategy, problem, dims, rules, n_devices)
