@@ -217,7 +217,7 @@ def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log
 
     strategy, cfg = run.strategy, run.cfg
     B, T = cfg.train.batch_size, cfg.model.context_length
-    mesh = dict(run.mesh) if strategy != "single" else None
+    mesh = dict(run.mesh) or None  # None: the single-device run
     xs = jax.ShapeDtypeStruct((B, T), np.int32, sharding=getattr(runner, "batch_sharding", None))
     abstract = runner.abstract_state()
     t0 = time.perf_counter()

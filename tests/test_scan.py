@@ -124,6 +124,9 @@ def test_init_takes_its_key_as_an_argument_and_draws_on_the_host_for_one_tpu_chi
     assert len(lowered.args_info[0]) == 1 and "threefry" in lowered.as_text()
     on_device, via_host = single.init_state(3), init_on_host(cfg.model, single.tx, 3, single.sharding)
     assert jax.tree.structure(on_device) == jax.tree.structure(via_host)
-    for a, b in zip(jax.tree.leaves(on_device), jax.tree.leaves(via_host)):
-        assert b.sharding == single.sharding
+    elsewhere = jax.sharding.SingleDeviceSharding(jax.devices()[1])  # not the host's device
+    to_elsewhere = init_on_host(cfg.model, single.tx, 3, elsewhere)
+    for a, b, c in zip(jax.tree.leaves(on_device), jax.tree.leaves(via_host), jax.tree.leaves(to_elsewhere)):
+        assert b.sharding == single.sharding and c.sharding == elsewhere
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)

@@ -22,7 +22,6 @@ if [[ $MODE == --dry-run ]]; then
   OUT=${OUT:-$(mktemp -d -t tpu_bench.XXXXXX)}
   PY=${PYTHON:-.venv/bin/python}
   RUNS=("tiny --batch_size=8" "tiny --batch_size=8 --weight_dtype=bfloat16 --remat=save_dot_except_mlp --loss_chunks=2")
-  PROFILES=("--preset=${RUNS[0]}" "--preset=${RUNS[1]}")
   STEPS=(--steps=2 --warmup=1 --matmul_size=256 --matmul_reps=3)
   TESTS=()
   CAP_S=${CAP_S:-300}
@@ -39,7 +38,6 @@ elif [[ $MODE == run ]]; then
   BF16="--weight_dtype=bfloat16"
   RUNS=("gpt2_125m --batch_size=16 $BF16" "gpt2_350m --batch_size=16 $BF16 --remat=save_dot_except_mlp --loss_chunks=4"
         "llama_v5e $BF16 --remat=none")
-  PROFILES=("--preset=${RUNS[0]}" "--preset=${RUNS[1]}" "--preset=${RUNS[2]}")
   STEPS=(--steps=10 --warmup=3)
   TESTS=(tests/test_splash.py)  # the kernel against the reference (the twins need 8 devices)
   CAP_S=${CAP_S:-100}
@@ -65,11 +63,11 @@ for run in "${RUNS[@]}"; do
     || echo "run $i ($run): failed or timed out" | tee -a "$LOG"
 done
 i=0
-for profile in "${PROFILES[@]}"; do
+for run in "${RUNS[@]}"; do  # each run, profiled
   i=$((i + 1))
   # shellcheck disable=SC2086
-  timeout "$CAP_S" "$PY" tools/step_profile.py $profile --strategy=single --dtype=bfloat16 --steps=3 --top=12 \
-    2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile$i.txt" | tail -25 || echo "profile $i ($profile): failed or timed out"
+  timeout "$CAP_S" "$PY" tools/step_profile.py --preset=$run --strategy=single --dtype=bfloat16 --steps=3 --top=12 \
+    2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile$i.txt" | tail -25 || echo "profile $i ($run): failed or timed out"
 done
 cat "$OUT"/run*.md.tmp > "$OUT/tpu_bench.md" 2>/dev/null && rm -f "$OUT"/run*.md.tmp  # 8 files in all
 echo "results in $OUT"

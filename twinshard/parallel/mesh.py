@@ -258,21 +258,18 @@ def resolve(strategy: str, spec: str | None, dims: Mapping[str, int], rules: Map
             n_devices: int) -> dict[str, int]:
     """Parse (or default) the mesh and check it against the strategy, the devices and the model;
     an error advises one mesh (or device count) that passes all three checks."""
-    shape = resolve_axes(strategy, spec, dims, rules, n_devices)
+    shape = resolve_axes(strategy, None if spec is None else parse_mesh(spec, strategy), dims, rules, n_devices)
     check_split(strategy, shape, dims, rules)
     return shape
 
 
-def resolve_axes(strategy: str, spec: str | Mapping[str, int] | None, dims: Mapping[str, int],
+def resolve_axes(strategy: str, asked: Mapping[str, int] | None, dims: Mapping[str, int],
                  rules: Mapping[str, str], n_devices: int) -> dict[str, int]:
-    """`resolve`'s mesh (`spec` parsed, already parsed, or the default) checked against the
-    strategy and the devices only."""
+    """`resolve`'s mesh (the parsed spec `asked`, or the default) checked against the strategy and
+    the devices only."""
     check_strategy(strategy)
     _check_device_count(n_devices)
-    if spec is None:
-        shape = default_mesh(strategy, n_devices)
-    else:
-        shape = dict(spec) if isinstance(spec, Mapping) else parse_mesh(spec, strategy)
+    shape = default_mesh(strategy, n_devices) if asked is None else dict(asked)
     problem = _mesh_problem(strategy, shape, n_devices)
     if problem is not None:
         _refuse(strategy, problem, dims, rules, n_devices)
