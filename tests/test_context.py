@@ -30,6 +30,8 @@ from twinshard.model import layers
 from twinshard.config import Config, preset
 from twinshard.train.trainer import SingleDevice, create_params
 
+pytestmark = pytest.mark.cp  # every test here proves cp: ring attention, its layouts and cp's twins (fsdp_cp's too)
+
 BASE = preset("tiny")
 CFG = Config(BASE.model, dataclasses.replace(BASE.train, grad_clip=0.25))
 MESHES = {"cp": "context:4", "fsdp_cp": "data:2,context:2"}

@@ -32,6 +32,8 @@ from twinshard.parallel import mesh as mesh_lib
 from twinshard.train.checkpoint import Checkpointer
 from twinshard.train.trainer import SingleDevice, create_params, loss_fn
 
+pytestmark = pytest.mark.ep  # every test here proves ep: the expert exchange and ep's twins (fsdp_ep's too)
+
 BASE = preset("tiny_moe")
 TRAIN = dataclasses.replace(BASE.train, grad_clip=0.25)
 DROPS = Config(dataclasses.replace(BASE.model, capacity_factor=0.5), TRAIN)

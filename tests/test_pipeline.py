@@ -23,6 +23,8 @@ from twinshard.parallel import pipeline
 from twinshard.config import Config, preset
 from twinshard.train.trainer import SingleDevice
 
+pytestmark = pytest.mark.pp  # every test here proves pp: the pipeline schedules and pp's twins (pp_fsdp's too)
+
 BASE = preset("tiny")
 M = 4
 CFG = Config(dataclasses.replace(BASE.model, num_layers=4),

@@ -1,16 +1,17 @@
 """The index of every declared strategy's proofs: a strategy without one of its kinds fails here.
 
-A kind's tests are the functions PROOFS lists; an item of one proves strategy S when it carries
-S's marker (tests/harness/markers.py: from its parameters, or @pytest.mark.S) and, for a twin,
-names the twin in its parameters. `pytest -m S` runs them all. A proof that does not exist yet
+A kind's tests are the functions PROOFS lists; an item of one proves strategy S when it names S
+itself (tests/harness/markers.py `named`: its function's name, its parameters, or @pytest.mark.S;
+not fsdp_tp's test for fsdp) and, for a twin, names the twin in its parameters. `pytest -m S`
+runs them all, and every other test about S (below: none is left unmarked). A proof that does not exist yet
 is listed in MISSING with the reason; once a proof of it is collected, its entry must go.
 """
 
-import json
-import subprocess
-import sys
+import pytest
 
 import explicit_parallel
+import suite
+from harness import markers
 from twinshard.parallel import strategies
 
 DATA_TENSOR, SEQUENCE, CONTEXT = "test_data_tensor.py", "test_sequence.py", "test_context.py"
@@ -52,41 +53,14 @@ PROOFS = {
 }
 MISSING: dict[tuple[str, str], str] = {}  # (strategy, kind) -> why its proof does not exist yet
 
-_COLLECT = """
-import json, sys
-sys.path.insert(0, "tests")
-import pytest
-from harness import markers
-
-class Report:
-    def pytest_collection_finish(self, session):
-        self.items = [[i.nodeid, sorted({m.name for m in i.iter_markers()}), sorted(markers.param_words(i))]
-                      for i in session.items]
-
-report = Report()
-code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *sys.argv[2:]], plugins=[report])
-json.dump({"code": int(code), "items": report.items}, open(sys.argv[1], "w"))
-"""
-
-
 def kinds(strategy: str) -> list[str]:
     """The kinds every strategy has, the twins it is written in."""
     twins = ["manual", "auto"] + (["explicit"] if strategy in explicit_parallel.STRATEGIES else [])
     return [k for k in PROOFS if not k.endswith("twin vs single device") or k.split()[0] in twins]
 
 
-def collected(tmp_path) -> list[tuple[str, set[str], set[str]]]:
-    """(node id, markers, parameter words) of every test in PROOFS's modules, as pytest collects them."""
-    out = tmp_path / "items.json"
-    files = sorted({f"tests/{m}" for proofs in PROOFS.values() for m, *_ in proofs})
-    proc = subprocess.run([sys.executable, "-c", _COLLECT, str(out), *files], capture_output=True, text=True, timeout=300)
-    result = json.loads(out.read_text())
-    assert result["code"] == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [(nodeid, set(marks), set(words)) for nodeid, marks, words in result["items"]]
-
-
-def test_every_declared_strategy_has_every_kind_of_proof(tmp_path):
-    items = collected(tmp_path)
+def test_every_declared_strategy_has_every_kind_of_proof():
+    items = [(i["nodeid"], set(i["named"]), set(i["words"])) for i in suite.collect()]
     found, unknown = {}, []
     for kind, proofs in PROOFS.items():
         for module, function, word in proofs:
@@ -107,3 +81,36 @@ def test_every_declared_strategy_has_every_kind_of_proof(tmp_path):
 def test_each_strategy_is_a_registered_marker(pytestconfig):
     registered = {line.split(":")[0] for line in pytestconfig.getini("markers")}
     assert set(strategies.NAMES) <= registered
+
+
+def test_every_test_named_after_a_strategy_carries_its_marker():
+    """Read from the node id as pytest prints it (class, function, module and parameter ids
+    alike): a test about S that `pytest -m S` would not run fails here."""
+    items = suite.collect()
+    assert len(items) > 100, len(items)
+    unmarked = []
+    for item in items:
+        want = markers.named_in(item["nodeid"].removeprefix("tests/"))
+        want |= {part for name in want for part in strategies.get(name).composes}
+        if want - set(item["markers"]):
+            unmarked.append((item["nodeid"], sorted(want - set(item["markers"]))))
+    assert not unmarked, f"tests about a strategy without its marker: {unmarked[:10]}"
+
+
+@pytest.mark.parametrize(("text", "names"), [
+    ("test_manual_fsdp_gathers_each_weight", {"fsdp"}),
+    ("test_fsdp_tp_composes_both[manual-tp_sp]", {"fsdp_tp", "tp_sp"}),
+    ("test_pp_fsdp_ledger[auto_fsdp_accum]", {"pp_fsdp", "fsdp"}),
+    ("test_fsdp_ulysses_accumulates", {"fsdp_ulysses"}),
+    ("test_twins_match_single_device[cpu-steps]", set()),  # cpu is not cp, steps not ep
+    ("test_dp_and_ep-tp", {"dp", "ep", "tp"}),
+])
+def test_strategy_names_are_read_longest_first_and_as_whole_words(text, names):
+    assert markers.named_in(text) == names
+
+
+def test_a_compound_strategys_test_is_also_marked_with_its_parts():
+    """`pytest -m fsdp` runs fsdp_tp's proofs too (docs/mutation-testing.md says why)."""
+    items = {i["nodeid"]: set(i["markers"]) for i in suite.collect()}
+    assert {"fsdp_tp", "fsdp", "tp"} <= items["tests/test_data_tensor.py::test_manual_matches_auto[fsdp_tp]"]
+    assert not {"fsdp", "tp"} & items["tests/test_data_tensor.py::test_manual_matches_auto[dp]"]

@@ -1,4 +1,4 @@
-"""Mutation testing: apply each curated bug (tools/mutants.py) to a copy of the
+"""Mutation testing: apply each curated bug (tests/mutants/) to a copy of the
 tree, run the tests that should catch it, and report caught / missed.
 
     uv run python tools/mutate.py                     # every mutant (~40 min on 2 busy cores)
@@ -70,12 +70,12 @@ import threading
 import time
 from xml.etree import ElementTree
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from mutants import MUTANTS, Mutant  # noqa: E402
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import cache  # noqa: E402  (stdlib only)
+from mutants import MUTANTS, Mutant  # noqa: E402  (tests/mutants/, one module a family)
+
+MUTANTS_DIR = "tests/mutants/"  # where the snippets are quoted: never a place a mutant applies to
 
 TEST_CACHE = cache.directory()  # the developer's tree's, shared by every mutant's run
 PYTEST_ARGS = ("-x", "-q", "-n", "0", "-p", "no:cacheprovider")
@@ -133,7 +133,7 @@ def locate(m: Mutant, snap: dict[str, tuple[bytes, int]]) -> str | None:
     if m.file in snap and snap[m.file][0].decode().count(m.original) == 1:
         return m.file
     hits = [p for p, (data, _) in snap.items()
-            if p.endswith(".py") and p != "tools/mutants.py" and data.decode().count(m.original) == 1]
+            if p.endswith(".py") and not p.startswith(MUTANTS_DIR) and data.decode().count(m.original) == 1]
     return hits[0] if len(hits) == 1 else None
 
 
@@ -320,7 +320,7 @@ def baseline(slot: Slot, mutants: list[Mutant]) -> dict[str, float]:
                       if f == t or f.startswith(t.split("::")[0] + "::") and "::" not in t})
         die(f"the baseline fails on the UNMUTATED tree (pytest exit {rc}; failing: "
                  f"{failing or first_failure(out)}), so mutants {hit or 'selecting them'} would look "
-                 "caught. Fix the tests (or the selections in tools/mutants.py) first, or pass "
+                 "caught. Fix the tests (or the selections in tests/mutants/) first, or pass "
                  "--no-baseline to run anyway.")
     times: dict[str, float] = {}
     for case in ElementTree.parse(junit).iter("testcase"):
@@ -357,7 +357,7 @@ def select(args) -> list[Mutant]:
     ids = {m.id for m in MUTANTS}
     dupes = sorted({m.id for m in MUTANTS if [x.id for x in MUTANTS].count(m.id) > 1})
     if dupes:
-        die(f"duplicate mutant ids in tools/mutants.py: {dupes}")
+        die(f"duplicate mutant ids in tests/mutants/: {dupes}")
     chosen = list(MUTANTS)
     if args.only:
         want = [s.strip() for s in args.only.split(",") if s.strip()]
