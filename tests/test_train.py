@@ -167,6 +167,23 @@ def test_eval_runs_on_its_own_schedule(tmp_path, tmp_path_factory):
     assert [r["step"] for r in recs if "eval_loss" in r] == [4, 8]
 
 
+def test_eval_averages_eval_batches_batches_of_the_same_state(full_run, tmp_path, tmp_path_factory, monkeypatch):
+    """The preset's eval_batches (no flag sets it): 1 evaluates the state full_run evaluated at step 4
+    (tiny's 2 batches) on its first batch alone, another mean; 2 again is full_run's, bit for bit."""
+    import dataclasses
+
+    from twinshard import config
+
+    tiny, losses = config.preset("tiny"), {}
+    for n in (1, 2):
+        monkeypatch.setitem(config._PRESETS, "tiny", dataclasses.replace(
+            tiny, train=dataclasses.replace(tiny.train, eval_batches=n)))
+        run_train(tmp_path_factory, f"--workdir={tmp_path / str(n)}", "--steps=12", "--stop_after=4")
+        losses[n] = [r["eval_loss"] for r in metrics(tmp_path / str(n)) if "eval_loss" in r]
+    preset_eval = [r["eval_loss"] for r in metrics(full_run) if "eval_loss" in r][:1]
+    assert tiny.train.eval_batches == 2 and losses[2] == preset_eval and losses[1] != losses[2], (losses, preset_eval)
+
+
 def test_missing_data_and_short_corpus_fail_before_writing(tmp_path, tmp_path_factory):
     workdir = tmp_path / "never"
     with pytest.raises(FileNotFoundError, match="--data"):

@@ -267,3 +267,22 @@ def test_explicit_twin_matches_single_device_with_the_manual_twins_all_to_alls(k
     mine, theirs = ledger(got).summary(), ledger(manual).summary()
     key = ("all-to-all", ("context",))
     assert (mine[key]["count"], mine[key]["bytes"]) == (theirs[key]["count"], theirs[key]["bytes"]), (mine, theirs)
+
+
+def test_saved_residuals_of_every_variant_move_as_the_memory_model_says():
+    """Manual ulysses on context:4, multi-head and 2 kv heads (repeated to 4 for the exchange: the
+    memory model's GQA term), under --remat=none and full (which saves the 4 exchanges): what the
+    layers save (JAX's print_saved_residuals) minus the memory model's activations is one constant
+    for all four (the lm head's terms, alike in each), so every term that differs between them is exact."""
+    from test_remat import B, T, runner_residuals
+
+    gaps = {}
+    for kv_heads in (0, 2):
+        for remat in ("none", "full"):
+            cfg = config(kv_heads)
+            cfg = Config(dataclasses.replace(cfg.model, remat=remat), cfg.train)
+            r = manual_parallel.make_runner("ulysses", MESHES["ulysses"], cfg, devices=jax.devices()[:4])
+            saved = sum(n for shape, n, where in runner_residuals(r)  # the norm gains' [1, 1, D] aside, as test_remat
+                        if "output of scan" in where and shape[1:] != (1, 1, cfg.model.d_model))
+            gaps[kv_heads, remat] = saved - cost.memory(cfg.model, "ulysses", r.sizes, B, T).activations
+    assert len(set(gaps.values())) == 1, gaps

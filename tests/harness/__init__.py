@@ -12,7 +12,8 @@ and the launcher tests start ~50 Python processes), on 2 cores with a 15-minute 
 - cache.py: the persistent compilation cache, keyed by the library's sources, with the source
   locations left out of each program's key: a step compiled twice (trained, then lowered for
   its ledger) compiles once (tests/test_experts.py cold: 124 s -> 93 s).
-- markers.py: a marker per declared strategy (`pytest -m fsdp`), read from the tests' parameters.
+- markers.py: a marker per declared strategy (`pytest -m fsdp`), read from the tests' names,
+  parameters and modules.
 - suite_profile.py: `TWINSHARD_SUITE_PROFILE=FILE pytest` says where the time goes (a tool,
   off by default).
 

@@ -46,6 +46,9 @@ REMAT = "tests/test_remat.py"
 MEMORY = "tests/test_memory.py"
 GQA = "tests/test_gqa.py"
 EXPLICIT = "tests/test_explicit.py"
+OPTIONS = "tests/test_options.py"  # every option observed; explicit against derived settings
+DTYPES = "tests/test_promised_dtypes.py"
+ULYSSES = "tests/test_ulysses.py"
 
 # The manual twin's tests of DATA_TENSOR: its cases of the tests parametrised over [twin-strategy],
 # then its own (the last two also run the GSPMD twin).
@@ -88,4 +91,7 @@ SRC_COST_FLOPS = "twinshard/cost/flops.py"
 SRC_COST_MEMORY = "twinshard/cost/memory.py"
 SRC_COST_WEIGHTS = "twinshard/cost/weights.py"
 SRC_TRAIN = "launch/train.py"
+SRC_FIT = "launch/fit.py"
+SRC_CONFIG = "twinshard/config.py"
+SRC_TRAINER = "twinshard/train/trainer.py"
 

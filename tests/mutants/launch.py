@@ -1,8 +1,8 @@
 """Mutants of the launchers and what they read and write: data, checkpoints and resume, validation, launch.plan."""
 
 from .base import (
-    CLI_ERRORS, DATA, HLO_INPUT, Mutant, PLAN, SRC_DATA, SRC_HLO_RECORDS, SRC_PLAN, SRC_TRAIN, TPU, TRAIN,
-    VALIDATION,
+    CLI_ERRORS, DATA, HLO_INPUT, Mutant, OPTIONS, PLAN, SRC_DATA, SRC_FIT, SRC_HLO_RECORDS, SRC_LAYERS, SRC_PLAN,
+    SRC_TRAIN, TPU, TRAIN, VALIDATION,
 )
 
 MUTANTS: list[Mutant] = [
@@ -237,4 +237,20 @@ MUTANTS: list[Mutant] = [
            "if (saved[\"corpus\"] != meta[\"corpus\"]) if \"tokenizer\" in saved else was != now:",
            ("tests/test_train.py::test_resume_refuses_another_corpus_or_tokenizer",),
            "the tokenizer check compares the corpus field: another tokenizer of the same vocab size resumes"),
+    # --- options the one-device step does not show, and an explicit flag against the chip's limit
+    Mutant("eval-batches-ignored", "options", SRC_TRAIN,
+           "for i in range(t.eval_batches)]",
+           "for i in range(2)]",
+           (f"{TRAIN}::test_eval_averages_eval_batches_batches_of_the_same_state",),
+           "the preset's eval_batches is accepted and validated, but eval always averages 2 batches"),
+    Mutant("chip-limit-overrides-the-flag", "options", SRC_FIT,
+           'gib = _flag("device_memory_gib")',
+           'gib = None if jax.local_devices()[0].memory_stats() else _flag("device_memory_gib")',
+           (f"{OPTIONS}::test_device_memory_gib_wins_over_the_accelerators_bytes_limit_and_the_limit_applies_without_it",),
+           "an accelerator's bytes_limit replaces an explicit --device_memory_gib"),
+    Mutant("splash-interpreted-when-compiling-for-a-tpu", "tpu", SRC_LAYERS,
+           'interpret=target_backend() != "tpu")',
+           'interpret=jax.default_backend() != "tpu")',
+           ("tests/test_ulysses.py::test_splash_inside_ulysses_compiles_for_a_tpu_pod_with_the_models_all_to_alls",),
+           "a TPU program compiled from a CPU host runs splash in Pallas' interpret mode (compiling_for ignored)"),
 ]

@@ -1,8 +1,8 @@
 """Mutants of the HLO ledger parser, the analytic cost and memory model, collective-permute patterns."""
 
 from .base import (
-    COST, COST_TESTS, HLO, LEDGER_TESTS, Mutant, PLAN, SRC_COST_FLOPS, SRC_COST_MEMORY, SRC_COST_ROWS,
-    SRC_COST_ROWS_BUILDERS, SRC_HLO_GROUPS, SRC_HLO_LOOPS, SRC_HLO_PARSE, SRC_HLO_RECORDS, TPU,
+    COST, COST_TESTS, GQA, HLO, LEDGER_TESTS, Mutant, PLAN, SRC_COST_FLOPS, SRC_COST_MEMORY, SRC_COST_ROWS,
+    SRC_COST_ROWS_BUILDERS, SRC_HLO_GROUPS, SRC_HLO_LOOPS, SRC_HLO_PARSE, SRC_HLO_RECORDS, TPU, ULYSSES,
 )
 
 MUTANTS: list[Mutant] = [
@@ -166,4 +166,15 @@ MUTANTS: list[Mutant] = [
            "wraps = (False, True)",
            (HLO,),
            "expect_permute(wrap=False) also counts a ring: a pipeline hop that wraps last -> first passes"),
+    # --- the memory model's GQA term of ulysses, each remat variant (tests/test_ulysses.py)
+    Mutant("ulysses-memory-kv-not-repeated", "memory", SRC_COST_MEMORY,
+           "kv = 2 * cfg.kv_heads * context.kv_repeats(cfg.num_heads, cfg.kv_heads, c) * cfg.head_dim",
+           "kv = 2 * cfg.kv_dim",
+           (f"{ULYSSES}::test_saved_residuals_of_every_variant_move_as_the_memory_model_says",),
+           "ulysses' memory counts GQA's k and v as exchanged without the repeats to a multiple of C"),
+    Mutant("ulysses-memory-none-keeps-pre-exchange-kv", "memory", SRC_COST_MEMORY,
+           'extra = exchanged if remat != "none" else b * tc * (kv - 2 * cfg.kv_dim)',
+           'extra = exchanged if remat != "none" else 0',
+           (f"{ULYSSES}::test_saved_residuals_of_every_variant_move_as_the_memory_model_says",),
+           "ulysses under --remat=none with GQA: the memory model counts k, v before their repeats"),
 ]

@@ -1,10 +1,10 @@
 """Mutants of the single-device model and training math: optimizers, layers, bf16, the scanned stack, remat, grad accumulation, GQA."""
 
 from .base import (
-    ACCUM, ATTENTION, COST_TESTS, DATA_TENSOR, GQA, LAYERS, MEMORY, MODEL, Mutant, OPTIM, OPTIMIZERS, PRECISION,
-    REMAT, SCAN, SRC_COST_FLOPS, SRC_COST_MEMORY, SRC_COST_ROWS, SRC_COST_ROWS_BUILDERS, SRC_COST_WEIGHTS,
-    SRC_FSDP, SRC_LAYERS, SRC_LINEAR, SRC_LOSS, SRC_MODEL, SRC_OPTIM, SRC_REMAT, SRC_RUNNER, SRC_STRATEGIES,
-    SRC_TP, TPU, TRAIN,
+    ACCUM, ATTENTION, COST_TESTS, DATA_TENSOR, DTYPES, GQA, LAYERS, MEMORY, MODEL, Mutant, OPTIM, OPTIMIZERS,
+    OPTIONS, PRECISION, REMAT, SCAN, SRC_CONFIG, SRC_COST_FLOPS, SRC_COST_MEMORY, SRC_COST_ROWS,
+    SRC_COST_ROWS_BUILDERS, SRC_COST_WEIGHTS, SRC_FSDP, SRC_LAYERS, SRC_LINEAR, SRC_LOSS, SRC_MODEL, SRC_OPTIM,
+    SRC_REMAT, SRC_RUNNER, SRC_STRATEGIES, SRC_TP, SRC_TRAINER, TPU, TRAIN,
 )
 
 MUTANTS: list[Mutant] = [
@@ -468,4 +468,41 @@ MUTANTS: list[Mutant] = [
            '                        ckpt.steps()[0])',
            (f"{TRAIN}::test_sample_restores_the_latest_complete_checkpoint",),
            "launch.sample restores the oldest kept checkpoint instead of the latest complete one"),
+    # --- an option that reaches its kernel, the dtypes promised at accumulation points, an explicit
+    # kernel against the hardware's (tests/test_options.py, tests/test_promised_dtypes.py)
+    Mutant("splash-block-ignored", "options", SRC_LAYERS,
+           "    n = splash_block(t, block)",
+           "    n = splash_block(t)",
+           (f"{OPTIONS}::test_the_splash_block_reaches_the_kernel_and_zero_is_the_shapes_choice", OPTIONS),
+           "--attention_block is accepted and checked, but the kernel always runs the automatic block"),
+    Mutant("splash-block-explicit-overridden", "options", SRC_CONFIG,
+           "return block or max(b for b in splash_blocks(t) if b <= cap)",
+           "return max(b for b in splash_blocks(t) if b <= cap)",
+           (f"{OPTIONS}::test_the_splash_block_reaches_the_kernel_and_zero_is_the_shapes_choice", OPTIONS),
+           "the block derived from T wins over an explicit --attention_block"),
+    Mutant("tpu-overrides-an-explicit-kernel", "options", SRC_LAYERS,
+           '    if impl == "auto":\n        backend, half = target_backend()',
+           '    if impl == "auto" or target_backend() == "tpu":\n        backend, half = target_backend()',
+           (f"{OPTIONS}::test_an_explicit_attention_kernel_wins_over_the_hardwares_default", OPTIONS),
+           "on a TPU the hardware's kernel replaces an explicit --attention (recompute becomes splash)"),
+    Mutant("rmsnorm-in-the-compute-dtype", "dtypes", SRC_LAYERS,
+           "x32 = x.astype(jnp.float32)",
+           "x32 = x",
+           (DTYPES,),
+           "RMSNorm takes mean(x^2) and its rsqrt in bf16 under --dtype=bfloat16 (promised float32)"),
+    Mutant("recompute-scores-accumulate-in-bf16", "dtypes", SRC_LAYERS,
+           's = jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=jnp.float32)',
+           's = jnp.einsum("...qd,...kd->...qk", q, k)',
+           (f"{DTYPES}::test_recompute_attention_accumulates_every_matmul_in_float32", DTYPES),
+           "the recompute kernel's q k^T accumulates in bf16, cast to float32 after"),
+    Mutant("recompute-dq-accumulates-in-bf16", "dtypes", SRC_LAYERS,
+           'dq = jnp.einsum("...qk,...kd->...qd", ds.astype(k.dtype), k, preferred_element_type=jnp.float32)',
+           'dq = jnp.einsum("...qk,...kd->...qd", ds.astype(k.dtype), k)',
+           (f"{DTYPES}::test_recompute_attention_accumulates_every_matmul_in_float32", DTYPES),
+           "the recompute kernel's backward dq accumulates in bf16"),
+    Mutant("grad-accumulator-in-the-weight-dtype", "dtypes", SRC_TRAINER,
+           "zero = jnp.zeros_like(p, jnp.float32)",
+           "zero = jnp.zeros_like(p)",
+           (f"{DTYPES}::test_the_gradient_accumulator_is_float32_over_bf16_weights", DTYPES),
+           "--grad_accum sums micro-batch gradients in bf16 under --weight_dtype=bfloat16 (promised float32)"),
 ]

@@ -200,8 +200,11 @@ def _ulysses_activations(cfg: ModelConfig, remat: str, b: int, seq: int, c: int,
     """cp's residuals of T/C tokens with ulysses attention: + 4 all-to-all outputs per layer under a
     remat policy; the backward rebuilds one layer's attention on [b, H/C, T, T]."""
     tc, d, v = seq // c, cfg.d_model, cfg.padded_vocab_size
-    exchanged = b * tc * (2 * d + 2 * cfg.kv_heads * context.kv_repeats(cfg.num_heads, cfg.kv_heads, c) * cfg.head_dim)
-    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + (exchanged if remat != "none" else 0))
+    kv = 2 * cfg.kv_heads * context.kv_repeats(cfg.num_heads, cfg.kv_heads, c) * cfg.head_dim  # k, v as exchanged
+    exchanged = b * tc * (2 * d + kv)
+    # remat=none saves k and v as exchanged: with GQA repeated to a multiple of C, wider than saved_per_layer's
+    extra = exchanged if remat != "none" else b * tc * (kv - 2 * cfg.kv_dim)
+    layers = cfg.num_layers * (saved_per_layer(cfg, remat, b, tc, 1) + extra)
     backward_layer = (saved_per_layer(cfg, "none", b, tc, 1) + exchanged) * s + attention_backward(cfg, b, seq, c, kernel)
     final = (2 * b * tc * d + b * tc * v) * s + b * tc * v * F32
     return layers, backward_layer, final
