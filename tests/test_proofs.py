@@ -104,7 +104,7 @@ def test_every_test_named_after_a_strategy_carries_its_marker():
     ("test_fsdp_ulysses_accumulates", {"fsdp_ulysses"}),
     ("test_twins_match_single_device[cpu-steps]", set()),  # cpu is not cp, steps not ep
     ("test_dp_and_ep-tp", {"dp", "ep", "tp"}),
-])
+], ids=["a-word", "compounds-first", "an-id-of-words", "a-composition", "not-within-words", "separators"])
 def test_strategy_names_are_read_longest_first_and_as_whole_words(text, names):
     assert markers.named_in(text) == names
 
