@@ -97,8 +97,32 @@ def define_precision_flags() -> None:
     define(flags.DEFINE_integer, "loss_chunks", None, "Vocabulary tiling (default 0: off): the cross-entropy "
            "of each device's tokens in this many chunks, each chunk's logits recomputed in the backward pass, so "
            "no [B, T, V] float32 array is held; a divisor of the per-device batch x --context_length.")
+    define_speed_flags()
     define_shape_flags()  # every launcher that builds a model config (train, plan, bench, collectives,
     define_moe_flags()  # compare) takes them
+
+
+def define_speed_flags() -> None:
+    """The accelerator-speed options (default: today's numerics), each a ModelConfig field of its name."""
+    from twinshard.config import PRECISIONS, QKV_LAYOUTS
+
+    define(flags.DEFINE_enum, "logits_dtype", None, PRECISIONS, "The LM head's logits (default float32; compute: "
+           "in the compute dtype with float32 max / log-sum-exp / target logit, no float32 [tokens, V] array).")
+    define(flags.DEFINE_bool, "loss_recompute", None, "With --loss_chunks: each chunk's logits recomputed in the "
+           "backward (default true); false saves them in the forward ([tokens, V] held, no second lm_head matmul).")
+    define(flags.DEFINE_enum, "norm_dtype", None, PRECISIONS, "RMSNorm's elementwise work (default float32; "
+           "compute: in the compute dtype, the mean of squares accumulated in float32).")
+    define(flags.DEFINE_enum, "qkv_layout", None, QKV_LAYOUTS, "q, k, v: tokens (default: [B, T, h*dh], split "
+           "into heads by transposes) or heads (einsummed straight into the kernel's [B, h, T, dh] and out).")
+    define(flags.DEFINE_bool, "splash_fused_bwd", None, "The splash kernel's backward: one fused kernel for dq, "
+           "dk, dv (default true) or false: dq by a kernel of its own.")
+    define(flags.DEFINE_integer, "xla_tpu_scoped_vmem_limit_kib", None, "XLA:TPU's scoped VMEM limit in KiB, "
+           "a compile option of the train step (default 0: the compiler's, 16 MiB on a v5e; splash blocks of "
+           "2048 need more); ignored off a TPU.")
+
+
+SPEED_FLAGS = ("logits_dtype", "loss_recompute", "norm_dtype", "qkv_layout", "splash_fused_bwd",
+               "xla_tpu_scoped_vmem_limit_kib")
 
 
 # The model-shape flags: each overrides the ModelConfig field of its name (None: the preset's), so
@@ -152,7 +176,7 @@ def define_moe_flags() -> None:
 # The flags that override the ModelConfig field of their name (with_model_flags; launch.plan's
 # launch line carries those that differ from the preset).
 MODEL_FLAGS = ("dtype", "weight_dtype", "remat", "attention", "attention_block", "scan_unroll", "collective_matmul",
-               "loss_chunks", *SHAPE_FLAGS, *MOE_FLAGS)
+               "loss_chunks", *SPEED_FLAGS, *SHAPE_FLAGS, *MOE_FLAGS)
 
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:

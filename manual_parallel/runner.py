@@ -16,7 +16,7 @@ from twinshard.parallel import placement
 from twinshard.parallel.resolve import Run
 from twinshard.train.optim import Block, BlockMean, make_optimizer
 from twinshard.train.trainer import (TrainState, accumulated_value_and_grad, apply_gradients, check_grad_accum,
-                                     create_params, logical_axes, loss_fn, stats_fn)
+                                     compiler_options, create_params, logical_axes, loss_fn, stats_fn)
 
 DATA, TENSOR = "data", "tensor"
 
@@ -53,7 +53,8 @@ class ManualRunner(placement.PlacedRunner):
         smap = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=True)
         b = self.batch_spec
         self.train_step = jax.jit(smap(self._train_step, in_specs=(self.state_specs, b, b),
-                                       out_specs=(self.state_specs, P())), donate_argnums=0)
+                                       out_specs=(self.state_specs, P())), donate_argnums=0,
+                                  compiler_options=compiler_options(cfg.model, self.mesh.devices.flat[0].platform))
         self.loss_and_grads = jax.jit(smap(self._loss_and_grads, in_specs=(self.param_specs, b, b),
                                            out_specs=(P(), self.param_specs)))
         self.eval_loss = jax.jit(smap(self._eval_loss, in_specs=(self.param_specs, b, b), out_specs=P()))

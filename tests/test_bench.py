@@ -169,7 +169,7 @@ def test_step_profile_reads_a_gpu_module_and_counts_device_kernels_not_host_laun
     kinds, lines = sp.hlo_kinds(GPU_HLO)
     # tuple-typed instructions are parsed too (the type "(bf16[..], s8[..])" has a space)
     assert kinds == {"dot.1": "matmul", "fusion.3": "matmul", "custom-call.7": "matmul",
-                     "custom-call.8": "attention (custom-call)"}, kinds  # get-tuple-element: a no-op
+                     "custom-call.8": "attention"}, kinds  # get-tuple-element: a no-op
     per_op, kernels, device, busiest = sp.op_times(jax.profiler.ProfileData.from_text_proto(GPU_TRACE), kinds)
     assert device  # the device plane had instructions: the host's 9 us launch is not counted
     assert per_op == {"fusion.3": 5000, "custom-call.7": 2000, "custom-call.8": 1000} and busiest == 8000
@@ -212,3 +212,29 @@ def test_step_profile_reads_the_tpu_device_plane_by_instruction_text():
     per_op, kernels, device, busiest = sp.op_times(jax.profiler.ProfileData.from_text_proto(TPU_TRACE), kinds)
     assert device and per_op == {"fusion.3": 5000, "custom-call.7": 1000} and busiest == 6000, per_op
     assert kernels == {"fusion.3": 5000, "custom-call.7": 1000}
+
+
+# The splash kernels of a step compiled for a v5e (AOT from this CPU, JAX 0.12; operands, layouts and the
+# Mosaic body shortened): Pallas `tpu_custom_call`s named for the kernel, their block sizes in a
+# multi-line kernel_metadata attribute.
+SPLASH_HLO = """HloModule jit_f, is_scheduled=true
+
+ENTRY %main.2 (q.1: bf16[2,2048,128]) -> bf16[2,2048,128] {
+  %q.1 = bf16[2,2048,128]{2,1,0} parameter(0)
+  %splash_mha_fwd_residuals.1 = (bf16[2,2048,128]{2,1,0:T(8,128)(2,1)S(1)}, f32[2,2048,128]{2,1,0:T(8,128)S(1)}) custom-call(%q.1, %q.1, %q.1), custom_call_target="tpu_custom_call", operand_layout_constraints={bf16[2,2048,128]{2,1,0}, bf16[2,2048,128]{2,1,0}, bf16[2,2048,128]{2,1,0}}, frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 512, \\"block_kv\\": 512, \\"use_fused_bwd_kernel\\": true}"
+}}, metadata={op_name="jit(f)/jvp(vmap(static_sparsity_splash))/jit(_splash_attention)/splash_mha_fwd_residuals/splash_mha_fwd_residuals/pallas_call"}, backend_config={"flag_configs":[],"scoped_memory_configs":[],"custom_call_config":{"body":"TUzvUgFNTElS"}}
+  %pallas_call.1 = bf16[2,2048,128]{2,1,0:T(8,128)(2,1)S(1)} get-tuple-element(%splash_mha_fwd_residuals.1), index=0
+  %splash_mha_dkv_no_residuals.1 = (bf16[4,2,2048,128]{3,2,1,0}, bf16[2,2048,128]{2,1,0}, bf16[2,2048,128]{2,1,0}) custom-call(%q.1, %pallas_call.1), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q_dkv\\": 512}"
+}}, backend_config={"custom_call_config":{"body":"TUzvUgFNTElS"}}
+  %other.1 = bf16[2,2048,128]{2,1,0} custom-call(%q.1), custom_call_target="tpu_custom_call", backend_config={}
+  ROOT %add.1 = bf16[2,2048,128]{2,1,0} add(%pallas_call.1, %other.1)
+}
+"""
+
+
+def test_step_profile_files_splash_kernels_under_attention():
+    kinds, _ = step_profile().hlo_kinds(SPLASH_HLO)
+    assert kinds == {"splash_mha_fwd_residuals.1": "attention", "splash_mha_dkv_no_residuals.1": "attention",
+                     "other.1": "other", "add.1": "other"}, kinds  # a bare add: no fusion

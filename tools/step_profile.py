@@ -13,8 +13,9 @@ event that names an instruction of the step's compiled HLO, per kind:
   custom-calls, Triton GEMM fusions);
 - copy/transpose: `copy`, `transpose` and fusions whose root is one (layout changes);
 - dynamic-update-slice: the scan writing a layer's saved activations into [L, ...];
-- reduce, elementwise (loop fusions), broadcast/constant-fill, collectives, other
-  (custom-calls such as cuDNN attention).
+- attention: the attention kernels' custom-calls (cuDNN's fmha on a GPU; splash's Pallas kernels on a
+  TPU, `tpu_custom_call`s named splash_*);
+- reduce, elementwise (loop fusions), broadcast/constant-fill, collectives, other (other custom-calls).
 
 Measured facts (JAX 0.12 on XLA:CPU; jax 0.11.2's xplane has the same fields; the TPU's below,
 TPU_SKIPPED_LINES):
@@ -59,14 +60,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("steps", 3, "Profiled steps (after 2 unprofiled warm-up steps).")
     flags.DEFINE_integer("top", 15, "Also list this many most expensive instructions.")
     flags.DEFINE_integer("width", 150, "Characters of each listed instruction's HLO line.")
-    flags.DEFINE_string("dtype", None, "Compute dtype override (float32, bfloat16).")
-    flags.DEFINE_string("remat", None, "Remat policy override.")
-    flags.DEFINE_string("weight_dtype", None, "Storage dtype override of the params and optimizer moments.")
     flags.DEFINE_integer("batch_size", None, "Global batch size override (sequences).")
-    flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiling override (ModelConfig.loss_chunks).")
-    from launch import fit
+    from launch import common
 
-    fit.define_flags()  # --skip_memory_check, --device_memory_gib: a step that cannot fit is refused
+    # launch.bench's model flags (--dtype, --remat, --loss_chunks, the shapes, ...) and launch.fit's
+    # --skip_memory_check / --device_memory_gib: a step that cannot fit is refused
+    common.define_precision_flags()
 
 # name = type op(...): a tuple type "(f32[8]{0}, s8[64]{0})" has spaces (multi-output fusions, GEMMs)
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w\-]+)\(", re.M)
@@ -124,7 +123,8 @@ def hlo_kinds(text: str) -> tuple[dict[str, str], dict[str, str]]:
             elif op == "custom-call":  # cuBLAS / cuDNN on a GPU: __cublas$gemm, __cudnn$fmha...
                 target = (t.group(1) if (t := _TARGET.search(line)) else "").lower()
                 kinds[name] = ("matmul" if "gemm" in target or "matmul" in target else
-                               "attention (custom-call)" if "fmha" in target or "attention" in target else "other")
+                               "attention" if "fmha" in target or "attention" in target or _is_splash(name, target)
+                               else "other")
             elif any(op.startswith(c) for c in COLLECTIVES):
                 kinds[name] = "collective"
             elif op in ("while", "call", "conditional", "parameter", "tuple", "get-tuple-element",
@@ -133,6 +133,12 @@ def hlo_kinds(text: str) -> tuple[dict[str, str], dict[str, str]]:
             else:
                 kinds[name] = "other"
     return kinds, lines
+
+
+def _is_splash(name: str, target: str) -> bool:
+    """A splash kernel on a TPU: a Pallas `tpu_custom_call` named for its kernel (splash_mha_fwd_residuals.1,
+    splash_mha_dkv_no_residuals.1, splash_mqa_...; v5e AOT compile, JAX 0.12)."""
+    return target == "tpu_custom_call" and name.startswith("splash_")
 
 
 def op_times(data, kinds: dict[str, str], module: str | None = None
@@ -225,10 +231,7 @@ def main(argv):
                          f"{', '.join(common.STRATEGIES)} and an impl of auto, manual.")
     if FLAGS.steps < 1:
         raise ValueError(f"--steps={FLAGS.steps}: profile at least one step.")
-    cfg = bench.BENCH_PRESETS.get(FLAGS.preset) or preset(FLAGS.preset)
-    overrides = {k: getattr(FLAGS, k) for k in ("dtype", "weight_dtype", "remat", "loss_chunks") if getattr(FLAGS, k) is not None}
-    if overrides:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **overrides))
+    cfg = common.with_model_flags(bench.BENCH_PRESETS.get(FLAGS.preset) or preset(FLAGS.preset), FLAGS)
     if FLAGS.batch_size is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
     runner, state, batch = build(cfg)

@@ -4,6 +4,9 @@
 #
 #   OUT=<dir> bash tools/tpu_bench.sh      # on the TPU host, from the repository root
 #   tools/tpu_bench.sh --dry-run           # here: JAX_PLATFORMS=cpu, preset tiny, the same steps
+#   OUT=<dir> bash tools/tpu_bench.sh levers         # each speed option alone against its preset's run
+#   LEVER_PRESETS=gpt2_125m OUT=<dir> bash tools/tpu_bench.sh levers   # one preset (~8 runs of 30-60 s)
+#   tools/tpu_bench.sh --dry-run levers    # the same runs on tiny, on this CPU
 #
 # On the TPU VM: python3 3.11 with JAX preinstalled; what it lacks (flax, optax, orbax, absl,
 # matplotlib, tiktoken) comes from the machine's own index (TPU_INDEX, default file:///opt/pypi/simple)
@@ -17,6 +20,21 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-run}
+WHAT=${2:-}
+if [[ $MODE == levers ]]; then MODE=run WHAT=levers; fi
+if [[ -n $WHAT && $WHAT != levers ]]; then
+  echo "usage: tools/tpu_bench.sh [--dry-run] [levers]  (no argument: the TPU run)" >&2; exit 2
+fi
+# The speed options, each alone on top of a preset's run (its flags: launch.common.define_speed_flags);
+# BLOCK is the whole sequence, with the scoped VMEM a block of 2048 needs; UNROLL the whole stack.
+lever_runs() {  # lever_runs "<preset> <flags>" <context_length> <num_layers> [chunked]
+  local base=$1 t=$2 layers=$3
+  LEVER_RUNS+=("$base" "$base --logits_dtype=compute" "$base --norm_dtype=compute" "$base --qkv_layout=heads"
+               "$base --splash_fused_bwd=false" "$base --attention_block=$t --xla_tpu_scoped_vmem_limit_kib=98304"
+               "$base --scan_unroll=$layers")
+  if [[ ${4:-} == chunked ]]; then LEVER_RUNS+=("$base --loss_recompute=false"); fi
+}
+LEVER_RUNS=()
 if [[ $MODE == --dry-run ]]; then
   export JAX_PLATFORMS=cpu
   OUT=${OUT:-$(mktemp -d -t tpu_bench.XXXXXX)}
@@ -25,6 +43,8 @@ if [[ $MODE == --dry-run ]]; then
   STEPS=(--steps=2 --warmup=1 --matmul_size=256 --matmul_reps=3)
   TESTS=()
   CAP_S=${CAP_S:-300}
+  lever_runs "tiny --batch_size=8 --attention=splash" 128 2
+  lever_runs "tiny --batch_size=8 --weight_dtype=bfloat16 --loss_chunks=2" 128 2 chunked
 elif [[ $MODE == run ]]; then
   OUT=${OUT:?OUT: the folder the results go to}
   PY=${PYTHON:-$(cd / && python3 -c 'import sys; print(sys.executable)')}  # the 3.11 with JAX, not .python-version's
@@ -41,8 +61,20 @@ elif [[ $MODE == run ]]; then
   STEPS=(--steps=10 --warmup=3)
   TESTS=(tests/test_splash.py)  # the kernel against the reference (the twins need 8 devices)
   CAP_S=${CAP_S:-100}
+  for preset in ${LEVER_PRESETS:-gpt2_125m gpt2_350m llama_v5e}; do
+    case $preset in
+      gpt2_125m) lever_runs "${RUNS[0]}" 1024 12 ;;
+      gpt2_350m) lever_runs "${RUNS[1]}" 1024 24 chunked ;;
+      llama_v5e) lever_runs "${RUNS[2]}" 2048 14 ;;
+      *) echo "LEVER_PRESETS: unknown preset $preset (gpt2_125m, gpt2_350m, llama_v5e)" >&2; exit 2 ;;
+    esac
+  done
 else
-  echo "usage: tools/tpu_bench.sh [--dry-run]  (no argument: the TPU run)" >&2; exit 2
+  echo "usage: tools/tpu_bench.sh [--dry-run] [levers]  (no argument: the TPU run)" >&2; exit 2
+fi
+if [[ $WHAT == levers ]]; then  # the options' runs alone: no tests, no profiles, shorter runs
+  RUNS=("${LEVER_RUNS[@]}") TESTS=() PROFILE=0 CAP_S=${LEVER_CAP_S:-75}
+  STEPS=(--steps=6 --warmup=2 "${STEPS[@]:2}")
 fi
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -57,13 +89,14 @@ i=0
 for run in "${RUNS[@]}"; do
   i=$((i + 1))
   read -r preset rest <<< "$run"
+  echo "== run $i: $run" | tee -a "$LOG"
   # shellcheck disable=SC2086
   timeout "$CAP_S" "$PY" -m launch.bench --preset="$preset" $rest --strategies=single --dtype=bfloat16 \
     "${STEPS[@]}" --json="$OUT/run$i.json" --markdown="$OUT/run$i.md.tmp" 2>&1 | grep -v "^[WI]0000" | tail -8 | tee -a "$LOG" \
     || echo "run $i ($run): failed or timed out" | tee -a "$LOG"
 done
 i=0
-for run in "${RUNS[@]}"; do  # each run, profiled
+(( ${PROFILE:-1} )) && for run in "${RUNS[@]}"; do  # each run, profiled
   i=$((i + 1))
   # shellcheck disable=SC2086
   timeout "$CAP_S" "$PY" tools/step_profile.py --preset=$run --strategy=single --dtype=bfloat16 --steps=3 --top=12 \

@@ -17,6 +17,11 @@ import numbers
 from typing import Any
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# ModelConfig.logits_dtype / norm_dtype: float32 arrays, or the compute dtype with float32 accumulation
+PRECISIONS = ("float32", "compute")
+# ModelConfig.qkv_layout: q, k, v as [B, T, h*dh] split into heads by a transpose ("tokens"), or
+# einsummed straight into the attention kernel's [B, h, T, dh] and out of it ("heads")
+QKV_LAYOUTS = ("tokens", "heads")
 WEIGHT_DTYPES = ("float32", "bfloat16")  # ModelConfig.weight_dtype: the params', gradients' and moments' dtype
 ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn", "splash")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
@@ -122,6 +127,13 @@ class ModelConfig:
     attention: str = "auto"
     # the splash kernel's block: a multiple of 128 dividing the padded context_length; 0: splash_block's choice
     attention_block: int = 0
+    # splash's backward: one fused kernel for dq, dk, dv (True), or a separate dq kernel (False)
+    splash_fused_bwd: bool = True
+    # XLA:TPU's scoped VMEM limit in KiB, a compile option of the step (larger splash blocks need more);
+    # 0: the compiler's default. Other backends ignore it
+    xla_tpu_scoped_vmem_limit_kib: int = 0
+    # q, k, v through a [B, T, h*dh] layout and transposes ("tokens") or straight in the kernel's [B, h, T, dh] ("heads")
+    qkv_layout: str = "tokens"
     # layers per layer-scan iteration: 1 compiles ONE layer; num_layers unrolls (XLA:CPU up to 26% faster, BENCHMARKS.md)
     scan_unroll: int = 1
     # jax.checkpoint policy of the scanned block (twinshard/model/transformer.py REMAT_POLICIES; docs/memory.md)
@@ -129,6 +141,13 @@ class ModelConfig:
     # vocabulary tiling: 0 computes the loss from the whole [B, T, V] logits; n makes each device's
     # logits n chunks at a time (twinshard/model/loss.py); on a TPU pick B*T/n ~ 4-8k tokens per device
     loss_chunks: int = 0
+    # the LM head's logits: "float32" arrays, or "compute": the matmul's dtype with float32 statistics
+    # (max, log-sum-exp, the target's logit), no float32 [tokens, V] array forward or backward
+    logits_dtype: str = "float32"
+    # loss_chunks > 0: each chunk's logits recomputed in the backward (True) or saved by the forward
+    loss_recompute: bool = True
+    # RMSNorm's elementwise work: "float32", or "compute" (the mean of squares accumulated in float32)
+    norm_dtype: str = "float32"
     # tp_sp's manual twin: each all-gather before a column-parallel matmul as ppermutes overlapped with it
     collective_matmul: bool = False
     # mixture of experts (twinshard/model/moe.py): 0 is dense; E >= 2 routes every layer after
@@ -151,7 +170,8 @@ class ModelConfig:
         _check_types(self)
         for name, choices in (("dtype", COMPUTE_DTYPES), ("weight_dtype", WEIGHT_DTYPES),
                               ("attention", ATTENTION_IMPLS), ("remat", REMAT_POLICIES),
-                              ("moe_dispatch", MOE_DISPATCHES)):
+                              ("moe_dispatch", MOE_DISPATCHES), ("logits_dtype", PRECISIONS),
+                              ("norm_dtype", PRECISIONS), ("qkv_layout", QKV_LAYOUTS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not supported; choose one of "
                                  f"{', '.join(choices)}.")
@@ -171,6 +191,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention_block={self.attention_block} (--attention_block) must be "
                              f">= 0 (0: automatic).")
         splash_block(self.context_length, self.attention_block)
+        if self.xla_tpu_scoped_vmem_limit_kib < 0:
+            raise ValueError(f"ModelConfig.xla_tpu_scoped_vmem_limit_kib={self.xla_tpu_scoped_vmem_limit_kib} "
+                             "must be >= 0 KiB (0: the compiler's default; 98304 lets splash run blocks of 2048).")
         if self.head_dim % 2:
             raise ValueError(
                 f"head_dim = d_model/num_heads = {self.head_dim} is odd; RoPE rotates "

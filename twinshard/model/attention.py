@@ -33,15 +33,34 @@ class CausalSelfAttention(nnx.Module):
         self.v_proj = Linear(d, kv, ("embed", "kv_heads"), rngs=rngs, dtype=cfg.dtype)
         self.output_proj = Linear(hd, d, ("heads", "embed"), rngs=rngs, dtype=cfg.dtype)
         self.head_dim, self.theta, self.max_len = cfg.head_dim, cfg.rope_theta, cfg.context_length
-        self.dtype, self.attention, self.attention_block = cfg.dtype, cfg.attention, cfg.attention_block
+        self.dtype, self.attention = cfg.dtype, cfg.attention
+        self.splash = layers.Splash(cfg.attention_block, cfg.splash_fused_bwd)  # handed down as `block`
+        self.heads_layout = cfg.qkv_layout == "heads"
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel."""
         wq, wk, wv, wo = (use(m.weight, par, self.dtype)
                           for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj))
+        attend = functools.partial(par.attention, impl=self.attention, block=self.splash)
+        if self.heads_layout:
+            return self._in_heads_layout(x, (wq, wk, wv), wo, par, attend)
         # q [B, T, h*dh], k, v [B, T, hk*dh] (h = H/tensor under TP)
         q, k, v = (checkpoint_name(p, n) for p, n in zip(par.column_parallel(x, (wq, wk, wv), QKV_AXES), QKV_NAMES))
-        attend = functools.partial(par.attention, impl=self.attention, block=self.attention_block)
         out = layers.attend_heads(q, k, v, par.positions(q.shape[-2]), self.head_dim, self.theta, self.max_len,
                                   attend)  # [B, T, h*dh]
         return checkpoint_name(par.row_parallel(checkpoint_name(out, CONTEXT), wo), OUT_PROJ)
+
+    def _in_heads_layout(self, x: Array, ws: tuple[Array, Array, Array], wo: Array, par: Parallelism, attend) -> Array:
+        """ModelConfig.qkv_layout="heads": x [B, T, D] einsummed straight into q [B, h, T, dh], k, v
+        [B, hk, T, dh] and the kernel's output straight into out_proj: no transposes around attention.
+        Megatron's f and g are the strategy's; its own column / row-parallel matmuls are not run."""
+        if type(par).column_parallel is not Parallelism.column_parallel or \
+                type(par).row_parallel is not Parallelism.row_parallel:
+            raise ValueError(f"ModelConfig.qkv_layout='heads' (--qkv_layout=heads) bypasses the column- and "
+                             f"row-parallel matmuls this strategy places itself ({type(par).__name__}); "
+                             "pass --qkv_layout=tokens.")
+        x = par.enter_tensor_parallel(x)
+        q, k, v = (checkpoint_name(layers.project_heads(x, w, self.head_dim), n) for w, n in zip(ws, QKV_NAMES))
+        out = layers.attend_rotated(q, k, v, par.positions(x.shape[-2]), self.theta, self.max_len, attend)
+        return checkpoint_name(par.exit_tensor_parallel(layers.merge_project(checkpoint_name(out, CONTEXT), wo)),
+                               OUT_PROJ)

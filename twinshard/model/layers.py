@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -119,11 +120,46 @@ def embedding(ids: Array, table: Array) -> Array:
     return jnp.take(table, ids, axis=0)
 
 
-def rms_norm(x: Array, gain: Array, eps: float) -> Array:
-    """x / sqrt(mean(x^2) + eps) * g, computed in float32, returned in x.dtype."""
+def rms_norm(x: Array, gain: Array, eps: float, compute: bool = False) -> Array:
+    """x / sqrt(mean(x^2) + eps) * g, returned in x.dtype: computed in float32, or (compute) in x.dtype
+    with mean(x^2) accumulated in float32 (ModelConfig.norm_dtype="compute": no float32 [..., D] array)."""
+    if compute and x.dtype != jnp.float32:
+        return _narrow_rms_norm(x, gain, eps)
     x32 = x.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * inv_rms * gain.astype(jnp.float32)).astype(x.dtype)
+
+
+def _row_dot(a: Array, b: Array) -> Array:
+    """sum_d a * b over the last axis in float32 without a float32 copy: [..., D] x2 -> [..., 1]."""
+    spec = "...d,...d->..."
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, out_sharding=partial_sums(spec, a, b))[..., None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _narrow_rms_norm(x: Array, gain: Array, eps: float) -> Array:
+    return _narrow_rms_norm_fwd(x, gain, eps)[0]
+
+
+def _narrow_rms_norm_fwd(x, gain, eps):
+    inv = jax.lax.rsqrt(_row_dot(x, x) / x.shape[-1] + eps)  # [..., 1] f32
+    return x * inv.astype(x.dtype) * gain.astype(x.dtype), (x, inv, gain)
+
+
+def _narrow_rms_norm_bwd(eps, res, dy):
+    """x^ = x inv, y = x^ g: dg = sum_rows dy x^ (f32), dx = inv (dy g - x^ mean_d(dy g x^)), in x's dtype
+    (autodiff of the f32 accumulations would hand back float32 [..., D] cotangents)."""
+    x, inv, gain = res  # dy [..., D]
+    x_hat, dx_hat = x * inv.astype(x.dtype), dy * gain.astype(x.dtype)
+    rows = "".join(chr(0x3b1 + i) for i in range(x.ndim - 1))
+    dg = jnp.einsum(f"{rows}d,{rows}d->d", dy, x_hat, preferred_element_type=jnp.float32,
+                    out_sharding=partial_sums(f"{rows}d,{rows}d->d", dy, x_hat))
+    mean = (_row_dot(dx_hat, x_hat) / x.shape[-1]).astype(x.dtype)  # [..., 1]
+    dx = inv.astype(x.dtype) * (dx_hat - x_hat * mean)
+    return cotangent_like(dx, x), cotangent_like(dg, gain)
+
+
+_narrow_rms_norm.defvjp(_narrow_rms_norm_fwd, _narrow_rms_norm_bwd)
 
 
 def silu(x: Array) -> Array:
@@ -252,7 +288,7 @@ def attention_kernel(impl: str, dtype, positions: tuple[int, ...] | None = None)
 
 
 def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto",
-                     positions: tuple[int, ...] | None = None, block: int = 0) -> Array:
+                     positions: tuple[int, ...] | None = None, block: int | Splash = 0) -> Array:
     """Causal attention of q [B, h, T, dh] with k, v [B, hk, T, dh] -> [B, h, T, dh] (hk < h: GQA).
 
     impl: reference, recompute, xla / cudnn, splash or auto; positions: true places in a permuted
@@ -272,7 +308,13 @@ def causal_attention(q: Array, k: Array, v: Array, impl: str = "auto",
     return bthd(jax.nn.dot_product_attention(bthd(q), bthd(k), bthd(v), is_causal=True, implementation=impl))
 
 
-def splash_attention(q: Array, k: Array, v: Array, block: int = 0) -> Array:
+class Splash(NamedTuple):
+    """The splash kernel's options, handed down as causal_attention's `block` (an int: the block alone)."""
+    block: int = 0  # ModelConfig.attention_block (0: splash_block's choice)
+    fused_bwd: bool = True  # ModelConfig.splash_fused_bwd: one backward kernel for dq, dk, dv; else dq apart
+
+
+def splash_attention(q: Array, k: Array, v: Array, block: int | Splash = 0) -> Array:
     """Causal attention by JAX's Pallas splash kernel (TPU flash attention), q [B, h, T, dh], k, v
     [B, hk, T, dh] -> [B, h, T, dh]; off a TPU in Pallas' interpret mode. T is zero-padded to a
     multiple of 128 (JAX 0.12 refuses "bkv_compute=32 must be a multiple of 128"); no real query
@@ -282,11 +324,13 @@ def splash_attention(q: Array, k: Array, v: Array, block: int = 0) -> Array:
 
     b, h, t, dh = q.shape
     hk, padded = k.shape[-3], splash_padded(t)
-    n = splash_block(t, block)
+    options = block if isinstance(block, Splash) else Splash(block)
+    n = splash_block(t, options.block)
     # The fused backward ran fwd+bwd 24% faster on a TPU v5e (B16 H12 T1024 dh64, block 512: 3.25
-    # against 4.26 ms; JAX 0.10.2).
+    # against 4.26 ms; JAX 0.10.2); it writes dq per key block ([T/n, h, T, dh]) and sums them after.
+    dq = {} if options.fused_bwd else {"block_q_dq": n, "block_kv_dq": n}
     sizes = splash.BlockSizes(block_q=n, block_kv=n, block_kv_compute=n, block_q_dkv=n, block_kv_dkv=n,
-                              block_kv_dkv_compute=n, use_fused_bwd_kernel=True)
+                              block_kv_dkv_compute=n, use_fused_bwd_kernel=options.fused_bwd, **dq)
     make = splash.make_splash_mqa if hk == 1 else splash.make_splash_mha
 
     def run(q, k, v):  # the kernel built where it runs: its mask tables are arrays of that trace
@@ -409,6 +453,19 @@ def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
 _recompute_attention.defvjp(_recompute_attention_fwd, _recompute_attention_bwd)
 
 
+def project_heads(x: Array, w: Array, head_dim: int) -> Array:
+    """x [B, T, D] @ w [D, h*dh] straight into the attention kernel's layout [B, h, T, dh] (no transpose
+    after the matmul: ModelConfig.qkv_layout="heads")."""
+    spec, w = "btd,dhk->bhtk", w.reshape(w.shape[0], -1, head_dim)  # [D, h, dh]
+    return jnp.einsum(spec, x, w, out_sharding=partial_sums(spec, x, w))
+
+
+def merge_project(o: Array, w: Array) -> Array:
+    """o [B, h, T, dh] @ w [h*dh, D] -> [B, T, D], contracting h and dh in one einsum (no transpose before it)."""
+    spec, w = "bhtk,hkd->btd", w.reshape(o.shape[1], o.shape[3], w.shape[-1])  # [h, dh, D]
+    return jnp.einsum(spec, o, w, out_sharding=partial_sums(spec, o, w))
+
+
 def split_heads(x: Array, head_dim: int) -> Array:
     """[B, T, h*dh] -> [B, h, T, dh]."""
     b, t, hd = x.shape
@@ -425,9 +482,14 @@ def attend_heads(q: Array, k: Array, v: Array, positions: Array, head_dim: int, 
                  attend=causal_attention) -> Array:
     """The attention core on projections: q [B, T, h*dh], k, v [B, T, hk*dh] -> [B, T, h*dh]; RoPE at
     `positions` [T], then `attend` (causal_attention or ring attention)."""
-    q = apply_rope(split_heads(q, head_dim), positions, theta, max_len)
-    k = apply_rope(split_heads(k, head_dim), positions, theta, max_len)
-    return merge_heads(attend(q, k, split_heads(v, head_dim)))
+    q, k, v = (split_heads(p, head_dim) for p in (q, k, v))
+    return merge_heads(attend_rotated(q, k, v, positions, theta, max_len, attend))
+
+
+def attend_rotated(q: Array, k: Array, v: Array, positions: Array, theta: float, max_len: int,
+                   attend=causal_attention) -> Array:
+    """`attend` after RoPE at `positions` [T]: q [B, h, T, dh], k, v [B, hk, T, dh] -> [B, h, T, dh]."""
+    return attend(apply_rope(q, positions, theta, max_len), apply_rope(k, positions, theta, max_len), v)
 
 
 def causal_self_attention(

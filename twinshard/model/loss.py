@@ -1,6 +1,8 @@
 """Cross-entropy over padded (possibly vocab-sharded) logits: loss = m + log s - z_y from m = max z,
 s = sum exp(z - m) and z_y, each followed by a reduction hook (pmax / psum under vocab parallelism).
-The chunked loss saved temporaries 2280 MB -> 1809 MB with 8 chunks (measured, XLA:CPU, gpt2_125m)."""
+The chunked loss saved temporaries 2280 MB -> 1809 MB with 8 chunks (measured, XLA:CPU, gpt2_125m).
+Logits in the compute dtype (ModelConfig.logits_dtype="compute") keep every [tokens, V] array in it,
+forward and backward; m, s and z_y are float32 all the same (s: a dot with ones accumulating in f32)."""
 
 from __future__ import annotations
 
@@ -29,25 +31,60 @@ def mask_padded_logits(logits: Array, vocab_size: int, vocab_offset: Array | int
     return jnp.where(ids < vocab_size, logits, -jnp.inf)
 
 
+def row_sum(e: Array) -> Array:
+    """e [..., V] summed over V in float32 -> [...]: for a narrower e a dot with ones accumulating in
+    f32, so no float32 copy of e exists (jnp.sum(dtype=f32) converts e first)."""
+    if e.dtype == jnp.float32:
+        return jnp.sum(e, axis=-1)
+    ones = jnp.ones(e.shape[-1:], e.dtype)
+    return jnp.einsum("...v,v->...", e, ones, preferred_element_type=jnp.float32,
+                      out_sharding=layers.partial_sums("...v,v->...", e, ones))
+
+
 def _statistics(z: Array, targets: Array, vocab_offset: Array | int, reduce_max: Reduce,
                 reduce_sum: Reduce) -> tuple[Array, Array, Array]:
-    """(m, s, z_y) of the module docstring from masked f32 logits z [..., V_local], targets [...]."""
-    m = reduce_max(jax.lax.stop_gradient(jnp.max(z, axis=-1)))  # [...]
-    s = reduce_sum(jnp.sum(jnp.exp(z - m[..., None]), axis=-1))  # [...]
+    """(m, s, z_y) of the module docstring, each float32 [...], from masked logits z [..., V_local]
+    (float32 or the compute dtype: the max and the target's logit are exact in it), targets [...]."""
+    m = reduce_max(jax.lax.stop_gradient(jnp.max(z, axis=-1)))  # [...] in z's dtype
+    s = reduce_sum(row_sum(jnp.exp(z - m[..., None])))  # [...]
     local = targets - vocab_offset
     on_shard = (local >= 0) & (local < z.shape[-1])
     z_y = jnp.take_along_axis(z, jnp.clip(local, 0, z.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-    return m, s, reduce_sum(jnp.where(on_shard, z_y, 0.0))
+    return m.astype(jnp.float32), s, reduce_sum(jnp.where(on_shard, z_y.astype(jnp.float32), 0.0))
 
 
 def token_cross_entropy(
     logits: Array, targets: Array, vocab_size: int, vocab_offset: Array | int = 0,
     reduce_max: Reduce = _identity, reduce_sum: Reduce = _identity,
 ) -> Array:
-    """Per-token -log softmax(logits)[target]. logits: [..., V_local], targets: [...] -> [...]."""
-    z = mask_padded_logits(logits.astype(jnp.float32), vocab_size, vocab_offset)
+    """Per-token -log softmax(logits)[target] in float32. logits: [..., V_local] float32 or bfloat16 (kept:
+    the statistics accumulate in float32), targets: [...] -> [...]."""
+    z = mask_padded_logits(logits, vocab_size, vocab_offset)
+    if z.dtype != jnp.float32:
+        return _narrow_cross_entropy(z, targets, jnp.asarray(vocab_offset, jnp.int32), (reduce_max, reduce_sum))
     m, s, z_y = _statistics(z, targets, vocab_offset, reduce_max, reduce_sum)
     return m + jnp.log(s) - z_y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _narrow_cross_entropy(z: Array, targets: Array, offset: Array, reduces: tuple[Reduce, Reduce]) -> Array:
+    """token_cross_entropy of masked bf16 logits z [..., V_local] -> [...] float32; the backward keeps z
+    and the lse, so autodiff's float32 outer product (the sum's transpose) and its saved exp(z - m) are gone."""
+    return _narrow_fwd(z, targets, offset, reduces)[0]
+
+
+def _narrow_fwd(z, targets, offset, reduces):
+    m, s, z_y = _statistics(z, targets, offset, *reduces)
+    lse = m + jnp.log(s)  # [...] f32
+    return lse - z_y, (z, targets, offset, lse)
+
+
+def _narrow_bwd(reduces, res, g):
+    z, targets, offset, lse = res  # g [...] f32
+    return layers.cotangent_like(softmax_minus_target(z, lse, targets, offset, g), z), None, None
+
+
+_narrow_cross_entropy.defvjp(_narrow_fwd, _narrow_bwd)
 
 
 def cross_entropy(logits: Array, targets: Array, vocab_size: int) -> Array:
@@ -57,12 +94,28 @@ def cross_entropy(logits: Array, targets: Array, vocab_size: int) -> Array:
 
 # Vocabulary tiling: the loss from the lm_head's INPUT, chunk by chunk.
 
+class Chunks(NamedTuple):
+    """How chunked_token_cross_entropy tiles the vocabulary (ModelConfig.loss_chunks, logits_dtype,
+    loss_recompute): `count` chunks of tokens; each chunk's logits in the compute dtype (compute_logits)
+    or float32; recomputed by the backward (recompute) or saved by the forward ([tokens, V] held)."""
+    count: int
+    compute_logits: bool = False
+    recompute: bool = True
+
+
+def chunks_of(cfg) -> Chunks:
+    """The Chunks of a ModelConfig."""
+    return Chunks(cfg.loss_chunks, cfg.logits_dtype == "compute", cfg.loss_recompute)
+
+
 class _Tiling(NamedTuple):
     """The static half of chunked_token_cross_entropy's arguments (custom_vjp's nondiff one)."""
     vocab_size: int
     masked: bool  # some column of this shard may be padding (decided before tracing the chunks)
     reduce_max: Reduce
     reduce_sum: Reduce
+    compute_logits: bool  # the chunk's logits in x's dtype, not float32
+    recompute: bool  # the backward recomputes each chunk's logits (else the forward saves them)
 
 
 def check_chunks(chunks: int, tokens: int) -> None:
@@ -75,18 +128,20 @@ def check_chunks(chunks: int, tokens: int) -> None:
 
 
 def chunked_token_cross_entropy(
-    x: Array, w: Array, targets: Array, vocab_size: int, chunks: int, vocab_offset: Array | int = 0,
+    x: Array, w: Array, targets: Array, vocab_size: int, chunks: int | Chunks, vocab_offset: Array | int = 0,
     reduce_max: Reduce = _identity, reduce_sum: Reduce = _identity,
 ) -> Array:
     """token_cross_entropy(x @ w, targets) without [B, T, V] logits: x [B, T, D], w [D, V_local] -> [B, T];
-    chunk c holds tokens i % chunks == c, the backward recomputes its logits (dw accumulated in f32)."""
-    tokens = targets.size
+    chunk c holds tokens i % chunks == c, the backward recomputes its logits (dw accumulated in f32)
+    unless `chunks` (a count, or Chunks) says the forward saves them."""
+    spec = chunks if isinstance(chunks, Chunks) else Chunks(chunks)
+    chunks, tokens = spec.count, targets.size
     check_chunks(chunks, tokens)
     n = tokens // chunks
     rows = jnp.swapaxes(x.reshape(n, chunks, x.shape[-1]), 0, 1)  # [chunks, N, D]
     ys = targets.reshape(n, chunks).T  # [chunks, N]
     masked = not (isinstance(vocab_offset, int) and vocab_offset + w.shape[-1] <= vocab_size)
-    tiling = _Tiling(vocab_size, masked, reduce_max, reduce_sum)
+    tiling = _Tiling(vocab_size, masked, reduce_max, reduce_sum, spec.compute_logits, spec.recompute)
     per_token = _tiled(rows, w, ys, jnp.asarray(vocab_offset, jnp.int32), tiling)  # [chunks, N]
     return per_token.T.reshape(targets.shape)
 
@@ -109,8 +164,9 @@ def _tiled(rows: Array, w: Array, ys: Array, offset: Array, tiling: _Tiling) -> 
 
 
 def _chunk_logits(x: Array, w: Array, offset: Array, tiling: _Tiling) -> Array:
-    """x [N, D] @ w [D, V_local] in the compute dtype, then f32, padding -inf: [N, V_local]."""
-    z = jnp.dot(x, w, out_sharding=layers.partial_sums("ij,jk->ik", x, w)).astype(jnp.float32)
+    """x [N, D] @ w [D, V_local] in the compute dtype (then float32 unless compute_logits), padding -inf: [N, V_local]."""
+    z = jnp.dot(x, w, out_sharding=layers.partial_sums("ij,jk->ik", x, w))
+    z = z if tiling.compute_logits else z.astype(jnp.float32)
     return mask_padded_logits(z, tiling.vocab_size, offset) if tiling.masked else z
 
 
@@ -118,25 +174,32 @@ def _tiled_fwd(rows, w, ys, offset, tiling):
     def chunk(_, xy):  # x [N, D], y [N]
         z = _chunk_logits(xy[0], w, offset, tiling)
         m, s, z_y = _statistics(z, xy[1], offset, tiling.reduce_max, tiling.reduce_sum)
-        return None, (m + jnp.log(s) - z_y, m + jnp.log(s))  # token_cross_entropy's sum, and the lse
+        saved = None if tiling.recompute else z  # [N, V_local] for the backward
+        return None, (m + jnp.log(s) - z_y, m + jnp.log(s), saved)  # token_cross_entropy's sum, the lse
 
-    _, (per_token, lse) = jax.lax.scan(chunk, None, (rows, ys))  # [chunks, N] each
-    return per_token, (rows, w, ys, offset, lse)
+    _, (per_token, lse, logits) = jax.lax.scan(chunk, None, (rows, ys))  # [chunks, N] each; [chunks, N, V_local]
+    return per_token, (rows, w, ys, offset, lse, logits)
+
+
+def softmax_minus_target(z: Array, lse: Array, targets: Array, offset: Array | int, g: Array) -> Array:
+    """d loss / d z = (softmax(z) - onehot(target)) * g in z's dtype: z [..., V_local] (float32 or the
+    compute dtype), lse and g [...] float32 (cast to z's dtype: no float32 [..., V] array), targets [...]."""
+    hit = jnp.arange(z.shape[-1]) + offset == targets[..., None]  # the target, if on this shard
+    return (jnp.exp(z - lse.astype(z.dtype)[..., None]) - hit) * g.astype(z.dtype)[..., None]
 
 
 def _tiled_bwd(tiling, res, g):
-    rows, w, ys, offset, lse = res  # g: [chunks, N] f32, each token's cotangent
+    rows, w, ys, offset, lse, logits = res  # g: [chunks, N] f32, each token's cotangent
 
-    def chunk(dw, xs):  # dw [D, V_local] f32; x [N, D], y, lse, g [N]
-        x, y, lse_c, g_c = xs
-        z = _chunk_logits(x, w, offset, tiling)
-        hit = (jnp.arange(z.shape[-1]) + offset)[None, :] == y[:, None]  # the target, if on this shard
-        dz = ((jnp.exp(z - lse_c[:, None]) - hit) * g_c[:, None]).astype(w.dtype)  # [N, V_local]
+    def chunk(dw, xs):  # dw [D, V_local] f32; x [N, D], y, lse, g [N]; z None or [N, V_local]
+        x, y, lse_c, g_c, z = xs
+        z = _chunk_logits(x, w, offset, tiling) if z is None else z
+        dz = softmax_minus_target(z, lse_c, y, offset, g_c).astype(w.dtype)  # [N, V_local]
         dx = jnp.dot(dz, w.T, out_sharding=layers.partial_sums("ij,jk->ik", dz, w.T))  # [N, D]
         return dw + jnp.einsum("nd,nv->dv", x, dz, preferred_element_type=jnp.float32,
                                out_sharding=layers.partial_sums("nd,nv->dv", x, dz)), dx
 
-    dw, dx = jax.lax.scan(chunk, _zeros_varying(w.shape, rows, w, ys, lse, g), (rows, ys, lse, g))
+    dw, dx = jax.lax.scan(chunk, _zeros_varying(w.shape, rows, w, ys, lse, g), (rows, ys, lse, g, logits))
     return layers.cotangent_like(dx, rows), layers.cotangent_like(dw, w), None, None
 
 

@@ -18,6 +18,7 @@ from twinshard.config import ModelConfig
 from twinshard.model.attention import CausalSelfAttention
 from twinshard.model.hooks import SINGLE_DEVICE, Parallelism
 from twinshard.model.layers import MLP_IN, MLP_OUT
+from twinshard.model.loss import chunks_of
 from twinshard.model.remat import remat_policy
 from twinshard.model.linear import Linear, param as _param, truncated_normal as _truncated_normal, use as _use
 
@@ -42,12 +43,12 @@ class Embedding(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, d_model: int, eps: float):
+    def __init__(self, d_model: int, eps: float, compute: bool = False):
         self.weight = _param(jnp.ones((d_model,), jnp.float32), ("norm",))
-        self.eps = eps
+        self.eps, self.compute = eps, compute  # compute: in the compute dtype (ModelConfig.norm_dtype)
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        return layers.rms_norm(x, _use(self.weight, par), self.eps)
+        return layers.rms_norm(x, _use(self.weight, par), self.eps, self.compute)
 
 
 class SwiGLU(nnx.Module):
@@ -106,9 +107,10 @@ class Block(nnx.Module):
     the ffn is MoEFeedForward and the block returns (x, its router stats)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        compute = cfg.norm_dtype == "compute"
+        self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps, compute)
         self.attn = CausalSelfAttention(cfg, rngs=rngs)
-        self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps, compute)
         if cfg.num_experts:
             self.ffn = MoEFeedForward(cfg, rngs=rngs)
         else:
@@ -177,7 +179,7 @@ class TransformerLM(nnx.Module):
         self.token_embeddings = Embedding(v, vp, d, rngs=rngs, dtype=cfg.dtype)
         for name, stack in cfg.stacks:  # `layers` [L, ...]; or `dense_layers` [K, ...], `layers` [L-K, ...]
             setattr(self, name, stacked_blocks(stack, rngs))
-        self.ln_final = RMSNorm(d, cfg.norm_eps)
+        self.ln_final = RMSNorm(d, cfg.norm_eps, cfg.norm_dtype == "compute")
         self.lm_head = Linear(d, vp, ("embed", "vocab"), rngs=rngs, fan_out=v, valid_out=v, dtype=cfg.dtype)
 
     def __call__(self, tokens: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
@@ -199,13 +201,14 @@ class TransformerLM(nnx.Module):
         """tokens [B, T] -> the residual stream [B, T, D] (first stage)."""
         return par.constrain(self.token_embeddings(tokens, par), ACTIVATION)
 
-    def head(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        """The residual stream after the blocks [B, T, D] -> logits [B, T, V_pad] (last stage)."""
+    def head(self, x: Array, par: Parallelism = SINGLE_DEVICE, compute_logits: bool = False) -> Array:
+        """The residual stream after the blocks [B, T, D] -> logits [B, T, V_pad] (last stage), float32
+        or (compute_logits) the compute dtype."""
         x = self.ln_final(x, par)
         # Logits in the compute dtype (so the lm_head's backward matmuls stay bf16 too: with
-        # float32 logits JAX ran both of them in f32, measured), then float32 for the loss.
-        logits = par.head(lambda h: self.lm_head(h, par), par.enter_tensor_parallel(x)).astype(jnp.float32)
-        return par.constrain(logits, LOGITS)
+        # float32 logits JAX ran both of them in f32, measured), then float32 unless compute_logits.
+        logits = par.head(lambda h: self.lm_head(h, par), par.enter_tensor_parallel(x))
+        return par.constrain(logits if compute_logits else logits.astype(jnp.float32), LOGITS)
 
     def head_loss(self, x: Array, targets: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
         """Mean next-token cross-entropy of the residual stream x [B, T, D] after the blocks."""
@@ -216,11 +219,11 @@ class TransformerLM(nnx.Module):
         with the lm_head weight used inside `par.head`, so FSDP's checkpoint re-gathers it."""
         cfg = self.cfg
         if not cfg.loss_chunks:
-            return par.token_loss(self.head(x, par), targets, cfg.vocab_size)
+            return par.token_loss(self.head(x, par, cfg.logits_dtype == "compute"), targets, cfg.vocab_size)
 
         def lm_loss(h: Array) -> Array:  # h [B, T, D] -> [B, T]
             w = _use(self.lm_head.weight, par, cfg.dtype)  # [D, V_pad(/tensor)]
-            return par.chunked_token_loss(h, w, targets, cfg.vocab_size, cfg.loss_chunks)
+            return par.chunked_token_loss(h, w, targets, cfg.vocab_size, chunks_of(cfg))
 
         return par.head(lm_loss, par.enter_tensor_parallel(self.ln_final(x, par)))
 

@@ -1,0 +1,213 @@
+"""The accelerator-speed options of ModelConfig (launch flags of the same names), each off by default:
+
+- logits_dtype="compute": the LM head's logits stay in the compute dtype, forward and backward, with
+  float32 statistics (no float32 [tokens, V] array in the traced step, chunked or not);
+  loss_recompute=False: the chunked loss saves each chunk's logits instead of recomputing them;
+- norm_dtype="compute": RMSNorm in the compute dtype, the mean of squares accumulated in float32;
+- qkv_layout="heads": q, k, v einsummed straight into the kernel's [B, h, T, dh] (no transposes
+  around attention in a v5e compile);
+- splash_fused_bwd / attention_block / xla_tpu_scoped_vmem_limit_kib: seen in a v5e compile (the
+  kernel's block sizes, its separate dq kernel, a block of 2048 that compiles only with the limit).
+Each keeps the loss within the bf16 bound of the default and the twins equal to single device.
+"""
+
+import dataclasses
+import functools
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import auto_parallel
+import manual_parallel
+import reference
+from runners import CFG, MESHES
+from twinshard.config import Config
+from twinshard.hardware import topology
+from twinshard.model import layers
+from twinshard.train import trainer
+
+BF16 = Config(dataclasses.replace(CFG.model, dtype="bfloat16"), CFG.train)
+B = 3  # B*T differs from every weight dimension (tiny: T 32, D 64)
+needs_libtpu = pytest.mark.skipif(not topology.libtpu_installed(),
+                                  reason="needs libtpu: uv run --locked --extra tpu pytest")
+
+
+def model(**over):
+    return dataclasses.replace(BF16.model, **over)
+
+
+def float32_arrays(cfg, keep) -> set[tuple[int, ...]]:
+    """Shapes of the float32 arrays `keep(shape)` selects among every value of the traced gradient step
+    (sub-jaxprs of scans, checkpoints and custom rules included)."""
+    params = jax.eval_shape(functools.partial(trainer.create_params, cfg, 0))
+    x = jax.ShapeDtypeStruct((B, cfg.context_length), jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.grad(functools.partial(trainer.loss_fn, cfg=cfg)))(params, x, x)
+    found = set()
+
+    def walk(j):
+        for eqn in j.eqns:
+            found.update(v.aval.shape for v in eqn.outvars
+                         if getattr(v.aval, "dtype", None) == jnp.float32 and keep(v.aval.shape))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def _vocab_wide(cfg):
+    """[..., V_pad] but not the lm_head weight's [D, V_pad] (its float32 gradient is the parameter's)."""
+    return lambda s: len(s) >= 2 and s[-1] == cfg.padded_vocab_size and s != (cfg.d_model, cfg.padded_vocab_size)
+
+
+@pytest.mark.parametrize("chunks, recompute", [(0, True), (2, True), (2, False)])
+def test_compute_logits_leave_no_float32_array_of_vocab_width(chunks, recompute):
+    compute = model(logits_dtype="compute", loss_chunks=chunks, loss_recompute=recompute)
+    assert float32_arrays(compute, _vocab_wide(compute)) == set()
+    default = model(loss_chunks=chunks, loss_recompute=recompute)
+    assert float32_arrays(default, _vocab_wide(default))  # float32 logits: the check can fail
+
+
+def test_compute_norms_leave_no_float32_residual_stream():
+    m = BF16.model
+    stream = lambda s: s in ((B, m.context_length, m.d_model), (B * m.context_length, m.d_model))  # noqa: E731
+    assert float32_arrays(model(norm_dtype="compute"), stream) == set()
+    assert float32_arrays(model(), stream)
+
+
+def _loss_and_grads(cfg, params, x, y):
+    return jax.jit(jax.value_and_grad(functools.partial(trainer.loss_fn, cfg=cfg)))(params, x, y)
+
+
+# Measured (tiny, bf16 compute, one batch): |loss - default| <= 4e-3 for every option; gradients
+# within 2.5% of the largest entry per leaf. bf16 rounds 2^-9 relative per value: the bound is that
+# of two bf16 programs, not of float32.
+LOSS_ATOL, GRAD_RTOL = 1e-2, 5e-2
+
+
+@pytest.mark.parametrize("over", [{"logits_dtype": "compute"}, {"logits_dtype": "compute", "loss_chunks": 2},
+                                  {"logits_dtype": "compute", "loss_chunks": 2, "loss_recompute": False},
+                                  {"loss_chunks": 2, "loss_recompute": False}, {"norm_dtype": "compute"},
+                                  {"qkv_layout": "heads"}], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_each_option_keeps_loss_and_gradients_within_bf16_of_the_default(over):
+    params = trainer.SingleDevice(BF16.model, BF16.train).init_state(0).params
+    x, y = reference.random_batches(B, BF16.model.context_length, BF16.model.vocab_size, 1)[0]
+    want_loss, want = _loss_and_grads(BF16.model, params, x, y)
+    got_loss, got = _loss_and_grads(model(**over), params, x, y)
+    assert abs(float(got_loss) - float(want_loss)) < LOSS_ATOL
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=GRAD_RTOL * float(np.abs(w).max()), rtol=0)
+
+
+# Every option on at once, bf16; twins against single device as tests/test_precision.py's.
+ALL_ON = Config(model(logits_dtype="compute", norm_dtype="compute", qkv_layout="heads", loss_chunks=2,
+                      loss_recompute=False), CFG.train)
+TWIN_LOSS_ATOL = 2e-3  # tests/test_precision.py's bf16 twin bound
+TWINS = [("manual", "tp"), ("auto", "fsdp"), ("manual", "fsdp")]
+
+
+@functools.cache
+def single_all_on() -> dict:
+    return reference.train_record(trainer.SingleDevice(ALL_ON.model, ALL_ON.train), ALL_ON, 2, grads=False)
+
+
+@pytest.mark.parametrize("impl, strategy", TWINS, ids=[f"{i}-{s}" for i, s in TWINS])
+def test_twins_equal_single_device_with_every_option_on(impl, strategy):
+    make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
+    got = reference.train_record(make(strategy, MESHES[strategy], ALL_ON), ALL_ON, 2, grads=False)
+    np.testing.assert_allclose(got["losses"], single_all_on()["losses"], atol=TWIN_LOSS_ATOL, rtol=0)
+
+
+def test_heads_layout_is_refused_where_the_strategy_places_its_own_matmuls():
+    cfg = Config(model(qkv_layout="heads"), CFG.train)
+    runner = auto_parallel.make_runner("tp_sp", MESHES["tp"], cfg)
+    xs = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32, sharding=runner.batch_sharding)
+    with pytest.raises(ValueError, match="--qkv_layout=tokens"):
+        runner.train_step.lower(runner.abstract_state(), xs, xs)
+
+
+# ----------------------------------------------------------------------------- v5e compiles (no chip)
+
+def _tpu_single(cfg: Config):
+    """The single-device train step of `cfg` compiled for one v5e chip from this CPU host."""
+    (chip,) = topology.devices("v5e:1x1")
+    runner = trainer.SingleDevice(cfg.model, cfg.train)
+    runner.sharding = jax.sharding.SingleDeviceSharding(chip)  # the state (hence the step) on the chip
+    xs = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32, sharding=runner.sharding)
+    with layers.compiling_for("tpu"):
+        lowered = runner.train_step.lower(runner.abstract_state(), xs, xs)
+    return topology.compile_for_pod(lowered).as_text()
+
+
+SPLASH = Config(model(attention="splash", context_length=256, d_model=256, num_heads=2, num_layers=1),
+                dataclasses.replace(CFG.train, batch_size=4))
+
+
+def _copies_of(text: str, shape: tuple[int, ...]) -> int:
+    """transpose and copy instructions (or fusions named for one) producing an array of `shape`."""
+    dims = ",".join(map(str, shape))
+    return len(re.findall(rf"^\s*(?:ROOT )?%(?:[\w.\-]*(?:copy|transpose)[\w.\-]*) = \w+\[{dims}\]", text, re.M))
+
+
+@needs_libtpu
+def test_heads_layout_removes_the_transposes_around_attention():
+    """The tokens layout splits heads by transposing [B, T, h, dh] <-> [B, h, T, dh] (measured: 5
+    copies of [4, 256, 2, 128] in the step); the heads layout has none."""
+    m = SPLASH.model
+    shape = (SPLASH.train.batch_size, m.context_length, m.num_heads, m.head_dim)
+    tokens = _copies_of(_tpu_single(SPLASH), shape)
+    heads = _copies_of(_tpu_single(Config(dataclasses.replace(m, qkv_layout="heads"), SPLASH.train)), shape)
+    assert tokens > 0 and heads == 0, (tokens, heads)
+
+
+def _splash_blocks(text: str) -> list[dict]:
+    """The block sizes every splash kernel of a compiled TPU program was built with (its xprof_metadata)."""
+    return [json.loads(m.replace('\\"', '"')) for m in re.findall(r'"xprof_metadata":"(\{.*?\})"', text)]
+
+
+@needs_libtpu
+@pytest.mark.parametrize("block, fused", [(128, True), (256, False)])
+def test_block_and_backward_options_reach_the_kernel(block, fused):
+    cfg = Config(dataclasses.replace(SPLASH.model, attention_block=block, splash_fused_bwd=fused), SPLASH.train)
+    kernels = _splash_blocks(_tpu_single(cfg))
+    forward = [k for k in kernels if "block_q" in k]
+    assert forward and {k["block_q"] for k in forward} == {block}
+    assert {k["use_fused_bwd_kernel"] for k in forward} == {fused}
+    assert {k["block_q_dq"] for k in forward} == ({None} if fused else {block})
+
+
+@needs_libtpu
+def test_scoped_vmem_limit_lets_blocks_of_2048_compile():
+    """A splash block of 2048 at head_dim 128 needs 19.89M of scoped VMEM, over the v5e's default 16M
+    (XLA:TPU's compile error, measured); trainer.compiler_options's limit is what compiles it."""
+    (chip,) = topology.devices("v5e:1x1")
+    q = jax.ShapeDtypeStruct((1, 2, 2048, 128), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(chip))
+
+    def grads(q, k, v):
+        with layers.compiling_for("tpu"):
+            return jax.grad(lambda *a: jnp.sum(layers.splash_attention(*a, 2048).astype(jnp.float32)),
+                            argnums=(0, 1, 2))(q, k, v)
+
+    def compile_with(kib: int):
+        options = trainer.compiler_options(dataclasses.replace(SPLASH.model, xla_tpu_scoped_vmem_limit_kib=kib), "tpu")
+        return topology.compile_for_pod(jax.jit(grads, compiler_options=options).lower(q, q, q))
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="scoped vmem limit"):
+        compile_with(0)
+    assert _splash_blocks(compile_with(98304).as_text())[0]["block_q"] == 2048
+
+
+def test_scoped_vmem_limit_is_a_tpu_option_only():
+    cfg = dataclasses.replace(SPLASH.model, xla_tpu_scoped_vmem_limit_kib=65536)
+    assert trainer.compiler_options(cfg, "tpu") == {"xla_tpu_scoped_vmem_limit_kib": "65536"}
+    assert trainer.compiler_options(cfg, "cpu") is None and trainer.compiler_options(SPLASH.model, "tpu") is None
+    with pytest.raises(ValueError, match="xla_tpu_scoped_vmem_limit_kib=-1"):
+        dataclasses.replace(SPLASH.model, xla_tpu_scoped_vmem_limit_kib=-1)
