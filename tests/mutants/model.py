@@ -120,14 +120,13 @@ MUTANTS: list[Mutant] = [
            "self.token_embeddings = Embedding(v, vp, d, rngs=rngs)",
            (PRECISION,), "the embedding is looked up in f32, so the residual stream and every matmul run f32"),
     Mutant("bf16-softmax-in-bf16", "precision", SRC_LOSS,
-           "z = mask_padded_logits(logits.astype(jnp.float32), vocab_size, vocab_offset)",
-           "z = mask_padded_logits(logits, vocab_size, vocab_offset)",
-           (PRECISION,), "the loss's log-sum-exp runs in the logits' dtype instead of f32",
-           equivalent="the model casts its logits to f32 before the loss, so the loss's own cast is a "
-                      "no-op for every caller in the repo"),
+           "    return jnp.einsum(\"...v,v->...\", e, ones, preferred_element_type=jnp.float32,",
+           "    return jnp.einsum(\"...v,v->...\", e, ones, preferred_element_type=e.dtype,",
+           (PRECISION, "tests/test_speed_options.py"), "the loss's sum of exponentials accumulates in bf16 "
+           "logits' dtype instead of float32"),
     Mutant("bf16-logits-not-f32", "precision", SRC_MODEL,
-           "logits = par.head(lambda h: self.lm_head(h, par), par.enter_tensor_parallel(x)).astype(jnp.float32)",
-           "logits = par.head(lambda h: self.lm_head(h, par), par.enter_tensor_parallel(x))",
+           "return par.constrain(logits if compute_logits else logits.astype(jnp.float32), LOGITS)",
+           "return par.constrain(logits, LOGITS)",
            (PRECISION,), "bf16 logits reach the loss (and the sampler)"),
     Mutant("bf16-rmsnorm-in-bf16", "precision", SRC_LAYERS,
            "x32 = x.astype(jnp.float32)",
@@ -471,7 +470,7 @@ MUTANTS: list[Mutant] = [
     # --- an option that reaches its kernel, the dtypes promised at accumulation points, an explicit
     # kernel against the hardware's (tests/test_options.py, tests/test_promised_dtypes.py)
     Mutant("splash-block-ignored", "options", SRC_LAYERS,
-           "    n = splash_block(t, block)",
+           "    n = splash_block(t, options.block)",
            "    n = splash_block(t)",
            (f"{OPTIONS}::test_the_splash_block_reaches_the_kernel_and_zero_is_the_shapes_choice", OPTIONS),
            "--attention_block is accepted and checked, but the kernel always runs the automatic block"),
