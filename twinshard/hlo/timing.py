@@ -325,8 +325,8 @@ class _Pricer:
         if len(shapes) != len(instr.operands):
             shapes = [self._shape(instr.computation, o) for o in instr.operands]
         named = [s for o, s in zip(instr.operands, shapes) if o.endswith("q_ref") and isinstance(s, Shape)]
-        q = (named or [s for s in shapes if isinstance(s, Shape) and len(s.dims) == 4 and s.dtype[0] in "bf"])[0]
-        b, h, t, dh = q.dims[-4:]
+        q = (named or [s for s in shapes if isinstance(s, Shape) and len(s.dims) >= 3 and s.dtype[0] in "bf"])[0]
+        b, h, t, dh = (1,) * (4 - len(q.dims)) + q.dims[-4:]  # a batch of one prints q as [H, T, dh] (measured)
         parts = len(_flat(parse_shape(instr.shape_text)))
         matmuls = (5 if parts == 3 else 4) if "dkv" in instr.name else 3 if "dq" in instr.name else 2
         return matmuls * 2.0 * b * h * t * t * dh * (0.5 if self.causal else 1.0)
