@@ -129,16 +129,16 @@ class Prediction:
 
     def table(self) -> str:
         eff = self.efficiency
-        lines = [f"predicted step on one {self.chip}: {self.step_s * 1e3:.3f} ms = compute and memory "
-                 f"{self.compute_s * 1e3:.3f} ms + exposed communication {self.exposed_s * 1e3:.3f} ms",
+        lines = [f"predicted step on one {self.chip}: {seconds(self.step_s)} = compute and memory "
+                 f"{seconds(self.compute_s)} + exposed communication {seconds(self.exposed_s)}",
                  f"  efficiencies: matmul {eff.matmul_efficiency:g}, hbm {eff.hbm_efficiency:g}, splash "
                  f"{eff.splash_efficiency:g} ({eff.source})",
-                 "  by kind: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sorted(self.by_kind().items()))]
+                 "  by kind: " + ", ".join(f"{k} {seconds(v)}" for k, v in sorted(self.by_kind().items()))]
         for axis, t in self.axes.items():
-            lines.append(f"  axis {axis}: communication {t.comm_s * 1e3:.3f} ms, hidden {t.hidden_s * 1e3:.3f} ms, "
-                         f"exposed {t.exposed_s * 1e3:.3f} ms")
+            lines.append(f"  axis {axis}: communication {seconds(t.comm_s)}, hidden {seconds(t.hidden_s)}, "
+                         f"exposed {seconds(t.exposed_s)}")
         for seq in self.schedule.loops:
-            lines.append(f"  loop %{seq.name}: {self.sequence_s[seq.name] * 1e3:.3f} ms per iteration, "
+            lines.append(f"  loop %{seq.name}: {seconds(self.sequence_s[seq.name])} per iteration, "
                          f"{seq.runs} runs per step")
         return "\n".join(lines)
 
@@ -153,6 +153,11 @@ class Prediction:
             "collectives": [collective_row(c) for c in self.collectives],
             "ops": [dataclasses.asdict(o) for o in self.ops],
         }
+
+
+def seconds(s: float) -> str:
+    """'12.3 ms', '4.56 us'."""
+    return f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.2f} us"
 
 
 def collective_row(c: CollectiveTime) -> dict[str, Any]:
