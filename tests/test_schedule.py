@@ -185,3 +185,25 @@ def test_splash_attention_counts_its_causal_flops():
     assert [o.compute_s for o in slow.ops if o.kind == "attention"] == [pytest.approx(2 * kernel.compute_s)]
     full = hlo.predict(text, V5E, causal_attention=False)  # a full mask: twice the FLOPs
     assert [o.flops for o in full.ops if o.kind == "attention"] == [2 * kernel.flops]
+
+
+@needs_libtpu
+def test_the_drawing_puts_the_hiding_matmuls_inside_the_gathers_box(programs):
+    import xml.etree.ElementTree as ET
+
+    from twinshard.hlo.draw import timeline_svg
+
+    svg = ET.fromstring(timeline_svg([("hidden", hlo.predict(programs("hidden", "tpu"), V5E, MESH, LINKS)),
+                                      ("dependent", hlo.predict(programs("dependent", "tpu"), V5E, MESH, LINKS))]))
+    g = "{http://www.w3.org/2000/svg}g"
+    bands = {b.get("data-twin"): {lane.get("data-lane"): lane.findall(g) for lane in b.findall(g)}
+             for b in svg.iter(g) if b.get("class") == "twin"}
+    span = lambda box: (float(box.get("data-start-s")), float(box.get("data-end-s")))  # noqa: E731
+    (gather,) = bands["hidden"]["data"]
+    start, end = span(gather)
+    matmuls = [span(b) for b in bands["hidden"]["compute"] if b.get("data-kind") == "matmul"]
+    assert len(matmuls) == 2 and start <= matmuls[0][0] < matmuls[0][1] < end <= matmuls[1][0]  # hidden, then x @ w
+    assert gather.find("{http://www.w3.org/2000/svg}rect[@class='exposed']") is not None
+    (wait,) = bands["dependent"]["data"]
+    assert wait.get("data-synchronous") == "true" and wait.get("data-hidden-us") == "0"
+    assert all(span(b)[0] >= span(wait)[1] for b in bands["dependent"]["compute"] if b.get("data-kind") == "matmul")

@@ -64,7 +64,8 @@ def _place(pred: Prediction, seq: Sequence, offset: float, trips_outside: int, o
             run.clear()
 
     for op in ops:
-        if op.kind == "collective":
+        if op.kind == "collective":  # a run of ops ends where a collective is issued or completed
+            flush()
             continue
         if op.kind == "loop":
             flush()
