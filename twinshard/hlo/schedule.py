@@ -31,9 +31,10 @@ from twinshard.hlo.records import Collective, Ledger, _hlo_text, _parsed_module,
 # Instructions that take no time of their own: names, views of buffers, and buffers the TPU allocates.
 FREE_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
                           "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain",
-                          # TPU copy-start/done move an array between memory spaces beside the compute
-                          "copy-start", "copy-done"})
-_FREE_CUSTOM_CALLS = ("AllocateBuffer",)
+                          # TPU's async copies and slices run on its DMA engines beside the compute stream
+                          "copy-start", "copy-done", "slice-start", "slice-done"})
+# TPU custom calls that move no data: a buffer allocated, adjacent slices viewed as one (by name, inferred)
+_FREE_CUSTOM_CALLS = ("AllocateBuffer", "ConcatBitcast")
 # Edges along which a computation runs as its own stream of instructions (not fused into one op).
 _STREAM_EDGES = {"while": ("body",), "conditional": ("true_computation", "false_computation",
                                                      "branch_computations"), "call": ("to_apply", "calls")}

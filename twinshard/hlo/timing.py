@@ -357,30 +357,11 @@ class _Pricer:
         return float(self._operand_bytes(instr) + _bytes(instr.shape_text))
 
     def _fusion_bytes(self, instr: Instr, callee: str) -> float:
-        """What a fusion reads and writes: each parameter whole, or only the slices read of it, or
-        nothing where it is updated in place or only carries a collective's state; each root part
-        whole, or the update of an in-place one, or nothing where it passes state on."""
+        """What a fusion reads and writes: each parameter whole, or only the slices read of it (also in
+        nested fusions), or nothing where it is updated in place or only carries a collective's state;
+        each root part whole, or the update of an in-place one, or nothing where it passes state on."""
         body = self.mod.computations.get(callee, [])
-        users: dict[str, list[tuple[Instr, int]]] = {}
-        for i in body:
-            for pos, o in enumerate(i.operands):
-                users.setdefault(o, []).append((i, pos))
-
-        def uses(name: str) -> list[tuple[Instr, int]]:  # through bitcasts
-            out = []
-            for u, pos in users.get(name, []):
-                out += uses(u.name) if u.opcode == "bitcast" else [(u, pos)]
-            return out
-
-        moved = 0.0
-        for p in (i for i in body if i.opcode == "parameter"):
-            us = uses(p.name)
-            if us and all(u.opcode in _SLICES and pos == 0 for u, pos in us):
-                moved += sum(_bytes(u.shape_text) for u, _ in us)
-            elif us and all((u.opcode == "dynamic-update-slice" and pos == 0) or _carries_state(u) for u, pos in us):
-                continue
-            else:
-                moved += _bytes(p.shape_text)
+        moved = sum(self._read(callee, p) for p in body if p.opcode == "parameter")
         root = next((i for i in body if i.is_root), None)
         if root is None:
             return moved + _bytes(instr.shape_text)
@@ -394,6 +375,33 @@ class _Pricer:
             elif not (part.opcode == "parameter" or _carries_state(part)):
                 moved += _bytes(part.shape_text)
         return moved
+
+    def _read(self, comp: str, param: Instr) -> float:
+        """Bytes a fused computation reads of one parameter: the slices taken of it, nothing where it is
+        updated in place or passed on as a collective's state, else the whole of it."""
+        whole = _bytes(param.shape_text)
+        read = 0.0
+        for user, pos in self._uses(comp, param.name):
+            if user.opcode in _SLICES and pos == 0:
+                read += _bytes(user.shape_text)
+            elif (user.opcode == "dynamic-update-slice" and pos == 0) or _carries_state(user):
+                continue
+            elif user.opcode == "fusion" and (inner := [c for k, c in _edges(user) if k == "calls"]):
+                sub = next((p for p in self.mod.computations.get(inner[0], [])
+                            if p.opcode == "parameter" and p.operands == [str(pos)]), None)
+                read += whole if sub is None else self._read(inner[0], sub)
+            else:
+                return whole
+        return min(read, whole)
+
+    def _uses(self, comp: str, name: str) -> list[tuple[Instr, int]]:
+        """(user, operand position) of `name` in `comp`, looking through bitcasts."""
+        out = []
+        for i in self.mod.computations.get(comp, []):
+            for pos, o in enumerate(i.operands):
+                if o == name:
+                    out += self._uses(comp, i.name) if i.opcode == "bitcast" else [(i, pos)]
+        return out
 
 
 def _carries_state(instr: Instr) -> bool:
