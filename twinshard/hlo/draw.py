@@ -95,9 +95,12 @@ def _place(pred: Prediction, seq: Sequence, offset: float, trips_outside: int, o
 def _collective_box(c: CollectiveTime, at) -> Box:
     w = c.window
     source = os.path.basename(w.source.split(" ")[0]) if w.source else "-"
+    path = w.source
+    if path.startswith(os.getcwd() + os.sep):  # the file names no machine's directories: from where it was drawn
+        path = os.path.relpath(path)
     label = f"{w.op} {w.tensor} {_human(w.bytes)} {source}"
     return Box(c.axis or "-", at(c.issue_s), at(c.done_s), "collective", w.phase, label, (
-        ("op", w.op), ("tensor", w.tensor), ("bytes", str(w.bytes)), ("source", w.source), ("start", w.start),
+        ("op", w.op), ("tensor", w.tensor), ("bytes", str(w.bytes)), ("source", path), ("start", w.start),
         ("synchronous", str(w.synchronous).lower()), ("comm-us", f"{c.comm_s * 1e6:.4g}"),
         ("exposed-us", f"{c.exposed_s * 1e6:.4g}"), ("hidden-us", f"{c.hidden_s * 1e6:.4g}"),
         ("exposed-from", f"{at(c.done_s) - c.exposed_s:.9g}"), ("runs", str(c.runs)),
