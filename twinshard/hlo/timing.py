@@ -1,4 +1,4 @@
-"""A compiled program's step time on a chip, from its schedule: each op's cost, each collective's hidden and exposed time.
+"""A compiled program's step time on a chip, from its schedule: each op's cost, each collective hidden or exposed.
 
     pred = predict(compiled, "v5e", mesh, links=axis_links(topo, mesh))
     pred.step_s, pred.axes["data"].exposed_s, print(pred.table())
@@ -29,7 +29,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinshard.hlo.groups import MeshSpec
 from twinshard.hlo.loops import _edges
 from twinshard.hlo.parse import Instr, Module, Shape, base_opcode, parse_shape, split_top
 from twinshard.hlo.records import _flat, _metadata
@@ -406,8 +405,9 @@ class _Pricer:
 
 def _carries_state(instr: Instr) -> bool:
     """A collective, or a custom call of a TPU async collective's chain, or the root tuple passing it on."""
-    return base_opcode(instr.opcode)[0] is not None or (instr.opcode == "custom-call" and "AsyncCollective"
-                                                        in instr.attr_text) or (instr.opcode == "tuple" and instr.is_root)
+    if base_opcode(instr.opcode)[0] is not None or (instr.opcode == "tuple" and instr.is_root):
+        return True
+    return instr.opcode == "custom-call" and "AsyncCollective" in instr.attr_text
 
 
 def _is_async_end(mod: Module, comp: str) -> bool:
