@@ -46,6 +46,9 @@ def test_both_twins_one_above_the_other_with_their_lanes(drawn):
         pred = drawn["doc"][name]["prediction"]
         assert float(band.get("data-step-s")) == pytest.approx(pred["step_s"])
         assert len(lanes["data"]) == len(pred["collectives"])  # one box per collective, as in --json
+        # every collective of the ledger is in a window (auto: gradient all-reduces TPU fused with compute)
+        ledger = drawn["doc"][name]["ledger"]["records"]
+        assert sum(c["runs"] * c["records"] for c in pred["collectives"]) == sum(r["multiplicity"] for r in ledger)
         exposed = sum(float(g.get("data-exposed-us")) * int(g.get("data-runs")) for g in lanes["data"])
         assert exposed * 1e-6 == pytest.approx(pred["axes"]["data"]["exposed_s"], rel=1e-3)
         assert "predicted step on one v5e: " in drawn["text"]

@@ -12,7 +12,8 @@ Forms (measured, JAX 0.12.0.1, libtpu 0.0.50.1):
   whose computation's ROOT is "AsyncCollectiveDone" completes it. The chain is followed by data flow.
 - `all-gather-start` / `all-gather-done` (GPU), `async-start` / `async-update` / `async-done`: the
   done that takes the start's state.
-- Synchronous collectives (all of XLA:CPU's, and the TPU's it left synchronous): a zero-width window.
+- Synchronous collectives (all of XLA:CPU's, the TPU's it left synchronous, and those it fused with
+  compute into one fusion): a zero-width window.
 A start whose done is not in its own computation (its state carried into a loop) is open to the
 computation's end (`Window.carried`).
 """
@@ -172,6 +173,10 @@ def schedule(compiled_or_hlo_text: Any, mesh: Any) -> Schedule:
     starts, dones = _async_fusion_computations(mod)
     for seq in sequences.values():
         seq.windows = _windows(seq, mod, by_instr, by_comp, starts, dones, warnings)
+    timed = {id(r) for seq in sequences.values() for w in seq.windows for r in w.records}
+    for r in led.records:
+        if id(r) not in timed:
+            warnings.append(f"{r.op} %{r.name} in %{r.computation}: in no window of the schedule; not timed")
     return Schedule(mod, sequences, led, scheduled, warnings)
 
 
@@ -252,6 +257,9 @@ def _windows(seq: Sequence, mod: Module, by_instr, by_comp, starts: set[str], do
             done, links = _follow(order, k, lambda i: i.opcode == "fusion" and any(c in dones for c in calls(i)),
                                   lambda i: i.opcode == "fusion" and any(_has_collective(mod, c) for c in calls(i)))
             records = [r for c in callees for r in by_comp.get(c, [])]
+        elif instr.opcode == "fusion" and any(c in by_comp for c in callees):
+            # a collective fused with compute (TPU's all-reduce-scatter fusions, measured): synchronous
+            done, links, records = k, [], [r for c in callees for r in by_comp.get(c, [])]
         else:
             continue
         if not records:

@@ -164,6 +164,7 @@ def collective_row(c: CollectiveTime) -> dict[str, Any]:
     return {"computation": w.computation, "start": w.start, "finish": w.finish, "op": w.op, "axes": list(w.axes),
             "axis": c.axis, "tensor": w.tensor, "bytes": w.bytes, "ring_bytes": w.ring_bytes, "source": w.source,
             "phase": w.phase, "synchronous": w.synchronous, "inside": list(w.inside), "runs": c.runs,
+            "records": len(w.records),
             "comm_s": c.comm_s, "issue_s": c.issue_s, "begin_s": c.begin_s, "end_s": c.end_s, "done_s": c.done_s,
             "hidden_s": c.hidden_s, "exposed_s": c.exposed_s}
 
