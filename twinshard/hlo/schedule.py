@@ -142,14 +142,8 @@ class Schedule:
     def windows(self) -> list[Window]:
         return [w for s in self.sequences.values() for w in s.windows]
 
-    def callee(self, instr: Instr) -> Sequence | None:
-        """The sequence a while / conditional / call instruction runs (a while: its body)."""
-        for key, c in _edges(instr):
-            if key in _STREAM_EDGES.get(instr.opcode, ()) and c in self.sequences:
-                return self.sequences[c]
-        return None
-
     def branches(self, instr: Instr) -> list[Sequence]:
+        """The sequences a while (its body), conditional (its branches) or call instruction runs."""
         return [self.sequences[c] for key, c in _edges(instr)
                 if key in _STREAM_EDGES.get(instr.opcode, ()) and c in self.sequences]
 
