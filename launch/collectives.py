@@ -4,6 +4,8 @@
     python -m launch.collectives --strategy=fsdp_tp --mesh=data:2,tensor:4 --json=out.json --hlo=step.hlo
     uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=manual --topology=v5e:4x4
         # 16 TPU v5e chips on 4 hosts, compiled here; needs libtpu (the tpu extra)
+    uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=auto,manual --topology=v5e:4x4 \
+        --timeline=fsdp.svg   # both twins' steps drawn on one time axis (docs/schedule.md)
 
 Nothing runs: the train step is lowered on abstract inputs (ShapeDtypeStructs
 carrying the strategy's shardings) and compiled. The collective ledger of the
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 
@@ -45,6 +48,12 @@ common.define(flags.DEFINE_string, "topology", None, "Compile for a TPU topology
               "v5e:4x4 (16 chips, 4 hosts; needs libtpu: uv run --extra tpu ...).")
 common.define(flags.DEFINE_string, "chips_per_host_bounds", None, "With --topology: chips per host x,y,z "
               "(default 2,2,1, each lowered to 1 where it does not divide the topology's grid).")
+common.define(flags.DEFINE_string, "timeline", None, "With --topology: draw one training step as an SVG to this "
+              "path (docs/schedule.md): compute, each mesh axis's collectives from issue to completion, what is "
+              "exposed; with --impl=auto,manual the twins one above the other.")
+common.define(flags.DEFINE_bool, "force", False, "Overwrite --json, --hlo and --timeline files that exist.")
+common.define(flags.DEFINE_string, "impl", "auto", "The twin: auto (GSPMD annotations), manual (shard_map "
+              "collectives) or explicit (sharding in types); a comma list (auto,manual) compiles each in turn.")
 common.define_model_flags()  # --devices: simulated CPU devices (ignored with --topology)
 FLAGS = flags.FLAGS
 
@@ -217,26 +226,85 @@ def main(argv):
     if FLAGS.strategy == "single":
         raise ValueError("--strategy=single has no collectives; choose one of dp, fsdp, tp, fsdp_tp.")
     cfg = common.config_from_flags(FLAGS)
-    common.check_output_path(FLAGS.json, "json")
-    common.check_output_path(FLAGS.hlo, "hlo")
+    impls, pod = check_flags(FLAGS, cfg)
     devices = None
     if FLAGS.topology:
         devices = _topology_devices(FLAGS.topology)
     else:
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
-    res = collectives(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)
-    print(report(res))
+    results = []
+    for impl in impls:
+        res = collectives(FLAGS.strategy, impl, FLAGS.mesh, cfg, devices)
+        if pod is not None:
+            res["prediction"] = predict_step(res, pod)
+        print(report(res) + ("" if pod is None else "\n\n== predicted step (twinshard.hlo.predict) ==\n"
+                             + res["prediction"].table()))
+        results.append(res)
     if FLAGS.hlo:
         with open(FLAGS.hlo, "w") as f:
-            f.write(res["hlo"])
+            f.write("\n".join(res["hlo"] for res in results))
         print(f"wrote HLO to {FLAGS.hlo}")
+    if FLAGS.timeline:
+        from twinshard.hlo.draw import timeline_svg
+
+        title = (f"{FLAGS.strategy} on {pod.describe()}, preset {FLAGS.preset}, mesh "
+                 f"{','.join(f'{a}:{n}' for a, n in results[0]['mesh'].items())}: one training step")
+        with open(FLAGS.timeline, "w") as f:
+            f.write(timeline_svg([(res["impl"], res["prediction"]) for res in results], title))
+        print(f"wrote the timeline to {FLAGS.timeline}")
     if FLAGS.json:
-        doc = {k: v for k, v in res.items() if k not in ("ledger", "model", "hlo")}  # memory: plain data
-        doc.update(preset=FLAGS.preset, ledger=res["ledger"].as_dict(), model=res["model"].as_dict())
+        docs = [_json_doc(res) for res in results]
         with open(FLAGS.json, "w") as f:
-            json.dump(doc, f, indent=1)
+            json.dump(docs[0] if len(docs) == 1 else {"twins": docs}, f, indent=1)
         print(f"wrote JSON to {FLAGS.json}")
     return 0
+
+
+def _json_doc(res: dict) -> dict:
+    doc = {k: v for k, v in res.items() if k not in ("ledger", "model", "hlo", "prediction")}  # memory: plain data
+    doc.update(preset=FLAGS.preset, ledger=res["ledger"].as_dict(), model=res["model"].as_dict())
+    if "prediction" in res:
+        doc["prediction"] = res["prediction"].as_dict()
+    return doc
+
+
+def check_flags(FLAGS, cfg):
+    """(twins, the --topology's chips and links or None), every flag checked before anything compiles."""
+    from twinshard.hardware import links, topology
+    from twinshard.parallel import mesh as mesh_lib
+    from twinshard.parallel import resolve
+
+    impls = [i.strip() for i in FLAGS.impl.split(",")]
+    if len(set(impls)) != len(impls) or not all(impls):
+        raise ValueError(f"--impl={FLAGS.impl}: name each twin once, e.g. --impl=auto,manual.")
+    for impl in impls:
+        resolve.check_twin(FLAGS.strategy, impl, cfg)
+    for flag in ("json", "hlo", "timeline"):
+        common.check_output_path(getattr(FLAGS, flag), flag, FLAGS.force)
+    if FLAGS.timeline and not FLAGS.topology:
+        raise ValueError(f"--timeline={FLAGS.timeline} draws the step on the chips of a --topology (e.g. "
+                         "--topology=v5e:2x2); pass one.")
+    if not FLAGS.topology:
+        return impls, None
+    topology.chips_per_host(FLAGS.topology)  # GENERATION:AxB[xC]
+    pod = links.parse_topology(FLAGS.topology)
+    if not pod.chip.is_tpu:
+        raise ValueError(f"--topology={FLAGS.topology}: compiling ahead of time is for TPU topologies (v4, v5e, "
+                         "v5p, v6e); plan GPU clusters with launch.plan.")
+    if FLAGS.mesh:
+        asked = math.prod(mesh_lib.parse_mesh(FLAGS.mesh, FLAGS.strategy).values())
+        if asked != pod.chips:
+            raise ValueError(f"--mesh={FLAGS.mesh} has {asked} devices but --topology={FLAGS.topology} has "
+                             f"{pod.chips} chips; pick a mesh of {pod.chips}.")
+    return impls, pod
+
+
+def predict_step(res: dict, pod):
+    """The compiled step's predicted time on the pod's chips, each mesh axis on its links."""
+    from twinshard import hlo
+    from twinshard.hardware import links
+
+    return hlo.predict(res["hlo"], pod.chip, res["mesh"], links.axis_links(pod, res["mesh"]))
 
 
 if __name__ == "__main__":

@@ -368,13 +368,16 @@ def tokenizer_vocab(name: str) -> int:
                          f"line): {e}; make one with `python -m twinshard.train.bpe`.") from None
 
 
-def check_output_path(path: str | None, flag: str) -> None:
-    """A file the run will write at the end: its directory must exist now, not after the run."""
+def check_output_path(path: str | None, flag: str, force: bool | None = None) -> None:
+    """A file the run will write at the end: its directory must exist now, not after the run; with
+    `force` given (a launcher's --force), an existing file only when it is True."""
     if not path:
         return
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"--{flag}={path} is a directory; pass a file path.")
+    if force is False and os.path.exists(path):
+        raise ValueError(f"--{flag}={path} exists; pass --force to overwrite it, or another path.")
     if not os.path.isdir(parent):
         raise ValueError(f"--{flag}={path}: directory {parent} does not exist; create it or pick another path.")
     if not _can_write_in(parent):

@@ -208,3 +208,40 @@ def test_tokenize_errors(shards, files, tmp_path):
     for args, needles in cases:
         assert_user_error(run("-m", "launch.tokenize", *args), *needles)
         assert not out.exists(), args
+
+
+def collectives(*args: str):
+    return run("-m", "launch.collectives", "--preset=tiny", "--strategy=fsdp", *args)
+
+
+def test_collectives_timeline_errors_come_before_any_compile(tmp_path):
+    """launch.collectives --timeline / --topology / --impl: each bad value one line, nothing compiled or written."""
+    svg = tmp_path / "step.svg"
+    cases = [
+        (["--topology=v9z:2x2", f"--timeline={svg}"], ["--topology=v9z:2x2: unknown chip 'v9z'", "v5e"]),
+        (["--topology=v5e:2x2", "--mesh=data:8,tensor:1", f"--timeline={svg}"],
+         ["--mesh=data:8,tensor:1 has 8 devices but --topology=v5e:2x2 has 4 chips; pick a mesh of 4"]),
+        (["--topology=v5e:20x20"], ["--topology=v5e:20x20: 20x20 does not fit in a v5e pod (16x16"]),
+        (["--topology=h100:1x8"], ["--topology=h100:1x8: compiling ahead of time is for TPU topologies"]),
+        (["--topology=v5e:2x2", "--impl=auto,bogus", f"--timeline={svg}"], ["--impl=bogus is not a twin"]),
+        (["--topology=v5e:2x2", "--impl=auto,auto", f"--timeline={svg}"], ["--impl=auto,auto: name each twin once"]),
+        ([f"--timeline={svg}"], [f"--timeline={svg} draws the step on the chips of a --topology"]),
+        (["--topology=v5e:2x2", "--timeline=/no/such/dir/x.svg"],
+         ["--timeline=/no/such/dir/x.svg: directory /no/such/dir does not exist"]),
+    ]
+    for args, needles in cases:
+        assert_user_error(collectives(*args), *needles)
+    assert_user_error(run("-m", "launch.collectives", "--preset=tiny", "--strategy=pp_fsdp", "--impl=auto,explicit",
+                          "--topology=v5e:2x2", f"--timeline={svg}"),
+                      "--impl=explicit runs", "not --strategy=pp_fsdp")
+    assert not svg.exists()
+
+
+def test_collectives_overwrites_nothing_without_force(tmp_path):
+    for flag in ("timeline", "json", "hlo"):
+        kept = tmp_path / f"kept.{flag}"
+        kept.write_text("earlier run")
+        extra = ["--topology=v5e:2x2"] if flag == "timeline" else []
+        proc = collectives(*extra, f"--{flag}={kept}")
+        assert_user_error(proc, f"--{flag}={kept} exists; pass --force to overwrite it, or another path.")
+        assert kept.read_text() == "earlier run" and proc.stdout == ""

@@ -73,12 +73,18 @@ VARIANTS = {
     "uv run python tools/step_profile.py --preset=tiny": ["--steps=1"],
     "uv run python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4": [],
     "uv run python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16": [],
+    "uv run --extra tpu python -m launch.collectives --preset=tiny --strategy=fsdp --impl=auto,manual "
+    "--topology=v5e:2x2 --timeline=fsdp_tiny.svg --json=fsdp_tiny.json": [],
     "uv run python tools/mutate.py --list": [],
     "uv run python tools/mutate.py --only adamw-betas-swapped": ["--no-baseline"],
 }
 NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test suite itself",
            "pip install uv && uv run --locked --extra tpu python -m launch.train --preset=gpt2_125m "
-           "--dtype=bfloat16 --batch_size=16 --workdir=runs/g125": "the Cloud TPU VM example (a TPU's job)"}
+           "--dtype=bfloat16 --batch_size=16 --workdir=runs/g125": "the Cloud TPU VM example (a TPU's job)",
+           **{f"uv run --extra tpu python -m launch.collectives --preset=gpt2_350m --dtype=bfloat16 "
+              f"--attention=recompute --batch_size=16 --topology=v5e:4x4 --strategy={s} --impl=auto,manual "
+              f"--timeline=docs/schedule_{s}.svg": "docs/schedule.md's pictures: minutes of TPU compiles each "
+              "(tests/test_timeline_cli.py draws the tiny model)" for s in ("fsdp", "tp", "ulysses")}}
 
 
 def docs_text() -> str:

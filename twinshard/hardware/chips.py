@@ -84,6 +84,34 @@ CHIPS: tuple[Chip, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class Efficiency:
+    """The fractions of a chip's datasheet peaks that its kernels reach, which twinshard.hlo.timing
+    prices a compiled program's ops at: matmuls and convolutions (of `Chip.bf16`), HBM-bound ops (of
+    `Chip.hbm_bytes_per_s`) and the splash attention kernel (of `Chip.bf16`). `source` says where
+    the numbers come from."""
+
+    matmul_efficiency: float = 1.0
+    hbm_efficiency: float = 1.0
+    splash_efficiency: float = 1.0
+    source: str = "none measured: the datasheet peaks"
+
+    def __post_init__(self) -> None:
+        for name in ("matmul_efficiency", "hbm_efficiency", "splash_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1]: a fraction of the peak")
+
+
+# chip name -> efficiencies measured by microbenchmarks on that chip (a large matmul, an HBM-bound
+# elementwise pass, the splash kernel alone); a chip not listed is priced at its datasheet peaks.
+EFFICIENCIES: dict[str, Efficiency] = {}
+
+
+def efficiency(chip: Chip) -> Efficiency:
+    """The measured efficiencies of `chip` (EFFICIENCIES), else the peaks (1.0, saying so in `source`)."""
+    return EFFICIENCIES.get(chip.name, Efficiency())
+
+
 def chip_for(device_kind: str) -> Chip | None:
     """The chip a jax device_kind names ('NVIDIA H100 80GB HBM3', 'TPU v5 lite'), or None."""
     return next((c for c in CHIPS if any(k in device_kind for k in c.kinds)), None)

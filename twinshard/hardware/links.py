@@ -225,6 +225,21 @@ def _gpu_axis(topo: Topology, n: int, stride: int) -> Link:
                       f"overlapped", a2a, nic)
 
 
+def collective_seconds(op: str, axes: tuple[str, ...], ring_bytes: float, links: dict[str, Link]) -> tuple[str, float]:
+    """(the axis it is charged to, seconds) of a collective sending `ring_bytes` per chip over `axes`:
+    the slowest axis's link, an all-to-all x its `Link.all_to_all`, a shift (collective-permute) at one
+    link's rate. The planner and twinshard.hlo.timing price every collective so."""
+    missing = [a for a in axes if a not in links]
+    if missing:
+        raise ValueError(f"no link bandwidth for mesh axes {missing} (links known: {sorted(links)}); pass the "
+                         "topology the program runs on, or links for every axis a collective crosses")
+    slowest = min(axes, key=lambda a: links[a].bytes_per_s)
+    link = links[slowest]
+    if op == "collective-permute":
+        return slowest, ring_bytes / (link.hop_bytes_per_s or link.bytes_per_s)
+    return slowest, ring_bytes * (link.all_to_all if op == "all-to-all" else 1.0) / link.bytes_per_s
+
+
 def axis_links(topo: Topology, mesh: dict[str, int]) -> dict[str, Link]:
     """mesh axis (of size > 1) -> the bandwidth one chip has over it."""
     return (tpu_links if topo.chip.is_tpu else gpu_links)(topo, mesh)

@@ -17,7 +17,7 @@ from twinshard import cost
 from twinshard.config import Config, ModelConfig, TrainConfig
 from twinshard.cost.weights import DTYPE_BYTES, F32
 from twinshard.hardware.chips import matmul_peak_flops
-from twinshard.hardware.links import Link, Topology, axis_links, dcn_link
+from twinshard.hardware.links import Link, Topology, axis_links, collective_seconds, dcn_link
 from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, support
 
 
@@ -96,12 +96,8 @@ def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
     """Seconds per mesh axis: ring bytes / bandwidth (x Link.all_to_all for an all-to-all, a shift at one link's rate)."""
     out = dict.fromkeys(c.mesh, 0.0)
     for (op, axes), s in c.summary().items():
-        slowest = min(axes, key=lambda a: links[a].bytes_per_s)
-        link = links[slowest]
-        if op == "collective-permute":
-            out[slowest] += s["ring_bytes"] / (link.hop_bytes_per_s or link.bytes_per_s)
-        else:
-            out[slowest] += s["ring_bytes"] * (link.all_to_all if op == "all-to-all" else 1.0) / link.bytes_per_s
+        axis, seconds = collective_seconds(op, axes, s["ring_bytes"], links)
+        out[axis] += seconds
     return out
 
 

@@ -63,7 +63,7 @@ def _edges(instr: Instr) -> list[tuple[str, str]]:
     return edges
 
 
-def _trip_count(w: Instr, mod: Module) -> tuple[int | None, bool]:
+def trip_count(w: Instr, mod: Module) -> tuple[int | None, bool]:
     """(trip count, exact) of a while: known_trip_count, else `i < constant(N)`."""
     config = w.attrs.get("backend_config", "")
     m = re.search(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)', config)
@@ -115,7 +115,7 @@ def multiplicities(mod: Module, warnings: list[str]) -> dict[str, tuple[int, boo
             n, ex, asy = visit(parent, stack | {comp})
             factor = 1
             if instr.opcode == "while" and key in ("body", "condition"):
-                trips, known = _trip_count(instr, mod)
+                trips, known = trip_count(instr, mod)
                 if trips is None:
                     trips, known = 1, False
                     msg = f"while %{instr.name}: trip count unknown, body counted once"
@@ -140,7 +140,7 @@ def multiplicities(mod: Module, warnings: list[str]) -> dict[str, tuple[int, boo
 # ----------------------------------------------------------------------------- TPU async collective fusions
 
 
-def _root_call_target(instrs: list[Instr]) -> str:
+def root_call_target(instrs: list[Instr]) -> str:
     """custom_call_target of a computation's ROOT custom-call ('' if none)."""
     root = next((i for i in instrs if i.is_root), None)
     if root is None or root.opcode != "custom-call":
@@ -206,7 +206,7 @@ def async_fusion_copies(mod: Module, warnings: list[str]) -> tuple[set[str], set
     done_only -= regular
     starts, dones = set(), set()
     for comp, instrs in mod.computations.items():
-        target = _root_call_target(instrs)
+        target = root_call_target(instrs)
         if target == "AsyncCollectiveStart":
             starts.add(comp)
         elif target == "AsyncCollectiveDone" or comp in done_only:

@@ -357,8 +357,11 @@ def _parsed_module(text: str) -> Module:
 def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
     """Every collective of a compiled program (or HLO module text) on `mesh` (a Mesh, AbstractMesh
     or {'data': 2, ...}; group ids read as row-major partition ids)."""
-    spec = mesh_spec(mesh)
-    mod = _parsed_module(_hlo_text(compiled_or_hlo_text))
+    return ledger_of_module(_parsed_module(_hlo_text(compiled_or_hlo_text)), mesh_spec(mesh))
+
+
+def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
+    """`ledger` of an already parsed module (the schedule reader parses once for both)."""
     instructions = sum(len(instrs) for instrs in mod.computations.values())
     if mod.num_partitions not in (None, 1) and mod.num_partitions != spec.size:
         raise ValueError(

@@ -1,0 +1,464 @@
+"""A compiled program's step time on a chip, from its schedule: each op's cost, each collective hidden or exposed.
+
+    pred = predict(compiled, "v5e", mesh, links=axis_links(topo, mesh))
+    pred.step_s, pred.axes["data"].exposed_s, print(pred.table())
+
+Each op of the schedule (twinshard/hlo/schedule.py) costs, from its shapes (one chip):
+- matmuls and convolutions, also inside fusions: their FLOPs at the chip's matmul peak x `matmul_efficiency`;
+- the splash attention kernel: 2 B H T^2 dh per matmul (2 forward; 5 in the fused backward, 4 and 3 in the
+  split one), causal counting half, at the peak x `splash_efficiency`; other custom calls by their bytes;
+- every op also moves its operands and result through HBM at `hbm_bytes_per_s` x `hbm_efficiency`
+  (a slice reads only the slice, an in-place update writes only the update), and takes the longer of
+  its compute and its memory time (a roofline);
+- a collective sends its ring bytes (the ledger's) over the link of its mesh axis
+  (twinshard.hardware.links.collective_seconds, what the planner uses): one link per axis, collectives
+  on it one after another.
+The compute stream runs the ops in schedule order; a collective's transfer starts when it is issued
+(and its axis's link is free) and the op that completes it waits for it: that wait is its exposed
+time, the rest of its transfer is hidden. A while loop takes trips x its body. So the predicted step
+is the compute and memory time of the schedule plus the exposed communication; `compute_s +
+exposed_s == step_s` (conditionals aside: a step takes the longest branch, the totals count them all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinshard.hlo.loops import _edges
+from twinshard.hlo.parse import Instr, Module, Shape, base_opcode, parse_shape, split_top
+from twinshard.hlo.records import _flat, _metadata
+from twinshard.hlo.schedule import Schedule, Sequence, Window, is_free, phase, schedule
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One scheduled instruction: what it costs once, and when it runs in one run of its sequence."""
+
+    computation: str
+    name: str
+    opcode: str
+    kind: str  # 'matmul', 'attention', 'memory', 'collective' (its transfer is timed in its window), 'loop'
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+    seconds: float  # on the compute stream, once (a loop: trips x its body, waits included)
+    start_s: float
+    runs: int  # per step
+    phase: str
+    source: str
+
+
+@dataclass(frozen=True)
+class CollectiveTime:
+    """One collective's transfer in one run of its sequence: issued at `issue_s`, on the link from
+    `begin_s` to `end_s`, completed (its done op passed) at `done_s`; `exposed_s` the compute stream's
+    wait at the done, `hidden_s` the rest of its transfer."""
+
+    window: Window
+    axis: str  # the link it is charged to (the slowest of its axes); '' for a group of one
+    comm_s: float
+    issue_s: float
+    begin_s: float
+    end_s: float
+    done_s: float
+    exposed_s: float
+    runs: int
+
+    @property
+    def hidden_s(self) -> float:
+        return max(self.comm_s - self.exposed_s, 0.0)
+
+
+@dataclass(frozen=True)
+class AxisTime:
+    """Per step, over one mesh axis's link: transfer time, the part hidden behind compute, the part exposed."""
+
+    comm_s: float
+    hidden_s: float
+    exposed_s: float
+
+
+@dataclass
+class Prediction:
+    """The predicted step of one compiled program on one chip (module docstring)."""
+
+    chip: str
+    efficiency: Any  # twinshard.hardware.chips.Efficiency
+    ops: list[OpTime]
+    collectives: list[CollectiveTime]
+    sequence_s: dict[str, float]  # one run of each sequence
+    schedule: Schedule = field(repr=False)
+
+    @property
+    def step_s(self) -> float:
+        return self.sequence_s[self.schedule.module.entry]
+
+    @property
+    def compute_s(self) -> float:
+        """Compute and memory time of the ops on the compute stream, per step."""
+        return sum(o.seconds * o.runs for o in self.ops if o.kind != "loop")
+
+    @property
+    def exposed_s(self) -> float:
+        return sum(c.exposed_s * c.runs for c in self.collectives)
+
+    @property
+    def axes(self) -> dict[str, AxisTime]:
+        out: dict[str, list[float]] = {}
+        for c in self.collectives:
+            t = out.setdefault(c.axis or "-", [0.0, 0.0, 0.0])
+            t[0] += c.comm_s * c.runs
+            t[1] += c.hidden_s * c.runs
+            t[2] += c.exposed_s * c.runs
+        return {a: AxisTime(*v) for a, v in out.items()}
+
+    def by_kind(self) -> dict[str, float]:
+        """Seconds per step of each op kind on the compute stream."""
+        out: dict[str, float] = {}
+        for o in self.ops:
+            if o.kind not in ("loop", "collective"):
+                out[o.kind] = out.get(o.kind, 0.0) + o.seconds * o.runs
+        return out
+
+    def table(self) -> str:
+        eff = self.efficiency
+        lines = [f"predicted step on one {self.chip}: {seconds(self.step_s)} = compute and memory "
+                 f"{seconds(self.compute_s)} + exposed communication {seconds(self.exposed_s)}",
+                 f"  efficiencies: matmul {eff.matmul_efficiency:g}, hbm {eff.hbm_efficiency:g}, splash "
+                 f"{eff.splash_efficiency:g} ({eff.source})",
+                 "  by kind: " + ", ".join(f"{k} {seconds(v)}" for k, v in sorted(self.by_kind().items()))]
+        for axis, t in self.axes.items():
+            lines.append(f"  axis {axis}: communication {seconds(t.comm_s)}, hidden {seconds(t.hidden_s)}, "
+                         f"exposed {seconds(t.exposed_s)}")
+        for seq in self.schedule.loops:
+            lines.append(f"  loop %{seq.name}: {seconds(self.sequence_s[seq.name])} per iteration, "
+                         f"{seq.runs} runs per step")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "chip": self.chip, "efficiency": dataclasses.asdict(self.efficiency),
+            "step_s": self.step_s, "compute_s": self.compute_s, "exposed_s": self.exposed_s,
+            "by_kind": self.by_kind(),
+            "axes": {a: dataclasses.asdict(t) for a, t in self.axes.items()},
+            "sequences": [{"name": s.name, "kind": s.kind, "runs": s.runs, "trips": s.trips,
+                           "seconds": self.sequence_s[s.name]} for s in self.schedule.sequences.values()],
+            "collectives": [collective_row(c) for c in self.collectives],
+            "ops": [dataclasses.asdict(o) for o in self.ops],
+        }
+
+
+def seconds(s: float) -> str:
+    """'12.3 ms', '4.56 us'."""
+    return f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.2f} us"
+
+
+def collective_row(c: CollectiveTime) -> dict[str, Any]:
+    w = c.window
+    return {"computation": w.computation, "start": w.start, "finish": w.finish, "op": w.op, "axes": list(w.axes),
+            "axis": c.axis, "tensor": w.tensor, "bytes": w.bytes, "ring_bytes": w.ring_bytes, "source": w.source,
+            "phase": w.phase, "synchronous": w.synchronous, "inside": list(w.inside), "runs": c.runs,
+            "records": len(w.records),
+            "comm_s": c.comm_s, "issue_s": c.issue_s, "begin_s": c.begin_s, "end_s": c.end_s, "done_s": c.done_s,
+            "hidden_s": c.hidden_s, "exposed_s": c.exposed_s}
+
+
+def predict(compiled_or_hlo_text: Any, chip: Any, mesh: Any = None, links: Mapping[str, Any] | None = None,
+            efficiency: Any = None, causal_attention: bool = True) -> Prediction:
+    """The predicted step of a compiled program (or its HLO text) on `chip` (a Chip or a name: 'v5e').
+
+    mesh: what the program was compiled for ({'data': 4} or a Mesh; default one device); links: mesh
+    axis -> twinshard.hardware.links.Link for every axis a collective crosses (`axis_links(topology,
+    mesh)`); efficiency: twinshard.hardware.chips.Efficiency (default: the chip's measured ones);
+    causal_attention: the splash kernels' mask is causal (counted half)."""
+    from twinshard.hardware import chips
+
+    chip = chips.chip(chip) if isinstance(chip, str) else chip
+    efficiency = efficiency or chips.efficiency(chip)
+    sched = schedule(compiled_or_hlo_text, {"data": 1} if mesh is None else mesh)
+    pricer = _Pricer(sched.module, chip, efficiency, dict(links or {}), causal_attention)
+    ops: list[OpTime] = []
+    colls: list[CollectiveTime] = []
+    seconds: dict[str, float] = {}
+    for seq in _innermost_first(sched):
+        seconds[seq.name] = _simulate(seq, sched, pricer, seconds, ops, colls)
+    return Prediction(chip.name, efficiency, ops, colls, seconds, sched)
+
+
+def _innermost_first(sched: Schedule) -> list[Sequence]:
+    """Sequences ordered so that each comes after every sequence it runs."""
+    done: dict[str, Sequence] = {}
+
+    def visit(seq: Sequence) -> None:
+        if seq.name in done:
+            return
+        for instr in seq.order:
+            for inner in sched.branches(instr):
+                visit(inner)
+        done[seq.name] = seq
+
+    visit(sched.entry)
+    return list(done.values())
+
+
+def _simulate(seq: Sequence, sched: Schedule, pricer: _Pricer, seconds: dict[str, float],
+              ops: list[OpTime], colls: list[CollectiveTime]) -> float:
+    """One run of `seq`: its ops on the compute stream, its collectives on their links; its duration."""
+    issued = {w.issue: w for w in seq.windows}
+    completing: dict[int, list[Window]] = {}
+    for w in seq.windows:
+        completing.setdefault(w.done, []).append(w)
+    t, link_free, open_ = 0.0, {}, {}
+    for k, instr in enumerate(seq.order):
+        w = issued.get(k)
+        if w is not None:
+            axis, comm = pricer.transfer(w)
+            begin = max(t, link_free.get(axis, 0.0))
+            link_free[axis] = begin + comm
+            open_[w.start] = (axis, comm, t, begin)
+        inner = sched.branches(instr)
+        if inner:
+            trips = inner[0].trips if instr.opcode == "while" and inner[0].trips is not None else 1
+            took = trips * max(seconds[s.name] for s in inner)
+            row = OpTime(seq.name, instr.name, instr.opcode, "loop", 0.0, 0.0, 0.0, 0.0, took, t, seq.runs,
+                         _phase(instr, sched.module), _source(instr, sched.module))
+        elif not is_free(instr):
+            row = pricer.op(instr, seq, t)
+        else:
+            row = None
+        if row is not None:
+            ops.append(row)
+            t += row.seconds
+        for w in completing.get(k, []):
+            axis, comm, issue_s, begin = open_.pop(w.start)
+            wait = max(begin + comm - t, 0.0)
+            colls.append(CollectiveTime(w, axis, comm, issue_s, begin, begin + comm, t + wait, wait, seq.runs))
+            t += wait
+    return t
+
+
+def _phase(instr: Instr, mod: Module) -> str:
+    return phase(_metadata(instr.attrs, mod.frames)[0]) if "metadata=" in instr.attr_text else "other"
+
+
+def _source(instr: Instr, mod: Module) -> str:
+    return _metadata(instr.attrs, mod.frames)[1] if "metadata=" in instr.attr_text else ""
+
+
+# ----------------------------------------------------------------------------- op costs
+
+
+_SLICES = ("dynamic-slice", "slice", "gather")  # read only what they return
+_HLO_TO_JNP = {"bf16": "bfloat16", "f16": "bfloat16", "f32": "float32", "f64": "float32"}
+
+
+def _bytes(shape_text: str) -> int:
+    try:
+        return sum(s.bytes for s in _flat(parse_shape(shape_text)))
+    except ValueError:
+        return 0
+
+
+class _Pricer:
+    """Costs of one module's ops on one chip (module docstring)."""
+
+    def __init__(self, mod: Module, chip: Any, efficiency: Any, links: dict[str, Any], causal: bool):
+        from twinshard.hardware.chips import matmul_peak_flops
+
+        self.mod, self.chip, self.eff, self.links, self.causal = mod, chip, efficiency, links, causal
+        self.peak = {d: matmul_peak_flops(chip, d)[0] for d in ("bfloat16", "float32")}
+        self.named = {c: {i.name: i for i in instrs} for c, instrs in mod.computations.items()}
+        self.async_comps = {c for c, instrs in mod.computations.items()
+                            if any(base_opcode(i.opcode)[0] for i in instrs)}
+
+    def transfer(self, w: Window) -> tuple[str, float]:
+        from twinshard.hardware.links import collective_seconds
+
+        if not w.axes or w.ring_bytes == 0:
+            return "", 0.0
+        return collective_seconds(w.op, w.axes, w.ring_bytes, self.links)
+
+    def op(self, instr: Instr, seq: Sequence, t: float) -> OpTime:
+        kind, flops_by_dtype, moved = self._cost(instr)
+        peak_share = self.eff.splash_efficiency if kind == "attention" else self.eff.matmul_efficiency
+        compute = sum(f / (self.peak[d] * peak_share) for d, f in flops_by_dtype.items())
+        memory = moved / (self.chip.hbm_bytes_per_s * self.eff.hbm_efficiency)
+        flops = sum(flops_by_dtype.values())
+        return OpTime(seq.name, instr.name, instr.opcode, kind, flops, moved, compute, memory, max(compute, memory),
+                      t, seq.runs, _phase(instr, self.mod), _source(instr, self.mod))
+
+    def _cost(self, instr: Instr) -> tuple[str, dict[str, float], float]:
+        """(kind, FLOPs per matmul dtype, HBM bytes) of one top-level instruction."""
+        callees = [c for key, c in _edges(instr) if key == "calls"]
+        if base_opcode(instr.opcode)[0] is not None or instr.opcode.startswith("async-") or (
+                instr.opcode == "fusion" and callees and _is_async_end(self.mod, callees[0])):
+            return "collective", {}, 0.0
+        if instr.opcode == "custom-call" and "splash" in instr.name:
+            return "attention", {"bfloat16": self._splash_flops(instr)}, self._plain_bytes(instr)
+        flops: dict[str, float] = {}
+        self._flops(instr, instr.computation, flops)
+        moved = self._fusion_bytes(instr, callees[0]) if instr.opcode == "fusion" and callees else \
+            self._plain_bytes(instr)
+        return ("matmul" if flops else "memory"), flops, moved
+
+    # ---- FLOPs
+
+    def _flops(self, instr: Instr, comp: str, out: dict[str, float]) -> None:
+        if instr.opcode in ("dot", "convolution"):
+            lhs, rhs = (self._shape(comp, o) for o in instr.operands[:2])
+            res = parse_shape(instr.shape_text)
+            if isinstance(lhs, Shape) and isinstance(rhs, Shape) and isinstance(res, Shape):
+                f = _dot_flops(instr, lhs, res) if instr.opcode == "dot" else _conv_flops(instr, lhs, rhs, res)
+                dtype = _HLO_TO_JNP.get(lhs.dtype, "bfloat16")
+                out[dtype] = out.get(dtype, 0.0) + f
+            return
+        if instr.opcode in ("fusion", "call"):
+            for key, c in _edges(instr):
+                if key in ("calls", "to_apply"):
+                    for inner in self.mod.computations.get(c, []):
+                        self._flops(inner, c, out)
+
+    def _splash_flops(self, instr: Instr) -> float:
+        """2 B H T^2 dh per matmul of the kernel (module docstring), from its q operand [B, H, T, dh]."""
+        shapes = [parse_shape(s) for s in split_top(instr.attrs.get("operand_layout_constraints", "{}")[1:-1])]
+        if len(shapes) != len(instr.operands):
+            shapes = [self._shape(instr.computation, o) for o in instr.operands]
+        named = [s for o, s in zip(instr.operands, shapes) if o.endswith("q_ref") and isinstance(s, Shape)]
+        q = (named or [s for s in shapes if isinstance(s, Shape) and len(s.dims) >= 3 and s.dtype[0] in "bf"])[0]
+        b, h, t, dh = (1,) * (4 - len(q.dims)) + q.dims[-4:]  # a batch of one prints q as [H, T, dh] (measured)
+        parts = len(_flat(parse_shape(instr.shape_text)))
+        matmuls = (5 if parts == 3 else 4) if "dkv" in instr.name else 3 if "dq" in instr.name else 2
+        return matmuls * 2.0 * b * h * t * t * dh * (0.5 if self.causal else 1.0)
+
+    # ---- bytes
+
+    def _shape(self, comp: str, name: str) -> Shape | list | None:
+        i = self.named.get(comp, {}).get(name)
+        return parse_shape(i.shape_text) if i is not None else None
+
+    def _operand_bytes(self, instr: Instr) -> int:
+        named = self.named.get(instr.computation, {})
+        return sum(_bytes(named[o].shape_text) for o in instr.operands if o in named)
+
+    def _plain_bytes(self, instr: Instr) -> float:
+        """Operands + result; a slice reads and writes its result, an in-place update its update."""
+        named = self.named.get(instr.computation, {})
+        if instr.opcode in _SLICES:
+            return 2.0 * _bytes(instr.shape_text)
+        if instr.opcode in ("dynamic-update-slice", "scatter") and len(instr.operands) > 1:
+            update = instr.operands[1] if instr.opcode == "dynamic-update-slice" else instr.operands[-1]
+            return 2.0 * (_bytes(named[update].shape_text) if update in named else 0)
+        return float(self._operand_bytes(instr) + _bytes(instr.shape_text))
+
+    def _fusion_bytes(self, instr: Instr, callee: str) -> float:
+        """What a fusion reads and writes: each parameter whole, or only the slices read of it (also in
+        nested fusions), or nothing where it is updated in place or only carries a collective's state;
+        each root part whole, or the update of an in-place one, or nothing where it passes state on."""
+        body = self.mod.computations.get(callee, [])
+        moved = sum(self._read(callee, p) for p in body if p.opcode == "parameter")
+        root = next((i for i in body if i.is_root), None)
+        if root is None:
+            return moved + _bytes(instr.shape_text)
+        named = self.named.get(callee, {})
+        parts = [named[o] for o in root.operands if o in named] if root.opcode == "tuple" else [root]
+        for part in parts:
+            while part.opcode == "bitcast" and part.operands and part.operands[0] in named:
+                part = named[part.operands[0]]
+            if part.opcode == "dynamic-update-slice":
+                moved += _bytes(named[part.operands[1]].shape_text) if part.operands[1] in named else 0
+            elif not (part.opcode == "parameter" or _carries_state(part)):
+                moved += _bytes(part.shape_text)
+        return moved
+
+    def _read(self, comp: str, param: Instr) -> float:
+        """Bytes a fused computation reads of one parameter: the slices taken of it, nothing where it is
+        updated in place or passed on as a collective's state, else the whole of it."""
+        whole = _bytes(param.shape_text)
+        read = 0.0
+        for user, pos in self._uses(comp, param.name):
+            if user.opcode in _SLICES and pos == 0:
+                read += _bytes(user.shape_text)
+            elif (user.opcode == "dynamic-update-slice" and pos == 0) or _carries_state(user):
+                continue
+            elif user.opcode == "fusion" and (inner := [c for k, c in _edges(user) if k == "calls"]):
+                sub = next((p for p in self.mod.computations.get(inner[0], [])
+                            if p.opcode == "parameter" and p.operands == [str(pos)]), None)
+                read += whole if sub is None else self._read(inner[0], sub)
+            else:
+                return whole
+        return min(read, whole)
+
+    def _uses(self, comp: str, name: str) -> list[tuple[Instr, int]]:
+        """(user, operand position) of `name` in `comp`, looking through bitcasts."""
+        out = []
+        for i in self.mod.computations.get(comp, []):
+            for pos, o in enumerate(i.operands):
+                if o == name:
+                    out += self._uses(comp, i.name) if i.opcode == "bitcast" else [(i, pos)]
+        return out
+
+
+def _carries_state(instr: Instr) -> bool:
+    """A collective, or a custom call of a TPU async collective's chain, or the root tuple passing it on."""
+    if base_opcode(instr.opcode)[0] is not None or (instr.opcode == "tuple" and instr.is_root):
+        return True
+    return instr.opcode == "custom-call" and "AsyncCollective" in instr.attr_text
+
+
+def _is_async_end(mod: Module, comp: str) -> bool:
+    from twinshard.hlo.loops import root_call_target
+
+    return root_call_target(mod.computations.get(comp, [])) in ("AsyncCollectiveStart", "AsyncCollectiveDone")
+
+
+def _dot_flops(instr: Instr, lhs: Shape, res: Shape) -> float:
+    """2 x result elements x the contracted size."""
+    dims = [int(d) for d in re.findall(r"\d+", instr.attrs.get("lhs_contracting_dims", "{}"))]
+    return 2.0 * math.prod(res.dims) * math.prod(lhs.dims[d] for d in dims)
+
+
+def _window(text: str) -> dict[str, list[str]]:
+    """`{size=1x4 pad=0_0x3_3 stride=1x3}` -> {'size': ['1', '4'], 'pad': ['0_0', '3_3'], ...}."""
+    return {k: v.split("x") for k, v in re.findall(r"(\w+)=([\w\-]+)", text)}
+
+
+def _conv_flops(instr: Instr, lhs: Shape, rhs: Shape, res: Shape) -> float:
+    """2 x output batch x output features x input features per group x the (output, kernel) position
+    pairs that land on real input (not padding nor lhs-dilation holes), per spatial dimension.
+    TPU writes every matmul as a convolution, some with padded windows that compute a batch of them."""
+    labels = instr.attrs.get("dim_labels", "")
+    m = re.fullmatch(r"(\w+)_(\w+)->(\w+)", labels)
+    if not m:
+        raise ValueError(f"convolution %{instr.name} without dim_labels")
+    ll, rl, ol = m.groups()
+    win = _window(instr.attrs.get("window", "{}"))
+    n_spatial = sum(c.isdigit() for c in ll)
+    pairs = 1
+    for d in range(n_spatial):
+        n, k, o = lhs.dims[ll.index(str(d))], rhs.dims[rl.index(str(d))], res.dims[ol.index(str(d))]
+        lo = int(win["pad"][d].split("_")[0]) if "pad" in win else 0
+        stride = int(win["stride"][d]) if "stride" in win else 1
+        ld = int(win["lhs_dilate"][d]) if "lhs_dilate" in win else 1
+        rd = int(win["rhs_dilate"][d]) if "rhs_dilate" in win else 1
+        span = (n - 1) * ld  # last real input position after dilation
+        pairs *= sum(_landing(o, stride, ki * rd - lo, span, ld) for ki in range(k))
+    groups = int(instr.attrs.get("batch_group_count", "1"))
+    return 2.0 * (lhs.dims[ll.index("b")] // groups) * rhs.dims[rl.index("o")] * rhs.dims[rl.index("i")] * pairs
+
+
+def _landing(o: int, stride: int, shift: int, span: int, ld: int) -> int:
+    """How many output positions oi in [0, o) read a real input at oi * stride + shift in [0, span],
+    on a multiple of the lhs dilation ld."""
+    if ld > 1:
+        return sum(1 for oi in range(o) if 0 <= (p := oi * stride + shift) <= span and p % ld == 0)
+    first = max(0, -(shift // stride) if shift < 0 else 0)  # smallest oi with oi * stride + shift >= 0
+    while first * stride + shift < 0:
+        first += 1
+    last = min(o - 1, (span - shift) // stride) if span >= shift else -1
+    return max(last - first + 1, 0)
