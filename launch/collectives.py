@@ -140,6 +140,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     compiled = fit.compile_checked(lowered, run, bound,  # a TPU pod's devices: compiled for them
                                    None if devices is None else topology.compile_for_pod)
     compile_s = time.perf_counter() - t0
+    options = compiler_options(lowered)
     text = compiled.as_text()
     led = hlo.ledger(text, runner.mesh)
     first = runner.mesh.devices.flat[0]
@@ -160,9 +161,15 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     return {"strategy": strategy, "impl": impl, "mesh": mesh, "platform": platform,
             "device_kind": first.device_kind, "hosts": len({d.process_index for d in runner.mesh.devices.flat}),
             "batch_size": cfg.train.batch_size, "seq_len": cfg.model.context_length,
-            "compile_s": compile_s, "ledger": led, "model": model, "memory": memory,
+            "compile_s": compile_s, "compiler_options": options, "ledger": led, "model": model, "memory": memory,
             "comparison": cost.compare(led.summary(), model.summary()),
             "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text}
+
+
+def compiler_options(lowered) -> dict[str, str]:
+    """The XLA options the train step was compiled with: those its jit passed (trainer.compiler_options),
+    read back from the lowering (JAX 0.12 keeps them as `_compiler_options_kvs`; no public accessor)."""
+    return {k: str(v) for k, v in lowered._lowering._compiler_options_kvs}
 
 
 def report(res: dict) -> str:
@@ -173,7 +180,8 @@ def report(res: dict) -> str:
         f"{res['device_kind']} ({res['hosts']} host{'s' * (res['hosts'] > 1)})"
     title = (f"{res['strategy']}/{res['impl']} on {where} mesh {mesh}, batch "
              f"{res['batch_size']}x{res['seq_len']} (compiled in {res['compile_s']:.1f}s)")
-    out = [title,
+    options = " ".join(f"--{k}={v}" for k, v in res["compiler_options"].items()) or "none (the compiler's defaults)"
+    out = [title, f"XLA options of the train step: {options}",
            "", "== measured: collectives of the compiled train step (ledger) ==", res["ledger"].table(),
            "", "== model: twinshard.cost (what the manual twin does) ==", res["model"].table(),
            "", "== measured vs model, per (op, axes) ==", cost.compare_table(res["comparison"])]

@@ -119,10 +119,13 @@ def define_speed_flags() -> None:
     define(flags.DEFINE_integer, "xla_tpu_scoped_vmem_limit_kib", None, "XLA:TPU's scoped VMEM limit in KiB, "
            "a compile option of the train step (default 0: the compiler's, 16 MiB on a v5e; splash blocks of "
            "2048 need more); ignored off a TPU.")
+    define(flags.DEFINE_bool, "async_collectives", None, "XLA:TPU runs all-reduces and all-gathers as async "
+           "collective fusions beside compute (default true: twinshard/train/xla_options.py); false: the "
+           "compiler's defaults. Ignored off a TPU.")
 
 
 SPEED_FLAGS = ("logits_dtype", "loss_recompute", "norm_dtype", "qkv_layout", "splash_fused_bwd",
-               "xla_tpu_scoped_vmem_limit_kib")
+               "xla_tpu_scoped_vmem_limit_kib", "async_collectives")
 
 
 # The model-shape flags: each overrides the ModelConfig field of its name (None: the preset's), so

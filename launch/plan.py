@@ -30,7 +30,9 @@ with the micro-batch count and schedule that rank best on it), the cost model of
   (arguments + outputs - aliased + temporaries) and the model a sum; compiled for the slice,
   XLA's peak can sit above the model's (--hbm_headroom's help says by how much), hence the
   default headroom of 25%;
-- compute time = FLOPs per chip / (peak x --mfu), the FLOPs in MFU's convention (causal attention
+- compute time = FLOPs per chip / (peak x --mfu), --mfu by default the matmul efficiency measured
+  on the chip (`chips.efficiency(chip)`: a large matmul on one chip, docs/schedule.md; 1.0 where
+  none is measured, and the output says which), the FLOPs in MFU's convention (causal attention
   counted half, as flash and splash compute it): the bf16 peak for --dtype=bfloat16, and for
   float32 the peak of JAX's default matmul precision (TF32 tensor cores on NVIDIA; on TPU one
   bf16 MXU pass, so the bf16 peak); a pipeline's times its schedule's bubble (GPipe (M+S-1)/M),
@@ -40,7 +42,7 @@ with the micro-batch count and schedule that rank best on it), the cost model of
   times the links' hop factor; a shift (a pipeline hop, ring attention's K/V blocks) at the
   rate of the one link it crosses. A collective over several axes (the gradient-norm scalar over
   (data, tensor)) is charged to the slowest of them;
-- the step time two ways, both lower bounds at --mfu=1 (peak FLOP/s, full link rate, latency
+- the step time two ways, both lower bounds (matmuls at --mfu, full link rate, latency
   ignored): `overlap` = max(compute, comm of each axis), as if every collective hid behind
   compute (XLA's async collectives come close for FSDP's weight gathers), and `serial` = their
   sum, nothing hidden (Megatron's activation all-reduces sit on the critical path). The bound
@@ -66,10 +68,14 @@ Which links a mesh axis uses (twinshard/hardware/links.py has the formulas and t
   the nodes through each GPU's own 50 GB/s NIC. An all-to-all is not hierarchical: the share
   bound for other nodes leaves through each GPU's NIC (its `all-to-all x` factor).
 
---compile (TPU only; needs libtpu, the `tpu` extra) then compiles the best runnable plan's train step
-(the manual twin) ahead of time for that slice on this machine (twinshard/hardware/topology.py) and
-prints the compiled step's collectives and memory_analysis() per chip beside the model's
-(about a minute on a 2-core CPU). GPU topologies cannot be compiled without the GPUs.
+--compile (TPU only; needs libtpu, the `tpu` extra) then compiles the --compile_top (3) best runnable
+plans' train steps (the manual twin) ahead of time for that slice on this machine
+(twinshard/hardware/topology.py), prints each compiled step's collectives and memory_analysis() per
+chip beside the model's, and ranks them again by the step `twinshard.hlo.predict` reads from the
+compiled program (docs/schedule.md): each op priced at the chip's measured efficiencies, each
+collective exposed only where the compiler's schedule leaves nothing to hide it behind, shown per
+mesh axis (about a minute per plan on a 2-core CPU). GPU topologies cannot be compiled without the
+GPUs.
 """
 
 from __future__ import annotations
@@ -107,14 +113,16 @@ flags.DEFINE_enum("optimizer_dtype", "float32", COMPUTE_DTYPES, "The optimizer s
 flags.DEFINE_bool("master_weights", False, "Count a float32 master copy of the params besides (mixed precision "
                   "with --param_dtype=bfloat16: 2 + 2 + 4 + 8 bytes per parameter under AdamW).")
 flags.DEFINE_integer("top", 10, "Ranked plans to print.")
-flags.DEFINE_float("mfu", 1.0, "Fraction of the peak FLOP/s the matmuls reach (1: the peak, a lower bound "
-                   "on the step time).")
+flags.DEFINE_float("mfu", None, "Fraction of the peak FLOP/s the matmuls reach (default: the chip's measured "
+                   "matmul efficiency, twinshard/hardware/chips.py EFFICIENCIES; 1, the peak, for a chip with none).")
 flags.DEFINE_float("hbm_headroom", 0.25, "Fraction of each chip's HBM the model's estimate leaves free: "
                    "XLA's own peak was 21-34% above it (measured with --compile).")
 flags.DEFINE_enum("rank_by", "serial", ("serial", "overlap"), "Rank by the step time without overlap "
                   "(compute + communication) or with perfect overlap (the largest of them).")
-flags.DEFINE_bool("compile", False, "Compile the best TPU plan ahead of time for --topology (needs libtpu) "
-                  "and print its collectives and memory_analysis beside the model.")
+flags.DEFINE_bool("compile", False, "Compile the best TPU plans ahead of time for --topology (needs libtpu) "
+                  "and print their collectives, memory_analysis and predicted step beside the model.")
+flags.DEFINE_integer("compile_top", 3, "With --compile: how many of the best plans launch.train runs are compiled "
+                     "and ranked again by their compiled step's prediction.")
 FLAGS = flags.FLAGS
 
 # ----------------------------------------------------------------------------- text
@@ -149,13 +157,14 @@ def _breakdown(p: Plan) -> str:
 
 
 def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
-           top: int, mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> str:
+           top: int, mfu: float, headroom: float, rank_by: str, precision: Precision = Precision(),
+           mfu_why: str = "given") -> str:
     m, chip, batch = cfg.model, topo.chip, cfg.train.batch_size
     peak, which = matmul_peak_flops(chip, m.dtype)
     out = [f"{_count(m.num_params())}-parameter model, batch {batch} x {m.context_length} tokens, "
            f"{m.dtype} compute, on {topo.describe()}",
            f"chip {chip.name}: {chip.hbm_bytes / chips.GIB:g} GiB HBM ({human(chip.hbm_bytes * (1 - headroom))} usable at "
-           f"--hbm_headroom={headroom:g}); peak {peak / 1e12:g} TFLOP/s {which}, at --mfu={mfu:g}",
+           f"--hbm_headroom={headroom:g}); peak {peak / 1e12:g} TFLOP/s {which}, at --mfu={mfu:g} ({mfu_why})",
            f"sources: {chip.source}; {chip.network_source}", ""]
     if fit:
         out += [f"== plans that fit, ranked by the {rank_by} step time (lower bounds: peak FLOP/s x mfu, "
@@ -270,8 +279,9 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
 # ----------------------------------------------------------------------------- --compile
 
 
-def compile_best(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
-    """Compile the plan's manual train step for the TPU slice; text and JSON-ready numbers."""
+def compile_plan(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
+    """Compile the plan's manual train step for the TPU slice and predict its step from the compiled
+    program (twinshard.hlo.predict); text and JSON-ready numbers."""
     from launch import collectives
     from twinshard.hardware import topology
 
@@ -280,6 +290,7 @@ def compile_best(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
     train = dataclasses.replace(cfg.train, microbatches=plan.microbatches, schedule=plan.schedule)
     res = collectives.collectives(plan.strategy, "manual", plan.mesh_text(), dataclasses.replace(cfg, train=train),
                                   devices)
+    pred = collectives.predict_step(res, topo)
     ma = res["memory"]["analysis"]
     peak = (ma["argument_size_in_bytes"] + ma["output_size_in_bytes"] - ma["alias_size_in_bytes"]
             + ma["temp_size_in_bytes"])
@@ -291,9 +302,52 @@ def compile_best(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
         "collectives of the compiled step vs the model (as the TPU compiler prints the manual twin):", table,
         "", "memory per chip: compiled.memory_analysis() beside the model", collectives.memory_table(res),
         f"XLA's peak per chip: arguments + outputs - aliased + temporaries = {human(peak)} of "
-        f"{topo.chip.hbm_bytes / chips.GIB:g} GiB HBM: {verdict} (the model said {human(plan.memory)})"])
-    return text, {"compile_s": res["compile_s"], "memory_analysis": ma, "peak_bytes": peak,
-                  "comparison": res["tpu_comparison"] or res["comparison"]}
+        f"{topo.chip.hbm_bytes / chips.GIB:g} GiB HBM: {verdict} (the model said {human(plan.memory)})",
+        "", "the compiled step's schedule priced on the chip (twinshard.hlo.predict):", pred.table()])
+    axes = {a: dataclasses.asdict(t) for a, t in pred.axes.items()}
+    return text, {"strategy": plan.strategy, "mesh": plan.mesh, "compile_s": res["compile_s"],
+                  "compiler_options": res["compiler_options"], "memory_analysis": ma, "peak_bytes": peak,
+                  "fits": peak <= topo.chip.hbm_bytes, "comparison": res["tpu_comparison"] or res["comparison"],
+                  "predicted": {"step_s": pred.step_s, "compute_s": pred.compute_s, "exposed_s": pred.exposed_s,
+                                "axes": axes, "efficiency": dataclasses.asdict(pred.efficiency)}}
+
+
+def refined_table(compiled: list[tuple[int, Plan, dict]], rank_by: str) -> str:
+    """The compiled plans ranked by their predicted step: the model's step beside the compiled
+    program's, its compute and each mesh axis's exposed communication."""
+    axes = [a for a in mesh_lib.ORDER if any(a in doc["predicted"]["axes"] for _, _, doc in compiled)]
+    head = ("rank", "plan", "strategy", "mesh", f"model ({rank_by})", "predicted step", "compute+memory",
+            *(f"exposed {a}" for a in axes), "exposed", "XLA peak")
+    rows = []
+    for i, (rank_, p, doc) in enumerate(compiled, 1):
+        pr = doc["predicted"]
+        rows.append((str(i), str(rank_), p.strategy, p.label(), _ms(p.step_s(rank_by)), _ms(pr["step_s"]),
+                     _ms(pr["compute_s"]),
+                     *(_ms(pr["axes"][a]["exposed_s"]) if a in pr["axes"] else "-" for a in axes),
+                     f"{pr['exposed_s'] / pr['step_s']:.0%}",
+                     human(doc["peak_bytes"]) + ("" if doc["fits"] else " (too big)")))
+    return "\n".join(cost.format_table(head, rows))
+
+
+def compile_top(fit: list[Plan], topo: Topology, cfg: Config, n: int, rank_by: str) -> tuple[str, list[dict]]:
+    """Compile the n best plans launch.train runs; re-rank them by the compiled program's predicted step."""
+    chosen = [(i, p) for i, p in enumerate(fit, 1) if p.runnable][:n]
+    if not chosen:
+        raise ValueError("--compile: no plan launch.train runs fits in memory, so there is nothing to compile.")
+    texts, compiled = [], []
+    for rank_, p in chosen:
+        print(f"\ncompiling plan {rank_} ({p.strategy} {p.label()}) for {topo.name} ahead of time (a minute or "
+              "so) ...", flush=True)
+        text, doc = compile_plan(p, topo, cfg)
+        print(text, flush=True)
+        compiled.append((rank_, p, {"plan_rank": rank_, **doc}))
+    compiled.sort(key=lambda c: (not c[2]["fits"], c[2]["predicted"]["step_s"]))
+    eff = compiled[0][2]["predicted"]["efficiency"]
+    text = "\n".join([
+        "", f"== the {len(compiled)} best plans compiled, ranked by the compiled step's prediction (twinshard.hlo.predict: "
+        f"matmul {eff['matmul_efficiency']:g}, hbm {eff['hbm_efficiency']:g} of the peaks, {eff['source']}; "
+        "communication that compute hides costs nothing) ==", refined_table(compiled, rank_by)])
+    return text, [doc for _, _, doc in compiled]
 
 
 # ----------------------------------------------------------------------------- main
@@ -311,10 +365,23 @@ def config_from_flags() -> Config:
     return common.with_model_flags(cfg, FLAGS)  # the model flags, --context_length among them
 
 
+def matmul_fraction(chip: chips.Chip, asked: float | None) -> tuple[float, str]:
+    """(the fraction of the peak the matmuls reach, where it comes from): --mfu when given, else the
+    matmul efficiency measured on `chip` (chips.EFFICIENCIES), else 1.0, the datasheet peak."""
+    if asked is not None:
+        return asked, "given"
+    if chip.name not in chips.EFFICIENCIES:
+        return 1.0, f"no matmul efficiency measured on {chip.name}: the datasheet peak; --mfu sets one"
+    measured = chips.efficiency(chip)
+    return measured.matmul_efficiency, f"the matmul efficiency measured on {chip.name}: {measured.source}"
+
+
 def check_flags(topo: Topology) -> None:
     if FLAGS.top < 1:
         raise ValueError(f"--top={FLAGS.top} must be >= 1.")
-    if not 0 < FLAGS.mfu <= 1:
+    if FLAGS.compile_top < 1:
+        raise ValueError(f"--compile_top={FLAGS.compile_top} must be >= 1: the number of best plans to compile.")
+    if FLAGS.mfu is not None and not 0 < FLAGS.mfu <= 1:
         raise ValueError(f"--mfu={FLAGS.mfu} must be in (0, 1]: the fraction of the peak FLOP/s reached.")
     if not 0 <= FLAGS.hbm_headroom < 1:
         raise ValueError(f"--hbm_headroom={FLAGS.hbm_headroom} must be in [0, 1): the fraction of HBM kept free.")
@@ -347,20 +414,18 @@ def main(argv):
     cfg = config_from_flags()
     check_flags(topo)
     precision = Precision(FLAGS.param_dtype, FLAGS.optimizer_dtype, FLAGS.master_weights)
-    plans, skipped = plan_all(cfg.model, topo, cfg.train.batch_size, FLAGS.mfu, FLAGS.hbm_headroom,
+    mfu, mfu_why = matmul_fraction(topo.chip, FLAGS.mfu)
+    plans, skipped = plan_all(cfg.model, topo, cfg.train.batch_size, mfu, FLAGS.hbm_headroom,
                               cfg.train.optimizer, precision, FLAGS.rank_by)
     if not plans:
         raise ValueError(no_plan(skipped, topo, cfg.train.batch_size))
     fit, over = rank(plans, FLAGS.rank_by)
     args = (fit, over, skipped, topo, FLAGS.preset, cfg)
-    print(report(*args, FLAGS.top, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by, precision), flush=True)
-    doc = as_dict(*args, FLAGS.mfu, FLAGS.hbm_headroom, FLAGS.rank_by, precision)
+    print(report(*args, FLAGS.top, mfu, FLAGS.hbm_headroom, FLAGS.rank_by, precision, mfu_why), flush=True)
+    doc = as_dict(*args, mfu, FLAGS.hbm_headroom, FLAGS.rank_by, precision)
+    doc["assumptions"]["mfu_from"] = mfu_why
     if FLAGS.compile:
-        best = next((p for p in fit if p.runnable), None)
-        if best is None:
-            raise ValueError("--compile: no plan launch.train runs fits in memory, so there is nothing to compile.")
-        print(f"\ncompiling the best plan for {topo.name} ahead of time (a minute or so) ...", flush=True)
-        text, doc["compile"] = compile_best(best, topo, cfg)
+        text, doc["compiled"] = compile_top(fit, topo, cfg, FLAGS.compile_top, FLAGS.rank_by)
         print(text)
     if FLAGS.json:
         with open(FLAGS.json, "w") as f:

@@ -2,8 +2,9 @@
 uses, one plan row by hand, the memory check, the ranking, docs/multi-host.md's launch lines, and
 the CLI (one run and its one-line errors).
 
-Nothing is compiled here (a --compile of the tiny preset runs in test_compile_the_best_tpu_plan,
-~10 s: it reuses launch.collectives, which tests/test_tpu_topology.py checks in depth).
+Nothing is compiled here (a --compile of the tiny preset runs in
+test_compile_refines_the_top_plans_with_the_compiled_step, ~20 s: it reuses launch.collectives,
+which tests/test_tpu_topology.py checks in depth).
 """
 
 import dataclasses
@@ -649,18 +650,57 @@ def test_cli_errors_are_one_line():
     assert_user_error(proc, "--master_weights counts a float32 copy of narrower params: pass --param_dtype=bfloat16")
 
 
-def test_compile_the_best_tpu_plan(tmp_path):
-    """tiny on v5e:2x2 (4 chips, one host): the best plan compiled for TPU, its collectives equal to
-    the model as TPU prints it, and its memory_analysis beside the model's."""
-    proc = run("-m", "launch.plan", "--preset=tiny", "--topology=v5e:2x2", "--compile",
+def test_the_default_mfu_is_the_chips_measured_matmul_efficiency(monkeypatch):
+    """--mfu unset: the matmul efficiency measured on the chip (chips.EFFICIENCIES), named in the report;
+    1.0 where none is measured, saying so; --mfu given wins. The compute column follows it."""
+    v5e = chips.chip("v5e")
+    monkeypatch.setitem(chips.EFFICIENCIES, "v5e", chips.Efficiency(0.8, 0.6, 0.5, "a large matmul on one v5e"))
+    monkeypatch.delitem(chips.EFFICIENCIES, "v5p", raising=False)
+    assert planner.matmul_fraction(v5e, None) == (0.8, "the matmul efficiency measured on v5e: a large matmul on one v5e")
+    assert planner.matmul_fraction(v5e, 0.5) == (0.5, "given")
+    mfu, why = planner.matmul_fraction(chips.chip("v5p"), None)
+    assert mfu == 1.0 and why.startswith("no matmul efficiency measured on v5p: the datasheet peak")
+    topo, cfg = hardware_links.parse_topology("v5e:4x4"), preset("gpt2_125m")
+    mfu, why = planner.matmul_fraction(topo.chip, None)
+    at_peak, _ = plans_lib.plan_all(cfg.model, topo, 16)
+    measured, skipped = plans_lib.plan_all(cfg.model, topo, 16, mfu)
+    assert [p.compute_s / 0.8 for p in at_peak] == pytest.approx([p.compute_s for p in measured])
+    fit, over = plans_lib.rank(measured, "serial")
+    text = planner.report(fit, over, skipped, topo, "gpt2_125m", cfg, 3, mfu, 0.25, "serial", mfu_why=why)
+    assert "at --mfu=0.8 (the matmul efficiency measured on v5e: a large matmul on one v5e)" in text
+
+
+def test_compile_refines_the_top_plans_with_the_compiled_step(tmp_path):
+    """tiny on v5e:2x2 (4 chips, one host), --compile_top=2: both plans compiled for TPU, their
+    collectives equal to the model as TPU prints it, then ranked by the step hlo.predict reads from each
+    compiled program, with each mesh axis's exposed communication (the per-plan prediction's own numbers)."""
+    proc = run("-m", "launch.plan", "--preset=tiny", "--topology=v5e:2x2", "--compile", "--compile_top=2",
                f"--json={tmp_path / 'plan.json'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
     doc = json.loads((tmp_path / "plan.json").read_text())
-    best = doc["plans"][0]
-    assert doc["compile"]["comparison"] and all(r["match"] for r in doc["compile"]["comparison"])
-    assert f"compiled ahead of time: {best['strategy']}/manual" in proc.stdout
-    assert "XLA's peak per chip" in proc.stdout and ": fits (the model said" in proc.stdout
-    assert doc["compile"]["peak_bytes"] > 0 and doc["compile"]["compile_s"] > 0
+    first_two = [(p["strategy"], p["mesh"]) for p in doc["plans"][:2]]
+    compiled = doc["compiled"]
+    assert sorted((c["strategy"], c["mesh"]) for c in compiled) == sorted(first_two)
+    assert [c["plan_rank"] for c in compiled] != [] and {c["plan_rank"] for c in compiled} == {1, 2}
+    steps = [c["predicted"]["step_s"] for c in compiled]
+    assert steps == sorted(steps) and all(s > 0 for s in steps)
+    for c in compiled:
+        assert c["comparison"] and all(r["match"] for r in c["comparison"])
+        pred = c["predicted"]
+        assert pred["step_s"] == pytest.approx(pred["compute_s"] + pred["exposed_s"])
+        assert pred["exposed_s"] == pytest.approx(sum(a["exposed_s"] for a in pred["axes"].values()))
+        assert c["peak_bytes"] > 0 and c["compile_s"] > 0 and c["fits"]
+        assert f"compiled ahead of time: {c['strategy']}/manual" in out
+    assert "XLA's peak per chip" in out and ": fits (the model said" in out
+    table = out[out.index("== the 2 best plans compiled, ranked by the compiled step's prediction"):]
+    head, rows = table.splitlines()[1], table.splitlines()[3:5]
+    axes = [a for a in ("data", "tensor") if any(a in c["predicted"]["axes"] for c in compiled)]
+    assert all(f"exposed {a}" in head for a in axes) and "predicted step" in head
+    for row, c in zip(rows, compiled):
+        cells = row.split()
+        assert cells[1] == str(c["plan_rank"]) and cells[2] == c["strategy"]
+        assert planner._ms(c['predicted']['step_s']) in row
 
 
 # ----------------------------------------------------------------------------- the scaling book's LLaMA-3-70B

@@ -206,8 +206,9 @@ def test_scoped_vmem_limit_lets_blocks_of_2048_compile():
 
 
 def test_scoped_vmem_limit_is_a_tpu_option_only():
-    cfg = dataclasses.replace(SPLASH.model, xla_tpu_scoped_vmem_limit_kib=65536)
+    cfg = dataclasses.replace(SPLASH.model, xla_tpu_scoped_vmem_limit_kib=65536, async_collectives=False)
     assert trainer.compiler_options(cfg, "tpu") == {"xla_tpu_scoped_vmem_limit_kib": "65536"}
-    assert trainer.compiler_options(cfg, "cpu") is None and trainer.compiler_options(SPLASH.model, "tpu") is None
+    assert trainer.compiler_options(cfg, "cpu") is None
+    assert trainer.compiler_options(dataclasses.replace(cfg, xla_tpu_scoped_vmem_limit_kib=0), "tpu") is None
     with pytest.raises(ValueError, match="xla_tpu_scoped_vmem_limit_kib=-1"):
         dataclasses.replace(SPLASH.model, xla_tpu_scoped_vmem_limit_kib=-1)

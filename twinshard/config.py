@@ -132,6 +132,9 @@ class ModelConfig:
     # XLA:TPU's scoped VMEM limit in KiB, a compile option of the step (larger splash blocks need more);
     # 0: the compiler's default. Other backends ignore it
     xla_tpu_scoped_vmem_limit_kib: int = 0
+    # XLA:TPU compiles all-reduces (and all-gathers) as async collective fusions, compute scheduled beside them
+    # (twinshard/train/xla_options.py ASYNC_COLLECTIVES); False: the compiler's defaults. Other backends ignore it
+    async_collectives: bool = True
     # q, k, v through a [B, T, h*dh] layout and transposes ("tokens") or straight in the kernel's [B, h, T, dh] ("heads")
     qkv_layout: str = "tokens"
     # layers per layer-scan iteration: 1 compiles ONE layer; num_layers unrolls (XLA:CPU up to 26% faster, BENCHMARKS.md)

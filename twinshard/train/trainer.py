@@ -19,6 +19,7 @@ from flax import nnx
 from twinshard.config import ModelConfig, TrainConfig
 from twinshard.model import TransformerLM
 from twinshard.train.optim import GuardState, lr_schedule, make_optimizer
+from twinshard.train.xla_options import compiler_options  # the train step's XLA options, beside it
 from twinshard.model.hooks import SINGLE_DEVICE, Parallelism
 
 Params = dict[str, Any]
@@ -208,15 +209,6 @@ def train_step(state: TrainState, x: jax.Array, y: jax.Array, *, cfg: ModelConfi
     loss, grads = value_and_grad(state.params, x, y)
     state, metrics = apply_gradients(state, grads, tx, train_cfg)
     return state, {"loss": loss, **metrics}
-
-
-def compiler_options(cfg: ModelConfig, platform: str) -> dict[str, str] | None:
-    """The train step's XLA options on `platform`: ModelConfig.xla_tpu_scoped_vmem_limit_kib as XLA:TPU's scoped VMEM
-    limit (splash blocks of 2048 at head_dim 128 need ~20 MiB of the default 16, measured on a v5e AOT
-    compile); None where nothing is set or the platform is not a TPU (other backends reject the option)."""
-    if cfg.xla_tpu_scoped_vmem_limit_kib and platform == "tpu":
-        return {"xla_tpu_scoped_vmem_limit_kib": str(cfg.xla_tpu_scoped_vmem_limit_kib)}
-    return None
 
 
 class SingleDevice:

@@ -1,0 +1,67 @@
+"""The train step's XLA:TPU options (twinshard/train/xla_options.py): each one a name the locked libtpu
+accepts (it refuses an unknown one at compile time), together what turns a synchronous all-reduce
+into an asynchronous one with compute scheduled beside it, on by default and recorded where the
+launchers report a compile.
+
+Needs libtpu (the `tpu` extra), as tests/test_tpu_topology.py; the compiles are of one small
+program for 4 v5e chips (~10 s each)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from twinshard import hlo
+from twinshard.config import preset
+from twinshard.hardware import topology
+from twinshard.train import trainer, xla_options
+
+needs_libtpu = pytest.mark.skipif(not topology.libtpu_installed(),
+                                  reason="needs libtpu: uv run --locked --extra tpu pytest")
+TINY = preset("tiny").model
+
+
+def _reduction_beside_matmuls(options: dict[str, str] | None):
+    """A gradient-like all-reduce over 4 v5e chips with matmuls that do not need it, compiled ahead
+    of time with `options`: its schedule (hlo.schedule)."""
+    devs = topology.devices("v5e:2x2")
+    mesh = jax.sharding.Mesh(np.array(devs), ("data",))
+
+    def step(a, b):
+        reduced = jax.lax.psum(a @ a, "data")      # [D, D]: nothing below reads it
+        z = jnp.tanh(b @ b) @ b                    # independent compute to hide it behind
+        return reduced, jnp.tanh(z @ b) @ b
+
+    f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    compiled = topology.compile_for_pod(jax.jit(f, compiler_options=options).lower(x, x))
+    return hlo.schedule(compiled, {"data": 4})
+
+
+@needs_libtpu
+def test_libtpu_accepts_each_option_and_refuses_an_unknown_one():
+    for name, value in xla_options.ASYNC_COLLECTIVES.items():
+        _reduction_beside_matmuls({name: value})  # raises where libtpu does not know the name
+    with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):
+        _reduction_beside_matmuls({"xla_tpu_enable_async_all_reduce": "true"})  # a plausible name that is not one
+
+
+@needs_libtpu
+def test_the_options_make_the_all_reduce_asynchronous_with_compute_beside_it():
+    """The compiler's defaults: the all-reduce is synchronous (a window of zero width). The train
+    step's options: issued, then matmuls scheduled, then completed."""
+    (plain,) = [w for w in _reduction_beside_matmuls(None).windows() if w.op == "all-reduce"]
+    assert plain.synchronous and not plain.inside
+    options = trainer.compiler_options(TINY, "tpu")
+    (overlapped,) = [w for w in _reduction_beside_matmuls(options).windows() if w.op == "all-reduce"]
+    assert not overlapped.synchronous and overlapped.inside
+
+
+def test_the_options_are_tpu_options_on_by_default():
+    assert TINY.async_collectives
+    assert trainer.compiler_options(TINY, "tpu") == xla_options.ASYNC_COLLECTIVES
+    assert trainer.compiler_options(TINY, "cpu") is None  # XLA:CPU refuses TPU options
+    assert trainer.compiler_options(dataclasses.replace(TINY, async_collectives=False), "tpu") is None

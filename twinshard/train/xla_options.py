@@ -1,0 +1,40 @@
+"""The XLA:TPU options a train step is compiled with (`compiler_options`, the `compiler_options=` of
+every runner's train-step jit): what ModelConfig asks for, and the options that let the compiler run
+collectives beside compute (ModelConfig.async_collectives, on by default; docs/schedule.md shows
+what they hide).
+
+By default XLA:TPU (libtpu 0.0.50.1) runs every all-reduce synchronously: the gradient reductions
+of FSDP (a reduce-scatter over a whole v5e:4x4 grid compiles to an all-reduce + slice), the
+embedding's and the lm_head's. `ASYNC_COLLECTIVES` makes all-reduces asynchronous collective
+fusions too, as all-gathers already are: the names are MaxText's (benchmarks/xla_flags_library.py,
+CF_FOR_ALL_REDUCE and CF_FOR_ALL_GATHER); libtpu refuses a name it does not know at compile time,
+and tests/test_speed_options.py compiles with these."""
+
+from __future__ import annotations
+
+from twinshard.config import ModelConfig
+
+# Collectives as asynchronous collective fusions, with the compute scheduled between their start
+# and done fused beside them ("continuation fusion"), over several steps, on the one TensorCore.
+ASYNC_COLLECTIVES: dict[str, str] = {
+    "xla_enable_async_all_gather": "true",
+    "xla_enable_async_all_reduce": "true",
+    "xla_tpu_enable_async_collective_fusion": "true",
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": "true",
+    "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": "true",
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": "true",
+    "xla_tpu_overlap_compute_collective_tc": "true",
+}
+
+
+def compiler_options(cfg: ModelConfig, platform: str) -> dict[str, str] | None:
+    """The train step's XLA options on `platform`: on a TPU, ASYNC_COLLECTIVES (cfg.async_collectives)
+    and cfg.xla_tpu_scoped_vmem_limit_kib as the scoped VMEM limit (splash blocks of 2048 at head_dim
+    128 need ~20 MiB of the default 16, measured on a v5e AOT compile); None where nothing is set or
+    the platform is not a TPU (other backends reject these options)."""
+    if platform != "tpu":
+        return None
+    options = dict(ASYNC_COLLECTIVES) if cfg.async_collectives else {}
+    if cfg.xla_tpu_scoped_vmem_limit_kib:
+        options["xla_tpu_scoped_vmem_limit_kib"] = str(cfg.xla_tpu_scoped_vmem_limit_kib)
+    return options or None
