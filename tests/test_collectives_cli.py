@@ -15,6 +15,7 @@ import pytest
 
 from cli import run
 from twinshard.hardware import topology
+from twinshard.train import xla_options
 
 TPU = topology.libtpu_installed()
 DRIVER = r"""
@@ -77,6 +78,7 @@ def test_dp_ledger_equals_the_model(runs):
             for r in doc["comparison"]] == [("all-reduce", ["data"], 22, 13, 4 * 155968 + 4, 4 * 155968 + 4)]
     text = runs["texts"][0]
     assert "== measured vs model" in text and "TOTAL" in text and "DIFFERS" in text
+    assert doc["compiler_options"] == {} and "XLA options of the train step: none (the compiler's defaults)" in text
     with open(runs["out"] / "dp.hlo") as f:
         assert "all-reduce" in f.read()
 
@@ -125,6 +127,10 @@ def test_topology_compiles_for_a_multi_host_tpu_pod(runs):
         > mem["arguments"]["total"]["bytes"]
     assert "fsdp/manual on TPU v5 lite (4 hosts) mesh data:16,tensor:1" in text
     assert "== measured vs model as the TPU compiler prints it" in text and "as stored" in text
+    # the options the train step's jit compiled with, read back from its lowering
+    assert doc["compiler_options"] == xla_options.ASYNC_COLLECTIVES
+    assert "XLA options of the train step: --xla_enable_async_all_gather=true --xla_enable_async_all_reduce=true" in text
+    assert "--xla_jf_crs_combiner_threshold_in_bytes=0" in text
 
 
 def test_bad_input_is_a_clear_error(runs):

@@ -6,9 +6,10 @@ what they hide).
 By default XLA:TPU (libtpu 0.0.50.1) runs every all-reduce synchronously: the gradient reductions
 of FSDP (a reduce-scatter over a whole v5e:4x4 grid compiles to an all-reduce + slice), the
 embedding's and the lm_head's. `ASYNC_COLLECTIVES` makes all-reduces asynchronous collective
-fusions too, as all-gathers already are: the names are MaxText's (benchmarks/xla_flags_library.py,
-CF_FOR_ALL_REDUCE and CF_FOR_ALL_GATHER); libtpu refuses a name it does not know at compile time,
-and tests/test_speed_options.py compiles with these."""
+fusions too, as all-gathers already are; the names are MaxText's (benchmarks/xla_flags_library.py,
+CF_FOR_ALL_REDUCE and CF_FOR_ALL_GATHER) but the last, found in libtpu's own list of options. libtpu
+refuses a name it does not know at compile time; tests/test_xla_options.py compiles with each.
+What they hide on v5e:4x4: BENCHMARKS.md, "Exposed communication on v5e:4x4"."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ ASYNC_COLLECTIVES: dict[str, str] = {
     "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": "true",
     "xla_tpu_enable_async_collective_fusion_multiple_steps": "true",
     "xla_tpu_overlap_compute_collective_tc": "true",
+    # The all-reduce combiner off: it merged a layer's gradient all-reduces into one, which waits for
+    # the layer's last gradient and ran synchronously, async options or not (llama_v5e, fsdp, v5e:4x4).
+    "xla_jf_crs_combiner_threshold_in_bytes": "0",
 }
 
 
