@@ -134,6 +134,20 @@ def test_phase_says_forward_or_backward(grad_ledger: hlo.Ledger) -> None:
         grad_ledger.filter(phase="backwards")
 
 
+def test_phase_of_a_program_without_grad_and_of_what_runs_after_the_grad(mesh) -> None:
+    x = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    forward = jax.jit(jax.shard_map(lambda v: lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()))
+    assert [r.phase for r in hlo.ledger(forward.lower(x).compile(), mesh)] == ["forward"]
+
+    def step(v):  # v: [1, 4]; the gradient's all-reduce runs after jax.grad, outside jvp/transpose
+        g = jax.grad(lambda u: (lax.all_gather(u, "data", tiled=True) ** 2).sum())(v)
+        return lax.pmax(g, "data")
+    led = hlo.ledger(jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P())).lower(x).compile(), mesh)
+    assert {(r.op, r.reduction, r.phase) for r in led} == {("all-gather", "", "forward"),
+                                                            ("reduce-scatter", "sum", "backward"),
+                                                            ("all-reduce", "max", "")}, led.table()
+
+
 def test_select_by_source_file_and_line(grad_ledger: hlo.Ledger) -> None:
     gather_line = _line("# <- the gather")
     (r,) = grad_ledger.records

@@ -58,8 +58,9 @@ class Collective:
     # all-reduce and reduce-scatter: how the group combines its values, from the root of the
     # `to_apply` computation (REDUCTIONS); "" for other ops, or when that computation is not printed
     reduction: str = ""
-    # "backward" when the op_name carries JAX's `transpose(...)` (the backward pass, with any
-    # forward ops a remat recomputes there), "forward" for any other op_name, "" without metadata
+    # as the op_name says: "backward" under JAX's `transpose(...)` (with any forward ops a remat
+    # recomputes there), "forward" under `jvp(...)`, or anywhere in a program that differentiates
+    # nothing; "" outside the differentiated function (a gradient sync, the optimizer) or without metadata
     phase: str = ""
 
 
@@ -107,8 +108,8 @@ def _metadata(attrs: dict[str, str], frames: dict[int, str]) -> tuple[str, str]:
 
 
 def _phase(op_name: str) -> str:
-    """forward / backward as the op_name says (JAX names the backward pass `transpose(jvp(...))`)."""
-    return "" if not op_name else "backward" if "transpose(" in op_name else "forward"
+    """forward / backward as the op_name says (JAX names the passes `jvp(...)`, `transpose(jvp(...))`)."""
+    return "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else ""
 
 
 def _reduction(instr: Instr, mod: Module) -> str:
@@ -425,7 +426,8 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
     """Every collective of a compiled program (or HLO module text) on `mesh` (a Mesh, AbstractMesh
     or {'data': 2, ...}; group ids read as row-major partition ids)."""
     spec = mesh_spec(mesh)
-    mod = _parsed_module(_hlo_text(compiled_or_hlo_text))
+    text = _hlo_text(compiled_or_hlo_text)
+    mod = _parsed_module(text)
     instructions = sum(len(instrs) for instrs in mod.computations.values())
     if mod.num_partitions not in (None, 1) and mod.num_partitions != spec.size:
         raise ValueError(
@@ -470,6 +472,8 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
                 records += _records(i, op, mod, spec, mult, done_of.get((comp, i.name)), gte_meta)
             except (ValueError, KeyError, IndexError) as e:
                 unparsed.append(f"{i.line}  [{e}]")
+    if "jvp(" not in text:  # nothing differentiated: every collective with metadata is the forward's
+        records = [dataclasses.replace(r, phase="forward") if r.op_name else r for r in records]
     return Ledger(records, spec, unparsed, warnings, instructions)
 
 
