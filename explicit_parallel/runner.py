@@ -17,7 +17,7 @@ from twinshard.model.transformer import ACTIVATION
 from twinshard.parallel import placement
 from twinshard.parallel.placement import spec
 from twinshard.parallel.resolve import Run
-from twinshard.parallel.sharding import expect_sharding
+from twinshard.testing import expect_sharding  # a trace-time type check, the assertion users run too
 from twinshard.train.optim import make_optimizer
 from twinshard.train.trainer import accumulated_value_and_grad, logical_axes
 

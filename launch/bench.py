@@ -467,6 +467,6 @@ def write_outputs(doc: dict, json_path: str | None, md_path: str | None) -> str:
 
 if __name__ == "__main__":
     try:
-        app.run(main)
+        app.run(main, flags_parser=common.parse_flags)
     except ValueError as e:  # a user error: one line naming the flag and the fix, no traceback
         sys.exit(f"launch.bench: {e}")

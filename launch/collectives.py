@@ -301,10 +301,9 @@ def check_flags(FLAGS, cfg):
 
 def predict_step(res: dict, pod):
     """The compiled step's predicted time on the pod's chips, each mesh axis on its links."""
-    from twinshard import hlo
-    from twinshard.hardware import links
+    from twinshard.hardware import links, step_time
 
-    return hlo.predict(res["hlo"], pod.chip, res["mesh"], links.axis_links(pod, res["mesh"]))
+    return step_time.predict_step(res["hlo"], pod.chip, res["mesh"], links.axis_links(pod, res["mesh"]))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import tempfile
 from typing import Callable
 
@@ -35,9 +36,24 @@ IMPLS = ("auto", "manual", "explicit")
 
 
 def define(definer, name: str, *args, **kwargs) -> None:
-    """Define a flag once per process: launchers share these, and tests import several."""
+    """Define a flag once per process: launchers share these, and tests import several. It is a
+    key flag of the program run (absl's --help lists only those; --helpfull lists every flag)."""
     if name not in flags.FLAGS:
         definer(name, *args, **kwargs)
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])  # absl's name for __main__
+
+
+_HELP = ("--help", "-help", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, where asking for help exits 0 (absl exits 1: it is not an error)."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except SystemExit as e:
+        if e.code == 1 and any(a.split("=")[0] in _HELP for a in argv[1:]):
+            raise SystemExit(0) from None
+        raise
 
 
 def define_model_flags() -> None:
@@ -423,7 +439,7 @@ def run_devices(n: int, explicit: bool):
 def run(main: Callable, name: str) -> None:
     """absl's app.run(main) through `guarded`, with a --debug flag."""
     define(flags.DEFINE_bool, "debug", False, "On an error, show the Python traceback (or TWINSHARD_DEBUG=1).")
-    app.run(lambda argv: guarded(main, argv, debug=flags.FLAGS.debug, name=name))
+    app.run(lambda argv: guarded(main, argv, debug=flags.FLAGS.debug, name=name), flags_parser=parse_flags)
 
 
 def resolve_run(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None,

@@ -129,5 +129,8 @@ def test_a_twin_runs_exactly_the_strategies_the_table_gives_it(twin) -> None:
             resolve.check_twin(name, twin, cfg)
         else:
             with pytest.raises(ValueError, match=rf"--impl={twin} runs {', '.join(support.written_by(twin))}, "
-                                                 rf"not --strategy={name}"):
+                                                 rf"not --strategy={name}, which the "
+                                                 rf"{' and '.join(row.twins)} twins write") as err:
                 resolve.check_twin(name, twin, cfg)
+            assert "\n" not in str(err.value)  # one line, ending with the --impl values that run it
+            assert str(err.value).endswith(f"use {' or '.join(f'--impl={t}' for t in row.twins)}."), err.value

@@ -157,4 +157,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    from launch.common import parse_flags  # --help exits 0
+
+    sys.exit(app.run(main, flags_parser=parse_flags))

@@ -201,11 +201,9 @@ def of_run(run: Config, strategy: str, mesh: Mapping[str, int] | None, gpu: bool
                 param_bytes=w, state_bytes=w)
 
 
-_NOTES = {
-    "tp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
-    "fsdp_tp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
-    "tp_sp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
-}
+_PMAX = ("the cross-entropy max is an all-reduce with max (pmax), a row `all-reduce max` of the ledger; "
+         "the model counts it among the all-reduces over tensor")
+_NOTES = {"tp": [_PMAX], "fsdp_tp": [_PMAX], "tp_sp": [_PMAX]}
 
 
 # ----------------------------------------------------------------------------- comparing with a ledger

@@ -79,8 +79,10 @@ def check_twin(strategy: str, twin: str, cfg: Config) -> None:
     if twin not in support.TWINS:
         raise ValueError(f"--impl={twin} is not a twin; choose one of {', '.join(support.TWINS)}.")
     if twin not in support.get(strategy).twins:
-        raise ValueError(f"--impl={twin} runs {', '.join(support.written_by(twin))}, not --strategy={strategy} "
-                         "(docs/explicit.md says why): use --impl=auto or --impl=manual.")
+        others = support.get(strategy).twins
+        raise ValueError(f"--impl={twin} runs {', '.join(support.written_by(twin))}, not --strategy={strategy}, "
+                         f"which the {' and '.join(others)} twins write (docs/explicit.md says why): use "
+                         f"{' or '.join(f'--impl={t}' for t in others)}.")
     if cfg.model.num_experts and not support.with_option("moe", twin):
         raise ValueError(f"--impl={twin} runs dense models (--num_experts={cfg.model.num_experts}): "
                          "use --impl=auto or --impl=manual, or --num_experts=0.")
