@@ -68,10 +68,16 @@ def define_model_flags() -> None:
     define_precision_flags()
 
 
-def define_precision_flags() -> None:
-    from launch import fit
+def define_memory_flags() -> None:
+    """The flags launch/fit.py reads: every launcher that builds a step asks whether it fits."""
+    define(flags.DEFINE_bool, "skip_memory_check", False, "Compile and run even when the step does not fit "
+           "the device's memory (by the cost model, or by the compiled step's memory_analysis).")
+    define(flags.DEFINE_float, "device_memory_gib", None, "Memory per device to check the step against "
+           "(default: the accelerator's bytes_limit; on a CPU the host's memory before compiling, no check after).")
 
-    fit.define_flags()  # --skip_memory_check, --device_memory_gib: every launcher that builds a step
+
+def define_precision_flags() -> None:
+    define_memory_flags()  # --skip_memory_check, --device_memory_gib (launch/fit.py)
     from twinshard.config import ATTENTION_IMPLS, COMPUTE_DTYPES, REMAT_POLICIES, WEIGHT_DTYPES
 
     define(flags.DEFINE_enum, "dtype", None, COMPUTE_DTYPES, "Compute dtype (default: the preset's, float32): "

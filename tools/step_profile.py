@@ -64,9 +64,9 @@ def define_flags() -> None:
     flags.DEFINE_string("weight_dtype", None, "Storage dtype override of the params and optimizer moments.")
     flags.DEFINE_integer("batch_size", None, "Global batch size override (sequences).")
     flags.DEFINE_integer("loss_chunks", None, "Vocabulary tiling override (ModelConfig.loss_chunks).")
-    from launch import fit
+    from launch import common
 
-    fit.define_flags()  # --skip_memory_check, --device_memory_gib: a step that cannot fit is refused
+    common.define_memory_flags()  # --skip_memory_check, --device_memory_gib: a step that cannot fit is refused
 
 # name = type op(...): a tuple type "(f32[8]{0}, s8[64]{0})" has spaces (multi-output fusions, GEMMs)
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w\-]+)\(", re.M)
