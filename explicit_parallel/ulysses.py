@@ -14,10 +14,10 @@ from twinshard.parallel import context, placement
 from twinshard.parallel.context import CONTEXT
 from twinshard.parallel.placement import ATTENTION_KV, ATTENTION_Q, spec
 
-__all__ = ["Ulysses", "parallelism"]
+__all__ = ["UlyssesParallel", "parallelism"]
 
 
-class Ulysses(Explicit):
+class UlyssesParallel(Explicit):
     """Explicit's hooks; attention on head shards of whole sequences."""
 
     def __init__(self, mesh, activation_rules):
@@ -34,5 +34,5 @@ class Ulysses(Explicit):
         return to(placement.sharded_attention(self.mesh, heads, q, k, v, impl, block), ATTENTION_Q, self.rules)
 
 
-def parallelism(mesh, run) -> Ulysses:
-    return Ulysses(mesh, run.placed.activations)
+def parallelism(mesh, run) -> UlyssesParallel:
+    return UlyssesParallel(mesh, run.placed.activations)

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 from jax import lax
 from flax import nnx
 
-from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import shift_to_next_stage, shift_to_previous_stage
-from manual_parallel.runner import ManualRunner
+from manual_parallel.runner import ManualParallelism, ManualRunner
 from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.parallel.pipeline import STAGE

@@ -221,7 +221,7 @@ MUTANTS: list[Mutant] = [
            'e.primitive.name == "all-gather" for e in params["call_jaxpr"].eqns)',
            (SCAN, *MANUAL), "the remat policy looks for the HLO op name in the jaxpr: it never recognises a "
                            "gathered weight and saves them all (no re-gather, full weights live to backward)"),
-    Mutant("fsdp-remat-recomputes-psums", "fsdp", "manual_parallel/base.py",
+    Mutant("fsdp-remat-recomputes-psums", "fsdp", "manual_parallel/runner.py",
            '_REDUCTIONS = frozenset({"psum", "psum_invariant", "pmax", "reduce_scatter"})',
            '_REDUCTIONS = frozenset({"pmax", "reduce_scatter"})',
            (REMAT + "::test_manual_collectives_equal_the_cost_model_under_every_policy",),
@@ -826,7 +826,7 @@ MUTANTS: list[Mutant] = [
            (SCAN + "::test_unrolled_scan_is_the_same_training_and_the_same_collectives",),
            "an unrolled scan lets XLA merge FSDP's backward re-gather with the forward gather (the "
            "gathered weight lives until the backward pass)"),
-    Mutant("remat-tp-recomputes-g", "remat", "manual_parallel/base.py",
+    Mutant("remat-tp-recomputes-g", "remat", "manual_parallel/runner.py",
            "return also_saving(policy, saves_reductions)",
            "return policy",
            (REMAT + "::test_manual_collectives_equal_the_cost_model_under_every_policy",),
