@@ -10,9 +10,10 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from explicit_parallel.runner import Explicit
-from twinshard.parallel import context, placement
+from twinshard.parallel import context
 from twinshard.parallel.context import CONTEXT
 from twinshard.parallel.placement import ATTENTION_KV, ATTENTION_Q, spec
+from twinshard.placed import sharded_attention
 
 __all__ = ["UlyssesParallel", "parallelism"]
 
@@ -31,7 +32,7 @@ class UlyssesParallel(Explicit):
         heads = context.head_rules(self.rules)
         to = lambda x, axes, rules: jax.sharding.reshard(x, NamedSharding(self.mesh, P(*spec(axes, rules))))  # noqa: E731
         q, k, v = to(q, ATTENTION_Q, heads), to(k, ATTENTION_KV, heads), to(v, ATTENTION_KV, heads)
-        return to(placement.sharded_attention(self.mesh, heads, q, k, v, impl, block), ATTENTION_Q, self.rules)
+        return to(sharded_attention(self.mesh, heads, q, k, v, impl, block), ATTENTION_Q, self.rules)
 
 
 def parallelism(mesh, run) -> UlyssesParallel:

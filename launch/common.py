@@ -424,11 +424,20 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 
 
 def runner_of(run):
-    """The runner of a resolved run (`resolve_run`): the single-device runner for strategy "single"."""
-    from twinshard.parallel import resolve
+    """The runner of a resolved run (`resolve_run`): its twin's, the single-device runner for strategy "single"."""
     from twinshard.train.trainer import SingleDevice
 
-    return SingleDevice(run.cfg.model, run.cfg.train) if run.strategy == "single" else resolve.make_runner(run)
+    return SingleDevice(run.cfg.model, run.cfg.train) if run.strategy == "single" else twin(run.twin).runner_of(run)
+
+
+def twin(name: str):
+    """The package of twin `name` (one of twinshard.parallel.support.TWINS): its registry of strategies
+    (`MODULES`) and the `runner_of` a resolved run."""
+    import auto_parallel
+    import explicit_parallel
+    import manual_parallel
+
+    return {package.TWIN: package for package in (auto_parallel, manual_parallel, explicit_parallel)}[name]
 
 
 def default_platform() -> None:

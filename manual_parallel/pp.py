@@ -32,8 +32,8 @@ class PipelineRunner(ManualRunner):
     """ManualRunner whose gradients come from the pipeline (GPipe or 1F1B); the step, the
     optimizer and the global norm (one psum over `stage`) are ManualRunner's."""
 
-    def __init__(self, run):
-        super().__init__(run)
+    def __init__(self, run, parallelism):
+        super().__init__(run, parallelism)
         # True for params replicated over `stage` (their gradients are summed over it)
         self.replicated_over_stage = {k: k != "layers" for k in self.param_specs}
 

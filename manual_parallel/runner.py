@@ -20,6 +20,7 @@ from twinshard.model.remat import also_saving
 from twinshard.parallel import context, placement
 from twinshard.parallel.context import CONTEXT
 from twinshard.parallel.resolve import Run
+from twinshard.placed import Hooks, PlacedRunner, param_specs
 from twinshard.train.optim import Block, BlockMean, make_optimizer
 from twinshard.train.trainer import (TrainState, accumulated_value_and_grad, apply_gradients, check_grad_accum,
                                      create_params, logical_axes, loss_fn, stats_fn)
@@ -76,7 +77,7 @@ class SequenceShards:
         return jnp.asarray(self.table(t))[lax.axis_index(CONTEXT)]
 
 
-class ManualRunner(placement.PlacedRunner):
+class ManualRunner(PlacedRunner):
     """Runs one strategy as a shard_map program; the interface of trainer.SingleDevice."""
 
     # The mesh axes that split the tokens: each device's loss is the mean over its own share, so
@@ -84,14 +85,14 @@ class ManualRunner(placement.PlacedRunner):
     # cp and fsdp_cp split the sequence over `context` too (manual_parallel/cp.py).
     TOKEN_AXES: tuple[str, ...] = (DATA,)
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, parallelism: Hooks):
         cfg, declared, decl = run.cfg, run.declared, run.placed  # decl: the placement tables, for this model
         shapes = jax.eval_shape(functools.partial(create_params, cfg.model, 0))  # whole params
         blocks = jax.tree.map(lambda a, s: Block(a.shape, self.block_mean(s)), shapes,
-                              placement.param_specs(cfg, decl.params))
+                              param_specs(cfg, decl.params))
         self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm, blocks=blocks)
         self._place(run, jax.sharding.AxisType.Explicit)
-        self.par = self.hooks()  # the strategy's hooks (manual_parallel/<name>.py)
+        self.par = parallelism(self.mesh, run)  # the strategy's hooks (manual_parallel/<name>.py)
         check_grad_accum(cfg.train, self.sizes[DATA])
         self.token_axes = placement.active_axes(self.TOKEN_AXES, self.sizes)  # those of size > 1
         # per param, the token axes it is replicated over: its gradient's mean runs over them
@@ -104,7 +105,7 @@ class ManualRunner(placement.PlacedRunner):
         self.summed_over = jax.tree.map(
             lambda d, s: placement.active_axes(tuple(a for a in placement.sharded_axes(d) if a not in placement.sharded_axes(s)),
                                  self.sizes),
-            placement.param_specs(cfg, declared.params), self.param_specs, is_leaf=lambda x: isinstance(x, P))
+            param_specs(cfg, declared.params), self.param_specs, is_leaf=lambda x: isinstance(x, P))
         smap = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=True)
         b = self.batch_spec
         self.train_step = jax.jit(smap(self._train_step, in_specs=(self.state_specs, b, b),

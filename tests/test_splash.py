@@ -1,7 +1,7 @@
 """Splash attention (--attention=splash: JAX's Pallas TPU flash kernel, layers.splash_attention), here
 in Pallas' interpret mode on CPU: the kernel against the reference, the config's block checks,
 which kernel "auto" runs, and the twins that reach it (GSPMD and explicit through
-placement.sharded_attention's shard_map, the manual twin per device) against single-device
+twinshard.placed.sharded_attention's shard_map, the manual twin per device) against single-device
 training, with the same collectives as the recompute kernel.
 
 Measured here (JAX 0.12, interpret mode, H=4, dh=16, B=2), max |splash - reference| over the

@@ -80,6 +80,9 @@ def test_every_reader_of_the_registry_sees_every_strategy() -> None:
     names = set(EXPECTED)
     assert set(strategies.NAMES) == names
     assert set(auto_parallel.MODULES) == set(manual_parallel.MODULES) == set(support.SUPPORT) == names
+    packages = (auto_parallel, manual_parallel, explicit_parallel)
+    assert tuple(p.TWIN for p in packages) == support.TWINS  # launch.common.twin's registry
+    assert all(common.twin(p.TWIN) is p and tuple(p.MODULES) == support.written_by(p.TWIN) for p in packages)
     assert set(cost.STRATEGY_ROWS) == names and set(cost.RULES) == names
     assert set(mesh_lib.NEEDS) == names
     assert set(common.STRATEGIES) == names | {"single"}

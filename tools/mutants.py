@@ -780,7 +780,7 @@ MUTANTS: list[Mutant] = [
            "removed = dims[1] if field == \"v_row\" else dims[0]",
            "removed = dims[0] if field == \"v_row\" else dims[1]",
            (OPTIMIZERS,), "v_row is placed as if it dropped the second-largest dim, v_col the largest"),
-    Mutant("adafactor-stat-on-wrong-axis", "optim", "twinshard/parallel/placement.py",
+    Mutant("adafactor-stat-on-wrong-axis", "optim", "twinshard/placed.py",
            "return spec(tuple(axes[d] for d in dims), rules)",
            "return spec(tuple(axes[d] for d in dims[::-1]), rules)",
            (OPTIMIZERS,), "an optimizer leaf takes its kept dims' placements in reverse order (v_col "
@@ -1197,7 +1197,7 @@ MUTANTS: list[Mutant] = [
            'activations={"batch": "data", "experts": "expert", "expert_groups": "data"},',
            (f"{EXPERTS}::test_manual_ledger_equals_the_cost_model_exactly",),
            "ep replicates the tokens over expert: the same numbers, each exchange e times the bytes"),
-    Mutant("placement-tuple-axis-dropped", "experts", "twinshard/parallel/placement.py",
+    Mutant("placement-tuple-axis-dropped", "experts", "twinshard/placed.py",
            "kept = tuple(a for a in ((axis,) if isinstance(axis, str) else axis) if self.sizes.get(a, 1) > 1)",
            "kept = tuple(a for a in ((axis,) if isinstance(axis, str) else ()) if self.sizes.get(a, 1) > 1)",
            (f"{EXPERTS}::test_manual_ledger_equals_the_cost_model_exactly",),

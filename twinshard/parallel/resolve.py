@@ -1,12 +1,12 @@
 """From a strategy's name, a twin, a mesh string, the config and the devices to a resolved run.
 
-`resolve_run` is the one place a run is validated (every launcher and `make_runner`), so an invalid
-combination fails the same way everywhere, with a ValueError naming the value and the fix.
+`resolve_run` is the one place a run is validated (every launcher and each twin's `make_runner`), so an
+invalid combination fails the same way everywhere, with a ValueError naming the value and the fix. A
+twin's package builds the runner of a resolved run (`<twin>_parallel.runner_of`).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -62,16 +62,6 @@ def single_run(cfg: Config, twin: str = "single") -> Run:
     if twin != "single":
         check_options("single", twin, cfg)
     return Run("single", twin, None, None, MappingProxyType({}), cfg)
-
-
-PACKAGES = {twin: f"{twin}_parallel" for twin in support.TWINS}
-
-
-def make_runner(run: Run, tx=None):
-    """The runner of `run` in its twin; `tx` replaces the optimizer (auto and explicit)."""
-    package = importlib.import_module(PACKAGES[run.twin])
-    module = package.MODULES[run.strategy]
-    return getattr(module, "Runner", package.RUNNER)(run, **({} if tx is None else {"tx": tx}))
 
 
 def check_twin(strategy: str, twin: str, cfg: Config) -> None:
