@@ -55,7 +55,7 @@ from typing import Any
 from absl import app, flags, logging
 
 from launch import common, fit
-from twinshard.parallel import strategies
+from twinshard.parallel import strategies, support
 from twinshard.hardware.chips import Chip, chip_for  # the datasheet peaks (launch.plan reads the same table)
 from twinshard.hardware import measure
 from twinshard.config import PRESETS, Config, ModelConfig, TrainConfig, preset
@@ -75,7 +75,7 @@ common.define(flags.DEFINE_string, "markdown", None, "Write the results as a Mar
 common.define_precision_flags()  # --dtype, --attention, fit's --skip_memory_check, --device_memory_gib
 common.define(flags.DEFINE_list, "strategies", "single,dp,fsdp,tp,fsdp_tp", "Runs: single and/or strategies.")
 common.define(flags.DEFINE_list, "impls", "auto,manual", "Twins to run for each strategy: auto, manual, explicit "
-              "(explicit: dp, fsdp, tp, fsdp_tp, tp_sp).")
+              f"(explicit: {', '.join(support.written_by('explicit'))}).")
 common.define(flags.DEFINE_integer, "warmup", 2, "Untimed steps before the timed ones.")
 common.define(flags.DEFINE_integer, "matmul_size", None,
               "n of the n^3 peak matmul (default 2048 on CPU, 8192 on accelerators).")

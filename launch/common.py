@@ -26,12 +26,12 @@ from typing import Callable
 
 from absl import app, flags
 
-from twinshard.parallel import strategies
+from twinshard.parallel import strategies, support
 from twinshard.config import CP_LAYOUTS, MOE_DISPATCHES, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 from twinshard.errors import guarded
 
 STRATEGIES = ("single", *strategies.NAMES)  # single: the single-device reference
-IMPLS = ("auto", "manual", "explicit")
+IMPLS = support.TWINS
 
 
 def define(definer, name: str, *args, **kwargs) -> None:
@@ -48,7 +48,7 @@ def define_model_flags() -> None:
     define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
     define(flags.DEFINE_enum, "strategy", "single", STRATEGIES, "Parallelism strategy.")
     define(flags.DEFINE_enum, "impl", "auto", IMPLS, "auto (GSPMD annotations), manual (shard_map collectives) or "
-           "explicit (sharding in types: dp, fsdp, tp, fsdp_tp, tp_sp; docs/explicit.md).")
+           f"explicit (sharding in types: {', '.join(support.written_by('explicit'))}; docs/explicit.md).")
     define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
     define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU; "
            "given explicitly, a single-process run with more devices uses only the first N.")

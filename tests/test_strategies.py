@@ -113,6 +113,40 @@ def test_the_readme_table_agrees_with_the_support_table() -> None:
     assert explicit == support.written_by("explicit") == explicit_parallel.STRATEGIES
 
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_NAME = "(?:" + "|".join(sorted(strategies.NAMES, key=len, reverse=True)) + ")"
+# three or more strategy names in a list: "dp, fsdp, tp", "tp, fsdp_tp and tp_sp", across a line break too
+_LIST = re.compile(rf"(?<![\w`]){_NAME}(?:(?:,\s*(?:and\s+)?|\s+and\s+){_NAME}){{2,}}(?!\w)")
+
+
+def explicit_lists(text: str) -> list[tuple[int, tuple[str, ...]]]:
+    """(line, names) of every list of strategies that starts on a line speaking of the explicit twin,
+    or on the line after one (a wrapped sentence, a column of the design picture)."""
+    found = []
+    for m in _LIST.finditer(text):
+        line_start = text.rfind("\n", 0, m.start()) + 1
+        context = text[text.rfind("\n", 0, max(line_start - 1, 0)) + 1:m.start()]
+        if "explicit" in context.lower():
+            found.append((text.count("\n", 0, m.start()) + 1, tuple(re.findall(_NAME, m.group(0)))))
+    return found
+
+
+def test_every_list_of_the_explicit_twins_strategies_is_support_s() -> None:
+    """README.md, docs/ and the launchers' help say which strategies the explicit twin writes as
+    support.py does (the launchers' help is generated from it)."""
+    from absl import flags
+
+    common.define_model_flags()
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))}
+    texts["--impl"] = flags.FLAGS["impl"].help
+    lists = {(where, line): names for where, text in texts.items() for line, names in explicit_lists(text)}
+    assert {where for where, _ in lists} >= {"README.md", "docs/design.md", "--impl"}  # the parse finds them
+    wrong = {k: names for k, names in lists.items() if names != support.written_by("explicit")}
+    assert not wrong, f"say {', '.join(support.written_by('explicit'))} (twinshard/parallel/support.py): {wrong}"
+    assert explicit_lists("the explicit twin (dp, fsdp, tp and tp_sp).\nOther twins:\nall of dp, fsdp, tp") == [
+        (1, ("dp", "fsdp", "tp", "tp_sp"))]
+
+
 def test_every_option_is_run_by_twins_that_write_the_strategy() -> None:
     fields = [f.name for f in dataclasses.fields(support.Support) if f.name != "twins"]
     for name, row in support.SUPPORT.items():
