@@ -172,15 +172,15 @@ def random_batch(cfg: Config):
     return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
 
 
-def model_cost(cfg: Config, strategy: str, mesh: dict[str, int] | None):
-    """(cost-model Cost or None, Flops, Memory) of one step on this backend's devices (cost.of_run; single
-    device: no Cost, its collectives are none)."""
+def model_cost(run):
+    """(cost-model Cost or None, Flops, Memory) of one step of a resolved run on this backend's devices
+    (cost.of_run; on one device: no Cost, its collectives are none)."""
     import jax
 
     from twinshard import cost
 
-    c = cost.of_run(cfg, strategy, mesh, gpu=jax.default_backend() == "gpu")  # attention auto on a GPU: cuDNN's
-    return None if strategy == "single" else c, c.flops, c.memory
+    c = cost.of_run(run, gpu=jax.default_backend() == "gpu")  # attention auto on a GPU: cuDNN's
+    return c if run.mesh else None, c.flops, c.memory
 
 
 def memory_per_device(compiled) -> dict[str, int] | None:
@@ -242,7 +242,7 @@ def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log
         if i >= warmup:
             times.append(time.perf_counter() - t)
         losses.append(float(metrics["loss"]))
-    model, flops, mem = model_cost(cfg, strategy, mesh)
+    model, flops, mem = model_cost(run)
     med = statistics.median(times)
     rec = {"run": label, "strategy": strategy, "impl": impl,
            "mesh": mesh, "n_devices": int(np.prod(list(mesh.values()))) if mesh else 1,

@@ -119,7 +119,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
 
     run, runner = _runner(strategy, impl, mesh_spec, cfg, devices)
     mesh = dict(run.mesh)
-    model = cost.of_run(cfg, strategy, mesh)
+    model = cost.of_run(run)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
                                   sharding=runner.batch_sharding)
     state = runner.abstract_state()

@@ -30,7 +30,7 @@ from twinshard.parallel import strategies, support
 from twinshard.config import CP_LAYOUTS, MOE_DISPATCHES, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 from twinshard.errors import guarded
 
-STRATEGIES = ("single", *strategies.NAMES)  # single: the single-device reference
+STRATEGIES = strategies.RUNS  # single (the single-device reference) and the parallel strategies
 IMPLS = support.TWINS
 
 
@@ -195,7 +195,7 @@ def attention_line(cfg: Config, strategy: str) -> str:
     kernel = layers.attention_kernel(cfg.model.attention, jnp.dtype(cfg.model.dtype))
     if kernel != "splash":
         return f"attention: {kernel}"
-    if strategy != "single" and strategies.get(strategy).family == "context" and strategy not in strategies.ALL_TO_ALL_CONTEXT:
+    if strategies.get(strategy).family == "context" and strategy not in strategies.ALL_TO_ALL_CONTEXT:
         return f"attention: recompute (splash needs whole sequences; {strategy} splits them)"
     mode = "" if jax.default_backend() == "tpu" else ", Pallas interpret mode: no TPU"
     return f"attention: splash (block {splash_block(cfg.model.context_length, cfg.model.attention_block)}{mode})"
@@ -287,9 +287,6 @@ def check_model_flags(FLAGS) -> None:
         raise ValueError(f"--lr={FLAGS.lr} must be a positive number, e.g. --lr=1e-3.")
     if FLAGS.devices < 1:
         raise ValueError(f"--devices={FLAGS.devices} must be >= 1.")
-    if FLAGS.strategy == "single" and FLAGS.mesh:
-        raise ValueError(f"--mesh={FLAGS.mesh} needs a parallel --strategy ({', '.join(strategies.NAMES)}); "
-                         "drop it for single-device training.")
 
 
 def config_from_flags(FLAGS) -> Config:
@@ -408,13 +405,11 @@ def run(main: Callable, name: str) -> None:
 def resolve_run(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None,
                 first_devices: bool = False):
     """The run of `strategy` in twin `impl` (twinshard.parallel.resolve.resolve_run, every check once;
-    `single_run` for the single-device runner).
+    single in twin `impl`: launch.compare's reference of that twin, its options checked as the twin's).
 
     devices: None (all of jax.devices(), ordered by jax.make_mesh) or an explicit, ordered list."""
     from twinshard.parallel import resolve
 
-    if strategy == "single":  # launch.compare's reference (impl a twin) runs the same math without it
-        return resolve.single_run(cfg, impl or "single")
     return resolve.resolve_run(strategy, impl, mesh_spec, cfg, devices, first_devices)
 
 
@@ -424,10 +419,10 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 
 
 def runner_of(run):
-    """The runner of a resolved run (`resolve_run`): its twin's, the single-device runner for strategy "single"."""
+    """The runner of a resolved run (`resolve_run`): its twin's; on no mesh (single) the single-device one."""
     from twinshard.train.trainer import SingleDevice
 
-    return SingleDevice(run.cfg.model, run.cfg.train) if run.strategy == "single" else twin(run.twin).runner_of(run)
+    return twin(run.twin).runner_of(run) if run.mesh else SingleDevice(run.cfg.model, run.cfg.train)
 
 
 def twin(name: str):

@@ -101,7 +101,7 @@ def model_memory(run):
     from twinshard import cost
 
     try:  # attention auto on a GPU: cuDNN's, which keeps no [T, T] array
-        return cost.of_run(run.cfg, run.strategy, dict(run.mesh), gpu=jax.default_backend() == "gpu").memory
+        return cost.of_run(run, gpu=jax.default_backend() == "gpu").memory
     except ValueError:  # no memory model for this configuration (a mixture of experts under remat=dots)
         return None
 

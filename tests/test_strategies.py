@@ -83,16 +83,18 @@ def test_every_reader_of_the_registry_sees_every_strategy() -> None:
     packages = (auto_parallel, manual_parallel, explicit_parallel)
     assert tuple(p.TWIN for p in packages) == support.TWINS  # launch.common.twin's registry
     assert all(common.twin(p.TWIN) is p and tuple(p.MODULES) == support.written_by(p.TWIN) for p in packages)
-    assert set(cost.STRATEGY_ROWS) == names and set(cost.RULES) == names
-    assert set(mesh_lib.NEEDS) == names
-    assert set(common.STRATEGIES) == names | {"single"}
+    runs = names | {"single"}  # single: declared as the others, written by no twin (one device, nothing split)
+    assert set(cost.STRATEGY_ROWS) == runs and set(cost.RULES) == runs
+    assert set(mesh_lib.NEEDS) == runs
+    assert set(common.STRATEGIES) == set(strategies.RUNS) == runs and strategies.get("single") is strategies.SINGLE
+    assert not strategies.SINGLE.split_axes and cost.RULES["single"] == {} and mesh_lib.NEEDS["single"] == {}
     assert strategies.DATA_TENSOR == mesh_lib.DATA_TENSOR == ("dp", "fsdp", "tp", "fsdp_tp")
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert all(f"`{n}`" in readme for n in names), [n for n in names if f"`{n}`" not in readme]
 
 
 def test_an_unknown_strategy_is_one_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of dp, fsdp, tp, fsdp_tp, tp_sp, "
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of single, dp, fsdp, tp, fsdp_tp, tp_sp, "
                                          r"cp, fsdp_cp, ulysses, fsdp_ulysses, pp, pp_fsdp, ep, fsdp_ep\."):
         strategies.get("zero3")
 

@@ -23,12 +23,13 @@ from twinshard.parallel.strategies import Strategy
 @dataclass(frozen=True)
 class Run:
     """A validated run: `declared` placed for the model on `mesh` (axis -> size, in mesh order);
-    the single-device run (`single_run`) has no declaration and an empty mesh."""
+    the single-device run (strategies.SINGLE) has an empty mesh, and `twin` "single" or, as the
+    reference of a twin's comparison (launch.compare), that twin's name."""
 
     strategy: str
     twin: str
-    declared: Strategy | None
-    placed: Strategy | None
+    declared: Strategy
+    placed: Strategy
     mesh: Mapping[str, int]
     cfg: Config
     devices: tuple | None = None  # None: every device, ordered by jax.make_mesh
@@ -39,6 +40,8 @@ def resolve_run(strategy: str, twin: str, mesh_spec: str | None, cfg: Config, de
     """Every check of (strategy, twin, mesh, model, options, devices), each once, and the run they
     allow; `first_devices`: a `mesh_spec` of fewer devices than there are runs on the first ones."""
     declared = strategies.get(strategy)
+    if not declared.split_axes:
+        return one_device_run(declared, twin, mesh_spec, cfg)
     check_twin(strategy, twin, cfg)
     check_options(strategy, twin, cfg)
     check_experts(strategy, cfg.model)  # no mesh fixes a model the strategy cannot run
@@ -56,12 +59,20 @@ def resolve_run(strategy: str, twin: str, mesh_spec: str | None, cfg: Config, de
                None if devices is None else tuple(devices))
 
 
+def one_device_run(declared: Strategy, twin: str, mesh_spec: str | None, cfg: Config) -> Run:
+    """The run of a strategy that splits nothing (single); `twin` other than "single": the reference
+    of that twin's comparison (launch.compare), whose options are checked as the twin's."""
+    if mesh_spec:
+        raise ValueError(f"--mesh={mesh_spec} needs a parallel --strategy ({', '.join(strategies.NAMES)}); "
+                         f"drop it for --strategy={declared.name}.")
+    if twin != declared.name:
+        check_options(declared.name, twin, cfg)
+    return Run(declared.name, twin, declared, declared, MappingProxyType({}), cfg)
+
+
 def single_run(cfg: Config, twin: str = "single") -> Run:
-    """The single-device reference run of `cfg`; `twin` other than "single": the reference of that
-    twin's comparison (launch.compare), whose options are checked as the twin's."""
-    if twin != "single":
-        check_options("single", twin, cfg)
-    return Run("single", twin, None, None, MappingProxyType({}), cfg)
+    """The single-device reference run of `cfg` (`one_device_run` of strategies.SINGLE)."""
+    return one_device_run(strategies.SINGLE, twin, None, cfg)
 
 
 def check_twin(strategy: str, twin: str, cfg: Config) -> None:
@@ -115,9 +126,9 @@ def check_options(strategy: str, impl: str, cfg: Config) -> None:
         if impl not in support.get(strategy).collective_matmul:
             raise ValueError(f"--collective_matmul is written by hand in the manual twin only (--impl={impl}): "
                              "use --impl=manual, or drop --collective_matmul (GSPMD chooses its own collectives).")
-    if strategy == "single":
+    row = support.SUPPORT.get(strategy)
+    if row is None:  # written by no twin (single): the one device runs every option
         return
-    row = support.get(strategy)
     if model.num_experts and model.moe_dispatch == "ragged" and train.grad_accum > 1 and impl not in row.ragged_accum:
         raise ValueError(f"--moe_dispatch=ragged with --grad_accum={train.grad_accum} under --impl={impl}: the GSPMD "
                          "twin accumulates each data shard's micro-batches under jax.vmap, and JAX 0.12 cannot vmap "
