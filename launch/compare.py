@@ -148,7 +148,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     common.default_platform()
-    if FLAGS.strategy == "single":
+    if FLAGS.strategy not in strategies.NAMES:  # single (strategies.SINGLE) is the reference itself
         raise ValueError(f"--strategy=single has nothing to compare; pick one of {', '.join(strategies.NAMES)}.")
     cfg = common.config_from_flags(FLAGS)
     common.check_output_path(FLAGS.plot, "plot")  # before the run, not after it
