@@ -119,13 +119,10 @@ def _flags_text(values: dict) -> str:
     return " ".join(f"--{k}={v}" for k, v in values.items()) or f"--preset={FLAGS.preset}"
 
 
-PARALLEL = strategies.NAMES  # those a twin writes on a mesh; single (strategies.SINGLE) splits nothing
-
-
 def parse_meshes(text: str | None, strategies: Sequence[str]) -> dict[str, str | None]:
     """--mesh: one spec for every strategy ('data:2,tensor:4'), or per strategy
     ('fsdp=data:8,tensor:1;fsdp_tp=data:2,tensor:4'); unnamed strategies use their default mesh."""
-    parallel = [s for s in strategies if s in PARALLEL]
+    parallel = [s for s in strategies if s in common.PARALLEL]
     if not text:
         return dict.fromkeys(parallel)
     if "=" not in text:
@@ -149,7 +146,7 @@ def check_choices(strategies: Sequence[str], impls: Sequence[str]) -> None:
     if bad or not strategies:
         raise ValueError(f"--strategies={','.join(strategies)}: choose from {', '.join(BENCHED)}.")
     bad = [i for i in impls if i not in common.IMPLS]
-    if bad or (not impls and any(s in PARALLEL for s in strategies)):
+    if bad or (not impls and any(s in common.PARALLEL for s in strategies)):
         raise ValueError(f"--impls={','.join(impls)}: choose from {', '.join(common.IMPLS)}.")
 
 
@@ -268,7 +265,7 @@ def build_runners(cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     than the device count runs on the first devices (tiny's 4 heads: tp on tensor:4 of 8)."""
     runs = []
     for s in strategies:
-        for impl in (impls if s in PARALLEL else [None]):
+        for impl in (impls if s in common.PARALLEL else [None]):
             run = common.resolve_run(s, impl or "auto", meshes.get(s), cfg, first_devices=True)
             runs.append((run, impl, common.runner_of(run)))
     return runs
@@ -318,7 +315,7 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     records = []
     for run, impl, runner in runners:
         rec = bench_one(runner, run, impl, batch, steps, warmup, log)
-        add_ratios(rec, records[0] if records and records[0]["strategy"] not in PARALLEL else None,
+        add_ratios(rec, records[0] if records and records[0]["strategy"] not in common.PARALLEL else None,
                    peaks, chip, dev.platform, cfg.model.dtype)
         records.append(rec)
         log(summary_line(rec))
@@ -438,7 +435,7 @@ def main(argv):
     check_output_path(FLAGS.json, "json")
     check_output_path(FLAGS.markdown, "markdown")
     common.default_platform()
-    if any(s in PARALLEL for s in FLAGS.strategies):
+    if any(s in common.PARALLEL for s in FLAGS.strategies):
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     from twinshard.train import compile_cache
 

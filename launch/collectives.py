@@ -214,8 +214,8 @@ def main(argv):
     from twinshard.hardware import topology
 
     topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
-    if FLAGS.strategy == "single":
-        raise ValueError("--strategy=single has no collectives; choose one of dp, fsdp, tp, fsdp_tp.")
+    if FLAGS.strategy not in common.PARALLEL:  # single (strategies.SINGLE) splits nothing
+        raise ValueError(f"--strategy={FLAGS.strategy} has no collectives; choose one of {', '.join(common.PARALLEL)}.")
     cfg = common.config_from_flags(FLAGS)
     common.check_output_path(FLAGS.json, "json")
     common.check_output_path(FLAGS.hlo, "hlo")

@@ -31,6 +31,7 @@ from twinshard.config import CP_LAYOUTS, MOE_DISPATCHES, OPTIMIZERS, Config, Mod
 from twinshard.errors import guarded
 
 STRATEGIES = strategies.RUNS  # single (the single-device reference) and the parallel strategies
+PARALLEL = strategies.NAMES  # those a twin writes on a mesh; single (strategies.SINGLE) splits nothing
 IMPLS = support.TWINS
 
 

@@ -18,7 +18,6 @@ from typing import Any
 from absl import flags, logging
 
 from launch import common, fit
-from twinshard.parallel import strategies
 
 common.define(flags.DEFINE_string, "json", None, "Write the comparison as JSON here.")
 common.define(flags.DEFINE_string, "plot", None, "Write a PNG of the loss curves and their differences here.")
@@ -148,8 +147,8 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     common.default_platform()
-    if FLAGS.strategy not in strategies.NAMES:  # single (strategies.SINGLE) is the reference itself
-        raise ValueError(f"--strategy=single has nothing to compare; pick one of {', '.join(strategies.NAMES)}.")
+    if FLAGS.strategy not in common.PARALLEL:  # single (strategies.SINGLE) is the reference itself
+        raise ValueError(f"--strategy={FLAGS.strategy} has nothing to compare; pick one of {', '.join(common.PARALLEL)}.")
     cfg = common.config_from_flags(FLAGS)
     common.check_output_path(FLAGS.plot, "plot")  # before the run, not after it
     common.check_output_path(FLAGS.json, "json")

@@ -11,7 +11,7 @@ run (twinshard/parallel/resolve.py) and its strategy's hooks factory, `paralleli
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping
+from typing import Callable
 
 import jax
 import optax
