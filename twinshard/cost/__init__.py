@@ -149,8 +149,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     sequence shards under any policy but none. flat_weights: FSDP's weights split flat (padded,
     twinshard/hardware/plan.py), so d_model need not divide by data. Invalid input (and the runs
     launch.train refuses) raises a one-line ValueError."""
-    mesh_lib.check_strategy(strategy)
-    resolve.check_experts(strategy, cfg)  # as launch.train: no numbers for a program that does not exist
+    resolve.check_experts(strategies.get(strategy), cfg)  # as launch.train: no numbers for a program that does not exist
     if cfg.collective_matmul and strategy not in support.with_option("collective_matmul"):
         raise ValueError(f"collective_matmul decomposes tp_sp's sequence all-gathers; strategy {strategy} has "
                          "none: use strategy tp_sp or collective_matmul=False.")
