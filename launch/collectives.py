@@ -128,7 +128,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
 
     run, runner = _runner(strategy, impl, mesh_spec, cfg, devices)
     mesh = dict(run.mesh)
-    model = cost.of_run(cfg, strategy, mesh)
+    model = cost.of_run(run)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
                                   sharding=runner.batch_sharding)
     state = runner.abstract_state()
@@ -223,8 +223,8 @@ def main(argv):
     from twinshard.hardware import topology
 
     topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
-    if FLAGS.strategy == "single":
-        raise ValueError("--strategy=single has no collectives; choose one of dp, fsdp, tp, fsdp_tp.")
+    if FLAGS.strategy not in common.PARALLEL:  # single (strategies.SINGLE) splits nothing
+        raise ValueError(f"--strategy={FLAGS.strategy} has no collectives; choose one of {', '.join(common.PARALLEL)}.")
     cfg = common.config_from_flags(FLAGS)
     impls, pod = check_flags(FLAGS, cfg)
     devices = None
@@ -272,13 +272,13 @@ def check_flags(FLAGS, cfg):
     """(twins, the --topology's chips and links or None), every flag checked before anything compiles."""
     from twinshard.hardware import links, topology
     from twinshard.parallel import mesh as mesh_lib
-    from twinshard.parallel import resolve
+    from twinshard.parallel import resolve, strategies
 
     impls = [i.strip() for i in FLAGS.impl.split(",")]
     if len(set(impls)) != len(impls) or not all(impls):
         raise ValueError(f"--impl={FLAGS.impl}: name each twin once, e.g. --impl=auto,manual.")
     for impl in impls:
-        resolve.check_twin(FLAGS.strategy, impl, cfg)
+        resolve.check_twin(strategies.get(FLAGS.strategy), impl, cfg)
     for flag in ("json", "hlo", "timeline"):
         common.check_output_path(getattr(FLAGS, flag), flag, FLAGS.force)
     if FLAGS.timeline and not FLAGS.topology:

@@ -28,7 +28,6 @@ import re
 
 from absl import flags
 
-from launch.common import define
 
 SURE = 0.5  # the least of XLA's temporaries per byte of the model's that counts as sure (module docstring)
 GIB = 2 ** 30
@@ -55,13 +54,6 @@ def human(n: float) -> str:
     from twinshard.cost import human as text  # twinshard.cost imports jax: not at flag definition
 
     return text(n)
-
-
-def define_flags() -> None:
-    define(flags.DEFINE_bool, "skip_memory_check", False, "Compile and run even when the step does not fit "
-           "the device's memory (by the cost model, or by the compiled step's memory_analysis).")
-    define(flags.DEFINE_float, "device_memory_gib", None, "Memory per device to check the step against "
-           "(default: the accelerator's bytes_limit; on a CPU the host's memory before compiling, no check after).")
 
 
 def _flag(name: str, default=None):
@@ -109,7 +101,7 @@ def model_memory(run):
     from twinshard import cost
 
     try:  # attention auto on a GPU: cuDNN's, which keeps no [T, T] array
-        return cost.of_run(run.cfg, run.strategy, dict(run.mesh), gpu=jax.default_backend() == "gpu").memory
+        return cost.of_run(run, gpu=jax.default_backend() == "gpu").memory
     except ValueError:  # no memory model for this configuration (a mixture of experts under remat=dots)
         return None
 

@@ -16,15 +16,15 @@ from cli import assert_user_error, run
 from launch import fit
 from runners import BASE
 from twinshard import cost
-from twinshard.parallel.resolve import single_run
+from twinshard.parallel.resolve import resolve_run, single_run
 
 GIB = 2 ** 30
 
 
-def between(strategy: str, mesh: dict | None) -> str:
+def between(strategy: str, mesh_spec: str | None) -> str:
     """A limit above the model's sure bound (fit.SURE of its temporaries) and below XLA's peak
     (temporaries at >= 0.85 of the model's: tests/test_memory.py): 0.75 of the temporaries."""
-    m = cost.of_run(BASE, strategy, mesh).memory
+    m = cost.of_run(resolve_run(strategy, "manual" if mesh_spec else "single", mesh_spec, BASE)).memory
     return f"{(m.params + m.optimizer + 0.75 * m.temporaries) / GIB:.6f}"
 
 
@@ -57,7 +57,7 @@ def test_the_cost_model_refuses_before_compiling(name, tmp_path):
 
 @pytest.mark.parametrize("name", LAUNCHERS)
 def test_memory_analysis_refuses_after_compiling(name, tmp_path):
-    strategy, mesh = ("fsdp", {"data": 8}) if name == "collectives" else ("single", None)
+    strategy, mesh = ("fsdp", "data:8,tensor:1") if name == "collectives" else ("single", None)
     proc, out = launch(name, tmp_path, between(strategy, mesh))
     assert_user_error(proc, "the compiled step needs", "XLA's memory_analysis: temporaries",
                       "the cost model's largest part: saved activations", "--skip_memory_check runs anyway")
@@ -98,6 +98,6 @@ def test_llama_v5e_fits_one_v5e_with_float32_state():
     m = cfg.model
     assert m.head_dim == 128 and m.kv_heads < m.num_heads and m.vocab_size % 256 == 0 and m.context_length == 2048
     assert m.weight_dtype == "float32" and cfg.train.optimizer == "adamw" and 0.5e9 < m.num_params() < 1e9
-    need = cost.of_run(cfg, "single", None).memory
+    need = cost.of_run(single_run(cfg)).memory
     worst = need.total - need.temporaries + 1.25 * need.temporaries
     assert worst < 15.75 * GIB, worst / GIB  # a v5e's bytes_limit (of its 16 GiB HBM)
