@@ -82,6 +82,46 @@ def test_xlas_resource_exhausted_becomes_one_line():
     assert "RESOURCE_EXHAUSTED" in text and "saved activations" in text and "--remat=full" in text
 
 
+class FakeVmemLowered:
+    """A lowered step whose compile fails as XLA:TPU's did for maxtext_v5e_16b with 1024-token splash blocks."""
+
+    def compile(self):
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in memory space vmem while "
+            "allocating on stack for %splash_mha_dkv_no_residuals.9 = (bf16[6,2,20,2048,256]) custom-call(...). "
+            "Scoped allocation with size 16.39M and limit 16.00M exceeded scoped vmem limit by 404.0K.")
+
+
+def test_a_kernels_vmem_overflow_names_the_kernel_not_the_steps_memory():
+    with pytest.raises(ValueError) as e:
+        fit.compile_checked(FakeVmemLowered(), single_run(BASE))
+    text = str(e.value)
+    assert "\n" not in text and "splash_mha_dkv_no_residuals: 16.39M of 16.00M" in text
+    assert "scoped VMEM" in text and "--attention_block" in text and "per device" not in text
+
+
+class FakeCompiled:
+    """A compiled step whose memory_analysis() asks 18 GiB."""
+
+    def memory_analysis(self):
+        return type("MA", (), {"argument_size_in_bytes": 2 * GIB, "output_size_in_bytes": 2 * GIB,
+                               "alias_size_in_bytes": 2 * GIB, "temp_size_in_bytes": 16 * GIB})()
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cpu"])
+def test_a_topologys_tpu_compile_is_the_compilers_verdict(platform):
+    """Compiled ahead of time for a TPU topology, XLA:TPU's own refusal stands (it compiled: it fits),
+    not memory_analysis()'s overstated peak; for other devices the bound refuses it."""
+    device = type("Device", (), {"platform": platform})()
+    run = dataclasses.replace(single_run(BASE), devices=(device,))
+    bound = (16 * GIB, "v5e's HBM")
+    if platform == "tpu":
+        fit.check_compiled(FakeCompiled(), run, bound)
+    else:
+        with pytest.raises(ValueError, match="needs 18.00 GiB per device"):
+            fit.check_compiled(FakeCompiled(), run, bound)
+
+
 def test_a_cpu_has_no_limit_after_compiling():
     assert fit.limit(after_compile=True) is None  # nothing is compiled twice on a CPU: check_step returns None
     have, what = fit.limit(after_compile=False)

@@ -37,6 +37,7 @@ reads them back; the compiled-program prediction needs twinshard.hlo.predict.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gzip
 import json
@@ -47,8 +48,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from absl import app, flags  # noqa: E402
 
 TOPOLOGY = "v5e:16x16"
 PEAK_V5E = 197e12  # the bf16 peak MaxText divides by (and twinshard/hardware/chips.py's v5e)
@@ -82,11 +81,6 @@ CASES = {p.case: p for p in PUBLISHED}
 SOURCE = ("github.com/AI-Hypercomputer/maxtext README.md (\"TPU v5e\" table, 1x v5e-256 row; commits "
           "f70c643b0..e7829012d), configs in MaxText/configs/largest_job/ at e47fa1b5d")
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("compile", None, f"Compile one case ({', '.join(p.case for p in PUBLISHED if p.preset)}) "
-                    f"AOT for {TOPOLOGY} and write CASE.hlo.gz and CASE.json under --out.")
-flags.DEFINE_string("out", ".hlo", "Directory of the compiled cases.")
-flags.DEFINE_bool("force", False, "Overwrite a compiled case already in --out.")
 
 
 # ----------------------------------------------------------------------------- MaxText's model
@@ -138,22 +132,27 @@ def equivalent(p: Published):
                        attention_block=512)
 
 
+# What differs in every case (MaxText's side from the module docstring's sources)
+COMMON_DIFFERENCES = (
+    "RoPE (MaxText's flash path: no position information)",
+    "causal splash attention, blocks 512, computing half the T x T (MaxText: the Pallas flash kernel with "
+    "causal=False, blocks 512, the whole T x T)",
+    "the manual twin's shard_map FSDP (MaxText: GSPMD), compiled with XLA's default TPU flags (MaxText's "
+    "LIBTPU_INIT_ARGS add async collective fusion and data-parallel all-reduce overlap)",
+)
+
+
 def differences(p: Published, cfg) -> str:
-    """What differs between MaxText's run and the project's equivalent, one clause each."""
+    """What differs between MaxText's model and the project's equivalent beyond COMMON_DIFFERENCES."""
     d = maxtext_dims(p.scale)
     ours = 4 * cfg.d_model ** 2 + 3 * cfg.d_model * cfg.d_ff
     return "; ".join([
-        f"attention {d['heads']} x {d['head_dim']} heads ([D, {d['heads'] * d['head_dim']}] projections) against "
+        f"attention {d['heads']} x {d['head_dim']} ([D, {d['heads'] * d['head_dim']}] projections) against "
         f"{cfg.num_heads} x {cfg.head_dim} ([D, D]): attention scores {cfg.d_model / (d['heads'] * d['head_dim']):.2f}x "
-        f"MaxText's",
+        f"as wide",
         f"relu MLP {d['mlp']} (2 matrices) against SwiGLU {cfg.d_ff} (3): a layer's matmul params "
         f"{ours / maxtext_layer_params(d) - 1:+.2%}",
-        f"untied lm_head (+{d['vocab'] * d['emb'] / 1e6:.0f}M params, {cfg.num_params() / maxtext_params(d):.3f}x N)",
-        "RoPE (MaxText's flash path: no position information)",
-        f"causal splash attention, blocks {cfg.attention_block}, computing half the T x T (MaxText: the "
-        "Pallas flash kernel, causal=False, blocks 512, the whole T x T)",
-        "the manual twin's shard_map FSDP (MaxText: GSPMD) with XLA's default TPU flags (MaxText's "
-        "LIBTPU_INIT_ARGS add async collective fusion and all-reduce overlap)",
+        f"untied lm_head: +{d['vocab'] * d['emb'] / 1e6:.0f}M params, N {cfg.num_params() / maxtext_params(d):.3f}x",
     ] + ([f"vocabulary tiling in {cfg.loss_chunks} chunks"] if cfg.loss_chunks else []))
 
 
@@ -278,23 +277,29 @@ def markdown(table: list[dict]) -> str:
     lines += ["", "Published: MaxText's TFLOP/s and MFU, the step their FLOPs over that rate imply (their "
               "attention the whole T x T). The rest: the equivalent's FLOPs (twinshard.cost.flops' model_total, "
               "causal attention half) over the step, of 197 TFLOP/s.", ""]
+    lines += [f"- every case: {'; '.join(COMMON_DIFFERENCES)}."]
     for r in table:
         lines.append(f"- {r['published'].case}: {r['differences']}.")
     return "\n".join(lines)
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    if FLAGS.compile:
-        if FLAGS.compile not in CASES:
-            raise app.UsageError(f"--compile={FLAGS.compile}: choose one of {', '.join(CASES)}")
-        doc = compile_case(CASES[FLAGS.compile], FLAGS.out, FLAGS.force)
-        print(json.dumps(doc, indent=1))
-        return 0
-    print(markdown(rows(FLAGS.out)))
+def main(argv=None) -> int:
+    # argparse, not absl: launch.collectives, imported to compile, defines absl flags of its own
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compile", choices=list(CASES), help=f"compile one case AOT for {TOPOLOGY}; write "
+                        "CASE.hlo.gz and CASE.json under --out")
+    parser.add_argument("--out", default=".hlo", help="directory of the compiled cases")
+    parser.add_argument("--force", action="store_true", help="overwrite a compiled case already in --out")
+    args = parser.parse_args(argv)
+    try:
+        if args.compile:
+            print(json.dumps(compile_case(CASES[args.compile], args.out, args.force), indent=1))
+        else:
+            print(markdown(rows(args.out)))
+    except ValueError as e:
+        parser.exit(2, f"maxtext_predict: error: {e}\n")
     return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""tools/maxtext_predict.py: MaxText's published v5e-256 models rebuilt from its pyconfig rules, the
+presets that stand for them, and bad input refused before anything compiles."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+
+import maxtext_predict as mp  # noqa: E402  (tools/ is not a package)
+from twinshard.config import preset  # noqa: E402
+
+
+def test_scales_rotate_heads_and_mlp_then_emb_then_layers():
+    # pyconfig.get_individual_scales: 2 -> heads+mlp, 4 -> +emb, 8 -> +layers, then again
+    assert [mp.individual_scales(s) for s in (1, 2, 4, 8, 16, 128)] == [
+        (0, 0, 0, 0), (0, 1, 1, 0), (1, 1, 1, 0), (1, 1, 1, 1), (1, 2, 2, 1), (2, 3, 3, 2)]
+    with pytest.raises(ValueError, match="global_parameter_scale=24 must be a power of 2"):
+        mp.individual_scales(24)
+
+
+@pytest.mark.parametrize("p", mp.PUBLISHED, ids=lambda p: p.case)
+def test_published_model_has_its_name_and_its_mfu_is_its_tflops(p):
+    billions = mp.maxtext_params(mp.maxtext_dims(p.scale)) / 1e9
+    assert billions == pytest.approx(int(p.case.rstrip("b")), rel=0.02)
+    assert p.tflops / (mp.PEAK_V5E / 1e12) == pytest.approx(p.mfu, abs=0.003)  # MFU = TFLOP/s / 197
+
+
+@pytest.mark.parametrize("p", [p for p in mp.PUBLISHED if p.preset], ids=lambda p: p.case)
+def test_preset_is_the_equivalent_with_a_layer_of_maxtexts_matmul_params(p):
+    cfg = preset(p.preset)
+    assert cfg.model == mp.equivalent(p)
+    assert cfg.train.batch_size == p.per_device_batch * 256
+    d = mp.maxtext_dims(p.scale)
+    ours = 4 * cfg.model.d_model ** 2 + 3 * cfg.model.d_model * cfg.model.d_ff
+    assert ours == pytest.approx(mp.maxtext_layer_params(d), rel=0.001)
+    assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.head_dim) == (d["emb"], d["layers"], d["head_dim"])
+    assert "layer's matmul params" in mp.differences(p, cfg.model)
+
+
+def test_compile_refuses_an_existing_case_and_a_case_without_preset(tmp_path):
+    (tmp_path / "16b.json").write_text(json.dumps({}))
+    with pytest.raises(ValueError, match="16b.json exists; pass --force"):
+        mp.compile_case(mp.CASES["16b"], str(tmp_path), force=False)
+    with pytest.raises(ValueError, match="--compile=128b: no preset spells it yet"):
+        mp.compile_case(mp.CASES["128b"], str(tmp_path), force=False)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["16b.json"]
+
+
+def test_planner_rows_without_compiled_cases(tmp_path):
+    table = mp.rows(str(tmp_path))
+    assert [r["published"].case for r in table] == ["16b", "32b", "64b"]
+    for r in table:
+        assert r["pred"] is None
+        # over 256 chips the planner's serial step is compute plus the data axis's traffic
+        assert r["plan"]["serial_s"] == pytest.approx(r["plan"]["compute_s"] + r["plan"]["comm_s"])
+        assert 0 < r["plan"]["comm_s"] < r["plan"]["compute_s"]
+    text = mp.markdown(table)
+    assert text.count("not compiled") == 3 and "| 16b (16.4B, 6/chip) | 120, 61.10%, 10.66 s |" in text
