@@ -183,8 +183,11 @@ def _kernel_of(error: str) -> str:
     return ((kernel[1] if kernel else "a custom call") + (f": {sizes[1]} of {sizes[2]}" if sizes else ""))
 
 
-# XLA:TPU's compile error: "... Ran out of memory in memory space hbm. Used 27.10G of 15.75G hbm. ..."
-_USED = re.compile(r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) (\w+)")
+# XLA:TPU's compile errors: "... Ran out of memory in memory space hbm. Used 27.10G of 15.75G hbm. ..."
+# and, compiled ahead of time for a topology, "... the total memory required for HLO temporaries
+# (17.26G) exceeds available HBM (15.75G)" (measured, libtpu 0.0.50.1)
+_USED = re.compile(r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) (\w+)"
+                   r"|required for HLO (?:\w+) \(([\d.]+[KMGT]?)\) exceeds available (\w+) \(([\d.]+[KMGT]?)\)")
 
 
 def compile_checked(lowered, run, bound: tuple[int, str] | None = None, compile=None):
@@ -202,7 +205,8 @@ def compile_checked(lowered, run, bound: tuple[int, str] | None = None, compile=
                              f"({_kernel_of(str(e))}): try a smaller --attention_block (the splash kernel's "
                              "blocks; at head_dim 256 the automatic 1024 overflows a v5e's, measured).") from None
         m = _USED.search(str(e))
-        used, have = (m[1], f"{m[2]} ({m[3]})") if m else ("more than a device has", "less")
+        used, have = ((m[1], f"{m[2]} ({m[3]})") if m and m[1] else (m[4], f"{m[6]} ({m[5]})") if m
+                      else ("more than a device has", "less"))
         raise _refuse_compiled(used, have, "XLA refused to compile it: RESOURCE_EXHAUSTED", run, True) from None
     check_compiled(compiled, run, bound)
     return compiled

@@ -2,6 +2,7 @@
 closest equivalents: the planner's figure, and the step predicted from the compiled program.
 
     uv run --extra tpu python tools/maxtext_predict.py --compile=16b --out=.hlo   # AOT on this CPU, one case per run
+    uv run --extra tpu python tools/maxtext_predict.py --compile=16b --maxtext_flags   # with MaxText's LIBTPU_INIT_ARGS
     uv run --extra tpu python tools/maxtext_predict.py --out=.hlo                 # the table (markdown)
 
 The published figures: MaxText's "TPU v5e" performance table (README.md's "Runtime Performance
@@ -78,6 +79,11 @@ PUBLISHED = (
     Published("128b", 128, 1, 110, 0.5606, {"data": 16, "tensor": 16}, "full", None),
 )
 CASES = {p.case: p for p in PUBLISHED}
+# MaxText's LIBTPU_INIT_ARGS in every one of those scripts
+MAXTEXT_XLA_FLAGS = ("--xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true "
+                     "--xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+                     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true "
+                     "--xla_enable_async_all_gather=true")
 SOURCE = ("github.com/AI-Hypercomputer/maxtext README.md (\"TPU v5e\" table, 1x v5e-256 row; commits "
           "f70c643b0..e7829012d), configs in MaxText/configs/largest_job/ at e47fa1b5d")
 
@@ -159,8 +165,13 @@ def differences(p: Published, cfg) -> str:
 # ----------------------------------------------------------------------------- compile
 
 
-def compile_case(p: Published, out: str, force: bool) -> dict:
-    """Compile the case's preset AOT for TOPOLOGY (launch.collectives, manual twin); write HLO and JSON."""
+def case_name(p: Published, maxtext_flags: bool) -> str:
+    return p.case + ("+flags" if maxtext_flags else "")
+
+
+def compile_case(p: Published, out: str, force: bool, maxtext_flags: bool = False) -> dict:
+    """Compile the case's preset AOT for TOPOLOGY (launch.collectives, manual twin); write HLO and JSON.
+    maxtext_flags: with MaxText's LIBTPU_INIT_ARGS (libtpu reads them when it loads, before any compile)."""
     from launch import collectives as collectives_cli
     from twinshard.config import preset
     from twinshard.hardware import topology
@@ -169,9 +180,13 @@ def compile_case(p: Published, out: str, force: bool) -> dict:
     if p.preset is None:
         raise ValueError(f"--compile={p.case}: no preset spells it yet; choose one of "
                          f"{', '.join(q.case for q in PUBLISHED if q.preset)}")
-    paths = [os.path.join(out, f"{p.case}.{ext}") for ext in ("hlo.gz", "json")]
+    paths = [os.path.join(out, f"{case_name(p, maxtext_flags)}.{ext}") for ext in ("hlo.gz", "json")]
     if not force and any(os.path.exists(x) for x in paths):
         raise ValueError(f"{paths[0]} or {paths[1]} exists; pass --force to compile it again")
+    if maxtext_flags and os.environ.get("LIBTPU_INIT_ARGS", MAXTEXT_XLA_FLAGS) != MAXTEXT_XLA_FLAGS:
+        raise ValueError(f"--maxtext_flags sets LIBTPU_INIT_ARGS, already {os.environ['LIBTPU_INIT_ARGS']!r}; unset it")
+    if maxtext_flags:
+        os.environ["LIBTPU_INIT_ARGS"] = MAXTEXT_XLA_FLAGS
     os.makedirs(out, exist_ok=True)
     topology.default_to_cpu()
     cfg = preset(p.preset)
@@ -182,7 +197,8 @@ def compile_case(p: Published, out: str, force: bool) -> dict:
     wall = time.perf_counter() - t0
     with gzip.open(paths[0], "wt") as f:
         f.write(res["hlo"])
-    doc = {"case": p.case, "preset": p.preset, "strategy": strategy, "impl": "manual", "mesh": res["mesh"],
+    doc = {"case": case_name(p, maxtext_flags), "preset": p.preset,
+           "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""), "strategy": strategy, "impl": "manual", "mesh": res["mesh"],
            "topology": TOPOLOGY, "compile_s": res["compile_s"], "lower_and_compile_s": wall,
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "memory_analysis": res["memory"]["analysis"], "commit": _commit()}
@@ -213,18 +229,18 @@ def planner(cfg, p: Published, batch: int) -> dict[str, float]:
             "overlap_s": got.overlap_s}
 
 
-def predicted(out: str, p: Published) -> dict | None:
+def predicted(out: str, p: Published, maxtext_flags: bool = False) -> dict | None:
     """The compiled program's predicted step (twinshard.hlo.predict), or None where the case is not compiled."""
     from twinshard import hlo
     from twinshard.hardware import links
 
-    path = os.path.join(out, f"{p.case}.hlo.gz")
+    path = os.path.join(out, f"{case_name(p, maxtext_flags)}.hlo.gz")
     if not os.path.exists(path):
         return None
     if not hasattr(hlo, "predict"):
         raise ValueError("this checkout's twinshard.hlo has no predict (the compiled-program step "
                          "prediction); run the table from a checkout that has it")
-    with open(os.path.join(out, f"{p.case}.json")) as f:
+    with open(path.removesuffix(".hlo.gz") + ".json") as f:
         doc = json.load(f)
     with gzip.open(path, "rt") as f:
         text = f.read()
@@ -247,32 +263,37 @@ def rows(out: str) -> list[dict]:
         d = maxtext_dims(p.scale)
         theirs = maxtext_step_flops(maxtext_params(d), d["heads"], d["layers"], d["head_dim"], p.per_device_batch)
         ours = cost.flops(cfg, batch, SEQ, math.prod(p.mesh.values())).model_per_device  # causal attention half
-        row = {"published": p, "cfg": cfg, "theirs_step_s": theirs / (p.tflops * 1e12),
-               "ours_flops": ours, "plan": planner(cfg, p, batch),
-               "pred": predicted(out, p), "differences": differences(p, cfg)}
-        table.append(row)
+        table.append({"published": p, "cfg": cfg, "theirs_step_s": theirs / (p.tflops * 1e12), "ours_flops": ours,
+                      "plan": planner(cfg, p, batch), "pred": predicted(out, p),
+                      "pred_flags": predicted(out, p, maxtext_flags=True), "differences": differences(p, cfg)})
     return table
+
+
+def _compiled_cells(pred: dict | None, flops: float) -> list[str]:
+    """(step (compute + exposed), MFU) and (compile seconds, peak RSS, XLA's peak per chip) of one compiled case."""
+    if pred is None:
+        return ["not compiled", "-"]
+    c, ma = pred["compile"], pred["compile"]["memory_analysis"]
+    peak = (ma["argument_size_in_bytes"] + ma["output_size_in_bytes"] - ma["alias_size_in_bytes"]
+            + ma["temp_size_in_bytes"])
+    return [f"{pred['step_s']:.2f} s ({pred['compute_s']:.2f} + {pred['exposed_s']:.2f}), "
+            f"{flops / pred['step_s'] / PEAK_V5E:.1%}",
+            f"{c['compile_s']:.0f} s, {c['peak_rss_bytes'] / 2**30:.1f} GiB, {peak / 2**30:.1f} GiB"]
 
 
 def markdown(table: list[dict]) -> str:
     mfu = lambda flops, s: f"{flops / s / PEAK_V5E:.1%}"  # noqa: E731
     lines = ["| case | published: TFLOP/s, MFU, step | planner serial: step, MFU | planner overlap: step, MFU "
-             "| compiled program: step (compute + exposed), MFU | compile s, peak RSS |",
-             "|---|---|---|---|---|---|"]
+             "| compiled: step (compute + exposed), MFU | compile s, peak RSS, XLA's peak per chip "
+             "| compiled with MaxText's XLA flags: step, MFU |",
+             "|---|---|---|---|---|---|---|"]
     for r in table:
-        p, plan, pred = r["published"], r["plan"], r["pred"]
-        f = r["ours_flops"]
+        p, plan, f = r["published"], r["plan"], r["ours_flops"]
         cells = [f"{p.case} ({r['cfg'].num_params() / 1e9:.1f}B, {p.per_device_batch}/chip)",
                  f"{p.tflops:.0f}, {p.mfu:.2%}, {r['theirs_step_s']:.2f} s",
                  f"{plan['serial_s']:.2f} s, {mfu(f, plan['serial_s'])}",
-                 f"{plan['overlap_s']:.2f} s, {mfu(f, plan['overlap_s'])}"]
-        if pred is None:
-            cells += ["not compiled", "-"]
-        else:
-            c = pred["compile"]
-            cells += [f"{pred['step_s']:.2f} s ({pred['compute_s']:.2f} + {pred['exposed_s']:.2f}), "
-                      f"{mfu(f, pred['step_s'])}",
-                      f"{c['compile_s']:.0f} s, {c['peak_rss_bytes'] / 2**30:.1f} GiB"]
+                 f"{plan['overlap_s']:.2f} s, {mfu(f, plan['overlap_s'])}",
+                 *_compiled_cells(r["pred"], f), _compiled_cells(r["pred_flags"], f)[0]]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Published: MaxText's TFLOP/s and MFU, the step their FLOPs over that rate imply (their "
               "attention the whole T x T). The rest: the equivalent's FLOPs (twinshard.cost.flops' model_total, "
@@ -290,10 +311,12 @@ def main(argv=None) -> int:
                         "CASE.hlo.gz and CASE.json under --out")
     parser.add_argument("--out", default=".hlo", help="directory of the compiled cases")
     parser.add_argument("--force", action="store_true", help="overwrite a compiled case already in --out")
+    parser.add_argument("--maxtext_flags", action="store_true", help="with --compile: compile with MaxText's "
+                        "LIBTPU_INIT_ARGS (CASE+flags.hlo.gz)")
     args = parser.parse_args(argv)
     try:
         if args.compile:
-            print(json.dumps(compile_case(CASES[args.compile], args.out, args.force), indent=1))
+            print(json.dumps(compile_case(CASES[args.compile], args.out, args.force, args.maxtext_flags), indent=1))
         else:
             print(markdown(rows(args.out)))
     except ValueError as e:
