@@ -28,7 +28,7 @@ def test_published_model_has_its_name_and_its_mfu_is_its_tflops(p):
     assert p.tflops / (mp.PEAK_V5E / 1e12) == pytest.approx(p.mfu, abs=0.003)  # MFU = TFLOP/s / 197
 
 
-@pytest.mark.parametrize("p", [p for p in mp.PUBLISHED if p.preset], ids=lambda p: p.case)
+@pytest.mark.parametrize("p", mp.PUBLISHED, ids=lambda p: p.case)
 def test_preset_is_the_equivalent_with_a_layer_of_maxtexts_matmul_params(p):
     cfg = preset(p.preset)
     assert cfg.model == mp.equivalent(p)
@@ -40,22 +40,38 @@ def test_preset_is_the_equivalent_with_a_layer_of_maxtexts_matmul_params(p):
     assert "layer's matmul params" in mp.differences(p, cfg.model)
 
 
-def test_compile_refuses_an_existing_case_and_a_case_without_preset(tmp_path):
+def test_compile_refuses_an_existing_case(tmp_path):
     (tmp_path / "16b.json").write_text(json.dumps({}))
     with pytest.raises(ValueError, match="16b.json exists; pass --force"):
         mp.compile_case(mp.CASES["16b"], str(tmp_path), force=False)
-    with pytest.raises(ValueError, match="--compile=128b: no preset spells it yet"):
-        mp.compile_case(mp.CASES["128b"], str(tmp_path), force=False)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["16b.json"]
+
+
+def test_a_mesh_of_our_own_is_named_as_a_difference():
+    p = mp.CASES["128b"]
+    assert (p.mesh, p.our_mesh, p.strategy) == ({"data": 16, "tensor": 16}, {"data": 256, "tensor": 1}, "fsdp")
+    assert "MaxText: fsdp 16 x tensor 16" in mp.differences(p, preset(p.preset).model)
+    assert "mesh" not in mp.differences(mp.CASES["16b"], preset("maxtext_v5e_16b").model)
 
 
 def test_planner_rows_without_compiled_cases(tmp_path):
     table = mp.rows(str(tmp_path))
-    assert [r["published"].case for r in table] == ["16b", "32b", "64b"]
+    assert [r["published"].case for r in table] == ["16b", "32b", "64b", "128b"]
     for r in table:
         assert r["pred"] is None and r["pred_flags"] is None
         # over 256 chips the planner's serial step is compute plus the data axis's traffic
         assert r["plan"]["serial_s"] == pytest.approx(r["plan"]["compute_s"] + r["plan"]["comm_s"])
         assert 0 < r["plan"]["comm_s"] < r["plan"]["compute_s"]
     text = mp.markdown(table)
-    assert text.count("not compiled") == 6 and "| 16b (16.4B, 6/chip) | 120, 61.10%, 10.66 s |" in text
+    assert text.count("not compiled") == 8 and "| 16b (16.4B, 6/chip) | 120, 61.10%, 10.66 s |" in text
+
+
+def test_bad_input_is_one_line_before_anything_compiles(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        mp.main(["--matmul_efficiency=92.5"])
+    assert e.value.code == 2 and "--matmul_efficiency=92.5 must be in (0, 1]" in capsys.readouterr().err
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=32768")
+    with pytest.raises(SystemExit) as e:
+        mp.main(["--compile=16b", "--maxtext_flags", f"--out={tmp_path}"])
+    assert e.value.code == 2 and "LIBTPU_INIT_ARGS, already '--xla_tpu_scoped" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

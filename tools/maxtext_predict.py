@@ -69,14 +69,27 @@ class Published:
     mfu: float
     mesh: dict[str, int]  # MaxText's ici axes, as this project's mesh
     remat: str  # MaxText's remat_policy
-    preset: str | None  # the project's equivalent (None: none yet)
+    preset: str  # the project's equivalent (twinshard.config)
+    ours: dict[str, int] | None = None  # the equivalent's mesh where it is not MaxText's (`differences` says why)
+
+    @property
+    def our_mesh(self) -> dict[str, int]:
+        return self.ours or self.mesh
+
+    @property
+    def strategy(self) -> str:
+        """The project's strategy on `our_mesh`: fsdp, or fsdp_tp where it has a tensor axis."""
+        return "fsdp_tp" if self.our_mesh["tensor"] > 1 else "fsdp"
 
 
 PUBLISHED = (
     Published("16b", 16, 6, 120, 0.6110, {"data": 256, "tensor": 1}, "full", "maxtext_v5e_16b"),
     Published("32b", 32, 4, 132, 0.6686, {"data": 256, "tensor": 1}, "full", "maxtext_v5e_32b"),
     Published("64b", 64, 2, 118, 0.5990, {"data": 256, "tensor": 1}, "full", "maxtext_v5e_64b"),
-    Published("128b", 128, 1, 110, 0.5606, {"data": 16, "tensor": 16}, "full", None),
+    # fsdp 16 x tensor 16 here keeps each tensor shard's [16, T, D] residuals of all 64 layers: 81.6 GiB
+    # a chip by the cost model; fsdp over all 256 chips: 17.8
+    Published("128b", 128, 1, 110, 0.5606, {"data": 16, "tensor": 16}, "full", "maxtext_v5e_128b",
+              {"data": 256, "tensor": 1}),
 )
 CASES = {p.case: p for p in PUBLISHED}
 # MaxText's LIBTPU_INIT_ARGS in every one of those scripts
@@ -159,7 +172,9 @@ def differences(p: Published, cfg) -> str:
         f"relu MLP {d['mlp']} (2 matrices) against SwiGLU {cfg.d_ff} (3): a layer's matmul params "
         f"{ours / maxtext_layer_params(d) - 1:+.2%}",
         f"untied lm_head: +{d['vocab'] * d['emb'] / 1e6:.0f}M params, N {cfg.num_params() / maxtext_params(d):.3f}x",
-    ] + ([f"vocabulary tiling in {cfg.loss_chunks} chunks"] if cfg.loss_chunks else []))
+    ] + ([f"vocabulary tiling in {cfg.loss_chunks} chunks"] if cfg.loss_chunks else [])
+      + ([f"mesh {p.our_mesh} (MaxText: fsdp {p.mesh['data']} x tensor {p.mesh['tensor']}; see PUBLISHED)"]
+         if p.ours else []))
 
 
 # ----------------------------------------------------------------------------- compile
@@ -177,9 +192,6 @@ def compile_case(p: Published, out: str, force: bool, maxtext_flags: bool = Fals
     from twinshard.hardware import topology
     from twinshard.parallel import mesh as mesh_lib
 
-    if p.preset is None:
-        raise ValueError(f"--compile={p.case}: no preset spells it yet; choose one of "
-                         f"{', '.join(q.case for q in PUBLISHED if q.preset)}")
     paths = [os.path.join(out, f"{case_name(p, maxtext_flags)}.{ext}") for ext in ("hlo.gz", "json")]
     if not force and any(os.path.exists(x) for x in paths):
         raise ValueError(f"{paths[0]} or {paths[1]} exists; pass --force to compile it again")
@@ -190,15 +202,14 @@ def compile_case(p: Published, out: str, force: bool, maxtext_flags: bool = Fals
     os.makedirs(out, exist_ok=True)
     topology.default_to_cpu()
     cfg = preset(p.preset)
-    strategy = "fsdp_tp" if p.mesh["tensor"] > 1 else "fsdp"
     devices = topology.devices(TOPOLOGY)
     t0 = time.perf_counter()
-    res = collectives_cli.collectives(strategy, "manual", mesh_lib.mesh_str(p.mesh, strategy), cfg, devices)
+    res = collectives_cli.collectives(p.strategy, "manual", mesh_lib.mesh_str(p.our_mesh, p.strategy), cfg, devices)
     wall = time.perf_counter() - t0
     with gzip.open(paths[0], "wt") as f:
         f.write(res["hlo"])
     doc = {"case": case_name(p, maxtext_flags), "preset": p.preset,
-           "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""), "strategy": strategy, "impl": "manual", "mesh": res["mesh"],
+           "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""), "strategy": p.strategy, "impl": "manual", "mesh": res["mesh"],
            "topology": TOPOLOGY, "compile_s": res["compile_s"], "lower_and_compile_s": wall,
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "memory_analysis": res["memory"]["analysis"], "commit": _commit()}
@@ -223,16 +234,16 @@ def planner(cfg, p: Published, batch: int) -> dict[str, float]:
     from twinshard.hardware import links, plan
 
     topo = links.parse_topology(TOPOLOGY)
-    strategy = "fsdp_tp" if p.mesh["tensor"] > 1 else "fsdp"
-    got = plan.evaluate(cfg, topo, strategy, dict(p.mesh), batch)
+    got = plan.evaluate(cfg, topo, p.strategy, dict(p.our_mesh), batch)
     return {"compute_s": got.compute_s, "comm_s": sum(got.comm_s.values()), "serial_s": got.serial_s,
             "overlap_s": got.overlap_s}
 
 
-def predicted(out: str, p: Published, maxtext_flags: bool = False) -> dict | None:
-    """The compiled program's predicted step (twinshard.hlo.predict), or None where the case is not compiled."""
+def predicted(out: str, p: Published, maxtext_flags: bool = False, matmul_efficiency: float | None = None) -> dict | None:
+    """The compiled program's predicted step (twinshard.hlo.predict), or None where the case is not compiled;
+    matmul_efficiency: the matmuls' share of the peak in place of the chip's measured one (chips.efficiency)."""
     from twinshard import hlo
-    from twinshard.hardware import links
+    from twinshard.hardware import chips, links
 
     path = os.path.join(out, f"{case_name(p, maxtext_flags)}.hlo.gz")
     if not os.path.exists(path):
@@ -245,27 +256,29 @@ def predicted(out: str, p: Published, maxtext_flags: bool = False) -> dict | Non
     with gzip.open(path, "rt") as f:
         text = f.read()
     topo = links.parse_topology(TOPOLOGY)
-    pred = hlo.predict(text, topo.chip, doc["mesh"], links.axis_links(topo, doc["mesh"]))
+    eff = chips.efficiency(topo.chip)
+    if matmul_efficiency is not None:
+        eff = dataclasses.replace(eff, matmul_efficiency=matmul_efficiency,
+                                  source=f"matmul {matmul_efficiency:g} given; the rest: {eff.source}")
+    pred = hlo.predict(text, topo.chip, doc["mesh"], links.axis_links(topo, doc["mesh"]), efficiency=eff)
     return {"step_s": pred.step_s, "compute_s": pred.compute_s, "exposed_s": pred.exposed_s,
-            "compile": doc, "table": pred.table()}
+            "compile": doc, "table": pred.table(), "efficiency": eff}
 
 
-def rows(out: str) -> list[dict]:
+def rows(out: str, matmul_efficiency: float | None = None) -> list[dict]:
     from twinshard import cost
     from twinshard.config import preset
 
     table = []
     for p in PUBLISHED:
-        if p.preset is None:
-            continue
         cfg = preset(p.preset).model
         batch = p.per_device_batch * math.prod(p.mesh.values())
         d = maxtext_dims(p.scale)
         theirs = maxtext_step_flops(maxtext_params(d), d["heads"], d["layers"], d["head_dim"], p.per_device_batch)
         ours = cost.flops(cfg, batch, SEQ, math.prod(p.mesh.values())).model_per_device  # causal attention half
         table.append({"published": p, "cfg": cfg, "theirs_step_s": theirs / (p.tflops * 1e12), "ours_flops": ours,
-                      "plan": planner(cfg, p, batch), "pred": predicted(out, p),
-                      "pred_flags": predicted(out, p, maxtext_flags=True), "differences": differences(p, cfg)})
+                      "plan": planner(cfg, p, batch), "pred": predicted(out, p, False, matmul_efficiency),
+                      "pred_flags": predicted(out, p, True, matmul_efficiency), "differences": differences(p, cfg)})
     return table
 
 
@@ -295,6 +308,8 @@ def markdown(table: list[dict]) -> str:
                  f"{plan['overlap_s']:.2f} s, {mfu(f, plan['overlap_s'])}",
                  *_compiled_cells(r["pred"], f), _compiled_cells(r["pred_flags"], f)[0]]
         lines.append("| " + " | ".join(cells) + " |")
+    effs = {str(r[k]["efficiency"]) for r in table for k in ("pred", "pred_flags") if r[k]}
+    lines += [""] + [f"Compiled programs priced at {e}." for e in sorted(effs)]
     lines += ["", "Published: MaxText's TFLOP/s and MFU, the step their FLOPs over that rate imply (their "
               "attention the whole T x T). The rest: the equivalent's FLOPs (twinshard.cost.flops' model_total, "
               "causal attention half) over the step, of 197 TFLOP/s.", ""]
@@ -311,14 +326,18 @@ def main(argv=None) -> int:
                         "CASE.hlo.gz and CASE.json under --out")
     parser.add_argument("--out", default=".hlo", help="directory of the compiled cases")
     parser.add_argument("--force", action="store_true", help="overwrite a compiled case already in --out")
+    parser.add_argument("--matmul_efficiency", type=float, help="the table: price matmuls at this share of the "
+                        "peak (default: the chip's measured efficiencies, twinshard.hardware.chips.efficiency)")
     parser.add_argument("--maxtext_flags", action="store_true", help="with --compile: compile with MaxText's "
                         "LIBTPU_INIT_ARGS (CASE+flags.hlo.gz)")
     args = parser.parse_args(argv)
+    if args.matmul_efficiency is not None and not 0 < args.matmul_efficiency <= 1:
+        parser.error(f"--matmul_efficiency={args.matmul_efficiency} must be in (0, 1]: a share of the peak")
     try:
         if args.compile:
             print(json.dumps(compile_case(CASES[args.compile], args.out, args.force, args.maxtext_flags), indent=1))
         else:
-            print(markdown(rows(args.out)))
+            print(markdown(rows(args.out, args.matmul_efficiency)))
     except ValueError as e:
         parser.exit(2, f"maxtext_predict: error: {e}\n")
     return 0

@@ -475,6 +475,11 @@ _PRESETS: dict[str, Config] = {
                     d_ff=19136, dtype="bfloat16", remat="full", attention_block=512),
         TrainConfig(batch_size=2 * 256, tokenizer="bytes"),
     ),
+    "maxtext_v5e_128b": Config(  # MaxText: D 10240, 64 heads x 256, relu MLP 65536, 64 layers
+        ModelConfig(vocab_size=32768, context_length=2048, d_model=10240, num_layers=64, num_heads=40,
+                    d_ff=51904, dtype="bfloat16", remat="full", attention_block=512),
+        TrainConfig(batch_size=1 * 256, tokenizer="bytes"),
+    ),
 }
 
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
