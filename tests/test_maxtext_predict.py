@@ -66,12 +66,12 @@ def test_planner_rows_without_compiled_cases(tmp_path):
     assert text.count("not compiled") == 8 and "| 16b (16.4B, 6/chip) | 120, 61.10%, 10.66 s |" in text
 
 
-def test_bad_input_is_one_line_before_anything_compiles(tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_before_anything_compiles(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         mp.main(["--matmul_efficiency=92.5"])
     assert e.value.code == 2 and "--matmul_efficiency=92.5 must be in (0, 1]" in capsys.readouterr().err
-    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=32768")
+    (tmp_path / "16b+flags.hlo.gz").write_bytes(b"")
     with pytest.raises(SystemExit) as e:
         mp.main(["--compile=16b", "--maxtext_flags", f"--out={tmp_path}"])
-    assert e.value.code == 2 and "LIBTPU_INIT_ARGS, already '--xla_tpu_scoped" in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())
+    assert e.value.code == 2 and "16b+flags.hlo.gz or" in capsys.readouterr().err
+    assert [x.name for x in tmp_path.iterdir()] == ["16b+flags.hlo.gz"]

@@ -255,3 +255,18 @@ def test_bad_topology_name_is_a_clear_error(monkeypatch):
 def test_bad_host_bounds_are_a_clear_error():
     with pytest.raises(ValueError, match=r"rejected by libtpu.*1,1,1 always divides"):
         topology.devices("v5e:4x4", (3, 3, 1))
+
+
+@needs_libtpu
+def test_compiler_options_reach_the_pods_compile():
+    """XLA:TPU flags passed as compile options reach libtpu's compile (an unknown one is refused by
+    name); without a topology they are refused before anything compiles."""
+    from launch.collectives import collectives
+
+    cfg = preset("tiny")
+    devices = topology.devices("v5e:2x2", (1, 1, 1))
+    unknown = {"xla_tpu_no_such_option": "true"}
+    with pytest.raises(Exception, match="No such compile option: 'xla_tpu_no_such_option'"):
+        collectives("fsdp", "manual", "data:4,tensor:1", cfg, devices, compiler_options=unknown)
+    with pytest.raises(ValueError, match="compiler_options are XLA:TPU flags for a topology's compile"):
+        collectives("fsdp", "manual", "data:4,tensor:1", cfg, None, compiler_options=unknown)

@@ -2,7 +2,7 @@
 closest equivalents: the planner's figure, and the step predicted from the compiled program.
 
     uv run --extra tpu python tools/maxtext_predict.py --compile=16b --out=.hlo   # AOT on this CPU, one case per run
-    uv run --extra tpu python tools/maxtext_predict.py --compile=16b --maxtext_flags   # with MaxText's LIBTPU_INIT_ARGS
+    uv run --extra tpu python tools/maxtext_predict.py --compile=16b --maxtext_flags   # with MaxText's XLA flags
     uv run --extra tpu python tools/maxtext_predict.py --out=.hlo                 # the table (markdown)
 
 The published figures: MaxText's "TPU v5e" performance table (README.md's "Runtime Performance
@@ -92,11 +92,13 @@ PUBLISHED = (
               {"data": 256, "tensor": 1}),
 )
 CASES = {p.case: p for p in PUBLISHED}
-# MaxText's LIBTPU_INIT_ARGS in every one of those scripts
-MAXTEXT_XLA_FLAGS = ("--xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true "
-                     "--xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
-                     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true "
-                     "--xla_enable_async_all_gather=true")
+# MaxText's LIBTPU_INIT_ARGS in every one of those scripts, as compile options (twinshard.hardware.
+# topology.compile_for_pod: ahead of time, LIBTPU_INIT_ARGS itself changes nothing)
+MAXTEXT_XLA_FLAGS = {flag: "true" for flag in (
+    "xla_tpu_enable_data_parallel_all_reduce_opt", "xla_tpu_data_parallel_opt_different_sized_ops",
+    "xla_tpu_enable_async_collective_fusion", "xla_tpu_enable_async_collective_fusion_fuse_all_gather",
+    "xla_tpu_enable_async_collective_fusion_multiple_steps", "xla_tpu_overlap_compute_collective_tc",
+    "xla_enable_async_all_gather")}
 SOURCE = ("github.com/AI-Hypercomputer/maxtext README.md (\"TPU v5e\" table, 1x v5e-256 row; commits "
           "f70c643b0..e7829012d), configs in MaxText/configs/largest_job/ at e47fa1b5d")
 
@@ -156,8 +158,8 @@ COMMON_DIFFERENCES = (
     "RoPE (MaxText's flash path: no position information)",
     "causal splash attention, blocks 512, computing half the T x T (MaxText: the Pallas flash kernel with "
     "causal=False, blocks 512, the whole T x T)",
-    "the manual twin's shard_map FSDP (MaxText: GSPMD), compiled with XLA's default TPU flags (MaxText's "
-    "LIBTPU_INIT_ARGS add async collective fusion and data-parallel all-reduce overlap)",
+    "the manual twin's shard_map FSDP (MaxText: GSPMD)",
+    "'compiled': XLA's default TPU flags; the last column: MaxText's LIBTPU_INIT_ARGS as compile options",
 )
 
 
@@ -186,7 +188,7 @@ def case_name(p: Published, maxtext_flags: bool) -> str:
 
 def compile_case(p: Published, out: str, force: bool, maxtext_flags: bool = False) -> dict:
     """Compile the case's preset AOT for TOPOLOGY (launch.collectives, manual twin); write HLO and JSON.
-    maxtext_flags: with MaxText's LIBTPU_INIT_ARGS (libtpu reads them when it loads, before any compile)."""
+    maxtext_flags: with MaxText's XLA flags (MAXTEXT_XLA_FLAGS) as compile options."""
     from launch import collectives as collectives_cli
     from twinshard.config import preset
     from twinshard.hardware import topology
@@ -195,21 +197,19 @@ def compile_case(p: Published, out: str, force: bool, maxtext_flags: bool = Fals
     paths = [os.path.join(out, f"{case_name(p, maxtext_flags)}.{ext}") for ext in ("hlo.gz", "json")]
     if not force and any(os.path.exists(x) for x in paths):
         raise ValueError(f"{paths[0]} or {paths[1]} exists; pass --force to compile it again")
-    if maxtext_flags and os.environ.get("LIBTPU_INIT_ARGS", MAXTEXT_XLA_FLAGS) != MAXTEXT_XLA_FLAGS:
-        raise ValueError(f"--maxtext_flags sets LIBTPU_INIT_ARGS, already {os.environ['LIBTPU_INIT_ARGS']!r}; unset it")
-    if maxtext_flags:
-        os.environ["LIBTPU_INIT_ARGS"] = MAXTEXT_XLA_FLAGS
     os.makedirs(out, exist_ok=True)
     topology.default_to_cpu()
     cfg = preset(p.preset)
     devices = topology.devices(TOPOLOGY)
     t0 = time.perf_counter()
-    res = collectives_cli.collectives(p.strategy, "manual", mesh_lib.mesh_str(p.our_mesh, p.strategy), cfg, devices)
+    options = MAXTEXT_XLA_FLAGS if maxtext_flags else None
+    res = collectives_cli.collectives(p.strategy, "manual", mesh_lib.mesh_str(p.our_mesh, p.strategy), cfg, devices,
+                                      compiler_options=options)
     wall = time.perf_counter() - t0
     with gzip.open(paths[0], "wt") as f:
         f.write(res["hlo"])
     doc = {"case": case_name(p, maxtext_flags), "preset": p.preset,
-           "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""), "strategy": p.strategy, "impl": "manual", "mesh": res["mesh"],
+           "compiler_options": options or {}, "strategy": p.strategy, "impl": "manual", "mesh": res["mesh"],
            "topology": TOPOLOGY, "compile_s": res["compile_s"], "lower_and_compile_s": wall,
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "memory_analysis": res["memory"]["analysis"], "commit": _commit()}
@@ -308,7 +308,8 @@ def markdown(table: list[dict]) -> str:
                  f"{plan['overlap_s']:.2f} s, {mfu(f, plan['overlap_s'])}",
                  *_compiled_cells(r["pred"], f), _compiled_cells(r["pred_flags"], f)[0]]
         lines.append("| " + " | ".join(cells) + " |")
-    effs = {str(r[k]["efficiency"]) for r in table for k in ("pred", "pred_flags") if r[k]}
+    effs = {f"matmul {e.matmul_efficiency:g}, HBM {e.hbm_efficiency:g}, splash {e.splash_efficiency:g} of the "
+            f"peaks ({e.source})" for e in (r[k]["efficiency"] for r in table for k in ("pred", "pred_flags") if r[k])}
     lines += [""] + [f"Compiled programs priced at {e}." for e in sorted(effs)]
     lines += ["", "Published: MaxText's TFLOP/s and MFU, the step their FLOPs over that rate imply (their "
               "attention the whole T x T). The rest: the equivalent's FLOPs (twinshard.cost.flops' model_total, "
@@ -316,6 +317,10 @@ def markdown(table: list[dict]) -> str:
     lines += [f"- every case: {'; '.join(COMMON_DIFFERENCES)}."]
     for r in table:
         lines.append(f"- {r['published'].case}: {r['differences']}.")
+    for r in table:  # the predictor's own account of each compiled program
+        for key, label in (("pred", ""), ("pred_flags", ", MaxText's XLA flags")):
+            if r[key]:
+                lines += ["", f"{r['published'].case}{label}:", "```", r[key]["table"], "```"]
     return "\n".join(lines)
 
 
@@ -329,7 +334,7 @@ def main(argv=None) -> int:
     parser.add_argument("--matmul_efficiency", type=float, help="the table: price matmuls at this share of the "
                         "peak (default: the chip's measured efficiencies, twinshard.hardware.chips.efficiency)")
     parser.add_argument("--maxtext_flags", action="store_true", help="with --compile: compile with MaxText's "
-                        "LIBTPU_INIT_ARGS (CASE+flags.hlo.gz)")
+                        "XLA flags (CASE+flags.hlo.gz)")
     args = parser.parse_args(argv)
     if args.matmul_efficiency is not None and not 0 < args.matmul_efficiency <= 1:
         parser.error(f"--matmul_efficiency={args.matmul_efficiency} must be in (0, 1]: a share of the peak")
