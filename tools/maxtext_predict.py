@@ -92,8 +92,8 @@ PUBLISHED = (
               {"data": 256, "tensor": 1}),
 )
 CASES = {p.case: p for p in PUBLISHED}
-# MaxText's LIBTPU_INIT_ARGS in every one of those scripts, as compile options (twinshard.hardware.
-# topology.compile_for_pod: ahead of time, LIBTPU_INIT_ARGS itself changes nothing)
+# MaxText's LIBTPU_INIT_ARGS in every one of those scripts, as compile options, whose names libtpu
+# checks (twinshard.hardware.topology.compile_for_pod)
 MAXTEXT_XLA_FLAGS = {flag: "true" for flag in (
     "xla_tpu_enable_data_parallel_all_reduce_opt", "xla_tpu_data_parallel_opt_different_sized_ops",
     "xla_tpu_enable_async_collective_fusion", "xla_tpu_enable_async_collective_fusion_fuse_all_gather",

@@ -114,9 +114,8 @@ def compile_for_pod(lowered, compiler_options: Mapping[str, Any] | None = None):
     """`lowered.compile(compiler_options)` with the persistent cache off: JAX 0.12 writes a compile-only
     TPU executable to the cache and cannot read it back (twinshard/train/compile_cache.py).
     compiler_options: XLA:TPU flags without their dashes ({'xla_tpu_enable_async_collective_fusion':
-    'true'}); compiled ahead of time here, LIBTPU_INIT_ARGS leaves the program as it was (measured,
-    libtpu 0.0.50.1: MaxText's flags in it changed nothing, an unknown one raised nothing), while an
-    unknown option is an INVALID_ARGUMENT."""
+    'true'}); libtpu checks each name (an unknown one is an INVALID_ARGUMENT), where an unknown flag
+    in LIBTPU_INIT_ARGS raised nothing in a compile ahead of time (measured, libtpu 0.0.50.1)."""
     from twinshard.train import compile_cache
 
     with compile_cache.disabled():
