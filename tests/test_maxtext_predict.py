@@ -75,3 +75,10 @@ def test_bad_input_is_one_line_before_anything_compiles(tmp_path, capsys):
         mp.main(["--compile=16b", "--maxtext_flags", f"--out={tmp_path}"])
     assert e.value.code == 2 and "16b+flags.hlo.gz or" in capsys.readouterr().err
     assert [x.name for x in tmp_path.iterdir()] == ["16b+flags.hlo.gz"]
+
+
+def test_program_text_ignores_where_ops_came_from_only():
+    a = ('HloModule m\nFileNames\n1 "/a/x.py"\n%d = f32[2]{0} add(%p, %q), metadata={op_name="a" source_line=3}\n')
+    b = ('HloModule m\nFileNames\n1 "/b/y.py"\n%d = f32[2]{0} add(%p, %q), metadata={op_name="b" source_line=9}\n')
+    assert mp.program_text(a) == mp.program_text(b)
+    assert mp.program_text(a) != mp.program_text(a.replace("add", "multiply"))

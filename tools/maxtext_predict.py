@@ -44,6 +44,7 @@ import gzip
 import json
 import math
 import os
+import re
 import resource
 import sys
 import time
@@ -262,7 +263,15 @@ def predicted(out: str, p: Published, maxtext_flags: bool = False, matmul_effici
                                   source=f"matmul {matmul_efficiency:g} given; the rest: {eff.source}")
     pred = hlo.predict(text, topo.chip, doc["mesh"], links.axis_links(topo, doc["mesh"]), efficiency=eff)
     return {"step_s": pred.step_s, "compute_s": pred.compute_s, "exposed_s": pred.exposed_s,
-            "compile": doc, "table": pred.table(), "efficiency": eff}
+            "compile": doc, "table": pred.table(), "efficiency": eff, "program": hash(program_text(text))}
+
+
+def program_text(hlo_text: str) -> str:
+    """The HLO without what names where it came from (op metadata, the stack-frame tables), so two
+    compiles of one program from different call paths compare equal."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", hlo_text)
+    return "\n".join(line for line in text.splitlines()
+                     if not re.match(r"(\d+ [{\"]|FileNames|FunctionNames|FileLocations|StackFrames)", line))
 
 
 def rows(out: str, matmul_efficiency: float | None = None) -> list[dict]:
@@ -307,6 +316,8 @@ def markdown(table: list[dict]) -> str:
                  f"{plan['serial_s']:.2f} s, {mfu(f, plan['serial_s'])}",
                  f"{plan['overlap_s']:.2f} s, {mfu(f, plan['overlap_s'])}",
                  *_compiled_cells(r["pred"], f), _compiled_cells(r["pred_flags"], f)[0]]
+        if r["pred"] and r["pred_flags"] and r["pred"]["program"] == r["pred_flags"]["program"]:
+            cells[-1] += " (the same program)"
         lines.append("| " + " | ".join(cells) + " |")
     effs = {f"matmul {e.matmul_efficiency:g}, HBM {e.hbm_efficiency:g}, splash {e.splash_efficiency:g} of the "
             f"peaks ({e.source})" for e in (r[k]["efficiency"] for r in table for k in ("pred", "pred_flags") if r[k])}
