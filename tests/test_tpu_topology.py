@@ -270,3 +270,18 @@ def test_compiler_options_reach_the_pods_compile():
         collectives("fsdp", "manual", "data:4,tensor:1", cfg, devices, compiler_options=unknown)
     with pytest.raises(ValueError, match="compiler_options are XLA:TPU flags for a topology's compile"):
         collectives("fsdp", "manual", "data:4,tensor:1", cfg, None, compiler_options=unknown)
+
+
+@needs_libtpu
+def test_auto_fsdp_runs_splash_on_the_pod_in_bf16():
+    """GSPMD's twin on a pod in bf16: splash (a Mosaic kernel) in a shard_map over every mesh axis,
+    the size-1 tensor axis too (left to the partitioner it failed to lower); nothing moves over tensor."""
+    from launch.collectives import collectives
+
+    base = preset("tiny")
+    cfg = Config(dataclasses.replace(base.model, d_model=512, num_heads=4, dtype="bfloat16"),
+                 dataclasses.replace(base.train, batch_size=16))
+    res = collectives("fsdp", "auto", "data:16,tensor:1", cfg, topology.devices(TOPOLOGY, (2, 2, 1)))
+    kernels = [line for line in res["hlo"].splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert any("splash_mha_fwd" in line for line in kernels), kernels[:2]
+    assert {axes for _, axes in res["ledger"].summary()} == {("data",)}
