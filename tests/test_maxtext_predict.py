@@ -58,18 +58,21 @@ def test_planner_rows_without_compiled_cases(tmp_path):
     table = mp.rows(str(tmp_path))
     assert [r["published"].case for r in table] == ["16b", "32b", "64b", "128b"]
     for r in table:
-        assert r["pred"] is None and r["pred_flags"] is None
+        assert r["pred"] is None and r["pred+flags"] is None and r["pred+auto"] is None
         # over 256 chips the planner's serial step is compute plus the data axis's traffic
         assert r["plan"]["serial_s"] == pytest.approx(r["plan"]["compute_s"] + r["plan"]["comm_s"])
         assert 0 < r["plan"]["comm_s"] < r["plan"]["compute_s"]
     text = mp.markdown(table)
-    assert text.count("not compiled") == 8 and "| 16b (16.4B, 6/chip) | 120, 61.10%, 10.66 s |" in text
+    assert text.count("not compiled") == 12 and "| 16b (16.4B, 6/chip) | 120, 61.10%, 10.66 s |" in text
 
 
 def test_bad_input_is_one_line_before_anything_compiles(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         mp.main(["--matmul_efficiency=92.5"])
     assert e.value.code == 2 and "--matmul_efficiency=92.5 must be in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        mp.main(["--compile=16b", "--maxtext_flags", "--auto", f"--out={tmp_path}"])
+    assert e.value.code == 2 and "two variants of a case" in capsys.readouterr().err
     (tmp_path / "16b+flags.hlo.gz").write_bytes(b"")
     with pytest.raises(SystemExit) as e:
         mp.main(["--compile=16b", "--maxtext_flags", f"--out={tmp_path}"])

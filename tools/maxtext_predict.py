@@ -3,6 +3,7 @@ closest equivalents: the planner's figure, and the step predicted from the compi
 
     uv run --extra tpu python tools/maxtext_predict.py --compile=16b --out=.hlo   # AOT on this CPU, one case per run
     uv run --extra tpu python tools/maxtext_predict.py --compile=16b --maxtext_flags   # with MaxText's XLA flags
+    uv run --extra tpu python tools/maxtext_predict.py --compile=16b --auto            # the auto twin (GSPMD)
     uv run --extra tpu python tools/maxtext_predict.py --out=.hlo                 # the table (markdown)
 
 The published figures: MaxText's "TPU v5e" performance table (README.md's "Runtime Performance
@@ -183,19 +184,20 @@ def differences(p: Published, cfg) -> str:
 # ----------------------------------------------------------------------------- compile
 
 
-def case_name(p: Published, maxtext_flags: bool) -> str:
-    return p.case + ("+flags" if maxtext_flags else "")
+# How a case is compiled: file suffix -> (twin, MaxText's XLA flags as compile options or not)
+VARIANTS = {"": ("manual", False), "+flags": ("manual", True), "+auto": ("auto", False)}
 
 
-def compile_case(p: Published, out: str, force: bool, maxtext_flags: bool = False) -> dict:
-    """Compile the case's preset AOT for TOPOLOGY (launch.collectives, manual twin); write HLO and JSON.
-    maxtext_flags: with MaxText's XLA flags (MAXTEXT_XLA_FLAGS) as compile options."""
+def compile_case(p: Published, out: str, force: bool, variant: str = "") -> dict:
+    """Compile the case's preset AOT for TOPOLOGY (launch.collectives, the variant's twin and flags);
+    write CASE{variant}.hlo.gz and .json."""
     from launch import collectives as collectives_cli
     from twinshard.config import preset
     from twinshard.hardware import topology
     from twinshard.parallel import mesh as mesh_lib
 
-    paths = [os.path.join(out, f"{case_name(p, maxtext_flags)}.{ext}") for ext in ("hlo.gz", "json")]
+    impl, maxtext_flags = VARIANTS[variant]
+    paths = [os.path.join(out, f"{p.case}{variant}.{ext}") for ext in ("hlo.gz", "json")]
     if not force and any(os.path.exists(x) for x in paths):
         raise ValueError(f"{paths[0]} or {paths[1]} exists; pass --force to compile it again")
     os.makedirs(out, exist_ok=True)
@@ -204,13 +206,13 @@ def compile_case(p: Published, out: str, force: bool, maxtext_flags: bool = Fals
     devices = topology.devices(TOPOLOGY)
     t0 = time.perf_counter()
     options = MAXTEXT_XLA_FLAGS if maxtext_flags else None
-    res = collectives_cli.collectives(p.strategy, "manual", mesh_lib.mesh_str(p.our_mesh, p.strategy), cfg, devices,
+    res = collectives_cli.collectives(p.strategy, impl, mesh_lib.mesh_str(p.our_mesh, p.strategy), cfg, devices,
                                       compiler_options=options)
     wall = time.perf_counter() - t0
     with gzip.open(paths[0], "wt") as f:
         f.write(res["hlo"])
-    doc = {"case": case_name(p, maxtext_flags), "preset": p.preset,
-           "compiler_options": options or {}, "strategy": p.strategy, "impl": "manual", "mesh": res["mesh"],
+    doc = {"case": p.case + variant, "preset": p.preset,
+           "compiler_options": options or {}, "strategy": p.strategy, "impl": impl, "mesh": res["mesh"],
            "topology": TOPOLOGY, "compile_s": res["compile_s"], "lower_and_compile_s": wall,
            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "memory_analysis": res["memory"]["analysis"], "commit": _commit()}
@@ -240,13 +242,13 @@ def planner(cfg, p: Published, batch: int) -> dict[str, float]:
             "overlap_s": got.overlap_s}
 
 
-def predicted(out: str, p: Published, maxtext_flags: bool = False, matmul_efficiency: float | None = None) -> dict | None:
+def predicted(out: str, p: Published, variant: str = "", matmul_efficiency: float | None = None) -> dict | None:
     """The compiled program's predicted step (twinshard.hlo.predict), or None where the case is not compiled;
     matmul_efficiency: the matmuls' share of the peak in place of the chip's measured one (chips.efficiency)."""
     from twinshard import hlo
     from twinshard.hardware import chips, links
 
-    path = os.path.join(out, f"{case_name(p, maxtext_flags)}.hlo.gz")
+    path = os.path.join(out, f"{p.case}{variant}.hlo.gz")
     if not os.path.exists(path):
         return None
     if not hasattr(hlo, "predict"):
@@ -286,8 +288,8 @@ def rows(out: str, matmul_efficiency: float | None = None) -> list[dict]:
         theirs = maxtext_step_flops(maxtext_params(d), d["heads"], d["layers"], d["head_dim"], p.per_device_batch)
         ours = cost.flops(cfg, batch, SEQ, math.prod(p.mesh.values())).model_per_device  # causal attention half
         table.append({"published": p, "cfg": cfg, "theirs_step_s": theirs / (p.tflops * 1e12), "ours_flops": ours,
-                      "plan": planner(cfg, p, batch), "pred": predicted(out, p, False, matmul_efficiency),
-                      "pred_flags": predicted(out, p, True, matmul_efficiency), "differences": differences(p, cfg)})
+                      "plan": planner(cfg, p, batch), "differences": differences(p, cfg),
+                      **{f"pred{v}": predicted(out, p, v, matmul_efficiency) for v in VARIANTS}})
     return table
 
 
@@ -307,20 +309,21 @@ def markdown(table: list[dict]) -> str:
     mfu = lambda flops, s: f"{flops / s / PEAK_V5E:.1%}"  # noqa: E731
     lines = ["| case | published: TFLOP/s, MFU, step | planner serial: step, MFU | planner overlap: step, MFU "
              "| compiled: step (compute + exposed), MFU | compile s, peak RSS, XLA's peak per chip "
-             "| compiled with MaxText's XLA flags: step, MFU |",
-             "|---|---|---|---|---|---|---|"]
+             "| compiled with MaxText's XLA flags: step, MFU | the auto twin (GSPMD): step, MFU |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in table:
         p, plan, f = r["published"], r["plan"], r["ours_flops"]
         cells = [f"{p.case} ({r['cfg'].num_params() / 1e9:.1f}B, {p.per_device_batch}/chip)",
                  f"{p.tflops:.0f}, {p.mfu:.2%}, {r['theirs_step_s']:.2f} s",
                  f"{plan['serial_s']:.2f} s, {mfu(f, plan['serial_s'])}",
                  f"{plan['overlap_s']:.2f} s, {mfu(f, plan['overlap_s'])}",
-                 *_compiled_cells(r["pred"], f), _compiled_cells(r["pred_flags"], f)[0]]
-        if r["pred"] and r["pred_flags"] and r["pred"]["program"] == r["pred_flags"]["program"]:
-            cells[-1] += " (the same program)"
+                 *_compiled_cells(r["pred"], f), _compiled_cells(r["pred+flags"], f)[0],
+                 _compiled_cells(r["pred+auto"], f)[0]]
+        if r["pred"] and r["pred+flags"] and r["pred"]["program"] == r["pred+flags"]["program"]:
+            cells[-2] += " (the same program)"
         lines.append("| " + " | ".join(cells) + " |")
     effs = {f"matmul {e.matmul_efficiency:g}, HBM {e.hbm_efficiency:g}, splash {e.splash_efficiency:g} of the "
-            f"peaks ({e.source})" for e in (r[k]["efficiency"] for r in table for k in ("pred", "pred_flags") if r[k])}
+            f"peaks ({e.source})" for e in (r[k]["efficiency"] for r in table for k in ("pred", "pred+flags", "pred+auto") if r[k])}
     lines += [""] + [f"Compiled programs priced at {e}." for e in sorted(effs)]
     lines += ["", "Published: MaxText's TFLOP/s and MFU, the step their FLOPs over that rate imply (their "
               "attention the whole T x T). The rest: the equivalent's FLOPs (twinshard.cost.flops' model_total, "
@@ -329,9 +332,9 @@ def markdown(table: list[dict]) -> str:
     for r in table:
         lines.append(f"- {r['published'].case}: {r['differences']}.")
     for r in table:  # the predictor's own account of each compiled program
-        same = r["pred"] and r["pred_flags"] and r["pred"]["program"] == r["pred_flags"]["program"]
-        for key, label in (("pred", ""), ("pred_flags", ", MaxText's XLA flags")):
-            if r[key] and not (same and key == "pred_flags"):
+        same = r["pred"] and r["pred+flags"] and r["pred"]["program"] == r["pred+flags"]["program"]
+        for key, label in (("pred", ""), ("pred+flags", ", MaxText's XLA flags"), ("pred+auto", ", the auto twin")):
+            if r[key] and not (same and key == "pred+flags"):
                 lines += ["", f"{r['published'].case}{label}:", "```", r[key]["table"], "```"]
     return "\n".join(lines)
 
@@ -347,12 +350,17 @@ def main(argv=None) -> int:
                         "peak (default: the chip's measured efficiencies, twinshard.hardware.chips.efficiency)")
     parser.add_argument("--maxtext_flags", action="store_true", help="with --compile: compile with MaxText's "
                         "XLA flags (CASE+flags.hlo.gz)")
+    parser.add_argument("--auto", action="store_true", help="with --compile: the auto twin (GSPMD, as MaxText) "
+                        "in place of the manual one (CASE+auto.hlo.gz)")
     args = parser.parse_args(argv)
+    if args.maxtext_flags and args.auto:
+        parser.error("--maxtext_flags and --auto are two variants of a case: compile each in its own run")
     if args.matmul_efficiency is not None and not 0 < args.matmul_efficiency <= 1:
         parser.error(f"--matmul_efficiency={args.matmul_efficiency} must be in (0, 1]: a share of the peak")
     try:
         if args.compile:
-            print(json.dumps(compile_case(CASES[args.compile], args.out, args.force, args.maxtext_flags), indent=1))
+            variant = "+flags" if args.maxtext_flags else "+auto" if args.auto else ""
+            print(json.dumps(compile_case(CASES[args.compile], args.out, args.force, variant), indent=1))
         else:
             print(markdown(rows(args.out, args.matmul_efficiency)))
     except ValueError as e:
