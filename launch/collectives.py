@@ -118,14 +118,19 @@ def _pod_memory(devices) -> tuple[int, str] | None:
     return None if chip is None else (chip.hbm_bytes, f"{chip.name}'s HBM")
 
 
-def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None) -> dict:
-    """Compile the train step AOT; return ledger, model, comparison, notes, HLO text, timings."""
+def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None, compiler_options=None) -> dict:
+    """Compile the train step AOT; return ledger, model, comparison, notes, HLO text, timings.
+    compiler_options: XLA flags for a topology's compile (topology.compile_for_pod)."""
+    import functools
+
     import jax
 
     from twinshard import cost, hlo
     from twinshard.hardware import measure, topology
     from twinshard.model import layers
 
+    if compiler_options and devices is None:
+        raise ValueError("compiler_options are XLA:TPU flags for a topology's compile; pass the topology's devices")
     run, runner = _runner(strategy, impl, mesh_spec, cfg, devices)
     mesh = dict(run.mesh)
     model = cost.of_run(run)
@@ -138,7 +143,8 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     with layers.compiling_for(runner.mesh.devices.flat[0].platform):  # a --topology's chips: TPU kernels
         lowered = runner.train_step.lower(state, tokens, tokens)
     compiled = fit.compile_checked(lowered, run, bound,  # a TPU pod's devices: compiled for them
-                                   None if devices is None else topology.compile_for_pod)
+                                   None if devices is None else
+                                   functools.partial(topology.compile_for_pod, compiler_options=compiler_options))
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     led = hlo.ledger(text, runner.mesh)

@@ -58,8 +58,11 @@ def sharded_attention(mesh: jax.sharding.Mesh, rules: Rules, q, k, v, impl: str 
     # transpose then sums an input's cotangent over every manual axis the input is not split over
     # (the replicated kv heads' over tensor), so the axes of size 1 stay out: a sum over each was
     # an all-reduce of one device per q, k and v per layer (measured, JAX 0.12). An Explicit mesh
-    # keeps them: Pallas' interpret mode fails on arrays typed over an Explicit axis left outside.
-    manual = frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1 or mesh.explicit_axes)
+    # keeps them: Pallas' interpret mode fails on arrays typed over an Explicit axis left outside. So
+    # does a TPU: a Mosaic kernel under an axis left to the partitioner, even of size 1, fails to
+    # lower ("Mosaic kernels cannot be automatically partitioned", measured, v5e:4x4 data:16).
+    on_tpu = layers.target_backend() == "tpu"
+    manual = frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1 or mesh.explicit_axes or on_tpu)
     if not manual:
         return local(q, k, v)
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
