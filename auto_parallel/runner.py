@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from twinshard.parallel import placement
-from twinshard.parallel.resolve import Run
 from twinshard.model.hooks import Parallelism
 from twinshard.parallel.placement import spec
+from twinshard.parallel.resolve import Run
+from twinshard.placed import GlobalRunner, Hooks, sharded_attention
 from twinshard.train.trainer import accumulated_value_and_grad, logical_axes, loss_fn
 
 Rules = Mapping[str, str]
@@ -35,8 +35,8 @@ class GSPMD(Parallelism):
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec(axes, self.rules)))
 
     def attention(self, q, k, v, impl="auto", block=0):
-        """Causal attention of q, k, v [B, h, T, dh] as placed; splash in a shard_map (placement.sharded_attention)."""
-        return placement.sharded_attention(self.mesh, self.rules, q, k, v, impl, block)
+        """Causal attention of q, k, v [B, h, T, dh] as placed; splash in a shard_map (twinshard/placed.py)."""
+        return sharded_attention(self.mesh, self.rules, q, k, v, impl, block)
 
     def chunked_token_loss(self, x, w, targets, vocab_size, chunks):
         """The chunked loss of each batch shard apart (a vmap over [S, B/S, T], spmd_axis_name): without
@@ -58,13 +58,13 @@ class GSPMD(Parallelism):
         return hooks
 
 
-class AutoRunner(placement.GlobalRunner):
+class AutoRunner(GlobalRunner):
     """Runs one strategy with GSPMD; the interface of trainer.SingleDevice."""
 
     AXIS_TYPE = jax.sharding.AxisType.Auto
 
-    def __init__(self, run: Run, tx: optax.GradientTransformation | None = None):
-        super().__init__(run, tx)
+    def __init__(self, run: Run, parallelism: Hooks, tx: optax.GradientTransformation | None = None):
+        super().__init__(run, parallelism, tx)
         # inside the per-data-shard vmap of `_loss_and_grads` the vmapped axis carries 'batch'
         self.shard_loss = functools.partial(loss_fn, cfg=run.cfg.model, par=self.par.without_batch())
 

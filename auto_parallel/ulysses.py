@@ -9,9 +9,10 @@ import jax
 from jax.sharding import NamedSharding
 
 from auto_parallel.runner import GSPMD, AutoRunner
-from twinshard.parallel import context, placement
+from twinshard.parallel import context
 from twinshard.parallel.context import CONTEXT
 from twinshard.parallel.placement import ATTENTION_KV, ATTENTION_Q, spec
+from twinshard.placed import sharded_attention
 
 __all__ = ["UlyssesParallel", "Runner", "parallelism"]
 
@@ -29,7 +30,7 @@ class UlyssesParallel(GSPMD):
         # GSPMD gathered the residual stream [B, T, D] over context there (measured, JAX 0.12)
         q, k, v = pin(q, ATTENTION_Q, self.rules), pin(k, ATTENTION_KV, self.rules), pin(v, ATTENTION_KV, self.rules)
         q, k, v = pin(q, ATTENTION_Q, heads), pin(k, ATTENTION_KV, heads), pin(v, ATTENTION_KV, heads)
-        out = pin(placement.sharded_attention(self.mesh, heads, q, k, v, impl, block), ATTENTION_Q, heads)
+        out = pin(sharded_attention(self.mesh, heads, q, k, v, impl, block), ATTENTION_Q, heads)
         return pin(out, ATTENTION_Q, self.rules)
 
 

@@ -17,7 +17,8 @@ from twinshard.model.transformer import ACTIVATION
 from twinshard.parallel import placement
 from twinshard.parallel.placement import spec
 from twinshard.parallel.resolve import Run
-from twinshard.parallel.sharding import expect_sharding
+from twinshard.placed import GlobalRunner, Hooks, sharded_attention
+from twinshard.testing import expect_sharding  # a trace-time type check, the assertion users run too
 from twinshard.train.optim import make_optimizer
 from twinshard.train.trainer import accumulated_value_and_grad, logical_axes
 
@@ -53,8 +54,8 @@ class Explicit(Parallelism):
         return x
 
     def attention(self, q, k, v, impl="auto", block=0):
-        """Causal attention of q, k, v [B, h, T, dh] as typed; splash in a shard_map (placement.sharded_attention)."""
-        return placement.sharded_attention(self.mesh, self.rules, q, k, v, impl, block)
+        """Causal attention of q, k, v [B, h, T, dh] as typed; splash in a shard_map (twinshard/placed.py)."""
+        return sharded_attention(self.mesh, self.rules, q, k, v, impl, block)
 
     def layer_policy(self, policy):
         """The layer's policy, plus `saves_reductions` (without it remat `full` re-ran g in the backward loop, measured)."""
@@ -65,13 +66,13 @@ class Explicit(Parallelism):
         return table.at[ids].get(out_sharding=self.sharding(ACTIVATION))
 
 
-class ExplicitRunner(placement.GlobalRunner):
+class ExplicitRunner(GlobalRunner):
     """Runs one strategy on a mesh of Explicit axes; the interface of trainer.SingleDevice."""
 
     AXIS_TYPE = jax.sharding.AxisType.Explicit  # kv heads split: resolve.check_kv_heads
 
-    def __init__(self, run: Run, tx: optax.GradientTransformation | None = None):
-        super().__init__(run, tx)
+    def __init__(self, run: Run, parallelism: Hooks, tx: optax.GradientTransformation | None = None):
+        super().__init__(run, parallelism, tx)
         token_axes = placement.active_axes(TOKEN_AXES, self.sizes)
         # per matrix, the token axes it is replicated over: cast to `reduced` over them for grad.
         # Not the RMSNorm gains: JAX 0.12 refuses an elementwise operand reduced over `data`.

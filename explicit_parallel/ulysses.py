@@ -10,14 +10,15 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from explicit_parallel.runner import Explicit
-from twinshard.parallel import context, placement
+from twinshard.parallel import context
 from twinshard.parallel.context import CONTEXT
 from twinshard.parallel.placement import ATTENTION_KV, ATTENTION_Q, spec
+from twinshard.placed import sharded_attention
 
-__all__ = ["Ulysses", "parallelism"]
+__all__ = ["UlyssesParallel", "parallelism"]
 
 
-class Ulysses(Explicit):
+class UlyssesParallel(Explicit):
     """Explicit's hooks; attention on head shards of whole sequences."""
 
     def __init__(self, mesh, activation_rules):
@@ -31,8 +32,8 @@ class Ulysses(Explicit):
         heads = context.head_rules(self.rules)
         to = lambda x, axes, rules: jax.sharding.reshard(x, NamedSharding(self.mesh, P(*spec(axes, rules))))  # noqa: E731
         q, k, v = to(q, ATTENTION_Q, heads), to(k, ATTENTION_KV, heads), to(v, ATTENTION_KV, heads)
-        return to(placement.sharded_attention(self.mesh, heads, q, k, v, impl, block), ATTENTION_Q, self.rules)
+        return to(sharded_attention(self.mesh, heads, q, k, v, impl, block), ATTENTION_Q, self.rules)
 
 
-def parallelism(mesh, run) -> Ulysses:
-    return Ulysses(mesh, run.placed.activations)
+def parallelism(mesh, run) -> UlyssesParallel:
+    return UlyssesParallel(mesh, run.placed.activations)

@@ -55,7 +55,7 @@ from typing import Any
 from absl import app, flags, logging
 
 from launch import common, fit
-from twinshard.parallel import strategies
+from twinshard.parallel import strategies, support
 from twinshard.hardware.chips import Chip, chip_for  # the datasheet peaks (launch.plan reads the same table)
 from twinshard.hardware import measure
 from twinshard.config import PRESETS, Config, ModelConfig, TrainConfig, preset
@@ -75,7 +75,7 @@ common.define(flags.DEFINE_string, "markdown", None, "Write the results as a Mar
 common.define_precision_flags()  # --dtype, --attention, fit's --skip_memory_check, --device_memory_gib
 common.define(flags.DEFINE_list, "strategies", "single,dp,fsdp,tp,fsdp_tp", "Runs: single and/or strategies.")
 common.define(flags.DEFINE_list, "impls", "auto,manual", "Twins to run for each strategy: auto, manual, explicit "
-              "(explicit: dp, fsdp, tp, fsdp_tp, tp_sp).")
+              f"(explicit: {', '.join(support.written_by('explicit'))}).")
 common.define(flags.DEFINE_integer, "warmup", 2, "Untimed steps before the timed ones.")
 common.define(flags.DEFINE_integer, "matmul_size", None,
               "n of the n^3 peak matmul (default 2048 on CPU, 8192 on accelerators).")
@@ -122,7 +122,7 @@ def _flags_text(values: dict) -> str:
 def parse_meshes(text: str | None, strategies: Sequence[str]) -> dict[str, str | None]:
     """--mesh: one spec for every strategy ('data:2,tensor:4'), or per strategy
     ('fsdp=data:8,tensor:1;fsdp_tp=data:2,tensor:4'); unnamed strategies use their default mesh."""
-    parallel = [s for s in strategies if s != "single"]
+    parallel = [s for s in strategies if s in common.PARALLEL]
     if not text:
         return dict.fromkeys(parallel)
     if "=" not in text:
@@ -146,7 +146,7 @@ def check_choices(strategies: Sequence[str], impls: Sequence[str]) -> None:
     if bad or not strategies:
         raise ValueError(f"--strategies={','.join(strategies)}: choose from {', '.join(BENCHED)}.")
     bad = [i for i in impls if i not in common.IMPLS]
-    if bad or (not impls and any(s != "single" for s in strategies)):
+    if bad or (not impls and any(s in common.PARALLEL for s in strategies)):
         raise ValueError(f"--impls={','.join(impls)}: choose from {', '.join(common.IMPLS)}.")
 
 
@@ -172,15 +172,15 @@ def random_batch(cfg: Config):
     return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
 
 
-def model_cost(cfg: Config, strategy: str, mesh: dict[str, int] | None):
-    """(cost-model Cost or None, Flops, Memory) of one step on this backend's devices (cost.of_run; single
-    device: no Cost, its collectives are none)."""
+def model_cost(run):
+    """(cost-model Cost or None, Flops, Memory) of one step of a resolved run on this backend's devices
+    (cost.of_run; on one device: no Cost, its collectives are none)."""
     import jax
 
     from twinshard import cost
 
-    c = cost.of_run(cfg, strategy, mesh, gpu=jax.default_backend() == "gpu")  # attention auto on a GPU: cuDNN's
-    return None if strategy == "single" else c, c.flops, c.memory
+    c = cost.of_run(run, gpu=jax.default_backend() == "gpu")  # attention auto on a GPU: cuDNN's
+    return c if run.mesh else None, c.flops, c.memory
 
 
 def memory_per_device(compiled) -> dict[str, int] | None:
@@ -242,7 +242,7 @@ def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log
         if i >= warmup:
             times.append(time.perf_counter() - t)
         losses.append(float(metrics["loss"]))
-    model, flops, mem = model_cost(cfg, strategy, mesh)
+    model, flops, mem = model_cost(run)
     med = statistics.median(times)
     rec = {"run": label, "strategy": strategy, "impl": impl,
            "mesh": mesh, "n_devices": int(np.prod(list(mesh.values()))) if mesh else 1,
@@ -265,7 +265,7 @@ def build_runners(cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     than the device count runs on the first devices (tiny's 4 heads: tp on tensor:4 of 8)."""
     runs = []
     for s in strategies:
-        for impl in ([None] if s == "single" else impls):
+        for impl in (impls if s in common.PARALLEL else [None]):
             run = common.resolve_run(s, impl or "auto", meshes.get(s), cfg, first_devices=True)
             runs.append((run, impl, common.runner_of(run)))
     return runs
@@ -315,7 +315,7 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     records = []
     for run, impl, runner in runners:
         rec = bench_one(runner, run, impl, batch, steps, warmup, log)
-        add_ratios(rec, records[0] if records and records[0]["strategy"] == "single" else None,
+        add_ratios(rec, records[0] if records and records[0]["strategy"] not in common.PARALLEL else None,
                    peaks, chip, dev.platform, cfg.model.dtype)
         records.append(rec)
         log(summary_line(rec))
@@ -435,7 +435,7 @@ def main(argv):
     check_output_path(FLAGS.json, "json")
     check_output_path(FLAGS.markdown, "markdown")
     common.default_platform()
-    if any(s != "single" for s in FLAGS.strategies):
+    if any(s in common.PARALLEL for s in FLAGS.strategies):
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     from twinshard.train import compile_cache
 
@@ -467,6 +467,6 @@ def write_outputs(doc: dict, json_path: str | None, md_path: str | None) -> str:
 
 if __name__ == "__main__":
     try:
-        app.run(main)
+        app.run(main, flags_parser=common.parse_flags)
     except ValueError as e:  # a user error: one line naming the flag and the fix, no traceback
         sys.exit(f"launch.bench: {e}")

@@ -118,17 +118,22 @@ def _pod_memory(devices) -> tuple[int, str] | None:
     return None if chip is None else (chip.hbm_bytes, f"{chip.name}'s HBM")
 
 
-def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None) -> dict:
-    """Compile the train step AOT; return ledger, model, comparison, notes, HLO text, timings."""
+def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None, compiler_options=None) -> dict:
+    """Compile the train step AOT; return ledger, model, comparison, notes, HLO text, timings.
+    compiler_options: XLA flags for a topology's compile (topology.compile_for_pod)."""
+    import functools
+
     import jax
 
     from twinshard import cost, hlo
     from twinshard.hardware import measure, topology
     from twinshard.model import layers
 
+    if compiler_options and devices is None:
+        raise ValueError("compiler_options are XLA:TPU flags for a topology's compile; pass the topology's devices")
     run, runner = _runner(strategy, impl, mesh_spec, cfg, devices)
     mesh = dict(run.mesh)
-    model = cost.of_run(cfg, strategy, mesh)
+    model = cost.of_run(run)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
                                   sharding=runner.batch_sharding)
     state = runner.abstract_state()
@@ -138,7 +143,8 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     with layers.compiling_for(runner.mesh.devices.flat[0].platform):  # a --topology's chips: TPU kernels
         lowered = runner.train_step.lower(state, tokens, tokens)
     compiled = fit.compile_checked(lowered, run, bound,  # a TPU pod's devices: compiled for them
-                                   None if devices is None else topology.compile_for_pod)
+                                   None if devices is None else
+                                   functools.partial(topology.compile_for_pod, compiler_options=compiler_options))
     compile_s = time.perf_counter() - t0
     options = compiler_options(lowered)
     text = compiled.as_text()
@@ -231,8 +237,8 @@ def main(argv):
     from twinshard.hardware import topology
 
     topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
-    if FLAGS.strategy == "single":
-        raise ValueError("--strategy=single has no collectives; choose one of dp, fsdp, tp, fsdp_tp.")
+    if FLAGS.strategy not in common.PARALLEL:  # single (strategies.SINGLE) splits nothing
+        raise ValueError(f"--strategy={FLAGS.strategy} has no collectives; choose one of {', '.join(common.PARALLEL)}.")
     cfg = common.config_from_flags(FLAGS)
     impls, pod = check_flags(FLAGS, cfg)
     devices = None
@@ -280,13 +286,13 @@ def check_flags(FLAGS, cfg):
     """(twins, the --topology's chips and links or None), every flag checked before anything compiles."""
     from twinshard.hardware import links, topology
     from twinshard.parallel import mesh as mesh_lib
-    from twinshard.parallel import resolve
+    from twinshard.parallel import resolve, strategies
 
     impls = [i.strip() for i in FLAGS.impl.split(",")]
     if len(set(impls)) != len(impls) or not all(impls):
         raise ValueError(f"--impl={FLAGS.impl}: name each twin once, e.g. --impl=auto,manual.")
     for impl in impls:
-        resolve.check_twin(FLAGS.strategy, impl, cfg)
+        resolve.check_twin(strategies.get(FLAGS.strategy), impl, cfg)
     for flag in ("json", "hlo", "timeline"):
         common.check_output_path(getattr(FLAGS, flag), flag, FLAGS.force)
     if FLAGS.timeline and not FLAGS.topology:
@@ -309,10 +315,9 @@ def check_flags(FLAGS, cfg):
 
 def predict_step(res: dict, pod):
     """The compiled step's predicted time on the pod's chips, each mesh axis on its links."""
-    from twinshard import hlo
-    from twinshard.hardware import links
+    from twinshard.hardware import links, step_time
 
-    return hlo.predict(res["hlo"], pod.chip, res["mesh"], links.axis_links(pod, res["mesh"]))
+    return step_time.predict_step(res["hlo"], pod.chip, res["mesh"], links.axis_links(pod, res["mesh"]))
 
 
 if __name__ == "__main__":

@@ -21,23 +21,40 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import tempfile
 from typing import Callable
 
 from absl import app, flags
 
-from twinshard.parallel import strategies
+from twinshard.parallel import strategies, support
 from twinshard.config import CP_LAYOUTS, MOE_DISPATCHES, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
 from twinshard.errors import guarded
 
-STRATEGIES = ("single", *strategies.NAMES)  # single: the single-device reference
-IMPLS = ("auto", "manual", "explicit")
+STRATEGIES = strategies.RUNS  # single (the single-device reference) and the parallel strategies
+PARALLEL = strategies.NAMES  # those a twin writes on a mesh; single (strategies.SINGLE) splits nothing
+IMPLS = support.TWINS
 
 
 def define(definer, name: str, *args, **kwargs) -> None:
-    """Define a flag once per process: launchers share these, and tests import several."""
+    """Define a flag once per process: launchers share these, and tests import several. It is a
+    key flag of the program run (absl's --help lists only those; --helpfull lists every flag)."""
     if name not in flags.FLAGS:
         definer(name, *args, **kwargs)
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])  # absl's name for __main__
+
+
+_HELP = ("--help", "-help", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, where asking for help exits 0 (absl exits 1: it is not an error)."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except SystemExit as e:
+        if e.code == 1 and any(a.split("=")[0] in _HELP for a in argv[1:]):
+            raise SystemExit(0) from None
+        raise
 
 
 def define_model_flags() -> None:
@@ -48,7 +65,7 @@ def define_model_flags() -> None:
     define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
     define(flags.DEFINE_enum, "strategy", "single", STRATEGIES, "Parallelism strategy.")
     define(flags.DEFINE_enum, "impl", "auto", IMPLS, "auto (GSPMD annotations), manual (shard_map collectives) or "
-           "explicit (sharding in types: dp, fsdp, tp, fsdp_tp, tp_sp; docs/explicit.md).")
+           f"explicit (sharding in types: {', '.join(support.written_by('explicit'))}; docs/explicit.md).")
     define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
     define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU; "
            "given explicitly, a single-process run with more devices uses only the first N.")
@@ -68,10 +85,16 @@ def define_model_flags() -> None:
     define_precision_flags()
 
 
-def define_precision_flags() -> None:
-    from launch import fit
+def define_memory_flags() -> None:
+    """The flags launch/fit.py reads: every launcher that builds a step asks whether it fits."""
+    define(flags.DEFINE_bool, "skip_memory_check", False, "Compile and run even when the step does not fit "
+           "the device's memory (by the cost model, or by the compiled step's memory_analysis).")
+    define(flags.DEFINE_float, "device_memory_gib", None, "Memory per device to check the step against "
+           "(default: the accelerator's bytes_limit; on a CPU the host's memory before compiling, no check after).")
 
-    fit.define_flags()  # --skip_memory_check, --device_memory_gib: every launcher that builds a step
+
+def define_precision_flags() -> None:
+    define_memory_flags()  # --skip_memory_check, --device_memory_gib (launch/fit.py)
     from twinshard.config import ATTENTION_IMPLS, COMPUTE_DTYPES, REMAT_POLICIES, WEIGHT_DTYPES
 
     define(flags.DEFINE_enum, "dtype", None, COMPUTE_DTYPES, "Compute dtype (default: the preset's, float32): "
@@ -216,7 +239,7 @@ def attention_line(cfg: Config, strategy: str) -> str:
     kernel = layers.attention_kernel(cfg.model.attention, jnp.dtype(cfg.model.dtype))
     if kernel != "splash":
         return f"attention: {kernel}"
-    if strategy != "single" and strategies.get(strategy).family == "context" and strategy not in strategies.ALL_TO_ALL_CONTEXT:
+    if strategies.get(strategy).family == "context" and strategy not in strategies.ALL_TO_ALL_CONTEXT:
         return f"attention: recompute (splash needs whole sequences; {strategy} splits them)"
     mode = "" if jax.default_backend() == "tpu" else ", Pallas interpret mode: no TPU"
     return f"attention: splash (block {splash_block(cfg.model.context_length, cfg.model.attention_block)}{mode})"
@@ -308,9 +331,6 @@ def check_model_flags(FLAGS) -> None:
         raise ValueError(f"--lr={FLAGS.lr} must be a positive number, e.g. --lr=1e-3.")
     if FLAGS.devices < 1:
         raise ValueError(f"--devices={FLAGS.devices} must be >= 1.")
-    if FLAGS.strategy == "single" and FLAGS.mesh:
-        raise ValueError(f"--mesh={FLAGS.mesh} needs a parallel --strategy ({', '.join(strategies.NAMES)}); "
-                         "drop it for single-device training.")
 
 
 def config_from_flags(FLAGS) -> Config:
@@ -426,19 +446,17 @@ def run_devices(n: int, explicit: bool):
 def run(main: Callable, name: str) -> None:
     """absl's app.run(main) through `guarded`, with a --debug flag."""
     define(flags.DEFINE_bool, "debug", False, "On an error, show the Python traceback (or TWINSHARD_DEBUG=1).")
-    app.run(lambda argv: guarded(main, argv, debug=flags.FLAGS.debug, name=name))
+    app.run(lambda argv: guarded(main, argv, debug=flags.FLAGS.debug, name=name), flags_parser=parse_flags)
 
 
 def resolve_run(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None,
                 first_devices: bool = False):
     """The run of `strategy` in twin `impl` (twinshard.parallel.resolve.resolve_run, every check once;
-    `single_run` for the single-device runner).
+    single in twin `impl`: launch.compare's reference of that twin, its options checked as the twin's).
 
     devices: None (all of jax.devices(), ordered by jax.make_mesh) or an explicit, ordered list."""
     from twinshard.parallel import resolve
 
-    if strategy == "single":  # launch.compare's reference (impl a twin) runs the same math without it
-        return resolve.single_run(cfg, impl or "single")
     return resolve.resolve_run(strategy, impl, mesh_spec, cfg, devices, first_devices)
 
 
@@ -448,11 +466,20 @@ def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, de
 
 
 def runner_of(run):
-    """The runner of a resolved run (`resolve_run`): the single-device runner for strategy "single"."""
-    from twinshard.parallel import resolve
+    """The runner of a resolved run (`resolve_run`): its twin's; on no mesh (single) the single-device one."""
     from twinshard.train.trainer import SingleDevice
 
-    return SingleDevice(run.cfg.model, run.cfg.train) if run.strategy == "single" else resolve.make_runner(run)
+    return twin(run.twin).runner_of(run) if run.mesh else SingleDevice(run.cfg.model, run.cfg.train)
+
+
+def twin(name: str):
+    """The package of twin `name` (one of twinshard.parallel.support.TWINS): its registry of strategies
+    (`MODULES`) and the `runner_of` a resolved run."""
+    import auto_parallel
+    import explicit_parallel
+    import manual_parallel
+
+    return {package.TWIN: package for package in (auto_parallel, manual_parallel, explicit_parallel)}[name]
 
 
 def default_platform() -> None:

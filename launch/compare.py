@@ -13,11 +13,11 @@ beside the analytic cost model.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from absl import flags, logging
 
 from launch import common, fit
-from twinshard.parallel import strategies
 
 common.define(flags.DEFINE_string, "json", None, "Write the comparison as JSON here.")
 common.define(flags.DEFINE_string, "plot", None, "Write a PNG of the loss curves and their differences here.")
@@ -49,17 +49,17 @@ def twins(strategy: str) -> tuple[str, ...]:
     return support.get(strategy).twins
 
 
-def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) -> dict:
+def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) -> tuple[dict, Any]:
     """Train single and every twin of `strategy` on `batches` (the twins on `devices`, None: all);
-    return losses, diffs and ledgers."""
+    return (losses, diffs and ledgers; the twins' resolved run, for the cost model)."""
     import jax
     import numpy as np
 
     from twinshard import hlo
 
     impls = ("single", *twins(strategy))
-    runs = {impl: common.resolve_run(strategy if impl != "single" else "single", impl, mesh_spec, cfg, devices)
-            for impl in impls}
+    runs = {"single": common.resolve_run("single", "single", None, cfg)}  # the reference, on one device
+    runs.update({impl: common.resolve_run(strategy, impl, mesh_spec, cfg, devices) for impl in impls[1:]})
     for impl, run in runs.items():  # every step checked against the device's memory before any runs
         fit.check_model(run)
     runners = {impl: common.runner_of(run) for impl, run in runs.items()}
@@ -85,7 +85,7 @@ def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) 
     out["max_param_diff_manual_vs_auto"] = _max_abs_diff(params["manual"], params["auto"])
     if "explicit" in params:
         out["max_param_diff_explicit_vs_manual"] = _max_abs_diff(params["explicit"], params["manual"])
-    return out
+    return out, runs["manual"]
 
 
 def plot(result: dict, path: str) -> None:
@@ -118,11 +118,11 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def model_comparison(result: dict, cfg) -> str:
-    """The analytic cost model beside each twin's ledger, per (op, mesh axes)."""
+def model_comparison(result: dict, run) -> str:
+    """The analytic cost model of `run` (the twins' resolved run) beside each twin's ledger, per (op, mesh axes)."""
     from twinshard import cost
 
-    model = cost.of_run(cfg, result["strategy"], result["mesh"])
+    model = cost.of_run(run)
     parts = [model.table()]
     for impl, led in result["ledgers"].items():
         parts += ["", f"{impl} ledger vs cost model:", cost.compare_table(cost.compare(led.summary(), model.summary()))]
@@ -147,8 +147,8 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     common.default_platform()
-    if FLAGS.strategy == "single":
-        raise ValueError(f"--strategy=single has nothing to compare; pick one of {', '.join(strategies.NAMES)}.")
+    if FLAGS.strategy not in common.PARALLEL:  # single (strategies.SINGLE) is the reference itself
+        raise ValueError(f"--strategy={FLAGS.strategy} has nothing to compare; pick one of {', '.join(common.PARALLEL)}.")
     cfg = common.config_from_flags(FLAGS)
     common.check_output_path(FLAGS.plot, "plot")  # before the run, not after it
     common.check_output_path(FLAGS.json, "json")
@@ -156,8 +156,8 @@ def main(argv):
     batches = _batches(cfg, FLAGS.steps or 10)  # the corpus is checked before jax starts
     common.simulate_cpu_devices(FLAGS.devices)
     devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present)
-    result = run_twins(FLAGS.strategy, FLAGS.mesh, cfg, batches, devices)
-    print(report(result, model_comparison(result, cfg)))
+    result, run = run_twins(FLAGS.strategy, FLAGS.mesh, cfg, batches, devices)
+    print(report(result, model_comparison(result, run)))
     if FLAGS.plot:
         plot(result, FLAGS.plot)
         print(f"plot: {FLAGS.plot}")

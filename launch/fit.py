@@ -28,7 +28,6 @@ import re
 
 from absl import flags
 
-from launch.common import define
 
 SURE = 0.5  # the least of XLA's temporaries per byte of the model's that counts as sure (module docstring)
 GIB = 2 ** 30
@@ -55,13 +54,6 @@ def human(n: float) -> str:
     from twinshard.cost import human as text  # twinshard.cost imports jax: not at flag definition
 
     return text(n)
-
-
-def define_flags() -> None:
-    define(flags.DEFINE_bool, "skip_memory_check", False, "Compile and run even when the step does not fit "
-           "the device's memory (by the cost model, or by the compiled step's memory_analysis).")
-    define(flags.DEFINE_float, "device_memory_gib", None, "Memory per device to check the step against "
-           "(default: the accelerator's bytes_limit; on a CPU the host's memory before compiling, no check after).")
 
 
 def _flag(name: str, default=None):
@@ -109,7 +101,7 @@ def model_memory(run):
     from twinshard import cost
 
     try:  # attention auto on a GPU: cuDNN's, which keeps no [T, T] array
-        return cost.of_run(run.cfg, run.strategy, dict(run.mesh), gpu=jax.default_backend() == "gpu").memory
+        return cost.of_run(run, gpu=jax.default_backend() == "gpu").memory
     except ValueError:  # no memory model for this configuration (a mixture of experts under remat=dots)
         return None
 
@@ -149,10 +141,11 @@ def _refuse_compiled(used: str, have: str, why: str, run, temporaries: bool) -> 
 def check_compiled(compiled, run, bound: tuple[int, str] | None = None) -> None:
     """(b): refuse a compiled step whose memory_analysis() exceeds the device's limit (`bound`: as
     check_model's)."""
-    if _flag("device_memory_gib") is None and _on_tpu():
+    if _flag("device_memory_gib") is None and _on_tpu(run):
         # XLA:TPU refuses at compile time what does not fit (compile_checked's line), and its
         # memory_analysis() overstates the peak: gpt2_125m 16x1024 bf16 reported 18.12 GiB and ran
-        # in a v5e's 15.75 GiB (measured, JAX 0.10.2). So on a TPU the compiler's verdict stands.
+        # in a v5e's 15.75 GiB (measured, JAX 0.10.2). So on a TPU the compiler's verdict stands,
+        # compiled ahead of time for a topology's chips too.
         return
     if _flag("device_memory_gib") is not None or bound is None:
         bound = limit(after_compile=True)
@@ -167,14 +160,26 @@ def check_compiled(compiled, run, bound: tuple[int, str] | None = None) -> None:
                            f"{human(got['arguments'])}", run, temporaries)
 
 
-def _on_tpu() -> bool:
+def _on_tpu(run) -> bool:
+    """The step is compiled for TPU chips: this host's, or a topology's (`run.devices`)."""
     import jax
 
-    return jax.default_backend() == "tpu"
+    devices = getattr(run, "devices", None)
+    return (devices[0].platform if devices else jax.default_backend()) == "tpu"
 
 
-# XLA:TPU's compile error: "... Ran out of memory in memory space hbm. Used 27.10G of 15.75G hbm. ..."
-_USED = re.compile(r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) (\w+)")
+def _kernel_of(error: str) -> str:
+    """The custom call an XLA:TPU VMEM error names ('splash_mha_dkv_no_residuals'), and the sizes it states."""
+    kernel = re.search(r"allocating on stack for %([\w-]+?)(?:\.\d+)? =", error)
+    sizes = re.search(r"size ([\d.]+\w?) and limit ([\d.]+\w?)", error)
+    return ((kernel[1] if kernel else "a custom call") + (f": {sizes[1]} of {sizes[2]}" if sizes else ""))
+
+
+# XLA:TPU's compile errors: "... Ran out of memory in memory space hbm. Used 27.10G of 15.75G hbm. ..."
+# and, compiled ahead of time for a topology, "... the total memory required for HLO temporaries
+# (17.26G) exceeds available HBM (15.75G)" (measured, libtpu 0.0.50.1)
+_USED = re.compile(r"Used ([\d.]+[KMGT]?) of ([\d.]+[KMGT]?) (\w+)"
+                   r"|required for HLO (?:\w+) \(([\d.]+[KMGT]?)\) exceeds available (\w+) \(([\d.]+[KMGT]?)\)")
 
 
 def compile_checked(lowered, run, bound: tuple[int, str] | None = None, compile=None):
@@ -187,8 +192,13 @@ def compile_checked(lowered, run, bound: tuple[int, str] | None = None, compile=
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
+        if "memory space vmem" in str(e):  # a kernel's blocks, not the step, exceed the chip's on-core memory
+            raise ValueError(f"XLA refused to compile it: a kernel's blocks overflow the chip's scoped VMEM "
+                             f"({_kernel_of(str(e))}): try a smaller --attention_block (the splash kernel's "
+                             "blocks; at head_dim 256 the automatic 1024 overflows a v5e's, measured).") from None
         m = _USED.search(str(e))
-        used, have = (m[1], f"{m[2]} ({m[3]})") if m else ("more than a device has", "less")
+        used, have = ((m[1], f"{m[2]} ({m[3]})") if m and m[1] else (m[4], f"{m[6]} ({m[5]})") if m
+                      else ("more than a device has", "less"))
         raise _refuse_compiled(used, have, "XLA refused to compile it: RESOURCE_EXHAUSTED", run, True) from None
     check_compiled(compiled, run, bound)
     return compiled

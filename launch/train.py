@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -304,10 +305,11 @@ def main(argv):
     identity = {"data": str(FLAGS.data or "default"),
                 "corpus": data.fingerprint(FLAGS.data or data.DEFAULT_CORPUS, FLAGS.data_dtype),
                 "tokenizer": tokenizer.fingerprint(cfg.train.tokenizer)}
-    if FLAGS.strategy != "single":
+    parallel = FLAGS.strategy in common.PARALLEL  # single (strategies.SINGLE) runs on one device
+    if parallel:
         common.simulate_cpu_devices(FLAGS.devices)  # per process
     common.init_distributed(FLAGS)
-    devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present) if FLAGS.strategy != "single" else None
+    devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present) if parallel else None
     run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # every check, once
     fit.check_model(run)  # before anything compiles
     runner = common.runner_of(run)
@@ -343,8 +345,8 @@ def main(argv):
     else:
         state, start, records = runner.init_state(t.seed), 0, []
 
-    label = FLAGS.strategy if FLAGS.strategy == "single" else f"{FLAGS.strategy}/{FLAGS.impl}"
-    n_devices = 1 if FLAGS.strategy == "single" else jax.device_count() if devices is None else len(devices)
+    label = f"{run.strategy}/{run.twin}" if run.mesh else run.strategy
+    n_devices = math.prod(run.mesh.values())  # the resolved mesh: 1 for single
     log(f"{label} preset={FLAGS.preset} params={m.num_params():,} "
         f"devices={n_devices} batch={t.batch_size}x{m.context_length} steps={t.steps}")
     utilization = Utilization(cfg, n_devices)

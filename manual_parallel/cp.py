@@ -4,12 +4,8 @@ replicated; attention is ring attention (manual_parallel/ring_attention.py).
 
 The collectives and why: docs/long-context.md (manual_parallel/cp.py)."""
 
-import jax.numpy as jnp
-from jax import lax
-
-from manual_parallel.base import ManualParallelism
 from manual_parallel.ring_attention import ring_attention, saves_ring_shifts
-from manual_parallel.runner import DATA, ManualRunner
+from manual_parallel.runner import DATA, ManualParallelism, ManualRunner, SequenceShards
 from twinshard.model.remat import also_saving
 from twinshard.parallel import context
 from twinshard.parallel.context import CONTEXT
@@ -17,21 +13,13 @@ from twinshard.parallel.context import CONTEXT
 __all__ = ["ContextParallel", "ContextRunner", "Runner", "parallelism"]
 
 
-class ContextParallel(ManualParallelism):
-    """RoPE positions and attention of a sequence shard; everything else is single-device code."""
+class ContextParallel(SequenceShards, ManualParallelism):
+    """RoPE positions (SequenceShards) and ring attention of a sequence shard; everything else is
+    single-device code."""
 
     def __init__(self, param_rules, layout: str = "zigzag"):
         super().__init__(param_rules)
         self.layout = layout
-
-    def table(self, t_local: int):
-        """[C, T/C]: every shard's true positions (T = t_local * C)."""
-        c = lax.axis_size(CONTEXT)
-        return context.shard_positions(t_local * c, c, self.layout)
-
-    def positions(self, t):
-        """This shard's t = T/C positions in the whole sequence."""
-        return jnp.asarray(self.table(t))[lax.axis_index(CONTEXT)]
 
     def attention(self, q, k, v, impl="auto", block=0):
         """q, k, v: [B, h, T/C, dh] -> [B, h, T/C, dh], ring attention over `context` (impl and

@@ -3,7 +3,7 @@ each device runs the single-device program on its B/data rows.
 
 The collectives and why: docs/design.md (manual_parallel/dp.py)."""
 
-from manual_parallel.base import ManualParallelism
+from manual_parallel.runner import ManualParallelism
 
 __all__ = ["DataParallel", "parallelism"]
 

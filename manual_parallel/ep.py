@@ -7,10 +7,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import (combine_from_experts, dispatch_to_experts, expert_route, ragged_combine,
                                          ragged_dispatch)
-from manual_parallel.runner import DATA, ManualRunner
+from manual_parallel.runner import DATA, ManualParallelism, ManualRunner
 from twinshard.model.moe import inverse_permutation
 from twinshard.model.remat import also_saving
 from twinshard.parallel import placement

@@ -9,7 +9,7 @@ import copy
 import jax
 from jax import lax
 
-from manual_parallel.base import ManualParallelism
+from manual_parallel.runner import ManualParallelism
 from manual_parallel.collectives import fsdp_gather
 from twinshard.model.remat import RegathersWeights
 from twinshard.parallel.placement import sharded_axes

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 from jax import lax
 from flax import nnx
 
-from manual_parallel.base import ManualParallelism
 from manual_parallel.collectives import shift_to_next_stage, shift_to_previous_stage
-from manual_parallel.runner import ManualRunner
+from manual_parallel.runner import ManualParallelism, ManualRunner
 from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.parallel.pipeline import STAGE
@@ -33,8 +32,8 @@ class PipelineRunner(ManualRunner):
     """ManualRunner whose gradients come from the pipeline (GPipe or 1F1B); the step, the
     optimizer and the global norm (one psum over `stage`) are ManualRunner's."""
 
-    def __init__(self, run):
-        super().__init__(run)
+    def __init__(self, run, parallelism):
+        super().__init__(run, parallelism)
         # True for params replicated over `stage` (their gradients are summed over it)
         self.replicated_over_stage = {k: k != "layers" for k in self.param_specs}
 

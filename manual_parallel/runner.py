@@ -1,4 +1,6 @@
-"""The shard_map machinery shared by every manual strategy.
+"""The shard_map machinery shared by every manual strategy: the hooks' base class
+(`ManualParallelism`, with the remat rule that keeps communication out of recomputation), the
+positions of a sequence split over `context` (`SequenceShards`) and the runner (`ManualRunner`).
 
 The collectives and why: docs/design.md (manual_parallel/runner.py)."""
 
@@ -6,22 +8,76 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from twinshard.parallel import placement
+from twinshard.model.hooks import Parallelism
+from twinshard.model.remat import also_saving
+from twinshard.parallel import context, placement
+from twinshard.parallel.context import CONTEXT
 from twinshard.parallel.resolve import Run
+from twinshard.placed import Hooks, PlacedRunner, param_specs
 from twinshard.train.optim import Block, BlockMean, make_optimizer
 from twinshard.train.trainer import (TrainState, accumulated_value_and_grad, apply_gradients, check_grad_accum,
                                      compiler_options, create_params, logical_axes, loss_fn, stats_fn)
 
 DATA, TENSOR = "data", "tensor"
 
+# Primitives whose output is a forward reduction: an all-reduce (Megatron g, the vocab-parallel
+# statistics; `psum_invariant` is the psum of a value invariant over the axis under check_vma)
+# or a reduce-scatter (`reduce_scatter`, lax.psum_scatter: sequence parallelism's g).
+_REDUCTIONS = frozenset({"psum", "psum_invariant", "pmax", "reduce_scatter"})
 
-class ManualRunner(placement.PlacedRunner):
+
+def saves_reductions(prim, *_, **params) -> bool:
+    """Remat policy: save the output of every forward all-reduce or reduce-scatter, direct or inside
+    a custom_vjp of manual_parallel/collectives.py (Megatron's g, `scatter_sequence`), so a
+    checkpointed layer never repeats one in its backward pass (docs/memory.md: remat trades FLOPs,
+    not communication)."""
+    if prim.name == "custom_vjp_call":
+        return any(e.primitive.name in _REDUCTIONS for e in params["call_jaxpr"].eqns)
+    return prim.name in _REDUCTIONS
+
+
+class ManualParallelism(Parallelism):
+    """Single-device hooks plus the strategy's parameter table (logical -> mesh axis)."""
+
+    # The hooks gather sharded weights before use (FSDP): a step of several micro-batches then
+    # gathers each matrix once (`gather_step`) instead of once per micro-batch and layer.
+    gathers_weights = False
+
+    def __init__(self, param_rules: Mapping[str, str]):
+        self.param_rules = dict(param_rules)
+
+    def layer_policy(self, policy):
+        """The layer's policy, plus `saves_reductions`: a checkpointed layer's backward pass
+        recomputes matmuls, never a reduction (tp, fsdp_tp: Megatron g; tp_sp: its reduce-scatter,
+        but it re-gathers the sequence shards, see tp_sp.py; dp and fsdp run no
+        all-reduce in a layer's forward, so for them this adds nothing)."""
+        return also_saving(policy, saves_reductions)
+
+
+class SequenceShards:
+    """Hooks of a sequence split over `context` in `layout` (cp: zig-zag or contiguous; ulysses:
+    contiguous): the RoPE positions of this device's shard. A mixin before ManualParallelism."""
+
+    layout: str
+
+    def table(self, t_local: int):
+        """[C, T/C]: every shard's true positions (T = t_local * C)."""
+        c = lax.axis_size(CONTEXT)
+        return context.shard_positions(t_local * c, c, self.layout)
+
+    def positions(self, t):
+        """This shard's t = T/C positions in the whole sequence."""
+        return jnp.asarray(self.table(t))[lax.axis_index(CONTEXT)]
+
+
+class ManualRunner(PlacedRunner):
     """Runs one strategy as a shard_map program; the interface of trainer.SingleDevice."""
 
     # The mesh axes that split the tokens: each device's loss is the mean over its own share, so
@@ -29,14 +85,14 @@ class ManualRunner(placement.PlacedRunner):
     # cp and fsdp_cp split the sequence over `context` too (manual_parallel/cp.py).
     TOKEN_AXES: tuple[str, ...] = (DATA,)
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, parallelism: Hooks):
         cfg, declared, decl = run.cfg, run.declared, run.placed  # decl: the placement tables, for this model
         shapes = jax.eval_shape(functools.partial(create_params, cfg.model, 0))  # whole params
         blocks = jax.tree.map(lambda a, s: Block(a.shape, self.block_mean(s)), shapes,
-                              placement.param_specs(cfg, decl.params))
+                              param_specs(cfg, decl.params))
         self.tx = make_optimizer(cfg.train, norm_fn=self.global_norm, blocks=blocks)
         self._place(run, jax.sharding.AxisType.Explicit)
-        self.par = self.hooks()  # the strategy's hooks (manual_parallel/<name>.py)
+        self.par = parallelism(self.mesh, run)  # the strategy's hooks (manual_parallel/<name>.py)
         check_grad_accum(cfg.train, self.sizes[DATA])
         self.token_axes = placement.active_axes(self.TOKEN_AXES, self.sizes)  # those of size > 1
         # per param, the token axes it is replicated over: its gradient's mean runs over them
@@ -49,7 +105,7 @@ class ManualRunner(placement.PlacedRunner):
         self.summed_over = jax.tree.map(
             lambda d, s: placement.active_axes(tuple(a for a in placement.sharded_axes(d) if a not in placement.sharded_axes(s)),
                                  self.sizes),
-            placement.param_specs(cfg, declared.params), self.param_specs, is_leaf=lambda x: isinstance(x, P))
+            param_specs(cfg, declared.params), self.param_specs, is_leaf=lambda x: isinstance(x, P))
         smap = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=True)
         b = self.batch_spec
         self.train_step = jax.jit(smap(self._train_step, in_specs=(self.state_specs, b, b),

@@ -8,7 +8,7 @@ attention's replicated kv heads: docs/design.md (The strategies; manual_parallel
 import jax.numpy as jnp
 from jax import lax
 
-from manual_parallel.base import ManualParallelism
+from manual_parallel.runner import ManualParallelism
 from manual_parallel.collectives import copy_to_tp, reduce_from_tp
 from twinshard.model import layers, loss
 from twinshard.parallel.strategies import KV_HEADS

@@ -6,8 +6,7 @@ all_to_alls (4 per layer over `context`, their 4 inverses backward). docs/long-c
 from jax import lax
 
 from manual_parallel.collectives import heads_to_seq, seq_to_heads
-from manual_parallel.cp import ContextParallel
-from manual_parallel.runner import DATA, ManualRunner
+from manual_parallel.runner import DATA, ManualParallelism, ManualRunner, SequenceShards
 from twinshard.model import layers
 from twinshard.parallel import context
 from twinshard.parallel.context import CONTEXT
@@ -23,11 +22,11 @@ def saves_exchanges(prim, *_, **__) -> bool:
     return prim.name == "all_to_all"
 
 
-class UlyssesParallel(ContextParallel):
-    """cp's positions (the contiguous layout); attention on whole sequences of h/C heads."""
+class UlyssesParallel(SequenceShards, ManualParallelism):
+    """The positions of contiguous sequence shards (SequenceShards); attention on whole sequences
+    of h/C heads."""
 
-    def __init__(self, param_rules):
-        super().__init__(param_rules, "contiguous")
+    layout = "contiguous"
 
     def attention(self, q, k, v, impl="auto", block=0):
         """q [B, h, T/C, dh], k, v [B, hk, T/C, dh] -> [B, h, T/C, dh]; kv heads repeated r times
@@ -37,8 +36,7 @@ class UlyssesParallel(ContextParallel):
         return heads_to_seq(layers.causal_attention(q, k, v, impl, block=block), CONTEXT)
 
     def layer_policy(self, policy):
-        # ManualParallelism's policy, not the ring's
-        return also_saving(super(ContextParallel, self).layer_policy(policy), saves_exchanges)
+        return also_saving(super().layer_policy(policy), saves_exchanges)
 
 
 class UlyssesRunner(ManualRunner):

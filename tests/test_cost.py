@@ -21,6 +21,7 @@ import pytest
 
 from twinshard import cost
 from twinshard.config import preset
+from twinshard.parallel import mesh as mesh_lib, pipeline, resolve
 
 CFG = preset("tiny").model
 B, T = 8, 32
@@ -164,18 +165,36 @@ def test_memory_per_device():
 
 
 def test_of_run_prices_a_gpu_run_and_the_single_device_reference():
-    """cost.of_run, what launch.bench and launch.train price a run with: on a GPU (attention auto in
-    bf16: cuDNN flash attention, no [T, T] working set) and for the single-device reference (dp's
-    memory on one device, no collectives)."""
-    run = preset("tiny")
-    run = dataclasses.replace(run, model=dataclasses.replace(run.model, dtype="bfloat16"),
-                              train=dataclasses.replace(run.train, batch_size=B, grad_accum=2))
-    gpu = cost.of_run(run, "dp", {"data": 4}, gpu=True)
-    assert gpu.memory == cost.cost(run.model, "dp", {"data": 4}, B, grad_accum=2, gpu=True).memory
-    assert gpu.memory.backward_layer < cost.of_run(run, "dp", {"data": 4}).memory.backward_layer
-    one = cost.of_run(run, "single", None, gpu=True)
-    assert one.collectives == [] and one.flops == cost.flops(run.model, B, T, 1)
-    assert one.memory == cost.memory(run.model, "dp", {"data": 1, "tensor": 1}, B, T, 2, grad_accum=2, gpu=True)
+    """cost.of_run, what the launchers price a resolved run with: on a GPU (attention auto in bf16:
+    cuDNN flash attention, no [T, T] working set) and for the single-device reference (dp's memory
+    on one device, no collectives)."""
+    cfg = preset("tiny")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"),
+                              train=dataclasses.replace(cfg.train, batch_size=B, grad_accum=2))
+    run = resolve.resolve_run("dp", "manual", "data:4,tensor:1", cfg, jax.devices()[:4])
+    gpu = cost.of_run(run, gpu=True)
+    assert gpu.memory == cost.cost(cfg.model, "dp", {"data": 4}, B, grad_accum=2, gpu=True).memory
+    assert gpu.memory.backward_layer < cost.of_run(run).memory.backward_layer
+    one = cost.of_run(resolve.single_run(cfg), gpu=True)
+    assert one.collectives == [] and one.flops == cost.flops(cfg.model, B, T, 1)
+    assert one.memory == cost.memory(cfg.model, "dp", {"data": 1, "tensor": 1}, B, T, 2, grad_accum=2, gpu=True)
+
+
+def test_of_run_checks_nothing_the_resolved_run_checked(monkeypatch):
+    """A resolved run was checked once (resolve.resolve_run): pricing it re-parses and re-checks nothing."""
+    cfg = dataclasses.replace(preset("tiny"), train=dataclasses.replace(preset("tiny").train, microbatches=2))
+    runs = [resolve.resolve_run(s, "manual", spec, cfg, jax.devices()[:4])
+            for s, spec in (("fsdp_tp", "data:2,tensor:2"), ("pp_fsdp", "stage:2,data:2"), ("cp", "context:4"))]
+    priced = [cost.of_run(run) for run in runs]
+
+    def checked(*_, **__):
+        raise AssertionError("a check ran again")
+    for owner, name in ((cost, "_normalize_mesh"), (mesh_lib, "check_mesh"), (mesh_lib, "check_divisible"),
+                        (mesh_lib, "parse_mesh"), (pipeline, "check"), (resolve, "check_experts")):
+        monkeypatch.setattr(owner, name, checked)
+    assert [cost.of_run(run) for run in runs] == priced
+    with pytest.raises(AssertionError, match="ran again"):  # the checks `cost` itself makes
+        cost.cost(cfg.model, "fsdp_tp", {"data": 2, "tensor": 2}, B)
 
 
 @pytest.mark.parametrize("strategy, mesh, kwargs, match", [

@@ -400,6 +400,6 @@ def test_grouped_query_attention_splits_kv_heads_or_is_refused():
     with pytest.raises(ValueError, match=refused):
         explicit_parallel.make_runner("tp", "data:1,tensor:4", cfg, devices=jax.devices()[:4])
     with pytest.raises(ValueError, match=refused):  # resolve_run's one check, which the other twins pass
-        resolve.check_kv_heads("tp", "explicit", {"data": 1, "tensor": 4}, cfg)
+        resolve.check_kv_heads(strategies.TP, "explicit", {"data": 1, "tensor": 4}, cfg)
     for twin in ("auto", "manual"):
-        resolve.check_kv_heads("tp", twin, {"data": 1, "tensor": 4}, cfg)
+        resolve.check_kv_heads(strategies.TP, twin, {"data": 1, "tensor": 4}, cfg)

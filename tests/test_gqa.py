@@ -27,7 +27,8 @@ from runners import CFG
 from twinshard import cost, hlo
 from twinshard.config import Config, preset
 from twinshard.model import layers
-from twinshard.parallel import placement, strategies
+from twinshard import placed
+from twinshard.parallel import strategies
 from twinshard.hardware import topology
 from twinshard.train.trainer import SingleDevice
 
@@ -176,7 +177,7 @@ def test_the_tensor_axis_splits_the_kv_heads_it_divides_and_replicates_the_other
     replicated = tp.placed(2, {"data": 1, "tensor": 8})  # 2 kv heads, tensor 8: each replicated 4 times
     assert "kv_heads" not in replicated.params and "kv_heads" not in replicated.activations
     assert dict(replicated.params) == {k: v for k, v in tp.params.items() if k != "kv_heads"}
-    specs = lambda kv, rules: placement.param_specs(gqa(kv), rules)["layers"]["attn"]  # noqa: E731
+    specs = lambda kv, rules: placed.param_specs(gqa(kv), rules)["layers"]["attn"]  # noqa: E731
     assert specs(2, tp.placed(2, {"tensor": 2}).params)["k_proj"]["weight"] == jax.sharding.PartitionSpec(
         None, None, "tensor")
     assert specs(2, replicated.params)["v_proj"]["weight"] == jax.sharding.PartitionSpec(None, None, None)

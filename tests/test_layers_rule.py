@@ -19,6 +19,7 @@ UNITS = {
     "twinshard.model": "model",
     "twinshard.train": "train",
     "twinshard.parallel": "parallel",
+    "twinshard.placed": "placed",
     "twinshard.hlo": "hlo",
     "twinshard.cost": "cost",
     "twinshard.hardware.chips": "machine", "twinshard.hardware.links": "machine",
@@ -41,15 +42,14 @@ MAY_IMPORT = {
     "cost": {"base", "axes", "parallel", "hlo"},
     "machine": {"axes"},
     "hardware": LIBRARY - {"model"},
-    "testing": LIBRARY,
-    **{t: RUN_TIME for t in TWINS},
-    "launch": LIBRARY | set(TWINS),
+    "testing": {"hlo"},  # installs alone with the ledger (twinshard-hlo): jax, numpy and hlo
+    "placed": RUN_TIME,
+    **{t: RUN_TIME | {"placed"} for t in TWINS},
+    "explicit_parallel": RUN_TIME | {"placed", "testing"},  # expect_sharding: the twin's types checked at trace time
+    "launch": LIBRARY | {"placed"} | set(TWINS),
 }
 # (importer, imported layer) -> why it may, until the module is restructured
-KNOWN = {
-    ("twinshard.parallel.placement", "model"): "runs the model's attention kernels in a shard_map",
-    ("twinshard.parallel.placement", "train"): "places the trainer's TrainState (params, optimizer state)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 # (importer, module.private name) -> why it may read it
 KNOWN_PRIVATE = {
@@ -160,6 +160,25 @@ def test_every_known_exception_is_still_needed():
         assert name.rpartition(".")[2] in MODULES[module].read_text(), (module, name)
 
 
+def loads_by_name(source: str) -> list[int]:
+    """Lines that import a module named at run time (importlib, __import__): an edge no import statement shows."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if (isinstance(node, (ast.Import, ast.ImportFrom))
+                and any(a.name.split(".")[0] == "importlib" for a in node.names)
+                or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "importlib")
+            or isinstance(node, ast.Name) and node.id == "__import__"]
+
+
+def test_no_module_loads_another_by_name():
+    """The twins are reached through their packages' registries, imported by statement; a module that
+    loaded a twin as f"{twin}_parallel.{name}" would hide an upward edge from the rule above."""
+    checked = {m: p for m, p in MODULES.items() if m.split(".")[0] in CHECKED}
+    found = {m: lines for m, p in sorted(checked.items()) if (lines := loads_by_name(p.read_text()))}
+    assert not found, found
+    assert loads_by_name("import importlib\nm = importlib.import_module(f'{twin}_parallel')\n") == [1]
+    assert loads_by_name("def f(name):\n    return __import__(name)\n") == [2]
+
+
 BAD = {  # importer, source, what the check must say
     "hardware links read the strategy registry": (
         "twinshard.hardware.links", "from twinshard.parallel.strategies import ORDER\n",
@@ -171,8 +190,8 @@ BAD = {  # importer, source, what the check must say
         "explicit_parallel.tp", "from manual_parallel import tp as manual_tp\n",
         "layer explicit_parallel may not import layer manual_parallel"),
     "a run-time path imports the test helper": (
-        "explicit_parallel.runner", "from twinshard import testing\n",
-        "layer explicit_parallel may not import layer testing"),
+        "manual_parallel.runner", "from twinshard import testing\n",
+        "layer manual_parallel may not import layer testing"),
     "launch imports tests/": (
         "launch.common", "import tests.reference\n", "layer launch may not import layer tests"),
     "the trainer imports the cost model": (

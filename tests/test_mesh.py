@@ -173,7 +173,7 @@ def test_check_mesh_needs_both_axes_as_positive_integers(shape, match):
     lambda: mesh_lib.check_mesh("DP", {"data": 8, "tensor": 1}, 8),
 ])
 def test_unknown_strategy(call):
-    with pytest.raises(ValueError, match=r"unknown strategy '(zero3|DP)'; choose one of dp, fsdp, tp, fsdp_tp"):
+    with pytest.raises(ValueError, match=r"unknown strategy '(zero3|DP)'; choose one of single, dp, fsdp, tp, fsdp_tp"):
         call()
 
 

@@ -29,6 +29,7 @@ import auto_parallel
 import manual_parallel
 import reference
 from twinshard import cost
+from twinshard import placed
 from twinshard.parallel import mesh as mesh_lib, placement
 from twinshard.train import optim, trainer
 from twinshard.config import Config, preset
@@ -196,7 +197,7 @@ def test_state_specs_fit_the_abstract_state_and_memory_counts_its_bytes(strategy
     for model, optimizer in [(MODELS["adafactor"], o) for o in ("adamw", "adafactor", "lion", "sgd")] + \
             [(DEEP, "adafactor")]:
         cfg, tx, abstract = abstract_state(optimizer, model)
-        specs = placement.state_specs(cfg, tx, rules).opt_state
+        specs = placed.state_specs(cfg, tx, rules).opt_state
         for (path, a), s in zip(jax.tree_util.tree_flatten_with_path(abstract)[0],
                                 jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)), strict=True):
             assert len(s) <= a.ndim, (jax.tree_util.keystr(path), a.shape, s)

@@ -62,6 +62,13 @@ ELSEWHERE = {
     "microbatches": "tests/test_pipeline.py",
     "schedule": "tests/test_pipeline.py::test_one_f_one_b_schedule",
     "cp_layout": "tests/test_context.py::test_ring_attention_equals_full_attention",
+    # the speed options: each observed on the traced or TPU-compiled step it promises to change
+    "logits_dtype": "tests/test_speed_options.py::test_compute_logits_leave_no_float32_array_of_vocab_width",
+    "loss_recompute": "tests/test_speed_options.py::test_compute_logits_leave_no_float32_array_of_vocab_width",
+    "norm_dtype": "tests/test_speed_options.py::test_compute_norms_leave_no_float32_residual_stream",
+    "qkv_layout": "tests/test_speed_options.py::test_heads_layout_removes_the_transposes_around_attention",
+    "splash_fused_bwd": "tests/test_speed_options.py::test_block_and_backward_options_reach_the_kernel",
+    "xla_tpu_scoped_vmem_limit_kib": "tests/test_speed_options.py::test_scoped_vmem_limit_lets_blocks_of_2048_compile",
 }
 
 

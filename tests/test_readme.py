@@ -79,6 +79,9 @@ VARIANTS = {
     "uv run python tools/mutate.py --only adamw-betas-swapped": ["--no-baseline"],
 }
 NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test suite itself",
+           **{c: "a subset of this test suite (tests/test_proofs.py checks the markers it selects)" for c in (
+               'uv run pytest -m fsdp', 'uv run pytest -m "ulysses"',
+               'uv run pytest -m "fsdp and not (fsdp_tp or fsdp_cp or fsdp_ulysses or pp_fsdp or fsdp_ep)"')},
            "pip install uv && uv run --locked --extra tpu python -m launch.train --preset=gpt2_125m "
            "--dtype=bfloat16 --batch_size=16 --workdir=runs/g125": "the Cloud TPU VM example (a TPU's job)",
            **{f"uv run --extra tpu python -m launch.collectives --preset=gpt2_350m --dtype=bfloat16 "
@@ -104,7 +107,7 @@ def readme_commands() -> list[str]:
     return commands
 
 
-README_MAX_LINES = 300  # the details live in docs/
+README_MAX_LINES = 250  # the details live in docs/
 
 
 def test_readme_stays_short():

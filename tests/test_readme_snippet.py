@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from harness import cache
-from twinshard import cost
+from twinshard import cost, hlo
 from twinshard.config import preset
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -58,11 +58,25 @@ def test_snippet_runs_as_written(tmp_path: pathlib.Path) -> None:
     proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {line.split()[0]: line.split()[1:3] for line in proc.stdout.splitlines()
-            if line.split()[:1] and line.split()[0] in ("all-gather", "reduce-scatter", "all-reduce")}
-    assert rows == {"all-gather": ["data", "31"], "reduce-scatter": ["data", "16"],
-                    "all-reduce": ["data", "5"]}, proc.stdout
+    rows = {}
+    for words in (line.split() for line in proc.stdout.splitlines()):
+        if words[:1] and words[0] in ("all-gather", "reduce-scatter", "all-reduce"):
+            reduction = words.pop(1) if words[1] in hlo.REDUCTIONS.values() else ""
+            rows[words[0]] = [reduction, *words[1:3]]  # reduction, axes, count
+    assert rows == {"all-gather": ["", "data", "31"], "reduce-scatter": ["sum", "data", "16"],
+                    "all-reduce": ["sum", "data", "5"]}, proc.stdout
     assert proc.stdout.rstrip().endswith("unparsed: 0"), proc.stdout
+
+
+def test_standalone_examples_run() -> None:
+    """The README's example for your own project and docs/hlo-assertions.md's GSPMD `jit` case run as
+    written (this process has the 8 simulated devices they ask for)."""
+    namespace: dict = {}
+    exec(snippet(containing="x.sum(axis=0)"), namespace)
+    assert namespace["led"].count("all-reduce", "data", reduction="sum") == 1
+    exec(snippet(containing="def test_"), namespace)  # the imports and sizes of the pytest file
+    exec(snippet(containing="gspmd_mlp"), namespace)
+    assert namespace["mlp_led"].count("all-reduce", "tensor", phase="forward") == 1
 
 
 def test_permute_example_runs() -> None:

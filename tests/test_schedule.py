@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from twinshard import hlo
 from twinshard.hardware import chips, links, topology
+from twinshard.hardware.step_time import predict_step
 
 needs_libtpu = pytest.mark.skipif(not topology.libtpu_installed(),
                                   reason="needs libtpu: uv run --locked --extra tpu pytest")
@@ -85,7 +86,7 @@ def test_tpu_hides_the_gather_behind_the_independent_matmuls(programs):
     order = sched.entry.order
     assert not w.synchronous and w.issue < w.done
     assert order[w.issue].opcode == order[w.done].opcode == "fusion"  # TPU async collective fusions
-    pred = hlo.predict(programs("hidden", "tpu"), V5E, MESH, LINKS)
+    pred = predict_step(programs("hidden", "tpu"), V5E, MESH, LINKS)
     inside = [o for o in pred.ops if o.name in w.inside]
     # the two independent [F, F] matmuls run inside the window (one continuation fusion), x @ w_full after it
     assert sum(o.flops for o in inside) == 2 * (2 * F ** 3)
@@ -105,7 +106,7 @@ def test_tpu_cannot_hide_a_gather_the_matmul_waits_for(programs):
     sched = hlo.schedule(programs("dependent", "tpu"), MESH)
     w = _only_window(sched)
     assert w.synchronous and w.inside == () and sched.entry.order[w.issue].opcode == "all-gather"
-    pred = hlo.predict(programs("dependent", "tpu"), V5E, MESH, LINKS)
+    pred = predict_step(programs("dependent", "tpu"), V5E, MESH, LINKS)
     (c,) = pred.collectives
     assert c.hidden_s == 0 and c.exposed_s == c.comm_s > 0
     assert pred.exposed_s == c.comm_s and pred.step_s == pytest.approx(pred.compute_s + c.comm_s)
@@ -118,7 +119,7 @@ def test_cpu_collectives_are_synchronous_and_exposed(programs, name):
     sched = hlo.schedule(programs(name, "cpu"), MESH)
     w = _only_window(sched, "f32")  # XLA:CPU gathers the bf16 weight as f32 (measured)
     assert w.synchronous and w.inside == () and w.phase == "other"  # no gradient taken
-    pred = hlo.predict(programs(name, "cpu"), V5E, MESH, LINKS)
+    pred = predict_step(programs(name, "cpu"), V5E, MESH, LINKS)
     assert pred.axes["data"].hidden_s == 0 and pred.axes["data"].exposed_s == pred.axes["data"].comm_s > 0
     # the CPU's matmuls are dots: 2 x the [F, F] chain (hidden only) and x @ w_full, [M, F] after tanh for dependent
     want = 2 * 2 * F ** 3 + 2 * M * D * F if name == "hidden" else 2 * M * D * F + 2 * M * F * F
@@ -127,7 +128,7 @@ def test_cpu_collectives_are_synchronous_and_exposed(programs, name):
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("tpu", marks=needs_libtpu)])
 def test_a_scanned_layer_is_one_loop_body_run_per_trip(programs, where):
-    pred = hlo.predict(programs("scanned", where), V5E, MESH, LINKS)
+    pred = predict_step(programs("scanned", where), V5E, MESH, LINKS)
     (body,) = pred.schedule.loops
     assert (body.trips, body.runs) == (3, 3)
     (w,) = body.windows  # the layer's gather, in the body, counted 3 times
@@ -142,18 +143,18 @@ def test_a_scanned_layer_is_one_loop_body_run_per_trip(programs, where):
 
 def test_efficiencies_scale_the_op_kinds(programs):
     text = programs("hidden", "cpu")
-    full = hlo.predict(text, V5E, MESH, LINKS)
-    half = hlo.predict(text, V5E, MESH, LINKS, efficiency=chips.Efficiency(matmul_efficiency=0.5, hbm_efficiency=0.25))
+    full = predict_step(text, V5E, MESH, LINKS, efficiency=chips.Efficiency())
+    half = predict_step(text, V5E, MESH, LINKS, efficiency=chips.Efficiency(matmul_efficiency=0.5, hbm_efficiency=0.25))
     for a, b in zip(full.ops, half.ops):
         assert (b.compute_s, b.memory_s) == pytest.approx((2 * a.compute_s, 4 * a.memory_s))
-    assert chips.efficiency(V5E) == chips.Efficiency() and "datasheet" in chips.efficiency(V5E).source
+    assert chips.efficiency(chips.chip("v4")) == chips.Efficiency() and "datasheet" in chips.efficiency(chips.chip("v4")).source
     with pytest.raises(ValueError, match=r"matmul_efficiency=1.5 must be in \(0, 1\]"):
         chips.Efficiency(matmul_efficiency=1.5)
 
 
 def test_a_collective_over_an_axis_without_a_link_is_refused(programs):
     with pytest.raises(ValueError, match=r"no link bandwidth for mesh axes \['data'\]"):
-        hlo.predict(programs("hidden", "cpu"), V5E, MESH, links={})
+        predict_step(programs("hidden", "cpu"), V5E, MESH, links={})
 
 
 def test_one_chip_needs_no_links():
@@ -161,7 +162,7 @@ def test_one_chip_needs_no_links():
     def f(a):
         return jnp.tanh(a @ a)
 
-    pred = hlo.predict(f.lower(jax.ShapeDtypeStruct((F, F), jnp.float32)).compile(), "v5e")
+    pred = predict_step(f.lower(jax.ShapeDtypeStruct((F, F), jnp.float32)).compile(), "v4")
     assert pred.collectives == [] and pred.exposed_s == 0 and pred.step_s == pred.compute_s > 0
     assert sum(o.flops for o in pred.ops) == 2 * F ** 3
     assert "datasheet peaks" in pred.table() and pred.as_dict()["step_s"] == pred.step_s
@@ -178,12 +179,15 @@ def test_splash_attention_counts_its_causal_flops():
     with layers.compiling_for("tpu"):
         lowered = jax.jit(layers.splash_attention).lower(q, q, q)
     text = topology.compile_for_pod(lowered).as_text()
-    pred = hlo.predict(text, V5E)
+    pred = predict_step(text, V5E, efficiency=chips.Efficiency())
     (kernel,) = [o for o in pred.ops if o.kind == "attention"]
     assert kernel.flops == 2 * (2 * b * h * t * t * dh) / 2  # QK^T and PV, causal: half
-    slow = hlo.predict(text, V5E, efficiency=chips.Efficiency(splash_efficiency=0.5))
+    slow = predict_step(text, V5E, efficiency=chips.Efficiency(splash_efficiency=0.5))
     assert [o.compute_s for o in slow.ops if o.kind == "attention"] == [pytest.approx(2 * kernel.compute_s)]
-    full = hlo.predict(text, V5E, causal_attention=False)  # a full mask: twice the FLOPs
+    measured = predict_step(text, V5E)  # v5e's measured rate at head_dim 64
+    assert [o.compute_s for o in measured.ops if o.kind == "attention"] == [
+        pytest.approx(kernel.compute_s / chips.EFFICIENCIES["v5e"].splash_by_head_dim[0][1])]
+    full = predict_step(text, V5E, causal_attention=False)  # a full mask: twice the FLOPs
     assert [o.flops for o in full.ops if o.kind == "attention"] == [2 * kernel.flops]
 
 
@@ -193,8 +197,8 @@ def test_the_drawing_puts_the_hiding_matmuls_inside_the_gathers_box(programs):
 
     from twinshard.hlo.draw import timeline_svg
 
-    svg = ET.fromstring(timeline_svg([("hidden", hlo.predict(programs("hidden", "tpu"), V5E, MESH, LINKS)),
-                                      ("dependent", hlo.predict(programs("dependent", "tpu"), V5E, MESH, LINKS))]))
+    svg = ET.fromstring(timeline_svg([("hidden", predict_step(programs("hidden", "tpu"), V5E, MESH, LINKS)),
+                                      ("dependent", predict_step(programs("dependent", "tpu"), V5E, MESH, LINKS))]))
     g = "{http://www.w3.org/2000/svg}g"
     bands = {b.get("data-twin"): {lane.get("data-lane"): lane.findall(g) for lane in b.findall(g)}
              for b in svg.iter(g) if b.get("class") == "twin"}
@@ -207,3 +211,11 @@ def test_the_drawing_puts_the_hiding_matmuls_inside_the_gathers_box(programs):
     (wait,) = bands["dependent"]["data"]
     assert wait.get("data-synchronous") == "true" and wait.get("data-hidden-us") == "0"
     assert all(span(b)[0] >= span(wait)[1] for b in bands["dependent"]["compute"] if b.get("data-kind") == "matmul")
+
+
+def test_the_splash_rate_is_the_one_measured_nearest_below_the_head_dim():
+    r = hlo.Rates("x", {"bfloat16": 1.0}, 1.0, splash_efficiency=0.9, splash_by_head_dim=((64, 0.1), (128, 0.3)))
+    assert [r.splash_share(d) for d in (32, 64, 96, 128, 256)] == [0.1, 0.1, 0.1, 0.3, 0.3]
+    assert hlo.Rates("x", {"bfloat16": 1.0}, 1.0, splash_efficiency=0.9).splash_share(64) == 0.9
+    with pytest.raises(ValueError, match=r"splash_by_head_dim\[64\]=0 must be in \(0, 1\]"):
+        chips.Efficiency(splash_by_head_dim=((64, 0),))

@@ -1,7 +1,7 @@
 """Splash attention (--attention=splash: JAX's Pallas TPU flash kernel, layers.splash_attention), here
 in Pallas' interpret mode on CPU: the kernel against the reference, the config's block checks,
 which kernel "auto" runs, and the twins that reach it (GSPMD and explicit through
-placement.sharded_attention's shard_map, the manual twin per device) against single-device
+twinshard.placed.sharded_attention's shard_map, the manual twin per device) against single-device
 training, with the same collectives as the recompute kernel.
 
 Measured here (JAX 0.12, interpret mode, H=4, dh=16, B=2), max |splash - reference| over the
@@ -179,10 +179,10 @@ def test_splash_moves_the_bytes_recompute_moves(impl, strategy):
 @pytest.mark.parametrize("strategy", ["tp", "fsdp_tp", "tp_sp"])
 def test_manual_tensor_parallel_splash_off_a_tpu_is_refused_before_compiling(strategy):
     """The manual twin over `tensor` fails in interpret mode (left out of RUNS above): one line."""
-    from twinshard.parallel import resolve
+    from twinshard.parallel import resolve, strategies
 
     cfg = Config(dataclasses.replace(CFG.model, attention="splash"), CFG.train)
     with pytest.raises(ValueError, match="--attention=recompute"):
-        resolve.check_options(strategy, "manual", cfg)
-    resolve.check_options(strategy, "auto", cfg)
-    resolve.check_options("fsdp", "manual", cfg)
+        resolve.check_options(strategies.get(strategy), "manual", cfg)
+    resolve.check_options(strategies.get(strategy), "auto", cfg)
+    resolve.check_options(strategies.get("fsdp"), "manual", cfg)

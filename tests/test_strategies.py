@@ -80,16 +80,21 @@ def test_every_reader_of_the_registry_sees_every_strategy() -> None:
     names = set(EXPECTED)
     assert set(strategies.NAMES) == names
     assert set(auto_parallel.MODULES) == set(manual_parallel.MODULES) == set(support.SUPPORT) == names
-    assert set(cost.STRATEGY_ROWS) == names and set(cost.RULES) == names
-    assert set(mesh_lib.NEEDS) == names
-    assert set(common.STRATEGIES) == names | {"single"}
+    packages = (auto_parallel, manual_parallel, explicit_parallel)
+    assert tuple(p.TWIN for p in packages) == support.TWINS  # launch.common.twin's registry
+    assert all(common.twin(p.TWIN) is p and tuple(p.MODULES) == support.written_by(p.TWIN) for p in packages)
+    runs = names | {"single"}  # single: declared as the others, written by no twin (one device, nothing split)
+    assert set(cost.STRATEGY_ROWS) == runs and set(cost.RULES) == runs
+    assert set(mesh_lib.NEEDS) == runs
+    assert set(common.STRATEGIES) == set(strategies.RUNS) == runs and strategies.get("single") is strategies.SINGLE
+    assert not strategies.SINGLE.split_axes and cost.RULES["single"] == {} and mesh_lib.NEEDS["single"] == {}
     assert strategies.DATA_TENSOR == mesh_lib.DATA_TENSOR == ("dp", "fsdp", "tp", "fsdp_tp")
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert all(f"`{n}`" in readme for n in names), [n for n in names if f"`{n}`" not in readme]
 
 
 def test_an_unknown_strategy_is_one_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of dp, fsdp, tp, fsdp_tp, tp_sp, "
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of single, dp, fsdp, tp, fsdp_tp, tp_sp, "
                                          r"cp, fsdp_cp, ulysses, fsdp_ulysses, pp, pp_fsdp, ep, fsdp_ep\."):
         strategies.get("zero3")
 
@@ -110,6 +115,40 @@ def test_the_readme_table_agrees_with_the_support_table() -> None:
     assert explicit == support.written_by("explicit") == explicit_parallel.STRATEGIES
 
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_NAME = "(?:" + "|".join(sorted(strategies.NAMES, key=len, reverse=True)) + ")"
+# three or more strategy names in a list: "dp, fsdp, tp", "tp, fsdp_tp and tp_sp", across a line break too
+_LIST = re.compile(rf"(?<![\w`]){_NAME}(?:(?:,\s*(?:and\s+)?|\s+and\s+){_NAME}){{2,}}(?!\w)")
+
+
+def explicit_lists(text: str) -> list[tuple[int, tuple[str, ...]]]:
+    """(line, names) of every list of strategies that starts on a line speaking of the explicit twin,
+    or on the line after one (a wrapped sentence, a column of the design picture)."""
+    found = []
+    for m in _LIST.finditer(text):
+        line_start = text.rfind("\n", 0, m.start()) + 1
+        context = text[text.rfind("\n", 0, max(line_start - 1, 0)) + 1:m.start()]
+        if "explicit" in context.lower():
+            found.append((text.count("\n", 0, m.start()) + 1, tuple(re.findall(_NAME, m.group(0)))))
+    return found
+
+
+def test_every_list_of_the_explicit_twins_strategies_is_support_s() -> None:
+    """README.md, docs/ and the launchers' help say which strategies the explicit twin writes as
+    support.py does (the launchers' help is generated from it)."""
+    from absl import flags
+
+    common.define_model_flags()
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))}
+    texts["--impl"] = flags.FLAGS["impl"].help
+    lists = {(where, line): names for where, text in texts.items() for line, names in explicit_lists(text)}
+    assert {where for where, _ in lists} >= {"README.md", "docs/design.md", "--impl"}  # the parse finds them
+    wrong = {k: names for k, names in lists.items() if names != support.written_by("explicit")}
+    assert not wrong, f"say {', '.join(support.written_by('explicit'))} (twinshard/parallel/support.py): {wrong}"
+    assert explicit_lists("the explicit twin (dp, fsdp, tp and tp_sp).\nOther twins:\nall of dp, fsdp, tp") == [
+        (1, ("dp", "fsdp", "tp", "tp_sp"))]
+
+
 def test_every_option_is_run_by_twins_that_write_the_strategy() -> None:
     fields = [f.name for f in dataclasses.fields(support.Support) if f.name != "twins"]
     for name, row in support.SUPPORT.items():
@@ -126,8 +165,11 @@ def test_a_twin_runs_exactly_the_strategies_the_table_gives_it(twin) -> None:
     cfg = preset("tiny")
     for name, row in support.SUPPORT.items():
         if twin in row.twins:
-            resolve.check_twin(name, twin, cfg)
+            resolve.check_twin(strategies.get(name), twin, cfg)
         else:
             with pytest.raises(ValueError, match=rf"--impl={twin} runs {', '.join(support.written_by(twin))}, "
-                                                 rf"not --strategy={name}"):
-                resolve.check_twin(name, twin, cfg)
+                                                 rf"not --strategy={name}, which the "
+                                                 rf"{' and '.join(row.twins)} twins write") as err:
+                resolve.check_twin(strategies.get(name), twin, cfg)
+            assert "\n" not in str(err.value)  # one line, ending with the --impl values that run it
+            assert str(err.value).endswith(f"use {' or '.join(f'--impl={t}' for t in row.twins)}."), err.value

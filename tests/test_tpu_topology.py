@@ -255,3 +255,33 @@ def test_bad_topology_name_is_a_clear_error(monkeypatch):
 def test_bad_host_bounds_are_a_clear_error():
     with pytest.raises(ValueError, match=r"rejected by libtpu.*1,1,1 always divides"):
         topology.devices("v5e:4x4", (3, 3, 1))
+
+
+@needs_libtpu
+def test_compiler_options_reach_the_pods_compile():
+    """XLA:TPU flags passed as compile options reach libtpu's compile (an unknown one is refused by
+    name); without a topology they are refused before anything compiles."""
+    from launch.collectives import collectives
+
+    cfg = preset("tiny")
+    devices = topology.devices("v5e:2x2", (1, 1, 1))
+    unknown = {"xla_tpu_no_such_option": "true"}
+    with pytest.raises(Exception, match="No such compile option: 'xla_tpu_no_such_option'"):
+        collectives("fsdp", "manual", "data:4,tensor:1", cfg, devices, compiler_options=unknown)
+    with pytest.raises(ValueError, match="compiler_options are XLA:TPU flags for a topology's compile"):
+        collectives("fsdp", "manual", "data:4,tensor:1", cfg, None, compiler_options=unknown)
+
+
+@needs_libtpu
+def test_auto_fsdp_runs_splash_on_the_pod_in_bf16():
+    """GSPMD's twin on a pod in bf16: splash (a Mosaic kernel) in a shard_map over every mesh axis,
+    the size-1 tensor axis too (left to the partitioner it failed to lower); nothing moves over tensor."""
+    from launch.collectives import collectives
+
+    base = preset("tiny")
+    cfg = Config(dataclasses.replace(base.model, d_model=512, num_heads=4, dtype="bfloat16"),
+                 dataclasses.replace(base.train, batch_size=16))
+    res = collectives("fsdp", "auto", "data:16,tensor:1", cfg, topology.devices(TOPOLOGY, (2, 2, 1)))
+    kernels = [line for line in res["hlo"].splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert any("splash_mha_fwd" in line for line in kernels), kernels[:2]
+    assert {axes for _, axes in res["ledger"].summary()} == {("data",)}

@@ -23,6 +23,7 @@ import pytest
 
 from twinshard import cost
 from twinshard.config import Config, preset
+from twinshard.parallel.resolve import single_run
 from twinshard.train import data
 from twinshard.train.checkpoint import Checkpointer
 from twinshard.train.trainer import SingleDevice
@@ -87,10 +88,10 @@ def test_memory_analysis_counts_the_weight_bytes(runs, weight_dtype):
     cfg = config(weight_dtype)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32)
     ma = runner.train_step.lower(runner.abstract_state(), tokens, tokens).compile().memory_analysis()
-    model = cost.of_run(cfg, "single", None).memory
+    model = cost.of_run(single_run(cfg)).memory
     batch = 2 * tokens.size * 4
     assert 0 <= ma.argument_size_in_bytes - model.params - model.optimizer - batch <= 64  # 4 scalar counters
     assert 0.85 <= ma.temp_size_in_bytes / model.temporaries <= 1.25, (ma.temp_size_in_bytes, model)
     if weight_dtype == "bfloat16":
-        full = cost.of_run(config("float32"), "single", None).memory
+        full = cost.of_run(single_run(config("float32"))).memory
         assert (model.params, model.optimizer) == (full.params // 2, full.optimizer // 2)

@@ -1,11 +1,15 @@
-"""The library others install: the wheel, in a clean environment, offline, runs a user's own test.
+"""The libraries others install, each in a clean environment, offline, running a user's own test.
 
-The wheel is built from this checkout (hatchling, the build backend of pyproject.toml) and
-installed with `--no-deps` into a new virtual environment that holds only this project's
-locked third-party packages (`uv export --format pylock.toml`, installed `--offline` from uv's
-cache, which `uv run --locked` filled); `uv pip check` then proves the wheel's declared
+Two wheels are built from this checkout (hatchling, the build backend of both pyproject.toml):
+`twinshard` (the model, the cost model) and `twinshard-hlo` (twinshard-hlo/: the HLO ledger and
+the `expect_*` assertions, twinshard/hlo/ and twinshard/testing.py). They share no file, so both
+install into one environment; twinshard-hlo also installs alone, needing only jax and numpy.
+Each is installed with `--no-deps` into a new virtual environment that holds only this project's
+locked third-party packages it needs (`uv export --format pylock.toml`, installed `--offline`
+from uv's cache, which `uv run --locked` filled); `uv pip check` then proves the wheels' declared
 dependency ranges accept them. docs/hlo-assertions.md's pytest file (a test of the user's own
-shard_map function) runs there, from a directory outside the repository, so only the installed package can be imported.
+shard_map function) runs there, from a directory outside the repository, so only the installed
+packages can be imported.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import zipfile
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 from test_readme_snippet import snippet
 
@@ -41,37 +46,79 @@ def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> pathlib.Path:
+def wheels(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """{"twinshard": its wheel, "twinshard-hlo": its wheel}, built from this checkout."""
     out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "hatchling", "build", "-t", "wheel", "-d", str(out)], cwd=ROOT)
-    (whl,) = out.glob("twinshard-*.whl")
-    return whl
+    for where in (ROOT, ROOT / "twinshard-hlo"):
+        _run([sys.executable, "-m", "hatchling", "build", "-t", "wheel", "-d", str(out)], cwd=where)
+    (main,), (alone,) = out.glob("twinshard-*.whl"), out.glob("twinshard_hlo-*.whl")
+    return {"twinshard": main, "twinshard-hlo": alone}
 
 
-def test_wheel_installs_one_top_level_package(wheel: pathlib.Path) -> None:
-    names = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
-    assert {n for n in names if not n.endswith(".dist-info")} == {"twinshard"}, names
-    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info"))
-                                           + "/METADATA").decode()
-    requires = re.findall(r"^Requires-Dist: (\S+?)([<>=!~].*)?$", metadata, re.M)
-    jax_spec = dict(requires).get("jax", "")
+def _files(wheel: pathlib.Path) -> set[str]:
+    return {n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in n}
+
+
+def _requires(wheel: pathlib.Path) -> dict[str, str]:
+    """Requires-Dist without extras: name -> version range."""
+    archive = zipfile.ZipFile(wheel)
+    metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    return dict(re.findall(r"^Requires-Dist: ([\w-]+)([^;\n]*)$", metadata, re.M))
+
+
+def test_wheels_share_no_file_and_one_top_level_package(wheels: dict[str, pathlib.Path]) -> None:
+    main, alone = _files(wheels["twinshard"]), _files(wheels["twinshard-hlo"])
+    assert {n.split("/")[0] for n in main | alone} == {"twinshard"}, main | alone
+    assert not main & alone, main & alone
+    hlo_dir = {f"twinshard/hlo/{p.name}" for p in (ROOT / "twinshard" / "hlo").glob("*.py")}
+    assert alone == hlo_dir | {"twinshard/testing.py"}, alone  # the whole directory, no __init__ above it
+    assert "twinshard/__init__.py" in main and not any(n.startswith("twinshard/hlo/") for n in main)
+    jax_spec = _requires(wheels["twinshard"])["jax"]
     assert "<" in jax_spec and "==" not in jax_spec, f"jax should be a range in the wheel: {jax_spec!r}"
+    assert "twinshard-hlo" in _requires(wheels["twinshard"])
 
 
-def test_users_own_test_passes_in_a_clean_environment(wheel: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_assertions_require_only_jax_and_numpy_on_a_jax_range(wheels: dict[str, pathlib.Path]) -> None:
+    requires = _requires(wheels["twinshard-hlo"])
+    assert set(requires) == {"jax", "numpy"}, requires
+    jax_range = SpecifierSet(requires["jax"])
+    assert {"0.10.2", "0.12.0.1"} <= set(jax_range.filter(["0.10.2", "0.12.0.1"])), requires["jax"]
+
+
+def _env(tmp_path: pathlib.Path, exported: list[str]) -> str:
+    """A new venv holding the locked third-party packages `uv export` lists with `exported`."""
     uv, env_dir = _uv(), tmp_path / "env"
     lock = tmp_path / "pylock.toml"
-    _run([uv, "export", "--frozen", "--format", "pylock.toml", "--no-emit-project", "-o", str(lock)],
-         cwd=ROOT)
+    _run([uv, "export", "--frozen", "--format", "pylock.toml", "--no-emit-workspace", *exported,
+          "-o", str(lock)], cwd=ROOT)
     _run([uv, "venv", "-q", str(env_dir), "--python", sys.executable])
     python = str(env_dir / "bin" / "python")
     _run([uv, "pip", "install", "-q", "--offline", "--python", python, "-r", str(lock)])
-    _run([uv, "pip", "install", "-q", "--offline", "--no-deps", "--python", python, str(wheel)])
-    _run([uv, "pip", "check", "--python", python])
+    return python
+
+
+def _users_test_passes(python: str, wheels: list[pathlib.Path], tmp_path: pathlib.Path) -> None:
+    """Install `wheels` without their dependencies, check the ranges, run the user's pytest file."""
+    _run([_uv(), "pip", "install", "-q", "--offline", "--no-deps", "--python", python, *map(str, wheels)])
+    _run([_uv(), "pip", "check", "--python", python])
     user = tmp_path / "user"
     user.mkdir()
     (user / "test_my_collectives.py").write_text(snippet(containing="def test_"))
     proc = _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_collectives.py"], cwd=user)
     assert re.search(r"\b2 passed\b", proc.stdout), proc.stdout
-    where = _run([python, "-c", "import twinshard; print(twinshard.__file__)"], cwd=user).stdout
-    assert str(env_dir) in where and str(ROOT) not in where, where
+    where = _run([python, "-c", "import twinshard.testing; print(twinshard.testing.__file__)"], cwd=user).stdout
+    assert str(python).rsplit("/bin/", 1)[0] in where and str(ROOT) not in where, where
+
+
+def test_users_own_test_passes_in_a_clean_environment(wheels: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    python = _env(tmp_path, [])
+    _users_test_passes(python, list(wheels.values()), tmp_path)
+
+
+def test_assertions_install_alone_without_flax(wheels: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    python = _env(tmp_path, ["--package", "twinshard-hlo"])
+    _run([_uv(), "pip", "install", "-q", "--offline", "--python", python, "pytest"])
+    _users_test_passes(python, [wheels["twinshard-hlo"]], tmp_path)
+    absent = _run([python, "-c", "import importlib.util as u; print([m for m in ('flax', 'optax', "
+                   "'orbax', 'twinshard.model') if u.find_spec(m)])"], cwd=tmp_path).stdout
+    assert absent.strip() == "[]", absent

@@ -1,5 +1,6 @@
 """Did a refactor move anything? Per-step losses, compiled temporaries and ledgers of every
-strategy x twin on the tiny preset, written as JSON; `--compare A.json B.json` diffs two runs.
+strategy x twin (every twin twinshard/parallel/support.py lists) on the tiny preset (tiny_moe for the
+expert strategies), written as JSON; `--compare A.json B.json` diffs two runs.
 
     uv run python tools/same_programs.py --out before.json      # on the old commit (a worktree)
     uv run python tools/same_programs.py --out after.json       # on the new one
@@ -18,8 +19,9 @@ import os
 import sys
 
 MESHES = {"dp": "data:8,tensor:1", "fsdp": "data:8,tensor:1", "tp": "data:1,tensor:4", "fsdp_tp": "data:2,tensor:2",
-          "tp_sp": "tensor:4", "cp": "context:4", "fsdp_cp": "data:2,context:2", "pp": "stage:2",
-          "pp_fsdp": "stage:2,data:2"}
+          "tp_sp": "tensor:4", "cp": "context:4", "fsdp_cp": "data:2,context:2", "ulysses": "context:4",
+          "fsdp_ulysses": "data:2,context:2", "pp": "stage:2", "pp_fsdp": "stage:2,data:2",
+          "ep": "data:2,expert:4", "fsdp_ep": "data:2,expert:2"}
 STEPS = 3
 
 
@@ -32,14 +34,16 @@ def record(strategies: list[str]) -> dict:
     from launch import common
     from twinshard import hlo
     from twinshard.config import preset
+    from twinshard.parallel import strategies as strategies_lib, support
 
-    cfg = preset("tiny")
-    rng = np.random.default_rng(0)
-    b, t = cfg.train.batch_size, cfg.model.context_length
-    batches = [rng.integers(0, cfg.model.vocab_size, (b, t + 1)).astype(np.int32) for _ in range(STEPS)]
     out = {}
     for strategy in strategies:
-        for impl in ["single"] if strategy == "single" else ["auto", "manual"]:
+        experts = strategy in strategies_lib.of_family("experts")
+        cfg = preset("tiny_moe" if experts else "tiny")
+        rng = np.random.default_rng(0)
+        b, t = cfg.train.batch_size, cfg.model.context_length
+        batches = [rng.integers(0, cfg.model.vocab_size, (b, t + 1)).astype(np.int32) for _ in range(STEPS)]
+        for impl in ["single"] if strategy == "single" else support.get(strategy).twins:
             spec = MESHES.get(strategy)
             n = 1 if spec is None else int(np.prod([int(p.split(":")[1]) for p in spec.split(",")]))
             run_cfg = cfg

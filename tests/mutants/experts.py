@@ -28,7 +28,7 @@ MUTANTS: list[Mutant] = [
            'activations={"batch": "data", "experts": "expert", "expert_groups": "data"},',
            (f"{EXPERTS}::test_manual_ledger_equals_the_cost_model_exactly",),
            "ep replicates the tokens over expert: the same numbers, each exchange e times the bytes"),
-    Mutant("placement-tuple-axis-dropped", "experts", "twinshard/parallel/placement.py",
+    Mutant("placement-tuple-axis-dropped", "experts", "twinshard/placed.py",
            "kept = tuple(a for a in ((axis,) if isinstance(axis, str) else axis) if self.sizes.get(a, 1) > 1)",
            "kept = tuple(a for a in ((axis,) if isinstance(axis, str) else ()) if self.sizes.get(a, 1) > 1)",
            (f"{EXPERTS}::test_manual_ledger_equals_the_cost_model_exactly",),

@@ -230,7 +230,7 @@ MUTANTS: list[Mutant] = [
            "removed = dims[1] if field == \"v_row\" else dims[0]",
            "removed = dims[0] if field == \"v_row\" else dims[1]",
            (OPTIMIZERS,), "v_row is placed as if it dropped the second-largest dim, v_col the largest"),
-    Mutant("adafactor-stat-on-wrong-axis", "optim", "twinshard/parallel/placement.py",
+    Mutant("adafactor-stat-on-wrong-axis", "optim", "twinshard/placed.py",
            "return spec(tuple(axes[d] for d in dims), rules)",
            "return spec(tuple(axes[d] for d in dims[::-1]), rules)",
            (OPTIMIZERS,), "an optimizer leaf takes its kept dims' placements in reverse order (v_col "
@@ -276,7 +276,7 @@ MUTANTS: list[Mutant] = [
            (SCAN + "::test_unrolled_scan_is_the_same_training_and_the_same_collectives",),
            "an unrolled scan lets XLA merge FSDP's backward re-gather with the forward gather (the "
            "gathered weight lives until the backward pass)"),
-    Mutant("remat-tp-recomputes-g", "remat", "manual_parallel/base.py",
+    Mutant("remat-tp-recomputes-g", "remat", "manual_parallel/runner.py",
            "return also_saving(policy, saves_reductions)",
            "return policy",
            (REMAT + "::test_manual_collectives_equal_the_cost_model_under_every_policy",),

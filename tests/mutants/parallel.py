@@ -116,7 +116,7 @@ MUTANTS: list[Mutant] = [
            'e.primitive.name == "all-gather" for e in params["call_jaxpr"].eqns)',
            (SCAN, *MANUAL), "the remat policy looks for the HLO op name in the jaxpr: it never recognises a "
                            "gathered weight and saves them all (no re-gather, full weights live to backward)"),
-    Mutant("fsdp-remat-recomputes-psums", "fsdp", "manual_parallel/base.py",
+    Mutant("fsdp-remat-recomputes-psums", "fsdp", "manual_parallel/runner.py",
            '_REDUCTIONS = frozenset({"psum", "psum_invariant", "pmax", "reduce_scatter"})',
            '_REDUCTIONS = frozenset({"pmax", "reduce_scatter"})',
            (REMAT + "::test_manual_collectives_equal_the_cost_model_under_every_policy",),

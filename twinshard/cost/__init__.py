@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinshard.config import Config, ModelConfig
+from twinshard.config import ModelConfig
 from twinshard.cost.communication import STRATEGY_ROWS
 from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Ctx, Row, row
 from twinshard.cost.flops import Flops, flops
@@ -41,6 +41,7 @@ from twinshard.cost.memory import (Memory, attention_backward, attention_kernel,
                                    saved_by_stacks, saved_per_layer)
 from twinshard.cost.weights import DTYPE_BYTES, F32, RULES, Weight, weights
 from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, strategies, support
+from twinshard.parallel.resolve import Run
 
 __all__ = [
     "AXES", "DTYPE_BYTES", "F32", "NOT_REGATHERED", "OPS", "PHASES", "PIPELINES", "RULES", "STRATEGY_ROWS",
@@ -148,8 +149,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     sequence shards under any policy but none. flat_weights: FSDP's weights split flat (padded,
     twinshard/hardware/plan.py), so d_model need not divide by data. Invalid input (and the runs
     launch.train refuses) raises a one-line ValueError."""
-    mesh_lib.check_strategy(strategy)
-    resolve.check_experts(strategy, cfg)  # as launch.train: no numbers for a program that does not exist
+    resolve.check_experts(strategies.get(strategy), cfg)  # as launch.train: no numbers for a program that does not exist
     if cfg.collective_matmul and strategy not in support.with_option("collective_matmul"):
         raise ValueError(f"collective_matmul decomposes tp_sp's sequence all-gathers; strategy {strategy} has "
                          "none: use strategy tp_sp or collective_matmul=False.")
@@ -176,6 +176,24 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "
                          f"of {local} sequences; choose one of {[k for k in range(1, local + 1) if local % k == 0]}.")
+    return _priced(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer, remat,
+                   schedule, gpu, param_bytes, state_bytes, master)
+
+
+def of_run(run: Run, gpu: bool = False) -> Cost:
+    """`cost` of one train step of a resolved run (twinshard/parallel/resolve.py), which made every
+    check `cost` makes: none runs again. Its config gives the batch, the whole context, the compute
+    dtype, and the weight dtype of params, gradients and moments (ModelConfig.weight_dtype)."""
+    t, m = run.cfg.train, run.cfg.model
+    w = DTYPE_BYTES[m.weight_dtype]
+    return _priced(m, run.strategy, dict(run.mesh), t.batch_size, m.context_length, DTYPE_BYTES[m.dtype],
+                   t.grad_accum, t.microbatches, t.optimizer, None, t.schedule, gpu, w, w, False)
+
+
+def _priced(cfg: ModelConfig, strategy: str, shape: dict[str, int], batch_size: int, seq: int, dtype_bytes: int,
+            grad_accum: int, microbatches: int, optimizer: str, remat: str | None, schedule: str, gpu: bool,
+            param_bytes: int, state_bytes: int, master: bool) -> Cost:
+    """The rows, FLOPs and memory of checked input (`cost`'s arguments, or a resolved run's)."""
     if remat is not None:  # tp_sp's collectives depend on it (its re-gathers), the others' do not
         cfg = dataclasses.replace(cfg, remat=remat)
     ctx = Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule)
@@ -187,25 +205,9 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
                        remat, schedule, gpu, param_bytes, state_bytes, master), notes)
 
 
-def of_run(run: Config, strategy: str, mesh: Mapping[str, int] | None, gpu: bool = False) -> Cost:
-    """`cost` of one train step of a run (its Config); strategy "single" is dp on a mesh of one, without collectives."""
-    t, m = run.train, run.model
-    w = DTYPE_BYTES[m.weight_dtype]  # params, gradients and moments (ModelConfig.weight_dtype)
-    if strategy == "single":  # dp on one device, which `cost` refuses (dp needs data > 1)
-        one, s = {"data": 1, "tensor": 1}, DTYPE_BYTES[m.dtype]
-        return Cost(strategy, one, t.batch_size, m.context_length, s, [], flops(m, t.batch_size, m.context_length, 1),
-                    memory(m, "dp", one, t.batch_size, m.context_length, s, t.grad_accum, optimizer=t.optimizer,
-                           gpu=gpu, param_bytes=w, state_bytes=w))
-    return cost(m, strategy, mesh, t.batch_size, m.context_length, grad_accum=t.grad_accum,
-                microbatches=t.microbatches, optimizer=t.optimizer, schedule=t.schedule, gpu=gpu,
-                param_bytes=w, state_bytes=w)
-
-
-_NOTES = {
-    "tp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
-    "fsdp_tp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
-    "tp_sp": ["the cross-entropy max is an all-reduce with max (pmax); the ledger does not tell max from sum"],
-}
+_PMAX = ("the cross-entropy max is an all-reduce with max (pmax), a row `all-reduce max` of the ledger; "
+         "the model counts it among the all-reduces over tensor")
+_NOTES = {"tp": [_PMAX], "fsdp_tp": [_PMAX], "tp_sp": [_PMAX]}
 
 
 # ----------------------------------------------------------------------------- comparing with a ledger

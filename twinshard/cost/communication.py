@@ -19,6 +19,11 @@ from twinshard.parallel.strategies import KV_HEADS
 # ----------------------------------------------------------------------------- strategies
 
 
+def _single(ctx: Ctx) -> list[Row]:
+    """One device moves nothing."""
+    return []
+
+
 def _dp(ctx: Ctx) -> list[Row]:
     """Gradients averaged over data, leaf by leaf; the loss averaged for the metrics."""
     grads = [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32,

@@ -86,25 +86,38 @@ CHIPS: tuple[Chip, ...] = (
 
 @dataclass(frozen=True)
 class Efficiency:
-    """The fractions of a chip's datasheet peaks that its kernels reach, which twinshard.hlo.timing
-    prices a compiled program's ops at: matmuls and convolutions (of `Chip.bf16`), HBM-bound ops (of
-    `Chip.hbm_bytes_per_s`) and the splash attention kernel (of `Chip.bf16`). `source` says where
-    the numbers come from."""
+    """The fractions of a chip's datasheet peaks that its kernels reach, which the step-time prediction
+    (twinshard.hardware.step_time) prices a compiled program's ops at: matmuls and convolutions (of
+    `Chip.bf16`), HBM-bound ops (of `Chip.hbm_bytes_per_s`) and the splash attention kernel (of
+    `Chip.bf16`; by head_dim where measured: the kernel is softmax-bound, so a head of 64 runs at
+    less than half the rate of one of 128). `source` says where the numbers come from."""
 
     matmul_efficiency: float = 1.0
     hbm_efficiency: float = 1.0
     splash_efficiency: float = 1.0
+    splash_by_head_dim: tuple[tuple[int, float], ...] = ()
     source: str = "none measured: the datasheet peaks"
 
     def __post_init__(self) -> None:
-        for name in ("matmul_efficiency", "hbm_efficiency", "splash_efficiency"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be in (0, 1]: a fraction of the peak")
+        shares = [(name, getattr(self, name)) for name in ("matmul_efficiency", "hbm_efficiency", "splash_efficiency")]
+        shares += [(f"splash_by_head_dim[{d}]", e) for d, e in self.splash_by_head_dim]
+        for name, value in shares:
+            if not 0 < value <= 1:
+                raise ValueError(f"{name}={value} must be in (0, 1]: a fraction of the peak")
 
 
-# chip name -> efficiencies measured by microbenchmarks on that chip (a large matmul, an HBM-bound
-# elementwise pass, the splash kernel alone); a chip not listed is priced at its datasheet peaks.
-EFFICIENCIES: dict[str, Efficiency] = {}
+# chip name -> efficiencies measured by microbenchmarks on that chip (tools/chip_micro.py: a large
+# matmul, an HBM-bound elementwise pass, the splash kernel alone; never a training step, which is
+# what the prediction is checked against); a chip not listed is priced at its datasheet peaks.
+EFFICIENCIES: dict[str, Efficiency] = {
+    # One v5e, jax 0.10.2, 2026-12-06 (BENCHMARKS.md, "The chip's own rates"): bf16 matmul 8192^3
+    # 166.3 TFLOP/s of 197; an elementwise pass 476 GB/s (bf16) and 549 GB/s (float32) of 819, the
+    # mean taken; splash fwd+bwd (3.5 forwards, causal half) 19.9-20.7 TFLOP/s at head_dim 64
+    # (B16 H12/H16 T1024, block 1024) and 52.8 at 128 (B2 H16/4 T2048, block 1024).
+    "v5e": Efficiency(matmul_efficiency=0.844, hbm_efficiency=0.626, splash_efficiency=0.268,
+                      splash_by_head_dim=((64, 0.103), (128, 0.268)),
+                      source="measured on one v5e by tools/chip_micro.py, 2026-12-06"),
+}
 
 
 def efficiency(chip: Chip) -> Efficiency:

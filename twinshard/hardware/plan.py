@@ -18,7 +18,7 @@ from twinshard.config import Config, ModelConfig, TrainConfig
 from twinshard.cost.weights import DTYPE_BYTES, F32
 from twinshard.hardware.chips import matmul_peak_flops
 from twinshard.hardware.links import Link, Topology, axis_links, collective_seconds, dcn_link
-from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, support
+from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, strategies, support
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
     ok, refused = [], {}
     for strategy in support.SUPPORT:
         try:
-            resolve.check_experts(strategy, cfg)
+            resolve.check_experts(strategies.get(strategy), cfg)
         except ValueError as e:
             refused[strategy] = str(e)
         else:

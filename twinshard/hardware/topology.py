@@ -110,13 +110,16 @@ def _quiet_libtpu_load():
             os.close(saved)
 
 
-def compile_for_pod(lowered):
-    """`lowered.compile()` with the persistent cache off: JAX 0.12 writes a compile-only TPU
-    executable to the cache and cannot read it back (twinshard/train/compile_cache.py)."""
+def compile_for_pod(lowered, compiler_options: Mapping[str, Any] | None = None):
+    """`lowered.compile(compiler_options)` with the persistent cache off: JAX 0.12 writes a compile-only
+    TPU executable to the cache and cannot read it back (twinshard/train/compile_cache.py).
+    compiler_options: XLA:TPU flags without their dashes ({'xla_tpu_enable_async_collective_fusion':
+    'true'}); libtpu checks each name (an unknown one is an INVALID_ARGUMENT), where an unknown flag
+    in LIBTPU_INIT_ARGS raised nothing in a compile ahead of time (measured, libtpu 0.0.50.1)."""
     from twinshard.train import compile_cache
 
     with compile_cache.disabled():
-        return lowered.compile()
+        return lowered.compile(dict(compiler_options) if compiler_options else None)
 
 
 def mesh_devices(shape: Mapping[str, int], devs: Sequence[Any]) -> list:

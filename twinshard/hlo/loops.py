@@ -42,15 +42,16 @@ def _is_done_side(instr: Instr) -> bool:
 
 def call_edges(instr: Instr) -> list[tuple[str, str]]:
     """(attribute, callee) edges of an instruction, minus async-done style back edges."""
-    return [] if _is_done_side(instr) else _edges(instr)
+    return [] if _is_done_side(instr) else call_edges_of(instr)
 
 
 def _done_edges(instr: Instr) -> list[tuple[str, str]]:
     """The edges `call_edges` leaves out: those of done-side ops."""
-    return _edges(instr) if _is_done_side(instr) else []
+    return call_edges_of(instr) if _is_done_side(instr) else []
 
 
-def _edges(instr: Instr) -> list[tuple[str, str]]:
+def call_edges_of(instr: Instr) -> list[tuple[str, str]]:
+    """Every (attribute, computation) edge of `instr`, whichever side of an async pair it is."""
     if not _CALL_KEYS.search(instr.attr_text):
         return []
     edges = []
@@ -181,7 +182,7 @@ def _chain_copies(start: Instr, instrs: list[Instr], keys: set[tuple], mod: Modu
             if i.opcode != "fusion":
                 continue
             hits = []
-            for key, c in _edges(i):
+            for key, c in call_edges_of(i):
                 body = mod.computations.get(c, []) if key == "calls" else []
                 params = {x.name: int(x.operands[0]) for x in body
                           if x.opcode == "parameter" and x.operands and x.operands[0].isdigit()}
@@ -220,7 +221,7 @@ def async_fusion_copies(mod: Module, warnings: list[str]) -> tuple[set[str], set
     for instrs in mod.computations.values():
         for i in instrs:
             if i.opcode == "fusion":
-                keys = set().union(*(keys_of.get(c, set()) for k, c in _edges(i) if k == "calls"))
+                keys = set().union(*(keys_of.get(c, set()) for k, c in call_edges_of(i) if k == "calls"))
                 if keys:
                     copies |= _chain_copies(i, instrs, keys, mod, dones)
     for comp, instrs in mod.computations.items():

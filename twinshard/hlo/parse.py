@@ -45,6 +45,25 @@ _DTYPE_BITS: dict[str, int] = {
 
 # ----------------------------------------------------------------------------- text utils
 
+_ESCAPE = re.compile(rb"\\([0-7]{1,3}|x[0-9a-fA-F]{2}|.)", re.S)
+_SIMPLE_ESCAPES = {b"n": b"\n", b"t": b"\t", b"r": b"\r"}
+
+
+def unescape(text: str) -> str:
+    """The value of a quoted HLO string: XLA prints C escapes (`op_name="...params[\\'lm_head\\']"`,
+    `\\"`, `\\\\`, octal bytes), which a reader should not see."""
+    if "\\" not in text:
+        return text
+
+    def one(m: re.Match) -> bytes:
+        e = m.group(1)
+        if e[:1].isdigit():
+            return bytes([int(e, 8) & 0xFF])
+        if e[:1] == b"x" and len(e) == 3:
+            return bytes([int(e[1:], 16)])
+        return _SIMPLE_ESCAPES.get(e, e)
+
+    return _ESCAPE.sub(one, text.encode()).decode(errors="replace")
 
 
 def _unquoted(s: str, start: int = 0):
@@ -191,7 +210,7 @@ def _parse_frames(sections: dict[str, list[str]]) -> dict[int, str]:
                 rows[int(k)] = v.strip()
         return rows
 
-    files = {k: v.strip('"') for k, v in table("FileNames").items()}
+    files = {k: unescape(v.strip('"')) for k, v in table("FileNames").items()}
     locs = {}
     for k, v in table("FileLocations").items():
         f = re.search(r"file_name_id=(\d+)", v)

@@ -22,7 +22,7 @@ from typing import Any
 from twinshard.hlo.groups import (MeshSpec, Shift, classify, decode_replica_groups, describe_permute,
                                   explicit_groups, mesh_spec, pair_components)
 from twinshard.hlo.loops import async_fusion_copies, call_edges, multiplicities
-from twinshard.hlo.parse import OPS, Instr, Module, Shape, base_opcode, parse_module, parse_shape
+from twinshard.hlo.parse import OPS, Instr, Module, Shape, base_opcode, parse_module, parse_shape, unescape
 
 
 # ----------------------------------------------------------------------------- records
@@ -55,6 +55,19 @@ class Collective:
     coordinate_pairs: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
     shifts: tuple[Shift, ...] = ()
     pattern: str = ""
+    # all-reduce and reduce-scatter: how the group combines its values, from the root of the
+    # `to_apply` computation (REDUCTIONS); "" for other ops, or when that computation is not printed
+    reduction: str = ""
+    # as the op_name says: "backward" under JAX's `transpose(...)` (with any forward ops a remat
+    # recomputes there), "forward" under `jvp(...)`, or anywhere in a program that differentiates
+    # nothing; "" outside the differentiated function (a gradient sync, the optimizer) or without metadata
+    phase: str = ""
+
+
+# the root opcode of a reduction computation -> the record's `reduction`
+REDUCTIONS = {"add": "sum", "maximum": "max", "minimum": "min", "and": "and", "or": "or",
+              "multiply": "product"}
+PHASES = ("forward", "backward")
 
 
 def ring_bytes(op: str, nbytes: int, n: int) -> float:
@@ -75,11 +88,11 @@ def ring_bytes(op: str, nbytes: int, n: int) -> float:
 # ----------------------------------------------------------------------------- ledger
 
 
-def _flat(shape: Shape | list) -> list[Shape]:
-    return [shape] if isinstance(shape, Shape) else [s for x in shape for s in _flat(x)]
+def flat_shapes(shape: Shape | list) -> list[Shape]:
+    return [shape] if isinstance(shape, Shape) else [s for x in shape for s in flat_shapes(x)]
 
 
-def _metadata(attrs: dict[str, str], frames: dict[int, str]) -> tuple[str, str]:
+def source_metadata(attrs: dict[str, str], frames: dict[int, str]) -> tuple[str, str]:
     """(op_name, 'file:line') from a metadata={...} attribute."""
     meta = attrs.get("metadata", "")
     op = re.search(r'op_name="((?:[^"\\]|\\.)*)"', meta)
@@ -88,10 +101,39 @@ def _metadata(attrs: dict[str, str], frames: dict[int, str]) -> tuple[str, str]:
     frame = re.search(r"stack_frame_id=(\d+)", meta)
     source = ""
     if file:
-        source = file.group(1) + (f":{line.group(1)}" if line else "")
+        source = unescape(file.group(1)) + (f":{line.group(1)}" if line else "")
     elif frame:
         source = frames.get(int(frame.group(1)), "")
-    return (op.group(1) if op else ""), source
+    return (unescape(op.group(1)) if op else ""), source
+
+
+def _phase(op_name: str) -> str:
+    """forward / backward as the op_name says (JAX names the passes `jvp(...)`, `transpose(jvp(...))`)."""
+    return "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else ""
+
+
+def _reduction(instr: Instr, mod: Module) -> str:
+    """sum / max / min / and / or / product: the root of the op's `to_apply` computation, looked
+    through converts (a bf16 reduction may add in f32); "" when the computation is not printed."""
+    instrs = mod.computations.get(instr.attrs.get("to_apply", "").lstrip("%"), [])
+    if not instrs:
+        return ""
+    by_name = {i.name: i for i in instrs}
+    node = next((i for i in instrs if i.is_root), instrs[-1])
+    while node.opcode in ("convert", "copy", "bitcast") and node.operands and node.operands[0] in by_name:
+        node = by_name[node.operands[0]]
+    return REDUCTIONS.get(node.opcode, node.opcode)
+
+
+def source_matches(source: str, want: str) -> bool:
+    """Whether a record's `path:line` is `want`: a file (`tp.py`, `manual_parallel/tp.py`, a full
+    path) or a file and line (`tp.py:42`); a file matches whole path components only."""
+    path, _, line = source.rpartition(":")
+    want_path, sep, want_line = want.rpartition(":")
+    if not (sep and want_line.isdigit()):
+        want_path, want_line = want, ""
+    return bool(path) and (path == want_path or path.endswith("/" + want_path)) and (
+        not want_line or line == want_line)
 
 
 def _result_shapes(instr: Instr, base_op: str, done: Instr | None) -> list[Shape] | list:
@@ -133,32 +175,43 @@ class Ledger:
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         unknown = [a for a in axes if a not in self.mesh.names]
         if unknown:
-            raise ValueError(f"axes {unknown} are not mesh axes {self.mesh.names}")
+            raise ValueError(f"axes {unknown} are not mesh axes {self.mesh.names}: name axes of the "
+                             f"mesh the program was compiled for")
         return tuple(a for a in self.mesh.names if a in axes)
 
     def filter(self, op: str | Iterable[str] | None = None,
-               axes: str | Iterable[str] | None = None, dtype: str | None = None) -> Ledger:
-        """Records with this op (or ops), exactly these axes, this dtype."""
+               axes: str | Iterable[str] | None = None, dtype: str | None = None, *,
+               source: str | None = None, phase: str | None = None,
+               reduction: str | None = None) -> Ledger:
+        """Records with this op (or ops), exactly these axes, this dtype, from this `source` file
+        or `file:line` (`source_matches`), in this `phase` (forward / backward), with this
+        `reduction` (sum / max / min / and / or / product)."""
         ops = None if op is None else ((op,) if isinstance(op, str) else tuple(op))
         for o in ops or ():
             if o not in OPS:
                 raise ValueError(f"unknown collective {o!r}; expected one of {OPS}")
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
+        if reduction is not None and reduction not in REDUCTIONS.values():
+            raise ValueError(f"unknown reduction {reduction!r}; expected one of {tuple(REDUCTIONS.values())}")
         want = self.norm_axes(axes)
         keep = [r for r in self.records
                 if (ops is None or r.op in ops) and (want is None or r.axes == want)
-                and (dtype is None or r.dtype == dtype)]
+                and (dtype is None or r.dtype == dtype) and (phase is None or r.phase == phase)
+                and (reduction is None or r.reduction == reduction)
+                and (source is None or source_matches(r.source, source))]
         return Ledger(keep, self.mesh, self.unparsed, self.warnings, self.instructions)
 
-    def count(self, op: str | None = None, axes: str | Iterable[str] | None = None) -> int:
-        """Multiplicity-weighted number of collectives."""
-        return sum(r.multiplicity for r in self.filter(op, axes))
+    def count(self, op: str | None = None, axes: str | Iterable[str] | None = None, **select: Any) -> int:
+        """Multiplicity-weighted number of collectives (`select`: `filter`'s keywords)."""
+        return sum(r.multiplicity for r in self.filter(op, axes, **select))
 
     def total_bytes(self, axes: str | Iterable[str] | None = None, op: str | None = None,
-                    kind: str = "bytes") -> float:
+                    kind: str = "bytes", **select: Any) -> float:
         """Sum of `bytes` (or `ring_bytes`) x multiplicity over the matching records."""
         if kind not in ("bytes", "ring_bytes"):
             raise ValueError(f"kind must be 'bytes' or 'ring_bytes', got {kind!r}")
-        return sum(getattr(r, kind) * r.multiplicity for r in self.filter(op, axes))
+        return sum(getattr(r, kind) * r.multiplicity for r in self.filter(op, axes, **select))
 
     def summary(self) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
         """(op, axes) -> {count, bytes, ring_bytes} multiplicity-weighted (+ a permute's `patterns`)."""
@@ -180,33 +233,32 @@ class Ledger:
             out[r.pattern] = out.get(r.pattern, 0) + r.multiplicity
         return out
 
-    def table(self) -> str:
-        """Fixed-width table, one row per (op, axes, partial axes, permute pattern)."""
-        rows: dict[tuple, list[Collective]] = {}
+    def rows(self) -> list[tuple[str, ...]]:
+        """The table's rows: one per (op, reduction, axes, partial axes, permute pattern)."""
+        groups: dict[tuple, list[Collective]] = {}
         for r in self.records:
-            rows.setdefault((r.op, r.axes, r.partial_axes, r.pattern), []).append(r)
-        head = ("op", "axes", "count", "dtype[shape] examples", "bytes", "ring bytes", "source")
+            groups.setdefault((r.op, r.reduction, r.axes, r.partial_axes, r.pattern), []).append(r)
         lines = []
-        for (op, axes, partial, pattern), recs in rows.items():
+        for (op, reduction, axes, partial, pattern), recs in groups.items():
             names = [pattern] if pattern else [a + ("(part)" if a in partial else "") for a in axes]
             shapes = list(dict.fromkeys(f"{r.dtype}[{','.join(map(str, r.shape))}]"
                                         + (f"x{r.parts}" if r.parts > 1 else "") for r in recs))
             srcs = list(dict.fromkeys(_short_source(r) for r in recs))
             count = sum(r.multiplicity for r in recs)
             lines.append((
-                op, ",".join(names) or "-",
+                f"{op} {reduction}".strip(), ",".join(names) or "-",
                 f"{count}" + ("" if all(r.multiplicity_exact for r in recs) else "?"),
                 " ".join(shapes[:2]) + (f" +{len(shapes) - 2}" if len(shapes) > 2 else ""),
                 _human(sum(r.bytes * r.multiplicity for r in recs)),
                 _human(sum(r.ring_bytes * r.multiplicity for r in recs)),
                 ", ".join(srcs[:2]) + (f" +{len(srcs) - 2}" if len(srcs) > 2 else ""),
             ))
-        widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+        return lines
 
-        def fmt(row: Iterable[object]) -> str:
-            return "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
-
-        out = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines]
+    def table(self) -> str:
+        """Fixed-width table, one row per (op, reduction, axes, partial axes, permute pattern)."""
+        lines = self.rows()
+        out = fixed_width(TABLE_HEAD, lines)
         if not lines:
             out.append("(no collectives)")
         mesh = ",".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.shape))
@@ -234,6 +286,19 @@ class Ledger:
 
     def __str__(self) -> str:
         return self.table()
+
+
+TABLE_HEAD = ("op", "axes", "count", "dtype[shape] examples", "bytes", "ring bytes", "source")
+
+
+def fixed_width(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """Header, rule and rows in columns as wide as their widest cell."""
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+
+    def fmt(row: Iterable[object]) -> str:
+        return "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip()
+
+    return [fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
 
 
 def _short_source(r: Collective) -> str:
@@ -277,10 +342,10 @@ def _records(instr: Instr, op: str, mod: Module, mesh: MeshSpec, mult: tuple[int
         coords, shifts, pattern = describe_permute(pairs, mesh)
         permute = {"coordinate_pairs": coords, "shifts": shifts, "pattern": pattern}
     shapes = _result_shapes(instr, op, done)
-    parts = _flat(shapes)
+    parts = flat_shapes(shapes)
     if not parts:
         raise ValueError("collective with no array result")
-    op_name, source = _metadata(instr.attrs, mod.frames)
+    op_name, source = source_metadata(instr.attrs, mod.frames)
     common: dict[str, Any] = {
         "op": op, "replica_groups": tuple(tuple(g) for g in id_groups),
         "source_target_pairs": pairs, "axes": axes, "partial_axes": partial, "group_size": n,
@@ -288,18 +353,21 @@ def _records(instr: Instr, op: str, mod: Module, mesh: MeshSpec, mult: tuple[int
         "is_async": instr.opcode.endswith("-start") or mult[2], "multiplicity_exact": mult[1],
         **permute,
     }
+    if op in ("all-reduce", "reduce-scatter"):
+        common["reduction"] = _reduction(instr, mod)
     if op in ("all-to-all", "ragged-all-to-all") or len(parts) == 1:
         total = sum(p.bytes for p in parts)
         return [Collective(dtype=parts[0].dtype, shape=parts[0].dims, bytes=total,
                            ring_bytes=ring_bytes(op, total, n), source=source, op_name=op_name,
-                           parts=len(parts), **common)]
+                           phase=_phase(op_name), parts=len(parts), **common)]
     out = []
     for k, p in enumerate(parts):
         meta = gte_meta.get((done.name if done is not None else instr.name, k))
-        k_op, k_src = _metadata(meta, mod.frames) if meta else ("", "")
+        k_op, k_src = source_metadata(meta, mod.frames) if meta else ("", "")
         out.append(Collective(dtype=p.dtype, shape=p.dims, bytes=p.bytes,
                               ring_bytes=ring_bytes(op, p.bytes, n), source=k_src or source,
-                              op_name=k_op or op_name, tuple_index=k, **common))
+                              op_name=k_op or op_name, phase=_phase(k_op or op_name),
+                              tuple_index=k, **common))
     return out
 
 
@@ -318,7 +386,7 @@ _MLIR = re.compile(r'^\s*(?:module\s+(?:@|attributes\b)|func\.func\b'
 _UNCOMPILED = re.compile(r'xla\.sdy\.|custom_call_target="(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape)"')
 
 
-def _hlo_text(compiled_or_text: Any) -> str:
+def hlo_text(compiled_or_text: Any) -> str:
     """The HLO module text of a `Compiled` (or the text itself); anything else is refused."""
     obj, kind = compiled_or_text, type(compiled_or_text).__name__
     if isinstance(obj, str):
@@ -334,7 +402,7 @@ def _hlo_text(compiled_or_text: Any) -> str:
     return text
 
 
-def _parsed_module(text: str) -> Module:
+def parsed_module(text: str) -> Module:
     """Parse HLO module text, refusing text that is not a compiled program's HLO."""
     if _MLIR.search(text):
         raise NotCompiledHLO(
@@ -357,7 +425,7 @@ def _parsed_module(text: str) -> Module:
 def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
     """Every collective of a compiled program (or HLO module text) on `mesh` (a Mesh, AbstractMesh
     or {'data': 2, ...}; group ids read as row-major partition ids)."""
-    return ledger_of_module(_parsed_module(_hlo_text(compiled_or_hlo_text)), mesh_spec(mesh))
+    return ledger_of_module(parsed_module(hlo_text(compiled_or_hlo_text)), mesh_spec(mesh))
 
 
 def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
@@ -406,6 +474,8 @@ def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
                 records += _records(i, op, mod, spec, mult, done_of.get((comp, i.name)), gte_meta)
             except (ValueError, KeyError, IndexError) as e:
                 unparsed.append(f"{i.line}  [{e}]")
+    if not any("jvp(" in i.attr_text for instrs in mod.computations.values() for i in instrs):  # nothing differentiated: every collective with metadata is the forward's
+        records = [dataclasses.replace(r, phase="forward") if r.op_name else r for r in records]
     return Ledger(records, spec, unparsed, warnings, instructions)
 
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinshard.hlo.groups import mesh_spec
-from twinshard.hlo.loops import _edges, multiplicities, root_call_target, trip_count
+from twinshard.hlo.loops import call_edges_of, multiplicities, root_call_target, trip_count
 from twinshard.hlo.parse import Instr, Module, base_opcode
-from twinshard.hlo.records import Collective, Ledger, _hlo_text, _parsed_module, ledger_of_module
+from twinshard.hlo.records import Collective, Ledger, hlo_text, parsed_module, ledger_of_module
 
 # Instructions that take no time of their own: names, views of buffers, and buffers the TPU allocates.
 FREE_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
@@ -144,14 +144,14 @@ class Schedule:
 
     def branches(self, instr: Instr) -> list[Sequence]:
         """The sequences a while (its body), conditional (its branches) or call instruction runs."""
-        return [self.sequences[c] for key, c in _edges(instr)
+        return [self.sequences[c] for key, c in call_edges_of(instr)
                 if key in _STREAM_EDGES.get(instr.opcode, ()) and c in self.sequences]
 
 
 def schedule(compiled_or_hlo_text: Any, mesh: Any) -> Schedule:
     """The schedule of a compiled program (or its HLO text) on `mesh` ({'data': 2, ...} or a Mesh)."""
-    text = _hlo_text(compiled_or_hlo_text)
-    mod = _parsed_module(text)
+    text = hlo_text(compiled_or_hlo_text)
+    mod = parsed_module(text)
     led = ledger_of_module(mod, mesh_spec(mesh))
     warnings: list[str] = []
     scheduled = bool(re.search(r"^HloModule[^\n]*\bis_scheduled=true", text, re.M))
@@ -185,7 +185,7 @@ def _streams(mod: Module, runs: dict[str, tuple[int, bool, bool]]) -> dict[str, 
         out[comp] = Sequence(comp, kind, mod.computations[comp], n, exact, trips=trips, caller=caller)
         for instr in mod.computations[comp]:
             keys = _STREAM_EDGES.get(instr.opcode, ())
-            for key, callee in _edges(instr):
+            for key, callee in call_edges_of(instr):
                 if key not in keys:
                     continue
                 if instr.opcode == "while":
@@ -234,7 +234,7 @@ def _follow(order: list[Instr], k: int, is_done, is_link) -> tuple[int | None, l
 def _windows(seq: Sequence, mod: Module, by_instr, by_comp, starts: set[str], dones: set[str],
              warnings: list[str]) -> list[Window]:
     order, out = seq.order, []
-    calls = lambda i: [c for key, c in _edges(i) if key == "calls"]  # noqa: E731
+    calls = lambda i: [c for key, c in call_edges_of(i) if key == "calls"]  # noqa: E731
     for k, instr in enumerate(order):
         op, form = base_opcode(instr.opcode)
         callees = calls(instr)

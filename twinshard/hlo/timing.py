@@ -1,18 +1,22 @@
 """A compiled program's step time on a chip, from its schedule: each op's cost, each collective hidden or exposed.
 
-    pred = predict(compiled, "v5e", mesh, links=axis_links(topo, mesh))
+    pred = predict(compiled, rates, mesh, link_seconds)   # or, from a chip's name and topology:
+    pred = twinshard.hardware.step_time.predict_step(compiled, "v5e", mesh, axis_links(topo, mesh))
     pred.step_s, pred.axes["data"].exposed_s, print(pred.table())
 
 Each op of the schedule (twinshard/hlo/schedule.py) costs, from its shapes (one chip):
 - matmuls and convolutions, also inside fusions: their FLOPs at the chip's matmul peak x `matmul_efficiency`;
 - the splash attention kernel: 2 B H T^2 dh per matmul (2 forward; 5 in the fused backward, 4 and 3 in the
-  split one), causal counting half, at the peak x `splash_efficiency`; other custom calls by their bytes;
+  split one), causal counting half, at the peak x its efficiency at that head_dim (`Rates.splash_share`);
+  other custom calls by their bytes;
 - every op also moves its operands and result through HBM at `hbm_bytes_per_s` x `hbm_efficiency`
   (a slice reads only the slice, an in-place update writes only the update), and takes the longer of
   its compute and its memory time (a roofline);
-- a collective sends its ring bytes (the ledger's) over the link of its mesh axis
-  (twinshard.hardware.links.collective_seconds, what the planner uses): one link per axis, collectives
+- a collective sends its ring bytes (the ledger's) over the link of its mesh axis (`link_seconds`:
+  twinshard.hardware.links.collective_seconds, what the planner uses): one link per axis, collectives
   on it one after another.
+Nothing here knows a chip: `Rates` carries the peaks and efficiencies (twinshard.hardware.step_time
+fills one from the chip tables), so the reader installs alone with the ledger.
 The compute stream runs the ops in schedule order; a collective's transfer starts when it is issued
 (and its axis's link is free) and the op that completes it waits for it: that wait is its exposed
 time, the rest of its transfer is hidden. A while loop takes trips x its body. So the predicted step
@@ -25,14 +29,39 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinshard.hlo.loops import _edges
+from twinshard.hlo.loops import call_edges_of
 from twinshard.hlo.parse import Instr, Module, Shape, base_opcode, parse_shape, split_top
-from twinshard.hlo.records import _flat, _metadata
+from twinshard.hlo.records import flat_shapes, source_metadata
 from twinshard.hlo.schedule import Schedule, Sequence, Window, is_free, phase, schedule
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A chip as `predict` prices it: its datasheet peaks and the fraction of each its kernels reach,
+    measured apart from any step (twinshard.hardware.step_time.rates fills one from the chip tables)."""
+
+    chip: str
+    matmul_flops_per_s: Mapping[str, float]  # matmul operand dtype ('bfloat16', 'float32') -> peak FLOP/s
+    hbm_bytes_per_s: float
+    matmul_efficiency: float = 1.0
+    hbm_efficiency: float = 1.0
+    splash_efficiency: float = 1.0  # at a head_dim splash_by_head_dim does not list
+    splash_by_head_dim: tuple[tuple[int, float], ...] = ()  # (head_dim, efficiency): the kernel is softmax-bound
+    source: str = "the datasheet peaks"
+
+    def splash_share(self, head_dim: int) -> float:
+        """The splash kernel's fraction of the peak at `head_dim`: the listed head_dim nearest below it
+        (the smallest listed above it when none is below), else splash_efficiency."""
+        below = [e for d, e in sorted(self.splash_by_head_dim) if d <= head_dim]
+        above = [e for d, e in sorted(self.splash_by_head_dim) if d > head_dim]
+        return below[-1] if below else above[0] if above else self.splash_efficiency
+
+
+LinkSeconds = Callable[[str, tuple[str, ...], float], tuple[str, float]]  # (op, axes, ring bytes) -> (axis, s)
 
 
 @dataclass(frozen=True)
@@ -88,8 +117,7 @@ class AxisTime:
 class Prediction:
     """The predicted step of one compiled program on one chip (module docstring)."""
 
-    chip: str
-    efficiency: Any  # twinshard.hardware.chips.Efficiency
+    rates: Rates
     ops: list[OpTime]
     collectives: list[CollectiveTime]
     sequence_s: dict[str, float]  # one run of each sequence
@@ -126,12 +154,17 @@ class Prediction:
                 out[o.kind] = out.get(o.kind, 0.0) + o.seconds * o.runs
         return out
 
+    @property
+    def chip(self) -> str:
+        return self.rates.chip
+
     def table(self) -> str:
-        eff = self.efficiency
+        r = self.rates
+        splash = ", ".join(f"{e:g} at head_dim {d}" for d, e in r.splash_by_head_dim) or f"{r.splash_efficiency:g}"
         lines = [f"predicted step on one {self.chip}: {seconds(self.step_s)} = compute and memory "
                  f"{seconds(self.compute_s)} + exposed communication {seconds(self.exposed_s)}",
-                 f"  efficiencies: matmul {eff.matmul_efficiency:g}, hbm {eff.hbm_efficiency:g}, splash "
-                 f"{eff.splash_efficiency:g} ({eff.source})",
+                 f"  efficiencies: matmul {r.matmul_efficiency:g}, hbm {r.hbm_efficiency:g}, splash "
+                 f"{splash} ({r.source})",
                  "  by kind: " + ", ".join(f"{k} {seconds(v)}" for k, v in sorted(self.by_kind().items()))]
         for axis, t in self.axes.items():
             lines.append(f"  axis {axis}: communication {seconds(t.comm_s)}, hidden {seconds(t.hidden_s)}, "
@@ -143,7 +176,7 @@ class Prediction:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "chip": self.chip, "efficiency": dataclasses.asdict(self.efficiency),
+            "chip": self.chip, "rates": dataclasses.asdict(self.rates),
             "step_s": self.step_s, "compute_s": self.compute_s, "exposed_s": self.exposed_s,
             "by_kind": self.by_kind(),
             "axes": {a: dataclasses.asdict(t) for a, t in self.axes.items()},
@@ -169,26 +202,21 @@ def collective_row(c: CollectiveTime) -> dict[str, Any]:
             "hidden_s": c.hidden_s, "exposed_s": c.exposed_s}
 
 
-def predict(compiled_or_hlo_text: Any, chip: Any, mesh: Any = None, links: Mapping[str, Any] | None = None,
-            efficiency: Any = None, causal_attention: bool = True) -> Prediction:
-    """The predicted step of a compiled program (or its HLO text) on `chip` (a Chip or a name: 'v5e').
+def predict(compiled_or_hlo_text: Any, rates: Rates, mesh: Any = None, link_seconds: LinkSeconds | None = None,
+            causal_attention: bool = True) -> Prediction:
+    """The predicted step of a compiled program (or its HLO text) at `rates` (module docstring).
 
-    mesh: what the program was compiled for ({'data': 4} or a Mesh; default one device); links: mesh
-    axis -> twinshard.hardware.links.Link for every axis a collective crosses (`axis_links(topology,
-    mesh)`); efficiency: twinshard.hardware.chips.Efficiency (default: the chip's measured ones);
+    mesh: what the program was compiled for ({'data': 4} or a Mesh; default one device); link_seconds:
+    (op, mesh axes, ring bytes) -> (the axis charged, seconds), needed once a collective crosses an axis;
     causal_attention: the splash kernels' mask is causal (counted half)."""
-    from twinshard.hardware import chips
-
-    chip = chips.chip(chip) if isinstance(chip, str) else chip
-    efficiency = efficiency or chips.efficiency(chip)
     sched = schedule(compiled_or_hlo_text, {"data": 1} if mesh is None else mesh)
-    pricer = _Pricer(sched.module, chip, efficiency, dict(links or {}), causal_attention)
+    pricer = _Pricer(sched.module, rates, link_seconds, causal_attention)
     ops: list[OpTime] = []
     colls: list[CollectiveTime] = []
     seconds: dict[str, float] = {}
     for seq in _innermost_first(sched):
         seconds[seq.name] = _simulate(seq, sched, pricer, seconds, ops, colls)
-    return Prediction(chip.name, efficiency, ops, colls, seconds, sched)
+    return Prediction(rates, ops, colls, seconds, sched)
 
 
 def _innermost_first(sched: Schedule) -> list[Sequence]:
@@ -244,11 +272,11 @@ def _simulate(seq: Sequence, sched: Schedule, pricer: _Pricer, seconds: dict[str
 
 
 def _phase(instr: Instr, mod: Module) -> str:
-    return phase(_metadata(instr.attrs, mod.frames)[0]) if "metadata=" in instr.attr_text else "other"
+    return phase(source_metadata(instr.attrs, mod.frames)[0]) if "metadata=" in instr.attr_text else "other"
 
 
 def _source(instr: Instr, mod: Module) -> str:
-    return _metadata(instr.attrs, mod.frames)[1] if "metadata=" in instr.attr_text else ""
+    return source_metadata(instr.attrs, mod.frames)[1] if "metadata=" in instr.attr_text else ""
 
 
 # ----------------------------------------------------------------------------- op costs
@@ -260,7 +288,7 @@ _HLO_TO_JNP = {"bf16": "bfloat16", "f16": "bfloat16", "f32": "float32", "f64": "
 
 def _bytes(shape_text: str) -> int:
     try:
-        return sum(s.bytes for s in _flat(parse_shape(shape_text)))
+        return sum(s.bytes for s in flat_shapes(parse_shape(shape_text)))
     except ValueError:
         return 0
 
@@ -268,34 +296,34 @@ def _bytes(shape_text: str) -> int:
 class _Pricer:
     """Costs of one module's ops on one chip (module docstring)."""
 
-    def __init__(self, mod: Module, chip: Any, efficiency: Any, links: dict[str, Any], causal: bool):
-        from twinshard.hardware.chips import matmul_peak_flops
-
-        self.mod, self.chip, self.eff, self.links, self.causal = mod, chip, efficiency, links, causal
-        self.peak = {d: matmul_peak_flops(chip, d)[0] for d in ("bfloat16", "float32")}
+    def __init__(self, mod: Module, rates: Rates, link_seconds: LinkSeconds | None, causal: bool):
+        self.mod, self.rates, self.link_seconds, self.causal = mod, rates, link_seconds, causal
+        self.peak = rates.matmul_flops_per_s
         self.named = {c: {i.name: i for i in instrs} for c, instrs in mod.computations.items()}
         self.async_comps = {c for c, instrs in mod.computations.items()
                             if any(base_opcode(i.opcode)[0] for i in instrs)}
 
     def transfer(self, w: Window) -> tuple[str, float]:
-        from twinshard.hardware.links import collective_seconds
-
         if not w.axes or w.ring_bytes == 0:
             return "", 0.0
-        return collective_seconds(w.op, w.axes, w.ring_bytes, self.links)
+        if self.link_seconds is None:
+            raise ValueError(f"{w.op} over mesh axes {list(w.axes)} needs a link bandwidth: pass link_seconds "
+                             "(twinshard.hardware.step_time.predict_step builds it from the topology's links)")
+        return self.link_seconds(w.op, w.axes, w.ring_bytes)
 
     def op(self, instr: Instr, seq: Sequence, t: float) -> OpTime:
         kind, flops_by_dtype, moved = self._cost(instr)
-        peak_share = self.eff.splash_efficiency if kind == "attention" else self.eff.matmul_efficiency
-        compute = sum(f / (self.peak[d] * peak_share) for d, f in flops_by_dtype.items())
-        memory = moved / (self.chip.hbm_bytes_per_s * self.eff.hbm_efficiency)
+        r = self.rates
+        peak_share = r.splash_share(self._splash_q(instr).dims[-1]) if kind == "attention" else r.matmul_efficiency
+        compute = sum(f / (self.peak.get(d, self.peak["bfloat16"]) * peak_share) for d, f in flops_by_dtype.items())
+        memory = moved / (r.hbm_bytes_per_s * r.hbm_efficiency)
         flops = sum(flops_by_dtype.values())
         return OpTime(seq.name, instr.name, instr.opcode, kind, flops, moved, compute, memory, max(compute, memory),
                       t, seq.runs, _phase(instr, self.mod), _source(instr, self.mod))
 
     def _cost(self, instr: Instr) -> tuple[str, dict[str, float], float]:
         """(kind, FLOPs per matmul dtype, HBM bytes) of one top-level instruction."""
-        callees = [c for key, c in _edges(instr) if key == "calls"]
+        callees = [c for key, c in call_edges_of(instr) if key == "calls"]
         if base_opcode(instr.opcode)[0] is not None or instr.opcode.startswith("async-") or (
                 instr.opcode == "fusion" and callees and _is_async_end(self.mod, callees[0])):
             return "collective", {}, 0.0
@@ -319,22 +347,26 @@ class _Pricer:
                 out[dtype] = out.get(dtype, 0.0) + f
             return
         if instr.opcode in ("fusion", "call"):
-            for key, c in _edges(instr):
+            for key, c in call_edges_of(instr):
                 if key in ("calls", "to_apply"):
                     for inner in self.mod.computations.get(c, []):
                         self._flops(inner, c, out)
 
     def _splash_flops(self, instr: Instr) -> float:
         """2 B H T^2 dh per matmul of the kernel (module docstring), from its q operand [B, H, T, dh]."""
+        q = self._splash_q(instr)
+        b, h, t, dh = (1,) * (4 - len(q.dims)) + q.dims[-4:]  # a batch of one prints q as [H, T, dh] (measured)
+        parts = len(flat_shapes(parse_shape(instr.shape_text)))
+        matmuls = (5 if parts == 3 else 4) if "dkv" in instr.name else 3 if "dq" in instr.name else 2
+        return matmuls * 2.0 * b * h * t * t * dh * (0.5 if self.causal else 1.0)
+
+    def _splash_q(self, instr: Instr) -> Shape:
+        """The splash kernel's q operand [B, H, T, dh] (or [H, T, dh])."""
         shapes = [parse_shape(s) for s in split_top(instr.attrs.get("operand_layout_constraints", "{}")[1:-1])]
         if len(shapes) != len(instr.operands):
             shapes = [self._shape(instr.computation, o) for o in instr.operands]
         named = [s for o, s in zip(instr.operands, shapes) if o.endswith("q_ref") and isinstance(s, Shape)]
-        q = (named or [s for s in shapes if isinstance(s, Shape) and len(s.dims) >= 3 and s.dtype[0] in "bf"])[0]
-        b, h, t, dh = (1,) * (4 - len(q.dims)) + q.dims[-4:]  # a batch of one prints q as [H, T, dh] (measured)
-        parts = len(_flat(parse_shape(instr.shape_text)))
-        matmuls = (5 if parts == 3 else 4) if "dkv" in instr.name else 3 if "dq" in instr.name else 2
-        return matmuls * 2.0 * b * h * t * t * dh * (0.5 if self.causal else 1.0)
+        return (named or [s for s in shapes if isinstance(s, Shape) and len(s.dims) >= 3 and s.dtype[0] in "bf"])[0]
 
     # ---- bytes
 
@@ -386,7 +418,7 @@ class _Pricer:
                 read += _bytes(user.shape_text)
             elif (user.opcode == "dynamic-update-slice" and pos == 0) or _carries_state(user):
                 continue
-            elif user.opcode == "fusion" and (inner := [c for k, c in _edges(user) if k == "calls"]):
+            elif user.opcode == "fusion" and (inner := [c for k, c in call_edges_of(user) if k == "calls"]):
                 sub = next((p for p in self.mod.computations.get(inner[0], [])
                             if p.opcode == "parameter" and p.operands == [str(pos)]), None)
                 read += whole if sub is None else self._read(inner[0], sub)

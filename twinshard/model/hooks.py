@@ -32,17 +32,15 @@ The hooks run in the scan body over the stacked layers, on ONE layer's weight (W
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from twinshard.model import layers, loss
 
-if TYPE_CHECKING:
-    from twinshard.model.remat import Policy
-
 Array = jax.Array
+Policy = Callable[..., bool]  # a jax.checkpoint policy (twinshard/model/remat.py names them)
 Axes = tuple[str | None, ...]
 
 

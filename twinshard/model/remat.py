@@ -9,9 +9,9 @@ import jax
 
 from twinshard.config import ModelConfig
 from twinshard.model import attention, layers
+from twinshard.model.hooks import Policy
 
 Array = jax.Array
-Policy = Callable[..., bool]  # a jax.checkpoint policy
 _POLICIES = jax.checkpoint_policies
 
 

@@ -1,12 +1,12 @@
 """From a strategy's name, a twin, a mesh string, the config and the devices to a resolved run.
 
-`resolve_run` is the one place a run is validated (every launcher and `make_runner`), so an invalid
-combination fails the same way everywhere, with a ValueError naming the value and the fix.
+`resolve_run` is the one place a run is validated (every launcher and each twin's `make_runner`), so an
+invalid combination fails the same way everywhere, with a ValueError naming the value and the fix. A
+twin's package builds the runner of a resolved run (`<twin>_parallel.runner_of`).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,12 +23,13 @@ from twinshard.parallel.strategies import Strategy
 @dataclass(frozen=True)
 class Run:
     """A validated run: `declared` placed for the model on `mesh` (axis -> size, in mesh order);
-    the single-device run (`single_run`) has no declaration and an empty mesh."""
+    the single-device run (strategies.SINGLE) has an empty mesh, and `twin` "single" or, as the
+    reference of a twin's comparison (launch.compare), that twin's name."""
 
     strategy: str
     twin: str
-    declared: Strategy | None
-    placed: Strategy | None
+    declared: Strategy
+    placed: Strategy
     mesh: Mapping[str, int]
     cfg: Config
     devices: tuple | None = None  # None: every device, ordered by jax.make_mesh
@@ -39,9 +40,11 @@ def resolve_run(strategy: str, twin: str, mesh_spec: str | None, cfg: Config, de
     """Every check of (strategy, twin, mesh, model, options, devices), each once, and the run they
     allow; `first_devices`: a `mesh_spec` of fewer devices than there are runs on the first ones."""
     declared = strategies.get(strategy)
-    check_twin(strategy, twin, cfg)
-    check_options(strategy, twin, cfg)
-    check_experts(strategy, cfg.model)  # no mesh fixes a model the strategy cannot run
+    if not declared.split_axes:
+        return one_device_run(declared, twin, mesh_spec, cfg)
+    check_twin(declared, twin, cfg)
+    check_options(declared, twin, cfg)
+    check_experts(declared, cfg.model)  # no mesh fixes a model the strategy cannot run
     found = jax.devices() if devices is None else devices
     asked = None if mesh_spec is None else mesh_lib.parse_mesh(mesh_spec, strategy)  # the one parse
     if first_devices and asked is not None and (n := math.prod(asked.values())) < len(found):
@@ -50,37 +53,38 @@ def resolve_run(strategy: str, twin: str, mesh_spec: str | None, cfg: Config, de
     shape = mesh_lib.resolve_axes(strategy, asked, dims, declared.split_rules, len(found))
     check_family(declared, shape, cfg)  # their messages name the fix in its terms (stages, zig-zag chunks)
     mesh_lib.check_split(strategy, shape, dims, declared.split_rules)
-    check_kv_heads(strategy, twin, shape, cfg)
-    check_dispatch(strategy, twin, found, cfg)
+    check_kv_heads(declared, twin, shape, cfg)
+    check_dispatch(declared, twin, found, cfg)
     return Run(strategy, twin, declared, declared.placed(cfg.model.kv_heads, shape), MappingProxyType(shape), cfg,
                None if devices is None else tuple(devices))
 
 
+def one_device_run(declared: Strategy, twin: str, mesh_spec: str | None, cfg: Config) -> Run:
+    """The run of a strategy that splits nothing (single); `twin` other than "single": the reference
+    of that twin's comparison (launch.compare), whose options are checked as the twin's."""
+    if mesh_spec:
+        raise ValueError(f"--mesh={mesh_spec} needs a parallel --strategy ({', '.join(strategies.NAMES)}); "
+                         f"drop it for --strategy={declared.name}.")
+    if twin != declared.name:
+        check_options(declared, twin, cfg)
+    return Run(declared.name, twin, declared, declared, MappingProxyType({}), cfg)
+
+
 def single_run(cfg: Config, twin: str = "single") -> Run:
-    """The single-device reference run of `cfg`; `twin` other than "single": the reference of that
-    twin's comparison (launch.compare), whose options are checked as the twin's."""
-    if twin != "single":
-        check_options("single", twin, cfg)
-    return Run("single", twin, None, None, MappingProxyType({}), cfg)
+    """The single-device reference run of `cfg` (`one_device_run` of strategies.SINGLE)."""
+    return one_device_run(strategies.SINGLE, twin, None, cfg)
 
 
-PACKAGES = {twin: f"{twin}_parallel" for twin in support.TWINS}
-
-
-def make_runner(run: Run, tx=None):
-    """The runner of `run` in its twin; `tx` replaces the optimizer (auto and explicit)."""
-    package = importlib.import_module(PACKAGES[run.twin])
-    module = package.MODULES[run.strategy]
-    return getattr(module, "Runner", package.RUNNER)(run, **({} if tx is None else {"tx": tx}))
-
-
-def check_twin(strategy: str, twin: str, cfg: Config) -> None:
+def check_twin(declared: Strategy, twin: str, cfg: Config) -> None:
     """The strategies `twin` writes, and the models: a ValueError naming the fix otherwise."""
+    strategy = declared.name
     if twin not in support.TWINS:
         raise ValueError(f"--impl={twin} is not a twin; choose one of {', '.join(support.TWINS)}.")
     if twin not in support.get(strategy).twins:
-        raise ValueError(f"--impl={twin} runs {', '.join(support.written_by(twin))}, not --strategy={strategy} "
-                         "(docs/explicit.md says why): use --impl=auto or --impl=manual.")
+        others = support.get(strategy).twins
+        raise ValueError(f"--impl={twin} runs {', '.join(support.written_by(twin))}, not --strategy={strategy}, "
+                         f"which the {' and '.join(others)} twins write (docs/explicit.md says why): use "
+                         f"{' or '.join(f'--impl={t}' for t in others)}.")
     if cfg.model.num_experts and not support.with_option("moe", twin):
         raise ValueError(f"--impl={twin} runs dense models (--num_experts={cfg.model.num_experts}): "
                          "use --impl=auto or --impl=manual, or --num_experts=0.")
@@ -102,7 +106,7 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
     """`resolve_run`'s mesh checks on a device count, for launch.plan; flat_weights: FSDP split flat,
     so d_model need not divide by data."""
     decl = strategies.get(strategy)
-    check_experts(strategy, cfg.model)  # first: no mesh fixes a model the strategy cannot run
+    check_experts(decl, cfg.model)  # first: no mesh fixes a model the strategy cannot run
     shape = mesh_lib.parse_mesh(mesh_spec, strategy) if mesh_spec else mesh_lib.default_mesh(strategy, n_devices)
     mesh_lib.check_mesh(strategy, shape, n_devices)
     check_family(decl, shape, cfg)  # first: their messages name the fix in its terms
@@ -115,19 +119,19 @@ def resolve_mesh(strategy: str, mesh_spec: str | None, cfg: Config, n_devices: i
 LOSS_CHUNK_STRATEGIES = support.with_option("loss_chunks")
 
 
-def check_options(strategy: str, impl: str, cfg: Config) -> None:
+def check_options(declared: Strategy, impl: str, cfg: Config) -> None:
     """The options written in some twins only (twinshard/parallel/support.py), or a ValueError."""
-    model, train = cfg.model, cfg.train
+    model, train, strategy = cfg.model, cfg.train, declared.name
     if model.collective_matmul:
         if strategy not in support.with_option("collective_matmul"):
             raise ValueError(f"--collective_matmul decomposes tp_sp's sequence all-gathers, and --strategy={strategy} "
                              "has none: use --strategy=tp_sp --impl=manual, or drop --collective_matmul.")
-        if impl not in support.get(strategy).collective_matmul:
+        if impl not in support.SUPPORT[strategy].collective_matmul:
             raise ValueError(f"--collective_matmul is written by hand in the manual twin only (--impl={impl}): "
                              "use --impl=manual, or drop --collective_matmul (GSPMD chooses its own collectives).")
-    if strategy == "single":
+    row = support.SUPPORT.get(strategy)
+    if row is None:  # written by no twin (single): the one device runs every option
         return
-    row = support.get(strategy)
     if model.num_experts and model.moe_dispatch == "ragged" and train.grad_accum > 1 and impl not in row.ragged_accum:
         raise ValueError(f"--moe_dispatch=ragged with --grad_accum={train.grad_accum} under --impl={impl}: the GSPMD "
                          "twin accumulates each data shard's micro-batches under jax.vmap, and JAX 0.12 cannot vmap "
@@ -138,11 +142,11 @@ def check_options(strategy: str, impl: str, cfg: Config) -> None:
                          f"--strategy={'/'.join(LOSS_CHUNK_STRATEGIES)} with --impl=manual or auto, not --strategy="
                          f"{strategy} --impl={impl}: use one of those, or --loss_chunks=0.")
     if (impl == "manual" and model.attention == "splash" and jax.default_backend() != "tpu"
-            and "tensor" in strategies.get(strategy).split_axes):
+            and "tensor" in declared.split_axes):
         raise ValueError(f"--attention=splash under --strategy={strategy} --impl=manual runs Pallas' interpret mode off "
                          "a TPU, which fails inside the manual twin's checked shard_map over `tensor` (a loop carry typed "
                          "varying over it; docs/speed.md): use --impl=auto, or --attention=recompute here.")
-    if strategies.get(strategy).family == "pipeline" and train.schedule != "gpipe" and impl not in row.one_f_one_b:
+    if declared.family == "pipeline" and train.schedule != "gpipe" and impl not in row.one_f_one_b:
         raise ValueError(f"--schedule={train.schedule} is written by hand in the manual twin only "
                          "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
 
@@ -151,10 +155,10 @@ def check_options(strategy: str, impl: str, cfg: Config) -> None:
 MOE_STRATEGIES = support.with_option("moe")
 
 
-def check_experts(strategy: str, model: ModelConfig) -> None:
+def check_experts(declared: Strategy, model: ModelConfig) -> None:
     """ep and fsdp_ep need a mixture of experts, which runs only under MOE_STRATEGIES (and single)."""
-    experts = model.num_experts
-    if strategy in strategies.of_family("experts") and experts == 0:
+    experts, strategy = model.num_experts, declared.name
+    if declared.family == "experts" and experts == 0:
         raise ValueError(f"--strategy={strategy} splits the experts over the `expert` axis, and this model is dense "
                          "(--num_experts=0): add experts (--preset=tiny_moe, or --num_experts=4), or use dp/fsdp.")
     if experts and strategy not in MOE_STRATEGIES:
@@ -162,20 +166,20 @@ def check_experts(strategy: str, model: ModelConfig) -> None:
                          f"(or single), not --strategy={strategy}: pick one of those, or --num_experts=0.")
 
 
-def check_kv_heads(strategy: str, twin: str, shape: Mapping[str, int], cfg: Config) -> None:
+def check_kv_heads(declared: Strategy, twin: str, shape: Mapping[str, int], cfg: Config) -> None:
     """The explicit twin refuses a tensor axis that does not divide the kv heads (measured, JAX 0.12:
     the typed [B, T, Hkv*dh/t] -> [B, T, Hkv, dh] reshape raises ShardingTypeError)."""
-    axis, kv_heads = strategies.get(strategy).params.get(strategies.KV_HEADS), cfg.model.kv_heads
+    axis, kv_heads = declared.params.get(strategies.KV_HEADS), cfg.model.kv_heads
     n = shape.get(axis, 1) if axis is not None else 1
-    if kv_heads % n and twin not in support.get(strategy).uneven_kv_heads:
+    if kv_heads % n and twin not in support.SUPPORT[declared.name].uneven_kv_heads:
         raise ValueError(f"--impl={twin} splits kv heads over {axis}, and {axis}={n} does not divide "
                          f"--num_kv_heads={kv_heads}: use --impl=auto or --impl=manual (they replicate the kv "
                          f"heads), or a {axis} axis that divides {kv_heads}.")
 
 
-def check_dispatch(strategy: str, twin: str, devices, cfg: Config) -> None:
+def check_dispatch(declared: Strategy, twin: str, devices, cfg: Config) -> None:
     """moe_dispatch='ragged' under manual ep needs ragged_all_to_all, which XLA:CPU cannot compile."""
-    if (twin == "manual" and strategies.get(strategy).family == "experts" and cfg.model.moe_dispatch == "ragged"
+    if (twin == "manual" and declared.family == "experts" and cfg.model.moe_dispatch == "ragged"
             and any(d.platform == "cpu" for d in devices)):
         raise ValueError("--moe_dispatch=ragged under the manual expert-parallel twin exchanges tokens with "
                          "jax.lax.ragged_all_to_all, and XLA:CPU cannot run ragged-all-to-all (these devices are "

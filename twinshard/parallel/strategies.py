@@ -5,6 +5,7 @@ axis) and what it composes; the twins, launchers, mesh checks, cost model and pl
 and nothing else names a strategy.
 
     strategy  composes   splits over the mesh                               family
+    single    -          nothing (one device: the reference of every twin)  base
     dp        -          the batch over data                                base
     fsdp      -          the batch and every weight's d_model over data     base
     tp        -          heads, kv heads, d_ff, vocab over tensor           base
@@ -98,6 +99,10 @@ def compose(name: str, summary: str, *parts: Strategy, family: str = "base") -> 
                     activations=union("activations"), composes=tuple(p.name for p in parts), family=family)
 
 
+# One device, nothing split and nothing moved: the reference every twin is compared with
+# (twinshard.train.trainer.SingleDevice runs it; no twin writes it).
+SINGLE = Strategy("single", "one device: nothing split, no collective; the reference of every twin",
+                  mesh={}, params={}, activations={})
 DP = Strategy("dp", "replicate every weight; split the batch over data",
               mesh={"data": MANY, "tensor": ONE}, params={}, activations={"batch": "data"})
 FSDP = Strategy("fsdp", "ZeRO-3: every weight's d_model over data, gathered whole before use; batch over data",
@@ -131,13 +136,15 @@ EP = Strategy("ep", "expert parallelism: the experts over expert, the batch over
               family="experts")
 FSDP_EP = compose("fsdp_ep", "ep, plus fsdp of every weight's d_model over data", FSDP, EP, family="experts")
 
-DECLARATIONS: tuple[Strategy, ...] = (DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, ULYSSES, FSDP_ULYSSES, PP, PP_FSDP,
-                                      EP, FSDP_EP)
+DECLARATIONS: tuple[Strategy, ...] = (SINGLE, DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, ULYSSES, FSDP_ULYSSES, PP,
+                                      PP_FSDP, EP, FSDP_EP)
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in DECLARATIONS})
-NAMES: tuple[str, ...] = tuple(STRATEGIES)
+# Every --strategy; NAMES: the parallel ones (a mesh axis to split over), which the twins write
+RUNS: tuple[str, ...] = tuple(STRATEGIES)
+NAMES: tuple[str, ...] = tuple(s.name for s in DECLARATIONS if s.split_axes)
 # The strategies whose mesh is exactly data x tensor, each axis split or 1
 DATA_TENSOR: tuple[str, ...] = tuple(s.name for s in DECLARATIONS
-                                     if s.family == "base" and ANY not in s.mesh.values())
+                                     if s.family == "base" and s.split_axes and ANY not in s.mesh.values())
 
 
 # The context strategies whose attention sees whole sequences: contiguous layout whatever --cp_layout says
@@ -147,7 +154,7 @@ ALL_TO_ALL_CONTEXT: tuple[str, ...] = (ULYSSES.name, FSDP_ULYSSES.name)
 def get(name: str) -> Strategy:
     """The declaration of `name`; an unknown name is a ValueError listing the strategies."""
     if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(NAMES)}.")
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(RUNS)}.")
     return STRATEGIES[name]
 
 
