@@ -146,7 +146,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
                                    None if devices is None else
                                    functools.partial(topology.compile_for_pod, compiler_options=compiler_options))
     compile_s = time.perf_counter() - t0
-    options = compiler_options(lowered)
+    options = step_options(lowered, compiler_options)
     text = compiled.as_text()
     led = hlo.ledger(text, runner.mesh)
     first = runner.mesh.devices.flat[0]
@@ -172,10 +172,11 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
             "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text}
 
 
-def compiler_options(lowered) -> dict[str, str]:
+def step_options(lowered, at_compile: dict | None) -> dict[str, str]:
     """The XLA options the train step was compiled with: those its jit passed (trainer.compiler_options),
-    read back from the lowering (JAX 0.12 keeps them as `_compiler_options_kvs`; no public accessor)."""
-    return {k: str(v) for k, v in lowered._lowering._compiler_options_kvs}
+    read back from the lowering (JAX 0.12 keeps them as `_compiler_options_kvs`; no public accessor),
+    then those given to the compile, which JAX appends after them."""
+    return {k: str(v) for k, v in (*lowered._lowering._compiler_options_kvs, *(at_compile or {}).items())}
 
 
 def report(res: dict) -> str:
