@@ -309,7 +309,9 @@ def compile_plan(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
                   "compiler_options": res["compiler_options"], "memory_analysis": ma, "peak_bytes": peak,
                   "fits": peak <= topo.chip.hbm_bytes, "comparison": res["tpu_comparison"] or res["comparison"],
                   "predicted": {"step_s": pred.step_s, "compute_s": pred.compute_s, "exposed_s": pred.exposed_s,
-                                "axes": axes, "efficiency": dataclasses.asdict(pred.efficiency)}}
+                                "axes": axes, "rates": {"matmul_efficiency": pred.rates.matmul_efficiency,
+                                                "hbm_efficiency": pred.rates.hbm_efficiency,
+                                                "source": pred.rates.source}}}
 
 
 def refined_table(compiled: list[tuple[int, Plan, dict]], rank_by: str) -> str:
@@ -342,7 +344,7 @@ def compile_top(fit: list[Plan], topo: Topology, cfg: Config, n: int, rank_by: s
         print(text, flush=True)
         compiled.append((rank_, p, {"plan_rank": rank_, **doc}))
     compiled.sort(key=lambda c: (not c[2]["fits"], c[2]["predicted"]["step_s"]))
-    eff = compiled[0][2]["predicted"]["efficiency"]
+    eff = compiled[0][2]["predicted"]["rates"]
     text = "\n".join([
         "", f"== the {len(compiled)} best plans compiled, ranked by the compiled step's prediction (twinshard.hlo.predict: "
         f"matmul {eff['matmul_efficiency']:g}, hbm {eff['hbm_efficiency']:g} of the peaks, {eff['source']}; "

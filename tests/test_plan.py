@@ -654,7 +654,7 @@ def test_the_default_mfu_is_the_chips_measured_matmul_efficiency(monkeypatch):
     """--mfu unset: the matmul efficiency measured on the chip (chips.EFFICIENCIES), named in the report;
     1.0 where none is measured, saying so; --mfu given wins. The compute column follows it."""
     v5e = chips.chip("v5e")
-    monkeypatch.setitem(chips.EFFICIENCIES, "v5e", chips.Efficiency(0.8, 0.6, 0.5, "a large matmul on one v5e"))
+    monkeypatch.setitem(chips.EFFICIENCIES, "v5e", chips.Efficiency(matmul_efficiency=0.8, source="a large matmul on one v5e"))
     monkeypatch.delitem(chips.EFFICIENCIES, "v5p", raising=False)
     assert planner.matmul_fraction(v5e, None) == (0.8, "the matmul efficiency measured on v5e: a large matmul on one v5e")
     assert planner.matmul_fraction(v5e, 0.5) == (0.5, "given")
