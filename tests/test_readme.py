@@ -86,7 +86,7 @@ NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test su
            "--dtype=bfloat16 --batch_size=16 --workdir=runs/g125": "the Cloud TPU VM example (a TPU's job)",
            **{f"uv run --extra tpu python -m launch.collectives --preset=gpt2_350m --dtype=bfloat16 "
               f"--attention=recompute --batch_size=16 --topology=v5e:4x4 --strategy={s} --impl=auto,manual "
-              f"--timeline=docs/schedule_{s}.svg": "docs/schedule.md's pictures: minutes of TPU compiles each "
+              f"--async_collectives=false --timeline=docs/schedule_{s}.svg": "docs/schedule.md's pictures: minutes of TPU compiles each "
               "(tests/test_timeline_cli.py draws the tiny model)" for s in ("fsdp", "tp", "ulysses")}}
 
 
