@@ -2,6 +2,8 @@
 
     python -m launch.collectives --strategy=fsdp --impl=auto --mesh=data:8,tensor:1 --preset=tiny
     python -m launch.collectives --strategy=fsdp_tp --mesh=data:2,tensor:4 --json=out.json --hlo=step.hlo
+    python -m launch.collectives --strategy=cp --impl=auto,manual --mesh=context:4 --devices=4 --preset=tiny
+        # the twins side by side: count and bytes per twin and the model's, rows marked where they differ
     uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=manual --topology=v5e:4x4
         # 16 TPU v5e chips on 4 hosts, compiled here; needs libtpu (the tpu extra)
     uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=auto,manual --topology=v5e:4x4 \
@@ -66,27 +68,28 @@ CPU_REDUCE_SCATTER_NOTE = (
     "(psum_scatter) shows a real reduce-scatter on every backend (docs/memory.md#auto_parallelfsdppy).")
 
 MODEL_NOTE = "The model describes the manual (shard_map) twin; GSPMD chooses its own plan. "
-_TP_GRADS = ("Measured on XLA:CPU (JAX 0.12), it all-reduces the tensor-parallel input gradients of q, k, v (and w1, w3) separately "
-             "instead of summing them first, and reduces the squared gradient norm leaf by leaf")
-_CP = ("Measured on XLA:CPU (JAX 0.12), GSPMD runs no ring: it all-gathers K (after RoPE) and V, [B, hk, T, dh], over context in the "
-       "forward layer loop and again in the backward loop, and all-reduces their full-size gradients, "
-       "where the manual twin passes the same blocks around the ring in collective-permutes "
+MEASURED = "Measured on XLA:CPU (JAX 0.12), "
+_TP_GRADS = (MEASURED + "it all-reduces the tensor-parallel input gradients of q, k, v (and w1, w3) "
+             "separately instead of summing them first, and reduces the squared gradient norm leaf by leaf")
+_CP = (MEASURED + "GSPMD runs no ring: it all-gathers K (after RoPE) and V, [B, hk, T, dh], over context "
+       "in the forward layer loop and again in the backward loop, and all-reduces their full-size "
+       "gradients, where the manual twin passes the same blocks around the ring in collective-permutes "
        "(tiny on context:4: 8 all-gathers and 26 all-reduces against 24 collective-permutes and 13 "
        "all-reduces)")
-_ULYSSES = ("Measured on XLA:CPU (JAX 0.12), per layer GSPMD runs 9 all-to-alls to the manual twin's 8, one more in the backward: the "
-            "recomputed attention output times its cotangent (the `mul` of recompute_attention's "
-            "backward) is moved to head shards once more (tiny, --num_heads=8 on context:4: 18 against "
-            "16 all-to-alls, 288 KiB against 256 KiB)")
-_PP = ("Measured on XLA:CPU (JAX 0.12), the stage buffer shifts as a cyclic collective-permute: S hops per tick where the manual "
-       "twin sends S-1 (the wrap-around carries a value nobody uses)")
-_EP = ("XLA derives the reshard of the capacity buffers [E, G, C, D] between the token layout and "
-       "the expert layout, so its collectives may not be the manual twin's two all-to-alls")
-# strategy -> (what GSPMD does differently from the manual twin, where the docs explain it)
+_ULYSSES = (MEASURED + "per layer GSPMD runs 9 all-to-alls to the manual twin's 8, one more in the "
+            "backward: the recomputed attention output times its cotangent (the `mul` of "
+            "recompute_attention's backward) is moved to head shards once more (tiny, --num_heads=8 on "
+            "context:4: 18 against 16 all-to-alls, 288 KiB against 256 KiB)")
+_PP = (MEASURED + "the stage buffer shifts as a cyclic collective-permute: S hops per tick where the "
+       "manual twin sends S-1 (the wrap-around carries a value nobody uses)")
+_EP = ("XLA derives the reshard of the capacity buffers [E, G, C, D] between the token layout and the "
+       "expert layout, so its collectives need not be the manual twin's two all-to-alls")
+# strategy -> (what GSPMD does differently from the manual twin, the docs section that explains it)
 AUTO_NOTES = {
-    "dp": ("Measured on XLA:CPU (JAX 0.12), it all-reduces each block gradient inside the backward layer loop, once per layer and "
-           "leaf, where the manual twin reduces each stacked [L, ...] gradient once: more all-reduces, "
-           "the same bytes", "docs/design.md#auto_paralleldppy"),
-    "fsdp": ("Measured on XLA:CPU (JAX 0.12), it keeps the gathered weights for the backward pass instead of re-gathering them",
+    "dp": (MEASURED + "it all-reduces each block gradient inside the backward layer loop, once per layer "
+           "and leaf, where the manual twin reduces each stacked [L, ...] gradient once: more "
+           "all-reduces, the same bytes", "docs/design.md#auto_paralleldppy"),
+    "fsdp": (MEASURED + "it keeps the gathered weights for the backward pass instead of re-gathering them",
              "docs/memory.md#auto_parallelfsdppy"),
     "tp": (_TP_GRADS, "docs/design.md#auto_paralleltppy"),
     "fsdp_tp": (_TP_GRADS + "; it also keeps the FSDP-gathered weights for the backward pass",
@@ -104,7 +107,8 @@ AUTO_NOTES = {
 }
 # strategy -> where the docs explain its explicit twin (the note itself is shared: EXPLICIT_NOTE)
 EXPLICIT_DOCS = {"dp": "docs/design.md#explicit_paralleldppy", "fsdp": "docs/memory.md#explicit_parallelfsdppy",
-                 "tp": "docs/explicit.md#explicit_paralleltppy", "fsdp_tp": "docs/design.md#explicit_parallelfsdp_tppy",
+                 "tp": "docs/explicit.md#explicit_paralleltppy",
+                 "fsdp_tp": "docs/design.md#explicit_parallelfsdp_tppy",
                  "tp_sp": "docs/design.md#explicit_paralleltp_sppy",
                  "ulysses": "docs/explicit.md#collectives-of-the-three-twins"}
 
