@@ -2,6 +2,8 @@
 
     python -m launch.collectives --strategy=fsdp --impl=auto --mesh=data:8,tensor:1 --preset=tiny
     python -m launch.collectives --strategy=fsdp_tp --mesh=data:2,tensor:4 --json=out.json --hlo=step.hlo
+    python -m launch.collectives --strategy=cp --impl=auto,manual --mesh=context:4 --devices=4 --preset=tiny
+        # the twins side by side: count and bytes per twin and the model's, rows marked where they differ
     uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=manual --topology=v5e:4x4
         # 16 TPU v5e chips on 4 hosts, compiled here; needs libtpu (the tpu extra)
     uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=auto,manual --topology=v5e:4x4 \
@@ -63,23 +65,71 @@ CPU_REDUCE_SCATTER_NOTE = (
     "dynamic-slice. So on CPU the auto and explicit ledgers show no reduce-scatter rows and extra "
     "all-reduce bytes over data (each model "
     "reduce-scatter of r bytes appears as an all-reduce of r x |data| bytes). The manual twin "
-    "(psum_scatter) shows a real reduce-scatter on every backend.")
+    "(psum_scatter) shows a real reduce-scatter on every backend (docs/memory.md#auto_parallelfsdppy).")
 
-
-AUTO_NOTE = (
-    "The model describes the manual (shard_map) twin. GSPMD chooses its own plan, so auto rows may "
-    "differ: measured on XLA:CPU (JAX 0.12), it keeps FSDP-gathered weights for the backward pass "
-    "instead of re-gathering them, all-reduces the TP input gradients of q, k, v (and w1, w3) "
-    "separately instead of summing them first, and reduces the squared gradient norm leaf by leaf.")
-
+MODEL_NOTE = "The model describes the manual (shard_map) twin; GSPMD chooses its own plan. "
+MEASURED = "Measured on XLA:CPU (JAX 0.12), "
+_TP_GRADS = (MEASURED + "it all-reduces the tensor-parallel input gradients of q, k, v (and w1, w3) "
+             "separately instead of summing them first, and reduces the squared gradient norm leaf by leaf")
+_CP = (MEASURED + "GSPMD runs no ring: it all-gathers K (after RoPE) and V, [B, hk, T, dh], over context "
+       "in the forward layer loop and again in the backward loop, and all-reduces their full-size "
+       "gradients, where the manual twin passes the same blocks around the ring in collective-permutes "
+       "(tiny on context:4: 8 all-gathers and 26 all-reduces against 24 collective-permutes and 13 "
+       "all-reduces)")
+_ULYSSES = (MEASURED + "per layer GSPMD runs 9 all-to-alls to the manual twin's 8, one more in the "
+            "backward: the recomputed attention output times its cotangent (the `mul` of "
+            "recompute_attention's backward) is moved to head shards once more (tiny, --num_heads=8 on "
+            "context:4: 18 against 16 all-to-alls, 288 KiB against 256 KiB)")
+_PP = (MEASURED + "the stage buffer shifts as a cyclic collective-permute: S hops per tick where the "
+       "manual twin sends S-1 (the wrap-around carries a value nobody uses)")
+_EP = ("XLA derives the reshard of the capacity buffers [E, G, C, D] between the token layout and the "
+       "expert layout, so its collectives need not be the manual twin's two all-to-alls")
+# strategy -> (what GSPMD does differently from the manual twin, the docs section that explains it)
+AUTO_NOTES = {
+    "dp": (MEASURED + "it all-reduces each block gradient inside the backward layer loop, once per layer "
+           "and leaf, where the manual twin reduces each stacked [L, ...] gradient once: more "
+           "all-reduces, the same bytes", "docs/design.md#auto_paralleldppy"),
+    "fsdp": (MEASURED + "it keeps the gathered weights for the backward pass instead of re-gathering them",
+             "docs/memory.md#auto_parallelfsdppy"),
+    "tp": (_TP_GRADS, "docs/design.md#auto_paralleltppy"),
+    "fsdp_tp": (_TP_GRADS + "; it also keeps the FSDP-gathered weights for the backward pass",
+                "docs/design.md#auto_parallelfsdp_tppy"),
+    "tp_sp": (_TP_GRADS, "docs/design.md#auto_paralleltp_sppy"),
+    "cp": (_CP, "docs/long-context.md#auto_parallelcppy"),
+    "fsdp_cp": (_CP, "docs/long-context.md#auto_parallelfsdp_cppy"),
+    "ulysses": (_ULYSSES, "docs/long-context.md#auto_parallelulyssespy"),
+    "fsdp_ulysses": (_ULYSSES, "docs/long-context.md#auto_parallelulyssespy"),
+    "pp": (_PP, "docs/pipelines.md#auto_parallelpppy"),
+    "pp_fsdp": (_PP + ", and each stage gathers its layers' weights over data as fsdp's",
+                "docs/pipelines.md#auto_parallelpp_fsdppy"),
+    "ep": (_EP, "docs/experts.md#auto_paralleleppy"),
+    "fsdp_ep": (_EP, "docs/experts.md#auto_parallelfsdp_eppy"),
+}
+# strategy -> where the docs explain its explicit twin (the note itself is shared: EXPLICIT_NOTE)
+EXPLICIT_DOCS = {"dp": "docs/design.md#explicit_paralleldppy", "fsdp": "docs/memory.md#explicit_parallelfsdppy",
+                 "tp": "docs/explicit.md#explicit_paralleltppy",
+                 "fsdp_tp": "docs/design.md#explicit_parallelfsdp_tppy",
+                 "tp_sp": "docs/design.md#explicit_paralleltp_sppy",
+                 "ulysses": "docs/explicit.md#collectives-of-the-three-twins"}
 
 EXPLICIT_NOTE = (
-    "The model describes the manual (shard_map) twin. The explicit twin (sharding in types) differs "
+    "The explicit twin (sharding in types) differs "
     "where the types place a reduction elsewhere: measured on XLA:CPU (JAX 0.12), the RMSNorm gains' "
     "gradients are all-reduced inside the backward layer loop, one [D] per layer and gain (a gain "
     "multiplies data-split activations elementwise, which JAX refuses for a `reduced` operand), and an "
-    "unreduced gradient resharded to its data-split parameter compiles to an all-reduce + dynamic-slice "
-    "(docs/explicit.md).")
+    "unreduced gradient resharded to its data-split parameter compiles to an all-reduce + dynamic-slice")
+
+
+def twin_notes(strategy: str, impl: str, platform: str, has_reduce_scatter: bool) -> list[str]:
+    """The notes of one twin of one strategy, each ending with the docs section that explains it."""
+    if impl == "manual":
+        return []
+    if impl == "auto":
+        what, doc = AUTO_NOTES[strategy]
+        notes = [f"{MODEL_NOTE}{what} ({doc})."]
+    else:
+        notes = [f"{MODEL_NOTE}{EXPLICIT_NOTE} ({EXPLICIT_DOCS[strategy]})."]
+    return notes + ([CPU_REDUCE_SCATTER_NOTE] if platform == "cpu" and has_reduce_scatter else [])
 
 
 def _topology_devices(name: str):
@@ -151,11 +201,8 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     led = hlo.ledger(text, runner.mesh)
     first = runner.mesh.devices.flat[0]
     platform = first.platform
-    notes = list(model.notes)
     has_rs = any(r.op == "reduce-scatter" for r in model.collectives)
-    if impl in ("auto", "explicit"):
-        notes[:0] = ([AUTO_NOTE] if impl == "auto" else [EXPLICIT_NOTE]) + (
-            [CPU_REDUCE_SCATTER_NOTE] if platform == "cpu" and has_rs else [])
+    notes = twin_notes(strategy, impl, platform, has_rs) + list(model.notes)
     tpu_comparison = None
     if platform == "tpu":
         notes += list(topology.TPU_NOTES)
@@ -179,24 +226,78 @@ def step_options(lowered, at_compile: dict | None) -> dict[str, str]:
     return {k: str(v) for k, v in (*lowered._lowering._compiler_options_kvs, *(at_compile or {}).items())}
 
 
-def report(res: dict) -> str:
-    from twinshard import cost
-
+def _where(res: dict) -> str:
+    """'cpu mesh data:8,tensor:1, batch 8x32', or the TPU's kind and hosts in place of cpu."""
     mesh = ",".join(f"{a}:{n}" for a, n in res["mesh"].items())
     where = res["platform"] if res["platform"] == "cpu" else \
         f"{res['device_kind']} ({res['hosts']} host{'s' * (res['hosts'] > 1)})"
-    title = (f"{res['strategy']}/{res['impl']} on {where} mesh {mesh}, batch "
-             f"{res['batch_size']}x{res['seq_len']} (compiled in {res['compile_s']:.1f}s)")
+    return f"{where} mesh {mesh}, batch {res['batch_size']}x{res['seq_len']}"
+
+
+def report(res: dict) -> str:
+    from twinshard import cost
+
+    title = f"{res['strategy']}/{res['impl']} on {_where(res)} (compiled in {res['compile_s']:.1f}s)"
     options = " ".join(f"--{k}={v}" for k, v in res["compiler_options"].items()) or "none (the compiler's defaults)"
     out = [title, f"XLA options of the train step: {options}",
            "", "== measured: collectives of the compiled train step (ledger) ==", res["ledger"].table(),
            "", "== model: twinshard.cost (what the manual twin does) ==", res["model"].table(),
-           "", "== measured vs model, per (op, axes) ==", cost.compare_table(res["comparison"])]
+           "", "== measured vs model, per (op, axes) ==", cost.compare_table(res["comparison"]), LEGEND]
     if res["tpu_comparison"] is not None:
         out += ["", "== measured vs model as the TPU compiler prints it (twinshard.hardware.topology.tpu_expected) ==",
                 cost.compare_table(res["tpu_comparison"])]
     out += ["", "== memory per device: compiled.memory_analysis() beside the model ==", memory_table(res)]
     out += ["", *(f"NOTE: {n}" for n in res["notes"])] if res["notes"] else []
+    return "\n".join(out)
+
+
+LEGEND = ("Legend: bytes: the size of each collective's result on one device, summed over the step's "
+          "runs; ring bytes: what a ring algorithm sends per device for them; "
+          "records: distinct collective instructions in the HLO; collectives: the runs per step (a record "
+          "inside the layer loop runs once per layer)")
+
+
+def side_by_side(results: list[dict]) -> str:
+    """One row per (op, axes): each twin's measured count and bytes, then the model's (the manual
+    twin's plan); the last column marks a row where the twins differ, or a twin differs from the model."""
+    from twinshard import cost
+
+    model = results[0]["model"].summary()  # the same model for every twin of one run
+    twins = [(res["impl"], res["ledger"].summary()) for res in results]
+    keys = list(dict.fromkeys([*model, *(k for _, summary in twins for k in summary)]))
+    zero = {"count": 0, "bytes": 0}
+
+    def row(op, axes, cells, want) -> tuple:
+        got = [(c["count"], c["bytes"]) for c in cells]
+        off = [impl for (impl, _), g in zip(twins, got) if g != (want["count"], want["bytes"])]
+        mark = "; ".join((["twins differ"] if len(set(got)) > 1 else [])
+                         + ([f"{', '.join(off)} differ{'s' * (len(off) == 1)} from the model"] if off else []))
+        return (op, ",".join(axes) or "-", *(x for c in cells for x in ("|", c["count"], cost.human(c["bytes"]))),
+                "|", want["count"], cost.human(want["bytes"]), "|", mark)
+
+    lines, totals = [], {}
+    for op, axes in keys:
+        cells = [summary.get((op, axes), zero) for _, summary in twins]
+        want = model.get((op, axes), zero)
+        lines.append(row(op, axes, cells, want))
+        for i, c in enumerate([*cells, want]):
+            acc = totals.setdefault(axes, [dict(zero) for _ in range(len(cells) + 1)])[i]
+            acc["count"] += c["count"]
+            acc["bytes"] += c["bytes"]
+    lines += [row("TOTAL", axes, acc[:-1], acc[-1]) for axes, acc in totals.items()]
+    head = ("op", "axes", *(x for impl, _ in twins for x in ("|", f"{impl} count", f"{impl} bytes")),
+            "|", "model count", "model bytes", "|", "")
+    return "\n".join(cost.format_table(head, lines))
+
+
+def report_twins(results: list[dict]) -> str:
+    """The twins of one strategy side by side, the legend, then each twin's notes."""
+    compiled = ", ".join(f"{res['impl']} {res['compile_s']:.1f}s" for res in results)
+    out = [f"{results[0]['strategy']} on {_where(results[0])}: twins side by side (compiled in {compiled})", "",
+           "== measured per twin (ledger) beside the model, per (op, axes) ==", side_by_side(results), LEGEND,
+           "(one twin alone, e.g. --impl=manual, prints its ledger, the model and memory per device)"]
+    for res in results:
+        out += ["", f"== {res['impl']} =="] + [f"NOTE: {n}" for n in res["notes"]] if res["notes"] else []
     return "\n".join(out)
 
 
@@ -252,9 +353,10 @@ def main(argv):
         res = collectives(FLAGS.strategy, impl, FLAGS.mesh, cfg, devices)
         if pod is not None:
             res["prediction"] = predict_step(res, pod)
-        print(report(res) + ("" if pod is None else "\n\n== predicted step (twinshard.hlo.predict) ==\n"
-                             + res["prediction"].table()))
         results.append(res)
+    print(report(results[0]) if len(results) == 1 else report_twins(results))  # one twin: its full detail
+    for res in results if pod is not None else []:
+        print(f"\n== predicted step of the {res['impl']} twin (twinshard.hlo.predict) ==\n" + res["prediction"].table())
     if FLAGS.hlo:
         with open(FLAGS.hlo, "w") as f:
             f.write("\n".join(res["hlo"] for res in results))

@@ -10,6 +10,8 @@ halves compile time and leaves the collectives unchanged: docs/design.md.)
 """
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +46,8 @@ def runs(tmp_path_factory):
         ["--strategy=tp", "--preset=tiny", "--mesh=data:1,tensor:8"],
         ["--strategy=dp", "--preset=tiny", "--json=/no/such/dir/x.json"],
         ["--strategy=fsdp", "--preset=tiny", "--topology=v5e-16"],
+        ["--strategy=dp", "--preset=tiny", "--impl=auto,manual"],  # default mesh data:8
+        ["--strategy=cp", "--preset=tiny", "--impl=auto,nope"],
     ]
     if TPU:  # batch 16: one sequence per chip
         # Load libtpu here first, as a test run does before this subprocess: two processes that
@@ -109,7 +113,7 @@ def test_memory_per_device_beside_the_model(runs):
 
 @pytest.mark.skipif(not TPU, reason="needs libtpu: uv run --locked --extra tpu pytest")
 def test_topology_compiles_for_a_multi_host_tpu_pod(runs):
-    text = runs["texts"][6]
+    text = runs["texts"][8]
     assert (runs["out"] / "tpu.json").exists(), text[-3000:]
     doc = load(runs, "tpu")
     assert (doc["platform"], doc["device_kind"], doc["hosts"]) == ("tpu", "TPU v5 lite", 4)
@@ -150,3 +154,52 @@ def test_pp_fsdp_ledger_equals_the_model(runs):
     assert all(r["match"] for r in doc["comparison"]), runs["texts"][-1][-3000:]
     assert rows[("collective-permute", ("stage",))]["measured_count"] == 2 * (2 + 2 - 1)  # 2 per tick
     assert rows[("all-gather", ("data",))]["measured_count"] > 0
+
+
+def test_twins_side_by_side(runs):
+    """--impl=auto,manual: one table, a column group per twin and the model's, each row marked where
+    the twins differ (GSPMD all-reduces dp's block gradients per layer: 22 against the manual 13 on
+    tiny's 2 layers, the same bytes), the legend under it, and the auto twin's note for dp with its
+    docs section; an unknown twin in the list is one line before anything compiles."""
+    text = runs["texts"][6].strip()
+    lines = text.splitlines()
+    assert "dp on cpu mesh data:8,tensor:1, batch 8x32: twins side by side" in lines[0]
+    head = next(line for line in lines if line.startswith("op "))
+    assert head.split() == ["op", "axes", "|", "auto", "count", "auto", "bytes", "|", "manual", "count",
+                            "manual", "bytes", "|", "model", "count", "model", "bytes", "|"]
+    reduce = next(line for line in lines if line.startswith("all-reduce")).split()
+    assert reduce[:4] == ["all-reduce", "data", "|", "22"] and reduce[6:8] == ["|", "13"]
+    assert reduce[4:6] == reduce[8:10] == reduce[12:14]  # the same bytes
+    assert text.count("twins differ; auto differs from the model") == 2  # the row and its TOTAL
+    assert any(line.startswith("Legend: bytes:") and "ring bytes:" in line and "records:" in line
+               and "collectives:" in line for line in lines)
+    assert "NOTE: The model describes the manual (shard_map) twin" in text
+    assert "once per layer and leaf" in text and "(docs/design.md#auto_paralleldppy)" in text
+    assert text.count("== measured per twin") == 1 and "== measured: collectives" not in text
+    assert runs["texts"][7].strip() == "ValueError: --impl=nope is not a twin; choose one of auto, manual, explicit."
+
+
+def test_no_inf_ratio_and_no_escaped_quote(runs):
+    """A model row of 0 bytes reads `model: none`, sources print as written (no \\' escapes)."""
+    from twinshard import cost
+
+    gathers = {("all-gather", ("context",)): {"count": 8, "bytes": 512, "ring_bytes": 384.0}}  # cp/auto's
+    row = cost.compare_table(cost.compare(gathers, {})).splitlines()[2]
+    assert row.split()[:8] == ["all-gather", "context", "8/0", "512", "B", "0", "B", "model:"], row
+    for text in runs["texts"]:
+        assert not re.search(r"\binf\b", text) and "\\'" not in text, text[-2000:]
+
+
+def test_every_note_links_a_docs_section_that_exists():
+    """Each strategy's auto note and each explicit twin's docs link name a heading of that page."""
+    from launch import collectives, common
+
+    def anchors(page: str) -> set[str]:  # GitHub's: lower case, punctuation but - and _ dropped, spaces -> -
+        heads = re.findall(r"^#+ (.+)$", (Path(__file__).parents[1] / page).read_text(), re.M)
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+    links = [doc for _, doc in collectives.AUTO_NOTES.values()] + list(collectives.EXPLICIT_DOCS.values())
+    assert set(collectives.AUTO_NOTES) == set(common.PARALLEL)
+    for link in links:
+        page, anchor = link.split("#")
+        assert anchor in anchors(page), link

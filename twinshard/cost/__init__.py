@@ -252,7 +252,7 @@ def compare(measured: Mapping[tuple[str, tuple[str, ...]], Mapping[str, float]],
 def compare_table(rows: list[dict[str, Any]]) -> str:
     """`compare` rows as text, with measured/model ratios and per-axis totals."""
     def ratio(a: float, b: float) -> str:
-        return f"{a / b:.3f}" if b else ("-" if not a else "inf")
+        return f"{a / b:.3f}" if b else ("-" if not a else "model: none")
 
     head = ("op", "axes", "count meas/model", "bytes meas", "bytes model", "meas/model",
             "ring meas", "ring model", "")
