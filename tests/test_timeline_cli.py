@@ -23,8 +23,11 @@ SVG = "{http://www.w3.org/2000/svg}"
 def drawn(tmp_path_factory):
     out = tmp_path_factory.mktemp("timeline")
     topology.devices("v5e:2x2", (2, 2, 1))  # libtpu loaded here first (its lockfile: topology.devices)
+    # the compiler's own collective options: with the train step's (xla_options.py) the norm gains'
+    # all-reduces run inside the backward pass, beside its gathers (tests/test_xla_options.py)
     proc = run("-m", "launch.collectives", "--preset=tiny", "--strategy=fsdp", "--impl=auto,manual",
-               "--topology=v5e:2x2", f"--timeline={out}/fsdp.svg", f"--json={out}/fsdp.json", timeout=600)
+               "--topology=v5e:2x2", "--async_collectives=false", f"--timeline={out}/fsdp.svg",
+               f"--json={out}/fsdp.json", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     twins = {}
     for band in ET.parse(out / "fsdp.svg").getroot().iter(SVG + "g"):
