@@ -110,7 +110,8 @@ class ManualRunner(PlacedRunner):
         b = self.batch_spec
         self.train_step = jax.jit(smap(self._train_step, in_specs=(self.state_specs, b, b),
                                        out_specs=(self.state_specs, P())), donate_argnums=0,
-                                  compiler_options=compiler_options(cfg.model, self.mesh.devices.flat[0].platform))
+                                  compiler_options=compiler_options(cfg.model, self.mesh.devices.flat[0].platform,
+                                                                   self.mesh.devices.size))
         self.loss_and_grads = jax.jit(smap(self._loss_and_grads, in_specs=(self.param_specs, b, b),
                                            out_specs=(P(), self.param_specs)))
         self.eval_loss = jax.jit(smap(self._eval_loss, in_specs=(self.param_specs, b, b), out_specs=P()))

@@ -197,7 +197,7 @@ def test_scoped_vmem_limit_lets_blocks_of_2048_compile():
                             argnums=(0, 1, 2))(q, k, v)
 
     def compile_with(kib: int):
-        options = trainer.compiler_options(dataclasses.replace(SPLASH.model, xla_tpu_scoped_vmem_limit_kib=kib), "tpu")
+        options = trainer.compiler_options(dataclasses.replace(SPLASH.model, xla_tpu_scoped_vmem_limit_kib=kib), "tpu", 1)
         return topology.compile_for_pod(jax.jit(grads, compiler_options=options).lower(q, q, q))
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="scoped vmem limit"):
@@ -207,8 +207,8 @@ def test_scoped_vmem_limit_lets_blocks_of_2048_compile():
 
 def test_scoped_vmem_limit_is_a_tpu_option_only():
     cfg = dataclasses.replace(SPLASH.model, xla_tpu_scoped_vmem_limit_kib=65536, async_collectives=False)
-    assert trainer.compiler_options(cfg, "tpu") == {"xla_tpu_scoped_vmem_limit_kib": "65536"}
-    assert trainer.compiler_options(cfg, "cpu") is None
-    assert trainer.compiler_options(dataclasses.replace(cfg, xla_tpu_scoped_vmem_limit_kib=0), "tpu") is None
+    assert trainer.compiler_options(cfg, "tpu", 4) == {"xla_tpu_scoped_vmem_limit_kib": "65536"}
+    assert trainer.compiler_options(cfg, "cpu", 4) is None
+    assert trainer.compiler_options(dataclasses.replace(cfg, xla_tpu_scoped_vmem_limit_kib=0), "tpu", 4) is None
     with pytest.raises(ValueError, match="xla_tpu_scoped_vmem_limit_kib=-1"):
         dataclasses.replace(SPLASH.model, xla_tpu_scoped_vmem_limit_kib=-1)

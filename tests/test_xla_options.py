@@ -55,13 +55,14 @@ def test_the_options_make_the_all_reduce_asynchronous_with_compute_beside_it():
     step's options: issued, then matmuls scheduled, then completed."""
     (plain,) = [w for w in _reduction_beside_matmuls(None).windows() if w.op == "all-reduce"]
     assert plain.synchronous and not plain.inside
-    options = trainer.compiler_options(TINY, "tpu")
+    options = trainer.compiler_options(TINY, "tpu", 2)
     (overlapped,) = [w for w in _reduction_beside_matmuls(options).windows() if w.op == "all-reduce"]
     assert not overlapped.synchronous and overlapped.inside
 
 
-def test_the_options_are_tpu_options_on_by_default():
+def test_the_options_are_tpu_options_of_a_mesh_on_by_default():
     assert TINY.async_collectives
-    assert trainer.compiler_options(TINY, "tpu") == xla_options.ASYNC_COLLECTIVES
-    assert trainer.compiler_options(TINY, "cpu") is None  # XLA:CPU refuses TPU options
-    assert trainer.compiler_options(dataclasses.replace(TINY, async_collectives=False), "tpu") is None
+    assert trainer.compiler_options(TINY, "tpu", 16) == xla_options.ASYNC_COLLECTIVES
+    assert trainer.compiler_options(TINY, "tpu", 1) is None  # one chip: no collective to hide
+    assert trainer.compiler_options(TINY, "cpu", 16) is None  # XLA:CPU refuses TPU options
+    assert trainer.compiler_options(dataclasses.replace(TINY, async_collectives=False), "tpu", 16) is None

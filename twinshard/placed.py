@@ -198,7 +198,8 @@ class GlobalRunner(PlacedRunner):
         self.train_step = jax.jit(
             step, in_shardings=(self.state_shardings, self.batch_sharding, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0,
-            compiler_options=trainer.compiler_options(cfg.model, self.mesh.devices.flat[0].platform))
+            compiler_options=trainer.compiler_options(cfg.model, self.mesh.devices.flat[0].platform,
+                                                     self.mesh.devices.size))
         self.eval_loss = jax.jit(self.loss, in_shardings=batch_in, out_shardings=replicated)
         self.router_stats = jax.jit(functools.partial(trainer.stats_fn, cfg=cfg.model, par=par),
                                     in_shardings=batch_in, out_shardings=replicated)

@@ -223,7 +223,7 @@ class SingleDevice:
         # and a committed restore compiled two train steps, differing only in sdy.sharding annotations.
         self.sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         step = functools.partial(train_step, cfg=model_cfg, train_cfg=train_cfg, tx=self.tx)
-        options = compiler_options(model_cfg, jax.local_devices()[0].platform)
+        options = compiler_options(model_cfg, jax.local_devices()[0].platform, 1)
         self.train_step = jax.jit(step, donate_argnums=0, compiler_options=options)
         self.eval_loss = jax.jit(functools.partial(loss_fn, cfg=model_cfg), compiler_options=options)
         self.router_stats = jax.jit(functools.partial(stats_fn, cfg=model_cfg))

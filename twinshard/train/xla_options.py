@@ -31,14 +31,16 @@ ASYNC_COLLECTIVES: dict[str, str] = {
 }
 
 
-def compiler_options(cfg: ModelConfig, platform: str) -> dict[str, str] | None:
-    """The train step's XLA options on `platform`: on a TPU, ASYNC_COLLECTIVES (cfg.async_collectives)
+def compiler_options(cfg: ModelConfig, platform: str, devices: int) -> dict[str, str] | None:
+    """The train step's XLA options on `platform` over `devices` chips: on a TPU, ASYNC_COLLECTIVES
+    (cfg.async_collectives) where there is more than one (one chip's step has no collective, and the
+    names were checked against libtpu 0.0.50.1 only, not the older libtpu of a chip host's JAX 0.10.2),
     and cfg.xla_tpu_scoped_vmem_limit_kib as the scoped VMEM limit (splash blocks of 2048 at head_dim
     128 need ~20 MiB of the default 16, measured on a v5e AOT compile); None where nothing is set or
     the platform is not a TPU (other backends reject these options)."""
     if platform != "tpu":
         return None
-    options = dict(ASYNC_COLLECTIVES) if cfg.async_collectives else {}
+    options = dict(ASYNC_COLLECTIVES) if cfg.async_collectives and devices > 1 else {}
     if cfg.xla_tpu_scoped_vmem_limit_kib:
         options["xla_tpu_scoped_vmem_limit_kib"] = str(cfg.xla_tpu_scoped_vmem_limit_kib)
     return options or None
