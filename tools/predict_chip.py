@@ -22,9 +22,13 @@ from typing import NamedTuple
 
 from absl import app, flags
 
-flags.DEFINE_list("only", None, "Runs whose name starts with one of these (default: all).")
-flags.DEFINE_string("json", None, "Write predictions and measurements as JSON here.")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """The tool's flags, defined when it runs (importing it, as its tests do, defines none)."""
+    flags.DEFINE_list("only", None, "Runs whose name starts with one of these (default: all).")
+    flags.DEFINE_string("json", None, "Write predictions and measurements as JSON here.")
 
 BF16 = {"dtype": "bfloat16", "weight_dtype": "bfloat16"}
 FAST = {"logits_dtype": "compute", "norm_dtype": "compute", "qkv_layout": "heads"}
@@ -122,4 +126,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     sys.exit(app.run(main))
