@@ -17,11 +17,8 @@ import numbers
 from typing import Any
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
-# ModelConfig.logits_dtype / norm_dtype: float32 arrays, or the compute dtype with float32 accumulation
-PRECISIONS = ("float32", "compute")
-# ModelConfig.qkv_layout: q, k, v as [B, T, h*dh] split into heads by a transpose ("tokens"), or
-# einsummed straight into the attention kernel's [B, h, T, dh] and out of it ("heads")
-QKV_LAYOUTS = ("tokens", "heads")
+PRECISIONS = ("float32", "compute")  # ModelConfig.logits_dtype / norm_dtype (the fields say what each means)
+QKV_LAYOUTS = ("tokens", "heads")  # ModelConfig.qkv_layout
 WEIGHT_DTYPES = ("float32", "bfloat16")  # ModelConfig.weight_dtype: the params', gradients' and moments' dtype
 ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn", "splash")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
@@ -127,13 +124,10 @@ class ModelConfig:
     attention: str = "auto"
     # the splash kernel's block: a multiple of 128 dividing the padded context_length; 0: splash_block's choice
     attention_block: int = 0
-    # splash's backward: one fused kernel for dq, dk, dv (True), or a separate dq kernel (False)
-    splash_fused_bwd: bool = True
-    # XLA:TPU's scoped VMEM limit in KiB, a compile option of the step (larger splash blocks need more);
-    # 0: the compiler's default. Other backends ignore it
+    splash_fused_bwd: bool = True  # splash's backward: one kernel for dq, dk, dv, or (False) dq apart
+    # XLA:TPU's scoped VMEM limit in KiB, a compile option of the step (0: the compiler's default)
     xla_tpu_scoped_vmem_limit_kib: int = 0
-    # XLA:TPU compiles all-reduces (and all-gathers) as async collective fusions, compute scheduled beside them
-    # (twinshard/train/xla_options.py ASYNC_COLLECTIVES); False: the compiler's defaults. Other backends ignore it
+    # XLA:TPU's async collective fusions, compute beside them (train/xla_options.py); False: its defaults
     async_collectives: bool = True
     # q, k, v through a [B, T, h*dh] layout and transposes ("tokens") or straight in the kernel's [B, h, T, dh] ("heads")
     qkv_layout: str = "tokens"
@@ -410,6 +404,16 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+
+def _maxtext_v5e(d_model: int, num_layers: int, num_heads: int, d_ff: int, per_chip: int) -> Config:
+    """One of MaxText's published v5e-256 runs (its dims at commit e47fa1b5d): its D, layers, head_dim 256,
+    vocab, sequence and batch (per_chip x 256); q/k/v/o are [D, D] here, so d_ff (SwiGLU) gives a layer
+    MaxText's matmul parameters (tools/maxtext_predict.py names every difference). Splash blocks of 512:
+    the automatic 1024 overflows the dkv kernel's scoped VMEM at head_dim 256 (16.39M of 16M, v5e)."""
+    return Config(ModelConfig(vocab_size=32768, context_length=2048, d_model=d_model, num_layers=num_layers,
+                              num_heads=num_heads, d_ff=d_ff, dtype="bfloat16", remat="full", attention_block=512),
+                  TrainConfig(batch_size=per_chip * 256, tokenizer="bytes"))
+
 _PRESETS: dict[str, Config] = {
     # Tests: byte-level vocab (257, padded to 384) so padded logits are always exercised.
     "tiny": Config(
@@ -478,34 +482,11 @@ _PRESETS: dict[str, Config] = {
         TrainConfig(batch_size=64, steps=5000, lr=2e-4, min_lr=2e-5, warmup_steps=500,
                     tokenizer="bytes", log_every=10, eval_every=500),
     ),
-    # MaxText's published TPU v5e-256 configurations (src/maxtext/configs/tpu/v5e/README.md: 16B at
-    # 61.1% MFU, 32B 66.9%, 64B 59.9%, 128B 56.1% on one v5e-256), as this model spells them:
-    # MaxText's dims from global_parameter_scale (its base.yml and pyconfig of Nov 2023, commit
-    # e47fa1b5d, when the figures were published), the same D, layers, head_dim, vocab, sequence
-    # and batch; q/k/v/o are [D, D] here (MaxText's H dh is wider), so d_ff is widened (SwiGLU)
-    # until a layer has MaxText's matmul parameters (tools/maxtext_predict.py derives them and
-    # names every difference; BENCHMARKS.md). Splash blocks of 512: at head_dim 256 the automatic
-    # 1024 overflows the dkv kernel's scoped VMEM on v5e (16.39M of 16M, measured, libtpu 0.0.50.1).
-    "maxtext_v5e_16b": Config(  # MaxText: D 5120, 32 heads x 256, relu MLP 32768, 32 layers
-        ModelConfig(vocab_size=32768, context_length=2048, d_model=5120, num_layers=32, num_heads=20,
-                    d_ff=25920, dtype="bfloat16", remat="full", attention_block=512),
-        TrainConfig(batch_size=6 * 256, tokenizer="bytes"),
-    ),
-    "maxtext_v5e_32b": Config(  # MaxText: D 10240, 32 heads x 256, relu MLP 32768, 32 layers
-        ModelConfig(vocab_size=32768, context_length=2048, d_model=10240, num_layers=32, num_heads=40,
-                    d_ff=19136, dtype="bfloat16", remat="full", attention_block=512),
-        TrainConfig(batch_size=4 * 256, tokenizer="bytes"),
-    ),
-    "maxtext_v5e_64b": Config(  # MaxText: D 10240, 32 heads x 256, relu MLP 32768, 64 layers
-        ModelConfig(vocab_size=32768, context_length=2048, d_model=10240, num_layers=64, num_heads=40,
-                    d_ff=19136, dtype="bfloat16", remat="full", attention_block=512),
-        TrainConfig(batch_size=2 * 256, tokenizer="bytes"),
-    ),
-    "maxtext_v5e_128b": Config(  # MaxText: D 10240, 64 heads x 256, relu MLP 65536, 64 layers
-        ModelConfig(vocab_size=32768, context_length=2048, d_model=10240, num_layers=64, num_heads=40,
-                    d_ff=51904, dtype="bfloat16", remat="full", attention_block=512),
-        TrainConfig(batch_size=1 * 256, tokenizer="bytes"),
-    ),
+    # MaxText's published v5e-256 configurations as this model spells them (_maxtext_v5e; BENCHMARKS.md)
+    "maxtext_v5e_16b": _maxtext_v5e(5120, 32, 20, 25920, 6),  # MaxText: 32 heads x 256, relu MLP 32768
+    "maxtext_v5e_32b": _maxtext_v5e(10240, 32, 40, 19136, 4),  # 32 heads x 256, relu MLP 32768
+    "maxtext_v5e_64b": _maxtext_v5e(10240, 64, 40, 19136, 2),  # 32 heads x 256, relu MLP 32768
+    "maxtext_v5e_128b": _maxtext_v5e(10240, 64, 40, 51904, 1),  # 64 heads x 256, relu MLP 65536
 }
 
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
