@@ -75,6 +75,17 @@ def test_compute_logits_leave_no_float32_array_of_vocab_width(chunks, recompute)
     assert float32_arrays(default, _vocab_wide(default))  # float32 logits: the check can fail
 
 
+def test_the_narrow_statistics_accumulate_in_float32():
+    """The bf16 loss's sum of exponentials and the bf16 norm's mean square (layers.row_dot) come out of
+    the dot in float32, not bf16: invisible in XLA:CPU's values, visible in the traced program."""
+    from twinshard.model import loss
+
+    e = jax.ShapeDtypeStruct((4, 8, 512), jnp.bfloat16)
+    (dot,) = [q for q in jax.make_jaxpr(layers.row_dot)(e, e).eqns if q.primitive.name == "dot_general"]
+    assert dot.params["preferred_element_type"] == jnp.float32 and dot.outvars[0].aval.dtype == jnp.float32
+    assert jax.eval_shape(loss.row_sum, e).dtype == jnp.float32
+
+
 def test_compute_norms_leave_no_float32_residual_stream():
     m = BF16.model
     stream = lambda s: s in ((B, m.context_length, m.d_model), (B * m.context_length, m.d_model))  # noqa: E731

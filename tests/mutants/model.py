@@ -119,11 +119,11 @@ MUTANTS: list[Mutant] = [
            "self.token_embeddings = Embedding(v, vp, d, rngs=rngs, dtype=cfg.dtype)",
            "self.token_embeddings = Embedding(v, vp, d, rngs=rngs)",
            (PRECISION,), "the embedding is looked up in f32, so the residual stream and every matmul run f32"),
-    Mutant("bf16-softmax-in-bf16", "precision", SRC_LOSS,
-           "    return jnp.einsum(\"...v,v->...\", e, ones, preferred_element_type=jnp.float32,",
-           "    return jnp.einsum(\"...v,v->...\", e, ones, preferred_element_type=e.dtype,",
-           (PRECISION, "tests/test_speed_options.py"), "the loss's sum of exponentials accumulates in bf16 "
-           "logits' dtype instead of float32"),
+    Mutant("bf16-softmax-in-bf16", "precision", SRC_LAYERS,
+           "return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, out_sharding=partial_sums(spec, a, b))",
+           "return jnp.einsum(spec, a, b, preferred_element_type=a.dtype, out_sharding=partial_sums(spec, a, b))",
+           (PRECISION, "tests/test_speed_options.py"), "the bf16 loss's sum of exponentials and the bf16 norm's "
+           "mean square (layers.row_dot) accumulate in bf16 instead of float32"),
     Mutant("bf16-logits-not-f32", "precision", SRC_MODEL,
            "return par.constrain(logits if compute_logits else logits.astype(jnp.float32), LOGITS)",
            "return par.constrain(logits, LOGITS)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -60,7 +61,20 @@ class CausalSelfAttention(nnx.Module):
                              f"row-parallel matmuls this strategy places itself ({type(par).__name__}); "
                              "pass --qkv_layout=tokens.")
         x = par.enter_tensor_parallel(x)
-        q, k, v = (checkpoint_name(layers.project_heads(x, w, self.head_dim), n) for w, n in zip(ws, QKV_NAMES))
+        q, k, v = (checkpoint_name(project_heads(x, w, self.head_dim), n) for w, n in zip(ws, QKV_NAMES))
         out = layers.attend_rotated(q, k, v, par.positions(x.shape[-2]), self.theta, self.max_len, attend)
-        return checkpoint_name(par.exit_tensor_parallel(layers.merge_project(checkpoint_name(out, CONTEXT), wo)),
+        return checkpoint_name(par.exit_tensor_parallel(merge_project(checkpoint_name(out, CONTEXT), wo)),
                                OUT_PROJ)
+
+
+def project_heads(x: jax.Array, w: jax.Array, head_dim: int) -> jax.Array:
+    """x [B, T, D] @ w [D, h*dh] straight into the attention kernel's layout [B, h, T, dh] (no transpose
+    after the matmul: ModelConfig.qkv_layout="heads")."""
+    spec, w = "btd,dhk->bhtk", w.reshape(w.shape[0], -1, head_dim)  # [D, h, dh]
+    return jnp.einsum(spec, x, w, out_sharding=layers.partial_sums(spec, x, w))
+
+
+def merge_project(o: jax.Array, w: jax.Array) -> jax.Array:
+    """o [B, h, T, dh] @ w [h*dh, D] -> [B, T, D], contracting h and dh in one einsum (no transpose before it)."""
+    spec, w = "bhtk,hkd->btd", w.reshape(o.shape[1], o.shape[3], w.shape[-1])  # [h, dh, D]
+    return jnp.einsum(spec, o, w, out_sharding=layers.partial_sums(spec, o, w))

@@ -130,10 +130,11 @@ def rms_norm(x: Array, gain: Array, eps: float, compute: bool = False) -> Array:
     return (x32 * inv_rms * gain.astype(jnp.float32)).astype(x.dtype)
 
 
-def _row_dot(a: Array, b: Array) -> Array:
-    """sum_d a * b over the last axis in float32 without a float32 copy: [..., D] x2 -> [..., 1]."""
+def row_dot(a: Array, b: Array) -> Array:
+    """sum_d a * b over the last axis in float32, [..., D] x [..., D] (or [D]) -> [...], without a float32
+    copy of either (jnp.sum(dtype=f32) converts its operand first): the loss's and the norm's statistics."""
     spec = "...d,...d->..."
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, out_sharding=partial_sums(spec, a, b))[..., None]
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, out_sharding=partial_sums(spec, a, b))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -142,7 +143,7 @@ def _narrow_rms_norm(x: Array, gain: Array, eps: float) -> Array:
 
 
 def _narrow_rms_norm_fwd(x, gain, eps):
-    inv = jax.lax.rsqrt(_row_dot(x, x) / x.shape[-1] + eps)  # [..., 1] f32
+    inv = jax.lax.rsqrt(row_dot(x, x)[..., None] / x.shape[-1] + eps)  # [..., 1] f32
     return x * inv.astype(x.dtype) * gain.astype(x.dtype), (x, inv, gain)
 
 
@@ -154,7 +155,7 @@ def _narrow_rms_norm_bwd(eps, res, dy):
     rows = "".join(chr(0x3b1 + i) for i in range(x.ndim - 1))
     dg = jnp.einsum(f"{rows}d,{rows}d->d", dy, x_hat, preferred_element_type=jnp.float32,
                     out_sharding=partial_sums(f"{rows}d,{rows}d->d", dy, x_hat))
-    mean = (_row_dot(dx_hat, x_hat) / x.shape[-1]).astype(x.dtype)  # [..., 1]
+    mean = (row_dot(dx_hat, x_hat)[..., None] / x.shape[-1]).astype(x.dtype)  # [..., 1]
     dx = inv.astype(x.dtype) * (dx_hat - x_hat * mean)
     return cotangent_like(dx, x), cotangent_like(dg, gain)
 
@@ -451,19 +452,6 @@ def _sum_to(x: Array, shape: tuple[int, ...]) -> Array:
 
 
 _recompute_attention.defvjp(_recompute_attention_fwd, _recompute_attention_bwd)
-
-
-def project_heads(x: Array, w: Array, head_dim: int) -> Array:
-    """x [B, T, D] @ w [D, h*dh] straight into the attention kernel's layout [B, h, T, dh] (no transpose
-    after the matmul: ModelConfig.qkv_layout="heads")."""
-    spec, w = "btd,dhk->bhtk", w.reshape(w.shape[0], -1, head_dim)  # [D, h, dh]
-    return jnp.einsum(spec, x, w, out_sharding=partial_sums(spec, x, w))
-
-
-def merge_project(o: Array, w: Array) -> Array:
-    """o [B, h, T, dh] @ w [h*dh, D] -> [B, T, D], contracting h and dh in one einsum (no transpose before it)."""
-    spec, w = "bhtk,hkd->btd", w.reshape(o.shape[1], o.shape[3], w.shape[-1])  # [h, dh, D]
-    return jnp.einsum(spec, o, w, out_sharding=partial_sums(spec, o, w))
 
 
 def split_heads(x: Array, head_dim: int) -> Array:

@@ -32,13 +32,8 @@ def mask_padded_logits(logits: Array, vocab_size: int, vocab_offset: Array | int
 
 
 def row_sum(e: Array) -> Array:
-    """e [..., V] summed over V in float32 -> [...]: for a narrower e a dot with ones accumulating in
-    f32, so no float32 copy of e exists (jnp.sum(dtype=f32) converts e first)."""
-    if e.dtype == jnp.float32:
-        return jnp.sum(e, axis=-1)
-    ones = jnp.ones(e.shape[-1:], e.dtype)
-    return jnp.einsum("...v,v->...", e, ones, preferred_element_type=jnp.float32,
-                      out_sharding=layers.partial_sums("...v,v->...", e, ones))
+    """e [..., V] summed over V in float32 -> [...]; for a narrower e without a float32 copy of it."""
+    return jnp.sum(e, axis=-1) if e.dtype == jnp.float32 else layers.row_dot(e, jnp.ones(e.shape[-1:], e.dtype))
 
 
 def _statistics(z: Array, targets: Array, vocab_offset: Array | int, reduce_max: Reduce,
