@@ -187,6 +187,25 @@ def test_step_profile_reads_a_gpu_module_and_counts_device_kernels_not_host_laun
     assert per_op == {"fusion.3": 5000, "custom-call.8": 1000}, per_op
 
 
+def test_step_profile_prices_the_program_it_profiled_op_by_op(tmp_path):
+    from twinshard.hardware import chips
+
+    sp = step_profile()
+    kinds, _ = sp.hlo_kinds(GPU_HLO)
+    per_op = {"fusion.3": 10_000, "custom-call.7": 4_000}  # ns over 2 steps
+    out = sp.write_prediction(str(tmp_path / "p.json"), GPU_HLO, per_op, kinds, 1.0, chips.chip("v5e"), 2, "tiny")
+    ops = {o["name"]: o for o in json.loads((tmp_path / "p.json").read_text())["ops"]}
+    assert ops["fusion.3"]["measured_ms"] == 0.005 and ops["custom-call.7"]["measured_ms"] == 0.002
+    assert ops["custom-call.8"]["measured_ms"] == 0  # priced, but the profile saw no time for it
+    fused = ops["fusion.3"]  # bf16 [16,64] x [64,32]: 2*16*32*64 FLOPs at v5e's measured matmul rate
+    eff = chips.EFFICIENCIES["v5e"].matmul_efficiency
+    assert fused["kind"] == "matmul" and fused["flops"] == 2 * 16 * 32 * 64
+    assert fused["compute_ms"] == pytest.approx(1e3 * fused["flops"] / (197e12 * eff))
+    assert fused["predicted_ms"] == pytest.approx(max(fused["compute_ms"], fused["memory_ms"]))
+    assert out["predicted_ms"] == pytest.approx(sum(o["predicted_ms"] for o in ops.values()))
+    assert (tmp_path / "p.hlo").read_text() == GPU_HLO  # the program, to price again offline
+
+
 # A trace as a TPU writes it (the shape measured on a v5e, JAX 0.10.2): the device plane's "XLA Ops"
 # events are named by their HLO text and carry no `hlo_op`; "XLA Modules" holds one event per program
 # run and "Async XLA Ops" repeats the async copies' spans (both must not be counted again).

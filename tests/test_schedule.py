@@ -168,6 +168,38 @@ def test_one_chip_needs_no_links():
     assert "datasheet peaks" in pred.table() and pred.as_dict()["step_s"] == pred.step_s
 
 
+# Two elementwise fusions as XLA:TPU writes them: the first's result and the second's operand in
+# VMEM (layout memory space S(1)), so only the HBM operands and results cost bytes.
+VMEM_HLO = """HloModule jit_f, entry_computation_layout={(bf16[1024,1024]{1,0})->bf16[1024,1024]{1,0}}
+
+%fused_computation.1 (param_0: bf16[1024,1024]) -> bf16[1024,1024] {
+  %param_0 = bf16[1024,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %tanh.1 = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)} tanh(%param_0)
+}
+
+%fused_computation.2 (param_0.1: bf16[1024,1024], param_1: bf16[1024,1024]) -> bf16[1024,1024] {
+  %param_0.1 = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %param_1 = bf16[1024,1024]{1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %add.1 = bf16[1024,1024]{1,0:T(8,128)(2,1)} add(%param_0.1, %param_1)
+}
+
+ENTRY %main (Arg_0.1: bf16[1024,1024]) -> bf16[1024,1024] {
+  %Arg_0.1 = bf16[1024,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %tanh_fusion = bf16[1024,1024]{1,0:T(8,128)(2,1)S(1)} fusion(%Arg_0.1), kind=kLoop, calls=%fused_computation.1
+  ROOT %add_fusion = bf16[1024,1024]{1,0:T(8,128)(2,1)} fusion(%tanh_fusion, %Arg_0.1), kind=kLoop, calls=%fused_computation.2
+}
+"""
+
+
+def test_operands_and_results_on_the_chip_move_no_hbm_bytes():
+    pred = predict_step(VMEM_HLO, V5E, efficiency=chips.Efficiency())
+    moved = {o.name: o.bytes for o in pred.ops}
+    array = 1024 * 1024 * 2
+    assert moved == {"tanh_fusion": array, "add_fusion": 2 * array}  # reads HBM; the VMEM operand is free
+    on_hbm = predict_step(VMEM_HLO.replace("S(1)", ""), V5E, efficiency=chips.Efficiency())
+    assert {o.name: o.bytes for o in on_hbm.ops} == {"tanh_fusion": 2 * array, "add_fusion": 3 * array}
+
+
 @needs_libtpu
 def test_splash_attention_counts_its_causal_flops():
     from twinshard.model import layers

@@ -56,6 +56,12 @@ RUNS = (
     Run("llama_v5e no remat", "llama_v5e", 2, BF16 | {"remat": "none"}, 157.5,
         {"matmul": 96.3, "attention": 18.7, "memory": 23.1 + 5.3 + 4.4 + 5.7 + 2.1}),
     Run("llama_v5e no remat + speed options", "llama_v5e", 2, BF16 | {"remat": "none"} | FAST, 149.5),
+    # the best configurations of tools/tpu_bench.sh: the layer stack unrolled
+    Run("gpt2_125m + speed options, unrolled", "gpt2_125m", 16, BF16 | FAST | {"scan_unroll": 12}, 132.4),
+    Run("gpt2_350m save_dot_except_mlp + speed options, unrolled", "gpt2_350m", 16,
+        BF16 | FAST | {"remat": "save_dot_except_mlp", "scan_unroll": 24}, 439.8),
+    Run("llama_v5e no remat + speed options, unrolled", "llama_v5e", 2,
+        BF16 | {"remat": "none"} | FAST | {"scan_unroll": 14}, 138.5),
 )
 KINDS = ("matmul", "attention", "memory")
 

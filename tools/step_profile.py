@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import json
 import os
 import re
 import sys
@@ -61,6 +62,12 @@ def define_flags() -> None:
     flags.DEFINE_integer("top", 15, "Also list this many most expensive instructions.")
     flags.DEFINE_integer("width", 150, "Characters of each listed instruction's HLO line.")
     flags.DEFINE_integer("batch_size", None, "Global batch size override (sequences).")
+    flags.DEFINE_string("predict_json", None, "Also price the same compiled program op by op "
+                        "(twinshard.hardware.step_time at the chip's measured efficiencies) and write, per "
+                        "instruction, the predicted and the measured ms per step here (a single-device step), and the "
+                        "compiled program beside it (.hlo).")
+    flags.DEFINE_string("predict_chip", None, "The chip --predict_json prices at (default: the one the "
+                        "step runs on; on a CPU name one, e.g. v5e, to check the tool's code).")
     from launch import common
 
     # launch.bench's model flags (--dtype, --remat, --loss_chunks, the shapes, ...) and launch.fit's
@@ -231,6 +238,7 @@ def main(argv):
                          f"{', '.join(common.STRATEGIES)} and an impl of auto, manual.")
     if FLAGS.steps < 1:
         raise ValueError(f"--steps={FLAGS.steps}: profile at least one step.")
+    predict_chip = chip_to_predict(jax.devices()[0]) if FLAGS.predict_json else None
     cfg = common.with_model_flags(bench.BENCH_PRESETS.get(FLAGS.preset) or preset(FLAGS.preset), FLAGS)
     if FLAGS.batch_size is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
@@ -251,6 +259,50 @@ def main(argv):
             wall_ms = (time.perf_counter() - start) * 1e3 / FLAGS.steps
         per_op, kernels, device, busiest = op_times(read_trace(trace_dir), kinds, module)
     report(per_op, kernels, device, busiest, kinds, lines, wall_ms, jax.devices()[0])
+    if FLAGS.predict_json:
+        write_prediction(FLAGS.predict_json, compiled, per_op, kinds, wall_ms, predict_chip, FLAGS.steps, FLAGS.preset)
+
+
+def chip_to_predict(device):
+    """--predict_chip's chip, else the device's; checked before anything compiles."""
+    from twinshard.hardware.chips import CHIPS, chip_for
+
+    if FLAGS.predict_chip:
+        found = next((c for c in CHIPS if c.name == FLAGS.predict_chip), None)
+        if found is None:
+            raise ValueError(f"--predict_chip={FLAGS.predict_chip}: unknown; choose one of "
+                             f"{', '.join(c.name for c in CHIPS)}")
+        return found
+    found = chip_for(device.device_kind)
+    if found is None:
+        raise ValueError(f"--predict_json: no chip in twinshard.hardware.chips runs as {device.device_kind!r}; "
+                         "name one with --predict_chip (e.g. v5e)")
+    return found
+
+
+def write_prediction(path: str, compiled, per_op, kinds, wall_ms: float, chip, steps: int, preset: str) -> dict:
+    """The compiled step priced op by op beside the profile's time of each instruction (ms per step,
+    every run of a loop body's op summed): the prediction checked against the very program that ran,
+    kind by kind and op by op."""
+    from twinshard.hardware.step_time import predict_step
+
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
+    pred = predict_step(text, chip)
+    ops = [{"name": o.name, "kind": o.kind, "profile_kind": kinds.get(o.name, ""), "opcode": o.opcode,
+            "runs": o.runs, "flops": o.flops, "bytes": o.bytes,
+            "predicted_ms": 1e3 * o.seconds * o.runs, "compute_ms": 1e3 * o.compute_s * o.runs,
+            "memory_ms": 1e3 * o.memory_s * o.runs, "measured_ms": per_op.get(o.name, 0) / 1e6 / steps}
+           for o in pred.ops if o.kind != "loop"]
+    out = {"preset": preset, "chip": chip.name, "wall_ms": wall_ms,
+           "predicted_ms": 1e3 * pred.step_s, "efficiencies": pred.rates.source,
+           "measured_device_ms": sum(per_op.values()) / 1e6 / steps, "ops": ops}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    with open(path.removesuffix(".json") + ".hlo", "w") as f:  # to price again with another cost model
+        f.write(text)
+    print(f"predicted {out['predicted_ms']:.1f} ms against {wall_ms:.1f} ms wall (device ops "
+          f"{out['measured_device_ms']:.1f} ms); per op in {path}")
+    return out
 
 
 def report(per_op, kernels, device: bool, busiest: int, kinds, lines, wall_ms: float, chip) -> None:

@@ -4,19 +4,19 @@
 #
 #   OUT=<dir> bash tools/tpu_bench.sh      # on the TPU host, from the repository root
 #   tools/tpu_bench.sh --dry-run           # here: JAX_PLATFORMS=cpu, preset tiny, the same steps
-#   OUT=<dir> bash tools/tpu_bench.sh levers         # each speed option alone against its preset's run
-#   LEVER_PRESETS=gpt2_125m OUT=<dir> bash tools/tpu_bench.sh levers   # one preset (~8 runs of 30-60 s)
+#   OUT=<dir> bash tools/tpu_bench.sh levers         # the best run of each preset, then each option undone
+#   LEVER_PRESETS=gpt2_125m OUT=<dir> bash tools/tpu_bench.sh levers   # one preset (~7 runs of 30-110 s)
 #   tools/tpu_bench.sh --dry-run levers    # the same runs on tiny, on this CPU
 #
 # On the TPU VM: python3 3.11 with JAX preinstalled; what it lacks (flax, optax, orbax, absl,
 # matplotlib, tiktoken) comes from the machine's own index (TPU_INDEX, default file:///opt/pypi/simple)
 # into /tmp/site, after the machine's JAX on PYTHONPATH. Then, each capped by CAP_S:
 #   1. the splash kernel's tests, natively (tests/test_splash.py: kernel and twins against the reference)
-#   2. launch.bench, single device, bf16 compute, float32 weights and AdamW moments unless stated:
-#      gpt2_125m 16x1024 (bf16 weights and moments, bf16 logits and norms, q/k/v in the kernel's
-#      layout); gpt2_350m 16x1024 (bf16 weights and moments, remat save_dot_except_mlp);
-#      llama_v5e (bf16 weights and moments, no remat, the three options); each reports its init too
-#   3. tools/step_profile.py on each of those: device time per op kind, busy against idle
+#   2. launch.bench, single device, bf16 compute, bf16 weights and AdamW moments, bf16 logits and
+#      norms, q/k/v in the kernel's layout, the layer stack unrolled: gpt2_125m 16x1024; gpt2_350m
+#      16x1024 (remat save_dot_except_mlp); llama_v5e (no remat); each reports its init too
+#   3. tools/step_profile.py on each of those: device time per op kind, busy against idle, and the
+#      same compiled program priced op by op beside it (profile<i>.json)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-run}
@@ -27,24 +27,24 @@ if [[ -n $WHAT && $WHAT != levers ]]; then
 fi
 # The speed options, each alone on top of a preset's run (its flags: launch.common.define_speed_flags);
 # BLOCK is the whole sequence, with the scoped VMEM a block of 2048 needs; UNROLL the whole stack.
-lever_runs() {  # lever_runs "<preset> <flags>" <context_length> <num_layers> [chunked]
-  local base=$1 t=$2 layers=$3
-  LEVER_RUNS+=("$base" "$base --logits_dtype=compute" "$base --norm_dtype=compute" "$base --qkv_layout=heads"
-               "$base --splash_fused_bwd=false" "$base --attention_block=$t --xla_tpu_scoped_vmem_limit_kib=98304"
-               "$base --scan_unroll=$layers")
-  if [[ ${4:-} == chunked ]]; then LEVER_RUNS+=("$base --loss_recompute=false"); fi
+lever_runs() {  # lever_runs "<preset> <flags>" <context_length> [chunked]
+  local base=$1 t=$2
+  LEVER_RUNS+=("$base" "$base --scan_unroll=1" "$base --logits_dtype=float32" "$base --norm_dtype=float32"
+               "$base --qkv_layout=tokens" "$base --splash_fused_bwd=false"
+               "$base --attention_block=$t --xla_tpu_scoped_vmem_limit_kib=98304")
+  if [[ ${3:-} == chunked ]]; then LEVER_RUNS+=("$base --loss_chunks=4" "$base --loss_chunks=4 --loss_recompute=false"); fi
 }
 LEVER_RUNS=()
 if [[ $MODE == --dry-run ]]; then
-  export JAX_PLATFORMS=cpu
+  export JAX_PLATFORMS=cpu PREDICT_CHIP=v5e  # the profiles priced as if on a v5e: the tool's code checked
   OUT=${OUT:-$(mktemp -d -t tpu_bench.XXXXXX)}
   PY=${PYTHON:-.venv/bin/python}
   RUNS=("tiny --batch_size=8" "tiny --batch_size=8 --weight_dtype=bfloat16 --remat=save_dot_except_mlp --loss_chunks=2")
   STEPS=(--steps=2 --warmup=1 --matmul_size=256 --matmul_reps=3)
   TESTS=()
   CAP_S=${CAP_S:-300}
-  lever_runs "tiny --batch_size=8 --attention=splash" 128 2
-  lever_runs "tiny --batch_size=8 --weight_dtype=bfloat16 --loss_chunks=2" 128 2 chunked
+  lever_runs "tiny --batch_size=8 --attention=splash --scan_unroll=2" 128
+  lever_runs "tiny --batch_size=8 --weight_dtype=bfloat16 --scan_unroll=2" 128 chunked
 elif [[ $MODE == run ]]; then
   OUT=${OUT:?OUT: the folder the results go to}
   PY=${PYTHON:-$(cd / && python3 -c 'import sys; print(sys.executable)')}  # the 3.11 with JAX, not .python-version's
@@ -57,16 +57,18 @@ elif [[ $MODE == run ]]; then
   # the best configuration of each preset (BENCHMARKS.md, "TPU"), each benchmarked, then profiled
   BF16="--weight_dtype=bfloat16"
   FAST="--logits_dtype=compute --norm_dtype=compute --qkv_layout=heads"  # 2026-12-06: -7.6% and -5.1% a step
-  RUNS=("gpt2_125m --batch_size=16 $BF16 $FAST" "gpt2_350m --batch_size=16 $BF16 --remat=save_dot_except_mlp"
-        "llama_v5e $BF16 --remat=none $FAST")
+  # the layer stack unrolled (2026-12-06: -10.5%, -1.9% and -7.4% a step; compiles 41, 73 and 49 s)
+  RUNS=("gpt2_125m --batch_size=16 $BF16 $FAST --scan_unroll=12"
+        "gpt2_350m --batch_size=16 $BF16 --remat=save_dot_except_mlp $FAST --scan_unroll=24"
+        "llama_v5e $BF16 --remat=none $FAST --scan_unroll=14")
   STEPS=(--steps=10 --warmup=3)
   TESTS=(tests/test_splash.py)  # the kernel against the reference (the twins need 8 devices)
-  CAP_S=${CAP_S:-100}
+  CAP_S=${CAP_S:-150}  # an unrolled gpt2_350m compiles in 73 s; its profile reuses the compile (cache below)
   for preset in ${LEVER_PRESETS:-gpt2_125m gpt2_350m llama_v5e}; do
     case $preset in
-      gpt2_125m) lever_runs "${RUNS[0]}" 1024 12 ;;
-      gpt2_350m) lever_runs "${RUNS[1]}" 1024 24 chunked ;;
-      llama_v5e) lever_runs "${RUNS[2]}" 2048 14 ;;
+      gpt2_125m) lever_runs "${RUNS[0]}" 1024 ;;
+      gpt2_350m) lever_runs "${RUNS[1]}" 1024 chunked ;;
+      llama_v5e) lever_runs "${RUNS[2]}" 2048 ;;
       *) echo "LEVER_PRESETS: unknown preset $preset (gpt2_125m, gpt2_350m, llama_v5e)" >&2; exit 2 ;;
     esac
   done
@@ -74,10 +76,12 @@ else
   echo "usage: tools/tpu_bench.sh [--dry-run] [levers]  (no argument: the TPU run)" >&2; exit 2
 fi
 if [[ $WHAT == levers ]]; then  # the options' runs alone: no tests, no profiles, shorter runs
-  RUNS=("${LEVER_RUNS[@]}") TESTS=() PROFILE=0 CAP_S=${LEVER_CAP_S:-75}
+  RUNS=("${LEVER_RUNS[@]}") TESTS=() PROFILE=0 CAP_S=${LEVER_CAP_S:-130}
   STEPS=(--steps=6 --warmup=2 "${STEPS[@]:2}")
 fi
 export PYTHONUNBUFFERED=1
+# the profile of a run compiles the same program as its benchmark: read it back from this cache
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$OUT/.jax_cache}
 mkdir -p "$OUT"
 LOG=$OUT/tpu_bench.log
 "$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tee -a "$LOG"
@@ -101,7 +105,7 @@ i=0
   i=$((i + 1))
   # shellcheck disable=SC2086
   timeout "$CAP_S" "$PY" tools/step_profile.py --preset=$run --strategy=single --dtype=bfloat16 --steps=3 --top=12 \
-    2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile$i.txt" | tail -25 || echo "profile $i ($run): failed or timed out"
+    --predict_json="$OUT/profile$i.json" ${PREDICT_CHIP:+--predict_chip=$PREDICT_CHIP} 2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile$i.txt" | tail -25 || echo "profile $i ($run): failed or timed out"
 done
 cat "$OUT"/run*.md.tmp > "$OUT/tpu_bench.md" 2>/dev/null && rm -f "$OUT"/run*.md.tmp  # 8 files in all
 echo "results in $OUT"

@@ -110,12 +110,14 @@ class Efficiency:
 # matmul, an HBM-bound elementwise pass, the splash kernel alone; never a training step, which is
 # what the prediction is checked against); a chip not listed is priced at its datasheet peaks.
 EFFICIENCIES: dict[str, Efficiency] = {
-    # One v5e, jax 0.10.2, 2026-12-06 (BENCHMARKS.md, "The chip's own rates"): bf16 matmul 8192^3
-    # 166.3 TFLOP/s of 197; an elementwise pass 476 GB/s (bf16) and 549 GB/s (float32) of 819, the
-    # mean taken; splash fwd+bwd (3.5 forwards, causal half) 19.9-20.7 TFLOP/s at head_dim 64
-    # (B16 H12/H16 T1024, block 1024) and 52.8 at 128 (B2 H16/4 T2048, block 1024).
-    "v5e": Efficiency(matmul_efficiency=0.844, hbm_efficiency=0.626, splash_efficiency=0.268,
-                      splash_by_head_dim=((64, 0.103), (128, 0.268)),
+    # One v5e, jax 0.10.2, 2026-12-06 (BENCHMARKS.md, "The chip's own rates"), each sample five calls
+    # blocked once (a call timed alone carried 0.6-0.8 ms of dispatch): bf16 matmul 8192^3 182.1
+    # TFLOP/s of 197; an elementwise pass 611 GB/s (bf16) and 629 GB/s (float32) of 819, the mean
+    # taken; splash fwd+bwd (3.5 forwards, causal half) at the block each preset runs: 25.8 and 24.3
+    # TFLOP/s at head_dim 64 (B16 H12/H16 T1024, block 512), the mean taken, and 82.7 at 128 (B2 H16/4
+    # T2048, block 1024).
+    "v5e": Efficiency(matmul_efficiency=0.924, hbm_efficiency=0.757, splash_efficiency=0.420,
+                      splash_by_head_dim=((64, 0.127), (128, 0.420)),
                       source="measured on one v5e by tools/chip_micro.py, 2026-12-06"),
 }
 

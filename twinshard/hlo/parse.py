@@ -146,6 +146,25 @@ def parse_shape(text: str) -> Shape | list:
     return Shape(m.group(1), dims)
 
 
+# An array and its layout; a layout naming a memory space S(n), n > 0, keeps the buffer on the chip
+# (XLA:TPU: S(1) VMEM, S(2)/S(6) sync flags and scalars; a v5e llama_v5e step places 700 operands in VMEM).
+_ARRAY_IN_SPACE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](?:\{([^{}]*)\})?")
+_ON_CHIP = re.compile(r"S\([1-9]\d*\)")
+
+
+def hbm_bytes(shape_text: str) -> int:
+    """HBM bytes of a shape (each element of a tuple): arrays whose layout puts them on the chip count 0."""
+    total = 0
+    for dtype, dims, layout in _ARRAY_IN_SPACE.findall(shape_text):
+        if layout and _ON_CHIP.search(layout):
+            continue
+        try:
+            total += parse_shape(f"{dtype}[{dims}]").bytes
+        except ValueError:
+            continue
+    return total
+
+
 # ----------------------------------------------------------------------------- module parse
 
 

@@ -10,8 +10,9 @@ Each op of the schedule (twinshard/hlo/schedule.py) costs, from its shapes (one 
   split one), causal counting half, at the peak x its efficiency at that head_dim (`Rates.splash_share`);
   other custom calls by their bytes;
 - every op also moves its operands and result through HBM at `hbm_bytes_per_s` x `hbm_efficiency`
-  (a slice reads only the slice, an in-place update writes only the update), and takes the longer of
-  its compute and its memory time (a roofline);
+  (a slice reads only the slice, an in-place update writes only the update, and an array whose layout
+  puts it in on-chip memory moves nothing), and takes the longer of its compute and its memory time
+  (a roofline);
 - a collective sends its ring bytes (the ledger's) over the link of its mesh axis (`link_seconds`:
   twinshard.hardware.links.collective_seconds, what the planner uses): one link per axis, collectives
   on it one after another.
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinshard.hlo.loops import call_edges_of
-from twinshard.hlo.parse import Instr, Module, Shape, base_opcode, parse_shape, split_top
+from twinshard.hlo.parse import Instr, Module, Shape, base_opcode, hbm_bytes as _bytes, parse_shape, split_top
 from twinshard.hlo.records import flat_shapes, source_metadata
 from twinshard.hlo.schedule import Schedule, Sequence, Window, is_free, phase, schedule
 
@@ -286,11 +287,6 @@ _SLICES = ("dynamic-slice", "slice", "gather")  # read only what they return
 _HLO_TO_JNP = {"bf16": "bfloat16", "f16": "bfloat16", "f32": "float32", "f64": "float32"}
 
 
-def _bytes(shape_text: str) -> int:
-    try:
-        return sum(s.bytes for s in flat_shapes(parse_shape(shape_text)))
-    except ValueError:
-        return 0
 
 
 class _Pricer:

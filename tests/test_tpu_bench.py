@@ -1,0 +1,34 @@
+"""tools/tpu_bench.sh --dry-run: the chip's one script runs its steps here on tiny shapes (JAX on the
+CPU), so a broken flag or tool fails CI and not the session's few minutes on a TPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_tpu_bench_dry_run_benchmarks_profiles_and_prices_each_run(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    env.pop("XLA_FLAGS", None)  # the script's launchers set their own devices
+    done = subprocess.run(["bash", "tools/tpu_bench.sh", "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    log = (tmp_path / "tpu_bench.log").read_text()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "failed or timed out" not in log, log[-2000:]
+    table = (tmp_path / "tpu_bench.md").read_text()
+    assert table.count("\n| single |") == 2, table  # the two runs' rows
+    for i in (1, 2):
+        profile = json.loads((tmp_path / f"profile{i}.json").read_text())
+        assert profile["chip"] == "v5e" and profile["predicted_ms"] > 0
+        ops = profile["ops"]
+        measured = sum(o["measured_ms"] for o in ops)
+        assert measured > 0 and {o["kind"] for o in ops} >= {"matmul", "memory"}
+        # the profile's device time is the ops' time: every instruction it saw is one the prediction priced
+        assert measured == pytest.approx(profile["measured_device_ms"], rel=1e-9)
