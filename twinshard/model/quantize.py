@@ -1,7 +1,7 @@
 """int8 training matmuls (ModelConfig.quantization="int8"), through qwix's public quantize and dot_general.
 
 Each quantized product is ONE int8 x int8 dot_general summed in int32, each operand quantized per
-channel by its absmax over the contracted axis (s = max|.| / 127, q = round(v / s)):
+channel by its absmax over the contracted axis (qwix's symmetric int8: s = max|.| / 127.5, q = round(v / s)):
 
     forward   y [M, out] = (x_q [M, in] . w_q [in, out]) * s_x [M, 1] * s_w [1, out]   s_x per token, s_w per column
     backward  dx [M, in] = (g_q [M, out] . w^T_q [out, in]) * s_g [M, 1] * s_w' [1, in]  w re-quantized per row
