@@ -5,8 +5,9 @@ projections as int8 x int8 -> int32 dots, forward and for dx, with per-channel a
   is the unquantized x^T g;
 - the traced step holds 7 int8 dots with int32 sums per layer forward and 7 backward (q, k, v, o, w1,
   w3, w2), the dW dots and the LM head in the compute dtype;
-- each twin equals single device under int8 as tightly as without (the scales are per device, and
-  no strategy it runs splits a quantized contraction); the ledger of each is unchanged by it;
+- each twin equals single device under int8 to within a few int8 buckets (the scales are per device,
+  and no strategy it runs splits a quantized contraction); the ledger of each is unchanged by it;
+  tensor parallelism, which would split one, is refused before anything is built;
 - the loss stays within a stated band of bf16's over training steps on the embedded corpus.
 """
 
@@ -25,7 +26,6 @@ import explicit_parallel
 import manual_parallel
 import reference
 from runners import CFG
-from test_data_tensor import LOSS_ATOL, NORM_RTOL, PARAM_ATOL
 from twinshard import hlo
 from twinshard.config import Config
 from twinshard.model import layers
@@ -37,35 +37,30 @@ PER_LAYER = 7  # q, k, v, o, w1, w3, w2
 
 
 def int8_rounded(v: np.ndarray, axis: int) -> np.ndarray:
-    """v quantized to int8 by the absmax along `axis` (one scale per channel of the other axis), dequantized:
-    qwix's symmetric int8, s = absmax / 127.5 (its largest bucket spans [126.5, 127.5)), round half to even."""
-    scale = np.abs(v).max(axis=axis, keepdims=True) / np.float32(127.5)
+    """v quantized to int8 by the absmax along `axis` (one scale per channel of the other axis), dequantized,
+    in qwix's float32 arithmetic: s = absmax * (127.5 / 127) / 127.5 (quantize.ABSMAX), round half to even."""
+    absmax = np.abs(v).max(axis=axis, keepdims=True)
+    scale = absmax * np.float32(127.5 / 127) / np.float32(127.5)
     return np.clip(np.round(v / scale), -128, 127) * scale
 
 
-def exact_operand(rng, shape: tuple[int, int], peak_column: int, channel_axis: int) -> np.ndarray:
-    """Integers in [-255, 255] with 255 in `peak_column` of every row, times 2^(0..3) per channel along
-    `channel_axis`: every absmax is 255 * 2^k, so s = 2^(k+1) and v / s is exact, ties and all (the
-    absmax itself lands on 127.5, which float rounding would otherwise send either way). Channels of
-    different magnitude tell per-channel scales from one scale per tensor."""
-    v = rng.integers(-255, 256, size=shape).astype(np.float32)
-    v[:, peak_column] = 255
+def operand(rng, shape: tuple[int, int], channel_axis: int) -> np.ndarray:
+    """Normal values times 2^(0..3) per channel along `channel_axis`: channels of different magnitude
+    tell per-channel scales from one scale per tensor."""
     powers = 2.0 ** (np.arange(shape[channel_axis]) % 4)
-    return (v * (powers[:, None] if channel_axis == 0 else powers[None, :])).astype(np.float32)
+    return (rng.normal(size=shape) * (powers[:, None] if channel_axis == 0 else powers[None, :])).astype(np.float32)
 
 
 def test_the_product_and_its_gradients_are_per_channel_int8():
     rng = np.random.default_rng(0)
-    x, g = exact_operand(rng, (16, 24), 0, 0), exact_operand(rng, (16, 40), 0, 0)  # per token
-    w = exact_operand(rng, (40, 24), 3, 0).T.copy()  # [24, 40]: each column's peak 255 * 2^k in row 3
-    w[:, 3] = 255 * 8  # each row's peak in column 3 (2^3: the largest power), for dx's per-row scales
+    x, g, w = operand(rng, (16, 24), 0), operand(rng, (16, 40), 0), operand(rng, (24, 40), 1)
     y, vjp = jax.vjp(lambda x, w: layers.matmul(x, w, "int8"), x, w)
     dx, dw = vjp(g)
     want = int8_rounded(x, 1) @ int8_rounded(w, 0)  # x per token, w per output column, both over `in`
-    np.testing.assert_allclose(y, want, rtol=1e-6)
-    np.testing.assert_allclose(dx, int8_rounded(g, 1) @ int8_rounded(w, 1).T, rtol=1e-6)  # w per row, over `out`
-    np.testing.assert_allclose(dw, x.T @ g, rtol=1e-6)  # dW unquantized
-    assert float(np.abs(y - x @ w).max()) > 1.0  # rounded: the check can fail
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, int8_rounded(g, 1) @ int8_rounded(w, 1).T, rtol=1e-5, atol=1e-5)  # w per row
+    np.testing.assert_allclose(dw, x.T @ g, rtol=1e-5, atol=1e-5)  # dW unquantized
+    assert float(np.abs(y - x @ w).max()) > 1e-2  # rounded: the check can fail
 
 
 def dots(cfg) -> list[tuple]:
@@ -104,3 +99,58 @@ def test_each_layer_runs_its_projections_as_int8_dots_forward_and_backward(dtype
     assert sum(shape in ((d, d), (d, kv), (d, f), (f, d)) for _, shape in plain) == PER_LAYER  # the dW dots
     assert all(ins == (dtype, dtype) for ins, _ in plain)  # attention, the LM head, dW: unquantized
     assert not [s for ins, out, s in dots(dataclasses.replace(m, quantization="none")) if "int8" in ins]
+
+
+# --- the twins ------------------------------------------------------------------------------------
+
+TWINS = {"auto": auto_parallel, "manual": manual_parallel, "explicit": explicit_parallel}
+# the strategies a quantized contraction is whole on every device of (tensor parallelism is refused):
+# dp and fsdp split the batch (fsdp gathers each weight before its product), cp the sequence
+MESHES = {"dp": "data:8", "fsdp": "data:8", "cp": "context:8"}
+CASES = [("manual", "dp"), ("auto", "fsdp"), ("manual", "fsdp"), ("explicit", "fsdp"), ("manual", "cp")]
+
+
+@functools.cache
+def single() -> dict:
+    return reference.train_record(trainer.SingleDevice(INT8.model, INT8.train), INT8, STEPS)
+
+
+@functools.cache
+def runner(impl: str, strategy: str, quantization: str = "int8"):
+    cfg = Config(dataclasses.replace(INT8.model, quantization=quantization), INT8.train)
+    return TWINS[impl].make_runner(strategy, MESHES[strategy], cfg)
+
+
+# Measured (tiny, float32, 3 AdamW steps, every case): step-1 loss within 1.1e-5 and gradients within
+# 4.4e-5 (max abs) of single device, against 1e-6 and 2.4e-8 without int8. The int8 values and their int32
+# sums are exact, but the unquantized float32 work around them (norms, dW, the loss) differs by ulps
+# between programs as it does without int8, and a value within an ulp of a rounding boundary lands in
+# the neighbouring bucket (1/127 of its row's absmax). AdamW turns such gradient noise where |g| ~ eps
+# into parameter noise (docs/design.md, JAX facts): the later losses are bounded, the params are not.
+LOSS1_ATOL, GRAD_ATOL, LOSSES_ATOL = 1e-4, 5e-4, 5e-3
+
+
+@pytest.mark.parametrize("impl, strategy", CASES, ids=[f"{i}-{s}" for i, s in CASES])
+def test_twins_equal_single_device_under_int8(impl, strategy):
+    got, want = reference.train_record(runner(impl, strategy), INT8, STEPS), single()
+    assert abs(got["losses"][0] - want["losses"][0]) < LOSS1_ATOL
+    assert reference.max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSSES_ATOL, rtol=0)
+    assert reference.max_diff(got["params"], want["init"]) > 1e-3  # the params did move
+
+
+def collectives(impl: str, strategy: str, quantization: str) -> list[tuple]:
+    """The compiled train step's ledger as (op, dtype, shape, mesh axes, count) rows, sorted."""
+    r = runner(impl, strategy, quantization)
+    x = jax.ShapeDtypeStruct((CFG.train.batch_size, CFG.model.context_length), np.int32, sharding=r.batch_sharding)
+    led = hlo.ledger(r.train_step.lower(r.abstract_state(), x, x).compile(), r.mesh)
+    return sorted((c.op, c.dtype, c.shape, c.axes, c.multiplicity) for c in led)
+
+
+@pytest.mark.parametrize("impl, strategy", [("manual", "fsdp"), ("auto", "fsdp"), ("explicit", "fsdp"), ("auto", "dp"),
+                                           ("manual", "cp")])
+def test_int8_leaves_the_ledger_unchanged(impl, strategy):
+    """The scales are the per-device product's own (after FSDP's all-gather): int8 adds, removes and
+    resizes no collective, so the cost model's ledger holds as it is."""
+    plain = collectives(impl, strategy, "none")
+    assert plain and collectives(impl, strategy, "int8") == plain
