@@ -193,3 +193,26 @@ def test_int8_loss_stays_within_a_band_of_bf16_on_the_corpus(tmp_path):
     assert bf16[0] - bf16[-1] > 1.5  # a run that learns
     np.testing.assert_allclose(int8, bf16, atol=BAND, rtol=0)
     assert not np.array_equal(int8, bf16)  # int8 ran
+
+
+# --- tools/loss_curves.py: int8 against bf16 from two training runs' metrics.jsonl --------------------
+
+def test_loss_curves_plot_two_runs_and_refuse_bad_input_in_one_line(tmp_path):
+    import json
+
+    from cli import assert_user_error, run
+
+    for label, shift in (("bf16", 0.0), ("int8", 0.01)):
+        (tmp_path / label).mkdir()
+        records = [{"step": s, "loss": 5.0 - s / 100 + shift} for s in range(10, 110, 10)] + [{"step": 100, "eval_loss": 4.2}]
+        (tmp_path / label / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "curves.png"
+    runs = [f"--run=bf16={tmp_path / 'bf16'}", f"--run=int8={tmp_path / 'int8'}"]
+    proc = run("tools/loss_curves.py", *runs, f"--out={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "int8: max |loss - bf16| 0.0100 over 10 steps, last held-out loss 4.2000 (step 100)" in proc.stdout
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert_user_error(run("tools/loss_curves.py", *runs, f"--out={out}"), f"--out={out} exists; pass --force")
+    assert_user_error(run("tools/loss_curves.py", f"--run=x={tmp_path / 'none'}", f"--out={tmp_path / 'x.png'}"),
+                      "metrics.jsonl; train into it first")
+    assert not (tmp_path / "x.png").exists()
