@@ -4,7 +4,7 @@ projections as int8 x int8 -> int32 dots, forward and for dx, with per-channel a
 - the product equals its definition (numpy: each operand rounded per channel, then multiplied) and dW
   is the unquantized x^T g;
 - the traced step holds 7 int8 dots with int32 sums per layer forward and 7 backward (q, k, v, o, w1,
-  w3, w2), the dW dots and the LM head in the compute dtype;
+  w3, w2), the dW dots and the LM head in the compute dtype, and the compiled step keeps them;
 - each twin equals single device under int8 to within a few int8 buckets (the scales are per device,
   and no strategy it runs splits a quantized contraction); the ledger of each is unchanged by it;
   tensor parallelism, which would split one, is refused before anything is built;
@@ -99,6 +99,18 @@ def test_each_layer_runs_its_projections_as_int8_dots_forward_and_backward(dtype
     assert sum(shape in ((d, d), (d, kv), (d, f), (f, d)) for _, shape in plain) == PER_LAYER  # the dW dots
     assert all(ins == (dtype, dtype) for ins, _ in plain)  # attention, the LM head, dW: unquantized
     assert not [s for ins, out, s in dots(dataclasses.replace(m, quantization="none")) if "int8" in ins]
+
+
+def test_the_compiled_step_keeps_the_int8_dots():
+    """XLA keeps them: 14 dots into s32 (7 in the forward loop's body, 7 in the backward's), each fed
+    by two s8 operands (the parameters of their fused computations), in the compiled single-device step."""
+    import re
+
+    r = trainer.SingleDevice(INT8.model, INT8.train)
+    x = jax.ShapeDtypeStruct((CFG.train.batch_size, CFG.model.context_length), np.int32)
+    text = r.train_step.lower(r.abstract_state(), x, x).compile().as_text()
+    assert len(re.findall(r"= s32\[[\d,]+\]\{[\d,]*\} dot\(", text)) == 2 * PER_LAYER
+    assert len(re.findall(r"%param\S* = s8\[", text)) == 4 * PER_LAYER
 
 
 # --- the twins ------------------------------------------------------------------------------------
