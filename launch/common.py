@@ -127,7 +127,7 @@ def define_precision_flags() -> None:
 
 def define_speed_flags() -> None:
     """The accelerator-speed options (default: today's numerics), each a ModelConfig field of its name."""
-    from twinshard.config import PRECISIONS, QKV_LAYOUTS
+    from twinshard.config import PRECISIONS, QKV_LAYOUTS, QUANTIZATIONS
 
     define(flags.DEFINE_enum, "logits_dtype", None, PRECISIONS, "The LM head's logits (default float32; compute: "
            "in the compute dtype with float32 max / log-sum-exp / target logit, no float32 [tokens, V] array).")
@@ -137,6 +137,8 @@ def define_speed_flags() -> None:
            "compute: in the compute dtype, the mean of squares accumulated in float32).")
     define(flags.DEFINE_enum, "qkv_layout", None, QKV_LAYOUTS, "q, k, v: tokens (default: [B, T, h*dh], split "
            "into heads by transposes) or heads (einsummed straight into the kernel's [B, h, T, dh] and out).")
+    define(flags.DEFINE_enum, "quantization", None, QUANTIZATIONS, "The blocks' q/k/v/o and MLP matmuls: none (default) "
+           "or int8 (int8 dots into int32 forward and for dx, per-channel absmax scales; no tensor parallelism).")
     define(flags.DEFINE_bool, "splash_fused_bwd", None, "The splash kernel's backward: one fused kernel for dq, "
            "dk, dv (default true) or false: dq by a kernel of its own.")
     define(flags.DEFINE_integer, "xla_tpu_scoped_vmem_limit_kib", None, "XLA:TPU's scoped VMEM limit in KiB, "
@@ -147,7 +149,7 @@ def define_speed_flags() -> None:
            "compiler's defaults. Ignored off a TPU.")
 
 
-SPEED_FLAGS = ("logits_dtype", "loss_recompute", "norm_dtype", "qkv_layout", "splash_fused_bwd",
+SPEED_FLAGS = ("logits_dtype", "loss_recompute", "norm_dtype", "qkv_layout", "quantization", "splash_fused_bwd",
                "xla_tpu_scoped_vmem_limit_kib", "async_collectives")
 
 

@@ -95,6 +95,18 @@ def test_config_errors_name_the_flag(tmp_path, flag, fix):
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.parametrize("args, needles", [
+    (["--quantization=int4"], ["--quantization=int4: value should be one of <none|int8>"]),
+    (["--quantization=int8", "--strategy=tp"], ["--quantization=int8 with --strategy=tp: its `tensor` axis",
+                                                "or --quantization=none"]),
+    (["--quantization=int8", "--qkv_layout=heads"], ["--quantization=int8 quantizes the [tokens, D] projections",
+                                                     "pass --qkv_layout=tokens"]),
+])
+def test_quantization_it_cannot_run_is_refused_in_one_line(tmp_path, args, needles):
+    err = assert_user_error(train(*args, f"--workdir={tmp_path / 'never'}"), *needles)
+    assert len(err.strip().splitlines()) <= 2 and not (tmp_path / "never").exists()
+
+
 def test_a_step_too_big_for_the_device_is_refused_before_compiling(tmp_path):
     """tiny at T = 100000: attention's backward [T, T] alone is ~2.4 TB, far beyond any host; the
     cost model's estimate refuses it in one line naming what dominates, before anything compiles

@@ -47,7 +47,7 @@ STEP: dict[str, tuple[Config | ModelConfig, object]] = {
     "batch_size": (DENSE, 4), "steps": (DENSE, 40), "lr": (DENSE, 1e-2), "min_lr": (DENSE, 1e-5),
     "warmup_steps": (DENSE, 5), "weight_decay": (DENSE, 0.2), "beta1": (DENSE, 0.8), "beta2": (DENSE, 0.99),
     "eps": (DENSE, 1e-6), "grad_clip": (DENSE, 0.5), "skip_nonfinite": (DENSE, False),
-    "optimizer": (DENSE, "lion"), "grad_accum": (DENSE, 2),
+    "optimizer": (DENSE, "lion"), "grad_accum": (DENSE, 2), "quantization": (DENSE, "int8"),
 }
 # option -> the test that observes it where the one-device step does not show it
 ELSEWHERE = {

@@ -7,10 +7,13 @@
 #   OUT=<dir> bash tools/tpu_bench.sh levers         # the best run of each preset, then each option undone
 #   LEVER_PRESETS=gpt2_125m OUT=<dir> bash tools/tpu_bench.sh levers   # one preset (~7 runs of 30-110 s)
 #   tools/tpu_bench.sh --dry-run levers    # the same runs on tiny, on this CPU
+#   OUT=<dir> bash tools/tpu_bench.sh int8  # gpt2_125m and llama_v5e, bf16 then --quantization=int8 (4 runs)
+#   tools/tpu_bench.sh --dry-run int8      # the same pair on tiny, on this CPU
 #
 # On the TPU VM: python3 3.11 with JAX preinstalled; what it lacks (flax, optax, orbax, absl,
 # matplotlib, tiktoken) comes from the machine's own index (TPU_INDEX, default file:///opt/pypi/simple)
-# into /tmp/site, after the machine's JAX on PYTHONPATH. Then, each capped by CAP_S:
+# into /tmp/site, after the machine's JAX on PYTHONPATH; qwix (--quantization=int8) and opt_einsum from
+# that index or the wheels in QWIX_WHEELS (default .device/), where either has them. Then, each capped by CAP_S:
 #   1. the splash kernel's tests, natively (tests/test_splash.py: kernel and twins against the reference)
 #   2. launch.bench, single device, bf16 compute, bf16 weights and AdamW moments, bf16 logits and
 #      norms, q/k/v in the kernel's layout, the layer stack unrolled: gpt2_125m 16x1024; gpt2_350m
@@ -21,9 +24,9 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-run}
 WHAT=${2:-}
-if [[ $MODE == levers ]]; then MODE=run WHAT=levers; fi
-if [[ -n $WHAT && $WHAT != levers ]]; then
-  echo "usage: tools/tpu_bench.sh [--dry-run] [levers]  (no argument: the TPU run)" >&2; exit 2
+if [[ $MODE == levers || $MODE == int8 ]]; then WHAT=$MODE MODE=run; fi
+if [[ -n $WHAT && $WHAT != levers && $WHAT != int8 ]]; then
+  echo "usage: tools/tpu_bench.sh [--dry-run] [levers|int8]  (no argument: the TPU run)" >&2; exit 2
 fi
 # The speed options, each alone on top of a preset's run (its flags: launch.common.define_speed_flags);
 # BLOCK is the whole sequence, with the scoped VMEM a block of 2048 needs; UNROLL the whole stack.
@@ -34,7 +37,10 @@ lever_runs() {  # lever_runs "<preset> <flags>" <context_length> [chunked]
                "$base --attention_block=$t --xla_tpu_scoped_vmem_limit_kib=98304")
   if [[ ${3:-} == chunked ]]; then LEVER_RUNS+=("$base --loss_chunks=4" "$base --loss_chunks=4 --loss_recompute=false"); fi
 }
-LEVER_RUNS=()
+# int8 against bf16: a preset's run, then the same with --quantization=int8 (which keeps --qkv_layout=tokens:
+# the heads layout's einsums are not quantized, so that pair is refused)
+int8_runs() { INT8_RUNS+=("$1" "$1 --quantization=int8"); }
+LEVER_RUNS=() INT8_RUNS=()
 if [[ $MODE == --dry-run ]]; then
   export JAX_PLATFORMS=cpu PREDICT_CHIP=v5e  # the profiles priced as if on a v5e: the tool's code checked
   OUT=${OUT:-$(mktemp -d -t tpu_bench.XXXXXX)}
@@ -45,6 +51,7 @@ if [[ $MODE == --dry-run ]]; then
   CAP_S=${CAP_S:-300}
   lever_runs "tiny --batch_size=8 --attention=splash --scan_unroll=2" 128
   lever_runs "tiny --batch_size=8 --weight_dtype=bfloat16 --scan_unroll=2" 128 chunked
+  int8_runs "tiny --batch_size=8 --weight_dtype=bfloat16"
 elif [[ $MODE == run ]]; then
   OUT=${OUT:?OUT: the folder the results go to}
   PY=${PYTHON:-$(cd / && python3 -c 'import sys; print(sys.executable)')}  # the 3.11 with JAX, not .python-version's
@@ -52,17 +59,28 @@ elif [[ $MODE == run ]]; then
   PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --only-binary=:all: \
     --index-url "${TPU_INDEX:-file:///opt/pypi/simple}" --target /tmp/site --upgrade \
     flax==0.12.8 optax orbax-checkpoint absl-py matplotlib tiktoken pytest 2>&1 | grep -v notice
+  WHEELS=${QWIX_WHEELS:-.device} LINKS=()
+  if [[ -d $WHEELS ]]; then LINKS=(--find-links "$WHEELS"); fi
+  if ! PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated -q --only-binary=:all: --no-deps "${LINKS[@]}" \
+      --index-url "${TPU_INDEX:-file:///opt/pypi/simple}" --target /tmp/site --upgrade qwix==0.1.8 opt_einsum \
+      > /tmp/qwix_install.log 2>&1; then  # its absence fails the int8 runs alone
+    echo "qwix: neither the index nor $WHEELS has qwix==0.1.8 and opt_einsum; the --quantization=int8 runs will fail"
+    tail -3 /tmp/qwix_install.log
+  fi
   echo "install: $(( $(date +%s) - t0 )) s"
   export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site
   # the best configuration of each preset (BENCHMARKS.md, "TPU"), each benchmarked, then profiled
   BF16="--weight_dtype=bfloat16"
-  FAST="--logits_dtype=compute --norm_dtype=compute --qkv_layout=heads"  # 2026-12-06: -7.6% and -5.1% a step
+  NARROW="--logits_dtype=compute --norm_dtype=compute"
+  FAST="$NARROW --qkv_layout=heads"  # 2026-12-06: -7.6% and -5.1% a step
   # the layer stack unrolled (2026-12-06: -10.5%, -1.9% and -7.4% a step; compiles 41, 73 and 49 s)
   RUNS=("gpt2_125m --batch_size=16 $BF16 $FAST --scan_unroll=12"
         "gpt2_350m --batch_size=16 $BF16 --remat=save_dot_except_mlp $FAST --scan_unroll=24"
         "llama_v5e $BF16 --remat=none $FAST --scan_unroll=14")
   STEPS=(--steps=10 --warmup=3)
   TESTS=(tests/test_splash.py)  # the kernel against the reference (the twins need 8 devices)
+  int8_runs "gpt2_125m --batch_size=16 $BF16 $NARROW --scan_unroll=12"
+  int8_runs "llama_v5e $BF16 --remat=none $NARROW --scan_unroll=14"
   CAP_S=${CAP_S:-150}  # an unrolled gpt2_350m compiles in 73 s; its profile reuses the compile (cache below)
   for preset in ${LEVER_PRESETS:-gpt2_125m gpt2_350m llama_v5e}; do
     case $preset in
@@ -78,6 +96,8 @@ fi
 if [[ $WHAT == levers ]]; then  # the options' runs alone: no tests, no profiles, shorter runs
   RUNS=("${LEVER_RUNS[@]}") TESTS=() PROFILE=0 CAP_S=${LEVER_CAP_S:-130}
   STEPS=(--steps=6 --warmup=2 "${STEPS[@]:2}")
+elif [[ $WHAT == int8 ]]; then  # bf16 and int8 pairs: no tests, no profiles (6 files back)
+  RUNS=("${INT8_RUNS[@]}") TESTS=() PROFILE=0
 fi
 export PYTHONUNBUFFERED=1
 # the profile of a run compiles the same program as its benchmark: read it back from this cache

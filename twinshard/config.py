@@ -19,6 +19,7 @@ from typing import Any
 COMPUTE_DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("float32", "compute")  # ModelConfig.logits_dtype / norm_dtype (the fields say what each means)
 QKV_LAYOUTS = ("tokens", "heads")  # ModelConfig.qkv_layout
+QUANTIZATIONS = ("none", "int8")  # ModelConfig.quantization (twinshard/model/quantize.py)
 WEIGHT_DTYPES = ("float32", "bfloat16")  # ModelConfig.weight_dtype: the params', gradients' and moments' dtype
 ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn", "splash")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
@@ -145,6 +146,8 @@ class ModelConfig:
     loss_recompute: bool = True
     # RMSNorm's elementwise work: "float32", or "compute" (the mean of squares accumulated in float32)
     norm_dtype: str = "float32"
+    # "int8": the blocks' projections as int8 dots summed in int32, forward and dx (twinshard/model/quantize.py)
+    quantization: str = "none"
     # tp_sp's manual twin: each all-gather before a column-parallel matmul as ppermutes overlapped with it
     collective_matmul: bool = False
     # mixture of experts (twinshard/model/moe.py): 0 is dense; E >= 2 routes every layer after
@@ -168,7 +171,8 @@ class ModelConfig:
         for name, choices in (("dtype", COMPUTE_DTYPES), ("weight_dtype", WEIGHT_DTYPES),
                               ("attention", ATTENTION_IMPLS), ("remat", REMAT_POLICIES),
                               ("moe_dispatch", MOE_DISPATCHES), ("logits_dtype", PRECISIONS),
-                              ("norm_dtype", PRECISIONS), ("qkv_layout", QKV_LAYOUTS)):
+                              ("norm_dtype", PRECISIONS), ("qkv_layout", QKV_LAYOUTS),
+                              ("quantization", QUANTIZATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not supported; choose one of "
                                  f"{', '.join(choices)}.")
@@ -179,11 +183,12 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive.")
         if self.d_model % self.num_heads:
-            raise ValueError(
-                f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
-                f"choose num_heads from {_divisors(self.d_model)} or change d_model."
-            )
+            raise ValueError(f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
+                             f"choose num_heads from {_divisors(self.d_model)} or change d_model.")
         self._check_kv_heads()
+        if self.quantization != "none" and self.qkv_layout == "heads":
+            raise ValueError(f"--quantization={self.quantization} quantizes the [tokens, D] projections, which "
+                             "--qkv_layout=heads replaces: pass --qkv_layout=tokens, or --quantization=none.")
         if self.attention_block < 0:
             raise ValueError(f"ModelConfig.attention_block={self.attention_block} (--attention_block) must be "
                              f">= 0 (0: automatic).")
@@ -192,10 +197,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.xla_tpu_scoped_vmem_limit_kib={self.xla_tpu_scoped_vmem_limit_kib} "
                              "must be >= 0 KiB (0: the compiler's default; 98304 lets splash run blocks of 2048).")
         if self.head_dim % 2:
-            raise ValueError(
-                f"head_dim = d_model/num_heads = {self.head_dim} is odd; RoPE rotates "
-                "pairs of features, so pick d_model and num_heads giving an even head_dim."
-            )
+            raise ValueError(f"head_dim = d_model/num_heads = {self.head_dim} is odd; RoPE rotates pairs of "
+                             "features, so pick d_model and num_heads giving an even head_dim.")
         for name in ("rope_theta", "norm_eps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive.")
@@ -367,9 +370,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be positive.")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            raise ValueError(
-                f"TrainConfig.warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]."
-            )
+            raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}].")
         if self.lr <= 0:
             raise ValueError(f"TrainConfig.lr={self.lr} must be positive.")
         if not 0 <= self.min_lr <= self.lr:
@@ -402,7 +403,6 @@ class Config:
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
-
 
 
 def _maxtext_v5e(d_model: int, num_layers: int, num_heads: int, d_ff: int, per_chip: int) -> Config:

@@ -49,6 +49,7 @@ EXPLICIT = "tests/test_explicit.py"
 OPTIONS = "tests/test_options.py"  # every option observed; explicit against derived settings
 DTYPES = "tests/test_promised_dtypes.py"
 ULYSSES = "tests/test_ulysses.py"
+QUANTIZATION = "tests/test_quantization.py"
 
 # The manual twin's tests of DATA_TENSOR: its cases of the tests parametrised over [twin-strategy],
 # then its own (the last two also run the GSPMD twin).
@@ -80,6 +81,8 @@ SRC_MODEL = "twinshard/model/transformer.py"
 SRC_REMAT = "twinshard/model/remat.py"
 SRC_ATTENTION = "twinshard/model/attention.py"
 SRC_LINEAR = "twinshard/model/linear.py"
+SRC_QUANTIZE = "twinshard/model/quantize.py"
+SRC_RESOLVE = "twinshard/parallel/resolve.py"
 SRC_DATA = "twinshard/train/data.py"
 SRC_HLO_PARSE = "twinshard/hlo/parse.py"
 SRC_HLO_GROUPS = "twinshard/hlo/groups.py"

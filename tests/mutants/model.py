@@ -6,6 +6,7 @@ from .base import (
     SRC_COST_ROWS_BUILDERS, SRC_COST_WEIGHTS, SRC_FSDP, SRC_LAYERS, SRC_LINEAR, SRC_LOSS, SRC_MODEL, SRC_OPTIM,
     SRC_REMAT, SRC_RUNNER, SRC_STRATEGIES, SRC_TP, SRC_TRAINER, TPU, TRAIN,
 )
+from .base import QUANTIZATION, SRC_QUANTIZE, SRC_RESOLVE
 
 MUTANTS: list[Mutant] = [
     # --- optimizer (twinshard/train/optim.py, twinshard/train/trainer.py)
@@ -504,4 +505,30 @@ MUTANTS: list[Mutant] = [
            "zero = jnp.zeros_like(p)",
            (f"{DTYPES}::test_the_gradient_accumulator_is_float32_over_bf16_weights", DTYPES),
            "--grad_accum sums micro-batch gradients in bf16 under --weight_dtype=bfloat16 (promised float32)"),
+    # --- int8 (twinshard/model/quantize.py, --quantization=int8)
+    Mutant("int8-weight-one-scale", "quantization", SRC_QUANTIZE,
+           "channelwise_axes=(1,), calibration_method=ABSMAX",
+           "channelwise_axes=(), calibration_method=ABSMAX",
+           (f"{QUANTIZATION}::test_the_product_and_its_gradients_are_per_channel_int8", QUANTIZATION),
+           "the weight is quantized by one absmax for the whole matrix, not one per output column"),
+    Mutant("int8-absmax-overflows", "quantization", SRC_QUANTIZE,
+           'ABSMAX = f"absmax,{127.5 / 127!r}"',
+           'ABSMAX = "absmax"',
+           (f"{QUANTIZATION}::test_the_product_and_its_gradients_are_per_channel_int8", QUANTIZATION),
+           "qwix's default bound: each channel's absmax rounds to 128, outside int8"),
+    Mutant("int8-dx-unquantized", "quantization", SRC_LAYERS,
+           "dx = _product(g, w.T, quantization)  # [..., in]",
+           "dx = _product(g, w.T)  # [..., in]",
+           (f"{QUANTIZATION}::test_each_layer_runs_its_projections_as_int8_dots_forward_and_backward", QUANTIZATION),
+           "--quantization=int8 quantizes the forward only: dx runs in the compute dtype"),
+    Mutant("int8-blocks-unquantized", "quantization", SRC_MODEL,
+           "with quantize.quantizing(self.quantization):",
+           'with quantize.quantizing("none"):',
+           (f"{QUANTIZATION}::test_each_layer_runs_its_projections_as_int8_dots_forward_and_backward", QUANTIZATION),
+           "--quantization=int8 is accepted and never reaches the blocks' matmuls"),
+    Mutant("int8-tensor-parallelism-let-through", "quantization", SRC_RESOLVE,
+           'if model.quantization != "none" and "tensor" in declared.split_axes:',
+           'if model.quantization == "int4" and "tensor" in declared.split_axes:',
+           (f"{QUANTIZATION}::test_tensor_parallelism_is_refused_before_anything_is_built", QUANTIZATION),
+           "tp quantizes each shard of a split contraction by its own absmax, silently unlike single device"),
 ]

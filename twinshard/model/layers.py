@@ -14,6 +14,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from twinshard.config import splash_block, splash_padded
+from twinshard.model import quantize
 
 
 Array = jax.Array
@@ -27,14 +28,18 @@ def linear(x: Array, w: Array, flat: bool = True) -> Array:
     """y = x W, W [in, out]: x [..., in] -> [..., out]; flat: ONE 2-D dot on [prod(...), in] rows.
 
     Batch dims kept made XLA:CPU transpose-copy the cotangent for dW; a float32 result made JAX run
-    both backward matmuls in f32 (measured, JAX 0.12). cp and tp_sp pass flat=False (GSPMD gathers)."""
+    both backward matmuls in f32 (measured, JAX 0.12). cp and tp_sp pass flat=False (GSPMD gathers).
+    Inside quantize.quantizing("int8") (the transformer blocks) forward and dx run in int8."""
+    mode = quantize.active()
     if not flat:
-        return matmul(x, w)
-    return matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+        return matmul(x, w, mode)
+    return matmul(x.reshape(-1, x.shape[-1]), w, mode).reshape(*x.shape[:-1], w.shape[-1])
 
 
-def _product(x: Array, w: Array) -> Array:
-    """x [..., in] @ w [in, out]: a 2-D dot on rows, an einsum keeping the batch dims otherwise."""
+def _product(x: Array, w: Array, quantization: str = "none") -> Array:
+    """x [..., in] @ w [in, out]: a 2-D dot on rows, an einsum keeping the batch dims otherwise; int8: quantize.py's."""
+    if quantization == "int8":
+        return quantize.int8_product(x, w, partial_sums("...i,io->...o", x, w))
     if x.ndim == 2:
         return jnp.dot(x, w, out_sharding=partial_sums("ij,jk->ik", x, w))
     return jnp.einsum("...i,io->...o", x, w, out_sharding=partial_sums("...i,io->...o", x, w))
@@ -68,21 +73,25 @@ def _mesh_axes(partition) -> tuple[str, ...]:
     return (partition,) if isinstance(partition, str) else tuple(partition)
 
 
-@jax.custom_vjp
-def matmul(x: Array, w: Array) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x: Array, w: Array, quantization: str = "none") -> Array:
     """x [..., in] @ w [in, out] -> [..., out] with dW as ONE dot x^T g -> [in, out]: autodiff's
-    transpose(dot(g, x)) fused into AdamW column by column, several times slower on CPU (measured, JAX 0.12)."""
-    return _product(x, w)
+    transpose(dot(g, x)) fused into AdamW column by column, several times slower on CPU (measured, JAX 0.12).
+    quantization "int8": y and dx by int8 dots (twinshard/model/quantize.py), dW as unquantized."""
+    return _product(x, w, quantization)
 
 
-def _matmul_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
-    return _product(x, w), (x, w)
+def _matmul_fwd(x: Array, w: Array, quantization: str) -> tuple[Array, tuple[Array, Array]]:
+    return _product(x, w, quantization), (x, w)
 
 
-def _matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+def _matmul_bwd(quantization: str, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     x, w = res  # x: [..., in], w: [in, out], g: [..., out]
-    dx = (jnp.dot(g, w.T, out_sharding=partial_sums("ij,jk->ik", g, w.T)) if g.ndim == 2
-          else jnp.einsum("...o,io->...i", g, w, out_sharding=partial_sums("...o,io->...i", g, w)))  # [..., in]
+    if quantization == "int8":
+        dx = _product(g, w.T, quantization)  # [..., in]: g per token, w re-quantized per row (over out)
+    else:
+        dx = (jnp.dot(g, w.T, out_sharding=partial_sums("ij,jk->ik", g, w.T)) if g.ndim == 2
+              else jnp.einsum("...o,io->...i", g, w, out_sharding=partial_sums("...o,io->...i", g, w)))
     # x^T g: ONE dot_general(x, g) -> [in, out]
     dw = jnp.einsum("...i,...o->io", x, g, out_sharding=partial_sums("...i,...o->io", x, g))
     return cotangent_like(dx, x), cotangent_like(dw, w)
@@ -411,8 +420,6 @@ def _keep_mask(t: int, positions: tuple[int, ...] | None) -> Array:
         return causal_mask(t)
     pos = np.asarray(positions)
     return jnp.asarray(visible(pos, pos))
-
-
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

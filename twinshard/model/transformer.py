@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from twinshard.model import layers, moe
+from twinshard.model import layers, moe, quantize
 from twinshard.config import ModelConfig
 from twinshard.model.attention import CausalSelfAttention
 from twinshard.model.hooks import SINGLE_DEVICE, Parallelism
@@ -115,8 +115,13 @@ class Block(nnx.Module):
             self.ffn = MoEFeedForward(cfg, rngs=rngs)
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, rngs=rngs, dtype=cfg.dtype)
+        self.quantization = cfg.quantization  # the projections' (twinshard/model/quantize.py)
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array | tuple[Array, moe.Stats]:
+        with quantize.quantizing(self.quantization):
+            return self._layer(x, par)
+
+    def _layer(self, x: Array, par: Parallelism) -> Array | tuple[Array, moe.Stats]:
         x = par.constrain(x + self.attn(self.ln1(x, par), par), ACTIVATION)
         if isinstance(self.ffn, MoEFeedForward):
             y, stats = self.ffn(self.ln2(x, par), par)

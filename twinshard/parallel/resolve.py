@@ -129,6 +129,11 @@ def check_options(declared: Strategy, impl: str, cfg: Config) -> None:
         if impl not in support.SUPPORT[strategy].collective_matmul:
             raise ValueError(f"--collective_matmul is written by hand in the manual twin only (--impl={impl}): "
                              "use --impl=manual, or drop --collective_matmul (GSPMD chooses its own collectives).")
+    if model.quantization != "none" and "tensor" in declared.split_axes:
+        raise ValueError(f"--quantization={model.quantization} with --strategy={strategy}: its `tensor` axis splits the "
+                         "contraction of the row-parallel projections (and of the column-parallel ones' dx), so each "
+                         "shard would quantize by its own absmax (twinshard/model/quantize.py); use a strategy without "
+                         "tensor (dp, fsdp, cp, ...), or --quantization=none.")
     row = support.SUPPORT.get(strategy)
     if row is None:  # written by no twin (single): the one device runs every option
         return
