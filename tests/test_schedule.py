@@ -191,6 +191,18 @@ ENTRY %main (Arg_0.1: bf16[1024,1024]) -> bf16[1024,1024] {
 """
 
 
+def test_an_int8_matmul_runs_at_the_int8_peak():
+    dot = VMEM_HLO.replace("bf16[1024,1024]", "s8[1024,1024]").replace(
+        "ROOT %add.1 = s8[1024,1024]{1,0:T(8,128)(2,1)} add(%param_0.1, %param_1)",
+        "ROOT %add.1 = s32[1024,1024]{1,0:T(8,128)} dot(%param_0.1, %param_1), lhs_contracting_dims={1}, "
+        "rhs_contracting_dims={0}")
+    as_bf16 = dot.replace("s8[", "bf16[")
+    int8, bf16 = ({o.name: o for o in predict_step(t, V5E, efficiency=chips.Efficiency()).ops}["add_fusion"]
+                  for t in (dot, as_bf16))
+    assert int8.kind == bf16.kind == "matmul" and int8.flops == bf16.flops == 2 * 1024 ** 3
+    assert int8.compute_s == pytest.approx(bf16.compute_s / 2)  # v5e: 394 int8 TOP/s against 197 bf16
+
+
 def test_operands_and_results_on_the_chip_move_no_hbm_bytes():
     pred = predict_step(VMEM_HLO, V5E, efficiency=chips.Efficiency())
     moved = {o.name: o.bytes for o in pred.ops}

@@ -42,6 +42,7 @@ class Chip:
     nvlink_bytes_per_s: float | None = None  # one direction, per GPU
     gpus_per_node: int | None = None
     node_network_bytes_per_s: float | None = None  # one direction, all NICs of a node
+    int8: float | None = None  # dense int8 peak, TOP/s (int32 accumulation), from the same datasheet
 
     @property
     def is_tpu(self) -> bool:
@@ -63,24 +64,24 @@ _V5E_DCN = 6.4e12 / 8 / 256  # per chip: cloud.google.com/tpu/docs/v5e (6.4 Tbps
 CHIPS: tuple[Chip, ...] = (
     Chip("H200", ("H200",), 989.4, 494.7, 66.9, _NVIDIA_DC + "h200/ (SXM)", 141 * GIB, 4.8e12,
          _NVIDIA_DC + "dgx-h200/ (NVLink 900 GB/s per GPU both ways; 8x ConnectX-7 400 Gb/s per node)",
-         nvlink_bytes_per_s=450e9, gpus_per_node=8, node_network_bytes_per_s=8 * 400 * _GBIT),
+         nvlink_bytes_per_s=450e9, gpus_per_node=8, node_network_bytes_per_s=8 * 400 * _GBIT, int8=1978.9),
     Chip("H100", ("H100",), 989.4, 494.7, 66.9, _NVIDIA_DC + "h100/ (SXM)", 80 * GIB, 3.35e12,
          _NVIDIA_DC + "dgx-h100/ (NVLink 900 GB/s per GPU both ways; 8x ConnectX-7 400 Gb/s per node)",
-         nvlink_bytes_per_s=450e9, gpus_per_node=8, node_network_bytes_per_s=8 * 400 * _GBIT),
+         nvlink_bytes_per_s=450e9, gpus_per_node=8, node_network_bytes_per_s=8 * 400 * _GBIT, int8=1978.9),
     Chip("A100", ("A100",), 312.0, 156.0, 19.5, _NVIDIA_DC + "a100/ (SXM)", 80 * GIB, 2.039e12,
          _NVIDIA_DC + "dgx-a100/ (NVLink 600 GB/s per GPU both ways; 8x ConnectX-6 200 Gb/s per node)",
-         nvlink_bytes_per_s=300e9, gpus_per_node=8, node_network_bytes_per_s=8 * 200 * _GBIT),
+         nvlink_bytes_per_s=300e9, gpus_per_node=8, node_network_bytes_per_s=8 * 200 * _GBIT, int8=624.0),
     Chip("v4", ("TPU v4",), 275.0, None, None, _GCLOUD_TPU + "v4", 32 * GIB, 1.2e12, _BOOK_ICI,
-         ici_link_bytes_per_s=4.5e10, ici_links=6, torus_multiple=4, pod=(16, 16, 16)),
+         ici_link_bytes_per_s=4.5e10, ici_links=6, torus_multiple=4, pod=(16, 16, 16), int8=275.0),
     Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197.0, None, None, _GCLOUD_TPU + "v5e", 16 * GIB, 8.19e11,
          _BOOK_ICI, ici_link_bytes_per_s=4.5e10, ici_links=4, torus_multiple=16, wraps_per_side=True,
-         pod=(16, 16), dcn_bytes_per_s=_V5E_DCN),
+         pod=(16, 16), dcn_bytes_per_s=_V5E_DCN, int8=394.0),
     Chip("v5p", ("TPU v5p", "TPU v5"), 459.0, None, None, _GCLOUD_TPU + "v5p", 95 * GIB, 2.765e12,
          _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=6, torus_multiple=4, pod=(16, 20, 28),
-         max_slice_chips=6144, dcn_bytes_per_s=_V5P_DCN),
+         max_slice_chips=6144, dcn_bytes_per_s=_V5P_DCN, int8=918.0),
     Chip("v6e", ("TPU v6 lite", "TPU v6e"), 918.0, None, None, _GCLOUD_TPU + "v6e", 32 * GIB, 1.64e12,
          _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=4, torus_multiple=16, wraps_per_side=True,
-         pod=(16, 16)),
+         pod=(16, 16), int8=1836.0),
 )
 
 
@@ -142,9 +143,12 @@ def chip(name: str) -> Chip:
 
 def matmul_peak_flops(chip: Chip, dtype: str) -> tuple[float, str]:
     """(FLOP/s, which peak) of one chip's matmuls in `dtype` at JAX's default precision: the bf16
-    peak for bfloat16, and for float32 on a TPU too (one bf16 MXU pass); TF32 for float32 on NVIDIA."""
+    peak for bfloat16, and for float32 on a TPU too (one bf16 MXU pass); TF32 for float32 on NVIDIA;
+    the int8 peak for int8 (int32 accumulation: v5e's measured 2.02x its bf16)."""
     if dtype == "bfloat16":
         return chip.bf16 * 1e12, "bf16"
+    if dtype == "int8":
+        return (chip.int8 or chip.bf16) * 1e12, "int8" if chip.int8 else "bf16 (no int8 peak in the table)"
     if chip.is_tpu:
         return chip.bf16 * 1e12, "bf16 (TPU's default precision multiplies float32 in one bf16 pass)"
     return chip.tf32 * 1e12, "tf32 (JAX's default precision runs float32 matmuls on TF32 tensor cores)"

@@ -19,7 +19,7 @@ def rates(chip: Chip | str, efficiency: Efficiency | None = None) -> Rates:
     """`chip`'s peaks with `efficiency` (default: the measured EFFICIENCIES, else the peaks)."""
     chip = chip_named(chip) if isinstance(chip, str) else chip
     eff = efficiency or measured(chip)
-    return Rates(chip.name, {d: matmul_peak_flops(chip, d)[0] for d in ("bfloat16", "float32")},
+    return Rates(chip.name, {d: matmul_peak_flops(chip, d)[0] for d in ("bfloat16", "float32", "int8")},
                  chip.hbm_bytes_per_s, eff.matmul_efficiency, eff.hbm_efficiency, eff.splash_efficiency,
                  eff.splash_by_head_dim, eff.source)
 

@@ -284,7 +284,7 @@ def _source(instr: Instr, mod: Module) -> str:
 
 
 _SLICES = ("dynamic-slice", "slice", "gather")  # read only what they return
-_HLO_TO_JNP = {"bf16": "bfloat16", "f16": "bfloat16", "f32": "float32", "f64": "float32"}
+_HLO_TO_JNP = {"bf16": "bfloat16", "f16": "bfloat16", "f32": "float32", "f64": "float32", "s8": "int8"}
 
 
 
