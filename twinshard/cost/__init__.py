@@ -153,6 +153,10 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     if cfg.collective_matmul and strategy not in support.with_option("collective_matmul"):
         raise ValueError(f"collective_matmul decomposes tp_sp's sequence all-gathers; strategy {strategy} has "
                          "none: use strategy tp_sp or collective_matmul=False.")
+    if cfg.tp_overlap_chunks > 1 and strategy not in support.with_option("tp_overlap"):
+        raise ValueError(f"tp_overlap_chunks={cfg.tp_overlap_chunks} chunks Megatron's all-reduces, which strategy "
+                         f"{strategy} does not run: use strategy {' or '.join(support.with_option('tp_overlap'))}, "
+                         "or tp_overlap_chunks=1.")
     if strategy not in STRATEGY_ROWS:
         raise ValueError(f"strategy {strategy!r} has no cost model; choose one of {', '.join(STRATEGY_ROWS)}.")
     shape = _normalize_mesh(strategy, mesh)
