@@ -113,6 +113,9 @@ def define_precision_flags() -> None:
            "compile time flat in depth; num_layers: fully unrolled, faster on CPU, compiles longer).")
     define(flags.DEFINE_bool, "collective_matmul", None, "tp_sp, manual twin: decompose each sequence "
            "all-gather before the column-parallel matmuls into ppermutes overlapped with the matmuls.")
+    define(flags.DEFINE_integer, "tp_overlap_chunks", None, "tp, fsdp_tp (auto, manual twins): run each block "
+           "on this many chunks of the device's batch, so one chunk's Megatron all-reduces over tensor can overlap "
+           "another's matmuls (default 1: off; a divisor of the per-device batch).")
     define(flags.DEFINE_enum, "remat", None, REMAT_POLICIES, "Rematerialization of each layer (default none; "
            "full: recompute the layer in backward; dots: save only matmul outputs; dots_no_batch: save only "
            "matmul outputs without a batch dimension; save_qkv_proj: save q, k, v by name; save_dot_except_mlp: also the attention's "
@@ -204,7 +207,7 @@ def define_moe_flags() -> None:
 # The flags that override the ModelConfig field of their name (with_model_flags; launch.plan's
 # launch line carries those that differ from the preset).
 MODEL_FLAGS = ("dtype", "weight_dtype", "remat", "attention", "attention_block", "scan_unroll", "collective_matmul",
-               "loss_chunks", *SPEED_FLAGS, *SHAPE_FLAGS, *MOE_FLAGS)
+               "tp_overlap_chunks", "loss_chunks", *SPEED_FLAGS, *SHAPE_FLAGS, *MOE_FLAGS)
 
 
 def with_model_flags(cfg: Config, FLAGS) -> Config:

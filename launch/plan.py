@@ -93,7 +93,7 @@ from twinshard.hardware import chips
 from twinshard.hardware.chips import matmul_peak_flops
 from twinshard.hardware.links import GB, Topology, parse_topology, with_slices
 from twinshard.hardware.plan import Plan, Precision, Skipped, plan_all, rank, runnable
-from twinshard.parallel import mesh as mesh_lib
+from twinshard.parallel import mesh as mesh_lib, support
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global).
 common.define(flags.DEFINE_string, "preset", "small", "Named preset from twinshard.config (tiny, small, gpt2_125m, ...).")
@@ -230,13 +230,15 @@ def train_flags(plan: Plan, name: str, cfg: Config) -> str:
     model that was planned)."""
     base = preset(name)
     model = [(k, getattr(cfg.model, k), getattr(base.model, k)) for k in common.MODEL_FLAGS
-             if k != "collective_matmul"]  # tp_sp's alone, below
+             if k not in ("collective_matmul", "tp_overlap_chunks")]  # their strategies' alone, below
     extra = [f"--{k}={v}" for k, v, d in (
         ("batch_size", cfg.train.batch_size, base.train.batch_size), *model,
         ("optimizer", cfg.train.optimizer, base.train.optimizer),
         ("microbatches", plan.microbatches, base.train.microbatches),
         ("schedule", plan.schedule, base.train.schedule)) if v != d]
     extra += ["--collective_matmul"] * (plan.strategy == "tp_sp" and cfg.model.collective_matmul)
+    if plan.strategy in support.with_option("tp_overlap") and cfg.model.tp_overlap_chunks > 1:
+        extra.append(f"--tp_overlap_chunks={cfg.model.tp_overlap_chunks}")
     return " ".join([f"--preset={name}", f"--strategy={plan.strategy}", "--impl=manual",
                      f"--mesh={plan.mesh_text()}", *extra, "--distributed", "--workdir=WORKDIR"])
 

@@ -40,7 +40,7 @@ STEP: dict[str, tuple[Config | ModelConfig, object]] = {
     "num_heads": (DENSE, 8), "d_ff": (DENSE, 64), "num_kv_heads": (DENSE, 2), "rope_theta": (DENSE, 500.0),
     "norm_eps": (DENSE, 1e-3), "dtype": (DENSE, "bfloat16"), "weight_dtype": (DENSE, "bfloat16"),
     "attention": (DENSE, "reference"), "attention_block": (Config(SPLASH, DENSE.train), 256),
-    "scan_unroll": (DENSE, 2), "remat": (DENSE, "full"), "loss_chunks": (DENSE, 2),
+    "scan_unroll": (DENSE, 2), "remat": (DENSE, "full"), "loss_chunks": (DENSE, 2), "tp_overlap_chunks": (DENSE, 2),
     "num_experts": (DENSE, 4), "first_dense_layers": (MOE, 1), "experts_per_token": (MOE, 1),
     "capacity_factor": (MOE, 2.0), "moe_group_size": (MOE, 16), "router_aux_loss": (MOE, 0.5),
     "router_z_loss": (MOE, 0.5), "expert_d_ff": (MOE, 32), "moe_dispatch": (DROPLESS, "ragged"),

@@ -475,6 +475,26 @@ def test_the_collective_matmul_is_tp_sps():
     assert planner.train_flags(tp_sp, "llm_1b", train).endswith("--collective_matmul --distributed --workdir=WORKDIR")
 
 
+def test_the_overlap_chunks_are_megatrons():
+    """--tp_overlap_chunks=2 chunks tp's and fsdp_tp's all-reduces (twice as many, half the bytes each);
+    the other strategies plan without it, and only the Megatron strategies' launch lines carry the flag."""
+    cfg = dataclasses.replace(LLM_1B, tp_overlap_chunks=2)
+    topo = hardware_links.parse_topology("v5p:4x4x4")
+    plans, _ = plans_lib.plan_all(cfg, topo, 256)
+    whole, _ = plans_lib.plan_all(LLM_1B, topo, 256)
+    key = lambda p: (p.strategy, tuple(p.mesh.items()))  # noqa: E731
+    unchunked = {key(p): p for p in whole}
+    fsdp_tp = next(p for p in plans if p.strategy == "fsdp_tp")
+    tensor = lambda p: [(r.count, r.bytes) for r in p.cost.collectives if r.what.startswith("Megatron g")]  # noqa: E731
+    ((count, total),), ((count1, total1),) = tensor(fsdp_tp), tensor(unchunked[key(fsdp_tp)])
+    assert (count, total) == (2 * count1, total1)
+    assert {p.strategy for p in plans} >= {"dp", "fsdp", "fsdp_tp"}
+    train = dataclasses.replace(preset("llm_1b"), model=cfg)
+    assert "--tp_overlap_chunks=2" in planner.train_flags(fsdp_tp, "llm_1b", train)
+    fsdp = next(p for p in plans if p.strategy == "fsdp")
+    assert "tp_overlap_chunks" not in planner.train_flags(fsdp, "llm_1b", train)
+
+
 def test_a_small_batch_spreads_over_the_sequence_and_the_layers():
     """16 sequences over 64 chips cap data at 16: dp and fsdp cannot use the slice (nor pp_fsdp, whose
     stages want M >= S micro-batches per data shard); the sequence (cp, fsdp_cp, fsdp_ulysses: ulysses

@@ -4,10 +4,13 @@ on small programs whose schedule is known.
 `hidden`: one all-gather of a weight and, independent of it, two matmuls of another matrix: compiled for
 a v5e:2x2 (AOT, needs libtpu) XLA issues the gather as an async collective fusion and schedules the
 matmuls inside its window. `dependent`: the matmul takes the gathered weight, so nothing can hide it: a
-synchronous all-gather, a zero-width window. On XLA:CPU every collective is synchronous.
+synchronous all-gather, a zero-width window. `megatron`: a psum feeding a residual add, whole or in
+batch chunks (ModelConfig.tp_overlap_chunks). On XLA:CPU every collective is synchronous.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 from twinshard import hlo
 from twinshard.hardware import chips, links, topology
 from twinshard.hardware.step_time import predict_step
+from twinshard.model import layers
+from twinshard.train import xla_options
 
 needs_libtpu = pytest.mark.skipif(not topology.libtpu_installed(),
                                   reason="needs libtpu: uv run --locked --extra tpu pytest")
@@ -255,6 +260,42 @@ def test_the_drawing_puts_the_hiding_matmuls_inside_the_gathers_box(programs):
     (wait,) = bands["dependent"]["data"]
     assert wait.get("data-synchronous") == "true" and wait.get("data-hidden-us") == "0"
     assert all(span(b)[0] >= span(wait)[1] for b in bands["dependent"]["compute"] if b.get("data-kind") == "matmul")
+
+
+def megatron(x, w1, w2, chunks: int):
+    """One Megatron MLP on tensor:4 with its residual add, the batch in `chunks` chunks (layers.batch_chunks,
+    as ModelConfig.tp_overlap_chunks runs each block): x [M, D]; w1 [D, F/4], w2 [F/4, D] per device."""
+    def block(c):  # c [M/chunks, D] -> the same, after g's psum over tensor
+        return c + jax.lax.psum(jnp.tanh(c @ w1) @ w2, "tensor")
+    return layers.merge_chunks(tuple(block(c) for c in layers.batch_chunks(x, chunks)))
+
+
+@needs_libtpu
+def test_tpu_hides_a_chunks_all_reduce_behind_the_next_chunks_matmuls():
+    """Batch-split overlap on a v5e:2x2 with the train step's options: whole, the psum feeds the residual
+    add and nothing runs beside it; in 2 chunks the first chunk's psum (half the bytes) runs while the
+    second chunk's matmul computes, and only the last one waits."""
+    mesh = Mesh(np.array(topology.devices("v5e:2x2", (2, 2, 1))), ("tensor",))
+    axis = {"tensor": 4}
+    link = links.axis_links(links.Topology("v5e:2x2", V5E, (2, 2)), axis)
+    column, row = NamedSharding(mesh, P(None, "tensor")), NamedSharding(mesh, P("tensor"))
+    args = (jax.ShapeDtypeStruct((4 * M, 2 * D), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+            jax.ShapeDtypeStruct((2 * D, 8 * F), jnp.bfloat16, sharding=column),
+            jax.ShapeDtypeStruct((8 * F, 2 * D), jnp.bfloat16, sharding=row))
+    exposed = {}
+    for chunks in (1, 2):
+        sm = jax.shard_map(functools.partial(megatron, chunks=chunks), mesh=mesh, in_specs=(P(), P(None, "tensor"),
+                           P("tensor")), out_specs=P(), check_vma=False)
+        text = topology.compile_for_pod(jax.jit(sm).lower(*args), xla_options.ASYNC_COLLECTIVES).as_text()
+        windows = hlo.schedule(text, axis).windows()
+        pred = predict_step(text, V5E, axis, link)
+        exposed[chunks] = pred.exposed_s
+        assert [w.tensor for w in windows] == [f"bf16[{4 * M // chunks},{2 * D}]"] * chunks
+        *first, last = windows
+        assert last.synchronous and last.inside == ()  # the last chunk's psum: its add waits for it
+        matmuls = {o.name for o in pred.ops if o.kind == "matmul"}
+        assert all(not w.synchronous and set(w.inside) & matmuls for w in first)
+    assert exposed[2] < exposed[1]
 
 
 def test_the_splash_rate_is_the_one_measured_nearest_below_the_head_dim():

@@ -150,6 +150,9 @@ class ModelConfig:
     quantization: str = "none"
     # tp_sp's manual twin: each all-gather before a column-parallel matmul as ppermutes overlapped with it
     collective_matmul: bool = False
+    # tp, fsdp_tp (auto, manual twins): each dense block runs its batch in this many chunks, so one chunk's
+    # Megatron all-reduces over `tensor` can run beside another's matmuls (1: off, one chunk)
+    tp_overlap_chunks: int = 1
     # mixture of experts (twinshard/model/moe.py): 0 is dense; E >= 2 routes every layer after
     # the first `first_dense_layers`, which form a second scanned stack (`ModelConfig.stacks`)
     num_experts: int = 0
@@ -176,6 +179,12 @@ class ModelConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not supported; choose one of "
                                  f"{', '.join(choices)}.")
+        if self.tp_overlap_chunks < 1:
+            raise ValueError(f"ModelConfig.tp_overlap_chunks={self.tp_overlap_chunks} (--tp_overlap_chunks) must be "
+                             ">= 1 (1: off; n: each block's batch in n chunks).")
+        if self.tp_overlap_chunks > 1 and self.num_experts:
+            raise ValueError(f"ModelConfig.tp_overlap_chunks={self.tp_overlap_chunks} (--tp_overlap_chunks) chunks "
+                             f"dense blocks only, and num_experts={self.num_experts} routes them: use 1 (off) or 0 experts.")
         if self.loss_chunks < 0:
             raise ValueError(f"ModelConfig.loss_chunks={self.loss_chunks} (--loss_chunks) must be >= 0 (0: the "
                              "loss from whole logits; n: each device's tokens in n chunks).")
@@ -399,6 +408,10 @@ class Config:
         if chunks and tokens % chunks:  # per device: loss.check_chunks, when the program is traced
             raise ValueError(f"ModelConfig.loss_chunks={chunks} (--loss_chunks) does not divide batch_size x "
                              f"context_length = {tokens} tokens; choose a divisor of {tokens} (0: off).")
+        n, micro = self.model.tp_overlap_chunks, self.train.batch_size // self.train.grad_accum
+        if micro % n:  # per device: resolve.check_overlap_chunks, on the mesh
+            raise ValueError(f"ModelConfig.tp_overlap_chunks={n} (--tp_overlap_chunks) does not divide the {micro} "
+                             f"sequences of a micro-batch (batch_size / grad_accum); choose a divisor of {micro} (1: off).")
 
 
 def _divisors(n: int) -> list[int]:

@@ -137,8 +137,8 @@ MUTANTS: list[Mutant] = [
            (f"{EXPERTS}::test_saved_residuals_per_layer_equal_the_memory_model",),
            "the memory model forgets that the experts' input buffers are saved for the backward pass"),
     Mutant("moe-runs-under-tp", "experts", "twinshard/parallel/support.py",
-           '"tp": Support(_ALL, loss_chunks=_TWO, **_MEGATRON),',
-           '"tp": Support(_ALL, loss_chunks=_TWO, moe=_TWO, **_MEGATRON),',
+           '"tp": Support(_ALL, loss_chunks=_TWO, tp_overlap=_TWO, **_MEGATRON),',
+           '"tp": Support(_ALL, loss_chunks=_TWO, tp_overlap=_TWO, moe=_TWO, **_MEGATRON),',
            (f"{EXPERTS}::test_bad_expert_configs_are_clear_errors",),
            "a mixture of experts is accepted under tp, whose manual twin never sums the experts' partial products"),
 ]

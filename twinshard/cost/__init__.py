@@ -153,6 +153,10 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     if cfg.collective_matmul and strategy not in support.with_option("collective_matmul"):
         raise ValueError(f"collective_matmul decomposes tp_sp's sequence all-gathers; strategy {strategy} has "
                          "none: use strategy tp_sp or collective_matmul=False.")
+    if cfg.tp_overlap_chunks > 1 and strategy not in support.with_option("tp_overlap"):
+        raise ValueError(f"tp_overlap_chunks={cfg.tp_overlap_chunks} chunks Megatron's all-reduces, which strategy "
+                         f"{strategy} does not run: use strategy {' or '.join(support.with_option('tp_overlap'))}, "
+                         "or tp_overlap_chunks=1.")
     if strategy not in STRATEGY_ROWS:
         raise ValueError(f"strategy {strategy!r} has no cost model; choose one of {', '.join(STRATEGY_ROWS)}.")
     shape = _normalize_mesh(strategy, mesh)
@@ -176,6 +180,9 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1 or local % grad_accum:
         raise ValueError(f"grad_accum={grad_accum!r} must be an int >= 1 that divides the per-device batch "
                          f"of {local} sequences; choose one of {[k for k in range(1, local + 1) if local % k == 0]}.")
+    if (local // grad_accum) % cfg.tp_overlap_chunks:
+        raise ValueError(f"tp_overlap_chunks={cfg.tp_overlap_chunks} does not divide the {local // grad_accum} "
+                         "sequences of a device's micro-batch; choose a divisor of them (1: off).")
     return _priced(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer, remat,
                    schedule, gpu, param_bytes, state_bytes, master)
 

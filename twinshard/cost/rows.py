@@ -174,14 +174,18 @@ def cross_entropy_rows(ctx: Ctx, batch: int) -> list[Row]:
 def _tp_micro_batch_rows(ctx: Ctx, batch: int) -> list[Row]:
     a, L = ctx.activation(batch), ctx.L
     act = f"[{batch},{ctx.seq},{ctx.cfg.d_model}]"
+    # tp_overlap_chunks = n: each block runs n chunks of the batch, each with its own f and g
+    n = ctx.cfg.tp_overlap_chunks
+    chunk, per_layer = (act, "2 per layer") if n == 1 else (
+        f"[{batch // n},{ctx.seq},{ctx.cfg.d_model}]", f"2 per layer and chunk, {n} chunks")
     return [
         row(ctx, "forward", "all-reduce", ("tensor",), 1, a,
             f"vocab-parallel embedding: masked local lookup + psum {act}"),
-        row(ctx, "forward", "all-reduce", ("tensor",), 2 * L, a,
-            f"Megatron g: psum {act} after output_proj and after w2 (2 per layer)"),
+        row(ctx, "forward", "all-reduce", ("tensor",), 2 * L * n, a // n,
+            f"Megatron g: psum {chunk} after output_proj and after w2 ({per_layer})"),
         *cross_entropy_rows(ctx, batch),
-        row(ctx, "backward", "all-reduce", ("tensor",), 2 * L, a,
-            f"Megatron f: psum of d{act} before attention and before the MLP (2 per layer)"),
+        row(ctx, "backward", "all-reduce", ("tensor",), 2 * L * n, a // n,
+            f"Megatron f: psum of d{chunk} before attention and before the MLP ({per_layer})"),
         row(ctx, "backward", "all-reduce", ("tensor",), 1, a,
             f"Megatron f: psum of d{act} before lm_head"),
     ]

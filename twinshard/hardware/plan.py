@@ -148,6 +148,8 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
     flat = _check_mesh(cfg, topo, strategy, mesh, train_config(cfg, batch, microbatches, schedule))
     if strategy not in support.with_option("collective_matmul"):  # tp_sp's gathers only
         cfg = dataclasses.replace(cfg, collective_matmul=False)
+    if strategy not in support.with_option("tp_overlap"):  # Megatron's all-reduces of tp, fsdp_tp only
+        cfg = dataclasses.replace(cfg, tp_overlap_chunks=1)
     c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer, microbatches=microbatches,
                   schedule=schedule, gpu=not topo.chip.is_tpu, flat_weights=flat, **precision.memory_kwargs())
     links = axis_links(topo, c.mesh)

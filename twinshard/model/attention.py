@@ -38,10 +38,15 @@ class CausalSelfAttention(nnx.Module):
         self.splash = layers.Splash(cfg.attention_block, cfg.splash_fused_bwd)  # handed down as `block`
         self.heads_layout = cfg.qkv_layout == "heads"
 
-    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel."""
-        wq, wk, wv, wo = (use(m.weight, par, self.dtype)
-                          for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj))
+    def weights(self, par: Parallelism = SINGLE_DEVICE) -> tuple[Array, Array, Array, Array]:
+        """(wq [D, h*dh], wk, wv [D, hk*dh], wo [h*dh, D]) as the strategy hands them to the math."""
+        return tuple(use(m.weight, par, self.dtype) for m in (self.q_proj, self.k_proj, self.v_proj, self.output_proj))
+
+    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE,
+                 ws: tuple[Array, Array, Array, Array] | None = None) -> Array:
+        """x: [B, T, D] -> [B, T, D]; heads are column-parallel, output_proj row-parallel; ws:
+        `weights(par)` fetched once for several calls (None: fetched here)."""
+        wq, wk, wv, wo = self.weights(par) if ws is None else ws
         attend = functools.partial(par.attention, impl=self.attention, block=self.splash)
         if self.heads_layout:
             return self._in_heads_layout(x, (wq, wk, wv), wo, par, attend)

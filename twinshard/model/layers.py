@@ -124,6 +124,22 @@ def linears(x: Array, ws: tuple[Array, ...], flat: bool = True) -> tuple[Array, 
     return tuple(linear(rows, w, flat).reshape(*x.shape[:-1], w.shape[-1]) for w in ws)
 
 
+def batch_chunks(x: Array, n: int) -> tuple[Array, ...]:
+    """x [B, ...] -> n chunks [B/n, ...], chunk j the sequences j, j+n, j+2n, ...: splitting B as
+    [B/n, n] keeps a batch split over `data` where it is (GSPMD: each device chunks its own rows)."""
+    b = x.shape[0]
+    if b % n:
+        raise ValueError(f"ModelConfig.tp_overlap_chunks={n} (--tp_overlap_chunks) does not divide the {b} "
+                         f"sequences of a device's batch; choose a divisor of {b} (1: off).")
+    rows = x.reshape(b // n, n, *x.shape[1:])  # [B/n, n, ...]
+    return tuple(rows[:, j] for j in range(n))
+
+
+def merge_chunks(xs: tuple[Array, ...]) -> Array:
+    """The inverse of `batch_chunks`: n chunks [B/n, ...] -> [B, ...]."""
+    return jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:])
+
+
 def embedding(ids: Array, table: Array) -> Array:
     """Row lookup. ids: [...] int, table: [V, D] -> [..., D]."""
     return jnp.take(table, ids, axis=0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +48,13 @@ class RMSNorm(nnx.Module):
         self.weight = _param(jnp.ones((d_model,), jnp.float32), ("norm",))
         self.eps, self.compute = eps, compute  # compute: in the compute dtype (ModelConfig.norm_dtype)
 
-    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        return layers.rms_norm(x, _use(self.weight, par), self.eps, self.compute)
+    def weights(self, par: Parallelism = SINGLE_DEVICE) -> Array:
+        """The gain [D] as the strategy hands it to the math."""
+        return _use(self.weight, par)
+
+    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE, gain: Array | None = None) -> Array:
+        """x: [..., D] -> [..., D]; gain: `weights(par)` fetched once for several calls (None: fetched here)."""
+        return layers.rms_norm(x, self.weights(par) if gain is None else gain, self.eps, self.compute)
 
 
 class SwiGLU(nnx.Module):
@@ -58,9 +64,15 @@ class SwiGLU(nnx.Module):
         self.w3 = Linear(d_model, d_ff, ("embed", "mlp"), rngs=rngs, dtype=dtype)
         self.dtype = dtype
 
-    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array:
-        """x: [B, T, D] -> [B, T, D]; w1/w3 column-parallel, w2 row-parallel."""
-        w1, w2, w3 = (_use(m.weight, par, self.dtype) for m in (self.w1, self.w2, self.w3))
+    def weights(self, par: Parallelism = SINGLE_DEVICE) -> tuple[Array, Array, Array]:
+        """(w1 [D, F], w2 [F, D], w3 [D, F]) as the strategy hands them to the math (F/tensor under TP)."""
+        return tuple(_use(m.weight, par, self.dtype) for m in (self.w1, self.w2, self.w3))
+
+    def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE,
+                 ws: tuple[Array, Array, Array] | None = None) -> Array:
+        """x: [B, T, D] -> [B, T, D]; w1/w3 column-parallel, w2 row-parallel; ws: `weights(par)`
+        fetched once for several calls (None: fetched here)."""
+        w1, w2, w3 = self.weights(par) if ws is None else ws
         h1, h3 = (checkpoint_name(h, n) for h, n in zip(par.column_parallel(x, (w1, w3)), MLP_IN))  # [B, T, F] each
         return checkpoint_name(par.row_parallel(layers.swiglu_gate(h1, h3), w2), MLP_OUT)  # F/tensor under TP
 
@@ -102,6 +114,15 @@ class MoEFeedForward(nnx.Module):
                            group_size=self.group, dispatch=par.dispatch, combine=par.combine)
 
 
+class BlockWeights(NamedTuple):
+    """One dense block's weights as the strategy hands them to the math (FSDP: gathered), fetched
+    once when the block runs its batch in chunks (ModelConfig.tp_overlap_chunks); None: fetched at use."""
+    ln1: Array | None = None
+    attn: tuple[Array, ...] | None = None
+    ln2: Array | None = None
+    ffn: tuple[Array, ...] | None = None
+
+
 class Block(nnx.Module):
     """Pre-norm block: x + attn(ln1(x)), then + ffn(ln2(.)). With experts (cfg.num_experts > 0)
     the ffn is MoEFeedForward and the block returns (x, its router stats)."""
@@ -119,14 +140,27 @@ class Block(nnx.Module):
 
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array | tuple[Array, moe.Stats]:
         with quantize.quantizing(self.quantization):
-            return self._layer(x, par)
+            if isinstance(self.ffn, MoEFeedForward):
+                x = self.attend(x, par)
+                y, stats = self.ffn(self.ln2(x, par), par)
+                return par.constrain(x + y, ACTIVATION), stats
+            return self.dense(x, par)
 
-    def _layer(self, x: Array, par: Parallelism) -> Array | tuple[Array, moe.Stats]:
-        x = par.constrain(x + self.attn(self.ln1(x, par), par), ACTIVATION)
-        if isinstance(self.ffn, MoEFeedForward):
-            y, stats = self.ffn(self.ln2(x, par), par)
-            return par.constrain(x + y, ACTIVATION), stats
-        return par.constrain(x + self.ffn(self.ln2(x, par), par), ACTIVATION)
+    def chunks(self, xs: tuple[Array, ...], par: Parallelism = SINGLE_DEVICE) -> tuple[Array, ...]:
+        """The dense block on each of N chunks of the batch, xs: N x [B/N, T, D] -> N x [B/N, T, D], its
+        weights fetched once (ModelConfig.tp_overlap_chunks; `scan_stacked` says why)."""
+        with quantize.quantizing(self.quantization):
+            ws = BlockWeights(self.ln1.weights(par), self.attn.weights(par), self.ln2.weights(par), self.ffn.weights(par))
+            return tuple(self.dense(x, par, ws) for x in xs)
+
+    def dense(self, x: Array, par: Parallelism = SINGLE_DEVICE, ws: BlockWeights = BlockWeights()) -> Array:
+        """The dense block on x [B, T, D] -> [B, T, D]; ws: its weights fetched once (default: at use)."""
+        x = self.attend(x, par, ws)
+        return par.constrain(x + self.ffn(self.ln2(x, par, ws.ln2), par, ws.ffn), ACTIVATION)
+
+    def attend(self, x: Array, par: Parallelism = SINGLE_DEVICE, ws: BlockWeights = BlockWeights()) -> Array:
+        """x + attn(ln1(x)): [B, T, D] -> [B, T, D]."""
+        return par.constrain(x + self.attn(self.ln1(x, par, ws.ln1), par, ws.attn), ACTIVATION)
 
 
 LAYERS = "layers"  # logical axis of the stacked blocks' leading [n] dimension (and the stack's name)
@@ -159,10 +193,23 @@ def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array,
                  par: Parallelism = SINGLE_DEVICE) -> Array | tuple[Array, moe.Stats]:
     """`scan_layers` on a pure dict of [n, ...] leaves -> x [B, T, D], or (x, router stats stacked [n, ...])."""
     layer_def = _layer_graphdef(cfg)
+    n = cfg.tp_overlap_chunks
 
     if cfg.num_experts:
         def body(x: Array, layer) -> tuple[Array, moe.Stats]:  # the layer's stats: the scan's ys
             return nnx.merge(layer_def, layer)(x, par)
+    elif n > 1:
+        # Batch-split overlap (--tp_overlap_chunks=N): the residual stream travels the scan as N chunks
+        # of the batch, [B, T, D] -> N x [B/N, T, D], split before the first layer and merged after
+        # the last. Under Megatron TP each chunk runs its own collectives over `tensor`: forward, g's
+        # psum of [B/N, T, D] after output_proj and after w2; backward, f's psum of its cotangent
+        # before the q/k/v and w1/w3 matmuls: 2N all-reduces per layer each way, 1/N the bytes each.
+        # The chunks share no data but the weights, so the scheduler can run one chunk's all-reduce
+        # beside another chunk's matmuls, which a lone chunk's residual add would wait for. Measured
+        # (llama_v5e, fsdp_tp, v5e:4x4, 2 chunks): XLA:TPU hides about half of what was exposed and
+        # leaves the last chunk's all-reduce and one more per layer synchronous (BENCHMARKS.md).
+        def body(xs: tuple[Array, ...], layer) -> tuple[tuple[Array, ...], None]:
+            return nnx.merge(layer_def, layer).chunks(xs, par), None
     else:
         def body(x: Array, layer) -> tuple[Array, None]:  # x: [B, T, D]; layer: one layer's params
             return nnx.merge(layer_def, layer)(x, par), None
@@ -173,6 +220,10 @@ def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array,
         # merged the recomputation with the original (measured: manual FSDP kept its gathered weights).
         depth = jax.tree.leaves(stacked)[0].shape[0]
         body = jax.checkpoint(body, policy=policy, prevent_cse=cfg.scan_unroll > 1 or depth == 1)
+    if n > 1:  # dense blocks only (ModelConfig refuses chunks with experts)
+        xs, _ = jax.lax.scan(body, tuple(par.constrain(c, ACTIVATION) for c in layers.batch_chunks(x, n)), stacked,
+                             unroll=cfg.scan_unroll)
+        return par.constrain(layers.merge_chunks(xs), ACTIVATION)
     x, stats = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)
     return (x, stats) if cfg.num_experts else x
 

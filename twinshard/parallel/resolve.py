@@ -54,6 +54,7 @@ def resolve_run(strategy: str, twin: str, mesh_spec: str | None, cfg: Config, de
     check_family(declared, shape, cfg)  # their messages name the fix in its terms (stages, zig-zag chunks)
     mesh_lib.check_split(strategy, shape, dims, declared.split_rules)
     check_kv_heads(declared, twin, shape, cfg)
+    check_overlap_chunks(shape, cfg)
     check_dispatch(declared, twin, found, cfg)
     return Run(strategy, twin, declared, declared.placed(cfg.model.kv_heads, shape), MappingProxyType(shape), cfg,
                None if devices is None else tuple(devices))
@@ -137,6 +138,11 @@ def check_options(declared: Strategy, impl: str, cfg: Config) -> None:
     row = support.SUPPORT.get(strategy)
     if row is None:  # written by no twin (single): the one device runs every option
         return
+    if model.tp_overlap_chunks > 1 and impl not in row.tp_overlap:
+        raise ValueError(f"--tp_overlap_chunks={model.tp_overlap_chunks} overlaps Megatron's all-reduces over "
+                         f"`tensor` and is written for --strategy={'/'.join(support.with_option('tp_overlap'))} with "
+                         f"--impl=auto or manual, not --strategy={strategy} --impl={impl}: use one of those, or "
+                         "--tp_overlap_chunks=1.")
     if model.num_experts and model.moe_dispatch == "ragged" and train.grad_accum > 1 and impl not in row.ragged_accum:
         raise ValueError(f"--moe_dispatch=ragged with --grad_accum={train.grad_accum} under --impl={impl}: the GSPMD "
                          "twin accumulates each data shard's micro-batches under jax.vmap, and JAX 0.12 cannot vmap "
@@ -169,6 +175,15 @@ def check_experts(declared: Strategy, model: ModelConfig) -> None:
     if experts and strategy not in MOE_STRATEGIES:
         raise ValueError(f"--num_experts={experts}: a mixture of experts runs under {', '.join(MOE_STRATEGIES)} "
                          f"(or single), not --strategy={strategy}: pick one of those, or --num_experts=0.")
+
+
+def check_overlap_chunks(shape: Mapping[str, int], cfg: Config) -> None:
+    """--tp_overlap_chunks divides each device's micro-batch (batch_size / grad_accum / data)."""
+    n, local = cfg.model.tp_overlap_chunks, cfg.train.batch_size // cfg.train.grad_accum // shape.get("data", 1)
+    if local % n:
+        raise ValueError(f"--tp_overlap_chunks={n} does not divide the {local} sequences of a device's micro-batch "
+                         f"(--batch_size / --grad_accum / data); choose a divisor of {local} (1: off), or a larger "
+                         "--batch_size.")
 
 
 def check_kv_heads(declared: Strategy, twin: str, shape: Mapping[str, int], cfg: Config) -> None:

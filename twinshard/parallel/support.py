@@ -16,7 +16,8 @@ _ALL, _TWO, _MANUAL, _NONE = TWINS, ("auto", "manual"), ("manual",), ()
 @dataclass(frozen=True)
 class Support:
     """The twins that write a strategy, and those of them that run each option under it
-    (moe, --schedule=1f1b, --collective_matmul, ragged with grad_accum, kv heads replicated, --loss_chunks)."""
+    (moe, --schedule=1f1b, --collective_matmul, ragged with grad_accum, kv heads replicated, --loss_chunks,
+    --tp_overlap_chunks)."""
 
     twins: tuple[str, ...]
     moe: tuple[str, ...] = _NONE
@@ -25,6 +26,7 @@ class Support:
     ragged_accum: tuple[str, ...] = _NONE
     uneven_kv_heads: tuple[str, ...] = _NONE
     loss_chunks: tuple[str, ...] = _NONE
+    tp_overlap: tuple[str, ...] = _NONE
 
 
 _MOE = dict(moe=_TWO, ragged_accum=_MANUAL)
@@ -32,8 +34,8 @@ _MEGATRON = dict(uneven_kv_heads=_TWO)
 SUPPORT: dict[str, Support] = {
     "dp": Support(_ALL, loss_chunks=_TWO, **_MOE),
     "fsdp": Support(_ALL, loss_chunks=_TWO, **_MOE),
-    "tp": Support(_ALL, loss_chunks=_TWO, **_MEGATRON),
-    "fsdp_tp": Support(_ALL, loss_chunks=_TWO, **_MEGATRON),
+    "tp": Support(_ALL, loss_chunks=_TWO, tp_overlap=_TWO, **_MEGATRON),
+    "fsdp_tp": Support(_ALL, loss_chunks=_TWO, tp_overlap=_TWO, **_MEGATRON),
     "tp_sp": Support(_ALL, collective_matmul=_MANUAL, **_MEGATRON),
     "cp": Support(_TWO),
     "fsdp_cp": Support(_TWO),
