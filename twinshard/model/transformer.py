@@ -138,8 +138,12 @@ class Block(nnx.Module):
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, rngs=rngs, dtype=cfg.dtype)
         self.quantization = cfg.quantization  # the projections' (twinshard/model/quantize.py)
 
+    def quantized(self):
+        """The projections' quantization for the block's matmuls (twinshard/model/quantize.py)."""
+        return quantize.quantizing(self.quantization)
+
     def __call__(self, x: Array, par: Parallelism = SINGLE_DEVICE) -> Array | tuple[Array, moe.Stats]:
-        with quantize.quantizing(self.quantization):
+        with self.quantized():
             if isinstance(self.ffn, MoEFeedForward):
                 x = self.attend(x, par)
                 y, stats = self.ffn(self.ln2(x, par), par)
@@ -149,7 +153,7 @@ class Block(nnx.Module):
     def chunks(self, xs: tuple[Array, ...], par: Parallelism = SINGLE_DEVICE) -> tuple[Array, ...]:
         """The dense block on each of N chunks of the batch, xs: N x [B/N, T, D] -> N x [B/N, T, D], its
         weights fetched once (ModelConfig.tp_overlap_chunks; `scan_stacked` says why)."""
-        with quantize.quantizing(self.quantization):
+        with self.quantized():
             ws = BlockWeights(self.ln1.weights(par), self.attn.weights(par), self.ln2.weights(par), self.ffn.weights(par))
             return tuple(self.dense(x, par, ws) for x in xs)
 
