@@ -26,7 +26,7 @@ import time
 
 from absl import flags, logging
 
-from launch import common, fit
+from launch import common, distributed, fit
 
 common.define(flags.DEFINE_string, "workdir", "runs/default", "Output directory: metrics.jsonl and checkpoints/.")
 flags.DEFINE_integer("log_every", None, "Log every N steps (default: the preset's).")
@@ -42,7 +42,7 @@ flags.DEFINE_string("profile_steps", None, "START:COUNT: a jax.profiler trace of
                     "(1-based; skip step 1, it compiles) in <workdir>/profile, for TensorBoard and Perfetto.")
 common.define_model_flags()
 common.define_data_flags()
-common.define_distributed_flags()
+distributed.define_flags()
 FLAGS = flags.FLAGS
 
 
@@ -308,7 +308,7 @@ def main(argv):
     parallel = FLAGS.strategy in common.PARALLEL  # single (strategies.SINGLE) runs on one device
     if parallel:
         common.simulate_cpu_devices(FLAGS.devices)  # per process
-    common.init_distributed(FLAGS)
+    distributed.join_if_asked(FLAGS)
     devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present) if parallel else None
     run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # every check, once
     fit.check_model(run)  # before anything compiles

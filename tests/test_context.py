@@ -247,7 +247,7 @@ def test_auto_gathers_k_and_v_over_context():
     # and the weight gradients (9 per layer, 3 outside the loop) and the loss
     testing.expect_collectives(led, "all-reduce", ("context",), count=2 * L + 9 * L + 3 + 1)
     testing.expect_no_collective(led, op="collective-permute")
-    # each weight matrix's gradient in the weight's own [in, out] shape (layers.matmul's backward;
+    # each weight matrix's gradient in the weight's own [in, out] shape (matmuls.matmul's backward;
     # the einsum path cp takes crossed as [out, in] before it), a stacked [L, in, out] as L records
     params = jax.tree_util.tree_flatten_with_path(jax.eval_shape(functools.partial(create_params, m, 0)))[0]
     weights = sorted(w for path, a in params if a.ndim >= 2 and not (str(path[0].key) == "layers" and a.ndim == 2)

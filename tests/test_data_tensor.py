@@ -317,7 +317,7 @@ def expect_gradients_in_weight_layout(led: hlo.Ledger, strategy: str, mesh: dict
     """Each weight's gradient crosses `data` in the weight's own [in, out] shape, a stacked
     leaf as L records of one layer (GSPMD syncs them inside the backward scan). With autodiff's
     plain dot transpose they crossed as [out, in] and AdamW read them transposed (slow on
-    CPU: layers.matmul's docstring). The scalars (loss, norm partial sums) are left out."""
+    CPU: matmuls.matmul's docstring). The scalars (loss, norm partial sums) are left out."""
     assert synced_shapes(led, ("data",), min_rank=1) == use_shapes(strategy, mesh, fsdp_only=False)
 
 

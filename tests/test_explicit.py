@@ -28,7 +28,7 @@ from runners import CFG, MESHES
 from test_data_tensor import GRAD_ATOL, LOSS_ATOL, NORM_RTOL, PARAM_ATOL, STEPS, single
 from twinshard import hlo, testing
 from twinshard.config import Config, preset
-from twinshard.model import layers
+from twinshard.model import layers, matmuls
 from twinshard.parallel import placement, resolve, strategies
 from twinshard.train import trainer
 from twinshard.testing import expect_bytes, expect_collectives, expect_no_collective, expect_sharding
@@ -316,7 +316,7 @@ def test_expect_sharding_reads_arrays_tracers_and_avals():
         expect_sharding(x, P(None, "data"))
 
     def partial(a, b):
-        c = jnp.einsum("ij,jk->ik", a, b, out_sharding=layers.partial_sums("ij,jk->ik", a, b))
+        c = jnp.einsum("ij,jk->ik", a, b, out_sharding=matmuls.partial_sums("ij,jk->ik", a, b))
         expect_sharding(c, P("data", None, unreduced={"tensor"}))
         with pytest.raises(AssertionError, match=r"\{U:tensor\}"):
             expect_sharding(c, P("data", None))  # partial sums are not the sum
@@ -350,7 +350,7 @@ def test_readme_expect_sharding_example_runs():
 
 
 def test_a_replicated_weight_gets_its_gradient_reduced_in_the_matmul_backward():
-    """layers.matmul's weight gradient over data-split rows is a partial sum; for a replicated (not
+    """matmuls.matmul's weight gradient over data-split rows is a partial sum; for a replicated (not
     `reduced`) weight, `cotangent_like` reduces it to the weight's own type in the backward pass
     (what JAX's transpose of a plain dot does): replicated, equal to NumPy's x^T g."""
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -369,8 +369,8 @@ def test_partial_sums_only_in_explicit_mode():
     """Outside Explicit mode (one device, GSPMD's Auto axes) the layer math states no sharding."""
     auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     a = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(auto, P("data")))
-    assert layers.partial_sums("ij,jk->ik", a, np.ones((4, 2), np.float32)) is None
-    assert layers.partial_sums("ij,jk->ik", np.ones((8, 4)), np.ones((4, 2))) is None
+    assert matmuls.partial_sums("ij,jk->ik", a, np.ones((4, 2), np.float32)) is None
+    assert matmuls.partial_sums("ij,jk->ik", np.ones((8, 4)), np.ones((4, 2))) is None
 
 
 # --- what this twin refuses --------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import reference as ref
-from twinshard.model import layers
+from twinshard.model import layers, matmuls
 
 RTOL, ATOL = 2e-5, 2e-5  # float32 vs float64 on O(1) values
 
@@ -28,7 +28,7 @@ def test_linear_stores_in_out(rng):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_linear_gradients(rng, dtype):
-    """layers.matmul's own backward (dW = x^T g in one dot) against float64: dx = g W^T, dW = x^T g,
+    """matmuls.matmul's own backward (dW = x^T g in one dot) against float64: dx = g W^T, dW = x^T g,
     each in its primal's dtype; the flat 2-D path and the batched einsum agree."""
     x, w, g = rng.normal(size=(2, 3, 5)), rng.normal(size=(5, 7)), rng.normal(size=(2, 3, 7))
     tol = dict(rtol=RTOL, atol=ATOL) if dtype == jnp.float32 else dict(rtol=2e-2, atol=5e-2)
@@ -41,9 +41,9 @@ def test_linear_gradients(rng, dtype):
 
 
 def test_custom_backwards_sum_like_autodiff_inside_shard_map(rng):
-    """layers.matmul and layers.swiglu_gate inside shard_map (check_vma): a weight and a gate
+    """matmuls.matmul and layers.swiglu_gate inside shard_map (check_vma): a weight and a gate
     input invariant over `data` meet activations that vary over it. Their gradients equal
-    autodiff's of the plain expressions, which psum over `data` (layers.cotangent_like); a
+    autodiff's of the plain expressions, which psum over `data` (matmuls.cotangent_like); a
     custom backward without it made JAX reject the program instead."""
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
     x, w, h3 = rng.normal(size=(4, 3)), rng.normal(size=(3, 5)), rng.normal(size=(2, 5))
@@ -54,7 +54,7 @@ def test_custom_backwards_sum_like_autodiff_inside_shard_map(rng):
         return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=(P(), P()))(
             f32(x), f32(w), f32(h3))
 
-    got = grads(layers.matmul, layers.swiglu_gate)
+    got = grads(matmuls.matmul, layers.swiglu_gate)
     want = grads(jnp.dot, lambda h1, h3: layers.silu(h1) * h3)
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)

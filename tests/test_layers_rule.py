@@ -14,7 +14,8 @@ TWINS = ("auto_parallel", "manual_parallel", "explicit_parallel")
 
 # module (or package prefix) -> its layer; the longest prefix wins
 UNITS = {
-    "twinshard.config": "base", "twinshard.errors": "base", "twinshard.optimizer_state": "base",
+    "twinshard.config": "base", "twinshard.field_types": "base", "twinshard.errors": "base",
+    "twinshard.optimizer_state": "base",
     "twinshard.parallel.axes": "axes",
     "twinshard.model": "model",
     "twinshard.train": "train",

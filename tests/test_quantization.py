@@ -28,7 +28,7 @@ import reference
 from runners import CFG
 from twinshard import hlo
 from twinshard.config import Config
-from twinshard.model import layers
+from twinshard.model import matmuls
 from twinshard.train import trainer
 
 INT8 = Config(dataclasses.replace(CFG.model, quantization="int8"), CFG.train)
@@ -54,7 +54,7 @@ def operand(rng, shape: tuple[int, int], channel_axis: int) -> np.ndarray:
 def test_the_product_and_its_gradients_are_per_channel_int8():
     rng = np.random.default_rng(0)
     x, g, w = operand(rng, (16, 24), 0), operand(rng, (16, 40), 0), operand(rng, (24, 40), 1)
-    y, vjp = jax.vjp(lambda x, w: layers.matmul(x, w, "int8"), x, w)
+    y, vjp = jax.vjp(lambda x, w: matmuls.matmul(x, w, "int8"), x, w)
     dx, dw = vjp(g)
     want = int8_rounded(x, 1) @ int8_rounded(w, 0)  # x per token, w per output column, both over `in`
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)

@@ -145,7 +145,7 @@ def test_auto_twin_gathers_and_scatters_the_sequence():
     assert sum(r.multiplicity for r in big) == (2 * L + 1) + (5 * L + 1), led.table()
     testing.expect_no_collective(led, axes=("tensor",), larger_than=a)
     # each (TP-local) weight matrix's gradient crosses data in the weight's own [in, out] shape
-    # (layers.matmul's backward; tp_sp's einsum path crossed as [out, in] before it)
+    # (matmuls.matmul's backward; tp_sp's einsum path crossed as [out, in] before it)
     assert synced_shapes(led, ("data",), min_rank=2) == [
         s for s in use_shapes("tp", {"data": 2, "tensor": 4}, fsdp_only=False) if len(s) == 2]
 

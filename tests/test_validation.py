@@ -70,7 +70,7 @@ FIELD_EXAMPLES = {"int": ("7", 7.0, True), "float": ("0.1", None, False),
 
 @pytest.mark.parametrize("cls", [ModelConfig, TrainConfig])
 def test_every_field_is_type_checked(cls) -> None:
-    # A field added later without a kind in config._checked fails here (TypeError, not ValueError).
+    # A field added later without a kind in field_types.checked fails here (TypeError, not ValueError).
     for f in dataclasses.fields(cls):
         for value in FIELD_EXAMPLES[str(f.type)]:
             with pytest.raises(ValueError, match=re.escape(f"{cls.__name__}.{f.name}=")):

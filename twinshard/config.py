@@ -1,7 +1,7 @@
 """Typed configuration and named presets: a `Config` = `ModelConfig` + `TrainConfig`;
 `preset(name)` returns a frozen preset that launchers override with `dataclasses.replace`.
-Every field is checked by type, then range, when built; a bad value is a ValueError naming
-`ModelConfig.d_model`-style the field, the value and what is accepted.
+Every field is checked by type (twinshard/field_types.py), then range, when built; a bad value is a
+ValueError naming `ModelConfig.d_model`-style the field, the value and what is accepted.
 
     >>> from twinshard.config import preset
     >>> cfg = preset("tiny")
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-from typing import Any
+
+from twinshard.field_types import check_types
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("float32", "compute")  # ModelConfig.logits_dtype / norm_dtype (the fields say what each means)
@@ -66,43 +66,6 @@ def splash_block(t: int, block: int = 0) -> int:
                          f"from {splash_blocks(t)} (0: automatic).")
     cap = 512 if splash_padded(t) <= 1024 else 1024
     return block or max(b for b in splash_blocks(t) if b <= cap)
-
-
-def _checked(where: str, value: Any, kind: str) -> Any:
-    """`value` as the annotated type `kind` ('int', 'float', 'bool' or 'str'), or a ValueError."""
-    got = f"{where}={value!r} ({type(value).__name__})"
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{got}: expected an int (a whole number such as 64, not a bool, "
-                             "a float like 64.0 or a string).")
-        return int(value)  # numpy integers become Python ints
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"{got}: expected a finite number such as 1e-3 (an int or float, not a bool).")
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number):
-            raise ValueError(f"{got}: expected a finite number (not nan or inf).")
-        return number
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise ValueError(f"{got}: expected True or False.")
-        return value
-    if kind == "str":
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{got}: expected a non-empty string.")
-        return value
-    raise TypeError(f"{where}: no check for annotation {kind!r}")  # a new field needs a kind here
-
-
-def _check_types(config: Any) -> None:
-    """Check (and normalise: numpy ints -> int, ints -> float) every field by its annotation."""
-    cls = type(config).__name__
-    for f in dataclasses.fields(config):  # annotations are strings: `from __future__ import annotations`
-        value = _checked(f"{cls}.{f.name}", getattr(config, f.name), str(f.type))
-        object.__setattr__(config, f.name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +133,7 @@ class ModelConfig:
     moe_dispatch: str = "dense"
 
     def __post_init__(self):
-        _check_types(self)
+        check_types(self)
         for name, choices in (("dtype", COMPUTE_DTYPES), ("weight_dtype", WEIGHT_DTYPES),
                               ("attention", ATTENTION_IMPLS), ("remat", REMAT_POLICIES),
                               ("moe_dispatch", MOE_DISPATCHES), ("logits_dtype", PRECISIONS),
@@ -356,7 +319,7 @@ class TrainConfig:
     cp_layout: str = "zigzag"
 
     def __post_init__(self):
-        _check_types(self)
+        check_types(self)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"TrainConfig.optimizer={self.optimizer!r} is not supported; choose one of "
                              f"{', '.join(OPTIMIZERS)}.")

@@ -1,9 +1,9 @@
 """Mutants of the explicit twin (sharding in types)."""
 
-from .base import DATA, EXPLICIT, Mutant, SRC_LAYERS
+from .base import DATA, EXPLICIT, Mutant, SRC_LAYERS, SRC_MATMULS
 
 MUTANTS: list[Mutant] = [
-    # --- the explicit twin: sharding in types (explicit_parallel/, layers.partial_sums, the typed accumulator)
+    # --- the explicit twin: sharding in types (explicit_parallel/, matmuls.partial_sums, the typed accumulator)
     Mutant("explicit-f-not-reduced", "explicit", "explicit_parallel/tp.py",
            "return jax.sharding.reshard(x, self.sharding(ACTIVATION, reduced={TENSOR}))",
            "return jax.sharding.reshard(x, self.sharding(ACTIVATION))",
@@ -70,13 +70,13 @@ MUTANTS: list[Mutant] = [
            "return jax.sharding.reshard(x, self.sharding(ACTIVATION))",
            (f"{EXPLICIT}::test_gradients_leave_the_backward_pass_typed",),
            "tp_sp's g all-reduces to the whole sequence: the residual stream is no longer split along T"),
-    Mutant("partial-sums-reduced-in-the-dot", "explicit", SRC_LAYERS,
+    Mutant("partial-sums-reduced-in-the-dot", "explicit", SRC_MATMULS,
            "return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts, unreduced=unreduced))",
            "return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts))",
            (f"{EXPLICIT}::test_megatron_f_and_g_are_reshards_of_typed_partial_sums", EXPLICIT),
            "a contraction over split dims all-reduces inside the dot: no partial sum is left for a hook or a "
            "gradient's type to place"),
-    Mutant("cotangent-like-explicit-not-resharded", "explicit", SRC_LAYERS,
+    Mutant("cotangent-like-explicit-not-resharded", "explicit", SRC_MATMULS,
            "            ct = jax.sharding.reshard(ct, want)",
            "            ct = ct",
            (f"{EXPLICIT}::test_a_replicated_weight_gets_its_gradient_reduced_in_the_matmul_backward",),

@@ -49,7 +49,7 @@ MUTANTS: list[Mutant] = [
            "    if ledger.instructions <= 0:",
            "    if ledger.instructions < 0:",
            (HLO_INPUT,), "expect_* pass on a ledger that parsed no program"),
-    Mutant("config-accepts-nan", "sturdy", "twinshard/config.py",
+    Mutant("config-accepts-nan", "sturdy", "twinshard/field_types.py",
            "        if not math.isfinite(number):",
            "        if False:",
            (VALIDATION,), "rope_theta=nan, lr=inf accepted by the configs"),

@@ -3,8 +3,8 @@
 from .base import (
     ACCUM, ATTENTION, COST_TESTS, DATA_TENSOR, DTYPES, GQA, LAYERS, MEMORY, MODEL, Mutant, OPTIM, OPTIMIZERS,
     OPTIONS, PRECISION, REMAT, SCAN, SRC_CONFIG, SRC_COST_FLOPS, SRC_COST_MEMORY, SRC_COST_ROWS,
-    SRC_COST_ROWS_BUILDERS, SRC_COST_WEIGHTS, SRC_FSDP, SRC_LAYERS, SRC_LINEAR, SRC_LOSS, SRC_MODEL, SRC_OPTIM,
-    SRC_REMAT, SRC_RUNNER, SRC_STRATEGIES, SRC_TP, SRC_TRAINER, TPU, TRAIN,
+    SRC_COST_ROWS_BUILDERS, SRC_COST_WEIGHTS, SRC_FSDP, SRC_LAYERS, SRC_LINEAR, SRC_LOSS, SRC_MATMULS, SRC_MODEL,
+    SRC_OPTIM, SRC_REMAT, SRC_RUNNER, SRC_STRATEGIES, SRC_TP, SRC_TRAINER, TPU, TRAIN,
 )
 from .base import QUANTIZATION, SRC_QUANTIZE, SRC_RESOLVE
 
@@ -89,16 +89,16 @@ MUTANTS: list[Mutant] = [
            "return jnp.where(ids < vocab_size, logits, -jnp.inf)",
            "return jnp.where(ids <= vocab_size, logits, -jnp.inf)",
            (OPTIM, MODEL), "the first padded vocab column takes probability"),
-    Mutant("matmul-dw-via-transpose", "layers", SRC_LAYERS,
+    Mutant("matmul-dw-via-transpose", "layers", SRC_MATMULS,
            "dw = jnp.einsum(\"...i,...o->io\", x, g, out_sharding=partial_sums(\"...i,...o->io\", x, g))",
            "dw = jnp.einsum(\"...o,...i->oi\", g, x).T",
            (f"{DATA_TENSOR}::test_auto_collectives",), "the weight gradient as autodiff's [out, in] dot + transpose (same values; GSPMD's "
            "gradient all-reduce carries it transposed and AdamW reads it strided)"),
-    Mutant("matmul-dx-scaled", "layers", SRC_LAYERS,
+    Mutant("matmul-dx-scaled", "layers", SRC_MATMULS,
            "dx = (jnp.dot(g, w.T, out_sharding=partial_sums(\"ij,jk->ik\", g, w.T)) if g.ndim == 2",
            "dx = (0.5 * jnp.dot(g, w.T, out_sharding=partial_sums(\"ij,jk->ik\", g, w.T)) if g.ndim == 2",
            (LAYERS, MODEL), "the input gradient of every flat matmul halved (all twins alike)"),
-    Mutant("cotangent-like-no-psum", "layers", SRC_LAYERS,
+    Mutant("cotangent-like-no-psum", "layers", SRC_MATMULS,
            "        ct = jax.lax.psum(ct, extra)",
            "        ct = ct",
            (LAYERS,), "a custom backward's cotangent not summed over the axes its primal is invariant "
@@ -521,7 +521,7 @@ MUTANTS: list[Mutant] = [
            'ABSMAX = "absmax"',
            (f"{QUANTIZATION}::test_the_product_and_its_gradients_are_per_channel_int8", QUANTIZATION),
            "qwix's default bound: each channel's absmax rounds to 128, outside int8"),
-    Mutant("int8-dx-unquantized", "quantization", SRC_LAYERS,
+    Mutant("int8-dx-unquantized", "quantization", SRC_MATMULS,
            "dx = _product(g, w.T, quantization)  # [..., in]",
            "dx = _product(g, w.T)  # [..., in]",
            (f"{QUANTIZATION}::test_each_layer_runs_its_projections_as_int8_dots_forward_and_backward", QUANTIZATION),

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from twinshard.config import ModelConfig
-from twinshard.model import layers
+from twinshard.model import layers, matmuls
 from twinshard.model.hooks import SINGLE_DEVICE, Parallelism
 from twinshard.model.linear import Linear, use
 
@@ -76,10 +76,10 @@ def project_heads(x: jax.Array, w: jax.Array, head_dim: int) -> jax.Array:
     """x [B, T, D] @ w [D, h*dh] straight into the attention kernel's layout [B, h, T, dh] (no transpose
     after the matmul: ModelConfig.qkv_layout="heads")."""
     spec, w = "btd,dhk->bhtk", w.reshape(w.shape[0], -1, head_dim)  # [D, h, dh]
-    return jnp.einsum(spec, x, w, out_sharding=layers.partial_sums(spec, x, w))
+    return jnp.einsum(spec, x, w, out_sharding=matmuls.partial_sums(spec, x, w))
 
 
 def merge_project(o: jax.Array, w: jax.Array) -> jax.Array:
     """o [B, h, T, dh] @ w [h*dh, D] -> [B, T, D], contracting h and dh in one einsum (no transpose before it)."""
     spec, w = "bhtk,hkd->btd", w.reshape(o.shape[1], o.shape[3], w.shape[-1])  # [h, dh, D]
-    return jnp.einsum(spec, o, w, out_sharding=layers.partial_sums(spec, o, w))
+    return jnp.einsum(spec, o, w, out_sharding=matmuls.partial_sums(spec, o, w))

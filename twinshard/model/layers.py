@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from twinshard.config import splash_block, splash_padded
 from twinshard.model import quantize
+from twinshard.model.matmuls import cotangent_like, matmul, partial_sums, varying_axes
 
 
 Array = jax.Array
@@ -34,87 +35,6 @@ def linear(x: Array, w: Array, flat: bool = True) -> Array:
     if not flat:
         return matmul(x, w, mode)
     return matmul(x.reshape(-1, x.shape[-1]), w, mode).reshape(*x.shape[:-1], w.shape[-1])
-
-
-def _product(x: Array, w: Array, quantization: str = "none") -> Array:
-    """x [..., in] @ w [in, out]: a 2-D dot on rows, an einsum keeping the batch dims otherwise; int8: quantize.py's."""
-    if quantization == "int8":
-        return quantize.int8_product(x, w, partial_sums("...i,io->...o", x, w))
-    if x.ndim == 2:
-        return jnp.dot(x, w, out_sharding=partial_sums("ij,jk->ik", x, w))
-    return jnp.einsum("...i,io->...o", x, w, out_sharding=partial_sums("...i,io->...o", x, w))
-
-
-def partial_sums(spec: str, a: Array, b: Array) -> jax.sharding.NamedSharding | None:
-    """The output sharding of `jnp.einsum(spec, a, b)` in Explicit mode (None elsewhere): `unreduced`
-    over a contracted dim split alike in both (JAX 0.12 refuses that contraction without one)."""
-    types = jax.typeof(a), jax.typeof(b)
-    mesh = next((t.sharding.mesh for t in types if not t.sharding.mesh.empty), None)
-    if mesh is None or not mesh.explicit_axes:
-        return None
-    terms, out = spec.split("->")
-    n = types[0].ndim - len(terms.split(",")[0].replace("...", ""))  # the dims '...' stands for
-    expand = lambda term: term.replace("...", "".join(chr(0x3b1 + i) for i in range(n)))  # noqa: E731
-    da, db = ({letter: _partition(t, i) for i, letter in enumerate(expand(term))}
-              for term, t in zip(terms.split(","), types))
-    unreduced = {axis for letter in set(da) & set(db) - set(expand(out))
-                 if da[letter] is not None and da[letter] == db[letter] for axis in _mesh_axes(da[letter])}
-    parts = [da[letter] if letter in da else db[letter] for letter in expand(out)]
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts, unreduced=unreduced))
-
-
-def _partition(aval, dim: int):
-    """The mesh axis (or tuple of axes, or None) splitting dim `dim` of `aval`."""
-    spec = aval.sharding.spec.partitions
-    return spec[dim] if dim < len(spec) else None
-
-
-def _mesh_axes(partition) -> tuple[str, ...]:
-    return (partition,) if isinstance(partition, str) else tuple(partition)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def matmul(x: Array, w: Array, quantization: str = "none") -> Array:
-    """x [..., in] @ w [in, out] -> [..., out] with dW as ONE dot x^T g -> [in, out]: autodiff's
-    transpose(dot(g, x)) fused into AdamW column by column, several times slower on CPU (measured, JAX 0.12).
-    quantization "int8": y and dx by int8 dots (twinshard/model/quantize.py), dW as unquantized."""
-    return _product(x, w, quantization)
-
-
-def _matmul_fwd(x: Array, w: Array, quantization: str) -> tuple[Array, tuple[Array, Array]]:
-    return _product(x, w, quantization), (x, w)
-
-
-def _matmul_bwd(quantization: str, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
-    x, w = res  # x: [..., in], w: [in, out], g: [..., out]
-    if quantization == "int8":
-        dx = _product(g, w.T, quantization)  # [..., in]: g per token, w re-quantized per row (over out)
-    else:
-        dx = (jnp.dot(g, w.T, out_sharding=partial_sums("ij,jk->ik", g, w.T)) if g.ndim == 2
-              else jnp.einsum("...o,io->...i", g, w, out_sharding=partial_sums("...o,io->...i", g, w)))
-    # x^T g: ONE dot_general(x, g) -> [in, out]
-    dw = jnp.einsum("...i,...o->io", x, g, out_sharding=partial_sums("...i,...o->io", x, g))
-    return cotangent_like(dx, x), cotangent_like(dw, w)
-
-
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
-
-
-def cotangent_like(ct: Array, primal: Array) -> Array:
-    """A custom backward's cotangent as autodiff would leave it: the primal's dtype, psummed over the axes
-    only it varies over (docs/design.md, JAX facts), in Explicit mode resharded to the cotangent type."""
-    if extra := tuple(sorted(varying_axes(ct) - varying_axes(primal))):
-        ct = jax.lax.psum(ct, extra)
-    elif jax.typeof(primal).sharding.mesh.explicit_axes:
-        want = jax.typeof(primal).to_ct_aval().sharding
-        if jax.typeof(ct).sharding.spec != want.spec:
-            ct = jax.sharding.reshard(ct, want)
-    return ct.astype(primal.dtype)
-
-
-def varying_axes(x: Array) -> frozenset:
-    """The mesh axes x varies over inside shard_map (JAX 0.12: jax.typeof(x).manual_axis_type.varying; no `.vma`)."""
-    return jax.typeof(x).manual_axis_type.varying
 
 
 def linears(x: Array, ws: tuple[Array, ...], flat: bool = True) -> tuple[Array, ...]:

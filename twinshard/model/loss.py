@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from twinshard.model import layers
+from twinshard.model import layers, matmuls
 
 Array = jax.Array
 Reduce = Callable[[Array], Array]
@@ -76,7 +76,7 @@ def _narrow_fwd(z, targets, offset, reduces):
 
 def _narrow_bwd(reduces, res, g):
     z, targets, offset, lse = res  # g [...] f32
-    return layers.cotangent_like(softmax_minus_target(z, lse, targets, offset, g), z), None, None
+    return matmuls.cotangent_like(softmax_minus_target(z, lse, targets, offset, g), z), None, None
 
 
 _narrow_cross_entropy.defvjp(_narrow_fwd, _narrow_bwd)
@@ -160,7 +160,7 @@ def _tiled(rows: Array, w: Array, ys: Array, offset: Array, tiling: _Tiling) -> 
 
 def _chunk_logits(x: Array, w: Array, offset: Array, tiling: _Tiling) -> Array:
     """x [N, D] @ w [D, V_local] in the compute dtype (then float32 unless compute_logits), padding -inf: [N, V_local]."""
-    z = jnp.dot(x, w, out_sharding=layers.partial_sums("ij,jk->ik", x, w))
+    z = jnp.dot(x, w, out_sharding=matmuls.partial_sums("ij,jk->ik", x, w))
     z = z if tiling.compute_logits else z.astype(jnp.float32)
     return mask_padded_logits(z, tiling.vocab_size, offset) if tiling.masked else z
 
@@ -190,12 +190,12 @@ def _tiled_bwd(tiling, res, g):
         x, y, lse_c, g_c, z = xs
         z = _chunk_logits(x, w, offset, tiling) if z is None else z
         dz = softmax_minus_target(z, lse_c, y, offset, g_c).astype(w.dtype)  # [N, V_local]
-        dx = jnp.dot(dz, w.T, out_sharding=layers.partial_sums("ij,jk->ik", dz, w.T))  # [N, D]
+        dx = jnp.dot(dz, w.T, out_sharding=matmuls.partial_sums("ij,jk->ik", dz, w.T))  # [N, D]
         return dw + jnp.einsum("nd,nv->dv", x, dz, preferred_element_type=jnp.float32,
-                               out_sharding=layers.partial_sums("nd,nv->dv", x, dz)), dx
+                               out_sharding=matmuls.partial_sums("nd,nv->dv", x, dz)), dx
 
     dw, dx = jax.lax.scan(chunk, _zeros_varying(w.shape, rows, w, ys, lse, g), (rows, ys, lse, g, logits))
-    return layers.cotangent_like(dx, rows), layers.cotangent_like(dw, w), None, None
+    return matmuls.cotangent_like(dx, rows), matmuls.cotangent_like(dw, w), None, None
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
@@ -203,6 +203,6 @@ _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 def _zeros_varying(shape: tuple[int, ...], *like: Array) -> Array:
     """f32 zeros varying over every mesh axis one of `like` varies over (a scan carry's type)."""
-    axes = tuple(sorted(set().union(*(layers.varying_axes(a) for a in like))))
+    axes = tuple(sorted(set().union(*(matmuls.varying_axes(a) for a in like))))
     zeros = jnp.zeros(shape, jnp.float32)
     return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros

@@ -5,7 +5,7 @@ channel by its absmax over the contracted axis (s = max|.| / 127, q = round(v / 
 
     forward   y [M, out] = (x_q [M, in] . w_q [in, out]) * s_x [M, 1] * s_w [1, out]   s_x per token, s_w per column
     backward  dx [M, in] = (g_q [M, out] . w^T_q [out, in]) * s_g [M, 1] * s_w' [1, in]  w re-quantized per row
-              dW [in, out] = x^T g in the compute dtype, unquantized (layers._matmul_bwd)
+              dW [in, out] = x^T g in the compute dtype, unquantized (matmuls._matmul_bwd)
 
 dW stays in the compute dtype as in MaxText's int8 (AQT's drhs_bits=None): its contraction runs over
 the tokens, which every data-parallel strategy splits, so a per-channel scale would be a max over
