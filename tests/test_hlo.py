@@ -166,6 +166,12 @@ def test_tpu_async_collective_fusion_counted_once() -> None:
     assert r.is_async and r.multiplicity == 1
 
 
+def test_a_start_fed_by_another_collectives_chain_is_its_own_collective() -> None:
+    led = hlo.ledger((SNIPPETS / "tpu_async_chunks.hlo").read_text(), {"data": 4, "tensor": 2})
+    assert sorted(r.name for r in led) == ["all-reduce.1", "all-reduce.3"], led.table()  # .2 is .1's copy
+    assert led.count("all-reduce", axes="tensor") == 2
+
+
 TPU_16 = {"data": 16, "tensor": 1}  # tpu_async_collective_done_fusion.hlo: v5e:4x4, 16 partitions
 DONE_FUSION = "tpu_async_collective_done_fusion.hlo"
 
