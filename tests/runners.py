@@ -14,8 +14,17 @@ psum of partial squared norms) must agree with single device for the updates to 
 """
 
 import dataclasses
+import functools
 
+import jax
+import numpy as np
+
+import auto_parallel
+import manual_parallel
+import reference
+from twinshard import hlo
 from twinshard.config import Config, preset
+from twinshard.train.trainer import SingleDevice
 
 BASE = preset("tiny")
 CLIP = 0.25
@@ -23,3 +32,40 @@ CFG = Config(dataclasses.replace(BASE.model, num_heads=8), dataclasses.replace(B
 # every strategy on all 8 devices (dp, fsdp, tp: the strategy's default mesh)
 MESHES = {"dp": "data:8,tensor:1", "fsdp": "data:8,tensor:1", "tp": "data:1,tensor:8",
           "fsdp_tp": "data:2,tensor:4"}
+
+
+def twin_runner(name: str, cfg: Config, meshes: dict[str, str] = MESHES):
+    """The runner `name` names for cfg: 'single', or '<twin> <strategy>' ('manual tp', 'auto fsdp')
+    on meshes[strategy]."""
+    if name == "single":
+        return SingleDevice(cfg.model, cfg.train)
+    twin, strategy = name.split()
+    return (manual_parallel if twin == "manual" else auto_parallel).make_runner(strategy, meshes[strategy], cfg)
+
+
+@functools.cache
+def initial_params(cfg: Config):
+    """cfg's initial params (its seed), on one device: what every runner of the tests starts from."""
+    return SingleDevice(cfg.model, cfg.train).init_state(cfg.train.seed).params
+
+
+def loss_and_grads(runner, cfg: Config) -> dict:
+    """The runner's loss_and_grads compiled once and run on cfg's initial params and first random
+    batch: loss, gradients, temporary bytes and ledger (None on one device)."""
+    x, y = reference.random_batches(cfg.train.batch_size, cfg.model.context_length, cfg.model.vocab_size, 1)[0]
+    single = isinstance(runner, SingleDevice)
+    params = initial_params(cfg)
+    args = (params, x, y) if single else (jax.device_put(params, runner.state_shardings.params),
+                                          *runner.place_batch(x, y))
+    compiled = runner.loss_and_grads.lower(*args).compile()
+    value, grads = compiled(*args)
+    return {"loss": float(value), "grads": jax.device_get(grads), "runner": runner,
+            "temp": compiled.memory_analysis().temp_size_in_bytes,
+            "ledger": None if single else hlo.ledger(compiled, runner.mesh)}
+
+
+def max_relative_diff(a, b) -> float:
+    """max over leaves of max|a - b| / max|b| (each leaf scaled by its largest entry)."""
+    return max(float(np.max(np.abs(x - y)) / np.max(np.abs(y))) for x, y in
+               zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+

@@ -17,7 +17,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -26,6 +25,7 @@ import explicit_parallel
 import manual_parallel
 import reference
 from runners import CFG
+from traced import gradient_step_equations
 from twinshard import hlo
 from twinshard.config import Config
 from twinshard.model import matmuls
@@ -66,24 +66,8 @@ def test_the_product_and_its_gradients_are_per_channel_int8():
 def dots(cfg) -> list[tuple]:
     """(input dtypes, output dtype, output shape) of every dot_general of the traced gradient step, scans
     and custom rules included; with scan_unroll 1 each scanned layer's dots appear once."""
-    params = jax.eval_shape(functools.partial(trainer.create_params, cfg, 0))
-    x = jax.ShapeDtypeStruct((CFG.train.batch_size, cfg.context_length), jnp.int32)
-    jaxpr = jax.make_jaxpr(jax.grad(functools.partial(trainer.loss_fn, cfg=cfg)))(params, x, x)
-    found = []
-
-    def walk(j):
-        for eqn in j.eqns:
-            if eqn.primitive.name == "dot_general":
-                out = eqn.outvars[0].aval
-                found.append((tuple(str(v.aval.dtype) for v in eqn.invars), str(out.dtype), out.shape))
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (list, tuple)) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jaxpr.jaxpr)
-    return found
+    return [(tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype), eqn.outvars[0].aval.shape)
+            for eqn in gradient_step_equations(cfg, CFG.train.batch_size) if eqn.primitive.name == "dot_general"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -41,14 +41,13 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-import auto_parallel
 import manual_parallel
-import reference
 from launch import collectives
-from twinshard import cost, hlo
+from runners import loss_and_grads, max_relative_diff, twin_runner
+from twinshard import cost
 from twinshard.config import REMAT_POLICIES, Config, preset
 from twinshard.parallel import strategies
-from twinshard.train.trainer import SingleDevice, create_params, loss_fn
+from twinshard.train.trainer import create_params, loss_fn
 
 BASE = preset("tiny")
 CFG = Config(dataclasses.replace(BASE.model, num_heads=8), BASE.train)
@@ -75,37 +74,13 @@ def config(policy: str) -> Config:
 
 
 def make_runner(name: str, policy: str):
-    if name == "single":
-        return SingleDevice(config(policy).model, CFG.train)
-    twin, strategy = name.split()
-    return (manual_parallel if twin == "manual" else auto_parallel).make_runner(
-        strategy, MESHES[strategy], config(policy))
-
-
-@functools.cache
-def params():
-    return SingleDevice(CFG.model, CFG.train).init_state(CFG.train.seed).params
+    return twin_runner(name, config(policy), MESHES)
 
 
 @functools.cache
 def run(name: str, policy: str) -> dict:
     """Compile the runner's loss_and_grads once; its gradients, temp bytes and ledger."""
-    r = make_runner(name, policy)
-    x, y = reference.random_batches(B, T, CFG.model.vocab_size, 1)[0]
-    if name == "single":
-        args = (params(), x, y)
-    else:
-        args = (jax.device_put(params(), r.state_shardings.params), *r.place_batch(x, y))
-    compiled = r.loss_and_grads.lower(*args).compile()
-    _, grads = compiled(*args)
-    return {"grads": jax.device_get(grads), "temp": compiled.memory_analysis().temp_size_in_bytes,
-            "ledger": None if name == "single" else hlo.ledger(compiled, r.mesh), "runner": r}
-
-
-def max_relative_diff(a, b) -> float:
-    """max over leaves of max|a - b| / max|b| (each leaf scaled by its largest entry)."""
-    return max(float(np.max(np.abs(x - y)) / np.max(np.abs(y))) for x, y in
-               zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return loss_and_grads(make_runner(name, policy), CFG)
 
 
 @pytest.mark.parametrize("name", RUNNERS)

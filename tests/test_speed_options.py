@@ -25,6 +25,7 @@ import auto_parallel
 import manual_parallel
 import reference
 from runners import CFG, MESHES
+from traced import gradient_step_equations
 from twinshard.config import Config
 from twinshard.hardware import topology
 from twinshard.model import layers
@@ -43,23 +44,8 @@ def model(**over):
 def float32_arrays(cfg, keep) -> set[tuple[int, ...]]:
     """Shapes of the float32 arrays `keep(shape)` selects among every value of the traced gradient step
     (sub-jaxprs of scans, checkpoints and custom rules included)."""
-    params = jax.eval_shape(functools.partial(trainer.create_params, cfg, 0))
-    x = jax.ShapeDtypeStruct((B, cfg.context_length), jnp.int32)
-    jaxpr = jax.make_jaxpr(jax.grad(functools.partial(trainer.loss_fn, cfg=cfg)))(params, x, x)
-    found = set()
-
-    def walk(j):
-        for eqn in j.eqns:
-            found.update(v.aval.shape for v in eqn.outvars
-                         if getattr(v.aval, "dtype", None) == jnp.float32 and keep(v.aval.shape))
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (list, tuple)) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jaxpr.jaxpr)
-    return found
+    return {v.aval.shape for eqn in gradient_step_equations(cfg, B) for v in eqn.outvars
+            if getattr(v.aval, "dtype", None) == jnp.float32 and keep(v.aval.shape)}
 
 
 def _vocab_wide(cfg):

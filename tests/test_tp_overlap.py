@@ -12,18 +12,14 @@ by float32 rounding only (max |a - b| / max |b| per leaf below 1e-6).
 import dataclasses
 import functools
 
-import jax
 import numpy as np
 import pytest
 
-import auto_parallel
 import manual_parallel
-import reference
-from runners import CFG, MESHES
-from twinshard import cost, hlo
+from runners import CFG, MESHES, loss_and_grads, max_relative_diff, twin_runner
+from twinshard import cost
 from twinshard.config import Config, preset
 from twinshard.model import layers
-from twinshard.train.trainer import SingleDevice
 
 B, T, L = CFG.train.batch_size, CFG.model.context_length, CFG.model.num_layers
 CHUNKS = 2
@@ -36,29 +32,9 @@ def config(chunks: int) -> Config:
 
 
 @functools.cache
-def params():
-    return SingleDevice(CFG.model, CFG.train).init_state(CFG.train.seed).params
-
-
-@functools.cache
 def run(name: str, chunks: int) -> dict:
     """The runner's loss_and_grads compiled once: loss, gradients, ledger (None on one device)."""
-    c = config(chunks)
-    x, y = reference.random_batches(B, T, CFG.model.vocab_size, 1)[0]
-    if name == "single":
-        r, args = SingleDevice(c.model, c.train), (params(), x, y)
-    else:
-        twin, strategy = name.split()
-        r = (manual_parallel if twin == "manual" else auto_parallel).make_runner(strategy, MESHES[strategy], c)
-        args = (jax.device_put(params(), r.state_shardings.params), *r.place_batch(x, y))
-    compiled = r.loss_and_grads.lower(*args).compile()
-    value, grads = compiled(*args)
-    return {"loss": float(value), "grads": jax.device_get(grads), "runner": r,
-            "ledger": None if name == "single" else hlo.ledger(compiled, r.mesh)}
-
-
-def max_relative_diff(a, b) -> float:
-    return max(float(np.max(np.abs(x - y)) / np.max(np.abs(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return loss_and_grads(twin_runner(name, config(chunks)), CFG)
 
 
 def test_chunks_split_and_merge_the_batch_in_strides():
