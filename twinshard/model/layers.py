@@ -4,7 +4,6 @@ Notation: B batch, T sequence, D d_model, H heads, dh head dim, F d_ff, V vocab.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -16,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from twinshard.config import splash_block, splash_padded
 from twinshard.model import quantize
 from twinshard.model.matmuls import cotangent_like, matmul, partial_sums, varying_axes
+from twinshard.model.tracing import TraceSetting
 
 
 Array = jax.Array
@@ -204,23 +204,18 @@ def ungroup_heads(o: Array) -> Array:
     return o.reshape(b, hk * g, t, dh)
 
 
-_TARGET: list[str] = []  # compiling_for's platform, innermost last
+_TARGET = TraceSetting(default=lambda: jax.default_backend())  # looked up at each call
 
 
-@contextlib.contextmanager
 def compiling_for(platform: str):
     """Trace the kernels for `platform` instead of this process's backend: a TPU topology compiled
     ahead of time from a CPU host lowers splash for the chip (Mosaic), not in interpret mode."""
-    _TARGET.append(platform)
-    try:
-        yield
-    finally:
-        _TARGET.pop()
+    return _TARGET.using(platform)
 
 
 def target_backend() -> str:
     """The platform the traced kernels run on (compiling_for's, else jax.default_backend())."""
-    return _TARGET[-1] if _TARGET else jax.default_backend()
+    return _TARGET.current()
 
 
 def attention_kernel(impl: str, dtype, positions: tuple[int, ...] | None = None) -> str:

@@ -21,32 +21,27 @@ the experts' einsums and the router (twinshard/model/moe.py).
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import qwix
+
+from twinshard.model.tracing import TraceSetting
 
 Array = jax.Array
 # qwix's absmax, scaled so the absmax maps to 127 (qwix's default maps it to 127.5, which rounds to 128 and
 # overflows int8: XLA:CPU's convert wrapped it to -128 in one fusion and saturated it in another, measured)
 ABSMAX = f"absmax,{127.5 / 127!r}"
-_MODES: list[str] = []  # quantizing's mode, innermost last
+_MODE = TraceSetting(default=lambda: "none")
 
 
-@contextlib.contextmanager
 def quantizing(mode: str):
     """The products layers.linear traces inside run as `mode` ("none" or "int8"; ModelConfig.quantization)."""
-    _MODES.append(mode)
-    try:
-        yield
-    finally:
-        _MODES.pop()
+    return _MODE.using(mode)
 
 
 def active() -> str:
     """The quantization of the products traced now ("none" outside `quantizing`)."""
-    return _MODES[-1] if _MODES else "none"
+    return _MODE.current()
 
 
 def int8_product(x: Array, w: Array, out_sharding=None) -> Array:
