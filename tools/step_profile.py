@@ -239,6 +239,7 @@ def main(argv):
     if FLAGS.steps < 1:
         raise ValueError(f"--steps={FLAGS.steps}: profile at least one step.")
     predict_chip = chip_to_predict(jax.devices()[0]) if FLAGS.predict_json else None
+    common.check_output_path(FLAGS.predict_json, "predict_json")
     cfg = common.with_model_flags(bench.BENCH_PRESETS.get(FLAGS.preset) or preset(FLAGS.preset), FLAGS)
     if FLAGS.batch_size is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
@@ -260,33 +261,31 @@ def main(argv):
         per_op, kernels, device, busiest = op_times(read_trace(trace_dir), kinds, module)
     report(per_op, kernels, device, busiest, kinds, lines, wall_ms, jax.devices()[0])
     if FLAGS.predict_json:
-        write_prediction(FLAGS.predict_json, compiled, per_op, kinds, wall_ms, predict_chip, FLAGS.steps, FLAGS.preset)
+        write_prediction(FLAGS.predict_json, text, per_op, kinds, wall_ms, predict_chip, FLAGS.steps, FLAGS.preset)
 
 
 def chip_to_predict(device):
     """--predict_chip's chip, else the device's; checked before anything compiles."""
-    from twinshard.hardware.chips import CHIPS, chip_for
+    from twinshard.hardware import chips
 
     if FLAGS.predict_chip:
-        found = next((c for c in CHIPS if c.name == FLAGS.predict_chip), None)
-        if found is None:
-            raise ValueError(f"--predict_chip={FLAGS.predict_chip}: unknown; choose one of "
-                             f"{', '.join(c.name for c in CHIPS)}")
-        return found
-    found = chip_for(device.device_kind)
+        try:
+            return chips.chip(FLAGS.predict_chip)
+        except ValueError as e:
+            raise ValueError(f"--predict_chip={FLAGS.predict_chip}: {e}") from None
+    found = chips.chip_for(device.device_kind)
     if found is None:
         raise ValueError(f"--predict_json: no chip in twinshard.hardware.chips runs as {device.device_kind!r}; "
                          "name one with --predict_chip (e.g. v5e)")
     return found
 
 
-def write_prediction(path: str, compiled, per_op, kinds, wall_ms: float, chip, steps: int, preset: str) -> dict:
-    """The compiled step priced op by op beside the profile's time of each instruction (ms per step,
+def write_prediction(path: str, text: str, per_op, kinds, wall_ms: float, chip, steps: int, preset: str) -> dict:
+    """The compiled step (its HLO text) priced op by op beside the profile's time of each instruction (ms per step,
     every run of a loop body's op summed): the prediction checked against the very program that ran,
     kind by kind and op by op."""
     from twinshard.hardware.step_time import predict_step
 
-    text = compiled if isinstance(compiled, str) else compiled.as_text()
     pred = predict_step(text, chip)
     ops = [{"name": o.name, "kind": o.kind, "profile_kind": kinds.get(o.name, ""), "opcode": o.opcode,
             "runs": o.runs, "flops": o.flops, "bytes": o.bytes,
