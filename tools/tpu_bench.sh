@@ -28,8 +28,8 @@ if [[ $MODE == levers || $MODE == int8 ]]; then WHAT=$MODE MODE=run; fi
 if [[ -n $WHAT && $WHAT != levers && $WHAT != int8 ]]; then
   echo "usage: tools/tpu_bench.sh [--dry-run] [levers|int8]  (no argument: the TPU run)" >&2; exit 2
 fi
-# The speed options, each alone on top of a preset's run (its flags: launch.common.define_speed_flags);
-# BLOCK is the whole sequence, with the scoped VMEM a block of 2048 needs; UNROLL the whole stack.
+# The preset's best run, then each speed option undone alone (its flags: launch.common.define_speed_flags),
+# and a splash block of the whole sequence with the scoped VMEM a block of 2048 needs.
 lever_runs() {  # lever_runs "<preset> <flags>" <context_length> [chunked]
   local base=$1 t=$2
   LEVER_RUNS+=("$base" "$base --scan_unroll=1" "$base --logits_dtype=float32" "$base --norm_dtype=float32"
