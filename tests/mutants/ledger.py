@@ -1,12 +1,29 @@
 """Mutants of the HLO ledger parser, the analytic cost and memory model, collective-permute patterns."""
 
 from .base import (
-    COST, COST_TESTS, GQA, HLO, LEDGER_TESTS, Mutant, PLAN, SRC_COST_FLOPS, SRC_COST_MEMORY, SRC_COST_ROWS,
-    SRC_COST_ROWS_BUILDERS, SRC_HLO_GROUPS, SRC_HLO_LOOPS, SRC_HLO_PARSE, SRC_HLO_RECORDS, TPU, ULYSSES,
+    COST, COST_TESTS, GQA, HLO, LEDGER_TESTS, Mutant, PLAN, SCHEDULE, SRC_COST_FLOPS, SRC_COST_MEMORY, SRC_COST_ROWS,
+    SRC_COST_ROWS_BUILDERS, SRC_HLO_GROUPS, SRC_HLO_LOOPS, SRC_HLO_PARSE, SRC_HLO_RECORDS, SRC_HLO_TIMING, TPU,
+    ULYSSES,
 )
 
 MUTANTS: list[Mutant] = [
     # --- the HLO ledger parser (twinshard/hlo/)
+    Mutant("hlo-start-taken-for-a-copy", "ledger", SRC_HLO_LOOPS,
+           "if c not in starts and x.operands and _copy_key(x) in keys",
+           "if x.operands and _copy_key(x) in keys",
+           (f"{HLO}::test_a_start_fed_by_another_collectives_chain_is_its_own_collective",),
+           "an async start whose operand came out of another collective's chain is counted as its copy"),
+    # --- the step-time reader (twinshard/hlo/timing.py, parse.hbm_bytes)
+    Mutant("timing-vmem-counted-as-hbm", "schedule", SRC_HLO_PARSE,
+           "if layout and _ON_CHIP.search(layout):",
+           "if False and _ON_CHIP.search(layout):",
+           (f"{SCHEDULE}::test_operands_and_results_on_the_chip_move_no_hbm_bytes",),
+           "operands XLA:TPU keeps in VMEM (layout S(1)) priced as HBM traffic"),
+    Mutant("timing-int8-at-the-bf16-peak", "schedule", SRC_HLO_TIMING,
+           '"f64": "float32", "s8": "int8"}',
+           '"f64": "float32"}',
+           (f"{SCHEDULE}::test_an_int8_matmul_runs_at_the_int8_peak",),
+           "int8 dots priced at the bf16 peak"),
     Mutant("hlo-iota-transpose-ignored", "ledger", SRC_HLO_GROUPS,
            'ids = ids.transpose([int(x) for x in m.group(3).split(",")])',
            "ids = ids",
