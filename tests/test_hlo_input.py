@@ -151,3 +151,18 @@ def test_no_collective_is_not_asserted_over_an_unparsed_one() -> None:
         with pytest.raises(AssertionError, match="1 collective-looking HLO line"):
             testing.expect_no_collective(led, op=op)
     testing.expect_no_collective(led, op="all-gather")  # the unreadable line is an all-reduce
+
+
+def test_a_compiled_module_keeping_shardys_mesh_in_its_header_is_read() -> None:
+    # JAX 0.10.2's compiled programs keep `frontend_attributes={xla.sdy.meshes=...}` in the module's header
+    # (measured on a TPU v5e and on CPU); scheduled, the module is compiled, and the ledger reads it.
+    body = ("\n\nENTRY %main (p: f32[8]) -> f32[8] {\n  %p = f32[8]{0} parameter(0)\n"
+            "  ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add\n}\n"
+            "\n%add (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n  %b = f32[] parameter(1)\n"
+            "  ROOT %s = f32[] add(%a, %b)\n}\n")
+    header = 'HloModule m, {}entry_computation_layout={{(f32[8]{{0}})->f32[8]{{0}}}}, num_partitions=8, ' \
+             'frontend_attributes={{xla.sdy.meshes={{mesh = #sdy.mesh<["data"=8]>}}}}'
+    testing.expect_collectives(hlo.ledger(header.format("is_scheduled=true, ") + body, MESH), "all-reduce", "data",
+                               count=1)
+    with pytest.raises(ValueError, match=f"not compiled yet.*{PASS}"):  # unscheduled: still refused
+        hlo.ledger(header.format("") + body, MESH)

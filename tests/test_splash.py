@@ -66,6 +66,23 @@ def test_splash_is_the_reference_in_values_and_gradients(kv, t, dtype):
         np.testing.assert_allclose(g, r, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("sweep", ["block=256:block_kv_compute=128:k_layout=SEQ_MINOR",
+                                   "block=128:fused=0:q_layout=SEQ_MINOR:v_layout=SEQ_MINOR"])
+def test_the_chips_splash_sweep_runs_the_reference_under_other_block_sizes_and_layouts(sweep):
+    """tools/chip_micro.py --parts=splash_sweep times the kernel under BlockSizes fields set apart from the
+    block (layers.Splash.overrides); each must stay the same attention."""
+    options = layers.Splash.parse(sweep)
+    assert options.overrides and options.fused_bwd == ("fused=0" not in sweep)
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 2, 256, 16)), jnp.float32) for _ in range(3))
+    w = jnp.asarray(rng.normal(size=(1, 2, 256, 16)), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(layers.splash_attention(q, k, v, options) * w)  # noqa: E731
+    got = jax.jit(lambda *a: (layers.splash_attention(*a, options), jax.grad(loss, argnums=(0, 1, 2))(*a)))(q, k, v)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(_attention_and_grads("reference", q, k, v, w))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=BF16_RTOL * np.abs(r).max() if NATIVE_TPU
+                                   else F32_ATOL, rtol=0)
+
+
 def test_block_size_is_checked_when_the_config_is_built():
     assert splash_block(32) == 128 and splash_block(1024) == 512 and splash_block(384) == 384
     assert splash_block(1024, 256) == 256

@@ -31,7 +31,12 @@ flags.DEFINE_bool("small", False, "Tiny shapes (a CPU check of the code, not a m
 flags.DEFINE_integer("reps", 20, "Timed calls per program.")
 flags.DEFINE_list("splash_blocks", "512,1024", "Splash block sizes to time (2048 needs a larger "
                   "scoped VMEM: --xla_tpu_scoped_vmem_limit_kib in LIBTPU_INIT_ARGS).")
-flags.DEFINE_list("parts", "matmul,hbm,splash", "Which measurements to run.")
+flags.DEFINE_list("parts", "matmul,hbm,splash", "Which measurements to run (splash_sweep: --splash_sweep's "
+                  "block sizes at --splash_sweep_shape).")
+flags.DEFINE_list("splash_sweep", "block=512", "splash_sweep's kernels, each 'key=value' pairs joined by ':': block "
+                  "(every block), fused (0/1: one backward kernel), and splash.BlockSizes fields (block_kv_compute=256, "
+                  "k_layout=SEQ_MINOR, ...), e.g. block=512:block_kv_compute=256,block=1024:fused=0.")
+flags.DEFINE_string("splash_sweep_shape", "gpt2_350m", "The SPLASH_SHAPES row splash_sweep runs at.")
 FLAGS = flags.FLAGS
 
 # (name, B, heads, kv heads, T, head_dim): the attention of tools/tpu_bench.sh's presets
@@ -108,14 +113,14 @@ def hbm(small: bool, reps: int) -> list[dict]:
     return rows
 
 
-def splash(small: bool, reps: int, blocks: list[int]) -> list[dict]:
+def splash(small: bool, reps: int, blocks: list, shapes=SPLASH_SHAPES) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from twinshard.model.layers import splash_attention
+    from twinshard.model.layers import Splash, splash_attention
 
     rows = []
-    for name, b, h, hk, t, dh in SPLASH_SHAPES:
+    for name, b, h, hk, t, dh in shapes:
         if small:
             b, h, hk, t = 1, 2, min(hk, 2), 256
         keys = jax.random.split(jax.random.key(1), 3)
@@ -124,7 +129,8 @@ def splash(small: bool, reps: int, blocks: list[int]) -> list[dict]:
         v = jax.random.normal(keys[2], (b, hk, t, dh), jnp.bfloat16)
         forward_flops = 4 * b * h * t * t * dh / 2  # causal: half of QK^T and PV
         for block in blocks:
-            if block > t:
+            size, label = (block.block, block._asdict()) if isinstance(block, Splash) else (block, block)
+            if size > t:
                 continue
             fwd = jax.jit(lambda q, k, v, block=block: splash_attention(q, k, v, block))
             loss = lambda q, k, v, block=block: splash_attention(q, k, v, block).astype(jnp.float32).sum()  # noqa: E731
@@ -132,12 +138,22 @@ def splash(small: bool, reps: int, blocks: list[int]) -> list[dict]:
             try:
                 s_fwd, s_both = timed(fwd, q, k, v, reps=reps), timed(both, q, k, v, reps=reps)
             except Exception as e:  # noqa: BLE001  a block the scoped VMEM cannot hold: recorded, not fatal
-                rows.append({"kind": "splash", "name": name, "block": block, "error": str(e).splitlines()[0][:300]})
+                rows.append({"kind": "splash", "name": name, "block": label, "error": str(e).splitlines()[0][:300]})
                 continue
-            rows.append({"kind": "splash", "name": name, "shape": [b, h, hk, t, dh], "block": block,
+            rows.append({"kind": "splash", "name": name, "shape": [b, h, hk, t, dh], "block": label,
                          "forward_s": s_fwd, "forward_flops_per_s": forward_flops / s_fwd,
                          "fwd_bwd_s": s_both, "fwd_bwd_flops_per_s": 3.5 * forward_flops / s_both})
     return rows
+
+
+def splash_sweep(small: bool, reps: int, configs: list[str], shape: str) -> list[dict]:
+    """The splash kernel alone at one preset's attention shape under each of `configs`' block sizes and layouts."""
+    from twinshard.model.layers import Splash
+
+    rows_by_name = {row[0]: row for row in SPLASH_SHAPES}
+    if shape not in rows_by_name:
+        raise app.UsageError(f"--splash_sweep_shape={shape}: not one of {sorted(rows_by_name)}")
+    return splash(small, reps, [Splash.parse(c) for c in configs], shapes=(rows_by_name[shape],))
 
 
 def main(argv):
@@ -148,7 +164,8 @@ def main(argv):
     print(f"jax {jax.__version__} on {device.device_kind}", flush=True)
     out = {"jax": jax.__version__, "device_kind": device.device_kind, "rows": []}
     parts = {"matmul": lambda: matmuls(FLAGS.small, FLAGS.reps), "hbm": lambda: hbm(FLAGS.small, FLAGS.reps),
-             "splash": lambda: splash(FLAGS.small, FLAGS.reps, [int(b) for b in FLAGS.splash_blocks])}
+             "splash": lambda: splash(FLAGS.small, FLAGS.reps, [int(b) for b in FLAGS.splash_blocks]),
+             "splash_sweep": lambda: splash_sweep(FLAGS.small, FLAGS.reps, FLAGS.splash_sweep, FLAGS.splash_sweep_shape)}
     unknown = sorted(set(FLAGS.parts) - set(parts))
     if unknown:
         raise app.UsageError(f"--parts={','.join(FLAGS.parts)}: unknown {unknown}; choose from {sorted(parts)}")

@@ -20,14 +20,13 @@ computation's end (`Window.carried`).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from twinshard.hlo.groups import mesh_spec
 from twinshard.hlo.loops import call_edges_of, multiplicities, root_call_target, trip_count
 from twinshard.hlo.parse import Instr, Module, base_opcode
-from twinshard.hlo.records import Collective, Ledger, hlo_text, parsed_module, ledger_of_module
+from twinshard.hlo.records import Collective, Ledger, hlo_text, is_scheduled, ledger_of_module, parsed_module
 
 # Instructions that take no time of their own: names, views of buffers, and buffers the TPU allocates.
 FREE_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
@@ -154,7 +153,7 @@ def schedule(compiled_or_hlo_text: Any, mesh: Any) -> Schedule:
     mod = parsed_module(text)
     led = ledger_of_module(mod, mesh_spec(mesh))
     warnings: list[str] = []
-    scheduled = bool(re.search(r"^HloModule[^\n]*\bis_scheduled=true", text, re.M))
+    scheduled = is_scheduled(text)
     if not scheduled:
         warnings.append("the module is not scheduled (no is_scheduled=true): the printed order is read as the order")
     runs = multiplicities(mod, [])

@@ -253,6 +253,16 @@ class Splash(NamedTuple):
     """The splash kernel's options, handed down as causal_attention's `block` (an int: the block alone)."""
     block: int = 0  # ModelConfig.attention_block (0: splash_block's choice)
     fused_bwd: bool = True  # ModelConfig.splash_fused_bwd: one backward kernel for dq, dk, dv; else dq apart
+    # splash.BlockSizes fields set apart from `block` (("block_kv_compute", 256), ("k_layout", "SEQ_MINOR"), ...):
+    # what tools/chip_micro.py's splash sweep times
+    overrides: tuple[tuple[str, int | str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> Splash:
+        """'block=512:fused=0:k_layout=SEQ_MINOR' (tools/chip_micro.py --splash_sweep) as Splash."""
+        fields = dict(part.split("=", 1) for part in text.split(":") if part)
+        block, fused = int(fields.pop("block", 0)), fields.pop("fused", "1") != "0"
+        return cls(block, fused, tuple((k, v if k.endswith("_layout") else int(v)) for k, v in sorted(fields.items())))
 
 
 def splash_attention(q: Array, k: Array, v: Array, block: int | Splash = 0) -> Array:
@@ -270,8 +280,11 @@ def splash_attention(q: Array, k: Array, v: Array, block: int | Splash = 0) -> A
     # The fused backward ran fwd+bwd 24% faster on a TPU v5e (B16 H12 T1024 dh64, block 512: 3.25
     # against 4.26 ms; JAX 0.10.2); it writes dq per key block ([T/n, h, T, dh]) and sums them after.
     dq = {} if options.fused_bwd else {"block_q_dq": n, "block_kv_dq": n}
-    sizes = splash.BlockSizes(block_q=n, block_kv=n, block_kv_compute=n, block_q_dkv=n, block_kv_dkv=n,
-                              block_kv_dkv_compute=n, use_fused_bwd_kernel=options.fused_bwd, **dq)
+    fields = dict(block_q=n, block_kv=n, block_kv_compute=n, block_q_dkv=n, block_kv_dkv=n,
+                  block_kv_dkv_compute=n, use_fused_bwd_kernel=options.fused_bwd, **dq)
+    for name, value in options.overrides:
+        fields[name] = splash.QKVLayout[value] if name.endswith("_layout") else value
+    sizes = splash.BlockSizes(**fields)
     make = splash.make_splash_mqa if hk == 1 else splash.make_splash_mha
 
     def run(q, k, v):  # the kernel built where it runs: its mask tables are arrays of that trace
