@@ -78,14 +78,17 @@ def plot(runs: list[tuple[str, dict, dict]], path: str) -> None:
     first_label, first, _ = runs[0]
     for i, (label, loss, held_out) in enumerate(runs):
         color = f"C{i}"
-        top.plot(sorted(loss), [loss[s] for s in sorted(loss)], color=color, lw=2.4 - i * 0.6, label=f"{label} (train)")
+        sparse = len(loss) < 10  # a run that logged a few steps: its points alone, no line across the gaps
+        top.plot(sorted(loss), [loss[s] for s in sorted(loss)], color=color, lw=2.4 - i * 0.6, ls="" if sparse else "-",
+                 marker="s" if sparse else None, label=f"{label} (train{f', {len(loss)} steps logged' if sparse else ''})")
         if held_out:
             top.plot(sorted(held_out), [held_out[s] for s in sorted(held_out)], color=color, ls="", marker="o",
                      label=f"{label} (held out)")
         common_steps = sorted(set(loss) & set(first))
         if i:
-            bottom.plot(common_steps, [loss[s] - first[s] for s in common_steps], color=color,
-                        label=f"{label} - {first_label}")
+            few = len(common_steps) < 10
+            bottom.plot(common_steps, [loss[s] - first[s] for s in common_steps], color=color, ls="" if few else "-",
+                        marker="s" if few else None, label=f"{label} - {first_label}")
     top.set_ylabel("loss")
     top.set_title(" vs ".join(label for label, _, _ in runs))
     top.legend()

@@ -41,6 +41,7 @@ class Run(NamedTuple):
     model: dict
     measured_ms: float  # the chip's step (BENCHMARKS.md)
     profile_ms: dict | None = None  # the chip's profile by kind, where one was taken
+    train: dict | None = None  # TrainConfig fields beside the batch (grad_accum)
 
 
 # The chip's figures: launch.bench and tools/step_profile.py on one v5e, jax 0.10.2 (BENCHMARKS.md).
@@ -61,7 +62,13 @@ RUNS = (
     Run("gpt2_350m save_dot_except_mlp + speed options, unrolled", "gpt2_350m", 16,
         BF16 | FAST | {"remat": "save_dot_except_mlp", "scan_unroll": 24}, 439.8),
     Run("llama_v5e no remat + speed options, unrolled", "llama_v5e", 2,
-        BF16 | {"remat": "none"} | FAST | {"scan_unroll": 14}, 138.5),
+        BF16 | {"remat": "none"} | FAST | {"scan_unroll": 14}, 138.5,
+        {"matmul": 94.8, "attention": 16.0, "memory": 17.0 + 3.0 + 2.9 + 2.3 + 0.6 + 0.3}),
+    Run("gpt2_350m no remat + speed options, unrolled", "gpt2_350m", 16,
+        BF16 | FAST | {"remat": "none", "scan_unroll": 24}, 419.7,
+        {"matmul": 238.6, "attention": 74.5, "memory": 41.3 + 31.5 + 16.0 + 15.6 + 0.4 + 0.1}),
+    Run("gpt2_350m no remat, 2 micro-batches + speed options, unrolled", "gpt2_350m", 16,
+        BF16 | FAST | {"remat": "none", "scan_unroll": 24}, 367.9, train={"grad_accum": 2}),
 )
 KINDS = ("matmul", "attention", "memory")
 
@@ -78,7 +85,7 @@ def compile_one_chip(run: Run):
 
     cfg = preset(run.preset)
     model = dataclasses.replace(cfg.model, **run.model)
-    train = dataclasses.replace(cfg.train, batch_size=run.batch)
+    train = dataclasses.replace(cfg.train, batch_size=run.batch, **(run.train or {}))
     one = SingleDeviceSharding(topology.devices("v5e:1x1", (1, 1, 1))[0])
     runner = SingleDevice(model, train)
     state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), runner.abstract_state())
