@@ -24,16 +24,26 @@ needs_libtpu = pytest.mark.skipif(not topology.libtpu_installed(),
 TINY = preset("tiny").model
 
 
-def _reduction_beside_matmuls(options: dict[str, str] | None):
-    """A gradient-like all-reduce over 4 v5e chips with matmuls that do not need it, compiled ahead
-    of time with `options`: its schedule (hlo.schedule)."""
+def _matmuls(b):
+    """[D, D] -> [D, D]: four matmuls (convolution fusions on TPU)."""
+    z = jnp.tanh(b @ b) @ b
+    return jnp.tanh(z @ b) @ b
+
+
+def _elementwise(b):
+    """[D, D] -> [D, D]: elementwise only (one kLoop fusion on TPU)."""
+    return jnp.tanh(b) * jnp.exp(b) + jnp.sin(b)
+
+
+def _reduction_beside(options: dict[str, str] | None, independent=_matmuls):
+    """A gradient-like all-reduce over 4 v5e chips with `independent` compute that does not need it,
+    compiled ahead of time with `options`: its schedule (hlo.schedule)."""
     devs = topology.devices("v5e:2x2")
     mesh = jax.sharding.Mesh(np.array(devs), ("data",))
 
     def step(a, b):
         reduced = jax.lax.psum(a @ a, "data")      # [D, D]: nothing below reads it
-        z = jnp.tanh(b @ b) @ b                    # independent compute to hide it behind
-        return reduced, jnp.tanh(z @ b) @ b
+        return reduced, independent(b)             # independent compute to hide it behind
 
     f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
@@ -44,20 +54,31 @@ def _reduction_beside_matmuls(options: dict[str, str] | None):
 @needs_libtpu
 def test_libtpu_accepts_each_option_and_refuses_an_unknown_one():
     for name, value in xla_options.ASYNC_COLLECTIVES.items():
-        _reduction_beside_matmuls({name: value})  # raises where libtpu does not know the name
+        _reduction_beside({name: value})  # raises where libtpu does not know the name
     with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):
-        _reduction_beside_matmuls({"xla_tpu_enable_async_all_reduce": "true"})  # a plausible name that is not one
+        _reduction_beside({"xla_tpu_enable_async_all_reduce": "true"})  # a plausible name that is not one
 
 
 @needs_libtpu
 def test_the_options_make_the_all_reduce_asynchronous_with_compute_beside_it():
     """The compiler's defaults: the all-reduce is synchronous (a window of zero width). The train
     step's options: issued, then matmuls scheduled, then completed."""
-    (plain,) = [w for w in _reduction_beside_matmuls(None).windows() if w.op == "all-reduce"]
+    (plain,) = [w for w in _reduction_beside(None).windows() if w.op == "all-reduce"]
     assert plain.synchronous and not plain.inside
     options = trainer.compiler_options(TINY, "tpu", 2)
-    (overlapped,) = [w for w in _reduction_beside_matmuls(options).windows() if w.op == "all-reduce"]
+    (overlapped,) = [w for w in _reduction_beside(options).windows() if w.op == "all-reduce"]
     assert not overlapped.synchronous and overlapped.inside
+
+
+@needs_libtpu
+def test_an_elementwise_fusion_runs_beside_the_all_reduce_only_with_the_kloop_option():
+    """Without xla_tpu_enable_async_collective_fusion_fuse_kloop_fusions only matmul fusions are
+    scheduled beside an all-reduce: with nothing else independent it stays synchronous."""
+    kloop = "xla_tpu_enable_async_collective_fusion_fuse_kloop_fusions"
+    without = {k: v for k, v in xla_options.ASYNC_COLLECTIVES.items() if k != kloop}
+    for options, hidden in ((without, False), (xla_options.ASYNC_COLLECTIVES, True)):
+        (window,) = [w for w in _reduction_beside(options, _elementwise).windows() if w.op == "all-reduce"]
+        assert window.synchronous != hidden and bool(window.inside) == hidden
 
 
 def test_the_options_are_tpu_options_of_a_mesh_on_by_default():
