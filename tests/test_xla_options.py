@@ -87,3 +87,39 @@ def test_the_options_are_tpu_options_of_a_mesh_on_by_default():
     assert trainer.compiler_options(TINY, "tpu", 1) is None  # one chip: no collective to hide
     assert trainer.compiler_options(TINY, "cpu", 16) is None  # XLA:CPU refuses TPU options
     assert trainer.compiler_options(dataclasses.replace(TINY, async_collectives=False), "tpu", 16) is None
+
+
+def _auto_fsdp_tp_gradient_reductions(options: dict[str, str]) -> list:
+    """The data-axis windows of the auto fsdp_tp step (tiny, bf16, data:8,tensor:2 of a v5e:4x4) compiled
+    with `options` as the train step's async set: its reduce-scatters and its all-reduces of matrices."""
+    import auto_parallel
+    from twinshard.config import Config
+
+    pod = topology.devices("v5e:4x4", (2, 2, 1))
+    base = preset("tiny")
+    cfg = Config(dataclasses.replace(base.model, dtype="bfloat16"), dataclasses.replace(base.train, batch_size=16))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(xla_options, "ASYNC_COLLECTIVES", options)
+        runner = auto_parallel.make_runner("fsdp_tp", "data:8,tensor:2", cfg,
+                                           devices=topology.mesh_devices({"data": 8, "tensor": 2}, pod))
+        tokens = jax.ShapeDtypeStruct((16, cfg.model.context_length), jnp.int32, sharding=runner.batch_sharding)
+        compiled = topology.compile_for_pod(runner.train_step.lower(runner.abstract_state(), tokens, tokens))
+    windows = hlo.schedule(compiled, runner.mesh).windows()
+    return [w for w in windows if w.axes == ("data",) and len(w.records[0].shape) == 2
+            and w.op in ("reduce-scatter", "all-reduce") and 2 not in w.records[0].shape]
+
+
+@needs_libtpu
+def test_gradient_reduce_scatters_stay_reduce_scatters_and_asynchronous_with_the_scatter_options():
+    """Without the reduce-scatter options XLA:TPU compiled the embedding's and lm_head's gradient
+    reduce-scatters over data:8 of a v5e:4x4 as synchronous all-reduces of the full [64, 192] / [192, 64]
+    gradient (+ a slice); with them, asynchronous reduce-scatters with compute beside them (measured)."""
+    scatter = ("xla_enable_async_reduce_scatter_fusion", "xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter")
+    without = {k: v for k, v in xla_options.ASYNC_COLLECTIVES.items() if k not in scatter}
+    before = _auto_fsdp_tp_gradient_reductions(without)
+    after = _auto_fsdp_tp_gradient_reductions(xla_options.ASYNC_COLLECTIVES)
+    full = [w for w in before if w.op == "all-reduce" and w.synchronous and 192 in w.records[0].shape]
+    assert len(full) == 2 and not [w for w in before if w.op == "reduce-scatter"]
+    scattered = [w for w in after if w.op == "reduce-scatter"]
+    assert len(scattered) == 2 and all(not w.synchronous and w.inside for w in scattered)
+    assert not [w for w in after if w.op == "all-reduce" and 192 in w.records[0].shape]
