@@ -73,6 +73,9 @@ def test_the_chips_splash_sweep_runs_the_reference_under_other_block_sizes_and_l
     block (layers.Splash.overrides); each must stay the same attention."""
     options = layers.Splash.parse(sweep)
     assert options.overrides and options.fused_bwd == ("fused=0" not in sweep)
+    sizes = layers.splash_block_sizes(256, options)  # each override reaches the kernel's BlockSizes
+    for name, value in options.overrides:
+        assert getattr(sizes, name) == (value if isinstance(value, int) else getattr(type(sizes.q_layout), value))
     rng = np.random.default_rng(7)
     q, k, v = (jnp.asarray(rng.normal(size=(1, 2, 256, 16)), jnp.float32) for _ in range(3))
     w = jnp.asarray(rng.normal(size=(1, 2, 256, 16)), jnp.float32)
@@ -81,6 +84,12 @@ def test_the_chips_splash_sweep_runs_the_reference_under_other_block_sizes_and_l
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(_attention_and_grads("reference", q, k, v, w))):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=BF16_RTOL * np.abs(r).max() if NATIVE_TPU
                                    else F32_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("bad", ["block=abc", "block_kv_compute", "k_layout=SEQ", "blockq=128"])
+def test_malformed_splash_options_name_the_part_and_what_is_accepted(bad):
+    with pytest.raises(ValueError, match=f"'{bad}' is not NAME=VALUE with NAME one of block, fused, block_q"):
+        layers.Splash.parse(f"block=128:{bad}")
 
 
 def test_block_size_is_checked_when_the_config_is_built():

@@ -87,6 +87,10 @@ def test_the_options_are_tpu_options_of_a_mesh_on_by_default():
     assert trainer.compiler_options(TINY, "tpu", 1) is None  # one chip: no collective to hide
     assert trainer.compiler_options(TINY, "cpu", 16) is None  # XLA:CPU refuses TPU options
     assert trainer.compiler_options(dataclasses.replace(TINY, async_collectives=False), "tpu", 16) is None
+    # a scoped VMEM limit asked for in the config: the larger of it and the reduce-scatter fusion's 32 MiB
+    for asked, got in ((16384, "32768"), (98304, "98304")):
+        options = trainer.compiler_options(dataclasses.replace(TINY, xla_tpu_scoped_vmem_limit_kib=asked), "tpu", 16)
+        assert options == {**xla_options.ASYNC_COLLECTIVES, "xla_tpu_scoped_vmem_limit_kib": got}
 
 
 def _auto_fsdp_tp_gradient_reductions(options: dict[str, str]) -> list:

@@ -153,7 +153,11 @@ def splash_sweep(small: bool, reps: int, configs: list[str], shape: str) -> list
     rows_by_name = {row[0]: row for row in SPLASH_SHAPES}
     if shape not in rows_by_name:
         raise app.UsageError(f"--splash_sweep_shape={shape}: not one of {sorted(rows_by_name)}")
-    return splash(small, reps, [Splash.parse(c) for c in configs], shapes=(rows_by_name[shape],))
+    try:
+        kernels = [Splash.parse(c) for c in configs]
+    except ValueError as e:
+        raise app.UsageError(f"--splash_sweep: {e}") from None
+    return splash(small, reps, kernels, shapes=(rows_by_name[shape],))
 
 
 def main(argv):

@@ -51,6 +51,8 @@ OPTIONS = "tests/test_options.py"  # every option observed; explicit against der
 DTYPES = "tests/test_promised_dtypes.py"
 ULYSSES = "tests/test_ulysses.py"
 QUANTIZATION = "tests/test_quantization.py"
+XLA_OPTIONS = "tests/test_xla_options.py"
+SPLASH = "tests/test_splash.py"
 
 # The manual twin's tests of DATA_TENSOR: its cases of the tests parametrised over [twin-strategy],
 # then its own (the last two also run the GSPMD twin).
@@ -91,6 +93,7 @@ SRC_HLO_GROUPS = "twinshard/hlo/groups.py"
 SRC_HLO_LOOPS = "twinshard/hlo/loops.py"
 SRC_HLO_RECORDS = "twinshard/hlo/records.py"
 SRC_HLO_TIMING = "twinshard/hlo/timing.py"
+SRC_XLA_OPTIONS = "twinshard/train/xla_options.py"
 SRC_COST_ROWS = "twinshard/cost/communication.py"
 SRC_COST_ROWS_BUILDERS = "twinshard/cost/rows.py"
 SRC_COST_FLOPS = "twinshard/cost/flops.py"

@@ -1,6 +1,6 @@
 """Mutants of the explicit twin (sharding in types)."""
 
-from .base import DATA, EXPLICIT, Mutant, SRC_LAYERS, SRC_MATMULS
+from .base import EXPLICIT, Mutant, SRC_MATMULS
 
 MUTANTS: list[Mutant] = [
     # --- the explicit twin: sharding in types (explicit_parallel/, matmuls.partial_sums, the typed accumulator)

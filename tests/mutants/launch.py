@@ -1,8 +1,8 @@
 """Mutants of the launchers and what they read and write: data, checkpoints and resume, validation, launch.plan."""
 
 from .base import (
-    CLI_ERRORS, DATA, HLO_INPUT, Mutant, OPTIONS, PLAN, SRC_DATA, SRC_FIT, SRC_HLO_RECORDS, SRC_LAYERS, SRC_PLAN,
-    SRC_TRAIN, TPU, TRAIN, VALIDATION,
+    CLI_ERRORS, DATA, HLO_INPUT, Mutant, OPTIONS, PLAN, SPLASH, SRC_DATA, SRC_FIT, SRC_HLO_RECORDS, SRC_LAYERS,
+    SRC_PLAN, SRC_TRAIN, SRC_XLA_OPTIONS, TPU, TRAIN, VALIDATION, XLA_OPTIONS,
 )
 
 MUTANTS: list[Mutant] = [
@@ -253,4 +253,31 @@ MUTANTS: list[Mutant] = [
            'interpret=jax.default_backend() != "tpu")',
            ("tests/test_ulysses.py::test_splash_inside_ulysses_compiles_for_a_tpu_pod_with_the_models_all_to_alls",),
            "a TPU program compiled from a CPU host runs splash in Pallas' interpret mode (compiling_for ignored)"),
+    Mutant("splash-overrides-ignored", "tpu", SRC_LAYERS,
+           "    for name, value in options.overrides:\n        fields[name] =",
+           "    for name, value in ():\n        fields[name] =",
+           (f"{SPLASH}::test_the_chips_splash_sweep_runs_the_reference_under_other_block_sizes_and_layouts",),
+           "chip_micro's splash sweep times the default kernel whatever block sizes and layouts it names"),
+    Mutant("hlo-jax010-compiled-taken-for-lowered", "sturdy", SRC_HLO_RECORDS,
+           "if _UNCOMPILED.search(text) and not is_scheduled(text):",
+           "if _UNCOMPILED.search(text):",
+           (f"{HLO_INPUT}::test_a_compiled_module_keeping_shardys_mesh_in_its_header_is_read",),
+           "JAX 0.10.2's compiled programs (Shardy's mesh in the header) refused as uncompiled: no op-by-op "
+           "prediction on the chip"),
+    # --- the train step's XLA:TPU options (twinshard/train/xla_options.py)
+    Mutant("xla-kloop-fusions-off", "tpu", SRC_XLA_OPTIONS,
+           '"xla_tpu_enable_async_collective_fusion_fuse_kloop_fusions": "true",',
+           '"xla_tpu_enable_async_collective_fusion_fuse_kloop_fusions": "false",',
+           (f"{XLA_OPTIONS}::test_an_elementwise_fusion_runs_beside_the_all_reduce_only_with_the_kloop_option",),
+           "an all-reduce with only elementwise work beside it stays synchronous"),
+    Mutant("xla-reduce-scatter-fusion-off", "tpu", SRC_XLA_OPTIONS,
+           '"xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter": "true",',
+           '"xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter": "false",',
+           (f"{XLA_OPTIONS}::test_gradient_reduce_scatters_stay_reduce_scatters_and_asynchronous_with_the_scatter_options",),
+           "FSDP's gradient reduce-scatters compile to synchronous all-reduces of the whole gradient"),
+    Mutant("xla-config-vmem-below-the-fusions", "tpu", SRC_XLA_OPTIONS,
+           'vmem = max(cfg.xla_tpu_scoped_vmem_limit_kib, int(options.get("xla_tpu_scoped_vmem_limit_kib", 0)))',
+           "vmem = cfg.xla_tpu_scoped_vmem_limit_kib",
+           (f"{XLA_OPTIONS}::test_the_options_are_tpu_options_of_a_mesh_on_by_default",),
+           "a smaller --xla_tpu_scoped_vmem_limit_kib takes the reduce-scatter fusion's VMEM away"),
 ]

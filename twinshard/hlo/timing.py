@@ -287,8 +287,6 @@ _SLICES = ("dynamic-slice", "slice", "gather")  # read only what they return
 _HLO_TO_JNP = {"bf16": "bfloat16", "f16": "bfloat16", "f32": "float32", "f64": "float32", "s8": "int8"}
 
 
-
-
 class _Pricer:
     """Costs of one module's ops on one chip (module docstring)."""
 

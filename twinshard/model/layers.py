@@ -259,10 +259,41 @@ class Splash(NamedTuple):
 
     @classmethod
     def parse(cls, text: str) -> Splash:
-        """'block=512:fused=0:k_layout=SEQ_MINOR' (tools/chip_micro.py --splash_sweep) as Splash."""
-        fields = dict(part.split("=", 1) for part in text.split(":") if part)
-        block, fused = int(fields.pop("block", 0)), fields.pop("fused", "1") != "0"
-        return cls(block, fused, tuple((k, v if k.endswith("_layout") else int(v)) for k, v in sorted(fields.items())))
+        """'block=512:fused=0:k_layout=SEQ_MINOR' (tools/chip_micro.py --splash_sweep) as Splash; a ValueError
+        naming the part and what is accepted for a malformed one."""
+        fields = {}
+        for part in filter(None, text.split(":")):
+            name, sep, value = part.partition("=")
+            ok = sep and (value in SPLASH_LAYOUTS if name.endswith("_layout") else value.isdigit())
+            if name not in ("block", "fused", *SPLASH_FIELDS) or not ok:
+                raise ValueError(f"splash options {text!r}: {part!r} is not NAME=VALUE with NAME one of block, fused, "
+                                 f"{', '.join(SPLASH_FIELDS)} and VALUE a whole number or, for a layout, one of "
+                                 f"{', '.join(SPLASH_LAYOUTS)}.")
+            fields[name] = value if name.endswith("_layout") else int(value)
+        block, fused = fields.pop("block", 0), fields.pop("fused", 1) != 0
+        return cls(block, fused, tuple(sorted(fields.items())))
+
+
+# splash.BlockSizes' fields a Splash may set apart from its block, and the kernel's QKVLayout names
+SPLASH_FIELDS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute",
+                 "block_q_dq", "block_kv_dq", "q_layout", "k_layout", "v_layout")
+SPLASH_LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
+
+
+def splash_block_sizes(t: int, options: Splash):
+    """The splash kernel's BlockSizes for t tokens: every block splash_block(t, options.block), the fused or
+    separate backward, then options.overrides."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+    n = splash_block(t, options.block)
+    # The fused backward ran fwd+bwd 24% faster on a TPU v5e (B16 H12 T1024 dh64, block 512: 3.25
+    # against 4.26 ms; JAX 0.10.2); it writes dq per key block ([T/n, h, T, dh]) and sums them after.
+    dq = {} if options.fused_bwd else {"block_q_dq": n, "block_kv_dq": n}
+    fields = dict(block_q=n, block_kv=n, block_kv_compute=n, block_q_dkv=n, block_kv_dkv=n,
+                  block_kv_dkv_compute=n, use_fused_bwd_kernel=options.fused_bwd, **dq)
+    for name, value in options.overrides:
+        fields[name] = splash.QKVLayout[value] if name.endswith("_layout") else value
+    return splash.BlockSizes(**fields)
 
 
 def splash_attention(q: Array, k: Array, v: Array, block: int | Splash = 0) -> Array:
@@ -275,16 +306,7 @@ def splash_attention(q: Array, k: Array, v: Array, block: int | Splash = 0) -> A
 
     b, h, t, dh = q.shape
     hk, padded = k.shape[-3], splash_padded(t)
-    options = block if isinstance(block, Splash) else Splash(block)
-    n = splash_block(t, options.block)
-    # The fused backward ran fwd+bwd 24% faster on a TPU v5e (B16 H12 T1024 dh64, block 512: 3.25
-    # against 4.26 ms; JAX 0.10.2); it writes dq per key block ([T/n, h, T, dh]) and sums them after.
-    dq = {} if options.fused_bwd else {"block_q_dq": n, "block_kv_dq": n}
-    fields = dict(block_q=n, block_kv=n, block_kv_compute=n, block_q_dkv=n, block_kv_dkv=n,
-                  block_kv_dkv_compute=n, use_fused_bwd_kernel=options.fused_bwd, **dq)
-    for name, value in options.overrides:
-        fields[name] = splash.QKVLayout[value] if name.endswith("_layout") else value
-    sizes = splash.BlockSizes(**fields)
+    sizes = splash_block_sizes(t, block if isinstance(block, Splash) else Splash(block))
     make = splash.make_splash_mqa if hk == 1 else splash.make_splash_mha
 
     def run(q, k, v):  # the kernel built where it runs: its mask tables are arrays of that trace
