@@ -16,6 +16,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from twinshard.model.hooks import Parallelism
+from twinshard.model import quantize
 from twinshard.model.remat import also_saving
 from twinshard.parallel import context, placement
 from twinshard.parallel.context import CONTEXT
@@ -120,8 +121,10 @@ class ManualRunner(PlacedRunner):
     # --- inside shard_map: local shards only ---------------------------------
 
     def _local_loss(self, params, x, y, par=None):
-        """Mean loss over this device's tokens with hooks `par` (default: the strategy's). x, y: [B/data, T]."""
-        return loss_fn(params, x, y, self.cfg.model, self.par if par is None else par)
+        """Mean loss over this device's tokens with hooks `par` (default: the strategy's). x, y: [B/data, T].
+        The token axes named for --quantization=int8_dw: dW's int8 scales are maxima over every token."""
+        with quantize.splitting_tokens(self.token_axes):
+            return loss_fn(params, x, y, self.cfg.model, self.par if par is None else par)
 
     def _loss_and_grads(self, params, x, y):
         """x, y: [B/data, T] (cp: [B/data, T/C], this shard's tokens in the layout's order)."""

@@ -96,7 +96,7 @@ def test_config_errors_name_the_flag(tmp_path, flag, fix):
 
 
 @pytest.mark.parametrize("args, needles", [
-    (["--quantization=int4"], ["--quantization=int4: value should be one of <none|int8>"]),
+    (["--quantization=int4"], ["--quantization=int4: value should be one of <none|int8|int8_dw>"]),
     (["--quantization=int8", "--strategy=tp"], ["--quantization=int8 with --strategy=tp: its `tensor` axis",
                                                 "or --quantization=none"]),
     (["--quantization=int8", "--qkv_layout=heads"], ["--quantization=int8 quantizes the [tokens, D] projections",

@@ -23,7 +23,8 @@ def test_tpu_bench_dry_run_benchmarks_profiles_and_prices_each_run(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "failed or timed out" not in log, log[-2000:]
     table = (tmp_path / "tpu_bench.md").read_text()
-    assert table.count("\n| single |") == 2, table  # the two runs' rows
+    assert table.count("\n| single |") == 3, table  # the two runs' rows, then int8 matmuls beside them
+    assert table.count("--quantization=int8_dw") == 1, table
     for i in (1, 2):
         profile = json.loads((tmp_path / f"profile{i}.json").read_text())
         assert profile["chip"] == "v5e" and profile["predicted_ms"] > 0

@@ -7,7 +7,7 @@
 #   OUT=<dir> bash tools/tpu_bench.sh levers         # the best run of each preset, then each option undone
 #   LEVER_PRESETS=gpt2_125m OUT=<dir> bash tools/tpu_bench.sh levers   # one preset (~7 runs of 30-110 s)
 #   tools/tpu_bench.sh --dry-run levers    # the same runs on tiny, on this CPU
-#   OUT=<dir> bash tools/tpu_bench.sh int8  # gpt2_125m and llama_v5e, bf16 then --quantization=int8 (4 runs)
+#   OUT=<dir> bash tools/tpu_bench.sh int8  # gpt2_125m and llama_v5e: bf16, int8, int8_dw (6 runs)
 #   tools/tpu_bench.sh --dry-run int8      # the same pair on tiny, on this CPU
 #
 # On the TPU VM: python3 3.11 with JAX preinstalled; what it lacks (flax, optax, orbax, absl,
@@ -18,7 +18,8 @@
 #   2. launch.bench, single device, bf16 compute, bf16 weights and AdamW moments, bf16 logits and
 #      norms, q/k/v in the kernel's layout, the layer stack unrolled: gpt2_125m 16x1024; gpt2_350m
 #      16x1024 (no remat, 2 micro-batches of 8); llama_v5e (no remat); each reports its init too
-#   3. tools/step_profile.py on each of those: device time per op kind, busy against idle, and the
+#   3. llama_v5e under --quantization=int8_dw (its matmuls in int8 forward and backward) beside step 2's bf16
+#   4. tools/step_profile.py on each of step 2's runs: device time per op kind, busy against idle, and the
 #      same compiled program priced op by op beside it (profile<i>.json)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +38,10 @@ lever_runs() {  # lever_runs "<preset> <flags>" <context_length> [chunked]
                "$base --attention_block=$t --xla_tpu_scoped_vmem_limit_kib=98304")
   if [[ ${3:-} == chunked ]]; then LEVER_RUNS+=("$base --loss_chunks=4" "$base --loss_chunks=4 --loss_recompute=false"); fi
 }
-# int8 against bf16: a preset's run, then the same with --quantization=int8 (which keeps --qkv_layout=tokens:
-# the heads layout's einsums are not quantized, so that pair is refused)
-int8_runs() { INT8_RUNS+=("$1" "$1 --quantization=int8"); }
-LEVER_RUNS=() INT8_RUNS=()
+# int8 against bf16: a preset's run, then the same with --quantization=int8 and =int8_dw (which keep
+# --qkv_layout=tokens: the heads layout's einsums are not quantized, so that pair is refused)
+int8_runs() { INT8_RUNS+=("$1" "$1 --quantization=int8" "$1 --quantization=int8_dw"); }
+LEVER_RUNS=() INT8_RUNS=() UNPROFILED=()
 if [[ $MODE == --dry-run ]]; then
   export JAX_PLATFORMS=cpu PREDICT_CHIP=v5e  # the profiles priced as if on a v5e: the tool's code checked
   OUT=${OUT:-$(mktemp -d -t tpu_bench.XXXXXX)}
@@ -52,6 +53,7 @@ if [[ $MODE == --dry-run ]]; then
   lever_runs "tiny --batch_size=8 --attention=splash --scan_unroll=2" 128
   lever_runs "tiny --batch_size=8 --weight_dtype=bfloat16 --scan_unroll=2" 128 chunked
   int8_runs "tiny --batch_size=8 --weight_dtype=bfloat16"
+  UNPROFILED=("tiny --batch_size=8 --weight_dtype=bfloat16 --quantization=int8_dw")
 elif [[ $MODE == run ]]; then
   OUT=${OUT:?OUT: the folder the results go to}
   PY=${PYTHON:-$(cd / && python3 -c 'import sys; print(sys.executable)')}  # the 3.11 with JAX, not .python-version's
@@ -80,6 +82,8 @@ elif [[ $MODE == run ]]; then
         "llama_v5e $BF16 --remat=none $FAST --scan_unroll=14")
   STEPS=(--steps=10 --warmup=3)
   TESTS=(tests/test_splash.py)  # the kernel against the reference (the twins need 8 devices)
+  # int8 beside bf16's best (2026-12-06: 119.1 against 140.4 ms with the tokens layout, 138.5 with heads)
+  UNPROFILED=("llama_v5e $BF16 --remat=none $NARROW --scan_unroll=14 --quantization=int8_dw")
   int8_runs "gpt2_125m --batch_size=16 $BF16 $NARROW --scan_unroll=12"
   int8_runs "llama_v5e $BF16 --remat=none $NARROW --scan_unroll=14"
   CAP_S=${CAP_S:-150}  # an unrolled gpt2_350m compiles in 73 s; its profile reuses the compile (cache below)
@@ -95,10 +99,10 @@ else
   echo "usage: tools/tpu_bench.sh [--dry-run] [levers]  (no argument: the TPU run)" >&2; exit 2
 fi
 if [[ $WHAT == levers ]]; then  # the options' runs alone: no tests, no profiles, shorter runs
-  RUNS=("${LEVER_RUNS[@]}") TESTS=() PROFILE=0 CAP_S=${LEVER_CAP_S:-130}
+  RUNS=("${LEVER_RUNS[@]}") UNPROFILED=() TESTS=() PROFILE=0 CAP_S=${LEVER_CAP_S:-130}
   STEPS=(--steps=6 --warmup=2 "${STEPS[@]:2}")
 elif [[ $WHAT == int8 ]]; then  # bf16 and int8 pairs: no tests, no profiles (6 files back)
-  RUNS=("${INT8_RUNS[@]}") TESTS=() PROFILE=0
+  RUNS=("${INT8_RUNS[@]}") UNPROFILED=() TESTS=() PROFILE=0
 fi
 export PYTHONUNBUFFERED=1
 # the profile of a run compiles the same program as its benchmark: read it back from this cache
@@ -112,7 +116,7 @@ if (( ${#TESTS[@]} )); then
     | tail -40 | tee -a "$LOG"
 fi
 i=0
-for run in "${RUNS[@]}"; do
+for run in "${RUNS[@]}" "${UNPROFILED[@]}"; do
   i=$((i + 1))
   read -r preset rest <<< "$run"
   echo "== run $i: $run" | tee -a "$LOG"

@@ -19,7 +19,7 @@ from twinshard.field_types import check_types
 COMPUTE_DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("float32", "compute")  # ModelConfig.logits_dtype / norm_dtype (the fields say what each means)
 QKV_LAYOUTS = ("tokens", "heads")  # ModelConfig.qkv_layout
-QUANTIZATIONS = ("none", "int8")  # ModelConfig.quantization (twinshard/model/quantize.py)
+QUANTIZATIONS = ("none", "int8", "int8_dw")  # ModelConfig.quantization (twinshard/model/quantize.py)
 WEIGHT_DTYPES = ("float32", "bfloat16")  # ModelConfig.weight_dtype: the params', gradients' and moments' dtype
 ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn", "splash")  # twinshard.model.layers.causal_attention
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat

@@ -32,9 +32,10 @@ def linear(x: Array, w: Array, flat: bool = True) -> Array:
     both backward matmuls in f32 (measured, JAX 0.12). cp and tp_sp pass flat=False (GSPMD gathers).
     Inside quantize.quantizing("int8") (the transformer blocks) forward and dx run in int8."""
     mode = quantize.active()
+    axes = quantize.token_axes() if mode == "int8_dw" else ()  # dW's absmax over every token
     if not flat:
-        return matmul(x, w, mode)
-    return matmul(x.reshape(-1, x.shape[-1]), w, mode).reshape(*x.shape[:-1], w.shape[-1])
+        return matmul(x, w, mode, axes)
+    return matmul(x.reshape(-1, x.shape[-1]), w, mode, axes).reshape(*x.shape[:-1], w.shape[-1])
 
 
 def linears(x: Array, ws: tuple[Array, ...], flat: bool = True) -> tuple[Array, ...]:

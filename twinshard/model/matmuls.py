@@ -14,10 +14,8 @@ from twinshard.model import quantize
 Array = jax.Array
 
 
-def _product(x: Array, w: Array, quantization: str = "none") -> Array:
-    """x [..., in] @ w [in, out]: a 2-D dot on rows, an einsum keeping the batch dims otherwise; int8: quantize.py's."""
-    if quantization == "int8":
-        return quantize.int8_product(x, w, partial_sums("...i,io->...o", x, w))
+def _product(x: Array, w: Array) -> Array:
+    """x [..., in] @ w [in, out]: a 2-D dot on rows, an einsum keeping the batch dims otherwise."""
     if x.ndim == 2:
         return jnp.dot(x, w, out_sharding=partial_sums("ij,jk->ik", x, w))
     return jnp.einsum("...i,io->...o", x, w, out_sharding=partial_sums("...i,io->...o", x, w))
@@ -51,27 +49,35 @@ def _mesh_axes(partition) -> tuple[str, ...]:
     return (partition,) if isinstance(partition, str) else tuple(partition)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def matmul(x: Array, w: Array, quantization: str = "none") -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def matmul(x: Array, w: Array, quantization: str = "none", token_axes: tuple[str, ...] = ()) -> Array:
     """x [..., in] @ w [in, out] -> [..., out] with dW as ONE dot x^T g -> [in, out]: autodiff's
     transpose(dot(g, x)) fused into AdamW column by column, several times slower on CPU (measured, JAX 0.12).
-    quantization "int8": y and dx by int8 dots (twinshard/model/quantize.py), dW as unquantized."""
-    return _product(x, w, quantization)
+    quantization "int8": y and dx by int8 dots (twinshard/model/quantize.py), dW unquantized; "int8_dw": dW too,
+    its scales over every token (`token_axes`: the mesh axes splitting them inside shard_map)."""
+    return _matmul_fwd(x, w, quantization, token_axes)[0]
 
 
-def _matmul_fwd(x: Array, w: Array, quantization: str) -> tuple[Array, tuple[Array, Array]]:
-    return _product(x, w, quantization), (x, w)
+def _matmul_fwd(x: Array, w: Array, quantization: str, token_axes: tuple[str, ...]) -> tuple[Array, tuple]:
+    if quantization == "none":
+        return _product(x, w), (x, w, None)
+    y, s_w = quantize.int8_forward(x, w, partial_sums("...i,io->...o", x, w))
+    return y, (x, w, s_w)
 
 
-def _matmul_bwd(quantization: str, res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
-    x, w = res  # x: [..., in], w: [in, out], g: [..., out]
-    if quantization == "int8":
-        dx = _product(g, w.T, quantization)  # [..., in]: g per token, w re-quantized per row (over out)
+def _matmul_bwd(quantization: str, token_axes: tuple[str, ...], res: tuple, g: Array) -> tuple[Array, Array]:
+    x, w, s_w = res  # x: [..., in], w: [in, out], g: [..., out]; s_w [1, out]: the forward's int8 scales of w
+    if s_w is not None:  # [..., in]: the forward's int8 w, g times its scales per token
+        dx = quantize.int8_dx(g, w, s_w, partial_sums("...o,io->...i", g, w))
     else:
         dx = (jnp.dot(g, w.T, out_sharding=partial_sums("ij,jk->ik", g, w.T)) if g.ndim == 2
               else jnp.einsum("...o,io->...i", g, w, out_sharding=partial_sums("...o,io->...i", g, w)))
     # x^T g: ONE dot_general(x, g) -> [in, out]
-    dw = jnp.einsum("...i,...o->io", x, g, out_sharding=partial_sums("...i,...o->io", x, g))
+    spec = partial_sums("...i,...o->io", x, g)
+    if quantization == "int8_dw":
+        dw = quantize.int8_dw(x, g, token_axes, spec)
+    else:
+        dw = jnp.einsum("...i,...o->io", x, g, out_sharding=spec)
     return cotangent_like(dx, x), cotangent_like(dw, w)
 
 

@@ -1,17 +1,25 @@
-"""int8 training matmuls (ModelConfig.quantization="int8"), through qwix's public quantize and dot_general.
+"""int8 training matmuls (ModelConfig.quantization "int8" and "int8_dw"), as qwix QArrays multiplied by qwix's
+dot_general: ONE int8 x int8 dot summed in int32 per product, then the float32 scales.
 
-Each quantized product is ONE int8 x int8 dot_general summed in int32, each operand quantized per
-channel by its absmax over the contracted axis (s = max|.| / 127, q = round(v / s) in [-127, 127]):
+Every operand is quantized by `quantized`: one float32 scale per channel, s = absmax / 127 over the
+contracted axis, q = round(v / s) in [-127, 127]:
 
-    forward   y [M, out] = (x_q [M, in] . w_q [in, out]) * s_x [M, 1] * s_w [1, out]   s_x per token, s_w per column
-    backward  dx [M, in] = (g_q [M, out] . w^T_q [out, in]) * s_g [M, 1] * s_w' [1, in]  w re-quantized per row
-              dW [in, out] = x^T g in the compute dtype, unquantized (matmuls._matmul_bwd)
+    forward  y [M, out]  = (x_q [M, in] . w_q [in, out]) * s_x [M, 1] * s_w [1, out]     x per token, w per column
+    dx       dx [M, in]  = ((g s_w)_q [M, out] . w_q^T [out, in]) * s_g [M, 1]          the forward's w_q
+    dW       "int8":    x^T g in the compute dtype, unquantized (matmuls._matmul_bwd)
+             "int8_dw": (x_q^T [in, M] . g_q [M, out]) * s_x [in, 1] * s_g [1, out]  x, g per column over M
 
-dW stays in the compute dtype as in MaxText's int8 (AQT's drhs_bits=None): its contraction runs over
-the tokens, which every data-parallel strategy splits, so a per-channel scale would be a max over
-devices. The scales are those of the per-device product (after FSDP's all-gather), so no collective
-is added; a strategy that splits a quantized contraction (Megatron's `tensor` axis splits `in` of the
-row-parallel projections and `out` of the column-parallel ones' dx) is refused (parallel/resolve.py).
+dx rests on w ~ w_q s_w: g w^T ~ (g s_w) w_q^T, so the backward re-rounds w by the forward's saved scales
+(the same int8 values: no second absmax pass over the weight, and dx is the gradient of the forward's
+int8 product up to g's rounding). Only s_w is saved: FSDP re-gathers w for dx as without int8.
+
+"int8" is MaxText's int8 (AQT's drhs_bits=None). "int8_dw" also quantizes dW, whose contraction runs over
+the tokens that data, FSDP and context parallelism split: its absmax is taken over the WHOLE batch, a pmax
+over `splitting_tokens`' mesh axes in shard_map (GSPMD's and Explicit mode's max over a split axis is global
+already), so each twin rounds as one device does. Gradient accumulation and pipelines quantize each
+micro-batch's dW over its own tokens. The other scales are the per-device product's own (after FSDP's
+all-gather); a strategy that splits a quantized contraction (Megatron's `tensor` axis) is refused
+(parallel/resolve.py).
 
 Quantized: the blocks' projections, q, k, v, o and the SwiGLU's w1, w3, w2 (the `Block` enters
 `quantizing`). In the compute dtype: the LM head (its [tokens, V] logits feed the float32 loss),
@@ -28,14 +36,12 @@ import qwix
 from twinshard.model.tracing import TraceSetting
 
 Array = jax.Array
-# qwix's absmax, scaled so the absmax maps to 127 (qwix's default maps it to 127.5, which rounds to 128 and
-# overflows int8: XLA:CPU's convert wrapped it to -128 in one fusion and saturated it in another, measured)
-ABSMAX = f"absmax,{127.5 / 127!r}"
 _MODE = TraceSetting(default=lambda: "none")
+_TOKEN_AXES = TraceSetting(default=lambda: ())
 
 
 def quantizing(mode: str):
-    """The products layers.linear traces inside run as `mode` ("none" or "int8"; ModelConfig.quantization)."""
+    """The products layers.linear traces inside run as `mode` ("none", "int8", "int8_dw"; ModelConfig.quantization)."""
     return _MODE.using(mode)
 
 
@@ -44,15 +50,67 @@ def active() -> str:
     return _MODE.current()
 
 
-def int8_product(x: Array, w: Array, out_sharding=None) -> Array:
-    """x [..., in] @ w [in, out] -> [..., out] in x.dtype: x quantized per row (each token over `in`), w per
-    column (over `in`), one int8 dot_general into int32, then the float32 scales (`out_sharding`: Explicit mode's)."""
+def splitting_tokens(axes: tuple[str, ...]):
+    """Inside shard_map: the mesh axes that split this step's tokens (ManualRunner.token_axes), over which
+    "int8_dw" takes dW's absmax."""
+    return _TOKEN_AXES.using(tuple(axes))
+
+
+def token_axes() -> tuple[str, ...]:
+    """The mesh axes `splitting_tokens` names now (() outside it: one device, GSPMD, Explicit mode)."""
+    return _TOKEN_AXES.current()
+
+
+def quantized(v: Array, reduce: tuple[int, ...], scale: Array | None = None, over: tuple[str, ...] = ()) -> qwix.QArray:
+    """v in int8 with one float32 scale per channel of the axes not in `reduce`: s = absmax / 127, the absmax
+    over `reduce` (and the mesh axes `over`: a pmax), q = round(v / s); `scale`: s given (a saved one)."""
+    if scale is None:
+        absmax = jnp.max(jnp.abs(v), axis=reduce, keepdims=True).astype(jnp.float32)
+        if over:
+            absmax = jax.lax.pmax(absmax, over)
+        scale = jnp.where(absmax > 0, absmax / 127, 1.0)  # an all-zero channel: q = 0 by any scale
+    q = jnp.clip(jnp.round(v.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
+    return qwix.QArray(q, scale, None, jnp.int8)
+
+
+def int8_forward(x: Array, w: Array, out_sharding=None) -> tuple[Array, Array]:
+    """(x [..., in] @ w [in, out] -> [..., out] in x.dtype, s_w [1, out]): x per token, w per column, each over
+    `in`; `out_sharding`: Explicit mode's. s_w is the backward's residual (`int8_dx`)."""
     w = _unreduced(w)
-    xq = qwix.quantize(x, jnp.int8, channelwise_axes=tuple(range(x.ndim - 1)), calibration_method=ABSMAX,
-                       scale_dtype=jnp.float32)
-    wq = qwix.quantize(w, jnp.int8, channelwise_axes=(1,), calibration_method=ABSMAX, scale_dtype=jnp.float32)
+    xq, wq = quantized(x, (x.ndim - 1,)), quantized(w, (0,))
     contract = (((x.ndim - 1,), (0,)), ((), ()))
-    return qwix.dot_general(xq, wq, contract, out_sharding=out_sharding).astype(x.dtype)
+    return qwix.dot_general(xq, wq, contract, out_sharding=out_sharding).astype(x.dtype), wq.scale
+
+
+def int8_dx(g: Array, w: Array, s_w: Array, out_sharding=None) -> Array:
+    """dx [..., in] of the forward's product, from g [..., out]: (g s_w) per token over `out`, times w re-rounded
+    by the forward's column scales s_w [1, out] (the forward's int8 values), contracted over `out`."""
+    w = _unreduced(w)
+    # g s_w in g's dtype: XLA:TPU writes it once for its two readers (the absmax, the rounding), and in
+    # float32 that was a [tokens, F] float32 array per MLP product (2 ms a llama_v5e step, measured on the chip)
+    gq = quantized(g * s_w.astype(g.dtype), (g.ndim - 1,))
+    wq = quantized(w, (0,), scale=s_w)
+    wq = qwix.QArray(wq.qvalue, jnp.ones((1, 1), jnp.float32), None, jnp.int8)  # s_w is in gq already
+    contract = (((g.ndim - 1,), (1,)), ((), ()))
+    return qwix.dot_general(gq, wq, contract, out_sharding=out_sharding).astype(g.dtype)
+
+
+def int8_dw(x: Array, g: Array, over: tuple[str, ...] = (), out_sharding=None) -> Array:
+    """dW [in, out] = x^T g as ONE int8 dot summed in int32 over the tokens: x [..., in] and g [..., out] each
+    per column, the absmax over every token (`over`: the mesh axes splitting them, ManualRunner's)."""
+    lead = tuple(range(x.ndim - 1))
+    xq, gq = (_reduced_scales(quantized(v, lead, over=over), out_sharding) for v in (x, g))
+    return qwix.dot_general(xq, gq, ((lead, lead), ((), ())), out_sharding=out_sharding)
+
+
+def _reduced_scales(q: qwix.QArray, out_sharding) -> qwix.QArray:
+    """q with its (replicated) scales typed `reduced` over the axes the product's int32 partial sums are
+    `unreduced` over (Explicit mode: JAX 0.12 multiplies an unreduced array only by one reduced alike)."""
+    if out_sharding is None or not out_sharding.spec.unreduced:
+        return q
+    spec = jax.sharding.PartitionSpec(*[None] * q.ndim, reduced=out_sharding.spec.unreduced)
+    return qwix.QArray(q.qvalue, jax.sharding.reshard(q.scale, jax.sharding.NamedSharding(out_sharding.mesh, spec)),
+                       None, q.qtype)
 
 
 def _unreduced(w: Array) -> Array:
