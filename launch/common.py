@@ -140,8 +140,9 @@ def define_speed_flags() -> None:
            "compute: in the compute dtype, the mean of squares accumulated in float32).")
     define(flags.DEFINE_enum, "qkv_layout", None, QKV_LAYOUTS, "q, k, v: tokens (default: [B, T, h*dh], split "
            "into heads by transposes) or heads (einsummed straight into the kernel's [B, h, T, dh] and out).")
-    define(flags.DEFINE_enum, "quantization", None, QUANTIZATIONS, "The blocks' q/k/v/o and MLP matmuls: none (default) "
-           "or int8 (int8 dots into int32 forward and for dx, per-channel absmax scales; no tensor parallelism).")
+    define(flags.DEFINE_enum, "quantization", None, QUANTIZATIONS, "The blocks' q/k/v/o and MLP matmuls: none (default), "
+           "int8 (int8 dots into int32 forward and for dx, per-channel absmax scales; no tensor parallelism) or "
+           "int8_dw (dW in int8 too, its scales over the whole batch).")
     define(flags.DEFINE_bool, "splash_fused_bwd", None, "The splash kernel's backward: one fused kernel for dq, "
            "dk, dv (default true) or false: dq by a kernel of its own.")
     define(flags.DEFINE_integer, "xla_tpu_scoped_vmem_limit_kib", None, "XLA:TPU's scoped VMEM limit in KiB, "

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The ONE script for a TPU machine (BENCHMARKS.md, "TPU v5e"): one call of at most 9 minutes,
+# The ONE script for a TPU machine (BENCHMARKS.md, "TPU v5e"): one call (profiles while TOTAL_S lasts),
 # everything written to $OUT (tpu_bench.md, tpu_bench.log, the JSON of each run).
 #
-#   OUT=<dir> bash tools/tpu_bench.sh      # on the TPU host, from the repository root
+#   OUT=<dir> bash tools/tpu_bench.sh      # on the TPU host, from the repository root (TOTAL_S=900: every profile)
 #   tools/tpu_bench.sh --dry-run           # here: JAX_PLATFORMS=cpu, preset tiny, the same steps
 #   OUT=<dir> bash tools/tpu_bench.sh levers         # the best run of each preset, then each option undone
 #   LEVER_PRESETS=gpt2_125m OUT=<dir> bash tools/tpu_bench.sh levers   # one preset (~7 runs of 30-110 s)
@@ -22,6 +22,7 @@
 #   4. tools/step_profile.py on each of step 2's runs: device time per op kind, busy against idle, and the
 #      same compiled program priced op by op beside it (profile<i>.json)
 set -u -o pipefail
+T_START=$(date +%s)
 cd "$(dirname "$0")/.."
 MODE=${1:-run}
 WHAT=${2:-}
@@ -126,8 +127,12 @@ for run in "${RUNS[@]}" "${UNPROFILED[@]}"; do
     || echo "run $i ($run): failed or timed out" | tee -a "$LOG"
 done
 i=0
-(( ${PROFILE:-1} )) && for run in "${RUNS[@]}"; do  # each run, profiled
+# each run profiled while the call's budget lasts (TOTAL_S, default 480 s: a call ends by 9 minutes)
+(( ${PROFILE:-1} )) && for run in "${RUNS[@]}"; do
   i=$((i + 1))
+  if (( $(date +%s) - T_START > ${TOTAL_S:-480} )); then
+    echo "profile $i ($run): skipped, the call's ${TOTAL_S:-480} s are spent (TOTAL_S)" | tee -a "$LOG"; continue
+  fi
   # shellcheck disable=SC2086
   timeout "$CAP_S" "$PY" tools/step_profile.py --preset=$run --strategy=single --dtype=bfloat16 --steps=3 --top=12 \
     --predict_json="$OUT/profile$i.json" ${PREDICT_CHIP:+--predict_chip=$PREDICT_CHIP} 2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile$i.txt" | tail -25 || echo "profile $i ($run): failed or timed out"

@@ -109,7 +109,8 @@ class ModelConfig:
     loss_recompute: bool = True
     # RMSNorm's elementwise work: "float32", or "compute" (the mean of squares accumulated in float32)
     norm_dtype: str = "float32"
-    # "int8": the blocks' projections as int8 dots summed in int32, forward and dx (twinshard/model/quantize.py)
+    # "int8": the blocks' projections as int8 dots summed in int32, forward and dx; "int8_dw": dW too, its
+    # scales maxima over the whole batch (twinshard/model/quantize.py)
     quantization: str = "none"
     # tp_sp's manual twin: each all-gather before a column-parallel matmul as ppermutes overlapped with it
     collective_matmul: bool = False

@@ -35,7 +35,7 @@ from typing import Any
 
 from twinshard.config import ModelConfig
 from twinshard.cost.communication import STRATEGY_ROWS
-from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Ctx, Row, row
+from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Ctx, Row, int8_dw_rows, row
 from twinshard.cost.flops import Flops, flops
 from twinshard.cost.memory import (Memory, attention_backward, attention_kernel, memory, ring_attention_memory,
                                    saved_by_stacks, saved_per_layer)
@@ -204,7 +204,7 @@ def _priced(cfg: ModelConfig, strategy: str, shape: dict[str, int], batch_size: 
     if remat is not None:  # tp_sp's collectives depend on it (its re-gathers), the others' do not
         cfg = dataclasses.replace(cfg, remat=remat)
     ctx = Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule)
-    rows = sorted(STRATEGY_ROWS[strategy](ctx), key=lambda r: PHASES.index(r.phase))  # stable
+    rows = sorted(STRATEGY_ROWS[strategy](ctx) + int8_dw_rows(ctx), key=lambda r: PHASES.index(r.phase))  # stable
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),

@@ -198,3 +198,22 @@ def norm_row(ctx: Ctx, axes: tuple[str, ...]) -> Row:
 
 def loss_row(ctx: Ctx) -> Row:
     return row(ctx, "metrics", "all-reduce", ("data",), 1, F32, "pmean over data of the loss (f32 scalar)")
+
+
+def int8_dw_rows(ctx: Ctx) -> list[Row]:
+    """--quantization=int8_dw (twinshard/model/quantize.py): dW's int8 scales are maxima over every token, so
+    each micro-batch's backward runs, per quantized product, a pmax over the axes that split the tokens of
+    each operand's [1, channels] float32 absmax, once per distinct operand (q, k, v read one x; w1, w3 another).
+    Per dense layer: x, attention's out, g_q, g_o, the MLP's x and g_w2 over D; g_k, g_v over the kv width;
+    the MLP's hidden, g_w1, g_w3 over F. A routed layer quantizes its attention's 6 alone."""
+    cfg = ctx.cfg
+    axes = tuple(a for a in ("data", "context", "expert") if ctx.mesh.get(a, 1) > 1)
+    if cfg.quantization != "int8_dw" or not axes:
+        return []
+    dense = cfg.first_dense_layers if cfg.num_experts else cfg.num_layers
+    layers, runs = cfg.num_layers, ctx.k * ctx.microbatches
+    widths = ((cfg.d_model, 4 * layers + 2 * dense, "x, attention's out, g_q, g_o; the MLP's x, g_w2"),
+              (cfg.kv_dim, 2 * layers, "g_k, g_v"), (cfg.d_ff, 3 * dense, "the MLP's hidden, g_w1, g_w3"))
+    return [row(ctx, "backward", "all-reduce", axes, runs * n, width * F32,
+                f"pmax over {','.join(axes)} of dW's int8 absmax [1, {width}]: {what}")
+            for width, n, what in widths if n]
