@@ -121,13 +121,16 @@ class ManualRunner(PlacedRunner):
     # --- inside shard_map: local shards only ---------------------------------
 
     def _local_loss(self, params, x, y, par=None):
-        """Mean loss over this device's tokens with hooks `par` (default: the strategy's). x, y: [B/data, T].
-        The token axes named for --quantization=int8_dw: dW's int8 scales are maxima over every token."""
-        with quantize.splitting_tokens(self.token_axes):
-            return loss_fn(params, x, y, self.cfg.model, self.par if par is None else par)
+        """Mean loss over this device's tokens with hooks `par` (default: the strategy's). x, y: [B/data, T]."""
+        return loss_fn(params, x, y, self.cfg.model, self.par if par is None else par)
 
     def _loss_and_grads(self, params, x, y):
-        """x, y: [B/data, T] (cp: [B/data, T/C], this shard's tokens in the layout's order)."""
+        """x, y: [B/data, T] (cp: [B/data, T/C], this shard's tokens in the layout's order). The token axes
+        are named for --quantization=int8_dw (pipelines too): dW's int8 scales are maxima over every token."""
+        with quantize.splitting_tokens(self.token_axes):
+            return self._synced_loss_and_grads(params, x, y)
+
+    def _synced_loss_and_grads(self, params, x, y):
         replicated = self.replicated_over_tokens
         params = jax.tree.map(lambda p, axes, summed: lax.pcast(p, axes + summed, to="varying") if axes + summed else p,
                               params, replicated, self.summed_over)
