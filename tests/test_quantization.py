@@ -1,13 +1,15 @@
-"""ModelConfig.quantization="int8" (--quantization=int8; twinshard/model/quantize.py): the blocks'
-projections as int8 x int8 -> int32 dots, forward and for dx, with per-channel absmax scales.
+"""ModelConfig.quantization="int8" and "int8_dw" (twinshard/model/quantize.py): the blocks' projections as
+int8 x int8 -> int32 dots, forward and for dx (int8_dw: and dW), with per-channel absmax scales.
 
-- the product equals its definition (numpy: each operand rounded per channel, then multiplied) and dW
-  is the unquantized x^T g;
+- the product equals its definition (numpy: each operand rounded per channel, then multiplied); dx is g
+  times w's column scales rounded per token, against the forward's int8 w; dW is the unquantized x^T g
+  (int8) or x and g rounded per column over the tokens (int8_dw);
 - the traced step holds 7 int8 dots with int32 sums per layer forward and 7 backward (q, k, v, o, w1,
   w3, w2), the dW dots and the LM head in the compute dtype, and the compiled step keeps them;
-- each twin equals single device under int8 to within a few int8 buckets (the scales are per device,
-  and no strategy it runs splits a quantized contraction); the ledger of each is unchanged by it;
-  tensor parallelism, which would split one, is refused before anything is built;
+- each twin equals single device under int8 and int8_dw to float32 rounding (int8_dw: dW's absmax a
+  maximum over every token, a pmax in the manual twins); int8 leaves each ledger unchanged, int8_dw adds
+  the cost model's pmaxes; pipelines round dW per micro-batch, alike in both twins; tensor parallelism,
+  which would split a quantized contraction, is refused before anything is built;
 - the loss stays within a stated band of bf16's over training steps on the embedded corpus.
 """
 
