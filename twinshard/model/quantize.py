@@ -86,8 +86,8 @@ def int8_dx(g: Array, w: Array, s_w: Array, out_sharding=None) -> Array:
     """dx [..., in] of the forward's product, from g [..., out]: (g s_w) per token over `out`, times w re-rounded
     by the forward's column scales s_w [1, out] (the forward's int8 values), contracted over `out`."""
     w = _unreduced(w)
-    # g s_w in g's dtype: XLA:TPU writes it once for its two readers (the absmax, the rounding), and in
-    # float32 that was a [tokens, F] float32 array per MLP product (2 ms a llama_v5e step, measured on the chip)
+    # g s_w in g's dtype: XLA:TPU writes it once for its two readers (the absmax, the rounding), and in float32
+    # that was a float32 [tokens, F] array per MLP product (llama_v5e int8_dw: 119.1 -> 111.2 ms a step on the chip)
     gq = quantized(g * s_w.astype(g.dtype), (g.ndim - 1,))
     wq = quantized(w, (0,), scale=s_w)
     wq = qwix.QArray(wq.qvalue, jnp.ones((1, 1), jnp.float32), None, jnp.int8)  # s_w is in gq already
