@@ -25,6 +25,9 @@ def test_tpu_bench_dry_run_benchmarks_profiles_and_prices_each_run(tmp_path):
     table = (tmp_path / "tpu_bench.md").read_text()
     assert table.count("\n| single |") == 3, table  # the two runs' rows, then int8 matmuls beside them
     assert table.count("--quantization=int8_dw") == 1, table
+    # each run's whole time and the call's, for a chip's call to show where its minutes go
+    assert log.count(", process start to exit") == 3 and log.count("s into the call)") == 5 and "call: " in log, log
+    assert "compiled in" in (tmp_path / "run3.log").read_text()
     for i in (1, 2):
         profile = json.loads((tmp_path / f"profile{i}.json").read_text())
         assert profile["chip"] == "v5e" and profile["predicted_ms"] > 0

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The ONE script for a TPU machine (BENCHMARKS.md, "TPU v5e"): one call (profiles while TOTAL_S lasts),
-# everything written to $OUT (tpu_bench.md, tpu_bench.log, the JSON of each run).
+# everything written to $OUT: tpu_bench.md, tpu_bench.log (with each step's seconds into the call), and each
+# run's JSON and whole log.
 #
 #   OUT=<dir> bash tools/tpu_bench.sh      # on the TPU host, from the repository root (TOTAL_S=900: every profile)
 #   tools/tpu_bench.sh --dry-run           # here: JAX_PLATFORMS=cpu, preset tiny, the same steps
@@ -120,11 +121,14 @@ i=0
 for run in "${RUNS[@]}" "${UNPROFILED[@]}"; do
   i=$((i + 1))
   read -r preset rest <<< "$run"
-  echo "== run $i: $run" | tee -a "$LOG"
+  t_run=$(date +%s)
+  echo "== run $i ($(( t_run - T_START )) s into the call): $run" | tee -a "$LOG"
   # shellcheck disable=SC2086
   timeout "$CAP_S" "$PY" -m launch.bench --preset="$preset" $rest --strategies=single --dtype=bfloat16 \
-    "${STEPS[@]}" --json="$OUT/run$i.json" --markdown="$OUT/run$i.md.tmp" 2>&1 | grep -v "^[WI]0000" | tail -8 | tee -a "$LOG" \
-    || echo "run $i ($run): failed or timed out" | tee -a "$LOG"
+    "${STEPS[@]}" --json="$OUT/run$i.json" --markdown="$OUT/run$i.md.tmp" 2>&1 | grep -v "^[WI]0000" \
+    | tee "$OUT/run$i.log" | tail -8 | tee -a "$LOG" || echo "run $i ($run): failed or timed out" | tee -a "$LOG"
+  # the process's whole time beside its own phases (run<i>.log: peaks, lowering, compile, init, steps)
+  echo "run $i: $(( $(date +%s) - t_run )) s, process start to exit" | tee -a "$LOG"
 done
 i=0
 # each run profiled while the call's budget lasts (TOTAL_S, default 480 s: a call ends by 9 minutes)
@@ -133,9 +137,10 @@ i=0
   if (( $(date +%s) - T_START > ${TOTAL_S:-480} )); then
     echo "profile $i ($run): skipped, the call's ${TOTAL_S:-480} s are spent (TOTAL_S)" | tee -a "$LOG"; continue
   fi
+  echo "== profile $i ($(( $(date +%s) - T_START )) s into the call): $run" | tee -a "$LOG"
   # shellcheck disable=SC2086
   timeout "$CAP_S" "$PY" tools/step_profile.py --preset=$run --strategy=single --dtype=bfloat16 --steps=3 --top=12 \
     --predict_json="$OUT/profile$i.json" ${PREDICT_CHIP:+--predict_chip=$PREDICT_CHIP} 2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile$i.txt" | tail -25 || echo "profile $i ($run): failed or timed out"
 done
-cat "$OUT"/run*.md.tmp > "$OUT/tpu_bench.md" 2>/dev/null && rm -f "$OUT"/run*.md.tmp  # 8 files in all
-echo "results in $OUT"
+cat "$OUT"/run*.md.tmp > "$OUT/tpu_bench.md" 2>/dev/null && rm -f "$OUT"/run*.md.tmp
+echo "call: $(( $(date +%s) - T_START )) s; results in $OUT" | tee -a "$LOG"
