@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from twinshard.model.hooks import Parallelism
 from twinshard.model import quantize
+from twinshard.model.hooks import Parallelism
 from twinshard.model.remat import also_saving
 from twinshard.parallel import context, placement
 from twinshard.parallel.context import CONTEXT

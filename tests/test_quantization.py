@@ -172,12 +172,14 @@ def test_a_pipelines_twins_round_dw_alike_per_micro_batch():
     np.testing.assert_allclose(manual["losses"], auto["losses"], atol=1e-5, rtol=0)
 
 
-def collectives(impl: str, strategy: str, quantization: str) -> list[tuple]:
-    """The compiled train step's ledger as (op, dtype, shape, mesh axes, count) rows, sorted."""
+@functools.cache
+def collectives(impl: str, strategy: str, quantization: str) -> tuple[tuple, ...]:
+    """The compiled train step's ledger as (op, dtype, shape, mesh axes, count) rows, sorted (compiled once:
+    the unquantized ledgers serve the int8 and the int8_dw tests)."""
     r = runner(impl, strategy, quantization)
     x = jax.ShapeDtypeStruct((CFG.train.batch_size, CFG.model.context_length), np.int32, sharding=r.batch_sharding)
     led = hlo.ledger(r.train_step.lower(r.abstract_state(), x, x).compile(), r.mesh)
-    return sorted((c.op, c.dtype, c.shape, c.axes, c.multiplicity) for c in led)
+    return tuple(sorted((c.op, c.dtype, c.shape, c.axes, c.multiplicity) for c in led))
 
 
 @pytest.mark.parametrize("impl, strategy", [("manual", "fsdp"), ("auto", "fsdp"), ("explicit", "fsdp"), ("auto", "dp"),
@@ -206,7 +208,7 @@ def test_int8_dw_adds_the_cost_models_pmax_of_each_absmax(strategy):
     """The manual twins' int8_dw step runs the unquantized step's collectives and, per quantized operand, a pmax
     of its [1, channels] absmax over the token axes: the rows twinshard/cost/rows.py int8_dw_rows prices."""
     cfg = quantized("int8_dw")
-    mesh = dict(manual_parallel.make_runner(strategy, MESHES[strategy], cfg).mesh.shape)
+    mesh = dict(runner("manual", strategy, "int8_dw").mesh.shape)
     rows = [r for r in cost.cost(cfg.model, strategy, mesh, cfg.train.batch_size).collectives
             if "dW's int8 absmax" in r.what]
     model: dict[tuple, tuple[int, int]] = {}

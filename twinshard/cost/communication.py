@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from twinshard.cost.rows import (Ctx, Row, cross_entropy_rows, fsdp_rows, fsdp_step_rows, kv_sum_rows, loss_row,
-                                 matrix_weights, norm_row, norm_weights, repeated, row, tp_rows)
+                                 matrix_weights, norm_row, norm_weights, repeated, row, token_axes, tp_rows)
 from twinshard.cost.weights import F32, kv_replicated, leaf_label, rules as placed_rules, shard_count, weights
 from twinshard.parallel import context, strategies
 from twinshard.parallel.strategies import KV_HEADS
@@ -226,11 +226,6 @@ def _fsdp_cp(ctx: Ctx, attention: Callable[[Ctx, int], list[Row]] = _ring_rows) 
 # ----------------------------------------------------------------------------- expert parallelism
 
 
-def _token_axes(ctx: Ctx, *axes: str) -> tuple[str, ...]:
-    """The axes among `axes` of size > 1 (the runner's `_active`): a mean over a size-1 axis is no collective."""
-    return tuple(a for a in axes if ctx.mesh.get(a, 1) > 1)
-
-
 def _exchange_rows(ctx: Ctx) -> list[Row]:
     """Per micro-batch and MoE layer: the dispatch and combine all_to_alls of [E, G, C, D], inverses backward."""
     if ctx.cfg.moe_dispatch == "ragged":
@@ -271,10 +266,10 @@ def _ragged_exchange_rows(ctx: Ctx) -> list[Row]:
 
 def _ep(ctx: Ctx) -> list[Row]:
     """ep (manual_parallel/ep.py): the exchanges; dense gradients averaged over (data, expert), experts' over data."""
-    tokens = _token_axes(ctx, "data", "expert")
+    tokens = token_axes(ctx, "data", "expert")
     grads = []
     for w in weights(ctx.cfg):
-        over = _token_axes(ctx, "data") if w.is_experts else tokens
+        over = token_axes(ctx, "data") if w.is_experts else tokens
         if over:
             split = ctx.mesh["expert"] if w.is_experts else 1
             grads.append(row(ctx, "backward", "all-reduce", over, w.leaves, w.layers * w.size * F32 // split,

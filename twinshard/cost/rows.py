@@ -200,6 +200,11 @@ def loss_row(ctx: Ctx) -> Row:
     return row(ctx, "metrics", "all-reduce", ("data",), 1, F32, "pmean over data of the loss (f32 scalar)")
 
 
+def token_axes(ctx: Ctx, *axes: str) -> tuple[str, ...]:
+    """The axes among `axes` of size > 1 (the runner's `_active`): a mean over a size-1 axis is no collective."""
+    return tuple(a for a in axes if ctx.mesh.get(a, 1) > 1)
+
+
 def int8_dw_rows(ctx: Ctx) -> list[Row]:
     """--quantization=int8_dw (twinshard/model/quantize.py): dW's int8 scales are maxima over every token, so
     each micro-batch's backward runs, per quantized product, a pmax over the axes that split the tokens of
@@ -207,7 +212,7 @@ def int8_dw_rows(ctx: Ctx) -> list[Row]:
     Per dense layer: x, attention's out, g_q, g_o, the MLP's x and g_w2 over D; g_k, g_v over the kv width;
     the MLP's hidden, g_w1, g_w3 over F. A routed layer quantizes its attention's 6 alone."""
     cfg = ctx.cfg
-    axes = tuple(a for a in ("data", "context", "expert") if ctx.mesh.get(a, 1) > 1)
+    axes = token_axes(ctx, "data", "context", "expert")  # the manual runners' TOKEN_AXES
     if cfg.quantization != "int8_dw" or not axes:
         return []
     dense = cfg.first_dense_layers if cfg.num_experts else cfg.num_layers
