@@ -29,6 +29,10 @@ For each run (the single-device reference, then each strategy with each twin):
   aliased + temporaries) beside the cost model's prediction.
 - collectives: the ledger of the compiled HLO (twinshard.hlo) against the
   cost model: bytes and counts, and whether every (op, axes) row matches.
+- `--profile=DIR`: `--profile_steps` more steps of each run under the profiler, its trace
+  in DIR/<run>/ beside the compiled step's HLO (step.hlo.txt) and the steps' wall time
+  (profile.json); `tools/step_profile.py --trace_dir=DIR/<run>` reads them, per op kind, so
+  a profile costs no second compile of the same program.
 
 Every input is validated and every runner built (meshes checked) before
 anything compiles; output directories are checked before any work. Numbers
@@ -80,6 +84,10 @@ common.define(flags.DEFINE_integer, "warmup", 2, "Untimed steps before the timed
 common.define(flags.DEFINE_integer, "matmul_size", None,
               "n of the n^3 peak matmul (default 2048 on CPU, 8192 on accelerators).")
 common.define(flags.DEFINE_integer, "matmul_reps", 20, "Timed matmuls for the peak (its 25th percentile time).")
+common.define(flags.DEFINE_string, "profile", None, "Also profile each run: after its timed steps, --profile_steps "
+              "more under jax.profiler.trace into PROFILE/<run>/, with the compiled step's HLO and the steps' wall "
+              "time beside the trace (tools/step_profile.py --trace_dir reads them: no second compile).")
+common.define(flags.DEFINE_integer, "profile_steps", 3, "Steps each --profile trace holds.")
 FLAGS = flags.FLAGS  # the model-shape flags (--d_model, --num_kv_heads, ...): common.define_shape_flags
 
 # MaxText 0.2.5's llama-style reference (d_model 256, 4 layers, 4 heads x 64, mlp 1024,
@@ -160,6 +168,18 @@ def check_output_path(path: str | None, flag: str) -> None:
         raise ValueError(f"--{flag}={path} is a directory; give a file path.")
 
 
+def check_profile_dir(path: str | None) -> None:
+    """--profile's folder: new or empty (each run's trace, HLO and wall time go in a subfolder; one
+    already there would be overwritten or read back as two traces), its parent existing."""
+    if path is None:
+        return
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ValueError(f"--profile={path}: exists and is not an empty folder; give a new or empty folder.")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--profile={path}: directory {parent} does not exist; create it or pick another path.")
+
+
 # ----------------------------------------------------------------------------- measuring
 
 
@@ -209,9 +229,11 @@ def collectives_vs_model(compiled, runner, model) -> dict[str, Any]:
             "rows": rows}
 
 
-def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log=print) -> dict:
-    """Compile, init, and time one runner; returns one JSON-ready record. Logs each phase as it
-    ends, so a run killed by a time limit shows how far it got."""
+def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log=print,
+              profile: str | None = None, profile_steps: int = 3) -> dict:
+    """Compile, init, and time one runner (then, with `profile`, trace `profile_steps` more into
+    profile/<run>/); returns one JSON-ready record. Logs each phase as it ends, so a run killed by a
+    time limit shows how far it got."""
     import jax
     import numpy as np
 
@@ -242,6 +264,10 @@ def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log
         if i >= warmup:
             times.append(time.perf_counter() - t)
         losses.append(float(metrics["loss"]))
+    if profile:
+        where = os.path.join(profile, label.replace("/", "-"))
+        state = trace_steps(compiled, state, (x, y), profile_steps, where)
+        log(f"{label}: {profile_steps} steps profiled into {where}")
     model, flops, mem = model_cost(run)
     med = statistics.median(times)
     rec = {"run": label, "strategy": strategy, "impl": impl,
@@ -257,6 +283,27 @@ def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log
     del state, compiled, lowered
     gc.collect()
     return rec
+
+
+def trace_steps(compiled, state, batch, steps: int, where: str):
+    """`steps` more steps of `compiled` under jax.profiler.trace(where), the compiled step's HLO text
+    (step.hlo.txt: the trace's op names are its instructions') and the steps' wall time and device
+    (profile.json) beside the trace; returns the new state (the step donates it)."""
+    import jax
+
+    os.makedirs(where, exist_ok=True)
+    with open(os.path.join(where, "step.hlo.txt"), "w") as f:
+        f.write(compiled.as_text())
+    with jax.profiler.trace(where):
+        start = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = compiled(state, *batch)
+        jax.block_until_ready((state, metrics))
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    dev = jax.devices()[0]
+    with open(os.path.join(where, "profile.json"), "w") as f:
+        json.dump({"steps": steps, "wall_ms": wall_ms, "platform": dev.platform, "device_kind": dev.device_kind}, f)
+    return state
 
 
 def build_runners(cfg: Config, strategies: Sequence[str], impls: Sequence[str],
@@ -293,13 +340,14 @@ def environment() -> dict[str, Any]:
 
 def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str], meshes: dict[str, str | None],
         steps: int = DEFAULT_STEPS, warmup: int = 2, matmul_size: int | None = None,
-        matmul_reps: int = 20, command: str = "", log=print) -> dict[str, Any]:
+        matmul_reps: int = 20, command: str = "", log=print, profile: str | None = None,
+        profile_steps: int = 3) -> dict[str, Any]:
     """The whole benchmark: environment, matmul peaks, then every run; returns the JSON document."""
     import jax
 
-    if steps < 1 or warmup < 0 or matmul_reps < 1 or (matmul_size is not None and matmul_size < 1):
-        raise ValueError(f"need --steps >= 1, --warmup >= 0, --matmul_reps >= 1, --matmul_size >= 1; got "
-                         f"{steps}, {warmup}, {matmul_reps}, {matmul_size}.")
+    if steps < 1 or warmup < 0 or matmul_reps < 1 or (matmul_size is not None and matmul_size < 1) or profile_steps < 1:
+        raise ValueError(f"need --steps >= 1, --warmup >= 0, --matmul_reps >= 1, --matmul_size >= 1, --profile_steps "
+                         f">= 1; got {steps}, {warmup}, {matmul_reps}, {matmul_size}, {profile_steps}.")
     runners = build_runners(cfg, strategies, impls, meshes)  # validates every mesh first
     for run, _, _ in runners:  # every step's memory by the cost model, before any compiles
         fit.check_model(run)
@@ -314,7 +362,7 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     batch = random_batch(cfg)
     records = []
     for run, impl, runner in runners:
-        rec = bench_one(runner, run, impl, batch, steps, warmup, log)
+        rec = bench_one(runner, run, impl, batch, steps, warmup, log, profile, profile_steps)
         add_ratios(rec, records[0] if records and records[0]["strategy"] not in common.PARALLEL else None,
                    peaks, chip, dev.platform, cfg.model.dtype)
         records.append(rec)
@@ -434,6 +482,7 @@ def main(argv):
     meshes = parse_meshes(FLAGS.mesh, FLAGS.strategies)
     check_output_path(FLAGS.json, "json")
     check_output_path(FLAGS.markdown, "markdown")
+    check_profile_dir(FLAGS.profile)
     common.default_platform()
     if any(s in common.PARALLEL for s in FLAGS.strategies):
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
@@ -441,13 +490,15 @@ def main(argv):
 
     with compile_cache.disabled():  # time real compiles, not cache reads
         doc = run(FLAGS.preset, cfg, FLAGS.strategies, FLAGS.impls, meshes, FLAGS.steps or DEFAULT_STEPS,
-                  FLAGS.warmup, FLAGS.matmul_size, FLAGS.matmul_reps, "python -m launch.bench " + " ".join(argv_flags()))
+                  FLAGS.warmup, FLAGS.matmul_size, FLAGS.matmul_reps, "python -m launch.bench " + " ".join(argv_flags()),
+                  profile=FLAGS.profile, profile_steps=FLAGS.profile_steps)
     print(write_outputs(doc, FLAGS.json, FLAGS.markdown))
     return 0
 
 
 BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "devices", "steps", "warmup", "batch_size",
-               "seed", "grad_accum", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown")
+               "seed", "grad_accum", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown", "profile",
+               "profile_steps")
 
 
 def argv_flags() -> list[str]:

@@ -111,6 +111,12 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
         bench.check_output_path(str(tmp_path / "missing" / "b.json"), "json")
     with pytest.raises(ValueError, match="--strategies=single,pp: choose from"):
         bench.check_choices(["single", "pp"], ["auto"])
+    (tmp_path / "old" / "single").mkdir(parents=True)  # a trace already there: neither overwritten nor read twice
+    with pytest.raises(ValueError, match="--profile=.*old: exists and is not an empty folder"):
+        bench.check_profile_dir(str(tmp_path / "old"))
+    with pytest.raises(ValueError, match="--profile=.*missing/p: directory .*missing does not exist"):
+        bench.check_profile_dir(str(tmp_path / "missing" / "p"))
+    bench.check_profile_dir(str(tmp_path / "new"))
 
 
 def step_profile():

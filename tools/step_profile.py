@@ -4,8 +4,11 @@
     python tools/step_profile.py --preset=small --strategy=fsdp --impl=manual
     python tools/step_profile.py --preset=maxtext_llama_ref --top=25
     python tools/step_profile.py --preset=gpt2_125m --batch_size=16 --dtype=bfloat16   # one GPU
+    python -m launch.bench --preset=tiny --strategies=single --profile=/tmp/prof   # the bench's own steps
+    python tools/step_profile.py --trace_dir=/tmp/prof/single   # read back: no compile, no device
 
-Runs `--steps` compiled steps under `jax.profiler.trace`, reads the trace's
+Runs `--steps` compiled steps under `jax.profiler.trace` (or, with `--trace_dir`, takes the trace,
+compiled HLO and wall time that `launch.bench --profile` wrote beside its timed steps), reads the trace's
 `.xplane.pb` back with `jax.profiler.ProfileData`, and sums the duration of every
 event that names an instruction of the step's compiled HLO, per kind:
 
@@ -59,6 +62,8 @@ def define_flags() -> None:
     flags.DEFINE_string("impl", "manual", "Twin for a strategy: auto or manual.")
     flags.DEFINE_string("mesh", None, "Mesh spec for a strategy (default: its default on 8 devices).")
     flags.DEFINE_integer("steps", 3, "Profiled steps (after 2 unprofiled warm-up steps).")
+    flags.DEFINE_string("trace_dir", None, "Read the profile `launch.bench --profile` wrote here (its trace, "
+                        "step.hlo.txt, profile.json) instead of compiling and running: the model flags are not read.")
     flags.DEFINE_integer("top", 15, "Also list this many most expensive instructions.")
     flags.DEFINE_integer("width", 150, "Characters of each listed instruction's HLO line.")
     flags.DEFINE_integer("batch_size", None, "Global batch size override (sequences).")
@@ -218,6 +223,8 @@ def build(cfg):
 
 def main(argv):
     del argv
+    if FLAGS.trace_dir:
+        return from_trace_dir(FLAGS.trace_dir)
     from launch import bench, common
 
     common.default_platform()  # the CPU unless JAX_PLATFORMS is set or there is a GPU / TPU chip
@@ -245,9 +252,6 @@ def main(argv):
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
     runner, state, batch = build(cfg)
     compiled = runner.train_step.lower(state, *batch).compile()
-    text = compiled.as_text()
-    kinds, lines = hlo_kinds(text)
-    module = m.group(1) if (m := re.match(r"HloModule ([\w.\-]+)", text)) else None
     for _ in range(2):
         state, metrics = compiled(state, *batch)
     jax.block_until_ready(metrics)
@@ -258,10 +262,37 @@ def main(argv):
                 state, metrics = compiled(state, *batch)
             jax.block_until_ready(metrics)
             wall_ms = (time.perf_counter() - start) * 1e3 / FLAGS.steps
-        per_op, kernels, device, busiest = op_times(read_trace(trace_dir), kinds, module)
-    report(per_op, kernels, device, busiest, kinds, lines, wall_ms, jax.devices()[0])
+        title = f"{FLAGS.preset} {FLAGS.strategy}{'' if FLAGS.strategy == 'single' else '/' + FLAGS.impl}"
+        analyse(compiled.as_text(), trace_dir, wall_ms, FLAGS.steps, jax.devices()[0], predict_chip, title)
+
+
+def from_trace_dir(where: str) -> None:
+    """--trace_dir: the profile launch.bench --profile wrote (trace, step.hlo.txt, profile.json), analysed
+    here on any machine (the device it ran on is profile.json's)."""
+    import types
+
+    paths = {name: os.path.join(where, name) for name in ("step.hlo.txt", "profile.json")}
+    if missing := [p for p in paths.values() if not os.path.isfile(p)]:
+        raise ValueError(f"--trace_dir={where}: no {', '.join(missing)}; give a folder launch.bench --profile "
+                         "wrote (PROFILE/<run>).")
+    with open(paths["profile.json"]) as f:
+        meta = json.load(f)
+    device = types.SimpleNamespace(platform=meta["platform"], device_kind=meta["device_kind"])
+    predict_chip = chip_to_predict(device) if FLAGS.predict_json else None
+    with open(paths["step.hlo.txt"]) as f:
+        text = f.read()
+    analyse(text, where, meta["wall_ms"], meta["steps"], device, predict_chip, os.path.basename(where.rstrip("/")))
+
+
+def analyse(text: str, trace_dir: str, wall_ms: float, steps: int, device, predict_chip, title: str) -> None:
+    """The trace in trace_dir against the compiled step's HLO: the per-kind report, and with --predict_json
+    the same program priced op by op beside it."""
+    kinds, lines = hlo_kinds(text)
+    module = m.group(1) if (m := re.match(r"HloModule ([\w.\-]+)", text)) else None
+    per_op, kernels, on_device, busiest = op_times(read_trace(trace_dir), kinds, module)
+    report(per_op, kernels, on_device, busiest, kinds, lines, wall_ms, device, steps, title)
     if FLAGS.predict_json:
-        write_prediction(FLAGS.predict_json, text, per_op, kinds, wall_ms, predict_chip, FLAGS.steps, FLAGS.preset)
+        write_prediction(FLAGS.predict_json, text, per_op, kinds, wall_ms, predict_chip, steps, title)
 
 
 def chip_to_predict(device):
@@ -304,9 +335,10 @@ def write_prediction(path: str, text: str, per_op, kinds, wall_ms: float, chip, 
     return out
 
 
-def report(per_op, kernels, device: bool, busiest: int, kinds, lines, wall_ms: float, chip) -> None:
+def report(per_op, kernels, device: bool, busiest: int, kinds, lines, wall_ms: float, chip, steps: int,
+           title: str) -> None:
     """The per-kind table, then the top instructions (and, on an accelerator, the top kernels)."""
-    steps, device_kind = FLAGS.steps, chip.device_kind
+    device_kind = chip.device_kind
     if not device and chip.platform != "cpu":
         print(f"WARNING: the trace has no {chip.platform} kernel events (is the profiler's CUPTI / device "
               "tracer available here?): the times below are the host's launches, not kernel time.")
@@ -316,8 +348,7 @@ def report(per_op, kernels, device: bool, busiest: int, kinds, lines, wall_ms: f
         by_kind[kinds[name]] += ns
     where = (f"device time (the busiest device's kernels: {100 * busiest / 1e6 / steps / wall_ms:.0f}% of the "
              "wall time, streams summed)" if device else "op thread time, summed over threads")
-    print(f"{FLAGS.preset} {FLAGS.strategy}{'' if FLAGS.strategy == 'single' else '/' + FLAGS.impl} on "
-          f"{device_kind}: {wall_ms:.1f} ms/step wall under the profiler; {total / 1e6 / steps:.1f} ms of "
+    print(f"{title} on {device_kind}: {wall_ms:.1f} ms/step wall under the profiler; {total / 1e6 / steps:.1f} ms of "
           f"{where} per step, {len(per_op)} distinct ops")
     print("| kind | ms/step | share |\n|---|---|---|")
     for kind, ns in by_kind.most_common():

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The ONE script for a TPU machine (BENCHMARKS.md, "TPU v5e"): one call (profiles while TOTAL_S lasts),
-# everything written to $OUT: tpu_bench.md, tpu_bench.log (with each step's seconds into the call), and each
-# run's JSON and whole log.
+# The ONE script for a TPU machine (BENCHMARKS.md, "TPU v5e"): one call, everything written to $OUT:
+# tpu_bench.md, tpu_bench.log (with each step's seconds into the call), each run's JSON and whole log, and
+# each profiled run's trace (trace<i>/single: TensorBoard's or Perfetto's to open) and its reading (profile<i>).
 #
-#   OUT=<dir> bash tools/tpu_bench.sh      # on the TPU host, from the repository root (TOTAL_S=900: every profile)
+#   OUT=<dir> bash tools/tpu_bench.sh      # on the TPU host, from the repository root
 #   tools/tpu_bench.sh --dry-run           # here: JAX_PLATFORMS=cpu, preset tiny, the same steps
 #   OUT=<dir> bash tools/tpu_bench.sh levers         # the best run of each preset, then each option undone
 #   LEVER_PRESETS=gpt2_125m OUT=<dir> bash tools/tpu_bench.sh levers   # one preset (~7 runs of 30-110 s)
@@ -21,8 +21,9 @@
 #      norms, q/k/v in the kernel's layout, the layer stack unrolled: gpt2_125m 16x1024; gpt2_350m
 #      16x1024 (no remat, 2 micro-batches of 8); llama_v5e (no remat); each reports its init too
 #   3. llama_v5e under --quantization=int8_dw (its matmuls in int8 forward and backward) beside step 2's bf16
-#   4. tools/step_profile.py on each of step 2's runs: device time per op kind, busy against idle, and the
-#      same compiled program priced op by op beside it (profile<i>.json)
+#   4. steps 2 and 3's runs profiled: each traces 3 more steps in its own process (launch.bench --profile: no second
+#      compile), then tools/step_profile.py --trace_dir reads each trace on the host's CPU: device time per op
+#      kind, busy against idle, and the same compiled program priced op by op beside it (profile<i>.json)
 set -u -o pipefail
 T_START=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -44,7 +45,7 @@ lever_runs() {  # lever_runs "<preset> <flags>" <context_length> [chunked]
 # int8 against bf16: a preset's run, then the same with --quantization=int8 and =int8_dw (which keep
 # --qkv_layout=tokens: the heads layout's einsums are not quantized, so that pair is refused)
 int8_runs() { INT8_RUNS+=("$1" "$1 --quantization=int8" "$1 --quantization=int8_dw"); }
-LEVER_RUNS=() INT8_RUNS=() UNPROFILED=()
+LEVER_RUNS=() INT8_RUNS=()
 if [[ $MODE == --dry-run ]]; then
   export JAX_PLATFORMS=cpu PREDICT_CHIP=v5e  # the profiles priced as if on a v5e: the tool's code checked
   OUT=${OUT:-$(mktemp -d -t tpu_bench.XXXXXX)}
@@ -56,7 +57,7 @@ if [[ $MODE == --dry-run ]]; then
   lever_runs "tiny --batch_size=8 --attention=splash --scan_unroll=2" 128
   lever_runs "tiny --batch_size=8 --weight_dtype=bfloat16 --scan_unroll=2" 128 chunked
   int8_runs "tiny --batch_size=8 --weight_dtype=bfloat16"
-  UNPROFILED=("tiny --batch_size=8 --weight_dtype=bfloat16 --quantization=int8_dw")
+  INT8_DW="tiny --batch_size=8 --weight_dtype=bfloat16 --quantization=int8_dw"
 elif [[ $MODE == run ]]; then
   OUT=${OUT:?OUT: the folder the results go to}
   PY=${PYTHON:-$(cd / && python3 -c 'import sys; print(sys.executable)')}  # the 3.11 with JAX, not .python-version's
@@ -85,8 +86,8 @@ elif [[ $MODE == run ]]; then
         "llama_v5e $BF16 --remat=none $FAST --scan_unroll=14")
   STEPS=(--steps=10 --warmup=3)
   TESTS=(tests/test_splash.py)  # the kernel against the reference (the twins need 8 devices)
-  # int8 beside bf16's best (2026-12-06: 119.1 against 140.4 ms with the tokens layout, 138.5 with heads)
-  UNPROFILED=("llama_v5e $BF16 --remat=none $NARROW --scan_unroll=14 --quantization=int8_dw")
+  # int8 beside bf16's best (2026-12-06: 111.2 against 140.4 ms with the tokens layout, 138.3 with heads)
+  INT8_DW="llama_v5e $BF16 --remat=none $NARROW --scan_unroll=14 --quantization=int8_dw"
   for preset in ${INT8_PRESETS:-llama_v5e}; do
     case $preset in
       gpt2_125m) int8_runs "gpt2_125m --batch_size=16 $BF16 $NARROW --scan_unroll=12" ;;
@@ -94,7 +95,7 @@ elif [[ $MODE == run ]]; then
       *) echo "INT8_PRESETS: unknown preset $preset (gpt2_125m, llama_v5e)" >&2; exit 2 ;;
     esac
   done
-  CAP_S=${CAP_S:-150}  # an unrolled gpt2_350m compiles in 73 s; its profile reuses the compile (cache below)
+  CAP_S=${CAP_S:-150}  # an unrolled gpt2_350m compiles in 73 s
   for preset in ${LEVER_PRESETS:-gpt2_125m gpt2_350m llama_v5e}; do
     case $preset in
       gpt2_125m) lever_runs "${RUNS[0]}" 1024 ;;
@@ -107,14 +108,14 @@ else
   echo "usage: tools/tpu_bench.sh [--dry-run] [levers]  (no argument: the TPU run)" >&2; exit 2
 fi
 if [[ $WHAT == levers ]]; then  # the options' runs alone: no tests, no profiles, shorter runs
-  RUNS=("${LEVER_RUNS[@]}") UNPROFILED=() TESTS=() PROFILE=0 CAP_S=${LEVER_CAP_S:-130}
+  RUNS=("${LEVER_RUNS[@]}") TESTS=() PROFILE=0 CAP_S=${LEVER_CAP_S:-130}
   STEPS=(--steps=6 --warmup=2 "${STEPS[@]:2}")
 elif [[ $WHAT == int8 ]]; then  # bf16 and int8 pairs: no tests, no profiles (6 files back)
-  RUNS=("${INT8_RUNS[@]}") UNPROFILED=() TESTS=() PROFILE=0
+  RUNS=("${INT8_RUNS[@]}") TESTS=() PROFILE=0
+else
+  RUNS+=("$INT8_DW")  # int8 beside bf16's best, profiled alike
 fi
 export PYTHONUNBUFFERED=1
-# the profile of a run compiles the same program as its benchmark: read it back from this cache
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$OUT/.jax_cache}
 mkdir -p "$OUT"
 LOG=$OUT/tpu_bench.log
 "$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tee -a "$LOG"
@@ -124,29 +125,28 @@ if (( ${#TESTS[@]} )); then
     | tail -40 | tee -a "$LOG"
 fi
 i=0
-for run in "${RUNS[@]}" "${UNPROFILED[@]}"; do
+for run in "${RUNS[@]}"; do
   i=$((i + 1))
   read -r preset rest <<< "$run"
+  # each run traces 3 more steps in its own process (launch.bench --profile): no second compile
+  PROFILE_FLAG=() && (( ${PROFILE:-1} )) && PROFILE_FLAG=(--profile="$OUT/trace$i")
   t_run=$(date +%s)
   echo "== run $i ($(( t_run - T_START )) s into the call): $run" | tee -a "$LOG"
   # shellcheck disable=SC2086
   timeout "$CAP_S" "$PY" -m launch.bench --preset="$preset" $rest --strategies=single --dtype=bfloat16 \
-    "${STEPS[@]}" --json="$OUT/run$i.json" --markdown="$OUT/run$i.md.tmp" 2>&1 | grep -v "^[WI]0000" \
+    "${STEPS[@]}" "${PROFILE_FLAG[@]}" --json="$OUT/run$i.json" --markdown="$OUT/run$i.md.tmp" 2>&1 | grep -v "^[WI]0000" \
     | tee "$OUT/run$i.log" | tail -8 | tee -a "$LOG" || echo "run $i ($run): failed or timed out" | tee -a "$LOG"
   # the process's whole time beside its own phases (run<i>.log: peaks, lowering, compile, init, steps)
   echo "run $i: $(( $(date +%s) - t_run )) s, process start to exit" | tee -a "$LOG"
 done
 i=0
-# each run profiled while the call's budget lasts (TOTAL_S, default 480 s: a call ends by 9 minutes)
+# each profiled run's trace read back on the host's CPU (no device, no compile): per op kind, and priced op by op
 (( ${PROFILE:-1} )) && for run in "${RUNS[@]}"; do
   i=$((i + 1))
-  if (( $(date +%s) - T_START > ${TOTAL_S:-480} )); then
-    echo "profile $i ($run): skipped, the call's ${TOTAL_S:-480} s are spent (TOTAL_S)" | tee -a "$LOG"; continue
-  fi
   echo "== profile $i ($(( $(date +%s) - T_START )) s into the call): $run" | tee -a "$LOG"
-  # shellcheck disable=SC2086
-  timeout "$CAP_S" "$PY" tools/step_profile.py --preset=$run --strategy=single --dtype=bfloat16 --steps=3 --top=12 \
-    --predict_json="$OUT/profile$i.json" ${PREDICT_CHIP:+--predict_chip=$PREDICT_CHIP} 2>&1 | grep -v "^[WI]0000" | tee "$OUT/profile$i.txt" | tail -25 || echo "profile $i ($run): failed or timed out"
+  JAX_PLATFORMS=cpu timeout "$CAP_S" "$PY" tools/step_profile.py --trace_dir="$OUT/trace$i/single" --top=12 \
+    --predict_json="$OUT/profile$i.json" ${PREDICT_CHIP:+--predict_chip=$PREDICT_CHIP} 2>&1 | grep -v "^[WI]0000" \
+    | tee "$OUT/profile$i.txt" | tail -25 || echo "profile $i ($run): failed or timed out"
 done
 cat "$OUT"/run*.md.tmp > "$OUT/tpu_bench.md" 2>/dev/null && rm -f "$OUT"/run*.md.tmp
 echo "call: $(( $(date +%s) - T_START )) s; results in $OUT" | tee -a "$LOG"
