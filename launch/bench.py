@@ -29,7 +29,7 @@ For each run (the single-device reference, then each strategy with each twin):
   aliased + temporaries) beside the cost model's prediction.
 - collectives: the ledger of the compiled HLO (twinshard.hlo) against the
   cost model: bytes and counts, and whether every (op, axes) row matches.
-- `--profile=DIR`: `--profile_steps` more steps of each run under the profiler, its trace
+- `--profile=DIR`: `--profiled_steps` more steps of each run under the profiler, its trace
   in DIR/<run>/ beside the compiled step's HLO (step.hlo.txt) and the steps' wall time
   (profile.json); `tools/step_profile.py --trace_dir=DIR/<run>` reads them, per op kind, so
   a profile costs no second compile of the same program.
@@ -84,10 +84,10 @@ common.define(flags.DEFINE_integer, "warmup", 2, "Untimed steps before the timed
 common.define(flags.DEFINE_integer, "matmul_size", None,
               "n of the n^3 peak matmul (default 2048 on CPU, 8192 on accelerators).")
 common.define(flags.DEFINE_integer, "matmul_reps", 20, "Timed matmuls for the peak (its 25th percentile time).")
-common.define(flags.DEFINE_string, "profile", None, "Also profile each run: after its timed steps, --profile_steps "
+common.define(flags.DEFINE_string, "profile", None, "Also profile each run: after its timed steps, --profiled_steps "
               "more under jax.profiler.trace into PROFILE/<run>/, with the compiled step's HLO and the steps' wall "
               "time beside the trace (tools/step_profile.py --trace_dir reads them: no second compile).")
-common.define(flags.DEFINE_integer, "profile_steps", 3, "Steps each --profile trace holds.")
+common.define(flags.DEFINE_integer, "profiled_steps", 3, "Steps each --profile trace holds.")
 FLAGS = flags.FLAGS  # the model-shape flags (--d_model, --num_kv_heads, ...): common.define_shape_flags
 
 # MaxText 0.2.5's llama-style reference (d_model 256, 4 layers, 4 heads x 64, mlp 1024,
@@ -346,7 +346,7 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     import jax
 
     if steps < 1 or warmup < 0 or matmul_reps < 1 or (matmul_size is not None and matmul_size < 1) or profile_steps < 1:
-        raise ValueError(f"need --steps >= 1, --warmup >= 0, --matmul_reps >= 1, --matmul_size >= 1, --profile_steps "
+        raise ValueError(f"need --steps >= 1, --warmup >= 0, --matmul_reps >= 1, --matmul_size >= 1, --profiled_steps "
                          f">= 1; got {steps}, {warmup}, {matmul_reps}, {matmul_size}, {profile_steps}.")
     runners = build_runners(cfg, strategies, impls, meshes)  # validates every mesh first
     for run, _, _ in runners:  # every step's memory by the cost model, before any compiles
@@ -491,14 +491,14 @@ def main(argv):
     with compile_cache.disabled():  # time real compiles, not cache reads
         doc = run(FLAGS.preset, cfg, FLAGS.strategies, FLAGS.impls, meshes, FLAGS.steps or DEFAULT_STEPS,
                   FLAGS.warmup, FLAGS.matmul_size, FLAGS.matmul_reps, "python -m launch.bench " + " ".join(argv_flags()),
-                  profile=FLAGS.profile, profile_steps=FLAGS.profile_steps)
+                  profile=FLAGS.profile, profile_steps=FLAGS.profiled_steps)
     print(write_outputs(doc, FLAGS.json, FLAGS.markdown))
     return 0
 
 
 BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "devices", "steps", "warmup", "batch_size",
                "seed", "grad_accum", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown", "profile",
-               "profile_steps")
+               "profiled_steps")
 
 
 def argv_flags() -> list[str]:

@@ -98,6 +98,8 @@ def int8_dw(x: Array, g: Array, over: tuple[str, ...] = (), out_sharding=None) -
     """dW [in, out] = x^T g as ONE int8 dot summed in int32 over the tokens: x [..., in] and g [..., out] each
     per column, the absmax over every token (`over`: the mesh axes splitting them, ManualRunner's)."""
     lead = tuple(range(x.ndim - 1))
+    # x rounded again, per column: reusing the forward's per-token x_q (x^T g = x_q^T (s_x g), one pmax per
+    # product instead of per operand) measured 112.9 against 111.2 ms a step on llama_v5e on the chip
     xq, gq = (_reduced_scales(quantized(v, lead, over=over), out_sharding) for v in (x, g))
     return qwix.dot_general(xq, gq, ((lead, lead), ((), ())), out_sharding=out_sharding)
 
