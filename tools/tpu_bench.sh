@@ -50,7 +50,7 @@ if [[ $MODE == --dry-run ]]; then
   export JAX_PLATFORMS=cpu PREDICT_CHIP=v5e  # the profiles priced as if on a v5e: the tool's code checked
   OUT=${OUT:-$(mktemp -d -t tpu_bench.XXXXXX)}
   PY=${PYTHON:-.venv/bin/python}
-  RUNS=("tiny --batch_size=8" "tiny --batch_size=8 --weight_dtype=bfloat16 --remat=save_dot_except_mlp --loss_chunks=2")
+  RUNS=("tiny --batch_size=8 --weight_dtype=bfloat16 --remat=save_dot_except_mlp --loss_chunks=2")
   STEPS=(--steps=2 --warmup=1 --matmul_size=256 --matmul_reps=3)
   TESTS=()
   CAP_S=${CAP_S:-300}
