@@ -120,10 +120,11 @@ TWINS = {"auto": auto_parallel, "manual": manual_parallel, "explicit": explicit_
 MESHES = {"dp": "data:8", "fsdp": "data:8", "cp": "context:8", "ulysses": "context:8"}
 # int8_dw: the pmax over data (manual dp), over context (manual cp), Explicit mode's reduced scales (explicit
 # fsdp); GSPMD's max over a split axis is the ledger test's and the pipeline test's. These three run int8's
-# forward and dx too (int8's dW is the unquantized einsum every other test runs): int8 itself on the others,
-# measured alike on all six (every gradient within 1.5e-8 of single device; manual cp 3.2e-5)
+# forward and dx too (int8's dW is the unquantized einsum every other test runs): int8 itself on GSPMD's and
+# the manual fsdp (the gathered weight rounded per device), measured alike on all six it ran on (explicit
+# ulysses too: every gradient within 1.5e-8 of single device; manual cp 3.2e-5)
 DW_CASES = [("manual", "dp"), ("explicit", "fsdp"), ("manual", "cp")]
-CASES = [("auto", "fsdp"), ("manual", "fsdp"), ("explicit", "ulysses")]
+CASES = [("auto", "fsdp"), ("manual", "fsdp")]
 TWIN_CASES = [(i, s, "int8") for i, s in CASES] + [(i, s, "int8_dw") for i, s in DW_CASES]
 
 
@@ -167,10 +168,15 @@ def test_a_pipelines_twins_round_dw_alike_per_micro_batch():
     manual runner does, equals GSPMD's within 9.3e-10 (1.6e-4 with each device's own absmax, measured)."""
     cfg = quantized("int8_dw")
     cfg = Config(cfg.model, dataclasses.replace(cfg.train, microbatches=2))
-    manual, auto = (reference.train_record(twin.make_runner("pp_fsdp", "data:4,stage:2", cfg), cfg, STEPS)
-                    for twin in (manual_parallel, auto_parallel))
-    assert reference.max_diff(manual["grads"], auto["grads"]) < 1e-6
-    np.testing.assert_allclose(manual["losses"], auto["losses"], atol=1e-5, rtol=0)
+    (x, y), = reference.random_batches(cfg.train.batch_size, cfg.model.context_length, cfg.model.vocab_size, 1)
+
+    def loss_and_grads(twin):  # the step's gradient program alone: no train step compiled
+        r = twin.make_runner("pp_fsdp", "data:4,stage:2", cfg)
+        loss, grads = r.loss_and_grads(r.init_state(cfg.train.seed).params, *r.place_batch(x, y))
+        return float(loss), jax.device_get(grads)
+
+    (manual_loss, manual), (auto_loss, auto) = loss_and_grads(manual_parallel), loss_and_grads(auto_parallel)
+    assert reference.max_diff(manual, auto) < 1e-6 and abs(manual_loss - auto_loss) < 1e-5
 
 
 @functools.cache
@@ -183,8 +189,7 @@ def collectives(impl: str, strategy: str, quantization: str) -> tuple[tuple, ...
     return tuple(sorted((c.op, c.dtype, c.shape, c.axes, c.multiplicity) for c in led))
 
 
-@pytest.mark.parametrize("impl, strategy", [("manual", "fsdp"), ("auto", "fsdp"), ("explicit", "fsdp"), ("auto", "dp"),
-                                           ("manual", "cp")])
+@pytest.mark.parametrize("impl, strategy", [("manual", "fsdp"), ("auto", "fsdp"), ("explicit", "fsdp"), ("manual", "cp")])
 def test_int8_leaves_the_ledger_unchanged(impl, strategy):
     """The scales are the per-device product's own (after FSDP's all-gather): int8 adds, removes and
     resizes no collective, so the cost model's ledger holds as it is."""
