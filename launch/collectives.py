@@ -43,6 +43,7 @@ import time
 from absl import app, flags, logging
 
 from launch import common, fit
+from twinshard.parallel import support
 
 common.define(flags.DEFINE_string, "json", None, "Write ledger, model and comparison as JSON to this path.")
 common.define(flags.DEFINE_string, "hlo", None, "Write the compiled (optimized) HLO text to this path.")
@@ -55,7 +56,8 @@ common.define(flags.DEFINE_string, "timeline", None, "With --topology: draw one 
               "exposed; with --impl=auto,manual the twins one above the other.")
 common.define(flags.DEFINE_bool, "force", False, "Overwrite --json, --hlo and --timeline files that exist.")
 common.define(flags.DEFINE_string, "impl", "auto", "The twin: auto (GSPMD annotations), manual (shard_map "
-              "collectives) or explicit (sharding in types); a comma list (auto,manual) compiles each in turn.")
+              f"collectives) or explicit (sharding in types: {', '.join(support.written_by('explicit'))}); a comma "
+              "list (auto,manual) compiles each in turn.")
 common.define_model_flags()  # --devices: simulated CPU devices (ignored with --topology)
 FLAGS = flags.FLAGS
 
