@@ -264,8 +264,8 @@ def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log
         if i >= warmup:
             times.append(time.perf_counter() - t)
         losses.append(float(metrics["loss"]))
-    if profile:
-        where = os.path.join(profile, label.replace("/", "-"))
+    where = os.path.join(profile, label.replace("/", "-")) if profile else None
+    if where:
         state = trace_steps(compiled, state, (x, y), profile_steps, where)
         log(f"{label}: {profile_steps} steps profiled into {where}")
     model, flops, mem = model_cost(run)
@@ -277,7 +277,7 @@ def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log
            "step_s": {"median": med, "min": min(times), "max": max(times), "all": times},
            "tokens_per_s": B * T / med, "model_flops_per_step": flops.model_total,
            "model_flops_per_s": flops.model_total / med,
-           "loss_first": losses[0], "loss_last": losses[-1],
+           "loss_first": losses[0], "loss_last": losses[-1], "profile": where,
            "memory": {"xla": memory_per_device(compiled), "model": {**dataclasses.asdict(mem), "total": mem.total}},
            "collectives": collectives_vs_model(compiled, runner, model) if model is not None else None}
     del state, compiled, lowered

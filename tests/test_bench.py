@@ -56,7 +56,7 @@ def test_writes_every_field(doc):
         assert r["init"]["compile_s"] > 0  # the init really compiled (the monitoring events were heard)
         assert len(r["step_s"]["all"]) == 2 and r["step_s"]["min"] <= r["step_s"]["median"] <= r["step_s"]["max"]
         assert r["tokens_per_s"] == pytest.approx(8 * 32 / r["step_s"]["median"])
-        assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"])
+        assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"]) and r["profile"] is None
         assert r["memory"]["xla"]["peak_estimate"] > 0 and r["memory"]["model"]["total"] > 0
         assert 0 < r["fraction_of_measured_peak"]
     md = doc["_markdown"]

@@ -32,6 +32,8 @@ def test_tpu_bench_dry_run_benchmarks_profiles_and_prices_each_run(tmp_path):
     assert "compiled in" in (tmp_path / "run2.log").read_text()
     for i in (1, 2):  # each run's own steps traced (launch.bench --profile), read back with no second compile
         assert "3 steps profiled into" in (tmp_path / f"run{i}.log").read_text()
+        (run,) = json.loads((tmp_path / f"run{i}.json").read_text())["runs"]
+        assert run["profile"] == str(tmp_path / f"trace{i}" / "single")
         profile = json.loads((tmp_path / f"profile{i}.json").read_text())
         assert profile["chip"] == "v5e" and profile["predicted_ms"] > 0
         ops = profile["ops"]
