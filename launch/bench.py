@@ -158,26 +158,13 @@ def check_choices(strategies: Sequence[str], impls: Sequence[str]) -> None:
         raise ValueError(f"--impls={','.join(impls)}: choose from {', '.join(common.IMPLS)}.")
 
 
-def check_output_path(path: str | None, flag: str) -> None:
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"--{flag}={path}: directory {folder} does not exist; create it or pick another path.")
-    if os.path.isdir(path):
-        raise ValueError(f"--{flag}={path} is a directory; give a file path.")
-
-
 def check_profile_dir(path: str | None) -> None:
     """--profile's folder: new or empty (each run's trace, HLO and wall time go in a subfolder; one
     already there would be overwritten or read back as two traces), its parent existing."""
-    if path is None:
-        return
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+    if path and os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise ValueError(f"--profile={path}: exists and is not an empty folder; give a new or empty folder.")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"--profile={path}: directory {parent} does not exist; create it or pick another path.")
+    if path and not os.path.exists(path):
+        common.check_output_path(path, "profile")  # its parent exists and is writable
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -266,7 +253,7 @@ def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log
         losses.append(float(metrics["loss"]))
     where = os.path.join(profile, label.replace("/", "-")) if profile else None
     if where:
-        state = trace_steps(compiled, state, (x, y), profile_steps, where)
+        state = measure.trace_steps(compiled, state, (x, y), profile_steps, where)
         log(f"{label}: {profile_steps} steps profiled into {where}")
     model, flops, mem = model_cost(run)
     med = statistics.median(times)
@@ -283,27 +270,6 @@ def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log
     del state, compiled, lowered
     gc.collect()
     return rec
-
-
-def trace_steps(compiled, state, batch, steps: int, where: str):
-    """`steps` more steps of `compiled` under jax.profiler.trace(where), the compiled step's HLO text
-    (step.hlo.txt: the trace's op names are its instructions') and the steps' wall time and device
-    (profile.json) beside the trace; returns the new state (the step donates it)."""
-    import jax
-
-    os.makedirs(where, exist_ok=True)
-    with open(os.path.join(where, "step.hlo.txt"), "w") as f:
-        f.write(compiled.as_text())
-    with jax.profiler.trace(where):
-        start = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = compiled(state, *batch)
-        jax.block_until_ready((state, metrics))
-        wall_ms = (time.perf_counter() - start) * 1e3 / steps
-    dev = jax.devices()[0]
-    with open(os.path.join(where, "profile.json"), "w") as f:
-        json.dump({"steps": steps, "wall_ms": wall_ms, "platform": dev.platform, "device_kind": dev.device_kind}, f)
-    return state
 
 
 def build_runners(cfg: Config, strategies: Sequence[str], impls: Sequence[str],
@@ -480,8 +446,8 @@ def main(argv):
     cfg = config_from_flags()
     check_choices(FLAGS.strategies, FLAGS.impls)
     meshes = parse_meshes(FLAGS.mesh, FLAGS.strategies)
-    check_output_path(FLAGS.json, "json")
-    check_output_path(FLAGS.markdown, "markdown")
+    common.check_output_path(FLAGS.json, "json")
+    common.check_output_path(FLAGS.markdown, "markdown")
     check_profile_dir(FLAGS.profile)
     common.default_platform()
     if any(s in common.PARALLEL for s in FLAGS.strategies):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from absl import flags
 
-from launch import bench
+from launch import bench, common
 from twinshard.hardware.measure import p25
 
 FLAGS = flags.FLAGS
@@ -108,7 +108,7 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
         bench.parse_meshes("fsdp=data:8,tensor:1;tp=data:1,tensor:8", ["single", "fsdp"])
     assert bench.parse_meshes("data:2,tensor:4", ["single", "fsdp_tp"]) == {"fsdp_tp": "data:2,tensor:4"}
     with pytest.raises(ValueError, match="--json=.*does not exist"):
-        bench.check_output_path(str(tmp_path / "missing" / "b.json"), "json")
+        common.check_output_path(str(tmp_path / "missing" / "b.json"), "json")
     with pytest.raises(ValueError, match="--strategies=single,pp: choose from"):
         bench.check_choices(["single", "pp"], ["auto"])
     (tmp_path / "old" / "single").mkdir(parents=True)  # a trace already there: neither overwritten nor read twice
@@ -263,3 +263,8 @@ def test_step_profile_files_splash_kernels_under_attention():
     kinds, _ = step_profile().hlo_kinds(SPLASH_HLO)
     assert kinds == {"splash_mha_fwd_residuals.1": "attention", "splash_mha_dkv_no_residuals.1": "attention",
                      "other.1": "other", "add.1": "other"}, kinds  # a bare add: no fusion
+
+
+def test_step_profile_refuses_a_trace_dir_launch_bench_did_not_write(tmp_path):
+    with pytest.raises(ValueError, match=r"--trace_dir=.*: no .*step\.hlo\.txt, .*profile\.json; give a folder"):
+        step_profile().from_trace_dir(str(tmp_path))

@@ -223,19 +223,21 @@ def build(cfg):
 
 def main(argv):
     del argv
+    from launch import bench, common
+
+    common.check_output_path(FLAGS.predict_json, "predict_json")
     if FLAGS.trace_dir:
         return from_trace_dir(FLAGS.trace_dir)
-    from launch import bench, common
 
     common.default_platform()  # the CPU unless JAX_PLATFORMS is set or there is a GPU / TPU chip
     if FLAGS.strategy != "single":
         common.simulate_cpu_devices(8)  # on a CPU; an accelerator host uses its own devices
     import dataclasses
-    import time
 
     import jax
 
     from twinshard.config import PRESETS, preset
+    from twinshard.hardware import measure
 
     known = (*PRESETS, *bench.BENCH_PRESETS)
     if FLAGS.preset not in known:
@@ -245,8 +247,8 @@ def main(argv):
                          f"{', '.join(common.STRATEGIES)} and an impl of auto, manual.")
     if FLAGS.steps < 1:
         raise ValueError(f"--steps={FLAGS.steps}: profile at least one step.")
-    predict_chip = chip_to_predict(jax.devices()[0]) if FLAGS.predict_json else None
-    common.check_output_path(FLAGS.predict_json, "predict_json")
+    if FLAGS.predict_json:
+        chip_to_predict(jax.devices()[0])  # a chip to price at, checked before anything compiles
     cfg = common.with_model_flags(bench.BENCH_PRESETS.get(FLAGS.preset) or preset(FLAGS.preset), FLAGS)
     if FLAGS.batch_size is not None:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=FLAGS.batch_size))
@@ -255,20 +257,16 @@ def main(argv):
     for _ in range(2):
         state, metrics = compiled(state, *batch)
     jax.block_until_ready(metrics)
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            start = time.perf_counter()
-            for _ in range(FLAGS.steps):
-                state, metrics = compiled(state, *batch)
-            jax.block_until_ready(metrics)
-            wall_ms = (time.perf_counter() - start) * 1e3 / FLAGS.steps
-        title = f"{FLAGS.preset} {FLAGS.strategy}{'' if FLAGS.strategy == 'single' else '/' + FLAGS.impl}"
-        analyse(compiled.as_text(), trace_dir, wall_ms, FLAGS.steps, jax.devices()[0], predict_chip, title)
+    with tempfile.TemporaryDirectory() as trace_dir:  # what launch.bench --profile writes, read back alike
+        measure.trace_steps(compiled, state, batch, FLAGS.steps, trace_dir)
+        from_trace_dir(trace_dir, f"{FLAGS.preset} {FLAGS.strategy}"
+                                  f"{'' if FLAGS.strategy == 'single' else '/' + FLAGS.impl}")
 
 
-def from_trace_dir(where: str) -> None:
-    """--trace_dir: the profile launch.bench --profile wrote (trace, step.hlo.txt, profile.json), analysed
-    here on any machine (the device it ran on is profile.json's)."""
+def from_trace_dir(where: str, title: str | None = None) -> None:
+    """The profile twinshard.hardware.measure.trace_steps wrote (trace, step.hlo.txt, profile.json; --trace_dir:
+    launch.bench --profile's), analysed here on any machine (the device it ran on is profile.json's): the
+    per-kind report, and with --predict_json the same program priced op by op beside it."""
     import types
 
     paths = {name: os.path.join(where, name) for name in ("step.hlo.txt", "profile.json")}
@@ -281,15 +279,11 @@ def from_trace_dir(where: str) -> None:
     predict_chip = chip_to_predict(device) if FLAGS.predict_json else None
     with open(paths["step.hlo.txt"]) as f:
         text = f.read()
-    analyse(text, where, meta["wall_ms"], meta["steps"], device, predict_chip, os.path.basename(where.rstrip("/")))
-
-
-def analyse(text: str, trace_dir: str, wall_ms: float, steps: int, device, predict_chip, title: str) -> None:
-    """The trace in trace_dir against the compiled step's HLO: the per-kind report, and with --predict_json
-    the same program priced op by op beside it."""
+    title = title or os.path.basename(where.rstrip("/"))
+    wall_ms, steps = meta["wall_ms"], meta["steps"]
     kinds, lines = hlo_kinds(text)
     module = m.group(1) if (m := re.match(r"HloModule ([\w.\-]+)", text)) else None
-    per_op, kernels, on_device, busiest = op_times(read_trace(trace_dir), kinds, module)
+    per_op, kernels, on_device, busiest = op_times(read_trace(where), kinds, module)
     report(per_op, kernels, on_device, busiest, kinds, lines, wall_ms, device, steps, title)
     if FLAGS.predict_json:
         write_prediction(FLAGS.predict_json, text, per_op, kinds, wall_ms, predict_chip, steps, title)

@@ -5,6 +5,8 @@ program's bytes per device (memory_analysis)."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from typing import Any
@@ -89,3 +91,25 @@ def memory_analysis(compiled) -> dict[str, int] | None:
     the backend reports none."""
     ma = compiled.memory_analysis()
     return None if ma is None else {k: int(getattr(ma, k)) for k in MEMORY_FIELDS}
+
+
+def trace_steps(compiled, state, batch, steps: int, where: str):
+    """`steps` more steps of `compiled` (a train step: (state, x, y) -> (state, metrics)) under
+    jax.profiler.trace(where), the compiled step's HLO text (step.hlo.txt: the trace's op names are its
+    instructions') and the steps' wall time and device (profile.json) beside the trace; returns the new
+    state (the step donates it). launch.bench --profile and tools/step_profile.py trace with it."""
+    import jax
+
+    os.makedirs(where, exist_ok=True)
+    with open(os.path.join(where, "step.hlo.txt"), "w") as f:
+        f.write(compiled.as_text())
+    with jax.profiler.trace(where):
+        start = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = compiled(state, *batch)
+        jax.block_until_ready((state, metrics))
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    dev = jax.devices()[0]
+    with open(os.path.join(where, "profile.json"), "w") as f:
+        json.dump({"steps": steps, "wall_ms": wall_ms, "platform": dev.platform, "device_kind": dev.device_kind}, f)
+    return state
