@@ -23,6 +23,16 @@ MUTANTS: list[Mutant] = [
            "tokens[len(tokens) - n_val :]",
            "tokens[len(tokens) - n_val - 1 :]",
            (DATA,), "validation split shares one token with the training split"),
+    # --- launch.bench --profile and tools/step_profile.py --trace_dir (tools/tpu_bench.sh's profiles)
+    Mutant("bench-profile-flag-ignored", "profile", "launch/bench.py",
+           "    if where:\n        state = measure.trace_steps(",
+           "    if False:\n        state = measure.trace_steps(",
+           ("tests/test_tpu_bench.py",), "launch.bench --profile traces nothing: tpu_bench's profiles have no trace"),
+    Mutant("bench-profile-dir-overwritten", "profile", "launch/bench.py",
+           "(not os.path.isdir(path) or os.listdir(path))",
+           "(not os.path.isdir(path))",
+           ("tests/test_bench.py::test_bad_input_is_refused_before_any_work",),
+           "--profile writes into a folder that already holds a trace (read back as two traces)"),
     # --- checkpoint resume and sampling (launch/, twinshard/train/checkpoint.py)
     Mutant("resume-restarts-at-zero", "resume", SRC_TRAIN,
            "start = int(_scalar(state.step))",
