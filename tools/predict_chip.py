@@ -69,6 +69,9 @@ RUNS = (
         {"matmul": 238.6, "attention": 74.5, "memory": 41.3 + 31.5 + 16.0 + 15.6 + 0.4 + 0.1}),
     Run("gpt2_350m no remat, 2 micro-batches + speed options, unrolled", "gpt2_350m", 16,
         BF16 | FAST | {"remat": "none", "scan_unroll": 24}, 367.9, train={"grad_accum": 2}),
+    Run("llama_v5e no remat + speed options, unrolled, 4 sequences", "llama_v5e", 4,
+        BF16 | {"remat": "none"} | FAST | {"scan_unroll": 14}, 256.6,
+        {"matmul": 185.4, "attention": 32.8, "memory": 21.7 + 5.8 + 4.4 + 4.1 + 0.6 + 0.2}),
 )
 KINDS = ("matmul", "attention", "memory")
 

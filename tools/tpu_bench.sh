@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The ONE script for a TPU machine (BENCHMARKS.md, "TPU v5e"): one call (498 s on one v5e), everything written to $OUT:
+# The ONE script for a TPU machine (BENCHMARKS.md, "TPU v5e"): one call (507 s on one v5e), everything written to $OUT:
 # tpu_bench.md, tpu_bench.log (with each step's seconds into the call), each run's JSON and whole log, and
 # each profiled run's trace (trace<i>/single: TensorBoard's or Perfetto's to open) and its reading (profile<i>).
 #

@@ -13,6 +13,9 @@ dx rests on w ~ w_q s_w: g w^T ~ (g s_w) w_q^T, so the backward re-rounds w by t
 (the same int8 values: no second absmax pass over the weight, and dx is the gradient of the forward's
 int8 product up to g's rounding). Only s_w is saved: FSDP re-gathers w for dx as without int8.
 
+On one v5e (llama_v5e) int8_dw's step is 1.24x bf16's tokens/s in 2 sequences and 1.21x in 3 or 4: the
+roundings' memory-bound passes grow faster than the tokens (BENCHMARKS.md, "int8 matmuls").
+
 "int8" is MaxText's int8 (AQT's drhs_bits=None). "int8_dw" also quantizes dW, whose contraction runs over
 the tokens that data, FSDP and context parallelism split: its absmax is taken over the WHOLE batch, a pmax
 over `splitting_tokens`' mesh axes in shard_map (GSPMD's and Explicit mode's max over a split axis is global
