@@ -8,7 +8,7 @@
 #   OUT=<dir> bash tools/tpu_bench.sh levers         # the best run of each preset, then each option undone
 #   LEVER_PRESETS=gpt2_125m OUT=<dir> bash tools/tpu_bench.sh levers   # one preset (~7 runs of 30-110 s)
 #   tools/tpu_bench.sh --dry-run levers    # the same runs on tiny, on this CPU
-#   OUT=<dir> bash tools/tpu_bench.sh int8  # llama_v5e: bf16, int8, int8_dw (3 runs of ~110 s on the chip)
+#   OUT=<dir> bash tools/tpu_bench.sh int8  # llama_v5e in the preset's 2 sequences (int8_dw's best ratio): bf16, int8, int8_dw (3 runs of ~110 s)
 #   INT8_PRESETS="gpt2_125m llama_v5e" OUT=<dir> bash tools/tpu_bench.sh int8   # both presets: 6 runs, past 10 minutes
 #   tools/tpu_bench.sh --dry-run int8      # the same pair on tiny, on this CPU
 #
