@@ -4,8 +4,10 @@ Every flag is validated, and the corpus is found and tokenized, before anything
 is compiled or written. Each log line gives step, loss, lr, tokens/s, step time,
 model TFLOP/s per device and MFU (`Utilization`), the device's peak memory where the backend
 reports it, and ETA; every `--eval_every` steps a held-out loss; every record also goes to
-`<workdir>/metrics.jsonl`. `--profile_steps=START:COUNT` traces those steps with
-jax.profiler into `<workdir>/profile`. SIGTERM or SIGINT (a preemption) finishes the step in
+`<workdir>/metrics.jsonl` and, as TensorBoard scalars, to `<workdir>/events.out.tfevents.*`
+(twinshard/train/tensorboard.py). `--profile_steps=START:COUNT` traces those steps with
+jax.profiler into `<workdir>/plugins/profile/<run>/`, so `tensorboard --logdir=<workdir>` shows
+the curves and the traces together. SIGTERM or SIGINT (a preemption) finishes the step in
 flight, checkpoints it and exits with 128 + the signal's number (`Preemption`). `--resume` continues from the latest complete checkpoint
 in `--workdir` (`--resume_step=N`: from step N) and reproduces the uninterrupted run
 exactly: batches are a pure function of (seed, step), and the whole train state is
@@ -16,6 +18,7 @@ corpus's and the tokenizer's content hashes for that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -39,7 +42,7 @@ flags.DEFINE_integer("resume_step", None, "Resume from the checkpoint of this st
 flags.DEFINE_integer("stop_after", None, "Stop (with a checkpoint) after this step, as a preemption "
                      "would; the schedule still runs to --steps, so --resume continues it exactly.")
 flags.DEFINE_string("profile_steps", None, "START:COUNT: a jax.profiler trace of steps START..START+COUNT-1 "
-                    "(1-based; skip step 1, it compiles) in <workdir>/profile, for TensorBoard and Perfetto.")
+                    "(1-based; skip step 1, it compiles) in <workdir>/plugins/profile/, for TensorBoard and Perfetto.")
 common.define_model_flags()
 common.define_data_flags()
 distributed.define_flags()
@@ -356,7 +359,12 @@ def main(argv):
         utilization.program_bytes = program["peak"]
         log(f"compiled step: {program['peak'] / 2**30:.2f} GiB per device by XLA's memory_analysis (arguments "
             f"+ outputs - aliased + temporaries {program['temporaries'] / 2**30:.2f} GiB)")
-    profiled, profile_dir = profile_steps(t.steps), os.path.join(FLAGS.workdir, "profile")
+    # jax.profiler.start_trace(DIR) writes DIR/plugins/profile/<run>/, where TensorBoard's profile plugin
+    # looks: the workdir itself, so one `tensorboard --logdir` shows the traces beside the scalars
+    profiled, profile_dir = profile_steps(t.steps), FLAGS.workdir
+    from twinshard.train import tensorboard
+
+    board = tensorboard.Scalars(FLAGS.workdir, start) if main_process else contextlib.nullcontext()
 
     def eval_loss(params):
         losses = [runner.eval_loss(params, *runner.place_batch(
@@ -365,7 +373,7 @@ def main(argv):
         return float(np.mean([_scalar(l) for l in losses]))
 
     tick, tick_step, done = time.perf_counter(), start, start
-    with Preemption() as preemption:
+    with Preemption() as preemption, board:
         for step in range(start, t.steps):
             if profiled is not None and step + 1 == profiled.start:
                 jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
@@ -375,8 +383,9 @@ def main(argv):
             if profiled is not None and done == profiled[-1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
-                log(f"profile of steps {profiled.start}-{done} in {profile_dir}: TensorBoard (tensorboard "
-                    f"--logdir={profile_dir}) or Perfetto (ui.perfetto.dev: its perfetto_trace.json.gz)", flush=True)
+                log(f"profile of steps {profiled.start}-{done} in {profile_dir}/plugins/profile: TensorBoard "
+                    f"(tensorboard --logdir={profile_dir}, with tensorboard-plugin-profile: the Profile tab beside "
+                    "the scalars) or Perfetto (ui.perfetto.dev: its perfetto_trace.json.gz)", flush=True)
             if step == start:  # the first step compiles: keep it out of the throughput
                 jax.block_until_ready(state)
                 compile_s = time.perf_counter() - tick
@@ -398,6 +407,7 @@ def main(argv):
                 records.append(rec)
                 if main_process:
                     _write_metrics(metrics_path, records)
+                    board.add(rec)
                 log(f"step {done:6d} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
                     f"{rec['tokens_per_s']:9.0f} tok/s | {1e3 * step_time:7.1f} ms/step{utilization.text(rec)} | "
                     f"ETA {(t.steps - done) * step_time:6.0f}s"

@@ -28,6 +28,34 @@ def metrics(workdir):
         return [json.loads(line) for line in f]
 
 
+def board(workdir) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} of the TensorBoard event files in `workdir`, as TensorBoard's own reader
+    sees them (its purge of a restarted run's later points included)."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    reader = event_accumulator.EventAccumulator(str(workdir), size_guidance={event_accumulator.SCALARS: 0})
+    reader.Reload()
+    return {tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
+
+
+def f32(x) -> float:
+    """A value as an event file holds it (a float32)."""
+    import numpy as np
+
+    return float(np.float32(x))
+
+
+def board_of(records) -> dict[str, list[tuple[int, float]]]:
+    """What board() should read for these metrics.jsonl records: each number at its step."""
+    from twinshard.train import tensorboard
+
+    out = {}
+    for r in records:
+        for tag, value in tensorboard.scalars(r).items():
+            out.setdefault(tag, []).append((r["step"], f32(value)))
+    return out
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("full"))
@@ -41,6 +69,40 @@ def test_loss_falls_and_metrics_are_logged(full_run):
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.5
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time", "skipped"} <= set(recs[0])
     assert "eval_loss" in recs[1] and recs[-1]["eval_loss"] < 5.5  # ln(257) = 5.55 at chance
+
+
+def test_tensorboard_scalars_are_the_metrics_records(full_run):
+    """The event files in the workdir, read back by TensorBoard's reader, hold every number of every
+    metrics.jsonl record at its step and nothing else: the loss, eval loss, lr, tokens/s, step time
+    and MFU under the tags named here (a CPU run has no memory figure: the next test writes those)."""
+    recs, read = metrics(full_run), board(full_run)
+    named = {"loss/train": "loss", "loss/eval": "eval_loss", "optimizer/lr": "lr", "speed/tokens_per_s":
+             "tokens_per_s", "speed/step_time_s": "step_time", "speed/mfu": "mfu"}
+    for tag, key in named.items():
+        assert read[tag] == [(r["step"], f32(r[key])) for r in recs if key in r], tag
+    assert [step for step, _ in read["loss/eval"]] == [4, 8, 12]  # eval on its own schedule
+    assert read == board_of(recs)
+
+
+def test_tensorboard_memory_lists_and_a_restart_read_back(tmp_path):
+    """Hand-written records: memory figures go under memory/, a list one scalar per element, and a
+    second writer opened in the same second as a run resumed from step 2 neither overwrites the first
+    file nor leaves its step 3 beside the resumed run's."""
+    from twinshard.train import tensorboard
+
+    gib = 2**30
+    first = [{"step": s, "loss": 3.0 - s, "program_memory_bytes": 5 * gib + s, "peak_memory_bytes": gib,
+              "tokens_per_expert": [s, 10 - s]} for s in (1, 2, 3)]
+    with tensorboard.Scalars(str(tmp_path)) as run:
+        for r in first:
+            run.add(r)
+    with tensorboard.Scalars(str(tmp_path), start=2) as resumed:
+        resumed.add({"step": 3, "loss": 9.5})
+    assert board(tmp_path) == {
+        "loss/train": [(1, 2.0), (2, 1.0), (3, 9.5)],
+        "memory/program_memory_bytes": [(1, f32(5 * gib + 1)), (2, f32(5 * gib + 2))],
+        "memory/peak_memory_bytes": [(1, gib), (2, gib)],
+        "train/tokens_per_expert/0": [(1, 1.0), (2, 2.0)], "train/tokens_per_expert/1": [(1, 9.0), (2, 8.0)]}
 
 
 def test_resume_reproduces_the_uninterrupted_run(full_run, tmp_path_factory):
@@ -101,13 +163,13 @@ def test_sigterm_checkpoints_the_step_and_resume_is_exact(full_run, tmp_path_fac
 
 
 def test_profile_steps_write_a_trace_of_the_train_step(tmp_path_factory):
-    """--profile_steps=2:2 writes a Perfetto trace (and TensorBoard's xplane) under <workdir>/profile
+    """--profile_steps=2:2 writes a Perfetto trace (and TensorBoard's xplane) under <workdir>/plugins/profile
     whose events include the jitted train step; a bad range is refused before anything runs."""
     import gzip
 
     workdir = tmp_path_factory.mktemp("profiled")
     run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", "--stop_after=3", "--profile_steps=2:2")
-    traces = list((workdir / "profile").glob("plugins/profile/*/perfetto_trace.json.gz"))
+    traces = list(workdir.glob("plugins/profile/*/perfetto_trace.json.gz"))  # where TensorBoard looks
     assert len(traces) == 1 and list(traces[0].parent.glob("*.xplane.pb"))
     events = json.load(gzip.open(traces[0]))["traceEvents"]
     assert any("train_step" in e.get("name", "") for e in events)
@@ -612,6 +674,8 @@ def test_resume_step_names_the_checkpoint(kept_run, tmp_path_factory, monkeypatc
     assert same_params(params, step4)
     assert train._checkpoint_steps(str(ckpts)) == ([2, 4, 5], [])
     assert [r["step"] for r in metrics(workdir)] == [2, 4, 5]
+    # TensorBoard too drops the abandoned run's step 6 (the resumed run's event file marks step 5 a restart)
+    assert board(workdir) == board_of(metrics(workdir))
 
 
 def test_resume_refuses_another_corpus_or_tokenizer(kept_run, tmp_path_factory):
