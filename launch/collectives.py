@@ -8,6 +8,8 @@
         # 16 TPU v5e chips on 4 hosts, compiled here; needs libtpu (the tpu extra)
     uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=auto,manual --topology=v5e:4x4 \
         --timeline=fsdp.svg   # both twins' steps drawn on one time axis (docs/schedule.md)
+    uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=manual --topology=v5e:2x2 \
+        --trace=fsdp.trace.json   # the same predicted step for Perfetto UI or chrome://tracing
 
 Nothing runs: the train step is lowered on abstract inputs (ShapeDtypeStructs
 carrying the strategy's shardings) and compiled. The collective ledger of the
@@ -54,7 +56,12 @@ common.define(flags.DEFINE_string, "chips_per_host_bounds", None, "With --topolo
 common.define(flags.DEFINE_string, "timeline", None, "With --topology: draw one training step as an SVG to this "
               "path (docs/schedule.md): compute, each mesh axis's collectives from issue to completion, what is "
               "exposed; with --impl=auto,manual the twins one above the other.")
-common.define(flags.DEFINE_bool, "force", False, "Overwrite --json, --hlo and --timeline files that exist.")
+common.define(flags.DEFINE_string, "trace", None, "With --topology: write the predicted step as a Chrome "
+              "trace-event JSON file to this path, for Perfetto UI (ui.perfetto.dev) or chrome://tracing: a track "
+              "for compute, one per mesh axis, each op and collective with its bytes and source line; with "
+              "--impl=auto,manual one process per twin (docs/schedule.md; tools/trace_beside.py sets it beside a "
+              "measured profile).")
+common.define(flags.DEFINE_bool, "force", False, "Overwrite --json, --hlo, --timeline and --trace files that exist.")
 common.define(flags.DEFINE_string, "impl", "auto", "The twin: auto (GSPMD annotations), manual (shard_map "
               f"collectives) or explicit (sharding in types: {', '.join(support.written_by('explicit'))}); a comma "
               "list (auto,manual) compiles each in turn.")
@@ -366,17 +373,26 @@ def main(argv):
     if FLAGS.timeline:
         from twinshard.hlo.draw import timeline_svg
 
-        title = (f"{FLAGS.strategy} on {pod.describe()}, preset {FLAGS.preset}, mesh "
-                 f"{','.join(f'{a}:{n}' for a, n in results[0]['mesh'].items())}: one training step")
         with open(FLAGS.timeline, "w") as f:
-            f.write(timeline_svg([(res["impl"], res["prediction"]) for res in results], title))
+            f.write(timeline_svg([(res["impl"], res["prediction"]) for res in results], _title(pod, results)))
         print(f"wrote the timeline to {FLAGS.timeline}")
+    if FLAGS.trace:
+        from twinshard.hlo.trace import trace_events
+
+        with open(FLAGS.trace, "w") as f:
+            json.dump(trace_events([(res["impl"], res["prediction"]) for res in results], _title(pod, results)), f)
+        print(f"wrote the trace to {FLAGS.trace} (ui.perfetto.dev: Open trace file; docs/schedule.md)")
     if FLAGS.json:
         docs = [_json_doc(res) for res in results]
         with open(FLAGS.json, "w") as f:
             json.dump(docs[0] if len(docs) == 1 else {"twins": docs}, f, indent=1)
         print(f"wrote JSON to {FLAGS.json}")
     return 0
+
+
+def _title(pod, results: list[dict]) -> str:
+    mesh = ",".join(f"{a}:{n}" for a, n in results[0]["mesh"].items())
+    return f"{FLAGS.strategy} on {pod.describe()}, preset {FLAGS.preset}, mesh {mesh}: one training step"
 
 
 def _json_doc(res: dict) -> dict:
@@ -398,11 +414,12 @@ def check_flags(FLAGS, cfg):
         raise ValueError(f"--impl={FLAGS.impl}: name each twin once, e.g. --impl=auto,manual.")
     for impl in impls:
         resolve.check_twin(strategies.get(FLAGS.strategy), impl, cfg)
-    for flag in ("json", "hlo", "timeline"):
+    for flag in ("json", "hlo", "timeline", "trace"):
         common.check_output_path(getattr(FLAGS, flag), flag, FLAGS.force)
-    if FLAGS.timeline and not FLAGS.topology:
-        raise ValueError(f"--timeline={FLAGS.timeline} draws the step on the chips of a --topology (e.g. "
-                         "--topology=v5e:2x2); pass one.")
+    for flag, what in (("timeline", "draws"), ("trace", "writes")):
+        if getattr(FLAGS, flag) and not FLAGS.topology:
+            raise ValueError(f"--{flag}={getattr(FLAGS, flag)} {what} the step on the chips of a --topology (e.g. "
+                             "--topology=v5e:2x2); pass one.")
     if not FLAGS.topology:
         return impls, None
     topology.chips_per_host(FLAGS.topology)  # GENERATION:AxB[xC]

@@ -227,8 +227,9 @@ def collectives(*args: str):
 
 
 def test_collectives_timeline_errors_come_before_any_compile(tmp_path):
-    """launch.collectives --timeline / --topology / --impl: each bad value one line, nothing compiled or written."""
-    svg = tmp_path / "step.svg"
+    """launch.collectives --timeline / --trace / --topology / --impl: each bad value one line, nothing compiled
+    or written."""
+    svg, trace = tmp_path / "step.svg", tmp_path / "step.trace.json"
     cases = [
         (["--topology=v9z:2x2", f"--timeline={svg}"], ["--topology=v9z:2x2: unknown chip 'v9z'", "v5e"]),
         (["--topology=v5e:2x2", "--mesh=data:8,tensor:1", f"--timeline={svg}"],
@@ -240,20 +241,23 @@ def test_collectives_timeline_errors_come_before_any_compile(tmp_path):
         ([f"--timeline={svg}"], [f"--timeline={svg} draws the step on the chips of a --topology"]),
         (["--topology=v5e:2x2", "--timeline=/no/such/dir/x.svg"],
          ["--timeline=/no/such/dir/x.svg: directory /no/such/dir does not exist"]),
+        ([f"--trace={trace}"], [f"--trace={trace} writes the step on the chips of a --topology"]),
+        (["--topology=v5e:2x2", f"--trace={tmp_path}"], [f"--trace={tmp_path} is a directory; pass a file path."]),
+        (["--topology=v5e:2x2", f"--trace={svg}/x.json"], [f"--trace={svg}/x.json: directory {svg} does not exist"]),
     ]
     for args, needles in cases:
         assert_user_error(collectives(*args), *needles)
     assert_user_error(run("-m", "launch.collectives", "--preset=tiny", "--strategy=pp_fsdp", "--impl=auto,explicit",
                           "--topology=v5e:2x2", f"--timeline={svg}"),
                       "--impl=explicit runs", "not --strategy=pp_fsdp")
-    assert not svg.exists()
+    assert not svg.exists() and not trace.exists()
 
 
 def test_collectives_overwrites_nothing_without_force(tmp_path):
-    for flag in ("timeline", "json", "hlo"):
+    for flag in ("timeline", "trace", "json", "hlo"):
         kept = tmp_path / f"kept.{flag}"
         kept.write_text("earlier run")
-        extra = ["--topology=v5e:2x2"] if flag == "timeline" else []
+        extra = ["--topology=v5e:2x2"] if flag in ("timeline", "trace") else []
         proc = collectives(*extra, f"--{flag}={kept}")
         assert_user_error(proc, f"--{flag}={kept} exists; pass --force to overwrite it, or another path.")
         assert kept.read_text() == "earlier run" and proc.stdout == ""

@@ -74,7 +74,7 @@ VARIANTS = {
     "uv run python -m launch.plan --preset=llm_1b --topology=v5p:4x4x4": [],
     "uv run python -m launch.plan --preset=gpt2_350m --topology=h100:8x8 --dtype=bfloat16": [],
     "uv run --extra tpu python -m launch.collectives --preset=tiny --strategy=fsdp --impl=auto,manual "
-    "--topology=v5e:2x2 --timeline=fsdp_tiny.svg --json=fsdp_tiny.json": [],
+    "--topology=v5e:2x2 --timeline=fsdp_tiny.svg --json=fsdp_tiny.json --trace=fsdp_tiny.trace.json": [],
     "uv run python tools/mutate.py --list": [],
     "uv run python tools/mutate.py --only adamw-betas-swapped": ["--no-baseline"],
 }
@@ -84,6 +84,14 @@ NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test su
                'uv run pytest -m "fsdp and not (fsdp_tp or fsdp_cp or fsdp_ulysses or pp_fsdp or fsdp_ep)"')},
            "pip install uv && uv run --locked --extra tpu python -m launch.train --preset=gpt2_125m "
            "--dtype=bfloat16 --batch_size=16 --workdir=runs/g125": "the Cloud TPU VM example (a TPU's job)",
+           **{c: "docs/schedule.md's prediction beside a profile measured on a v5e:2x2 (tests/test_timeline_cli.py "
+                 "writes the trace of the tiny model and merges it with a measured one)" for c in (
+               "uv run --extra tpu python -m launch.collectives --preset=gpt2_125m --dtype=bfloat16 --batch_size=16 "
+               "--strategy=fsdp --impl=manual --topology=v5e:2x2 --trace=predicted.json",
+               "uv run --extra tpu python -m launch.train --preset=gpt2_125m --dtype=bfloat16 --batch_size=16 "
+               "--strategy=fsdp --impl=manual --steps=10 --profile_steps=5:1 --workdir=runs/g125_fsdp",
+               "uv run python tools/trace_beside.py --predicted=predicted.json "
+               "--measured='runs/g125_fsdp/plugins/profile/*/perfetto_trace.json.gz' --out=both.json.gz")},
            **{f"uv run --extra tpu python -m launch.collectives --preset=gpt2_350m --dtype=bfloat16 "
               f"--attention=recompute --batch_size=16 --topology=v5e:4x4 --strategy={s} --impl=auto,manual "
               f"--async_collectives=false --timeline=docs/schedule_{s}.svg": "docs/schedule.md's pictures: minutes of TPU compiles each "
