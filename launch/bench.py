@@ -37,7 +37,7 @@ For each run (the single-device reference, then each strategy with each twin):
 Every input is validated and every runner built (meshes checked) before
 anything compiles; output directories are checked before any work. Numbers
 on a shared 2-core machine are noisy: the JSON records os.getloadavg() before
-and after and the CPU count; see BENCHMARKS.md for what simulated-device
+and after and the CPU count; docs/speed.md ("Measure it") says what simulated-device
 numbers do and do not mean.
 """
 
