@@ -247,3 +247,15 @@ def test_each_axis_is_the_sum_of_its_simulated_transfers(generated):
         for axis, (comm, hidden, exposed) in want.items():
             got = pred.axes[axis]
             assert close(got.comm_s, comm) and close(got.hidden_s, hidden) and close(got.exposed_s, exposed)
+
+
+def test_a_matmul_dtype_without_a_peak_is_priced_at_bf16_or_refused():
+    """A float32 matmul at a Rates listing only float32 is priced at it (the bfloat16 fallback used to be
+    looked up first, a KeyError); one listing neither its dtype nor bfloat16 raises naming both."""
+    one = Comp("main", [("dot", 64)])
+    r = hlo.Rates("test", {"float32": 2e9}, 1e15)
+    (op,) = hlo.predict(step_sim.hlo(one), r, MESH).ops
+    assert op.compute_s == pytest.approx(2 * 64 ** 3 / 2e9)
+    assert hlo.Rates("test", {"bfloat16": 4e9}, 1e15).peak("float32") == 4e9
+    with pytest.raises(ValueError, match=r"no peak for float32 matmuls and no bfloat16 one.*add a 'float32' or"):
+        hlo.predict(step_sim.hlo(one), hlo.Rates("test", {"int8": 1e9}, 1e15), MESH)

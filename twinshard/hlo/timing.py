@@ -54,6 +54,15 @@ class Rates:
     splash_by_head_dim: tuple[tuple[int, float], ...] = ()  # (head_dim, efficiency): the kernel is softmax-bound
     source: str = "the datasheet peaks"
 
+    def peak(self, dtype: str) -> float:
+        """FLOP/s of `dtype` matmuls: its own peak, else the bfloat16 one (a dtype the table lists no peak for)."""
+        if dtype in self.matmul_flops_per_s:
+            return self.matmul_flops_per_s[dtype]
+        if "bfloat16" in self.matmul_flops_per_s:
+            return self.matmul_flops_per_s["bfloat16"]
+        raise ValueError(f"Rates({self.chip!r}).matmul_flops_per_s={dict(self.matmul_flops_per_s)} has no peak for "
+                         f"{dtype} matmuls and no bfloat16 one to price them at: add a {dtype!r} or 'bfloat16' entry")
+
     def splash_share(self, head_dim: int) -> float:
         """The splash kernel's fraction of the peak at `head_dim`: the listed head_dim nearest below it
         (the smallest listed above it when none is below), else splash_efficiency."""
@@ -292,7 +301,6 @@ class _Pricer:
 
     def __init__(self, mod: Module, rates: Rates, link_seconds: LinkSeconds | None, causal: bool):
         self.mod, self.rates, self.link_seconds, self.causal = mod, rates, link_seconds, causal
-        self.peak = rates.matmul_flops_per_s
         self.named = {c: {i.name: i for i in instrs} for c, instrs in mod.computations.items()}
         self.async_comps = {c for c, instrs in mod.computations.items()
                             if any(base_opcode(i.opcode)[0] for i in instrs)}
@@ -309,7 +317,7 @@ class _Pricer:
         kind, flops_by_dtype, moved = self._cost(instr)
         r = self.rates
         peak_share = r.splash_share(self._splash_q(instr).dims[-1]) if kind == "attention" else r.matmul_efficiency
-        compute = sum(f / (self.peak.get(d, self.peak["bfloat16"]) * peak_share) for d, f in flops_by_dtype.items())
+        compute = sum(f / (r.peak(d) * peak_share) for d, f in flops_by_dtype.items())
         memory = moved / (r.hbm_bytes_per_s * r.hbm_efficiency)
         flops = sum(flops_by_dtype.values())
         return OpTime(seq.name, instr.name, instr.opcode, kind, flops, moved, compute, memory, max(compute, memory),
