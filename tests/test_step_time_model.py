@@ -241,8 +241,9 @@ def test_each_axis_is_the_sum_of_its_simulated_transfers(generated):
         for x in sim.transfers:
             t = want.setdefault(x.link, [0.0, 0.0, 0.0])
             t[0] += x.comm
-            t[1] += max(x.comm - x.exposed, 0.0)
             t[2] += x.exposed
+        for t in want.values():  # busy time the compute stream did not wait through
+            t[1] = t[0] - t[2]
         assert set(pred.axes) == set(want)
         for axis, (comm, hidden, exposed) in want.items():
             got = pred.axes[axis]
@@ -259,3 +260,15 @@ def test_a_matmul_dtype_without_a_peak_is_priced_at_bf16_or_refused():
     assert hlo.Rates("test", {"bfloat16": 4e9}, 1e15).peak("float32") == 4e9
     with pytest.raises(ValueError, match=r"no peak for float32 matmuls and no bfloat16 one.*add a 'float32' or"):
         hlo.predict(step_sim.hlo(one), hlo.Rates("test", {"int8": 1e9}, 1e15), MESH)
+
+
+def test_a_wait_behind_another_transfer_hides_nothing():
+    """Two all-gathers over tensor, completed in reverse order with no compute between: the second's done waits
+    for both transfers (its exposed time is longer than its own), the first's then waits for nothing. Nothing
+    ran beside them: the axis hid nothing, all of its transfer time is exposed."""
+    a, b = coll("all-gather", ("tensor",), 64, name="a"), coll("all-gather", ("tensor",), 64, name="b")
+    pred = predict(Comp("main", [("start", a), ("start", b), ("done", b), ("done", a)]), UNIT)
+    ta, tb = sorted(pred.collectives, key=lambda c: c.window.start)
+    assert tb.exposed_s == pytest.approx(ta.comm_s + tb.comm_s) and ta.exposed_s == 0
+    t = pred.axes["tensor"]
+    assert (t.comm_s, t.exposed_s, t.hidden_s) == (pytest.approx(pred.step_s), pytest.approx(pred.step_s), 0)

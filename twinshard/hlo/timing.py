@@ -148,13 +148,16 @@ class Prediction:
 
     @property
     def axes(self) -> dict[str, AxisTime]:
+        """Per axis: hidden is its transfer time less its exposed time. Not the sum of each collective's
+        hidden_s: a done that waits behind an earlier transfer on its link is exposed for that one too
+        (its wait is longer than its own transfer), while the earlier one's own done then waits for nothing;
+        each wait is time the link is busy (one transfer after another), so exposed never exceeds comm."""
         out: dict[str, list[float]] = {}
         for c in self.collectives:
-            t = out.setdefault(c.axis or "-", [0.0, 0.0, 0.0])
+            t = out.setdefault(c.axis or "-", [0.0, 0.0])
             t[0] += c.comm_s * c.runs
-            t[1] += c.hidden_s * c.runs
-            t[2] += c.exposed_s * c.runs
-        return {a: AxisTime(*v) for a, v in out.items()}
+            t[1] += c.exposed_s * c.runs
+        return {a: AxisTime(comm, max(comm - exposed, 0.0), exposed) for a, (comm, exposed) in out.items()}
 
     def by_kind(self) -> dict[str, float]:
         """Seconds per step of each op kind on the compute stream."""
