@@ -33,6 +33,8 @@ RINGS = {  # a shift by one along the axis, with wraparound
 }
 SQUARES = (8, 16, 32, 64)  # f32[n,n] operands of the matmuls and elementwise ops
 COLUMNS = (4, 8, 16, 32, 64)  # f32[r,4] operands of the collectives
+PHASES = ("forward", "backward", "other")  # as JAX names them in op_name: jvp(...), transpose(jvp(...)), neither
+_OP_NAMES = {"forward": "jit(step)/jvp(loss)/", "backward": "jit(step)/transpose(jvp(loss))/", "other": "jit(step)/"}
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -81,7 +83,7 @@ class Coll:
 
 @dataclass
 class Comp:
-    """One computation: tokens in schedule order ('dot', n) ('tanh', n) ('count',) ('sync', c) ('start', c)
+    """One computation: tokens in schedule order ('dot', n[, phase]) ('tanh', n[, phase]) ('count',) ('sync', c) ('start', c)
     ('update', c) ('done', c) ('loop', Comp); a loop body has `trips`."""
 
     name: str
@@ -124,7 +126,7 @@ def _links_used(comp: Comp, chip: Chip) -> set[str]:
 
 def _draw_comp(rng: np.random.Generator, name: str, depth: int, chip: Chip, counter: list[int]) -> Comp:
     comp = Comp(name, trips=int(rng.integers(1, 5)))
-    tokens: list[tuple] = [(("dot", "tanh")[rng.integers(2)], int(rng.choice(SQUARES)))
+    tokens: list[tuple] = [(("dot", "tanh")[rng.integers(2)], int(rng.choice(SQUARES)), PHASES[rng.integers(3)])
                            for _ in range(int(rng.integers(1, 7)))]
     if depth > 0:
         tokens.append(("count",))  # the loop counter's add
@@ -207,6 +209,10 @@ def hlo(main: Comp) -> str:
             f"\nENTRY %main ({params}) -> f32[] {{\n{body}\n  ROOT %main.out = f32[] constant(0)\n}}\n")
 
 
+def _metadata(token: tuple) -> str:
+    return f', metadata={{op_name="{_OP_NAMES[token[2]]}{token[0]}"}}' if len(token) > 2 else ""
+
+
 def _lines(comp: Comp, comps: list[str]) -> list[str]:
     p, pal, out = comp.name, _palette(comp.name), []
     for k, t in enumerate(comp.tokens):
@@ -214,10 +220,10 @@ def _lines(comp: Comp, comps: list[str]) -> list[str]:
         if kind == "dot":
             n = t[1]
             out.append(f"%{p}.{k} = f32[{n},{n}]{{1,0}} dot({pal['sq', n]}, {pal['sq', n]}), "
-                       "lhs_contracting_dims={1}, rhs_contracting_dims={0}")
+                       f"lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}{_metadata(t)}")
         elif kind == "tanh":
             n = t[1]
-            out.append(f"%{p}.{k} = f32[{n},{n}]{{1,0}} tanh({pal['sq', n]})")
+            out.append(f"%{p}.{k} = f32[{n},{n}]{{1,0}} tanh({pal['sq', n]}){_metadata(t)}")
         elif kind == "count":
             out.append(f"%{p}.{k} = s32[] add(%{p}i, %{p}one)")
         elif kind == "loop":
