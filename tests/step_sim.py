@@ -4,7 +4,7 @@ reference tests/test_step_time_model.py holds twinshard.hlo.timing's model again
 `random_program(rng)` draws a program on a ('data'=2, 'tensor'=4) mesh: ENTRY and up to two levels of
 while loops (1-4 trips each), each computation a random list of matmuls, elementwise ops and collectives
 (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute; synchronous, or async pairs
-that overlap, nest, hold an async-update, or are left open to their computation's end). `Program.hlo()`
+that overlap, nest, hold an async-update, or are left open to their computation's end). `hlo_text(program)`
 writes it as a scheduled HLO module; `simulate(program, chip)` runs it event by event in float64:
 loops unrolled trip by trip, one compute stream, one FIFO link per mesh axis.
 
@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from twinshard import hlo
+from twinshard.hardware.links import Link, collective_seconds
+
+MESH = {"data": 2, "tensor": 4}
 GROUPS = {  # mesh axes -> (replica groups, group size)
     ("tensor",): ("{{0,1,2,3},{4,5,6,7}}", 4),
     ("data",): ("{{0,4},{1,5},{2,6},{3,7}}", 2),
@@ -83,8 +87,8 @@ class Coll:
 
 @dataclass
 class Comp:
-    """One computation: tokens in schedule order ('dot', n[, phase]) ('tanh', n[, phase]) ('count',) ('sync', c) ('start', c)
-    ('update', c) ('done', c) ('loop', Comp); a loop body has `trips`."""
+    """One computation: tokens in schedule order ('dot', n[, phase]) ('tanh', n[, phase]) ('count',) ('sync', c)
+    ('start', c) ('update', c) ('done', c) ('loop', Comp); a loop body has `trips`."""
 
     name: str
     tokens: list[tuple] = field(default_factory=list)
@@ -171,6 +175,14 @@ def _keep_loops_off_inflight_links(comp: Comp, chip: Chip) -> None:
                 return _keep_loops_off_inflight_links(comp, chip)
 
 
+def predict(prog: Comp, chip: Chip) -> hlo.Prediction:
+    """twinshard.hlo.predict on the program's HLO at the chip's rates and links (bf16 priced apart, so a float32
+    matmul priced at the bf16 peak shows)."""
+    links = {a: Link(rate, "test", a2a, hop) for a, (rate, a2a, hop) in chip.links.items()}
+    r = hlo.Rates("test", {"float32": chip.peak, "bfloat16": 7 * chip.peak}, chip.hbm, chip.matmul_eff, chip.hbm_eff)
+    return hlo.predict(hlo_text(prog), r, MESH, lambda op, axes, b: collective_seconds(op, axes, b, links))
+
+
 def random_chip(rng: np.random.Generator) -> Chip:
     return Chip(peak=float(10 ** rng.uniform(8.5, 10)), hbm=float(10 ** rng.uniform(8, 9.5)),
                 matmul_eff=float(rng.uniform(0.3, 1.0)), hbm_eff=float(rng.uniform(0.3, 1.0)),
@@ -191,7 +203,7 @@ def _palette(prefix: str) -> dict:
     return {**{("sq", n): f"%{prefix}sq{n}" for n in SQUARES}, **{("col", r): f"%{prefix}col{r}" for r in COLUMNS}}
 
 
-def hlo(main: Comp) -> str:
+def hlo_text(main: Comp) -> str:
     """The program as a scheduled HLO module (a computation per loop body and condition, one per
     async-start wrapper)."""
     comps: list[str] = []

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import step_sim
-from test_step_time_model import UNIT, predict
+from step_sim import predict
 from twinshard import hlo
 from twinshard.hlo import draw
 from twinshard.hlo.timing import seconds
@@ -116,7 +116,8 @@ def test_collective_boxes_span_issue_to_completion_with_their_numbers(prediction
                 collapsed += o.seconds - drawn_length(pred, body)
             assert close(b.end_s - b.start_s, c.done_s - c.issue_s - collapsed)
         for lane in {b.lane for b in colls}:
-            exposed = sum(float(dict(b.data)["exposed-us"]) * int(dict(b.data)["runs"]) for b in colls if b.lane == lane)
+            exposed = sum(float(dict(b.data)["exposed-us"]) * int(dict(b.data)["runs"])
+                          for b in colls if b.lane == lane)
             assert exposed * 1e-6 == pytest.approx(pred.axes[lane].exposed_s, rel=1e-3, abs=1e-12)
 
 

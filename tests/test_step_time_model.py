@@ -9,21 +9,13 @@ import numpy as np
 import pytest
 
 import step_sim
-from step_sim import Chip, Coll, Comp
+from step_sim import Chip, Coll, Comp, predict
 from twinshard import hlo
 from twinshard.hardware import chips
 from twinshard.hardware.links import Link, collective_seconds
 from twinshard.hardware.step_time import rates
 
 MESH = {"data": 2, "tensor": 4}
-
-
-def predict(prog: Comp, chip: Chip) -> hlo.Prediction:
-    """The model on the program's HLO at the chip's rates (bf16 priced apart, so a float32 matmul priced at
-    the bf16 peak shows)."""
-    links = {a: Link(rate, "test", a2a, hop) for a, (rate, a2a, hop) in chip.links.items()}
-    r = hlo.Rates("test", {"float32": chip.peak, "bfloat16": 7 * chip.peak}, chip.hbm, chip.matmul_eff, chip.hbm_eff)
-    return hlo.predict(step_sim.hlo(prog), r, MESH, lambda op, axes, b: collective_seconds(op, axes, b, links))
 
 
 UNIT = Chip(peak=1e9, hbm=1e9, matmul_eff=0.5, hbm_eff=0.25,
@@ -57,7 +49,8 @@ def test_a_batched_matmul_counts_its_batch_and_contracted_dims_at_its_dtypes_pea
 ENTRY %main (a: bf16[3,16,32], b: bf16[3,16,8]) -> bf16[3,32,8] {
   %a = bf16[3,16,32]{2,1,0} parameter(0)
   %b = bf16[3,16,8]{2,1,0} parameter(1)
-  ROOT %d = bf16[3,32,8]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, rhs_batch_dims={0}, lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %d = bf16[3,32,8]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, rhs_batch_dims={0}, lhs_contracting_dims={1}, \
+rhs_contracting_dims={1}
 }
 """
     r = hlo.Rates("test", {"bfloat16": 3e9, "float32": 1e9}, 1e15)
@@ -213,7 +206,7 @@ def test_the_generated_schedules_hold_every_case(generated):
 
 def test_the_model_is_the_simulated_step(generated):
     for prog, chip, pred, sim in generated:
-        assert close(pred.step_s, sim.seconds), step_sim.hlo(prog)
+        assert close(pred.step_s, sim.seconds), step_sim.hlo_text(prog)
         assert close(pred.compute_s, sim.compute)
         assert close(pred.step_s, pred.compute_s + pred.exposed_s)
 
@@ -226,13 +219,13 @@ def test_each_collective_is_its_simulated_runs(generated):
         for x in sim.transfers:
             runs.setdefault(x.name, []).append(x)
         model = {c.window.start: c for c in pred.collectives}
-        assert set(model) == set(runs), step_sim.hlo(prog)
+        assert set(model) == set(runs), step_sim.hlo_text(prog)
         for name, c in model.items():
             assert c.runs == len(runs[name])
             for x in runs[name]:
                 assert c.axis == x.link and close(c.comm_s, x.comm) and close(c.exposed_s, x.exposed)
                 assert all(close(a, b - x.run_start) for a, b in
-                           ((c.issue_s, x.issue), (c.begin_s, x.begin), (c.end_s, x.end))), (name, step_sim.hlo(prog))
+                           ((c.issue_s, x.issue), (c.begin_s, x.begin), (c.end_s, x.end))), name
 
 
 def test_each_axis_is_the_sum_of_its_simulated_transfers(generated):
@@ -255,11 +248,11 @@ def test_a_matmul_dtype_without_a_peak_is_priced_at_bf16_or_refused():
     looked up first, a KeyError); one listing neither its dtype nor bfloat16 raises naming both."""
     one = Comp("main", [("dot", 64)])
     r = hlo.Rates("test", {"float32": 2e9}, 1e15)
-    (op,) = hlo.predict(step_sim.hlo(one), r, MESH).ops
+    (op,) = hlo.predict(step_sim.hlo_text(one), r, MESH).ops
     assert op.compute_s == pytest.approx(2 * 64 ** 3 / 2e9)
     assert hlo.Rates("test", {"bfloat16": 4e9}, 1e15).peak("float32") == 4e9
     with pytest.raises(ValueError, match=r"no peak for float32 matmuls and no bfloat16 one.*add a 'float32' or"):
-        hlo.predict(step_sim.hlo(one), hlo.Rates("test", {"int8": 1e9}, 1e15), MESH)
+        hlo.predict(step_sim.hlo_text(one), hlo.Rates("test", {"int8": 1e9}, 1e15), MESH)
 
 
 def test_a_wait_behind_another_transfer_hides_nothing():
