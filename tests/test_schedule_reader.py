@@ -73,7 +73,7 @@ def test_overlapping_and_nested_async_pairs_complete_where_their_own_done_is():
 
 
 def test_window_sizes_are_their_records():
-    """A window's bytes and ring bytes are its records' (the all-gather's result, f32[16,4] = 256 B,
+    """A window's result, bytes and ring bytes are its records' (the all-gather's result, f32[16,4] = 256 B,
     3/4 of it sent on a ring of 4; the all-reduce's f32[4,4] = 64 B, 2 x 1/2 of it on a ring of 2)."""
     sched = read("schedule_overlap.hlo")
     by_start = {w.start: w for w in sched.entry.windows}
@@ -83,6 +83,13 @@ def test_window_sizes_are_their_records():
         ("f32[4,4]", 64, 64.0)
     assert (by_start["rs-start"].bytes, by_start["rs-start"].ring_bytes) == (64, 64.0)  # (n - 1) x result
     assert (by_start["cpd-start"].bytes, by_start["cpd-start"].ring_bytes) == (64, 64.0)  # the whole buffer
+    # each result shape read from its own done (the two crossing all-gathers differ in group and size)
+    assert {w.start: w.tensor for w in sched.entry.windows} == {
+        "ag-start": "f32[16,4]", "ar-start": "f32[4,4]", "agd-start": "f32[8,4]", "agt-start": "f32[16,4]",
+        "cp-start": "f32[4,4]", "rs-start": "f32[4,4]", "cpd-start": "f32[4,4]", "sync": "f32[4,4]"}
+    loop = read("schedule_loop_carried.hlo")  # without a done in their computation: the start's result part
+    assert {w.start: w.tensor for w in loop.windows()} == {
+        "ar-start": "f32[4,4]", "first": "f32[16,4]", "next": "f32[16,4]", "shift-start": "f32[4,4]"}
 
 
 def test_a_loop_inside_a_window_and_pairs_carried_across_the_loop():
@@ -154,6 +161,17 @@ def test_loops_in_loops_and_called_computations_are_their_own_streams():
         "main": ("entry", 1, []), "sync_grads": ("called", 2, ["called_psum"]),
         "then": ("branch", 1, ["then_gather"]), "else": ("branch", 1, ["else_permute"])}
     each_record_in_one_window(calls)
+
+
+def test_a_loop_without_known_trip_count_runs_the_count_its_condition_gives():
+    """tpu_while_no_trip_count.hlo (real TPU HLO, trimmed): the trip count 3 is read from `i < 3`, and the
+    body's runs are marked inexact, with a warning saying so."""
+    sched = hlo.schedule((SNIPPETS / "tpu_while_no_trip_count.hlo").read_text(), MESH)
+    (body,) = sched.loops
+    assert (body.trips, body.runs, body.runs_exact) == (3, 3, False) and sched.entry.runs_exact
+    assert [(w.start, w.records[0].multiplicity, w.records[0].multiplicity_exact) for w in body.windows] == [
+        ("psum_invariant.16", 3, False)]
+    assert any("no known_trip_count, inferred 3 from its condition" in w for w in sched.ledger.warnings)
 
 
 def test_a_start_whose_done_is_missing_is_open_to_the_end_and_a_stray_done_opens_nothing():
