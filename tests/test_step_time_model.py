@@ -5,6 +5,8 @@ generated schedules. Pure Python on hand-written or generated HLO text: nothing 
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -265,3 +267,21 @@ def test_a_wait_behind_another_transfer_hides_nothing():
     assert tb.exposed_s == pytest.approx(ta.comm_s + tb.comm_s) and ta.exposed_s == 0
     t = pred.axes["tensor"]
     assert (t.comm_s, t.exposed_s, t.hidden_s) == (pytest.approx(pred.step_s), pytest.approx(pred.step_s), 0)
+
+
+def test_a_called_computation_runs_at_each_call_and_a_conditional_takes_its_longest_branch():
+    """call_conditional.hlo: %sync_grads (a psum over data, f32[4,4]: 2 x 1/2 x 64 B at 1 MB/s = 64 us) is called
+    twice; the conditional's branches are a gather over a group of one (no transfer) and a permute over data
+    (64 B at its hop's 4 MB/s = 16 us): the step runs both calls and the longer branch, 144 us."""
+    text = (pathlib.Path(__file__).parent / "hlo_snippets" / "call_conditional.hlo").read_text()
+    links = {a: Link(rate, "test", a2a, hop) for a, (rate, a2a, hop) in UNIT.links.items()}
+    pred = hlo.predict(text, hlo.Rates("test", {"bfloat16": 1e9}, 1e9), MESH,
+                       lambda op, axes, b: collective_seconds(op, axes, b, links))
+    comm = {c.window.start: (c.comm_s, c.runs) for c in pred.collectives}
+    assert comm == {"called_psum": (pytest.approx(64e-6), 2), "then_gather": (0, 1),
+                    "else_permute": (pytest.approx(16e-6), 1)}
+    assert pred.step_s == pytest.approx(2 * 64e-6 + 16e-6)
+    calls = [o for o in pred.ops if o.kind == "loop"]
+    assert [(o.name, o.seconds) for o in calls] == [("c1", pytest.approx(64e-6)), ("c2", pytest.approx(64e-6)),
+                                                    ("cond", pytest.approx(16e-6))]
+    assert pred.axes["data"].comm_s == pytest.approx(2 * 64e-6 + 16e-6)  # the totals count every branch
