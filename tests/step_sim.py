@@ -307,6 +307,7 @@ class Transfer:
     begin: float = float("nan")
     end: float = float("nan")
     exposed: float = 0.0
+    hidden: float = 0.0  # its transfer time while the compute stream was not waiting for its link
 
 
 @dataclass
@@ -363,11 +364,14 @@ def simulate(main: Comp, chip: Chip) -> Step:
                     break
         clock = t
 
+    waits: dict[str, list[tuple[float, float]]] = {"data": [], "tensor": []}
+
     def wait(x: Transfer) -> None:
         before = clock
         while np.isnan(x.end):
             move_to(clock + queues[x.link][0][1])  # to the next end of a transfer on its link
         x.exposed = clock - before
+        waits[x.link].append((before, clock))
 
     for event in _events(main, chip):
         kind = event[0]
@@ -391,4 +395,6 @@ def simulate(main: Comp, chip: Chip) -> Step:
             for x in open_now.pop().values():  # issue order
                 wait(x)
             runs.pop()
+    for x in transfers:
+        x.hidden = x.comm - sum(max(min(b, x.end) - max(a, x.begin), 0.0) for a, b in waits[x.link])
     return Step(clock, compute, transfers)

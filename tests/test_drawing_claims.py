@@ -94,7 +94,7 @@ def test_compute_boxes_are_the_ops_back_to_back(predictions):
 def test_collective_boxes_span_issue_to_completion_with_their_numbers(predictions):
     """One box per collective in the lane of the axis it is charged to, from its issue to its completion (minus
     the loops collapsed inside its window), carrying its transfer, exposed and hidden time and its runs;
-    per lane, exposed x runs is the axis's exposed time the lane's title gives."""
+    per lane, exposed x runs is the axis's exposed time the lane's title gives, hidden x runs its hidden time."""
     for pred in predictions:
         boxes, _ = draw.boxes(pred)
         colls = [b for b in boxes if b.kind == "collective"]
@@ -119,6 +119,8 @@ def test_collective_boxes_span_issue_to_completion_with_their_numbers(prediction
             exposed = sum(float(dict(b.data)["exposed-us"]) * int(dict(b.data)["runs"])
                           for b in colls if b.lane == lane)
             assert exposed * 1e-6 == pytest.approx(pred.axes[lane].exposed_s, rel=1e-3, abs=1e-12)
+            hidden = sum(float(dict(b.data)["hidden-us"]) * int(dict(b.data)["runs"]) for b in colls if b.lane == lane)
+            assert hidden * 1e-6 == pytest.approx(pred.axes[lane].hidden_s, rel=1e-3, abs=1e-12)
 
 
 def test_the_svg_draws_each_box_where_its_numbers_say(predictions):

@@ -97,7 +97,9 @@ class OpTime:
 class CollectiveTime:
     """One collective's transfer in one run of its sequence: issued at `issue_s`, on the link from
     `begin_s` to `end_s`, completed (its done op passed) at `done_s`; `exposed_s` the compute stream's
-    wait at the done, `hidden_s` the rest of its transfer."""
+    wait at the done; `hidden_s` the part of its transfer during which the compute stream was not
+    waiting for its link (a transfer that runs while a later collective's done waits behind it hides
+    nothing, and that done's wait is longer than its own transfer)."""
 
     window: Window
     axis: str  # the link it is charged to (the slowest of its axes); '' for a group of one
@@ -108,15 +110,13 @@ class CollectiveTime:
     done_s: float
     exposed_s: float
     runs: int
-
-    @property
-    def hidden_s(self) -> float:
-        return max(self.comm_s - self.exposed_s, 0.0)
+    hidden_s: float
 
 
 @dataclass(frozen=True)
 class AxisTime:
-    """Per step, over one mesh axis's link: transfer time, the part hidden behind compute, the part exposed."""
+    """Per step, over one mesh axis's link: transfer time, the part exposed (the compute stream waited for the
+    link) and the rest, hidden (it computed, or waited for another link): comm_s == hidden_s + exposed_s."""
 
     comm_s: float
     hidden_s: float
@@ -148,16 +148,16 @@ class Prediction:
 
     @property
     def axes(self) -> dict[str, AxisTime]:
-        """Per axis: hidden is its transfer time less its exposed time. Not the sum of each collective's
-        hidden_s: a done that waits behind an earlier transfer on its link is exposed for that one too
-        (its wait is longer than its own transfer), while the earlier one's own done then waits for nothing;
-        each wait is time the link is busy (one transfer after another), so exposed never exceeds comm."""
+        """Each axis's collectives summed. A wait for a transfer is time its link is busy (from the issue
+        on, one transfer after another), so each wait lies in the transfers on that link and is hidden by
+        none of them: hidden + exposed == comm."""
         out: dict[str, list[float]] = {}
         for c in self.collectives:
-            t = out.setdefault(c.axis or "-", [0.0, 0.0])
+            t = out.setdefault(c.axis or "-", [0.0, 0.0, 0.0])
             t[0] += c.comm_s * c.runs
-            t[1] += c.exposed_s * c.runs
-        return {a: AxisTime(comm, max(comm - exposed, 0.0), exposed) for a, (comm, exposed) in out.items()}
+            t[1] += c.hidden_s * c.runs
+            t[2] += c.exposed_s * c.runs
+        return {a: AxisTime(*v) for a, v in out.items()}
 
     def by_kind(self) -> dict[str, float]:
         """Seconds per step of each op kind on the compute stream."""
@@ -256,6 +256,7 @@ def _simulate(seq: Sequence, sched: Schedule, pricer: _Pricer, seconds: dict[str
     for w in seq.windows:
         completing.setdefault(w.done, []).append(w)
     t, link_free, open_ = 0.0, {}, {}
+    waits: dict[str, list[tuple[float, float]]] = {}  # per link: when the compute stream waited for it
     for k, instr in enumerate(seq.order):
         w = issued.get(k)
         if w is not None:
@@ -279,7 +280,11 @@ def _simulate(seq: Sequence, sched: Schedule, pricer: _Pricer, seconds: dict[str
         for w in completing.get(k, []):
             axis, comm, issue_s, begin = open_.pop(w.start)
             wait = max(begin + comm - t, 0.0)
-            colls.append(CollectiveTime(w, axis, comm, issue_s, begin, begin + comm, t + wait, wait, seq.runs))
+            waits.setdefault(axis, []).append((t, t + wait))
+            end = begin + comm  # the waits after this done begin after its transfer ends
+            waited = sum(max(min(b, end) - max(a, begin), 0.0) for a, b in waits[axis])
+            colls.append(CollectiveTime(w, axis, comm, issue_s, begin, end, t + wait, wait, seq.runs,
+                                        max(comm - waited, 0.0)))
             t += wait
     return t
 
