@@ -54,6 +54,15 @@ class Rates:
     splash_by_head_dim: tuple[tuple[int, float], ...] = ()  # (head_dim, efficiency): the kernel is softmax-bound
     source: str = "the datasheet peaks"
 
+    def peak(self, dtype: str) -> float:
+        """FLOP/s of `dtype` matmuls: its own peak, else the bfloat16 one (a dtype the table lists no peak for)."""
+        if dtype in self.matmul_flops_per_s:
+            return self.matmul_flops_per_s[dtype]
+        if "bfloat16" in self.matmul_flops_per_s:
+            return self.matmul_flops_per_s["bfloat16"]
+        raise ValueError(f"Rates({self.chip!r}).matmul_flops_per_s={dict(self.matmul_flops_per_s)} has no peak for "
+                         f"{dtype} matmuls and no bfloat16 one to price them at: add a {dtype!r} or 'bfloat16' entry")
+
     def splash_share(self, head_dim: int) -> float:
         """The splash kernel's fraction of the peak at `head_dim`: the listed head_dim nearest below it
         (the smallest listed above it when none is below), else splash_efficiency."""
@@ -88,7 +97,9 @@ class OpTime:
 class CollectiveTime:
     """One collective's transfer in one run of its sequence: issued at `issue_s`, on the link from
     `begin_s` to `end_s`, completed (its done op passed) at `done_s`; `exposed_s` the compute stream's
-    wait at the done, `hidden_s` the rest of its transfer."""
+    wait at the done; `hidden_s` the part of its transfer during which the compute stream was not
+    waiting for its link (a transfer that runs while a later collective's done waits behind it hides
+    nothing, and that done's wait is longer than its own transfer)."""
 
     window: Window
     axis: str  # the link it is charged to (the slowest of its axes); '' for a group of one
@@ -99,15 +110,13 @@ class CollectiveTime:
     done_s: float
     exposed_s: float
     runs: int
-
-    @property
-    def hidden_s(self) -> float:
-        return max(self.comm_s - self.exposed_s, 0.0)
+    hidden_s: float
 
 
 @dataclass(frozen=True)
 class AxisTime:
-    """Per step, over one mesh axis's link: transfer time, the part hidden behind compute, the part exposed."""
+    """Per step, over one mesh axis's link: transfer time, the part exposed (the compute stream waited for the
+    link) and the rest, hidden (it computed, or waited for another link): comm_s == hidden_s + exposed_s."""
 
     comm_s: float
     hidden_s: float
@@ -139,6 +148,9 @@ class Prediction:
 
     @property
     def axes(self) -> dict[str, AxisTime]:
+        """Each axis's collectives summed. A wait for a transfer is time its link is busy (from the issue
+        on, one transfer after another), so each wait lies in the transfers on that link and is hidden by
+        none of them: hidden + exposed == comm."""
         out: dict[str, list[float]] = {}
         for c in self.collectives:
             t = out.setdefault(c.axis or "-", [0.0, 0.0, 0.0])
@@ -244,6 +256,7 @@ def _simulate(seq: Sequence, sched: Schedule, pricer: _Pricer, seconds: dict[str
     for w in seq.windows:
         completing.setdefault(w.done, []).append(w)
     t, link_free, open_ = 0.0, {}, {}
+    waits: dict[str, list[tuple[float, float]]] = {}  # per link: when the compute stream waited for it
     for k, instr in enumerate(seq.order):
         w = issued.get(k)
         if w is not None:
@@ -267,7 +280,11 @@ def _simulate(seq: Sequence, sched: Schedule, pricer: _Pricer, seconds: dict[str
         for w in completing.get(k, []):
             axis, comm, issue_s, begin = open_.pop(w.start)
             wait = max(begin + comm - t, 0.0)
-            colls.append(CollectiveTime(w, axis, comm, issue_s, begin, begin + comm, t + wait, wait, seq.runs))
+            waits.setdefault(axis, []).append((t, t + wait))
+            end = begin + comm  # the waits after this done begin after its transfer ends
+            waited = sum(max(min(b, end) - max(a, begin), 0.0) for a, b in waits[axis])
+            colls.append(CollectiveTime(w, axis, comm, issue_s, begin, end, t + wait, wait, seq.runs,
+                                        max(comm - waited, 0.0)))
             t += wait
     return t
 
@@ -292,7 +309,6 @@ class _Pricer:
 
     def __init__(self, mod: Module, rates: Rates, link_seconds: LinkSeconds | None, causal: bool):
         self.mod, self.rates, self.link_seconds, self.causal = mod, rates, link_seconds, causal
-        self.peak = rates.matmul_flops_per_s
         self.named = {c: {i.name: i for i in instrs} for c, instrs in mod.computations.items()}
         self.async_comps = {c for c, instrs in mod.computations.items()
                             if any(base_opcode(i.opcode)[0] for i in instrs)}
@@ -309,7 +325,7 @@ class _Pricer:
         kind, flops_by_dtype, moved = self._cost(instr)
         r = self.rates
         peak_share = r.splash_share(self._splash_q(instr).dims[-1]) if kind == "attention" else r.matmul_efficiency
-        compute = sum(f / (self.peak.get(d, self.peak["bfloat16"]) * peak_share) for d, f in flops_by_dtype.items())
+        compute = sum(f / (r.peak(d) * peak_share) for d, f in flops_by_dtype.items())
         memory = moved / (r.hbm_bytes_per_s * r.hbm_efficiency)
         flops = sum(flops_by_dtype.values())
         return OpTime(seq.name, instr.name, instr.opcode, kind, flops, moved, compute, memory, max(compute, memory),
