@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twinshard import hlo
-from twinshard.testing import expect_bytes, expect_collectives, expect_no_collective, expect_permute
+from twinshard.testing import expect_bytes, expect_collectives, expect_no_collective, expect_permute, expect_sharding
 
 HERE = pathlib.Path(__file__).name
 SPEC = P("data", "tensor")
@@ -230,3 +230,17 @@ def test_each_helpers_failure_says_what_was_expected_and_found(led: hlo.Ledger) 
         message = str(err.value)
         assert message.splitlines()[0].startswith(first_line), message
         assert message.endswith(led.table()), message
+
+
+def test_expect_sharding_matches_refuses_another_spec_and_an_axis_the_mesh_lacks() -> None:
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    x = jax.device_put(jnp.zeros((8, 16)), NamedSharding(mesh, SPEC))
+    expect_sharding(x, SPEC)
+    expect_sharding(jax.typeof(x), P("data", "tensor"))  # its type, in Explicit mode
+    with pytest.raises(AssertionError, match=r"expected sharding P\('tensor', 'data'\); .* is sharded P\('data', 'tensor'\)"):
+        expect_sharding(x, P("tensor", "data"))
+    for spec, unknown in ((P("data", "tensr"), "['tensr']"), (P(("data", "stage")), "['stage']"),
+                          (P(None, None, unreduced={"dat"}), "['dat']")):
+        with pytest.raises(ValueError) as err:
+            expect_sharding(x, spec)
+        assert unknown in str(err.value) and "('data', 'tensor')" in str(err.value), str(err.value)

@@ -216,12 +216,17 @@ def expect_sharding(x, spec: P) -> None:
     placed P('data') on an Auto mesh has the type sharding P(None, None)), so a tracer or aval
     there is refused. Trailing unsplit dims may be left out of `spec`, a 1-tuple of axes equals
     the axis, and mesh axes of size 1 split nothing (P('data') on a data axis of 1 equals
-    P(None)). Raises AssertionError naming both."""
+    P(None)). Raises AssertionError naming both; ValueError where `spec` names an axis the mesh lacks."""
     __tracebackhide__ = True
     shape, sharding, shown, typed = _type_of(x)
     if not isinstance(sharding, jax.sharding.NamedSharding):
         raise AssertionError(f"expected sharding {spec} for {shown}: its type carries no NamedSharding")
     sizes = dict(sharding.mesh.shape)
+    named = {a for entry in (*spec.partitions, tuple(spec.unreduced), tuple(spec.reduced))
+             for a in ((entry,) if isinstance(entry, str) else tuple(entry or ()))}
+    if unknown := sorted(named - set(sizes)):
+        raise ValueError(f"expected sharding {spec} names {unknown}, not axes of the mesh {tuple(sizes)} "
+                         f"that {shown} lives on: name axes of that mesh")
     auto = [a for a, t in zip(sharding.mesh.axis_names, sharding.mesh.axis_types)
             if t != jax.sharding.AxisType.Explicit and sizes[a] > 1]
     if typed and auto:
