@@ -92,7 +92,7 @@ from twinshard.cost import human
 from twinshard.hardware import chips
 from twinshard.hardware.chips import matmul_peak_flops
 from twinshard.hardware.links import GB, Topology, parse_topology, with_slices
-from twinshard.hardware.plan import Plan, Precision, Skipped, plan_all, rank, runnable
+from twinshard.hardware.plan import RANK_BY, Plan, Precision, Skipped, plan_all, rank, runnable
 from twinshard.parallel import mesh as mesh_lib, support
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global).
@@ -117,7 +117,7 @@ flags.DEFINE_float("mfu", None, "Fraction of the peak FLOP/s the matmuls reach (
                    "matmul efficiency, twinshard/hardware/chips.py EFFICIENCIES; 1, the peak, for a chip with none).")
 flags.DEFINE_float("hbm_headroom", 0.25, "Fraction of each chip's HBM the model's estimate leaves free: "
                    "XLA's own peak was 21-34% above it (measured with --compile).")
-flags.DEFINE_enum("rank_by", "serial", ("serial", "overlap"), "Rank by the step time without overlap "
+flags.DEFINE_enum("rank_by", RANK_BY[0], RANK_BY, "Rank by the step time without overlap "
                   "(compute + communication) or with perfect overlap (the largest of them).")
 flags.DEFINE_bool("compile", False, "Compile the best TPU plans ahead of time for --topology (needs libtpu) "
                   "and print their collectives, memory_analysis and predicted step beside the model.")

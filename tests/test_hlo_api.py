@@ -156,7 +156,8 @@ def test_select_by_source_file_and_line(grad_ledger: hlo.Ledger) -> None:
     expect_collectives(grad_ledger, "reduce-scatter", count=1, source=f"{HERE}:{gather_line}")
     expect_collectives(grad_ledger, "reduce-scatter", count=1, source=f"{pathlib.Path(__file__).parent.name}/{HERE}")
     expect_no_collective(grad_ledger, source=f"{HERE}:{gather_line + 1}")
-    expect_no_collective(grad_ledger, source=HERE[1:])  # whole path components only
+    with pytest.raises(ValueError, match=f"source '{HERE[1:]}' names no instruction .* files in the program: .*'{HERE}'"):
+        expect_no_collective(grad_ledger, source=HERE[1:])  # whole path components only: a typo, refused
     assert expect_bytes(grad_ledger, "data", D // 8 * F * 4, source=HERE, phase="backward") == D // 8 * F * 4
 
 

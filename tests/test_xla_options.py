@@ -91,6 +91,11 @@ def test_the_options_are_tpu_options_of_a_mesh_on_by_default():
     for asked, got in ((16384, "32768"), (98304, "98304")):
         options = trainer.compiler_options(dataclasses.replace(TINY, xla_tpu_scoped_vmem_limit_kib=asked), "tpu", 16)
         assert options == {**xla_options.ASYNC_COLLECTIVES, "xla_tpu_scoped_vmem_limit_kib": got}
+    # the limit alone where the async set is off: one chip, or async_collectives=False; nothing off a TPU
+    asked = dataclasses.replace(TINY, xla_tpu_scoped_vmem_limit_kib=16384)
+    for cfg, devices in ((asked, 1), (dataclasses.replace(asked, async_collectives=False), 16)):
+        assert trainer.compiler_options(cfg, "tpu", devices) == {"xla_tpu_scoped_vmem_limit_kib": "16384"}
+    assert trainer.compiler_options(asked, "gpu", 16) is None and trainer.compiler_options(asked, "cpu", 1) is None
 
 
 def _auto_fsdp_tp_gradient_reductions(options: dict[str, str]) -> list:

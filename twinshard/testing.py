@@ -17,7 +17,8 @@ Each helper's AssertionError starts with what was expected and found, then `ledg
 Every helper refuses a ledger not parsed from an HLO module, and `expect_no_collective` one with
 unparsed collective-looking lines. `axes` is an exact set of mesh axes (None: any); counts and
 bytes are multiplicity-weighted. `source` ("tp.py" or "tp.py:42"), `phase` ("forward" /
-"backward") and `reduction` ("sum", "max", ...) select records as `Ledger.filter` does. A failure
+"backward"), `reduction` ("sum", "max", ...) and `dtype` ("bf16") select records as
+`Ledger.filter` does; a value that names nothing the program could hold raises ValueError. A failure
 shows the expected row beside the nearest rows found; pytest hides these helpers' own frames.
 
 Only jax and numpy are needed (the `twinshard-hlo` distribution installs this module alone).
@@ -57,7 +58,7 @@ def _nearest(ledger: Ledger, op: str | None, axes: Axes) -> Ledger:
     """The records a reader compares with the expected row: this op on any axes, or these axes."""
     want = ledger.norm_axes(axes)
     keep = [r for r in ledger if (op is not None and r.op == op) or (want is not None and r.axes == want)]
-    return Ledger(keep, ledger.mesh, instructions=ledger.instructions)
+    return ledger.selected(keep)
 
 
 def _expected(op: str | None, axes: Axes, ledger: Ledger, count: str = "", nbytes: str = "",
@@ -89,11 +90,11 @@ def _what(op: str | None, axes: Axes, ledger: Ledger, select: Mapping[str, Any] 
 def expect_collectives(ledger: Ledger, op: str, axes: Axes = None, count: int | None = None,
                        min_count: int | None = None, max_count: int | None = None, *,
                        source: str | None = None, phase: str | None = None,
-                       reduction: str | None = None) -> Ledger:
+                       reduction: str | None = None, dtype: str | None = None) -> Ledger:
     """Assert how many `op` collectives run over `axes` (at least one if no bound given)."""
     __tracebackhide__ = True
     _require_module(ledger)
-    select = {"source": source, "phase": phase, "reduction": reduction}
+    select = {"source": source, "phase": phase, "reduction": reduction, "dtype": dtype}
     found = ledger.filter(op=op, axes=axes, **select)
     bounds = _out_of_bounds(found, count, min_count, max_count)
     if bounds:
@@ -106,6 +107,11 @@ def expect_collectives(ledger: Ledger, op: str, axes: Axes = None, count: int | 
 def _out_of_bounds(found: Ledger, count: int | None, min_count: int | None,
                    max_count: int | None) -> str:
     """The bounds as text when the count breaks them ('' when not; no bound means at least one)."""
+    for name, bound in (("count", count), ("min_count", min_count), ("max_count", max_count)):
+        if bound is not None and (not isinstance(bound, int) or isinstance(bound, bool) or bound < 0):
+            raise ValueError(f"{name}={bound!r} is not a count: pass an integer >= 0")
+    if min_count is not None and max_count is not None and min_count > max_count:
+        raise ValueError(f"min_count={min_count} > max_count={max_count}: no count satisfies both")
     n = sum(r.multiplicity for r in found)
     if count is None and min_count is None and max_count is None:
         min_count = 1
@@ -117,16 +123,17 @@ def _out_of_bounds(found: Ledger, count: int | None, min_count: int | None,
 
 def expect_no_collective(ledger: Ledger, op: str | None = None, axes: Axes = None,
                          larger_than: int | None = None, *, source: str | None = None,
-                         phase: str | None = None, reduction: str | None = None) -> None:
+                         phase: str | None = None, reduction: str | None = None,
+                         dtype: str | None = None) -> None:
     """Assert no `op` over `axes` exists (or none whose result exceeds `larger_than` bytes)."""
     __tracebackhide__ = True
     _require_module(ledger)
-    ops = OPS if op is None else (op,)
+    ops = OPS if op is None else (op,) if isinstance(op, str) else tuple(op)
     hidden = [u for u in ledger.unparsed if any(o in u for o in ops)]
     if hidden:
         _fail(ledger, f"cannot assert no {op or 'collective'}: {len(hidden)} collective-looking "
                       f"HLO line(s) were not parsed and may be one")
-    select = {"source": source, "phase": phase, "reduction": reduction}
+    select = {"source": source, "phase": phase, "reduction": reduction, "dtype": dtype}
     found = [r for r in ledger.filter(op=op, axes=axes, **select)
              if larger_than is None or r.bytes > larger_than]
     if found:
@@ -134,16 +141,16 @@ def expect_no_collective(ledger: Ledger, op: str | None = None, axes: Axes = Non
         names = ", ".join(f"%{r.name} ({r.bytes} B, {r.source or r.op_name})" for r in found[:5])
         _fail(ledger, f"expected no {_what(op, axes, ledger, select)}{size}; found {len(found)}: {names}",
               _expected(op, axes, ledger, "0", "" if larger_than is None else f"<= {larger_than} B",
-                        select), Ledger(found, ledger.mesh, instructions=ledger.instructions))
+                        select), ledger.selected(found))
 
 
 def expect_bytes(ledger: Ledger, axes: Axes, bytes: float, rel: float = 0.01,
                  op: str | None = None, kind: str = "bytes", *, source: str | None = None,
-                 phase: str | None = None, reduction: str | None = None) -> float:
+                 phase: str | None = None, reduction: str | None = None, dtype: str | None = None) -> float:
     """Assert the multiplicity-weighted `kind` total over `axes` is within `rel` of `bytes`."""
     __tracebackhide__ = True
     _require_module(ledger)
-    select = {"source": source, "phase": phase, "reduction": reduction}
+    select = {"source": source, "phase": phase, "reduction": reduction, "dtype": dtype}
     got = ledger.total_bytes(axes=axes, op=op, kind=kind, **select)
     if abs(got - bytes) > rel * abs(bytes) or (bytes == 0 and got != 0):
         _fail(ledger, f"expected {kind} of {_what(op, axes, ledger, select)} = {bytes:.6g} "
@@ -172,12 +179,16 @@ def expect_permute(ledger: Ledger, shift: Mapping[str, int], wrap: bool | None =
     if not shift:
         raise ValueError("shift names no axis: pass e.g. {'stage': +1}")
     ledger.norm_axes(tuple(shift))  # unknown axes fail loudly
+    if any(not isinstance(k, int) or isinstance(k, bool) for k in shift.values()) or not any(shift.values()):
+        raise ValueError(f"shift {dict(shift)} must move by whole non-zero steps along some axis: pass e.g. "
+                         f"{{'stage': +1}}")
+    if wrap is not None and not isinstance(wrap, bool):
+        raise ValueError(f"wrap={wrap!r}: pass False (a line), True (a ring) or None (either)")
     wraps = (False, True) if wrap is None else (wrap,)
     wanted = {shift_pairs(ledger.mesh, shift, w) for w in wraps}
     found = ledger.filter(op="collective-permute")
-    found = Ledger([r for r in found if frozenset(r.source_target_pairs) in wanted
-                    and len(set(r.source_target_pairs)) == len(r.source_target_pairs)],
-                   ledger.mesh, ledger.unparsed, ledger.warnings, ledger.instructions)
+    found = ledger.selected([r for r in found if frozenset(r.source_target_pairs) in wanted
+                             and len(set(r.source_target_pairs)) == len(r.source_target_pairs)])
     bounds = _out_of_bounds(found, count, min_count, max_count)
     if bounds:
         what = ", ".join(f"{a} {k:+d}" for a, k in shift.items())
@@ -205,12 +216,17 @@ def expect_sharding(x, spec: P) -> None:
     placed P('data') on an Auto mesh has the type sharding P(None, None)), so a tracer or aval
     there is refused. Trailing unsplit dims may be left out of `spec`, a 1-tuple of axes equals
     the axis, and mesh axes of size 1 split nothing (P('data') on a data axis of 1 equals
-    P(None)). Raises AssertionError naming both."""
+    P(None)). Raises AssertionError naming both; ValueError where `spec` names an axis the mesh lacks."""
     __tracebackhide__ = True
     shape, sharding, shown, typed = _type_of(x)
     if not isinstance(sharding, jax.sharding.NamedSharding):
         raise AssertionError(f"expected sharding {spec} for {shown}: its type carries no NamedSharding")
     sizes = dict(sharding.mesh.shape)
+    named = {a for entry in (*spec.partitions, tuple(spec.unreduced), tuple(spec.reduced))
+             for a in ((entry,) if isinstance(entry, str) else tuple(entry or ()))}
+    if unknown := sorted(named - set(sizes)):
+        raise ValueError(f"expected sharding {spec} names {unknown}, not axes of the mesh {tuple(sizes)} "
+                         f"that {shown} lives on: name axes of that mesh")
     auto = [a for a, t in zip(sharding.mesh.axis_names, sharding.mesh.axis_types)
             if t != jax.sharding.AxisType.Explicit and sizes[a] > 1]
     if typed and auto:

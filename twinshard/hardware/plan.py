@@ -79,7 +79,9 @@ class Plan:
         return not self.flat and self.slices == 1
 
     def step_s(self, rank_by: str) -> float:
-        return self.serial_s if rank_by == "serial" else self.overlap_s
+        """The step time `rank_by` ranks by: 'serial' (compute + every axis's communication) or
+        'overlap' (the largest of them)."""
+        return {"serial": self.serial_s, "overlap": self.overlap_s}[check_rank_by(rank_by)]
 
     def mesh_text(self) -> str:
         return mesh_lib.mesh_str(self.mesh, self.strategy)
@@ -90,6 +92,16 @@ class Plan:
         if self.strategy in cost.PIPELINES:
             text += f" M={self.microbatches} {self.schedule}"
         return text if self.slices == 1 else f"dcn:{self.slices} x {text}"
+
+
+RANK_BY = ("serial", "overlap")  # the step times plans are ranked by (Plan.step_s), serial first: the default
+
+
+def check_rank_by(rank_by: str) -> str:
+    """rank_by itself, or a ValueError naming the choices (a typo must not rank by another step)."""
+    if rank_by not in RANK_BY:
+        raise ValueError(f"rank_by={rank_by!r}: rank by one of {RANK_BY}")
+    return rank_by
 
 
 def comm_times(c: cost.Cost, links: dict[str, Link]) -> dict[str, float]:
@@ -203,6 +215,7 @@ def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
 
 def _best(plans: list[Plan], rank_by: str) -> Plan:
     """The fastest plan that fits, else the smallest."""
+    check_rank_by(rank_by)
     fit = [p for p in plans if p.fits]
     return min(fit, key=lambda p: (p.step_s(rank_by), p.memory)) if fit else min(plans, key=lambda p: p.memory)
 
@@ -233,6 +246,7 @@ def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0, hea
              optimizer: str = "adamw", precision: Precision = Precision(),
              rank_by: str = "serial") -> tuple[list[Plan], list[Skipped]]:
     """Every (strategy, mesh) the model splits on, and those it does not (with the first reason)."""
+    check_rank_by(rank_by)
     plans, skipped = [], []
     kwargs = dict(mfu=mfu, headroom=headroom, optimizer=optimizer, precision=precision)
     for strategy in runnable(cfg)[0]:
@@ -249,6 +263,7 @@ def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0, hea
 
 def rank(plans: list[Plan], rank_by: str) -> tuple[list[Plan], list[Plan]]:
     """(plans that fit, fastest first; plans that do not fit, smallest memory first)."""
+    check_rank_by(rank_by)
     fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s(rank_by), p.memory))
     over = sorted((p for p in plans if not p.fits), key=lambda p: p.memory)
     return fit, over

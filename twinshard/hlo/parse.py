@@ -41,6 +41,7 @@ _DTYPE_BITS: dict[str, int] = {
     "f4e2m1fn": 4, "f8e8m0fnu": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8,
     "f8e4m3fnuz": 8, "f8e5m2": 8, "f8e5m2fnuz": 8, "f8e3m4": 8, "token": 0,
 }
+DTYPES = tuple(t for t in _DTYPE_BITS if t != "token")  # HLO's names of a collective's element types
 
 
 # ----------------------------------------------------------------------------- text utils

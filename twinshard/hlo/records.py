@@ -22,7 +22,7 @@ from typing import Any
 from twinshard.hlo.groups import (MeshSpec, Shift, classify, decode_replica_groups, describe_permute,
                                   explicit_groups, mesh_spec, pair_components)
 from twinshard.hlo.loops import async_fusion_copies, call_edges, multiplicities
-from twinshard.hlo.parse import OPS, Instr, Module, Shape, base_opcode, parse_module, parse_shape, unescape
+from twinshard.hlo.parse import DTYPES, OPS, Instr, Module, Shape, base_opcode, parse_module, parse_shape, unescape
 
 
 # ----------------------------------------------------------------------------- records
@@ -158,6 +158,8 @@ class Ledger:
     unparsed: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     instructions: int = 0
+    # every `path:line` the program's instructions name (collective or not): what `source=` may select
+    sources: frozenset[str] = frozenset()
 
     def __iter__(self) -> Iterator[Collective]:
         return iter(self.records)
@@ -194,13 +196,35 @@ class Ledger:
             raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
         if reduction is not None and reduction not in REDUCTIONS.values():
             raise ValueError(f"unknown reduction {reduction!r}; expected one of {tuple(REDUCTIONS.values())}")
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected one of HLO's element types {DTYPES}")
+        if source is not None:
+            self._check_source(source)
         want = self.norm_axes(axes)
         keep = [r for r in self.records
                 if (ops is None or r.op in ops) and (want is None or r.axes == want)
                 and (dtype is None or r.dtype == dtype) and (phase is None or r.phase == phase)
                 and (reduction is None or r.reduction == reduction)
                 and (source is None or source_matches(r.source, source))]
-        return Ledger(keep, self.mesh, self.unparsed, self.warnings, self.instructions)
+        return self.selected(keep)
+
+    def selected(self, records: list[Collective]) -> Ledger:
+        """A ledger of these records of the same program (its mesh, unparsed lines, sources)."""
+        return dataclasses.replace(self, records=list(records))
+
+    def _check_source(self, source: str) -> None:
+        """Refuse a `source=` that names no instruction of the program (a typo would select nothing)."""
+        if any(source_matches(s, source) for s in self.sources):
+            return
+        files = sorted({s.rpartition(":")[0] for s in self.sources})
+        lines = sorted({int(s.rpartition(":")[2]) for s in self.sources
+                        if source_matches(s, source.rpartition(":")[0] or source)}
+                       if ":" in source else ())
+        where = (f"lines of that file in the program: {lines[:40]}" if lines else
+                 f"files in the program: {[os.path.basename(f) for f in files][:20]}" if files else
+                 "the program carries no source metadata")
+        raise ValueError(f"source {source!r} names no instruction of this program, so it would select "
+                         f"nothing; {where}")
 
     def count(self, op: str | None = None, axes: str | Iterable[str] | None = None, **select: Any) -> int:
         """Multiplicity-weighted number of collectives (`select`: `filter`'s keywords)."""
@@ -459,6 +483,9 @@ def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
                     gte_meta[(i.operands[0], int(idx.group()))] = i.attrs
     records: list[Collective] = []
     unparsed = list(mod.bad_lines)
+    sources = frozenset(src for instrs in mod.computations.values() for i in instrs
+                        if "source_file" in i.attr_text or "stack_frame_id" in i.attr_text
+                        for src in [source_metadata({"metadata": i.attr_text}, mod.frames)[1]] if src)
     for comp, instrs in mod.computations.items():
         for i in instrs:
             op, form = base_opcode(i.opcode)
@@ -484,7 +511,7 @@ def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
                 unparsed.append(f"{i.line}  [{e}]")
     if not any("jvp(" in i.attr_text for instrs in mod.computations.values() for i in instrs):  # nothing differentiated: every collective with metadata is the forward's
         records = [dataclasses.replace(r, phase="forward") if r.op_name else r for r in records]
-    return Ledger(records, spec, unparsed, warnings, instructions)
+    return Ledger(records, spec, unparsed, warnings, instructions, sources)
 
 
 def _has_collective(instrs: list[Instr]) -> bool:

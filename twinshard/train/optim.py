@@ -141,17 +141,20 @@ def scale_by_factored_rms(blocks=None) -> optax.GradientTransformation:
     init = optax.scale_by_factored_rms(min_dim_size_to_factor=MIN_DIM_SIZE_TO_FACTOR, epsilon=EPS).init
 
     def leaf(rate, g, v_row, v_col, v, block: Block):
+        # the float32 `rate` promotes bf16 moments to float32: each is stored back in its own dtype (the
+        # weight dtype), as the other optimizers' are, so a step returns the state in the types it was given
         g2, mean = jnp.square(g) + EPS, block.mean
         dims = factored_dims(block.shape)
         if dims is None:
-            v = rate * v + (1 - rate) * g2
-            return g * v ** -0.5, v_row, v_col, v
+            new_v = rate * v + (1 - rate) * g2
+            return g * new_v ** -0.5, v_row, v_col, new_v.astype(v.dtype)
         d1, d0 = dims
-        v_row = rate * v_row + (1 - rate) * jnp.squeeze(mean(g2, (d0,)), d0)
-        v_col = rate * v_col + (1 - rate) * jnp.squeeze(mean(g2, (d1,)), d1)
-        row = jnp.expand_dims(v_row, d0)
+        new_row = rate * v_row + (1 - rate) * jnp.squeeze(mean(g2, (d0,)), d0)
+        new_col = rate * v_col + (1 - rate) * jnp.squeeze(mean(g2, (d1,)), d1)
+        row = jnp.expand_dims(new_row, d0)
         row_factor = (row / mean(row, (d1,))) ** -0.5
-        return g * row_factor * jnp.expand_dims(v_col, d1) ** -0.5, v_row, v_col, v
+        return (g * row_factor * jnp.expand_dims(new_col, d1) ** -0.5, new_row.astype(v_row.dtype),
+                new_col.astype(v_col.dtype), v)
 
     def update(grads, state, params):
         rate = 1.0 - jnp.asarray(state.count + 1, jnp.float32) ** -DECAY_EXPONENT

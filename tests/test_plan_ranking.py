@@ -1,0 +1,185 @@
+"""The planner's ranking, one key at a time, and its defaults (twinshard/hardware/plan.py,
+launch/plan.py, docs/planning.md).
+
+Ranking keys, in order: a plan that fits HBM before one that does not; among those that fit the
+step time `--rank_by` names (serial: compute + every axis's communication; overlap: the largest of
+them), then the memory, then the order given (a stable sort); those that do not fit by memory
+alone. `_best` (a pipeline's micro-batch count) takes the first of that order; `--compile` ranks the
+compiled plans by whether XLA's peak fits, then the predicted step. Each test builds candidates
+equal in every key but one, so that key alone decides. Nothing is compiled here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+
+import jax
+import pytest
+
+from cli import run
+from launch import plan as planner
+from twinshard.config import preset
+from twinshard.hardware import chips, links
+from twinshard.hardware import plan as plans_lib
+from twinshard.hardware.plan import Plan, Precision
+
+HBM = 100.0
+
+
+def candidate(name: str, compute: float = 1.0, comm: dict[str, float] | None = None, memory: int = 50,
+              flat: bool = False, slices: int = 1) -> Plan:
+    """A plan whose ranking keys are given: compute and per-axis communication seconds, memory
+    against HBM usable bytes of 100; the cost model's only part read here is `cost.memory.total`."""
+    cost = types.SimpleNamespace(memory=types.SimpleNamespace(total=memory))
+    return Plan(name, {"data": 1, "tensor": 1}, cost, HBM, compute, {"data": 0.0} if comm is None else comm, {}, flat, slices)
+
+
+def names(plans: list[Plan]) -> list[str]:
+    return [p.strategy for p in plans]
+
+
+@pytest.mark.parametrize("rank_by", plans_lib.RANK_BY)
+def test_a_plan_that_fits_ranks_before_a_faster_one_that_does_not(rank_by: str) -> None:
+    at_limit = candidate("at the limit", compute=3.0, memory=int(HBM))  # memory == usable HBM fits
+    over = candidate("one byte over", compute=1.0, memory=int(HBM) + 1)
+    fit, too_big = plans_lib.rank([over, at_limit], rank_by)
+    assert names(fit) == ["at the limit"] and names(too_big) == ["one byte over"]
+    assert plans_lib._best([over, at_limit], rank_by) is at_limit
+
+
+def test_serial_ranks_by_the_sum_and_overlap_by_the_largest_term() -> None:
+    """Equal memory; serial and overlap disagree on the order (steps in the comments)."""
+    spread = candidate("spread", compute=1.0, comm={"data": 2.0, "tensor": 2.0})  # serial 5, overlap 2
+    one_axis = candidate("one axis", compute=1.0, comm={"data": 3.5, "tensor": 0.0})  # serial 4.5, overlap 3.5
+    compute_bound = candidate("compute bound", compute=3.0, comm={"data": 0.25, "tensor": 0.25})  # 3.5, 3
+    plans = [spread, one_axis, compute_bound]
+    assert names(plans_lib.rank(plans, "serial")[0]) == ["compute bound", "one axis", "spread"]
+    assert names(plans_lib.rank(plans, "overlap")[0]) == ["spread", "compute bound", "one axis"]
+    assert [p.step_s("serial") for p in plans] == [5.0, 4.5, 3.5]
+    assert [p.step_s("overlap") for p in plans] == [2.0, 3.5, 3.0]
+    assert plans_lib._best(plans, "serial") is compute_bound and plans_lib._best(plans, "overlap") is spread
+
+
+@pytest.mark.parametrize("rank_by", plans_lib.RANK_BY)
+def test_equal_steps_rank_the_smaller_memory_first_then_keep_the_given_order(rank_by: str) -> None:
+    big, small = candidate("big", memory=60), candidate("small", memory=40)
+    twin_a, twin_b = candidate("twin a", memory=40), candidate("twin b", memory=40)
+    assert names(plans_lib.rank([big, small], rank_by)[0]) == ["small", "big"]
+    assert names(plans_lib.rank([twin_b, big, twin_a], rank_by)[0]) == ["twin b", "twin a", "big"]
+    assert plans_lib._best([big, small], rank_by) is small
+
+
+def test_plans_too_big_rank_by_memory_alone_and_the_best_of_none_fitting_is_the_smallest() -> None:
+    slow_small = candidate("slow small", compute=9.0, memory=120)
+    fast_big = candidate("fast big", compute=0.1, memory=300)
+    middle = candidate("middle", compute=1.0, memory=200)
+    for rank_by in plans_lib.RANK_BY:
+        fit, over = plans_lib.rank([fast_big, middle, slow_small], rank_by)
+        assert fit == [] and names(over) == ["slow small", "middle", "fast big"]
+        assert plans_lib._best([fast_big, middle, slow_small], rank_by) is slow_small
+
+
+@pytest.mark.parametrize("call", [
+    lambda plans: plans_lib.rank(plans, "overlapped"), lambda plans: plans_lib._best(plans, "Serial"),
+    lambda plans: plans[0].step_s("sum"),
+    lambda plans: plans_lib.rank([candidate("too big", memory=500)], "fastest"),  # no plan fits: still refused
+    lambda plans: plans_lib.plan_all(preset("tiny").model, links.parse_topology("v5e:2x2"), 8, rank_by="max")])
+def test_an_unknown_rank_by_raises_naming_the_choices(call) -> None:
+    with pytest.raises(ValueError, match=r"rank_by='\w+': rank by one of \('serial', 'overlap'\)"):
+        call([candidate("a"), candidate("b")])
+
+
+def test_the_bound_is_the_largest_term_and_compute_wins_a_tie() -> None:
+    assert candidate("c", compute=2.0, comm={"data": 1.0, "tensor": 3.0}).bound == "comm tensor"
+    assert candidate("c", compute=2.0, comm={"data": 1.0, "tensor": 0.5}).bound == "compute"
+    assert candidate("c", compute=2.0, comm={"data": 2.0}).bound == "compute"
+
+
+def test_the_launch_line_is_the_best_plan_launch_train_runs() -> None:
+    """launch_section: the first plan that fits and is runnable (not flat, one slice)."""
+    cfg, topo = preset("tiny"), links.parse_topology("v5e:2x2")
+    flat = dataclasses.replace(plans_lib.evaluate(cfg.model, topo, "fsdp", {"data": 4}, 8), flat=True)
+    dp = plans_lib.evaluate(cfg.model, topo, "dp", {"data": 4}, 8)
+    lines = planner.launch_section([flat, dp], topo, "tiny", cfg)
+    assert "the best plan launch.train runs (dp data:4,tensor:1)" in lines[0] and "--strategy=dp" in lines[1]
+    assert "the best plan:" in planner.launch_section([dp, flat], topo, "tiny", cfg)[0]
+    assert planner.launch_section([flat], topo, "tiny", cfg) == [
+        "== no plan that fits is one launch.train runs (all are flat) =="]
+
+
+def test_compile_ranks_what_fits_first_then_the_predicted_step(monkeypatch) -> None:
+    """--compile: the --compile_top best runnable plans (flat ones skipped), re-ranked by whether
+    XLA's peak fits, then by the step predicted from the compiled program; each keeps its plan rank."""
+    compiled = {"dp": (False, 1.0), "fsdp_tp": (True, 3.0), "tp": (True, 2.0), "tp_sp": (True, 0.5)}
+
+    def compile_plan(p: Plan, topo, cfg) -> tuple[str, dict]:
+        fits, step = compiled[p.strategy]
+        return "", {"strategy": p.strategy, "fits": fits, "peak_bytes": 1, "predicted": {
+            "step_s": step, "compute_s": step, "exposed_s": 0.0, "axes": {},
+            "rates": {"matmul_efficiency": 1.0, "hbm_efficiency": 1.0, "source": "test"}}}
+
+    monkeypatch.setattr(planner, "compile_plan", compile_plan)
+    # plan ranks 1-5: a flat plan, XLA's peak too big but the fastest, the slowest, the middle, a 5th not compiled
+    fit = [candidate("fsdp", flat=True), *(candidate(name) for name in compiled)]
+    _, docs = planner.compile_top(fit, types.SimpleNamespace(name="v5e:2x2"), None, 3, "serial")
+    assert [(d["strategy"], d["plan_rank"]) for d in docs] == [("tp", 4), ("fsdp_tp", 3), ("dp", 2)]
+
+
+# ----------------------------------------------------------------------------- defaults
+
+
+def test_the_planners_defaults_are_the_documented_ones() -> None:
+    """plan_all with no options: --mfu 1 (the peak), 25% of HBM kept free, AdamW's two float32
+    moments over float32 params without a master copy, ranked by the serial step; a plan that is not a
+    pipeline runs 1 micro-batch in GPipe's order. Held against the same call with each value spelled out,
+    and against the numbers the docs give (docs/planning.md, "Memory")."""
+    model, topo = preset("tiny").model, links.parse_topology("v5e:2x2")
+    default, _ = plans_lib.plan_all(model, topo, 8)
+    spelled, _ = plans_lib.plan_all(model, topo, 8, mfu=1.0, headroom=0.25, optimizer="adamw",
+                                    precision=Precision("float32", "float32", False), rank_by="serial")
+    assert default == spelled
+    dp = next(p for p in default if p.strategy == "dp")
+    assert plans_lib.evaluate(model, topo, "dp", dp.mesh, 8) == dp  # evaluate's own defaults are plan_all's
+    m, n = dp.cost.memory, model.num_params()
+    assert (m.params, m.grads, m.optimizer, m.master) == (4 * n, 4 * n, 8 * n, 0)  # 16 bytes a parameter
+    assert dp.hbm_usable == 0.75 * topo.chip.hbm_bytes and (dp.microbatches, dp.schedule) == (1, "gpipe")
+    assert dp.compute_s == pytest.approx(plans_lib._flops_per_chip(dp.cost) / chips.matmul_peak_flops(topo.chip, "float32")[0])
+    assert Precision().is_default and not Precision("bfloat16").is_default
+    assert plans_lib.rank(default, "serial") == plans_lib.rank(default, plans_lib.RANK_BY[0])
+
+
+def test_the_plan_does_not_follow_jaxs_global_configuration() -> None:
+    """64-bit types, the highest matmul precision and strict promotion set globally change no plan:
+    its dtypes are the config's and its peaks the chip table's."""
+    model, topo = preset("tiny").model, links.parse_topology("v5e:2x2")
+    default, _ = plans_lib.plan_all(model, topo, 8)
+    with jax.enable_x64(True), jax.default_matmul_precision("highest"), jax.numpy_dtype_promotion("strict"):
+        configured, _ = plans_lib.plan_all(model, topo, 8)
+    assert configured == default
+
+
+def test_the_cli_defaults_under_jaxs_global_configuration(tmp_path) -> None:
+    """launch.plan with no optional flag, run with JAX's 64-bit types, highest matmul precision and
+    strict promotion set in the environment: the JSON's assumptions are the flags' documented defaults
+    (--mfu: v5e's measured matmul efficiency; --hbm_headroom 0.25; --rank_by serial; AdamW in float32;
+    float32 params, no master copy; the preset's dtype and batch) and its plans those of the library's
+    defaults in this process."""
+    out = tmp_path / "plan.json"
+    proc = run("-m", "launch.plan", "--preset=tiny", "--topology=v5e:2x2", f"--json={out}",
+               JAX_ENABLE_X64="1", JAX_DEFAULT_MATMUL_PRECISION="highest", JAX_NUMPY_DTYPE_PROMOTION="strict")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    cfg, topo = preset("tiny"), links.parse_topology("v5e:2x2")
+    assert doc["assumptions"] | {"mfu_from": ""} == {
+        "peak_flops": chips.matmul_peak_flops(topo.chip, "float32")[0], "peak": doc["assumptions"]["peak"],
+        "mfu": chips.efficiency(topo.chip).matmul_efficiency, "hbm_headroom": 0.25, "rank_by": "serial",
+        "optimizer": "adamw (float32 state)", "latency": "ignored", "mfu_from": "",
+        "precision": {"params": "float32", "optimizer": "float32", "master": False}}
+    assert (doc["dtype"], doc["batch_size"], doc["seq_len"], doc["slices"]) == (
+        cfg.model.dtype, cfg.train.batch_size, cfg.model.context_length, 1)
+    fit, _ = plans_lib.rank(plans_lib.plan_all(cfg.model, topo, cfg.train.batch_size,
+                                               chips.efficiency(topo.chip).matmul_efficiency)[0], "serial")
+    assert [(p["strategy"], p["serial_s"], p["memory"]["total"]) for p in doc["plans"] if p["rank"]] == [
+        (p.strategy, p.serial_s, p.memory) for p in fit]
