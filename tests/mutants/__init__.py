@@ -26,7 +26,7 @@ adds mutants for its placement table, each named collective (forward and
 backward) and its cost-model rows.
 """
 
-from . import experts, explicit, launch, ledger, model, parallel, pipeline, sequence, timeline, kinds
+from . import experts, explicit, kinds, launch, ledger, model, parallel, pipeline, sequence, timeline
 from .base import Mutant
 
 __all__ = ["MUTANTS", "Mutant"]
