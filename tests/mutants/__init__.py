@@ -1,5 +1,5 @@
 """The curated mutants of tools/mutate.py: small, realistic bugs, one line each, one module a family
-(parallel, sequence, pipeline, experts, explicit, model, ledger, launch; base.py: the record and
+(parallel, sequence, pipeline, experts, explicit, model, ledger, launch, blind; base.py: the record and
 the shared file paths and test selections).
 
 A mutant replaces `original` (which must occur exactly once in `file`, else the
@@ -26,10 +26,10 @@ adds mutants for its placement table, each named collective (forward and
 backward) and its cost-model rows.
 """
 
-from . import experts, explicit, launch, ledger, model, parallel, pipeline, sequence
+from . import blind, experts, explicit, launch, ledger, model, parallel, pipeline, sequence
 from .base import Mutant
 
 __all__ = ["MUTANTS", "Mutant"]
 
 # one family a module, in this order (--list, a full run)
-MUTANTS: list[Mutant] = [m for family in (parallel, sequence, pipeline, experts, explicit, model, ledger, launch) for m in family.MUTANTS]
+MUTANTS: list[Mutant] = [m for family in (parallel, sequence, pipeline, experts, explicit, model, ledger, launch, blind) for m in family.MUTANTS]
