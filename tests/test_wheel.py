@@ -5,8 +5,10 @@ Two wheels are built from this checkout (hatchling, the build backend of both py
 the `expect_*` assertions, twinshard/hlo/ and twinshard/testing.py). They share no file, so both
 install into one environment; twinshard-hlo also installs alone, needing only jax and numpy.
 Each is installed with `--no-deps` into a new virtual environment that holds only this project's
-locked third-party packages it needs (`uv export --format pylock.toml`, installed `--offline`
-from uv's cache, which `uv run --locked` filled); `uv pip check` then proves the wheels' declared
+locked third-party packages it needs (`uv export --format pylock.toml`: exact files, installed
+`--offline` from uv's cache, which this run's `uv run --locked` filled, so an empty UV_CACHE_DIR
+works; a bare requirement such as `pytest` would need index metadata that only an earlier networked
+install leaves in the cache); `uv pip check` then proves the wheels' declared
 dependency ranges accept them. docs/hlo-assertions.md's pytest file (a test of the user's own
 shard_map function) runs there, from a directory outside the repository, so only the installed
 packages can be imported.
@@ -116,8 +118,10 @@ def test_users_own_test_passes_in_a_clean_environment(wheels: dict[str, pathlib.
 
 
 def test_assertions_install_alone_without_flax(wheels: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
-    python = _env(tmp_path, ["--package", "twinshard-hlo"])
-    _run([_uv(), "pip", "install", "-q", "--offline", "--python", python, "pytest"])
+    # twinshard-hlo's dependencies and the project's dev group (pytest, pinned by uv.lock), nothing of
+    # twinshard's: a bare `pytest` requirement would need uv's index metadata, which only an earlier
+    # networked install leaves in uv's cache (on a fresh machine: "pytest was not found in the cache")
+    python = _env(tmp_path, ["--package", "twinshard-hlo", "--group", "dev"])
     _users_test_passes(python, [wheels["twinshard-hlo"]], tmp_path)
     absent = _run([python, "-c", "import importlib.util as u; print([m for m in ('flax', 'optax', "
                    "'orbax', 'twinshard.model') if u.find_spec(m)])"], cwd=tmp_path).stdout
