@@ -129,10 +129,16 @@ def test_every_kernel_is_float64_gqa_attention(impl, hk):
     q, k, v = _qkv(rng, hk=hk)
     do = rng.normal(size=q.shape)
     want, grads = _float64_vjp(q, k, v, do)
-    f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
-    got, vjp = jax.vjp(lambda *a: layers.causal_attention(*a, impl), *f32)
+    f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v, do)]
+
+    @jax.jit  # one program (op by op, the kernel and its pullback compiled 15-33 small ones)
+    def forward_and_pullback(q, k, v, do):
+        out, vjp = jax.vjp(lambda *a: layers.causal_attention(*a, impl), q, k, v)
+        return out, vjp(do)
+
+    got, pulled = forward_and_pullback(*f32)
     np.testing.assert_allclose(got, want, rtol=0, atol=5e-6)
-    for g, w in zip(vjp(jnp.asarray(do, jnp.float32)), grads):
+    for g, w in zip(pulled, grads):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=0, atol=3e-5)
 
