@@ -164,11 +164,12 @@ def test_the_model_is_the_float64_gqa_transformer():
     from twinshard.model import TransformerLM, state_dict
 
     m = gqa(2).model
-    model = TransformerLM(m, rngs=nnx.Rngs(0))
+    # built and run in one jitted program each (eagerly: ~40 small compiles, the same values)
+    model = nnx.jit(lambda: TransformerLM(m, rngs=nnx.Rngs(0)))()
     sd = state_dict(model)
     assert sd["layers.0.attn.k_proj.weight"].shape == (16, 64) and sd["layers.1.attn.q_proj.weight"].shape == (64, 64)
     tokens = np.random.default_rng(1).integers(0, m.vocab_size, (2, m.context_length))
-    got = np.asarray(model(jnp.asarray(tokens)))[..., :m.vocab_size]
+    got = np.asarray(nnx.jit(lambda model, t: model(t))(model, jnp.asarray(tokens)))[..., :m.vocab_size]
     sd64 = {n: w.astype(np.float64) for n, w in sd.items()}
     want = reference.transformer_lm(sd64, tokens, m.num_layers, m.num_heads, m.rope_theta)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
