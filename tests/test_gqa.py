@@ -129,10 +129,16 @@ def test_every_kernel_is_float64_gqa_attention(impl, hk):
     q, k, v = _qkv(rng, hk=hk)
     do = rng.normal(size=q.shape)
     want, grads = _float64_vjp(q, k, v, do)
-    f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
-    got, vjp = jax.vjp(lambda *a: layers.causal_attention(*a, impl), *f32)
+    f32 = [jnp.asarray(a, jnp.float32) for a in (q, k, v, do)]
+
+    @jax.jit  # one program (op by op, the kernel and its pullback compiled 15-33 small ones)
+    def forward_and_pullback(q, k, v, do):
+        out, vjp = jax.vjp(lambda *a: layers.causal_attention(*a, impl), q, k, v)
+        return out, vjp(do)
+
+    got, pulled = forward_and_pullback(*f32)
     np.testing.assert_allclose(got, want, rtol=0, atol=5e-6)
-    for g, w in zip(vjp(jnp.asarray(do, jnp.float32)), grads):
+    for g, w in zip(pulled, grads):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=0, atol=3e-5)
 
@@ -158,11 +164,12 @@ def test_the_model_is_the_float64_gqa_transformer():
     from twinshard.model import TransformerLM, state_dict
 
     m = gqa(2).model
-    model = TransformerLM(m, rngs=nnx.Rngs(0))
+    # built and run in one jitted program each (eagerly: ~40 small compiles, the same values)
+    model = nnx.jit(lambda: TransformerLM(m, rngs=nnx.Rngs(0)))()
     sd = state_dict(model)
     assert sd["layers.0.attn.k_proj.weight"].shape == (16, 64) and sd["layers.1.attn.q_proj.weight"].shape == (64, 64)
     tokens = np.random.default_rng(1).integers(0, m.vocab_size, (2, m.context_length))
-    got = np.asarray(model(jnp.asarray(tokens)))[..., :m.vocab_size]
+    got = np.asarray(nnx.jit(lambda model, t: model(t))(model, jnp.asarray(tokens)))[..., :m.vocab_size]
     sd64 = {n: w.astype(np.float64) for n, w in sd.items()}
     want = reference.transformer_lm(sd64, tokens, m.num_layers, m.num_heads, m.rope_theta)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)

@@ -4,9 +4,11 @@ Two wheels are built from this checkout (hatchling, the build backend of both py
 `twinshard` (the model, the cost model) and `twinshard-hlo` (twinshard-hlo/: the HLO ledger and
 the `expect_*` assertions, twinshard/hlo/ and twinshard/testing.py). They share no file, so both
 install into one environment; twinshard-hlo also installs alone, needing only jax and numpy.
-Each is installed with `--no-deps` into a new virtual environment that holds only this project's
-locked third-party packages it needs (`uv export --format pylock.toml`, installed `--offline`
-from uv's cache, which `uv run --locked` filled); `uv pip check` then proves the wheels' declared
+twinshard-hlo is installed with `--no-deps` into a new virtual environment that holds only the
+locked third-party packages it needs, then twinshard joins it with its own (`uv export --format
+pylock.toml`: exact files, installed `--offline` from uv's cache, which this run's `uv run --locked`
+filled, so an empty UV_CACHE_DIR works; a bare requirement such as `pytest` would need index metadata
+that only an earlier networked install leaves in the cache); each time `uv pip check` proves the wheels' declared
 dependency ranges accept them. docs/hlo-assertions.md's pytest file (a test of the user's own
 shard_map function) runs there, from a directory outside the repository, so only the installed
 packages can be imported.
@@ -85,16 +87,18 @@ def test_assertions_require_only_jax_and_numpy_on_a_jax_range(wheels: dict[str, 
     assert {"0.10.2", "0.12.0.1"} <= set(jax_range.filter(["0.10.2", "0.12.0.1"])), requires["jax"]
 
 
-def _env(tmp_path: pathlib.Path, exported: list[str]) -> str:
-    """A new venv holding the locked third-party packages `uv export` lists with `exported`."""
-    uv, env_dir = _uv(), tmp_path / "env"
-    lock = tmp_path / "pylock.toml"
-    _run([uv, "export", "--frozen", "--format", "pylock.toml", "--no-emit-workspace", *exported,
+def _venv(tmp_path: pathlib.Path) -> str:
+    """A new, empty virtual environment: its python."""
+    _run([_uv(), "venv", "-q", str(tmp_path / "env"), "--python", sys.executable])
+    return str(tmp_path / "env" / "bin" / "python")
+
+
+def _install_locked(python: str, tmp_path: pathlib.Path, name: str, exported: list[str]) -> None:
+    """Install into `python`'s environment the locked third-party packages `uv export` lists with `exported`."""
+    lock = tmp_path / f"pylock.{name}.toml"
+    _run([_uv(), "export", "--frozen", "--format", "pylock.toml", "--no-emit-workspace", *exported,
           "-o", str(lock)], cwd=ROOT)
-    _run([uv, "venv", "-q", str(env_dir), "--python", sys.executable])
-    python = str(env_dir / "bin" / "python")
-    _run([uv, "pip", "install", "-q", "--offline", "--python", python, "-r", str(lock)])
-    return python
+    _run([_uv(), "pip", "install", "-q", "--offline", "--python", python, "-r", str(lock)])
 
 
 def _users_test_passes(python: str, wheels: list[pathlib.Path], tmp_path: pathlib.Path) -> None:
@@ -102,7 +106,7 @@ def _users_test_passes(python: str, wheels: list[pathlib.Path], tmp_path: pathli
     _run([_uv(), "pip", "install", "-q", "--offline", "--no-deps", "--python", python, *map(str, wheels)])
     _run([_uv(), "pip", "check", "--python", python])
     user = tmp_path / "user"
-    user.mkdir()
+    user.mkdir(exist_ok=True)
     (user / "test_my_collectives.py").write_text(snippet(containing="def test_"))
     proc = _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_collectives.py"], cwd=user)
     assert re.search(r"\b2 passed\b", proc.stdout), proc.stdout
@@ -110,15 +114,20 @@ def _users_test_passes(python: str, wheels: list[pathlib.Path], tmp_path: pathli
     assert str(python).rsplit("/bin/", 1)[0] in where and str(ROOT) not in where, where
 
 
-def test_users_own_test_passes_in_a_clean_environment(wheels: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
-    python = _env(tmp_path, [])
-    _users_test_passes(python, list(wheels.values()), tmp_path)
-
-
-def test_assertions_install_alone_without_flax(wheels: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
-    python = _env(tmp_path, ["--package", "twinshard-hlo"])
-    _run([_uv(), "pip", "install", "-q", "--offline", "--python", python, "pytest"])
+def test_assertions_install_alone_then_beside_twinshard(wheels: dict[str, pathlib.Path],
+                                                         tmp_path: pathlib.Path) -> None:
+    """twinshard-hlo alone: its locked dependencies and the project's dev group (pytest), nothing of
+    twinshard's; the user's test passes and flax, optax, orbax and the model are absent. Then
+    twinshard's locked packages and its wheel join it (one environment, its jax installed once): both
+    wheels in an environment of exactly twinshard's locked packages, and the user's test passes again."""
+    python = _venv(tmp_path)
+    # pytest pinned by uv.lock's dev group: a bare `pytest` requirement would need uv's index metadata,
+    # which only an earlier networked install leaves in uv's cache (a fresh machine: "pytest was not
+    # found in the cache")
+    _install_locked(python, tmp_path, "hlo", ["--package", "twinshard-hlo", "--group", "dev"])
     _users_test_passes(python, [wheels["twinshard-hlo"]], tmp_path)
     absent = _run([python, "-c", "import importlib.util as u; print([m for m in ('flax', 'optax', "
                    "'orbax', 'twinshard.model') if u.find_spec(m)])"], cwd=tmp_path).stdout
     assert absent.strip() == "[]", absent
+    _install_locked(python, tmp_path, "twinshard", [])
+    _users_test_passes(python, [wheels["twinshard"]], tmp_path)

@@ -33,6 +33,27 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be restored into this run (unreadable or incompatible)."""
 
 
+# Orbax (0.12.8) saves a replicated array "replica-parallel": each replica slices off its share of the
+# shard with an eager jax.lax.slice_in_dim, one XLA compile per leaf shape, sharding and slice
+# (measured: 150 compiles and 22 of 33 s of CPU to save the tiny model's initial state under 11
+# strategies, tests/test_train.py). The shares spread a large array's writes over hosts; below
+# MIN_REPLICA_SLICE_BYTES a share is not worth its compile, and one replica writes the whole shard.
+MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
+def _use_replica_parallel_only_above(min_bytes: int) -> None:
+    """Set Orbax's registered jax.Array handler to save replica-parallel only slices of at least
+    `min_bytes` (ArrayHandler's min_slice_bytes_for_replica_parallel). Set on the handler itself:
+    registering a new one makes Orbax log a warning on stderr (tests/test_multiprocess.py reads a
+    lost run's stderr as one line). An Orbax without the attribute keeps its own behaviour."""
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if hasattr(handler, "_min_slice_bytes_for_replica_parallel"):
+        handler._min_slice_bytes_for_replica_parallel = min_bytes
+
+
+_use_replica_parallel_only_above(MIN_REPLICA_SLICE_BYTES)
+
+
 def _manager(directory: str, create: bool, keep: int) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
     return ocp.CheckpointManager(os.path.abspath(directory), options=options,
