@@ -52,11 +52,12 @@ def _pp(ctx: Ctx) -> list[Row]:
 
 
 def _ticks(ctx: Ctx) -> int:
-    """GPipe: M + S - 1 forward ticks; 1F1B: every tick of its table hands an output on and a gradient back."""
+    """GPipe: M + S - 1 forward ticks; the schedules run by hand (1f1b, interleaved, zb_h1): every tick
+    of their table hands an output on and a gradient back."""
     from twinshard.parallel import pipeline
 
     m, n = ctx.microbatches, ctx.mesh["stage"]
-    return pipeline.ticks(m, n) if ctx.schedule == "gpipe" else len(pipeline.one_f_one_b(m, n)[0])
+    return pipeline.ticks(m, n) if ctx.schedule == "gpipe" else pipeline.build(ctx.schedule, n, m, ctx.virtual).ticks
 
 
 def _hop_rows(ctx: Ctx) -> list[Row]:
