@@ -102,6 +102,54 @@ def test_scheduled_matches_gpipe_and_single_device(schedule):
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
 
+def pipeline_order(layers, stages: int, virtual: int, back: bool = False):
+    """The stacked [L, ...] leaves with their rows in the order an interleaved stage holds them:
+    device s's L/S rows are its chunks c = 0 ... V-1, chunk c being virtual stage c S + s, i.e.
+    the model's layers [(c S + s) k, (c S + s + 1) k), k = L/(S V). back: the inverse."""
+    n = jax.tree.leaves(layers)[0].shape[0]
+    k = n // (stages * virtual)
+    order = [(c * stages + p // (virtual * k)) * k + q
+             for p in range(n) for c, q in [divmod(p % (virtual * k), k)]]
+    index = np.argsort(order) if back else np.asarray(order)
+    return jax.tree.map(lambda w: np.asarray(w)[index], layers)
+
+
+def test_interleaved_loop_equals_single_device_on_layers_in_pipeline_order(monkeypatch):
+    """The manual twin's tick loop under --schedule=interleaved (S = 2, V = 2 chunks of one layer,
+    M = 4): the wrap-around hop, the chunks and the rings of slots. No twin runs interleaved (its
+    layers must be stored round-robin, docs/pipelines.md), so support.py is patched to let the
+    manual twin build it, and its stage-sharded layers are given in pipeline order: the loss and
+    the gradients (put back in model order) equal single device's first step. The ledger is the
+    cost model's: a ring of hops, one each way per tick of the table, 2 (V M + S - 1) = 18 ticks
+    where 1F1B's has 2 (M + S - 1) = 10 (nearly V times the hops, each a whole micro-batch)."""
+    from twinshard.parallel import support
+
+    row = support.SUPPORT["pp"]
+    monkeypatch.setitem(support.SUPPORT, "pp", dataclasses.replace(row, interleaved=("manual",)))
+    cfg = Config(CFG.model, dataclasses.replace(CFG.train, schedule="interleaved", virtual_stages=2))
+    r = manual_parallel.make_runner("pp", "stage:2", cfg, devices=jax.devices()[:2])
+    want = single()
+    state = r.init_state(CFG.train.seed)
+    init = dict(want["init"], layers=pipeline_order(want["init"]["layers"], 2, 2))
+    params = jax.device_put(init, jax.tree.map(lambda a: a.sharding, state.params))
+    batches = reference.random_batches(CFG.train.batch_size, CFG.model.context_length, CFG.model.vocab_size, 1)
+    loss, grads = jax.device_get(r.loss_and_grads(params, *r.place_batch(*batches[0])))
+    grads = dict(grads, layers=pipeline_order(grads["layers"], 2, 2, back=True))
+    assert abs(float(loss) - want["losses"][0]) < LOSS_ATOL
+    assert max_diff(grads, want["grads"]) < GRAD_ATOL
+    led = hlo.ledger(compile_step(r).as_text(), r.mesh)
+    model = cost.cost(CFG.model, "pp", r.sizes, CFG.train.batch_size, microbatches=M, schedule="interleaved",
+                      virtual_stages=2)
+    rows = cost.compare(led.summary(), model.summary())
+    assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
+    ticks = pipeline.build("interleaved", 2, M, 2).ticks
+    assert ticks == 18 and pipeline.build("1f1b", 2, M).ticks == 10
+    # on 2 stages the ring s -> s+1 and its reverse are one pattern (both devices swap)
+    testing.expect_permute(led, {"stage": +1}, wrap=True, count=2 * ticks)
+    assert led.filter(op="collective-permute").total_bytes() == 2 * ticks * CFG.train.batch_size // M \
+        * CFG.model.context_length * CFG.model.d_model * 4
+
+
 # ----------------------------------------------------------------------------- the tables
 # An independent checker of pipeline.build's tables: what each op waits for, written from the
 # schedules' definitions (not pipeline.depends_on), and the ops each must hold.

@@ -61,14 +61,15 @@ def _ticks(ctx: Ctx) -> int:
 
 
 def _hop_rows(ctx: Ctx) -> list[Row]:
-    """One micro-batch's activations [B/(data M), T, D] per tick and hop, forward and back."""
-    ticks, b = _ticks(ctx), ctx.batch // (ctx.d * ctx.microbatches)
-    act = f"[{b},{ctx.seq},{ctx.cfg.d_model}]"
+    """One micro-batch's activations [B/(data M), T, D] per tick and hop, forward and back; with
+    V > 1 chunks a ring (the last stage's output goes round to stage 0's next chunk)."""
+    ticks, b, wrap = _ticks(ctx), ctx.batch // (ctx.d * ctx.microbatches), ctx.virtual > 1
+    act, ring = f"[{b},{ctx.seq},{ctx.cfg.d_model}]", " and S-1 -> 0" if wrap else ""
     return [
         row(ctx, "forward", "collective-permute", ("stage",), ticks, ctx.activation(b),
-            f"shift_to_next_stage: ppermute s -> s+1 of {act}, one per tick ({ticks} ticks)", shift=(1, False)),
+            f"shift_to_next_stage: ppermute s -> s+1{ring} of {act}, one per tick ({ticks} ticks)", shift=(1, wrap)),
         row(ctx, "backward", "collective-permute", ("stage",), ticks, ctx.activation(b),
-            f"shift_to_previous_stage: ppermute s+1 -> s of d{act}, one per tick", shift=(-1, False)),
+            f"shift_to_previous_stage: ppermute s+1 -> s of d{act}, one per tick", shift=(-1, wrap)),
     ]
 
 
