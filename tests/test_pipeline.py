@@ -442,6 +442,13 @@ def test_bad_pipeline_configs_are_clear_errors():
         pipeline.check(8, 8, 2, 4, schedule="zb_h1", virtual=2)
     with pytest.raises(ValueError, match=r"--schedule=interleaved runs V >= 2 chunks per stage.*--virtual_stages=2"):
         pipeline.check(8, 8, 2, 4, schedule="interleaved")
+    chunked = Config(CFG.model, dataclasses.replace(CFG.train, virtual_stages=2))
+    with pytest.raises(ValueError, match=r"--virtual_stages=2 splits a pipeline stage into chunks, and --strategy=fsdp "
+                                         r"has no stages"):
+        manual_parallel.make_runner("fsdp", "data:2", chunked, devices=jax.devices()[:2])
+    zb_accum = Config(CFG.model, dataclasses.replace(CFG.train, schedule="zb_h1", grad_accum=2))
+    with pytest.raises(ValueError, match=r"grad_accum=2: a pipeline already accumulates"):
+        manual_parallel.make_runner("pp", "stage:2", zb_accum, devices=jax.devices()[:2])
     accum = Config(CFG.model, dataclasses.replace(CFG.train, grad_accum=2))
     with pytest.raises(ValueError, match=r"grad_accum=2: a pipeline already accumulates.*--microbatches"):
         manual_parallel.make_runner("pp", "stage:2", accum, devices=jax.devices()[:2])

@@ -135,6 +135,9 @@ def check_options(declared: Strategy, impl: str, cfg: Config) -> None:
                          "contraction of the row-parallel projections (and of the column-parallel ones' dx), so each "
                          "shard would quantize by its own absmax (twinshard/model/quantize.py); use a strategy without "
                          "tensor (dp, fsdp, cp, ...), or --quantization=none.")
+    if train.virtual_stages != 1 and declared.family != "pipeline":
+        raise ValueError(f"--virtual_stages={train.virtual_stages} splits a pipeline stage into chunks, and "
+                         f"--strategy={strategy} has no stages: use --strategy=pp or pp_fsdp, or drop --virtual_stages.")
     row = support.SUPPORT.get(strategy)
     if row is None:  # written by no twin (single): the one device runs every option
         return
