@@ -225,6 +225,15 @@ def test_the_grid_prints_as_drawn():
     assert grid[1].split()[1:5] == ["F0.0", "F1.0", "F0.1", "F1.1"]  # stage 0 chunk 0, then chunk 1
 
 
+def test_the_docs_draw_the_tables_the_code_builds():
+    """docs/pipelines.md's four grids at S = 4, M = 8 are pipeline.build's, character for character."""
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "pipelines.md").read_text()
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1)):
+        assert pipeline.build(name, 4, 8, v).text() in doc, name
+
+
 @pytest.mark.parametrize("name, stages, m, v", [c for c in TABLE_CASES if c[0] != "gpipe"])
 def test_the_rings_hold_each_value_until_its_last_reader(name, stages, m, v):
     """Replay pipeline.buffers' slots tick by tick as the manual twin does (read, then the arrivals
