@@ -225,7 +225,17 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
             "batch_size": cfg.train.batch_size, "seq_len": cfg.model.context_length,
             "compile_s": compile_s, "compiler_options": options, "ledger": led, "model": model, "memory": memory,
             "comparison": cost.compare(led.summary(), model.summary()),
-            "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text}
+            "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text, "schedule": pipeline_grid(run)}
+
+
+def pipeline_grid(run) -> str | None:
+    """A pipeline run's schedule drawn as its table (twinshard/parallel/pipeline.py), None for the others."""
+    from twinshard.parallel import pipeline, strategies
+
+    if strategies.get(run.strategy).family != "pipeline":
+        return None
+    t = run.cfg.train
+    return pipeline.build(t.schedule, run.mesh[pipeline.STAGE], t.microbatches, t.virtual_stages).text()
 
 
 def step_options(lowered, at_compile: dict | None) -> dict[str, str]:
@@ -248,8 +258,11 @@ def report(res: dict) -> str:
 
     title = f"{res['strategy']}/{res['impl']} on {_where(res)} (compiled in {res['compile_s']:.1f}s)"
     options = " ".join(f"--{k}={v}" for k, v in res["compiler_options"].items()) or "none (the compiler's defaults)"
-    out = [title, f"XLA options of the train step: {options}",
-           "", "== measured: collectives of the compiled train step (ledger) ==", res["ledger"].table(),
+    out = [title, f"XLA options of the train step: {options}"]
+    if res["schedule"] is not None:
+        out += ["", "== the pipeline schedule: a row per stage, a column per tick (twinshard/parallel/pipeline.py) ==",
+                res["schedule"]]
+    out += ["", "== measured: collectives of the compiled train step (ledger) ==", res["ledger"].table(),
            "", "== model: twinshard.cost (what the manual twin does) ==", res["model"].table(),
            "", "== measured vs model, per (op, axes) ==", cost.compare_table(res["comparison"]), LEGEND]
     if res["tpu_comparison"] is not None:

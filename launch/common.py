@@ -28,7 +28,7 @@ from typing import Callable
 from absl import app, flags
 
 from twinshard.parallel import strategies, support
-from twinshard.config import CP_LAYOUTS, MOE_DISPATCHES, OPTIMIZERS, Config, ModelConfig, TrainConfig, preset
+from twinshard.config import CP_LAYOUTS, MOE_DISPATCHES, OPTIMIZERS, PIPELINE_SCHEDULES, Config, ModelConfig, TrainConfig, preset
 from twinshard.errors import guarded
 
 STRATEGIES = strategies.RUNS  # single (the single-device reference) and the parallel strategies
@@ -77,8 +77,12 @@ def define_model_flags() -> None:
            "grad_accum micro-batches whose gradients are accumulated (default 1).")
     define(flags.DEFINE_integer, "microbatches", None, "Pipeline strategies (pp, pp_fsdp): micro-batches in flight per "
            "step, at least the number of stages (GPipe bubble: (S-1)/(M+S-1)).")
-    define(flags.DEFINE_enum, "schedule", None, ("gpipe", "1f1b"), "Pipeline schedule (default gpipe, both "
-           "twins); 1f1b (manual twin): one forward, one backward, at most S micro-batches alive per stage.")
+    define(flags.DEFINE_enum, "schedule", None, PIPELINE_SCHEDULES, "Pipeline schedule (default gpipe, both "
+           "twins); 1f1b: one forward, one backward, at most S micro-batches alive per stage; interleaved: "
+           "1F1B over --virtual_stages chunks per stage; zb_h1: 1F1B with each backward split into its input "
+           "and weight gradients, the latter in the bubbles (twinshard/parallel/pipeline.py draws them).")
+    define(flags.DEFINE_integer, "virtual_stages", None, "Pipeline --schedule=interleaved: chunks of "
+           "L/(stage x V) layers per stage, placed round-robin (bubble (S-1)/(V M+S-1)).")
     define(flags.DEFINE_enum, "cp_layout", None, CP_LAYOUTS, "Context parallelism (cp, fsdp_cp): "
            "zigzag (default: shard c holds chunks c and 2C-1-c of 2C, balancing causal attention; "
            "--context_length a multiple of 2C) or contiguous (shard c holds the c-th T/C tokens; ulysses always).")
@@ -285,7 +289,8 @@ def load_splits(cfg: Config, data_path: str | None, cache_dir: str, data_dtype: 
 
 
 # Integer flags and their smallest valid value (checked as typed, so messages name the flag).
-_MIN_INT_FLAGS = {"steps": 1, "batch_size": 1, "context_length": 1, "seed": 0, "grad_accum": 1, "microbatches": 1}
+_MIN_INT_FLAGS = {"steps": 1, "batch_size": 1, "context_length": 1, "seed": 0, "grad_accum": 1, "microbatches": 1,
+                  "virtual_stages": 1}
 
 
 def check_model_flags(FLAGS) -> None:
@@ -312,7 +317,8 @@ def config_from_flags(FLAGS) -> Config:
     cfg = preset(FLAGS.preset)
     model: ModelConfig = cfg.model
     overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed", "optimizer", "grad_accum",
-                                                "microbatches", "schedule", "cp_layout") if getattr(FLAGS, k) is not None}
+                                                "microbatches", "schedule", "virtual_stages", "cp_layout")
+                 if getattr(FLAGS, k) is not None}
     if FLAGS.tokenizer is not None:
         if FLAGS.vocab_size is not None:
             raise ValueError(f"--vocab_size={FLAGS.vocab_size} and --tokenizer={FLAGS.tokenizer}: the tokenizer sets "

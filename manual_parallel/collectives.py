@@ -77,30 +77,34 @@ reduce_from_tp.defvjp(_reduce_fwd, _reduce_bwd)
 
 # Pipeline parallelism: hand a micro-batch's activations to the next stage.
 
-def _to_next(n: int) -> list[tuple[int, int]]:
-    return [(k, k + 1) for k in range(n - 1)]  # stage S-1 sends nothing; stage 0 receives zeros
+def _to_next(n: int, wrap: bool = False) -> list[tuple[int, int]]:
+    """s -> s+1; stage S-1 sends nothing and stage 0 receives zeros, unless `wrap` (interleaved
+    chunks: S-1 -> 0, the last stage's output to the first stage's next chunk)."""
+    return [(k, k + 1) for k in range(n - 1)] + ([(n - 1, 0)] if wrap else [])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def shift_to_next_stage(x: Array, axis: str) -> Array:
-    """x [B/M, T, D]. Forward: ppermute stage s -> s+1 over `axis`; backward: ppermute s+1 -> s."""
-    return lax.ppermute(x, axis, perm=_to_next(lax.axis_size(axis)))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def shift_to_next_stage(x: Array, axis: str, wrap: bool = False) -> Array:
+    """x [B/M, T, D]. Forward: ppermute stage s -> s+1 over `axis` (wrap: S-1 -> 0 too); backward:
+    ppermute s+1 -> s (wrap: 0 -> S-1)."""
+    return lax.ppermute(x, axis, perm=_to_next(lax.axis_size(axis), wrap))
 
 
-def _shift_fwd(x, axis):
-    return shift_to_next_stage(x, axis), None
+def _shift_fwd(x, axis, wrap):
+    return shift_to_next_stage(x, axis, wrap), None
 
 
-def _shift_bwd(axis, _, grad):
-    return (shift_to_previous_stage(grad, axis),)
+def _shift_bwd(axis, wrap, _, grad):
+    return (shift_to_previous_stage(grad, axis, wrap),)
 
 
 shift_to_next_stage.defvjp(_shift_fwd, _shift_bwd)
 
 
-def shift_to_previous_stage(x: Array, axis: str) -> Array:
-    """`shift_to_next_stage`'s backward (ppermute s+1 -> s of x [B/M, T, D]) as forward code, for 1F1B."""
-    return lax.ppermute(x, axis, perm=[(dst, src) for src, dst in _to_next(lax.axis_size(axis))])
+def shift_to_previous_stage(x: Array, axis: str, wrap: bool = False) -> Array:
+    """`shift_to_next_stage`'s backward (ppermute s+1 -> s of x [B/M, T, D]) as forward code, for the
+    schedules run by hand."""
+    return lax.ppermute(x, axis, perm=[(dst, src) for src, dst in _to_next(lax.axis_size(axis), wrap)])
 
 
 # A ring: every device passes a block k places on, cyclically (ring attention's K/V blocks,

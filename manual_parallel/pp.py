@@ -14,6 +14,7 @@ from manual_parallel.collectives import shift_to_next_stage, shift_to_previous_s
 from manual_parallel.runner import ManualParallelism, ManualRunner
 from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
+from twinshard.model.matmuls import varying_axes
 from twinshard.parallel.pipeline import STAGE
 from twinshard.train.trainer import graphdef
 
@@ -54,69 +55,139 @@ class PipelineRunner(ManualRunner):
     def _value_and_grad(self, params, x, y, par):
         """The pipeline's (loss, gradient) of this stage's params, with hooks `par` (pp_fsdp: the
         weights ManualRunner gathered once, in the compute dtype, and `resident()` hooks)."""
-        if self.cfg.train.schedule == "1f1b":
-            return self._one_f_one_b(params, x, y, par)
-        return self._gpipe(params, x, y, par)
+        if self.cfg.train.schedule == "gpipe":
+            return self._gpipe(params, x, y, par)
+        return self._scheduled(params, x, y, par)
 
     def _varying(self, a):
-        """a, made varying over the axes the activations differ over: `stage` (pp_fsdp: and `data`)."""
-        return lax.pcast(a, (STAGE, *placement.sharded_axes(self.batch_spec)), to="varying")
+        """a, made varying over the axes the activations differ over: `stage` (pp_fsdp: and `data`)
+        (those it already varies over left as they are)."""
+        axes = tuple(ax for ax in (STAGE, *placement.sharded_axes(self.batch_spec)) if ax not in varying_axes(a))
+        return lax.pcast(a, axes, to="varying") if axes else a
 
-    def _stage(self, params, tokens, arrived, targets, par):
-        """One stage on one micro-batch: (its output [B/M, T, D], its loss: the micro-batch's mean
-        token loss on the last stage, 0 elsewhere). Stage 0 embeds `tokens` instead of `arrived`."""
-        cfg = self.cfg.model
+    def _stage(self, params, chunk, tokens, arrived, targets, par):
+        """One chunk of this stage on one micro-batch: (its output [B/M, T, D], its loss: the
+        micro-batch's mean token loss on the last virtual stage, 0 elsewhere). Virtual stage 0
+        embeds `tokens` instead of `arrived`. Chunk c is the stage's layers [c L/(S V), (c+1) L/(S V))."""
+        cfg, v = self.cfg.model, self.cfg.train.virtual_stages
         model = nnx.merge(graphdef(cfg), params)
         stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
-        inputs = lax.cond(stage == 0, lambda: model.embed(tokens, par), lambda: arrived)
-        out = scan_stacked(nnx.to_pure_dict(nnx.state(model.layers, nnx.Param)), cfg, inputs, par)
-        loss = lax.cond(stage == n_stages - 1, lambda o: model.head_loss(o, targets, par),
+        inputs = lax.cond((stage == 0) & (chunk == 0), lambda: model.embed(tokens, par), lambda: arrived)
+        layers = nnx.to_pure_dict(nnx.state(model.layers, nnx.Param))  # [L/S, ...]
+        if v > 1:
+            k = cfg.num_layers // (n_stages * v)
+            layers = jax.tree.map(lambda w: lax.dynamic_slice_in_dim(w, chunk * k, k, 0), layers)
+        out = scan_stacked(layers, cfg, inputs, par)
+        loss = lax.cond((stage == n_stages - 1) & (chunk == v - 1), lambda o: model.head_loss(o, targets, par),
                         lambda o: self._varying(jnp.zeros((), jnp.float32)), out)
         return out, loss
 
-    def _one_f_one_b(self, params, x, y, par):
-        """1F1B by hand (pipeline.one_f_one_b's schedule; docs/pipelines.md): per tick a forward, a
-        backward (`jax.vjp` of `_stage` on the saved input, at most S in a ring of S slots) or
-        nothing, then 2 collective-permutes of [B/M, T, D]. Gradients accumulate in float32."""
-        cfg, m = self.cfg.model, self.cfg.train.microbatches
+    def _scheduled(self, params, x, y, par):
+        """1F1B, interleaved 1F1B and zb_h1 by hand, from their table (pipeline.build; docs/pipelines.md):
+        per tick each device runs its op of the table (lax.switch) or nothing, then 2 collective-permutes
+        of [B/M, T, D]: its output on to the next virtual stage, its input's gradient back (with V > 1
+        device S-1 sends round to device 0 and back). A backward is a `jax.vjp` of `_stage` on the saved
+        input; zb_h1's B keeps the vjp's residuals (the weights aside) and sends the input's gradient
+        at once, its W later applies them to the same output gradient for the weights' gradient alone
+        (XLA drops each half's unused matmuls). Rings of slots (pipeline.buffers) hold the arrived
+        inputs, gradients and residuals. Gradients accumulate in float32."""
+        train, m = self.cfg.train, self.cfg.train.microbatches
         stage, n = lax.axis_index(STAGE), lax.axis_size(STAGE)
-        kinds, mbs = (jnp.asarray(t, jnp.int32) for t in pipeline.one_f_one_b(m, n))  # [ticks, S]
+        sched = pipeline.build(train.schedule, n, m, train.virtual_stages)
+        buf = pipeline.buffers(sched)
+        kinds, mbs, chunks = (jnp.asarray(t, jnp.int32) for t in sched.arrays())  # [ticks, S]
+        act, grad = jnp.asarray(buf.act, jnp.int32), jnp.asarray(buf.grad, jnp.int32)
+        res = jnp.asarray(buf.res, jnp.int32)
+        # where each tick's writes go: a ring's last slot (one past pipeline.buffers' sizes) takes the
+        # writes of ticks that have none, so each write is one in-place update, not a select of the ring
+        into = lambda table, ring: jnp.asarray([[k if k >= 0 else buf.sizes[ring] for k in r] for r in table])  # noqa: E731
+        recv_act, recv_grad = into(buf.recv_act, "act"), into(buf.recv_grad, "grad")
+        keep_at = into([[r if k == pipeline.INPUT else -1 for k, r in zip(kr, rr)]
+                        for kr, rr in zip(sched.arrays()[0], buf.res)], "res")
         xs, ys = x.reshape(m, -1, x.shape[1]), y.reshape(m, -1, y.shape[1])  # [M, B/(data M), T]
         varying = self._varying
-        ring = varying(jnp.zeros((n, xs.shape[1], xs.shape[2], cfg.d_model), jnp.dtype(cfg.dtype)))
-        nothing = ring[0]
+        one = varying(jnp.zeros((xs.shape[1], xs.shape[2], self.cfg.model.d_model), jnp.dtype(self.cfg.model.dtype)))
+        ring = lambda a, k: jnp.zeros((k + 1, *a.shape), a.dtype) + a[None]  # noqa: E731  k slots + the spare
         seed = varying(jnp.asarray(1.0 / m, jnp.float32))  # d(mean over micro-batches)/d(micro-batch loss)
+        last_virtual = lambda c: (stage == n - 1) & (c == train.virtual_stages - 1)  # noqa: E731
+        param_leaves = jax.tree.leaves(params)
 
-        def forward(i, c):
-            saved, inbox_f, inbox_b, grads, loss = c
-            out, mb_loss = self._stage(params, xs[i], inbox_f[i % n], ys[i], par)
-            return out, nothing, (saved.at[i % n].set(inbox_f[i % n]), inbox_f, inbox_b, grads, loss + mb_loss)
+        def pullback(p, i, c, saved):
+            return jax.vjp(lambda p, a: self._stage(p, c, xs[i], a, ys[i], par), p, saved)[1]
 
-        def backward(i, c):
-            saved, inbox_f, inbox_b, grads, loss = c
-            _, pullback = jax.vjp(lambda p, a: self._stage(p, xs[i], a, ys[i], par), params, saved[i % n])
-            d_params, d_arrived = pullback((inbox_b[i % n], seed))
-            grads = jax.tree.map(jnp.add, grads, d_params)
-            return nothing, d_arrived, (saved, inbox_f, inbox_b, grads, loss)
+        def params_at(pb, ps) -> list[int | None]:
+            """For each leaf of a pullback, the index of the param it is (None: a residual to keep)."""
+            return [next((k for k, q in enumerate(ps) if r is q), None) for r in jax.tree.leaves(pb)]
 
-        def idle(i, c):
-            return nothing, nothing, c
+        split = train.schedule in pipeline.SPLIT
+        meta = {}  # a pullback's structure and where the params sit among its leaves, traced once
 
-        def tick(c, t):
-            i = mbs[t, stage]
-            to_next, to_prev, c = lax.switch(kinds[t, stage], (idle, forward, backward), i, c)
-            from_prev, from_next = shift_to_next_stage(to_next, STAGE), shift_to_previous_stage(to_prev, STAGE)
-            saved, inbox_f, inbox_b, grads, loss = c
-            prev, nxt = jnp.maximum(stage - 1, 0), jnp.minimum(stage + 1, n - 1)  # the senders' schedule
-            got_f = (stage > 0) & (kinds[t, prev] == pipeline.FORWARD)
-            got_b = (stage < n - 1) & (kinds[t, nxt] == pipeline.BACKWARD)
-            inbox_f = jnp.where(got_f, inbox_f.at[mbs[t, prev] % n].set(from_prev), inbox_f)
-            inbox_b = jnp.where(got_b, inbox_b.at[mbs[t, nxt] % n].set(from_next), inbox_b)
-            return (saved, inbox_f, inbox_b, grads, loss), None
+        def probe(p, a):
+            pb = pullback(p, 0, jnp.int32(0), a)
+            meta.update(tree=jax.tree.structure(pb), where=params_at(pb, jax.tree.leaves(p)))
+            return [r for r, k in zip(jax.tree.leaves(pb), meta["where"]) if k is None]
+
+        no_residuals = [varying(jnp.zeros(r.shape, r.dtype)) for r in jax.eval_shape(probe, params, one)] if split else []
+
+        def kept(pb):
+            """The residuals of a pullback that are not the params themselves (those stay where they are)."""
+            assert params_at(pb, param_leaves) == meta["where"], "a pullback's params moved among its leaves"
+            return [varying(r) for r, k in zip(jax.tree.leaves(pb), meta["where"]) if k is None]
+
+        def rebuilt(residuals):
+            it = iter(residuals)
+            return jax.tree.unflatten(meta["tree"], [param_leaves[k] if k is not None else next(it)
+                                                     for k in meta["where"]])
+
+        def out_grad(t, c, grads_in):
+            """The gradient of this op's output: what the next virtual stage sent (0 on the last one)."""
+            return jnp.where(last_virtual(c), jnp.zeros_like(one), grads_in[grad[t, stage]])
+
+        def add(grads, d_params):
+            return jax.tree.map(lambda g, d: g + d.astype(g.dtype), grads, d_params)
+
+        # each op: (t, micro-batch, chunk, the rings (read only), gradient sums, loss sum) ->
+        # (output to send on, input gradient to send back, residuals to keep, gradient sums, loss sum)
+        def forward(t, i, c, rings, grads, loss):
+            acts, _, _ = rings
+            out, mb_loss = self._stage(params, c, xs[i], acts[act[t, stage]], ys[i], par)
+            return out, one, no_residuals, grads, loss + mb_loss
+
+        def backward(t, i, c, rings, grads, loss):
+            acts, grads_in, _ = rings
+            d_params, d_arrived = pullback(params, i, c, acts[act[t, stage]])((out_grad(t, c, grads_in), seed))
+            return one, d_arrived, no_residuals, add(grads, d_params), loss
+
+        def input_grad(t, i, c, rings, grads, loss):
+            acts, grads_in, _ = rings
+            pb = pullback(params, i, c, acts[act[t, stage]])
+            _, d_arrived = pb((out_grad(t, c, grads_in), seed))  # the weights' half unused: XLA drops it
+            return one, d_arrived, kept(pb), grads, loss
+
+        def weight_grad(t, i, c, rings, grads, loss):
+            _, grads_in, residuals = rings
+            d_params, _ = rebuilt([r[res[t, stage]] for r in residuals])((out_grad(t, c, grads_in), seed))
+            return one, one, no_residuals, add(grads, d_params), loss  # (the input's half unused: XLA drops it)
+
+        def idle(t, i, c, rings, grads, loss):
+            return one, one, no_residuals, grads, loss
+
+        branches = (idle, forward, backward, input_grad, weight_grad) if split else (idle, forward, backward)
+        wrap = train.virtual_stages > 1  # the last stage's output goes round to stage 0 (and its gradient back)
+
+        def tick(carry, t):
+            acts, grads_in, residuals, grads, loss = carry
+            to_next, to_prev, new, grads, loss = lax.switch(
+                kinds[t, stage], branches, t, mbs[t, stage], chunks[t, stage], (acts, grads_in, residuals), grads, loss)
+            residuals = [r.at[keep_at[t, stage]].set(k) for r, k in zip(residuals, new)]
+            acts = acts.at[recv_act[t, stage]].set(shift_to_next_stage(to_next, STAGE, wrap))
+            grads_in = grads_in.at[recv_grad[t, stage]].set(shift_to_previous_stage(to_prev, STAGE, wrap))
+            return (acts, grads_in, residuals, grads, loss), None
 
         zeros = jax.tree.map(lambda p: varying(jnp.zeros(p.shape, jnp.float32)), params)  # every param varies
-        start = (ring, ring, ring, zeros, varying(jnp.zeros((), jnp.float32)))
-        (_, _, _, grads, loss), _ = lax.scan(tick, start, jnp.arange(kinds.shape[0]))
+        start = (ring(one, buf.sizes["act"]), ring(one, buf.sizes["grad"]),
+                 [ring(r, buf.sizes["res"]) for r in no_residuals], zeros, varying(jnp.zeros((), jnp.float32)))
+        (_, _, _, grads, loss), _ = lax.scan(tick, start, jnp.arange(sched.ticks))
         return lax.psum(loss, STAGE) / m, grads
 
     def _eval_loss(self, params, x, y):

@@ -5,7 +5,7 @@ The design (tests/test_precision.py has the single-device recipe): master weight
 compute dtype bf16. So
 - a pipeline hands its stages the residual stream [B/M, T, D] in the compute dtype, forward and
   backward: a stage hop in bf16 moves half the bytes of f32 (manual_parallel/pp.py `_gpipe`'s and
-  `_one_f_one_b`'s carries; auto_parallel/pp.py's stage buffer in x's dtype);
+  `_scheduled`'s carries; auto_parallel/pp.py's stage buffer in x's dtype);
 - FSDP's once-per-step gather (`gather_step` of both twins: grad_accum > 1, and pp_fsdp, whose
   micro-batches are its accumulation) casts each master shard to bf16 BEFORE the all-gather: the
   gathered copy is only read by bf16 matmuls, so gathering f32 would move twice the bytes for
@@ -183,7 +183,7 @@ def test_manual_pipelines_hand_bf16_between_stages(name, data):
     and the accumulated gradient reduce-scattered in bf16 (assert_ledger_is_the_bf16_model)."""
     c = case(name)
     led, m, stages = c.ledger, c.cfg.train.microbatches, c.runner.sizes["stage"]
-    ticks = pipeline.ticks(m, stages) if c.cfg.train.schedule == "gpipe" else len(pipeline.one_f_one_b(m, stages)[0])
+    ticks = pipeline.ticks(m, stages) if c.cfg.train.schedule == "gpipe" else pipeline.build(c.cfg.train.schedule, stages, m).ticks
     permutes = led.filter(op="collective-permute", axes=("stage",))
     assert_all_bf16(permutes, "stage hops", led)
     assert {tuple(r.shape) for r in permutes} == {hop(c.cfg, data)}
@@ -209,7 +209,8 @@ def scans(jaxpr):
 
 
 def test_one_f_one_b_sums_the_micro_batch_gradients_in_float32():
-    """pp_fsdp's 1F1B tick loop carries, besides its three rings of bf16 micro-batches, the
+    """pp_fsdp's 1F1B tick loop carries, besides its two rings of bf16 micro-batches (the inputs
+    it holds and the gradients it waits to use, pipeline.buffers' slots and a spare each), the
     gradients of its stage's gathered bf16 weights as float32 sums. A bf16 sum rounds each of
     the M additions to 8 bits, yet keeps the losses within LOSS_ATOL of single device (measured),
     so the carried dtype is what is asserted."""
@@ -218,11 +219,12 @@ def test_one_f_one_b_sums_the_micro_batch_gradients_in_float32():
     xs = jax.ShapeDtypeStruct((c.cfg.train.batch_size, c.cfg.model.context_length), np.int32,
                               sharding=c.runner.batch_sharding)
     jaxpr = jax.make_jaxpr(c.runner.loss_and_grads)(c.runner.abstract_state().params, xs, xs).jaxpr
-    ring = (stages, *hop(c.cfg, data))
-    (ticks,) = [e for e in scans(jaxpr) if e.outvars[0].aval.shape == ring]
+    slots = pipeline.buffers(pipeline.build("1f1b", stages, c.cfg.train.microbatches)).sizes
+    rings = [(slots[k] + 1, *hop(c.cfg, data)) for k in ("act", "grad")]
+    (ticks,) = [e for e in scans(jaxpr) if e.outvars[0].aval.shape == rings[0]]
     carried = [v.aval for v in ticks.outvars]
-    assert [(a.shape, a.dtype) for a in carried[:3]] == [(ring, jnp.bfloat16)] * 3
-    sums = carried[3:]  # every parameter leaf's gradient, then the loss
+    assert [(a.shape, a.dtype) for a in carried[:2]] == [(r, jnp.bfloat16) for r in rings]
+    sums = carried[2:]  # every parameter leaf's gradient, then the loss
     assert len(sums) == len(jax.tree.leaves(c.runner.abstract_state().params)) + 1
     assert {a.dtype for a in sums} == {np.dtype(np.float32)}, [(a.shape, a.dtype) for a in sums]
 

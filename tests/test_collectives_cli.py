@@ -55,9 +55,10 @@ def runs(tmp_path_factory):
         topology.devices("v5e:4x4")
         argvs.append(["--strategy=fsdp", "--impl=manual", "--preset=tiny", "--batch_size=16",
                       "--mesh=data:16,tensor:1", "--topology=v5e:4x4", f"--json={out}/tpu.json"])
-    # last (texts[-1]): pipeline + FSDP, tiny's 2 layers on 2 stages, each data shard's 2 rows in 2 micro-batches
+    # last (texts[-1]): pipeline + FSDP under zb_h1, tiny's 2 layers on 2 stages, each data shard's 2 rows in 2
+    # micro-batches
     argvs.append(["--strategy=pp_fsdp", "--impl=manual", "--preset=tiny", "--mesh=stage:2,data:4",
-                  "--microbatches=2", f"--json={out}/pp_fsdp.json"])
+                  "--microbatches=2", "--schedule=zb_h1", f"--json={out}/pp_fsdp.json"])
     proc = run("-c", DRIVER, json.dumps(argvs), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     texts = proc.stdout.split("=== end of run")[:-1]
@@ -146,13 +147,17 @@ def test_bad_input_is_a_clear_error(runs):
 
 
 def test_pp_fsdp_ledger_equals_the_model(runs):
-    """The manual pp_fsdp step from the command line: every (op, axes) row of the ledger equals
-    the cost model, the stage hops and the gathers over data among them."""
+    """The manual pp_fsdp step under zb_h1 from the command line: its table drawn, and every (op, axes)
+    row of the ledger equals the cost model, the stage hops (2 per tick of the table) and the gathers
+    over data among them."""
     doc = load(runs, "pp_fsdp")
     assert doc["mesh"] == {"stage": 2, "data": 4, "tensor": 1}, runs["texts"][-1][-3000:]
     rows = {(r["op"], tuple(r["axes"])): r for r in doc["comparison"]}
     assert all(r["match"] for r in doc["comparison"]), runs["texts"][-1][-3000:]
-    assert rows[("collective-permute", ("stage",))]["measured_count"] == 2 * (2 + 2 - 1)  # 2 per tick
+    assert rows[("collective-permute", ("stage",))]["measured_count"] == 2 * 7  # 2 per tick
+    assert ("zb_h1: S=2 M=2, 7 ticks, bubble 14.3%\n"
+            "s0 F0 F1 .  B0 W0 B1 W1\n"
+            "s1 .  F0 B0 F1 B1 W0 W1") in runs["texts"][-1]
     assert rows[("all-gather", ("data",))]["measured_count"] > 0
 
 

@@ -128,12 +128,14 @@ def head_bytes(m, rows: int, seq: int) -> int:
 
 
 @pytest.mark.parametrize("strategy", ["pp", "pp_fsdp"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     """S = 2 stages of L/S = 2 layers, M = 4 micro-batches of b/M rows (pp_fsdp: data 2, b = B/2).
     GPipe saves a stage's layers in each of the M + S - 1 ticks and runs the head on all b rows;
-    1F1B saves one micro-batch's layers and 3 rings of S stage inputs [b/M, T, D], the head per
-    micro-batch. pp_fsdp: the matrices over data, gathered whole for the step (f32 under GPipe)
+    1F1B saves one micro-batch's layers, a ring of the S stage inputs it holds and one of the one
+    gradient it waits to use [b/M, T, D] (and a spare slot each), the head per micro-batch; zb_h1
+    its rings of S inputs and S - 1 gradients (each kept to its W) and S + 1 backwards kept from B
+    to W, each a stage's layers and the loss's two float32 [b/M, T, V] and their mask. pp_fsdp: the matrices over data, gathered whole for the step (f32 under GPipe)
     with their f32 gradient."""
     m = dataclasses.replace(CFG.model, num_layers=4)
     B, T, S, M, D, F, V = 16, m.context_length, 2, 4, m.d_model, m.d_ff, m.padded_vocab_size
@@ -143,9 +145,11 @@ def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     mats, norms = Ls * (4 * D * hd + 3 * D * F) + 2 * V * D, 2 * Ls * D + D
     params = (mats // data + norms) * 4
     one = hand_terms(m, bm, T)
-    saved = Ls * one["layer"] * (M + S - 1) if schedule == "gpipe" else Ls * one["layer"] + 3 * S * bm * T * D
+    saved = {"gpipe": Ls * one["layer"] * (M + S - 1), "1f1b": Ls * one["layer"] + (S + 1 + 2) * bm * T * D,
+             "zb_h1": Ls * one["layer"] * (1 + S + 1) + (S + S - 1 + 2) * bm * T * D}[schedule]
+    kept = (S + 1) * bm * T * V * (2 * 4 + 1) if schedule == "zb_h1" else 0
     want = {"params": params, "grads": params, "optimizer": 2 * params,
-            "activations": saved * 4 + head_bytes(m, b if schedule == "gpipe" else bm, T),
+            "activations": saved * 4 + kept + head_bytes(m, b if schedule == "gpipe" else bm, T),
             "gathered_weights": mats * 4 if data > 1 else 0, "accumulator": mats * 4 if data > 1 else 0,
             "backward_layer": (one["layer"] + one["scores"]) * 4, "master": 0}
     mesh = {"stage": S, "data": data, "tensor": 1}
@@ -179,5 +183,5 @@ def test_context_memory_is_the_hand_count(strategy):
 
 
 def test_memory_rejects_an_unknown_schedule():
-    with pytest.raises(ValueError, match=r"schedule='interleaved' is not a pipeline schedule; choose one of gpipe, 1f1b"):
-        cost.memory(CFG.model, "pp", {"stage": 2, "data": 1}, 8, 32, microbatches=4, schedule="interleaved")
+    with pytest.raises(ValueError, match=r"schedule='zbv' is not a pipeline schedule; choose one of gpipe, 1f1b, interleaved, zb_h1"):
+        cost.memory(CFG.model, "pp", {"stage": 2, "data": 1}, 8, 32, microbatches=4, schedule="zbv")

@@ -60,7 +60,8 @@ ELSEWHERE = {
     "eval_batches": "tests/test_train.py::test_eval_averages_eval_batches_batches_of_the_same_state",
     "checkpoint_every": "tests/test_train.py",
     "microbatches": "tests/test_pipeline.py",
-    "schedule": "tests/test_pipeline.py::test_one_f_one_b_schedule",
+    "schedule": "tests/test_pipeline.py::test_scheduled_matches_gpipe_and_single_device",
+    "virtual_stages": "tests/test_pipeline.py::test_bad_pipeline_configs_are_clear_errors",
     "cp_layout": "tests/test_context.py::test_ring_attention_equals_full_attention",
     # the speed options: each observed on the traced or TPU-compiled step it promises to change
     "logits_dtype": "tests/test_speed_options.py::test_compute_logits_leave_no_float32_array_of_vocab_width",

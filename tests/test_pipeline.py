@@ -10,6 +10,8 @@ is exercised.
 import dataclasses
 import functools
 import math
+import re
+from fractions import Fraction
 
 import jax
 import numpy as np
@@ -86,10 +88,13 @@ def test_pipeline_matches_single_device(impl, stages):
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
 
-@pytest.mark.parametrize("stages", STAGES)  # its step is the ledger test's (4, 1f1b) below
-def test_one_f_one_b_matches_gpipe_and_single_device(stages):
-    """1F1B by hand (per-micro-batch jax.vjp on saved stage inputs): the same training."""
-    got, want, gpipe = twin("manual", stages, "1f1b"), single(), twin("manual", stages)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])  # their steps are the ledger test's (4, schedule) below
+def test_scheduled_matches_gpipe_and_single_device(schedule):
+    """The schedules run by hand from their table (per-micro-batch jax.vjp on saved stage inputs;
+    zb_h1's input and weight gradients in separate ticks from the vjp's kept residuals): the same
+    training. Measured (XLA:CPU, S = 4): both schedules' losses 2.4e-6 from single device, step-1
+    gradients 1.3e-8, params after 5 steps 2.1e-6."""
+    got, want, gpipe = twin("manual", 4, schedule), single(), twin("manual", 4)
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
     assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
     assert max_diff(got["grads"], gpipe["grads"]) < GRAD_ATOL
@@ -97,20 +102,166 @@ def test_one_f_one_b_matches_gpipe_and_single_device(stages):
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
 
-def test_one_f_one_b_schedule():
-    """Each stage runs every micro-batch's forward before its backward, one op per tick, and
-    holds at most S - s micro-batches between the two (GPipe: all M)."""
-    for m, n in ((4, 2), (4, 4), (8, 4), (5, 3)):
-        kinds, mbs = pipeline.one_f_one_b(m, n)
-        for s in range(n):
-            ops = [(k[s], i[s]) for k, i in zip(kinds, mbs) if k[s] != pipeline.IDLE]
-            assert sorted(ops) == sorted([(pipeline.FORWARD, i) for i in range(m)] +
-                                         [(pipeline.BACKWARD, i) for i in range(m)])
-            alive = peak = 0
-            for kind, _ in ops:
-                alive += 1 if kind == pipeline.FORWARD else -1
-                peak = max(peak, alive)
-            assert peak == min(n - s, m), (m, n, s, peak)
+def pipeline_order(layers, stages: int, virtual: int, back: bool = False):
+    """The stacked [L, ...] leaves with their rows in the order an interleaved stage holds them:
+    device s's L/S rows are its chunks c = 0 ... V-1, chunk c being virtual stage c S + s, i.e.
+    the model's layers [(c S + s) k, (c S + s + 1) k), k = L/(S V). back: the inverse."""
+    n = jax.tree.leaves(layers)[0].shape[0]
+    k = n // (stages * virtual)
+    order = [(c * stages + p // (virtual * k)) * k + q
+             for p in range(n) for c, q in [divmod(p % (virtual * k), k)]]
+    index = np.argsort(order) if back else np.asarray(order)
+    return jax.tree.map(lambda w: np.asarray(w)[index], layers)
+
+
+def test_interleaved_loop_equals_single_device_on_layers_in_pipeline_order(monkeypatch):
+    """The manual twin's tick loop under --schedule=interleaved (S = 2, V = 2 chunks of one layer,
+    M = 4): the wrap-around hop, the chunks and the rings of slots. No twin runs interleaved (its
+    layers must be stored round-robin, docs/pipelines.md), so support.py is patched to let the
+    manual twin build it, and its stage-sharded layers are given in pipeline order: the loss and
+    the gradients (put back in model order) equal single device's first step. The ledger is the
+    cost model's: a ring of hops, one each way per tick of the table, 2 (V M + S - 1) = 18 ticks
+    where 1F1B's has 2 (M + S - 1) = 10 (nearly V times the hops, each a whole micro-batch)."""
+    from twinshard.parallel import support
+
+    row = support.SUPPORT["pp"]
+    monkeypatch.setitem(support.SUPPORT, "pp", dataclasses.replace(row, interleaved=("manual",)))
+    cfg = Config(CFG.model, dataclasses.replace(CFG.train, schedule="interleaved", virtual_stages=2))
+    r = manual_parallel.make_runner("pp", "stage:2", cfg, devices=jax.devices()[:2])
+    want = single()
+    state = r.init_state(CFG.train.seed)
+    init = dict(want["init"], layers=pipeline_order(want["init"]["layers"], 2, 2))
+    params = jax.device_put(init, jax.tree.map(lambda a: a.sharding, state.params))
+    batches = reference.random_batches(CFG.train.batch_size, CFG.model.context_length, CFG.model.vocab_size, 1)
+    loss, grads = jax.device_get(r.loss_and_grads(params, *r.place_batch(*batches[0])))
+    grads = dict(grads, layers=pipeline_order(grads["layers"], 2, 2, back=True))
+    assert abs(float(loss) - want["losses"][0]) < LOSS_ATOL
+    assert max_diff(grads, want["grads"]) < GRAD_ATOL
+    led = hlo.ledger(compile_step(r).as_text(), r.mesh)
+    model = cost.cost(CFG.model, "pp", r.sizes, CFG.train.batch_size, microbatches=M, schedule="interleaved",
+                      virtual_stages=2)
+    rows = cost.compare(led.summary(), model.summary())
+    assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
+    ticks = pipeline.build("interleaved", 2, M, 2).ticks
+    assert ticks == 18 and pipeline.build("1f1b", 2, M).ticks == 10
+    # on 2 stages the ring s -> s+1 and its reverse are one pattern (both devices swap)
+    testing.expect_permute(led, {"stage": +1}, wrap=True, count=2 * ticks)
+    assert led.filter(op="collective-permute").total_bytes() == 2 * ticks * CFG.train.batch_size // M \
+        * CFG.model.context_length * CFG.model.d_model * 4
+
+
+# ----------------------------------------------------------------------------- the tables
+# An independent checker of pipeline.build's tables: what each op waits for, written from the
+# schedules' definitions (not pipeline.depends_on), and the ops each must hold.
+
+TABLE_CASES = [(name, s, m, v) for s in (2, 3, 4, 5) for m in (s, 2 * s, 3 * s + (s > 2))
+               for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("zb_h1", (1,)), ("interleaved", (2, 3, 4)))
+               for v in vs if name != "interleaved" or m % s == 0]
+
+
+def check_table(sched: pipeline.Schedule) -> None:
+    """Every (micro-batch, virtual stage) runs exactly one F and one backward (zb_h1: one B and one W,
+    others one whole B) on device j % S; at most one op per device per tick; F(i, j) after F(i, j-1)
+    plus the hand-off's tick; B(i, j) after B(i, j+1), on the last virtual stage after its own F;
+    W after its B."""
+    n, m, v = sched.stages, sched.microbatches, sched.virtual
+    split = sched.name == "zb_h1"
+    when: dict[tuple[str, int, int], int] = {}
+    for t, row in enumerate(sched.grid):
+        assert len(row) == n
+        for s, a in enumerate(row):
+            if a is None:
+                continue
+            kind = {pipeline.FORWARD: "F", pipeline.BACKWARD: "BW", pipeline.INPUT: "B", pipeline.WEIGHT: "W"}[a.kind]
+            assert a.stage % n == s, (sched.name, t, s, a)  # round-robin: virtual stage j on device j % S
+            assert (kind, a.microbatch, a.stage) not in when, ("twice", a)
+            when[kind, a.microbatch, a.stage] = t
+    kinds = ("F", "B", "W") if split else ("F", "BW")
+    assert set(when) == {(k, i, j) for k in kinds for i in range(m) for j in range(n * v)}
+    back = "B" if split else "BW"
+    for i in range(m):
+        for j in range(n * v):
+            if j > 0:
+                assert when["F", i, j] >= when["F", i, j - 1] + 1, (sched.name, i, j)
+            after = when["F", i, j] if j == n * v - 1 else when[back, i, j + 1]
+            assert when[back, i, j] > after, (sched.name, i, j)
+            if split:
+                assert when["W", i, j] > when["B", i, j]
+
+
+@pytest.mark.parametrize("name, stages, m, v", TABLE_CASES)
+def test_every_table_keeps_its_dependencies(name, stages, m, v):
+    check_table(pipeline.build(name, stages, m, v))
+
+
+def test_bubbles_and_activations_equal_the_published_formulas():
+    """From the tables themselves: GPipe and 1F1B (S-1)/(M+S-1), interleaved (S-1)/(V M+S-1); each
+    device idles 3 (S-1) forwards under 1F1B (T_F = T_B = T_W, a whole backward 2) and S-1 under
+    ZB-H1: a third, its bubble (S-1)/(3M+S-1), at 1F1B's peak S micro-batches held; GPipe holds M,
+    1F1B S - s on stage s."""
+    for name, n, m, v in TABLE_CASES:
+        sched = pipeline.build(name, n, m, v)
+        formula = Fraction(n - 1, (3 * m if name == "zb_h1" else v * m) + n - 1)
+        assert sched.bubble() == formula and sched.timed_bubble() == formula, (name, n, m, v, sched.bubble())
+        held = sched.in_flight()
+        if name == "gpipe":
+            assert held == [m] * n
+        elif name == "1f1b":
+            assert held == [n - s for s in range(n)] and sched.idle_time() == 3 * (n - 1)
+        elif name == "zb_h1":
+            assert max(held) == n and sched.idle_time() == n - 1, (held, sched.idle_time())
+    # Megatron's interleaved schedule holds more: stage 0 (S-1) 2 + (V-1) S + 1 chunks of 1/V stage
+    assert pipeline.build("interleaved", 4, 8, 2).in_flight() == [11, 9, 7, 5]
+
+
+def test_the_grid_prints_as_drawn():
+    """1F1B at S = 2, M = 4 (pipeline.py's docstring draws it) and interleaved chunks labelled."""
+    assert pipeline.build("1f1b", 2, 4).text() == (
+        "1f1b: S=2 M=4, 10 ticks, bubble 20.0%\n"
+        "s0 F0 F1 .  B0 F2 B1 F3 B2 .  B3\n"
+        "s1 .  F0 B0 F1 B1 F2 B2 F3 B3 .")
+    grid = pipeline.build("interleaved", 2, 2, 2).text().splitlines()
+    assert grid[0] == "interleaved: S=2 M=2 V=2, 10 ticks, bubble 20.0%"
+    assert grid[1].split()[1:5] == ["F0.0", "F1.0", "F0.1", "F1.1"]  # stage 0 chunk 0, then chunk 1
+
+
+def test_the_docs_draw_the_tables_the_code_builds():
+    """docs/pipelines.md's four grids at S = 4, M = 8 are pipeline.build's, character for character."""
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "pipelines.md").read_text()
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb_h1", 1)):
+        assert pipeline.build(name, 4, 8, v).text() in doc, name
+
+
+@pytest.mark.parametrize("name, stages, m, v", [c for c in TABLE_CASES if c[0] != "gpipe"])
+def test_the_rings_hold_each_value_until_its_last_reader(name, stages, m, v):
+    """Replay pipeline.buffers' slots tick by tick as the manual twin does (read, then the arrivals
+    are written): every op finds in its slot the input, gradient and residuals of its own
+    (micro-batch, virtual stage)."""
+    sched = pipeline.build(name, stages, m, v)
+    buf, vs = pipeline.buffers(sched), stages * v
+    rings = [{"act": {}, "grad": {}, "res": {}} for _ in range(stages)]
+    for t, row in enumerate(sched.grid):
+        for s, a in enumerate(row):
+            if a is None:
+                continue
+            key, dev = (a.microbatch, a.stage), rings[s]
+            if a.kind != pipeline.WEIGHT and a.stage > 0:  # virtual stage 0 embeds its tokens
+                assert dev["act"].get(buf.act[t][s]) == key, (t, s, a)
+            if a.kind != pipeline.FORWARD and a.stage < vs - 1:
+                assert dev["grad"].get(buf.grad[t][s]) == key, (t, s, a)
+            if a.kind == pipeline.INPUT:
+                dev["res"][buf.res[t][s]] = key
+            if a.kind == pipeline.WEIGHT:
+                assert dev["res"].get(buf.res[t][s]) == key, (t, s, a)
+        for s, a in enumerate(row):  # the hand-offs of this tick land
+            if a is not None and a.kind == pipeline.FORWARD and a.stage < vs - 1:
+                rings[(s + 1) % stages]["act"][buf.recv_act[t][(s + 1) % stages]] = (a.microbatch, a.stage + 1)
+            if a is not None and a.kind in (pipeline.BACKWARD, pipeline.INPUT) and a.stage > 0:
+                rings[(s - 1) % stages]["grad"][buf.recv_grad[t][(s - 1) % stages]] = (a.microbatch, a.stage - 1)
+    assert all(0 <= buf.recv_act[t][s] < buf.sizes["act"] or buf.recv_act[t][s] == -1
+               for t in range(sched.ticks) for s in range(stages))
 
 
 def test_one_f_one_b_memory_does_not_grow_with_microbatches():
@@ -164,10 +315,10 @@ def compiled_ledger(impl: str, stages: int, schedule: str = "gpipe") -> hlo.Ledg
 
 
 @pytest.mark.pp
-@pytest.mark.parametrize("stages, schedule", [(4, "gpipe"), (4, "1f1b")])
+@pytest.mark.parametrize("stages, schedule", [(4, "gpipe"), (4, "1f1b"), (4, "zb_h1")])
 def test_manual_ledger_equals_the_cost_model_exactly(stages, schedule):
     """GPipe: 2 (M + S - 1) collective-permutes of one micro-batch [B/M, T, D] (forward hand-off
-    and its backward); 1F1B: 2 per tick of its table; then the replicated params' gradient
+    and its backward); 1F1B and zb_h1: 2 per tick of their table; then the replicated params' gradient
     psums, the loss, the global norm. Each hop goes one stage on, the last stage sending
     nothing, and the backward hop one stage back (the model's patterns, compared exactly)."""
     led = compiled_ledger("manual", stages, schedule)
@@ -176,12 +327,65 @@ def test_manual_ledger_equals_the_cost_model_exactly(stages, schedule):
     rows = cost.compare(led.summary(), model.summary())
     assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
     hop = CFG.train.batch_size // M * CFG.model.context_length * CFG.model.d_model * 4
-    ticks = pipeline.ticks(M, stages) if schedule == "gpipe" else len(pipeline.one_f_one_b(M, stages)[0])
+    ticks = pipeline.ticks(M, stages) if schedule == "gpipe" else pipeline.build(schedule, stages, M).ticks
     testing.expect_collectives(led, "collective-permute", ("stage",), count=2 * ticks)
     testing.expect_permute(led, {"stage": +1}, wrap=False, count=ticks)
     testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks)
     assert led.filter(op="collective-permute").total_bytes() == 2 * ticks * hop
     testing.expect_no_collective(led, op="all-gather")  # no weight ever moves
+
+
+def branch_dots(text: str) -> list[dict[str, int]]:
+    """Per branch of the compiled tick's lax.switch (the conditional with the most branches, in
+    the order idle, F, B, B-input, W), its 2-D dots by what they contract: "forward" x[rows, in] @
+    W[in, out] (lhs dim 1 with rhs dim 0), "input" dy[rows, out] @ W^T (lhs 1 with rhs 1), "weight"
+    x^T dy (lhs 0 with rhs 0: over the token rows); batched dots (attention) apart. Each branch's
+    nested computations (fusions, the layer loop's body) are read once."""
+    from twinshard.hlo.parse import parse_module
+
+    mod = parse_module(text)
+    switch = max((i for c in mod.computations.values() for i in c if i.opcode == "conditional"),
+                 key=lambda i: i.attrs.get("branch_computations", "").count(","))
+
+    def reach(name: str, seen: set[str]) -> set[str]:
+        if name in mod.computations and name not in seen:
+            seen.add(name)
+            for i in mod.computations[name]:
+                for key in ("calls", "body", "condition", "to_apply", "branch_computations"):
+                    for called in re.findall(r"[\w.\-]+", i.attrs.get(key, "")):
+                        reach(called, seen)
+        return seen
+
+    kinds = {("{1}", "{0}"): "forward", ("{1}", "{1}"): "input", ("{0}", "{0}"): "weight"}
+    out = []
+    for branch in re.findall(r"[\w.\-]+", switch.attrs["branch_computations"]):
+        counts = dict.fromkeys(("forward", "input", "weight", "batched"), 0)
+        for comp in reach(branch, set()):
+            for i in mod.computations[comp]:
+                if i.opcode == "dot":
+                    a = i.attrs
+                    kind = "batched" if "lhs_batch_dims" in a else \
+                        kinds[a["lhs_contracting_dims"], a["rhs_contracting_dims"]]
+                    counts[kind] += 1
+        out.append(counts)
+    return out
+
+
+def test_zb_h1_splits_the_backward_in_the_compiled_program():
+    """zb_h1's compiled tick (S = 4, one layer a stage): its B (input gradient) has no weight-gradient
+    dot, its W every one (the layer's 7 matrices and the lm_head's, under its lax.cond) and no
+    forward dot (the residuals B kept, not a re-run); B's input-gradient dots are the whole
+    backward's, the fused B has both. Measured: W also has every input-gradient dot of the stage,
+    8 here: its pullback walks the stage's input gradients on the way to the weights (and stage 0
+    needs the embedding's), so a W tick costs a backward without the forward re-run, not dW alone.
+    A W of dW alone needs each matmul's output gradient kept from B (not done here)."""
+    idle, forward, fused, b, w = branch_dots(compiled_step("manual", 4, "zb_h1").as_text())
+    matrices = 7 + 1  # wq, wk, wv, wo, w1, w2, w3 of the stage's layer, and the lm_head
+    assert idle == dict.fromkeys(idle, 0)
+    assert forward["weight"] == forward["input"] == 0 and forward["forward"] == matrices
+    assert b["weight"] == 0 and b["forward"] == matrices and b["input"] == fused["input"] == 8
+    assert w["weight"] == fused["weight"] == matrices and w["forward"] == 0
+    assert w["input"] == 8  # (see the docstring)
 
 
 @pytest.mark.parametrize("stages", STAGES)
@@ -226,8 +430,34 @@ def test_bad_pipeline_configs_are_clear_errors():
         manual_parallel.make_runner("pp", "stage:2,data:2", CFG, devices=jax.devices()[:4])
     with pytest.raises(ValueError, match=r"mesh stage:2 has 2 devices but 8 are available"):
         manual_parallel.make_runner("pp", "stage:2", CFG)
-    with pytest.raises(ValueError, match=r"--schedule=1f1b is written by hand in the manual twin only"):
-        auto_parallel.make_runner("pp", "stage:2", with_schedule("1f1b"), devices=jax.devices()[:2])
+    for schedule in ("1f1b", "zb_h1"):
+        with pytest.raises(ValueError, match=rf"--schedule={schedule} is written by hand in the manual twin only "
+                                             r"\(--impl=manual\); --impl=auto runs --schedule=gpipe under --strategy=pp\.$"):
+            auto_parallel.make_runner("pp", "stage:2", with_schedule(schedule), devices=jax.devices()[:2])
+    interleaved = Config(CFG.model, dataclasses.replace(CFG.train, schedule="interleaved", virtual_stages=2))
+    with pytest.raises(ValueError, match=r"--schedule=interleaved has its table .* but no twin runs it yet; "
+                                         r"--impl=manual runs --schedule=gpipe or 1f1b or zb_h1 under --strategy=pp"):
+        manual_parallel.make_runner("pp", "stage:2", interleaved, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"--virtual_stages=3 does not divide the 2 layers of a stage \(num_layers=4 / "
+                                         r"stage=2\) into equal chunks; choose --virtual_stages from \[2\]"):
+        pipeline.check(4, 8, 2, 4, schedule="interleaved", virtual=3)
+    with pytest.raises(ValueError, match=r"--virtual_stages=2 does not divide the 1 layers of a stage .*; a stage of one layer cannot "
+                                         r"interleave: more layers \(num_layers\) or fewer stages\.$"):
+        pipeline.check(4, 8, 4, 4, schedule="interleaved", virtual=2)
+    with pytest.raises(ValueError, match=r"microbatches=6 is not a multiple of stage=4; choose --microbatches from "
+                                         r"\[4, 8, 12, 16\]"):
+        pipeline.check(8, 12, 4, 6, schedule="interleaved", virtual=2)
+    with pytest.raises(ValueError, match=r"--virtual_stages=2 interleaves chunks, which --schedule=zb_h1 does not"):
+        pipeline.check(8, 8, 2, 4, schedule="zb_h1", virtual=2)
+    with pytest.raises(ValueError, match=r"--schedule=interleaved runs V >= 2 chunks per stage.*--virtual_stages=2"):
+        pipeline.check(8, 8, 2, 4, schedule="interleaved")
+    chunked = Config(CFG.model, dataclasses.replace(CFG.train, virtual_stages=2))
+    with pytest.raises(ValueError, match=r"--virtual_stages=2 splits a pipeline stage into chunks, and --strategy=fsdp "
+                                         r"has no stages"):
+        manual_parallel.make_runner("fsdp", "data:2", chunked, devices=jax.devices()[:2])
+    zb_accum = Config(CFG.model, dataclasses.replace(CFG.train, schedule="zb_h1", grad_accum=2))
+    with pytest.raises(ValueError, match=r"grad_accum=2: a pipeline already accumulates"):
+        manual_parallel.make_runner("pp", "stage:2", zb_accum, devices=jax.devices()[:2])
     accum = Config(CFG.model, dataclasses.replace(CFG.train, grad_accum=2))
     with pytest.raises(ValueError, match=r"grad_accum=2: a pipeline already accumulates.*--microbatches"):
         manual_parallel.make_runner("pp", "stage:2", accum, devices=jax.devices()[:2])
@@ -259,7 +489,8 @@ def _fsdp_twin(impl: str, schedule: str):
 
 
 @pytest.mark.pp_fsdp
-@pytest.mark.parametrize("impl, schedule", [("auto", "gpipe"), ("manual", "gpipe"), ("manual", "1f1b")])
+@pytest.mark.parametrize("impl, schedule", [("auto", "gpipe"), ("manual", "gpipe"), ("manual", "1f1b"),
+                                            ("manual", "zb_h1")])
 def test_pp_fsdp_matches_single_device(impl, schedule):
     """Measured (XLA:CPU): losses to 2e-6, step-1 gradients 1.4e-8, params after 5 AdamW steps
     3.6e-6 (manual 1F1B) / 8.6e-7 (GPipe, both twins)."""
@@ -312,7 +543,7 @@ def test_pp_fsdp_manual_ledger_equals_the_cost_model_exactly(schedule):
     model = cost.cost(CFG.model, "pp_fsdp", FSDP_SIZES, CFG.train.batch_size, microbatches=M, schedule=schedule)
     rows = cost.compare(led.summary(), model.summary())
     assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
-    ticks = pipeline.ticks(M, 2) if schedule == "gpipe" else len(pipeline.one_f_one_b(M, 2)[0])
+    ticks = pipeline.ticks(M, 2) if schedule == "gpipe" else pipeline.build(schedule, 2, M).ticks
     testing.expect_collectives(led, "collective-permute", ("stage",), count=2 * ticks)
     testing.expect_permute(led, {"stage": +1}, wrap=False, count=ticks)  # within each data row
     testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks)
@@ -378,7 +609,8 @@ def test_pp_fsdp_bad_batch_split_is_a_clear_error():
 # 7 weight matrices (print_saved_residuals), which the model does not count. The band holds
 # every case with ~5% to spare.
 PIPELINE_BAND = (0.95, 1.3)
-MEMORY_CASES = [("pp", "manual", "gpipe", M), ("pp", "manual", "1f1b", M), ("pp", "auto", "gpipe", M),
+MEMORY_CASES = [("pp", "manual", "gpipe", M), ("pp", "manual", "1f1b", M), ("pp", "manual", "zb_h1", M),
+                ("pp", "auto", "gpipe", M),
                 ("pp", "manual", "gpipe", 8), ("pp", "manual", "1f1b", 8),
                 ("pp_fsdp", "manual", "gpipe", M), ("pp_fsdp", "manual", "1f1b", M), ("pp_fsdp", "auto", "gpipe", M)]
 

@@ -51,7 +51,7 @@ VARIANTS = {
     "uv run python -m launch.compare --preset=tiny --strategy=tp --devices=4 --steps=10 --plot=tp.png": ["--steps=3"],
     "uv run python -m launch.collectives --preset=tiny --strategy=fsdp --impl=manual": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=pp --impl=manual --mesh=stage:2 --devices=2 "
-    "--microbatches=4 --schedule=1f1b": [],
+    "--microbatches=4 --schedule=zb_h1": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=tp_sp --impl=manual --mesh=tensor:4 --devices=4 "
     "--collective_matmul": [],
     "uv run python -m launch.collectives --preset=tiny --strategy=cp --impl=manual --mesh=context:4 --devices=4": [],

@@ -22,7 +22,7 @@ import manual_parallel
 from launch import common
 from twinshard import cost
 from twinshard.config import preset
-from twinshard.parallel import mesh as mesh_lib, resolve, strategies, support
+from twinshard.parallel import mesh as mesh_lib, pipeline, resolve, strategies, support
 from twinshard.parallel.strategies import ANY, MANY, ONE
 
 TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
@@ -156,7 +156,12 @@ def test_every_option_is_run_by_twins_that_write_the_strategy() -> None:
         for field in fields:
             assert set(getattr(row, field)) <= set(row.twins), (name, field)
     assert support.with_option("moe") == resolve.MOE_STRATEGIES == ("dp", "fsdp", "ep", "fsdp_ep")
-    assert support.with_option("one_f_one_b") == strategies.of_family("pipeline")
+    assert support.with_option("one_f_one_b") == support.with_option("zb_h1") == strategies.of_family("pipeline")
+    assert support.with_option("interleaved") == ()  # its table and loop, not its placement (docs/pipelines.md)
+    assert [support.schedule_twins("pp", s) for s in pipeline.SCHEDULES] == [("auto", "manual"), ("manual",), (),
+                                                                             ("manual",)]
+    with pytest.raises(ValueError, match=r"--schedule=zbv is not a pipeline schedule; choose one of gpipe, 1f1b, "):
+        support.schedule_twins("pp", "zbv")
     assert support.with_option("collective_matmul") == ("tp_sp",)
 
 

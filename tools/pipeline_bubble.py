@@ -4,7 +4,7 @@
     uv run python tools/pipeline_bubble.py --d_model=256 --heads=8 --context=128 --json=bubble.json
 
 For S = 2 and 4 stages and M = S ... batch micro-batches (powers of two), each schedule
-(manual GPipe, manual 1F1B, auto GPipe) runs `--steps` timed train steps after a warm-up
+(manual GPipe, manual 1F1B, manual zb_h1, auto GPipe) runs `--steps` timed train steps after a warm-up
 at a FIXED global batch, so the useful work per step is the same for every M. GPipe's
 bubble: (S-1)/(M+S-1) of the stage-ticks do no useful work, so the ideal step time is
 t(M) = t_useful / (1 - bubble) = t_useful * (M+S-1)/M. The table prints the measured time,
@@ -15,7 +15,9 @@ that idles frees nothing for the others; what is measured is the total work. GPi
 computes every tick on every stage (bubble ticks run on zeros: the loop is uniform), so
 its bubble costs real compute and shows up as (M+S-1)/M. 1F1B skips idle ticks
 (`lax.switch`) but recomputes each stage's forward in its backward (its vjp runs on the
-saved input), about 1/3 more work, and every tick sends 2 messages. On real accelerators
+saved input), about 1/3 more work, and every tick sends 2 messages; zb_h1's W walks the
+stage's input gradients again beside the weights' (docs/pipelines.md), more work still, and its
+shorter bubble frees nothing here. On real accelerators
 the bubble is idle time instead, with the same fraction.
 """
 
@@ -42,7 +44,7 @@ import manual_parallel  # noqa: E402
 from twinshard.parallel import pipeline  # noqa: E402
 from twinshard.config import Config, preset  # noqa: E402
 
-RUNS = (("manual", "gpipe"), ("manual", "1f1b"), ("auto", "gpipe"))
+RUNS = (("manual", "gpipe"), ("manual", "1f1b"), ("manual", "zb_h1"), ("auto", "gpipe"))
 
 
 def step_time(impl: str, schedule: str, stages: int, m: int, args) -> float:
@@ -94,14 +96,16 @@ def main() -> None:
                 print(f"S={stages} M={m:3d} {impl:6} {schedule:5}: {times[m] * 1e3:8.1f} ms/step "
                       f"(GPipe model from M={ms[-1]}: {rows[-1]['gpipe_model_s'] * 1e3:7.1f} ms; "
                       f"bubble {rows[-1]['bubble']:.3f})", flush=True)
-    print("\n| S | M | bubble (S-1)/(M+S-1) | manual gpipe ms | model ms | manual 1f1b ms | auto gpipe ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| S | M | bubble (S-1)/(M+S-1) | manual gpipe ms | model ms | manual 1f1b ms | manual zb_h1 ms "
+          "| auto gpipe ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for stages in sorted({r["stages"] for r in rows}):
         for m in sorted({r["microbatches"] for r in rows if r["stages"] == stages}):
             get = {(r["impl"], r["schedule"]): r for r in rows if (r["stages"], r["microbatches"]) == (stages, m)}
             g = get[("manual", "gpipe")]
             print(f"| {stages} | {m} | {g['bubble']:.3f} | {g['step_s'] * 1e3:.1f} | {g['gpipe_model_s'] * 1e3:.1f} "
-                  f"| {get[('manual', '1f1b')]['step_s'] * 1e3:.1f} | {get[('auto', 'gpipe')]['step_s'] * 1e3:.1f} |")
+                  f"| {get[('manual', '1f1b')]['step_s'] * 1e3:.1f} | {get[('manual', 'zb_h1')]['step_s'] * 1e3:.1f} "
+                  f"| {get[('auto', 'gpipe')]['step_s'] * 1e3:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "loadavg": os.getloadavg()}, f, indent=1)

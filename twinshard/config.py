@@ -25,7 +25,7 @@ ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn", "splash")  
 # jax.checkpoint policy of the scanned block (twinshard.model.scan_layers); "none": no remat
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_dot_except_mlp", "minimal")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # twinshard/parallel/pipeline.py  # twinshard.train.optim.make_optimizer
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")  # twinshard/parallel/pipeline.py  # twinshard.train.optim.make_optimizer
 CP_LAYOUTS = ("zigzag", "contiguous")  # context parallelism's token layout (twinshard/parallel/context.py)
 # How a mixture of experts moves its tokens to the experts (twinshard/model/moe.py): "dense", the
 # GShard capacity buffers and einsums; "ragged", dropless rows sorted by expert and jax.lax.ragged_dot
@@ -315,7 +315,8 @@ class TrainConfig:
     optimizer: str = "adamw"  # one of OPTIMIZERS (twinshard.train.optim.make_optimizer)
     grad_accum: int = 1  # micro-batches per step (gradients accumulated under lax.scan)
     microbatches: int = 1  # pipeline strategies: micro-batches in flight per step (twinshard/parallel/pipeline.py)
-    schedule: str = "gpipe"  # pipeline schedule: gpipe (both twins) or 1f1b (manual twin)
+    schedule: str = "gpipe"  # pipeline schedule: gpipe, 1f1b, interleaved, zb_h1 (twinshard/parallel/support.py: which twin)
+    virtual_stages: int = 1  # interleaved: chunks of L/(S V) layers per stage, placed round-robin
     # context parallelism (cp, fsdp_cp): which sequence positions each `context` shard holds
     cp_layout: str = "zigzag"
 
@@ -329,6 +330,8 @@ class TrainConfig:
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"TrainConfig.schedule={self.schedule!r} is not a pipeline schedule; choose one of "
                              f"{', '.join(PIPELINE_SCHEDULES)}.")
+        if self.virtual_stages < 1:
+            raise ValueError(f"TrainConfig.virtual_stages={self.virtual_stages} must be >= 1 (1: a stage is one chunk).")
         if self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"TrainConfig.cp_layout={self.cp_layout!r} is not a context-parallel layout; choose "
                              f"one of {', '.join(CP_LAYOUTS)}.")

@@ -141,8 +141,8 @@ MUTANTS: list[Mutant] = [
            (PLAN + "::test_a_tpu_row_by_hand",),
            "--optimizer_dtype=bfloat16 still counts 4 bytes per optimizer-state element"),
     Mutant("memory-ignores-pipeline-schedule", "memory", SRC_COST_MEMORY,
-           'layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule)',
-           'layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, "gpipe")',
+           'layers, b, kept = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule, virtual)',
+           'layers, b, kept = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, "gpipe", 1)',
            ("tests/test_memory.py::test_pipeline_memory_is_the_hand_count",
             "tests/test_pipeline.py::test_compiled_temporaries_beside_the_memory_model"),
            "the memory model costs 1F1B as GPipe: every tick's residuals saved"),
@@ -163,8 +163,8 @@ MUTANTS: list[Mutant] = [
            "probabilities [b, H, T/C, T/C]"),
     # --- who sends to whom: collective-permute patterns (hlo.describe_permute, testing.expect_permute)
     Mutant("pp-hop-wraps-last-to-first", "permute", "manual_parallel/collectives.py",
-           "return [(k, k + 1) for k in range(n - 1)]  # stage S-1 sends nothing; stage 0 receives zeros",
-           "return [(k, (k + 1) % n) for k in range(n)]  # stage S-1 sends nothing; stage 0 receives zeros",
+           "return [(k, k + 1) for k in range(n - 1)] + ([(n - 1, 0)] if wrap else [])",
+           "return [(k, (k + 1) % n) for k in range(n)]",
            ("tests/test_pipeline.py::test_manual_ledger_equals_the_cost_model_exactly",),
            "the pipeline hand-off also sends the last stage's output to stage 0 (and the gradient back "
            "around): same counts and bytes, same numerics (stage 0 embeds instead), a ring not a line"),

@@ -142,11 +142,12 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
          seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
          microbatches: int = 1, optimizer: str = "adamw", remat: str | None = None,
          schedule: str = "gpipe", gpu: bool = False, param_bytes: int = F32, state_bytes: int = F32,
-         master: bool = False, flat_weights: bool = False) -> Cost:
+         master: bool = False, flat_weights: bool = False, virtual_stages: int = 1) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     `remat` (default cfg.remat) changes the memory only, except under tp_sp, which re-gathers its
-    sequence shards under any policy but none. flat_weights: FSDP's weights split flat (padded,
+    sequence shards under any policy but none. virtual_stages: interleaved's chunks per stage. flat_weights:
+    FSDP's weights split flat (padded,
     twinshard/hardware/plan.py), so d_model need not divide by data. Invalid input (and the runs
     launch.train refuses) raises a one-line ValueError."""
     resolve.check_experts(strategies.get(strategy), cfg)  # as launch.train: no numbers for a program that does not exist
@@ -173,7 +174,8 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads, "kv_heads": cfg.kv_heads,
             "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size, "seq": seq, "experts": cfg.num_experts}
     if strategy in PIPELINES:
-        pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, grad_accum, shape["data"])
+        pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, grad_accum, shape["data"], schedule,
+                       virtual_stages)
     skip = {"layers", "embed"} if flat_weights else {"layers"}
     mesh_lib.check_divisible(dims, {k: v for k, v in RULES[strategy].items() if k not in skip}, shape)
     local = batch_size // mesh_lib.axis_size(shape, RULES[strategy]["batch"]) if "batch" in RULES[strategy] else batch_size
@@ -184,7 +186,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
         raise ValueError(f"tp_overlap_chunks={cfg.tp_overlap_chunks} does not divide the {local // grad_accum} "
                          "sequences of a device's micro-batch; choose a divisor of them (1: off).")
     return _priced(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer, remat,
-                   schedule, gpu, param_bytes, state_bytes, master)
+                   schedule, gpu, param_bytes, state_bytes, master, virtual_stages)
 
 
 def of_run(run: Run, gpu: bool = False) -> Cost:
@@ -194,22 +196,22 @@ def of_run(run: Run, gpu: bool = False) -> Cost:
     t, m = run.cfg.train, run.cfg.model
     w = DTYPE_BYTES[m.weight_dtype]
     return _priced(m, run.strategy, dict(run.mesh), t.batch_size, m.context_length, DTYPE_BYTES[m.dtype],
-                   t.grad_accum, t.microbatches, t.optimizer, None, t.schedule, gpu, w, w, False)
+                   t.grad_accum, t.microbatches, t.optimizer, None, t.schedule, gpu, w, w, False, t.virtual_stages)
 
 
 def _priced(cfg: ModelConfig, strategy: str, shape: dict[str, int], batch_size: int, seq: int, dtype_bytes: int,
             grad_accum: int, microbatches: int, optimizer: str, remat: str | None, schedule: str, gpu: bool,
-            param_bytes: int, state_bytes: int, master: bool) -> Cost:
+            param_bytes: int, state_bytes: int, master: bool, virtual: int = 1) -> Cost:
     """The rows, FLOPs and memory of checked input (`cost`'s arguments, or a resolved run's)."""
     if remat is not None:  # tp_sp's collectives depend on it (its re-gathers), the others' do not
         cfg = dataclasses.replace(cfg, remat=remat)
-    ctx = Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule)
+    ctx = Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule, virtual)
     rows = sorted(STRATEGY_ROWS[strategy](ctx) + int8_dw_rows(ctx), key=lambda r: PHASES.index(r.phase))  # stable
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
                 memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer,
-                       remat, schedule, gpu, param_bytes, state_bytes, master), notes)
+                       remat, schedule, gpu, param_bytes, state_bytes, master, virtual), notes)
 
 
 _PMAX = ("the cross-entropy max is an all-reduce with max (pmax), a row `all-reduce max` of the ledger; "

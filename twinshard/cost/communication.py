@@ -52,22 +52,24 @@ def _pp(ctx: Ctx) -> list[Row]:
 
 
 def _ticks(ctx: Ctx) -> int:
-    """GPipe: M + S - 1 forward ticks; 1F1B: every tick of its table hands an output on and a gradient back."""
+    """GPipe: M + S - 1 forward ticks; the schedules run by hand (1f1b, interleaved, zb_h1): every tick
+    of their table hands an output on and a gradient back."""
     from twinshard.parallel import pipeline
 
     m, n = ctx.microbatches, ctx.mesh["stage"]
-    return pipeline.ticks(m, n) if ctx.schedule == "gpipe" else len(pipeline.one_f_one_b(m, n)[0])
+    return pipeline.ticks(m, n) if ctx.schedule == "gpipe" else pipeline.build(ctx.schedule, n, m, ctx.virtual).ticks
 
 
 def _hop_rows(ctx: Ctx) -> list[Row]:
-    """One micro-batch's activations [B/(data M), T, D] per tick and hop, forward and back."""
-    ticks, b = _ticks(ctx), ctx.batch // (ctx.d * ctx.microbatches)
-    act = f"[{b},{ctx.seq},{ctx.cfg.d_model}]"
+    """One micro-batch's activations [B/(data M), T, D] per tick and hop, forward and back; with
+    V > 1 chunks a ring (the last stage's output goes round to stage 0's next chunk)."""
+    ticks, b, wrap = _ticks(ctx), ctx.batch // (ctx.d * ctx.microbatches), ctx.virtual > 1
+    act, ring = f"[{b},{ctx.seq},{ctx.cfg.d_model}]", " and S-1 -> 0" if wrap else ""
     return [
         row(ctx, "forward", "collective-permute", ("stage",), ticks, ctx.activation(b),
-            f"shift_to_next_stage: ppermute s -> s+1 of {act}, one per tick ({ticks} ticks)", shift=(1, False)),
+            f"shift_to_next_stage: ppermute s -> s+1{ring} of {act}, one per tick ({ticks} ticks)", shift=(1, wrap)),
         row(ctx, "backward", "collective-permute", ("stage",), ticks, ctx.activation(b),
-            f"shift_to_previous_stage: ppermute s+1 -> s of d{act}, one per tick", shift=(-1, False)),
+            f"shift_to_previous_stage: ppermute s+1 -> s of d{act}, one per tick", shift=(-1, wrap)),
     ]
 
 

@@ -155,15 +155,25 @@ def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int, kernel: str =
 
 
 def _pipeline_activations(cfg: ModelConfig, remat: str, b: int, seq: int, stages: int, microbatches: int,
-                          schedule: str) -> tuple[int, int]:
-    """(saved elements, rows of one micro-batch) of a pipeline stage: gpipe saves the L/S layers'
-    residuals of all M + S - 1 ticks; 1f1b one micro-batch's plus three rings of S [b/M, T, D]."""
+                          schedule: str, virtual: int) -> tuple[int, int, int]:
+    """(saved elements, rows of one micro-batch, kept float32 bytes) of a pipeline stage: gpipe saves
+    the L/S layers' residuals of all M + S - 1 ticks; a schedule run by hand one backward's residuals
+    (a chunk of L/(S V) layers) and its rings of [b/M, T, D] inputs and gradients (pipeline.buffers'
+    slots and a spare each, manual_parallel/pp.py); zb_h1 a ring of backwards kept from each B to
+    its W: a chunk's residuals and, on every stage (the stage's lax.cond keeps both branches'), the
+    loss's: two float32 [b/M, T, V] and their mask."""
     from twinshard.parallel import pipeline
 
     rows, held = b // microbatches, cfg.num_layers // stages
     if schedule == "gpipe":
-        return held * saved_per_layer(cfg, remat, rows, seq, 1) * pipeline.ticks(microbatches, stages), rows
-    return held * saved_per_layer(cfg, remat, rows, seq, 1) + 3 * stages * rows * seq * cfg.d_model, rows
+        return held * saved_per_layer(cfg, remat, rows, seq, 1) * pipeline.ticks(microbatches, stages), rows, 0
+    sizes = pipeline.buffers(pipeline.build(schedule, stages, microbatches, virtual)).sizes
+    backward = held // virtual * saved_per_layer(cfg, remat, rows, seq, 1)
+    rings = (sizes["act"] + sizes["grad"] + 2) * rows * seq * cfg.d_model
+    if schedule not in pipeline.SPLIT:
+        return backward + rings, rows, 0
+    slots = sizes["res"] + 1
+    return backward * (1 + slots) + rings, rows, slots * rows * seq * cfg.padded_vocab_size * (2 * F32 + 1)
 
 
 def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, scores: int) -> int:
@@ -221,9 +231,10 @@ def ring_attention_memory(b: int, h: int, tc: int, dh: int, c: int, kv_heads: in
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
            dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1,
            optimizer: str = "adamw", remat: str | None = None, schedule: str = "gpipe", gpu: bool = False,
-           param_bytes: int = F32, state_bytes: int = F32, master: bool = False) -> Memory:
+           param_bytes: int = F32, state_bytes: int = F32, master: bool = False, virtual: int = 1) -> Memory:
     """Bytes per device; `remat` defaults to cfg.remat, `gpu` picks the "auto" attention kernel,
-    `param_bytes` / `state_bytes` per param / optimizer-state element, `master` a float32 copy."""
+    `param_bytes` / `state_bytes` per param / optimizer-state element, `master` a float32 copy,
+    `virtual` a pipeline stage's chunks (interleaved)."""
     mesh_lib.check_strategy(strategy)
     if schedule not in PIPELINE_SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not a pipeline schedule; choose one of "
@@ -239,10 +250,10 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     # a dropless mixture of experts under ep: its rows exchanged over `expert` (the manual twin's)
     exchange = mesh.get("expert", 1) if "experts" in rules and cfg.moe_dispatch == "ragged" else 0
     layers = saved_by_stacks(cfg, remat, b, seq, t, sequence, exchange)
-    head = b  # rows the lm_head and the loss run on at once
+    head, kept = b, 0  # rows the lm_head and the loss run on at once; zb_h1's kept loss residuals
     if "layers" in rules:  # a pipeline stage: its L/S layers on micro-batches of b/M rows
-        layers, b = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule)
-        head = b if schedule == "1f1b" else head  # GPipe: the loss of all M micro-batches at once
+        layers, b, kept = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule, virtual)
+        head = b if schedule != "gpipe" else head  # GPipe: the loss of all M micro-batches at once
     # one layer's residuals beyond what was saved (without this term the model missed 25-30% of
     # tiny's single-device temporaries, measured with memory_analysis)
     backward_layer = (max(saved_per_layer(stack, "none", b, seq, t, sequence, exchange) for _, stack in cfg.stacks)
@@ -256,7 +267,7 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
         layers, backward_layer, final = (
             _ulysses_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes, attention_kernel(cfg, gpu))
             if strategy in strategies.ALL_TO_ALL_CONTEXT else _cp_activations(cfg, remat, b, seq, mesh["context"], dtype_bytes))
-    acts = layers * dtype_bytes + final
+    acts = layers * dtype_bytes + final + kept
     def layer(s: int) -> int:  # one layer's gathered matrices in s bytes, the largest stack's
         return max(sum(w.count // w.layers * local_bytes(cfg, w, mesh, t, s)
                        for w in weights(stack) if w.is_matrix and w.stacked) for _, stack in cfg.stacks)

@@ -55,7 +55,8 @@ class Ctx:
     s: int  # dtype bytes
     k: int = 1  # grad_accum: micro-batches per step
     microbatches: int = 1  # M (pipelines)
-    schedule: str = "gpipe"  # pipelines: gpipe or 1f1b
+    schedule: str = "gpipe"  # pipelines: one of twinshard.config.PIPELINE_SCHEDULES
+    virtual: int = 1  # pipelines: chunks per stage (interleaved)
 
     @property
     def d(self) -> int:

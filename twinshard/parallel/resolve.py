@@ -95,7 +95,7 @@ def check_family(declared: Strategy, shape: Mapping[str, int], cfg: Config) -> N
     """A pipeline's L, M and batch over `stage`; context parallelism's T over `context` in its layout."""
     if declared.family == "pipeline":
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
-                       cfg.train.grad_accum, shape.get("data", 1))
+                       cfg.train.grad_accum, shape.get("data", 1), cfg.train.schedule, cfg.train.virtual_stages)
     if declared.family == "context":
         context.check(cfg.model.context_length, shape[context.CONTEXT], context.layout_of(declared.name, cfg.train.cp_layout))
         if declared.name in strategies.ALL_TO_ALL_CONTEXT:
@@ -135,6 +135,9 @@ def check_options(declared: Strategy, impl: str, cfg: Config) -> None:
                          "contraction of the row-parallel projections (and of the column-parallel ones' dx), so each "
                          "shard would quantize by its own absmax (twinshard/model/quantize.py); use a strategy without "
                          "tensor (dp, fsdp, cp, ...), or --quantization=none.")
+    if train.virtual_stages != 1 and declared.family != "pipeline":
+        raise ValueError(f"--virtual_stages={train.virtual_stages} splits a pipeline stage into chunks, and "
+                         f"--strategy={strategy} has no stages: use --strategy=pp or pp_fsdp, or drop --virtual_stages.")
     row = support.SUPPORT.get(strategy)
     if row is None:  # written by no twin (single): the one device runs every option
         return
@@ -157,9 +160,12 @@ def check_options(declared: Strategy, impl: str, cfg: Config) -> None:
         raise ValueError(f"--attention=splash under --strategy={strategy} --impl=manual runs Pallas' interpret mode off "
                          "a TPU, which fails inside the manual twin's checked shard_map over `tensor` (a loop carry typed "
                          "varying over it; docs/speed.md): use --impl=auto, or --attention=recompute here.")
-    if declared.family == "pipeline" and train.schedule != "gpipe" and impl not in row.one_f_one_b:
-        raise ValueError(f"--schedule={train.schedule} is written by hand in the manual twin only "
-                         "(--impl=manual); the GSPMD twin's pipeline is GPipe (--schedule=gpipe).")
+    if declared.family == "pipeline" and impl not in (twins := support.schedule_twins(strategy, train.schedule)):
+        runs = [s for s in support.SCHEDULE_FIELDS if impl in support.schedule_twins(strategy, s)]
+        where = (f"is written by hand in the {' and '.join(twins)} twin only (--impl={' or --impl='.join(twins)})"
+                 if twins else "has its table (twinshard/parallel/pipeline.py) but no twin runs it yet")
+        raise ValueError(f"--schedule={train.schedule} {where}; --impl={impl} runs --schedule="
+                         f"{' or '.join(runs)} under --strategy={strategy}.")
 
 
 # The strategies a mixture-of-experts model runs under
