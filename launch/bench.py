@@ -25,8 +25,8 @@ For each run (the single-device reference, then each strategy with each twin):
   devices share its cores, so the peak is NOT multiplied by the device
   count), on an accelerator the per-chip peak x chips. On a chip in `twinshard.hardware.chips`
   the MFU against the datasheet peak is reported too.
-- memory per device: `compiled.memory_analysis()` (arguments + outputs -
-  aliased + temporaries) beside the cost model's prediction.
+- memory per device: `compiled.memory_analysis()`'s peak (XLA's peak_memory_in_bytes, where the
+  backend reports it; else arguments + outputs - aliased + temporaries) beside the cost model's prediction.
 - collectives: the ledger of the compiled HLO (twinshard.hlo) against the
   cost model: bytes and counts, and whether every (op, axes) row matches.
 - `--profile=DIR`: `--profiled_steps` more steps of each run under the profiler, its trace
@@ -191,11 +191,12 @@ def model_cost(run):
 
 
 def memory_per_device(compiled) -> dict[str, int] | None:
-    """memory_analysis() fields and their peak estimate: arguments + outputs - aliased + temporaries."""
+    """memory_analysis() fields, the peak the device holds (`peak_estimate`, fit.compiled_bytes: XLA's
+    peak_memory_in_bytes where reported) and `summed`, arguments + outputs - aliased + temporaries."""
     out = measure.memory_analysis(compiled)
     if out is not None:
-        out["peak_estimate"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
-                                - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
+        got = fit.compiled_bytes(compiled)
+        out["peak_estimate"], out["summed"] = got["peak"], got["summed"]
     return out
 
 
@@ -454,6 +455,8 @@ def main(argv):
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     from twinshard.train import compile_cache
 
+    # on a TPU, the fast path's choices (logged); those of one chip's program where every run is single
+    cfg = common.fast_path(cfg, FLAGS, "single" if set(FLAGS.strategies) == {"single"} else "mesh")
     with compile_cache.disabled():  # time real compiles, not cache reads
         doc = run(FLAGS.preset, cfg, FLAGS.strategies, FLAGS.impls, meshes, FLAGS.steps or DEFAULT_STEPS,
                   FLAGS.warmup, FLAGS.matmul_size, FLAGS.matmul_reps, "python -m launch.bench " + " ".join(argv_flags()),

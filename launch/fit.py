@@ -122,12 +122,31 @@ def check_model(run, bound: tuple[int, str] | None = None) -> None:
 
 
 def compiled_bytes(compiled) -> dict[str, int] | None:
-    """memory_analysis(): arguments, temporaries and the peak, arguments + outputs - aliased + temporaries."""
+    """memory_analysis(): arguments, temporaries, `summed` (arguments + outputs - aliased + temporaries)
+    and the peak the device holds: on a TPU XLA's `peak_memory_in_bytes` (its buffer assignment's bytes
+    live at once, arguments included), elsewhere `summed`.
+
+    On a TPU the sum overstates the peak: temp_size_in_bytes totals the temporary allocations as if all
+    lived at once. gpt2_125m 16x1024 bf16 with float32 weights (README's command before the fast path)
+    read "compiled step 18.12 GiB" on a v5e and ran in its 15.75; compiled ahead of time for a v5e
+    (libtpu 0.0.50.1): arguments 1.81 GiB (all aliased to the outputs), temporaries 16.31 GiB, summed 18.12,
+    peak_memory_in_bytes 13.64 GiB. XLA:CPU's peak_memory_in_bytes leaves the temporaries out (tiny: 1.75
+    MB of arguments and outputs beside 5.4 MB of temporaries, measured), so off a TPU the sum stands."""
     ma = compiled.memory_analysis()
     if ma is None:
         return None
-    peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
-    return {"arguments": int(ma.argument_size_in_bytes), "temporaries": int(ma.temp_size_in_bytes), "peak": int(peak)}
+    summed = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    peak = getattr(ma, "peak_memory_in_bytes", 0) if _platform_of(compiled) == "tpu" else 0
+    return {"arguments": int(ma.argument_size_in_bytes), "temporaries": int(ma.temp_size_in_bytes),
+            "summed": int(summed), "peak": int(peak or summed)}
+
+
+def _platform_of(compiled) -> str | None:
+    """The platform a compiled program runs on (its first input's devices), None where it has no inputs."""
+    import jax
+
+    shardings = jax.tree.leaves(getattr(compiled, "input_shardings", ()))
+    return next(iter(shardings[0].device_set)).platform if shardings else None
 
 
 def _refuse_compiled(used: str, have: str, why: str, run, temporaries: bool) -> ValueError:
@@ -168,6 +187,18 @@ def _on_tpu(run) -> bool:
     return (devices[0].platform if devices else jax.default_backend()) == "tpu"
 
 
+def smaller_splash_block(m) -> str:
+    """What to pass where the splash block of ModelConfig `m` overflows the scoped VMEM: the largest block
+    below it that twinshard.config.splash_vmem_bytes fits."""
+    from twinshard.config import splash_fitting
+
+    block = m.splash_block
+    smaller = [b for b in splash_fitting(m.context_length, m.head_dim, m.xla_tpu_scoped_vmem_limit_kib) if b < block]
+    fix = f"pass --attention_block={max(smaller)}" if smaller else "no smaller splash block exists"
+    return (f"the splash block is {block} at head_dim {m.head_dim}; {fix}, the largest below it that fits "
+            "by twinshard.config.splash_vmem_bytes, or raise --xla_tpu_scoped_vmem_limit_kib")
+
+
 def _kernel_of(error: str) -> str:
     """The custom call an XLA:TPU VMEM error names ('splash_mha_dkv_no_residuals'), and the sizes it states."""
     kernel = re.search(r"allocating on stack for %([\w-]+?)(?:\.\d+)? =", error)
@@ -194,8 +225,7 @@ def compile_checked(lowered, run, bound: tuple[int, str] | None = None, compile=
             raise
         if "memory space vmem" in str(e):  # a kernel's blocks, not the step, exceed the chip's on-core memory
             raise ValueError(f"XLA refused to compile it: a kernel's blocks overflow the chip's scoped VMEM "
-                             f"({_kernel_of(str(e))}): try a smaller --attention_block (the splash kernel's "
-                             "blocks; at head_dim 256 the automatic 1024 overflows a v5e's, measured).") from None
+                             f"({_kernel_of(str(e))}): {smaller_splash_block(run.cfg.model)}.") from None
         m = _USED.search(str(e))
         used, have = ((m[1], f"{m[2]} ({m[3]})") if m and m[1] else (m[4], f"{m[6]} ({m[5]})") if m
                       else ("more than a device has", "less"))
