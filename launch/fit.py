@@ -100,8 +100,8 @@ def model_memory(run):
 
     from twinshard import cost
 
-    try:  # attention auto on a GPU: cuDNN's, which keeps no [T, T] array
-        return cost.of_run(run, gpu=jax.default_backend() == "gpu").memory
+    try:  # attention auto on a GPU or a TPU: cuDNN's or splash's, which keep no [T, T] array
+        return cost.of_run(run, gpu=jax.default_backend() == "gpu", tpu=_on_tpu(run)).memory
     except ValueError:  # no memory model for this configuration (a mixture of experts under remat=dots)
         return None
 
@@ -122,31 +122,23 @@ def check_model(run, bound: tuple[int, str] | None = None) -> None:
 
 
 def compiled_bytes(compiled) -> dict[str, int] | None:
-    """memory_analysis(): arguments, temporaries, `summed` (arguments + outputs - aliased + temporaries)
-    and the peak the device holds: on a TPU XLA's `peak_memory_in_bytes` (its buffer assignment's bytes
-    live at once, arguments included), elsewhere `summed`.
+    """memory_analysis(): arguments, temporaries, `summed` (arguments + outputs - aliased + temporaries) and
+    the peak the device holds, XLA's `total_allocation_bytes`: every allocation of the program's buffer
+    assignment, all live while it runs (arguments, outputs not aliased to them, the temporaries as packed);
+    `summed` where the backend reports no total.
 
-    On a TPU the sum overstates the peak: temp_size_in_bytes totals the temporary allocations as if all
-    lived at once. gpt2_125m 16x1024 bf16 with float32 weights (README's command before the fast path)
-    read "compiled step 18.12 GiB" on a v5e and ran in its 15.75; compiled ahead of time for a v5e
-    (libtpu 0.0.50.1): arguments 1.81 GiB (all aliased to the outputs), temporaries 16.31 GiB, summed 18.12,
-    peak_memory_in_bytes 13.64 GiB. XLA:CPU's peak_memory_in_bytes leaves the temporaries out (tiny: 1.75
-    MB of arguments and outputs beside 5.4 MB of temporaries, measured), so off a TPU the sum stands."""
+    On a TPU the sum overstates it: temp_size_in_bytes there exceeds the temporaries' packed allocation.
+    gpt2_125m 16x1024 bf16 with float32 weights (README's command before the fast path) logged "compiled
+    step 18.12 GiB" on a v5e and ran in its 15.75; compiled ahead of time for a v5e (libtpu 0.0.50.1):
+    arguments 1.81 GiB (all aliased to the outputs), temporaries 16.31, summed 18.12, total allocation
+    13.65. peak_memory_in_bytes, beside it 13.64, is no bound: a small step's read 147 MB over its 84 MB
+    of allocations, and XLA:CPU's leaves the temporaries out. On a CPU total and sum agree (tiny: 7.68 MB)."""
     ma = compiled.memory_analysis()
     if ma is None:
         return None
     summed = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
-    peak = getattr(ma, "peak_memory_in_bytes", 0) if _platform_of(compiled) == "tpu" else 0
     return {"arguments": int(ma.argument_size_in_bytes), "temporaries": int(ma.temp_size_in_bytes),
-            "summed": int(summed), "peak": int(peak or summed)}
-
-
-def _platform_of(compiled) -> str | None:
-    """The platform a compiled program runs on (its first input's devices), None where it has no inputs."""
-    import jax
-
-    shardings = jax.tree.leaves(getattr(compiled, "input_shardings", ()))
-    return next(iter(shardings[0].device_set)).platform if shardings else None
+            "summed": int(summed), "peak": int(getattr(ma, "total_allocation_bytes", 0) or summed)}
 
 
 def _refuse_compiled(used: str, have: str, why: str, run, temporaries: bool) -> ValueError:

@@ -359,8 +359,8 @@ def main(argv):
     log(common.attention_line(cfg, FLAGS.strategy))
     if compiled is not None and (program := fit.compiled_bytes(compiled)) is not None:
         utilization.program_bytes = program["peak"]
-        log(f"compiled step: {program['peak'] / 2**30:.2f} GiB per device at its peak by XLA's memory_analysis "
-            f"(arguments {program['arguments'] / 2**30:.2f} GiB and the temporaries live at once)")
+        log(f"compiled step: {program['peak'] / 2**30:.2f} GiB per device by XLA's memory_analysis (every "
+            f"allocation of the program: arguments {program['arguments'] / 2**30:.2f} GiB and its temporaries)")
     profiled, profile_dir = profile_steps(t.steps), os.path.join(FLAGS.workdir, "profile")
 
     def eval_loss(params):
