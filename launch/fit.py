@@ -11,8 +11,8 @@ and before anything is written to a workdir or an output file:
     remat none), >= 0.57 under remat on a smaller denominator (tests/test_remat.py); on a TPU v5e
     gpt2_350m at 16x1024 bf16 asked XLA for 27.1 G where the model says 27.6 GiB. SURE = 0.5 is
     below all of them. On a CPU the limit is the host's memory shared by its local devices.
-(b) after compiling, before running (`compile_checked`): `memory_analysis()` arguments +
-    outputs - aliased + temporaries against the device's `bytes_limit`. XLA:TPU refuses an
+(b) after compiling, before running (`compile_checked`): `memory_analysis()`'s total allocation
+    (`compiled_bytes`) against the device's `bytes_limit`. XLA:TPU refuses an
     over-large program in the compile itself (RESOURCE_EXHAUSTED): that error becomes the same
     line. XLA:CPU reports no limit: no check there.
 
@@ -153,10 +153,8 @@ def check_compiled(compiled, run, bound: tuple[int, str] | None = None) -> None:
     """(b): refuse a compiled step whose memory_analysis() exceeds the device's limit (`bound`: as
     check_model's)."""
     if _flag("device_memory_gib") is None and _on_tpu(run):
-        # XLA:TPU refuses at compile time what does not fit (compile_checked's line), and its
-        # memory_analysis() overstates the peak: gpt2_125m 16x1024 bf16 reported 18.12 GiB and ran
-        # in a v5e's 15.75 GiB (measured, JAX 0.10.2). So on a TPU the compiler's verdict stands,
-        # compiled ahead of time for a topology's chips too.
+        # XLA:TPU refuses at compile time what does not fit (compile_checked's line), so on a TPU the
+        # compiler's verdict stands, compiled ahead of time for a topology's chips too.
         return
     if _flag("device_memory_gib") is not None or bound is None:
         bound = limit(after_compile=True)

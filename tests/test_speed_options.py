@@ -28,7 +28,7 @@ from runners import CFG, MESHES
 from traced import gradient_step_equations
 from launch import fit
 from twinshard import cost
-from twinshard.config import Config
+from twinshard.config import Config, splash_block
 from twinshard.parallel.resolve import single_run
 from twinshard.hardware import topology
 from twinshard.model import layers
@@ -207,6 +207,26 @@ def test_scoped_vmem_limit_lets_blocks_of_2048_compile():
     with pytest.raises(jax.errors.JaxRuntimeError, match="scoped vmem limit"):
         compile_with(0)
     assert _splash_blocks(compile_with(98304).as_text())[0]["block_q"] == 2048
+
+
+@needs_libtpu
+def test_the_automatic_block_at_head_dim_256_compiles_for_a_v5e():
+    """The 160M shape's attention (T 2048, 4 query heads, one kv head of 256): the automatic block is 512
+    (config.splash_vmem_bytes; 1024 overflowed the chip's 16 MiB at 8 sequences) and compiles, forward and
+    backward, in the default scoped VMEM."""
+    (chip,) = topology.devices("v5e:1x1")
+    on_chip = jax.sharding.SingleDeviceSharding(chip)
+    q = jax.ShapeDtypeStruct((2, 4, 2048, 256), jnp.bfloat16, sharding=on_chip)
+    kv = jax.ShapeDtypeStruct((2, 1, 2048, 256), jnp.bfloat16, sharding=on_chip)
+    block = splash_block(2048, 0, 256)
+
+    def grads(q, k, v):
+        with layers.compiling_for("tpu"):
+            return jax.grad(lambda *a: jnp.sum(layers.splash_attention(*a, block).astype(jnp.float32)),
+                            argnums=(0, 1, 2))(q, k, v)
+
+    assert block == 512
+    assert _splash_blocks(topology.compile_for_pod(jax.jit(grads).lower(q, kv, kv)).as_text())[0]["block_q"] == 512
 
 
 def test_scoped_vmem_limit_is_a_tpu_option_only():
