@@ -25,8 +25,8 @@ For each run (the single-device reference, then each strategy with each twin):
   devices share its cores, so the peak is NOT multiplied by the device
   count), on an accelerator the per-chip peak x chips. On a chip in `twinshard.hardware.chips`
   the MFU against the datasheet peak is reported too.
-- memory per device: `compiled.memory_analysis()` (arguments + outputs -
-  aliased + temporaries) beside the cost model's prediction.
+- memory per device: `compiled.memory_analysis()`'s total allocation (every buffer of the program, all
+  live while it runs; launch/fit.py compiled_bytes) beside the cost model's prediction.
 - collectives: the ledger of the compiled HLO (twinshard.hlo) against the
   cost model: bytes and counts, and whether every (op, axes) row matches.
 - `--profile=DIR`: `--profiled_steps` more steps of each run under the profiler, its trace
@@ -186,16 +186,18 @@ def model_cost(run):
 
     from twinshard import cost
 
-    c = cost.of_run(run, gpu=jax.default_backend() == "gpu")  # attention auto on a GPU: cuDNN's
+    backend = jax.default_backend()  # attention auto: cuDNN's on a GPU, splash's on a TPU
+    c = cost.of_run(run, gpu=backend == "gpu", tpu=backend == "tpu")
     return c if run.mesh else None, c.flops, c.memory
 
 
 def memory_per_device(compiled) -> dict[str, int] | None:
-    """memory_analysis() fields and their peak estimate: arguments + outputs - aliased + temporaries."""
+    """memory_analysis() fields, the peak the device holds (`peak_estimate`, fit.compiled_bytes: XLA's
+    total_allocation_bytes) and `summed`, arguments + outputs - aliased + temporaries."""
     out = measure.memory_analysis(compiled)
     if out is not None:
-        out["peak_estimate"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
-                                - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
+        got = fit.compiled_bytes(compiled)
+        out["peak_estimate"], out["summed"] = got["peak"], got["summed"]
     return out
 
 
@@ -399,6 +401,7 @@ def markdown(doc: dict) -> str:
              f"{env['cpus_usable']} usable CPUs of {env['cpu_count']}, load avg "
              f"{_load(env['load_avg_before'])} before / {_load(env.get('load_avg_after'))} after; "
              f"jax {env['jax']}, flax {env['flax']}, commit {env['git_commit']}, {env['time_utc']} UTC"]
+    lines += [f"- {line}" for line in doc.get("fast_path", ())]  # on a TPU: the options the run did not name
     for d, p in doc["peaks"].items():
         again = f"; {_si(p['flops_per_s_after'], 'FLOP/s')} after the runs" if "flops_per_s_after" in p else ""
         lines.append(f"- measured matmul peak {d} {p['n']}^3: {_si(p['flops_per_s'], 'FLOP/s')} "
@@ -454,10 +457,16 @@ def main(argv):
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     from twinshard.train import compile_cache
 
+    # on a TPU, the fast path's choices (logged, and kept in the JSON); those of one chip's program where
+    # every run is single
+    chosen: list[str] = []
+    cfg = common.fast_path(cfg, FLAGS, "single" if set(FLAGS.strategies) == {"single"} else "mesh",
+                           lambda line: (print(line), chosen.append(line)))
     with compile_cache.disabled():  # time real compiles, not cache reads
         doc = run(FLAGS.preset, cfg, FLAGS.strategies, FLAGS.impls, meshes, FLAGS.steps or DEFAULT_STEPS,
                   FLAGS.warmup, FLAGS.matmul_size, FLAGS.matmul_reps, "python -m launch.bench " + " ".join(argv_flags()),
                   profile=FLAGS.profile, profile_steps=FLAGS.profiled_steps)
+    doc["fast_path"] = chosen
     print(write_outputs(doc, FLAGS.json, FLAGS.markdown))
     return 0
 

@@ -243,7 +243,6 @@ def attention_line(cfg: Config, strategy: str) -> str:
     import jax
     import jax.numpy as jnp
 
-    from twinshard.config import splash_block
     from twinshard.model import layers
 
     kernel = layers.attention_kernel(cfg.model.attention, jnp.dtype(cfg.model.dtype))
@@ -252,7 +251,25 @@ def attention_line(cfg: Config, strategy: str) -> str:
     if strategies.get(strategy).family == "context" and strategy not in strategies.ALL_TO_ALL_CONTEXT:
         return f"attention: recompute (splash needs whole sequences; {strategy} splits them)"
     mode = "" if jax.default_backend() == "tpu" else ", Pallas interpret mode: no TPU"
-    return f"attention: splash (block {splash_block(cfg.model.context_length, cfg.model.attention_block)}{mode})"
+    return f"attention: splash (block {cfg.model.splash_block}{mode})"
+
+
+def fast_path(cfg: Config, FLAGS, strategy: str, log=print) -> Config:
+    """`cfg` on this process's accelerator's fast path (twinshard/hardware/fast_path.py: on a TPU, what
+    tools/tpu_bench.sh measured best; elsewhere nothing), its choices and the flags that overrule them
+    logged. Call after jax.distributed joins: it reads the devices."""
+    import jax
+
+    from twinshard.hardware import fast_path as chooser
+
+    given = {n: getattr(FLAGS, n) for n in (*MODEL_FLAGS, "batch_size", "grad_accum")
+             if n in FLAGS and FLAGS[n].present}
+    shape_given = any(n in FLAGS and FLAGS[n].present for n in (*SHAPE_FLAGS, *MOE_FLAGS, "tokenizer"))
+    device = jax.devices()[0]
+    path = chooser.choose(device.platform, device.device_kind, cfg, FLAGS.preset, given, strategy, shape_given)
+    for line in path.lines():
+        log(line)
+    return path.cfg
 
 
 def define_data_flags() -> None:

@@ -11,8 +11,8 @@ and before anything is written to a workdir or an output file:
     remat none), >= 0.57 under remat on a smaller denominator (tests/test_remat.py); on a TPU v5e
     gpt2_350m at 16x1024 bf16 asked XLA for 27.1 G where the model says 27.6 GiB. SURE = 0.5 is
     below all of them. On a CPU the limit is the host's memory shared by its local devices.
-(b) after compiling, before running (`compile_checked`): `memory_analysis()` arguments +
-    outputs - aliased + temporaries against the device's `bytes_limit`. XLA:TPU refuses an
+(b) after compiling, before running (`compile_checked`): `memory_analysis()`'s total allocation
+    (`compiled_bytes`) against the device's `bytes_limit`. XLA:TPU refuses an
     over-large program in the compile itself (RESOURCE_EXHAUSTED): that error becomes the same
     line. XLA:CPU reports no limit: no check there.
 
@@ -100,8 +100,8 @@ def model_memory(run):
 
     from twinshard import cost
 
-    try:  # attention auto on a GPU: cuDNN's, which keeps no [T, T] array
-        return cost.of_run(run, gpu=jax.default_backend() == "gpu").memory
+    try:  # attention auto on a GPU or a TPU: cuDNN's or splash's, which keep no [T, T] array
+        return cost.of_run(run, gpu=jax.default_backend() == "gpu", tpu=_on_tpu(run)).memory
     except ValueError:  # no memory model for this configuration (a mixture of experts under remat=dots)
         return None
 
@@ -122,12 +122,23 @@ def check_model(run, bound: tuple[int, str] | None = None) -> None:
 
 
 def compiled_bytes(compiled) -> dict[str, int] | None:
-    """memory_analysis(): arguments, temporaries and the peak, arguments + outputs - aliased + temporaries."""
+    """memory_analysis(): arguments, temporaries, `summed` (arguments + outputs - aliased + temporaries) and
+    the peak the device holds, XLA's `total_allocation_bytes`: every allocation of the program's buffer
+    assignment, all live while it runs (arguments, outputs not aliased to them, the temporaries as packed);
+    `summed` where the backend reports no total.
+
+    On a TPU the sum overstates it: temp_size_in_bytes there exceeds the temporaries' packed allocation.
+    gpt2_125m 16x1024 bf16 with float32 weights (README's command before the fast path) logged "compiled
+    step 18.12 GiB" on a v5e and ran in its 15.75; compiled ahead of time for a v5e (libtpu 0.0.50.1):
+    arguments 1.81 GiB (all aliased to the outputs), temporaries 16.31, summed 18.12, total allocation
+    13.65. peak_memory_in_bytes, beside it 13.64, is no bound: a small step's read 147 MB over its 84 MB
+    of allocations, and XLA:CPU's leaves the temporaries out. On a CPU total and sum agree (tiny: 7.68 MB)."""
     ma = compiled.memory_analysis()
     if ma is None:
         return None
-    peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
-    return {"arguments": int(ma.argument_size_in_bytes), "temporaries": int(ma.temp_size_in_bytes), "peak": int(peak)}
+    summed = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    return {"arguments": int(ma.argument_size_in_bytes), "temporaries": int(ma.temp_size_in_bytes),
+            "summed": int(summed), "peak": int(getattr(ma, "total_allocation_bytes", 0) or summed)}
 
 
 def _refuse_compiled(used: str, have: str, why: str, run, temporaries: bool) -> ValueError:
@@ -142,10 +153,8 @@ def check_compiled(compiled, run, bound: tuple[int, str] | None = None) -> None:
     """(b): refuse a compiled step whose memory_analysis() exceeds the device's limit (`bound`: as
     check_model's)."""
     if _flag("device_memory_gib") is None and _on_tpu(run):
-        # XLA:TPU refuses at compile time what does not fit (compile_checked's line), and its
-        # memory_analysis() overstates the peak: gpt2_125m 16x1024 bf16 reported 18.12 GiB and ran
-        # in a v5e's 15.75 GiB (measured, JAX 0.10.2). So on a TPU the compiler's verdict stands,
-        # compiled ahead of time for a topology's chips too.
+        # XLA:TPU refuses at compile time what does not fit (compile_checked's line), so on a TPU the
+        # compiler's verdict stands, compiled ahead of time for a topology's chips too.
         return
     if _flag("device_memory_gib") is not None or bound is None:
         bound = limit(after_compile=True)
@@ -166,6 +175,18 @@ def _on_tpu(run) -> bool:
 
     devices = getattr(run, "devices", None)
     return (devices[0].platform if devices else jax.default_backend()) == "tpu"
+
+
+def smaller_splash_block(m) -> str:
+    """What to pass where the splash block of ModelConfig `m` overflows the scoped VMEM: the largest block
+    below it that twinshard.config.splash_vmem_bytes fits."""
+    from twinshard.config import splash_fitting
+
+    block = m.splash_block
+    smaller = [b for b in splash_fitting(m.context_length, m.head_dim, m.xla_tpu_scoped_vmem_limit_kib) if b < block]
+    fix = f"pass --attention_block={max(smaller)}" if smaller else "no smaller splash block exists"
+    return (f"the splash block is {block} at head_dim {m.head_dim}; {fix}, the largest below it that fits "
+            "by twinshard.config.splash_vmem_bytes, or raise --xla_tpu_scoped_vmem_limit_kib")
 
 
 def _kernel_of(error: str) -> str:
@@ -194,8 +215,7 @@ def compile_checked(lowered, run, bound: tuple[int, str] | None = None, compile=
             raise
         if "memory space vmem" in str(e):  # a kernel's blocks, not the step, exceed the chip's on-core memory
             raise ValueError(f"XLA refused to compile it: a kernel's blocks overflow the chip's scoped VMEM "
-                             f"({_kernel_of(str(e))}): try a smaller --attention_block (the splash kernel's "
-                             "blocks; at head_dim 256 the automatic 1024 overflows a v5e's, measured).") from None
+                             f"({_kernel_of(str(e))}): {smaller_splash_block(run.cfg.model)}.") from None
         m = _USED.search(str(e))
         used, have = ((m[1], f"{m[2]} ({m[3]})") if m and m[1] else (m[4], f"{m[6]} ({m[5]})") if m
                       else ("more than a device has", "less"))

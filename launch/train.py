@@ -2,12 +2,13 @@
 
 Every flag is validated, and the corpus is found and tokenized, before anything
 is compiled or written. Each log line gives step, loss, lr, tokens/s, step time,
-model TFLOP/s per device and MFU (`Utilization`), the device's peak memory where the backend
-reports it, and ETA; every `--eval_every` steps a held-out loss; every record also goes to
-`<workdir>/metrics.jsonl` and, as TensorBoard scalars, to `<workdir>/events.out.tfevents.*`
-(twinshard/train/tensorboard.py). `--profile_steps=START:COUNT` traces those steps with
-jax.profiler into `<workdir>/plugins/profile/<run>/`, so `tensorboard --logdir=<workdir>` shows
-the curves and the traces together. SIGTERM or SIGINT (a preemption) finishes the step in
+model TFLOP/s per device and MFU (`Utilization`), the compiled step's peak memory (and the runtime's
+peak on a GPU, whose allocator holds the step's temporaries; `Utilization`), and ETA; every
+`--eval_every` steps a held-out loss; every record also goes to `<workdir>/metrics.jsonl` and, as
+TensorBoard scalars, to `<workdir>/events.out.tfevents.*` (twinshard/train/tensorboard.py).
+`--profile_steps=START:COUNT` traces those steps with jax.profiler into
+`<workdir>/plugins/profile/<run>/`, so `tensorboard --logdir=<workdir>` shows the curves and the
+traces together. SIGTERM or SIGINT (a preemption) finishes the step in
 flight, checkpoints it and exits with 128 + the signal's number (`Preemption`). `--resume` continues from the latest complete checkpoint
 in `--workdir` (`--resume_step=N`: from step N) and reproduces the uninterrupted run
 exactly: batches are a pure function of (seed, step), and the whole train state is
@@ -227,14 +228,18 @@ class Utilization:
             self.what = "this CPU's measured float32 matmul rate (shared by the simulated devices)"
         else:
             self.peak, self.what = None, f"no peak known for {self.device.device_kind}"
-        self.program_bytes = None  # the compiled step's memory_analysis total, where it was compiled ahead
+        self.program_bytes = None  # the compiled step's peak (fit.compiled_bytes), where it was compiled ahead
+        # The runtime's peak_bytes_in_use, only where it counts the step's temporaries: a GPU's allocator
+        # serves them. A TPU's does not: on a v5e (jax 0.10.2) it read 1.84 GiB for gpt2_125m and 4.30 GiB
+        # for llama_v5e, each the train state's arguments alone, beside compiled peaks of 8-11 GiB (measured).
+        self.runtime_peak = self.device.platform == "gpu"
     def record(self, step_time: float) -> dict[str, float]:
         rec = {"tflops_per_device": self.flops / self.n_devices / step_time / 1e12}
         if self.peak:
             rec["mfu"], rec["peak_flops"] = self.flops / step_time / self.peak, self.peak
         if self.program_bytes is not None:
             rec["program_memory_bytes"] = self.program_bytes
-        stats = self.device.memory_stats()  # None on CPU
+        stats = self.device.memory_stats() if self.runtime_peak else None  # None on CPU
         if stats and "peak_bytes_in_use" in stats:
             rec["peak_memory_bytes"] = int(stats["peak_bytes_in_use"])
         return rec
@@ -243,8 +248,6 @@ class Utilization:
     def text(rec: dict) -> str:
         out = f" | {rec['tflops_per_device']:.3g} TFLOP/s/dev"
         out += f" | MFU {100 * rec['mfu']:.1f}% (causal attention counted half)" if "mfu" in rec else ""
-        # the allocator's peak_bytes_in_use: on a TPU (JAX 0.10.2) 1.84 GiB for a step whose compiled program
-        # takes ~16 GiB (measured), so it is named for what it is, beside the compiled step's size above
         if "program_memory_bytes" in rec:
             out += f" | compiled step {rec['program_memory_bytes'] / 2**30:.2f} GiB"
         return out + (f" | runtime peak_bytes_in_use {rec['peak_memory_bytes'] / 2**30:.2f} GiB"
@@ -313,12 +316,15 @@ def main(argv):
         common.simulate_cpu_devices(FLAGS.devices)  # per process
     distributed.join_if_asked(FLAGS)
     devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present) if parallel else None
+    import jax
+
+    # on a TPU, the fast path's choices (logged): before the run resolves, so every check sees them
+    cfg = common.fast_path(cfg, FLAGS, FLAGS.strategy, print if jax.process_index() == 0 else lambda *a: None)
     run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # every check, once
     fit.check_model(run)  # before anything compiles
     runner = common.runner_of(run)
     compiled = fit.check_step(runner, run)  # compiled, its memory_analysis checked, before any write
 
-    import jax
     import numpy as np
 
     from twinshard.train.checkpoint import Checkpointer
@@ -357,8 +363,8 @@ def main(argv):
     log(common.attention_line(cfg, FLAGS.strategy))
     if compiled is not None and (program := fit.compiled_bytes(compiled)) is not None:
         utilization.program_bytes = program["peak"]
-        log(f"compiled step: {program['peak'] / 2**30:.2f} GiB per device by XLA's memory_analysis (arguments "
-            f"+ outputs - aliased + temporaries {program['temporaries'] / 2**30:.2f} GiB)")
+        log(f"compiled step: {program['peak'] / 2**30:.2f} GiB per device by XLA's memory_analysis (every "
+            f"allocation of the program: arguments {program['arguments'] / 2**30:.2f} GiB and its temporaries)")
     # jax.profiler.start_trace(DIR) writes DIR/plugins/profile/<run>/, where TensorBoard's profile plugin
     # looks: the workdir itself, so one `tensorboard --logdir` shows the traces beside the scalars
     profiled, profile_dir = profile_steps(t.steps), FLAGS.workdir

@@ -105,11 +105,16 @@ class FakeVmemLowered:
 
 
 def test_a_kernels_vmem_overflow_names_the_kernel_not_the_steps_memory():
+    """... and the largest splash block below the one that overflowed that fits by config.splash_vmem_bytes."""
+    head_dim_256 = dataclasses.replace(BASE.model, context_length=2048, d_model=512, num_heads=2, attention_block=1024)
     with pytest.raises(ValueError) as e:
-        fit.compile_checked(FakeVmemLowered(), single_run(BASE))
+        fit.compile_checked(FakeVmemLowered(), single_run(dataclasses.replace(BASE, model=head_dim_256)))
     text = str(e.value)
     assert "\n" not in text and "splash_mha_dkv_no_residuals: 16.39M of 16.00M" in text
-    assert "scoped VMEM" in text and "--attention_block" in text and "per device" not in text
+    assert "scoped VMEM" in text and "the splash block is 1024 at head_dim 256; pass --attention_block=512" in text
+    assert "per device" not in text
+    with pytest.raises(ValueError, match="the splash block is 128 at head_dim 16; no smaller splash block exists"):
+        fit.compile_checked(FakeVmemLowered(), single_run(BASE))
 
 
 class FakeCompiled:

@@ -83,7 +83,7 @@ NOT_RUN = {"pip install uv && uv run --locked --extra tpu pytest": "this test su
                'uv run pytest -m fsdp', 'uv run pytest -m "ulysses"',
                'uv run pytest -m "fsdp and not (fsdp_tp or fsdp_cp or fsdp_ulysses or pp_fsdp or fsdp_ep)"')},
            "pip install uv && uv run --locked --extra tpu python -m launch.train --preset=gpt2_125m "
-           "--dtype=bfloat16 --batch_size=16 --workdir=runs/g125": "the Cloud TPU VM example (a TPU's job)",
+           "--batch_size=16 --workdir=runs/g125": "the Cloud TPU VM example (a TPU's job)",
            **{c: "docs/schedule.md's prediction beside a profile measured on a v5e:2x2 (tests/test_timeline_cli.py "
                  "writes the trace of the tiny model and merges it with a measured one)" for c in (
                "uv run --extra tpu python -m launch.collectives --preset=gpt2_125m --dtype=bfloat16 --batch_size=16 "

@@ -17,9 +17,10 @@
 # into /tmp/site, after the machine's JAX on PYTHONPATH; qwix (--quantization=int8) and opt_einsum from
 # that index or the wheels in QWIX_WHEELS (default .device/), where either has them. Then, each capped by CAP_S:
 #   1. the splash kernel's tests, natively (tests/test_splash.py: kernel and twins against the reference)
-#   2. launch.bench, single device, bf16 compute, bf16 weights and AdamW moments, bf16 logits and
-#      norms, q/k/v in the kernel's layout, the layer stack unrolled: gpt2_125m 16x1024; gpt2_350m
-#      16x1024 (no remat, 2 micro-batches of 8); llama_v5e 4x2048 (no remat); each reports its init too
+#   2. launch.bench, single device, with no speed flag: the fast path (twinshard/hardware/fast_path.py) chooses
+#      bf16 compute, bf16 weights and AdamW moments, bf16 logits and norms, q/k/v in the kernel's layout, the
+#      layer stack unrolled and each preset's batch: gpt2_125m 16x1024; gpt2_350m 16x1024 (no remat, 2
+#      micro-batches of 8); llama_v5e 4x2048 (no remat); each logs those choices and reports its init too
 #   3. llama_v5e under --quantization=int8_dw (its matmuls in int8 forward and backward) beside step 2's bf16
 #   4. steps 2 and 3's runs profiled: each traces 3 more steps in its own process (launch.bench --profile: no second
 #      compile), then tools/step_profile.py --trace_dir reads each trace on the host's CPU: device time per op
@@ -33,12 +34,12 @@ if [[ $MODE == levers || $MODE == int8 ]]; then WHAT=$MODE MODE=run; fi
 if [[ -n $WHAT && $WHAT != levers && $WHAT != int8 ]]; then
   echo "usage: tools/tpu_bench.sh [--dry-run] [levers|int8]  (no argument: the TPU run)" >&2; exit 2
 fi
-# The preset's best run, then each speed option undone alone (its flags: launch.common.define_speed_flags),
-# and a splash block of the whole sequence with the scoped VMEM a block of 2048 needs.
+# The preset's best run, then each of the fast path's options undone alone by its flag (each run logs
+# that the flag wins), and a splash block of the whole sequence with the scoped VMEM a block of 2048 needs.
 lever_runs() {  # lever_runs "<preset> <flags>" <context_length> [chunked]
   local base=$1 t=$2
   LEVER_RUNS+=("$base" "$base --scan_unroll=1" "$base --logits_dtype=float32" "$base --norm_dtype=float32"
-               "$base --qkv_layout=tokens" "$base --splash_fused_bwd=false"
+               "$base --qkv_layout=tokens" "$base --weight_dtype=float32" "$base --splash_fused_bwd=false"
                "$base --attention_block=$t --xla_tpu_scoped_vmem_limit_kib=98304")
   if [[ ${3:-} == chunked ]]; then LEVER_RUNS+=("$base --loss_chunks=4" "$base --loss_chunks=4 --loss_recompute=false"); fi
 }
@@ -50,14 +51,15 @@ if [[ $MODE == --dry-run ]]; then
   export JAX_PLATFORMS=cpu PREDICT_CHIP=v5e  # the profiles priced as if on a v5e: the tool's code checked
   OUT=${OUT:-$(mktemp -d -t tpu_bench.XXXXXX)}
   PY=${PYTHON:-.venv/bin/python}
-  RUNS=("tiny --batch_size=8 --weight_dtype=bfloat16 --remat=save_dot_except_mlp --loss_chunks=2")
+  # off a TPU the fast path chooses nothing: the dry run names bf16 itself
+  RUNS=("tiny --batch_size=8 --dtype=bfloat16 --weight_dtype=bfloat16 --remat=save_dot_except_mlp --loss_chunks=2")
   STEPS=(--steps=2 --warmup=1 --matmul_size=256 --matmul_reps=3)
   TESTS=()
   CAP_S=${CAP_S:-300}
-  lever_runs "tiny --batch_size=8 --attention=splash --scan_unroll=2" 128
-  lever_runs "tiny --batch_size=8 --weight_dtype=bfloat16 --scan_unroll=2" 128 chunked
-  int8_runs "tiny --batch_size=8 --weight_dtype=bfloat16"
-  INT8_DW="tiny --batch_size=8 --weight_dtype=bfloat16 --quantization=int8_dw"
+  lever_runs "tiny --batch_size=8 --dtype=bfloat16 --attention=splash --scan_unroll=2" 128
+  lever_runs "tiny --batch_size=8 --dtype=bfloat16 --weight_dtype=bfloat16 --scan_unroll=2" 128 chunked
+  int8_runs "tiny --batch_size=8 --dtype=bfloat16 --weight_dtype=bfloat16"
+  INT8_DW="tiny --batch_size=8 --dtype=bfloat16 --weight_dtype=bfloat16 --quantization=int8_dw"
 elif [[ $MODE == run ]]; then
   OUT=${OUT:?OUT: the folder the results go to}
   PY=${PYTHON:-$(cd / && python3 -c 'import sys; print(sys.executable)')}  # the 3.11 with JAX, not .python-version's
@@ -75,24 +77,21 @@ elif [[ $MODE == run ]]; then
   fi
   echo "install: $(( $(date +%s) - t0 )) s"
   export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site
-  # the best configuration of each preset (BENCHMARKS.md, "TPU"), each benchmarked, then profiled
-  BF16="--weight_dtype=bfloat16"
-  NARROW="--logits_dtype=compute --norm_dtype=compute"
-  FAST="$NARROW --qkv_layout=heads"  # 2026-12-06: -7.6% and -5.1% a step
-  # the layer stack unrolled (2026-12-06: -10.5%, -1.9% and -7.4% a step; compiles 41, 73 and 49 s); gpt2_350m
-  # without remat in 2 micro-batches of 8 (367.9 ms against 439.8 with save_dot_except_mlp in one batch of 16);
-  # llama_v5e in 4 sequences, not the preset's 2 (31,959 tokens/s against 29,588; 12.2 GiB of XLA's memory)
-  RUNS=("gpt2_125m --batch_size=16 $BF16 $FAST --scan_unroll=12"
-        "gpt2_350m --batch_size=16 $BF16 --remat=none --grad_accum=2 $FAST --scan_unroll=24"
-        "llama_v5e --batch_size=4 $BF16 --remat=none $FAST --scan_unroll=14")
+  # the best configuration of each preset (BENCHMARKS.md, "TPU"), each benchmarked, then profiled: the fast
+  # path's, with no speed flag (2026-12-06 with them by hand: bf16 logits, norms and the heads layout -7.6% and
+  # -5.1% a step; the stack unrolled -10.5%, -1.9% and -7.4%, compiles 41, 73 and 49 s; gpt2_350m without remat
+  # in 2 micro-batches of 8, 367.9 ms against 439.8 with save_dot_except_mlp in one batch of 16; llama_v5e in 4
+  # sequences, not the preset's 2, 31,959 tokens/s against 29,588)
+  RUNS=("gpt2_125m --batch_size=16" "gpt2_350m --batch_size=16" "llama_v5e")
   STEPS=(--steps=10 --warmup=3)
   TESTS=(tests/test_splash.py)  # the kernel against the reference (the twins need 8 devices)
-  # int8 beside bf16's best, in the same 4 sequences (2026-12-06: 211.7 against 256.3 ms; in 2, 111.2 against 138.3)
-  INT8_DW="llama_v5e --batch_size=4 $BF16 --remat=none $NARROW --scan_unroll=14 --quantization=int8_dw"
-  for preset in ${INT8_PRESETS:-llama_v5e}; do
+  # int8 beside bf16's best, in the same 4 sequences (2026-12-06: 211.7 against 256.3 ms; in 2, 111.2 against 138.3);
+  # quantized, the fast path keeps the tokens layout (the heads layout's einsums are not quantized)
+  INT8_DW="llama_v5e --quantization=int8_dw"
+  for preset in ${INT8_PRESETS:-llama_v5e}; do  # each pair in the tokens layout, int8's
     case $preset in
-      gpt2_125m) int8_runs "gpt2_125m --batch_size=16 $BF16 $NARROW --scan_unroll=12" ;;
-      llama_v5e) int8_runs "llama_v5e $BF16 --remat=none $NARROW --scan_unroll=14" ;;
+      gpt2_125m) int8_runs "gpt2_125m --batch_size=16 --qkv_layout=tokens" ;;
+      llama_v5e) int8_runs "llama_v5e --batch_size=2 --qkv_layout=tokens" ;;
       *) echo "INT8_PRESETS: unknown preset $preset (gpt2_125m, llama_v5e)" >&2; exit 2 ;;
     esac
   done
@@ -134,7 +133,7 @@ for run in "${RUNS[@]}"; do
   t_run=$(date +%s)
   echo "== run $i ($(( t_run - T_START )) s into the call): $run" | tee -a "$LOG"
   # shellcheck disable=SC2086
-  timeout "$CAP_S" "$PY" -m launch.bench --preset="$preset" $rest --strategies=single --dtype=bfloat16 \
+  timeout "$CAP_S" "$PY" -m launch.bench --preset="$preset" $rest --strategies=single \
     "${STEPS[@]}" "${PROFILE_FLAG[@]}" --json="$OUT/run$i.json" --markdown="$OUT/run$i.md.tmp" 2>&1 | grep -v "^[WI]0000" \
     | tee "$OUT/run$i.log" | tail -8 | tee -a "$LOG" || echo "run $i ($run): failed or timed out" | tee -a "$LOG"
   # the process's whole time beside its own phases (run<i>.log: peaks, lowering, compile, init, steps)

@@ -23,6 +23,17 @@ MUTANTS: list[Mutant] = [
            "tokens[len(tokens) - n_val :]",
            "tokens[len(tokens) - n_val - 1 :]",
            (DATA,), "validation split shares one token with the training split"),
+    # --- the fast path on a TPU (twinshard/hardware/fast_path.py)
+    Mutant("fast-path-off-a-tpu-too", "fast_path", "twinshard/hardware/fast_path.py",
+           'if platform != "tpu":', 'if platform == "none":',
+           ("tests/test_fast_path.py",), "the TPU's options change CPU runs' numerics"),
+    Mutant("fast-path-given-flag-loses", "fast_path", "twinshard/hardware/fast_path.py",
+           "        if c.name not in given:\n", "        if True:\n",
+           ("tests/test_fast_path.py",), "a flag the user gave is overwritten by the fast path's choice"),
+    Mutant("splash-block-ignores-vmem", "fast_path", "twinshard/config.py",
+           "max((b for b in splash_fitting(t, head_dim, vmem_limit_kib) if b <= cap)",
+           "max((b for b in splash_blocks(t) if b <= cap)",
+           ("tests/test_fast_path.py",), "the automatic splash block overflows the chip's VMEM at head_dim 256"),
     # --- launch.bench --profile and tools/step_profile.py --trace_dir (tools/tpu_bench.sh's profiles)
     Mutant("bench-profile-flag-ignored", "profile", "launch/bench.py",
            "    if where:\n        state = measure.trace_steps(",

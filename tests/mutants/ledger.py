@@ -126,8 +126,8 @@ MUTANTS: list[Mutant] = [
            "cuDNN flash attention is charged the recompute kernel's 2 [b, H, T, T] f32 arrays (64 GiB per "
            "H100 for Llama-3-8B at T = 8192: no plan fits)"),
     Mutant("memory-auto-cudnn-in-float32", "memory", SRC_COST_MEMORY,
-           'return "cudnn" if gpu and cfg.dtype == "bfloat16" else "recompute"',
-           'return "cudnn" if gpu else "recompute"',
+           'return "cudnn" if gpu and half else "splash" if tpu and half else "recompute"',
+           'return "cudnn" if gpu else "splash" if tpu and half else "recompute"',
            (PLAN + "::test_cudnn_flash_attention_keeps_no_t_by_t_array_on_a_gpu",),
            "attention auto on a GPU in float32 is taken for cuDNN flash attention (bf16/fp16 only)"),
     Mutant("memory-params-always-float32", "memory", SRC_COST_MEMORY,

@@ -35,7 +35,7 @@ class CausalSelfAttention(nnx.Module):
         self.output_proj = Linear(hd, d, ("heads", "embed"), rngs=rngs, dtype=cfg.dtype)
         self.head_dim, self.theta, self.max_len = cfg.head_dim, cfg.rope_theta, cfg.context_length
         self.dtype, self.attention = cfg.dtype, cfg.attention
-        self.splash = layers.Splash(cfg.attention_block, cfg.splash_fused_bwd)  # handed down as `block`
+        self.splash = layers.Splash(cfg.splash_block, cfg.splash_fused_bwd)  # handed down as `block`
         self.heads_layout = cfg.qkv_layout == "heads"
 
     def weights(self, par: Parallelism = SINGLE_DEVICE) -> tuple[Array, Array, Array, Array]:

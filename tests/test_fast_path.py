@@ -1,0 +1,165 @@
+"""The fast path (twinshard/hardware/fast_path.py): what a run does on a TPU unless a flag says otherwise,
+tested as the pure function it is (platform 'tpu' given by hand: no chip here), and the splash block that
+fits the chip's scoped VMEM at every head_dim (twinshard.config.splash_block, splash_vmem_bytes)."""
+
+import dataclasses
+
+import pytest
+
+from twinshard.config import PRESETS, ModelConfig, preset, splash_block, splash_fitting, splash_vmem_bytes
+from twinshard.hardware import fast_path
+
+V5E = ("tpu", "TPU v5 lite")  # jax's device_kind of a v5e
+MiB = 2 ** 20
+BF16_NUMERICS = {"weight_dtype": "bfloat16", "logits_dtype": "compute", "norm_dtype": "compute"}
+
+
+def chosen(name: str, given: dict | None = None, where=V5E, strategy: str = "single", **kw) -> dict:
+    """name -> value of every option the fast path sets for preset `name` with the `given` flags applied."""
+    return {c.name: c.value for c in path(name, given, where, strategy, **kw).choices}
+
+
+def path(name: str, given: dict | None = None, where=V5E, strategy: str = "single", shape_given: bool = False):
+    given = given or {}
+    cfg = preset(name)
+    model = {k: v for k, v in given.items() if k in {f.name for f in dataclasses.fields(ModelConfig)}}
+    train = {k: v for k, v in given.items() if k not in model}
+    cfg = type(cfg)(dataclasses.replace(cfg.model, **model), dataclasses.replace(cfg.train, **train))
+    return fast_path.choose(*where, cfg, name, given, strategy, shape_given)
+
+
+# What tools/tpu_bench.sh ran each preset with (BENCHMARKS.md, "TPU (one v5e)"), at the preset's batch
+TPU_BENCH = {
+    "gpt2_125m": {"dtype": "bfloat16", **BF16_NUMERICS, "qkv_layout": "heads", "scan_unroll": 12,
+                  "grad_accum": 4},  # 64 sequences as 4 micro-batches of 16
+    "gpt2_350m": {"dtype": "bfloat16", **BF16_NUMERICS, "qkv_layout": "heads", "scan_unroll": 24,
+                  "grad_accum": 8},  # the preset's remat is none already; micro-batches of 8
+    "llama_v5e": {**BF16_NUMERICS, "qkv_layout": "heads", "scan_unroll": 14, "remat": "none", "batch_size": 4},
+}
+
+
+@pytest.mark.parametrize("name", TPU_BENCH)
+def test_each_preset_on_a_v5e_gets_what_tpu_bench_measured_best(name):
+    assert chosen(name) == TPU_BENCH[name]
+
+
+def test_a_given_batch_is_split_into_the_measured_micro_batch_not_changed():
+    assert chosen("gpt2_125m", {"batch_size": 16}).get("grad_accum") is None  # 16 is one micro-batch
+    assert chosen("gpt2_350m", {"batch_size": 16})["grad_accum"] == 2  # 2 micro-batches of 8
+    got = chosen("llama_v5e", {"batch_size": 8})
+    assert "batch_size" not in got and got["grad_accum"] == 2 and got["remat"] == "none"
+    # 6 sequences do not split into 4s: no remat was measured at a micro-batch of 6, the preset's full stays
+    assert "remat" not in chosen("llama_v5e", {"batch_size": 6})
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_off_a_tpu_nothing_changes(name):
+    for where in (("cpu", "cpu"), ("gpu", "NVIDIA H100 80GB HBM3")):
+        got = path(name, where=where)
+        assert got.choices == () and got.lines() == [] and got.cfg == preset(name)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_on_a_tpu_builds_a_valid_config_with_a_reason_per_choice(name):
+    got = path(name)
+    assert got.choices and all(c.why for c in got.choices)
+    assert got.lines()[0].startswith("fast path on tpu v5e: ") and "\n" not in got.lines()[0]
+    for c in got.choices:
+        assert f"{c.name}={c.value} (" in got.lines()[0]
+        assert getattr(got.cfg.model, c.name, None) == c.value or getattr(got.cfg.train, c.name) == c.value
+
+
+def test_a_given_flag_wins_and_says_so_in_one_line():
+    got = path("gpt2_125m", {"logits_dtype": "float32", "qkv_layout": "heads"})
+    assert got.cfg.model.logits_dtype == "float32" and got.cfg.model.norm_dtype == "compute"
+    assert got.overruled == ("--logits_dtype=float32 wins over the fast path's logits_dtype=compute (no float32 "
+                             "[tokens, V] logits: -4.3% a step on gpt2_125m).",)  # heads agrees: no line
+    # float32 compute given: the bf16 options do not apply, and nothing else says they were overruled
+    got = path("gpt2_125m", {"dtype": "float32"})
+    assert got.cfg.model.dtype == "float32" and got.cfg.model.weight_dtype == "float32"
+    assert [line.split(" wins")[0] for line in got.overruled] == ["--dtype=float32"]
+    assert got.cfg.model.scan_unroll == 12  # the program's options stay
+    got = path("llama_v5e", {"remat": "full", "batch_size": 2})
+    assert (got.cfg.model.remat, got.cfg.train.batch_size) == ("full", 2) and len(got.overruled) == 2
+
+
+def test_what_was_measured_on_one_chip_stays_off_a_mesh_and_off_other_shapes():
+    assert chosen("gpt2_125m", strategy="fsdp") == {"dtype": "bfloat16", **BF16_NUMERICS}
+    got = chosen("llama_v5e", shape_given=True)  # a shape flag: the preset's measured batch is not this model's
+    assert "remat" not in got and "batch_size" not in got and got["qkv_layout"] == "heads"
+    got = chosen("llama_v5e", where=("tpu", "TPU v5p"))  # measured on a v5e's 16 GiB
+    assert "remat" not in got and "batch_size" not in got
+
+
+def test_int8_keeps_the_tokens_layout_and_deep_stacks_stay_scanned():
+    assert "qkv_layout" not in chosen("llama_v5e", {"quantization": "int8_dw"})
+    assert "scan_unroll" not in chosen("llama3_8b")  # 32 layers: past the 24 measured to compile in 73 s
+    assert chosen("llm_1b")["scan_unroll"] == 20
+    assert "scan_unroll" not in chosen("gpt2_125m", {"scan_unroll": 2})
+
+
+# ----------------------------------------------------------------------------- the splash block and VMEM
+
+# XLA:TPU's compile errors (v5e, 16 MiB scoped VMEM): (block, head_dim, MiB needed, where measured)
+# (the forward kernel's figures are lower bounds: the dkv kernel of the same block needs more)
+REFUSED = [(1024, 256, 16.39, "dkv kernel, MHA 20 heads, maxtext_v5e_16b on the chip"),
+           (1024, 256, 17.52, "dkv kernel, MQA, the 160M shape at 8 sequences on the chip"),
+           (2048, 128, 19.89, "forward kernel, AOT for a v5e"), (2048, 256, 21.84, "forward kernel, AOT for a v5e")]
+RAN = [(1024, 128), (512, 256), (512, 64), (1024, 64)]  # llama_v5e, the 160M shape, gpt2_125m (T 1024)
+
+
+def test_the_vmem_model_refuses_every_block_the_chip_refused_and_fits_every_one_it_ran():
+    for block, dh, mib, _ in REFUSED:
+        assert splash_vmem_bytes(block, dh) >= mib * MiB * 0.999 and splash_vmem_bytes(block, dh) > 16 * MiB
+    for block, dh in RAN:
+        assert splash_vmem_bytes(block, dh) <= 16 * MiB
+
+
+def test_the_automatic_block_fits_at_every_head_dim_and_keeps_the_measured_fastest():
+    # the 160M shape (T 2048, head_dim 256): 512 (1024 overflows; 512 was the faster where both ran)
+    m = ModelConfig(vocab_size=32768, context_length=2048, d_model=1024, num_layers=8, num_heads=4, num_kv_heads=1,
+                    d_ff=3072, dtype="bfloat16")
+    assert m.splash_block == 512 and splash_block(2048, 0, 256) == 512
+    assert splash_block(2048, 0, 128) == 1024 and splash_block(1024, 0, 64) == 512  # as measured before
+    assert splash_block(32) == 128 and splash_block(4096, 0, 512) == 512
+    for dh in (64, 128, 256, 512, 1024):
+        assert splash_vmem_bytes(splash_block(4096, 0, dh), dh) <= 16 * MiB
+    # a raised limit lets more blocks fit; the automatic cap (1024) still holds
+    assert 2048 in splash_fitting(2048, 128, 98304) and 2048 not in splash_fitting(2048, 128)
+    assert dataclasses.replace(m, xla_tpu_scoped_vmem_limit_kib=98304).splash_block == 1024
+    assert dataclasses.replace(m, attention_block=1024).splash_block == 1024  # by hand: kept
+
+
+def test_a_block_set_by_hand_over_vmem_gets_one_line_naming_the_largest_that_fits():
+    shape = {"d_model": 1024, "num_heads": 4, "num_kv_heads": 1, "d_ff": 3072}
+    got = path("llama_v5e", {**shape, "attention_block": 1024}, shape_given=True)
+    (line,) = [x for x in got.overruled if "attention_block" in x]
+    assert "--attention_block=1024 at head_dim 256 needs ~17.8 MiB" in line and "--attention_block=512" in line
+    assert got.cfg.model.attention_block == 1024  # the flag is kept
+    assert not [x for x in path("llama_v5e", {**shape, "attention_block": 512}, shape_given=True).overruled
+                if "attention_block" in x]
+
+
+def test_the_launchers_pass_the_flags_given_and_log_the_choices(monkeypatch):
+    """launch.common.fast_path: the flags on the command line are `given` (a default is not), a shape flag
+    drops the preset's measured batch, and on this CPU nothing changes."""
+    import jax
+    from absl import flags
+
+    from launch import common
+
+    common.define_model_flags()
+    flags.FLAGS(["prog", "--preset=llama_v5e", "--logits_dtype=float32"])
+    try:
+        cfg, lines = common.config_from_flags(flags.FLAGS), []
+        assert common.fast_path(cfg, flags.FLAGS, "single", lines.append) == cfg and lines == []  # CPU
+        chip = type("Device", (), {"platform": "tpu", "device_kind": "TPU v5 lite"})()
+        monkeypatch.setattr(jax, "devices", lambda *a: [chip])
+        got = common.fast_path(cfg, flags.FLAGS, "single", lines.append)
+        assert (got.model.logits_dtype, got.model.remat, got.train.batch_size) == ("float32", "none", 4)
+        assert lines[0].startswith("fast path on tpu v5e: ") and lines[1].startswith("--logits_dtype=float32 wins")
+        flags.FLAGS(["prog", "--preset=llama_v5e", "--d_model=1024"])
+        got = common.fast_path(common.config_from_flags(flags.FLAGS), flags.FLAGS, "single", lines.append)
+        assert (got.model.remat, got.train.batch_size) == ("full", 2)
+    finally:
+        flags.FLAGS.unparse_flags()
