@@ -15,6 +15,7 @@ import pathlib
 import pytest
 
 from twinshard import hlo
+from twinshard.hlo.schedule import phase
 
 SNIPPETS = pathlib.Path(__file__).parent / "hlo_snippets"
 MESH = {"data": 2, "tensor": 4}  # partition id = 4 data + tensor
@@ -196,3 +197,48 @@ def test_an_unscheduled_module_is_read_in_printed_order_with_a_warning(name):
     assert not sched.scheduled and sched.warnings == [
         "the module is not scheduled (no is_scheduled=true): the printed order is read as the order"]
     assert [as_rows(s) for s in sched.sequences.values()] == [as_rows(s) for s in read(name).sequences.values()]
+
+
+# An all-gather over tensor whose done is not in ENTRY, issued before three matmuls, the last of them ENTRY's
+# ROOT (not a free tuple): the carried window holds every instruction after its start, the last one too.
+CARRIED_TO_A_COMPUTING_ROOT = """HloModule carried_to_root, is_scheduled=true, num_partitions=8
+
+ENTRY %main (p: f32[4,4], a: f32[64,64]) -> f32[64,64] {
+  %p = f32[4,4]{1,0} parameter(0)
+  %a = f32[64,64]{1,0} parameter(1)
+  %ag-start = (f32[4,4]{1,0}, f32[16,4]{1,0}) all-gather-start(%p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %mm1 = f32[64,64]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %one = f32[] constant(1)
+  %mm2 = f32[64,64]{1,0} dot(%mm1, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %mm3 = f32[64,64]{1,0} dot(%mm2, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_a_carried_window_runs_to_its_computations_last_instruction_when_that_one_computes():
+    """The loop-carried fixtures end in a ROOT tuple, which is free; here the ROOT is a matmul: the open
+    window holds mm1, mm2 and mm3 (not the constant), and it closes at the last position."""
+    sched = hlo.schedule(CARRIED_TO_A_COMPUTING_ROOT, MESH)
+    assert as_rows(sched.entry) == {"ag-start": ("", "all-gather", ("tensor",), ("mm1", "mm2", "mm3"), (), True)}
+    (window,) = sched.entry.windows
+    assert (window.issue, window.done) == (2, 6)  # p, a, ag-start, mm1, one, mm2, mm3
+    each_record_in_one_window(sched)
+
+
+# op_name metadata as JAX writes it, by construction: the backward pass's ops are the transposes of the
+# forward's jvp, so their names hold both `transpose(` and `jvp(`; the forward's hold `jvp(` only.
+PHASES = [
+    ("jit(train_step)/jit(main)/transpose(jvp(block))/dot_general", "backward"),
+    ("jit(train_step)/transpose(jvp(jit(loss)))/reduce_sum", "backward"),
+    ("jit(step)/jit(main)/jvp(jit(checkpoint))/transpose(jvp(attn))/mul", "backward"),
+    ("jit(train_step)/jit(main)/jvp(block)/dot_general", "forward"),
+    ("jit(train_step)/jvp(jit(loss))/log_softmax", "forward"),
+    ("jit(train_step)/jit(main)/adamw/mul", "other"),
+    ("jit(f)/jit(main)/transpose", "other"),  # a transpose op, not a transposed function
+    ("", "other"),
+]
+
+
+@pytest.mark.parametrize("op_name, want", PHASES)
+def test_the_phase_of_each_op_name_shape(op_name, want):
+    assert phase(op_name) == want
