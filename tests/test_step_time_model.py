@@ -62,6 +62,38 @@ rhs_contracting_dims={1}
     assert f32.compute_s == pytest.approx(op.flops / 1e9)
 
 
+
+def test_each_unfused_op_kind_moves_its_own_bytes():
+    """Bytes by hand, f32 = 4 bytes: an elementwise op reads its operands and writes its result; a slice
+    (static, dynamic, gather) reads and writes only what it returns; an in-place update (dynamic-update-slice,
+    scatter) reads and writes only its update, never the whole buffer it writes into."""
+    text = """HloModule m, is_scheduled=true
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (buf: f32[64,32], upd: f32[2,32], i: s32[], idx: s32[2,1]) -> f32[64,32] {
+  %buf = f32[64,32]{1,0} parameter(0)
+  %upd = f32[2,32]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %idx = s32[2,1]{1,0} parameter(3)
+  %z = s32[] constant(0)
+  %sum = f32[64,32]{1,0} add(%buf, %buf)
+  %sl = f32[8,32]{1,0} slice(%sum), slice={[0:8], [0:32]}
+  %ds = f32[4,32]{1,0} dynamic-slice(%sum, %i, %z), dynamic_slice_sizes={4,32}
+  %dus = f32[64,32]{1,0} dynamic-update-slice(%sum, %upd, %i, %z)
+  ROOT %sc = f32[64,32]{1,0} scatter(%dus, %idx, %upd), update_window_dims={1}, inserted_window_dims={0}, \
+scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+"""
+    r = hlo.Rates("test", {"float32": 1e9}, 1e9)
+    got = {op.name: op.bytes for op in hlo.predict(text, r).ops if op.computation == "main"}
+    buf, upd = 64 * 32 * 4, 2 * 32 * 4
+    assert got == {"sum": 3 * buf, "sl": 2 * 8 * 32 * 4, "ds": 2 * 4 * 32 * 4, "dus": 2 * upd, "sc": 2 * upd}
+
+
 # (kind, axes, result rows) -> ring bytes by hand: f32[rows,4] is 16 x rows bytes; group of 4 on tensor, 2 on data
 RING_BYTES = [
     ("all-gather", ("tensor",), 16, 3 / 4 * 256),  # (n-1)/n of the gathered result
