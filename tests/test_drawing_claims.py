@@ -72,6 +72,7 @@ def test_the_drawing_is_one_iteration_of_each_loop(predictions):
 def test_compute_boxes_are_the_ops_back_to_back(predictions):
     """Each compute box is a run of ops of one kind and phase: as wide as their seconds, their FLOPs and bytes
     summed; the boxes never overlap, and all of them together are every op's time once per drawn run."""
+    longer_runs = 0  # boxes of several ops whose bytes differ: where a box's bytes are not its first op's
     for pred in predictions:
         boxes, length = draw.boxes(pred)
         compute = sorted((b for b in boxes if b.lane == "compute"), key=lambda b: b.start_s)
@@ -85,10 +86,13 @@ def test_compute_boxes_are_the_ops_back_to_back(predictions):
             assert int(data["ops"]) == len(run) and {(o.kind, o.phase) for o in run} == {(b.kind, b.phase)}
             assert close(b.end_s - b.start_s, sum(o.seconds for o in run))
             assert float(data["flops"]) == pytest.approx(sum(o.flops for o in run), rel=1e-5)
+            assert float(data["bytes"]) == pytest.approx(sum(o.bytes for o in run), rel=1e-5)
+            longer_runs += len(run) > 1 and len({o.bytes for o in run}) > 1
         for a, b in zip(compute, compute[1:]):
             assert a.end_s <= b.start_s + 1e-12 * length
         drawn_ops = sum(o.seconds for o in pred.ops if o.kind not in ("loop", "collective"))
         assert close(sum(b.end_s - b.start_s for b in compute), drawn_ops)
+    assert longer_runs > 0
 
 
 def test_collective_boxes_span_issue_to_completion_with_their_numbers(predictions):
@@ -176,13 +180,19 @@ def test_the_prediction_table_says_the_models_sums(predictions):
         assert sum(pred.by_kind().values()) == pytest.approx(pred.compute_s)
 
 
-@pytest.mark.parametrize("other", ["manual", "explicit", "both"])
+# a collective only one twin has: a reduce-scatter over tensor ('tensor' groups of schedule_overlap.hlo's mesh)
+EXTRA_REDUCE_SCATTER = ("  %extra = f32[1,4]{1,0} reduce-scatter(%p), channel_id=9, replica_groups={{0,1,2,3},{4,5,6,7}}, "
+                        "use_global_device_ids=true, dimensions={0}, to_apply=%add\n")
+
+
+@pytest.mark.parametrize("other", ["manual", "explicit", "extra", "both"])
 def test_the_side_by_side_table_totals_its_rows(other):
     """launch.collectives.side_by_side: each (op, axes) row is each twin's and the model's count and bytes;
     each TOTAL row sums its axes' rows; a row is marked exactly where the twins differ from each other or
     from the model, naming the twins that differ from it. Twins read from schedule_overlap.hlo: as written
     (also the model) beside one without its all-reduce over tensor (another count), one with that all-reduce
-    twice as large (the same count, other bytes), or both."""
+    twice as large (the same count, other bytes), one with a reduce-scatter over tensor the model lacks (its
+    own row, every twin's (op, axes) is one), or all three."""
     from launch.collectives import side_by_side
     from twinshard.cost import human
 
@@ -194,15 +204,19 @@ def test_the_side_by_side_table_totals_its_rows(other):
              "manual": hlo.ledger(text.replace(sync, "%sync = f32[4,4]{1,0} add(%cp-done, %cp-done)").replace(
                  ", channel_id=5, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add",
                  ""), mesh),
-             "explicit": hlo.ledger(text.replace(sync, "%sync = f32[8,4]{1,0} all-reduce(%q)"), mesh)}
+             "explicit": hlo.ledger(text.replace(sync, "%sync = f32[8,4]{1,0} all-reduce(%q)"), mesh),
+             "extra": hlo.ledger(text.replace("  ROOT %out", EXTRA_REDUCE_SCATTER + "  ROOT %out"), mesh)}
     model = twins["auto"]
     assert len(twins["manual"]) == len(model) - 1 and len(twins["explicit"]) == len(model)
+    assert len(twins["extra"]) == len(model) + 1 and ("reduce-scatter", ("tensor",)) not in model.summary()
     twins = {impl: led for impl, led in twins.items() if impl in ("auto", other) or other == "both"}
     results = [{"impl": impl, "ledger": led, "model": model} for impl, led in twins.items()]
     rows = [line.split("|") for line in side_by_side(results).splitlines()[2:]]
     summaries = [led.summary() for led in twins.values()] + [model.summary()]
     totals: dict[str, list[list[int]]] = {}
     marked = 0
+    listed = {(row[0].split()[0], row[0].split()[1]) for row in rows if not row[0].startswith("TOTAL")}
+    assert listed == {(op, ",".join(axes) or "-") for s in summaries for op, axes in s}
     for row in rows:
         op, axes = row[0].split()
         cells = [[int(c.split(None, 1)[0]), c.split(None, 1)[1].strip()] for c in row[1:-1]]
@@ -220,4 +234,6 @@ def test_the_side_by_side_table_totals_its_rows(other):
                          + ([f"{', '.join(off)} differ{'s' * (len(off) == 1)} from the model"] if off else []))
         assert row[-1].strip() == mark
         marked += bool(mark)
-    assert totals == {} and marked == 2  # a TOTAL row for every axes; marked: the tensor all-reduce and its TOTAL
+    # a TOTAL row for every axes; marked: the tensor TOTAL and the row that differs (both: the all-reduce and the
+    # reduce-scatter over tensor)
+    assert totals == {} and marked == (3 if other == "both" else 2)
