@@ -244,3 +244,35 @@ def test_expect_sharding_matches_refuses_another_spec_and_an_axis_the_mesh_lacks
         with pytest.raises(ValueError) as err:
             expect_sharding(x, spec)
         assert unknown in str(err.value) and "('data', 'tensor')" in str(err.value), str(err.value)
+
+
+# Collectives the parser cannot read (a replica-group form it does not know, a permute without its pairs),
+# written by hand as the full HLO lines a compiled module prints, beside one it reads.
+WITH_UNPARSED = """HloModule unparsed, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (p: f32[4,4]) -> (f32[4,4], f32[16,4], f32[4,4]) {
+  %p = f32[4,4]{1,0} parameter(0)
+  %good = f32[4,4]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+  %hidden-gather = f32[16,4]{1,0} all-gather(%p), channel_id=2, replica_groups=weird(3), dimensions={0}
+  %hidden-permute = f32[4,4]{1,0} collective-permute(%p), channel_id=3
+  ROOT %out = (f32[4,4]{1,0}, f32[16,4]{1,0}, f32[4,4]{1,0}) tuple(%good, %hidden-gather, %hidden-permute)
+}
+"""
+
+
+def test_expect_no_collective_refuses_to_pass_over_an_unparsed_line_of_that_op() -> None:
+    """An unparsed line holding the op may be one: expect_no_collective of that op (or of any collective)
+    raises saying so; of an op no line holds (parsed or not) it passes."""
+    led = hlo.ledger(WITH_UNPARSED, {"data": 2, "tensor": 4})
+    assert [r.name for r in led] == ["good"] and len(led.unparsed) == 2
+    for op, hidden in (("all-gather", 1), ("collective-permute", 1), (None, 2), (("all-to-all", "all-gather"), 1)):
+        with pytest.raises(AssertionError, match=f"cannot assert no .*: {hidden} collective-looking HLO line"):
+            expect_no_collective(led, op)
+    for op in ("all-to-all", "reduce-scatter"):
+        expect_no_collective(led, op)
