@@ -183,3 +183,38 @@ def test_the_cli_defaults_under_jaxs_global_configuration(tmp_path) -> None:
                                                chips.efficiency(topo.chip).matmul_efficiency)[0], "serial")
     assert [(p["strategy"], p["serial_s"], p["memory"]["total"]) for p in doc["plans"] if p["rank"]] == [
         (p.strategy, p.serial_s, p.memory) for p in fit]
+
+
+# ----------------------------------------------------------------------------- what the options change
+
+
+@pytest.mark.parametrize("dtype, peak_of", [("float32", lambda chip: chip.tf32), ("bfloat16", lambda chip: chip.bf16)])
+def test_each_dtype_computes_at_its_own_peak(dtype: str, peak_of) -> None:
+    """On an H100 (TF32 494.7 TFLOP/s, bf16 989.4 from the chip table) a float32 model's matmuls run at
+    TF32's rate and a bfloat16 one's at bf16's: every plan's compute seconds are its FLOPs per chip over
+    that peak x mfu (x the pipeline's bubble factor)."""
+    model, topo, mfu = dataclasses.replace(preset("tiny").model, dtype=dtype), links.parse_topology("h100:1x4"), 0.5
+    assert topo.chip.tf32 != topo.chip.bf16
+    plans, _ = plans_lib.plan_all(model, topo, 8, mfu=mfu)
+    assert plans
+    for p in plans:
+        bubble = plans_lib.pipeline_factor(p.microbatches, p.mesh["stage"], p.schedule) if "stage" in p.mesh else 1.0
+        want = plans_lib._flops_per_chip(p.cost) / (peak_of(topo.chip) * 1e12 * mfu) * bubble
+        assert p.compute_s == pytest.approx(want, rel=1e-12), p.strategy
+
+
+def test_each_precision_setting_is_in_every_plans_memory() -> None:
+    """plan_all with bfloat16 params (and gradients), bfloat16 moments and a float32 master copy: each plan is
+    the one evaluate gives with that precision, its memory smaller than the float32 default's; dp's per chip
+    by hand: 2 + 2 + 2 x 2 + 4 = 12 bytes a parameter."""
+    model, topo = preset("tiny").model, links.parse_topology("v5e:2x2")
+    low = Precision("bfloat16", "bfloat16", True)
+    plans, _ = plans_lib.plan_all(model, topo, 8, precision=low)
+    default = {(p.strategy, tuple(p.mesh.items()), p.schedule): p for p in plans_lib.plan_all(model, topo, 8)[0]}
+    for p in plans:
+        assert p == plans_lib.evaluate(model, topo, p.strategy, p.mesh, 8, precision=low,
+                                       microbatches=p.microbatches, schedule=p.schedule)
+        assert p.memory < default[p.strategy, tuple(p.mesh.items()), p.schedule].memory, p.strategy
+    dp, n = next(p for p in plans if p.strategy == "dp"), model.num_params()
+    m = dp.cost.memory
+    assert (m.params, m.grads, m.optimizer, m.master) == (2 * n, 2 * n, 4 * n, 4 * n)
