@@ -16,6 +16,7 @@ import pytest
 from absl import flags
 
 from launch import bench, common
+from twinshard.hardware import chips
 from twinshard.hardware.measure import p25
 
 FLAGS = flags.FLAGS
@@ -59,8 +60,29 @@ def test_writes_every_field(doc):
         assert math.isfinite(r["loss_first"]) and math.isfinite(r["loss_last"]) and r["profile"] is None
         assert r["memory"]["xla"]["peak_estimate"] > 0 and r["memory"]["model"]["total"] > 0
         assert 0 < r["fraction_of_measured_peak"]
+        # 8 simulated devices share this one machine: MFU over one machine's measured peak, not 8 of them
+        assert r["peak"] == {"dtype": "float32", "flops_per_s": doc["peaks"]["float32"]["flops_per_s"]}
+        assert r["fraction_of_measured_peak"] == pytest.approx(r["model_flops_per_s"] / r["peak"]["flops_per_s"])
     md = doc["_markdown"]
     assert "| fsdp/manual | data:8,tensor:1 |" in md and "--preset=tiny" in doc["command"]
+
+
+def test_mfu_divides_by_one_machines_peak_on_a_cpu_and_by_every_chips_on_a_tpu():
+    """add_ratios by hand: 8 simulated CPU devices at 3 GFLOP/s of model FLOPs over the machine's measured
+    5 GFLOP/s f32 peak (a bfloat16 model too: the CPU measured no bf16 peak) is 0.6; 4 v5e chips at 400
+    TFLOP/s over 4 x the one chip's measured 150 TFLOP/s bf16 peak is 2/3, over 4 x its nominal 197 TFLOP/s
+    400/788."""
+    for dtype in ("float32", "bfloat16"):
+        cpu = {"n_devices": 8, "model_flops_per_s": 3e9}
+        bench.add_ratios(cpu, None, {"float32": {"flops_per_s": 5e9}}, None, "cpu", dtype)
+        assert cpu["peak"] == {"dtype": "float32", "flops_per_s": 5e9} and cpu["fraction_of_measured_peak"] == 0.6
+        assert "mfu_nominal" not in cpu
+    tpu = {"n_devices": 4, "model_flops_per_s": 4e14}
+    peaks = {"float32": {"flops_per_s": 1e14}, "bfloat16": {"flops_per_s": 1.5e14}}
+    bench.add_ratios(tpu, None, peaks, chips.chip("v5e"), "tpu", "bfloat16")
+    assert tpu["peak"] == {"dtype": "bfloat16", "flops_per_s": 6e14}
+    assert tpu["fraction_of_measured_peak"] == pytest.approx(2 / 3)
+    assert tpu["mfu_nominal"] == pytest.approx(400 / 788)
 
 
 def test_model_flops_are_the_hand_count(doc):
