@@ -132,3 +132,19 @@ def test_gradient_reduce_scatters_stay_reduce_scatters_and_asynchronous_with_the
     scattered = [w for w in after if w.op == "reduce-scatter"]
     assert len(scattered) == 2 and all(not w.synchronous and w.inside for w in scattered)
     assert not [w for w in after if w.op == "all-reduce" and 192 in w.records[0].shape]
+
+
+def test_the_reported_options_are_the_jits_and_those_given_to_the_compile():
+    """launch.collectives' record of the step's XLA options (step_options): those the jit was given, then those
+    given only to the compile (a --topology's compile_for_pod options), the compile's value where both name one.
+    Lowered on the host's CPU, never compiled: the names are only read back."""
+    from launch.collectives import step_options
+
+    jitted = jax.jit(lambda x: x + 1, compiler_options={"xla_from_the_jit": "1", "xla_in_both": "jit"})
+    lowered = jitted.lower(jax.ShapeDtypeStruct((4,), jnp.float32))
+    assert step_options(lowered, None) == step_options(lowered, {}) == {"xla_from_the_jit": "1", "xla_in_both": "jit"}
+    at_compile = {"xla_at_compile_only": 32768, "xla_in_both": "compile"}
+    assert step_options(lowered, at_compile) == {"xla_from_the_jit": "1", "xla_in_both": "compile",
+                                                 "xla_at_compile_only": "32768"}
+    plain = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((4,), jnp.float32))
+    assert step_options(plain, {"xla_at_compile_only": "true"}) == {"xla_at_compile_only": "true"}
