@@ -188,7 +188,8 @@ def test_the_cli_defaults_under_jaxs_global_configuration(tmp_path) -> None:
 # ----------------------------------------------------------------------------- what the options change
 
 
-@pytest.mark.parametrize("dtype, peak_of", [("float32", lambda chip: chip.tf32), ("bfloat16", lambda chip: chip.bf16)])
+@pytest.mark.parametrize("dtype, peak_of", [("float32", lambda chip: chip.tf32), ("bfloat16", lambda chip: chip.bf16)],
+                         ids=["float32", "bfloat16"])
 def test_each_dtype_computes_at_its_own_peak(dtype: str, peak_of) -> None:
     """On an H100 (TF32 494.7 TFLOP/s, bf16 989.4 from the chip table) a float32 model's matmuls run at
     TF32's rate and a bfloat16 one's at bf16's: every plan's compute seconds are its FLOPs per chip over
