@@ -179,14 +179,14 @@ def _on_tpu(run) -> bool:
 
 def smaller_splash_block(m) -> str:
     """What to pass where the splash block of ModelConfig `m` overflows the scoped VMEM: the largest block
-    below it that twinshard.config.splash_vmem_bytes fits."""
-    from twinshard.config import splash_fitting
+    below it that twinshard.splash_blocks.splash_vmem_bytes fits."""
+    from twinshard.splash_blocks import splash_fitting
 
     block = m.splash_block
     smaller = [b for b in splash_fitting(m.context_length, m.head_dim, m.xla_tpu_scoped_vmem_limit_kib) if b < block]
     fix = f"pass --attention_block={max(smaller)}" if smaller else "no smaller splash block exists"
     return (f"the splash block is {block} at head_dim {m.head_dim}; {fix}, the largest below it that fits "
-            "by twinshard.config.splash_vmem_bytes, or raise --xla_tpu_scoped_vmem_limit_kib")
+            "by twinshard.splash_blocks.splash_vmem_bytes, or raise --xla_tpu_scoped_vmem_limit_kib")
 
 
 def _kernel_of(error: str) -> str:

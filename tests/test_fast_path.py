@@ -1,12 +1,13 @@
 """The fast path (twinshard/hardware/fast_path.py): what a run does on a TPU unless a flag says otherwise,
 tested as the pure function it is (platform 'tpu' given by hand: no chip here), and the splash block that
-fits the chip's scoped VMEM at every head_dim (twinshard.config.splash_block, splash_vmem_bytes)."""
+fits the chip's scoped VMEM at every head_dim (twinshard.splash_blocks.splash_block, splash_vmem_bytes)."""
 
 import dataclasses
 
 import pytest
 
-from twinshard.config import PRESETS, ModelConfig, preset, splash_block, splash_fitting, splash_vmem_bytes
+from twinshard.config import PRESETS, ModelConfig, preset
+from twinshard.splash_blocks import splash_block, splash_fitting, splash_vmem_bytes
 from twinshard.hardware import fast_path
 
 V5E = ("tpu", "TPU v5 lite")  # jax's device_kind of a v5e

@@ -15,6 +15,7 @@ TWINS = ("auto_parallel", "manual_parallel", "explicit_parallel")
 # module (or package prefix) -> its layer; the longest prefix wins
 UNITS = {
     "twinshard.config": "base", "twinshard.field_types": "base", "twinshard.errors": "base",
+    "twinshard.splash_blocks": "base",
     "twinshard.optimizer_state": "base",
     "twinshard.parallel.axes": "axes",
     "twinshard.model": "model",

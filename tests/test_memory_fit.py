@@ -105,7 +105,7 @@ class FakeVmemLowered:
 
 
 def test_a_kernels_vmem_overflow_names_the_kernel_not_the_steps_memory():
-    """... and the largest splash block below the one that overflowed that fits by config.splash_vmem_bytes."""
+    """... and the largest splash block below the one that overflowed that fits by splash_blocks.splash_vmem_bytes."""
     head_dim_256 = dataclasses.replace(BASE.model, context_length=2048, d_model=512, num_heads=2, attention_block=1024)
     with pytest.raises(ValueError) as e:
         fit.compile_checked(FakeVmemLowered(), single_run(dataclasses.replace(BASE, model=head_dim_256)))

@@ -25,7 +25,8 @@ import pytest
 
 import suite
 from launch import fit
-from twinshard.config import Config, ModelConfig, TrainConfig, preset, splash_block
+from twinshard.config import Config, ModelConfig, TrainConfig, preset
+from twinshard.splash_blocks import splash_block
 from twinshard.model import layers
 from twinshard.train.trainer import SingleDevice
 

@@ -28,7 +28,8 @@ from runners import CFG, MESHES
 from traced import gradient_step_equations
 from launch import fit
 from twinshard import cost
-from twinshard.config import Config, splash_block
+from twinshard.config import Config
+from twinshard.splash_blocks import splash_block
 from twinshard.parallel.resolve import single_run
 from twinshard.hardware import topology
 from twinshard.model import layers
@@ -212,7 +213,7 @@ def test_scoped_vmem_limit_lets_blocks_of_2048_compile():
 @needs_libtpu
 def test_the_automatic_block_at_head_dim_256_compiles_for_a_v5e():
     """The 160M shape's attention (T 2048, 4 query heads, one kv head of 256): the automatic block is 512
-    (config.splash_vmem_bytes; 1024 overflowed the chip's 16 MiB at 8 sequences) and compiles, forward and
+    (splash_blocks.splash_vmem_bytes; 1024 overflowed the chip's 16 MiB at 8 sequences) and compiles, forward and
     backward, in the default scoped VMEM."""
     (chip,) = topology.devices("v5e:1x1")
     on_chip = jax.sharding.SingleDeviceSharding(chip)

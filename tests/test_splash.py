@@ -29,7 +29,8 @@ import manual_parallel
 import reference
 from runners import CFG, MESHES
 from twinshard import hlo
-from twinshard.config import Config, ModelConfig, splash_block
+from twinshard.config import Config, ModelConfig
+from twinshard.splash_blocks import splash_block
 from twinshard.cost.memory import attention_backward, attention_kernel
 from twinshard.model import layers
 from twinshard.train.trainer import SingleDevice

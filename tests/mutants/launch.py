@@ -30,7 +30,7 @@ MUTANTS: list[Mutant] = [
     Mutant("fast-path-given-flag-loses", "fast_path", "twinshard/hardware/fast_path.py",
            "        if c.name not in given:\n", "        if True:\n",
            ("tests/test_fast_path.py",), "a flag the user gave is overwritten by the fast path's choice"),
-    Mutant("splash-block-ignores-vmem", "fast_path", "twinshard/config.py",
+    Mutant("splash-block-ignores-vmem", "fast_path", "twinshard/splash_blocks.py",
            "max((b for b in splash_fitting(t, head_dim, vmem_limit_kib) if b <= cap)",
            "max((b for b in splash_blocks(t) if b <= cap)",
            ("tests/test_fast_path.py",), "the automatic splash block overflows the chip's VMEM at head_dim 256"),

@@ -490,7 +490,7 @@ MUTANTS: list[Mutant] = [
            "    n = splash_block(t)",
            (f"{OPTIONS}::test_the_splash_block_reaches_the_kernel_and_zero_is_the_shapes_choice", OPTIONS),
            "--attention_block is accepted and checked, but the kernel always runs the automatic block"),
-    Mutant("splash-block-explicit-overridden", "options", SRC_CONFIG,
+    Mutant("splash-block-explicit-overridden", "options", "twinshard/splash_blocks.py",
            "return block or max((b for b in splash_fitting(",
            "return max((b for b in splash_fitting(",
            (f"{OPTIONS}::test_the_splash_block_reaches_the_kernel_and_zero_is_the_shapes_choice", OPTIONS),

@@ -19,7 +19,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from twinshard.config import SCOPED_VMEM_KIB, Config, splash_fitting, splash_vmem_bytes
+from twinshard.config import Config
+from twinshard.splash_blocks import SCOPED_VMEM_KIB, splash_fitting, splash_vmem_bytes
 
 # The deepest stack unrolled on the chip: gpt2_350m's 24 layers compiled in 73 s (12 layers 41 s, 14 49 s).
 UNROLL_MAX_LAYERS = 24
@@ -138,7 +139,7 @@ def _block_over_vmem(m, given: Mapping[str, Any]) -> list[str]:
     fitting = splash_fitting(m.context_length, m.head_dim, m.xla_tpu_scoped_vmem_limit_kib)
     largest = f"--attention_block={max(fitting)}" if fitting else "no block"
     return [f"--attention_block={block} at head_dim {m.head_dim} needs ~{splash_vmem_bytes(block, m.head_dim) / 2**20:.1f} "
-            f"MiB of scoped VMEM by twinshard.config.splash_vmem_bytes, over the chip's {limit / 2**20:g} MiB: the largest "
+            f"MiB of scoped VMEM by twinshard.splash_blocks.splash_vmem_bytes, over the chip's {limit / 2**20:g} MiB: the largest "
             f"block that fits is {largest} (the flag is kept; XLA may refuse to compile it)."]
 
 

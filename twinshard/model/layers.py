@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from twinshard.config import splash_block, splash_padded
+from twinshard.splash_blocks import splash_block, splash_padded
 from twinshard.model import quantize
 from twinshard.model.matmuls import cotangent_like, matmul, partial_sums, varying_axes
 from twinshard.model.tracing import TraceSetting
