@@ -245,7 +245,7 @@ FAST = Config(dataclasses.replace(BF16.model, vocab_size=8192, context_length=51
                                   qkv_layout="heads"), dataclasses.replace(CFG.train, batch_size=32))
 # The cost model's bytes per device over the compiled step's total allocation on a v5e (AOT, libtpu 0.0.50.1),
 # MiB: gpt2_125m 16x1024 bf16 with float32 weights 13,174 / 13,976 (0.94), with the fast path's options (the
-# stack scanned) 8,792 / 8,404 (1.05); issue 55's 160M shape at 8 sequences 7,666 / 6,556 (1.17), unrolled in 2
+# stack scanned) 8,792 / 8,404 (1.05); BENCHMARKS.md's 160M shape at 8 sequences 7,666 / 6,556 (1.17), unrolled in 2
 # micro-batches 8,290 / 5,855 (1.42); FAST here 798 / 572 (1.40). At 8 sequences FAST's is 2.9: the model is
 # loose on small steps. Splash's [T, T] backward or a second bf16 [tokens, V] counted again puts FAST past 1.6.
 MODEL_BOUND = (0.9, 1.6)

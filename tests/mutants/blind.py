@@ -1,4 +1,4 @@
-"""Bugs written blind (issue 53): realistic bugs in the newest code, written by someone who read its source
+"""Bugs written blind: realistic bugs in the newest code, written by someone who read its source
 but not its tests. Each mutant's `tests` were chosen mechanically (`grep -l` of the module's import and
 function names in tests/test_*.py), not by reading the tests, so a `missed` one is a gap the tests were not
 written around. docs/mutation-testing.md, "Bugs written blind", records how many were caught before and

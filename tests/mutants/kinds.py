@@ -1,4 +1,4 @@
-"""Mutants of the kinds issue 53 found slipping, each where it lives: the assertion API's selectors
+"""Mutants of the kinds of bug that slipped past the tests, each where it lives: the assertion API's selectors
 (twinshard/testing.py, hlo/records.py), the planner's ranking and defaults, int8's numeric edges and token
 layouts, each launcher flag's precedence, and the dtypes each precision option promises. Each was
 applied by hand and caught by the test it names before it was recorded here."""

@@ -1,7 +1,7 @@
 """Mutants of the schedule reader (twinshard/hlo/schedule.py, loops.py, records.py's start/done pairing), the
 step-time model (twinshard/hlo/timing.py, twinshard/hardware/links.py, step_time.py) and what the drawing
 and the tables claim (twinshard/hlo/draw.py, launch/collectives.py side_by_side): the bites of
-tests/test_schedule_reader.py, tests/test_step_time_model.py and tests/test_drawing_claims.py (issue 53),
+tests/test_schedule_reader.py, tests/test_step_time_model.py and tests/test_drawing_claims.py,
 each checked by hand when its test was written. Written beside those tests, not blind."""
 
 from .base import SRC_HLO_LOOPS, SRC_HLO_RECORDS, SRC_HLO_TIMING, Mutant
