@@ -41,7 +41,8 @@ FLAGS = flags.FLAGS
 
 # (name, B, heads, kv heads, T, head_dim): the attention of tools/tpu_bench.sh's presets
 SPLASH_SHAPES = (("gpt2_125m", 16, 12, 12, 1024, 64), ("gpt2_350m", 16, 16, 16, 1024, 64),
-                 ("llama_v5e", 2, 16, 4, 2048, 128))
+                 ("llama_v5e", 2, 16, 4, 2048, 128),
+                 ("s160", 4, 4, 1, 2048, 256))  # BENCHMARKS.md's 160M shape, 4 sequences a micro-batch
 # (name, M, K, N): the layers' matmuls at those presets' token counts
 MATMUL_SHAPES = (("gpt2_125m mlp", 16384, 768, 3072), ("gpt2_125m lm_head", 16384, 768, 50304),
                  ("gpt2_350m mlp", 16384, 1024, 4096), ("llama_v5e mlp", 4096, 2048, 5632),
