@@ -75,12 +75,20 @@ def _dtype(hlo_type: str):
     return _INTEGER[hlo_type]
 
 
+def by_name(mod: Module, comp: str) -> dict[str, Instr]:
+    """A computation's instructions by name, indexed once per module."""
+    index = mod.__dict__.setdefault("_by_name", {})
+    if comp not in index:
+        index[comp] = {i.name: i for i in mod.computations[comp]}
+    return index[comp]
+
+
 class Frame:
     """One run of computation `comp`: `params(k)` gives its parameter k; `partition` its partition id."""
 
     def __init__(self, mod: Module, comp: str, params: Callable[[int], Any], partition: int):
         self.mod, self.comp, self.params, self.partition = mod, comp, params, partition
-        self.instrs = {i.name: i for i in mod.computations[comp]}
+        self.instrs = by_name(mod, comp)
         self.memo: dict[str, Any] = {}
 
     def value(self, name: str) -> Any:
@@ -162,7 +170,7 @@ class LoopFrames:
         instrs = mod.computations[self.body]
         self.root = next(i for i in instrs if i.is_root)
         self.param = next(i.name for i in instrs if i.opcode == "parameter")
-        self.by_name = {i.name: i for i in instrs}
+        self.by_name = by_name(mod, self.body)
         self.frames: dict[int, Frame] = {}
 
     def carried_unchanged(self, k: int) -> bool:
