@@ -55,7 +55,9 @@ common.define(flags.DEFINE_string, "chips_per_host_bounds", None, "With --topolo
               "(default 2,2,1, each lowered to 1 where it does not divide the topology's grid).")
 common.define(flags.DEFINE_string, "timeline", None, "With --topology: draw one training step as an SVG to this "
               "path (docs/schedule.md): compute, each mesh axis's collectives from issue to completion, what is "
-              "exposed; with --impl=auto,manual the twins one above the other.")
+              "exposed; with --impl=auto,manual the twins one above the other. A pipeline strategy (pp, pp_fsdp) first "
+              "draws its step as a lane per stage, F / B / W boxes per micro-batch, read from the compiled program "
+              "(docs/pipelines.md); that picture needs no --topology.")
 common.define(flags.DEFINE_string, "trace", None, "With --topology: write the predicted step as a Chrome "
               "trace-event JSON file to this path, for Perfetto UI (ui.perfetto.dev) or chrome://tracing: a track "
               "for compute, one per mesh axis, each op and collective with its bytes and source line; with "
@@ -225,7 +227,17 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
             "batch_size": cfg.train.batch_size, "seq_len": cfg.model.context_length,
             "compile_s": compile_s, "compiler_options": options, "ledger": led, "model": model, "memory": memory,
             "comparison": cost.compare(led.summary(), model.summary()),
-            "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text, "schedule": pipeline_grid(run)}
+            "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text, "schedule": pipeline_grid(run),
+            "ticks": pipeline_read(run, compiled, runner.mesh)}
+
+
+def pipeline_read(run, compiled, mesh):
+    """A pipeline step's ticks x stages read from its compiled program (twinshard/hlo/pipeline_ticks.py),
+    None for the other strategies."""
+    from twinshard.hlo.pipeline_ticks import pipeline_ticks
+    from twinshard.parallel import strategies
+
+    return pipeline_ticks(compiled, mesh) if strategies.get(run.strategy).family == "pipeline" else None
 
 
 def pipeline_grid(run) -> str | None:
@@ -261,7 +273,8 @@ def report(res: dict) -> str:
     out = [title, f"XLA options of the train step: {options}"]
     if res["schedule"] is not None:
         out += ["", "== the pipeline schedule: a row per stage, a column per tick (twinshard/parallel/pipeline.py) ==",
-                res["schedule"]]
+                res["schedule"], "", "== the same step read from the compiled program (twinshard/hlo/pipeline_ticks.py) ==",
+                res["ticks"].text()]
     out += ["", "== measured: collectives of the compiled train step (ledger) ==", res["ledger"].table(),
            "", "== model: twinshard.cost (what the manual twin does) ==", res["model"].table(),
            "", "== measured vs model, per (op, axes) ==", cost.compare_table(res["comparison"]), LEGEND]
@@ -319,6 +332,9 @@ def report_twins(results: list[dict]) -> str:
            "== measured per twin (ledger) beside the model, per (op, axes) ==", side_by_side(results), LEGEND,
            "(one twin alone, e.g. --impl=manual, prints its ledger, the model and memory per device)"]
     for res in results:
+        if res["ticks"] is not None:
+            out += ["", f"== {res['impl']}: the pipeline step read from the compiled program (twinshard/hlo/pipeline_ticks.py) ==",
+                    res["ticks"].text()]
         out += ["", f"== {res['impl']} =="] + [f"NOTE: {n}" for n in res["notes"]] if res["notes"] else []
     return "\n".join(out)
 
@@ -384,10 +400,8 @@ def main(argv):
             f.write("\n".join(res["hlo"] for res in results))
         print(f"wrote HLO to {FLAGS.hlo}")
     if FLAGS.timeline:
-        from twinshard.hlo.draw import timeline_svg
-
         with open(FLAGS.timeline, "w") as f:
-            f.write(timeline_svg([(res["impl"], res["prediction"]) for res in results], _title(pod, results)))
+            f.write(timeline(results, pod))
         print(f"wrote the timeline to {FLAGS.timeline}")
     if FLAGS.trace:
         from twinshard.hlo.trace import trace_events
@@ -403,13 +417,32 @@ def main(argv):
     return 0
 
 
+def timeline(results: list[dict], pod) -> str:
+    """The --timeline SVG: a pipeline step's picture (a lane per stage, read from the compiled program),
+    then with a --topology each twin's predicted step on a time axis."""
+    from twinshard.hlo import draw, draw_pipeline
+
+    svgs = []
+    if results[0]["ticks"] is not None:
+        mesh = ",".join(f"{a}:{n}" for a, n in results[0]["mesh"].items())
+        svgs.append(draw_pipeline.pipeline_svg([(res["impl"], res["ticks"]) for res in results],
+                                               f"{FLAGS.strategy} --schedule={FLAGS.schedule} on mesh {mesh}: the "
+                                               "compiled step's ticks"))
+    if pod is not None:
+        svgs.append(draw.timeline_svg([(res["impl"], res["prediction"]) for res in results], _title(pod, results)))
+    return svgs[0] if len(svgs) == 1 else draw_pipeline.stack(svgs)
+
+
 def _title(pod, results: list[dict]) -> str:
     mesh = ",".join(f"{a}:{n}" for a, n in results[0]["mesh"].items())
     return f"{FLAGS.strategy} on {pod.describe()}, preset {FLAGS.preset}, mesh {mesh}: one training step"
 
 
 def _json_doc(res: dict) -> dict:
-    doc = {k: v for k, v in res.items() if k not in ("ledger", "model", "hlo", "prediction")}  # memory: plain data
+    doc = {k: v for k, v in res.items() if k not in ("ledger", "model", "hlo", "prediction", "ticks")}  # memory: plain data
+    if res["ticks"] is not None:
+        doc["ticks"] = {"grid": [[c.label() if c else None for c in row] for row in res["ticks"].grid],
+                        "form": res["ticks"].form, "bubble": float(res["ticks"].bubble())}
     doc.update(preset=FLAGS.preset, ledger=res["ledger"].as_dict(), model=res["model"].as_dict())
     if "prediction" in res:
         doc["prediction"] = res["prediction"].as_dict()
@@ -429,8 +462,9 @@ def check_flags(FLAGS, cfg):
         resolve.check_twin(strategies.get(FLAGS.strategy), impl, cfg)
     for flag in ("json", "hlo", "timeline", "trace"):
         common.check_output_path(getattr(FLAGS, flag), flag, FLAGS.force)
+    pipeline = strategies.get(FLAGS.strategy).family == "pipeline"  # its picture needs no chip's timing
     for flag, what in (("timeline", "draws"), ("trace", "writes")):
-        if getattr(FLAGS, flag) and not FLAGS.topology:
+        if getattr(FLAGS, flag) and not FLAGS.topology and not (flag == "timeline" and pipeline):
             raise ValueError(f"--{flag}={getattr(FLAGS, flag)} {what} the step on the chips of a --topology (e.g. "
                              "--topology=v5e:2x2); pass one.")
     if not FLAGS.topology:
