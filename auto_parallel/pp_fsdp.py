@@ -4,9 +4,9 @@
 The collectives and why: docs/pipelines.md (auto_parallel/pp_fsdp.py)."""
 
 from auto_parallel.fsdp import FullyShardedDataParallel
-from auto_parallel.pp import PipelineParallel
+from auto_parallel.pp import PipelineParallel, Runner
 
-__all__ = ["FSDPPipelineParallel", "parallelism"]
+__all__ = ["FSDPPipelineParallel", "Runner", "parallelism"]
 
 
 class FSDPPipelineParallel(FullyShardedDataParallel, PipelineParallel):
@@ -14,4 +14,5 @@ class FSDPPipelineParallel(FullyShardedDataParallel, PipelineParallel):
 
 
 def parallelism(mesh, run) -> FSDPPipelineParallel:
-    return FSDPPipelineParallel(mesh, run.placed.activations, run.cfg.train.microbatches)
+    return FSDPPipelineParallel(mesh, run.placed.activations, run.cfg.train.microbatches,
+                                run.cfg.train.virtual_stages)

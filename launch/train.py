@@ -341,7 +341,9 @@ def main(argv):
     if resume:
         # the strategy may change (Orbax reshards); the data and the optimisation may not
         _check_same_run(ckpt.read_meta(resume_from), meta, resume_from)
+        # a checkpoint keeps the layers in model order (an interleaved pipeline's state stores them round-robin)
         state, _ = ckpt.restore(runner.abstract_state(), {"model": meta["model"]}, step=resume_from)
+        state = jax.device_put(runner.to_stored(state), runner.state_shardings)
         start = int(_scalar(state.step))
         records = [r for r in earlier if r["step"] <= start]
         if skipped:
@@ -426,7 +428,7 @@ def main(argv):
                     ckpt.delete(old)
                 stale = []
                 saving = time.perf_counter()
-                ckpt.save(done, state, meta, wait=stop)  # asynchronous, but for the run's last one
+                ckpt.save(done, runner.to_model(state), meta, wait=stop)  # asynchronous, but for the run's last one
                 log(f"checkpoint {done}: the step waited {time.perf_counter() - saving:.3f}s"
                     + ("" if stop else " (written in the background)"), flush=True)
             if do_log or do_eval:  # eval and checkpoint time stay out of the throughput

@@ -21,7 +21,7 @@ import auto_parallel
 import manual_parallel
 import reference
 from twinshard import cost, hlo, testing
-from twinshard.parallel import pipeline
+from twinshard.parallel import pipeline, round_robin
 from twinshard.config import Config, preset
 from twinshard.train.trainer import SingleDevice
 
@@ -55,8 +55,10 @@ def single():
 
 
 def with_schedule(schedule: str, microbatches: int = M, batch: int | None = None) -> Config:
+    """CFG under `schedule` (interleaved: V = 2 chunks of a stage)."""
     train = dataclasses.replace(CFG.train, schedule=schedule, microbatches=microbatches,
-                                batch_size=batch or CFG.train.batch_size)
+                                batch_size=batch or CFG.train.batch_size,
+                                virtual_stages=2 if schedule in pipeline.INTERLEAVED else 1)
     return Config(CFG.model, train)
 
 
@@ -390,31 +392,109 @@ def test_zb_h1_splits_the_backward_in_the_compiled_program():
 
 @pytest.mark.parametrize("stages", STAGES)
 def test_auto_shifts_the_stage_buffer_with_collective_permutes(stages):
-    """GSPMD turns the roll of the stage dimension into collective-permutes of one micro-batch:
-    measured, 1 per tick forward (cyclic) and 2 per tick backward, plus 2 outside the loop
-    (the finished micro-batches to the loss, forward and backward); no weight moves."""
+    """GSPMD turns the roll of the stage dimension into collective-permutes of one micro-batch,
+    the cost model's (cost.gspmd_pipeline_hops): 1 per tick forward (a ring), 2 per tick backward,
+    nothing outside the loop (the outputs end on stage 0, in its queue); no weight moves."""
     led = compiled_ledger("auto", stages)
     hop = CFG.train.batch_size // M * CFG.model.context_length * CFG.model.d_model * 4
-    permutes = list(led.filter(op="collective-permute"))
-    per_tick = [r for r in permutes if r.bytes == hop]
-    assert sum(r.multiplicity for r in per_tick) == 3 * pipeline.ticks(M, stages), led.table()
-    assert sum(r.multiplicity for r in permutes) == 3 * pipeline.ticks(M, stages) + 2, led.table()
-    assert_auto_hops(led, stages, pipeline.ticks(M, stages))
+    assert_auto_hops(led, {"stage": stages, "data": 1}, CFG.train.batch_size, pipeline.ticks(M, stages), hop)
     testing.expect_no_collective(led, op="all-gather")
     testing.expect_no_collective(led, larger_than=M * hop)  # nothing bigger than the whole batch's activations
 
 
-def assert_auto_hops(led: hlo.Ledger, stages: int, ticks: int) -> None:
-    """Who sends to whom in GSPMD's pipeline: the roll s -> s+1 is a ring, every tick; its
-    transpose, the reverse ring, is split (measured) into the line s+1 -> s and the wrap pair
-    0 -> S-1; outside the loop the last stage's finished micro-batches go to stage 0 (S-1 -> 0)
-    and their gradient back (0 -> S-1, the same line as the wrap pair)."""
+def assert_auto_hops(led: hlo.Ledger, sizes: dict[str, int], batch: int, ticks: int, hop: int,
+                     virtual: int = 1) -> None:
+    """GSPMD's pipeline hops are the cost model's: count, bytes and who sends to whom (the roll
+    s -> s+1 is a ring, every tick; its transpose, measured, the line s+1 -> s and the pair
+    0 -> S-1), `ticks` of each, each `hop` bytes."""
+    model = cost.gspmd_pipeline_hops(CFG.model, sizes, batch, M, virtual, "interleaved" if virtual > 1 else "gpipe")
+    rows = cost.compare(led.filter(op="collective-permute").summary(), cost.summarize(model))
+    assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
+    stages = sizes["stage"]
     testing.expect_permute(led, {"stage": +1}, wrap=True, count=ticks)
-    testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks + (1 if stages == 2 else 0))
-    testing.expect_permute(led, {"stage": stages - 1}, wrap=False, count=ticks + 1)
-    if stages > 2:  # on 2 stages S-1 -> 0 is the line -1 above
-        testing.expect_permute(led, {"stage": 1 - stages}, wrap=False, count=1)
-    testing.expect_collectives(led, "collective-permute", count=3 * ticks + 2)
+    testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks)
+    testing.expect_permute(led, {"stage": stages - 1}, wrap=False, count=ticks)  # (S = 2: the line 0 -> 1)
+    testing.expect_collectives(led, "collective-permute", count=3 * ticks)
+    assert led.filter(op="collective-permute").total_bytes() == 3 * ticks * hop
+
+
+# ----------------------------------------------------------------------------- interleaved, GSPMD twin
+# MaxText's circular pipeline (auto_parallel/pp.py): pp on stage:2 with V = 2 chunks of one layer
+# (the 4 layers of CFG), M = 4; pp_fsdp's is fsdp_twin("auto", "interleaved") below.
+
+
+@functools.cache
+def auto_interleaved():
+    """The trained record of auto pp, S = 2, V = 2, with its step-1 gradients (what the chunks'
+    placement shows first)."""
+    r = auto_parallel.make_runner("pp", "stage:2", with_schedule("interleaved"), devices=jax.devices()[:2])
+    return run(r, grads=True)
+
+
+def test_auto_interleaved_matches_single_device():
+    """Loss, step-1 gradients, reported norms and params after 5 AdamW steps, in the model's layer
+    order, as the GPipe twins' bounds. Measured (XLA:CPU): losses equal to 1e-6, gradients 9e-9."""
+    got, want = in_model_order(auto_interleaved()), single()
+    assert max_diff(got["init"], want["init"]) < 1e-6  # the same init, each layer on its chunk's device
+    np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
+    assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
+    assert max_diff(got["params"], want["params"]) < PARAM_ATOL
+    # the whole state converts (what a checkpoint saves, launch/train.py): AdamW's moments too
+    moments = got["runner"].to_model(got["state"]).opt_state
+    assert max_diff(moments, want["state"].opt_state) < GRAD_ATOL, max_diff(moments, want["state"].opt_state)
+
+
+def test_auto_interleaved_stores_each_chunk_on_its_device():
+    """4 layers, S = 2, V = 2: chunk c (layer c) on device c % 2, so device 0 holds layers 0 and 2,
+    device 1 layers 1 and 3, local chunk 0 first; no device holds a contiguous half."""
+    rec = auto_interleaved()
+    model_w1 = in_model_order(rec)["params"]["layers"]["ffn"]["w1"]["weight"]  # [L, D, F]
+    shards = rec["state"].params["layers"]["ffn"]["w1"]["weight"].addressable_shards
+    assert {s.data.shape for s in shards} == {(2, 64, 192)}
+    held = {s.index[0].start // 2: np.asarray(s.data) for s in shards}  # stage -> its [2, D, F] rows
+    np.testing.assert_array_equal(held[0], model_w1[[0, 2]])
+    np.testing.assert_array_equal(held[1], model_w1[[1, 3]])
+
+
+def test_round_robin_placement_is_the_tables_and_the_manual_loops():
+    """round_robin.place puts layer l of chunk c on device c % S, local chunk c // S (hand-written
+    for L = 8, S = 2, V = 2); every virtual stage of pipeline.build's interleaved table runs on the
+    device holding its layers; the stored order is the one the manual twin's loop reads
+    (pipeline_order above); to_model undoes to_stored."""
+    want = {0: (0, 0, 0), 1: (0, 0, 0), 2: (1, 1, 0), 3: (1, 1, 0), 4: (2, 0, 1), 5: (2, 0, 1), 6: (3, 1, 1),
+            7: (3, 1, 1)}
+    assert {l: round_robin.place(l, 8, 2, 2) for l in range(8)} == want
+    assert list(round_robin.stored_order(8, 2, 2)) == [0, 1, 4, 5, 2, 3, 6, 7]
+    for n, v, layers in ((2, 2, 4), (4, 2, 8), (2, 3, 12), (3, 2, 12)):
+        k = layers // (n * v)
+        for t, row in enumerate(pipeline.build("interleaved", n, n, v).grid):
+            for s, a in enumerate(row):
+                if a is not None:
+                    assert {round_robin.place(a.stage * k + q, layers, n, v)[1:] for q in range(k)} == \
+                        {(s, a.stage // n)}, (n, v, t, a)
+        stacked = {"layers": {"w": np.arange(layers)}, "embed": np.arange(layers)}
+        stored = round_robin.to_stored(stacked, layers, n, v)
+        assert list(stored["layers"]["w"]) == list(pipeline_order(stacked["layers"], n, v)["w"])
+        assert list(stored["embed"]) == list(range(layers))  # only the stacked blocks move
+        assert list(round_robin.to_model(stored, layers, n, v)["layers"]["w"]) == list(range(layers))
+
+
+@pytest.mark.parametrize("strategy", ["pp", "pp_fsdp"])
+def test_auto_interleaved_ledger_equals_the_cost_model(strategy):
+    """The circular loop's hops are cost.gspmd_pipeline_hops': 3 per tick of V M + S - 1 = 9 ticks
+    (GPipe's M + S - 1 = 5: nearly V times as often), each one micro-batch (of one data shard);
+    no weight moves between stages. pp_fsdp's GPipe program, compiled for its own test, counts 3 x 5."""
+    if strategy == "pp":
+        rec = auto_interleaved()
+        led = hlo.ledger(compile_step(rec["runner"]).as_text(), rec["runner"].mesh)
+        sizes, hop = {"stage": 2, "data": 1}, CFG.train.batch_size // M * CFG.model.context_length * CFG.model.d_model * 4
+    else:
+        led, sizes, hop = fsdp_ledger("auto", "interleaved"), FSDP_SIZES, FSDP_HOP
+        assert fsdp_ledger("auto", "gpipe").count("collective-permute") == 3 * pipeline.ticks(M, 2) == 15
+    assert_auto_hops(led, sizes, CFG.train.batch_size, 2 * M + 1, hop, virtual=2)
+    assert led.count("collective-permute") == 27
+    testing.expect_no_collective(led, op="all-gather", axes=("stage",))
 
 
 def test_bad_pipeline_configs_are_clear_errors():
@@ -431,13 +511,21 @@ def test_bad_pipeline_configs_are_clear_errors():
     with pytest.raises(ValueError, match=r"mesh stage:2 has 2 devices but 8 are available"):
         manual_parallel.make_runner("pp", "stage:2", CFG)
     for schedule in ("1f1b", "zb_h1"):
-        with pytest.raises(ValueError, match=rf"--schedule={schedule} is written by hand in the manual twin only "
-                                             r"\(--impl=manual\); --impl=auto runs --schedule=gpipe under --strategy=pp\.$"):
+        with pytest.raises(ValueError, match=rf"--schedule={schedule} is written in the manual twin only "
+                                             r"\(--impl=manual\); --impl=auto runs --schedule=gpipe or interleaved under --strategy=pp\.$"):
             auto_parallel.make_runner("pp", "stage:2", with_schedule(schedule), devices=jax.devices()[:2])
     interleaved = Config(CFG.model, dataclasses.replace(CFG.train, schedule="interleaved", virtual_stages=2))
-    with pytest.raises(ValueError, match=r"--schedule=interleaved has its table .* but no twin runs it yet; "
-                                         r"--impl=manual runs --schedule=gpipe or 1f1b or zb_h1 under --strategy=pp"):
+    with pytest.raises(ValueError, match=r"^--schedule=interleaved is written in the auto twin only \(--impl=auto\); "
+                                         r"--impl=manual runs --schedule=gpipe or 1f1b or zb_h1 under --strategy=pp\.$"):
         manual_parallel.make_runner("pp", "stage:2", interleaved, devices=jax.devices()[:2])
+    # the GSPMD twin's circular loop refuses, before compiling, what its table refuses
+    with pytest.raises(ValueError, match=r"^--virtual_stages=3 does not divide the 2 layers of a stage"):
+        auto_parallel.make_runner("pp", "stage:2", Config(CFG.model, dataclasses.replace(
+            interleaved.train, virtual_stages=3)), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"^--schedule=interleaved sends micro-batches through the chunks S at a time: "
+                                         r"microbatches=3 is not a multiple of stage=2; choose --microbatches from"):
+        auto_parallel.make_runner("pp", "stage:2", Config(CFG.model, dataclasses.replace(
+            interleaved.train, microbatches=3, batch_size=6)), devices=jax.devices()[:2])
     with pytest.raises(ValueError, match=r"--virtual_stages=3 does not divide the 2 layers of a stage \(num_layers=4 / "
                                          r"stage=2\) into equal chunks; choose --virtual_stages from \[2\]"):
         pipeline.check(4, 8, 2, 4, schedule="interleaved", virtual=3)
@@ -489,12 +577,13 @@ def _fsdp_twin(impl: str, schedule: str):
 
 
 @pytest.mark.pp_fsdp
-@pytest.mark.parametrize("impl, schedule", [("auto", "gpipe"), ("manual", "gpipe"), ("manual", "1f1b"),
-                                            ("manual", "zb_h1")])
+@pytest.mark.parametrize("impl, schedule", [("auto", "gpipe"), ("auto", "interleaved"), ("manual", "gpipe"),
+                                            ("manual", "1f1b"), ("manual", "zb_h1")])
 def test_pp_fsdp_matches_single_device(impl, schedule):
     """Measured (XLA:CPU): losses to 2e-6, step-1 gradients 1.4e-8, params after 5 AdamW steps
-    3.6e-6 (manual 1F1B) / 8.6e-7 (GPipe, both twins)."""
-    got, want = fsdp_twin(impl, schedule), single()
+    3.6e-6 (manual 1F1B) / 8.6e-7 (GPipe, both twins). (The interleaved state's layers are
+    round-robin: compared in model order.)"""
+    got, want = in_model_order(fsdp_twin(impl, schedule)), single()
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
     if impl == "manual":  # the GSPMD twin's record has no step-1 gradients
         assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
@@ -514,6 +603,13 @@ def test_pp_fsdp_places_layers_on_stages_and_d_model_on_data(impl):
     assert {s.data.shape for s in params["token_embeddings"]["weight"].addressable_shards} == {(384, 32)}
     assert {s.data.shape for s in params["lm_head"]["weight"].addressable_shards} == {(32, 384)}
     assert {s.data.shape for s in params["layers"]["ln1"]["weight"].addressable_shards} == {(2, 64)}
+
+
+def in_model_order(record: dict) -> dict:
+    """A twin's record with its init, gradients and params in the model's layer order (an
+    interleaved GSPMD state stores its layers round-robin: the runner's to_model)."""
+    to_model = record["runner"].to_model
+    return {**record, **{k: to_model(record[k]) for k in ("init", "grads", "params") if record[k] is not None}}
 
 
 @functools.cache
@@ -553,22 +649,23 @@ def test_pp_fsdp_manual_ledger_equals_the_cost_model_exactly(schedule):
     assert gathers.total_bytes() == 2 * scatters.total_bytes() == stage_matrix_bytes()
 
 
-def test_pp_fsdp_auto_shifts_per_tick_and_gathers_each_stage_once():
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_pp_fsdp_auto_shifts_per_tick_and_gathers_each_stage_once(schedule):
     """GSPMD's pp_fsdp, measured (XLA:CPU): the collective-permutes of pp (1 per tick forward, 2
-    backward, of one micro-batch of one data shard, + 2 outside the loop); each stage's matrix
-    leaves gathered over data ONCE per step, whole, before the tick loop (9 all-gathers: the
-    stage's 7 [L/S, ...] leaves, embedding, lm_head), never re-gathered; every weight
-    gradient reduced over data per layer and per tick in the backward loop (an all-reduce:
-    XLA:CPU's reduce-scatter), norm gains included."""
-    led, ticks = fsdp_ledger("auto", "gpipe"), pipeline.ticks(M, 2)
-    permutes = list(led.filter(op="collective-permute", axes=("stage",)))
-    assert sum(r.multiplicity for r in permutes if r.bytes == FSDP_HOP) == 3 * ticks, led.table()
-    assert sum(r.multiplicity for r in permutes) == 3 * ticks + 2, led.table()
-    assert_auto_hops(led, 2, ticks)
+    backward, of one micro-batch of one data shard; interleaved V = 2: 2 M + S - 1 = 9 ticks,
+    GPipe's M + S - 1 = 5), the cost model's; each stage's matrix leaves (all its chunks) gathered
+    over data ONCE per step, whole, before the tick loop (9 all-gathers: the stage's 7 [L/S, ...]
+    leaves, embedding, lm_head), never re-gathered; every weight gradient reduced over data per
+    layer of the chunk run and per tick in the backward loop (an all-reduce: XLA:CPU's
+    reduce-scatter), norm gains included."""
+    led, v = fsdp_ledger("auto", schedule), 2 if schedule == "interleaved" else 1
+    ticks = v * M + 2 - 1
+    assert_auto_hops(led, FSDP_SIZES, CFG.train.batch_size, ticks, FSDP_HOP, v)
     gathers = led.filter(op="all-gather", axes=("data",))
     assert [r.multiplicity for r in gathers] == [1] * 9, led.table()
     assert gathers.total_bytes() == stage_matrix_bytes()
-    per_tick = [r for r in led.filter(op="all-reduce", axes=("data",)) if r.multiplicity == ticks * 2]  # x L/S
+    chunk = CFG.model.num_layers // (2 * v)  # layers a tick runs on a stage
+    per_tick = [r for r in led.filter(op="all-reduce", axes=("data",)) if r.multiplicity == ticks * chunk]
     assert len(per_tick) == 9 and sum(r.bytes for r in per_tick) == 4 * sum(  # 7 matrices + 2 gains, one layer
         w.size * w.leaves for w in cost.weights(CFG.model) if w.layers > 1), led.table()
 

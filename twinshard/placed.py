@@ -173,6 +173,16 @@ class PlacedRunner:
     def place_batch(self, x, y):
         return place_global(x, self.batch_sharding), place_global(y, self.batch_sharding)
 
+    def to_model(self, tree):
+        """A params tree or TrainState of this runner's state -> the model's layer order (the state
+        keeps the stacked layers in model order but under an interleaved pipeline's stored order,
+        auto_parallel/pp.py Runner)."""
+        return tree
+
+    def to_stored(self, tree):
+        """A tree in the model's layer order -> this runner's state order (`to_model`'s inverse)."""
+        return tree
+
 
 class GlobalRunner(PlacedRunner):
     """What the GSPMD and explicit runners share: the single-device step on global arrays, jitted

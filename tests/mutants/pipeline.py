@@ -28,6 +28,17 @@ MUTANTS: list[Mutant] = [
            '        row(ctx, "backward", "collective-permute", ("stage",), ticks, ctx.activation(b),',
            '        row(ctx, "backward", "collective-permute", ("stage",), 0, ctx.activation(b),',
            ("tests/test_pipeline.py",), "the cost model forgets the backward hand-offs"),
+    Mutant("pp-auto-circular-chunk-by-tick", "pipeline", "auto_parallel/pp.py",
+           "local = jnp.clip((k - jnp.arange(n)) // m, 0, v - 1)",
+           "local = jnp.clip(k // m, 0, v - 1)",
+           ("tests/test_pipeline.py::test_auto_interleaved_matches_single_device",),
+           "the circular loop picks every stage's chunk from the tick, not from the stage's own op number "
+           "(a stage behind the first runs its next chunk too early)"),
+    Mutant("pp-round-robin-contiguous", "pipeline", "twinshard/parallel/round_robin.py",
+           "    return chunk, chunk % stages, chunk // stages",
+           "    return chunk, chunk // virtual, chunk % virtual",
+           ("tests/test_pipeline.py::test_auto_interleaved_stores_each_chunk_on_its_device",),
+           "chunks placed contiguously (device c // V), not round-robin as the table runs them"),
     # --- pp_fsdp (pipeline + FSDP inside each stage)
     Mutant("pp-fsdp-no-data-mean", "pipeline", SRC_RUNNER,
            "return self._mean_loss(loss), self.mean_over_tokens(grads, replicated)",

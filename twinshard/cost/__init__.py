@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinshard.config import ModelConfig
-from twinshard.cost.communication import STRATEGY_ROWS
+from twinshard.cost.communication import STRATEGY_ROWS, gspmd_hop_rows
 from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Ctx, Row, int8_dw_rows, row
 from twinshard.cost.flops import Flops, flops
 from twinshard.cost.memory import (Memory, attention_backward, attention_kernel, memory, ring_attention_memory,
@@ -46,7 +46,7 @@ from twinshard.parallel.resolve import Run
 __all__ = [
     "AXES", "DTYPE_BYTES", "F32", "NOT_REGATHERED", "OPS", "PHASES", "PIPELINES", "RULES", "STRATEGY_ROWS",
     "Cost", "Flops", "Memory", "Row", "Weight", "attention_backward", "attention_kernel", "compare", "compare_table",
-    "cost", "flops", "human", "memory", "of_run", "ring_attention_memory", "row", "saved_by_stacks", "saved_per_layer",
+    "cost", "flops", "gspmd_pipeline_hops", "human", "memory", "of_run", "ring_attention_memory", "row", "saved_by_stacks", "saved_per_layer",
     "summarize", "weights",
 ]
 
@@ -187,6 +187,17 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
                          "sequences of a device's micro-batch; choose a divisor of them (1: off).")
     return _priced(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer, remat,
                    schedule, gpu, param_bytes, state_bytes, master, virtual_stages)
+
+
+def gspmd_pipeline_hops(cfg: ModelConfig, mesh: Mapping[str, int], batch_size: int, microbatches: int,
+                        virtual_stages: int = 1, schedule: str = "gpipe") -> list[Row]:
+    """The collective-permutes over `stage` of the GSPMD twin's pipeline step (pp or pp_fsdp, whose
+    mesh has `data`), in the compute dtype: `cost` models the manual twin's, whose hops differ."""
+    shape = {"stage": 1, "data": 1, "tensor": 1, **mesh}
+    pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, 1, shape["data"], schedule, virtual_stages)
+    ctx = Ctx(cfg, shape, batch_size, cfg.context_length, DTYPE_BYTES[cfg.dtype], microbatches=microbatches,
+              schedule=schedule, virtual=virtual_stages)
+    return gspmd_hop_rows(ctx)
 
 
 def of_run(run: Run, gpu: bool = False, tpu: bool = False) -> Cost:

@@ -73,6 +73,25 @@ def _hop_rows(ctx: Ctx) -> list[Row]:
     ]
 
 
+def gspmd_hop_rows(ctx: Ctx) -> list[Row]:
+    """The GSPMD twin's pipeline (auto_parallel/pp.py, any V): V M + S - 1 ticks (V = 1: GPipe's M + S - 1,
+    V > 1: nearly V times as many), each rolling the stage buffer [S, B/(data M), T, D] one stage on.
+    Forward a ring s -> s+1 (S-1 -> 0: what goes round to stage 0's queue); backward its transpose,
+    which XLA splits (measured, JAX 0.12) into the line s+1 -> s and the pair 0 -> S-1. Nothing moves
+    outside the loop: the queue ends on stage 0, whose row the loss reads (an all-reduce, not modelled here)."""
+    n, b = ctx.mesh["stage"], ctx.batch // (ctx.d * ctx.microbatches)
+    ticks, a = ctx.virtual * ctx.microbatches + n - 1, ctx.activation(b)
+    act = f"[{b},{ctx.seq},{ctx.cfg.d_model}]"
+    return [
+        row(ctx, "forward", "collective-permute", ("stage",), ticks, a,
+            f"roll of the stage buffer: s -> s+1 and S-1 -> 0 of {act}, one per tick ({ticks} ticks)", shift=(1, True)),
+        row(ctx, "backward", "collective-permute", ("stage",), ticks, a,
+            f"the roll's transpose, its line s+1 -> s of d{act}, one per tick", shift=(-1, False)),
+        row(ctx, "backward", "collective-permute", ("stage",), ticks, a,
+            f"the roll's transpose, its pair 0 -> S-1 of d{act}, one per tick", shift=(n - 1, False)),
+    ]
+
+
 # ----------------------------------------------------------------------------- tp_sp
 
 

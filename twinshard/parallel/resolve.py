@@ -162,7 +162,7 @@ def check_options(declared: Strategy, impl: str, cfg: Config) -> None:
                          "varying over it; docs/speed.md): use --impl=auto, or --attention=recompute here.")
     if declared.family == "pipeline" and impl not in (twins := support.schedule_twins(strategy, train.schedule)):
         runs = [s for s in support.SCHEDULE_FIELDS if impl in support.schedule_twins(strategy, s)]
-        where = (f"is written by hand in the {' and '.join(twins)} twin only (--impl={' or --impl='.join(twins)})"
+        where = (f"is written in the {' and '.join(twins)} twin only (--impl={' or --impl='.join(twins)})"
                  if twins else "has its table (twinshard/parallel/pipeline.py) but no twin runs it yet")
         raise ValueError(f"--schedule={train.schedule} {where}; --impl={impl} runs --schedule="
                          f"{' or '.join(runs)} under --strategy={strategy}.")
