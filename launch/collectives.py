@@ -157,14 +157,15 @@ def _topology_devices(name: str):
     return topology.devices(name, bounds)
 
 
-def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
-    """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils."""
+def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices, dcn_spec: str | None = None):
+    """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils
+    (across slices: by mesh.hybrid_mesh, in resolve_run)."""
     from dataclasses import replace
 
     from twinshard.hardware import topology
 
-    run = common.resolve_run(strategy, impl, mesh_spec, cfg, devices)
-    if devices is not None:
+    run = common.resolve_run(strategy, impl, mesh_spec, cfg, devices, dcn_spec=dcn_spec)
+    if devices is not None and not run.dcn:
         run = replace(run, devices=tuple(topology.mesh_devices(run.mesh, devices)))
     return run, common.runner_of(run)
 
@@ -177,9 +178,10 @@ def _pod_memory(devices) -> tuple[int, str] | None:
     return None if chip is None else (chip.hbm_bytes, f"{chip.name}'s HBM")
 
 
-def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None, compiler_options=None) -> dict:
+def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None, compiler_options=None,
+                dcn_spec: str | None = None) -> dict:
     """Compile the train step AOT; return ledger, model, comparison, notes, HLO text, timings.
-    compiler_options: XLA flags for a topology's compile (topology.compile_for_pod)."""
+    compiler_options: XLA flags for a topology's compile (topology.compile_for_pod); dcn_spec: --dcn_mesh."""
     import functools
 
     import jax
@@ -190,7 +192,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
 
     if compiler_options and devices is None:
         raise ValueError("compiler_options are XLA:TPU flags for a topology's compile; pass the topology's devices")
-    run, runner = _runner(strategy, impl, mesh_spec, cfg, devices)
+    run, runner = _runner(strategy, impl, mesh_spec, cfg, devices, dcn_spec)
     mesh = dict(run.mesh)
     model = cost.of_run(run)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
@@ -223,7 +225,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     return {"strategy": strategy, "impl": impl, "mesh": mesh, "platform": platform,
             "device_kind": first.device_kind, "hosts": len({d.process_index for d in runner.mesh.devices.flat}),
             "batch_size": cfg.train.batch_size, "seq_len": cfg.model.context_length,
-            "compile_s": compile_s, "compiler_options": options, "ledger": led, "model": model, "memory": memory,
+            "dcn": dict(run.dcn), "compile_s": compile_s, "compiler_options": options, "ledger": led, "model": model, "memory": memory,
             "comparison": cost.compare(led.summary(), model.summary()),
             "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text, "schedule": pipeline_grid(run)}
 
@@ -372,7 +374,7 @@ def main(argv):
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     results = []
     for impl in impls:
-        res = collectives(FLAGS.strategy, impl, FLAGS.mesh, cfg, devices)
+        res = collectives(FLAGS.strategy, impl, FLAGS.mesh, cfg, devices, dcn_spec=FLAGS.dcn_mesh)
         if pod is not None:
             res["prediction"] = predict_step(res, pod)
         results.append(res)
@@ -440,7 +442,7 @@ def check_flags(FLAGS, cfg):
     if not pod.chip.is_tpu:
         raise ValueError(f"--topology={FLAGS.topology}: compiling ahead of time is for TPU topologies (v4, v5e, "
                          "v5p, v6e); plan GPU clusters with launch.plan.")
-    if FLAGS.mesh:
+    if FLAGS.mesh and not FLAGS.dcn_mesh:  # across slices: resolve_run checks the slices and the mesh
         asked = math.prod(mesh_lib.parse_mesh(FLAGS.mesh, FLAGS.strategy).values())
         if asked != pod.chips:
             raise ValueError(f"--mesh={FLAGS.mesh} has {asked} devices but --topology={FLAGS.topology} has "

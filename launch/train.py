@@ -320,7 +320,8 @@ def main(argv):
 
     # on a TPU, the fast path's choices (logged): before the run resolves, so every check sees them
     cfg = common.fast_path(cfg, FLAGS, FLAGS.strategy, print if jax.process_index() == 0 else lambda *a: None)
-    run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # every check, once
+    run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices,  # every check, once
+                            dcn_spec=FLAGS.dcn_mesh)
     fit.check_model(run)  # before anything compiles
     runner = common.runner_of(run)
     compiled = fit.check_step(runner, run)  # compiled, its memory_analysis checked, before any write
