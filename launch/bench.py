@@ -454,6 +454,10 @@ def main(argv):
     cfg = config_from_flags()
     check_choices(FLAGS.strategies, FLAGS.impls)
     meshes = parse_meshes(FLAGS.mesh, FLAGS.strategies)
+    if FLAGS.dcn_mesh and not set(FLAGS.strategies) & set(common.CROSS_DCN):
+        raise ValueError(f"--dcn_mesh={FLAGS.dcn_mesh} puts a strategy across slices, and none of --strategies="
+                         f"{','.join(FLAGS.strategies)} can cross them: add {' or '.join(common.CROSS_DCN)}, or drop "
+                         "--dcn_mesh.")
     common.check_output_path(FLAGS.json, "json")
     common.check_output_path(FLAGS.markdown, "markdown")
     check_profile_dir(FLAGS.profile)
