@@ -438,6 +438,14 @@ def check_flags(FLAGS, cfg):
     if not FLAGS.topology:
         return impls, None
     topology.chips_per_host(FLAGS.topology)  # GENERATION:AxB[xC]
+    if FLAGS.dcn_mesh:
+        # Measured (libtpu 0.0.50.1, get_topology_desc(num_slices=2), hsdp on v5e:2x2): the compiled program
+        # is one slice's (num_partitions 4), its all-reduces across slices host-transfer send/recv pairs
+        # marked _xla_megascale_transfer_type="ALL_REDUCE", which the ledger does not read.
+        raise ValueError(f"--dcn_mesh={FLAGS.dcn_mesh} with --topology={FLAGS.topology}: a program compiled ahead "
+                         "of time for several TPU slices sends its all-reduces across slices as megascale "
+                         "send/recv pairs, which the ledger does not read yet; drop --topology to read the "
+                         "collectives per axis on simulated CPU slices, or drop --dcn_mesh.")
     pod = links.parse_topology(FLAGS.topology)
     if not pod.chip.is_tpu:
         raise ValueError(f"--topology={FLAGS.topology}: compiling ahead of time is for TPU topologies (v4, v5e, "

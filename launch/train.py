@@ -359,6 +359,10 @@ def main(argv):
     n_devices = math.prod(run.mesh.values())  # the resolved mesh: 1 for single
     log(f"{label} preset={FLAGS.preset} params={m.num_params():,} "
         f"devices={n_devices} batch={t.batch_size}x{m.context_length} steps={t.steps}")
+    if run.dcn:
+        from twinshard.parallel import mesh as mesh_lib
+
+        log(mesh_lib.slices_line(run.mesh, run.dcn, runner.mesh.devices.flat))
     utilization = Utilization(cfg, n_devices)
     log(f"MFU against {utilization.what}")
     log(common.attention_line(cfg, FLAGS.strategy))

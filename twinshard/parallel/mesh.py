@@ -362,12 +362,14 @@ class _SimulatedSlice:
 
 def granules(devices) -> tuple[str, list]:
     """How the devices group into slices: 'slice_index' (TPU slices, AOT topologies of num_slices),
-    'process_index' (several processes without slice_index: each process a slice, as on CPU), or
-    'simulated' (one process without slice_index: its devices, in order, split by the caller)."""
-    if hasattr(devices[0], "slice_index"):
-        return "slice_index", sorted({d.slice_index for d in devices})
-    if len({d.process_index for d in devices}) > 1:
-        return "process_index", sorted({d.process_index for d in devices})
+    'process_index' (CPU processes: each one a slice), or 'simulated' (one CPU process: its devices,
+    in order, split by the caller). Measured (JAX 0.12): the CPU devices of a multi-process run have a
+    slice_index, 0 in every process, so one slice_index is no slice count on a CPU."""
+    indices = sorted({getattr(d, "slice_index", 0) for d in devices})
+    if len(indices) > 1 or devices[0].platform != "cpu":
+        return "slice_index", indices
+    if len(processes := sorted({d.process_index for d in devices})) > 1:
+        return "process_index", processes
     return "simulated", [0]
 
 
@@ -404,3 +406,11 @@ def hybrid_mesh(shape: Mapping[str, int], dcn: Mapping[str, int], devices=None) 
     wrapped = [_SimulatedSlice(d, i // per_slice) for i, d in enumerate(devices)]
     placed = mesh_utils.create_hybrid_device_mesh(inner, outer, wrapped)
     return np.vectorize(lambda d: d.device, otypes=[object])(placed)
+
+
+def slices_line(shape: Mapping[str, int], dcn: Mapping[str, int], devices) -> str:
+    """'mesh data:2,fsdp:4 across 2 slices (data:2 over DCN, by process)': what the launchers log."""
+    how = {"slice_index": "by slice_index", "process_index": "by process",
+           "simulated": "simulated: one process's devices split in order"}[granules(list(devices))[0]]
+    spec = ",".join(f"{a}:{n}" for a, n in dcn.items())
+    return f"mesh {mesh_str(shape)} across {math.prod(dcn.values())} slices ({spec} over DCN, {how})"
