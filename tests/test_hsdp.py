@@ -23,6 +23,8 @@ from runners import CFG, loss_and_grads, max_relative_diff, twin_runner
 from twinshard import cost
 from twinshard.parallel import mesh as mesh_lib, resolve
 
+pytestmark = pytest.mark.hsdp  # every test here is a proof of hsdp (tests/test_proofs.py)
+
 TWINS = {"auto": auto_parallel, "manual": manual_parallel}
 ICI, DCN = "fsdp:4", "data:2"
 
