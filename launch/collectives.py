@@ -159,14 +159,15 @@ def _topology_devices(name: str):
     return topology.devices(name, bounds)
 
 
-def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
-    """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils."""
+def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices, dcn_spec: str | None = None):
+    """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils
+    (across slices: by mesh.hybrid_mesh, in resolve_run)."""
     from dataclasses import replace
 
     from twinshard.hardware import topology
 
-    run = common.resolve_run(strategy, impl, mesh_spec, cfg, devices)
-    if devices is not None:
+    run = common.resolve_run(strategy, impl, mesh_spec, cfg, devices, dcn_spec=dcn_spec)
+    if devices is not None and not run.dcn:
         run = replace(run, devices=tuple(topology.mesh_devices(run.mesh, devices)))
     return run, common.runner_of(run)
 
@@ -179,9 +180,10 @@ def _pod_memory(devices) -> tuple[int, str] | None:
     return None if chip is None else (chip.hbm_bytes, f"{chip.name}'s HBM")
 
 
-def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None, compiler_options=None) -> dict:
+def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None, compiler_options=None,
+                dcn_spec: str | None = None) -> dict:
     """Compile the train step AOT; return ledger, model, comparison, notes, HLO text, timings.
-    compiler_options: XLA flags for a topology's compile (topology.compile_for_pod)."""
+    compiler_options: XLA flags for a topology's compile (topology.compile_for_pod); dcn_spec: --dcn_mesh."""
     import functools
 
     import jax
@@ -192,7 +194,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
 
     if compiler_options and devices is None:
         raise ValueError("compiler_options are XLA:TPU flags for a topology's compile; pass the topology's devices")
-    run, runner = _runner(strategy, impl, mesh_spec, cfg, devices)
+    run, runner = _runner(strategy, impl, mesh_spec, cfg, devices, dcn_spec)
     mesh = dict(run.mesh)
     model = cost.of_run(run)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
@@ -225,7 +227,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     return {"strategy": strategy, "impl": impl, "mesh": mesh, "platform": platform,
             "device_kind": first.device_kind, "hosts": len({d.process_index for d in runner.mesh.devices.flat}),
             "batch_size": cfg.train.batch_size, "seq_len": cfg.model.context_length,
-            "compile_s": compile_s, "compiler_options": options, "ledger": led, "model": model, "memory": memory,
+            "dcn": dict(run.dcn), "compile_s": compile_s, "compiler_options": options, "ledger": led, "model": model, "memory": memory,
             "comparison": cost.compare(led.summary(), model.summary()),
             "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text, "schedule": pipeline_grid(run),
             "ticks": pipeline_read(run, compiled, runner.mesh)}
@@ -388,7 +390,7 @@ def main(argv):
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     results = []
     for impl in impls:
-        res = collectives(FLAGS.strategy, impl, FLAGS.mesh, cfg, devices)
+        res = collectives(FLAGS.strategy, impl, FLAGS.mesh, cfg, devices, dcn_spec=FLAGS.dcn_mesh)
         if pod is not None:
             res["prediction"] = predict_step(res, pod)
         results.append(res)
@@ -470,11 +472,19 @@ def check_flags(FLAGS, cfg):
     if not FLAGS.topology:
         return impls, None
     topology.chips_per_host(FLAGS.topology)  # GENERATION:AxB[xC]
+    if FLAGS.dcn_mesh:
+        # Measured (libtpu 0.0.50.1, get_topology_desc(num_slices=2), hsdp on v5e:2x2): the compiled program
+        # is one slice's (num_partitions 4), its all-reduces across slices host-transfer send/recv pairs
+        # marked _xla_megascale_transfer_type="ALL_REDUCE", which the ledger does not read.
+        raise ValueError(f"--dcn_mesh={FLAGS.dcn_mesh} with --topology={FLAGS.topology}: a program compiled ahead "
+                         "of time for several TPU slices sends its all-reduces across slices as megascale "
+                         "send/recv pairs, which the ledger does not read yet; drop --topology to read the "
+                         "collectives per axis on simulated CPU slices, or drop --dcn_mesh.")
     pod = links.parse_topology(FLAGS.topology)
     if not pod.chip.is_tpu:
         raise ValueError(f"--topology={FLAGS.topology}: compiling ahead of time is for TPU topologies (v4, v5e, "
                          "v5p, v6e); plan GPU clusters with launch.plan.")
-    if FLAGS.mesh:
+    if FLAGS.mesh and not FLAGS.dcn_mesh:  # across slices: resolve_run checks the slices and the mesh
         asked = math.prod(mesh_lib.parse_mesh(FLAGS.mesh, FLAGS.strategy).values())
         if asked != pod.chips:
             raise ValueError(f"--mesh={FLAGS.mesh} has {asked} devices but --topology={FLAGS.topology} has "

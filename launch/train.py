@@ -320,7 +320,8 @@ def main(argv):
 
     # on a TPU, the fast path's choices (logged): before the run resolves, so every check sees them
     cfg = common.fast_path(cfg, FLAGS, FLAGS.strategy, print if jax.process_index() == 0 else lambda *a: None)
-    run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # every check, once
+    run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices,  # every check, once
+                            dcn_spec=FLAGS.dcn_mesh)
     fit.check_model(run)  # before anything compiles
     runner = common.runner_of(run)
     compiled = fit.check_step(runner, run)  # compiled, its memory_analysis checked, before any write
@@ -360,6 +361,10 @@ def main(argv):
     n_devices = math.prod(run.mesh.values())  # the resolved mesh: 1 for single
     log(f"{label} preset={FLAGS.preset} params={m.num_params():,} "
         f"devices={n_devices} batch={t.batch_size}x{m.context_length} steps={t.steps}")
+    if run.dcn:
+        from twinshard.parallel import mesh as mesh_lib
+
+        log(mesh_lib.slices_line(run.mesh, run.dcn, runner.mesh.devices.flat))
     utilization = Utilization(cfg, n_devices)
     log(f"MFU against {utilization.what}")
     log(common.attention_line(cfg, FLAGS.strategy))

@@ -46,6 +46,8 @@ EXPECTED = {
            {"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"}),
     "fsdp_ep": ({"data": MANY, "expert": MANY, "tensor": ONE}, {"embed": "data", "experts": "expert"},
                 {"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"}),
+    # data: the axis across slices (DCN), fsdp inside one; the weights' shards never cross slices
+    "hsdp": ({"data": MANY, "fsdp": MANY}, {"embed": "fsdp"}, {"batch": ("data", "fsdp")}),
 }
 
 
@@ -95,7 +97,7 @@ def test_every_reader_of_the_registry_sees_every_strategy() -> None:
 
 def test_an_unknown_strategy_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of single, dp, fsdp, tp, fsdp_tp, tp_sp, "
-                                         r"cp, fsdp_cp, ulysses, fsdp_ulysses, pp, pp_fsdp, ep, fsdp_ep\."):
+                                         r"cp, fsdp_cp, ulysses, fsdp_ulysses, pp, pp_fsdp, ep, fsdp_ep, hsdp\."):
         strategies.get("zero3")
 
 

@@ -315,6 +315,24 @@ def _fsdp_ep(ctx: Ctx) -> list[Row]:
         row(ctx, "metrics", "all-reduce", ("data", "expert"), 1, F32, "pmean over data,expert of the loss")]
 
 
+# ----------------------------------------------------------------------------- hsdp
+
+
+def _hsdp(ctx: Ctx) -> list[Row]:
+    """HSDP (manual_parallel/hsdp.py): fsdp's gathers and scatters over fsdp inside each slice; across
+    slices (data, over DCN) only each gradient's mean: a matrix's f32 1/fsdp shard, a norm gain whole
+    after its mean inside the slice; the global norm's psum stays inside (the gradients agree across
+    slices), the loss's scalar mean spans both axes."""
+    fsdp, shards = fsdp_rows(ctx, tensor_shards=1, axis="fsdp"), ctx.mesh["fsdp"]
+    across = [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32 // shards,
+                  f"pmean over data (DCN) of the shard d({w.name}) {leaf_label(w)}/fsdp") for w in matrix_weights(ctx)]
+    across += [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32,
+                   f"pmean over data (DCN) of d({w.name}) {leaf_label(w)} (norm gains, after their mean over fsdp)")
+               for w in norm_weights(ctx)]
+    return fsdp + across + [norm_row(ctx, ("fsdp",)), row(ctx, "metrics", "all-reduce", ("data", "fsdp"), 1, F32,
+                                                            "pmean over data,fsdp of the loss (f32 scalar)")]
+
+
 def _rows_of(name: str) -> Callable[[Ctx], list[Row]]:
     """The rows function `_<name>` of the strategy declared as `name`."""
     rows = globals().get(f"_{name}")

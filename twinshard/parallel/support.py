@@ -50,6 +50,7 @@ SUPPORT: dict[str, Support] = {
     "pp_fsdp": Support(_TWO, **_BY_HAND),
     "ep": Support(_TWO, **_MOE),
     "fsdp_ep": Support(_TWO, **_MOE),
+    "hsdp": Support(_TWO),
 }
 assert tuple(SUPPORT) == strategies.NAMES, "one row per declared strategy, in declaration order"
 
