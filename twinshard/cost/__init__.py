@@ -19,7 +19,8 @@ Notation
     Hkv  key/value heads (= H without grouped-query attention)
     F  d_ff                            V  padded vocab (multiple of 128)
     s  bytes per element of the COMPUTE dtype (dtype_bytes: 4 = float32, 2 = bfloat16)
-    w  bytes per element of the WEIGHT dtype (param_bytes): params, gradients and their reductions
+    w  bytes per element of the WEIGHT dtype (cfg.weight_dtype): the gradients' reductions (the twins
+       run it; `param_bytes`, the memory model's what-if for the planner, leaves them)
 
 weights.py (the parameter tree and how each strategy splits it), communication.py (collective
 rows), flops.py, memory.py; this module: `cost()`, `Cost`, `compare` against a ledger, the tables.
@@ -148,7 +149,7 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
 
     `remat` (default cfg.remat) changes the memory only, except under tp_sp, which re-gathers its
     sequence shards under any policy but none. virtual_stages: interleaved's chunks per stage. param_bytes,
-    state_bytes (default: cfg.weight_dtype's): per param and gradient, per moment. flat_weights:
+    state_bytes (default: cfg.weight_dtype's): the memory of a param and its gradient, of a moment. flat_weights:
     FSDP's weights split flat (padded,
     twinshard/hardware/plan.py), so d_model need not divide by data. Invalid input (and the runs
     launch.train refuses) raises a one-line ValueError."""
@@ -213,7 +214,8 @@ def _priced(cfg: ModelConfig, strategy: str, shape: dict[str, int], batch_size: 
     """The rows, FLOPs and memory of checked input (`cost`'s arguments, or a resolved run's)."""
     if remat is not None:  # tp_sp's collectives depend on it (its re-gathers), the others' do not
         cfg = dataclasses.replace(cfg, remat=remat)
-    ctx = Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule, virtual, param_bytes)
+    ctx = Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule, virtual,
+              DTYPE_BYTES[cfg.weight_dtype])
     rows = sorted(STRATEGY_ROWS[strategy](ctx) + int8_dw_rows(ctx), key=lambda r: PHASES.index(r.phase))  # stable
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,

@@ -57,7 +57,7 @@ class Ctx:
     microbatches: int = 1  # M (pipelines)
     schedule: str = "gpipe"  # pipelines: one of twinshard.config.PIPELINE_SCHEDULES
     virtual: int = 1  # pipelines: chunks per stage (interleaved)
-    w: int = F32  # weight dtype bytes: the params' and so every gradient reduction's (ModelConfig.weight_dtype)
+    w: int = F32  # ModelConfig.weight_dtype's bytes: the params', and so every gradient reduction's
 
     @property
     def d(self) -> int:
