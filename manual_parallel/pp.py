@@ -16,6 +16,7 @@ from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.model.matmuls import varying_axes
 from twinshard.parallel.pipeline import STAGE
+from twinshard.train.optim import in_param_dtypes
 from twinshard.train.trainer import graphdef
 
 __all__ = ["PipelineParallel", "PipelineRunner", "Runner", "parallelism"]
@@ -57,7 +58,8 @@ class PipelineRunner(ManualRunner):
         weights ManualRunner gathered once, in the compute dtype, and `resident()` hooks)."""
         if self.cfg.train.schedule == "gpipe":
             return self._gpipe(params, x, y, par)
-        return self._scheduled(params, x, y, par)
+        loss, sums = self._scheduled(params, x, y, par)
+        return loss, in_param_dtypes(sums, params)  # the float32 sums in `params`' dtypes, as ManualRunner's
 
     def _varying(self, a):
         """a, made varying over the axes the activations differ over: `stage` (pp_fsdp: and `data`)

@@ -52,11 +52,12 @@ class Ctx:
     mesh: dict[str, int]
     batch: int  # global B
     seq: int  # T
-    s: int  # dtype bytes
+    s: int  # compute dtype bytes
     k: int = 1  # grad_accum: micro-batches per step
     microbatches: int = 1  # M (pipelines)
     schedule: str = "gpipe"  # pipelines: one of twinshard.config.PIPELINE_SCHEDULES
     virtual: int = 1  # pipelines: chunks per stage (interleaved)
+    w: int = F32  # ModelConfig.weight_dtype's bytes: the params', and so every gradient reduction's
 
     @property
     def d(self) -> int:
@@ -103,10 +104,11 @@ def _local_bytes(ctx: Ctx, w: Weight, tensor_shards: int = 1) -> int:
 
 
 def kv_sum_rows(ctx: Ctx, data_shards: int = 1) -> list[Row]:
-    """The k/v weights' gradient summed over a `tensor` axis larger than the kv heads, once per step per leaf (f32)."""
+    """The k/v weights' gradient summed over a `tensor` axis larger than the kv heads, once per step per leaf
+    (in the weight dtype)."""
     if not kv_replicated(ctx.cfg, ctx.mesh):
         return []
-    return [row(ctx, "backward", "all-reduce", ("tensor",), w.leaves, w.layers * w.size * F32 // data_shards,
+    return [row(ctx, "backward", "all-reduce", ("tensor",), w.leaves, w.layers * w.size * ctx.w // data_shards,
                 f"psum over tensor of d({w.name}) {leaf_label(w)}" + (f"/{data_shards}" if data_shards > 1 else "")
                 + " (kv heads replicated over tensor: each device's kv head slice)")
             for w in matrix_weights(ctx) if KV_HEADS in w.axes]
@@ -143,8 +145,8 @@ def fsdp_step_rows(ctx: Ctx, tensor_shards: int, stages: int = 1, axis: str = "d
 
 
 def _fsdp_norm_rows(ctx: Ctx, stages: int = 1, axis: str = "data") -> list[Row]:
-    return [row(ctx, "backward", "all-reduce", (axis,), w.leaves, layers_held(w, stages) * w.size * F32,
-                f"pmean over {axis} of d({w.name}) {leaf_label(w, stages)} (replicated f32 norm gains)")
+    return [row(ctx, "backward", "all-reduce", (axis,), w.leaves, layers_held(w, stages) * w.size * ctx.w,
+                f"pmean over {axis} of d({w.name}) {leaf_label(w, stages)} (replicated norm gains)")
             for w in norm_weights(ctx)]
 
 
