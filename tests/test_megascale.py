@@ -99,3 +99,22 @@ def test_a_mesh_that_is_not_across_the_slices_raises_one_line():
                                          r"\{'fsdp': 4\} is one slice's") as err:
         hlo.ledger(TEXT, {"fsdp": 4})
     assert "\n" not in str(err.value)
+
+
+def test_the_manual_twin_compiled_for_two_v5e_slices():
+    """The real AOT compile (v5e:2x2 x 2 slices, preset tiny; libtpu, the tpu extra): its DCN rows are the
+    cost model's across slices, and the schedule shows what docs/slices.md says: the loss's transfer spans
+    the backward layer loop, the gradient shards' are issued after it."""
+    from launch.collectives import collectives
+    from twinshard.config import preset
+    from twinshard.hardware import topology
+
+    devices = topology.devices("v5e:2x2", num_slices=2)
+    res = collectives("hsdp", "manual", None, preset("tiny"), devices, dcn_spec="data:2")
+    led = res["ledger"]
+    assert res["mesh"] == MESH and led.dcn == ("data",) and not led.unparsed
+    assert {r.op for r in led.filter(axes="data")} == {"all-reduce"}
+    assert led.total_bytes("data") == sum(r.bytes for r in res["model"].collectives if "data" in r.axes)
+    windows = [w for w in schedule(res["hlo"], MESH).windows() if w.axes == ("data",)]
+    spans_a_loop = sorted((w.bytes, any(n.startswith("while") for n in w.inside)) for w in windows)
+    assert spans_a_loop == [(4, True), (24576, False), (24576, False), (107776, False)]
