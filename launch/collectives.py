@@ -477,6 +477,12 @@ def check_flags(FLAGS, cfg):
     pod = links.parse_topology(FLAGS.topology)
     if FLAGS.dcn_mesh:  # one --topology slice per DCN position: compiled for them all (libtpu's num_slices)
         pod = links.with_slices(pod, math.prod(mesh_lib.parse_dcn_mesh(FLAGS.dcn_mesh, FLAGS.strategy, FLAGS.mesh).values()))
+        # Measured (libtpu 0.0.50.1): hsdp's GSPMD twin for 2 v5e:2x2 slices stops at a RET_CHECK in the compiler
+        # (hlo_verifier.cc:673, `subgroup_size == 1 || shard_count == subgroup_size` on a reduce-scatter).
+        if any(impl != "manual" for impl in impls):
+            raise ValueError(f"--impl={FLAGS.impl} with --dcn_mesh={FLAGS.dcn_mesh} --topology={FLAGS.topology}: libtpu "
+                             "does not compile the GSPMD twin across slices (a compiler check fails); pass "
+                             "--impl=manual (docs/slices.md).")
     if not pod.chip.is_tpu:
         raise ValueError(f"--topology={FLAGS.topology}: compiling ahead of time is for TPU topologies (v4, v5e, "
                          "v5p, v6e); plan GPU clusters with launch.plan.")

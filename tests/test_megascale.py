@@ -118,3 +118,19 @@ def test_the_manual_twin_compiled_for_two_v5e_slices():
     windows = [w for w in schedule(res["hlo"], MESH).windows() if w.axes == ("data",)]
     spans_a_loop = sorted((w.bytes, any(n.startswith("while") for n in w.inside)) for w in windows)
     assert spans_a_loop == [(4, True), (24576, False), (24576, False), (107776, False)]
+
+
+def test_launch_collectives_refuses_the_gspmd_twin_across_slices_in_one_line():
+    from types import SimpleNamespace
+
+    from launch.collectives import check_flags
+    from twinshard.config import preset
+
+    flags = SimpleNamespace(impl="auto,manual", strategy="hsdp", topology="v5e:2x2", dcn_mesh="data:2", mesh=None,
+                            json=None, hlo=None, timeline=None, trace=None, force=False)
+    with pytest.raises(ValueError, match=r"^--impl=auto,manual with --dcn_mesh=data:2 --topology=v5e:2x2: libtpu "
+                                         r"does not compile the GSPMD twin across slices .*pass --impl=manual") as err:
+        check_flags(flags, preset("tiny"))
+    assert "\n" not in str(err.value)
+    _, pod = check_flags(SimpleNamespace(**{**vars(flags), "impl": "manual"}), preset("tiny"))
+    assert pod.slices == 2  # compiled for 2 slices of v5e:2x2
