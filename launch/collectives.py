@@ -10,6 +10,8 @@
         --timeline=fsdp.svg   # both twins' steps drawn on one time axis (docs/schedule.md)
     uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=manual --topology=v5e:2x2 \
         --trace=fsdp.trace.json   # the same predicted step for Perfetto UI or chrome://tracing
+    uv run --extra tpu python -m launch.collectives --strategy=hsdp --impl=manual --topology=v5e:2x2 \
+        --dcn_mesh=data:2   # 2 slices over DCN: the data axis's rows and lane (docs/slices.md)
 
 Nothing runs: the train step is lowered on abstract inputs (ShapeDtypeStructs
 carrying the strategy's shardings) and compiled. The collective ledger of the
@@ -143,8 +145,8 @@ def twin_notes(strategy: str, impl: str, platform: str, has_reduce_scatter: bool
     return notes + ([CPU_REDUCE_SCATTER_NOTE] if platform == "cpu" and has_reduce_scatter else [])
 
 
-def _topology_devices(name: str):
-    """Devices of a TPU pod that is not here (AOT only). Needs libtpu."""
+def _topology_devices(name: str, slices: int = 1):
+    """Devices of `slices` TPU pods that are not here (AOT only). Needs libtpu."""
     from twinshard.hardware import topology
 
     bounds = None
@@ -156,7 +158,7 @@ def _topology_devices(name: str):
         if len(bounds) != 3 or min(bounds) < 1:
             raise ValueError(f"--chips_per_host_bounds={FLAGS.chips_per_host_bounds} must be three "
                              "integers >= 1, x,y,z (e.g. 2,2,1).")
-    return topology.devices(name, bounds)
+    return topology.devices(name, bounds, num_slices=slices)
 
 
 def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices, dcn_spec: str | None = None):
@@ -385,7 +387,7 @@ def main(argv):
     impls, pod = check_flags(FLAGS, cfg)
     devices = None
     if FLAGS.topology:
-        devices = _topology_devices(FLAGS.topology)
+        devices = _topology_devices(FLAGS.topology, pod.slices)
     else:
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     results = []
@@ -472,15 +474,15 @@ def check_flags(FLAGS, cfg):
     if not FLAGS.topology:
         return impls, None
     topology.chips_per_host(FLAGS.topology)  # GENERATION:AxB[xC]
-    if FLAGS.dcn_mesh:
-        # Measured (libtpu 0.0.50.1, get_topology_desc(num_slices=2), hsdp on v5e:2x2): the compiled program
-        # is one slice's (num_partitions 4), its all-reduces across slices host-transfer send/recv pairs
-        # marked _xla_megascale_transfer_type="ALL_REDUCE", which the ledger does not read.
-        raise ValueError(f"--dcn_mesh={FLAGS.dcn_mesh} with --topology={FLAGS.topology}: a program compiled ahead "
-                         "of time for several TPU slices sends its all-reduces across slices as megascale "
-                         "send/recv pairs, which the ledger does not read yet; drop --topology to read the "
-                         "collectives per axis on simulated CPU slices, or drop --dcn_mesh.")
     pod = links.parse_topology(FLAGS.topology)
+    if FLAGS.dcn_mesh:  # one --topology slice per DCN position: compiled for them all (libtpu's num_slices)
+        pod = links.with_slices(pod, math.prod(mesh_lib.parse_dcn_mesh(FLAGS.dcn_mesh, FLAGS.strategy, FLAGS.mesh).values()))
+        # Measured (libtpu 0.0.50.1): hsdp's GSPMD twin for 2 v5e:2x2 slices stops at a RET_CHECK in the compiler
+        # (hlo_verifier.cc:673, `subgroup_size == 1 || shard_count == subgroup_size` on a reduce-scatter).
+        if any(impl != "manual" for impl in impls):
+            raise ValueError(f"--impl={FLAGS.impl} with --dcn_mesh={FLAGS.dcn_mesh} --topology={FLAGS.topology}: libtpu "
+                             "does not compile the GSPMD twin across slices (a compiler check fails); pass "
+                             "--impl=manual (docs/slices.md).")
     if not pod.chip.is_tpu:
         raise ValueError(f"--topology={FLAGS.topology}: compiling ahead of time is for TPU topologies (v4, v5e, "
                          "v5p, v6e); plan GPU clusters with launch.plan.")
@@ -493,10 +495,13 @@ def check_flags(FLAGS, cfg):
 
 
 def predict_step(res: dict, pod):
-    """The compiled step's predicted time on the pod's chips, each mesh axis on its links."""
+    """The compiled step's predicted time on the pod's chips, each mesh axis on its links: an axis across
+    slices on the data-center network (links.dcn_link), the others on one slice's ICI."""
     from twinshard.hardware import links, step_time
 
-    return step_time.predict_step(res["hlo"], pod.chip, res["mesh"], links.axis_links(pod, res["mesh"]))
+    inside = {a: n for a, n in res["mesh"].items() if a not in res["dcn"]}
+    known = {**links.axis_links(pod, inside), **{a: links.dcn_link(pod) for a in res["dcn"]}}
+    return step_time.predict_step(res["hlo"], pod.chip, res["mesh"], known)
 
 
 if __name__ == "__main__":

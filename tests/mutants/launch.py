@@ -62,7 +62,7 @@ MUTANTS: list[Mutant] = [
            "ids = generate(SingleDevice(model_cfg, train_cfg).init_state(train_cfg.seed).params, model_cfg,",
            (TRAIN,), "launch.sample generates from freshly initialised weights, not the checkpoint's"),
     # --- the front door: ledger input, validation, checkpoints, launcher errors
-    Mutant("hlo-accepts-stablehlo", "sturdy", SRC_HLO_RECORDS,
+    Mutant("hlo-accepts-stablehlo", "sturdy", "twinshard/hlo/text.py",
            "    if _MLIR.search(text):\n        raise NotCompiledHLO(",
            "    if False:\n        raise NotCompiledHLO(",
            (HLO_INPUT,), "the ledger reads StableHLO text (no collectives yet) as an empty program"),
@@ -279,7 +279,7 @@ MUTANTS: list[Mutant] = [
            "    for name, value in ():\n        fields[name] =",
            (f"{SPLASH}::test_the_chips_splash_sweep_runs_the_reference_under_other_block_sizes_and_layouts",),
            "chip_micro's splash sweep times the default kernel whatever block sizes and layouts it names"),
-    Mutant("hlo-jax010-compiled-taken-for-lowered", "sturdy", SRC_HLO_RECORDS,
+    Mutant("hlo-jax010-compiled-taken-for-lowered", "sturdy", "twinshard/hlo/text.py",
            "if _UNCOMPILED.search(text) and not is_scheduled(text):",
            "if _UNCOMPILED.search(text):",
            (f"{HLO_INPUT}::test_a_compiled_module_keeping_shardys_mesh_in_its_header_is_read",),
