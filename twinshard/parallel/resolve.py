@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import jax
@@ -33,7 +33,9 @@ class Run:
     mesh: Mapping[str, int]
     cfg: Config
     devices: tuple | None = None  # None: every device, ordered by jax.make_mesh
-    dcn: Mapping[str, int] = MappingProxyType({})  # the axes across slices (--dcn_mesh), sized in slices
+    # the axes across slices (--dcn_mesh), sized in slices; a factory, as Python 3.11's dataclasses refuse an
+    # unhashable default (a MappingProxyType is hashable from 3.12 only: the TPU machine runs 3.11)
+    dcn: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def across_slices(run: Run) -> bool:
