@@ -40,7 +40,8 @@ PROOFS = {
         ("test_hsdp.py", "test_manual_ledger_equals_the_cost_model_exactly")]],
     "ledger under --remat vs cost model": [
         ("test_remat.py", "test_manual_collectives_equal_the_cost_model_under_every_policy", None),
-        ("test_remat.py", "test_manual_ledger_under_full_remat_equals_the_cost_model", None)],
+        ("test_remat.py", "test_manual_ledger_under_full_remat_equals_the_cost_model", None),
+        (ULYSSES, "test_remat_full_saves_the_all_to_alls", None)],
     "memory vs memory_analysis": [(m, f, None) for m, f in [
         ("test_memory.py", "test_memory_analysis_beside_the_model"),
         (SEQUENCE, "test_temporaries_below_tp"),

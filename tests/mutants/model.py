@@ -483,7 +483,7 @@ MUTANTS: list[Mutant] = [
     Mutant("cp-remat-reruns-ring", "remat", "manual_parallel/cp.py",
            "return also_saving(super().layer_policy(policy), saves_ring_shifts)",
            "return super().layer_policy(policy)",
-           (f"{REMAT}::test_manual_ledger_under_full_remat_equals_the_cost_model[cp]",
+           (f"{REMAT}::test_manual_collectives_equal_the_cost_model_under_every_policy",
             f"{REMAT}::test_manual_ledger_under_full_remat_equals_the_cost_model[fsdp_cp]"),
            "a checkpointed cp layer saves no received K/V block: its backward re-runs the ring's forward permutes"),
     Mutant("pp-1f1b-bf16-gradient-sum", "precision", "manual_parallel/pp.py",
