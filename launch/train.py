@@ -342,6 +342,7 @@ def main(argv):
         # the strategy may change (Orbax reshards); the data and the optimisation may not
         _check_same_run(ckpt.read_meta(resume_from), meta, resume_from)
         state, _ = ckpt.restore(runner.abstract_state(), {"model": meta["model"]}, step=resume_from)
+        state = runner.in_stored_order(state)  # a checkpoint holds the layers in the model's order
         start = int(_scalar(state.step))
         records = [r for r in earlier if r["step"] <= start]
         if skipped:
@@ -426,7 +427,7 @@ def main(argv):
                     ckpt.delete(old)
                 stale = []
                 saving = time.perf_counter()
-                ckpt.save(done, state, meta, wait=stop)  # asynchronous, but for the run's last one
+                ckpt.save(done, runner.in_model_order(state), meta, wait=stop)  # asynchronous, but for the run's last one
                 log(f"checkpoint {done}: the step waited {time.perf_counter() - saving:.3f}s"
                     + ("" if stop else " (written in the background)"), flush=True)
             if do_log or do_eval:  # eval and checkpoint time stay out of the throughput

@@ -16,7 +16,7 @@ from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.model.matmuls import varying_axes
 from twinshard.parallel.pipeline import STAGE
-from twinshard.train.trainer import graphdef
+from twinshard.train.trainer import TrainState, graphdef
 
 __all__ = ["PipelineParallel", "PipelineRunner", "Runner", "parallelism"]
 
@@ -37,6 +37,35 @@ class PipelineRunner(ManualRunner):
         super().__init__(run, parallelism)
         # True for params replicated over `stage` (their gradients are summed over it)
         self.replicated_over_stage = {k: k != "layers" for k in self.param_specs}
+        self._reorders: dict[tuple[bool, bool], object] = {}  # (to_model, a whole state) -> its jit
+
+    # --- the stored order of the layers: round-robin chunks under --schedule=interleaved ---------
+
+    def init_state(self, seed: int) -> TrainState:
+        """The single-device init, its layer stacks in the stored order (pipeline.stored_order)."""
+        return self.in_stored_order(super().init_state(seed))
+
+    def in_model_order(self, tree):
+        """With V > 1 chunks a stage, each layer stack (and each optimizer leaf that keeps its layer dim)
+        is stored in pipeline.stored_order, so that `stage`'s contiguous split hands device s its V
+        chunks; this is the model's order (an all-to-all of the stacks over `stage`, in its own jit)."""
+        return self._reordered(tree, to_model=True)
+
+    def in_stored_order(self, tree):
+        return self._reordered(tree, to_model=False)
+
+    def _reordered(self, tree, to_model: bool):
+        virtual = self.cfg.train.virtual_stages
+        if virtual == 1:
+            return tree
+        whole = isinstance(tree, TrainState)
+        if (to_model, whole) not in self._reorders:
+            shardings = self.state_shardings if whole else self.state_shardings.params
+            stages = self.sizes[STAGE]
+            self._reorders[to_model, whole] = jax.jit(lambda t: jax.tree.map(
+                lambda x, s: pipeline.reorder_layers(x, s, stages, virtual, to_model), t, shardings),
+                out_shardings=shardings)
+        return self._reorders[to_model, whole](tree)
 
     def _loss_and_grads(self, params, x, y):
         """x, y: [B/data, T]. ManualRunner's step, with the params replicated over `stage` (embedding,
@@ -68,7 +97,8 @@ class PipelineRunner(ManualRunner):
     def _stage(self, params, chunk, tokens, arrived, targets, par):
         """One chunk of this stage on one micro-batch: (its output [B/M, T, D], its loss: the
         micro-batch's mean token loss on the last virtual stage, 0 elsewhere). Virtual stage 0
-        embeds `tokens` instead of `arrived`. Chunk c is the stage's layers [c L/(S V), (c+1) L/(S V))."""
+        embeds `tokens` instead of `arrived`. Chunk c, the stage's stored rows [c L/(S V), (c+1) L/(S V)),
+        is virtual stage c S + s (pipeline.stored_order)."""
         cfg, v = self.cfg.model, self.cfg.train.virtual_stages
         model = nnx.merge(graphdef(cfg), params)
         stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
@@ -204,30 +234,39 @@ class PipelineRunner(ManualRunner):
 
     def _pipeline_loss(self, params, x, y, par):
         """Mean loss over this device's rows (pp: the batch), computed by the pipeline; invariant
-        over `stage`. x, y: [B/data, T]; micro-batch i is rows [i B/(data M), (i+1) B/(data M))."""
-        cfg, m = self.cfg.model, self.cfg.train.microbatches
+        over `stage`. x, y: [B/data, T]; micro-batch i is rows [i B/(data M), (i+1) B/(data M)).
+        With V > 1 chunks a stage (eval under --schedule=interleaved) V GPipe passes, one per chunk,
+        the last stage's finished micro-batches going round to stage 0 between them."""
+        cfg, m, v = self.cfg.model, self.cfg.train.microbatches, self.cfg.train.virtual_stages
         model = nnx.merge(graphdef(cfg), params)  # model.layers: this stage's [L/S, ...] slice
         stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
         first, last = stage == 0, stage == n_stages - 1
         ys = y.reshape(m, -1, y.shape[1])  # [M, B/(data M), T]
-        embedded = model.embed(x, par).reshape(m, -1, *x.shape[1:], cfg.d_model)  # [M, B/(data M), T, D]
-        act = embedded.shape[1:]  # one micro-batch's activations [B/(data M), T, D]
+        inputs = model.embed(x, par).reshape(m, -1, *x.shape[1:], cfg.d_model)  # [M, B/(data M), T, D]
+        act = inputs.shape[1:]  # one micro-batch's activations [B/(data M), T, D]
         varying = self._varying  # (differs per stage)
-
         layers = nnx.to_pure_dict(nnx.state(model.layers, nnx.Param))  # this stage's [L/S, ...] params
+        k = cfg.num_layers // (n_stages * v)  # a chunk's layers (all L/S when V = 1)
 
-        def tick(carry, i):
-            arrived, finished = carry  # [B/M, T, D] from stage-1; [M, B/M, T, D] on stage S-1
-            inputs = jnp.where(first, embedded[jnp.minimum(i, m - 1)], arrived)
-            out = scan_stacked(layers, cfg, inputs, par)
-            j = i - (n_stages - 1)  # the micro-batch that leaves the last stage at tick i
-            done = lax.dynamic_update_index_in_dim(finished, out, jnp.maximum(j, 0), 0)
-            finished = jnp.where(last & (j >= 0), done, finished)
-            return (shift_to_next_stage(out, STAGE), finished), None
+        def gpipe_pass(chunk, inputs):
+            """The M micro-batches [M, B/M, T, D] (read on stage 0) through one chunk of every stage:
+            the outputs, on stage S-1."""
+            def tick(carry, i):
+                arrived, finished = carry  # [B/M, T, D] from stage-1; [M, B/M, T, D] on stage S-1
+                out = scan_stacked(chunk, cfg, jnp.where(first, inputs[jnp.minimum(i, m - 1)], arrived), par)
+                j = i - (n_stages - 1)  # the micro-batch that leaves the last stage at tick i
+                done = lax.dynamic_update_index_in_dim(finished, out, jnp.maximum(j, 0), 0)
+                finished = jnp.where(last & (j >= 0), done, finished)
+                return (shift_to_next_stage(out, STAGE), finished), None
 
-        dtype = jnp.dtype(cfg.dtype)  # the residual stream's (compute) dtype
-        start = (varying(jnp.zeros(act, dtype)), varying(jnp.zeros((m, *act), dtype)))
-        (_, finished), _ = lax.scan(tick, start, jnp.arange(pipeline.ticks(m, n_stages)))
+            dtype = jnp.dtype(cfg.dtype)  # the residual stream's (compute) dtype
+            start = (varying(jnp.zeros(act, dtype)), varying(jnp.zeros((m, *act), dtype)))
+            return lax.scan(tick, start, jnp.arange(pipeline.ticks(m, n_stages)))[0][1]
+
+        for c in range(v):  # chunk c: virtual stage c S + s (pipeline.stored_order)
+            finished = gpipe_pass(jax.tree.map(lambda w: w[c * k:(c + 1) * k], layers), inputs)
+            if c < v - 1:  # S-1 -> 0: the next chunk's inputs
+                inputs = shift_to_next_stage(finished, STAGE, wrap=True)
         flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731  [M, B/M, ...] -> [B, ...]
         loss = lax.cond(last, lambda f: model.head_loss(flat(f), flat(ys), par),
                         lambda f: varying(jnp.zeros((), jnp.float32)), finished)

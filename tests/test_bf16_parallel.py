@@ -55,6 +55,9 @@ CASES = {  # name: (impl, strategy, mesh, config)
     "manual_pp_gpipe": ("manual", "pp", "stage:4", PIPE),
     "manual_pp_fsdp_1f1b": ("manual", "pp_fsdp", "stage:2,data:2",
                             Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="1f1b"))),
+    "manual_pp_fsdp_interleaved": ("manual", "pp_fsdp", "stage:2,data:2",  # V = 2 chunks of one layer
+                                   Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="interleaved",
+                                                                          virtual_stages=2))),
     "auto_pp": ("auto", "pp", "stage:4", PIPE),
     "manual_fsdp_accum": ("manual", "fsdp", "data:8,tensor:1", ACCUM),
     "auto_fsdp_accum": ("auto", "fsdp", "data:8,tensor:1", ACCUM),
@@ -106,7 +109,7 @@ def case(name: str) -> Case:
     xs = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32, sharding=r.batch_sharding)
     lowered = r.train_step.lower(r.abstract_state(), xs, xs)
     step = lowered.compile(compiler_options=KEEP_BF16)
-    state = jax.device_put(single(cfg)[1], r.state_shardings)
+    state = r.in_stored_order(jax.device_put(single(cfg)[1], r.state_shardings))
     return Case(strategy, cfg, r, hlo.ledger(step.as_text(), r.mesh), lowered.as_text(), np.array(_train(step, r, state, cfg)))
 
 
@@ -148,7 +151,7 @@ def assert_ledger_is_the_bf16_model(c: Case) -> None:
     StableHLO asks for exactly the model's bf16 bytes, and XLA:CPU moves twice them (f32)."""
     model = cost.cost(c.cfg.model, c.strategy, c.runner.sizes, c.cfg.train.batch_size,
                       grad_accum=c.cfg.train.grad_accum, microbatches=c.cfg.train.microbatches,
-                      schedule=c.cfg.train.schedule)
+                      schedule=c.cfg.train.schedule, virtual_stages=c.cfg.train.virtual_stages)
     assert model.dtype_bytes == BF16
     rows = cost.compare(c.ledger.summary(), model.summary())
     table = cost.compare_table(rows) + "\n" + c.ledger.table()
@@ -175,7 +178,8 @@ def assert_float32_all_reduces(c: Case) -> None:
     assert types and all(t.endswith("f32") for t in types), types
 
 
-@pytest.mark.parametrize("name, data", [("manual_pp_gpipe", 1), ("manual_pp_fsdp_1f1b", 2)])
+@pytest.mark.parametrize("name, data", [("manual_pp_gpipe", 1), ("manual_pp_fsdp_1f1b", 2),
+                                        ("manual_pp_fsdp_interleaved", 2)])
 def test_manual_pipelines_hand_bf16_between_stages(name, data):
     """Every stage hop (forward output, backward input gradient) is one micro-batch [B/(data M),
     T, D] in bf16: 2 bytes an element, half of tests/test_pipeline.py's f32 hops; the ledger
@@ -183,7 +187,9 @@ def test_manual_pipelines_hand_bf16_between_stages(name, data):
     and the accumulated gradient reduce-scattered in bf16 (assert_ledger_is_the_bf16_model)."""
     c = case(name)
     led, m, stages = c.ledger, c.cfg.train.microbatches, c.runner.sizes["stage"]
-    ticks = pipeline.ticks(m, stages) if c.cfg.train.schedule == "gpipe" else pipeline.build(c.cfg.train.schedule, stages, m).ticks
+    train = c.cfg.train
+    ticks = pipeline.ticks(m, stages) if train.schedule == "gpipe" else \
+        pipeline.build(train.schedule, stages, m, train.virtual_stages).ticks
     permutes = led.filter(op="collective-permute", axes=("stage",))
     assert_all_bf16(permutes, "stage hops", led)
     assert {tuple(r.shape) for r in permutes} == {hop(c.cfg, data)}

@@ -54,9 +54,13 @@ def single():
     return run(SingleDevice(CFG.model, CFG.train))
 
 
+V = 2  # --schedule=interleaved's chunks per stage: on 2 stages of tiny's 4 layers, chunks of one layer
+
+
 def with_schedule(schedule: str, microbatches: int = M, batch: int | None = None) -> Config:
     train = dataclasses.replace(CFG.train, schedule=schedule, microbatches=microbatches,
-                                batch_size=batch or CFG.train.batch_size)
+                                batch_size=batch or CFG.train.batch_size,
+                                virtual_stages=V if schedule == "interleaved" else 1)
     return Config(CFG.model, train)
 
 
@@ -102,52 +106,69 @@ def test_scheduled_matches_gpipe_and_single_device(schedule):
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
 
-def pipeline_order(layers, stages: int, virtual: int, back: bool = False):
-    """The stacked [L, ...] leaves with their rows in the order an interleaved stage holds them:
-    device s's L/S rows are its chunks c = 0 ... V-1, chunk c being virtual stage c S + s, i.e.
-    the model's layers [(c S + s) k, (c S + s + 1) k), k = L/(S V). back: the inverse."""
-    n = jax.tree.leaves(layers)[0].shape[0]
-    k = n // (stages * virtual)
-    order = [(c * stages + p // (virtual * k)) * k + q
-             for p in range(n) for c, q in [divmod(p % (virtual * k), k)]]
-    index = np.argsort(order) if back else np.asarray(order)
-    return jax.tree.map(lambda w: np.asarray(w)[index], layers)
+def test_interleaved_matches_single_device():
+    """--schedule=interleaved (S = 2, V = 2 chunks of one layer, M = 4): device s runs virtual stages
+    s and s + 2, the last stage's output goes round to stage 0's second chunk, and 5 train steps
+    are single device's (the record's params and gradients read back in the model's order).
+    Measured (XLA:CPU): losses 2.4e-7 from single device, step-1 gradients 1.3e-8, params after 5
+    steps 1.5e-6."""
+    got, want = twin("manual", 2, "interleaved"), single()
+    np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
+    assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
+    assert max_diff(got["params"], want["params"]) < PARAM_ATOL
+    r, (x, y) = got["runner"], reference.random_batches(CFG.train.batch_size, CFG.model.context_length,
+                                                        CFG.model.vocab_size, 1)[0]
+    params = r.in_stored_order(jax.device_put(want["init"], r.state_shardings.params))
+    assert abs(float(r.eval_loss(params, *r.place_batch(x, y))) - want["losses"][0]) < LOSS_ATOL  # V GPipe passes
 
 
-def test_interleaved_loop_equals_single_device_on_layers_in_pipeline_order(monkeypatch):
-    """The manual twin's tick loop under --schedule=interleaved (S = 2, V = 2 chunks of one layer,
-    M = 4): the wrap-around hop, the chunks and the rings of slots. No twin runs interleaved (its
-    layers must be stored round-robin, docs/pipelines.md), so support.py is patched to let the
-    manual twin build it, and its stage-sharded layers are given in pipeline order: the loss and
-    the gradients (put back in model order) equal single device's first step. The ledger is the
-    cost model's: a ring of hops, one each way per tick of the table, 2 (V M + S - 1) = 18 ticks
-    where 1F1B's has 2 (M + S - 1) = 10 (nearly V times the hops, each a whole micro-batch)."""
-    from twinshard.parallel import support
+def test_interleaved_stores_each_device_its_chunks_round_robin(tmp_path):
+    """pipeline.place_layer by hand (L = 8, S = 2, V = 2: virtual stage j = layers 2j, 2j+1 on device
+    j % 2), and the trained twin's layers: device 0 holds the model's layers 0 and 2, device 1 layers 1
+    and 3 (one a chunk), each as single device initialised it. A checkpoint of the state in the model's
+    order restores into single device's layout bit for bit (params and AdamW moments) and back."""
+    from twinshard.train.checkpoint import Checkpointer
 
-    row = support.SUPPORT["pp"]
-    monkeypatch.setitem(support.SUPPORT, "pp", dataclasses.replace(row, interleaved=("manual",)))
-    cfg = Config(CFG.model, dataclasses.replace(CFG.train, schedule="interleaved", virtual_stages=2))
-    r = manual_parallel.make_runner("pp", "stage:2", cfg, devices=jax.devices()[:2])
-    want = single()
+    assert [pipeline.place_layer(layer, 8, 2, 2) for layer in (0, 1, 2, 5, 7)] == \
+        [(0, 0, 0), (0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+    assert pipeline.stored_order(8, 2, 2) == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert pipeline.stored_order(6, 3, 1) == list(range(6))
+    got, want = twin("manual", 2, "interleaved"), single()
+    r = got["runner"]
     state = r.init_state(CFG.train.seed)
-    init = dict(want["init"], layers=pipeline_order(want["init"]["layers"], 2, 2))
-    params = jax.device_put(init, jax.tree.map(lambda a: a.sharding, state.params))
-    batches = reference.random_batches(CFG.train.batch_size, CFG.model.context_length, CFG.model.vocab_size, 1)
-    loss, grads = jax.device_get(r.loss_and_grads(params, *r.place_batch(*batches[0])))
-    grads = dict(grads, layers=pipeline_order(grads["layers"], 2, 2, back=True))
-    assert abs(float(loss) - want["losses"][0]) < LOSS_ATOL
-    assert max_diff(grads, want["grads"]) < GRAD_ATOL
-    led = hlo.ledger(compile_step(r).as_text(), r.mesh)
-    model = cost.cost(CFG.model, "pp", r.sizes, CFG.train.batch_size, microbatches=M, schedule="interleaved",
-                      virtual_stages=2)
+    w1, init = state.params["layers"]["ffn"]["w1"]["weight"], want["init"]["layers"]["ffn"]["w1"]["weight"]
+    held = {s.device.id: np.asarray(s.data) for s in w1.addressable_shards}
+    np.testing.assert_array_equal(held[0], init[[0, 2]])
+    np.testing.assert_array_equal(held[1], init[[1, 3]])
+    ckpt = Checkpointer(str(tmp_path / "interleaved"))
+    ckpt.save(0, r.in_model_order(got["state"]), {})
+    one = SingleDevice(CFG.model, CFG.train)
+    restored, _ = ckpt.restore(one.abstract_state(), {})
+    np.testing.assert_array_equal(jax.device_get(restored.params["layers"]["ffn"]["w1"]["weight"]),
+                                  got["params"]["layers"]["ffn"]["w1"]["weight"])
+    back, _ = ckpt.restore(r.abstract_state(), {})
+    for a, b in zip(jax.tree.leaves(jax.device_get(r.in_stored_order(back))), jax.tree.leaves(jax.device_get(got["state"]))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_interleaved_ledger_equals_the_cost_model_exactly():
+    """A ring of hops, one each way per tick of the table, 2 (V M + S - 1) = 18 ticks where 1F1B's has
+    2 (M + S - 1) = 10: nearly V times the hops, each a whole micro-batch; then pp's stage sums, norm and
+    loss. On 2 stages the ring s -> s+1 (with S-1 -> 0) and its reverse are one pattern (both devices
+    swap). No weight moves: each device's chunks are stored on it."""
+    led = compiled_ledger("manual", 2, "interleaved")
+    model = cost.cost(CFG.model, "pp", {"stage": 2, "data": 1, "tensor": 1}, CFG.train.batch_size, microbatches=M,
+                      schedule="interleaved", virtual_stages=V)
     rows = cost.compare(led.summary(), model.summary())
     assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
-    ticks = pipeline.build("interleaved", 2, M, 2).ticks
+    ticks = pipeline.build("interleaved", 2, M, V).ticks
     assert ticks == 18 and pipeline.build("1f1b", 2, M).ticks == 10
-    # on 2 stages the ring s -> s+1 and its reverse are one pattern (both devices swap)
     testing.expect_permute(led, {"stage": +1}, wrap=True, count=2 * ticks)
     assert led.filter(op="collective-permute").total_bytes() == 2 * ticks * CFG.train.batch_size // M \
         * CFG.model.context_length * CFG.model.d_model * 4
+    testing.expect_no_collective(led, op="all-gather")
+    testing.expect_no_collective(led, op="all-to-all")
 
 
 # ----------------------------------------------------------------------------- the tables
@@ -434,10 +455,21 @@ def test_bad_pipeline_configs_are_clear_errors():
         with pytest.raises(ValueError, match=rf"--schedule={schedule} is written by hand in the manual twin only "
                                              r"\(--impl=manual\); --impl=auto runs --schedule=gpipe under --strategy=pp\.$"):
             auto_parallel.make_runner("pp", "stage:2", with_schedule(schedule), devices=jax.devices()[:2])
-    interleaved = Config(CFG.model, dataclasses.replace(CFG.train, schedule="interleaved", virtual_stages=2))
-    with pytest.raises(ValueError, match=r"--schedule=interleaved has its table .* but no twin runs it yet; "
-                                         r"--impl=manual runs --schedule=gpipe or 1f1b or zb_h1 under --strategy=pp"):
-        manual_parallel.make_runner("pp", "stage:2", interleaved, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match=r"^--schedule=interleaved is written by hand in the manual twin only "
+                                         r"\(--impl=manual\); --impl=auto runs --schedule=gpipe under --strategy=pp\.$"):
+        auto_parallel.make_runner("pp", "stage:2", with_schedule("interleaved"), devices=jax.devices()[:2])
+    # the checks of make_runner, before anything compiles: V that does not divide a stage's layers,
+    # V > 1 under another schedule, M not a multiple of S
+    for train, message in ((dict(schedule="interleaved", virtual_stages=3), r"^--virtual_stages=3 does not divide the 2 "
+                            r"layers of a stage \(num_layers=4 / stage=2\) into equal chunks; choose --virtual_stages from \[2\]\.$"),
+                           (dict(schedule="1f1b", virtual_stages=2), r"^--virtual_stages=2 interleaves chunks, which "
+                            r"--schedule=1f1b does not: use --schedule=interleaved, or --virtual_stages=1\.$"),
+                           (dict(schedule="interleaved", virtual_stages=2, microbatches=3, batch_size=6),
+                            r"^--schedule=interleaved sends micro-batches through the chunks S at a time: microbatches=3 "
+                            r"is not a multiple of stage=2")):
+        bad = Config(CFG.model, dataclasses.replace(CFG.train, **train))
+        with pytest.raises(ValueError, match=message):
+            manual_parallel.make_runner("pp", "stage:2", bad, devices=jax.devices()[:2])
     with pytest.raises(ValueError, match=r"--virtual_stages=3 does not divide the 2 layers of a stage \(num_layers=4 / "
                                          r"stage=2\) into equal chunks; choose --virtual_stages from \[2\]"):
         pipeline.check(4, 8, 2, 4, schedule="interleaved", virtual=3)
@@ -490,10 +522,11 @@ def _fsdp_twin(impl: str, schedule: str):
 
 @pytest.mark.pp_fsdp
 @pytest.mark.parametrize("impl, schedule", [("auto", "gpipe"), ("manual", "gpipe"), ("manual", "1f1b"),
-                                            ("manual", "zb_h1")])
+                                            ("manual", "zb_h1"), ("manual", "interleaved")])
 def test_pp_fsdp_matches_single_device(impl, schedule):
     """Measured (XLA:CPU): losses to 2e-6, step-1 gradients 1.4e-8, params after 5 AdamW steps
-    3.6e-6 (manual 1F1B) / 8.6e-7 (GPipe, both twins)."""
+    3.6e-6 (manual 1F1B) / 8.6e-7 (GPipe, both twins). interleaved: V = 2 chunks of one layer on
+    each stage, each data shard's micro-batches going round the stage ring."""
     got, want = fsdp_twin(impl, schedule), single()
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
     if impl == "manual":  # the GSPMD twin's record has no step-1 gradients
@@ -534,19 +567,24 @@ def stage_matrix_bytes() -> int:
 
 
 @pytest.mark.pp_fsdp
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_pp_fsdp_manual_ledger_equals_the_cost_model_exactly(schedule):
-    """pp's collective-permutes, per tick, of one micro-batch of one data shard; each matrix leaf
-    of the stage gathered over data whole once before the tick loop and reduce-scattered once
-    after it (gather_step, both schedules); the stage sums, the data means, the norm, the loss."""
-    led = fsdp_ledger("manual", schedule)
-    model = cost.cost(CFG.model, "pp_fsdp", FSDP_SIZES, CFG.train.batch_size, microbatches=M, schedule=schedule)
+    """pp's collective-permutes, per tick, of one micro-batch of one data shard (interleaved: round
+    the stage ring, 2 (V M + S - 1) ticks); each matrix leaf of the stage gathered over data whole
+    once before the tick loop and reduce-scattered once after it (gather_step, every schedule);
+    the stage sums, the data means, the norm, the loss."""
+    led, v = fsdp_ledger("manual", schedule), V if schedule == "interleaved" else 1
+    model = cost.cost(CFG.model, "pp_fsdp", FSDP_SIZES, CFG.train.batch_size, microbatches=M, schedule=schedule,
+                      virtual_stages=v)
     rows = cost.compare(led.summary(), model.summary())
     assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
-    ticks = pipeline.ticks(M, 2) if schedule == "gpipe" else pipeline.build(schedule, 2, M).ticks
+    ticks = pipeline.ticks(M, 2) if schedule == "gpipe" else pipeline.build(schedule, 2, M, v).ticks
     testing.expect_collectives(led, "collective-permute", ("stage",), count=2 * ticks)
-    testing.expect_permute(led, {"stage": +1}, wrap=False, count=ticks)  # within each data row
-    testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks)
+    if v > 1:  # on 2 stages the ring and its reverse are one pattern, within each data row
+        testing.expect_permute(led, {"stage": +1}, wrap=True, count=2 * ticks)
+    else:
+        testing.expect_permute(led, {"stage": +1}, wrap=False, count=ticks)  # within each data row
+        testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks)
     assert led.filter(op="collective-permute").total_bytes() == 2 * ticks * FSDP_HOP
     gathers, scatters = led.filter(op="all-gather", axes=("data",)), led.filter(op="reduce-scatter", axes=("data",))
     assert [r.multiplicity for r in gathers] == [r.multiplicity for r in scatters] == [1] * 9, led.table()
@@ -612,18 +650,22 @@ PIPELINE_BAND = (0.95, 1.3)
 MEMORY_CASES = [("pp", "manual", "gpipe", M), ("pp", "manual", "1f1b", M), ("pp", "manual", "zb_h1", M),
                 ("pp", "auto", "gpipe", M),
                 ("pp", "manual", "gpipe", 8), ("pp", "manual", "1f1b", 8),
-                ("pp_fsdp", "manual", "gpipe", M), ("pp_fsdp", "manual", "1f1b", M), ("pp_fsdp", "auto", "gpipe", M)]
+                ("pp_fsdp", "manual", "gpipe", M), ("pp_fsdp", "manual", "1f1b", M), ("pp_fsdp", "auto", "gpipe", M),
+                ("pp", "manual", "interleaved", M), ("pp_fsdp", "manual", "interleaved", M)]
 
 
 def temp_and_model(strategy: str, impl: str, schedule: str, m: int) -> tuple[int, cost.Memory]:
     """The compiled step's temp bytes per device and the cost model's Memory of the same run."""
     if strategy == "pp_fsdp":
         step, sizes, batch = fsdp_step(impl, schedule), FSDP_SIZES, CFG.train.batch_size
+    elif schedule == "interleaved":  # on 2 stages: 4 hold one layer each
+        step, sizes, batch = compiled_step(impl, 2, schedule), {"stage": 2, "data": 1}, CFG.train.batch_size
     elif m == M:
         step, sizes, batch = compiled_step(impl, 4, schedule), {"stage": 4, "data": 1}, CFG.train.batch_size
     else:
         step, sizes, batch = long_step(schedule, m)[0], {"stage": 4, "data": 1}, 2 * m
-    model = cost.memory(CFG.model, strategy, sizes, batch, CFG.model.context_length, microbatches=m, schedule=schedule)
+    model = cost.memory(CFG.model, strategy, sizes, batch, CFG.model.context_length, microbatches=m, schedule=schedule,
+                        virtual=V if schedule == "interleaved" else 1)
     return step.memory_analysis().temp_size_in_bytes, model
 
 

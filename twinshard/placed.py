@@ -173,6 +173,16 @@ class PlacedRunner:
     def place_batch(self, x, y):
         return place_global(x, self.batch_sharding), place_global(y, self.batch_sharding)
 
+    def in_model_order(self, tree):
+        """`tree` (the train state, or params or their gradients) with every layer stack in the model's
+        order: what a checkpoint holds and single device reads. Every runner but the interleaved
+        pipeline's (manual_parallel/pp.py) stores the layers so: `tree` itself."""
+        return tree
+
+    def in_stored_order(self, tree):
+        """The inverse of `in_model_order`: a restored checkpoint as this runner's step takes it."""
+        return tree
+
 
 class GlobalRunner(PlacedRunner):
     """What the GSPMD and explicit runners share: the single-device step on global arrays, jitted

@@ -34,7 +34,7 @@ class Support:
 _MOE = dict(moe=_TWO, ragged_accum=_MANUAL)
 _MEGATRON = dict(uneven_kv_heads=_TWO)
 # The schedules run by hand from their table (twinshard/parallel/pipeline.py); gpipe is every pipeline twin's
-_BY_HAND = dict(one_f_one_b=_MANUAL, zb_h1=_MANUAL)
+_BY_HAND = dict(one_f_one_b=_MANUAL, zb_h1=_MANUAL, interleaved=_MANUAL)
 SUPPORT: dict[str, Support] = {
     "dp": Support(_ALL, loss_chunks=_TWO, **_MOE),
     "fsdp": Support(_ALL, loss_chunks=_TWO, **_MOE),

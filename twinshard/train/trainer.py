@@ -240,6 +240,12 @@ class SingleDevice:
     def place_batch(self, x, y):
         return jnp.asarray(x), jnp.asarray(y)
 
+    def in_model_order(self, tree):
+        """The layers are in the model's order here (twinshard/placed.py's runners may store them otherwise)."""
+        return tree
+
+    in_stored_order = in_model_order
+
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state (for restore and for lowering the train step)."""
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding),
