@@ -152,6 +152,29 @@ def test_interleaved_stores_each_device_its_chunks_round_robin(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("stages, virtual, stored", [(2, 3, [0, 2, 4, 1, 3, 5]),
+                                                    (3, 2, [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11])])
+def test_reorder_layers_moves_rows_between_the_model_and_the_stored_order(stages, virtual, stored):
+    """By hand: S = 2, V = 3 chunks of one layer (device 0 runs virtual stages 0, 2, 4) and S = 3, V = 2
+    chunks of two (device 1 runs virtual stages 1 and 4: layers 2, 3, 8, 9). pipeline.stored_order is
+    that list, and reorder_layers takes a [L, 2] stack split over `stage` from one order to the other
+    and back (S != V: a one-way swap would not be its own inverse), the other dim left as it is."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n = len(stored)
+    assert pipeline.stored_order(n, stages, virtual) == stored
+    mesh = jax.make_mesh((stages,), (pipeline.STAGE,), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:stages])
+    sharding = NamedSharding(mesh, P(pipeline.STAGE, None))
+    model = np.stack([np.arange(n), -np.arange(n)], axis=1).astype(np.float32)  # row l: layer l
+    placed = jax.device_put(model[stored], sharding)
+    to_model = jax.jit(lambda x: pipeline.reorder_layers(x, sharding, stages, virtual, to_model=True))
+    to_stored = jax.jit(lambda x: pipeline.reorder_layers(x, sharding, stages, virtual, to_model=False))
+    np.testing.assert_array_equal(to_model(placed), model)
+    np.testing.assert_array_equal(to_stored(jax.device_put(model, sharding)), model[stored])
+    assert to_model(placed).sharding.spec == sharding.spec
+
+
 def test_interleaved_ledger_equals_the_cost_model_exactly():
     """A ring of hops, one each way per tick of the table, 2 (V M + S - 1) = 18 ticks where 1F1B's has
     2 (M + S - 1) = 10: nearly V times the hops, each a whole micro-batch; then pp's stage sums, norm and
