@@ -16,7 +16,8 @@ from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.model.matmuls import varying_axes
 from twinshard.parallel.pipeline import STAGE
-from twinshard.train.trainer import TrainState, graphdef
+from twinshard.train.optim import in_param_dtypes
+from twinshard.train.trainer import graphdef
 
 __all__ = ["PipelineParallel", "PipelineRunner", "Runner", "parallelism"]
 
@@ -37,35 +38,6 @@ class PipelineRunner(ManualRunner):
         super().__init__(run, parallelism)
         # True for params replicated over `stage` (their gradients are summed over it)
         self.replicated_over_stage = {k: k != "layers" for k in self.param_specs}
-        self._reorders: dict[tuple[bool, bool], object] = {}  # (to_model, a whole state) -> its jit
-
-    # --- the stored order of the layers: round-robin chunks under --schedule=interleaved ---------
-
-    def init_state(self, seed: int) -> TrainState:
-        """The single-device init, its layer stacks in the stored order (pipeline.stored_order)."""
-        return self.in_stored_order(super().init_state(seed))
-
-    def in_model_order(self, tree):
-        """With V > 1 chunks a stage, each layer stack (and each optimizer leaf that keeps its layer dim)
-        is stored in pipeline.stored_order, so that `stage`'s contiguous split hands device s its V
-        chunks; this is the model's order (an all-to-all of the stacks over `stage`, in its own jit)."""
-        return self._reordered(tree, to_model=True)
-
-    def in_stored_order(self, tree):
-        return self._reordered(tree, to_model=False)
-
-    def _reordered(self, tree, to_model: bool):
-        virtual = self.cfg.train.virtual_stages
-        if virtual == 1:
-            return tree
-        whole = isinstance(tree, TrainState)
-        if (to_model, whole) not in self._reorders:
-            shardings = self.state_shardings if whole else self.state_shardings.params
-            stages = self.sizes[STAGE]
-            self._reorders[to_model, whole] = jax.jit(lambda t: jax.tree.map(
-                lambda x, s: pipeline.reorder_layers(x, s, stages, virtual, to_model), t, shardings),
-                out_shardings=shardings)
-        return self._reorders[to_model, whole](tree)
 
     def _loss_and_grads(self, params, x, y):
         """x, y: [B/data, T]. ManualRunner's step, with the params replicated over `stage` (embedding,
@@ -86,7 +58,8 @@ class PipelineRunner(ManualRunner):
         weights ManualRunner gathered once, in the compute dtype, and `resident()` hooks)."""
         if self.cfg.train.schedule == "gpipe":
             return self._gpipe(params, x, y, par)
-        return self._scheduled(params, x, y, par)
+        loss, sums = self._scheduled(params, x, y, par)
+        return loss, in_param_dtypes(sums, params)  # the float32 sums in `params`' dtypes, as ManualRunner's
 
     def _varying(self, a):
         """a, made varying over the axes the activations differ over: `stage` (pp_fsdp: and `data`)
@@ -98,7 +71,7 @@ class PipelineRunner(ManualRunner):
         """One chunk of this stage on one micro-batch: (its output [B/M, T, D], its loss: the
         micro-batch's mean token loss on the last virtual stage, 0 elsewhere). Virtual stage 0
         embeds `tokens` instead of `arrived`. Chunk c, the stage's stored rows [c L/(S V), (c+1) L/(S V)),
-        is virtual stage c S + s (pipeline.stored_order)."""
+        is virtual stage c S + s (round_robin.stored_order)."""
         cfg, v = self.cfg.model, self.cfg.train.virtual_stages
         model = nnx.merge(graphdef(cfg), params)
         stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
@@ -263,7 +236,7 @@ class PipelineRunner(ManualRunner):
             start = (varying(jnp.zeros(act, dtype)), varying(jnp.zeros((m, *act), dtype)))
             return lax.scan(tick, start, jnp.arange(pipeline.ticks(m, n_stages)))[0][1]
 
-        for c in range(v):  # chunk c: virtual stage c S + s (pipeline.stored_order)
+        for c in range(v):  # chunk c: virtual stage c S + s (round_robin.stored_order)
             finished = gpipe_pass(jax.tree.map(lambda w: w[c * k:(c + 1) * k], layers), inputs)
             if c < v - 1:  # S-1 -> 0: the next chunk's inputs
                 inputs = shift_to_next_stage(finished, STAGE, wrap=True)

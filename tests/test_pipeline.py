@@ -21,7 +21,7 @@ import auto_parallel
 import manual_parallel
 import reference
 from twinshard import cost, hlo, testing
-from twinshard.parallel import pipeline
+from twinshard.parallel import pipeline, round_robin
 from twinshard.config import Config, preset
 from twinshard.train.trainer import SingleDevice
 
@@ -58,9 +58,10 @@ V = 2  # --schedule=interleaved's chunks per stage: on 2 stages of tiny's 4 laye
 
 
 def with_schedule(schedule: str, microbatches: int = M, batch: int | None = None) -> Config:
+    """CFG under `schedule` (interleaved: V = 2 chunks of a stage)."""
     train = dataclasses.replace(CFG.train, schedule=schedule, microbatches=microbatches,
                                 batch_size=batch or CFG.train.batch_size,
-                                virtual_stages=V if schedule == "interleaved" else 1)
+                                virtual_stages=V if schedule in pipeline.INTERLEAVED else 1)
     return Config(CFG.model, train)
 
 
@@ -72,9 +73,10 @@ def twin(impl: str, stages: int, schedule: str = "gpipe"):
 
 @functools.cache
 def _twin(impl: str, stages: int, schedule: str):
+    """(interleaved: step-1 gradients in both twins, what the chunks' placement shows first)"""
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
     return run(make("pp", f"stage:{stages}", with_schedule(schedule), devices=jax.devices()[:stages]),
-               grads=impl == "manual")
+               grads=impl == "manual" or schedule in pipeline.INTERLEAVED)
 
 
 max_diff = reference.max_diff
@@ -106,73 +108,62 @@ def test_scheduled_matches_gpipe_and_single_device(schedule):
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
 
-def test_interleaved_matches_single_device():
+@pytest.mark.parametrize("impl", ["auto", "manual"])
+def test_interleaved_matches_single_device(impl):
     """--schedule=interleaved (S = 2, V = 2 chunks of one layer, M = 4): device s runs virtual stages
-    s and s + 2, the last stage's output goes round to stage 0's second chunk, and 5 train steps
-    are single device's (the record's params and gradients read back in the model's order).
-    Measured (XLA:CPU): losses 2.4e-6 from single device, step-1 gradients 1.3e-8, params after 5
-    steps 2.1e-6; eval_loss runs V GPipe passes on the stored layers."""
-    got, want = twin("manual", 2, "interleaved"), single()
+    s and s + 2 (manual: from the table; auto: MaxText's circular loop), the last stage's output going
+    round to stage 0's second chunk. The same init (each layer on its chunk's device), the losses,
+    step-1 gradients, reported norms and params after 5 AdamW steps are single device's, read back
+    in the model's order (runner.to_model); the whole state converts (what a checkpoint saves,
+    launch/train.py): AdamW's moments too. Manual: eval_loss runs V GPipe passes on the stored
+    layers. Measured (XLA:CPU): losses 2.4e-6 (manual) / 1e-6 (auto) from single device, step-1
+    gradients 1.3e-8 / 9e-9, params after 5 steps 2.1e-6."""
+    got, want = twin(impl, 2, "interleaved"), single()
+    assert max_diff(got["init"], want["init"]) < 1e-6
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
     assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
     np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
-    r, (x, y) = got["runner"], reference.random_batches(CFG.train.batch_size, CFG.model.context_length,
-                                                        CFG.model.vocab_size, 1)[0]
-    params = r.in_stored_order(jax.device_put(want["init"], r.state_shardings.params))
-    assert abs(float(r.eval_loss(params, *r.place_batch(x, y))) - want["losses"][0]) < LOSS_ATOL  # V GPipe passes
+    r = got["runner"]
+    moments = r.to_model(got["state"]).opt_state
+    assert max_diff(moments, want["state"].opt_state) < GRAD_ATOL, max_diff(moments, want["state"].opt_state)
+    if impl == "manual":
+        (x, y), = reference.random_batches(CFG.train.batch_size, CFG.model.context_length, CFG.model.vocab_size, 1)
+        params = jax.device_put(r.to_stored(want["init"]), r.state_shardings.params)
+        assert abs(float(r.eval_loss(params, *r.place_batch(x, y))) - want["losses"][0]) < LOSS_ATOL
 
 
-def test_interleaved_stores_each_device_its_chunks_round_robin(tmp_path):
-    """pipeline.place_layer by hand (L = 8, S = 2, V = 2: virtual stage j = layers 2j, 2j+1 on device
-    j % 2), and the trained twin's layers: device 0 holds the model's layers 0 and 2, device 1 layers 1
-    and 3 (one a chunk), each as single device initialised it. A checkpoint of the state in the model's
-    order restores into single device's layout bit for bit (params and AdamW moments) and back."""
+@pytest.mark.parametrize("impl", ["auto", "manual"])
+def test_interleaved_stores_each_device_its_chunks_round_robin(impl):
+    """4 layers, S = 2, V = 2: chunk c (layer c) on device c % 2, so device 0 holds the model's layers
+    0 and 2, device 1 layers 1 and 3, local chunk 0 first; no device holds a contiguous half."""
+    rec = twin(impl, 2, "interleaved")
+    model_w1 = rec["params"]["layers"]["ffn"]["w1"]["weight"]  # [L, D, F], the model's order
+    shards = rec["state"].params["layers"]["ffn"]["w1"]["weight"].addressable_shards
+    assert {s.data.shape for s in shards} == {(2, 64, 192)}
+    held = {s.index[0].start // 2: np.asarray(s.data) for s in shards}  # stage -> its [2, D, F] rows
+    np.testing.assert_array_equal(held[0], model_w1[[0, 2]])
+    np.testing.assert_array_equal(held[1], model_w1[[1, 3]])
+
+
+def test_an_interleaved_checkpoint_holds_the_model_order(tmp_path):
+    """A checkpoint of the state in the model's order (runner.to_model, as launch/train.py saves it)
+    restores into single device's layout bit for bit, and back into the twin's (to_stored, as
+    launch/train.py resumes): params and AdamW moments. (Both twins convert with PlacedRunner's
+    round_robin: one twin proves it.)"""
     from twinshard.train.checkpoint import Checkpointer
 
-    assert [pipeline.place_layer(layer, 8, 2, 2) for layer in (0, 1, 2, 5, 7)] == \
-        [(0, 0, 0), (0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
-    assert pipeline.stored_order(8, 2, 2) == [0, 1, 4, 5, 2, 3, 6, 7]
-    assert pipeline.stored_order(6, 3, 1) == list(range(6))
-    got, want = twin("manual", 2, "interleaved"), single()
+    got = twin("manual", 2, "interleaved")
     r = got["runner"]
-    state = r.init_state(CFG.train.seed)
-    w1, init = state.params["layers"]["ffn"]["w1"]["weight"], want["init"]["layers"]["ffn"]["w1"]["weight"]
-    held = {s.device.id: np.asarray(s.data) for s in w1.addressable_shards}
-    np.testing.assert_array_equal(held[0], init[[0, 2]])
-    np.testing.assert_array_equal(held[1], init[[1, 3]])
     ckpt = Checkpointer(str(tmp_path / "interleaved"))
-    ckpt.save(0, r.in_model_order(got["state"]), {})
+    ckpt.save(0, r.to_model(got["state"]), {})
     one = SingleDevice(CFG.model, CFG.train)
     restored, _ = ckpt.restore(one.abstract_state(), {})
     np.testing.assert_array_equal(jax.device_get(restored.params["layers"]["ffn"]["w1"]["weight"]),
                                   got["params"]["layers"]["ffn"]["w1"]["weight"])
     back, _ = ckpt.restore(r.abstract_state(), {})
-    for a, b in zip(jax.tree.leaves(jax.device_get(r.in_stored_order(back))), jax.tree.leaves(jax.device_get(got["state"]))):
+    for a, b in zip(jax.tree.leaves(jax.device_get(r.to_stored(back))), jax.tree.leaves(jax.device_get(got["state"]))):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("stages, virtual, stored", [(2, 3, [0, 2, 4, 1, 3, 5]),
-                                                    (3, 2, [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11])])
-def test_reorder_layers_moves_rows_between_the_model_and_the_stored_order(stages, virtual, stored):
-    """By hand: S = 2, V = 3 chunks of one layer (device 0 runs virtual stages 0, 2, 4) and S = 3, V = 2
-    chunks of two (device 1 runs virtual stages 1 and 4: layers 2, 3, 8, 9). pipeline.stored_order is
-    that list, and reorder_layers takes a [L, 2] stack split over `stage` from one order to the other
-    and back (S != V: a one-way swap would not be its own inverse), the other dim left as it is."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    n = len(stored)
-    assert pipeline.stored_order(n, stages, virtual) == stored
-    mesh = jax.make_mesh((stages,), (pipeline.STAGE,), axis_types=(jax.sharding.AxisType.Explicit,),
-                         devices=jax.devices()[:stages])
-    sharding = NamedSharding(mesh, P(pipeline.STAGE, None))
-    model = np.stack([np.arange(n), -np.arange(n)], axis=1).astype(np.float32)  # row l: layer l
-    placed = jax.device_put(model[stored], sharding)
-    to_model = jax.jit(lambda x: pipeline.reorder_layers(x, sharding, stages, virtual, to_model=True))
-    to_stored = jax.jit(lambda x: pipeline.reorder_layers(x, sharding, stages, virtual, to_model=False))
-    np.testing.assert_array_equal(to_model(placed), model)
-    np.testing.assert_array_equal(to_stored(jax.device_put(model, sharding)), model[stored])
-    assert to_model(placed).sharding.spec == sharding.spec
 
 
 def test_interleaved_ledger_equals_the_cost_model_exactly():
@@ -434,31 +425,88 @@ def test_zb_h1_splits_the_backward_in_the_compiled_program():
 
 @pytest.mark.parametrize("stages", STAGES)
 def test_auto_shifts_the_stage_buffer_with_collective_permutes(stages):
-    """GSPMD turns the roll of the stage dimension into collective-permutes of one micro-batch:
-    measured, 1 per tick forward (cyclic) and 2 per tick backward, plus 2 outside the loop
-    (the finished micro-batches to the loss, forward and backward); no weight moves."""
+    """GSPMD turns the roll of the stage dimension into collective-permutes of one micro-batch,
+    the cost model's (cost.gspmd_pipeline_hops): 1 per tick forward (a ring), 2 per tick backward,
+    nothing outside the loop (the outputs end on stage 0, in its queue); no weight moves."""
     led = compiled_ledger("auto", stages)
     hop = CFG.train.batch_size // M * CFG.model.context_length * CFG.model.d_model * 4
-    permutes = list(led.filter(op="collective-permute"))
-    per_tick = [r for r in permutes if r.bytes == hop]
-    assert sum(r.multiplicity for r in per_tick) == 3 * pipeline.ticks(M, stages), led.table()
-    assert sum(r.multiplicity for r in permutes) == 3 * pipeline.ticks(M, stages) + 2, led.table()
-    assert_auto_hops(led, stages, pipeline.ticks(M, stages))
+    assert_auto_hops(led, {"stage": stages, "data": 1}, CFG.train.batch_size, pipeline.ticks(M, stages), hop)
     testing.expect_no_collective(led, op="all-gather")
     testing.expect_no_collective(led, larger_than=M * hop)  # nothing bigger than the whole batch's activations
 
 
-def assert_auto_hops(led: hlo.Ledger, stages: int, ticks: int) -> None:
-    """Who sends to whom in GSPMD's pipeline: the roll s -> s+1 is a ring, every tick; its
-    transpose, the reverse ring, is split (measured) into the line s+1 -> s and the wrap pair
-    0 -> S-1; outside the loop the last stage's finished micro-batches go to stage 0 (S-1 -> 0)
-    and their gradient back (0 -> S-1, the same line as the wrap pair)."""
+def assert_auto_hops(led: hlo.Ledger, sizes: dict[str, int], batch: int, ticks: int, hop: int,
+                     virtual: int = 1) -> None:
+    """GSPMD's pipeline hops are the cost model's: count, bytes and who sends to whom (the roll
+    s -> s+1 is a ring, every tick; its transpose, measured, the line s+1 -> s and the pair
+    0 -> S-1), `ticks` of each, each `hop` bytes."""
+    model = cost.gspmd_pipeline_hops(CFG.model, sizes, batch, M, virtual, "interleaved" if virtual > 1 else "gpipe")
+    rows = cost.compare(led.filter(op="collective-permute").summary(), cost.summarize(model))
+    assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
+    stages = sizes["stage"]
     testing.expect_permute(led, {"stage": +1}, wrap=True, count=ticks)
-    testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks + (1 if stages == 2 else 0))
-    testing.expect_permute(led, {"stage": stages - 1}, wrap=False, count=ticks + 1)
-    if stages > 2:  # on 2 stages S-1 -> 0 is the line -1 above
-        testing.expect_permute(led, {"stage": 1 - stages}, wrap=False, count=1)
-    testing.expect_collectives(led, "collective-permute", count=3 * ticks + 2)
+    testing.expect_permute(led, {"stage": -1}, wrap=False, count=ticks)
+    testing.expect_permute(led, {"stage": stages - 1}, wrap=False, count=ticks)  # (S = 2: the line 0 -> 1)
+    testing.expect_collectives(led, "collective-permute", count=3 * ticks)
+    assert led.filter(op="collective-permute").total_bytes() == 3 * ticks * hop
+
+
+def pipeline_order(layers, stages: int, virtual: int):
+    """The stacked [L, ...] leaves with their rows in the order an interleaved stage holds them,
+    written from the manual loop's reading (not round_robin): device s's L/S rows are its chunks
+    c = 0 ... V-1, chunk c being virtual stage c S + s, i.e. the model's layers [(c S + s) k,
+    (c S + s + 1) k), k = L/(S V)."""
+    n = jax.tree.leaves(layers)[0].shape[0]
+    k = n // (stages * virtual)
+    order = [(c * stages + p // (virtual * k)) * k + q
+             for p in range(n) for c, q in [divmod(p % (virtual * k), k)]]
+    return jax.tree.map(lambda w: np.asarray(w)[np.asarray(order)], layers)
+
+
+def test_round_robin_placement_is_the_tables_and_the_manual_loops():
+    """round_robin.place puts layer l of chunk c on device c % S, local chunk c // S (hand-written
+    for L = 8, S = 2, V = 2); every virtual stage of pipeline.build's interleaved table runs on the
+    device holding its layers; the stored order is the one the manual twin's loop reads
+    (pipeline_order above); to_model undoes to_stored."""
+    want = {0: (0, 0, 0), 1: (0, 0, 0), 2: (1, 1, 0), 3: (1, 1, 0), 4: (2, 0, 1), 5: (2, 0, 1), 6: (3, 1, 1),
+            7: (3, 1, 1)}
+    assert {l: round_robin.place(l, 8, 2, 2) for l in range(8)} == want
+    assert list(round_robin.stored_order(8, 2, 2)) == [0, 1, 4, 5, 2, 3, 6, 7]
+    for n, v, layers in ((2, 2, 4), (4, 2, 8), (2, 3, 12), (3, 2, 12)):
+        k = layers // (n * v)
+        for t, row in enumerate(pipeline.build("interleaved", n, n, v).grid):
+            for s, a in enumerate(row):
+                if a is not None:
+                    assert {round_robin.place(a.stage * k + q, layers, n, v)[1:] for q in range(k)} == \
+                        {(s, a.stage // n)}, (n, v, t, a)
+        stacked = {"layers": {"w": np.arange(layers)}, "embed": np.arange(layers)}
+        stored = round_robin.to_stored(stacked, layers, n, v)
+        assert list(stored["layers"]["w"]) == list(pipeline_order(stacked["layers"], n, v)["w"])
+        assert list(stored["embed"]) == list(range(layers))  # only the stacked blocks move
+        assert list(round_robin.to_model(stored, layers, n, v)["layers"]["w"]) == list(range(layers))
+    # by hand where S != V (the order is not its own inverse, unlike S = V = 2's): S = 2, V = 3 chunks of
+    # one layer (device 0 runs virtual stages 0, 2, 4); S = 3, V = 2 chunks of two (device 1 runs virtual
+    # stages 1 and 4: layers 2, 3, 8, 9); to_model puts each stored row back at its layer
+    for n, v, order in ((2, 3, [0, 2, 4, 1, 3, 5]), (3, 2, [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11])):
+        assert list(round_robin.stored_order(len(order), n, v)) == order
+        back = round_robin.to_model({"layers": np.asarray(order)}, len(order), n, v)["layers"]
+        assert list(back) == list(range(len(order)))
+
+
+@pytest.mark.parametrize("strategy", ["pp", "pp_fsdp"])
+def test_auto_interleaved_ledger_equals_the_cost_model(strategy):
+    """The circular loop's hops are cost.gspmd_pipeline_hops': 3 per tick of V M + S - 1 = 9 ticks
+    (GPipe's M + S - 1 = 5: nearly V times as often), each one micro-batch (of one data shard);
+    no weight moves between stages. pp_fsdp's GPipe program, compiled for its own test, counts 3 x 5."""
+    if strategy == "pp":
+        led = compiled_ledger("auto", 2, "interleaved")
+        sizes, hop = {"stage": 2, "data": 1}, CFG.train.batch_size // M * CFG.model.context_length * CFG.model.d_model * 4
+    else:
+        led, sizes, hop = fsdp_ledger("auto", "interleaved"), FSDP_SIZES, FSDP_HOP
+        assert fsdp_ledger("auto", "gpipe").count("collective-permute") == 3 * pipeline.ticks(M, 2) == 15
+    assert_auto_hops(led, sizes, CFG.train.batch_size, 2 * M + 1, hop, virtual=2)
+    assert led.count("collective-permute") == 27
+    testing.expect_no_collective(led, op="all-gather", axes=("stage",))
 
 
 def test_bad_pipeline_configs_are_clear_errors():
@@ -475,24 +523,23 @@ def test_bad_pipeline_configs_are_clear_errors():
     with pytest.raises(ValueError, match=r"mesh stage:2 has 2 devices but 8 are available"):
         manual_parallel.make_runner("pp", "stage:2", CFG)
     for schedule in ("1f1b", "zb_h1"):
-        with pytest.raises(ValueError, match=rf"--schedule={schedule} is written by hand in the manual twin only "
-                                             r"\(--impl=manual\); --impl=auto runs --schedule=gpipe under --strategy=pp\.$"):
+        with pytest.raises(ValueError, match=rf"--schedule={schedule} is written in the manual twin only "
+                                             r"\(--impl=manual\); --impl=auto runs --schedule=gpipe or interleaved under --strategy=pp\.$"):
             auto_parallel.make_runner("pp", "stage:2", with_schedule(schedule), devices=jax.devices()[:2])
-    with pytest.raises(ValueError, match=r"^--schedule=interleaved is written by hand in the manual twin only "
-                                         r"\(--impl=manual\); --impl=auto runs --schedule=gpipe under --strategy=pp\.$"):
-        auto_parallel.make_runner("pp", "stage:2", with_schedule("interleaved"), devices=jax.devices()[:2])
-    # the checks of make_runner, before anything compiles: V that does not divide a stage's layers,
-    # V > 1 under another schedule, M not a multiple of S
+    # the checks of make_runner in both twins, before anything compiles: V that does not divide a stage's
+    # layers, V > 1 under another schedule (the manual twin's: the GSPMD twin refuses 1f1b itself, above),
+    # M not a multiple of S
     for train, message in ((dict(schedule="interleaved", virtual_stages=3), r"^--virtual_stages=3 does not divide the 2 "
                             r"layers of a stage \(num_layers=4 / stage=2\) into equal chunks; choose --virtual_stages from \[2\]\.$"),
                            (dict(schedule="1f1b", virtual_stages=2), r"^--virtual_stages=2 interleaves chunks, which "
                             r"--schedule=1f1b does not: use --schedule=interleaved, or --virtual_stages=1\.$"),
                            (dict(schedule="interleaved", virtual_stages=2, microbatches=3, batch_size=6),
                             r"^--schedule=interleaved sends micro-batches through the chunks S at a time: microbatches=3 "
-                            r"is not a multiple of stage=2")):
+                            r"is not a multiple of stage=2; choose --microbatches from")):
         bad = Config(CFG.model, dataclasses.replace(CFG.train, **train))
-        with pytest.raises(ValueError, match=message):
-            manual_parallel.make_runner("pp", "stage:2", bad, devices=jax.devices()[:2])
+        for twin_package in (manual_parallel,) if train["schedule"] == "1f1b" else (auto_parallel, manual_parallel):
+            with pytest.raises(ValueError, match=message):
+                twin_package.make_runner("pp", "stage:2", bad, devices=jax.devices()[:2])
     with pytest.raises(ValueError, match=r"--virtual_stages=3 does not divide the 2 layers of a stage \(num_layers=4 / "
                                          r"stage=2\) into equal chunks; choose --virtual_stages from \[2\]"):
         pipeline.check(4, 8, 2, 4, schedule="interleaved", virtual=3)
@@ -544,13 +591,13 @@ def _fsdp_twin(impl: str, schedule: str):
 
 
 @pytest.mark.pp_fsdp
-@pytest.mark.parametrize("impl, schedule", [("auto", "gpipe"), ("manual", "gpipe"), ("manual", "1f1b"),
-                                            ("manual", "zb_h1"), ("manual", "interleaved")])
+@pytest.mark.parametrize("impl, schedule", [("auto", "gpipe"), ("auto", "interleaved"), ("manual", "gpipe"),
+                                            ("manual", "1f1b"), ("manual", "zb_h1"), ("manual", "interleaved")])
 def test_pp_fsdp_matches_single_device(impl, schedule):
     """Measured (XLA:CPU): losses to 2e-6, step-1 gradients 1.4e-8, params after 5 AdamW steps
     3.6e-6 (manual 1F1B) / 8.6e-7 (GPipe, both twins). interleaved: V = 2 chunks of one layer on
-    each stage, each data shard's micro-batches going round the stage ring: losses 2.4e-6, gradients
-    1.2e-8, params 6.6e-7."""
+    each stage, each data shard's micro-batches going round the stage ring (the state's layers
+    round-robin, the record in the model's order): manual losses 2.4e-6, gradients 1.2e-8, params 6.6e-7."""
     got, want = fsdp_twin(impl, schedule), single()
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
     if impl == "manual":  # the GSPMD twin's record has no step-1 gradients
@@ -615,22 +662,23 @@ def test_pp_fsdp_manual_ledger_equals_the_cost_model_exactly(schedule):
     assert gathers.total_bytes() == 2 * scatters.total_bytes() == stage_matrix_bytes()
 
 
-def test_pp_fsdp_auto_shifts_per_tick_and_gathers_each_stage_once():
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_pp_fsdp_auto_shifts_per_tick_and_gathers_each_stage_once(schedule):
     """GSPMD's pp_fsdp, measured (XLA:CPU): the collective-permutes of pp (1 per tick forward, 2
-    backward, of one micro-batch of one data shard, + 2 outside the loop); each stage's matrix
-    leaves gathered over data ONCE per step, whole, before the tick loop (9 all-gathers: the
-    stage's 7 [L/S, ...] leaves, embedding, lm_head), never re-gathered; every weight
-    gradient reduced over data per layer and per tick in the backward loop (an all-reduce:
-    XLA:CPU's reduce-scatter), norm gains included."""
-    led, ticks = fsdp_ledger("auto", "gpipe"), pipeline.ticks(M, 2)
-    permutes = list(led.filter(op="collective-permute", axes=("stage",)))
-    assert sum(r.multiplicity for r in permutes if r.bytes == FSDP_HOP) == 3 * ticks, led.table()
-    assert sum(r.multiplicity for r in permutes) == 3 * ticks + 2, led.table()
-    assert_auto_hops(led, 2, ticks)
+    backward, of one micro-batch of one data shard; interleaved V = 2: 2 M + S - 1 = 9 ticks,
+    GPipe's M + S - 1 = 5), the cost model's; each stage's matrix leaves (all its chunks) gathered
+    over data ONCE per step, whole, before the tick loop (9 all-gathers: the stage's 7 [L/S, ...]
+    leaves, embedding, lm_head), never re-gathered; every weight gradient reduced over data per
+    layer of the chunk run and per tick in the backward loop (an all-reduce: XLA:CPU's
+    reduce-scatter), norm gains included."""
+    led, v = fsdp_ledger("auto", schedule), 2 if schedule == "interleaved" else 1
+    ticks = v * M + 2 - 1
+    assert_auto_hops(led, FSDP_SIZES, CFG.train.batch_size, ticks, FSDP_HOP, v)
     gathers = led.filter(op="all-gather", axes=("data",))
     assert [r.multiplicity for r in gathers] == [1] * 9, led.table()
     assert gathers.total_bytes() == stage_matrix_bytes()
-    per_tick = [r for r in led.filter(op="all-reduce", axes=("data",)) if r.multiplicity == ticks * 2]  # x L/S
+    chunk = CFG.model.num_layers // (2 * v)  # layers a tick runs on a stage
+    per_tick = [r for r in led.filter(op="all-reduce", axes=("data",)) if r.multiplicity == ticks * chunk]
     assert len(per_tick) == 9 and sum(r.bytes for r in per_tick) == 4 * sum(  # 7 matrices + 2 gains, one layer
         w.size * w.leaves for w in cost.weights(CFG.model) if w.layers > 1), led.table()
 

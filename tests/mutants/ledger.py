@@ -82,7 +82,7 @@ MUTANTS: list[Mutant] = [
            "gathered = max(layer(dtype_bytes) * t, v * d * dtype_bytes)",
            COST_TESTS, "fsdp_tp's gathered-weight memory not divided by the tensor size"),
     Mutant("cost-reduce-scatter-operand-bytes", "cost", SRC_COST_ROWS_BUILDERS,
-           "w.count, _local_bytes(ctx, w, tensor_shards) // ctx.d,",
+           "w.count, _local_bytes(ctx, w, tensor_shards) // ctx.mesh[axis],",
            "w.count, _local_bytes(ctx, w, tensor_shards),",
            COST_TESTS, "reduce-scatter bytes counted as the operand, not the result"),
     Mutant("cost-embedding-regathered", "cost", SRC_COST_ROWS_BUILDERS,

@@ -6,6 +6,7 @@ from .base import (
     SRC_COST_ROWS_BUILDERS, SRC_COST_WEIGHTS, SRC_FSDP, SRC_LAYERS, SRC_LINEAR, SRC_LOSS, SRC_MATMULS, SRC_MODEL,
     SRC_OPTIM, SRC_REMAT, SRC_RUNNER, SRC_STRATEGIES, SRC_TP, SRC_TRAINER, TPU, TRAIN,
 )
+from .base import GRADIENT_BYTES
 from .base import QUANTIZATION, SRC_QUANTIZE, SRC_RESOLVE
 
 MUTANTS: list[Mutant] = [
@@ -139,9 +140,22 @@ MUTANTS: list[Mutant] = [
            "x32 = x",
            (LAYERS, PRECISION), "RMSNorm's mean square and rsqrt in bf16"),
     Mutant("cost-bf16-norm-grads", "precision", SRC_COST_ROWS_BUILDERS,
-           "return [row(ctx, \"backward\", \"all-reduce\", (\"data\",), w.leaves, layers_held(w, stages) * w.size * F32,",
-           "return [row(ctx, \"backward\", \"all-reduce\", (\"data\",), w.leaves, layers_held(w, stages) * w.size * ctx.s,",
-           COST_TESTS, "the f32 norm-gain gradients modelled in the compute dtype"),
+           "return [row(ctx, \"backward\", \"all-reduce\", (axis,), w.leaves, layers_held(w, stages) * w.size * ctx.w,",
+           "return [row(ctx, \"backward\", \"all-reduce\", (axis,), w.leaves, layers_held(w, stages) * w.size * ctx.s,",
+           (*COST_TESTS, GRADIENT_BYTES), "the norm-gain gradients modelled in the compute dtype, not the weight dtype"),
+    Mutant("cost-norm-grads-float32", "precision", SRC_COST_ROWS_BUILDERS,
+           "return [row(ctx, \"backward\", \"all-reduce\", (axis,), w.leaves, layers_held(w, stages) * w.size * ctx.w,",
+           "return [row(ctx, \"backward\", \"all-reduce\", (axis,), w.leaves, layers_held(w, stages) * w.size * F32,",
+           (GRADIENT_BYTES,), "the norm-gain gradients modelled in float32 whatever --weight_dtype"),
+    Mutant("cost-dp-grads-float32", "precision", SRC_COST_ROWS,
+           "grads = [row(ctx, \"backward\", \"all-reduce\", (\"data\",), w.leaves, w.layers * w.size * ctx.w,",
+           "grads = [row(ctx, \"backward\", \"all-reduce\", (\"data\",), w.leaves, w.layers * w.size * F32,",
+           (GRADIENT_BYTES,), "dp's gradient means modelled in float32 whatever --weight_dtype"),
+    Mutant("accum-reduces-the-float32-accumulator", "precision", SRC_TRAINER,
+           "jax.tree.map(lambda g, p: per_token(g, total).astype(p.dtype), grad_sum, params)",
+           "jax.tree.map(lambda g, p: per_token(g, total), grad_sum, params)",
+           (GRADIENT_BYTES,), "--grad_accum > 1 over bf16 weights: the twins reduce the float32 accumulator "
+           "(twice the bytes)"),
     Mutant("cost-bf16-master-params", "precision", SRC_COST_MEMORY,
            "params = sum(w.count * w.size * param_bytes // shard_count(w, rules, mesh) for w in weights(cfg))",
            "params = sum(w.count * w.size * dtype_bytes // shard_count(w, rules, mesh) for w in weights(cfg))",
@@ -356,8 +370,8 @@ MUTANTS: list[Mutant] = [
            ("tests/test_bf16_parallel.py::test_manual_pipelines_hand_bf16_between_stages",),
            "the GPipe tick loop's carry starts in f32: under bf16 every stage hop moves twice the bytes"),
     Mutant("fsdp-gather-step-f32", "precision", SRC_FSDP,
-           "return jax.tree.map(lambda w, ax, s: self.weight(w.astype(dtype), ax) if \"data\" in sharded_axes(s) else w,",
-           "return jax.tree.map(lambda w, ax, s: self.weight(w, ax) if \"data\" in sharded_axes(s) else w,",
+           "return jax.tree.map(lambda w, ax, s: self.weight(w.astype(dtype), ax) if self.AXIS in sharded_axes(s) else w,",
+           "return jax.tree.map(lambda w, ax, s: self.weight(w, ax) if self.AXIS in sharded_axes(s) else w,",
            ("tests/test_bf16_parallel.py::test_fsdp_accumulation_gathers_bf16_once",
             "tests/test_bf16_parallel.py::test_manual_pipelines_hand_bf16_between_stages"),
            "gather_step gathers the f32 master shards (cast after): twice the gather bytes under bf16"),

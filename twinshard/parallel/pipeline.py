@@ -13,8 +13,8 @@ i - s (a bubble otherwise) and hands [B/M, T, D] to the next stage; autodiff han
 Every schedule is data: `build(name, S, M, V)` is a table of ticks x stages, each cell idle or
 one Action (F / B / W of micro-batch i on virtual stage j); `Schedule.text()` draws it, and its
 bubble and activations in flight are read from it (docs/pipelines.md has the grids side by side).
-With V > 1 chunks a stage the layers are placed round-robin (`place_layer`) and stored in
-`stored_order`, so the contiguous split over `stage` still hands each device what it runs.
+With V > 1 chunks a stage the layers are placed round-robin and stored device-major
+(twinshard/parallel/round_robin.py), so the contiguous split over `stage` still hands each device what it runs.
 
 Embedding, ln_final and lm_head are replicated over `stage` (a shard_map program is the same on
 every device); the manual twin sums their gradients over `stage`. pp_fsdp adds FSDP over `data`
@@ -25,9 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from twinshard.config import PIPELINE_SCHEDULES as SCHEDULES  # noqa: F401  ("gpipe", "1f1b", "interleaved", "zb_h1")
 
@@ -42,40 +39,6 @@ LETTER = {FORWARD: "F", BACKWARD: "B", INPUT: "B", WEIGHT: "W"}
 UNITS = {FORWARD: 1, BACKWARD: 2, INPUT: 1, WEIGHT: 1}
 SPLIT = ("zb_h1",)  # the schedules whose backward is split into INPUT and WEIGHT
 INTERLEAVED = ("interleaved",)  # the schedules that run V > 1 chunks per stage
-
-
-def place_layer(layer: int, num_layers: int, stages: int, virtual: int = 1) -> tuple[int, int, int]:
-    """Where model layer `layer` runs: (its virtual stage j, device j % S, that device's chunk j // S).
-    Virtual stage j is layers [j k, (j+1) k), k = L/(S V): round-robin, as Megatron and torchtitan
-    place interleaved chunks; V = 1: device s holds layers [s L/S, (s+1) L/S)."""
-    j = layer // (num_layers // (stages * virtual))
-    return j, j % stages, j // stages
-
-
-def stored_order(num_layers: int, stages: int, virtual: int = 1) -> list[int]:
-    """The model layer each row of the stored [L, ...] stacks holds: `stage` splits [L] into S
-    contiguous blocks, so device s's block holds its chunks in order (place_layer), chunk c being
-    virtual stage c S + s. [L] in this order is [S, V, k] in row-major order; the model's order is
-    [V, S, k] (MaxText's circular layout, S over `stage`): `reorder_layers` swaps the two. V = 1:
-    the model's order."""
-    return sorted(range(num_layers), key=lambda layer: (*place_layer(layer, num_layers, stages, virtual)[1:], layer))
-
-
-def reorder_layers(x, sharding, stages: int, virtual: int, to_model: bool):
-    """x [..., L, ...], its layer dim the one `sharding` (a NamedSharding) splits over `stage`, from
-    stored_order to the model's order (to_model) or back: read as [S, V, k], written as [V, S, k]
-    (an all-to-all over `stage`; the twins run in the stored order, so only a checkpoint or the
-    init pays it). A leaf that `sharding` does not split over `stage` is returned as it is."""
-    entries = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
-    dim = next((d for d, e in enumerate(entries) if e == STAGE), None)
-    if dim is None or virtual == 1:
-        return x
-    k = x.shape[dim] // (stages * virtual)
-    groups, over = ((stages, virtual), (STAGE, None)) if to_model else ((virtual, stages), (None, STAGE))
-    head, tail = entries[:dim], entries[dim + 1:]
-    split = NamedSharding(sharding.mesh, P(*head, *over, None, *tail))
-    y = jnp.reshape(x, (*x.shape[:dim], *groups, k, *x.shape[dim + 1:]), out_sharding=split)
-    return jnp.reshape(jnp.swapaxes(y, dim, dim + 1), x.shape, out_sharding=sharding)
 
 
 def ticks(microbatches: int, stages: int) -> int:
