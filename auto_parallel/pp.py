@@ -1,7 +1,8 @@
 """Pipeline parallelism (GPipe, and interleaved as MaxText's circular pipeline), GSPMD twin: the
 whole pipeline as ONE array program over a stage dimension, sharded over `stage`; XLA turns the
 shift of that dimension into collective-permutes. --virtual_stages=V > 1 runs each micro-batch
-round the stages V times, through each device's V chunks (stored round-robin: `Runner`).
+round the stages V times, through each device's V chunks (stored round-robin:
+twinshard/parallel/round_robin.py, the state's order in every runner, twinshard/placed.py).
 
 The collectives and why: docs/pipelines.md (auto_parallel/pp.py)."""
 
@@ -12,11 +13,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from auto_parallel.runner import GSPMD, AutoRunner
-from twinshard.parallel import round_robin
+from auto_parallel.runner import GSPMD
 from twinshard.parallel.pipeline import STAGE
-from twinshard.train import trainer
-
 
 
 class PipelineParallel(GSPMD):
@@ -84,26 +82,6 @@ class PipelineParallel(GSPMD):
             return jax.vmap(lambda w, _, h: scan(jax.tree.map(lambda a: a[0], w), cfg, h, stage), spmd_axis_name=STAGE)
         pick = lambda w, c: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, c, 0, keepdims=False), w)  # noqa: E731
         return jax.vmap(lambda w, c, h: scan(pick(w, c), cfg, h, stage), spmd_axis_name=STAGE)
-
-
-class Runner(AutoRunner):
-    """AutoRunner whose state keeps the stacked layers in the pipeline's stored order (V > 1: the
-    chunks round-robin, twinshard/parallel/round_robin.py; V = 1: model order). `to_model` and
-    `to_stored` convert a params tree or a TrainState; the state is created in stored order from
-    the single-device init (the same values, each layer on its chunk's device)."""
-
-    def _order(self) -> tuple[int, int, int]:
-        return self.cfg.model.num_layers, self.sizes[STAGE], self.cfg.train.virtual_stages
-
-    def to_model(self, tree):
-        return round_robin.to_model(tree, *self._order())
-
-    def to_stored(self, tree):
-        return round_robin.to_stored(tree, *self._order())
-
-    def init_state(self, seed: int):
-        init = lambda key: self.to_stored(trainer.init_state(self.cfg.model, self.tx, key))  # noqa: E731
-        return jax.jit(init, out_shardings=self.state_shardings)(trainer.init_key(seed))
 
 
 def parallelism(mesh, run) -> PipelineParallel:

@@ -4,9 +4,9 @@
 The collectives and why: docs/pipelines.md (auto_parallel/pp_fsdp.py)."""
 
 from auto_parallel.fsdp import FullyShardedDataParallel
-from auto_parallel.pp import PipelineParallel, Runner
+from auto_parallel.pp import PipelineParallel
 
-__all__ = ["FSDPPipelineParallel", "Runner", "parallelism"]
+__all__ = ["FSDPPipelineParallel", "parallelism"]
 
 
 class FSDPPipelineParallel(FullyShardedDataParallel, PipelineParallel):

@@ -9,6 +9,7 @@ never knows which one it drives:
     runner.place_batch(x, y) -> (x, y)         (numpy -> device arrays, per strategy)
     runner.train_step(state, x, y) -> (state, metrics)
     runner.eval_loss(params, x, y) -> loss
+    runner.to_model(state) -> TrainState (the layers as a checkpoint holds them; to_stored back)
 
 User errors (a ValueError or OSError: a bad flag value, an unreadable file, a
 mesh that does not fit) reach the user as one message on stderr and exit

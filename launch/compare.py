@@ -71,12 +71,12 @@ def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None,
     params, grads = {}, {}
     for impl, r in runners.items():
         state = r.init_state(cfg.train.seed)
-        grads[impl] = jax.device_get(r.loss_and_grads(state.params, *r.place_batch(*batches[0]))[1])
+        grads[impl] = jax.device_get(r.to_model(r.loss_and_grads(state.params, *r.place_batch(*batches[0]))[1]))
         losses = []
         for x, y in batches:
             state, m = r.train_step(state, *r.place_batch(x, y))
             losses.append(float(m["loss"]))
-        out["losses"][impl], params[impl] = losses, jax.device_get(state.params)
+        out["losses"][impl], params[impl] = losses, jax.device_get(r.to_model(state.params))
         if impl != "single":
             xs = jax.ShapeDtypeStruct(np.shape(batches[0][0]), np.int32, sharding=r.batch_sharding)
             compiled = r.train_step.lower(r.abstract_state(), xs, xs).compile()

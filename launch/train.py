@@ -344,7 +344,8 @@ def main(argv):
         _check_same_run(ckpt.read_meta(resume_from), meta, resume_from)
         # a checkpoint keeps the layers in model order (an interleaved pipeline's state stores them round-robin)
         state, _ = ckpt.restore(runner.abstract_state(), {"model": meta["model"]}, step=resume_from)
-        state = jax.device_put(runner.to_stored(state), runner.state_shardings)
+        placed = jax.tree.map(lambda a: a.sharding, state)  # the runner's layout, as restored
+        state = jax.device_put(runner.to_stored(state), placed)
         start = int(_scalar(state.step))
         records = [r for r in earlier if r["step"] <= start]
         if skipped:

@@ -70,7 +70,8 @@ class PipelineRunner(ManualRunner):
     def _stage(self, params, chunk, tokens, arrived, targets, par):
         """One chunk of this stage on one micro-batch: (its output [B/M, T, D], its loss: the
         micro-batch's mean token loss on the last virtual stage, 0 elsewhere). Virtual stage 0
-        embeds `tokens` instead of `arrived`. Chunk c is the stage's layers [c L/(S V), (c+1) L/(S V))."""
+        embeds `tokens` instead of `arrived`. Chunk c, the stage's stored rows [c L/(S V), (c+1) L/(S V)),
+        is virtual stage c S + s (round_robin.stored_order)."""
         cfg, v = self.cfg.model, self.cfg.train.virtual_stages
         model = nnx.merge(graphdef(cfg), params)
         stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
@@ -206,30 +207,39 @@ class PipelineRunner(ManualRunner):
 
     def _pipeline_loss(self, params, x, y, par):
         """Mean loss over this device's rows (pp: the batch), computed by the pipeline; invariant
-        over `stage`. x, y: [B/data, T]; micro-batch i is rows [i B/(data M), (i+1) B/(data M))."""
-        cfg, m = self.cfg.model, self.cfg.train.microbatches
+        over `stage`. x, y: [B/data, T]; micro-batch i is rows [i B/(data M), (i+1) B/(data M)).
+        With V > 1 chunks a stage (eval under --schedule=interleaved) V GPipe passes, one per chunk,
+        the last stage's finished micro-batches going round to stage 0 between them."""
+        cfg, m, v = self.cfg.model, self.cfg.train.microbatches, self.cfg.train.virtual_stages
         model = nnx.merge(graphdef(cfg), params)  # model.layers: this stage's [L/S, ...] slice
         stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
         first, last = stage == 0, stage == n_stages - 1
         ys = y.reshape(m, -1, y.shape[1])  # [M, B/(data M), T]
-        embedded = model.embed(x, par).reshape(m, -1, *x.shape[1:], cfg.d_model)  # [M, B/(data M), T, D]
-        act = embedded.shape[1:]  # one micro-batch's activations [B/(data M), T, D]
+        inputs = model.embed(x, par).reshape(m, -1, *x.shape[1:], cfg.d_model)  # [M, B/(data M), T, D]
+        act = inputs.shape[1:]  # one micro-batch's activations [B/(data M), T, D]
         varying = self._varying  # (differs per stage)
-
         layers = nnx.to_pure_dict(nnx.state(model.layers, nnx.Param))  # this stage's [L/S, ...] params
+        k = cfg.num_layers // (n_stages * v)  # a chunk's layers (all L/S when V = 1)
 
-        def tick(carry, i):
-            arrived, finished = carry  # [B/M, T, D] from stage-1; [M, B/M, T, D] on stage S-1
-            inputs = jnp.where(first, embedded[jnp.minimum(i, m - 1)], arrived)
-            out = scan_stacked(layers, cfg, inputs, par)
-            j = i - (n_stages - 1)  # the micro-batch that leaves the last stage at tick i
-            done = lax.dynamic_update_index_in_dim(finished, out, jnp.maximum(j, 0), 0)
-            finished = jnp.where(last & (j >= 0), done, finished)
-            return (shift_to_next_stage(out, STAGE), finished), None
+        def gpipe_pass(chunk, inputs):
+            """The M micro-batches [M, B/M, T, D] (read on stage 0) through one chunk of every stage:
+            the outputs, on stage S-1."""
+            def tick(carry, i):
+                arrived, finished = carry  # [B/M, T, D] from stage-1; [M, B/M, T, D] on stage S-1
+                out = scan_stacked(chunk, cfg, jnp.where(first, inputs[jnp.minimum(i, m - 1)], arrived), par)
+                j = i - (n_stages - 1)  # the micro-batch that leaves the last stage at tick i
+                done = lax.dynamic_update_index_in_dim(finished, out, jnp.maximum(j, 0), 0)
+                finished = jnp.where(last & (j >= 0), done, finished)
+                return (shift_to_next_stage(out, STAGE), finished), None
 
-        dtype = jnp.dtype(cfg.dtype)  # the residual stream's (compute) dtype
-        start = (varying(jnp.zeros(act, dtype)), varying(jnp.zeros((m, *act), dtype)))
-        (_, finished), _ = lax.scan(tick, start, jnp.arange(pipeline.ticks(m, n_stages)))
+            dtype = jnp.dtype(cfg.dtype)  # the residual stream's (compute) dtype
+            start = (varying(jnp.zeros(act, dtype)), varying(jnp.zeros((m, *act), dtype)))
+            return lax.scan(tick, start, jnp.arange(pipeline.ticks(m, n_stages)))[0][1]
+
+        for c in range(v):  # chunk c: virtual stage c S + s (round_robin.stored_order)
+            finished = gpipe_pass(jax.tree.map(lambda w: w[c * k:(c + 1) * k], layers), inputs)
+            if c < v - 1:  # S-1 -> 0: the next chunk's inputs
+                inputs = shift_to_next_stage(finished, STAGE, wrap=True)
         flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731  [M, B/M, ...] -> [B, ...]
         loss = lax.cond(last, lambda f: model.head_loss(flat(f), flat(ys), par),
                         lambda f: varying(jnp.zeros((), jnp.float32)), finished)

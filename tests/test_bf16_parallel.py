@@ -55,6 +55,9 @@ CASES = {  # name: (impl, strategy, mesh, config)
     "manual_pp_gpipe": ("manual", "pp", "stage:4", PIPE),
     "manual_pp_fsdp_1f1b": ("manual", "pp_fsdp", "stage:2,data:2",
                             Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="1f1b"))),
+    "manual_pp_fsdp_interleaved": ("manual", "pp_fsdp", "stage:2,data:2",  # V = 2 chunks of one layer
+                                   Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="interleaved",
+                                                                          virtual_stages=2))),
     "auto_pp": ("auto", "pp", "stage:4", PIPE),
     # MaxText's circular pipeline: 2 stages of 2 chunks of one layer (auto_parallel/pp.py)
     "auto_pp_interleaved": ("auto", "pp", "stage:2",
@@ -65,7 +68,7 @@ CASES = {  # name: (impl, strategy, mesh, config)
 KEEP_BF16 = {"xla_disable_hlo_passes": "float-normalization-bf16"}
 # bf16 vs bf16 in another summation order (and the pipeline's f32 sum over micro-batches): 2^-9
 # relative rounding per value, averaged into a mean over 256 / 512 f32 token losses; measured
-# max |twin - single| over 3 steps 8.7e-4 (pipelines), 1.7e-4 (fsdp K = 2); test_precision's 2e-3.
+# max |twin - single| over 3 steps 8.7e-4 (pipelines; interleaved 8.5e-4), 1.7e-4 (fsdp K = 2); test_precision's 2e-3.
 LOSS_ATOL = 2e-3
 BF16, F32 = 2, 4  # bytes per element
 
@@ -155,7 +158,7 @@ def assert_ledger_is_the_bf16_model(c: Case) -> None:
     StableHLO asks for exactly the model's bf16 bytes, and XLA:CPU moves twice them (f32)."""
     model = cost.cost(c.cfg.model, c.strategy, c.runner.sizes, c.cfg.train.batch_size,
                       grad_accum=c.cfg.train.grad_accum, microbatches=c.cfg.train.microbatches,
-                      schedule=c.cfg.train.schedule)
+                      schedule=c.cfg.train.schedule, virtual_stages=c.cfg.train.virtual_stages)
     assert model.dtype_bytes == BF16
     rows = cost.compare(c.ledger.summary(), model.summary())
     table = cost.compare_table(rows) + "\n" + c.ledger.table()
@@ -182,7 +185,8 @@ def assert_float32_all_reduces(c: Case) -> None:
     assert types and all(t.endswith("f32") for t in types), types
 
 
-@pytest.mark.parametrize("name, data", [("manual_pp_gpipe", 1), ("manual_pp_fsdp_1f1b", 2)])
+@pytest.mark.parametrize("name, data", [("manual_pp_gpipe", 1), ("manual_pp_fsdp_1f1b", 2),
+                                        ("manual_pp_fsdp_interleaved", 2)])
 def test_manual_pipelines_hand_bf16_between_stages(name, data):
     """Every stage hop (forward output, backward input gradient) is one micro-batch [B/(data M),
     T, D] in bf16: 2 bytes an element, half of tests/test_pipeline.py's f32 hops; the ledger
@@ -190,7 +194,9 @@ def test_manual_pipelines_hand_bf16_between_stages(name, data):
     and the accumulated gradient reduce-scattered in bf16 (assert_ledger_is_the_bf16_model)."""
     c = case(name)
     led, m, stages = c.ledger, c.cfg.train.microbatches, c.runner.sizes["stage"]
-    ticks = pipeline.ticks(m, stages) if c.cfg.train.schedule == "gpipe" else pipeline.build(c.cfg.train.schedule, stages, m).ticks
+    train = c.cfg.train
+    ticks = pipeline.ticks(m, stages) if train.schedule == "gpipe" else \
+        pipeline.build(train.schedule, stages, m, train.virtual_stages).ticks
     permutes = led.filter(op="collective-permute", axes=("stage",))
     assert_all_bf16(permutes, "stage hops", led)
     assert {tuple(r.shape) for r in permutes} == {hop(c.cfg, data)}

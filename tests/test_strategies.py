@@ -159,9 +159,11 @@ def test_every_option_is_run_by_twins_that_write_the_strategy() -> None:
             assert set(getattr(row, field)) <= set(row.twins), (name, field)
     assert support.with_option("moe") == resolve.MOE_STRATEGIES == ("dp", "fsdp", "ep", "fsdp_ep")
     assert support.with_option("one_f_one_b") == support.with_option("zb_h1") == strategies.of_family("pipeline")
-    assert support.with_option("interleaved") == strategies.of_family("pipeline")  # the GSPMD twin's circular loop
-    assert [support.schedule_twins("pp", s) for s in pipeline.SCHEDULES] == [("auto", "manual"), ("manual",), ("auto",),
-                                                                             ("manual",)]
+    # interleaved: the manual twin's table and the GSPMD twin's circular loop, under pp and pp_fsdp
+    assert support.with_option("interleaved", "manual") == support.with_option("interleaved", "auto") \
+        == strategies.of_family("pipeline")
+    assert [support.schedule_twins("pp", s) for s in pipeline.SCHEDULES] == [("auto", "manual"), ("manual",),
+                                                                             ("auto", "manual"), ("manual",)]
     with pytest.raises(ValueError, match=r"--schedule=zbv is not a pipeline schedule; choose one of gpipe, 1f1b, "):
         support.schedule_twins("pp", "zbv")
     assert support.with_option("collective_matmul") == ("tp_sp",)

@@ -232,7 +232,7 @@ def _pipeline_plans(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[
     if not counts:  # pipeline.check names the value and the fix
         pipeline.check(cfg.num_layers, batch // topo.slices, stages, stages, data=mesh.get("data", 1))
     out, error = [], None
-    for schedule in (s for s in pipeline.SCHEDULES if s not in pipeline.INTERLEAVED):  # (no twin interleaves)
+    for schedule in (s for s in pipeline.SCHEDULES if s not in pipeline.INTERLEAVED):  # (interleaved would need its V searched too)
         plans = []
         for m in counts:
             try:

@@ -13,6 +13,8 @@ i - s (a bubble otherwise) and hands [B/M, T, D] to the next stage; autodiff han
 Every schedule is data: `build(name, S, M, V)` is a table of ticks x stages, each cell idle or
 one Action (F / B / W of micro-batch i on virtual stage j); `Schedule.text()` draws it, and its
 bubble and activations in flight are read from it (docs/pipelines.md has the grids side by side).
+With V > 1 chunks a stage the layers are placed round-robin and stored device-major
+(twinshard/parallel/round_robin.py), so the contiguous split over `stage` still hands each device what it runs.
 
 Embedding, ln_final and lm_head are replicated over `stage` (a shard_map program is the same on
 every device); the manual twin sums their gradients over `stage`. pp_fsdp adds FSDP over `data`

@@ -15,8 +15,8 @@ s's rows are its V chunks, local chunk 0 first, and [L, ...] reshapes to [S, V, 
 moving. MaxText stores its circular pipeline's weights so ([repeats, stages, layers per stage, ...]).
 Reordering inside the step instead would move nearly every weight and gradient between devices once
 per step (an all-to-all each way). The train state (params and optimizer moments) keeps the stored
-order; `to_model` and `to_stored` convert a tree of [L, ...] leaves under `layers` (V = 1: the
-identity)."""
+order (in both twins: twinshard/placed.py's runners); `to_model` and `to_stored` convert a tree of
+[L, ...] leaves under `layers` (V = 1: the identity)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,19 @@ def _permute_layers(tree: Any, rows: np.ndarray) -> Any:
         return tree
     def take(path, leaf):
         under = any(getattr(k, "key", None) == LAYERS for k in path)
-        return leaf[rows] if under and getattr(leaf, "ndim", 0) and leaf.shape[0] == len(rows) else leaf
+        return _rows(leaf, rows) if under and getattr(leaf, "ndim", 0) and leaf.shape[0] == len(rows) else leaf
     return jax.tree_util.tree_map_with_path(take, tree)
+
+
+def _rows(leaf: Any, rows: np.ndarray) -> Any:
+    """leaf[rows], keeping an array's sharding. An array split over an Explicit mesh axis (the manual
+    twin's state) names its gather's output sharding: JAX 0.12 refuses that gather without
+    out_sharding, and refuses out_sharding naming an Auto axis (the GSPMD twin's), measured."""
+    if isinstance(leaf, jax.Array):
+        sharding = jax.typeof(leaf).sharding
+        if jax.sharding.AxisType.Explicit in sharding.mesh.axis_types and any(sharding.spec):
+            return leaf.at[rows].get(out_sharding=sharding)
+    return leaf[rows]
 
 
 def to_stored(tree: Any, num_layers: int, stages: int, virtual: int) -> Any:

@@ -243,6 +243,12 @@ class SingleDevice:
     def place_batch(self, x, y):
         return jnp.asarray(x), jnp.asarray(y)
 
+    def to_model(self, tree):
+        """The layers are in the model's order here (twinshard/placed.py's runners may store them otherwise)."""
+        return tree
+
+    to_stored = to_model
+
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state (for restore and for lowering the train step)."""
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding),
