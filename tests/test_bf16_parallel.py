@@ -55,6 +55,9 @@ CASES = {  # name: (impl, strategy, mesh, config)
     "manual_pp_gpipe": ("manual", "pp", "stage:4", PIPE),
     "manual_pp_fsdp_1f1b": ("manual", "pp_fsdp", "stage:2,data:2",
                             Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="1f1b"))),
+    # zb_h1's split backward (manual_parallel/pp_split.py) on bf16 weights gathered once: its stash in bf16
+    "manual_pp_fsdp_zb_h1": ("manual", "pp_fsdp", "stage:2,data:2",
+                             Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="zb_h1"))),
     "auto_pp": ("auto", "pp", "stage:4", PIPE),
     "manual_fsdp_accum": ("manual", "fsdp", "data:8,tensor:1", ACCUM),
     "auto_fsdp_accum": ("auto", "fsdp", "data:8,tensor:1", ACCUM),
@@ -67,14 +70,18 @@ LOSS_ATOL = 2e-3
 BF16, F32 = 2, 4  # bytes per element
 
 
-@functools.cache
 def single(cfg: Config) -> np.ndarray:
-    """Single-device bf16 losses (grad_accum 1: the full batch per step) and its initial state."""
-    one = Config(cfg.model, dataclasses.replace(cfg.train, grad_accum=1))
+    """Single-device bf16 losses (grad_accum 1: the full batch per step) and its initial state; one
+    run for every pipeline schedule (single device has none)."""
+    return _single(Config(cfg.model, dataclasses.replace(cfg.train, grad_accum=1, schedule="gpipe")))
+
+
+@functools.cache
+def _single(one: Config) -> np.ndarray:
     r = SingleDevice(one.model, one.train)
     state = r.init_state(one.train.seed)
     init = jax.device_get(state)
-    return np.array(_train(r.train_step, r, state, cfg)), init
+    return np.array(_train(r.train_step, r, state, one)), init
 
 
 def _train(step, r, state, cfg: Config) -> list[float]:
@@ -175,7 +182,7 @@ def assert_float32_all_reduces(c: Case) -> None:
     assert types and all(t.endswith("f32") for t in types), types
 
 
-@pytest.mark.parametrize("name, data", [("manual_pp_gpipe", 1), ("manual_pp_fsdp_1f1b", 2)])
+@pytest.mark.parametrize("name, data", [("manual_pp_gpipe", 1), ("manual_pp_fsdp_1f1b", 2), ("manual_pp_fsdp_zb_h1", 2)])
 def test_manual_pipelines_hand_bf16_between_stages(name, data):
     """Every stage hop (forward output, backward input gradient) is one micro-batch [B/(data M),
     T, D] in bf16: 2 bytes an element, half of tests/test_pipeline.py's f32 hops; the ledger

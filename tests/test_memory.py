@@ -134,9 +134,9 @@ def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     GPipe saves a stage's layers in each of the M + S - 1 ticks and runs the head on all b rows;
     1F1B saves one micro-batch's layers, a ring of the S stage inputs it holds and one of the one
     gradient it waits to use [b/M, T, D] (and a spare slot each), the head per micro-batch; zb_h1
-    its rings of S inputs and S - 1 gradients (each kept to its W) and S + 1 backwards kept from B
-    to W, each a stage's layers and the loss's two float32 [b/M, T, V] and their mask. pp_fsdp: the matrices over data, gathered whole for the step (f32 under GPipe)
-    with their f32 gradient."""
+    1F1B's and S + 1 stashes kept from B to W (manual_parallel/pp_split.py), each per token every
+    tapped op's output gradient and its distinct operands (float32 here, ids int32). pp_fsdp: the
+    matrices over data, gathered whole for the step (f32 under GPipe) with their f32 gradient."""
     m = dataclasses.replace(CFG.model, num_layers=4)
     B, T, S, M, D, F, V = 16, m.context_length, 2, 4, m.d_model, m.d_ff, m.padded_vocab_size
     data = 2 if strategy == "pp_fsdp" else 1
@@ -146,8 +146,12 @@ def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     params = (mats // data + norms) * 4
     one = hand_terms(m, bm, T)
     saved = {"gpipe": Ls * one["layer"] * (M + S - 1), "1f1b": Ls * one["layer"] + (S + 1 + 2) * bm * T * D,
-             "zb_h1": Ls * one["layer"] * (1 + S + 1) + (S + S - 1 + 2) * bm * T * D}[schedule]
-    kept = (S + 1) * bm * T * V * (2 * 4 + 1) if schedule == "zb_h1" else 0
+             "zb_h1": Ls * one["layer"] + (S + 1 + 2) * bm * T * D}[schedule]
+    kv = m.kv_dim
+    dys = (D + hd + kv + kv + D + D + F + F + D)  # ln1, q, k, v, wo, ln2, w1, w3, w2
+    operands = (D + D + hd + D + D + F)  # x^ of ln1, its output (q, k, v), wo's input, x^ of ln2, its output, the gate
+    ends = (1 + D) + (D + D + D + V)  # embedding: ids, dy; head: x^, lm_head's input, dy of ln_final, of the logits
+    kept = (S + 1) * bm * T * (Ls * (dys + operands) + ends) * 4 if schedule == "zb_h1" else 0
     want = {"params": params, "grads": params, "optimizer": 2 * params,
             "activations": saved * 4 + kept + head_bytes(m, b if schedule == "gpipe" else bm, T),
             "gathered_weights": mats * 4 if data > 1 else 0, "accumulator": mats * 4 if data > 1 else 0,

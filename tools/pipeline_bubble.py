@@ -15,9 +15,9 @@ that idles frees nothing for the others; what is measured is the total work. GPi
 computes every tick on every stage (bubble ticks run on zeros: the loop is uniform), so
 its bubble costs real compute and shows up as (M+S-1)/M. 1F1B skips idle ticks
 (`lax.switch`) but recomputes each stage's forward in its backward (its vjp runs on the
-saved input), about 1/3 more work, and every tick sends 2 messages; zb_h1's W walks the
-stage's input gradients again beside the weights' (docs/pipelines.md), more work still, and its
-shorter bubble frees nothing here. On real accelerators
+saved input), about 1/3 more work, and every tick sends 2 messages; zb_h1 does 1F1B's work
+split in two (B: the forward again and the input gradient; W: the weight gradient alone from B's
+stash, docs/pipelines.md) in more ticks, and its shorter bubble frees nothing here. On real accelerators
 the bubble is idle time instead, with the same fraction.
 """
 
