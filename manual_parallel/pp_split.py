@@ -70,9 +70,9 @@ class SplitBackward:
         layer0 = jax.tree.map(lambda w: w[0], params["layers"])
         targets = jnp.zeros(tokens.shape, jnp.int32)
         self.shapes = Segments(
-            self._trace(lambda p: self._model(p).embed(tokens, par), {k: params[k] for k in EMBED}, "the embedding"),
+            self._trace(lambda p: self._model(p).embed(tokens, self.par), {k: params[k] for k in EMBED}, "the embedding"),
             self._trace(lambda p: self._block(p, act), layer0, "a block"),
-            self._trace(lambda p: self._model(p).head_loss(act, targets, par), {k: params[k] for k in HEAD},
+            self._trace(lambda p: self._model(p).head_loss(act, targets, self.par), {k: params[k] for k in HEAD},
                         "the head"))
         self.depth = jax.tree.leaves(params["layers"])[0].shape[0]  # L/S
         self.act, self.tokens = act, tokens
