@@ -2,6 +2,7 @@
 
     uv run python tools/pipeline_bubble.py                       # tiny width, 4 layers, CPU
     uv run python tools/pipeline_bubble.py --d_model=256 --heads=8 --context=128 --json=bubble.json
+    uv run python tools/pipeline_bubble.py --stages=4 --batch=16 --steps=21 --warmup=3 --paired=8,16
 
 For S = 2 and 4 stages and M = S ... batch micro-batches (powers of two), each schedule
 (manual GPipe, manual 1F1B, manual zb_h1, auto GPipe) runs `--steps` timed train steps after a warm-up
@@ -48,6 +49,36 @@ RUNS = (("manual", "gpipe"), ("manual", "1f1b"), ("manual", "zb_h1"), ("auto", "
 
 
 def step_time(impl: str, schedule: str, stages: int, m: int, args) -> float:
+    """The median of `args.steps` timed steps after `args.warmup`."""
+    step, state, batch = warm_step(impl, schedule, stages, m, args)
+    times = []
+    for _ in range(args.steps):
+        state, seconds = timed(step, state, batch)
+        times.append(seconds)
+    return statistics.median(times)
+
+
+def timed(step, state, batch) -> tuple[object, float]:
+    start = time.perf_counter()
+    state, metrics = step(state, *batch)
+    jax.block_until_ready(metrics)
+    return state, time.perf_counter() - start
+
+
+def paired(stages: int, m: int, args) -> dict[str, float]:
+    """--paired: the manual schedules' steps timed in turn, so each sees the same load of a shared
+    machine (their ratios hold where the absolute times do not); the median of each."""
+    runs = {s: list(warm_step("manual", s, stages, m, args)) for s in ("gpipe", "1f1b", "zb_h1")}
+    times: dict[str, list[float]] = {s: [] for s in runs}
+    for _ in range(args.steps):
+        for s, run in runs.items():
+            run[1], seconds = timed(*run)
+            times[s].append(seconds)
+    return {s: statistics.median(t) for s, t in times.items()}
+
+
+def warm_step(impl: str, schedule: str, stages: int, m: int, args):
+    """(the runner's train step, its state after `args.warmup` steps, the placed batch)."""
     base = preset("tiny")
     model = dataclasses.replace(base.model, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
                                 d_ff=0, context_length=args.context)
@@ -62,13 +93,7 @@ def step_time(impl: str, schedule: str, stages: int, m: int, args) -> float:
     for _ in range(args.warmup):
         state, metrics = runner.train_step(state, *batch)
     jax.block_until_ready(metrics)
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        state, metrics = runner.train_step(state, *batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return runner.train_step, state, batch
 
 
 def main() -> None:
@@ -82,7 +107,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--stages", type=str, default="2,4")
     p.add_argument("--json", type=str, default=None)
+    p.add_argument("--paired", type=str, default=None, help="M values (e.g. 8,16): the manual schedules timed in turn")
     args = p.parse_args()
+    if args.paired:
+        for stages in (int(s) for s in args.stages.split(",")):
+            for m in (int(v) for v in args.paired.split(",")):
+                t = paired(stages, m, args)
+                print(f"S={stages} M={m}: " + ", ".join(f"{s} {v * 1e3:.1f} ms" for s, v in t.items())
+                      + f"; zb_h1 / 1f1b {t['zb_h1'] / t['1f1b']:.2f}", flush=True)
+        return
     rows = []
     for stages in (int(s) for s in args.stages.split(",")):
         ms = [m for m in (stages * 2 ** k for k in range(8)) if m <= args.batch and args.batch % m == 0]
