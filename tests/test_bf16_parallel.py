@@ -58,6 +58,9 @@ CASES = {  # name: (impl, strategy, mesh, config)
     "manual_pp_fsdp_interleaved": ("manual", "pp_fsdp", "stage:2,data:2",  # V = 2 chunks of one layer
                                    Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="interleaved",
                                                                           virtual_stages=2))),
+    # zb_h1's split backward (manual_parallel/pp_split.py) on bf16 weights gathered once: its stash in bf16
+    "manual_pp_fsdp_zb_h1": ("manual", "pp_fsdp", "stage:2,data:2",
+                             Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="zb_h1"))),
     "auto_pp": ("auto", "pp", "stage:4", PIPE),
     # MaxText's circular pipeline: 2 stages of 2 chunks of one layer (auto_parallel/pp.py)
     "auto_pp_interleaved": ("auto", "pp", "stage:2",
@@ -75,7 +78,7 @@ BF16, F32 = 2, 4  # bytes per element
 
 def single(cfg: Config) -> np.ndarray:
     """Single-device bf16 losses (grad_accum 1: the full batch per step, no pipeline schedule) and
-    its initial state; one run for the configs that differ only there."""
+    its initial state; one run for every config that differs only there (single device has no schedule)."""
     return _single(Config(cfg.model, dataclasses.replace(cfg.train, grad_accum=1, schedule="gpipe", virtual_stages=1)))
 
 
@@ -186,7 +189,7 @@ def assert_float32_all_reduces(c: Case) -> None:
 
 
 @pytest.mark.parametrize("name, data", [("manual_pp_gpipe", 1), ("manual_pp_fsdp_1f1b", 2),
-                                        ("manual_pp_fsdp_interleaved", 2)])
+                                        ("manual_pp_fsdp_interleaved", 2), ("manual_pp_fsdp_zb_h1", 2)])
 def test_manual_pipelines_hand_bf16_between_stages(name, data):
     """Every stage hop (forward output, backward input gradient) is one micro-batch [B/(data M),
     T, D] in bf16: 2 bytes an element, half of tests/test_pipeline.py's f32 hops; the ledger

@@ -135,8 +135,8 @@ def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     GPipe saves a stage's layers in each of the M + S - 1 ticks and runs the head on all b rows;
     1F1B saves one micro-batch's layers, a ring of the S stage inputs it holds and one of the one
     gradient it waits to use [b/M, T, D] (and a spare slot each), the head per micro-batch; zb_h1
-    its rings of S inputs and S - 1 gradients (each kept to its W) and S + 1 backwards kept from B
-    to W, each a stage's layers and the loss's two float32 [b/M, T, V] and their mask; interleaved
+    1F1B's and S + 1 stashes kept from B to W (manual_parallel/pp_split.py), each per token every
+    tapped op's output gradient and its distinct operands (float32 here, ids int32); interleaved
     (V = 2) one chunk's layer (a backward re-runs one chunk), the stage inputs of every chunk in flight
     (the table's peak, 5 on stage 0: its Megatron warm-up of (S-1) 2 + (V-1) S forwards and one) and 2
     gradients (stage 1 holds those of B0.1 and B1.1 when it runs B0.0). pp_fsdp: the matrices over
@@ -152,9 +152,13 @@ def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     in_flight = max(pipeline.build(schedule, S, M, v).in_flight())
     assert v == 1 or in_flight == (S - 1) * 2 + (v - 1) * S + 1  # Megatron's warm-up, and the first 1F1B pair's F
     saved = {"gpipe": Ls * one["layer"] * (M + S - 1), "1f1b": Ls * one["layer"] + (S + 1 + 2) * bm * T * D,
-             "zb_h1": Ls * one["layer"] * (1 + S + 1) + (S + S - 1 + 2) * bm * T * D,
+             "zb_h1": Ls * one["layer"] + (S + 1 + 2) * bm * T * D,
              "interleaved": Ls // v * one["layer"] + (in_flight + 2 + 2) * bm * T * D}[schedule]
-    kept = (S + 1) * bm * T * V * (2 * 4 + 1) if schedule == "zb_h1" else 0
+    kv = m.kv_dim
+    dys = (D + hd + kv + kv + D + D + F + F + D)  # ln1, q, k, v, wo, ln2, w1, w3, w2
+    operands = (D + D + hd + D + D + F)  # x^ of ln1, its output (q, k, v), wo's input, x^ of ln2, its output, the gate
+    ends = (1 + D) + (D + D + D + V)  # embedding: ids, dy; head: x^, lm_head's input, dy of ln_final, of the logits
+    kept = (S + 1) * bm * T * (Ls * (dys + operands) + ends) * 4 if schedule == "zb_h1" else 0
     want = {"params": params, "grads": params, "optimizer": 2 * params,
             "activations": saved * 4 + kept + head_bytes(m, b if schedule == "gpipe" else bm, T),
             "gathered_weights": mats * 4 if data > 1 else 0, "accumulator": mats * 4 if data > 1 else 0,

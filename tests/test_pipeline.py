@@ -272,7 +272,7 @@ def test_the_docs_draw_the_tables_the_code_builds():
 @pytest.mark.parametrize("name, stages, m, v", [c for c in TABLE_CASES if c[0] != "gpipe"])
 def test_the_rings_hold_each_value_until_its_last_reader(name, stages, m, v):
     """Replay pipeline.buffers' slots tick by tick as the manual twin does (read, then the arrivals
-    are written): every op finds in its slot the input, gradient and residuals of its own
+    are written): every op finds in its slot the input, gradient and stash of its own
     (micro-batch, virtual stage)."""
     sched = pipeline.build(name, stages, m, v)
     buf, vs = pipeline.buffers(sched), stages * v
@@ -284,7 +284,7 @@ def test_the_rings_hold_each_value_until_its_last_reader(name, stages, m, v):
             key, dev = (a.microbatch, a.stage), rings[s]
             if a.kind != pipeline.WEIGHT and a.stage > 0:  # virtual stage 0 embeds its tokens
                 assert dev["act"].get(buf.act[t][s]) == key, (t, s, a)
-            if a.kind != pipeline.FORWARD and a.stage < vs - 1:
+            if a.kind in (pipeline.BACKWARD, pipeline.INPUT) and a.stage < vs - 1:  # (W reads B's stash)
                 assert dev["grad"].get(buf.grad[t][s]) == key, (t, s, a)
             if a.kind == pipeline.INPUT:
                 dev["res"][buf.res[t][s]] = key
@@ -370,13 +370,14 @@ def test_manual_ledger_equals_the_cost_model_exactly(stages, schedule):
     testing.expect_no_collective(led, op="all-gather")  # no weight ever moves
 
 
-def branch_dots(text: str) -> list[dict[str, int]]:
+def branch_dots(text: str) -> list[dict]:
     """Per branch of the compiled tick's lax.switch (the conditional with the most branches, in
-    the order idle, F, B, B-input, W), its 2-D dots by what they contract: "forward" x[rows, in] @
-    W[in, out] (lhs dim 1 with rhs dim 0), "input" dy[rows, out] @ W^T (lhs 1 with rhs 1), "weight"
-    x^T dy (lhs 0 with rhs 0: over the token rows); batched dots (attention) apart. Each branch's
-    nested computations (fusions, the layer loop's body) are read once."""
-    from twinshard.hlo.parse import parse_module
+    the order of pipeline's kinds: idle, F, B, B-input, W), its 2-D dots by what they contract:
+    "forward" x[rows, in] @ W[in, out] (lhs dim 1 with rhs dim 0), "input" dy[rows, out] @ W^T (lhs 1
+    with rhs 1), "weight" x^T dy (lhs 0 with rhs 0: over the token rows); batched dots (attention)
+    apart; "shapes": the output dims of the weight dots. Each branch's nested computations (fusions,
+    the layer loop's body, a lax.cond's branches) are read once."""
+    from twinshard.hlo.parse import parse_module, parse_shape
 
     mod = parse_module(text)
     switch = max((i for c in mod.computations.values() for i in c if i.opcode == "conditional"),
@@ -394,7 +395,7 @@ def branch_dots(text: str) -> list[dict[str, int]]:
     kinds = {("{1}", "{0}"): "forward", ("{1}", "{1}"): "input", ("{0}", "{0}"): "weight"}
     out = []
     for branch in re.findall(r"[\w.\-]+", switch.attrs["branch_computations"]):
-        counts = dict.fromkeys(("forward", "input", "weight", "batched"), 0)
+        counts = {**dict.fromkeys(("forward", "input", "weight", "batched"), 0), "shapes": []}
         for comp in reach(branch, set()):
             for i in mod.computations[comp]:
                 if i.opcode == "dot":
@@ -402,25 +403,29 @@ def branch_dots(text: str) -> list[dict[str, int]]:
                     kind = "batched" if "lhs_batch_dims" in a else \
                         kinds[a["lhs_contracting_dims"], a["rhs_contracting_dims"]]
                     counts[kind] += 1
+                    if kind == "weight":
+                        counts["shapes"].append(parse_shape(i.shape_text).dims)
         out.append(counts)
     return out
 
 
 def test_zb_h1_splits_the_backward_in_the_compiled_program():
-    """zb_h1's compiled tick (S = 4, one layer a stage): its B (input gradient) has no weight-gradient
-    dot, its W every one (the layer's 7 matrices and the lm_head's, under its lax.cond) and no
-    forward dot (the residuals B kept, not a re-run); B's input-gradient dots are the whole
-    backward's, the fused B has both. Measured: W also has every input-gradient dot of the stage,
-    8 here: its pullback walks the stage's input gradients on the way to the weights (and stage 0
-    needs the embedding's), so a W tick costs a backward without the forward re-run, not dW alone.
-    A W of dW alone needs each matmul's output gradient kept from B (not done here)."""
-    idle, forward, fused, b, w = branch_dots(compiled_step("manual", 4, "zb_h1").as_text())
-    matrices = 7 + 1  # wq, wk, wv, wo, w1, w2, w3 of the stage's layer, and the lm_head
-    assert idle == dict.fromkeys(idle, 0)
-    assert forward["weight"] == forward["input"] == 0 and forward["forward"] == matrices
-    assert b["weight"] == 0 and b["forward"] == matrices and b["input"] == fused["input"] == 8
-    assert w["weight"] == fused["weight"] == matrices and w["forward"] == 0
-    assert w["input"] == 8  # (see the docstring)
+    """zb_h1's compiled tick (S = 4, one layer a stage; manual_parallel/pp_split.py): B (the input
+    gradient) re-runs the stage's forward (1F1B's backward does too: a stage keeps inputs) and walks
+    its input gradients, and has no weight-gradient dot; W has one weight-gradient dot per matrix, of
+    that weight's shape (the layer's 7 and the lm_head, under its lax.cond), and nothing else: no
+    forward, input-gradient or attention dot. Measured: B 8 forward, 8 input-gradient and 6 attention
+    dots; W 8 weight-gradient dots."""
+    idle, forward, _, b, w = branch_dots(compiled_step("manual", 4, "zb_h1").as_text())
+    m = CFG.model
+    matrices = [(m.d_model, m.num_heads * m.head_dim), (m.d_model, m.kv_dim), (m.d_model, m.kv_dim),
+                (m.num_heads * m.head_dim, m.d_model), (m.d_model, m.d_ff), (m.d_ff, m.d_model),
+                (m.d_model, m.d_ff), (m.d_model, m.padded_vocab_size)]  # wq wk wv wo w1 w2 w3, lm_head
+    assert idle == {**dict.fromkeys(("forward", "input", "weight", "batched"), 0), "shapes": []}
+    assert forward["weight"] == forward["input"] == 0 and forward["forward"] == len(matrices)
+    assert b["weight"] == 0 and b["forward"] == b["input"] == len(matrices) and b["batched"] > forward["batched"], b
+    assert (w["forward"], w["input"], w["batched"]) == (0, 0, 0), w
+    assert sorted(w["shapes"]) == sorted(matrices), w  # x^T dy: [in, out] (XLA may write it as dy^T x: no)
 
 
 @pytest.mark.parametrize("stages", STAGES)
@@ -560,6 +565,12 @@ def test_bad_pipeline_configs_are_clear_errors():
     zb_accum = Config(CFG.model, dataclasses.replace(CFG.train, schedule="zb_h1", grad_accum=2))
     with pytest.raises(ValueError, match=r"grad_accum=2: a pipeline already accumulates"):
         manual_parallel.make_runner("pp", "stage:2", zb_accum, devices=jax.devices()[:2])
+    for field, value in (("norm_dtype", "compute"), ("quantization", "int8"), ("qkv_layout", "heads")):
+        untapped = Config(dataclasses.replace(CFG.model, **{field: value}), with_schedule("zb_h1").train)
+        with pytest.raises(ValueError, match=rf"--schedule=zb_h1 splits each backward at the weighted ops .* "
+                                             rf"--{field}={value} applies a weight outside them: pass "
+                                             rf"--{field}={pipeline.UNTAPPED[field]}, or --schedule=1f1b\.$"):
+            manual_parallel.make_runner("pp", "stage:2", untapped, devices=jax.devices()[:2])
     accum = Config(CFG.model, dataclasses.replace(CFG.train, grad_accum=2))
     with pytest.raises(ValueError, match=r"grad_accum=2: a pipeline already accumulates.*--microbatches"):
         manual_parallel.make_runner("pp", "stage:2", accum, devices=jax.devices()[:2])

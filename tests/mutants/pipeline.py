@@ -52,6 +52,14 @@ MUTANTS: list[Mutant] = [
            ("tests/test_pipeline.py::test_interleaved_matches_single_device[auto]",),
            "the circular loop picks every stage's chunk from the tick, not from the stage's own op number "
            "(a stage behind the first runs its next chunk too early)"),
+    Mutant("pp-zb-w-replays-live", "pipeline", "twinshard/model/taps.py",
+           "        y = op(tape.replay[tape.slots[k]], w)",
+           "        y = op(a, w)",
+           ("tests/test_pipeline.py::test_zb_h1_splits_the_backward_in_the_compiled_program",), "zb_h1's W re-runs each weighted op on the live forward, not B's kept operand"),
+    Mutant("pp-zb-b-drops-probes", "pipeline", "twinshard/model/taps.py",
+           "    return y + tape.probes[k]",
+           "    return y",
+           ("tests/test_pipeline.py::test_scheduled_matches_gpipe_and_single_device",), "zb_h1's B adds no probe, so W gets no output gradients"),
     # --- pp_fsdp (pipeline + FSDP inside each stage)
     Mutant("pp-fsdp-no-data-mean", "pipeline", SRC_RUNNER,
            "return self._mean_loss(loss), self.mean_over_tokens(grads, replicated)",

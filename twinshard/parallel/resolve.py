@@ -113,6 +113,7 @@ def check_family(declared: Strategy, shape: Mapping[str, int], cfg: Config) -> N
     if declared.family == "pipeline":
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
                        cfg.train.grad_accum, shape.get("data", 1), cfg.train.schedule, cfg.train.virtual_stages)
+        pipeline.check_split(cfg.model, cfg.train.schedule)
     if declared.family == "context":
         context.check(cfg.model.context_length, shape[context.CONTEXT], context.layout_of(declared.name, cfg.train.cp_layout))
         if declared.name in strategies.ALL_TO_ALL_CONTEXT:
