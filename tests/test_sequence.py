@@ -1,11 +1,13 @@
-"""Megatron sequence parallelism (tp_sp) in both twins, on the tiny preset (num_heads 8).
+"""Megatron sequence parallelism (tp_sp), and fsdp_tp_sp (FSDP over data inside it), in both twins,
+on the tiny preset (num_heads 8).
 
 Each runner is compiled once (module cache) and gives the step-1 gradients, 5 steps of
 losses and params against single device (test_data_tensor's record, shared), its compiled step's
 ledger and its memory_analysis(). Meshes: the manual twin on tensor:8 (sequence shards of 4
 tokens), the GSPMD twin and the collective matmul (manual, remat full) on data:2,tensor:4
 (sequence parallelism inside data parallelism); the GSPMD twin there also with grad_accum 2
-(the runner's per-data-shard vmap runs tp_sp's hooks: GSPMD.without_batch).
+(the runner's per-data-shard vmap runs tp_sp's hooks: GSPMD.without_batch); fsdp_tp_sp's twins
+on data:2,tensor:4, the manual one's ledger against the cost model row by row.
 
 Measured here (JAX 0.12.0.1, XLA:CPU, opt level 0), against single device: losses 1.4e-6,
 step-1 gradients 2.4e-8, params after 5 AdamW steps 1.3e-6 (both twins, both meshes);
@@ -36,7 +38,11 @@ RUNS = {"manual": ("tp_sp", "tensor:8", {}), "auto": ("tp_sp", "data:2,tensor:4"
         "manual tp": ("tp", "data:1,tensor:8", {}),
         # the collective matmul, inside data parallelism, under remat full (its ppermutes re-run)
         "collective matmul": ("tp_sp", "data:2,tensor:4", {"collective_matmul": True, "remat": "full"}),
-        "auto accum": ("tp_sp", "data:2,tensor:4", {})}
+        "auto accum": ("tp_sp", "data:2,tensor:4", {}),
+        # fsdp over data inside tp_sp: both twins on data:2,tensor:4 (its weights [D/2, F/4])
+        "manual fsdp_tp_sp": ("fsdp_tp_sp", "data:2,tensor:4", {}),
+        "auto fsdp_tp_sp": ("fsdp_tp_sp", "data:2,tensor:4", {})}
+RECORDED = ("manual", "auto", "auto accum", "manual fsdp_tp_sp", "auto fsdp_tp_sp")  # runs with a training record
 GRAD_ACCUM = {"auto accum": 2}  # TrainConfig.grad_accum of a run (default 1)
 max_diff = reference.max_diff
 
@@ -78,13 +84,13 @@ def compile_step(r):
 @functools.cache
 def compiled(name: str):
     """The train step compiled once: (compiled, ledger, runner)."""
-    r = record(name)["runner"] if name in ("manual", "auto", "auto accum") else (
+    r = record(name)["runner"] if name in RECORDED else (
         train_only(name)["runner"] if name == "collective matmul" else make(name))
     c = compile_step(r)
     return c, hlo.ledger(c, r.mesh), r
 
 
-@pytest.mark.parametrize("twin", ["manual", "auto", "auto accum"])
+@pytest.mark.parametrize("twin", ["manual", "auto", "auto accum", "manual fsdp_tp_sp", "auto fsdp_tp_sp"])
 def test_tp_sp_matches_single_device(twin):
     got, want = record(twin), single()
     assert max_diff(got["init"], want["init"]) == 0.0
@@ -94,7 +100,7 @@ def test_tp_sp_matches_single_device(twin):
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
 
-@pytest.mark.parametrize("name", ["manual", "collective matmul"])
+@pytest.mark.parametrize("name", ["manual", "collective matmul", "manual fsdp_tp_sp"])
 def test_manual_ledger_equals_the_cost_model(name):
     """Every collective is a line of manual_parallel/ (or the loss's statistics), and count and
     bytes of every (op, axes) row equal twinshard/cost/communication.py: tensor:8, and the collective matmul on
@@ -104,7 +110,7 @@ def test_manual_ledger_equals_the_cost_model(name):
     testing.expect_parsed(led)
     for rec in led:
         assert "manual_parallel/" in rec.source or "twinshard/model/loss.py" in rec.source, (rec, led.table())
-    rows = cost.compare(led.summary(), cost.cost(config(name).model, "tp_sp", r.sizes, B).summary())
+    rows = cost.compare(led.summary(), cost.cost(config(name).model, RUNS[name][0], r.sizes, B).summary())
     assert all(row["match"] for row in rows), cost.compare_table(rows) + "\n" + led.table()
 
 

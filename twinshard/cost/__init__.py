@@ -228,7 +228,7 @@ def _priced(cfg: ModelConfig, strategy: str, shape: dict[str, int], batch_size: 
 
 _PMAX = ("the cross-entropy max is an all-reduce with max (pmax), a row `all-reduce max` of the ledger; "
          "the model counts it among the all-reduces over tensor")
-_NOTES = {"tp": [_PMAX], "fsdp_tp": [_PMAX], "tp_sp": [_PMAX]}
+_NOTES = {"tp": [_PMAX], "fsdp_tp": [_PMAX], "tp_sp": [_PMAX], "fsdp_tp_sp": [_PMAX]}
 
 
 # ----------------------------------------------------------------------------- comparing with a ledger
