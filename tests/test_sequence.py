@@ -28,6 +28,7 @@ from test_data_tensor import CFG, STEPS, single  # the same config and single-de
 from test_data_tensor import synced_shapes, use_shapes  # the all-reduced shapes; each weight's shape where used
 from test_remat import runner_residuals
 from twinshard import cost, hlo, testing
+from twinshard.hardware import topology
 from twinshard.config import Config
 
 B, T, D, L = CFG.train.batch_size, CFG.model.context_length, CFG.model.d_model, CFG.model.num_layers
@@ -245,3 +246,17 @@ def test_collective_matmul_needs_manual_tp_sp(strategy, twin, message):
         twin.make_runner(strategy, "data:1,tensor:8", cfg)
     with pytest.raises(ValueError, match="use strategy tp_sp or collective_matmul=False"):
         cost.cost(cfg.model, "tp", {"data": 1, "tensor": 8}, B)
+
+
+def test_fsdp_tp_sp_memory_beside_the_model():
+    """fsdp_tp_sp's compiled step (manual, data:2,tensor:4) per device: its params and optimizer
+    arguments are the memory model's to the byte (every matrix [.../2, .../4], the norm gains whole),
+    and memory_analysis()'s temporaries within the manual twins' band of it (tests/test_memory.py).
+    Measured (XLA:CPU): 908,160 B against the model's 980,736."""
+    step, _, r = compiled("manual fsdp_tp_sp")
+    model = cost.memory(CFG.model, "fsdp_tp_sp", r.sizes, B, T)
+    xs = jax.ShapeDtypeStruct((B, T), np.int32, sharding=r.batch_sharding)
+    args = topology.argument_bytes(step, r.abstract_state(), xs, xs)
+    assert (args["params"]["bytes"], args["optimizer"]["bytes"]) == (model.params, model.optimizer)
+    ratio = step.memory_analysis().temp_size_in_bytes / model.temporaries
+    assert 0.85 <= ratio <= 1.35, (ratio, step.memory_analysis().temp_size_in_bytes, model)
