@@ -106,6 +106,8 @@ AUTO_NOTES = {
     "fsdp_tp": (_TP_GRADS + "; it also keeps the FSDP-gathered weights for the backward pass",
                 "docs/design.md#auto_parallelfsdp_tppy"),
     "tp_sp": (_TP_GRADS, "docs/design.md#auto_paralleltp_sppy"),
+    "fsdp_tp_sp": (_TP_GRADS + "; it also keeps the FSDP-gathered weights for the backward pass",
+                   "docs/design.md#auto_parallelfsdp_tp_sppy"),
     "cp": (_CP, "docs/long-context.md#auto_parallelcppy"),
     "fsdp_cp": (_CP, "docs/long-context.md#auto_parallelfsdp_cppy"),
     "ulysses": (_ULYSSES, "docs/long-context.md#auto_parallelulyssespy"),

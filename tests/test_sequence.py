@@ -28,6 +28,7 @@ from test_data_tensor import CFG, STEPS, single  # the same config and single-de
 from test_data_tensor import synced_shapes, use_shapes  # the all-reduced shapes; each weight's shape where used
 from test_remat import runner_residuals
 from twinshard import cost, hlo, testing
+from twinshard.cost.weights import weights
 from twinshard.hardware import topology
 from twinshard.config import Config
 
@@ -155,6 +156,20 @@ def test_auto_twin_gathers_and_scatters_the_sequence():
     # (matmuls.matmul's backward; tp_sp's einsum path crossed as [out, in] before it)
     assert synced_shapes(led, ("data",), min_rank=2) == [
         s for s in use_shapes("tp", {"data": 2, "tensor": 4}, fsdp_only=False) if len(s) == 2]
+
+
+def test_auto_fsdp_tp_sp_gathers_weights_over_data_and_the_sequence_over_tensor():
+    """GSPMD on data:2,tensor:4: each matrix's tensor shard gathered over data once (7L + 2; it keeps
+    them for the backward pass, as auto fsdp_tp), the sequence gathered over tensor as auto tp_sp's
+    (4L + 2 of [B/data, T, D]); no array over tensor larger than the residual stream (no weight
+    crosses tensor), none over data larger than a gathered tensor shard (no activation crosses data)."""
+    led, a = compiled("auto fsdp_tp_sp")[1], 4 * (B // 2) * T * D
+    testing.expect_collectives(led, "all-gather", ("data",), count=7 * L + 2)
+    testing.expect_collectives(led, "all-gather", ("tensor",), count=4 * L + 2)
+    assert {r.bytes for r in led.filter(op="all-gather", axes=("tensor",))} == {a}, led.table()
+    testing.expect_no_collective(led, axes=("tensor",), larger_than=a)
+    widest = max(4 * w.size // 4 for w in weights(CFG.model) if w.is_matrix)  # f32, a matrix's 1/tensor shard
+    testing.expect_no_collective(led, axes=("data",), larger_than=widest)
 
 
 def test_auto_twin_accumulates_on_sequence_shards():
