@@ -12,25 +12,22 @@ Per layer, for W1 [D, F] stored as [D/data, F/tensor] and the residual stream x 
                gather_sequence's psum_scatter, scatter_sequence's all_gather over tensor (dx)
                copy_to_tp's psum over tensor of each RMSNorm gain's gradient [D] (its T shard's share)
 
-The norm gains' gradients are then averaged over data (the runner's mean over tokens). The twins agree
-per collective: auto_parallel/fsdp_tp_sp.py."""
+The norm gains' gradients are then averaged over data (the runner's mean over tokens). The GSPMD twin,
+auto_parallel/fsdp_tp_sp.py, keeps the gathered weights instead (launch.collectives' note)."""
 
-from manual_parallel.collectives import copy_to_tp
 from manual_parallel.fsdp import FullyShardedDataParallel
-from manual_parallel.tp import TENSOR
 from manual_parallel.tp_sp import SequenceParallel
 
 __all__ = ["FSDPSequenceParallel", "parallelism"]
 
 
 class FSDPSequenceParallel(FullyShardedDataParallel, SequenceParallel):
-    """weight / head / gather_step / layer_policy from FSDP (after TP's slice of a replicated kv weight);
-    enter/exit_tensor_parallel, embed and token_loss from tp_sp."""
+    """weight / head / gather_step / layer_policy from FSDP (after tp_sp's f on a norm gain, TP's slice of a
+    replicated kv weight); enter/exit_tensor_parallel, embed and token_loss from tp_sp.
 
-    def weight(self, w, axes):
-        """RMSNorm gains [D] (never sharded over data) run on sequence shards: tp_sp's f, also on the
-        `resident` hooks of grad_accum > 1, where FSDP's weight returns every leaf as it is."""
-        return copy_to_tp(w, TENSOR) if axes == ("norm",) else super().weight(w, axes)
+    grad_accum > 1: the `resident` hooks return every leaf as it is, the norm gains without tp_sp's f; the
+    program is the same (measured, JAX 0.12: under check_vma an invariant gain used on varying sequence
+    shards gets an implicit pvary at each use, whose transpose is the same psum over `tensor`)."""
 
 
 def parallelism(mesh, run) -> FSDPSequenceParallel:

@@ -43,9 +43,10 @@ RUNS = {"manual": ("tp_sp", "tensor:8", {}), "auto": ("tp_sp", "data:2,tensor:4"
         "auto accum": ("tp_sp", "data:2,tensor:4", {}),
         # fsdp over data inside tp_sp: both twins on data:2,tensor:4 (its weights [D/2, F/4])
         "manual fsdp_tp_sp": ("fsdp_tp_sp", "data:2,tensor:4", {}),
-        "auto fsdp_tp_sp": ("fsdp_tp_sp", "data:2,tensor:4", {})}
+        "auto fsdp_tp_sp": ("fsdp_tp_sp", "data:2,tensor:4", {}),
+        "manual fsdp_tp_sp accum": ("fsdp_tp_sp", "data:2,tensor:4", {})}
 RECORDED = ("manual", "auto", "auto accum", "manual fsdp_tp_sp", "auto fsdp_tp_sp")  # runs with a training record
-GRAD_ACCUM = {"auto accum": 2}  # TrainConfig.grad_accum of a run (default 1)
+GRAD_ACCUM = {"auto accum": 2, "manual fsdp_tp_sp accum": 2}  # TrainConfig.grad_accum of a run (default 1)
 max_diff = reference.max_diff
 
 
@@ -170,6 +171,21 @@ def test_auto_fsdp_tp_sp_gathers_weights_over_data_and_the_sequence_over_tensor(
     testing.expect_no_collective(led, axes=("tensor",), larger_than=a)
     widest = max(4 * w.size // 4 for w in weights(CFG.model) if w.is_matrix)  # f32, a matrix's 1/tensor shard
     testing.expect_no_collective(led, axes=("data",), larger_than=widest)
+
+
+def test_manual_fsdp_tp_sp_accumulates_on_whole_weights_and_sequence_shards():
+    """grad_accum K = 2 (data:2,tensor:4): each matrix gathered once per step (gather_step), the
+    micro-batches on `resident` hooks, each summing its RMSNorm gains' gradients over the tensor
+    shards of the sequence (2L + 1 psums per micro-batch). The step-1 gradients equal single
+    device's, the compiled step's ledger the cost model at K = 2."""
+    r = make("manual fsdp_tp_sp accum")
+    x, y = reference.random_batches(B, T, CFG.model.vocab_size, 1)[0]
+    grads = jax.device_get(r.loss_and_grads(r.init_state(CFG.train.seed).params, *r.place_batch(x, y))[1])
+    assert max_diff(grads, single()["grads"]) < GRAD_ATOL
+    led = hlo.ledger(compile_step(r), r.mesh)
+    model = cost.cost(CFG.model, "fsdp_tp_sp", r.sizes, B, grad_accum=GRAD_ACCUM["manual fsdp_tp_sp accum"])
+    rows = cost.compare(led.summary(), model.summary())
+    assert all(row["match"] for row in rows), cost.compare_table(rows) + "\n" + led.table()
 
 
 def test_auto_twin_accumulates_on_sequence_shards():
