@@ -426,7 +426,8 @@ def test_ranking():
     assert {(s.strategy, s.mesh_text()): s.why for s in skipped} == {
         ("tp", "data:1,tensor:64"): heads + "64", ("fsdp_tp", "data:2,tensor:32"): heads + "32",
         ("tp_sp", "data:2,tensor:32"): heads + "32", ("tp_sp", "data:1,tensor:64"): heads + "64",
-        ("fsdp_tp_sp", "data:2,tensor:32"): heads + "32", ("pp", "stage:64"): stages.format(64), **{("pp_fsdp", f"stage:{k},data:{64 // k}"): stages.format(k)
+        ("fsdp_tp_sp", "data:2,tensor:32"): heads + "32",
+        ("pp", "stage:64"): stages.format(64), **{("pp_fsdp", f"stage:{k},data:{64 // k}"): stages.format(k)
                                                  for k in (32, 16, 8)},
         ("ulysses", "context:64"): ulysses.format(64), ("fsdp_ulysses", "data:2,context:32"): ulysses.format(32)}
 
