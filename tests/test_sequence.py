@@ -267,14 +267,15 @@ def test_collective_matmul_equals_the_all_gather():
     assert hops == 2 * 2 * L * (t - 1) / t * (4 * (B // 2) * T * D)
 
 
-@pytest.mark.parametrize("strategy, twin, message", [
-    ("tp", manual_parallel, "--strategy=tp has none: use --strategy=tp_sp --impl=manual"),
-    ("tp_sp", auto_parallel, "manual twin only \\(--impl=auto\\): use --impl=manual"),
+@pytest.mark.parametrize("strategy, mesh, twin, message", [
+    ("tp", "data:1,tensor:8", manual_parallel, "not of --strategy=tp: use --strategy=tp_sp --impl=manual"),
+    ("fsdp_tp_sp", "data:2,tensor:4", manual_parallel, "not of --strategy=fsdp_tp_sp: use --strategy=tp_sp"),
+    ("tp_sp", "data:1,tensor:8", auto_parallel, "manual twin only \\(--impl=auto\\): use --impl=manual"),
 ])
-def test_collective_matmul_needs_manual_tp_sp(strategy, twin, message):
+def test_collective_matmul_needs_manual_tp_sp(strategy, mesh, twin, message):
     cfg = config("collective matmul")
     with pytest.raises(ValueError, match=message):
-        twin.make_runner(strategy, "data:1,tensor:8", cfg)
+        twin.make_runner(strategy, mesh, cfg)
     with pytest.raises(ValueError, match="use strategy tp_sp or collective_matmul=False"):
         cost.cost(cfg.model, "tp", {"data": 1, "tensor": 8}, B)
 
