@@ -108,6 +108,11 @@ AUTO_NOTES = {
     "fsdp_tp": (_TP_GRADS + "; it also keeps the FSDP-gathered weights for the backward pass",
                 "docs/design.md#auto_parallelfsdp_tppy"),
     "tp_sp": (_TP_GRADS, "docs/design.md#auto_paralleltp_sppy"),
+    "fsdp_tp_sp": (_TP_GRADS + "; it also keeps the FSDP-gathered weights for the backward pass",
+                   "docs/design.md#auto_parallelfsdp_tp_sppy"),
+    "hsdp": (MEASURED + "it keeps the weights gathered over fsdp for the backward pass instead of re-gathering "
+             "them, as fsdp's; across slices it means one gradient per slice (a vmap over data), as the manual twin",
+             "docs/slices.md#hsdp"),
     "cp": (_CP, "docs/long-context.md#auto_parallelcppy"),
     "fsdp_cp": (_CP, "docs/long-context.md#auto_parallelfsdp_cppy"),
     "ulysses": (_ULYSSES, "docs/long-context.md#auto_parallelulyssespy"),

@@ -15,7 +15,7 @@ DCN rate (v5p 50 Gb/s per chip, v5e 25). The chips' numbers, with their sources,
 twinshard/hardware/chips.py.
 
 For each strategy the model runs under (every declared strategy, twinshard/parallel/strategies.py:
-a dense model dp, fsdp, tp, fsdp_tp, tp_sp, cp, fsdp_cp, pp, pp_fsdp; a mixture of experts dp,
+a dense model dp, fsdp, tp, fsdp_tp, tp_sp, fsdp_tp_sp, cp, fsdp_cp, pp, pp_fsdp; a mixture of experts dp,
 fsdp, ep, fsdp_ep, as resolve.check_experts says) and each factoring of the chips over the
 strategy's mesh axes that launch.train accepts for the model (resolve.resolve_mesh; a pipeline
 with the micro-batch count and schedule that rank best on it), the cost model of the manual twin

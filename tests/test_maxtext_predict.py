@@ -36,7 +36,7 @@ def test_preset_is_the_equivalent_with_a_layer_of_maxtexts_matmul_params(p):
     d = mp.maxtext_dims(p.scale)
     ours = 4 * cfg.model.d_model ** 2 + 3 * cfg.model.d_model * cfg.model.d_ff
     assert ours == pytest.approx(mp.maxtext_layer_params(d), rel=0.001)
-    assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.head_dim) == (d["emb"], d["layers"], d["head_dim"])
+    assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.head_dim) == (d["emb"], d["layers"], mp.head_dim(p))
     assert "layer's matmul params" in mp.differences(p, cfg.model)
 
 
@@ -47,11 +47,15 @@ def test_compile_refuses_an_existing_case(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["16b.json"]
 
 
-def test_a_mesh_of_our_own_is_named_as_a_difference():
+def test_the_128b_runs_in_maxtexts_layout_with_heads_that_split_over_tensor():
+    """MaxText's fsdp 16 x tensor 16 as fsdp_tp_sp; its 40 heads of 256 would not split over tensor 16,
+    so the equivalent's are 80 of 128 (the same [D, D] projections), named as a difference."""
     p = mp.CASES["128b"]
-    assert (p.mesh, p.our_mesh, p.strategy) == ({"data": 16, "tensor": 16}, {"data": 256, "tensor": 1}, "fsdp")
-    assert "MaxText: fsdp 16 x tensor 16" in mp.differences(p, preset(p.preset).model)
-    assert "mesh" not in mp.differences(mp.CASES["16b"], preset("maxtext_v5e_16b").model)
+    assert (p.mesh, p.our_mesh, p.strategy) == ({"data": 16, "tensor": 16}, {"data": 16, "tensor": 16}, "fsdp_tp_sp")
+    cfg = preset(p.preset).model
+    assert (cfg.num_heads, cfg.head_dim) == (80, 128) and cfg.num_heads % p.mesh["tensor"] == 0
+    assert "head_dim 128 (MaxText: 256): 80 heads split over tensor 16" in mp.differences(p, cfg)
+    assert "head_dim" not in mp.differences(mp.CASES["16b"], preset("maxtext_v5e_16b").model)
 
 
 def test_planner_rows_without_compiled_cases(tmp_path):

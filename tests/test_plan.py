@@ -101,13 +101,15 @@ def test_fsdp_splits_weights_flat_where_data_does_not_divide_d_model():
     plans, skipped = plans_lib.plan_all(cfg, topo, 1536)
     fit, over = plans_lib.rank(plans, "serial")
     assert [(p.strategy, p.label()) for p in fit] == [
-        ("fsdp_tp", "data:1536,tensor:4 flat"), ("fsdp_cp", "data:1536,context:4 flat"),
-        ("fsdp_cp", "data:768,context:8 flat"), ("fsdp_ulysses", "data:1536,context:4 flat"),
-        ("fsdp_ulysses", "data:768,context:8 flat"), ("fsdp_tp", "data:768,tensor:8 flat"),
-        ("fsdp_tp", "data:384,tensor:16 flat"), ("fsdp_cp", "data:384,context:16 flat"),
-        ("fsdp_ulysses", "data:384,context:16 flat"), ("fsdp_ulysses", "data:192,context:32 flat"),
-        ("fsdp_cp", "data:192,context:32 flat"), ("fsdp_ulysses", "data:96,context:64 flat"),
-        ("tp_sp", "data:192,tensor:32"), ("tp_sp", "data:96,tensor:64")]
+        ("fsdp_tp", "data:1536,tensor:4 flat"), ("fsdp_tp_sp", "data:1536,tensor:4 flat"),
+        ("fsdp_cp", "data:1536,context:4 flat"), ("fsdp_cp", "data:768,context:8 flat"),
+        ("fsdp_ulysses", "data:1536,context:4 flat"), ("fsdp_ulysses", "data:768,context:8 flat"),
+        ("fsdp_tp", "data:768,tensor:8 flat"), ("fsdp_tp", "data:384,tensor:16 flat"),
+        ("fsdp_tp_sp", "data:768,tensor:8 flat"), ("fsdp_tp_sp", "data:384,tensor:16 flat"),
+        ("fsdp_cp", "data:384,context:16 flat"), ("fsdp_ulysses", "data:384,context:16 flat"),
+        ("fsdp_ulysses", "data:192,context:32 flat"), ("fsdp_cp", "data:192,context:32 flat"),
+        ("fsdp_ulysses", "data:96,context:64 flat"), ("fsdp_tp_sp", "data:192,tensor:32 flat"),
+        ("tp_sp", "data:192,tensor:32"), ("fsdp_tp_sp", "data:96,tensor:64 flat"), ("tp_sp", "data:96,tensor:64")]
     assert all(p.flat == ("embed" in cost.RULES[p.strategy]) for p in plans)
     best, norms = fit[0], (2 * cfg.num_layers + 1) * cfg.d_model
     # (each weight's bytes // chips: under 4 bytes short of the exact share, 12 leaves)
@@ -399,12 +401,13 @@ def test_ranking():
     plans, skipped = plans_lib.plan_all(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), 64)
     fit, over = plans_lib.rank(plans, "serial")
     # at context 2, ulysses's 4 all-to-alls of half the heads move less than the ring's K and V hops;
-    # zb_h1 (its W a weight gradient alone: pipeline_factor) between tp_sp and them
-    assert [(p.strategy, p.label()) for p in fit[:8]] == [
+    # zb_h1 (its W a weight gradient alone: pipeline_factor) between hsdp and them
+    assert [(p.strategy, p.label()) for p in fit[:9]] == [
         ("dp", "data:64,tensor:1"), ("fsdp", "data:64,tensor:1"), ("pp_fsdp", "stage:2,data:32 M=2 gpipe"),
-        ("pp_fsdp", "stage:4,data:16 M=4 gpipe"), ("tp_sp", "data:32,tensor:2"), ("pp_fsdp", "stage:2,data:32 M=2 zb_h1"),
-        ("fsdp_ulysses", "data:32,context:2"), ("fsdp_cp", "data:32,context:2")]
-    assert {p.strategy for p in fit} == {"dp", "fsdp", "fsdp_tp", "tp_sp", "fsdp_cp", "fsdp_ulysses", "pp_fsdp"}
+        ("hsdp", "data:2,fsdp:32"), ("pp_fsdp", "stage:4,data:16 M=4 gpipe"), ("tp_sp", "data:32,tensor:2"),
+        ("hsdp", "data:4,fsdp:16"), ("pp_fsdp", "stage:2,data:32 M=2 zb_h1"), ("fsdp_ulysses", "data:32,context:2")]
+    assert {p.strategy for p in fit} == {"dp", "fsdp", "fsdp_tp", "tp_sp", "fsdp_tp_sp", "fsdp_cp", "fsdp_ulysses",
+                                         "pp_fsdp", "hsdp"}
     assert [(p.strategy, p.label()) for p in over] == [("cp", "context:64")]  # every weight and Adam on each chip
     serial = [p.compute_s + sum(p.comm_s.values()) for p in fit]
     assert serial == sorted(serial)
@@ -424,6 +427,7 @@ def test_ranking():
     assert {(s.strategy, s.mesh_text()): s.why for s in skipped} == {
         ("tp", "data:1,tensor:64"): heads + "64", ("fsdp_tp", "data:2,tensor:32"): heads + "32",
         ("tp_sp", "data:2,tensor:32"): heads + "32", ("tp_sp", "data:1,tensor:64"): heads + "64",
+        ("fsdp_tp_sp", "data:2,tensor:32"): heads + "32",
         ("pp", "stage:64"): stages.format(64), **{("pp_fsdp", f"stage:{k},data:{64 // k}"): stages.format(k)
                                                  for k in (32, 16, 8)},
         ("ulysses", "context:64"): ulysses.format(64), ("fsdp_ulysses", "data:2,context:32"): ulysses.format(32)}
@@ -499,9 +503,9 @@ def test_the_overlap_chunks_are_megatrons():
 def test_a_small_batch_spreads_over_the_sequence_and_the_layers():
     """16 sequences over 64 chips cap data at 16: dp and fsdp cannot use the slice (nor pp_fsdp, whose
     stages want M >= S micro-batches per data shard); the sequence (cp, fsdp_cp, fsdp_ulysses: ulysses
-    alone would need context 64 over 16 heads) and Megatron (tp_sp, fsdp_tp) can."""
+    alone would need context 64 over 16 heads) and Megatron (tp_sp, fsdp_tp, fsdp_tp_sp) can."""
     plans, _ = plans_lib.plan_all(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), 16)
-    assert {p.strategy for p in plans} == {"fsdp_tp", "tp_sp", "cp", "fsdp_cp", "fsdp_ulysses"}
+    assert {p.strategy for p in plans} == {"fsdp_tp", "tp_sp", "fsdp_tp_sp", "cp", "fsdp_cp", "fsdp_ulysses"}
     assert all(p.mesh.get("data", 1) <= 16 for p in plans)
 
 
@@ -525,8 +529,8 @@ def test_a_mixture_of_experts_ranks_ep_and_fsdp_ep():
         ("fsdp", "data:64,tensor:1")]
     assert {p.strategy for p in plans} == {"dp", "fsdp", "ep", "fsdp_ep"}
     # resolve.check_experts: a mixture of experts runs under dp, fsdp, ep, fsdp_ep only
-    assert plans_lib.runnable(MIXTRAL)[1].keys() == {"tp", "fsdp_tp", "tp_sp", "cp", "fsdp_cp", "ulysses",
-                                                      "fsdp_ulysses", "pp", "pp_fsdp"}
+    assert plans_lib.runnable(MIXTRAL)[1].keys() == {"tp", "fsdp_tp", "tp_sp", "fsdp_tp_sp", "cp", "fsdp_cp",
+                                                      "ulysses", "fsdp_ulysses", "pp", "pp_fsdp", "hsdp"}
     # E = 8 experts split over expert <= 8 (cost.cost does not check it; launch.train does)
     assert {(s.strategy, s.mesh_text()): s.why for s in skipped} == {
         (s, f"data:{64 // e},expert:{e}"): f"experts=8 is not divisible by mesh axis expert={e}"
@@ -626,13 +630,13 @@ def test_cli_prints_ranks_and_writes_json(tmp_path):
                f"--json={tmp_path / 'plan.json'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "== plans that fit, ranked by the serial step time" in out and "... 23 more (--top)" in out  # (the 2 zb_h1 pipelines among them)
+    assert "== plans that fit, ranked by the serial step time" in out and "... 32 more (--top)" in out  # (the 2 zb_h1 pipelines among them)
     assert re.search(r"^1 +dp +data:64,tensor:1 .* compute ", out, re.M), out
     assert "data=64: ICI x (4 chips, torus ring): 2 x 90 GB/s" in out
     assert "--strategy=dp --impl=manual --mesh=data:64,tensor:1 --optimizer=lion --distributed" in out
     assert re.search(r"params (\S+ GiB) \+ grads \1 \+ optimizer \1 \+", out), out  # lion: 1 f32 moment
     doc = json.loads((tmp_path / "plan.json").read_text())
-    assert [p["rank"] for p in doc["plans"]] == [*range(1, 26), None] and doc["chips"] == 64  # cp does not fit
+    assert [p["rank"] for p in doc["plans"]] == [*range(1, 35), None] and doc["chips"] == 64  # cp does not fit
     assert doc["plans"][0]["links"]["data"]["bytes_per_s"] == 540e9 and doc["chip"]["name"] == "v5p"
     assert doc["assumptions"]["optimizer"] == "lion (float32 state)"
 
@@ -654,7 +658,8 @@ def test_cli_plans_a_mixture_of_experts(tmp_path):
     best = doc["plans"][0]
     assert best["mesh"] == {"data": 8, "expert": 8, "tensor": 1} and set(best["comm_s"]) == {"data", "expert", "tensor"}
     assert best["links"]["expert"]["all_to_all"] == pytest.approx(12 / 7)
-    assert set(doc["refused"]) == {"tp", "fsdp_tp", "tp_sp", "cp", "fsdp_cp", "ulysses", "fsdp_ulysses", "pp", "pp_fsdp"}
+    assert set(doc["refused"]) == {"tp", "fsdp_tp", "tp_sp", "fsdp_tp_sp", "cp", "fsdp_cp", "ulysses", "fsdp_ulysses",
+                                   "pp", "pp_fsdp", "hsdp"}
 
 
 def test_cli_errors_are_one_line():

@@ -45,6 +45,7 @@ PROOFS = {
     "memory vs memory_analysis": [(m, f, None) for m, f in [
         ("test_memory.py", "test_memory_analysis_beside_the_model"),
         (SEQUENCE, "test_temporaries_below_tp"),
+        (SEQUENCE, "test_fsdp_tp_sp_memory_beside_the_model"),
         (CONTEXT, "test_compiled_temporaries_beside_the_memory_model"),
         (PIPELINE, "test_compiled_temporaries_beside_the_memory_model"),
         (EXPERTS, "test_compiled_step_beside_the_memory_model"),

@@ -33,6 +33,7 @@ EXPECTED = {
     "tp": ({"data": ONE, "tensor": MANY}, TP, TP),
     "fsdp_tp": ({"data": MANY, "tensor": MANY}, {"embed": "data", **TP}, {"batch": "data", **TP}),
     "tp_sp": ({"data": ANY, "tensor": MANY}, TP, {"batch": "data", **TP}),
+    "fsdp_tp_sp": ({"data": MANY, "tensor": MANY}, {"embed": "data", **TP}, {"batch": "data", **TP}),
     "cp": ({"data": ONE, "context": MANY, "tensor": ONE}, {}, {"seq": "context"}),
     "fsdp_cp": ({"data": MANY, "context": MANY, "tensor": ONE}, {"embed": "data"},
                 {"batch": "data", "seq": "context"}),
@@ -59,17 +60,18 @@ def test_declaration_is_the_strategys_placement(name: str) -> None:
     assert list(decl.mesh) == [a for a in mesh_lib.ORDER if a in needs]  # the mesh holds them in mesh order
 
 
-def test_sequence_parallelism_splits_the_residual_stream_over_tensor() -> None:
-    decl = strategies.get("tp_sp")
+@pytest.mark.parametrize("name", ["tp_sp", "fsdp_tp_sp"])
+def test_sequence_parallelism_splits_the_residual_stream_over_tensor(name: str) -> None:
+    decl = strategies.get(name)
     assert dict(decl.sequence) == {"batch": "data", **TP, "seq": "tensor"}
     assert decl.split_rules["seq"] == "tensor"
-    assert all(strategies.get(n).sequence is None for n in EXPECTED if n != "tp_sp")
+    assert all(strategies.get(n).sequence is None for n in EXPECTED if n not in ("tp_sp", "fsdp_tp_sp"))
 
 
 def test_compositions_name_their_parts_and_unite_their_tables() -> None:
     composed = {s.name: s.composes for s in strategies.DECLARATIONS if len(s.composes) > 1}
-    assert composed == {"fsdp_tp": ("fsdp", "tp"), "fsdp_cp": ("fsdp", "cp"), "pp_fsdp": ("pp", "fsdp"),
-                        "fsdp_ep": ("fsdp", "ep"), "fsdp_ulysses": ("fsdp", "ulysses")}
+    assert composed == {"fsdp_tp": ("fsdp", "tp"), "fsdp_tp_sp": ("fsdp", "tp_sp"), "fsdp_cp": ("fsdp", "cp"),
+                        "pp_fsdp": ("pp", "fsdp"), "fsdp_ep": ("fsdp", "ep"), "fsdp_ulysses": ("fsdp", "ulysses")}
     for name, parts in composed.items():
         decl = strategies.get(name)
         for table in ("params", "activations"):
@@ -97,7 +99,7 @@ def test_every_reader_of_the_registry_sees_every_strategy() -> None:
 
 def test_an_unknown_strategy_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of single, dp, fsdp, tp, fsdp_tp, tp_sp, "
-                                         r"cp, fsdp_cp, ulysses, fsdp_ulysses, pp, pp_fsdp, ep, fsdp_ep, hsdp\."):
+                                         r"fsdp_tp_sp, cp, fsdp_cp, ulysses, fsdp_ulysses, pp, pp_fsdp, ep, fsdp_ep, hsdp\."):
         strategies.get("zero3")
 
 

@@ -463,8 +463,8 @@ def test_orbax_noise_is_held_back_only_when_the_read_fails(capfd, monkeypatch):
 
 
 # every dense strategy (ep and fsdp_ep: tests/test_experts.py), on its default mesh over n devices
-CHECKPOINTED = (("dp", 8), ("fsdp", 8), ("tp", 4), ("fsdp_tp", 8), ("tp_sp", 4), ("cp", 4), ("fsdp_cp", 8),
-                ("ulysses", 4), ("fsdp_ulysses", 8), ("pp", 2), ("pp_fsdp", 4))
+CHECKPOINTED = (("dp", 8), ("fsdp", 8), ("tp", 4), ("fsdp_tp", 8), ("tp_sp", 4), ("fsdp_tp_sp", 8), ("cp", 4),
+                ("fsdp_cp", 8), ("ulysses", 4), ("fsdp_ulysses", 8), ("pp", 2), ("pp_fsdp", 4))
 
 
 @pytest.mark.dp
@@ -472,6 +472,7 @@ CHECKPOINTED = (("dp", 8), ("fsdp", 8), ("tp", 4), ("fsdp_tp", 8), ("tp_sp", 4),
 @pytest.mark.tp
 @pytest.mark.fsdp_tp
 @pytest.mark.tp_sp
+@pytest.mark.fsdp_tp_sp
 @pytest.mark.cp
 @pytest.mark.fsdp_cp
 @pytest.mark.ulysses

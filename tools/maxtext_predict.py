@@ -80,18 +80,18 @@ class Published:
 
     @property
     def strategy(self) -> str:
-        """The project's strategy on `our_mesh`: fsdp, or fsdp_tp where it has a tensor axis."""
-        return "fsdp_tp" if self.our_mesh["tensor"] > 1 else "fsdp"
+        """The project's strategy on `our_mesh`: fsdp, or fsdp_tp_sp (MaxText's sequence-split residuals) where it
+        has a tensor axis."""
+        return "fsdp_tp_sp" if self.our_mesh["tensor"] > 1 else "fsdp"
 
 
 PUBLISHED = (
     Published("16b", 16, 6, 120, 0.6110, {"data": 256, "tensor": 1}, "full", "maxtext_v5e_16b"),
     Published("32b", 32, 4, 132, 0.6686, {"data": 256, "tensor": 1}, "full", "maxtext_v5e_32b"),
     Published("64b", 64, 2, 118, 0.5990, {"data": 256, "tensor": 1}, "full", "maxtext_v5e_64b"),
-    # fsdp 16 x tensor 16 here keeps each tensor shard's [16, T, D] residuals of all 64 layers: 81.6 GiB
-    # a chip by the cost model; fsdp over all 256 chips: 17.8
-    Published("128b", 128, 1, 110, 0.5606, {"data": 16, "tensor": 16}, "full", "maxtext_v5e_128b",
-              {"data": 256, "tensor": 1}),
+    # fsdp_tp_sp, MaxText's layout: fsdp_tp on 16 x 16 kept each tensor shard's [16, T, D] residuals of all 64
+    # layers (81.6 GiB a chip by the cost model); on sequence shards they are 1/16 of that
+    Published("128b", 128, 1, 110, 0.5606, {"data": 16, "tensor": 16}, "full", "maxtext_v5e_128b"),
 )
 CASES = {p.case: p for p in PUBLISHED}
 # MaxText's LIBTPU_INIT_ARGS in every one of those scripts, as compile options, whose names libtpu
@@ -151,8 +151,16 @@ def equivalent(p: Published):
     emb = d["emb"]
     d_ff = 64 * round((maxtext_layer_params(d) - 4 * emb * emb) / (3 * emb * 64))
     return ModelConfig(vocab_size=d["vocab"], context_length=SEQ, d_model=emb, num_layers=d["layers"],
-                       num_heads=emb // d["head_dim"], d_ff=d_ff, dtype="bfloat16", remat="full",
+                       num_heads=emb // head_dim(p), d_ff=d_ff, dtype="bfloat16", remat="full",
                        attention_block=512)
+
+
+def head_dim(p: Published) -> int:
+    """MaxText's head_dim, halved until the D / head_dim heads split over the case's tensor axis."""
+    dh = maxtext_dims(p.scale)["head_dim"]
+    while (maxtext_dims(p.scale)["emb"] // dh) % p.our_mesh["tensor"]:
+        dh //= 2
+    return dh
 
 
 # What differs in every case (MaxText's side from the module docstring's sources)
@@ -177,8 +185,10 @@ def differences(p: Published, cfg) -> str:
         f"{ours / maxtext_layer_params(d) - 1:+.2%}",
         f"untied lm_head: +{d['vocab'] * d['emb'] / 1e6:.0f}M params, N {cfg.num_params() / maxtext_params(d):.3f}x",
     ] + ([f"vocabulary tiling in {cfg.loss_chunks} chunks"] if cfg.loss_chunks else [])
-      + ([f"mesh data:{p.our_mesh['data']} (MaxText: fsdp {p.mesh['data']} x tensor {p.mesh['tensor']}; fsdp_tp "
-          "here keeps each tensor shard's residuals of all layers, more than a chip holds)"] if p.ours else []))
+      + ([f"mesh data:{p.our_mesh['data']} (MaxText: fsdp {p.mesh['data']} x tensor {p.mesh['tensor']})"]
+         if p.ours else [])
+      + ([f"head_dim {cfg.head_dim} (MaxText: {d['head_dim']}): {cfg.num_heads} heads split over tensor "
+          f"{p.our_mesh['tensor']}"] if cfg.head_dim != d["head_dim"] else []))
 
 
 # ----------------------------------------------------------------------------- compile

@@ -448,7 +448,8 @@ _PRESETS: dict[str, Config] = {
     "maxtext_v5e_16b": _maxtext_v5e(5120, 32, 20, 25920, 6),  # MaxText: 32 heads x 256, relu MLP 32768
     "maxtext_v5e_32b": _maxtext_v5e(10240, 32, 40, 19136, 4),  # 32 heads x 256, relu MLP 32768
     "maxtext_v5e_64b": _maxtext_v5e(10240, 64, 40, 19136, 2),  # 32 heads x 256, relu MLP 32768
-    "maxtext_v5e_128b": _maxtext_v5e(10240, 64, 40, 51904, 1),  # 64 heads x 256, relu MLP 65536
+    # 80 heads x 128 (the same [D, D] projections): the heads split over MaxText's tensor 16, which 40 do not
+    "maxtext_v5e_128b": _maxtext_v5e(10240, 64, 80, 51904, 1),  # 64 heads x 256, relu MLP 65536
 }
 
 PRESETS: tuple[str, ...] = tuple(_PRESETS)

@@ -155,8 +155,8 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
     launch.train refuses) raises a one-line ValueError."""
     resolve.check_experts(strategies.get(strategy), cfg)  # as launch.train: no numbers for a program that does not exist
     if cfg.collective_matmul and strategy not in support.with_option("collective_matmul"):
-        raise ValueError(f"collective_matmul decomposes tp_sp's sequence all-gathers; strategy {strategy} has "
-                         "none: use strategy tp_sp or collective_matmul=False.")
+        raise ValueError(f"collective_matmul decomposes the sequence all-gathers of tp_sp alone, not of strategy "
+                         f"{strategy}: use strategy tp_sp or collective_matmul=False.")
     if cfg.tp_overlap_chunks > 1 and strategy not in support.with_option("tp_overlap"):
         raise ValueError(f"tp_overlap_chunks={cfg.tp_overlap_chunks} chunks Megatron's all-reduces, which strategy "
                          f"{strategy} does not run: use strategy {' or '.join(support.with_option('tp_overlap'))}, "
@@ -237,7 +237,7 @@ def _priced(cfg: ModelConfig, strategy: str, shape: dict[str, int], batch_size: 
 
 _PMAX = ("the cross-entropy max is an all-reduce with max (pmax), a row `all-reduce max` of the ledger; "
          "the model counts it among the all-reduces over tensor")
-_NOTES = {"tp": [_PMAX], "fsdp_tp": [_PMAX], "tp_sp": [_PMAX]}
+_NOTES = {"tp": [_PMAX], "fsdp_tp": [_PMAX], "tp_sp": [_PMAX], "fsdp_tp_sp": [_PMAX]}
 
 
 # ----------------------------------------------------------------------------- comparing with a ledger

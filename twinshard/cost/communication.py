@@ -112,6 +112,16 @@ def _tp_sp(ctx: Ctx) -> list[Row]:
                    for w in weights(ctx.cfg)] + [loss_row(ctx)]
 
 
+def _fsdp_tp_sp(ctx: Ctx) -> list[Row]:
+    """FSDP over data (each device gathers its tensor shard of every matrix) beside tp_sp's sequence
+    gathers and scatters over tensor on B/data sequences (manual_parallel/fsdp_tp_sp.py); the sequence
+    is gathered again in the backward pass under remat, as tp_sp's."""
+    kv_norm = [norm_row(ctx, ("data",))] if kv_replicated(ctx.cfg, ctx.mesh) else []
+    sequence = repeated(ctx.k, _tp_sp_micro_batch_rows(ctx, ctx.batch // ctx.d // ctx.k))
+    return (fsdp_rows(ctx, tensor_shards=ctx.t) + sequence + kv_sum_rows(ctx, data_shards=ctx.d)
+            + [norm_row(ctx, ("data", "tensor")), *kv_norm, loss_row(ctx)])
+
+
 def _tp_sp_micro_batch_rows(ctx: Ctx, batch: int) -> list[Row]:
     """TP's rows with each all-reduce of the residual stream split into a reduce-scatter (where g,
     or backward f, sums) and an all-gather: 8 (t-1)/t A ring bytes per layer, exactly TP's."""

@@ -163,7 +163,9 @@ def _from_table(mod: Module, loop: Instr, switch: Instr, partitions: list[int]) 
                 continue
             inner = frames.at(t).inner(switch, branches[k])
             inner.params = lambda _, f=frames.at(t), o=switch.operands[k + 1]: f.value(o)
-            mb = _token_index(mod, inner)
+            # a W reads no fresh tokens: under the split backward its embedding gradient reads the ids its B kept
+            # in a stash ring (int [slots, b, T], a token slice's shape), so its micro-batch comes from that B
+            mb = _token_index(mod, inner) if ops[k] != "W" else None
             cells.append(Cell(ops[k], mb if mb is not None else _weight_microbatch(mod, frames, t, inner, switch.operands[k + 1], cells)))
         columns.append(cells)
     grid = tuple(tuple(col[t] for col in columns) for t in range(trips))

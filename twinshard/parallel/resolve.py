@@ -143,8 +143,8 @@ def check_options(declared: Strategy, impl: str, cfg: Config) -> None:
     model, train, strategy = cfg.model, cfg.train, declared.name
     if model.collective_matmul:
         if strategy not in support.with_option("collective_matmul"):
-            raise ValueError(f"--collective_matmul decomposes tp_sp's sequence all-gathers, and --strategy={strategy} "
-                             "has none: use --strategy=tp_sp --impl=manual, or drop --collective_matmul.")
+            raise ValueError(f"--collective_matmul decomposes the sequence all-gathers of tp_sp alone, not of "
+                             f"--strategy={strategy}: use --strategy=tp_sp --impl=manual, or drop --collective_matmul.")
         if impl not in support.SUPPORT[strategy].collective_matmul:
             raise ValueError(f"--collective_matmul is written by hand in the manual twin only (--impl={impl}): "
                              "use --impl=manual, or drop --collective_matmul (GSPMD chooses its own collectives).")

@@ -11,6 +11,7 @@ and nothing else names a strategy.
     tp        -          heads, kv heads, d_ff, vocab over tensor           base
     fsdp_tp   fsdp x tp  both of the above                                  base
     tp_sp     (tp)       tp's, plus the residual stream's T over tensor     base
+    fsdp_tp_sp  fsdp x tp_sp  both: MaxText's fsdp x tensor (sequence-split residuals)  base
     cp        -          the sequence over context (ring attention)         context
     fsdp_cp   fsdp x cp  both                                               context
     ulysses   -          the sequence over context (all-to-all to heads in attention)  context
@@ -95,14 +96,18 @@ _TP = {"heads": "tensor", KV_HEADS: "tensor", "mlp": "tensor", "vocab": "tensor"
 
 
 def compose(name: str, summary: str, *parts: Strategy, family: str = "base") -> Strategy:
-    """The product of `parts`: the union of their tables (MANY wins over ONE)."""
+    """The product of `parts`: the union of their tables (MANY wins over ONE); a part's `sequence`
+    table (tp_sp) replaces its activations in the product's `sequence`."""
     needs: dict[str, str] = {}
     for part in parts:
         for axis, need in part.mesh.items():
             needs[axis] = MANY if MANY in (need, needs.get(axis)) else need
     union = lambda table: {k: v for part in parts for k, v in getattr(part, table).items()}  # noqa: E731
+    sequence = None if all(p.sequence is None for p in parts) else {
+        k: v for p in parts for k, v in (p.activations if p.sequence is None else p.sequence).items()}
     return Strategy(name, summary, mesh={a: needs[a] for a in ORDER if a in needs}, params=union("params"),
-                    activations=union("activations"), composes=tuple(p.name for p in parts), family=family)
+                    activations=union("activations"), sequence=sequence, composes=tuple(p.name for p in parts),
+                    family=family)
 
 
 # One device, nothing split and nothing moved: the reference every twin is compared with
@@ -119,6 +124,10 @@ FSDP_TP = compose("fsdp_tp", "fsdp over data inside Megatron tp over tensor", FS
 TP_SP = Strategy("tp_sp", "Megatron sequence parallelism: tp, and the residual stream's T over tensor",
                  mesh={"data": ANY, "tensor": MANY}, params=_TP, activations={"batch": "data", **_TP},
                  sequence={"batch": "data", **_TP, "seq": "tensor"}, composes=("tp",))
+# MaxText's layout for its largest models (ici_fsdp x ici_tensor with sequence-split residuals): every
+# weight over data (d_model) and tensor (Megatron), the residual stream [B/data, T/tensor, D] between blocks
+FSDP_TP_SP = compose("fsdp_tp_sp", "fsdp over data inside Megatron sequence parallelism (tp_sp) over tensor",
+                     FSDP, TP_SP)
 CP = Strategy("cp", "context parallelism: the sequence over context (ring attention), weights replicated",
               mesh={"data": ONE, "context": MANY, "tensor": ONE}, params={}, activations={"seq": "context"},
               family="context")
@@ -149,15 +158,16 @@ HSDP = Strategy("hsdp", "data parallel over data (across slices, over DCN), fsdp
                 mesh={"data": MANY, "fsdp": MANY}, params={"embed": "fsdp"}, activations={"batch": ("data", "fsdp")},
                 family="slices", dcn=("data",))
 
-DECLARATIONS: tuple[Strategy, ...] = (SINGLE, DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, ULYSSES, FSDP_ULYSSES, PP,
-                                      PP_FSDP, EP, FSDP_EP, HSDP)
+DECLARATIONS: tuple[Strategy, ...] = (SINGLE, DP, FSDP, TP, FSDP_TP, TP_SP, FSDP_TP_SP, CP, FSDP_CP, ULYSSES,
+                                      FSDP_ULYSSES, PP, PP_FSDP, EP, FSDP_EP, HSDP)
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in DECLARATIONS})
 # Every --strategy; NAMES: the parallel ones (a mesh axis to split over), which the twins write
 RUNS: tuple[str, ...] = tuple(STRATEGIES)
 NAMES: tuple[str, ...] = tuple(s.name for s in DECLARATIONS if s.split_axes)
-# The strategies whose mesh is exactly data x tensor, each axis split or 1
-DATA_TENSOR: tuple[str, ...] = tuple(s.name for s in DECLARATIONS
-                                     if s.family == "base" and s.split_axes and ANY not in s.mesh.values())
+# The strategies whose mesh is exactly data x tensor, each axis split or 1, the residual stream whole
+# on tensor (tp_sp and fsdp_tp_sp split it: tests/test_sequence.py)
+DATA_TENSOR: tuple[str, ...] = tuple(s.name for s in DECLARATIONS if s.family == "base" and s.split_axes
+                                     and ANY not in s.mesh.values() and s.sequence is None)
 
 
 # The strategies that may put an axis across slices (--dcn_mesh), and those axes

@@ -42,6 +42,7 @@ SUPPORT: dict[str, Support] = {
     "tp": Support(_ALL, loss_chunks=_TWO, tp_overlap=_TWO, **_MEGATRON),
     "fsdp_tp": Support(_ALL, loss_chunks=_TWO, tp_overlap=_TWO, **_MEGATRON),
     "tp_sp": Support(_ALL, collective_matmul=_MANUAL, **_MEGATRON),
+    "fsdp_tp_sp": Support(_TWO, **_MEGATRON),
     "cp": Support(_TWO),
     "fsdp_cp": Support(_TWO),
     "ulysses": Support(_ALL),
