@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinshard.hlo import dcn
 from twinshard.hlo.groups import (MeshSpec, Shift, classify, decode_replica_groups, describe_permute,
                                   explicit_groups, mesh_spec, pair_components)
 from twinshard.hlo.loops import async_fusion_copies, call_edges, multiplicities
@@ -463,11 +464,7 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
 def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
     """`ledger` of an already parsed module (the schedule reader parses once for both)."""
     instructions = sum(len(instrs) for instrs in mod.computations.values())
-    if mod.num_partitions not in (None, 1) and mod.num_partitions != spec.size:
-        raise ValueError(
-            f"the program has num_partitions={mod.num_partitions} but the mesh "
-            f"{dict(zip(spec.names, spec.shape))} has {spec.size} devices: pass the mesh it was compiled for"
-        )
+    inner, dcn_axes = dcn.slice_mesh(mod, spec)  # a multi-slice program is one slice's (twinshard/hlo/dcn.py)
     warnings: list[str] = []
     mults = multiplicities(mod, warnings)
     async_starts, async_copies = async_fusion_copies(mod, warnings)
@@ -489,6 +486,13 @@ def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
     for comp, instrs in mod.computations.items():
         for i in instrs:
             op, form = base_opcode(i.opcode)
+            if i.opcode == "send" and dcn.is_transfer(i):
+                try:
+                    records.append(dcn.transfer_record(i, dcn_axes, spec.size // inner.size, mults[comp],
+                                                       *source_metadata(i.attrs, mod.frames)))
+                except (ValueError, KeyError, IndexError) as e:
+                    unparsed.append(f"{i.line}  [{e}]")
+                continue
             if op is None:
                 if any(name in i.opcode for name in OPS):
                     unparsed.append(i.line)
@@ -506,7 +510,7 @@ def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
                 mult = mults[comp]
                 if comp in async_starts:
                     mult = (mult[0], mult[1], True)
-                records += _records(i, op, mod, spec, mult, done_of.get((comp, i.name)), gte_meta)
+                records += _records(i, op, mod, inner, mult, done_of.get((comp, i.name)), gte_meta)
             except (ValueError, KeyError, IndexError) as e:
                 unparsed.append(f"{i.line}  [{e}]")
     if not any("jvp(" in i.attr_text for instrs in mod.computations.values() for i in instrs):  # nothing differentiated: every collective with metadata is the forward's

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinshard.hlo import dcn
 from twinshard.hlo.groups import mesh_spec
 from twinshard.hlo.loops import call_edges_of, multiplicities, root_call_target, trip_count
 from twinshard.hlo.parse import Instr, Module, base_opcode
@@ -41,9 +42,11 @@ _STREAM_EDGES = {"while": ("body",), "conditional": ("true_computation", "false_
 
 
 def is_free(instr: Instr) -> bool:
-    """Takes no time of its own (FREE_OPCODES, the TPU's AllocateBuffer custom calls)."""
+    """Takes no time of its own (FREE_OPCODES, the TPU's AllocateBuffer custom calls, a transfer between
+    slices' send, recv and their dones: the DCN link's time is the transfer's, twinshard/hlo/dcn.py)."""
     return instr.opcode in FREE_OPCODES or (
-        instr.opcode == "custom-call" and any(t in instr.attr_text for t in _FREE_CUSTOM_CALLS))
+        instr.opcode == "custom-call" and any(t in instr.attr_text for t in _FREE_CUSTOM_CALLS)) or (
+        instr.opcode in dcn.TRANSFER_OPCODES and dcn.is_transfer_side(instr))
 
 
 def phase(op_name: str) -> str:
@@ -250,6 +253,8 @@ def _windows(seq: Sequence, mod: Module, by_instr, by_comp, starts: set[str], do
             done, links = _follow(order, k, lambda i: i.opcode == "fusion" and any(c in dones for c in calls(i)),
                                   lambda i: i.opcode == "fusion" and any(_has_collective(mod, c) for c in calls(i)))
             records = [r for c in callees for r in by_comp.get(c, [])]
+        elif instr.opcode == "send" and dcn.is_transfer(instr):  # across slices: done when its recv is
+            done, links, records = _transfer_done(order, k), [], by_instr.get((seq.name, instr.name), [])
         elif instr.opcode == "fusion" and any(c in by_comp for c in callees):
             # a collective fused with compute (TPU's all-reduce-scatter fusions, measured): synchronous
             done, links, records = k, [], [r for c in callees for r in by_comp.get(c, [])]
@@ -264,3 +269,12 @@ def _windows(seq: Sequence, mod: Module, by_instr, by_comp, starts: set[str], do
         out.append(Window(seq.name, k, end, instr.name, "" if carried else order[end].name,
                           tuple(records), inside, tuple(links), carried))
     return out
+
+
+def _transfer_done(order: list[Instr], k: int) -> int | None:
+    """Position of the recv-done of the megascale send at order[k]: the recv-done of the recv of the
+    same rendezvous (twinshard/hlo/dcn.py), wherever the recv is scheduled; None if none follows."""
+    key = dcn.rendezvous(order[k])
+    recvs = {i.name for i in order if i.opcode == "recv" and dcn.is_transfer(i) and dcn.rendezvous(i) == key}
+    return next((j for j in range(k + 1, len(order))
+                 if order[j].opcode == "recv-done" and order[j].operands and order[j].operands[0] in recvs), None)

@@ -1,0 +1,167 @@
+"""Across TPU slices: the ledger and the schedule reader read a multi-slice program's megascale
+transfers (twinshard/hlo/dcn.py), a compiled HSDP step sends only its gradient shards over DCN with
+the cost model's bytes and the planner's seconds, and tools/maxtext_slices.py scales and refuses as it says."""
+
+import dataclasses
+import pathlib
+import sys
+
+import jax
+import pytest
+
+from twinshard import cost, hlo
+from twinshard.config import Config, preset
+from twinshard.hardware import chips, links, plan, step_time, topology
+from twinshard.hlo.schedule import schedule
+from twinshard.hlo.timing import Rates, predict
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
+
+import maxtext_slices as ms  # noqa: E402  (tools/ is not a package)
+from launch import slices as ls  # noqa: E402
+
+needs_libtpu = pytest.mark.skipif(not topology.libtpu_installed(),
+                                  reason="needs libtpu: uv run --locked --extra tpu pytest")
+
+
+def _transfer(rendezvous: str, kind: str = "ALL_REDUCE") -> str:
+    return ('is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+            f'_xla_host_transfer_rendezvous="{rendezvous}",_xla_megascale_reduce_operation="SUM",'
+            f'_xla_megascale_transfer_type="{kind}"}}')
+
+
+def _program(kind: str = "ALL_REDUCE") -> str:
+    """One slice's program (2 partitions) with two megascale transfers, as libtpu prints them: `a` of
+    p [256, 1024] f32 (1 MiB) and `b` of q [8, 128] f32 (4 KiB), both in flight over a [1024, 256] x
+    [256, 1024] dot; b's recv-done first."""
+    return f"""HloModule m, is_scheduled=true, num_partitions=2
+
+ENTRY %main (p: f32[256,1024], q: f32[8,128]) -> f32[256,1024] {{
+  %p = f32[256,1024]{{1,0}} parameter(0)
+  %q = f32[8,128]{{1,0}} parameter(1)
+  %after-all = token[] after-all()
+  %send = (f32[256,1024]{{1,0}}, u32[], token[]) send(%p, %after-all), channel_id=2, {_transfer("a", kind)}
+  %recv = (f32[256,1024]{{1,0}}, u32[], token[]) recv(%after-all), channel_id=1, {_transfer("a", kind)}
+  %send.1 = (f32[8,128]{{1,0}}, u32[], token[]) send(%q, %after-all), channel_id=4, {_transfer("b", kind)}
+  %recv.1 = (f32[8,128]{{1,0}}, u32[], token[]) recv(%after-all), channel_id=3, {_transfer("b", kind)}
+  %dot = f32[1024,1024]{{1,0}} dot(%p, %p), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+  %recv-done.1 = (f32[8,128]{{1,0}}, token[]) recv-done(%recv.1), channel_id=3, is_host_transfer=true
+  %send-done = token[] send-done(%send), channel_id=2, is_host_transfer=true
+  %recv-done = (f32[256,1024]{{1,0}}, token[]) recv-done(%recv), channel_id=1, is_host_transfer=true
+  %send-done.1 = token[] send-done(%send.1), channel_id=4, is_host_transfer=true
+  ROOT %gte = f32[256,1024]{{1,0}} get-tuple-element(%recv-done), index=0
+}}
+"""
+
+
+MESH = {"dcn": 4, "data": 2}  # 4 slices of 2 chips: the program's 2 partitions are one slice
+
+
+def test_a_megascale_send_is_one_all_reduce_over_the_axis_across_slices():
+    led = hlo.ledger(_program(), MESH)
+    assert not led.unparsed
+    assert [(r.op, r.axes, r.reduction, r.dtype, r.shape, r.bytes, r.group_size) for r in led] == [
+        ("all-reduce", ("dcn",), "sum", "f32", (256, 1024), 2**20, 4),
+        ("all-reduce", ("dcn",), "sum", "f32", (8, 128), 4096, 4)]  # the recvs: no record
+    assert led.records[0].ring_bytes == 2 * 3 / 4 * 2**20  # a ring over the 4 slices
+
+
+def test_a_transfer_of_an_unknown_kind_is_unparsed_not_dropped():
+    led = hlo.ledger(_program("BROADCAST"), MESH)
+    assert len(led) == 0 and len(led.unparsed) == 2 and "megascale transfer type 'BROADCAST'" in led.unparsed[0]
+
+
+def test_a_mesh_that_is_not_slices_of_the_program_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"num_partitions=2 but the mesh \{'data': 3, 'dcn': 4\} has 12 devices, "
+                                         r"and no outer axes of it hold 2 devices each"):
+        hlo.ledger(_program(), {"data": 3, "dcn": 4})
+
+
+def test_a_transfer_is_in_flight_from_its_send_to_its_own_recv_done():
+    windows = {w.records[0].shape: w for w in schedule(_program(), MESH).windows()}
+    big, small = windows[(256, 1024)], windows[(8, 128)]
+    assert (big.start, big.finish, small.start, small.finish) == ("send", "recv-done", "send.1", "recv-done.1")
+    assert big.inside == small.inside == ("dot",) and big.done > small.done  # a waited for after b
+
+
+def test_the_dot_hides_its_share_of_the_transfers_and_the_rest_is_exposed():
+    rates = Rates("hand", {"float32": 1e12}, 1e12)
+    pred = predict(_program(), rates, MESH, lambda op, axes, ring: (axes[0], ring / 1e9))
+    dot = 2 * 1024 * 1024 * 256 / 1e12  # FLOPs at 1e12 (its 6 MiB at 1e12 B/s take less)
+    a, b = 2 * 3 / 4 * 2**20 / 1e9, 2 * 3 / 4 * 4096 / 1e9  # one link: b waits behind a
+    assert pred.compute_s == pytest.approx(dot)  # the sends, recvs and dones: the link's time, none of their own
+    assert pred.axes["dcn"].comm_s == pytest.approx(a + b)
+    assert pred.axes["dcn"].exposed_s == pytest.approx(a + b - dot)  # recv-done.1 waits for both
+    assert pred.step_s == pytest.approx(a + b)
+
+
+# ----------------------------------------------------------------------------- a compiled HSDP step
+
+TOPOLOGY, SLICES, INSIDE = "v5e:2x2", 2, {"data": 4, "tensor": 1}
+# every gradient shard a whole number of (8, 128) f32 tiles, as the transfers move them
+SMALL = Config(dataclasses.replace(preset("tiny").model, vocab_size=256, d_model=512, num_heads=4, d_ff=512,
+                                   num_layers=1), preset("tiny").train)
+
+
+@pytest.fixture(scope="module")
+def hsdp():
+    """(ledger, mesh, HLO text) of SMALL's HSDP step compiled for 2 slices of v5e:2x2, once."""
+    lowered, mesh = ls.step_lowered(SMALL, "fsdp", INSIDE, ls.hybrid_devices(TOPOLOGY, SLICES))
+    text = topology.compile_for_pod(lowered).as_text()
+    return hlo.ledger(text, mesh), mesh, text
+
+
+@needs_libtpu
+def test_hsdp_sends_only_its_gradient_shards_across_slices(hsdp):
+    led, mesh, _ = hsdp
+    assert mesh == {"dcn": 2, "data": 4, "tensor": 1} and not led.unparsed
+    across = led.filter(axes="dcn")
+    assert {(r.op, r.reduction) for r in across} == {("all-reduce", "sum")}  # no weight, no activation
+    assert all(set(r.axes) <= {"data"} for r in led if r not in across.records)  # the rest stays in a slice
+    sent = sum(r.bytes * r.multiplicity for r in across)
+    grads = cost.cost(SMALL.model, "fsdp", INSIDE, SMALL.train.batch_size, SMALL.model.context_length).memory.grads
+    # the f32 gradient shards, plus the loss in the tile that carries the norms' gradients
+    assert grads <= sent < grads + 4096
+
+
+@needs_libtpu
+def test_the_dcn_term_is_the_planners_at_v5es_dcn_bandwidth(hsdp):
+    led, mesh, text = hsdp
+    pred = step_time.predict_step(text, "v5e", mesh, ms.slice_links(mesh) | {"data": links.Link(1e11, "ICI")})
+    topo = links.with_slices(links.parse_topology(TOPOLOGY), SLICES)
+    planned = plan.evaluate(SMALL.model, topo, "fsdp", INSIDE, SLICES * SMALL.train.batch_size).comm_s["dcn"]
+    rate = chips.chip("v5e").dcn_bytes_per_s
+    assert rate == 2 * 100e9 / 8 / 8  # 2 x 100 Gb/s per host of 8 chips
+    assert pred.axes["dcn"].comm_s == pytest.approx(planned, rel=0.01)  # within the loss's tile
+    assert pred.axes["dcn"].comm_s == pytest.approx(sum(r.ring_bytes for r in led.filter(axes="dcn")) / rate)
+
+
+# ----------------------------------------------------------------------------- the tool
+
+
+def test_a_ring_on_32_slices_sends_31_16ths_of_the_shard_where_2_send_one():
+    assert ms.ring_growth(2, 32) == pytest.approx((2 * 31 / 32) / (2 * 1 / 2))
+    assert ms.ring_growth(8, 32) == pytest.approx((31 / 32) / (7 / 8)) and ms.ring_growth(32, 32) == 1
+
+
+def test_slice_links_price_the_dcn_axis_at_the_slices_asked_for():
+    mesh = {"dcn": 2, "data": 256, "tensor": 1}
+    at_2, at_32 = ms.slice_links(mesh), ms.slice_links(mesh, 32)
+    assert at_2["dcn"].bytes_per_s == chips.V5E_DCN_BYTES_PER_S == 3.125e9
+    assert at_32["dcn"].bytes_per_s == pytest.approx(3.125e9 / ms.ring_growth(2, 32))
+    assert at_2["data"] == at_32["data"] == links.axis_links(links.parse_topology("v5e:16x16"), {"data": 256})["data"]
+
+
+def test_bad_slice_counts_are_one_line_before_anything_compiles(capsys):
+    for bad in ("1", "64"):
+        with pytest.raises(SystemExit) as e:
+            ms.main([f"--slices={bad}", "--compile=16b", "--out=/nonexistent"])
+        assert e.value.code == 2
+        assert capsys.readouterr().err == (f"maxtext_slices: error: --slices={bad} must be in [2, 32]: one slice is "
+                                           "tools/maxtext_predict.py's table, and MaxText published 32\n")
+
+
+def test_the_table_without_compiled_cases_says_so(tmp_path):
+    text = ms.markdown(ms.rows(str(tmp_path)))
+    assert text.count("not compiled") == 4
+    assert "| 16b | 61.10% | 54.65% | 6.45 points |" in text and "| 128b | 56.06% | 46.25% | 9.81 points |" in text
