@@ -77,3 +77,67 @@ def step_lowered(cfg, strategy: str, mesh: dict[str, int], grid, across: bool = 
         return jitted.lower(state, tokens, tokens), dict(zip(names, whole.devices.shape))
 
 
+
+
+# ----------------------------------------------------------------------------- launch.plan --compile
+
+
+def links_of(topo, mesh: dict[str, int]) -> dict:
+    """mesh axis -> Link of a multi-slice mesh: one slice's axes on its ICI, `dcn` on the DCN (chips.py)."""
+    from twinshard.hardware import links
+
+    inside = {a: n for a, n in mesh.items() if a != DCN_AXIS}
+    return {**links.axis_links(topo, inside), DCN_AXIS: links.dcn_link(topo)}
+
+
+def compile_step(plan, topo, cfg) -> dict:
+    """Compile a multi-slice plan of launch.plan (dp, hsdp, or fsdp across: `Plan.layout`) ahead of time
+    for its slices of `topo`: the auto twin's step (`step_lowered`) on the global batch of `cfg`.
+    Returns {hlo, mesh, compile_s, memory_analysis}."""
+    import time
+
+    from twinshard.hardware import measure, topology
+
+    if topo.slices < 2 or plan.strategy not in ("dp", "fsdp") or plan.flat:
+        raise ValueError(f"{plan.layout} {plan.label()}: across slices launch.plan compiles dp, hsdp and fsdp "
+                         "plans whose data axis divides d_model")
+    topology.default_to_cpu()
+    inside = {"data": topo.chips, "tensor": 1} if plan.across else dict(plan.mesh)
+    per_slice = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                   batch_size=cfg.train.batch_size // topo.slices))
+    grid = hybrid_devices(topo.name, topo.slices)
+    t0 = time.perf_counter()
+    lowered, mesh = step_lowered(per_slice, plan.strategy, inside, grid, plan.across)
+    compiled = topology.compile_for_pod(lowered)
+    return {"hlo": compiled.as_text(), "mesh": mesh, "compile_s": time.perf_counter() - t0,
+            "memory_analysis": measure.memory_analysis(compiled)}
+
+
+def compiled_report(plan, topo, step: dict) -> tuple[str, dict]:
+    """launch.plan --compile's text and JSON-ready numbers of a `compile_step`: the ledger per mesh axis
+    (what crosses slices on `dcn`), XLA's peak memory and the predicted step (twinshard.hlo.predict)."""
+    from twinshard import hlo
+    from twinshard.cost import human
+    from twinshard.hardware import step_time
+
+    led = hlo.ledger(step["hlo"], step["mesh"])
+    pred = step_time.predict_step(step["hlo"], topo.chip, step["mesh"], links_of(topo, step["mesh"]))
+    ma = step["memory_analysis"]
+    peak = (ma["argument_size_in_bytes"] + ma["output_size_in_bytes"] - ma["alias_size_in_bytes"]
+            + ma["temp_size_in_bytes"])
+    fits = peak <= topo.chip.hbm_bytes
+    text = "\n".join([
+        f"== compiled ahead of time: {plan.layout} {plan.label()} (the auto twin, dcn outermost) for {topo.describe()} "
+        f"in {step['compile_s']:.1f} s ==",
+        "collectives of the compiled step (one slice's program; dcn: the megascale transfers across slices):",
+        led.table(), f"XLA's peak per chip: {human(peak)} of {topo.chip.hbm_bytes / 2**30:g} GiB HBM: "
+        f"{'fits' if fits else 'does NOT fit'} (the model said {human(plan.memory)})",
+        "", "the compiled step's schedule priced on the chip (twinshard.hlo.predict):", pred.table()])
+    axes = {a: dataclasses.asdict(t) for a, t in pred.axes.items()}
+    return text, {"strategy": plan.strategy, "layout": plan.layout, "mesh": step["mesh"],
+                  "compile_s": step["compile_s"], "compiler_options": {}, "memory_analysis": ma, "peak_bytes": peak,
+                  "fits": fits, "dcn_bytes": sum(r.bytes * r.multiplicity for r in led.filter(axes=DCN_AXIS)),
+                  "predicted": {"step_s": pred.step_s, "compute_s": pred.compute_s, "exposed_s": pred.exposed_s,
+                                "axes": axes, "rates": {"matmul_efficiency": pred.rates.matmul_efficiency,
+                                                        "hbm_efficiency": pred.rates.hbm_efficiency,
+                                                        "source": pred.rates.source}}}

@@ -6,12 +6,11 @@ import dataclasses
 import pathlib
 import sys
 
-import jax
 import pytest
 
-from twinshard import cost, hlo
+from twinshard import hlo
 from twinshard.config import Config, preset
-from twinshard.hardware import chips, links, plan, step_time, topology
+from twinshard.hardware import chips, links, plan, topology
 from twinshard.hlo.schedule import schedule
 from twinshard.hlo.timing import Rates, predict
 
@@ -105,35 +104,38 @@ SMALL = Config(dataclasses.replace(preset("tiny").model, vocab_size=256, d_model
 
 @pytest.fixture(scope="module")
 def hsdp():
-    """(ledger, mesh, HLO text) of SMALL's HSDP step compiled for 2 slices of v5e:2x2, once."""
-    lowered, mesh = ls.step_lowered(SMALL, "fsdp", INSIDE, ls.hybrid_devices(TOPOLOGY, SLICES))
-    text = topology.compile_for_pod(lowered).as_text()
-    return hlo.ledger(text, mesh), mesh, text
+    """(the planner's hsdp plan, its topology, launch/slices.compile_step of it): SMALL's HSDP step compiled
+    for 2 slices of v5e:2x2 as launch.plan --compile compiles it, once."""
+    topo = links.with_slices(links.parse_topology(TOPOLOGY), SLICES)
+    batch = SLICES * SMALL.train.batch_size
+    hsdp_plan = plan.evaluate(SMALL.model, topo, "fsdp", INSIDE, batch)
+    step = ls.compile_step(hsdp_plan, topo, Config(SMALL.model, dataclasses.replace(SMALL.train, batch_size=batch)))
+    return hsdp_plan, topo, step
 
 
 @needs_libtpu
 def test_hsdp_sends_only_its_gradient_shards_across_slices(hsdp):
-    led, mesh, _ = hsdp
-    assert mesh == {"dcn": 2, "data": 4, "tensor": 1} and not led.unparsed
+    hsdp_plan, _, step = hsdp
+    led = hlo.ledger(step["hlo"], step["mesh"])
+    assert hsdp_plan.layout == "hsdp" and step["mesh"] == {"dcn": 2, "data": 4, "tensor": 1} and not led.unparsed
     across = led.filter(axes="dcn")
     assert {(r.op, r.reduction) for r in across} == {("all-reduce", "sum")}  # no weight, no activation
     assert all(set(r.axes) <= {"data"} for r in led if r not in across.records)  # the rest stays in a slice
     sent = sum(r.bytes * r.multiplicity for r in across)
-    grads = cost.cost(SMALL.model, "fsdp", INSIDE, SMALL.train.batch_size, SMALL.model.context_length).memory.grads
-    # the f32 gradient shards, plus the loss in the tile that carries the norms' gradients
-    assert grads <= sent < grads + 4096
+    # the f32 gradient shards (the planner's), plus the loss in the tile that carries the norms' gradients
+    assert hsdp_plan.cost.memory.grads <= sent < hsdp_plan.cost.memory.grads + 4096
 
 
 @needs_libtpu
 def test_the_dcn_term_is_the_planners_at_v5es_dcn_bandwidth(hsdp):
-    led, mesh, text = hsdp
-    pred = step_time.predict_step(text, "v5e", mesh, ms.slice_links(mesh) | {"data": links.Link(1e11, "ICI")})
-    topo = links.with_slices(links.parse_topology(TOPOLOGY), SLICES)
-    planned = plan.evaluate(SMALL.model, topo, "fsdp", INSIDE, SLICES * SMALL.train.batch_size).comm_s["dcn"]
+    hsdp_plan, topo, step = hsdp
+    text, doc = ls.compiled_report(hsdp_plan, topo, step)
     rate = chips.chip("v5e").dcn_bytes_per_s
     assert rate == 2 * 100e9 / 8 / 8  # 2 x 100 Gb/s per host of 8 chips
-    assert pred.axes["dcn"].comm_s == pytest.approx(planned, rel=0.01)  # within the loss's tile
-    assert pred.axes["dcn"].comm_s == pytest.approx(sum(r.ring_bytes for r in led.filter(axes="dcn")) / rate)
+    dcn = doc["predicted"]["axes"]["dcn"]
+    assert dcn["comm_s"] == pytest.approx(hsdp_plan.comm_s["dcn"], rel=0.01)  # within the loss's tile
+    assert dcn["comm_s"] == pytest.approx(2 * (SLICES - 1) / SLICES * doc["dcn_bytes"] / rate)
+    assert "hsdp dcn:2 x data:4,tensor:1 (the auto twin, dcn outermost)" in text and "all-reduce sum  dcn" in text
 
 
 # ----------------------------------------------------------------------------- the tool
