@@ -26,8 +26,6 @@ compute covers (`predicted` with `slices`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import gzip
 import json
 import math
@@ -40,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import maxtext_predict as single  # noqa: E402  (tools/ is not a package)
-from launch.slices import DCN_AXIS, hybrid_devices, step_lowered  # noqa: E402
+from launch.slices import DCN_AXIS, hybrid_devices, links_of, step_lowered  # noqa: E402
 
 SLICES = 32
 # MaxText's v5e table, its 32 x v5e-256 row (the 1 x v5e-256 row: maxtext_predict.PUBLISHED)
@@ -103,20 +101,19 @@ def _memory(compiled) -> dict:
 
 def slice_links(mesh: dict[str, int], slices: int | None = None):
     """mesh axis -> Link: one slice's axes on its ICI (TOPOLOGY), the `dcn` axis on v5e's DCN. `slices`: price
-    the DCN all-reduce as it runs on that many slices, not mesh['dcn'] (`ring_growth`)."""
+    the DCN all-reduce as it runs on that many slices, not mesh['dcn'] (`ring_growth`; 1: free)."""
     from twinshard.hardware import links
 
     compiled = mesh[DCN_AXIS]
-    topo = links.with_slices(links.parse_topology(single.TOPOLOGY), compiled)
-    inside = {a: n for a, n in mesh.items() if a != DCN_AXIS}
-    dcn = links.dcn_link(topo)
+    out = links_of(links.with_slices(links.parse_topology(single.TOPOLOGY), compiled), mesh)
+    dcn = out[DCN_AXIS]
     if slices == 1:  # one slice: nothing crosses DCN
-        dcn = links.Link(math.inf, "none: one slice")
+        out[DCN_AXIS] = links.Link(math.inf, "none: one slice")
     elif slices not in (None, compiled):
         grow = ring_growth(compiled, slices)
-        dcn = links.Link(dcn.bytes_per_s / grow, f"{dcn.what}, its {compiled}-slice ring's bytes x {grow:.4g} "
-                         f"({slices} slices)")
-    return {**links.axis_links(topo, inside), DCN_AXIS: dcn}
+        out[DCN_AXIS] = links.Link(dcn.bytes_per_s / grow, f"{dcn.what}, its {compiled}-slice ring's bytes x "
+                                   f"{grow:.4g} ({slices} slices)")
+    return out
 
 
 def ring_growth(compiled: int, slices: int) -> float:
