@@ -414,6 +414,14 @@ def check_flags(topo: Topology) -> None:
     common.check_output_path(FLAGS.json, "json")
 
 
+def check_batch_slices(batch: int, slices: int) -> None:
+    """Each slice runs batch / slices sequences: one line naming both and the fix where it does not divide."""
+    if batch % slices:
+        near = [b for b in (batch - batch % slices, batch - batch % slices + slices) if b > 0]
+        raise ValueError(f"--batch_size={batch} does not split over --slices={slices}: pass a multiple of {slices} "
+                         f"(e.g. {' or '.join(map(str, near))}).")
+
+
 def no_plan(skipped: list[Skipped], topo: Topology, batch: int) -> str:
     reasons = "; ".join(f"{s.strategy} {s.mesh_text()}: {s.why}" for s in skipped)
     fix = (f"pass a --batch_size divisible by the data axis (e.g. {topo.chips * topo.slices}) or plan fewer chips"
@@ -430,6 +438,7 @@ def main(argv):
     topo = with_slices(parse_topology(FLAGS.topology), FLAGS.slices)
     cfg = config_from_flags()
     check_flags(topo)
+    check_batch_slices(cfg.train.batch_size, topo.slices)
     precision = Precision(FLAGS.param_dtype, FLAGS.optimizer_dtype, FLAGS.master_weights)
     mfu, mfu_why = matmul_fraction(topo.chip, FLAGS.mfu)
     plans, skipped = plan_all(cfg.model, topo, cfg.train.batch_size, mfu, FLAGS.hbm_headroom,

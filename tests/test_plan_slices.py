@@ -117,3 +117,12 @@ def test_compile_across_slices_takes_the_best_dp_hsdp_and_fsdp_plans(monkeypatch
     text, docs = planner.compile_top(plans, topo, TINY, 2, "serial")
     assert [d["plan_rank"] for d in docs] == [plans.index(p) + 1 for p in reversed(want)]
     assert "exposed dcn" in text and want[1].label() in text
+
+
+def test_a_batch_the_slices_do_not_split_is_one_line_naming_both() -> None:
+    with pytest.raises(ValueError) as e:
+        planner.check_batch_slices(16, 3)
+    assert str(e.value) == "--batch_size=16 does not split over --slices=3: pass a multiple of 3 (e.g. 15 or 18)."
+    with pytest.raises(ValueError, match=r"pass a multiple of 4 \(e.g. 4\)\.$"):
+        planner.check_batch_slices(2, 4)
+    planner.check_batch_slices(18, 3)  # divides: no error
