@@ -75,6 +75,9 @@ def test_a_mesh_that_is_not_slices_of_the_program_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"num_partitions=2 but the mesh \{'data': 3, 'dcn': 4\} has 12 devices, "
                                          r"and no outer axes of it hold 2 devices each"):
         hlo.ledger(_program(), {"data": 3, "dcn": 4})
+    alone = _program().replace("xla_megascale_runtime", "some_other_handler")  # no transfer across slices
+    with pytest.raises(ValueError, match="no megascale transfer makes it one slice's program of 2 devices each"):
+        hlo.ledger(alone, MESH)
 
 
 def test_a_transfer_is_in_flight_from_its_send_to_its_own_recv_done():

@@ -36,16 +36,19 @@ TRANSFER_REDUCTIONS = {"SUM": "sum", "MAX": "max", "MIN": "min", "PRODUCT": "pro
 
 def slice_mesh(mod: Module, spec: MeshSpec) -> tuple[MeshSpec, tuple[str, ...]]:
     """(one slice's mesh, the DCN axes): the outermost axes of `spec` whose product is spec.size /
-    num_partitions; (spec, ()) for a program of the whole mesh. ValueError naming the mesh otherwise."""
+    num_partitions, in a program with megascale transfers; (spec, ()) for a program of the whole mesh.
+    ValueError naming the mesh otherwise (a mesh too big for a program of one slice is a wrong mesh)."""
     n = mod.num_partitions
     if n in (None, 1) or n == spec.size:
         return spec, ()
+    crosses = any(is_transfer(i) for instrs in mod.computations.values() for i in instrs)
     for k in range(1, len(spec.names)):
-        if math.prod(spec.shape[:k]) * n == spec.size:
+        if crosses and math.prod(spec.shape[:k]) * n == spec.size:
             return MeshSpec(spec.names[k:], spec.shape[k:]), spec.names[:k]
+    why = "no outer axes of it hold" if crosses else "no megascale transfer makes it one slice's program of"
     raise ValueError(f"the program has num_partitions={n} but the mesh {dict(zip(spec.names, spec.shape))} has "
-                     f"{spec.size} devices, and no outer axes of it hold {n} devices each: pass the mesh it was "
-                     "compiled for (a multi-slice program's: the axes across slices outermost)")
+                     f"{spec.size} devices, and {why} {n} devices each: pass the mesh it was compiled for (a "
+                     "multi-slice program's: the axes across slices outermost)")
 
 
 TRANSFER_OPCODES = ("send", "recv", "send-done", "recv-done")
