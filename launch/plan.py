@@ -261,8 +261,8 @@ def launch_commands(plan: Plan, topo: Topology, name: str, cfg: Config) -> list[
 def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
             mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> dict:
     def one(p: Plan, rank_: int | None) -> dict:
-        return {"rank": rank_, "strategy": p.strategy, "layout": p.layout, "across": p.across, "mesh": p.mesh, "microbatches": p.microbatches,
-                "schedule": p.schedule, "flat": p.flat, "slices": p.slices, "fits": p.fits,
+        return {"rank": rank_, "strategy": p.strategy, "layout": p.layout, "across": p.across, "mesh": p.mesh,
+                "microbatches": p.microbatches, "schedule": p.schedule, "flat": p.flat, "slices": p.slices, "fits": p.fits,
                 "memory": {**dataclasses.asdict(p.cost.memory), "total": p.memory}, "hbm_usable": p.hbm_usable,
                 "compute_s": p.compute_s, "comm_s": p.comm_s, "overlap_s": p.overlap_s, "serial_s": p.serial_s,
                 "bound": p.bound, "flops_per_chip": p.cost.flops.per_device,

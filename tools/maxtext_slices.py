@@ -187,7 +187,8 @@ def markdown(table: list[dict]) -> str:
         if at:
             top = at[SLICES]
             cells += [f"{mfu(r, 1):.1%} ({at[1]['step_s']:.2f} s)",
-                      f"{mfu(r, SLICES):.1%} ({top['step_s']:.2f} s: {top['dcn_s']:.3f} s, {top['dcn_exposed_s']:.3f} s)",
+                      f"{mfu(r, SLICES):.1%} ({top['step_s']:.2f} s: {top['dcn_s']:.3f} s, "
+                      f"{top['dcn_exposed_s']:.3f} s)",
                       f"{(mfu(r, 1) - mfu(r, SLICES)) * 100:.2f} points",
                       f"{mfu(r, SLICES) / r['published_32'] - 1:+.1%}",
                       f"{top['compiled']} slices, {top['compile']['compile_s']:.0f} s"]

@@ -218,7 +218,8 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
                 microbatches, schedule, across)
 
 
-def _across(cfg: ModelConfig, topo: Topology, batch: int, optimizer: str, precision: Precision) -> tuple[cost.Cost, bool]:
+def _across(cfg: ModelConfig, topo: Topology, batch: int, optimizer: str,
+            precision: Precision) -> tuple[cost.Cost, bool]:
     """fsdp's cost on data = every slice's chips (its memory and mesh), the whole `batch`; and whether flat."""
     mesh = {"data": topo.chips * topo.slices, "tensor": 1}
     flat = _check_mesh(cfg, mesh["data"], "fsdp", mesh, train_config(cfg, batch))
