@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import optax
 
-from auto_parallel import (cp, dp, ep, fsdp, fsdp_cp, fsdp_ep, fsdp_tp, fsdp_ulysses, pp, pp_fsdp, tp, tp_sp,
-                           ulysses)
+from auto_parallel import (cp, dp, ep, fsdp, fsdp_cp, fsdp_ep, fsdp_tp, fsdp_ulysses, hsdp, pp, pp_fsdp, tp,
+                           tp_sp, ulysses)
 from auto_parallel.runner import AutoRunner
 from twinshard.config import Config
 from twinshard.parallel import resolve
@@ -19,7 +19,7 @@ TWIN = "auto"
 RUNNER = AutoRunner  # a strategy module's `Runner` replaces it
 MODULES = {module.__name__.rpartition(".")[2]: module  # its file's name is the strategy's
            for module in (dp, fsdp, tp, fsdp_tp, tp_sp, cp, fsdp_cp, ulysses, fsdp_ulysses, pp, pp_fsdp, ep,
-                          fsdp_ep)}
+                          fsdp_ep, hsdp)}
 
 
 def runner_of(run: Run, tx: optax.GradientTransformation | None = None) -> AutoRunner:

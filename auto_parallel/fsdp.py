@@ -13,6 +13,8 @@ __all__ = ["FullyShardedDataParallel", "parallelism"]
 
 
 class FullyShardedDataParallel(GSPMD):
+    AXIS = "data"  # the mesh axis the weights are sharded over (hsdp: fsdp, inside a slice)
+
     def weight(self, w, axes):
         """W1 [D/data, F] -> pinned whole [D, F]: the all-gather, and its gradient's reduce-scatter.
 
@@ -25,7 +27,7 @@ class FullyShardedDataParallel(GSPMD):
         The bf16 copy is pinned to the shard's layout first: without it GSPMD gathered the f32 master
         shard and cast after it on XLA:CPU, twice the bytes (measured, JAX 0.12)."""
         def gather(w, ax, s):
-            if "data" not in placement.sharded_axes(s):
+            if self.AXIS not in placement.sharded_axes(s):
                 return w
             return self.weight(jax.lax.with_sharding_constraint(w.astype(dtype), NamedSharding(self.mesh, s)), ax)
         return jax.tree.map(gather, params, axes, specs)

@@ -14,4 +14,5 @@ class FSDPPipelineParallel(FullyShardedDataParallel, PipelineParallel):
 
 
 def parallelism(mesh, run) -> FSDPPipelineParallel:
-    return FSDPPipelineParallel(mesh, run.placed.activations, run.cfg.train.microbatches)
+    return FSDPPipelineParallel(mesh, run.placed.activations, run.cfg.train.microbatches,
+                                run.cfg.train.virtual_stages)

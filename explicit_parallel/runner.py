@@ -102,8 +102,9 @@ class ExplicitRunner(GlobalRunner):
         to its param's sharding is the step's ONE reduction per leaf."""
         typed = self.step_params(params)
         loss, grads = accumulated_value_and_grad(self.loss, typed, x, y, self.cfg.train.grad_accum)
-        sync = lambda g, t, p, s: jax.sharding.reshard(g.astype(t.dtype), s).astype(p.dtype)  # noqa: E731
-        return loss, jax.tree.map(sync, grads, typed, params, self.state_shardings.params)
+        # grads: in `typed`'s dtypes (accumulated_value_and_grad's rule); the weight dtype after the reshard
+        sync = lambda g, p, s: jax.sharding.reshard(g, s).astype(p.dtype)  # noqa: E731
+        return loss, jax.tree.map(sync, grads, params, self.state_shardings.params)
 
     def global_norm(self, grads) -> jax.Array:
         """sqrt(sum of squares of the full gradient): one reshard of unreduced partial sums per group of

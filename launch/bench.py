@@ -73,6 +73,8 @@ common.define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
 common.define(flags.DEFINE_integer, "grad_accum", None, "Micro-batches per step: the batch is split into "
               "grad_accum micro-batches whose gradients are accumulated (default 1).")
 common.define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
+common.define(flags.DEFINE_string, "dcn_mesh", None, "The mesh axes across slices (e.g. data:2) for the strategies "
+              f"that cross them ({', '.join(strategies.CROSS_DCN)}); --mesh then names the axes inside a slice.")
 common.define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU.")
 common.define(flags.DEFINE_string, "json", None, "Write the results as JSON here.")
 common.define(flags.DEFINE_string, "markdown", None, "Write the results as a Markdown section here.")
@@ -275,13 +277,15 @@ def bench_one(runner, run, impl: str | None, batch, steps: int, warmup: int, log
 
 
 def build_runners(cfg: Config, strategies: Sequence[str], impls: Sequence[str],
-                  meshes: dict[str, str | None]) -> list[tuple[Any, str | None, Any]]:
+                  meshes: dict[str, str | None], dcn_spec: str | None = None) -> list[tuple[Any, str | None, Any]]:
     """Every runner, built (and its mesh validated) before anything compiles. A --mesh smaller
-    than the device count runs on the first devices (tiny's 4 heads: tp on tensor:4 of 8)."""
+    than the device count runs on the first devices (tiny's 4 heads: tp on tensor:4 of 8);
+    `dcn_spec` (--dcn_mesh) puts the strategies that cross slices (hsdp) across them."""
     runs = []
     for s in strategies:
         for impl in (impls if s in common.PARALLEL else [None]):
-            run = common.resolve_run(s, impl or "auto", meshes.get(s), cfg, first_devices=True)
+            dcn = dcn_spec if s in common.CROSS_DCN else None  # --dcn_mesh: for those that cross slices
+            run = common.resolve_run(s, impl or "auto", meshes.get(s), cfg, first_devices=dcn is None, dcn_spec=dcn)
             runs.append((run, impl, common.runner_of(run)))
     return runs
 
@@ -309,14 +313,15 @@ def environment() -> dict[str, Any]:
 def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str], meshes: dict[str, str | None],
         steps: int = DEFAULT_STEPS, warmup: int = 2, matmul_size: int | None = None,
         matmul_reps: int = 20, command: str = "", log=print, profile: str | None = None,
-        profile_steps: int = 3) -> dict[str, Any]:
-    """The whole benchmark: environment, matmul peaks, then every run; returns the JSON document."""
+        profile_steps: int = 3, dcn_spec: str | None = None) -> dict[str, Any]:
+    """The whole benchmark: environment, matmul peaks, then every run; returns the JSON document
+    (dcn_spec: --dcn_mesh, for the strategies that cross slices)."""
     import jax
 
     if steps < 1 or warmup < 0 or matmul_reps < 1 or (matmul_size is not None and matmul_size < 1) or profile_steps < 1:
         raise ValueError(f"need --steps >= 1, --warmup >= 0, --matmul_reps >= 1, --matmul_size >= 1, --profiled_steps "
                          f">= 1; got {steps}, {warmup}, {matmul_reps}, {matmul_size}, {profile_steps}.")
-    runners = build_runners(cfg, strategies, impls, meshes)  # validates every mesh first
+    runners = build_runners(cfg, strategies, impls, meshes, dcn_spec)  # validates every mesh first
     for run, _, _ in runners:  # every step's memory by the cost model, before any compiles
         fit.check_model(run)
     env = environment()
@@ -449,6 +454,10 @@ def main(argv):
     cfg = config_from_flags()
     check_choices(FLAGS.strategies, FLAGS.impls)
     meshes = parse_meshes(FLAGS.mesh, FLAGS.strategies)
+    if FLAGS.dcn_mesh and not set(FLAGS.strategies) & set(common.CROSS_DCN):
+        raise ValueError(f"--dcn_mesh={FLAGS.dcn_mesh} puts a strategy across slices, and none of --strategies="
+                         f"{','.join(FLAGS.strategies)} can cross them: add {' or '.join(common.CROSS_DCN)}, or drop "
+                         "--dcn_mesh.")
     common.check_output_path(FLAGS.json, "json")
     common.check_output_path(FLAGS.markdown, "markdown")
     check_profile_dir(FLAGS.profile)
@@ -465,7 +474,7 @@ def main(argv):
     with compile_cache.disabled():  # time real compiles, not cache reads
         doc = run(FLAGS.preset, cfg, FLAGS.strategies, FLAGS.impls, meshes, FLAGS.steps or DEFAULT_STEPS,
                   FLAGS.warmup, FLAGS.matmul_size, FLAGS.matmul_reps, "python -m launch.bench " + " ".join(argv_flags()),
-                  profile=FLAGS.profile, profile_steps=FLAGS.profiled_steps)
+                  profile=FLAGS.profile, profile_steps=FLAGS.profiled_steps, dcn_spec=FLAGS.dcn_mesh)
     doc["fast_path"] = chosen
     print(write_outputs(doc, FLAGS.json, FLAGS.markdown))
     return 0

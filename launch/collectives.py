@@ -10,6 +10,8 @@
         --timeline=fsdp.svg   # both twins' steps drawn on one time axis (docs/schedule.md)
     uv run --extra tpu python -m launch.collectives --strategy=fsdp --impl=manual --topology=v5e:2x2 \
         --trace=fsdp.trace.json   # the same predicted step for Perfetto UI or chrome://tracing
+    uv run --extra tpu python -m launch.collectives --strategy=hsdp --impl=manual --topology=v5e:2x2 \
+        --dcn_mesh=data:2   # 2 slices over DCN: the data axis's rows and lane (docs/slices.md)
 
 Nothing runs: the train step is lowered on abstract inputs (ShapeDtypeStructs
 carrying the strategy's shardings) and compiled. The collective ledger of the
@@ -55,7 +57,9 @@ common.define(flags.DEFINE_string, "chips_per_host_bounds", None, "With --topolo
               "(default 2,2,1, each lowered to 1 where it does not divide the topology's grid).")
 common.define(flags.DEFINE_string, "timeline", None, "With --topology: draw one training step as an SVG to this "
               "path (docs/schedule.md): compute, each mesh axis's collectives from issue to completion, what is "
-              "exposed; with --impl=auto,manual the twins one above the other.")
+              "exposed; with --impl=auto,manual the twins one above the other. A pipeline strategy (pp, pp_fsdp) first "
+              "draws its step as a lane per stage, F / B / W boxes per micro-batch, read from the compiled program "
+              "(docs/pipelines.md); that picture needs no --topology.")
 common.define(flags.DEFINE_string, "trace", None, "With --topology: write the predicted step as a Chrome "
               "trace-event JSON file to this path, for Perfetto UI (ui.perfetto.dev) or chrome://tracing: a track "
               "for compute, one per mesh axis, each op and collective with its bytes and source line; with "
@@ -141,8 +145,8 @@ def twin_notes(strategy: str, impl: str, platform: str, has_reduce_scatter: bool
     return notes + ([CPU_REDUCE_SCATTER_NOTE] if platform == "cpu" and has_reduce_scatter else [])
 
 
-def _topology_devices(name: str):
-    """Devices of a TPU pod that is not here (AOT only). Needs libtpu."""
+def _topology_devices(name: str, slices: int = 1):
+    """Devices of `slices` TPU pods that are not here (AOT only). Needs libtpu."""
     from twinshard.hardware import topology
 
     bounds = None
@@ -154,17 +158,18 @@ def _topology_devices(name: str):
         if len(bounds) != 3 or min(bounds) < 1:
             raise ValueError(f"--chips_per_host_bounds={FLAGS.chips_per_host_bounds} must be three "
                              "integers >= 1, x,y,z (e.g. 2,2,1).")
-    return topology.devices(name, bounds)
+    return topology.devices(name, bounds, num_slices=slices)
 
 
-def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices):
-    """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils."""
+def _runner(strategy: str, impl: str, mesh_spec: str | None, cfg, devices, dcn_spec: str | None = None):
+    """The runner, for CPU (devices None) or for topology devices, ordered for the mesh by mesh_utils
+    (across slices: by mesh.hybrid_mesh, in resolve_run)."""
     from dataclasses import replace
 
     from twinshard.hardware import topology
 
-    run = common.resolve_run(strategy, impl, mesh_spec, cfg, devices)
-    if devices is not None:
+    run = common.resolve_run(strategy, impl, mesh_spec, cfg, devices, dcn_spec=dcn_spec)
+    if devices is not None and not run.dcn:
         run = replace(run, devices=tuple(topology.mesh_devices(run.mesh, devices)))
     return run, common.runner_of(run)
 
@@ -177,9 +182,10 @@ def _pod_memory(devices) -> tuple[int, str] | None:
     return None if chip is None else (chip.hbm_bytes, f"{chip.name}'s HBM")
 
 
-def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None, compiler_options=None) -> dict:
+def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=None, compiler_options=None,
+                dcn_spec: str | None = None) -> dict:
     """Compile the train step AOT; return ledger, model, comparison, notes, HLO text, timings.
-    compiler_options: XLA flags for a topology's compile (topology.compile_for_pod)."""
+    compiler_options: XLA flags for a topology's compile (topology.compile_for_pod); dcn_spec: --dcn_mesh."""
     import functools
 
     import jax
@@ -190,7 +196,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
 
     if compiler_options and devices is None:
         raise ValueError("compiler_options are XLA:TPU flags for a topology's compile; pass the topology's devices")
-    run, runner = _runner(strategy, impl, mesh_spec, cfg, devices)
+    run, runner = _runner(strategy, impl, mesh_spec, cfg, devices, dcn_spec)
     mesh = dict(run.mesh)
     model = cost.of_run(run)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), jax.numpy.int32,
@@ -223,9 +229,19 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
     return {"strategy": strategy, "impl": impl, "mesh": mesh, "platform": platform,
             "device_kind": first.device_kind, "hosts": len({d.process_index for d in runner.mesh.devices.flat}),
             "batch_size": cfg.train.batch_size, "seq_len": cfg.model.context_length,
-            "compile_s": compile_s, "compiler_options": options, "ledger": led, "model": model, "memory": memory,
+            "dcn": dict(run.dcn), "compile_s": compile_s, "compiler_options": options, "ledger": led, "model": model, "memory": memory,
             "comparison": cost.compare(led.summary(), model.summary()),
-            "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text, "schedule": pipeline_grid(run)}
+            "tpu_comparison": tpu_comparison, "notes": notes, "hlo": text, "schedule": pipeline_grid(run),
+            "ticks": pipeline_read(run, compiled, runner.mesh)}
+
+
+def pipeline_read(run, compiled, mesh):
+    """A pipeline step's ticks x stages read from its compiled program (twinshard/hlo/pipeline_ticks.py),
+    None for the other strategies."""
+    from twinshard.hlo.pipeline_ticks import pipeline_ticks
+    from twinshard.parallel import strategies
+
+    return pipeline_ticks(compiled, mesh) if strategies.get(run.strategy).family == "pipeline" else None
 
 
 def pipeline_grid(run) -> str | None:
@@ -261,7 +277,8 @@ def report(res: dict) -> str:
     out = [title, f"XLA options of the train step: {options}"]
     if res["schedule"] is not None:
         out += ["", "== the pipeline schedule: a row per stage, a column per tick (twinshard/parallel/pipeline.py) ==",
-                res["schedule"]]
+                res["schedule"], "", "== the same step read from the compiled program (twinshard/hlo/pipeline_ticks.py) ==",
+                res["ticks"].text()]
     out += ["", "== measured: collectives of the compiled train step (ledger) ==", res["ledger"].table(),
            "", "== model: twinshard.cost (what the manual twin does) ==", res["model"].table(),
            "", "== measured vs model, per (op, axes) ==", cost.compare_table(res["comparison"]), LEGEND]
@@ -319,6 +336,9 @@ def report_twins(results: list[dict]) -> str:
            "== measured per twin (ledger) beside the model, per (op, axes) ==", side_by_side(results), LEGEND,
            "(one twin alone, e.g. --impl=manual, prints its ledger, the model and memory per device)"]
     for res in results:
+        if res["ticks"] is not None:
+            out += ["", f"== {res['impl']}: the pipeline step read from the compiled program (twinshard/hlo/pipeline_ticks.py) ==",
+                    res["ticks"].text()]
         out += ["", f"== {res['impl']} =="] + [f"NOTE: {n}" for n in res["notes"]] if res["notes"] else []
     return "\n".join(out)
 
@@ -367,12 +387,12 @@ def main(argv):
     impls, pod = check_flags(FLAGS, cfg)
     devices = None
     if FLAGS.topology:
-        devices = _topology_devices(FLAGS.topology)
+        devices = _topology_devices(FLAGS.topology, pod.slices)
     else:
         common.simulate_cpu_devices(FLAGS.devices)  # before jax initialises its backend
     results = []
     for impl in impls:
-        res = collectives(FLAGS.strategy, impl, FLAGS.mesh, cfg, devices)
+        res = collectives(FLAGS.strategy, impl, FLAGS.mesh, cfg, devices, dcn_spec=FLAGS.dcn_mesh)
         if pod is not None:
             res["prediction"] = predict_step(res, pod)
         results.append(res)
@@ -384,10 +404,8 @@ def main(argv):
             f.write("\n".join(res["hlo"] for res in results))
         print(f"wrote HLO to {FLAGS.hlo}")
     if FLAGS.timeline:
-        from twinshard.hlo.draw import timeline_svg
-
         with open(FLAGS.timeline, "w") as f:
-            f.write(timeline_svg([(res["impl"], res["prediction"]) for res in results], _title(pod, results)))
+            f.write(timeline(results, pod))
         print(f"wrote the timeline to {FLAGS.timeline}")
     if FLAGS.trace:
         from twinshard.hlo.trace import trace_events
@@ -403,13 +421,32 @@ def main(argv):
     return 0
 
 
+def timeline(results: list[dict], pod) -> str:
+    """The --timeline SVG: a pipeline step's picture (a lane per stage, read from the compiled program),
+    then with a --topology each twin's predicted step on a time axis."""
+    from twinshard.hlo import draw, draw_pipeline
+
+    svgs = []
+    if results[0]["ticks"] is not None:
+        mesh = ",".join(f"{a}:{n}" for a, n in results[0]["mesh"].items())
+        svgs.append(draw_pipeline.pipeline_svg([(res["impl"], res["ticks"]) for res in results],
+                                               f"{FLAGS.strategy} --schedule={FLAGS.schedule} on mesh {mesh}: the "
+                                               "compiled step's ticks"))
+    if pod is not None:
+        svgs.append(draw.timeline_svg([(res["impl"], res["prediction"]) for res in results], _title(pod, results)))
+    return svgs[0] if len(svgs) == 1 else draw_pipeline.stack(svgs)
+
+
 def _title(pod, results: list[dict]) -> str:
     mesh = ",".join(f"{a}:{n}" for a, n in results[0]["mesh"].items())
     return f"{FLAGS.strategy} on {pod.describe()}, preset {FLAGS.preset}, mesh {mesh}: one training step"
 
 
 def _json_doc(res: dict) -> dict:
-    doc = {k: v for k, v in res.items() if k not in ("ledger", "model", "hlo", "prediction")}  # memory: plain data
+    doc = {k: v for k, v in res.items() if k not in ("ledger", "model", "hlo", "prediction", "ticks")}  # memory: plain data
+    if res["ticks"] is not None:
+        doc["ticks"] = {"grid": [[c.label() if c else None for c in row] for row in res["ticks"].grid],
+                        "form": res["ticks"].form, "bubble": float(res["ticks"].bubble())}
     doc.update(preset=FLAGS.preset, ledger=res["ledger"].as_dict(), model=res["model"].as_dict())
     if "prediction" in res:
         doc["prediction"] = res["prediction"].as_dict()
@@ -429,18 +466,27 @@ def check_flags(FLAGS, cfg):
         resolve.check_twin(strategies.get(FLAGS.strategy), impl, cfg)
     for flag in ("json", "hlo", "timeline", "trace"):
         common.check_output_path(getattr(FLAGS, flag), flag, FLAGS.force)
+    pipeline = strategies.get(FLAGS.strategy).family == "pipeline"  # its picture needs no chip's timing
     for flag, what in (("timeline", "draws"), ("trace", "writes")):
-        if getattr(FLAGS, flag) and not FLAGS.topology:
+        if getattr(FLAGS, flag) and not FLAGS.topology and not (flag == "timeline" and pipeline):
             raise ValueError(f"--{flag}={getattr(FLAGS, flag)} {what} the step on the chips of a --topology (e.g. "
                              "--topology=v5e:2x2); pass one.")
     if not FLAGS.topology:
         return impls, None
     topology.chips_per_host(FLAGS.topology)  # GENERATION:AxB[xC]
     pod = links.parse_topology(FLAGS.topology)
+    if FLAGS.dcn_mesh:  # one --topology slice per DCN position: compiled for them all (libtpu's num_slices)
+        pod = links.with_slices(pod, math.prod(mesh_lib.parse_dcn_mesh(FLAGS.dcn_mesh, FLAGS.strategy, FLAGS.mesh).values()))
+        # Measured (libtpu 0.0.50.1): hsdp's GSPMD twin for 2 v5e:2x2 slices stops at a RET_CHECK in the compiler
+        # (hlo_verifier.cc:673, `subgroup_size == 1 || shard_count == subgroup_size` on a reduce-scatter).
+        if any(impl != "manual" for impl in impls):
+            raise ValueError(f"--impl={FLAGS.impl} with --dcn_mesh={FLAGS.dcn_mesh} --topology={FLAGS.topology}: libtpu "
+                             "does not compile the GSPMD twin across slices (a compiler check fails); pass "
+                             "--impl=manual (docs/slices.md).")
     if not pod.chip.is_tpu:
         raise ValueError(f"--topology={FLAGS.topology}: compiling ahead of time is for TPU topologies (v4, v5e, "
                          "v5p, v6e); plan GPU clusters with launch.plan.")
-    if FLAGS.mesh:
+    if FLAGS.mesh and not FLAGS.dcn_mesh:  # across slices: resolve_run checks the slices and the mesh
         asked = math.prod(mesh_lib.parse_mesh(FLAGS.mesh, FLAGS.strategy).values())
         if asked != pod.chips:
             raise ValueError(f"--mesh={FLAGS.mesh} has {asked} devices but --topology={FLAGS.topology} has "
@@ -449,10 +495,13 @@ def check_flags(FLAGS, cfg):
 
 
 def predict_step(res: dict, pod):
-    """The compiled step's predicted time on the pod's chips, each mesh axis on its links."""
+    """The compiled step's predicted time on the pod's chips, each mesh axis on its links: an axis across
+    slices on the data-center network (links.dcn_link), the others on one slice's ICI."""
     from twinshard.hardware import links, step_time
 
-    return step_time.predict_step(res["hlo"], pod.chip, res["mesh"], links.axis_links(pod, res["mesh"]))
+    inside = {a: n for a, n in res["mesh"].items() if a not in res["dcn"]}
+    known = {**links.axis_links(pod, inside), **{a: links.dcn_link(pod) for a in res["dcn"]}}
+    return step_time.predict_step(res["hlo"], pod.chip, res["mesh"], known)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ never knows which one it drives:
     runner.place_batch(x, y) -> (x, y)         (numpy -> device arrays, per strategy)
     runner.train_step(state, x, y) -> (state, metrics)
     runner.eval_loss(params, x, y) -> loss
+    runner.to_model(state) -> TrainState (the layers as a checkpoint holds them; to_stored back)
 
 User errors (a ValueError or OSError: a bad flag value, an unreadable file, a
 mesh that does not fit) reach the user as one message on stderr and exit
@@ -33,6 +34,7 @@ from twinshard.errors import guarded
 
 STRATEGIES = strategies.RUNS  # single (the single-device reference) and the parallel strategies
 PARALLEL = strategies.NAMES  # those a twin writes on a mesh; single (strategies.SINGLE) splits nothing
+CROSS_DCN = strategies.CROSS_DCN  # those that may put an axis across slices (--dcn_mesh)
 IMPLS = support.TWINS
 
 
@@ -66,7 +68,11 @@ def define_model_flags() -> None:
     define(flags.DEFINE_enum, "strategy", "single", STRATEGIES, "Parallelism strategy.")
     define(flags.DEFINE_enum, "impl", "auto", IMPLS, "auto (GSPMD annotations), manual (shard_map collectives) or "
            f"explicit (sharding in types: {', '.join(support.written_by('explicit'))}; docs/explicit.md).")
-    define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
+    define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count); "
+           "with --dcn_mesh, the axes inside a slice (hsdp: fsdp:4).")
+    define(flags.DEFINE_string, "dcn_mesh", None, "The mesh axes across slices, over the data-center network, "
+           f"outermost (e.g. data:2; strategies {', '.join(strategies.CROSS_DCN)}): their product is the slice "
+           "count (devices' slice_index; on CPU each process a slice, or one process's devices split evenly).")
     define(flags.DEFINE_integer, "devices", 8, "Simulated CPU devices when running a strategy on CPU; "
            "given explicitly, a single-process run with more devices uses only the first N.")
     define(flags.DEFINE_string, "tokenizer", None, "A tiktoken ranks file (from `python -m twinshard.train.bpe`) "
@@ -441,19 +447,21 @@ def run(main: Callable, name: str) -> None:
 
 
 def resolve_run(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None,
-                first_devices: bool = False):
+                first_devices: bool = False, dcn_spec: str | None = None):
     """The run of `strategy` in twin `impl` (twinshard.parallel.resolve.resolve_run, every check once;
     single in twin `impl`: launch.compare's reference of that twin, its options checked as the twin's).
 
-    devices: None (all of jax.devices(), ordered by jax.make_mesh) or an explicit, ordered list."""
+    devices: None (all of jax.devices(), ordered by jax.make_mesh) or an explicit, ordered list;
+    dcn_spec: --dcn_mesh, the axes across slices."""
     from twinshard.parallel import resolve
 
-    return resolve.resolve_run(strategy, impl, mesh_spec, cfg, devices, first_devices)
+    return resolve.resolve_run(strategy, impl, mesh_spec, cfg, devices, first_devices, dcn_spec)
 
 
-def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None):
+def make_runner(strategy: str, impl: str, mesh_spec: str | None, cfg: Config, devices=None,
+                dcn_spec: str | None = None):
     """Build the runner for a strategy; validation errors are ValueErrors naming the fix."""
-    return runner_of(resolve_run(strategy, impl, mesh_spec, cfg, devices))
+    return runner_of(resolve_run(strategy, impl, mesh_spec, cfg, devices, dcn_spec=dcn_spec))
 
 
 def runner_of(run):

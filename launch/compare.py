@@ -49,7 +49,8 @@ def twins(strategy: str) -> tuple[str, ...]:
     return support.get(strategy).twins
 
 
-def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) -> tuple[dict, Any]:
+def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None,
+              dcn_spec: str | None = None) -> tuple[dict, Any]:
     """Train single and every twin of `strategy` on `batches` (the twins on `devices`, None: all);
     return (losses, diffs and ledgers; the twins' resolved run, for the cost model)."""
     import jax
@@ -59,7 +60,8 @@ def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) 
 
     impls = ("single", *twins(strategy))
     runs = {"single": common.resolve_run("single", "single", None, cfg)}  # the reference, on one device
-    runs.update({impl: common.resolve_run(strategy, impl, mesh_spec, cfg, devices) for impl in impls[1:]})
+    runs.update({impl: common.resolve_run(strategy, impl, mesh_spec, cfg, devices, dcn_spec=dcn_spec)
+                 for impl in impls[1:]})
     for impl, run in runs.items():  # every step checked against the device's memory before any runs
         fit.check_model(run)
     runners = {impl: common.runner_of(run) for impl, run in runs.items()}
@@ -69,12 +71,12 @@ def run_twins(strategy: str, mesh_spec: str | None, cfg, batches, devices=None) 
     params, grads = {}, {}
     for impl, r in runners.items():
         state = r.init_state(cfg.train.seed)
-        grads[impl] = jax.device_get(r.loss_and_grads(state.params, *r.place_batch(*batches[0]))[1])
+        grads[impl] = jax.device_get(r.to_model(r.loss_and_grads(state.params, *r.place_batch(*batches[0]))[1]))
         losses = []
         for x, y in batches:
             state, m = r.train_step(state, *r.place_batch(x, y))
             losses.append(float(m["loss"]))
-        out["losses"][impl], params[impl] = losses, jax.device_get(state.params)
+        out["losses"][impl], params[impl] = losses, jax.device_get(r.to_model(state.params))
         if impl != "single":
             xs = jax.ShapeDtypeStruct(np.shape(batches[0][0]), np.int32, sharding=r.batch_sharding)
             compiled = r.train_step.lower(r.abstract_state(), xs, xs).compile()
@@ -156,7 +158,7 @@ def main(argv):
     batches = _batches(cfg, FLAGS.steps or 10)  # the corpus is checked before jax starts
     common.simulate_cpu_devices(FLAGS.devices)
     devices = common.run_devices(FLAGS.devices, FLAGS["devices"].present)
-    result, run = run_twins(FLAGS.strategy, FLAGS.mesh, cfg, batches, devices)
+    result, run = run_twins(FLAGS.strategy, FLAGS.mesh, cfg, batches, devices, FLAGS.dcn_mesh)
     print(report(result, model_comparison(result, run)))
     if FLAGS.plot:
         plot(result, FLAGS.plot)

@@ -12,7 +12,7 @@ Two layouts of an FSDP-family strategy over N slices of M chips (`step_lowered`)
   reduce-scatter inside the slice, then an all-reduce of that shard across slices.
 
 A program compiled for several slices is one slice's program; what crosses slices is a megascale
-transfer (twinshard/hlo/dcn.py), which the ledger charges to the `dcn` axis.
+transfer (twinshard/hlo/megascale.py), which the ledger charges to the `dcn` axis.
 """
 
 from __future__ import annotations

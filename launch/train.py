@@ -320,7 +320,8 @@ def main(argv):
 
     # on a TPU, the fast path's choices (logged): before the run resolves, so every check sees them
     cfg = common.fast_path(cfg, FLAGS, FLAGS.strategy, print if jax.process_index() == 0 else lambda *a: None)
-    run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices)  # every check, once
+    run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices,  # every check, once
+                            dcn_spec=FLAGS.dcn_mesh)
     fit.check_model(run)  # before anything compiles
     runner = common.runner_of(run)
     compiled = fit.check_step(runner, run)  # compiled, its memory_analysis checked, before any write
@@ -341,7 +342,10 @@ def main(argv):
     if resume:
         # the strategy may change (Orbax reshards); the data and the optimisation may not
         _check_same_run(ckpt.read_meta(resume_from), meta, resume_from)
+        # a checkpoint keeps the layers in model order (an interleaved pipeline's state stores them round-robin)
         state, _ = ckpt.restore(runner.abstract_state(), {"model": meta["model"]}, step=resume_from)
+        placed = jax.tree.map(lambda a: a.sharding, state)  # the runner's layout, as restored
+        state = jax.device_put(runner.to_stored(state), placed)
         start = int(_scalar(state.step))
         records = [r for r in earlier if r["step"] <= start]
         if skipped:
@@ -358,6 +362,10 @@ def main(argv):
     n_devices = math.prod(run.mesh.values())  # the resolved mesh: 1 for single
     log(f"{label} preset={FLAGS.preset} params={m.num_params():,} "
         f"devices={n_devices} batch={t.batch_size}x{m.context_length} steps={t.steps}")
+    if run.dcn:
+        from twinshard.parallel import mesh as mesh_lib
+
+        log(mesh_lib.slices_line(run.mesh, run.dcn, runner.mesh.devices.flat))
     utilization = Utilization(cfg, n_devices)
     log(f"MFU against {utilization.what}")
     log(common.attention_line(cfg, FLAGS.strategy))
@@ -426,7 +434,7 @@ def main(argv):
                     ckpt.delete(old)
                 stale = []
                 saving = time.perf_counter()
-                ckpt.save(done, state, meta, wait=stop)  # asynchronous, but for the run's last one
+                ckpt.save(done, runner.to_model(state), meta, wait=stop)  # asynchronous, but for the run's last one
                 log(f"checkpoint {done}: the step waited {time.perf_counter() - saving:.3f}s"
                     + ("" if stop else " (written in the background)"), flush=True)
             if do_log or do_eval:  # eval and checkpoint time stay out of the throughput

@@ -21,6 +21,7 @@ class FullyShardedDataParallel(RegathersWeights, ManualParallelism):
     """layer_policy, head: RegathersWeights (twinshard/model/remat.py), with this twin's `gathers`."""
 
     gathers_weights = True
+    AXIS = "data"  # the mesh axis the weights are sharded over (hsdp: fsdp, inside a slice)
     is_resident = False  # True in the copy `resident()` returns: the weights are already whole
 
     def weight(self, w, axes):
@@ -29,9 +30,9 @@ class FullyShardedDataParallel(RegathersWeights, ManualParallelism):
             return w  # gathered once for the whole step (grad_accum > 1: gather_step)
         w = super().weight(w, axes)  # fsdp_tp: TP's columns of a replicated kv weight, gathered alone
         for dim, logical in enumerate(axes):
-            if self.param_rules.get(logical) == "data":
-                full = fsdp_gather(w, "data", dim)
-                assert full.shape[dim] == w.shape[dim] * lax.axis_size("data"), (w.shape, full.shape)
+            if self.param_rules.get(logical) == self.AXIS:
+                full = fsdp_gather(w, self.AXIS, dim)
+                assert full.shape[dim] == w.shape[dim] * lax.axis_size(self.AXIS), (w.shape, full.shape)
                 return full
         return w  # RMSNorm gains are replicated
 
@@ -41,7 +42,7 @@ class FullyShardedDataParallel(RegathersWeights, ManualParallelism):
         """Every matrix whole ONCE per step, in the compute dtype ([L, D/data, F] -> [L, D, F]; norm
         gains unchanged), for the K micro-batches' `resident` hooks: 9 all-gathers (7 stacked leaves,
         embedding, lm_head); the caller's `jax.vjp` pullback is their reduce-scatters."""
-        return jax.tree.map(lambda w, ax, s: self.weight(w.astype(dtype), ax) if "data" in sharded_axes(s) else w,
+        return jax.tree.map(lambda w, ax, s: self.weight(w.astype(dtype), ax) if self.AXIS in sharded_axes(s) else w,
                             params, axes, specs)
 
     @staticmethod

@@ -10,12 +10,14 @@ import jax.numpy as jnp
 from jax import lax
 from flax import nnx
 
+from manual_parallel import pp_split as pipeline_split
 from manual_parallel.collectives import shift_to_next_stage, shift_to_previous_stage
 from manual_parallel.runner import ManualParallelism, ManualRunner
 from twinshard.parallel import pipeline, placement
 from twinshard.model import scan_stacked
 from twinshard.model.matmuls import varying_axes
 from twinshard.parallel.pipeline import STAGE
+from twinshard.train.optim import in_param_dtypes
 from twinshard.train.trainer import graphdef
 
 __all__ = ["PipelineParallel", "PipelineRunner", "Runner", "parallelism"]
@@ -57,7 +59,8 @@ class PipelineRunner(ManualRunner):
         weights ManualRunner gathered once, in the compute dtype, and `resident()` hooks)."""
         if self.cfg.train.schedule == "gpipe":
             return self._gpipe(params, x, y, par)
-        return self._scheduled(params, x, y, par)
+        loss, sums = self._scheduled(params, x, y, par)
+        return loss, in_param_dtypes(sums, params)  # the float32 sums in `params`' dtypes, as ManualRunner's
 
     def _varying(self, a):
         """a, made varying over the axes the activations differ over: `stage` (pp_fsdp: and `data`)
@@ -68,7 +71,8 @@ class PipelineRunner(ManualRunner):
     def _stage(self, params, chunk, tokens, arrived, targets, par):
         """One chunk of this stage on one micro-batch: (its output [B/M, T, D], its loss: the
         micro-batch's mean token loss on the last virtual stage, 0 elsewhere). Virtual stage 0
-        embeds `tokens` instead of `arrived`. Chunk c is the stage's layers [c L/(S V), (c+1) L/(S V))."""
+        embeds `tokens` instead of `arrived`. Chunk c, the stage's stored rows [c L/(S V), (c+1) L/(S V)),
+        is virtual stage c S + s (round_robin.stored_order)."""
         cfg, v = self.cfg.model, self.cfg.train.virtual_stages
         model = nnx.merge(graphdef(cfg), params)
         stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
@@ -87,10 +91,10 @@ class PipelineRunner(ManualRunner):
         per tick each device runs its op of the table (lax.switch) or nothing, then 2 collective-permutes
         of [B/M, T, D]: its output on to the next virtual stage, its input's gradient back (with V > 1
         device S-1 sends round to device 0 and back). A backward is a `jax.vjp` of `_stage` on the saved
-        input; zb_h1's B keeps the vjp's residuals (the weights aside) and sends the input's gradient
-        at once, its W later applies them to the same output gradient for the weights' gradient alone
-        (XLA drops each half's unused matmuls). Rings of slots (pipeline.buffers) hold the arrived
-        inputs, gradients and residuals. Gradients accumulate in float32."""
+        input; zb_h1's B computes the input's gradient alone and sends it at once, keeping each weighted
+        op's operand and output gradient, from which its W later computes the weights' gradient alone
+        (manual_parallel/pp_split.py). Rings of slots (pipeline.buffers) hold the arrived inputs, the
+        gradients and zb_h1's stashes. Gradients accumulate in float32."""
         train, m = self.cfg.train, self.cfg.train.microbatches
         stage, n = lax.axis_index(STAGE), lax.axis_size(STAGE)
         sched = pipeline.build(train.schedule, n, m, train.virtual_stages)
@@ -110,34 +114,14 @@ class PipelineRunner(ManualRunner):
         ring = lambda a, k: jnp.zeros((k + 1, *a.shape), a.dtype) + a[None]  # noqa: E731  k slots + the spare
         seed = varying(jnp.asarray(1.0 / m, jnp.float32))  # d(mean over micro-batches)/d(micro-batch loss)
         last_virtual = lambda c: (stage == n - 1) & (c == train.virtual_stages - 1)  # noqa: E731
-        param_leaves = jax.tree.leaves(params)
 
         def pullback(p, i, c, saved):
             return jax.vjp(lambda p, a: self._stage(p, c, xs[i], a, ys[i], par), p, saved)[1]
 
-        def params_at(pb, ps) -> list[int | None]:
-            """For each leaf of a pullback, the index of the param it is (None: a residual to keep)."""
-            return [next((k for k, q in enumerate(ps) if r is q), None) for r in jax.tree.leaves(pb)]
-
-        split = train.schedule in pipeline.SPLIT
-        meta = {}  # a pullback's structure and where the params sit among its leaves, traced once
-
-        def probe(p, a):
-            pb = pullback(p, 0, jnp.int32(0), a)
-            meta.update(tree=jax.tree.structure(pb), where=params_at(pb, jax.tree.leaves(p)))
-            return [r for r, k in zip(jax.tree.leaves(pb), meta["where"]) if k is None]
-
-        no_residuals = [varying(jnp.zeros(r.shape, r.dtype)) for r in jax.eval_shape(probe, params, one)] if split else []
-
-        def kept(pb):
-            """The residuals of a pullback that are not the params themselves (those stay where they are)."""
-            assert params_at(pb, param_leaves) == meta["where"], "a pullback's params moved among its leaves"
-            return [varying(r) for r, k in zip(jax.tree.leaves(pb), meta["where"]) if k is None]
-
-        def rebuilt(residuals):
-            it = iter(residuals)
-            return jax.tree.unflatten(meta["tree"], [param_leaves[k] if k is not None else next(it)
-                                                     for k in meta["where"]])
+        # zb_h1: B and W split (manual_parallel/pp_split.py); a ring slot holds one B's stash for its W
+        split = pipeline_split.SplitBackward(self.cfg.model, params, par, varying, one, xs[0]) \
+            if train.schedule in pipeline.SPLIT else None
+        no_residuals = split.stash_shapes() if split else []
 
         def out_grad(t, c, grads_in):
             """The gradient of this op's output: what the next virtual stage sent (0 on the last one)."""
@@ -160,25 +144,29 @@ class PipelineRunner(ManualRunner):
 
         def input_grad(t, i, c, rings, grads, loss):
             acts, grads_in, _ = rings
-            pb = pullback(params, i, c, acts[act[t, stage]])
-            _, d_arrived = pb((out_grad(t, c, grads_in), seed))  # the weights' half unused: XLA drops it
-            return one, d_arrived, kept(pb), grads, loss
+            d_arrived, stash = split.input_grad(acts[act[t, stage]], xs[i], ys[i], out_grad(t, c, grads_in), seed,
+                                                (stage == 0) & (c == 0), last_virtual(c))
+            return one, d_arrived, stash, grads, loss
 
         def weight_grad(t, i, c, rings, grads, loss):
-            _, grads_in, residuals = rings
-            d_params, _ = rebuilt([r[res[t, stage]] for r in residuals])((out_grad(t, c, grads_in), seed))
-            return one, one, no_residuals, add(grads, d_params), loss  # (the input's half unused: XLA drops it)
+            _, _, stashes = rings
+            d_params = split.weight_grad([r[res[t, stage]] for r in stashes], (stage == 0) & (c == 0), last_virtual(c))
+            return one, one, no_residuals, add(grads, d_params), loss
 
         def idle(t, i, c, rings, grads, loss):
             return one, one, no_residuals, grads, loss
 
-        branches = (idle, forward, backward, input_grad, weight_grad) if split else (idle, forward, backward)
+        # indexed by the op's kind (pipeline.IDLE ... WEIGHT); a split table has no whole BACKWARD
+        branches = (idle, forward, idle, input_grad, weight_grad) if split else (idle, forward, backward)
         wrap = train.virtual_stages > 1  # the last stage's output goes round to stage 0 (and its gradient back)
 
         def tick(carry, t):
             acts, grads_in, residuals, grads, loss = carry
             to_next, to_prev, new, grads, loss = lax.switch(
                 kinds[t, stage], branches, t, mbs[t, stage], chunks[t, stage], (acts, grads_in, residuals), grads, loss)
+            # zb_h1's stash written every tick (the spare slot takes the ticks without a B): writing it in B's
+            # branch alone, the ring passed through lax.switch, grew the compiled temporaries from 4.2 to 5.3 MB
+            # (S = 4, M = 4, tiny; measured, JAX 0.12): XLA copied the ring through the conditional
             residuals = [r.at[keep_at[t, stage]].set(k) for r, k in zip(residuals, new)]
             acts = acts.at[recv_act[t, stage]].set(shift_to_next_stage(to_next, STAGE, wrap))
             grads_in = grads_in.at[recv_grad[t, stage]].set(shift_to_previous_stage(to_prev, STAGE, wrap))
@@ -204,30 +192,39 @@ class PipelineRunner(ManualRunner):
 
     def _pipeline_loss(self, params, x, y, par):
         """Mean loss over this device's rows (pp: the batch), computed by the pipeline; invariant
-        over `stage`. x, y: [B/data, T]; micro-batch i is rows [i B/(data M), (i+1) B/(data M))."""
-        cfg, m = self.cfg.model, self.cfg.train.microbatches
+        over `stage`. x, y: [B/data, T]; micro-batch i is rows [i B/(data M), (i+1) B/(data M)).
+        With V > 1 chunks a stage (eval under --schedule=interleaved) V GPipe passes, one per chunk,
+        the last stage's finished micro-batches going round to stage 0 between them."""
+        cfg, m, v = self.cfg.model, self.cfg.train.microbatches, self.cfg.train.virtual_stages
         model = nnx.merge(graphdef(cfg), params)  # model.layers: this stage's [L/S, ...] slice
         stage, n_stages = lax.axis_index(STAGE), lax.axis_size(STAGE)
         first, last = stage == 0, stage == n_stages - 1
         ys = y.reshape(m, -1, y.shape[1])  # [M, B/(data M), T]
-        embedded = model.embed(x, par).reshape(m, -1, *x.shape[1:], cfg.d_model)  # [M, B/(data M), T, D]
-        act = embedded.shape[1:]  # one micro-batch's activations [B/(data M), T, D]
+        inputs = model.embed(x, par).reshape(m, -1, *x.shape[1:], cfg.d_model)  # [M, B/(data M), T, D]
+        act = inputs.shape[1:]  # one micro-batch's activations [B/(data M), T, D]
         varying = self._varying  # (differs per stage)
-
         layers = nnx.to_pure_dict(nnx.state(model.layers, nnx.Param))  # this stage's [L/S, ...] params
+        k = cfg.num_layers // (n_stages * v)  # a chunk's layers (all L/S when V = 1)
 
-        def tick(carry, i):
-            arrived, finished = carry  # [B/M, T, D] from stage-1; [M, B/M, T, D] on stage S-1
-            inputs = jnp.where(first, embedded[jnp.minimum(i, m - 1)], arrived)
-            out = scan_stacked(layers, cfg, inputs, par)
-            j = i - (n_stages - 1)  # the micro-batch that leaves the last stage at tick i
-            done = lax.dynamic_update_index_in_dim(finished, out, jnp.maximum(j, 0), 0)
-            finished = jnp.where(last & (j >= 0), done, finished)
-            return (shift_to_next_stage(out, STAGE), finished), None
+        def gpipe_pass(chunk, inputs):
+            """The M micro-batches [M, B/M, T, D] (read on stage 0) through one chunk of every stage:
+            the outputs, on stage S-1."""
+            def tick(carry, i):
+                arrived, finished = carry  # [B/M, T, D] from stage-1; [M, B/M, T, D] on stage S-1
+                out = scan_stacked(chunk, cfg, jnp.where(first, inputs[jnp.minimum(i, m - 1)], arrived), par)
+                j = i - (n_stages - 1)  # the micro-batch that leaves the last stage at tick i
+                done = lax.dynamic_update_index_in_dim(finished, out, jnp.maximum(j, 0), 0)
+                finished = jnp.where(last & (j >= 0), done, finished)
+                return (shift_to_next_stage(out, STAGE), finished), None
 
-        dtype = jnp.dtype(cfg.dtype)  # the residual stream's (compute) dtype
-        start = (varying(jnp.zeros(act, dtype)), varying(jnp.zeros((m, *act), dtype)))
-        (_, finished), _ = lax.scan(tick, start, jnp.arange(pipeline.ticks(m, n_stages)))
+            dtype = jnp.dtype(cfg.dtype)  # the residual stream's (compute) dtype
+            start = (varying(jnp.zeros(act, dtype)), varying(jnp.zeros((m, *act), dtype)))
+            return lax.scan(tick, start, jnp.arange(pipeline.ticks(m, n_stages)))[0][1]
+
+        for c in range(v):  # chunk c: virtual stage c S + s (round_robin.stored_order)
+            finished = gpipe_pass(jax.tree.map(lambda w: w[c * k:(c + 1) * k], layers), inputs)
+            if c < v - 1:  # S-1 -> 0: the next chunk's inputs
+                inputs = shift_to_next_stage(finished, STAGE, wrap=True)
         flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731  [M, B/M, ...] -> [B, ...]
         loss = lax.cond(last, lambda f: model.head_loss(flat(f), flat(ys), par),
                         lambda f: varying(jnp.zeros((), jnp.float32)), finished)

@@ -146,7 +146,8 @@ class ManualRunner(PlacedRunner):
         return self.cfg.train.grad_accum > 1 and self.par.gathers_weights
 
     def _value_and_grad(self, params, x, y, par):
-        """(mean loss over this device's tokens, its unsynchronized gradient): K micro-batches under lax.scan."""
+        """(mean loss over this device's tokens, its unsynchronized gradient in `params`' dtypes): K
+        micro-batches under lax.scan."""
         local = functools.partial(self._local_loss, par=par)
         return accumulated_value_and_grad(local, params, x, y, self.cfg.train.grad_accum)
 
@@ -161,10 +162,10 @@ class ManualRunner(PlacedRunner):
 
         x, y: [B/data, T]; W1: [L, D/data, F] -> full [L, D, F] -> grad [L, D/data, F]."""
         full, scatter = jax.vjp(self._gather_step, params)
+        # grads: in the gathered dtype (`_value_and_grad`'s rule), scattered in it; the cast's transpose
+        # returns float32 master-weight gradients, as without accumulation
         loss, grads = self._value_and_grad(full, x, y, self.par.resident())
-        # the float32 accumulator back to the gathered dtype for the scatter (the cast's transpose
-        # returns float32 master-weight gradients, as without accumulation)
-        (grads,) = scatter(jax.tree.map(lambda g, w: g.astype(w.dtype), grads, full))
+        (grads,) = scatter(grads)
         return loss, grads
 
     def mean_over_tokens(self, grads, replicated):

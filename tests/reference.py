@@ -205,12 +205,13 @@ def train_record(runner, cfg, steps: int, grads: bool = True) -> dict:
 
     batches = random_batches(cfg.train.batch_size, cfg.model.context_length, cfg.model.vocab_size, steps)
     state = runner.init_state(cfg.train.seed)
-    init = jax.device_get(state.params)
-    step1 = jax.device_get(runner.loss_and_grads(state.params, *runner.place_batch(*batches[0]))[1]) if grads else None
+    init = jax.device_get(runner.to_model(state.params))  # (the params and grads in the model's layer order)
+    step1 = (jax.device_get(runner.to_model(runner.loss_and_grads(state.params, *runner.place_batch(*batches[0]))[1]))
+             if grads else None)
     losses, norms = [], []
     for x, y in batches:
         state, m = runner.train_step(state, *runner.place_batch(x, y))
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
     return {"init": init, "grads": step1, "losses": np.array(losses), "grad_norms": np.array(norms),
-            "params": jax.device_get(state.params), "state": state, "runner": runner}
+            "params": jax.device_get(runner.to_model(state.params)), "state": state, "runner": runner}

@@ -55,26 +55,39 @@ CASES = {  # name: (impl, strategy, mesh, config)
     "manual_pp_gpipe": ("manual", "pp", "stage:4", PIPE),
     "manual_pp_fsdp_1f1b": ("manual", "pp_fsdp", "stage:2,data:2",
                             Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="1f1b"))),
+    "manual_pp_fsdp_interleaved": ("manual", "pp_fsdp", "stage:2,data:2",  # V = 2 chunks of one layer
+                                   Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="interleaved",
+                                                                          virtual_stages=2))),
+    # zb_h1's split backward (manual_parallel/pp_split.py) on bf16 weights gathered once: its stash in bf16
+    "manual_pp_fsdp_zb_h1": ("manual", "pp_fsdp", "stage:2,data:2",
+                             Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="zb_h1"))),
     "auto_pp": ("auto", "pp", "stage:4", PIPE),
+    # MaxText's circular pipeline: 2 stages of 2 chunks of one layer (auto_parallel/pp.py)
+    "auto_pp_interleaved": ("auto", "pp", "stage:2",
+                            Config(PIPE.model, dataclasses.replace(PIPE.train, schedule="interleaved", virtual_stages=2))),
     "manual_fsdp_accum": ("manual", "fsdp", "data:8,tensor:1", ACCUM),
     "auto_fsdp_accum": ("auto", "fsdp", "data:8,tensor:1", ACCUM),
 }
 KEEP_BF16 = {"xla_disable_hlo_passes": "float-normalization-bf16"}
 # bf16 vs bf16 in another summation order (and the pipeline's f32 sum over micro-batches): 2^-9
 # relative rounding per value, averaged into a mean over 256 / 512 f32 token losses; measured
-# max |twin - single| over 3 steps 8.7e-4 (pipelines), 1.7e-4 (fsdp K = 2); test_precision's 2e-3.
+# max |twin - single| over 3 steps 8.7e-4 (pipelines; interleaved 8.5e-4), 1.7e-4 (fsdp K = 2); test_precision's 2e-3.
 LOSS_ATOL = 2e-3
 BF16, F32 = 2, 4  # bytes per element
 
 
-@functools.cache
 def single(cfg: Config) -> np.ndarray:
-    """Single-device bf16 losses (grad_accum 1: the full batch per step) and its initial state."""
-    one = Config(cfg.model, dataclasses.replace(cfg.train, grad_accum=1))
+    """Single-device bf16 losses (grad_accum 1: the full batch per step, no pipeline schedule) and
+    its initial state; one run for every config that differs only there (single device has no schedule)."""
+    return _single(Config(cfg.model, dataclasses.replace(cfg.train, grad_accum=1, schedule="gpipe", virtual_stages=1)))
+
+
+@functools.cache
+def _single(one: Config) -> np.ndarray:
     r = SingleDevice(one.model, one.train)
     state = r.init_state(one.train.seed)
     init = jax.device_get(state)
-    return np.array(_train(r.train_step, r, state, cfg)), init
+    return np.array(_train(r.train_step, r, state, one)), init
 
 
 def _train(step, r, state, cfg: Config) -> list[float]:
@@ -106,7 +119,7 @@ def case(name: str) -> Case:
     xs = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32, sharding=r.batch_sharding)
     lowered = r.train_step.lower(r.abstract_state(), xs, xs)
     step = lowered.compile(compiler_options=KEEP_BF16)
-    state = jax.device_put(single(cfg)[1], r.state_shardings)
+    state = jax.device_put(r.to_stored(single(cfg)[1]), r.state_shardings)  # (interleaved: layers round-robin)
     return Case(strategy, cfg, r, hlo.ledger(step.as_text(), r.mesh), lowered.as_text(), np.array(_train(step, r, state, cfg)))
 
 
@@ -148,7 +161,7 @@ def assert_ledger_is_the_bf16_model(c: Case) -> None:
     StableHLO asks for exactly the model's bf16 bytes, and XLA:CPU moves twice them (f32)."""
     model = cost.cost(c.cfg.model, c.strategy, c.runner.sizes, c.cfg.train.batch_size,
                       grad_accum=c.cfg.train.grad_accum, microbatches=c.cfg.train.microbatches,
-                      schedule=c.cfg.train.schedule)
+                      schedule=c.cfg.train.schedule, virtual_stages=c.cfg.train.virtual_stages)
     assert model.dtype_bytes == BF16
     rows = cost.compare(c.ledger.summary(), model.summary())
     table = cost.compare_table(rows) + "\n" + c.ledger.table()
@@ -175,7 +188,8 @@ def assert_float32_all_reduces(c: Case) -> None:
     assert types and all(t.endswith("f32") for t in types), types
 
 
-@pytest.mark.parametrize("name, data", [("manual_pp_gpipe", 1), ("manual_pp_fsdp_1f1b", 2)])
+@pytest.mark.parametrize("name, data", [("manual_pp_gpipe", 1), ("manual_pp_fsdp_1f1b", 2),
+                                        ("manual_pp_fsdp_interleaved", 2), ("manual_pp_fsdp_zb_h1", 2)])
 def test_manual_pipelines_hand_bf16_between_stages(name, data):
     """Every stage hop (forward output, backward input gradient) is one micro-batch [B/(data M),
     T, D] in bf16: 2 bytes an element, half of tests/test_pipeline.py's f32 hops; the ledger
@@ -183,7 +197,9 @@ def test_manual_pipelines_hand_bf16_between_stages(name, data):
     and the accumulated gradient reduce-scattered in bf16 (assert_ledger_is_the_bf16_model)."""
     c = case(name)
     led, m, stages = c.ledger, c.cfg.train.microbatches, c.runner.sizes["stage"]
-    ticks = pipeline.ticks(m, stages) if c.cfg.train.schedule == "gpipe" else pipeline.build(c.cfg.train.schedule, stages, m).ticks
+    train = c.cfg.train
+    ticks = pipeline.ticks(m, stages) if train.schedule == "gpipe" else \
+        pipeline.build(train.schedule, stages, m, train.virtual_stages).ticks
     permutes = led.filter(op="collective-permute", axes=("stage",))
     assert_all_bf16(permutes, "stage hops", led)
     assert {tuple(r.shape) for r in permutes} == {hop(c.cfg, data)}
@@ -229,18 +245,23 @@ def test_one_f_one_b_sums_the_micro_batch_gradients_in_float32():
     assert {a.dtype for a in sums} == {np.dtype(np.float32)}, [(a.shape, a.dtype) for a in sums]
 
 
-def test_auto_pipeline_shifts_its_stage_buffer_in_bf16():
+@pytest.mark.parametrize("name", ["auto_pp", "auto_pp_interleaved"])
+def test_auto_pipeline_shifts_its_stage_buffer_in_bf16(name):
     """GSPMD's pipeline (auto_parallel/pp.py) keeps its stage buffers in the residual stream's
-    dtype: the per-tick permutes of one micro-batch [1, B/M, T, D] (1 forward, 2 backward: as
-    tests/test_pipeline.py measures in f32) and the 2 of the finished [1, M, B/M, T, D] are
-    bf16; no weight moves."""
-    c = case("auto_pp")
-    led, ticks = c.ledger, pipeline.ticks(M, c.runner.sizes["stage"])
+    dtype: every permute is one micro-batch [1, B/M, T, D] in bf16, 3 per tick of its V M + S - 1
+    (1 forward, 2 backward: as tests/test_pipeline.py measures in f32), the bf16 cost model's
+    (cost.gspmd_pipeline_hops); no weight moves."""
+    c = case(name)
+    train, stages = c.cfg.train, c.runner.sizes["stage"]
+    led, ticks = c.ledger, train.virtual_stages * M + stages - 1
     permutes = list(led.filter(op="collective-permute"))
     assert_all_bf16(permutes, "stage buffer shifts", led)
-    per_tick = [r for r in permutes if tuple(r.shape) == (1, *hop(c.cfg))]
-    assert sum(r.multiplicity for r in per_tick) == 3 * ticks, led.table()
-    assert sum(r.multiplicity for r in permutes) == 3 * ticks + 2, led.table()
+    assert {tuple(r.shape) for r in permutes} == {(1, *hop(c.cfg))}, led.table()
+    assert sum(r.multiplicity for r in permutes) == 3 * ticks, led.table()
+    model = cost.gspmd_pipeline_hops(c.cfg.model, c.runner.sizes, train.batch_size, M, train.virtual_stages,
+                                     train.schedule)
+    rows = cost.compare(led.filter(op="collective-permute").summary(), cost.summarize(model))
+    assert all(r["match"] for r in rows), cost.compare_table(rows)
     assert led.count("all-gather") == 0, led.table()
 
 

@@ -13,10 +13,10 @@ from cli import run
 LAUNCHERS = ["launch.train", "launch.bench", "launch.collectives", "launch.compare", "launch.plan",
              "launch.sample", "launch.tokenize", "tools.step_profile", "tools.chip_micro"]
 # a few flags each launcher must list, shared (launch/common.py) and its own
-SOME = {"launch.train": ["preset", "strategy", "impl", "mesh", "workdir", "debug"],
-        "launch.bench": ["preset", "strategies", "impls", "json"],
-        "launch.collectives": ["preset", "strategy", "impl", "mesh", "topology", "debug"],
-        "launch.compare": ["strategy", "impl", "plot"],
+SOME = {"launch.train": ["preset", "strategy", "impl", "mesh", "dcn_mesh", "workdir", "debug"],
+        "launch.bench": ["preset", "strategies", "impls", "json", "dcn_mesh"],
+        "launch.collectives": ["preset", "strategy", "impl", "mesh", "dcn_mesh", "topology", "debug"],
+        "launch.compare": ["strategy", "impl", "plot", "dcn_mesh"],
         "launch.plan": ["preset"],
         "launch.sample": ["workdir"],
         "launch.tokenize": ["input", "out", "tokenizer"],

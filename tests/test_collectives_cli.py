@@ -58,7 +58,8 @@ def runs(tmp_path_factory):
     # last (texts[-1]): pipeline + FSDP under zb_h1, tiny's 2 layers on 2 stages, each data shard's 2 rows in 2
     # micro-batches
     argvs.append(["--strategy=pp_fsdp", "--impl=manual", "--preset=tiny", "--mesh=stage:2,data:4",
-                  "--microbatches=2", "--schedule=zb_h1", f"--json={out}/pp_fsdp.json"])
+                  "--microbatches=2", "--schedule=zb_h1", f"--json={out}/pp_fsdp.json",
+                  f"--timeline={out}/pp_fsdp.svg"])  # a pipeline's picture needs no --topology
     proc = run("-c", DRIVER, json.dumps(argvs), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     texts = proc.stdout.split("=== end of run")[:-1]
@@ -159,6 +160,25 @@ def test_pp_fsdp_ledger_equals_the_model(runs):
             "s0 F0 F1 .  B0 W0 B1 W1\n"
             "s1 .  F0 B0 F1 B1 W0 W1") in runs["texts"][-1]
     assert rows[("all-gather", ("data",))]["measured_count"] > 0
+
+
+def test_pp_fsdp_timeline_draws_the_step_read_from_the_compiled_program(runs):
+    """--timeline of a pipeline step: a lane per stage, a box per op; the boxes are the grid the reader
+    found in the compiled program (--json's ticks; the text prints it under the table's), the bubble
+    is the table's (each data shard of a stage runs the same ticks: the reader took its first)."""
+    import xml.etree.ElementTree as ET
+
+    doc, svg = load(runs, "pp_fsdp"), "{http://www.w3.org/2000/svg}"
+    grid = doc["ticks"]["grid"]
+    assert doc["ticks"]["form"] == "table" and grid == [["F0", None], ["F1", "F0"], [None, "B0"], ["B0", "F1"],
+                                                        ["W0", "B1"], ["B1", "W0"], ["W1", "W1"]]
+    assert doc["ticks"]["bubble"] == pytest.approx(1 / 7)
+    assert "(table; %" in runs["texts"][-1] and "7 ticks, bubble 14.3%\ns0 F0 F1 .  B0 W0 B1 W1" in runs["texts"][-1]
+    boxes = [g for g in ET.parse(runs["out"] / "pp_fsdp.svg").getroot().iter(svg + "g") if g.get("class") == "op"]
+    drawn = {(int(g.get("data-tick")), int(g.get("data-stage"))): g.get("data-op") + g.get("data-microbatch")
+             for g in boxes}
+    assert len(boxes) == len(drawn) == 12
+    assert drawn == {(t, s): c for t, row in enumerate(grid) for s, c in enumerate(row) if c is not None}
 
 
 def test_twins_side_by_side(runs):

@@ -86,10 +86,50 @@ def test_a_given_flag_wins_and_says_so_in_one_line():
 
 def test_what_was_measured_on_one_chip_stays_off_a_mesh_and_off_other_shapes():
     assert chosen("gpt2_125m", strategy="fsdp") == {"dtype": "bfloat16", **BF16_NUMERICS}
-    got = chosen("llama_v5e", shape_given=True)  # a shape flag: the preset's measured batch is not this model's
-    assert "remat" not in got and "batch_size" not in got and got["qkv_layout"] == "heads"
+    got = chosen("llama_v5e", shape_given=True)  # a shape flag: the preset's measured batch is not this model's,
+    assert "batch_size" not in got and got["qkv_layout"] == "heads"  # the shape rule splits the preset's own
     got = chosen("llama_v5e", where=("tpu", "TPU v5p"))  # measured on a v5e's 16 GiB
     assert "remat" not in got and "batch_size" not in got
+
+
+# BENCHMARKS.md's 160M shape (the public single-file trainer's), given by flags over llama_v5e
+S160 = dict(vocab_size=32768, d_model=1024, num_layers=8, num_heads=4, num_kv_heads=1, d_ff=3072, context_length=2048)
+
+
+def test_a_shape_given_by_flags_runs_the_measured_micro_batch_without_remat_where_it_fits():
+    got = path("llama_v5e", {**S160, "batch_size": 64}, shape_given=True)
+    # 64 sequences as 16 micro-batches of 4 x 2048 = MICRO_BATCH_TOKENS, no remat: the shape's measured best
+    assert got.cfg.train.grad_accum == 16 and got.cfg.model.remat == "none" and got.cfg.train.batch_size == 64
+    assert "5.0 GiB by the memory model" in got.lines()[0]  # the 5,081 MiB launch.bench's model column gave
+    # the micro-batch is the largest divisor of the batch within MICRO_BATCH_TOKENS, at every sequence length
+    for t, batch, accum in ((1024, 64, 8), (4096, 8, 4), (8192, 4, 4), (2048, 6, 2), (2048, 3, 1), (16384, 2, 2)):
+        got = path("llama_v5e", {**S160, "context_length": t, "batch_size": batch}, shape_given=True)
+        assert got.cfg.train.grad_accum == accum, (t, batch)
+    # a given split wins; remat is still judged at that split
+    got = path("llama_v5e", {**S160, "batch_size": 64, "grad_accum": 8}, shape_given=True)
+    assert got.cfg.train.grad_accum == 8 and got.cfg.model.remat == "none"  # 8 x 2048 (XLA's 7,105 MiB) fits
+    got = path("llama_v5e", {**S160, "batch_size": 64, "grad_accum": 1}, shape_given=True)
+    assert got.cfg.train.grad_accum == 1 and got.cfg.model.remat == "full"  # 64 x 2048 without remat would not
+
+
+def test_a_shape_the_memory_model_puts_over_the_chip_keeps_its_remat():
+    from twinshard.cost.memory import memory
+    from twinshard.hardware.chips import chip
+
+    big = {**S160, "d_model": 4096, "num_layers": 16, "d_ff": 14336, "num_heads": 32, "batch_size": 8}
+    got = path("llama_v5e", big, shape_given=True)
+    assert got.cfg.model.remat == preset("llama_v5e").model.remat != "none"
+    m = got.cfg.model
+    need = memory(m, "single", {}, 8, 2048, dtype_bytes=2, grad_accum=got.cfg.train.grad_accum, remat="none",
+                  param_bytes=2, state_bytes=2, tpu=True).total
+    assert need > fast_path.HBM_SHARE * chip("v5e").hbm_bytes  # the reason, recomputed
+    # float32 weights given: 4 bytes a parameter and moment, so a shape that fits in bf16 may not
+    small = {**S160, "batch_size": 64}
+    assert path("llama_v5e", small, shape_given=True).cfg.model.remat == "none"
+    line = path("llama_v5e", {**small, "weight_dtype": "float32"}, shape_given=True).lines()[0]
+    assert "remat=none" not in line or "GiB by the memory model" in line
+    off_v5e = path("llama_v5e", small, where=("tpu", "TPU v5p"), shape_given=True).cfg
+    assert off_v5e.model.remat != "none" and off_v5e.train.grad_accum == 1  # measured on a v5e only
 
 
 def test_int8_keeps_the_tokens_layout_and_deep_stacks_stay_scanned():
@@ -160,7 +200,10 @@ def test_the_launchers_pass_the_flags_given_and_log_the_choices(monkeypatch):
         assert (got.model.logits_dtype, got.model.remat, got.train.batch_size) == ("float32", "none", 4)
         assert lines[0].startswith("fast path on tpu v5e: ") and lines[1].startswith("--logits_dtype=float32 wins")
         flags.FLAGS(["prog", "--preset=llama_v5e", "--d_model=1024"])
+        lines = []
         got = common.fast_path(common.config_from_flags(flags.FLAGS), flags.FLAGS, "single", lines.append)
-        assert (got.model.remat, got.train.batch_size) == ("full", 2)
+        # a shape flag: the preset's measured batch does not apply; its 2 x 2048 fits without remat (the shape rule)
+        assert (got.model.remat, got.train.batch_size, got.train.grad_accum) == ("none", 2, 1)
+        assert "by the memory model" in lines[0]
     finally:
         flags.FLAGS.unparse_flags()

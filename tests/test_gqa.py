@@ -333,7 +333,7 @@ def _flags(**given):
     from launch import common
 
     names = ("preset", "steps", "batch_size", "lr", "seed", "optimizer", "grad_accum", "microbatches", "schedule",
-             "virtual_stages", "cp_layout", "tokenizer", "strategy", "mesh", "dtype", "attention", "scan_unroll", "remat",
+             "virtual_stages", "cp_layout", "tokenizer", "strategy", "mesh", "dcn_mesh", "dtype", "attention", "scan_unroll", "remat",
              "collective_matmul", *common.SHAPE_FLAGS, *common.MOE_FLAGS)
     return types.SimpleNamespace(**{"devices": 8, "strategy": "single", **{n: None for n in names},
                                     "preset": "tiny", **given})

@@ -51,6 +51,7 @@ import auto_parallel
 import manual_parallel
 from twinshard import cost
 from twinshard.hardware import topology
+from twinshard.parallel import pipeline
 from runners import CFG, MESHES
 from twinshard.config import Config, preset
 from twinshard.train.trainer import SingleDevice
@@ -128,15 +129,18 @@ def head_bytes(m, rows: int, seq: int) -> int:
 
 
 @pytest.mark.parametrize("strategy", ["pp", "pp_fsdp"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1", "interleaved"])
 def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     """S = 2 stages of L/S = 2 layers, M = 4 micro-batches of b/M rows (pp_fsdp: data 2, b = B/2).
     GPipe saves a stage's layers in each of the M + S - 1 ticks and runs the head on all b rows;
     1F1B saves one micro-batch's layers, a ring of the S stage inputs it holds and one of the one
     gradient it waits to use [b/M, T, D] (and a spare slot each), the head per micro-batch; zb_h1
-    its rings of S inputs and S - 1 gradients (each kept to its W) and S + 1 backwards kept from B
-    to W, each a stage's layers and the loss's two float32 [b/M, T, V] and their mask. pp_fsdp: the matrices over data, gathered whole for the step (f32 under GPipe)
-    with their f32 gradient."""
+    1F1B's and S + 1 stashes kept from B to W (manual_parallel/pp_split.py), each per token every
+    tapped op's output gradient and its distinct operands (float32 here, ids int32); interleaved
+    (V = 2) one chunk's layer (a backward re-runs one chunk), the stage inputs of every chunk in flight
+    (the table's peak, 5 on stage 0: its Megatron warm-up of (S-1) 2 + (V-1) S forwards and one) and 2
+    gradients (stage 1 holds those of B0.1 and B1.1 when it runs B0.0). pp_fsdp: the matrices over
+    data, gathered whole for the step (f32 under GPipe) with their f32 gradient."""
     m = dataclasses.replace(CFG.model, num_layers=4)
     B, T, S, M, D, F, V = 16, m.context_length, 2, 4, m.d_model, m.d_ff, m.padded_vocab_size
     data = 2 if strategy == "pp_fsdp" else 1
@@ -144,18 +148,26 @@ def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     bm = b // M
     mats, norms = Ls * (4 * D * hd + 3 * D * F) + 2 * V * D, 2 * Ls * D + D
     params = (mats // data + norms) * 4
-    one = hand_terms(m, bm, T)
+    one, v = hand_terms(m, bm, T), 2 if schedule == "interleaved" else 1
+    in_flight = max(pipeline.build(schedule, S, M, v).in_flight())
+    assert v == 1 or in_flight == (S - 1) * 2 + (v - 1) * S + 1  # Megatron's warm-up, and the first 1F1B pair's F
     saved = {"gpipe": Ls * one["layer"] * (M + S - 1), "1f1b": Ls * one["layer"] + (S + 1 + 2) * bm * T * D,
-             "zb_h1": Ls * one["layer"] * (1 + S + 1) + (S + S - 1 + 2) * bm * T * D}[schedule]
-    kept = (S + 1) * bm * T * V * (2 * 4 + 1) if schedule == "zb_h1" else 0
+             "zb_h1": Ls * one["layer"] + (S + 1 + 2) * bm * T * D,
+             "interleaved": Ls // v * one["layer"] + (in_flight + 2 + 2) * bm * T * D}[schedule]
+    kv = m.kv_dim
+    dys = (D + hd + kv + kv + D + D + F + F + D)  # ln1, q, k, v, wo, ln2, w1, w3, w2
+    operands = (D + D + hd + D + D + F)  # x^ of ln1, its output (q, k, v), wo's input, x^ of ln2, its output, the gate
+    ends = (1 + D) + (D + D + D + V)  # embedding: ids, dy; head: x^, lm_head's input, dy of ln_final, of the logits
+    kept = (S + 1) * bm * T * (Ls * (dys + operands) + ends) * 4 if schedule == "zb_h1" else 0
     want = {"params": params, "grads": params, "optimizer": 2 * params,
             "activations": saved * 4 + kept + head_bytes(m, b if schedule == "gpipe" else bm, T),
             "gathered_weights": mats * 4 if data > 1 else 0, "accumulator": mats * 4 if data > 1 else 0,
             "backward_layer": (one["layer"] + one["scores"]) * 4, "master": 0}
     mesh = {"stage": S, "data": data, "tensor": 1}
-    got = cost.memory(m, strategy, mesh, B, T, microbatches=M, schedule=schedule)
+    got = cost.memory(m, strategy, mesh, B, T, microbatches=M, schedule=schedule, virtual=v)
     assert dataclasses.asdict(got) == want
-    assert dataclasses.asdict(cost.cost(m, strategy, mesh, B, microbatches=M, schedule=schedule).memory) == want
+    assert dataclasses.asdict(cost.cost(m, strategy, mesh, B, microbatches=M, schedule=schedule,
+                                        virtual_stages=v).memory) == want
 
 
 @pytest.mark.parametrize("strategy", ["cp", "fsdp_cp"])

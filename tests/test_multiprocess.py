@@ -33,10 +33,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, port: int, process_id: int, *args: str):
+def _launch(tmp_path, port: int, process_id: int, *args: str, strategy: tuple[str, ...] = ("--strategy=fsdp",)):
     """One process of a 2-process tiny fsdp/manual run of launch.train (cli.spawn: forked from
-    the pre-imported zygote, like every launcher process of the suite; a Popen-like object)."""
-    return spawn("-m", "launch.train", "--preset=tiny", "--strategy=fsdp", "--impl=manual", "--devices=4",
+    the pre-imported zygote, like every launcher process of the suite; a Popen-like object);
+    `strategy`: the flags of another strategy and its mesh."""
+    return spawn("-m", "launch.train", "--preset=tiny", *strategy, "--impl=manual", "--devices=4",
                  f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={process_id}",
                  f"--cache_dir={tmp_path / 'cache'}", *args, environ=_ENV)
 
@@ -73,6 +74,25 @@ def test_two_processes_train_one_mesh_like_a_single_device(tmp_path, tmp_path_fa
         assert b["loss"] == pytest.approx(a["loss"], abs=2e-5), a["step"]
     assert metrics(workdir)[-1]["eval_loss"] == pytest.approx(metrics(single)[-1]["eval_loss"], abs=2e-5)
     assert (workdir / "checkpoints" / "6").is_dir()
+
+
+def test_two_processes_train_as_two_slices_like_a_single_device(tmp_path, tmp_path_factory):
+    """hsdp with each process a slice (--dcn_mesh=data:2: processes are the granules of
+    create_hybrid_device_mesh on CPU, which has no slice_index): fsdp over each process's 4 devices,
+    data parallel across the two. The single run is the first test's program (the compilation cache)."""
+    port, workdir = _free_port(), tmp_path / "slices"
+    hsdp = ("--strategy=hsdp", "--dcn_mesh=data:2", "--mesh=fsdp:4")
+    procs = [_launch(tmp_path, port, i, f"--workdir={workdir}", f"--steps={LONG}", "--stop_after=6",
+                     "--log_every=2", "--eval_every=6", strategy=hsdp) for i in range(2)]
+    outs = [p.communicate(timeout=HANG) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[0][-3000:] + e[-3000:] for o, e in outs)
+    assert "across 2 slices (data:2 over DCN, by process)" in outs[0][0], outs[0][0][-2000:]
+
+    single = tmp_path / "single"
+    run_train(tmp_path_factory, f"--workdir={single}", f"--steps={LONG}", "--stop_after=6", "--eval_every=6")
+    for a, b in zip(metrics(single), metrics(workdir), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=2e-5), a["step"]
+    assert metrics(workdir)[-1]["eval_loss"] == pytest.approx(metrics(single)[-1]["eval_loss"], abs=2e-5)
 
 
 HEARTBEAT = 3  # seconds (--heartbeat_timeout)

@@ -5,9 +5,9 @@ single device's scanned stack; this file the other paths:
 - dtype="bfloat16": every flat matmul of the layers, the LM head and their gradients multiplies bf16;
 - logits_dtype="compute" and norm_dtype="compute": no float32 array of vocabulary width, no float32
   residual stream ([b, T, D] or [b T, D]), forward or backward;
-- weight_dtype="bfloat16": the params, their gradients (cast back to the weight dtype after the
-  twins' synchronisation) and the optimizer's moments are bf16, and one train step returns the state
-  in the types it was given, under AdamW, Lion, SGD and Adafactor;
+- weight_dtype="bfloat16": the params, their gradients (in the weight dtype already in the twins'
+  synchronisation: tests/test_gradient_bytes.py) and the optimizer's moments are bf16, and one train
+  step returns the state in the types it was given, under AdamW, Lion, SGD and Adafactor;
 - all in the unrolled stack, the chunked loss, and the manual, GSPMD and Explicit twins;
 - float32 stays float32 under JAX's 64-bit mode: no float64 in the state or the step.
 """
@@ -102,9 +102,9 @@ def test_gradients_and_moments_are_in_the_weight_dtype_and_a_step_keeps_the_stat
 
 @pytest.mark.parametrize("optimizer", ["adamw", "lion", "sgd", "adafactor"])
 def test_every_optimizers_state_keeps_bf16_weights_types_through_a_step(optimizer: str) -> None:
-    """Two micro-batches: their gradients reach the optimizer from the float32 accumulator, and are cast
-    to the weight dtype there (optim.in_param_dtypes: optax returned lion's and sgd's moments float32
-    from float32 gradients)."""
+    """Two micro-batches: their gradients leave the float32 accumulator in the weight dtype, and
+    optim.in_param_dtypes keeps any other in it (optax returned lion's and sgd's moments float32 from
+    float32 gradients)."""
     cfg = Config(dataclasses.replace(CFG.model, weight_dtype="bfloat16"),
                  dataclasses.replace(CFG.train, optimizer=optimizer, grad_accum=2))
     runner = SingleDevice(cfg.model, cfg.train)

@@ -66,7 +66,9 @@ POLICIES = {"single": tuple(REMAT_POLICIES), "manual fsdp": ("none", "full", "do
             "manual tp": ("none", "full", "dots", "save_qkv_proj", "save_dot_except_mlp", "minimal"), "auto fsdp": ("none", "full"), "auto tp": ("none", "full"),
             "manual cp": ("none", "full", "dots"), "auto cp": ("none", "full", "dots")}
 RUNNERS = tuple(POLICIES)
-EVERY_POLICY = ("fsdp", "tp")  # the manual twins whose ledger is compared under every policy
+# the manual twins whose ledger is compared under each of their POLICIES (their loss_and_grads, compiled
+# above for the gradients and temp bytes)
+EVERY_POLICY = ("fsdp", "tp", "cp")
 
 
 def config(policy: str) -> Config:
@@ -122,12 +124,14 @@ def test_temp_bytes_follow_the_policy(name):
 
 @pytest.mark.fsdp
 @pytest.mark.tp
+@pytest.mark.cp
 def test_manual_collectives_equal_the_cost_model_under_every_policy():
     """The manual twin runs the same collectives under every policy, and the cost model's
     rows (but the optimizer's, which loss_and_grads does not run) say exactly which: FSDP
     gathers each layer's 7 matrices in the forward loop and again in the backward loop
     (multiplicity L each; a gathered weight is never saved), the lm_head again outside;
-    TP saves Megatron g's outputs, so no all-reduce is recomputed."""
+    TP saves Megatron g's outputs, so no all-reduce is recomputed; cp's ring saves each received
+    K/V block, so no forward permute runs again in the backward loop."""
     m = CFG.model
     per_layer = [(m.d_model, m.d_model)] * 4 + [(m.d_model, m.d_ff)] * 2 + [(m.d_ff, m.d_model)]
     for name in (f"manual {s}" for s in EVERY_POLICY):
@@ -142,17 +146,19 @@ def test_manual_collectives_equal_the_cost_model_under_every_policy():
                 assert led.count("all-gather", "data") == 2 * (7 * L + 2) - 1, policy
 
 
-# Every other strategy's manual train step under --remat=full (fsdp and tp: every policy, above), on
+# Every other strategy's manual train step under --remat=full (fsdp, tp and cp: their policies, above), on
 # CFG and its default mesh of 8 devices but where a family needs more: the experts' model, a pipeline's
 # micro-batches, a mesh the default does not give (tiny's 2 layers over 2 stages, its 4 experts).
-REMAT_LEDGERS = [s for s in strategies.NAMES if s not in EVERY_POLICY]
+# ulysses: tests/test_ulysses.py::test_remat_full_saves_the_all_to_alls holds its step under full to the
+# cost model (and to single device, and its all-to-alls to 8 a layer, counted by hand).
+REMAT_LEDGERS = [s for s in strategies.NAMES if s not in (*EVERY_POLICY, "ulysses")]
 REMAT_MESHES = {"pp": "stage:2", "pp_fsdp": "stage:2,data:4", "ep": "data:2,expert:4"}
 
 
 @pytest.mark.parametrize("strategy", REMAT_LEDGERS)
 def test_manual_ledger_under_full_remat_equals_the_cost_model(strategy):
     """A checkpointed layer's backward recomputes its math, never its communication: the compiled
-    step's collectives under full are the cost model's row for row (cp's ring saves each received
+    step's collectives under full are the cost model's row for row (fsdp_cp's ring saves each received
     K/V block: no forward permute runs again in the backward loop)."""
     family = strategies.get(strategy).family
     model = preset("tiny_moe").model if family == "experts" else CFG.model

@@ -148,12 +148,23 @@ def _tpu_compiled(cfg: Config):
     return topology.compile_for_pod(lowered)
 
 
+@functools.cache
 def _tpu_single(cfg: Config) -> str:
+    """_tpu_compiled's HLO text, compiled once for the module (~5-10 s of CPU a step)."""
     return _tpu_compiled(cfg).as_text()
 
 
 SPLASH = Config(model(attention="splash", context_length=256, d_model=256, num_heads=2, num_layers=1),
                 dataclasses.replace(CFG.train, batch_size=4))
+# The two splash steps the layout and the kernel-option tests read: each layout with its own block and
+# backward (both layouts hand the kernel the same layers.Splash, so each pairing proves both options reach it).
+SPLASH_STEPS = {"tokens": (128, True), "heads": (256, False)}
+
+
+def splash_step(layout: str) -> Config:
+    block, fused = SPLASH_STEPS[layout]
+    return Config(dataclasses.replace(SPLASH.model, qkv_layout=layout, attention_block=block, splash_fused_bwd=fused),
+                  SPLASH.train)
 
 
 def _copies_of(text: str, shape: tuple[int, ...]) -> int:
@@ -168,8 +179,7 @@ def test_heads_layout_removes_the_transposes_around_attention():
     copies of [4, 256, 2, 128] in the step); the heads layout has none."""
     m = SPLASH.model
     shape = (SPLASH.train.batch_size, m.context_length, m.num_heads, m.head_dim)
-    tokens = _copies_of(_tpu_single(SPLASH), shape)
-    heads = _copies_of(_tpu_single(Config(dataclasses.replace(m, qkv_layout="heads"), SPLASH.train)), shape)
+    tokens, heads = (_copies_of(_tpu_single(splash_step(layout)), shape) for layout in ("tokens", "heads"))
     assert tokens > 0 and heads == 0, (tokens, heads)
 
 
@@ -179,10 +189,10 @@ def _splash_blocks(text: str) -> list[dict]:
 
 
 @needs_libtpu
-@pytest.mark.parametrize("block, fused", [(128, True), (256, False)])
-def test_block_and_backward_options_reach_the_kernel(block, fused):
-    cfg = Config(dataclasses.replace(SPLASH.model, attention_block=block, splash_fused_bwd=fused), SPLASH.train)
-    kernels = _splash_blocks(_tpu_single(cfg))
+@pytest.mark.parametrize("layout", SPLASH_STEPS)
+def test_block_and_backward_options_reach_the_kernel(layout):
+    block, fused = SPLASH_STEPS[layout]
+    kernels = _splash_blocks(_tpu_single(splash_step(layout)))
     forward = [k for k in kernels if "block_q" in k]
     assert forward and {k["block_q"] for k in forward} == {block}
     assert {k["use_fused_bwd_kernel"] for k in forward} == {fused}

@@ -46,6 +46,8 @@ EXPECTED = {
            {"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"}),
     "fsdp_ep": ({"data": MANY, "expert": MANY, "tensor": ONE}, {"embed": "data", "experts": "expert"},
                 {"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"}),
+    # data: the axis across slices (DCN), fsdp inside one; the weights' shards never cross slices
+    "hsdp": ({"data": MANY, "fsdp": MANY}, {"embed": "fsdp"}, {"batch": ("data", "fsdp")}),
 }
 
 
@@ -95,7 +97,7 @@ def test_every_reader_of_the_registry_sees_every_strategy() -> None:
 
 def test_an_unknown_strategy_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match=r"unknown strategy 'zero3'; choose one of single, dp, fsdp, tp, fsdp_tp, tp_sp, "
-                                         r"cp, fsdp_cp, ulysses, fsdp_ulysses, pp, pp_fsdp, ep, fsdp_ep\."):
+                                         r"cp, fsdp_cp, ulysses, fsdp_ulysses, pp, pp_fsdp, ep, fsdp_ep, hsdp\."):
         strategies.get("zero3")
 
 
@@ -157,9 +159,11 @@ def test_every_option_is_run_by_twins_that_write_the_strategy() -> None:
             assert set(getattr(row, field)) <= set(row.twins), (name, field)
     assert support.with_option("moe") == resolve.MOE_STRATEGIES == ("dp", "fsdp", "ep", "fsdp_ep")
     assert support.with_option("one_f_one_b") == support.with_option("zb_h1") == strategies.of_family("pipeline")
-    assert support.with_option("interleaved") == ()  # its table and loop, not its placement (docs/pipelines.md)
-    assert [support.schedule_twins("pp", s) for s in pipeline.SCHEDULES] == [("auto", "manual"), ("manual",), (),
-                                                                             ("manual",)]
+    # interleaved: the manual twin's table and the GSPMD twin's circular loop, under pp and pp_fsdp
+    assert support.with_option("interleaved", "manual") == support.with_option("interleaved", "auto") \
+        == strategies.of_family("pipeline")
+    assert [support.schedule_twins("pp", s) for s in pipeline.SCHEDULES] == [("auto", "manual"), ("manual",),
+                                                                             ("auto", "manual"), ("manual",)]
     with pytest.raises(ValueError, match=r"--schedule=zbv is not a pipeline schedule; choose one of gpipe, 1f1b, "):
         support.schedule_twins("pp", "zbv")
     assert support.with_option("collective_matmul") == ("tp_sp",)

@@ -4,12 +4,13 @@ CPU), so a broken flag or tool fails CI and not the session's few minutes on a T
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+import cli
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -17,8 +18,9 @@ ROOT = pathlib.Path(__file__).parents[1]
 def test_tpu_bench_dry_run_benchmarks_profiles_and_prices_each_run(tmp_path):
     """Two runs (tiny, then int8_dw), each benchmarked and profiled in one process, each trace read back on
     the CPU and priced op by op."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    env.pop("XLA_FLAGS", None)  # the script's launchers set their own devices
+    # the launchers' environment (tests/cli.py): the fast compile setting and the compilation cache, no
+    # device count in XLA_FLAGS (the script's launchers set their own devices)
+    env = cli.env(OUT=str(tmp_path), PYTHON=sys.executable)
     done = subprocess.run(["bash", "tools/tpu_bench.sh", "--dry-run"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     log = (tmp_path / "tpu_bench.log").read_text()

@@ -126,6 +126,7 @@ def test_grouped_query_attention_matches_single_device(kv_heads, mesh):
         assert_ledger_is_the_cost_model(twin("manual", "ulysses", mesh, kv_heads))
 
 
+@pytest.mark.ulysses  # the proof of ulysses's ledger under --remat (tests/test_proofs.py)
 def test_remat_full_saves_the_all_to_alls():
     """--remat=full: equal to single device, and the ledger is the cost model's 16 all-to-alls (8 per
     layer): the checkpointed layer's backward does not re-run the forward 4 (saves_exchanges)."""

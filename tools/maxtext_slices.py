@@ -14,7 +14,7 @@ chips), and a `dcn` axis outermost over the slices (jax.experimental.mesh_utils.
 the batch split over both and the weights replicated over `dcn`. The step is the auto twin's (GSPMD) own
 train step with those shardings: XLA derives the one collective across slices, each chip's gradient shards
 all-reduced with its counterparts. A program compiled for several slices is one slice's program with
-that all-reduce as a megascale transfer (twinshard/hlo/dcn.py); the prediction (twinshard.hlo.predict)
+that all-reduce as a megascale transfer (twinshard/hlo/megascale.py); the prediction (twinshard.hlo.predict)
 prices it at `chips.V5E_DCN_BYTES_PER_S` and hides what the schedule overlaps with compute.
 
 Scaling to 32 slices from a compile of N: everything but the DCN all-reduce is one slice's program, the

@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from twinshard.config import Config
 from twinshard.model import layers
 from twinshard.model.hooks import Parallelism
-from twinshard.parallel import mesh as mesh_lib
+from twinshard.parallel import mesh as mesh_lib, round_robin
+from twinshard.parallel.pipeline import STAGE
 from twinshard.parallel.placement import (ATTENTION_KV, ATTENTION_Q, Rules, check_state_divisible, place_global,
                                           spec)
 from twinshard.parallel.resolve import Run
@@ -166,12 +167,28 @@ class PlacedRunner:
 
     def init_state(self, seed: int) -> TrainState:
         """Created sharded: each device computes only its own shards (no full copy
-        anywhere), with the same init function and seed as the single-device run."""
-        init = functools.partial(init_state, self.cfg.model, self.tx)
+        anywhere), with the same init function and seed as the single-device run; the layer
+        stacks in this runner's stored order (`to_stored`: an interleaved pipeline's round-robin)."""
+        init = lambda key: self.to_stored(init_state(self.cfg.model, self.tx, key))  # noqa: E731
         return jax.jit(init, out_shardings=self.state_shardings)(trainer.init_key(seed))
 
     def place_batch(self, x, y):
         return place_global(x, self.batch_sharding), place_global(y, self.batch_sharding)
+
+    def layer_order(self) -> tuple[int, int, int]:
+        """(L, S, V) of round_robin's placement: an interleaved pipeline (both twins) stores its
+        [L, ...] stacks device-major; every other run (S = 1 or V = 1) in the model's order."""
+        stages = self.sizes.get(STAGE, 1)
+        return self.cfg.model.num_layers, stages, self.cfg.train.virtual_stages if stages > 1 else 1
+
+    def to_model(self, tree):
+        """A tree of this runner's (the state, params or their gradients) -> the model's layer order:
+        what a checkpoint holds and single device reads (V = 1: `tree` itself)."""
+        return round_robin.to_model(tree, *self.layer_order())
+
+    def to_stored(self, tree):
+        """A tree in the model's layer order (a restored checkpoint) -> this runner's (`to_model`'s inverse)."""
+        return round_robin.to_stored(tree, *self.layer_order())
 
 
 class GlobalRunner(PlacedRunner):

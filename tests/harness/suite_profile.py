@@ -1,8 +1,9 @@
 """Where the suite's time goes: `TWINSHARD_SUITE_PROFILE=FILE pytest ...`.
 
-Each process (controller, xdist workers) records, per test, its wall time and the seconds jax
-reports through jax.monitoring (public listeners) for tracing, lowering to MLIR and the XLA
-backend compile (a persistent-cache hit reports no backend compile); the controller prints one
+Each process (controller, xdist workers) records, per test, its wall time, its CPU time (every
+thread of the process: what a test costs on a loaded machine, where wall time is mostly waiting)
+and the seconds jax reports through jax.monitoring (public listeners) for tracing, lowering to
+MLIR and the XLA backend compile (wall seconds; a persistent-cache hit reports no backend compile); the controller prints one
 row per module and writes FILE (JSON lines, one per test). Each row also lists the programs
 compiled cold ("compiled": [jitted function, seconds]); the launchers forked by
 tests/harness/zygote.py append theirs, one line per command, to FILE-launchers.jsonl.
@@ -55,10 +56,11 @@ CACHE_HIT = "/jax/compilation_cache/cache_hits"
 def record_launcher(argv: list[str]):
     """The suite profile for a launcher: its compiles, appended at its end as one JSON line to
     FILE-launchers.jsonl (FILE: TWINSHARD_SUITE_PROFILE)."""
-    start, programs = time.perf_counter(), record_programs()
+    start, cpu, programs = time.perf_counter(), time.process_time(), record_programs()
 
     def write():
-        row = {"argv": argv, "cwd": os.getcwd(), "wall": time.perf_counter() - start, "compiled": programs}
+        row = {"argv": argv, "cwd": os.getcwd(), "wall": time.perf_counter() - start,
+               "cpu": time.process_time() - cpu, "compiled": programs}
         with open(os.environ["TWINSHARD_SUITE_PROFILE"] + "-launchers.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -79,7 +81,7 @@ if ACTIVE:
     _COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
                        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
                        "/jax/core/compile/backend_compile_duration": "compile"}
-    _COLUMNS = ("wall", "compile", "trace", "lower", "programs")  # "other" = wall minus the seconds
+    _COLUMNS = ("wall", "cpu", "compile", "trace", "lower", "programs")  # "other" = wall minus the seconds
     _seconds: dict[str, float] = {}  # this test's seconds per _COMPILE_EVENTS kind
 
     def _on_duration(event: str, duration: float, **_):
@@ -100,9 +102,10 @@ if ACTIVE:
     def pytest_runtest_protocol(item, nextitem):
         _seconds.clear()
         _programs.clear()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         yield
-        row = {"test": item.nodeid, "wall": time.perf_counter() - start, **_seconds, "compiled": list(_programs)}
+        row = {"test": item.nodeid, "wall": time.perf_counter() - start, "cpu": time.process_time() - cpu,
+               **_seconds, "compiled": list(_programs)}
         with pathlib.Path(f"{_PROFILE}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}").open("a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -126,8 +129,8 @@ if ACTIVE:
                 m[k] += r.get(k, 0.0)
         total = {k: sum(m[k] for m in modules.values()) for k in _COLUMNS}
         write = terminalreporter.write_line
-        write(f"{'module':<28} {'wall s':>8} {'compile':>8} {'trace':>7} {'lower':>7} {'other':>8} {'programs':>8}")
+        write(f"{'module':<28} {'wall s':>8} {'cpu s':>8} {'compile':>8} {'trace':>7} {'lower':>7} {'other':>8} {'programs':>8}")
         for name, m in sorted(modules.items(), key=lambda kv: -kv[1]["wall"]) + [("TOTAL", total)]:
             other = m["wall"] - m["compile"] - m["trace"] - m["lower"]
-            write(f"{name:<28} {m['wall']:8.1f} {m['compile']:8.1f} {m['trace']:7.1f} {m['lower']:7.1f} {other:8.1f}"
+            write(f"{name:<28} {m['wall']:8.1f} {m['cpu']:8.1f} {m['compile']:8.1f} {m['trace']:7.1f} {m['lower']:7.1f} {other:8.1f}"
                   f" {m['programs']:8.0f}")

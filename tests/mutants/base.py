@@ -53,6 +53,7 @@ ULYSSES = "tests/test_ulysses.py"
 QUANTIZATION = "tests/test_quantization.py"
 XLA_OPTIONS = "tests/test_xla_options.py"
 SPLASH = "tests/test_splash.py"
+GRADIENT_BYTES = "tests/test_gradient_bytes.py"  # --weight_dtype=bfloat16: gradient reductions, ledger and model
 
 # The manual twin's tests of DATA_TENSOR: its cases of the tests parametrised over [twin-strategy],
 # then its own (the last two also run the GSPMD twin).

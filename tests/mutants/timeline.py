@@ -14,6 +14,8 @@ SRC_SIDE_BY_SIDE = "launch/collectives.py"
 READER = ("tests/test_schedule_reader.py",)
 STEP = ("tests/test_step_time_model.py",)
 DRAWING = ("tests/test_drawing_claims.py",)
+SRC_MEGASCALE = "twinshard/hlo/megascale.py"
+MEGASCALE = ("tests/test_megascale.py",)
 
 
 def _m(id: str, category: str, file: str, original: str, replacement: str, tests: tuple[str, ...],
@@ -22,6 +24,22 @@ def _m(id: str, category: str, file: str, original: str, replacement: str, tests
 
 
 MUTANTS: list[Mutant] = [
+    # --- across TPU slices: the megascale transfers read as DCN collectives
+    _m("megascale-padded-buffer-counted", "schedule", SRC_MEGASCALE,
+       "return min(reversed(seen), key=lambda s: s.bytes)", "return seen[0]", MEGASCALE,
+       "a DCN transfer counts its padded buffer (f32[27,8,128]), not the gradient shards it carries"),
+    _m("megascale-zero-crop-not-a-view", "schedule", SRC_MEGASCALE,
+       'zero_crop = node.opcode == "custom-call" and "ZeroCrop" in node.attr_text', "zero_crop = False", MEGASCALE,
+       "the payload stops at the ZeroCrop custom call: its zero padding counted"),
+    _m("megascale-dcn-axes-innermost", "schedule", SRC_MEGASCALE,
+       "            return spec.names[:k]", "            return spec.names[len(spec.names) - k:]", MEGASCALE,
+       "the DCN axes taken from the end of the mesh: the transfers charged to fsdp"),
+    _m("megascale-window-synchronous", "schedule", SRC_SCHEDULE,
+       "done, links = seq.position(dcn_ends[(seq.name, instr.name)]), []", "done, links = k, []", MEGASCALE,
+       "a DCN transfer read as synchronous: its window closes at the send"),
+    _m("megascale-lane-unlabelled", "drawing", SRC_HLO_TIMING,
+       'return f"{axis} (DCN)" if axis in self.schedule.ledger.dcn else axis', "return axis", MEGASCALE,
+       "the DCN axis's row and lane not labelled as DCN"),
     # --- which done completes which start, which instructions a window holds
     _m("schedule-pairs-by-position", "schedule", SRC_SCHEDULE,
        "        if not any(o in chain for o in instr.operands):\n            continue\n"
@@ -164,8 +182,8 @@ MUTANTS: list[Mutant] = [
        'x="{x + w - exposed:.2f}"', 'x="{x:.2f}"', DRAWING,
        "the exposed strip drawn at the box's start, not its end"),
     _m("draw-lane-title-comm", "drawing", SRC_DRAW,
-       'return f"{lane} ({seconds(t.exposed_s)} exposed)" if t else lane',
-       'return f"{lane} ({seconds(t.comm_s)} exposed)" if t else lane', DRAWING,
+       'return f"{pred.lane_name(lane)} ({seconds(t.exposed_s)} exposed)" if t else pred.lane_name(lane)',
+       'return f"{pred.lane_name(lane)} ({seconds(t.comm_s)} exposed)" if t else pred.lane_name(lane)', DRAWING,
        "a lane's title gives its transfer time as exposed"),
     _m("draw-head-compute", "drawing", SRC_DRAW,
        'head = (f"{name}: predicted step {seconds(pred.step_s)}',
@@ -189,8 +207,8 @@ MUTANTS: list[Mutant] = [
     _m("draw-flops-of-first-op", "drawing", SRC_DRAW,
        '("flops", f"{flops:g}")', '("flops", f"{first.flops:g}")', DRAWING, "a box's FLOPs its first op's"),
     _m("table-hidden-is-exposed", "drawing", SRC_HLO_TIMING,
-       'f"  axis {axis}: communication {seconds(t.comm_s)}, hidden {seconds(t.hidden_s)}, "',
-       'f"  axis {axis}: communication {seconds(t.comm_s)}, hidden {seconds(t.exposed_s)}, "', DRAWING,
+       'f"  axis {self.lane_name(axis)}: communication {seconds(t.comm_s)}, hidden {seconds(t.hidden_s)}, "',
+       'f"  axis {self.lane_name(axis)}: communication {seconds(t.comm_s)}, hidden {seconds(t.exposed_s)}, "', DRAWING,
        "the table's hidden column prints the exposed time"),
     _m("side-by-side-totals-not-summed", "drawing", SRC_SIDE_BY_SIDE,
        'acc["count"] += c["count"]', 'acc["count"] = c["count"]', DRAWING, "a TOTAL row's count its last row's"),

@@ -19,6 +19,8 @@ Notation
     Hkv  key/value heads (= H without grouped-query attention)
     F  d_ff                            V  padded vocab (multiple of 128)
     s  bytes per element of the COMPUTE dtype (dtype_bytes: 4 = float32, 2 = bfloat16)
+    w  bytes per element of the WEIGHT dtype (cfg.weight_dtype): the gradients' reductions (the twins
+       run it; `param_bytes`, the memory model's what-if for the planner, leaves them)
 
 weights.py (the parameter tree and how each strategy splits it), communication.py (collective
 rows), flops.py, memory.py; this module: `cost()`, `Cost`, `compare` against a ledger, the tables.
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinshard.config import ModelConfig
-from twinshard.cost.communication import STRATEGY_ROWS
+from twinshard.cost.communication import STRATEGY_ROWS, gspmd_hop_rows
 from twinshard.cost.rows import AXES, NOT_REGATHERED, OPS, PHASES, Ctx, Row, int8_dw_rows, row
 from twinshard.cost.flops import Flops, flops
 from twinshard.cost.memory import (Memory, attention_backward, attention_kernel, memory, ring_attention_memory,
@@ -46,7 +48,7 @@ from twinshard.parallel.resolve import Run
 __all__ = [
     "AXES", "DTYPE_BYTES", "F32", "NOT_REGATHERED", "OPS", "PHASES", "PIPELINES", "RULES", "STRATEGY_ROWS",
     "Cost", "Flops", "Memory", "Row", "Weight", "attention_backward", "attention_kernel", "compare", "compare_table",
-    "cost", "flops", "human", "memory", "of_run", "ring_attention_memory", "row", "saved_by_stacks", "saved_per_layer",
+    "cost", "flops", "gspmd_pipeline_hops", "human", "memory", "of_run", "ring_attention_memory", "row", "saved_by_stacks", "saved_per_layer",
     "summarize", "weights",
 ]
 
@@ -141,12 +143,13 @@ def _normalize_mesh(strategy: str, mesh: Mapping[str, int]) -> dict[str, int]:
 def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: int,
          seq_len: int | None = None, dtype_bytes: int | None = None, grad_accum: int = 1,
          microbatches: int = 1, optimizer: str = "adamw", remat: str | None = None,
-         schedule: str = "gpipe", gpu: bool = False, param_bytes: int = F32, state_bytes: int = F32,
+         schedule: str = "gpipe", gpu: bool = False, param_bytes: int | None = None, state_bytes: int | None = None,
          master: bool = False, flat_weights: bool = False, virtual_stages: int = 1) -> Cost:
     """Collectives, FLOPs and per-device memory of one train step of `strategy` on `mesh`.
 
     `remat` (default cfg.remat) changes the memory only, except under tp_sp, which re-gathers its
-    sequence shards under any policy but none. virtual_stages: interleaved's chunks per stage. flat_weights:
+    sequence shards under any policy but none. virtual_stages: interleaved's chunks per stage. param_bytes,
+    state_bytes (default: cfg.weight_dtype's): the memory of a param and its gradient, of a moment. flat_weights:
     FSDP's weights split flat (padded,
     twinshard/hardware/plan.py), so d_model need not divide by data. Invalid input (and the runs
     launch.train refuses) raises a one-line ValueError."""
@@ -171,6 +174,11 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
         dtype_bytes = DTYPE_BYTES[cfg.dtype]
     if dtype_bytes not in (1, 2, 4, 8):
         raise ValueError(f"dtype_bytes={dtype_bytes} must be 1, 2, 4 or 8 (4 for float32).")
+    param_bytes = DTYPE_BYTES[cfg.weight_dtype] if param_bytes is None else param_bytes
+    state_bytes = DTYPE_BYTES[cfg.weight_dtype] if state_bytes is None else state_bytes
+    for name, n in (("param_bytes", param_bytes), ("state_bytes", state_bytes)):
+        if n not in (2, 4):
+            raise ValueError(f"{name}={n!r} must be 2 (bfloat16) or 4 (float32); None: cfg.weight_dtype's.")
     dims = {"batch": batch_size, "embed": cfg.d_model, "heads": cfg.num_heads, "kv_heads": cfg.kv_heads,
             "mlp": cfg.d_ff, "vocab": cfg.padded_vocab_size, "seq": seq, "experts": cfg.num_experts}
     if strategy in PIPELINES:
@@ -187,6 +195,17 @@ def cost(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch_size: i
                          "sequences of a device's micro-batch; choose a divisor of them (1: off).")
     return _priced(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer, remat,
                    schedule, gpu, param_bytes, state_bytes, master, virtual_stages)
+
+
+def gspmd_pipeline_hops(cfg: ModelConfig, mesh: Mapping[str, int], batch_size: int, microbatches: int,
+                        virtual_stages: int = 1, schedule: str = "gpipe") -> list[Row]:
+    """The collective-permutes over `stage` of the GSPMD twin's pipeline step (pp or pp_fsdp, whose
+    mesh has `data`), in the compute dtype: `cost` models the manual twin's, whose hops differ."""
+    shape = {"stage": 1, "data": 1, "tensor": 1, **mesh}
+    pipeline.check(cfg.num_layers, batch_size, shape["stage"], microbatches, 1, shape["data"], schedule, virtual_stages)
+    ctx = Ctx(cfg, shape, batch_size, cfg.context_length, DTYPE_BYTES[cfg.dtype], microbatches=microbatches,
+              schedule=schedule, virtual=virtual_stages)
+    return gspmd_hop_rows(ctx)
 
 
 def of_run(run: Run, gpu: bool = False, tpu: bool = False) -> Cost:
@@ -206,7 +225,8 @@ def _priced(cfg: ModelConfig, strategy: str, shape: dict[str, int], batch_size: 
     """The rows, FLOPs and memory of checked input (`cost`'s arguments, or a resolved run's)."""
     if remat is not None:  # tp_sp's collectives depend on it (its re-gathers), the others' do not
         cfg = dataclasses.replace(cfg, remat=remat)
-    ctx = Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule, virtual)
+    ctx = Ctx(cfg, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, schedule, virtual,
+              DTYPE_BYTES[cfg.weight_dtype])
     rows = sorted(STRATEGY_ROWS[strategy](ctx) + int8_dw_rows(ctx), key=lambda r: PHASES.index(r.phase))  # stable
     notes = [n for n in _NOTES.get(strategy, ())]
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,

@@ -25,8 +25,8 @@ def _single(ctx: Ctx) -> list[Row]:
 
 
 def _dp(ctx: Ctx) -> list[Row]:
-    """Gradients averaged over data, leaf by leaf; the loss averaged for the metrics."""
-    grads = [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * F32,
+    """Gradients averaged over data, leaf by leaf, in the weight dtype; the loss averaged for the metrics."""
+    grads = [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * ctx.w,
                  f"pmean over data of d({w.name}) {leaf_label(w)}") for w in weights(ctx.cfg)]
     return grads + [loss_row(ctx)]
 
@@ -73,6 +73,25 @@ def _hop_rows(ctx: Ctx) -> list[Row]:
     ]
 
 
+def gspmd_hop_rows(ctx: Ctx) -> list[Row]:
+    """The GSPMD twin's pipeline (auto_parallel/pp.py, any V): V M + S - 1 ticks (V = 1: GPipe's M + S - 1,
+    V > 1: nearly V times as many), each rolling the stage buffer [S, B/(data M), T, D] one stage on.
+    Forward a ring s -> s+1 (S-1 -> 0: what goes round to stage 0's queue); backward its transpose,
+    which XLA splits (measured, JAX 0.12) into the line s+1 -> s and the pair 0 -> S-1. Nothing moves
+    outside the loop: the queue ends on stage 0, whose row the loss reads (an all-reduce, not modelled here)."""
+    n, b = ctx.mesh["stage"], ctx.batch // (ctx.d * ctx.microbatches)
+    ticks, a = ctx.virtual * ctx.microbatches + n - 1, ctx.activation(b)
+    act = f"[{b},{ctx.seq},{ctx.cfg.d_model}]"
+    return [
+        row(ctx, "forward", "collective-permute", ("stage",), ticks, a,
+            f"roll of the stage buffer: s -> s+1 and S-1 -> 0 of {act}, one per tick ({ticks} ticks)", shift=(1, True)),
+        row(ctx, "backward", "collective-permute", ("stage",), ticks, a,
+            f"the roll's transpose, its line s+1 -> s of d{act}, one per tick", shift=(-1, False)),
+        row(ctx, "backward", "collective-permute", ("stage",), ticks, a,
+            f"the roll's transpose, its pair 0 -> S-1 of d{act}, one per tick", shift=(n - 1, False)),
+    ]
+
+
 # ----------------------------------------------------------------------------- tp_sp
 
 
@@ -86,7 +105,7 @@ def _tp_sp(ctx: Ctx) -> list[Row]:
     shards = {w.name: shard_count(w, rules, ctx.mesh) for w in weights(ctx.cfg)}  # over tensor
     # replicated kv heads: their sum over tensor joins the mean over data (one all-reduce each)
     over = lambda w: ("data", "tensor") if KV_HEADS in w.axes and kv_replicated(ctx.cfg, ctx.mesh) else ("data",)  # noqa: E731
-    return rows + [row(ctx, "backward", "all-reduce", over(w), w.leaves, w.layers * w.size * F32 // shards[w.name],
+    return rows + [row(ctx, "backward", "all-reduce", over(w), w.leaves, w.layers * w.size * ctx.w // shards[w.name],
                        f"pmean over data of d({w.name}) {leaf_label(w)}"
                        + (f"/{shards[w.name]} (its tensor shard)" if shards[w.name] > 1 else "")
                        + (", summed over tensor (kv heads replicated over it)" if len(over(w)) > 1 else ""))
@@ -111,7 +130,8 @@ def _tp_sp_micro_batch_rows(ctx: Ctx, batch: int) -> list[Row]:
         row(ctx, "backward", "all-gather", ("tensor",), 2 * L + 1, a,
             f"scatter_sequence backward: all_gather of d{shard} (2 per layer, + the embedding's output)"),
         row(ctx, "backward", "all-reduce", ("tensor",), 2 * L + 1, ctx.cfg.d_model * F32,
-            "copy_to_tp backward: psum of each RMSNorm gain's gradient [D] f32 (its tokens' share)"),
+            "copy_to_tp backward: psum of each RMSNorm gain's gradient [D] f32 (its tokens' share; the gain "
+            "is cast to float32 before the hook)"),
     ]
     if ctx.cfg.collective_matmul:  # collectives.all_gather_matmul: t - 1 hops of a chunk each
         hops = 2 * L * (t - 1)
@@ -136,14 +156,15 @@ def _tp_sp_micro_batch_rows(ctx: Ctx, batch: int) -> list[Row]:
 
 
 def _stage_sum_rows(ctx: Ctx) -> list[Row]:
-    """psum over stage of the stage-replicated leaves' f32 gradients (matrices as 1/data shards under pp_fsdp)."""
+    """psum over stage of the stage-replicated leaves' gradients in the weight dtype (matrices as 1/data
+    shards under pp_fsdp)."""
     out = []
     for w in weights(ctx.cfg):
         if not w.stacked:
             shards = ctx.d if w.is_matrix else 1
-            out.append(row(ctx, "backward", "all-reduce", ("stage",), 1, w.size * F32 // shards,
+            out.append(row(ctx, "backward", "all-reduce", ("stage",), 1, w.size * ctx.w // shards,
                            f"psum over stage of d({w.name}) {leaf_label(w)}{f'/{shards}' if shards > 1 else ''} "
-                           "(replicated over stage, f32)"))
+                           "(replicated over stage)"))
     return out
 
 
@@ -206,19 +227,19 @@ def _fsdp_ulysses(ctx: Ctx) -> list[Row]:
 
 def _cp(ctx: Ctx, attention: Callable[[Ctx, int], list[Row]] = _ring_rows) -> list[Row]:
     """The ring (or `attention`'s rows); every gradient leaf and the loss averaged over context."""
-    grads = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32,
+    grads = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * ctx.w,
                  f"pmean over context of d({w.name}) {leaf_label(w)}") for w in weights(ctx.cfg)]
     return attention(ctx, ctx.batch) + grads + [
         row(ctx, "metrics", "all-reduce", ("context",), 1, F32, "pmean over context of the loss (f32 scalar)")]
 
 
 def _fsdp_cp(ctx: Ctx, attention: Callable[[Ctx, int], list[Row]] = _ring_rows) -> list[Row]:
-    """FSDP over data, the ring on B/d sequences, each f32 matrix gradient shard averaged over context."""
+    """FSDP over data, the ring on B/d sequences, each matrix gradient shard averaged over context (weight dtype)."""
     fsdp = [r for r in fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
-    shards = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * F32 // ctx.d,
-                  f"pmean over context of d({w.name}) {leaf_label(w)}/data (f32 shard)") for w in matrix_weights(ctx)]
-    gains = [row(ctx, "backward", "all-reduce", ("data", "context"), w.leaves, w.layers * w.size * F32,
-                 f"pmean over data,context of d({w.name}) {leaf_label(w)} (replicated f32 norm gains)")
+    shards = [row(ctx, "backward", "all-reduce", ("context",), w.leaves, w.layers * w.size * ctx.w // ctx.d,
+                  f"pmean over context of d({w.name}) {leaf_label(w)}/data (its shard)") for w in matrix_weights(ctx)]
+    gains = [row(ctx, "backward", "all-reduce", ("data", "context"), w.leaves, w.layers * w.size * ctx.w,
+                 f"pmean over data,context of d({w.name}) {leaf_label(w)} (replicated norm gains)")
              for w in norm_weights(ctx)]
     return fsdp + attention(ctx, ctx.batch // ctx.d) + shards + gains + [
         norm_row(ctx, ("data",)),
@@ -274,7 +295,7 @@ def _ep(ctx: Ctx) -> list[Row]:
         over = token_axes(ctx, "data") if w.is_experts else tokens
         if over:
             split = ctx.mesh["expert"] if w.is_experts else 1
-            grads.append(row(ctx, "backward", "all-reduce", over, w.leaves, w.layers * w.size * F32 // split,
+            grads.append(row(ctx, "backward", "all-reduce", over, w.leaves, w.layers * w.size * ctx.w // split,
                              f"pmean over {','.join(over)} of d({w.name}) {leaf_label(w)}"
                              + (" (this device's experts)" if split > 1 else "")))
     return _exchange_rows(ctx) + grads + [
@@ -285,15 +306,33 @@ def _ep(ctx: Ctx) -> list[Row]:
 def _fsdp_ep(ctx: Ctx) -> list[Row]:
     """fsdp_ep (manual_parallel/fsdp_ep.py): FSDP over data, the exchanges, dense shards averaged over expert."""
     fsdp = [r for r in fsdp_rows(ctx, tensor_shards=1) if r.op != "all-reduce"]
-    shards = [row(ctx, "backward", "all-reduce", ("expert",), w.leaves, w.layers * w.size * F32 // ctx.d,
-                  f"pmean over expert of d({w.name}) {leaf_label(w)}/data (f32 shard)")
+    shards = [row(ctx, "backward", "all-reduce", ("expert",), w.leaves, w.layers * w.size * ctx.w // ctx.d,
+                  f"pmean over expert of d({w.name}) {leaf_label(w)}/data (its shard)")
               for w in matrix_weights(ctx) if not w.is_experts]
-    gains = [row(ctx, "backward", "all-reduce", ("data", "expert"), w.leaves, w.layers * w.size * F32,
-                 f"pmean over data,expert of d({w.name}) {leaf_label(w)} (replicated f32 norm gains)")
+    gains = [row(ctx, "backward", "all-reduce", ("data", "expert"), w.leaves, w.layers * w.size * ctx.w,
+                 f"pmean over data,expert of d({w.name}) {leaf_label(w)} (replicated norm gains)")
              for w in norm_weights(ctx)]
     return fsdp + _exchange_rows(ctx) + shards + gains + [
         norm_row(ctx, ("data",)), norm_row(ctx, ("data", "expert")),
         row(ctx, "metrics", "all-reduce", ("data", "expert"), 1, F32, "pmean over data,expert of the loss")]
+
+
+# ----------------------------------------------------------------------------- hsdp
+
+
+def _hsdp(ctx: Ctx) -> list[Row]:
+    """HSDP (manual_parallel/hsdp.py): fsdp's gathers and scatters over fsdp inside each slice; across
+    slices (data, over DCN) only each gradient's mean, in the weight dtype: a matrix's 1/fsdp shard, a norm gain whole
+    after its mean inside the slice; the global norm's psum stays inside (the gradients agree across
+    slices), the loss's scalar mean spans both axes."""
+    fsdp, shards = fsdp_rows(ctx, tensor_shards=1, axis="fsdp"), ctx.mesh["fsdp"]
+    across = [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * ctx.w // shards,
+                  f"pmean over data (DCN) of the shard d({w.name}) {leaf_label(w)}/fsdp") for w in matrix_weights(ctx)]
+    across += [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * ctx.w,
+                   f"pmean over data (DCN) of d({w.name}) {leaf_label(w)} (norm gains, after their mean over fsdp)")
+               for w in norm_weights(ctx)]
+    return fsdp + across + [norm_row(ctx, ("fsdp",)), row(ctx, "metrics", "all-reduce", ("data", "fsdp"), 1, F32,
+                                                            "pmean over data,fsdp of the loss (f32 scalar)")]
 
 
 def _rows_of(name: str) -> Callable[[Ctx], list[Row]]:

@@ -157,13 +157,12 @@ def attention_backward(cfg: ModelConfig, b: int, seq: int, t: int, kernel: str =
 
 
 def _pipeline_activations(cfg: ModelConfig, remat: str, b: int, seq: int, stages: int, microbatches: int,
-                          schedule: str, virtual: int) -> tuple[int, int, int]:
-    """(saved elements, rows of one micro-batch, kept float32 bytes) of a pipeline stage: gpipe saves
-    the L/S layers' residuals of all M + S - 1 ticks; a schedule run by hand one backward's residuals
-    (a chunk of L/(S V) layers) and its rings of [b/M, T, D] inputs and gradients (pipeline.buffers'
-    slots and a spare each, manual_parallel/pp.py); zb_h1 a ring of backwards kept from each B to
-    its W: a chunk's residuals and, on every stage (the stage's lax.cond keeps both branches'), the
-    loss's: two float32 [b/M, T, V] and their mask."""
+                          schedule: str, virtual: int, dtype_bytes: int) -> tuple[int, int, int]:
+    """(saved elements, rows of one micro-batch, kept bytes) of a pipeline stage: gpipe saves the L/S
+    layers' residuals of all M + S - 1 ticks; a schedule run by hand one backward's residuals (a chunk
+    of L/(S V) layers) and its rings of [b/M, T, D] inputs and gradients (pipeline.buffers' slots and a
+    spare each, manual_parallel/pp.py); zb_h1 also a ring of stashes kept from each B to its W
+    (`split_stash`; pipeline.buffers' res slots and the spare)."""
     from twinshard.parallel import pipeline
 
     rows, held = b // microbatches, cfg.num_layers // stages
@@ -174,8 +173,22 @@ def _pipeline_activations(cfg: ModelConfig, remat: str, b: int, seq: int, stages
     rings = (sizes["act"] + sizes["grad"] + 2) * rows * seq * cfg.d_model
     if schedule not in pipeline.SPLIT:
         return backward + rings, rows, 0
-    slots = sizes["res"] + 1
-    return backward * (1 + slots) + rings, rows, slots * rows * seq * cfg.padded_vocab_size * (2 * F32 + 1)
+    return backward + rings, rows, (sizes["res"] + 1) * split_stash(cfg, rows * seq, stages, dtype_bytes)
+
+
+def split_stash(cfg: ModelConfig, tokens: int, stages: int, dtype_bytes: int) -> int:
+    """Bytes one zb_h1 B keeps for its W (manual_parallel/pp_split.py) on a micro-batch's `tokens`: per
+    block the operands of its tapped ops (the two norms' x^ in float32; in the compute dtype the normed
+    inputs of q/k/v and of w1/w3, the attention output, the SwiGLU gate) and their outputs' gradients
+    (the 2 norms, q, k, v, wo, w1, w3, w2); the embedding's ids and output gradient; the head's x^
+    (float32), the lm_head's input and the gradients of ln_final's output and of the logits [tokens, V].
+    The embedding's and the head's are kept on every stage (their lax.cond's branches have one shape)."""
+    d, f, v = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size
+    hd, kv = cfg.num_heads * cfg.head_dim, cfg.kv_dim
+    block = 2 * d * F32 + (2 * d + hd + f + 4 * d + hd + 2 * kv + 2 * f) * dtype_bytes  # operands, then dy's
+    embed = 4 + d * dtype_bytes  # int32 ids, dy
+    head = d * F32 + (d + d + v) * dtype_bytes  # x^; the lm_head's input; dy of ln_final, of the logits
+    return tokens * (cfg.num_layers // stages * block + embed + head)
 
 
 def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t: int, scores: int) -> int:
@@ -252,9 +265,10 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     # a dropless mixture of experts under ep: its rows exchanged over `expert` (the manual twin's)
     exchange = mesh.get("expert", 1) if "experts" in rules and cfg.moe_dispatch == "ragged" else 0
     layers = saved_by_stacks(cfg, remat, b, seq, t, sequence, exchange)
-    head, kept = b, 0  # rows the lm_head and the loss run on at once; zb_h1's kept loss residuals
+    head, kept = b, 0  # rows the lm_head and the loss run on at once; zb_h1's stashes (bytes)
     if "layers" in rules:  # a pipeline stage: its L/S layers on micro-batches of b/M rows
-        layers, b, kept = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule, virtual)
+        layers, b, kept = _pipeline_activations(cfg, remat, b, seq, mesh["stage"], microbatches, schedule, virtual,
+                                                dtype_bytes)
         head = b if schedule != "gpipe" else head  # GPipe: the loss of all M micro-batches at once
     # one layer's residuals beyond what was saved (without this term the model missed 25-30% of
     # tiny's single-device temporaries, measured with memory_analysis)

@@ -52,11 +52,12 @@ class Ctx:
     mesh: dict[str, int]
     batch: int  # global B
     seq: int  # T
-    s: int  # dtype bytes
+    s: int  # compute dtype bytes
     k: int = 1  # grad_accum: micro-batches per step
     microbatches: int = 1  # M (pipelines)
     schedule: str = "gpipe"  # pipelines: one of twinshard.config.PIPELINE_SCHEDULES
     virtual: int = 1  # pipelines: chunks per stage (interleaved)
+    w: int = F32  # ModelConfig.weight_dtype's bytes: the params', and so every gradient reduction's
 
     @property
     def d(self) -> int:
@@ -103,48 +104,49 @@ def _local_bytes(ctx: Ctx, w: Weight, tensor_shards: int = 1) -> int:
 
 
 def kv_sum_rows(ctx: Ctx, data_shards: int = 1) -> list[Row]:
-    """The k/v weights' gradient summed over a `tensor` axis larger than the kv heads, once per step per leaf (f32)."""
+    """The k/v weights' gradient summed over a `tensor` axis larger than the kv heads, once per step per leaf
+    (in the weight dtype)."""
     if not kv_replicated(ctx.cfg, ctx.mesh):
         return []
-    return [row(ctx, "backward", "all-reduce", ("tensor",), w.leaves, w.layers * w.size * F32 // data_shards,
+    return [row(ctx, "backward", "all-reduce", ("tensor",), w.leaves, w.layers * w.size * ctx.w // data_shards,
                 f"psum over tensor of d({w.name}) {leaf_label(w)}" + (f"/{data_shards}" if data_shards > 1 else "")
                 + " (kv heads replicated over tensor: each device's kv head slice)")
             for w in matrix_weights(ctx) if KV_HEADS in w.axes]
 
 
-def fsdp_rows(ctx: Ctx, tensor_shards: int) -> list[Row]:
-    """ZeRO-3 over data: gather each matrix (forward, again backward), scatter its gradient, mean the
-    norm gains; `tensor_shards` = t under fsdp_tp (each device gathers its tensor shard)."""
+def fsdp_rows(ctx: Ctx, tensor_shards: int, axis: str = "data") -> list[Row]:
+    """ZeRO-3 over `axis` (data; hsdp: fsdp): gather each matrix (forward, again backward), scatter its
+    gradient, mean the norm gains; `tensor_shards` = t under fsdp_tp (each device gathers its tensor shard)."""
     if ctx.k > 1:
-        return fsdp_step_rows(ctx, tensor_shards)
+        return fsdp_step_rows(ctx, tensor_shards, axis=axis)
     gather = lambda phase, w, what: row(  # noqa: E731
-        ctx, phase, "all-gather", ("data",), w.count, _local_bytes(ctx, w, tensor_shards),
+        ctx, phase, "all-gather", (axis,), w.count, _local_bytes(ctx, w, tensor_shards),
         what.format(f"{w.name} {shape_label(w, used_shards(ctx.cfg, w, tensor_shards))}"))
-    rows = [gather("forward", w, "fsdp_gather: all_gather {} over data before its use") for w in matrix_weights(ctx)]
+    rows = [gather("forward", w, f"fsdp_gather: all_gather {{}} over {axis} before its use") for w in matrix_weights(ctx)]
     rows += [gather("backward", w, "fsdp_gather re-gathers {} (remat: gathered weights not saved)")
              for w in matrix_weights(ctx) if w.name not in NOT_REGATHERED]
-    rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.count, _local_bytes(ctx, w, tensor_shards) // ctx.d,
-                 f"fsdp_gather backward: psum_scatter of d({w.name}) over data") for w in matrix_weights(ctx)]
-    return rows + _fsdp_norm_rows(ctx)
+    rows += [row(ctx, "backward", "reduce-scatter", (axis,), w.count, _local_bytes(ctx, w, tensor_shards) // ctx.mesh[axis],
+                 f"fsdp_gather backward: psum_scatter of d({w.name}) over {axis}") for w in matrix_weights(ctx)]
+    return rows + _fsdp_norm_rows(ctx, axis=axis)
 
 
-def fsdp_step_rows(ctx: Ctx, tensor_shards: int, stages: int = 1) -> list[Row]:
+def fsdp_step_rows(ctx: Ctx, tensor_shards: int, stages: int = 1, axis: str = "data") -> list[Row]:
     """grad_accum > 1 (manual_parallel/fsdp.py gather_step): each matrix leaf gathered once before the
     micro-batch loop, its gradient reduce-scattered once after; pp_fsdp: a stage's [L/S, ...] leaves."""
-    rows = [row(ctx, "forward", "all-gather", ("data",), w.leaves,
+    rows = [row(ctx, "forward", "all-gather", (axis,), w.leaves,
                 layers_held(w, stages) * _local_bytes(ctx, w, tensor_shards),
-                f"gather_step: fsdp_gather of {w.name} {leaf_label(w, stages)} over data, once per step")
+                f"gather_step: fsdp_gather of {w.name} {leaf_label(w, stages)} over {axis}, once per step")
             for w in matrix_weights(ctx)]
-    rows += [row(ctx, "backward", "reduce-scatter", ("data",), w.leaves,
-                 layers_held(w, stages) * _local_bytes(ctx, w, tensor_shards) // ctx.d,
+    rows += [row(ctx, "backward", "reduce-scatter", (axis,), w.leaves,
+                 layers_held(w, stages) * _local_bytes(ctx, w, tensor_shards) // ctx.mesh[axis],
                  f"fsdp_gather backward: psum_scatter of the accumulated d({w.name}), once per step")
              for w in matrix_weights(ctx)]
-    return rows + _fsdp_norm_rows(ctx, stages)
+    return rows + _fsdp_norm_rows(ctx, stages, axis)
 
 
-def _fsdp_norm_rows(ctx: Ctx, stages: int = 1) -> list[Row]:
-    return [row(ctx, "backward", "all-reduce", ("data",), w.leaves, layers_held(w, stages) * w.size * F32,
-                f"pmean over data of d({w.name}) {leaf_label(w, stages)} (replicated f32 norm gains)")
+def _fsdp_norm_rows(ctx: Ctx, stages: int = 1, axis: str = "data") -> list[Row]:
+    return [row(ctx, "backward", "all-reduce", (axis,), w.leaves, layers_held(w, stages) * w.size * ctx.w,
+                f"pmean over {axis} of d({w.name}) {leaf_label(w, stages)} (replicated norm gains)")
             for w in norm_weights(ctx)]
 
 

@@ -22,6 +22,15 @@ from typing import Any
 from twinshard.config import Config
 from twinshard.splash_blocks import SCOPED_VMEM_KIB, splash_fitting, splash_vmem_bytes
 
+# A micro-batch of this many tokens ran fastest at every measured shape with T >= 1024: llama_v5e 4 x 2048 (73.6% MFU
+# against 68.2 at 2), the 160M shape 4 x 2048 (161.2k tokens/s against 155.8k at 2, 158.5k at 8, 148.3k at 16),
+# gpt2_350m 8 x 1024; so a shape given by flags runs micro-batches of the largest split of its batch up to this.
+MICRO_BATCH_TOKENS = 8192
+# remat none where the memory model (twinshard.cost.memory, within 0.9-1.6x of XLA's figure) puts the step under
+# this share of the chip's HBM (the model's 5,081 MiB stood beside XLA's 4,701 at the 160M shape, 4 sequences a
+# micro-batch; launch.bench's "mem/dev" column).
+HBM_SHARE = 0.8
+
 # The deepest stack unrolled on the chip: gpt2_350m's 24 layers compiled in 73 s (12 layers 41 s, 14 49 s).
 UNROLL_MAX_LAYERS = 24
 
@@ -84,7 +93,7 @@ def _one_chip(cfg: Config, preset: str, given: Mapping[str, Any], shape_given: b
                               "gpt2_125m, -7.4% llama_v5e, -1.9% gpt2_350m; compiles 41-73 s for 12-24 layers"))
     measured = _V5E_BATCHES.get(preset) if on_v5e and not shape_given else None
     if measured is None:
-        return out
+        return out + (_shape_batch(cfg, given) if on_v5e else [])
     remat, micro, best, why = measured
     batch = t.batch_size if "batch_size" in given else best or t.batch_size  # a given batch is split, not changed
     accum = batch // micro if batch > micro and batch % micro == 0 and "grad_accum" not in given else t.grad_accum
@@ -92,6 +101,35 @@ def _one_chip(cfg: Config, preset: str, given: Mapping[str, Any], shape_given: b
         out.append(Choice("remat", remat, why))
     out += [Choice("batch_size", best, why)] if best else []
     out.append(Choice("grad_accum", accum, why))
+    return out
+
+
+def _shape_batch(cfg: Config, given: Mapping[str, Any]) -> list[Choice]:
+    """remat and micro-batching of a shape no preset measured: micro-batches of the largest divisor of the
+    batch up to MICRO_BATCH_TOKENS tokens, without remat where the memory model fits them in HBM_SHARE of a v5e."""
+    from twinshard.cost.memory import memory
+    from twinshard.hardware.chips import chip
+
+    m, t = cfg.model, cfg.train
+    accum = t.grad_accum
+    if "grad_accum" not in given:
+        micro = max((n for n in range(1, t.batch_size + 1) if t.batch_size % n == 0
+                     and n * m.context_length <= MICRO_BATCH_TOKENS), default=1)
+        accum = t.batch_size // micro
+    bf16 = given.get("dtype", "bfloat16") == "bfloat16"  # _numerics' choices, where no flag overrules them
+    numerics = {"dtype": "bfloat16", **({"weight_dtype": "bfloat16", "logits_dtype": "compute",
+                                         "norm_dtype": "compute"} if bf16 else {})}
+    m = dataclasses.replace(m, **{name: given.get(name, value) for name, value in numerics.items()})
+    weight_bytes = 2 if m.weight_dtype == "bfloat16" else 4
+    need = memory(m, "single", {}, t.batch_size, m.context_length, dtype_bytes=2 if m.dtype == "bfloat16" else 4,
+                  grad_accum=accum, remat="none", param_bytes=weight_bytes, state_bytes=weight_bytes, tpu=True).total
+    hbm = chip("v5e").hbm_bytes
+    split = f"{t.batch_size // accum} sequences of {m.context_length} a micro-batch"
+    out = [Choice("grad_accum", accum, f"{split}: micro-batches of up to {MICRO_BATCH_TOKENS} tokens ran fastest "
+                  "(the 160M shape: 161.2k tokens/s at 4 x 2048 against 155.8k at 2, 158.5k at 8)")]
+    if need <= HBM_SHARE * hbm:
+        out.append(Choice("remat", "none", f"{split} without remat: {need / 2**30:.1f} GiB by the memory model, "
+                          f"under {HBM_SHARE:.0%} of the chip's {hbm / 2**30:g} GiB"))
     return out
 
 

@@ -133,12 +133,11 @@ def pipeline_factor(microbatches: int, stages: int, schedule: str, virtual: int 
     """A pipeline stage's step time over its FLOPs' time: GPipe (M + S - 1) / M; a schedule run by hand
     takes per tick its slowest stage's op, in forwards of one chunk (1/V of a stage): a forward 1, a
     backward 3 (its jax.vjp re-runs the forward), zb_h1's input gradient 2 (the forward again and
-    dx) and its weight gradient 2: dW from the kept residuals, and the stage's input gradients
-    again, which its pullback needs on the way to the weights (measured in the compiled program:
-    tests/test_pipeline.py::test_zb_h1_splits_the_backward_in_the_compiled_program)."""
+    dx) and its weight gradient 1: dW alone from B's stash (manual_parallel/pp_split.py; its dots
+    counted in the compiled program: tests/test_pipeline.py::test_zb_h1_splits_the_backward_in_the_compiled_program)."""
     if schedule == "gpipe":
         return pipeline.ticks(microbatches, stages) / microbatches
-    units = {pipeline.IDLE: 0, pipeline.FORWARD: 1, pipeline.BACKWARD: 3, pipeline.INPUT: 2, pipeline.WEIGHT: 2}
+    units = {pipeline.IDLE: 0, pipeline.FORWARD: 1, pipeline.BACKWARD: 3, pipeline.INPUT: 2, pipeline.WEIGHT: 1}
     kinds, _, _ = pipeline.build(schedule, stages, microbatches, virtual).arrays()
     return sum(max(units[k] for k in row) for row in kinds) / (3 * microbatches * virtual)
 
@@ -277,7 +276,7 @@ def _pipeline_plans(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[
     if not counts:  # pipeline.check names the value and the fix
         pipeline.check(cfg.num_layers, batch // topo.slices, stages, stages, data=mesh.get("data", 1))
     out, error = [], None
-    for schedule in (s for s in pipeline.SCHEDULES if s not in pipeline.INTERLEAVED):  # (no twin interleaves)
+    for schedule in (s for s in pipeline.SCHEDULES if s not in pipeline.INTERLEAVED):  # (interleaved would need its V searched too)
         plans = []
         for m in counts:
             try:

@@ -157,7 +157,7 @@ def _lane_name(lane: str, pred: Prediction) -> str:
     if lane in ("loops", "compute"):
         return {"loops": "loop bodies", "compute": "compute"}[lane]
     t = pred.axes.get(lane)
-    return f"{lane} ({seconds(t.exposed_s)} exposed)" if t else lane
+    return f"{pred.lane_name(lane)} ({seconds(t.exposed_s)} exposed)" if t else pred.lane_name(lane)
 
 
 def _rect(b: Box, y: float, scale: float) -> str:

@@ -19,11 +19,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinshard.hlo import dcn
+from twinshard.hlo import megascale
 from twinshard.hlo.groups import (MeshSpec, Shift, classify, decode_replica_groups, describe_permute,
                                   explicit_groups, mesh_spec, pair_components)
 from twinshard.hlo.loops import async_fusion_copies, call_edges, multiplicities
-from twinshard.hlo.parse import DTYPES, OPS, Instr, Module, Shape, base_opcode, parse_module, parse_shape, unescape
+from twinshard.hlo.parse import DTYPES, OPS, Instr, Module, Shape, base_opcode, parse_shape, unescape
+from twinshard.hlo.text import NotCompiledHLO, hlo_text, is_scheduled, parsed_module  # noqa: F401  (the ledger's API)
 
 
 # ----------------------------------------------------------------------------- records
@@ -161,6 +162,8 @@ class Ledger:
     instructions: int = 0
     # every `path:line` the program's instructions name (collective or not): what `source=` may select
     sources: frozenset[str] = frozenset()
+    # the mesh axes across TPU slices, whose collectives the megascale runtime sends over DCN ((): none)
+    dcn: tuple[str, ...] = ()
 
     def __iter__(self) -> Iterator[Collective]:
         return iter(self.records)
@@ -265,7 +268,8 @@ class Ledger:
             groups.setdefault((r.op, r.reduction, r.axes, r.partial_axes, r.pattern), []).append(r)
         lines = []
         for (op, reduction, axes, partial, pattern), recs in groups.items():
-            names = [pattern] if pattern else [a + ("(part)" if a in partial else "") for a in axes]
+            names = [pattern] if pattern else [a + ("(part)" if a in partial else "") + ("(DCN)" if a in self.dcn else "")
+                                               for a in axes]
             shapes = list(dict.fromkeys(f"{r.dtype}[{','.join(map(str, r.shape))}]"
                                         + (f"x{r.parts}" if r.parts > 1 else "") for r in recs))
             srcs = list(dict.fromkeys(_short_source(r) for r in recs))
@@ -396,65 +400,6 @@ def _records(instr: Instr, op: str, mod: Module, mesh: MeshSpec, mult: tuple[int
     return out
 
 
-class NotCompiledHLO(ValueError, TypeError):
-    """`ledger` was given something that is not the optimized HLO of a compiled program (also a TypeError)."""
-
-
-_PASS_COMPILED = "pass `jax.jit(f).lower(*args).compile()` (a jax.stages.Compiled) or its `.as_text()`"
-# StableHLO / MLIR text (`lowered.as_text()`), e.g. `module @jit_f attributes {...` or
-# `%0 = stablehlo.sine %arg0`; no line of HLO text starts like these.
-_MLIR = re.compile(r'^\s*(?:module\s+(?:@|attributes\b)|func\.func\b'
-                   r'|%[\w#:]+\s*=\s*"?(?:stablehlo|mhlo|sdy|func)\.)', re.M)
-# HLO of a `Lowered` before compilation (not partitioned yet): measured, JAX 0.12, it holds
-# `xla.sdy.` markers, which no compiled module prints (CPU, shard_map and the v5e:4x4 AOT compiles);
-# the other three are GSPMD's markers when Shardy is off (inferred, not seen here).
-_UNCOMPILED = re.compile(r'xla\.sdy\.|custom_call_target="(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape)"')
-# A compiled module is scheduled; JAX 0.10.2's compiled programs keep Shardy's mesh in the module's own
-# attributes (`frontend_attributes={xla.sdy.meshes=...}`, measured), so those markers alone prove nothing.
-_SCHEDULED = re.compile(r"^HloModule[^\n]*\bis_scheduled=true", re.M)
-
-
-def is_scheduled(text: str) -> bool:
-    """Whether HLO module text is a scheduled (compiled) module: its header says is_scheduled=true."""
-    return bool(_SCHEDULED.search(text))
-
-
-def hlo_text(compiled_or_text: Any) -> str:
-    """The HLO module text of a `Compiled` (or the text itself); anything else is refused."""
-    obj, kind = compiled_or_text, type(compiled_or_text).__name__
-    if isinstance(obj, str):
-        return obj
-    if hasattr(obj, "compile"):  # jax.stages.Lowered (a Compiled has no .compile)
-        raise NotCompiledHLO(f"ledger got a {kind}, which is not compiled yet (XLA inserts the "
-                             f"collectives when it compiles): call its `.compile()`; {_PASS_COMPILED}.")
-    if hasattr(obj, "lower"):  # a jitted function or jax.stages.Traced
-        raise NotCompiledHLO(f"ledger got a {kind} (a function, not a compiled program); {_PASS_COMPILED}.")
-    text = obj.as_text() if hasattr(obj, "as_text") else None
-    if not isinstance(text, str):
-        raise NotCompiledHLO(f"ledger got a {kind}; {_PASS_COMPILED}.")
-    return text
-
-
-def parsed_module(text: str) -> Module:
-    """Parse HLO module text, refusing text that is not a compiled program's HLO."""
-    if _MLIR.search(text):
-        raise NotCompiledHLO(
-            "ledger got StableHLO/MLIR text (what `jax.jit(f).lower(x).as_text()` returns, before XLA "
-            f"compiles and partitions the program, so before its collectives exist); {_PASS_COMPILED}.")
-    if not text.strip():
-        raise NotCompiledHLO(f"ledger got empty text; {_PASS_COMPILED}.")
-    if _UNCOMPILED.search(text) and not is_scheduled(text):
-        raise NotCompiledHLO(
-            "ledger got HLO that XLA has not compiled yet (it still carries xla.sdy / sharding "
-            "custom-calls, as `lowered.as_text(dialect='hlo')` prints); the collectives of a "
-            f"GSPMD program exist only after compilation: {_PASS_COMPILED}.")
-    mod = parse_module(text)
-    if not any(mod.computations.values()):
-        raise NotCompiledHLO(f"ledger read no HLO instruction in this text (it starts "
-                             f"{text.strip()[:60]!r}): it is not an HLO module; {_PASS_COMPILED}.")
-    return mod
-
-
 def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
     """Every collective of a compiled program (or HLO module text) on `mesh` (a Mesh, AbstractMesh
     or {'data': 2, ...}; group ids read as row-major partition ids)."""
@@ -464,7 +409,12 @@ def ledger(compiled_or_hlo_text: Any, mesh: Any) -> Ledger:
 def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
     """`ledger` of an already parsed module (the schedule reader parses once for both)."""
     instructions = sum(len(instrs) for instrs in mod.computations.values())
-    inner, dcn_axes = dcn.slice_mesh(mod, spec)  # a multi-slice program is one slice's (twinshard/hlo/dcn.py)
+    dcn = megascale.dcn_axes(mod, spec)  # a program compiled for several slices is one slice's
+    if mod.num_partitions not in (None, 1) and mod.num_partitions != spec.size and not dcn:
+        raise ValueError(
+            f"the program has num_partitions={mod.num_partitions} but the mesh "
+            f"{dict(zip(spec.names, spec.shape))} has {spec.size} devices: pass the mesh it was compiled for"
+        )
     warnings: list[str] = []
     mults = multiplicities(mod, warnings)
     async_starts, async_copies = async_fusion_copies(mod, warnings)
@@ -486,13 +436,6 @@ def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
     for comp, instrs in mod.computations.items():
         for i in instrs:
             op, form = base_opcode(i.opcode)
-            if i.opcode == "send" and dcn.is_transfer(i):
-                try:
-                    records.append(dcn.transfer_record(i, dcn_axes, spec.size // inner.size, mults[comp],
-                                                       *source_metadata(i.attrs, mod.frames)))
-                except (ValueError, KeyError, IndexError) as e:
-                    unparsed.append(f"{i.line}  [{e}]")
-                continue
             if op is None:
                 if any(name in i.opcode for name in OPS):
                     unparsed.append(i.line)
@@ -510,12 +453,23 @@ def ledger_of_module(mod: Module, spec: MeshSpec) -> Ledger:
                 mult = mults[comp]
                 if comp in async_starts:
                     mult = (mult[0], mult[1], True)
-                records += _records(i, op, mod, inner, mult, done_of.get((comp, i.name)), gte_meta)
+                records += _records(i, op, mod, spec, mult, done_of.get((comp, i.name)), gte_meta)
             except (ValueError, KeyError, IndexError) as e:
                 unparsed.append(f"{i.line}  [{e}]")
+    records += _dcn_records(mod, spec, dcn, mults) if dcn else []
     if not any("jvp(" in i.attr_text for instrs in mod.computations.values() for i in instrs):  # nothing differentiated: every collective with metadata is the forward's
         records = [dataclasses.replace(r, phase="forward") if r.op_name else r for r in records]
-    return Ledger(records, spec, unparsed, warnings, instructions, sources)
+    return Ledger(records, spec, unparsed, warnings, instructions, sources, dcn)
+
+
+def _dcn_records(mod: Module, spec: MeshSpec, dcn: tuple[str, ...], mults) -> list[Collective]:
+    """One record per megascale send/recv pair (twinshard/hlo/megascale.py): the collective across the
+    slices over the `dcn` axes, named by its send (where the schedule reader's window opens)."""
+    n = megascale.slices_of(spec, dcn)
+    return [Collective(t.op, t.payload.dtype, t.payload.dims, t.payload.bytes, ring_bytes(t.op, t.payload.bytes, n),
+                       (), (), dcn, (), n, mults[t.computation][0], "", "", t.send, t.computation, is_async=True,
+                       multiplicity_exact=mults[t.computation][1], reduction=t.reduction)
+            for t in megascale.transfers(mod)]
 
 
 def _has_collective(instrs: list[Instr]) -> bool:

@@ -12,6 +12,8 @@ Forms (measured, JAX 0.12.0.1, libtpu 0.0.50.1):
   whose computation's ROOT is "AsyncCollectiveDone" completes it. The chain is followed by data flow.
 - `all-gather-start` / `all-gather-done` (GPU), `async-start` / `async-update` / `async-done`: the
   done that takes the start's state.
+- Across TPU slices (twinshard/hlo/megascale.py): the megascale send issues the collective, the
+  recv-done of its result completes it.
 - Synchronous collectives (all of XLA:CPU's, the TPU's it left synchronous, and those it fused with
   compute into one fusion): a zero-width window.
 A start whose done is not in its own computation (its state carried into a loop) is open to the
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinshard.hlo import dcn
+from twinshard.hlo import megascale
 from twinshard.hlo.groups import mesh_spec
 from twinshard.hlo.loops import call_edges_of, multiplicities, root_call_target, trip_count
 from twinshard.hlo.parse import Instr, Module, base_opcode
@@ -36,17 +38,19 @@ FREE_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "tuple",
                           "copy-start", "copy-done", "slice-start", "slice-done"})
 # TPU custom calls that move no data: a buffer allocated, adjacent slices viewed as one (by name, inferred)
 _FREE_CUSTOM_CALLS = ("AllocateBuffer", "ConcatBitcast")
+_HOST_TRANSFERS = ("send", "recv", "send-done", "recv-done")
 # Edges along which a computation runs as its own stream of instructions (not fused into one op).
 _STREAM_EDGES = {"while": ("body",), "conditional": ("true_computation", "false_computation",
                                                      "branch_computations"), "call": ("to_apply", "calls")}
 
 
 def is_free(instr: Instr) -> bool:
-    """Takes no time of its own (FREE_OPCODES, the TPU's AllocateBuffer custom calls, a transfer between
-    slices' send, recv and their dones: the DCN link's time is the transfer's, twinshard/hlo/dcn.py)."""
+    """Takes no time of its own (FREE_OPCODES, the TPU's AllocateBuffer custom calls, the send/recv that hand a
+    buffer to the megascale runtime, which carries it across slices beside the compute: its window is priced)."""
+    if instr.opcode in _HOST_TRANSFERS and "is_host_transfer=true" in instr.attr_text:
+        return True
     return instr.opcode in FREE_OPCODES or (
-        instr.opcode == "custom-call" and any(t in instr.attr_text for t in _FREE_CUSTOM_CALLS)) or (
-        instr.opcode in dcn.TRANSFER_OPCODES and dcn.is_transfer_side(instr))
+        instr.opcode == "custom-call" and any(t in instr.attr_text for t in _FREE_CUSTOM_CALLS))
 
 
 def phase(op_name: str) -> str:
@@ -167,8 +171,9 @@ def schedule(compiled_or_hlo_text: Any, mesh: Any) -> Schedule:
         by_instr.setdefault((r.computation, r.name), []).append(r)
         by_comp.setdefault(r.computation, []).append(r)
     starts, dones = _async_fusion_computations(mod)
+    dcn_ends = {(t.computation, t.send): t.recv_done for t in megascale.transfers(mod)} if led.dcn else {}
     for seq in sequences.values():
-        seq.windows = _windows(seq, mod, by_instr, by_comp, starts, dones, warnings)
+        seq.windows = _windows(seq, mod, by_instr, by_comp, starts, dones, dcn_ends, warnings)
     timed = {id(r) for seq in sequences.values() for w in seq.windows for r in w.records}
     for r in led.records:
         if id(r) not in timed:
@@ -234,7 +239,7 @@ def _follow(order: list[Instr], k: int, is_done, is_link) -> tuple[int | None, l
 
 
 def _windows(seq: Sequence, mod: Module, by_instr, by_comp, starts: set[str], dones: set[str],
-             warnings: list[str]) -> list[Window]:
+             dcn_ends: dict[tuple[str, str], str], warnings: list[str]) -> list[Window]:
     order, out = seq.order, []
     calls = lambda i: [c for key, c in call_edges_of(i) if key == "calls"]  # noqa: E731
     for k, instr in enumerate(order):
@@ -246,6 +251,9 @@ def _windows(seq: Sequence, mod: Module, by_instr, by_comp, starts: set[str], do
             done, links = _follow(order, k, lambda i: base_opcode(i.opcode)[1] == "done",
                                   lambda i: base_opcode(i.opcode)[1] == "update")
             records = by_instr.get((seq.name, instr.name)) or [r for c in callees for r in by_comp.get(c, [])]
+        elif (seq.name, instr.name) in dcn_ends:  # across slices: from the send to the recv-done of its result
+            done, links = seq.position(dcn_ends[(seq.name, instr.name)]), []
+            records = by_instr.get((seq.name, instr.name), [])
         elif instr.opcode == "async-start" and any(_has_collective(mod, c) for c in callees):
             done, links = _follow(order, k, lambda i: i.opcode == "async-done", lambda i: i.opcode == "async-update")
             records = [r for c in callees for r in by_comp.get(c, [])]
@@ -253,8 +261,6 @@ def _windows(seq: Sequence, mod: Module, by_instr, by_comp, starts: set[str], do
             done, links = _follow(order, k, lambda i: i.opcode == "fusion" and any(c in dones for c in calls(i)),
                                   lambda i: i.opcode == "fusion" and any(_has_collective(mod, c) for c in calls(i)))
             records = [r for c in callees for r in by_comp.get(c, [])]
-        elif instr.opcode == "send" and dcn.is_transfer(instr):  # across slices: done when its recv is
-            done, links, records = _transfer_done(order, k), [], by_instr.get((seq.name, instr.name), [])
         elif instr.opcode == "fusion" and any(c in by_comp for c in callees):
             # a collective fused with compute (TPU's all-reduce-scatter fusions, measured): synchronous
             done, links, records = k, [], [r for c in callees for r in by_comp.get(c, [])]
@@ -269,12 +275,3 @@ def _windows(seq: Sequence, mod: Module, by_instr, by_comp, starts: set[str], do
         out.append(Window(seq.name, k, end, instr.name, "" if carried else order[end].name,
                           tuple(records), inside, tuple(links), carried))
     return out
-
-
-def _transfer_done(order: list[Instr], k: int) -> int | None:
-    """Position of the recv-done of the megascale send at order[k]: the recv-done of the recv of the
-    same rendezvous (twinshard/hlo/dcn.py), wherever the recv is scheduled; None if none follows."""
-    key = dcn.rendezvous(order[k])
-    recvs = {i.name for i in order if i.opcode == "recv" and dcn.is_transfer(i) and dcn.rendezvous(i) == key}
-    return next((j for j in range(k + 1, len(order))
-                 if order[j].opcode == "recv-done" and order[j].operands and order[j].operands[0] in recvs), None)

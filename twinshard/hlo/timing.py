@@ -159,6 +159,10 @@ class Prediction:
             t[2] += c.exposed_s * c.runs
         return {a: AxisTime(*v) for a, v in out.items()}
 
+    def lane_name(self, axis: str) -> str:
+        """'data (DCN)' for an axis across TPU slices (the ledger's `dcn`), else the axis."""
+        return f"{axis} (DCN)" if axis in self.schedule.ledger.dcn else axis
+
     def by_kind(self) -> dict[str, float]:
         """Seconds per step of each op kind on the compute stream."""
         out: dict[str, float] = {}
@@ -180,7 +184,7 @@ class Prediction:
                  f"{splash} ({r.source})",
                  "  by kind: " + ", ".join(f"{k} {seconds(v)}" for k, v in sorted(self.by_kind().items()))]
         for axis, t in self.axes.items():
-            lines.append(f"  axis {axis}: communication {seconds(t.comm_s)}, hidden {seconds(t.hidden_s)}, "
+            lines.append(f"  axis {self.lane_name(axis)}: communication {seconds(t.comm_s)}, hidden {seconds(t.hidden_s)}, "
                          f"exposed {seconds(t.exposed_s)}")
         for seq in self.schedule.loops:
             lines.append(f"  loop %{seq.name}: {seconds(self.sequence_s[seq.name])} per iteration, "

@@ -13,7 +13,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from twinshard.splash_blocks import splash_block, splash_padded
-from twinshard.model import quantize
+from twinshard.model import quantize, taps
 from twinshard.model.matmuls import cotangent_like, matmul, partial_sums, varying_axes
 from twinshard.model.tracing import TraceSetting
 
@@ -30,12 +30,17 @@ def linear(x: Array, w: Array, flat: bool = True) -> Array:
 
     Batch dims kept made XLA:CPU transpose-copy the cotangent for dW; a float32 result made JAX run
     both backward matmuls in f32 (measured, JAX 0.12). cp and tp_sp pass flat=False (GSPMD gathers).
-    Inside quantize.quantizing("int8") (the transformer blocks) forward and dx run in int8."""
+    Inside quantize.quantizing("int8") (the transformer blocks) forward and dx run in int8. A tapped op
+    (twinshard/model/taps.py: the zero-bubble split backward)."""
     mode = quantize.active()
     axes = quantize.token_axes() if mode == "int8_dw" else ()  # dW's absmax over every token
-    if not flat:
-        return matmul(x, w, mode, axes)
-    return matmul(x.reshape(-1, x.shape[-1]), w, mode, axes).reshape(*x.shape[:-1], w.shape[-1])
+
+    def product(x: Array, w: Array) -> Array:
+        if not flat:
+            return matmul(x, w, mode, axes)
+        return matmul(x.reshape(-1, x.shape[-1]), w, mode, axes).reshape(*x.shape[:-1], w.shape[-1])
+
+    return taps.tapped(product, x, w)
 
 
 def linears(x: Array, ws: tuple[Array, ...], flat: bool = True) -> tuple[Array, ...]:
@@ -62,8 +67,8 @@ def merge_chunks(xs: tuple[Array, ...]) -> Array:
 
 
 def embedding(ids: Array, table: Array) -> Array:
-    """Row lookup. ids: [...] int, table: [V, D] -> [..., D]."""
-    return jnp.take(table, ids, axis=0)
+    """Row lookup. ids: [...] int, table: [V, D] -> [..., D]; a tapped op (twinshard/model/taps.py)."""
+    return taps.tapped(lambda ids, table: jnp.take(table, ids, axis=0), ids, table)
 
 
 def rms_norm(x: Array, gain: Array, eps: float, compute: bool = False) -> Array:
@@ -73,7 +78,8 @@ def rms_norm(x: Array, gain: Array, eps: float, compute: bool = False) -> Array:
         return _narrow_rms_norm(x, gain, eps)
     x32 = x.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * inv_rms * gain.astype(jnp.float32)).astype(x.dtype)
+    # the gain's product x^ g is a tapped op (twinshard/model/taps.py), x^ = x32 inv_rms its operand
+    return taps.tapped(lambda x_hat, g: (x_hat * g.astype(jnp.float32)).astype(x.dtype), x32 * inv_rms, gain)
 
 
 def row_dot(a: Array, b: Array) -> Array:

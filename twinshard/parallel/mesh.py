@@ -296,3 +296,121 @@ def make_mesh(shape: Mapping[str, int], axis_type: AxisType = AxisType.Auto,
     if devices is None:
         return jax.make_mesh(sizes, names, axis_types=(axis_type,) * len(names))
     return Mesh(np.asarray(devices).reshape(sizes), names, axis_types=(axis_type,) * len(names))
+
+
+# Across slices (--dcn_mesh): a slice is a pod of chips joined by ICI; slices reach each other over the
+# data-center network (DCN), ~10-100x slower. Each mesh axis lies wholly across slices or wholly
+# inside one; the DCN axes are outermost in the device order (create_hybrid_device_mesh's blocks).
+
+_DCN_EXAMPLE = "--strategy=hsdp --dcn_mesh=data:2 --mesh=fsdp:4"
+
+
+def _named_axes(spec: str | None) -> list[str]:
+    return [p.partition(":")[0].strip() for p in (spec or "").split(",") if p.strip()]
+
+
+def parse_dcn_mesh(spec: str | None, strategy: str, mesh_spec: str | None = None) -> dict[str, int]:
+    """--dcn_mesh 'data:2' -> {'data': 2}: the axes across slices, each one the strategy may put on
+    DCN (Strategy.dcn) and named in no --mesh; None or '' -> {} (one slice)."""
+    if not spec:
+        return {}
+    declared = strategies.get(strategy)
+    if not declared.dcn:
+        raise ValueError(f"--dcn_mesh={spec}: strategy {strategy} cannot cross slices (each of its collectives "
+                         f"would cross DCN every layer); the strategies that can are {', '.join(strategies.CROSS_DCN)}"
+                         f", e.g. {_DCN_EXAMPLE}.")
+    shape: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, colon, size = (x.strip() for x in part.partition(":"))
+        if name not in declared.dcn:
+            why = f"axis {name!r} cannot cross slices under {strategy} (its axis across slices: {', '.join(declared.dcn)})"
+        elif name in shape:
+            why = f"axis {name!r} appears twice"
+        elif not colon or not size.isdigit() or int(size) < 1:
+            why = f"size {size!r} of axis {name!r} is not an integer >= 1"
+        else:
+            shape[name] = int(size)
+            continue
+        raise ValueError(f"bad --dcn_mesh={spec!r} at {part!r}: {why}; e.g. {_DCN_EXAMPLE}.")
+    both = [a for a in _named_axes(mesh_spec) if a in shape]
+    if both:
+        inner = ",".join(p for p in (mesh_spec or "").split(",") if p.partition(":")[0].strip() not in shape)
+        raise ValueError(f"axis {both[0]!r} is named in both --dcn_mesh={spec} and --mesh={mesh_spec}: an axis lies "
+                         f"either across slices or inside one; drop it from --mesh (--mesh={inner or 'fsdp:4'}).")
+    return shape
+
+
+def hybrid_spec(strategy: str, dcn: Mapping[str, int], mesh_spec: str | None, n_devices: int) -> str:
+    """The whole mesh's spec: the DCN axes, then --mesh's (default: the strategy's one other split axis
+    on every device of a slice, hsdp's fsdp:n/slices)."""
+    slices = math.prod(dcn.values())
+    if mesh_spec is None:
+        inner = [a for a in _required(strategy) if a not in dcn]
+        mesh_spec = ",".join(f"{a}:{max(n_devices // slices, 1) if a == inner[0] else 1}" for a in inner)
+    return ",".join([*(f"{a}:{n}" for a, n in dcn.items()), mesh_spec])
+
+
+class _SimulatedSlice:
+    """A device of one process's simulated slice: the device, with the slice_index a TPU device has."""
+
+    def __init__(self, device, slice_index: int):
+        self.device, self.slice_index = device, slice_index
+
+    def __getattr__(self, name):
+        return getattr(self.device, name)
+
+
+def granules(devices) -> tuple[str, list]:
+    """How the devices group into slices: 'slice_index' (TPU slices, AOT topologies of num_slices),
+    'process_index' (CPU processes: each one a slice), or 'simulated' (one CPU process: its devices,
+    in order, split by the caller). Measured (JAX 0.12): the CPU devices of a multi-process run have a
+    slice_index, 0 in every process, so one slice_index is no slice count on a CPU."""
+    indices = sorted({getattr(d, "slice_index", 0) for d in devices})
+    if len(indices) > 1 or devices[0].platform != "cpu":
+        return "slice_index", indices
+    if len(processes := sorted({d.process_index for d in devices})) > 1:
+        return "process_index", processes
+    return "simulated", [0]
+
+
+def check_slices(dcn: Mapping[str, int], devices) -> None:
+    """The DCN mesh's product is the slice count (simulated: it splits the devices evenly), or one line."""
+    slices, (how, found) = math.prod(dcn.values()), granules(devices)
+    spec = ",".join(f"{a}:{n}" for a, n in dcn.items())
+    axis = next(iter(dcn))
+    if how != "simulated" and slices != len(found):
+        by = "slice_index" if how == "slice_index" else "process (each process a slice)"
+        raise ValueError(f"--dcn_mesh={spec} spans {slices} slices but the {len(devices)} devices are in "
+                         f"{len(found)} (by {by}); write --dcn_mesh={axis}:{len(found)}.")
+    if how == "simulated" and len(devices) % slices:
+        fits = [k for k in range(2, len(devices) + 1) if len(devices) % k == 0]
+        raise ValueError(f"--dcn_mesh={spec} splits this process's {len(devices)} devices into {slices} simulated "
+                         f"slices, unevenly; choose {axis} from {fits}.")
+
+
+def hybrid_mesh(shape: Mapping[str, int], dcn: Mapping[str, int], devices=None) -> np.ndarray:
+    """The devices of a mesh across slices, shaped as `shape` in ORDER (mesh_utils.create_hybrid_device_mesh):
+    each DCN axis (`dcn`, sized in slices) steps from slice to slice, the other axes stay inside one.
+    One process without slice_index (CPU tests) splits its devices, in order, into equal simulated slices."""
+    from jax.experimental import mesh_utils
+
+    devices = list(jax.devices() if devices is None else devices)
+    check_slices(dcn, devices)
+    names = [a for a in ORDER if a in shape]
+    inner = [shape[a] // dcn.get(a, 1) for a in names]  # [1, 4] for hsdp data:2 (DCN) x fsdp:4 (ICI)
+    outer = [dcn.get(a, 1) for a in names]  # [2, 1]
+    how, _ = granules(devices)
+    if how != "simulated":
+        return mesh_utils.create_hybrid_device_mesh(inner, outer, devices, process_is_granule=how == "process_index")
+    per_slice = len(devices) // math.prod(outer)
+    wrapped = [_SimulatedSlice(d, i // per_slice) for i, d in enumerate(devices)]
+    placed = mesh_utils.create_hybrid_device_mesh(inner, outer, wrapped)
+    return np.vectorize(lambda d: d.device, otypes=[object])(placed)
+
+
+def slices_line(shape: Mapping[str, int], dcn: Mapping[str, int], devices) -> str:
+    """'mesh data:2,fsdp:4 across 2 slices (data:2 over DCN, by process)': what the launchers log."""
+    how = {"slice_index": "by slice_index", "process_index": "by process",
+           "simulated": "simulated: one process's devices split in order"}[granules(list(devices))[0]]
+    spec = ",".join(f"{a}:{n}" for a, n in dcn.items())
+    return f"mesh {mesh_str(shape)} across {math.prod(dcn.values())} slices ({spec} over DCN, {how})"

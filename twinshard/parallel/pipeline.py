@@ -13,6 +13,8 @@ i - s (a bubble otherwise) and hands [B/M, T, D] to the next stage; autodiff han
 Every schedule is data: `build(name, S, M, V)` is a table of ticks x stages, each cell idle or
 one Action (F / B / W of micro-batch i on virtual stage j); `Schedule.text()` draws it, and its
 bubble and activations in flight are read from it (docs/pipelines.md has the grids side by side).
+With V > 1 chunks a stage the layers are placed round-robin and stored device-major
+(twinshard/parallel/round_robin.py), so the contiguous split over `stage` still hands each device what it runs.
 
 Embedding, ln_final and lm_head are replicated over `stage` (a shard_map program is the same on
 every device); the manual twin sums their gradients over `stage`. pp_fsdp adds FSDP over `data`
@@ -257,6 +259,23 @@ def check_schedule(name: str, stages: int, microbatches: int, virtual: int) -> N
                          "(or another multiple).")
 
 
+# The ModelConfig fields whose non-default values apply a weight outside the ops twinshard/model/taps.py
+# taps (an int8 product, the narrow norm's custom backward, the experts, the heads-layout einsums), where
+# zb_h1's split backward (manual_parallel/pp_split.py) could not defer its gradient to W (pipelines refuse
+# the chunked loss already).
+UNTAPPED = {"quantization": "none", "norm_dtype": "float32", "num_experts": 0, "qkv_layout": "tokens"}
+
+
+def check_split(model, schedule: str) -> None:
+    """A schedule with a split backward (SPLIT) on a model whose weights all go through tapped ops, or
+    ValueError naming the field and the fix."""
+    for name, ok in UNTAPPED.items() if schedule in SPLIT else ():
+        if getattr(model, name) != ok:
+            raise ValueError(f"--schedule={schedule} splits each backward at the weighted ops twinshard/model/taps.py "
+                             f"taps, and --{name}={getattr(model, name)} applies a weight outside them: pass "
+                             f"--{name}={ok}, or --schedule=1f1b.")
+
+
 def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accum: int = 1,
           data: int = 1, schedule: str = "gpipe", virtual: int = 1) -> None:
     """L splits into S stages (of V chunks), the batch (pp_fsdp: each data shard's) into M >= S
@@ -293,8 +312,8 @@ def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accu
 @dataclass(frozen=True)
 class Buffers:
     """Where a device keeps what crosses ticks when it runs a schedule by hand: [ticks][stages] tables
-    of the slot each op reads (its input in `act`, its output's gradient in `grad`, zb_h1's saved
-    backward in `res`; 0 where none) and of the slot an arrival is written to at the end of the tick
+    of the slot each op reads (its input in `act`, its output's gradient in `grad`, zb_h1's stash from
+    B to W in `res`; 0 where none) and of the slot an arrival is written to at the end of the tick
     (`recv_act`: the activation the previous virtual stage sent, `recv_grad`: the gradient the next
     one sent back; -1 where none). Each slot holds one value from its write to its last read."""
 
@@ -321,9 +340,9 @@ def buffers(schedule: Schedule) -> Buffers:
         for j in range(vs):
             # the input: from its arrival (stage 0 chunk 0: its own forward) to the backward that re-runs it
             live["act"][i, j] = (at(FORWARD, i, j - 1) + 1 if j else at(FORWARD, i, j), at(back, i, j))
-            if j < vs - 1:  # the output's gradient: from its arrival to its last reader (zb_h1: W)
-                live["grad"][i, j] = (at(back, i, j + 1) + 1, at(WEIGHT if split else back, i, j))
-            if split:  # the backward's residuals: from the input gradient to the weight gradient
+            if j < vs - 1:  # the output's gradient: from its arrival to the backward (zb_h1: B) that reads it
+                live["grad"][i, j] = (at(back, i, j + 1) + 1, at(back, i, j))
+            if split:  # B's stash (manual_parallel/pp_split.py): from the input gradient to the weight gradient
                 live["res"][i, j] = (at(INPUT, i, j), at(WEIGHT, i, j))
     slot, sizes = {}, {}
     for ring, spans in live.items():
@@ -348,6 +367,6 @@ def buffers(schedule: Schedule) -> Buffers:
             recv_grad[t][(a.stage - 1) % s_] = slot["grad", (a.microbatch, a.stage - 1)]
     return Buffers(
         act=table(lambda a: slot["act", (a.microbatch, a.stage)] if a.kind != WEIGHT else 0),
-        grad=table(lambda a: slot.get(("grad", (a.microbatch, a.stage)), 0) if a.kind != FORWARD else 0),
+        grad=table(lambda a: slot.get(("grad", (a.microbatch, a.stage)), 0) if a.kind in (BACKWARD, INPUT) else 0),
         res=table(lambda a: slot.get(("res", (a.microbatch, a.stage)), 0)),
         recv_act=recv_act, recv_grad=recv_grad, sizes=sizes)

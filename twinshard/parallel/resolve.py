@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import jax
@@ -33,19 +33,34 @@ class Run:
     mesh: Mapping[str, int]
     cfg: Config
     devices: tuple | None = None  # None: every device, ordered by jax.make_mesh
+    # the axes across slices (--dcn_mesh), sized in slices; a factory, as Python 3.11's dataclasses refuse an
+    # unhashable default (a MappingProxyType is hashable from 3.12 only: the TPU machine runs 3.11)
+    dcn: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def across_slices(run: Run) -> bool:
+    """True when some axis of the run's mesh crosses slices over DCN (--dcn_mesh of more than one slice)."""
+    return math.prod(run.dcn.values()) > 1
 
 
 def resolve_run(strategy: str, twin: str, mesh_spec: str | None, cfg: Config, devices=None,
-                first_devices: bool = False) -> Run:
+                first_devices: bool = False, dcn_spec: str | None = None) -> Run:
     """Every check of (strategy, twin, mesh, model, options, devices), each once, and the run they
-    allow; `first_devices`: a `mesh_spec` of fewer devices than there are runs on the first ones."""
+    allow; `first_devices`: a `mesh_spec` of fewer devices than there are runs on the first ones;
+    `dcn_spec` (--dcn_mesh): the axes across slices, the devices then ordered by mesh.hybrid_mesh."""
     declared = strategies.get(strategy)
     if not declared.split_axes:
+        if dcn_spec:
+            mesh_lib.parse_dcn_mesh(dcn_spec, strategy)  # single cannot cross slices: its one line
         return one_device_run(declared, twin, mesh_spec, cfg)
+    dcn = mesh_lib.parse_dcn_mesh(dcn_spec, strategy, mesh_spec)
     check_twin(declared, twin, cfg)
     check_options(declared, twin, cfg)
     check_experts(declared, cfg.model)  # no mesh fixes a model the strategy cannot run
     found = jax.devices() if devices is None else devices
+    if dcn:
+        mesh_lib.check_slices(dcn, found)  # before the mesh: its message names the slice count
+        mesh_spec = mesh_lib.hybrid_spec(strategy, dcn, mesh_spec, len(found))
     asked = None if mesh_spec is None else mesh_lib.parse_mesh(mesh_spec, strategy)  # the one parse
     if first_devices and asked is not None and (n := math.prod(asked.values())) < len(found):
         devices = found = found[:n]
@@ -56,8 +71,10 @@ def resolve_run(strategy: str, twin: str, mesh_spec: str | None, cfg: Config, de
     check_kv_heads(declared, twin, shape, cfg)
     check_overlap_chunks(shape, cfg)
     check_dispatch(declared, twin, found, cfg)
+    if dcn:  # the devices in the hybrid mesh's order: make_mesh reshapes them row-major
+        devices = tuple(mesh_lib.hybrid_mesh(shape, dcn, found).flat)
     return Run(strategy, twin, declared, declared.placed(cfg.model.kv_heads, shape), MappingProxyType(shape), cfg,
-               None if devices is None else tuple(devices))
+               None if devices is None else tuple(devices), MappingProxyType(dcn))
 
 
 def one_device_run(declared: Strategy, twin: str, mesh_spec: str | None, cfg: Config) -> Run:
@@ -96,6 +113,7 @@ def check_family(declared: Strategy, shape: Mapping[str, int], cfg: Config) -> N
     if declared.family == "pipeline":
         pipeline.check(cfg.model.num_layers, cfg.train.batch_size, shape[pipeline.STAGE], cfg.train.microbatches,
                        cfg.train.grad_accum, shape.get("data", 1), cfg.train.schedule, cfg.train.virtual_stages)
+        pipeline.check_split(cfg.model, cfg.train.schedule)
     if declared.family == "context":
         context.check(cfg.model.context_length, shape[context.CONTEXT], context.layout_of(declared.name, cfg.train.cp_layout))
         if declared.name in strategies.ALL_TO_ALL_CONTEXT:
@@ -162,7 +180,7 @@ def check_options(declared: Strategy, impl: str, cfg: Config) -> None:
                          "varying over it; docs/speed.md): use --impl=auto, or --attention=recompute here.")
     if declared.family == "pipeline" and impl not in (twins := support.schedule_twins(strategy, train.schedule)):
         runs = [s for s in support.SCHEDULE_FIELDS if impl in support.schedule_twins(strategy, s)]
-        where = (f"is written by hand in the {' and '.join(twins)} twin only (--impl={' or --impl='.join(twins)})"
+        where = (f"is written in the {' and '.join(twins)} twin only (--impl={' or --impl='.join(twins)})"
                  if twins else "has its table (twinshard/parallel/pipeline.py) but no twin runs it yet")
         raise ValueError(f"--schedule={train.schedule} {where}; --impl={impl} runs --schedule="
                          f"{' or '.join(runs)} under --strategy={strategy}.")

@@ -19,6 +19,8 @@ and nothing else names a strategy.
     pp_fsdp   pp x fsdp  both                                               pipeline
     ep        -          the experts over expert, the batch over (data, expert)  experts
     fsdp_ep   fsdp x ep  both                                               experts
+    hsdp      dp x fsdp  the batch over (data, fsdp); every weight's d_model over fsdp,
+                         replicated over data (the axis across slices, over DCN)    slices
 
 An axis absent from a table is replicated; a tuple of mesh axes splits a dimension over their
 product. `Strategy.placed` drops kv_heads (replicated) where the tensor axis exceeds the kv heads
@@ -35,7 +37,7 @@ from twinshard.parallel.axes import ORDER
 
 MANY, ONE, ANY = ">1", "=1", ">=1"  # what a mesh axis's size must be: split over, unused, either
 KV_HEADS = "kv_heads"  # the logical axis of the key/value projections' output columns
-FAMILIES = ("base", "pipeline", "context", "experts")
+FAMILIES = ("base", "pipeline", "context", "experts", "slices")
 
 
 def _frozen(table: Mapping[str, str]) -> Mapping[str, str]:
@@ -46,7 +48,9 @@ def _frozen(table: Mapping[str, str]) -> Mapping[str, str]:
 class Strategy:
     """One strategy: `mesh` (axis -> MANY / ONE / ANY), `params` and `activations` (logical axis ->
     mesh axis; a weight where it is used follows `activations`), `sequence` (the residual stream's
-    table where it differs: tp_sp), `composes`, and `family` (base, pipeline, context, experts)."""
+    table where it differs: tp_sp), `composes`, `family` (base, pipeline, context, experts, slices) and
+    `dcn`: the mesh axes that may run across slices over DCN (--dcn_mesh); every other axis stays
+    inside a slice, on ICI."""
 
     name: str
     summary: str
@@ -56,9 +60,11 @@ class Strategy:
     sequence: Mapping[str, str] | None = None
     composes: tuple[str, ...] = ()
     family: str = "base"
+    dcn: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.family in FAMILIES, self.family
+        assert all(self.mesh.get(a) == MANY for a in self.dcn), (self.name, self.dcn)
         for name in ("mesh", "params", "activations"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
         if self.sequence is not None:
@@ -135,9 +141,16 @@ EP = Strategy("ep", "expert parallelism: the experts over expert, the batch over
               activations={"batch": ("data", "expert"), "experts": "expert", "expert_groups": "data"},
               family="experts")
 FSDP_EP = compose("fsdp_ep", "ep, plus fsdp of every weight's d_model over data", FSDP, EP, family="experts")
+# Hybrid sharded data parallelism (PyTorch's HSDP; MaxText's dcn_data_parallelism with ici fsdp): the
+# weights' shards live inside a slice, so across slices (over DCN) only the gradient shards' all-reduce
+# travels: no weight and no activation crosses DCN.
+HSDP = Strategy("hsdp", "data parallel over data (across slices, over DCN), fsdp of every weight's d_model over "
+                "fsdp inside each slice; the batch over both",
+                mesh={"data": MANY, "fsdp": MANY}, params={"embed": "fsdp"}, activations={"batch": ("data", "fsdp")},
+                family="slices", dcn=("data",))
 
 DECLARATIONS: tuple[Strategy, ...] = (SINGLE, DP, FSDP, TP, FSDP_TP, TP_SP, CP, FSDP_CP, ULYSSES, FSDP_ULYSSES, PP,
-                                      PP_FSDP, EP, FSDP_EP)
+                                      PP_FSDP, EP, FSDP_EP, HSDP)
 STRATEGIES: Mapping[str, Strategy] = MappingProxyType({s.name: s for s in DECLARATIONS})
 # Every --strategy; NAMES: the parallel ones (a mesh axis to split over), which the twins write
 RUNS: tuple[str, ...] = tuple(STRATEGIES)
@@ -146,6 +159,9 @@ NAMES: tuple[str, ...] = tuple(s.name for s in DECLARATIONS if s.split_axes)
 DATA_TENSOR: tuple[str, ...] = tuple(s.name for s in DECLARATIONS
                                      if s.family == "base" and s.split_axes and ANY not in s.mesh.values())
 
+
+# The strategies that may put an axis across slices (--dcn_mesh), and those axes
+CROSS_DCN: tuple[str, ...] = tuple(s.name for s in DECLARATIONS if s.dcn)
 
 # The context strategies whose attention sees whole sequences: contiguous layout whatever --cp_layout says
 ALL_TO_ALL_CONTEXT: tuple[str, ...] = (ULYSSES.name, FSDP_ULYSSES.name)

@@ -33,8 +33,9 @@ class Support:
 
 _MOE = dict(moe=_TWO, ragged_accum=_MANUAL)
 _MEGATRON = dict(uneven_kv_heads=_TWO)
-# The schedules run by hand from their table (twinshard/parallel/pipeline.py); gpipe is every pipeline twin's
-_BY_HAND = dict(one_f_one_b=_MANUAL, zb_h1=_MANUAL)
+# The schedules beyond gpipe (every pipeline twin's): the manual twin runs each by hand from its table
+# (twinshard/parallel/pipeline.py); the GSPMD twin runs interleaved as a circular loop (auto_parallel/pp.py)
+_BY_HAND = dict(one_f_one_b=_MANUAL, zb_h1=_MANUAL, interleaved=_TWO)
 SUPPORT: dict[str, Support] = {
     "dp": Support(_ALL, loss_chunks=_TWO, **_MOE),
     "fsdp": Support(_ALL, loss_chunks=_TWO, **_MOE),
@@ -49,6 +50,7 @@ SUPPORT: dict[str, Support] = {
     "pp_fsdp": Support(_TWO, **_BY_HAND),
     "ep": Support(_TWO, **_MOE),
     "fsdp_ep": Support(_TWO, **_MOE),
+    "hsdp": Support(_TWO),
 }
 assert tuple(SUPPORT) == strategies.NAMES, "one row per declared strategy, in declaration order"
 

@@ -147,6 +147,7 @@ def accumulated_value_and_grad(loss: Callable[..., jax.Array], params: Params, x
                                count: Callable[[jax.Array], jax.Array] = all_tokens) -> tuple[jax.Array, Params]:
     """(mean token loss, its gradient) over x, y [B, T] as K = grad_accum micro-batches, each adding
     its SUMMED loss; divided by the token count once after the scan. K = 1: plain value_and_grad.
+    The gradient comes back in each param's dtype whatever K (the float32 accumulator cast once).
     Inside shard_map it adds no collective (the caller synchronizes once)."""
     if grad_accum == 1:
         return jax.value_and_grad(loss)(params, x, y)
@@ -164,7 +165,9 @@ def accumulated_value_and_grad(loss: Callable[..., jax.Array], params: Params, x
     grad_sum, (loss_sums, tokens) = jax.lax.scan(
         body, zeros, (micro_batches(x, grad_accum), micro_batches(y, grad_accum)))
     total = jnp.sum(tokens)
-    return jnp.sum(loss_sums) / total, jax.tree.map(lambda g: per_token(g, total), grad_sum)
+    # The one rule of gradient bytes: a gradient leaves accumulation in its param's dtype, so every twin's
+    # data-parallel reduction after this moves it in the weight dtype (bf16 weights: half of float32's bytes).
+    return jnp.sum(loss_sums) / total, jax.tree.map(lambda g, p: per_token(g, total).astype(p.dtype), grad_sum, params)
 
 
 def zero_gradient(p: jax.Array) -> jax.Array:
@@ -239,6 +242,12 @@ class SingleDevice:
 
     def place_batch(self, x, y):
         return jnp.asarray(x), jnp.asarray(y)
+
+    def to_model(self, tree):
+        """The layers are in the model's order here (twinshard/placed.py's runners may store them otherwise)."""
+        return tree
+
+    to_stored = to_model
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state (for restore and for lowering the train step)."""

@@ -9,8 +9,8 @@ embedding's and the lm_head's. `ASYNC_COLLECTIVES` makes all-reduces asynchronou
 fusions too, as all-gathers already are, and reduce-scatters; the names are MaxText's
 (benchmarks/xla_flags_library.py, CF_FOR_ALL_REDUCE and CF_FOR_ALL_GATHER), the reduce-scatter ones
 those of MaxDiffusion's TPU recipes, and the kLoop one and the combiner's found in libtpu's own list
-of options. libtpu refuses a name it does not know at compile time; tests/test_xla_options.py
-compiles with each. What they hide on v5e:4x4: BENCHMARKS.md, "Exposed communication on v5e:4x4"."""
+of options. libtpu refuses a compile that names an option it does not know; tests/test_xla_options.py
+compiles with all of them. What they hide on v5e:4x4: BENCHMARKS.md, "Exposed communication on v5e:4x4"."""
 
 from __future__ import annotations
 
