@@ -126,3 +126,11 @@ def test_a_batch_the_slices_do_not_split_is_one_line_naming_both() -> None:
     with pytest.raises(ValueError, match=r"pass a multiple of 4 \(e.g. 4\)\.$"):
         planner.check_batch_slices(2, 4)
     planner.check_batch_slices(18, 3)  # divides: no error
+
+
+def test_hsdp_is_a_layout_across_slices_not_a_plan_of_one_slice() -> None:
+    """The hsdp strategy's `data` axis runs across slices: inside one slice's chips it is no plan (nor a
+    refusal); across slices fsdp inside each slice is the hsdp layout."""
+    one, two = (plans_lib.plan_all(TINY.model, topo, 16)[0] for topo in (ONE, links.with_slices(ONE, 2)))
+    assert "hsdp" not in {p.strategy for p in one + two} and "hsdp" not in plans_lib.runnable(TINY.model)[1]
+    assert [p.label() for p in two if p.layout == "hsdp"] == ["dcn:2 x data:4,tensor:1"]

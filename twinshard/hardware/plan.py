@@ -249,9 +249,13 @@ class Skipped:
 
 
 def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
-    """The declared strategies the model runs under, and the others -> resolve.check_experts's reason."""
+    """The declared strategies the model runs under, and the others -> resolve.check_experts's reason. A
+    strategy with axes across slices (hsdp) is no plan of one slice's chips: across slices it is the
+    `hsdp` layout of fsdp (`Plan.layout`)."""
     ok, refused = [], {}
     for strategy in support.SUPPORT:
+        if strategy in strategies.CROSS_DCN:
+            continue
         try:
             resolve.check_experts(strategies.get(strategy), cfg)
         except ValueError as e:
