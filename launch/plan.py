@@ -8,11 +8,15 @@
 
 --topology is a TPU slice as gcloud names it, `GEN:AxB` (v5e, v6e: a 2D torus) or `GEN:AxBxC`
 (v4, v5p: 3D), e.g. v5p:4x4x4 = 64 chips, up to the whole pod (v5p:16x20x28); or a GPU cluster
-`GPU:NODESxGPUS`, e.g. h100:8x8 = 8 HGX nodes of 8 GPUs. --slices=N plans N such TPU slices, data
-parallel over the data-center network (DCN): each slice runs the plan on B/N sequences and each
-chip's gradients are all-reduced with its counterparts, 2 (N-1)/N x its float32 gradient bytes at its
-DCN rate (v5p 50 Gb/s per chip, v5e 25). The chips' numbers, with their sources, are
-twinshard/hardware/chips.py.
+`GPU:NODESxGPUS`, e.g. h100:8x8 = 8 HGX nodes of 8 GPUs. --slices=N plans N such TPU slices over the
+data-center network (DCN), in the layouts of the strategy column: a strategy inside each slice, data
+parallel across (`hsdp` where it is fsdp, `dp` for dp), each slice running B/N sequences and each
+chip's gradients all-reduced with its counterparts, 2 (N-1)/N x its float32 gradient bytes at its
+DCN rate (v5p 50 Gb/s per chip, v5e 25); or `fsdp` over every slice's chips ("over N slices"), whose
+weight gathers cross DCN too (twinshard/hardware/plan.py says how). With --compile the best dp, hsdp
+and fsdp plans are compiled for the N slices (the auto twin, launch/slices.py) and ranked again by
+their compiled step, its DCN all-reduce priced at the DCN rate. The chips' numbers, with their
+sources, are twinshard/hardware/chips.py.
 
 For each strategy the model runs under (every declared strategy, twinshard/parallel/strategies.py:
 a dense model dp, fsdp, tp, fsdp_tp, tp_sp, fsdp_tp_sp, cp, fsdp_cp, pp, pp_fsdp; a mixture of experts dp,
@@ -141,7 +145,7 @@ def plan_table(plans: list[Plan], topo: Topology, cfg: ModelConfig, batch: int) 
     axes = [a for a in mesh_lib.ORDER if any(p.mesh.get(a, 1) > 1 for p in plans)] + ["dcn"] * (topo.slices > 1)
     head = ("rank", "strategy", "mesh", "memory/chip", "of HBM", "compute", *(f"comm {a}" for a in axes),
             "step overlap", "step serial", "bound", "tokens/s (serial)")
-    rows = [(str(i), p.strategy, p.label(), human(p.memory), f"{p.memory / topo.chip.hbm_bytes:.0%}",
+    rows = [(str(i), p.layout, p.label(), human(p.memory), f"{p.memory / topo.chip.hbm_bytes:.0%}",
              _ms(p.compute_s), *(_ms(p.comm_s.get(a, 0.0)) for a in axes), _ms(p.overlap_s),
              _ms(p.serial_s), p.bound, f"{batch * cfg.context_length / p.serial_s:,.0f}")
             for i, p in enumerate(plans, 1)]
@@ -172,7 +176,7 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
         if len(fit) > top:
             out.append(f"... {len(fit) - top} more (--top)")
         best = fit[0]
-        out += ["", f"links of the best plan ({best.strategy} {best.label()}):"]
+        out += ["", f"links of the best plan ({best.layout} {best.label()}):"]
         out += [f"  {axis}={best.mesh.get(axis, best.slices)}: {link.what} = {link.bytes_per_s / GB:.4g} GB/s per chip"
                 + (f"; all-to-all x {link.all_to_all:.3g} (its messages cross several links)"
                    if link.all_to_all != 1 and _has_all_to_all(best, axis) else "")
@@ -211,7 +215,8 @@ def launch_section(fit: list[Plan], topo: Topology, name: str, cfg: Config) -> l
     """The launch line of the best plan launch.train runs as planned (Plan.runnable)."""
     if topo.slices > 1:
         return ["== launch.train builds one slice's mesh; a multi-slice run needs its data axis over the slices "
-                "(jax.experimental.mesh_utils.create_hybrid_device_mesh) =="]
+                "(jax.experimental.mesh_utils.create_hybrid_device_mesh; --compile compiles the best dp, hsdp and "
+                "fsdp plans so, launch/slices.py) =="]
     best = next((p for p in fit if p.runnable), None)
     if best is None:
         return ["== no plan that fits is one launch.train runs (all are flat) =="]
@@ -256,8 +261,8 @@ def launch_commands(plan: Plan, topo: Topology, name: str, cfg: Config) -> list[
 def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
             mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> dict:
     def one(p: Plan, rank_: int | None) -> dict:
-        return {"rank": rank_, "strategy": p.strategy, "mesh": p.mesh, "microbatches": p.microbatches,
-                "schedule": p.schedule, "flat": p.flat, "slices": p.slices, "fits": p.fits,
+        return {"rank": rank_, "strategy": p.strategy, "layout": p.layout, "across": p.across, "mesh": p.mesh,
+                "microbatches": p.microbatches, "schedule": p.schedule, "flat": p.flat, "slices": p.slices, "fits": p.fits,
                 "memory": {**dataclasses.asdict(p.cost.memory), "total": p.memory}, "hbm_usable": p.hbm_usable,
                 "compute_s": p.compute_s, "comm_s": p.comm_s, "overlap_s": p.overlap_s, "serial_s": p.serial_s,
                 "bound": p.bound, "flops_per_chip": p.cost.flops.per_device,
@@ -319,13 +324,13 @@ def compile_plan(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
 def refined_table(compiled: list[tuple[int, Plan, dict]], rank_by: str) -> str:
     """The compiled plans ranked by their predicted step: the model's step beside the compiled
     program's, its compute and each mesh axis's exposed communication."""
-    axes = [a for a in mesh_lib.ORDER if any(a in doc["predicted"]["axes"] for _, _, doc in compiled)]
+    axes = [a for a in (*mesh_lib.ORDER, "dcn") if any(a in doc["predicted"]["axes"] for _, _, doc in compiled)]
     head = ("rank", "plan", "strategy", "mesh", f"model ({rank_by})", "predicted step", "compute+memory",
             *(f"exposed {a}" for a in axes), "exposed", "XLA peak")
     rows = []
     for i, (rank_, p, doc) in enumerate(compiled, 1):
         pr = doc["predicted"]
-        rows.append((str(i), str(rank_), p.strategy, p.label(), _ms(p.step_s(rank_by)), _ms(pr["step_s"]),
+        rows.append((str(i), str(rank_), p.layout, p.label(), _ms(p.step_s(rank_by)), _ms(pr["step_s"]),
                      _ms(pr["compute_s"]),
                      *(_ms(pr["axes"][a]["exposed_s"]) if a in pr["axes"] else "-" for a in axes),
                      f"{pr['exposed_s'] / pr['step_s']:.0%}",
@@ -333,16 +338,27 @@ def refined_table(compiled: list[tuple[int, Plan, dict]], rank_by: str) -> str:
     return "\n".join(cost.format_table(head, rows))
 
 
+def _compilable(p: Plan, topo: Topology) -> bool:
+    """launch.train runs it (one slice), or launch/slices.py compiles it (dp, hsdp, fsdp across slices)."""
+    if topo.slices == 1:
+        return p.runnable
+    return p.strategy in ("dp", "fsdp") and not p.flat
+
+
 def compile_top(fit: list[Plan], topo: Topology, cfg: Config, n: int, rank_by: str) -> tuple[str, list[dict]]:
-    """Compile the n best plans launch.train runs; re-rank them by the compiled program's predicted step."""
-    chosen = [(i, p) for i, p in enumerate(fit, 1) if p.runnable][:n]
+    """Compile the n best plans launch.train runs (across slices: the best dp, hsdp and fsdp plans, the auto
+    twin's, launch/slices.py); re-rank them by the compiled program's predicted step."""
+    from launch import slices
+
+    chosen = [(i, p) for i, p in enumerate(fit, 1) if _compilable(p, topo)][:n]
     if not chosen:
         raise ValueError("--compile: no plan launch.train runs fits in memory, so there is nothing to compile.")
     texts, compiled = [], []
     for rank_, p in chosen:
-        print(f"\ncompiling plan {rank_} ({p.strategy} {p.label()}) for {topo.name} ahead of time (a minute or "
+        print(f"\ncompiling plan {rank_} ({p.layout} {p.label()}) for {topo.name} ahead of time (a minute or "
               "so) ...", flush=True)
-        text, doc = compile_plan(p, topo, cfg)
+        text, doc = (compile_plan(p, topo, cfg) if topo.slices == 1 else
+                     slices.compiled_report(p, topo, slices.compile_step(p, topo, cfg)))
         print(text, flush=True)
         compiled.append((rank_, p, {"plan_rank": rank_, **doc}))
     compiled.sort(key=lambda c: (not c[2]["fits"], c[2]["predicted"]["step_s"]))
@@ -389,9 +405,6 @@ def check_flags(topo: Topology) -> None:
         raise ValueError(f"--mfu={FLAGS.mfu} must be in (0, 1]: the fraction of the peak FLOP/s reached.")
     if not 0 <= FLAGS.hbm_headroom < 1:
         raise ValueError(f"--hbm_headroom={FLAGS.hbm_headroom} must be in [0, 1): the fraction of HBM kept free.")
-    if FLAGS.compile and topo.slices > 1:
-        raise ValueError(f"--compile compiles one slice's mesh; drop --slices={topo.slices} to compile one slice's "
-                         "plan.")
     if FLAGS.master_weights and FLAGS.param_dtype == "float32":
         raise ValueError("--master_weights counts a float32 copy of narrower params: pass --param_dtype=bfloat16 "
                          "too, or drop it (float32 params are their own master).")
@@ -399,6 +412,14 @@ def check_flags(topo: Topology) -> None:
         raise ValueError(f"--compile is not available for GPU topologies ({topo.name}): compiling for a GPU "
                          "needs the GPU itself; drop --compile, or plan a TPU slice.")
     common.check_output_path(FLAGS.json, "json")
+
+
+def check_batch_slices(batch: int, slices: int) -> None:
+    """Each slice runs batch / slices sequences: one line naming both and the fix where it does not divide."""
+    if batch % slices:
+        near = [b for b in (batch - batch % slices, batch - batch % slices + slices) if b > 0]
+        raise ValueError(f"--batch_size={batch} does not split over --slices={slices}: pass a multiple of {slices} "
+                         f"(e.g. {' or '.join(map(str, near))}).")
 
 
 def no_plan(skipped: list[Skipped], topo: Topology, batch: int) -> str:
@@ -417,6 +438,7 @@ def main(argv):
     topo = with_slices(parse_topology(FLAGS.topology), FLAGS.slices)
     cfg = config_from_flags()
     check_flags(topo)
+    check_batch_slices(cfg.train.batch_size, topo.slices)
     precision = Precision(FLAGS.param_dtype, FLAGS.optimizer_dtype, FLAGS.master_weights)
     mfu, mfu_why = matmul_fraction(topo.chip, FLAGS.mfu)
     plans, skipped = plan_all(cfg.model, topo, cfg.train.batch_size, mfu, FLAGS.hbm_headroom,

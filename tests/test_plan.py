@@ -401,13 +401,14 @@ def test_ranking():
     plans, skipped = plans_lib.plan_all(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), 64)
     fit, over = plans_lib.rank(plans, "serial")
     # at context 2, ulysses's 4 all-to-alls of half the heads move less than the ring's K and V hops;
-    # zb_h1 (its W a weight gradient alone: pipeline_factor) between hsdp and them
-    assert [(p.strategy, p.label()) for p in fit[:9]] == [
+    # zb_h1 (its W a weight gradient alone: pipeline_factor) between tp_sp and them
+    assert [(p.strategy, p.label()) for p in fit[:8]] == [
         ("dp", "data:64,tensor:1"), ("fsdp", "data:64,tensor:1"), ("pp_fsdp", "stage:2,data:32 M=2 gpipe"),
-        ("hsdp", "data:2,fsdp:32"), ("pp_fsdp", "stage:4,data:16 M=4 gpipe"), ("tp_sp", "data:32,tensor:2"),
-        ("hsdp", "data:4,fsdp:16"), ("pp_fsdp", "stage:2,data:32 M=2 zb_h1"), ("fsdp_ulysses", "data:32,context:2")]
+        ("pp_fsdp", "stage:4,data:16 M=4 gpipe"), ("tp_sp", "data:32,tensor:2"), ("pp_fsdp", "stage:2,data:32 M=2 zb_h1"),
+        ("fsdp_ulysses", "data:32,context:2"), ("fsdp_cp", "data:32,context:2")]
+    # hsdp is a layout across slices only (launch.plan --slices: tests/test_plan_slices.py)
     assert {p.strategy for p in fit} == {"dp", "fsdp", "fsdp_tp", "tp_sp", "fsdp_tp_sp", "fsdp_cp", "fsdp_ulysses",
-                                         "pp_fsdp", "hsdp"}
+                                         "pp_fsdp"}
     assert [(p.strategy, p.label()) for p in over] == [("cp", "context:64")]  # every weight and Adam on each chip
     serial = [p.compute_s + sum(p.comm_s.values()) for p in fit]
     assert serial == sorted(serial)
@@ -530,7 +531,7 @@ def test_a_mixture_of_experts_ranks_ep_and_fsdp_ep():
     assert {p.strategy for p in plans} == {"dp", "fsdp", "ep", "fsdp_ep"}
     # resolve.check_experts: a mixture of experts runs under dp, fsdp, ep, fsdp_ep only
     assert plans_lib.runnable(MIXTRAL)[1].keys() == {"tp", "fsdp_tp", "tp_sp", "fsdp_tp_sp", "cp", "fsdp_cp",
-                                                      "ulysses", "fsdp_ulysses", "pp", "pp_fsdp", "hsdp"}
+                                                      "ulysses", "fsdp_ulysses", "pp", "pp_fsdp"}
     # E = 8 experts split over expert <= 8 (cost.cost does not check it; launch.train does)
     assert {(s.strategy, s.mesh_text()): s.why for s in skipped} == {
         (s, f"data:{64 // e},expert:{e}"): f"experts=8 is not divisible by mesh axis expert={e}"
@@ -630,13 +631,13 @@ def test_cli_prints_ranks_and_writes_json(tmp_path):
                f"--json={tmp_path / 'plan.json'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "== plans that fit, ranked by the serial step time" in out and "... 32 more (--top)" in out  # (the 2 zb_h1 pipelines among them)
+    assert "== plans that fit, ranked by the serial step time" in out and "... 27 more (--top)" in out  # (the 2 zb_h1 pipelines and 4 fsdp_tp_sp among them)
     assert re.search(r"^1 +dp +data:64,tensor:1 .* compute ", out, re.M), out
     assert "data=64: ICI x (4 chips, torus ring): 2 x 90 GB/s" in out
     assert "--strategy=dp --impl=manual --mesh=data:64,tensor:1 --optimizer=lion --distributed" in out
     assert re.search(r"params (\S+ GiB) \+ grads \1 \+ optimizer \1 \+", out), out  # lion: 1 f32 moment
     doc = json.loads((tmp_path / "plan.json").read_text())
-    assert [p["rank"] for p in doc["plans"]] == [*range(1, 35), None] and doc["chips"] == 64  # cp does not fit
+    assert [p["rank"] for p in doc["plans"]] == [*range(1, 30), None] and doc["chips"] == 64  # cp does not fit
     assert doc["plans"][0]["links"]["data"]["bytes_per_s"] == 540e9 and doc["chip"]["name"] == "v5p"
     assert doc["assumptions"]["optimizer"] == "lion (float32 state)"
 
@@ -659,7 +660,7 @@ def test_cli_plans_a_mixture_of_experts(tmp_path):
     assert best["mesh"] == {"data": 8, "expert": 8, "tensor": 1} and set(best["comm_s"]) == {"data", "expert", "tensor"}
     assert best["links"]["expert"]["all_to_all"] == pytest.approx(12 / 7)
     assert set(doc["refused"]) == {"tp", "fsdp_tp", "tp_sp", "fsdp_tp_sp", "cp", "fsdp_cp", "ulysses", "fsdp_ulysses",
-                                   "pp", "pp_fsdp", "hsdp"}
+                                   "pp", "pp_fsdp"}
 
 
 def test_cli_errors_are_one_line():

@@ -123,7 +123,7 @@ def test_compile_ranks_what_fits_first_then_the_predicted_step(monkeypatch) -> N
     monkeypatch.setattr(planner, "compile_plan", compile_plan)
     # plan ranks 1-5: a flat plan, XLA's peak too big but the fastest, the slowest, the middle, a 5th not compiled
     fit = [candidate("fsdp", flat=True), *(candidate(name) for name in compiled)]
-    _, docs = planner.compile_top(fit, types.SimpleNamespace(name="v5e:2x2"), None, 3, "serial")
+    _, docs = planner.compile_top(fit, types.SimpleNamespace(name="v5e:2x2", slices=1), None, 3, "serial")
     assert [(d["strategy"], d["plan_rank"]) for d in docs] == [("tp", 4), ("fsdp_tp", 3), ("dp", 2)]
 
 

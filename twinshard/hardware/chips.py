@@ -58,7 +58,11 @@ _NVIDIA_DC = "https://www.nvidia.com/en-us/data-center/"
 _GCLOUD_TPU = "https://cloud.google.com/tpu/docs/"
 _BOOK_ICI = "https://jax-ml.github.io/scaling-book/tpus/ (ICI bandwidth per link, one-way)"
 _V5P_DCN = 50 * _GBIT  # per chip: cloud.google.com/tpu/docs/v5p
-_V5E_DCN = 6.4e12 / 8 / 256  # per chip: cloud.google.com/tpu/docs/v5e (6.4 Tbps per 256-chip pod)
+# v5e's data-center network per chip, one way: "Per-host NIC configuration: 2 x 100 Gbps NIC" over
+# "Chips per host: 8" (https://cloud.google.com/tpu/docs/v5e, the key specifications table): 25 Gb/s
+# = 3.125 GB/s a chip; the same page's "Data center network bandwidth per Pod: 6.4 Tbps" over 256
+# chips agrees.
+V5E_DCN_BYTES_PER_S = 2 * 100 * _GBIT / 8
 
 # Order matters: the first chip whose kind is a substring of device_kind wins ('TPU v5 lite' before 'TPU v5').
 CHIPS: tuple[Chip, ...] = (
@@ -75,7 +79,7 @@ CHIPS: tuple[Chip, ...] = (
          ici_link_bytes_per_s=4.5e10, ici_links=6, torus_multiple=4, pod=(16, 16, 16), int8=275.0),
     Chip("v5e", ("TPU v5 lite", "TPU v5e"), 197.0, None, None, _GCLOUD_TPU + "v5e", 16 * GIB, 8.19e11,
          _BOOK_ICI, ici_link_bytes_per_s=4.5e10, ici_links=4, torus_multiple=16, wraps_per_side=True,
-         pod=(16, 16), dcn_bytes_per_s=_V5E_DCN, int8=394.0),
+         pod=(16, 16), dcn_bytes_per_s=V5E_DCN_BYTES_PER_S, int8=394.0),
     Chip("v5p", ("TPU v5p", "TPU v5"), 459.0, None, None, _GCLOUD_TPU + "v5p", 95 * GIB, 2.765e12,
          _BOOK_ICI, ici_link_bytes_per_s=9e10, ici_links=6, torus_multiple=4, pod=(16, 20, 28),
          max_slice_chips=6144, dcn_bytes_per_s=_V5P_DCN, int8=918.0),

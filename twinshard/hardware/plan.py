@@ -4,8 +4,16 @@ axis crosses (`evaluate`), every such plan of a model (`plan_all`) and their ran
 
 Every strategy the model runs under is planned on every mesh its declaration allows. Per chip:
 memory against usable HBM, compute = FLOPs / (peak x mfu) times a pipeline's `pipeline_factor`,
-and per mesh axis its collectives' seconds; `Topology.slices` > 1 adds data parallelism over DCN.
-Where data does not divide d_model, FSDP's weights are split flat (`Plan.flat`, docs/planning.md).
+and per mesh axis its collectives' seconds. Where data does not divide d_model, FSDP's weights are
+split flat (`Plan.flat`, docs/planning.md).
+
+Across `Topology.slices` > 1 slices (over the data-center network, DCN), `Plan.layout` names the layout:
+each strategy inside a slice, data parallel across (`dp`; `hsdp` for fsdp inside: the weights' shards
+stay in the slice), the DCN term each chip's float32 gradients' all-reduce with its counterparts,
+2 (N-1)/N x their bytes at the DCN rate; or `fsdp` over every chip (`across`: the weights split over
+all N x M chips), whose collectives XLA:TPU runs hierarchically (launch/slices.py): inside a slice as
+fsdp over M chips, and across slices each weight's gather of its M-chip shard, (N-1)/N x G/M, and each
+gradient's all-reduce of its shard, as hsdp's.
 """
 
 from __future__ import annotations
@@ -51,6 +59,12 @@ class Plan:
     slices: int = 1
     microbatches: int = 1  # a pipeline's M
     schedule: str = "gpipe"  # a pipeline's schedule
+    across: bool = False  # slices > 1: fsdp's weights split over every slice's chips (module docstring)
+
+    @property
+    def layout(self) -> str:
+        """The strategy; across slices `hsdp` for fsdp inside each, data parallel across (module docstring)."""
+        return "hsdp" if self.slices > 1 and self.strategy == "fsdp" and not self.across else self.strategy
 
     @property
     def memory(self) -> int:
@@ -91,6 +105,8 @@ class Plan:
         text = self.mesh_text() + (" flat" if self.flat else "")
         if self.strategy in cost.PIPELINES:
             text += f" M={self.microbatches} {self.schedule}"
+        if self.across:
+            return f"{text} over {self.slices} slices"
         return text if self.slices == 1 else f"dcn:{self.slices} x {text}"
 
 
@@ -137,30 +153,49 @@ def train_config(cfg: ModelConfig, batch: int, microbatches: int = 1, schedule: 
     return Config(cfg, TrainConfig(batch_size=batch, microbatches=microbatches, schedule=schedule))
 
 
-def _check_mesh(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], train: Config) -> bool:
+def _check_mesh(cfg: ModelConfig, chips: int, strategy: str, mesh: dict[str, int], train: Config) -> bool:
     """launch.train's mesh checks for this model: True when only d_model over data fails (flat), else ValueError."""
     spec = mesh_lib.mesh_str(mesh, strategy)
     try:
-        resolve.resolve_mesh(strategy, spec, train, topo.chips, advise=False)
+        resolve.resolve_mesh(strategy, spec, train, chips, advise=False)
     except ValueError as e:
         if not str(e).startswith("embed="):
             raise
-        resolve.resolve_mesh(strategy, spec, train, topo.chips, advise=False, flat_weights=True)
+        resolve.resolve_mesh(strategy, spec, train, chips, advise=False, flat_weights=True)
         return True
     return False
 
 
+def dcn_seconds(inside: cost.Cost, slices: int, link: Link, precision: Precision, across: bool) -> float:
+    """Each chip's seconds on DCN a step (module docstring): its float32 gradient shards' all-reduce over
+    the slices; across, also each weight gather's (N-1)/N x its M-chip shard (`inside`: the cost on one
+    slice's mesh)."""
+    share = (slices - 1) / slices
+    grads = inside.memory.grads * F32 // DTYPE_BYTES[precision.params]
+    sent = 2 * share * grads
+    if across:
+        chips = inside.mesh["data"]
+        sent += sum(share * s["bytes"] / chips for (op, axes), s in inside.summary().items()
+                    if op == "all-gather" and axes == ("data",))
+    return sent / link.bytes_per_s
+
+
 def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
              mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw",
-             precision: Precision = Precision(), microbatches: int = 1, schedule: str = "gpipe") -> Plan:
-    """One strategy on one mesh of each slice; ValueError where launch.train would refuse the mesh (flat aside)."""
+             precision: Precision = Precision(), microbatches: int = 1, schedule: str = "gpipe",
+             across: bool = False) -> Plan:
+    """One strategy on one mesh of each slice (across: fsdp's `data` over every slice's chips, module
+    docstring); ValueError where launch.train would refuse the mesh (flat aside)."""
+    if across and (strategy != "fsdp" or topo.slices == 1):
+        raise ValueError(f"across=True splits fsdp's weights over several slices' chips, not {strategy} on "
+                         f"{topo.slices} slice(s): plan --strategy fsdp with --slices > 1")
     if batch % topo.slices:
         raise ValueError(f"batch={batch} does not split over {topo.slices} slices; pass a --batch_size that is "
                          f"a multiple of {topo.slices}")
     batch //= topo.slices
     if strategy not in cost.PIPELINES:
         microbatches, schedule = 1, "gpipe"
-    flat = _check_mesh(cfg, topo, strategy, mesh, train_config(cfg, batch, microbatches, schedule))
+    flat = _check_mesh(cfg, topo.chips, strategy, mesh, train_config(cfg, batch, microbatches, schedule))
     if strategy not in support.with_option("collective_matmul"):  # tp_sp's gathers only
         cfg = dataclasses.replace(cfg, collective_matmul=False)
     if strategy not in support.with_option("tp_overlap"):  # Megatron's all-reduces of tp, fsdp_tp only
@@ -171,14 +206,24 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
     comm = comm_times(c, links)
     if topo.slices > 1:  # each chip's f32 gradients all-reduced with its counterparts in the other slices
         links["dcn"] = dcn_link(topo)
-        grads = c.memory.grads * F32 // DTYPE_BYTES[precision.params]
-        comm["dcn"] = 2 * (topo.slices - 1) / topo.slices * grads / links["dcn"].bytes_per_s
+        comm["dcn"] = dcn_seconds(c, topo.slices, links["dcn"], precision, across)
+    if across:  # memory and mesh: fsdp over every chip; compute and ICI: one slice's (the same per chip)
+        c, flat = _across(cfg, topo, batch * topo.slices, optimizer, precision)
     peak, _ = matmul_peak_flops(topo.chip, cfg.dtype)
     compute = _flops_per_chip(c) / (peak * mfu)
     if strategy in cost.PIPELINES:
         compute *= pipeline_factor(microbatches, mesh["stage"], schedule)
     return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), compute, comm, links, flat, topo.slices,
-                microbatches, schedule)
+                microbatches, schedule, across)
+
+
+def _across(cfg: ModelConfig, topo: Topology, batch: int, optimizer: str,
+            precision: Precision) -> tuple[cost.Cost, bool]:
+    """fsdp's cost on data = every slice's chips (its memory and mesh), the whole `batch`; and whether flat."""
+    mesh = {"data": topo.chips * topo.slices, "tensor": 1}
+    flat = _check_mesh(cfg, mesh["data"], "fsdp", mesh, train_config(cfg, batch))
+    return cost.cost(cfg, "fsdp", mesh, batch, cfg.context_length, optimizer=optimizer, flat_weights=flat,
+                     **precision.memory_kwargs()), flat
 
 
 def candidate_meshes(strategy: str, n: int) -> list[dict[str, int]]:
@@ -204,9 +249,13 @@ class Skipped:
 
 
 def runnable(cfg: ModelConfig) -> tuple[list[str], dict[str, str]]:
-    """The declared strategies the model runs under, and the others -> resolve.check_experts's reason."""
+    """The declared strategies the model runs under, and the others -> resolve.check_experts's reason. A
+    strategy with axes across slices (hsdp) is no plan of one slice's chips: across slices it is the
+    `hsdp` layout of fsdp (`Plan.layout`)."""
     ok, refused = [], {}
     for strategy in support.SUPPORT:
+        if strategy in strategies.CROSS_DCN:
+            continue
         try:
             resolve.check_experts(strategies.get(strategy), cfg)
         except ValueError as e:
@@ -259,6 +308,8 @@ def plan_all(cfg: ModelConfig, topo: Topology, batch: int, mfu: float = 1.0, hea
                     plans += _pipeline_plans(cfg, topo, strategy, shape, batch, rank_by, **kwargs)
                 else:
                     plans.append(evaluate(cfg, topo, strategy, shape, batch, **kwargs))
+                if strategy == "fsdp" and topo.slices > 1:  # and fsdp over every slice's chips
+                    plans.append(evaluate(cfg, topo, strategy, shape, batch, across=True, **kwargs))
             except ValueError as e:
                 skipped.append(Skipped(strategy, shape, str(e).split(";")[0]))
     return plans, skipped
