@@ -28,7 +28,7 @@ from jax import lax
 from flax import nnx
 
 from twinshard.model import taps
-from twinshard.model.transformer import _layer_graphdef
+from twinshard.model.transformer import layer_graphdef
 from twinshard.train.trainer import graphdef
 
 EMBED, HEAD = ("token_embeddings",), ("ln_final", "lm_head")  # the params of the embedding and head segments
@@ -66,7 +66,7 @@ class SplitBackward:
         # operands must be values of the trace that records them, and B's forward and backward share a tick
         self.par = copy.copy(par)
         self.par.head = lambda lm_head, x: lm_head(x)
-        self.layer_def = _layer_graphdef(cfg)
+        self.layer_def = layer_graphdef(cfg)
         layer0 = jax.tree.map(lambda w: w[0], params["layers"])
         targets = jnp.zeros(tokens.shape, jnp.int32)
         self.shapes = Segments(

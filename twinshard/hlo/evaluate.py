@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from twinshard.hlo.loops import call_edges_of
-from twinshard.hlo.parse import Instr, Module, _match_close, parse_shape
+from twinshard.hlo.parse import Instr, Module, match_close, parse_shape
 
 _INTEGER = {"pred": np.bool_, "s8": np.int64, "s16": np.int64, "s32": np.int64, "s64": np.int64,
             "u8": np.int64, "u16": np.int64, "u32": np.int64, "u64": np.int64}
@@ -61,7 +61,7 @@ def _literal(instr: Instr) -> np.ndarray:
     shape = parse_shape(instr.shape_text)
     line = instr.line
     start = line.index("constant(") + len("constant")
-    body = line[start + 1:_match_close(line, start)]
+    body = line[start + 1:match_close(line, start)]
     if "..." in body:
         raise Unreadable(f"constant %{instr.name} is printed as {{...}}: read the module with full_text(compiled)")
     words = re.findall(r"true|false|-?\d+", body)

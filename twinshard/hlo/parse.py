@@ -83,7 +83,7 @@ def _unquoted(s: str, start: int = 0):
         yield j, c, depth
 
 
-def _match_close(s: str, i: int) -> int:
+def match_close(s: str, i: int) -> int:
     """Index of the bracket closing s[i], skipping double-quoted strings."""
     for j, c, depth in _unquoted(s, i):
         if depth == 0 and c in ")]}":
@@ -138,7 +138,7 @@ def parse_shape(text: str) -> Shape | list:
     """`f32[16,4]{1,0}` -> Shape; `(a, (b, c))` -> nested list of Shape."""
     text = text.strip()
     if text.startswith("("):
-        inner = text[1:_match_close(text, 0)]
+        inner = text[1:match_close(text, 0)]
         return [parse_shape(p) for p in split_top(inner)]
     m = _ARRAY.match(text)
     if not m:
@@ -206,7 +206,7 @@ def _parse_instr(line: str, computation: str) -> Instr:
         raise ValueError("not an instruction")
     rest = m.group(3).strip()
     if rest.startswith("("):
-        end = _match_close(rest, 0)
+        end = match_close(rest, 0)
         shape_text, rest = rest[: end + 1], rest[end + 1 :]
     else:
         shape_text, _, rest = rest.partition(" ")
@@ -214,7 +214,7 @@ def _parse_instr(line: str, computation: str) -> Instr:
     if not om:
         raise ValueError("no opcode")
     open_at = om.end() - 1
-    close_at = _match_close(rest, open_at)
+    close_at = match_close(rest, open_at)
     operands = [p.split()[-1].lstrip("%") for p in split_top(rest[open_at + 1 : close_at])]
     return Instr(m.group(2), shape_text, om.group(1), operands, rest[close_at + 1 :], computation,
                   line.strip(), bool(m.group(1)))

@@ -182,7 +182,7 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
 
 
 @functools.lru_cache(maxsize=None)
-def _layer_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
+def layer_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
     """One layer's `Block` structure: per-layer logical axes (no 'layers'), no arrays."""
     return nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
 
@@ -196,7 +196,7 @@ def scan_layers(blocks: Block, cfg: ModelConfig, x: Array, par: Parallelism = SI
 def scan_stacked(stacked: dict, cfg: ModelConfig, x: Array,
                  par: Parallelism = SINGLE_DEVICE) -> Array | tuple[Array, moe.Stats]:
     """`scan_layers` on a pure dict of [n, ...] leaves -> x [B, T, D], or (x, router stats stacked [n, ...])."""
-    layer_def = _layer_graphdef(cfg)
+    layer_def = layer_graphdef(cfg)
     n = cfg.tp_overlap_chunks
 
     if cfg.num_experts:
