@@ -51,19 +51,14 @@ def _example(strategy: str | None) -> str:
     return mesh_str(default_mesh(strategy, 8) if strategy is not None else {"data": 4, "tensor": 2}, strategy)
 
 
-def parse_mesh(spec: str, strategy: str | None = None) -> dict[str, int]:
-    """'data:4,tensor:2' -> {'data': 4, 'tensor': 2}; with `strategy`, its axes only, an omitted one 1."""
-    if strategy is not None:
-        check_strategy(strategy)
-    if not isinstance(spec, str):
-        raise ValueError(f"mesh spec must be a string such as {_example(strategy)!r}, got {spec!r}.")
-    allowed = tuple(a for a in ORDER if a in _needs(strategy))
+def _axis_sizes(spec: str, allowed, unknown, bad) -> dict[str, int]:
+    """'a:2,b:4' -> {'a': 2, 'b': 4} for axes in `allowed`; a ValueError bad(part, why) at the first part that
+    names an axis not allowed (why: unknown(name)), names one twice or gives no whole size >= 1."""
     shape: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, colon, size = (x.strip() for x in part.partition(":"))
         if name not in allowed:
-            whose = "" if strategy is None else f" of strategy {strategy}"
-            why = f"unknown axis {name!r} (the axes{whose} are {', '.join(allowed)})"
+            why = unknown(name)
         elif name in shape:
             why = f"axis {name!r} appears twice"
         elif not colon or not size.isdigit() or int(size) < 1:
@@ -71,9 +66,22 @@ def parse_mesh(spec: str, strategy: str | None = None) -> dict[str, int]:
         else:
             shape[name] = int(size)
             continue
-        form = "data:N,tensor:M" if _is_base(strategy) else ",".join(f"{a}:N" for a in _required(strategy))
-        raise ValueError(f"bad mesh {spec!r} at {part!r}: {why}; write it as {form} with "
-                         f"each axis once and sizes >= 1 (e.g. {_example(strategy)}).")
+        raise ValueError(bad(part, why))
+    return shape
+
+
+def parse_mesh(spec: str, strategy: str | None = None) -> dict[str, int]:
+    """'data:4,tensor:2' -> {'data': 4, 'tensor': 2}; with `strategy`, its axes only, an omitted one 1."""
+    if strategy is not None:
+        check_strategy(strategy)
+    if not isinstance(spec, str):
+        raise ValueError(f"mesh spec must be a string such as {_example(strategy)!r}, got {spec!r}.")
+    allowed = tuple(a for a in ORDER if a in _needs(strategy))
+    whose = "" if strategy is None else f" of strategy {strategy}"
+    form = "data:N,tensor:M" if _is_base(strategy) else ",".join(f"{a}:N" for a in _required(strategy))
+    shape = _axis_sizes(spec, allowed, lambda name: f"unknown axis {name!r} (the axes{whose} are {', '.join(allowed)})",
+                        lambda part, why: f"bad mesh {spec!r} at {part!r}: {why}; write it as {form} with "
+                                          f"each axis once and sizes >= 1 (e.g. {_example(strategy)}).")
     missing = [a for a in _required(strategy) if a not in shape]
     if missing:
         if strategy is None:
@@ -319,19 +327,9 @@ def parse_dcn_mesh(spec: str | None, strategy: str, mesh_spec: str | None = None
         raise ValueError(f"--dcn_mesh={spec}: strategy {strategy} cannot cross slices (each of its collectives "
                          f"would cross DCN every layer); the strategies that can are {', '.join(strategies.CROSS_DCN)}"
                          f", e.g. {_DCN_EXAMPLE}.")
-    shape: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, colon, size = (x.strip() for x in part.partition(":"))
-        if name not in declared.dcn:
-            why = f"axis {name!r} cannot cross slices under {strategy} (its axis across slices: {', '.join(declared.dcn)})"
-        elif name in shape:
-            why = f"axis {name!r} appears twice"
-        elif not colon or not size.isdigit() or int(size) < 1:
-            why = f"size {size!r} of axis {name!r} is not an integer >= 1"
-        else:
-            shape[name] = int(size)
-            continue
-        raise ValueError(f"bad --dcn_mesh={spec!r} at {part!r}: {why}; e.g. {_DCN_EXAMPLE}.")
+    shape = _axis_sizes(spec, declared.dcn, lambda name: f"axis {name!r} cannot cross slices under {strategy} (its "
+                        f"axis across slices: {', '.join(declared.dcn)})",
+                        lambda part, why: f"bad --dcn_mesh={spec!r} at {part!r}: {why}; e.g. {_DCN_EXAMPLE}.")
     both = [a for a in _named_axes(mesh_spec) if a in shape]
     if both:
         inner = ",".join(p for p in (mesh_spec or "").split(",") if p.partition(":")[0].strip() not in shape)
