@@ -6,7 +6,7 @@ after the tests written for them."""
 
 from .base import (
     COST, HLO, Mutant, OPTIONS, PLAN, QUANTIZATION, SCHEDULE, SRC_FIT, SRC_HLO_LOOPS, SRC_HLO_RECORDS,
-    SRC_HLO_TIMING, SRC_PLAN, SRC_QUANTIZE, SRC_XLA_OPTIONS, XLA_OPTIONS, DTYPES,
+    SRC_HLO_MATMUL_FLOPS, SRC_HLO_TIMING, SRC_PLAN, SRC_QUANTIZE, SRC_XLA_OPTIONS, XLA_OPTIONS, DTYPES,
 )
 
 SRC_SCHEDULE = "twinshard/hlo/schedule.py"
@@ -99,7 +99,7 @@ MUTANTS: list[Mutant] = [
            'update = instr.operands[0] if instr.opcode == "dynamic-update-slice" else instr.operands[-1]',
            (STEP_TIME_MODEL, DRAWING_CLAIMS, SCHEDULE),
            "an in-place dynamic-update-slice moves the bytes of the whole buffer (operand 0), not its update"),
-    Mutant("blind-dot-flops-rhs-dims", "blind-steptime", SRC_HLO_TIMING,
+    Mutant("blind-dot-flops-rhs-dims", "blind-steptime", SRC_HLO_MATMUL_FLOPS,
            'instr.attrs.get("lhs_contracting_dims", "{}")',
            'instr.attrs.get("rhs_contracting_dims", "{}")',
            (STEP_TIME_MODEL, DRAWING_CLAIMS, SCHEDULE, PREDICT_CHIP),

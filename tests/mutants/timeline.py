@@ -4,7 +4,7 @@ and the tables claim (twinshard/hlo/draw.py, launch/collectives.py side_by_side)
 tests/test_schedule_reader.py, tests/test_step_time_model.py and tests/test_drawing_claims.py,
 each checked by hand when its test was written. Written beside those tests, not blind."""
 
-from .base import SRC_HLO_LOOPS, SRC_HLO_RECORDS, SRC_HLO_TIMING, Mutant
+from .base import SRC_HLO_LOOPS, SRC_HLO_MATMUL_FLOPS, SRC_HLO_RECORDS, SRC_HLO_TIMING, Mutant
 
 SRC_SCHEDULE = "twinshard/hlo/schedule.py"
 SRC_LINKS = "twinshard/hardware/links.py"
@@ -113,7 +113,7 @@ MUTANTS: list[Mutant] = [
     _m("timing-hbm-efficiency-dropped", "timing", SRC_HLO_TIMING,
        "memory = moved / (r.hbm_bytes_per_s * r.hbm_efficiency)", "memory = moved / r.hbm_bytes_per_s",
        STEP, "HBM traffic at the datasheet rate"),
-    _m("timing-contracted-dim-last", "timing", SRC_HLO_TIMING,
+    _m("timing-contracted-dim-last", "timing", SRC_HLO_MATMUL_FLOPS,
        "return 2.0 * math.prod(res.dims) * math.prod(lhs.dims[d] for d in dims)",
        "return 2.0 * math.prod(res.dims) * lhs.dims[-1]", STEP,
        "a dot's contracted size taken as the lhs's last dim"),

@@ -3,7 +3,7 @@
 `ledger(compiled, mesh)` lists every collective of a compiled program (docs/hlo-assertions.md);
 `schedule(compiled, mesh)` says when each runs in the compiled schedule, and `predict(compiled, rates,
 mesh, link_seconds)` what a step costs and which communication compute hides (docs/schedule.md).
-Modules, each importing only those before it: parse, groups, loops, records, schedule, timing, draw,
+Modules, each importing only those before it: parse, matmul_flops, groups, loops, records, schedule, timing, draw,
 evaluate, pipeline_ticks (a pipeline step's ticks x stages read from the program), draw_pipeline.
 Nothing here imports the rest of twinshard: with twinshard.testing it installs alone (twinshard-hlo:
 jax and numpy); a chip's rates and links come from twinshard.hardware (`twinshard.hardware.step_time.predict_step`).
