@@ -47,6 +47,7 @@ import time
 from absl import app, flags, logging
 
 from launch import common, fit
+from launch.twin_notes import AUTO_NOTES, EXPLICIT_DOCS, twin_notes  # noqa: F401  (tests read both tables here)
 from twinshard.parallel import support
 
 common.define(flags.DEFINE_string, "json", None, "Write ledger, model and comparison as JSON to this path.")
@@ -71,8 +72,6 @@ common.define(flags.DEFINE_string, "impl", "auto", "The twin: auto (GSPMD annota
               "list (auto,manual) compiles each in turn.")
 common.define_model_flags()  # --devices: simulated CPU devices (ignored with --topology)
 FLAGS = flags.FLAGS
-
-from launch.twin_notes import AUTO_NOTES, EXPLICIT_DOCS, twin_notes  # noqa: E402,F401  (tests read both tables here)
 
 def _topology_devices(name: str, slices: int = 1):
     """Devices of `slices` TPU pods that are not here (AOT only). Needs libtpu."""
