@@ -108,6 +108,7 @@ def _shape_batch(cfg: Config, given: Mapping[str, Any]) -> list[Choice]:
     """remat and micro-batching of a shape no preset measured: micro-batches of the largest divisor of the
     batch up to MICRO_BATCH_TOKENS tokens, without remat where the memory model fits them in HBM_SHARE of a v5e."""
     from twinshard.cost.memory import memory
+    from twinshard.cost.weights import DTYPE_BYTES
     from twinshard.hardware.chips import chip
 
     m, t = cfg.model, cfg.train
@@ -116,12 +117,8 @@ def _shape_batch(cfg: Config, given: Mapping[str, Any]) -> list[Choice]:
         micro = max((n for n in range(1, t.batch_size + 1) if t.batch_size % n == 0
                      and n * m.context_length <= MICRO_BATCH_TOKENS), default=1)
         accum = t.batch_size // micro
-    bf16 = given.get("dtype", "bfloat16") == "bfloat16"  # _numerics' choices, where no flag overrules them
-    numerics = {"dtype": "bfloat16", **({"weight_dtype": "bfloat16", "logits_dtype": "compute",
-                                         "norm_dtype": "compute"} if bf16 else {})}
-    m = dataclasses.replace(m, **{name: given.get(name, value) for name, value in numerics.items()})
-    weight_bytes = 2 if m.weight_dtype == "bfloat16" else 4
-    need = memory(m, "single", {}, t.batch_size, m.context_length, dtype_bytes=2 if m.dtype == "bfloat16" else 4,
+    weight_bytes = DTYPE_BYTES[m.weight_dtype]
+    need = memory(m, "single", {}, t.batch_size, m.context_length, dtype_bytes=DTYPE_BYTES[m.dtype],
                   grad_accum=accum, remat="none", param_bytes=weight_bytes, state_bytes=weight_bytes, tpu=True).total
     hbm = chip("v5e").hbm_bytes
     split = f"{t.batch_size // accum} sequences of {m.context_length} a micro-batch"
@@ -151,10 +148,11 @@ def choose(platform: str, device_kind: str | None, cfg: Config, preset: str, giv
     if platform != "tpu":
         return FastPath(where, (), (), cfg)
     candidates = _numerics(cfg)
-    if strategy == "single":
-        candidates += _one_chip(cfg, preset, given, shape_given, chip == "v5e")
     if given.get("dtype", "bfloat16") != "bfloat16":  # float32 given: the bf16 options do not apply
         candidates = [c for c in candidates if c.name not in ("weight_dtype", "logits_dtype", "norm_dtype")]
+    if strategy == "single":  # judged with the numerics it will run (the memory model's bytes: _shape_batch)
+        numeric = apply(cfg, [c for c in candidates if c.name not in given])
+        candidates += _one_chip(numeric, preset, given, shape_given, chip == "v5e")
     current = {**dataclasses.asdict(cfg.model), **dataclasses.asdict(cfg.train)}
     choices, overruled = [], []
     for c in candidates:
