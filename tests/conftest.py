@@ -17,6 +17,7 @@ tests/harness/ (why, and its measured gain, in its __init__).
 
 import importlib.util
 import os
+import sys
 
 from harness import cache, markers, schedule, speed  # stdlib imports only
 
@@ -80,8 +81,14 @@ def pytest_sessionstart(session):
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """Release compiled programs after a module's last test, or sooner where one module's programs
+    """absl's flags are process-global and a parse only sets the flags in its argv: a launcher test's
+    `--batch_size=2` stays `present` for the next test of the same xdist worker (CI failed on exactly that
+    in tests/test_fast_path.py), so every test ends with them unparsed.
+    Release compiled programs after a module's last test, or sooner where one module's programs
     near Linux's limit on a process's memory mappings (tests/harness/speed.py says why)."""
+    absl_flags = sys.modules.get("absl.flags")
+    if absl_flags is not None:
+        absl_flags.FLAGS.unparse_flags()
     if nextitem is None or nextitem.module is not item.module:
         speed.release_executables(item.module)
     elif speed.memory_mappings() > speed.MAX_MAPPINGS:
