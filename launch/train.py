@@ -176,9 +176,16 @@ class Preemption:
             signal.signal(s, handler)
 
 
-def _check_same_run(saved: dict, meta: dict, step: int) -> None:
-    """A resume must see the checkpoint's corpus, tokenizer and training settings: a ValueError
+def _check_same_run(saved: dict, meta: dict, step: int, where: str) -> None:
+    """A resume must see the checkpoint's model, corpus, tokenizer and training settings: a ValueError
     naming both values and the fix otherwise. Metadata only: nothing is read or compiled."""
+    from twinshard.train.checkpoint import CheckpointError, model_difference
+
+    if diff := model_difference(saved.get("model"), meta["model"]):
+        fix = " ".join(f"--{k}={was}" for k, (was, _) in diff.items() if k in common.MODEL_FLAGS and was is not None)
+        raise CheckpointError(f"--resume: checkpoint {where} holds another model ((checkpoint, now) = {diff}), whose "
+                              f"arrays do not restore into this run's; pass {fix or 'the --preset that wrote it'}, "
+                              "or use a new --workdir for this model.")
     key = "corpus" if "corpus" in saved else "data"  # checkpoints without content hashes: the paths
     if saved.get(key) != meta[key]:
         was, now = (m["data"] if m["data"] != "default" else "the default corpus" for m in (saved, meta))
@@ -323,25 +330,28 @@ def main(argv):
     run = common.resolve_run(FLAGS.strategy, FLAGS.impl, FLAGS.mesh, cfg, devices,  # every check, once
                             dcn_spec=FLAGS.dcn_mesh)
     fit.check_model(run)  # before anything compiles
+
+    from twinshard.train.checkpoint import Checkpointer
+
+    t, m = cfg.train, cfg.model
+    meta = {"model": dataclasses.asdict(m), "train": dataclasses.asdict(t), **identity,
+            "strategy": FLAGS.strategy, "impl": FLAGS.impl}
+    ckpt = Checkpointer(ckpt_dir, keep=FLAGS.keep)
+    if resume:  # the strategy, mesh and slice count may change (Orbax reshards); the model, data and optimisation may not
+        _check_same_run(ckpt.read_meta(resume_from), meta, resume_from, ckpt.step_dir(resume_from))
     runner = common.runner_of(run)
     compiled = fit.check_step(runner, run)  # compiled, its memory_analysis checked, before any write
 
     import numpy as np
 
-    from twinshard.train.checkpoint import Checkpointer
     from twinshard.train.trainer import router_summary
 
     main_process = jax.process_index() == 0  # every host runs this loop; one reports
     log = print if main_process else (lambda *a, **k: None)  # noqa: E731
-    t, m = cfg.train, cfg.model
-    meta = {"model": dataclasses.asdict(m), "train": dataclasses.asdict(t), **identity,
-            "strategy": FLAGS.strategy, "impl": FLAGS.impl}
-    ckpt = Checkpointer(ckpt_dir, keep=FLAGS.keep)
     stale = []  # checkpoints after the resumed step: deleted before this run's first save
 
     if resume:
-        # the strategy may change (Orbax reshards); the data and the optimisation may not
-        _check_same_run(ckpt.read_meta(resume_from), meta, resume_from)
+        # into this run's shardings (runner.abstract_state: its mesh, across however many slices);
         # a checkpoint keeps the layers in model order (an interleaved pipeline's state stores them round-robin)
         state, _ = ckpt.restore(runner.abstract_state(), {"model": meta["model"]}, step=resume_from)
         placed = jax.tree.map(lambda a: a.sharding, state)  # the runner's layout, as restored

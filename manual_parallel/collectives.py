@@ -39,6 +39,32 @@ def _fsdp_gather_bwd(axis, dim, _, grad_full):
 fsdp_gather.defvjp(_fsdp_gather_fwd, _fsdp_gather_bwd)
 
 
+# HSDP: fsdp_gather inside a slice, its gradient's mean across slices in the same backward.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def hsdp_gather(w_shard: Array, inside: str, dim: int, across: str) -> Array:
+    """Forward: all_gather over `inside` (the slice's axis) along `dim`, the result varying over `across`
+    (a type change: each slice's tokens meet the same weight); backward: psum_scatter over `inside` /
+    |inside|, then pmean of that shard over `across` (DCN), right where this weight's gradient is done.
+
+    Issued per use (per layer inside the scanned backward), each DCN all-reduce can run behind the
+    backward of the layers below; one pmean after the whole backward has nothing left to hide behind."""
+    full = lax.all_gather(w_shard, inside, axis=dim, tiled=True)
+    return lax.pcast(full, across, to="varying")  # no data moves
+
+
+def _hsdp_gather_fwd(w_shard, inside, dim, across):
+    return hsdp_gather(w_shard, inside, dim, across), None  # saves nothing: the shard is re-gathered
+
+
+def _hsdp_gather_bwd(inside, dim, across, _, grad_full):
+    (shard,) = _fsdp_gather_bwd(inside, dim, None, grad_full)  # [D, F] -> [D/inside, F], the slice's mean
+    return (lax.pmean(shard, across),)  # across slices: invariant over `across`, as the weight is
+
+
+hsdp_gather.defvjp(_hsdp_gather_fwd, _hsdp_gather_bwd)
+
+
 # Megatron-LM's conjugate operators (Shoeybi et al. 2019, section 3, "f" and "g").
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -31,10 +31,14 @@ class FullyShardedDataParallel(RegathersWeights, ManualParallelism):
         w = super().weight(w, axes)  # fsdp_tp: TP's columns of a replicated kv weight, gathered alone
         for dim, logical in enumerate(axes):
             if self.param_rules.get(logical) == self.AXIS:
-                full = fsdp_gather(w, self.AXIS, dim)
+                full = self.gather_weight(w, dim)
                 assert full.shape[dim] == w.shape[dim] * lax.axis_size(self.AXIS), (w.shape, full.shape)
                 return full
         return w  # RMSNorm gains are replicated
+
+    def gather_weight(self, w, dim: int):
+        """W [D/data, F] -> [D, F] (dim 0); its gradient reduce-scattered back in the backward."""
+        return fsdp_gather(w, self.AXIS, dim)
 
     # Gradient accumulation: the step gathers once, the micro-batches run on resident weights.
 

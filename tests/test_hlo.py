@@ -261,6 +261,18 @@ def test_tpu_while_without_trip_count_is_inferred_and_flagged() -> None:
     assert "3?" in led.table()
 
 
+def test_a_peeled_while_counts_from_its_counters_first_value() -> None:
+    # XLA:TPU peels a loop's first iteration (hsdp's pipelined DCN transfers): the counter starts at 1, copied
+    # in, under the same i < 3, so the body runs twice
+    text = (SNIPPETS / "tpu_while_no_trip_count.hlo").read_text()
+    peeled = text.replace("tuple(%constant.5.clone.1, %param.4,", "tuple(%copy.1, %param.4,").replace(
+        "  %tuple.20 = ", "  %copy.1 = s32[]{:T(128)} copy(%constant.0.clone.1)\n  %tuple.20 = ")
+    assert peeled.count("%copy.1") == 2
+    led = hlo.ledger(peeled, MESH)
+    assert (only(led).multiplicity, only(led).multiplicity_exact) == (2, False)
+    assert any("inferred 2" in w for w in led.warnings)
+
+
 def test_tuple_all_reduce_split_per_operand() -> None:
     text = module("%ar = (f32[4,4]{1,0}, f32[8,4]{1,0}) all-reduce(%p, %q), channel_id=1, "
                   "replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, "

@@ -1,5 +1,6 @@
 """Multi-host launch, on one machine: two processes x 4 CPU devices (gloo) train one
-8-device FSDP mesh with the unchanged launcher and match the single-device run; when
+8-device FSDP mesh with the unchanged launcher and match the single-device run; two processes
+train as two slices, and their checkpoint resumes on 4 slices and on 1; when
 one process dies, the other stops with one line and its own exit code (launch/distributed.py).
 
 No test here bounds a wall time from above: how soon a loss is seen depends on the load of
@@ -76,10 +77,12 @@ def test_two_processes_train_one_mesh_like_a_single_device(tmp_path, tmp_path_fa
     assert (workdir / "checkpoints" / "6").is_dir()
 
 
+@pytest.mark.hsdp
 def test_two_processes_train_as_two_slices_like_a_single_device(tmp_path, tmp_path_factory):
     """hsdp with each process a slice (--dcn_mesh=data:2: processes are the granules of
     create_hybrid_device_mesh on CPU, which has no slice_index): fsdp over each process's 4 devices,
-    data parallel across the two. The single run is the first test's program (the compilation cache)."""
+    data parallel across the two. The single run is the first test's program (the compilation cache).
+    The 2-slice run's checkpoint then resumes in this process on 4 slices and on 1 (_resume_on_other_slices)."""
     port, workdir = _free_port(), tmp_path / "slices"
     hsdp = ("--strategy=hsdp", "--dcn_mesh=data:2", "--mesh=fsdp:4")
     procs = [_launch(tmp_path, port, i, f"--workdir={workdir}", f"--steps={LONG}", "--stop_after=6",
@@ -88,11 +91,67 @@ def test_two_processes_train_as_two_slices_like_a_single_device(tmp_path, tmp_pa
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[0][-3000:] + e[-3000:] for o, e in outs)
     assert "across 2 slices (data:2 over DCN, by process)" in outs[0][0], outs[0][0][-2000:]
 
-    single = tmp_path / "single"
-    run_train(tmp_path_factory, f"--workdir={single}", f"--steps={LONG}", "--stop_after=6", "--eval_every=6")
-    for a, b in zip(metrics(single), metrics(workdir), strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], abs=2e-5), a["step"]
-    assert metrics(workdir)[-1]["eval_loss"] == pytest.approx(metrics(single)[-1]["eval_loss"], abs=2e-5)
+    single = tmp_path / "single"  # one step further than the 2-slice run: the resumed runs' step 7
+    run_train(tmp_path_factory, f"--workdir={single}", f"--steps={LONG}", "--stop_after=7", "--log_every=1",
+              "--eval_every=6")
+    want = {r["step"]: r for r in metrics(single)}
+    for b in metrics(workdir):
+        assert b["loss"] == pytest.approx(want[b["step"]]["loss"], abs=2e-5), b["step"]
+    assert metrics(workdir)[-1]["eval_loss"] == pytest.approx(want[6]["eval_loss"], abs=2e-5)
+    _resume_on_other_slices(tmp_path, tmp_path_factory, workdir, want[7]["loss"])
+
+
+# (strategy, --mesh, --dcn_mesh): 4 slices of 2 devices in this one process (simulated: its 8 devices
+# split in order), and 1 slice (no --dcn_mesh): fsdp over all 8
+OTHER_SLICES = [("hsdp", "fsdp:2", "data:4"), ("fsdp", "data:8,tensor:1", None)]
+
+
+def _saved_params(step_dir):
+    """The params of a checkpoint's state as Orbax wrote them, read back as plain NumPy (no sharding)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    reader = ocp.PyTreeCheckpointer()
+    tree = reader.metadata(step_dir / "state").item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return reader.restore(step_dir / "state", args=ocp.args.PyTreeRestore(restore_args=as_numpy))["params"]
+
+
+def _resume_on_other_slices(tmp_path, tmp_path_factory, workdir, loss7: float) -> None:
+    """The 2-slice checkpoint of step 6 restores into each of OTHER_SLICES' meshes (Orbax reshards it):
+    every param on that mesh and equal to the saved array; and launch.train --resume there trains
+    step 7 to the single device's loss."""
+    import dataclasses
+    import shutil
+
+    import jax
+    import numpy as np
+
+    from launch import common
+    from twinshard.config import preset
+    from twinshard.train.checkpoint import Checkpointer
+
+    saved = _saved_params(workdir / "checkpoints" / "6")
+    tiny = preset("tiny")
+    cfg = dataclasses.replace(tiny, train=dataclasses.replace(tiny.train, steps=LONG))  # the runs' optimizer
+    for strategy, mesh, dcn in OTHER_SLICES:
+        runner = common.make_runner(strategy, "manual", mesh, cfg, dcn_spec=dcn)
+        state, _ = Checkpointer(str(workdir / "checkpoints"), create=False).restore(runner.abstract_state(), {}, step=6)
+        for path, got in jax.tree_util.tree_leaves_with_path(state.params):
+            assert got.sharding.mesh == runner.mesh, path  # resharded onto this run's mesh
+            want = saved
+            for key in path:
+                want = want[key.key]
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(path))
+
+        again = tmp_path / f"on_{dcn or 'one_slice'}"
+        shutil.copytree(workdir, again)
+        run_train(tmp_path_factory, f"--workdir={again}", f"--strategy={strategy}", "--impl=manual", f"--mesh={mesh}",
+                  *([f"--dcn_mesh={dcn}"] if dcn else []), f"--steps={LONG}", "--resume", "--stop_after=7",
+                  "--log_every=1", "--eval_every=0")
+        step7 = metrics(again)[-1]
+        assert step7["step"] == 7 and step7["loss"] == pytest.approx(loss7, abs=2e-5), (strategy, mesh, dcn)
 
 
 HEARTBEAT = 3  # seconds (--heartbeat_timeout)

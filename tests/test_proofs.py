@@ -53,11 +53,11 @@ PROOFS = {
     "checkpoint restores elsewhere": [
         ("test_train.py", "test_every_strategy_checkpoint_restores_on_one_device", None),
         ("test_experts.py", "test_a_checkpoint_written_under_one_expert_strategy_restores_under_single_and_the_other", None),
-        (ULYSSES, "test_a_checkpoint_written_under_ulysses_restores_under_single_and_cp", None)],
+        (ULYSSES, "test_a_checkpoint_written_under_ulysses_restores_under_single_and_cp", None),
+        ("test_multiprocess.py", "test_two_processes_train_as_two_slices_like_a_single_device", None)],
 }
 MISSING: dict[tuple[str, str], str] = {  # (strategy, kind) -> why its proof does not exist yet
     ("hsdp", "memory vs memory_analysis"): "hsdp's compiled temporaries are not yet set beside the memory model",
-    ("hsdp", "checkpoint restores elsewhere"): "an hsdp checkpoint is not yet restored on another slice count",
 }
 
 def kinds(strategy: str) -> list[str]:

@@ -184,8 +184,10 @@ def test_refuses_to_overwrite_checkpoints(full_run, tmp_path_factory):
 
 
 def test_incompatible_checkpoint_is_a_clear_error(full_run, tmp_path_factory):
-    with pytest.raises(ValueError, match="different model.*context_length"):
+    with pytest.raises(ValueError, match=r"^--resume: checkpoint \S+ holds another model \(\(checkpoint, now\) = "
+                                         r"\{'context_length': \((\d+), 16\)\}\), .* pass --context_length=\1, or use") as e:
         run_train(tmp_path_factory, f"--workdir={full_run}", "--steps=12", "--resume", "--context_length=16")
+    assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"different training settings.*'batch_size': \(8, 4\)"):
         run_train(tmp_path_factory, f"--workdir={full_run}", "--steps=12", "--resume", "--batch_size=4")
 

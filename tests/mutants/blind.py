@@ -69,8 +69,8 @@ MUTANTS: list[Mutant] = [
            (SCHEDULE_READER, HLO, SCHEDULE, HLO_API),
            "a computation called from several sites runs as often as its last caller says, not the sum"),
     Mutant("blind-inferred-trips-off-by-one", "blind-schedule", SRC_HLO_LOOPS,
-           "return max(int(n.group(1)), 0), False",
-           "return max(int(n.group(1)) + 1, 0), False",
+           "return max(bound - _start(w, named.get(i.operands[0]), mod), 0), False",
+           "return max(bound + 1 - _start(w, named.get(i.operands[0]), mod), 0), False",
            (SCHEDULE_READER, HLO, SCHEDULE),
            "a trip count inferred from `i < N` is N + 1 (read as <=)"),
     # ------------------------------------------------------------------ the step-time model (hlo/timing.py, hardware/)

@@ -332,12 +332,15 @@ def _fsdp_ep(ctx: Ctx) -> list[Row]:
 
 def _hsdp(ctx: Ctx) -> list[Row]:
     """HSDP (manual_parallel/hsdp.py): fsdp's gathers and scatters over fsdp inside each slice; across
-    slices (data, over DCN) only each gradient's mean, in the weight dtype: a matrix's 1/fsdp shard, a norm gain whole
-    after its mean inside the slice; the global norm's psum stays inside (the gradients agree across
-    slices), the loss's scalar mean spans both axes."""
-    fsdp, shards = fsdp_rows(ctx, tensor_shards=1, axis="fsdp"), ctx.mesh["fsdp"]
-    across = [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * ctx.w // shards,
-                  f"pmean over data (DCN) of the shard d({w.name}) {leaf_label(w)}/fsdp") for w in matrix_weights(ctx)]
+    slices (data, over DCN) only each gradient's mean: a matrix's 1/fsdp shard right after each of its
+    reduce-scatters (hsdp_gather's backward: per layer, in the dtype it was scattered in), a norm gain
+    whole after its mean inside the slice, in the weight dtype; the global norm's psum stays inside (the
+    gradients agree across slices), the loss's scalar mean spans both axes."""
+    fsdp = fsdp_rows(ctx, tensor_shards=1, axis="fsdp")
+    scatters = [r for r in fsdp if r.op == "reduce-scatter"]  # one per matrix weight, in their order
+    across = [row(ctx, "backward", "all-reduce", ("data",), r.count, r.bytes // r.count, f"hsdp_gather backward: pmean over "
+                  f"data (DCN) of the shard d({w.name})/fsdp its psum_scatter over fsdp left")
+              for w, r in zip(matrix_weights(ctx), scatters, strict=True)]
     across += [row(ctx, "backward", "all-reduce", ("data",), w.leaves, w.layers * w.size * ctx.w,
                    f"pmean over data (DCN) of d({w.name}) {leaf_label(w)} (norm gains, after their mean over fsdp)")
                for w in norm_weights(ctx)]

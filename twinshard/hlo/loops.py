@@ -6,7 +6,8 @@ more than once, so the ledger counts each once.
 
 A collective in a `while` body runs the product of the enclosing trip counts
 (`known_trip_count`); the TPU compiler drops it (measured, libtpu 0.0.50.1), so it is inferred
-from a condition `compare(..., constant(N)), direction=LT` and marked `multiplicity_exact=False`.
+from a condition `compare(..., constant(N)), direction=LT` (less the counter's first value, where the
+while's initial tuple holds it as a constant) and marked `multiplicity_exact=False`.
 Conditional branches count as taken; a computation called from k sites runs k times. In a generic
 `async-start(...), calls=%comp` the collective is counted inside `%comp`; edges from done-side ops
 are not call sites unless they are the only caller.
@@ -72,15 +73,40 @@ def trip_count(w: Instr, mod: Module) -> tuple[int | None, bool]:
         return int(m.group(1)), True
     cond = re.findall(r"%?([\w.\-]+)", w.attrs.get("condition", ""))
     instrs = mod.computations.get(cond[0], []) if cond else []
-    consts = {i.name: i for i in instrs if i.opcode == "constant"}
+    named = {i.name: i for i in instrs}
     for i in instrs:
-        if i.is_root and i.opcode == "compare" and i.attrs.get("direction") == "LT":
-            c = consts.get(i.operands[-1]) if i.operands else None
-            if c is not None:
-                n = re.match(r"\s*(-?\d+)", c.line.split("constant(", 1)[1])
-                if n:
-                    return max(int(n.group(1)), 0), False
+        if i.is_root and i.opcode == "compare" and i.attrs.get("direction") == "LT" and len(i.operands) == 2:
+            bound = _constant(named.get(i.operands[1]))
+            if bound is not None:
+                return max(bound - _start(w, named.get(i.operands[0]), mod), 0), False
     return None, False
+
+
+def _constant(instr: Instr | None) -> int | None:
+    """An integer constant's value (None: not one)."""
+    if instr is None or instr.opcode != "constant":
+        return None
+    n = re.match(r"\s*(-?\d+)", instr.line.split("constant(", 1)[1])
+    return int(n.group(1)) if n else None
+
+
+def _start(w: Instr, counter: Instr | None, mod: Module) -> int:
+    """The first value of the loop counter `counter` (the condition's get-tuple-element of its parameter):
+    the constant the while's initial tuple holds there, through copies; 0 where it is not one. Measured
+    (libtpu 0.0.50.1): a loop whose first iteration XLA peeled off (its transfers across slices
+    pipelined into the next) starts its counter at constant(1), still bounded by `i < L`."""
+    if counter is None or counter.opcode != "get-tuple-element" or not w.operands:
+        return 0
+    index = re.match(r"\s*(\d+)", counter.attrs.get("index", ""))
+    caller = {i.name: i for i in mod.computations.get(w.computation, [])}
+    init = caller.get(w.operands[0])
+    if index is None or init is None or init.opcode != "tuple" or int(index.group(1)) >= len(init.operands):
+        return 0
+    value = caller.get(init.operands[int(index.group(1))])
+    while value is not None and value.opcode in ("copy", "bitcast") and value.operands:
+        value = caller.get(value.operands[0])
+    start = _constant(value)
+    return 0 if start is None else start
 
 
 def multiplicities(mod: Module, warnings: list[str]) -> dict[str, tuple[int, bool, bool]]:

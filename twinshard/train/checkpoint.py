@@ -247,13 +247,24 @@ def _field_defaults() -> dict[str, dict[str, Any]]:
             for key, c in (("model", ModelConfig), ("train", TrainConfig))}
 
 
+def model_difference(saved: Any, want: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (checkpoint's, this run's)} where a checkpoint's model config differs from `want` (a checkpoint
+    without one: every field)."""
+    return _differing("model", saved if isinstance(saved, dict) else {}, want)
+
+
+def _differing(key: str, saved: dict[str, Any], want: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """A field added after a checkpoint was written reads as its default there (its value shown as None)."""
+    defaults = _field_defaults().get(key, {})
+    return {k: (saved.get(k), v) for k, v in want.items() if saved.get(k, defaults.get(k)) != v}
+
+
 def _check_same(key: str, saved: Any, want: Any, where: str) -> None:
     """A field added after a checkpoint was written reads as its default there, so older checkpoints restore."""
     if saved == want:
         return
     if isinstance(want, dict) and isinstance(saved, dict):
-        defaults = _field_defaults().get(key, {})
-        diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k, defaults.get(k)) != v}
+        diff = _differing(key, saved, want)
         if not diff:
             return
     else:
