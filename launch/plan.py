@@ -21,9 +21,9 @@ sources, are twinshard/hardware/chips.py.
 For each strategy the model runs under (every declared strategy, twinshard/parallel/strategies.py:
 a dense model dp, fsdp, tp, fsdp_tp, tp_sp, fsdp_tp_sp, cp, fsdp_cp, pp, pp_fsdp; a mixture of experts dp,
 fsdp, ep, fsdp_ep, as resolve.check_experts says) and each factoring of the chips over the
-strategy's mesh axes that launch.train accepts for the model (resolve.resolve_mesh; a pipeline
-with the micro-batch count and schedule that rank best on it), the cost model of the manual twin
-(twinshard.cost) gives, per chip (twinshard/hardware/plan.py):
+strategy's mesh axes that launch.train accepts for the model (resolve.resolve_mesh; a pipeline once
+per schedule and interleaved V, each with the micro-batch count that ranks best), the cost model of
+the manual twin (twinshard.cost) gives, per chip (twinshard/hardware/plan.py):
 
 - memory: params + grads + optimizer state (--optimizer; AdamW's 2 moments by default), in
   --param_dtype and --optimizer_dtype (float32 both by default, as launch.train trains: 16 bytes
@@ -39,7 +39,8 @@ with the micro-batch count and schedule that rank best on it), the cost model of
   none is measured, and the output says which), the FLOPs in MFU's convention (causal attention
   counted half, as flash and splash compute it): the bf16 peak for --dtype=bfloat16, and for
   float32 the peak of JAX's default matmul precision (TF32 tensor cores on NVIDIA; on TPU one
-  bf16 MXU pass, so the bf16 peak); a pipeline's times its schedule's bubble (GPipe (M+S-1)/M),
+  bf16 MXU pass, so the bf16 peak); a pipeline's times its schedule's factor (GPipe (M+S-1)/M;
+  1f1b, interleaved (each V <= 4 that splits a stage) and zb_h1 from their tables: docs/planning.md),
   ring attention's without the blocks it skips;
 - communication time per mesh axis = the ring bytes one chip sends over it / the bandwidth of
   the links the axis uses (below); an all-to-all's ring bytes (ep's dispatch and combine)
@@ -96,7 +97,8 @@ from twinshard.cost import human
 from twinshard.hardware import chips
 from twinshard.hardware.chips import matmul_peak_flops
 from twinshard.hardware.links import GB, Topology, parse_topology, with_slices
-from twinshard.hardware.plan import RANK_BY, Plan, Precision, Skipped, plan_all, rank, runnable
+from twinshard.hardware.plan import (RANK_BY, Plan, Precision, Skipped, pipeline_factor, pipeline_schedules, plan_all,
+                                     rank, runnable)
 from twinshard.parallel import mesh as mesh_lib, support
 
 # Flags shared by name with the other launchers keep their defaults (absl flags are process-global).
@@ -160,6 +162,22 @@ def _breakdown(p: Plan) -> str:
             f"activations {human(m.activations)} + backward layer {human(m.backward_layer)}{gathered}")
 
 
+def schedule_section(plans: list[Plan], rank_by: str) -> list[str]:
+    """One pipeline mesh's schedules side by side (hardware.plan.pipeline_schedules): each one's bubble (its
+    table's idle share), compute factor (pipeline_factor), activations in flight, memory and step; and the
+    schedule named for the shape: the fastest that fits."""
+    head = ("schedule", "M", "bubble", "compute x", "activations", "memory/chip", "fits", f"step {rank_by}")
+    rows = [(p.schedule + (f" V={p.virtual}" if p.virtual > 1 else ""), str(p.microbatches), f"{float(p.bubble):.1%}",
+             f"{pipeline_factor(p.microbatches, p.mesh['stage'], p.schedule, p.virtual):.3f}",
+             human(p.cost.memory.activations), human(p.memory), "yes" if p.fits else "no", _ms(p.step_s(rank_by)))
+            for p in plans]
+    best = next((p for p in plans if p.fits), None)
+    return [f"== pipeline schedules on {plans[0].layout} {plans[0].mesh_text()}, the best pipeline mesh (each with "
+            "its best M) ==", *cost.format_table(head, rows),
+            f"best schedule for this shape: {best.schedule}" + (f" V={best.virtual}" if best.virtual > 1 else "") +
+            f" M={best.microbatches}" if best else "no schedule fits in memory"]
+
+
 def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topology, name: str, cfg: Config,
            top: int, mfu: float, headroom: float, rank_by: str, precision: Precision = Precision(),
            mfu_why: str = "given") -> str:
@@ -182,6 +200,8 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
                    if link.all_to_all != 1 and _has_all_to_all(best, axis) else "")
                 for axis, link in best.links.items()]
         out += [f"  memory: {_breakdown(best)}"]
+    if pipeline_schedules(fit, over):
+        out += ["", *schedule_section(pipeline_schedules(fit, over), rank_by)]
     else:
         out.append("== no plan fits in memory: more chips, --dtype=bfloat16, a smaller --batch_size or "
                    "--context_length would help ==")
@@ -240,7 +260,8 @@ def train_flags(plan: Plan, name: str, cfg: Config) -> str:
         ("batch_size", cfg.train.batch_size, base.train.batch_size), *model,
         ("optimizer", cfg.train.optimizer, base.train.optimizer),
         ("microbatches", plan.microbatches, base.train.microbatches),
-        ("schedule", plan.schedule, base.train.schedule)) if v != d]
+        ("schedule", plan.schedule, base.train.schedule),
+        ("virtual_stages", plan.virtual, base.train.virtual_stages)) if v != d]
     extra += ["--collective_matmul"] * (plan.strategy == "tp_sp" and cfg.model.collective_matmul)
     if plan.strategy in support.with_option("tp_overlap") and cfg.model.tp_overlap_chunks > 1:
         extra.append(f"--tp_overlap_chunks={cfg.model.tp_overlap_chunks}")
@@ -262,7 +283,8 @@ def as_dict(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Top
             mfu: float, headroom: float, rank_by: str, precision: Precision = Precision()) -> dict:
     def one(p: Plan, rank_: int | None) -> dict:
         return {"rank": rank_, "strategy": p.strategy, "layout": p.layout, "across": p.across, "mesh": p.mesh,
-                "microbatches": p.microbatches, "schedule": p.schedule, "flat": p.flat, "slices": p.slices, "fits": p.fits,
+                "microbatches": p.microbatches, "schedule": p.schedule, "virtual_stages": p.virtual,
+                "bubble": float(p.bubble), "flat": p.flat, "slices": p.slices, "fits": p.fits,
                 "memory": {**dataclasses.asdict(p.cost.memory), "total": p.memory}, "hbm_usable": p.hbm_usable,
                 "compute_s": p.compute_s, "comm_s": p.comm_s, "overlap_s": p.overlap_s, "serial_s": p.serial_s,
                 "bound": p.bound, "flops_per_chip": p.cost.flops.per_device,
@@ -294,7 +316,8 @@ def compile_plan(plan: Plan, topo: Topology, cfg: Config) -> tuple[str, dict]:
 
     topology.default_to_cpu()  # libtpu installed, no TPU here: do not probe it (it prints errors)
     devices = topology.devices(topo.name)
-    train = dataclasses.replace(cfg.train, microbatches=plan.microbatches, schedule=plan.schedule)
+    train = dataclasses.replace(cfg.train, microbatches=plan.microbatches, schedule=plan.schedule,
+                                virtual_stages=plan.virtual)
     res = collectives.collectives(plan.strategy, "manual", plan.mesh_text(), dataclasses.replace(cfg, train=train),
                                   devices)
     pred = collectives.predict_step(res, topo)

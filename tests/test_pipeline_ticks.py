@@ -4,7 +4,7 @@ against the compiled temporaries' growth per micro-batch.
 
 The programs are test_pipeline's (pp on 4 stages of tiny's 4 layers, micro-batches of 2 sequences;
 its xdist group, tests/harness/schedule.py): M = 4 is the twin tests' step, M = 8 its memory tests';
-only zb_h1 at M = 8 compiles here alone.
+interleaved (V = 2 chunks of one layer) its 2-stage twins'; only zb_h1 at M = 8 compiles here alone.
 """
 
 import functools
@@ -13,7 +13,7 @@ from fractions import Fraction
 
 import pytest
 
-from test_pipeline import CFG, M, compiled_step, long_step
+from test_pipeline import CFG, M, V, compiled_step, long_step
 from twinshard import cost
 from twinshard.hlo import draw_pipeline
 from twinshard.hlo.pipeline_ticks import Cell, pipeline_ticks
@@ -26,14 +26,16 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 
 @functools.cache
-def read(impl: str, schedule: str):
-    """The reader's Ticks of the twin tests' compiled step (M = 4)."""
-    return pipeline_ticks(compiled_step(impl, S, schedule), MESH)
+def read(impl: str, schedule: str, stages: int = S):
+    """The reader's Ticks of the twin tests' compiled step (M = 4; interleaved: on 2 stages)."""
+    return pipeline_ticks(compiled_step(impl, stages, schedule), {"stage": stages})
 
 
 def table_cells(sched: pipeline.Schedule) -> list[list[Cell | None]]:
-    """The table's grid as the reader's cells (B for a whole backward and for zb_h1's input gradient)."""
-    return [[Cell(pipeline.LETTER[a.kind], a.microbatch) if a else None for a in row] for row in sched.grid]
+    """The table's grid as the reader's cells (B for a whole backward and for zb_h1's input gradient; the
+    device's local chunk j // S of virtual stage j)."""
+    return [[Cell(pipeline.LETTER[a.kind], a.microbatch, a.stage // sched.stages) if a else None for a in row]
+            for row in sched.grid]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
@@ -68,23 +70,44 @@ def test_gpipe_is_read_from_its_loops(impl):
     assert [list(row) for row in ticks.grid] == mirrored, ticks.text()
 
 
-def test_the_picture_draws_the_reading():
-    """pipeline_svg of the read zb_h1 step, parsed back: one box per op the reader found, at its stage
-    lane and tick, with its op, micro-batch and colour; nothing where the stage idles."""
-    ticks = read("manual", "zb_h1")
+@pytest.mark.parametrize("impl", ["manual", "auto"])
+def test_interleaved_is_read_with_its_chunks(impl):
+    """--schedule=interleaved, S = 2, V = 2, M = 4. The manual twin runs Megatron's table: read from its
+    branch tables, each op's chunk from the block of the stage's weights its branch slices, equal to
+    pipeline.build's grid cell by cell. The GSPMD twin runs MaxText's circular loop: read from its
+    structure, V M + S - 1 = 9 ticks each way (GPipe's M + S - 1 = 5), equal to pipeline.circular's grid.
+    Both measure the bubble (S-1)/(V M+S-1) = 1/9, not GPipe's 1/5; a reader that took every op for
+    chunk 0, or the circular loop's ticks past M for bubbles, fails here."""
+    stages = 2
+    ticks = read(impl, "interleaved", stages)
+    sched = pipeline.build("interleaved", stages, M, V) if impl == "manual" else pipeline.circular(stages, M, V)
+    assert ticks.form == ("table" if impl == "manual" else "structure")
+    assert [n for _, n in ticks.loops] == ([sched.ticks] if impl == "manual" else [V * M + stages - 1] * 2)
+    assert [list(row) for row in ticks.grid] == table_cells(sched), ticks.text() + "\n" + sched.text()
+    assert ticks.virtual == V and ticks.text().splitlines()[1:] == sched.text().splitlines()[1:]  # F0.1: chunk 1
+    assert ticks.bubble() == sched.bubble() == Fraction(stages - 1, V * M + stages - 1)
+
+
+@pytest.mark.parametrize("schedule, stages, n", [("zb_h1", S, 15), ("interleaved", 2, 18)])
+def test_the_picture_draws_the_reading(schedule, stages, n):
+    """pipeline_svg of the read manual step, parsed back: one box per op the reader found, at its stage
+    lane and tick, with its op, micro-batch, chunk and colour (interleaved labels F0.1: chunk 1); nothing
+    where the stage idles."""
+    ticks = read("manual", schedule, stages)
     root = ET.fromstring(draw_pipeline.pipeline_svg([("manual", ticks)]))
     band = next(g for g in root.iter(SVG + "g") if g.get("class") == "pipeline")
-    assert (band.get("data-twin"), int(band.get("data-ticks")), int(band.get("data-stages"))) == ("manual", 15, S)
+    assert (band.get("data-twin"), int(band.get("data-ticks")), int(band.get("data-stages"))) == ("manual", n, stages)
     assert float(band.get("data-bubble")) == pytest.approx(float(ticks.bubble()))
     drawn = {}
     for g in band.iter(SVG + "g"):
         if g.get("class") == "op":
             key = (int(g.get("data-tick")), int(g.get("data-stage")))
             assert key not in drawn, key
-            drawn[key] = Cell(g.get("data-op"), int(g.get("data-microbatch")))
+            drawn[key] = Cell(g.get("data-op"), int(g.get("data-microbatch")), int(g.get("data-chunk")))
             assert g.find(SVG + "rect").get("fill") == draw_pipeline.OP_COLOURS[drawn[key].op]
-            assert g.find(SVG + "text").text == drawn[key].label()
+            assert g.find(SVG + "text").text == drawn[key].label(chunked=schedule == "interleaved")
     assert drawn == {(t, s): c for t, row in enumerate(ticks.grid) for s, c in enumerate(row) if c is not None}
+    assert {c.chunk for c in drawn.values()} == set(range(V if schedule == "interleaved" else 1))
 
 
 # ----------------------------------------------------------------------------- memory per micro-batch

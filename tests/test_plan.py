@@ -401,11 +401,12 @@ def test_ranking():
     plans, skipped = plans_lib.plan_all(LLM_1B, hardware_links.parse_topology("v5p:4x4x4"), 64)
     fit, over = plans_lib.rank(plans, "serial")
     # at context 2, ulysses's 4 all-to-alls of half the heads move less than the ring's K and V hops;
-    # zb_h1 (its W a weight gradient alone: pipeline_factor) between tp_sp and them
+    # zb_h1 (its W a weight gradient alone: pipeline_factor) and interleaved (V = 2 chunks of a stage's 10
+    # layers; 20 / 4 = 5 layers split into no V <= 4) between tp_sp and them
     assert [(p.strategy, p.label()) for p in fit[:8]] == [
         ("dp", "data:64,tensor:1"), ("fsdp", "data:64,tensor:1"), ("pp_fsdp", "stage:2,data:32 M=2 gpipe"),
         ("pp_fsdp", "stage:4,data:16 M=4 gpipe"), ("tp_sp", "data:32,tensor:2"), ("pp_fsdp", "stage:2,data:32 M=2 zb_h1"),
-        ("fsdp_ulysses", "data:32,context:2"), ("fsdp_cp", "data:32,context:2")]
+        ("pp_fsdp", "stage:2,data:32 M=2 interleaved V=2"), ("fsdp_ulysses", "data:32,context:2")]
     # hsdp is a layout across slices only (launch.plan --slices: tests/test_plan_slices.py)
     assert {p.strategy for p in fit} == {"dp", "fsdp", "fsdp_tp", "tp_sp", "fsdp_tp_sp", "fsdp_cp", "fsdp_ulysses",
                                          "pp_fsdp"}
@@ -631,13 +632,14 @@ def test_cli_prints_ranks_and_writes_json(tmp_path):
                f"--json={tmp_path / 'plan.json'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "== plans that fit, ranked by the serial step time" in out and "... 27 more (--top)" in out  # (the 2 zb_h1 pipelines and 4 fsdp_tp_sp among them)
+    # (the 2 zb_h1 pipelines, 1 interleaved and 4 fsdp_tp_sp among them)
+    assert "== plans that fit, ranked by the serial step time" in out and "... 28 more (--top)" in out
     assert re.search(r"^1 +dp +data:64,tensor:1 .* compute ", out, re.M), out
     assert "data=64: ICI x (4 chips, torus ring): 2 x 90 GB/s" in out
     assert "--strategy=dp --impl=manual --mesh=data:64,tensor:1 --optimizer=lion --distributed" in out
     assert re.search(r"params (\S+ GiB) \+ grads \1 \+ optimizer \1 \+", out), out  # lion: 1 f32 moment
     doc = json.loads((tmp_path / "plan.json").read_text())
-    assert [p["rank"] for p in doc["plans"]] == [*range(1, 30), None] and doc["chips"] == 64  # cp does not fit
+    assert [p["rank"] for p in doc["plans"]] == [*range(1, 31), None] and doc["chips"] == 64  # cp does not fit
     assert doc["plans"][0]["links"]["data"]["bytes_per_s"] == 540e9 and doc["chip"]["name"] == "v5p"
     assert doc["assumptions"]["optimizer"] == "lion (float32 state)"
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from fractions import Fraction
 
 from twinshard import cost
 from twinshard.config import Config, ModelConfig, TrainConfig
@@ -60,6 +61,7 @@ class Plan:
     microbatches: int = 1  # a pipeline's M
     schedule: str = "gpipe"  # a pipeline's schedule
     across: bool = False  # slices > 1: fsdp's weights split over every slice's chips (module docstring)
+    virtual: int = 1  # interleaved's chunks per stage (V)
 
     @property
     def layout(self) -> str:
@@ -92,6 +94,13 @@ class Plan:
         """launch.train runs it as planned (one slice, d_model split evenly)."""
         return not self.flat and self.slices == 1
 
+    @property
+    def bubble(self) -> Fraction:
+        """A pipeline's share of idle stage-ticks in its schedule's table (pipeline.build); 0 otherwise."""
+        if self.strategy not in cost.PIPELINES:
+            return Fraction(0)
+        return pipeline.build(self.schedule, self.mesh["stage"], self.microbatches, self.virtual).bubble()
+
     def step_s(self, rank_by: str) -> float:
         """The step time `rank_by` ranks by: 'serial' (compute + every axis's communication) or
         'overlap' (the largest of them)."""
@@ -104,7 +113,7 @@ class Plan:
         """The mesh, and what else sets the plan apart ('data:1536,tensor:4 flat', 'stage:4 M=16 1f1b')."""
         text = self.mesh_text() + (" flat" if self.flat else "")
         if self.strategy in cost.PIPELINES:
-            text += f" M={self.microbatches} {self.schedule}"
+            text += f" M={self.microbatches} {self.schedule}" + (f" V={self.virtual}" if self.virtual > 1 else "")
         if self.across:
             return f"{text} over {self.slices} slices"
         return text if self.slices == 1 else f"dcn:{self.slices} x {text}"
@@ -149,8 +158,10 @@ def _flops_per_chip(c: cost.Cost) -> float:
     return f.per_device * (1 - skipped / f.total)
 
 
-def train_config(cfg: ModelConfig, batch: int, microbatches: int = 1, schedule: str = "gpipe") -> Config:
-    return Config(cfg, TrainConfig(batch_size=batch, microbatches=microbatches, schedule=schedule))
+def train_config(cfg: ModelConfig, batch: int, microbatches: int = 1, schedule: str = "gpipe",
+                 virtual: int = 1) -> Config:
+    return Config(cfg, TrainConfig(batch_size=batch, microbatches=microbatches, schedule=schedule,
+                                   virtual_stages=virtual))
 
 
 def _check_mesh(cfg: ModelConfig, chips: int, strategy: str, mesh: dict[str, int], train: Config) -> bool:
@@ -183,7 +194,7 @@ def dcn_seconds(inside: cost.Cost, slices: int, link: Link, precision: Precision
 def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
              mfu: float = 1.0, headroom: float = 0.25, optimizer: str = "adamw",
              precision: Precision = Precision(), microbatches: int = 1, schedule: str = "gpipe",
-             across: bool = False) -> Plan:
+             across: bool = False, virtual: int = 1) -> Plan:
     """One strategy on one mesh of each slice (across: fsdp's `data` over every slice's chips, module
     docstring); ValueError where launch.train would refuse the mesh (flat aside)."""
     if across and (strategy != "fsdp" or topo.slices == 1):
@@ -194,14 +205,15 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
                          f"a multiple of {topo.slices}")
     batch //= topo.slices
     if strategy not in cost.PIPELINES:
-        microbatches, schedule = 1, "gpipe"
-    flat = _check_mesh(cfg, topo.chips, strategy, mesh, train_config(cfg, batch, microbatches, schedule))
+        microbatches, schedule, virtual = 1, "gpipe", 1
+    flat = _check_mesh(cfg, topo.chips, strategy, mesh, train_config(cfg, batch, microbatches, schedule, virtual))
     if strategy not in support.with_option("collective_matmul"):  # tp_sp's gathers only
         cfg = dataclasses.replace(cfg, collective_matmul=False)
     if strategy not in support.with_option("tp_overlap"):  # Megatron's all-reduces of tp, fsdp_tp only
         cfg = dataclasses.replace(cfg, tp_overlap_chunks=1)
     c = cost.cost(cfg, strategy, mesh, batch, cfg.context_length, optimizer=optimizer, microbatches=microbatches,
-                  schedule=schedule, gpu=not topo.chip.is_tpu, flat_weights=flat, **precision.memory_kwargs())
+                  schedule=schedule, gpu=not topo.chip.is_tpu, flat_weights=flat, virtual_stages=virtual,
+                  **precision.memory_kwargs())
     links = axis_links(topo, c.mesh)
     comm = comm_times(c, links)
     if topo.slices > 1:  # each chip's f32 gradients all-reduced with its counterparts in the other slices
@@ -212,9 +224,9 @@ def evaluate(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, in
     peak, _ = matmul_peak_flops(topo.chip, cfg.dtype)
     compute = _flops_per_chip(c) / (peak * mfu)
     if strategy in cost.PIPELINES:
-        compute *= pipeline_factor(microbatches, mesh["stage"], schedule)
+        compute *= pipeline_factor(microbatches, mesh["stage"], schedule, virtual)
     return Plan(strategy, c.mesh, c, topo.chip.hbm_bytes * (1 - headroom), compute, comm, links, flat, topo.slices,
-                microbatches, schedule, across)
+                microbatches, schedule, across, virtual)
 
 
 def _across(cfg: ModelConfig, topo: Topology, batch: int, optimizer: str,
@@ -272,19 +284,32 @@ def _best(plans: list[Plan], rank_by: str) -> Plan:
     return min(fit, key=lambda p: (p.step_s(rank_by), p.memory)) if fit else min(plans, key=lambda p: p.memory)
 
 
+MAX_VIRTUAL = 4  # the most chunks per stage the planner tries for interleaved (each V sends V times as often)
+
+
+def schedule_choices(num_layers: int, stages: int) -> list[tuple[str, int]]:
+    """(schedule, V) the planner tries on S stages: every pipeline.SCHEDULES entry, interleaved once per V in
+    2 ... MAX_VIRTUAL that splits a stage's L/S layers into equal chunks (none where no V does)."""
+    per_stage = num_layers // stages
+    return [(s, v) for s in pipeline.SCHEDULES
+            for v in (range(2, MAX_VIRTUAL + 1) if s in pipeline.INTERLEAVED else (1,)) if per_stage % v == 0]
+
+
 def _pipeline_plans(cfg: ModelConfig, topo: Topology, strategy: str, mesh: dict[str, int], batch: int,
                     rank_by: str, **kwargs) -> list[Plan]:
-    """One plan per schedule with the micro-batch count M that ranks best; ValueError when none gives a plan."""
+    """One plan per (schedule, V) of schedule_choices, with the micro-batch count M that ranks best (interleaved:
+    M a multiple of S); ValueError when none gives a plan."""
     rows, stages = batch // topo.slices // mesh.get("data", 1), mesh["stage"]
     counts = [m for m in range(stages, rows + 1) if rows % m == 0]
     if not counts:  # pipeline.check names the value and the fix
         pipeline.check(cfg.num_layers, batch // topo.slices, stages, stages, data=mesh.get("data", 1))
     out, error = [], None
-    for schedule in (s for s in pipeline.SCHEDULES if s not in pipeline.INTERLEAVED):  # (interleaved would need its V searched too)
+    for schedule, virtual in schedule_choices(cfg.num_layers, stages):
         plans = []
-        for m in counts:
+        for m in (m for m in counts if virtual == 1 or m % stages == 0):
             try:
-                plans.append(evaluate(cfg, topo, strategy, mesh, batch, microbatches=m, schedule=schedule, **kwargs))
+                plans.append(evaluate(cfg, topo, strategy, mesh, batch, microbatches=m, schedule=schedule,
+                                      virtual=virtual, **kwargs))
             except ValueError as e:
                 error = error or e
         if plans:
@@ -321,3 +346,12 @@ def rank(plans: list[Plan], rank_by: str) -> tuple[list[Plan], list[Plan]]:
     fit = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s(rank_by), p.memory))
     over = sorted((p for p in plans if not p.fits), key=lambda p: p.memory)
     return fit, over
+
+
+def pipeline_schedules(fit: list[Plan], over: list[Plan]) -> list[Plan]:
+    """The plans of the best-ranked pipeline mesh, one per (schedule, V) with its best M, in rank's order (those
+    that fit, fastest first, then those that do not); the first that fits is the schedule named for that
+    shape. [] without a pipeline plan."""
+    first = next((p for p in fit + over if p.strategy in cost.PIPELINES), None)
+    key = lambda p: (p.strategy, p.mesh, p.slices, p.across)  # noqa: E731
+    return [p for p in fit + over if first is not None and key(p) == key(first)]

@@ -2,8 +2,9 @@
 
 `pipeline_svg([("manual", ticks), ...])` draws each `Ticks` (twinshard/hlo/pipeline_ticks.py: read from the
 compiled program, not from the schedule's table) as a band of lanes, one per stage, a column per tick;
-every op is a box labelled with its micro-batch (F0, B3, W1) and carries `data-stage`, `data-tick`,
-`data-op` and `data-microbatch`; an idle tick is left blank. The file is self-contained, as the
+every op is a box labelled with its micro-batch (F0, B3, W1; interleaved, with the stage's local chunk:
+F0.1) and carries `data-stage`, `data-tick`, `data-op`, `data-microbatch` and `data-chunk`; an idle tick
+is left blank. The file is self-contained, as the
 timeline's (twinshard/hlo/draw.py); `stack` puts several drawings in one file, one above the other.
 """
 
@@ -48,19 +49,21 @@ def _band(name: str, ticks: Ticks, y: float) -> tuple[list[str], float]:
     y += 8
     for s in range(ticks.stages):
         out.append(f'<g class="stage" data-stage="{s}"><text x="8" y="{y + LANE / 2 + 4}">stage {s}</text>')
-        out += [_box(t, s, row[s], y) for t, row in enumerate(ticks.grid) if row[s] is not None]
+        out += [_box(t, s, row[s], y, ticks.virtual > 1) for t, row in enumerate(ticks.grid) if row[s] is not None]
         out.append("</g>")
         y += LANE
     out += [_ticks_axis(ticks.ticks, y), "</g>"]
     return out, y + GAP + 24
 
 
-def _box(t: int, s: int, cell, y: float) -> str:
+def _box(t: int, s: int, cell, y: float, chunked: bool) -> str:
     x = LEFT + t * CELL
-    what = f"tick {t}, stage {s}: {OP_NAMES[cell.op]} of micro-batch {cell.microbatch}"
-    return (f'<g class="op" data-stage="{s}" data-tick="{t}" data-op="{cell.op}" data-microbatch="{cell.microbatch}">'
-            f'<title>{escape(what)}</title><rect x="{x + 1}" y="{y + 2}" width="{CELL - 2}" height="{LANE - 4}" '
-            f'fill="{OP_COLOURS[cell.op]}"/><text class="label" x="{x + 6}" y="{y + LANE / 2 + 4}">{cell.label()}</text></g>')
+    what = f"tick {t}, stage {s}: {OP_NAMES[cell.op]} of micro-batch {cell.microbatch}" + \
+        (f" on the stage's chunk {cell.chunk}" if chunked else "")
+    return (f'<g class="op" data-stage="{s}" data-tick="{t}" data-op="{cell.op}" data-microbatch="{cell.microbatch}" '
+            f'data-chunk="{cell.chunk}"><title>{escape(what)}</title><rect x="{x + 1}" y="{y + 2}" width="{CELL - 2}" '
+            f'height="{LANE - 4}" fill="{OP_COLOURS[cell.op]}"/><text class="label" x="{x + 4}" y="{y + LANE / 2 + 4}">'
+            f'{cell.label(chunked)}</text></g>')
 
 
 def _ticks_axis(n: int, y: float) -> str:

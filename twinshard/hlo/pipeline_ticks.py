@@ -14,11 +14,13 @@ branch index of every (tick, partition) (twinshard/hlo/evaluate.py), and reads e
   reads no tokens, so its micro-batch is the one whose B wrote the residual slot it reads (the body's
   dynamic-update-slice of that carried ring, evaluated tick by tick).
 
-A GPipe loop (both twins) has no table: every stage computes every tick, useful or not. Its ticks are
-the trip counts of the loops that shift activations over the stage axis (the forward loop and its
-transpose), M the batch's rows over a hand-off's rows, and the cells follow from the structure (stage
-s is useful at tick t of the forward loop on micro-batch t - s; the transposed loop runs the ticks
-backwards). `Ticks.form` says which reading it is.
+A loop without a table (GPipe in both twins, the GSPMD twin's circular loop) computes every stage every
+tick, useful or not. Its ticks are the trip counts of the loops that shift activations over the stage
+axis (the forward loop and its transpose), M the batch's rows over a hand-off's rows, V the forward
+loop's ticks less S - 1 over M (its V M + S - 1 ticks; GPipe's V = 1), and the cells follow from the
+structure: in tick t of the forward loop stage s runs its op t - s, micro-batch (t - s) % M on its local
+chunk (t - s) // M (auto_parallel/pp.py); the transposed loop runs the ticks backwards, so the ops last
+first (pipeline.circular draws the same grid from its definition). `Ticks.form` says which reading it is.
 """
 
 from __future__ import annotations
@@ -41,13 +43,16 @@ _VIEWS = ("copy", "bitcast", "reshape")
 
 @dataclass(frozen=True)
 class Cell:
-    """What one stage does in one tick: `op` (F, B or W) of micro-batch `microbatch`."""
+    """What one stage does in one tick: `op` (F, B or W) of micro-batch `microbatch` on the stage's local
+    chunk `chunk` (0 ... V-1; always 0 without interleaving)."""
 
     op: str
     microbatch: int
+    chunk: int = 0
 
-    def label(self) -> str:
-        return f"{self.op}{self.microbatch}"
+    def label(self, chunked: bool = False) -> str:
+        """F3; with `chunked` (V > 1) F3.1, micro-batch 3 on chunk 1, as pipeline.Action labels it."""
+        return f"{self.op}{self.microbatch}" + (f".{self.chunk}" if chunked else "")
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class Ticks:
     """A compiled pipeline step: grid[t][s] is what stage s does in tick t (None: idle)."""
 
     grid: tuple[tuple[Cell | None, ...], ...]
-    form: str  # 'table': read from the tick loop's branch tables; 'structure': a GPipe loop's trip counts
+    form: str  # 'table': read from the tick loop's branch tables; 'structure': a GPipe or circular loop's trip counts
     loops: tuple[tuple[str, int], ...]  # (while body, trip count) of the loops read
 
     @property
@@ -66,13 +71,18 @@ class Ticks:
     def stages(self) -> int:
         return len(self.grid[0]) if self.grid else 0
 
+    @property
+    def virtual(self) -> int:
+        """V: the chunks a stage runs (1 + the highest chunk read)."""
+        return 1 + max((c.chunk for row in self.grid for c in row if c is not None), default=0)
+
     def bubble(self) -> Fraction:
         """The share of stage-ticks that do no useful work."""
         return Fraction(sum(c is None for row in self.grid for c in row), self.ticks * self.stages)
 
     def text(self) -> str:
         """A row per stage, a column per tick, as pipeline.Schedule.text() draws the table."""
-        cells = [[c.label() if c else "." for c in row] for row in self.grid]
+        cells = [[c.label(self.virtual > 1) if c else "." for c in row] for row in self.grid]
         width = max(len(c) for row in cells for c in row)
         loops = ", ".join(f"%{body} x{n}" for body, n in self.loops)
         head = f"read from the compiled program ({self.form}; {loops}): {self.ticks} ticks, bubble {float(self.bubble()):.1%}"
@@ -93,7 +103,7 @@ def pipeline_ticks(compiled: Any, mesh: Any, axis: str = "stage") -> Ticks:
     partitions = [s * stride for s in range(stages)]  # the first partition of each stage (row-major ids)
     switch = _tick_switch(mod)
     if switch is None:
-        return _gpipe(mod, axis, spec, stages)
+        return _circular(mod, axis, stages)
     return _from_table(mod, *switch, partitions)
 
 
@@ -165,8 +175,10 @@ def _from_table(mod: Module, loop: Instr, switch: Instr, partitions: list[int]) 
             inner.params = lambda _, f=frames.at(t), o=switch.operands[k + 1]: f.value(o)
             # a W reads no fresh tokens: under the split backward its embedding gradient reads the ids its B kept
             # in a stash ring (int [slots, b, T], a token slice's shape), so its micro-batch comes from that B
+            operand = switch.operands[k + 1]
             mb = _token_index(mod, inner) if ops[k] != "W" else None
-            cells.append(Cell(ops[k], mb if mb is not None else _weight_microbatch(mod, frames, t, inner, switch.operands[k + 1], cells)))
+            mb = mb if mb is not None else _weight_microbatch(mod, frames, t, inner, operand, cells)
+            cells.append(Cell(ops[k], mb, _chunk(mod, frames, t, inner, operand)))
         columns.append(cells)
     grid = tuple(tuple(col[t] for col in columns) for t in range(trips))
     return Ticks(grid, "table", ((body, trips),))
@@ -238,21 +250,39 @@ def _carried(frame: Frame, name: str, chain: list[tuple[Frame, list[str]]]) -> i
     return None
 
 
-def _ring_reads(mod: Module, body: Frame, branch: Frame, operand: str) -> dict[int, int]:
-    """{carried element: slot} of the float rings the branch (run with `operand`) reads one slot of."""
-    reads: dict[int, int] = {}
+def _carried_slices(mod: Module, body: Frame, branch: Frame, operand: str) -> dict[int, tuple[int, int, int]]:
+    """{carried element: (its dim-0 index, the slice's rows, the element's rows)} of the loop's float arrays
+    that the branch (run with `operand`) takes a dynamic-slice of."""
+    slices: dict[int, tuple[int, int, int]] = {}
 
     def walk(f: Frame, chain: list[tuple[Frame, list[str]]]) -> None:
         for i in mod.computations[f.comp]:
             if i.opcode == "dynamic-slice" and _operand_shape(f, i, 0).dtype.startswith(("f", "bf")):
                 j = _carried(f, i.operands[0], chain)
                 if j is not None:
-                    reads[j] = int(f.value(i.operands[1]))
+                    rows = _operand_shape(f, i, 0).dims[0]
+                    slices[j] = (int(f.value(i.operands[1])), parse_shape(i.shape_text).dims[0], rows)
             if i.opcode == "fusion":
                 walk(f.inner(i, next(c for key, c in call_edges_of(i) if key == "calls")), chain + [(f, i.operands)])
 
     walk(branch, [(body, [operand])])
-    return reads
+    return slices
+
+
+def _ring_reads(mod: Module, frames: LoopFrames, t: int, branch: Frame, operand: str) -> dict[int, int]:
+    """{carried element: slot} of the float rings (what the loop rewrites) the branch reads one slot of."""
+    return {j: at for j, (at, _, _) in _carried_slices(mod, frames.at(t), branch, operand).items()
+            if not frames.carried_unchanged(j)}
+
+
+def _chunk(mod: Module, frames: LoopFrames, t: int, branch: Frame, operand: str) -> int:
+    """The local chunk a branch runs: which of the stage's V equal blocks of layers it slices out of the
+    stacked weights (the loop's invariant float arrays sliced on dim 0), 0 where it takes them whole."""
+    chunks = {at // size for j, (at, size, rows) in _carried_slices(mod, frames.at(t), branch, operand).items()
+              if frames.carried_unchanged(j) and size < rows}
+    if len(chunks) > 1:
+        raise Unreadable(f"tick {t}: branch %{branch.comp} slices the stage's weights at chunks {sorted(chunks)}")
+    return chunks.pop() if chunks else 0
 
 
 def _ring_write(mod: Module, frames: LoopFrames, t: int, j: int) -> int | None:
@@ -276,7 +306,7 @@ def _ring_write(mod: Module, frames: LoopFrames, t: int, j: int) -> int | None:
 
 def _weight_microbatch(mod: Module, frames: LoopFrames, t: int, branch: Frame, operand: str, done: list) -> int:
     """A W's micro-batch: that of the latest earlier B on this stage that wrote a ring slot the W reads."""
-    reads = _ring_reads(mod, frames.at(t), branch, operand)
+    reads = _ring_reads(mod, frames, t, branch, operand)
     for j, slot in reads.items():
         for before in range(t - 1, -1, -1):
             if _ring_write(mod, frames, before, j) == slot:
@@ -287,9 +317,10 @@ def _weight_microbatch(mod: Module, frames: LoopFrames, t: int, branch: Frame, o
     raise Unreadable(f"tick {t}: branch %{branch.comp} reads no ring slot an earlier B wrote")
 
 
-def _gpipe(mod: Module, axis: str, spec, stages: int) -> Ticks:
-    """A loop without a table (GPipe): ticks from the trip counts of the loops that hand activations on
-    with a collective-permute, M from the batch's tokens over a hand-off's (module docstring)."""
+def _circular(mod: Module, axis: str, stages: int) -> Ticks:
+    """A loop without a table (GPipe, the GSPMD twin's circular loop): ticks from the trip counts of the
+    loops that hand activations on with a collective-permute, M from the batch's tokens over a hand-off's,
+    V from the forward loop's V M + S - 1 ticks (module docstring)."""
     loops, hop = [], None
     for loop in (i for i in mod.computations[mod.entry] if i.opcode == "while"):
         body = next(c for key, c in call_edges_of(loop) if key == "body")
@@ -308,10 +339,14 @@ def _gpipe(mod: Module, axis: str, spec, stages: int) -> Ticks:
                   and not i.shape_text.startswith("(") and re.match(r"[su]32\[\d+,\d+\]", i.shape_text)),
                  key=lambda s: math.prod(s.dims))
     m = math.prod(tokens.dims) // math.prod(hop.dims[:-1])  # the batch's tokens over a hand-off's [B/M, T]
+    ops = loops[0][1] - (stages - 1)  # each stage's useful ticks in the forward loop: V M
+    if ops <= 0 or ops % m:
+        raise Unreadable(f"the forward loop's {loops[0][1]} ticks are not V M + S - 1 for M={m} micro-batches "
+                         f"on S={stages} stages")
     grid: list[tuple[Cell | None, ...]] = []
     for _, trips, backward in loops:
         for t in range(trips):
             tick = trips - 1 - t if backward else t  # the transposed loop runs the ticks backwards
-            grid.append(tuple(Cell("B" if backward else "F", tick - s) if 0 <= tick - s < m else None
-                              for s in range(stages)))
+            grid.append(tuple(Cell("B" if backward else "F", (tick - s) % m, (tick - s) // m)
+                              if 0 <= tick - s < ops else None for s in range(stages)))
     return Ticks(tuple(grid), "structure", tuple((body, trips) for body, trips, _ in loops))

@@ -215,6 +215,23 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedu
     return Schedule(name, stages, microbatches, virtual, _place(orders, stages * virtual, name in SPLIT))
 
 
+def circular(stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The GSPMD twin's loop (auto_parallel/pp.py, MaxText's circular pipeline; V = 1 is GPipe's) as a
+    table, no --schedule of its own: device s runs its forward op k, micro-batch k % M on its local chunk
+    k // M, at tick k + s (V M + S - 1 ticks), then autodiff's transposed loop runs the same ops last
+    first, each a whole backward. M >= S, as the loop needs (an output waits M - S ticks for stage 0)."""
+    if microbatches < stages:
+        raise ValueError(f"microbatches={microbatches} < stage={stages}: the circular loop needs M >= S.")
+
+    def order(s: int) -> list[Action]:
+        forwards = [Action(FORWARD, k % microbatches, k // microbatches * stages + s)
+                    for k in range(virtual * microbatches)]
+        return forwards + [Action(BACKWARD, a.microbatch, a.stage) for a in reversed(forwards)]
+
+    grid = _place([order(s) for s in range(stages)], stages * virtual, split=False)
+    return Schedule("circular", stages, microbatches, virtual, grid)
+
+
 def _place(orders: list[list[Action]], virtual_stages: int, split: bool) -> tuple[tuple[Action | None, ...], ...]:
     """Tick by tick, each device runs its next op if what that op waits for ran in an earlier tick."""
     done: dict[Action, int] = {}
