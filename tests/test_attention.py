@@ -18,12 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import manual_parallel
 from twinshard.model import layers
 from twinshard.config import Config, preset
 
 import reference as ref
-from twinshard.train.trainer import SingleDevice
+from runners import CFG, loss_and_grads, twin_runner
 
 BASE = preset("tiny")
 
@@ -40,34 +39,28 @@ def test_the_model_runs_the_configured_kernel():
     assert jaxpr("xla") != jaxpr("reference")
 
 
-def _loss_and_grads(runner, cfg):
-    rng = np.random.default_rng(1)
-    b = rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.context_length + 1)).astype(np.int32)
-    state = runner.init_state(0)
-    return jax.device_get(runner.loss_and_grads(state.params, *runner.place_batch(b[:, :-1], b[:, 1:])))
-
-
-REF_CFG = Config(dataclasses.replace(BASE.model, num_heads=8, attention="reference"), BASE.train)
+def config(attention: str) -> Config:
+    """tests/runners.py's CFG with `attention`: its 'recompute' programs are CFG's (auto is recompute on
+    CPU), shared with the other twin tests through the persistent compilation cache."""
+    return Config(dataclasses.replace(CFG.model, attention=attention), CFG.train)
 
 
 @functools.cache
-def _reference_loss_and_grads():
-    """The reference attention's whole-model loss and gradients, compiled once for every kernel."""
-    return _loss_and_grads(SingleDevice(REF_CFG.model, REF_CFG.train), REF_CFG)
+def _run(name: str, attention: str) -> dict:
+    """Loss and gradients of runner `name` ('single', 'manual tp') with the `attention` kernel, compiled once."""
+    return loss_and_grads(twin_runner(name, config(attention)), config(attention))
 
 
 @pytest.mark.parametrize("impl", ["xla", "recompute"])
 def test_model_with_a_kernel_equals_the_reference_single_device_and_under_tp(impl):
     """Loss and gradients of the whole model: reference vs the kernel on one device, and the
     kernel inside the manual TP twin (each device attends over its own heads)."""
-    xla_cfg = Config(dataclasses.replace(REF_CFG.model, attention=impl), BASE.train)
-    want = _reference_loss_and_grads()
-    runs = {"single": SingleDevice(xla_cfg.model, xla_cfg.train),
-            "manual tp": manual_parallel.make_runner("tp", "data:1,tensor:8", xla_cfg)}
-    for name, runner in runs.items():
-        loss, grads = _loss_and_grads(runner, xla_cfg)
-        assert abs(float(loss) - float(want[0])) < 2e-5, name
-        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want[1])))
+    want = _run("single", "reference")
+    for name in ("single", "manual tp"):
+        got = _run(name, impl)
+        assert abs(got["loss"] - want["loss"]) < 2e-5, name
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(got["grads"]),
+                                                                 jax.tree.leaves(want["grads"])))
         assert diff < 2e-7, (name, diff)  # the tolerance of tests/test_data_tensor.py (GRAD_ATOL)
 
 
