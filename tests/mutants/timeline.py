@@ -27,12 +27,10 @@ def _m(id: str, category: str, file: str, original: str, replacement: str, tests
 
 MUTANTS: list[Mutant] = [
     # --- a pipeline's tick loop priced trip by trip (tick_timing.py)
-    _m("tick-price-stage-zero", "timing", SRC_TICK_TIMING,
-       "ticks = tuple(max(row) for row in cells)", "ticks = tuple(row[0] for row in cells)", TICKS,
-       "each trip priced at stage 0's branch, not the slowest stage's"),
-    _m("tick-price-stages-summed", "timing", SRC_TICK_TIMING,
-       "ticks = tuple(max(row) for row in cells)", "ticks = tuple(sum(row) for row in cells)", TICKS,
-       "each trip priced at every stage's branch summed, as if the stages shared one chip"),
+    *[_m(f"tick-price-{name}", "timing", SRC_TICK_TIMING, "ticks = tuple(max(row) for row in cells)",
+         f"ticks = tuple({trip} for row in cells)", TICKS, f"each trip priced at {why}, not the slowest stage's")
+      for name, trip, why in (("stage-zero", "row[0]", "stage 0's branch"),
+                              ("stages-summed", "sum(row)", "every stage's branch summed (one chip for all)"))],
     _m("tick-price-nested-conds-longest", "timing", SRC_TICK_TIMING,
        "    return Run(branches(switch)[k], tuple(_choices(mod, frame)))",
        "    return Run(branches(switch)[k])", TICKS,
