@@ -18,6 +18,7 @@ a table (GPipe, the GSPMD twin's circular loop) has no switch and is priced as a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -138,6 +139,17 @@ def price(loop: TickLoop, simulate: Simulate) -> TickPrices:
     for tick in set(ticks):
         trip[tick] = simulate(loop.body, lambda i, d=tick: d if i.name == loop.switch else None)
     return TickPrices(loop, cells, ticks, tuple(trip[t] for t in ticks))
+
+
+def on_the_critical_path(prices: TickPrices, sched, ops: list, colls: list) -> tuple[list, list]:
+    """The OpTime and CollectiveTime rows with those under the switch counting only the trips in which
+    their Run sets the tick's time (critical_share), so that compute_s + exposed_s == step_s."""
+    share = critical_share(prices, sched)
+
+    def scaled(row, comp: str):
+        return dataclasses.replace(row, runs=round(row.runs * share[comp])) if comp in share else row
+
+    return [scaled(o, o.computation) for o in ops], [scaled(c, c.window.computation) for c in colls]
 
 
 def critical_share(prices: TickPrices, sched) -> dict[str, float]:

@@ -42,7 +42,7 @@ from twinshard.hlo.matmul_flops import conv_flops, dot_flops
 from twinshard.hlo.parse import Instr, Module, Shape, base_opcode, hbm_bytes as _bytes, parse_shape, split_top
 from twinshard.hlo.records import flat_shapes, source_metadata
 from twinshard.hlo.schedule import Schedule, Sequence, Window, is_free, phase, schedule
-from twinshard.hlo.tick_timing import TickPrices, critical_share, price, tick_loop
+from twinshard.hlo.tick_timing import TickPrices, on_the_critical_path, price, tick_loop
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,9 @@ def predict(compiled_or_hlo_text: Any, rates: Rates, mesh: Any = None, link_seco
     (op, mesh axes, ring bytes) -> (the axis charged, seconds), needed once a collective crosses an axis;
     causal_attention: the splash kernels' mask is causal (counted half)."""
     mesh = {"data": 1} if mesh is None else mesh
-    sched = schedule(full_text(compiled_or_hlo_text), mesh)  # the tick tables' constants printed whole
+    if hasattr(compiled_or_hlo_text, "runtime_executable"):  # a Compiled: its tick tables' constants printed whole
+        compiled_or_hlo_text = full_text(compiled_or_hlo_text)
+    sched = schedule(compiled_or_hlo_text, mesh)
     pricer = _Pricer(sched.module, rates, link_seconds, causal_attention)
     ops: list[OpTime] = []
     colls: list[CollectiveTime] = []
@@ -251,12 +253,8 @@ def predict(compiled_or_hlo_text: Any, rates: Rates, mesh: Any = None, link_seco
         if loop is not None and seq.name == loop.body:  # its branches are priced: price it trip by trip
             ticks = price(loop, lambda name, took: _simulate(sched.sequences[name], sched, pricer, seconds, took=took))
             seconds[seq.name] = ticks.loop_s / len(ticks.trip_s)
-    if ticks is not None:  # a branch's rows count the trips it sets the tick's time (tick_timing.critical_share)
-        share = critical_share(ticks, sched)
-        ops = [dataclasses.replace(o, runs=round(o.runs * share[o.computation])) if o.computation in share
-               else o for o in ops]
-        colls = [dataclasses.replace(c, runs=round(c.runs * share[c.window.computation]))
-                 if c.window.computation in share else c for c in colls]
+    if ticks is not None:  # a branch's rows count the trips in which it sets the tick's time
+        ops, colls = on_the_critical_path(ticks, sched, ops, colls)
     return Prediction(rates, ops, colls, seconds, sched, ticks)
 
 
