@@ -120,6 +120,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
 
     from twinshard import cost, hlo
     from twinshard.hardware import measure, topology
+    from twinshard.hlo.evaluate import full_text
     from twinshard.model import layers
 
     if compiler_options and devices is None:
@@ -140,7 +141,7 @@ def collectives(strategy: str, impl: str, mesh_spec: str | None, cfg, devices=No
                                    functools.partial(topology.compile_for_pod, compiler_options=compiler_options))
     compile_s = time.perf_counter() - t0
     options = step_options(lowered, compiler_options)
-    text = compiled.as_text()
+    text = full_text(compiled)  # with the tables a pipeline's tick loop indexes (as_text() elides them)
     led = hlo.ledger(text, runner.mesh)
     first = runner.mesh.devices.flat[0]
     platform = first.platform

@@ -319,3 +319,23 @@ def test_a_called_computation_runs_at_each_call_and_a_conditional_takes_its_long
     assert [(o.name, o.seconds) for o in calls] == [("c1", pytest.approx(64e-6)), ("c2", pytest.approx(64e-6)),
                                                     ("cond", pytest.approx(16e-6))]
     assert pred.axes["data"].comm_s == pytest.approx(2 * 64e-6 + 16e-6)  # the totals count every branch
+
+
+def test_a_tick_loop_takes_each_trip_at_its_slowest_stages_branch():
+    """tick_loop.hlo: 2 stages, 4 ticks; each picks idle (0 s), f (2 us) or b (6 us) from the table
+    [[f, idle], [b, f], [idle, b], [f, f]] by its partition id, then a permute of 1 us. Each trip is its
+    slowest stage's branch: 2 + 6 + 6 + 2 = 16 us (stage 0 alone: 10, stage 1 alone: 10, both summed:
+    20, the longest branch every trip: 24), plus per trip the permute and the counter's and the
+    table's 36 B at 1 GB/s. The rows add up to it: f's and b's ops count the 2 trips each sets the time."""
+    text = (pathlib.Path(__file__).parent / "hlo_snippets" / "tick_loop.hlo").read_text()
+    pred = hlo.predict(text, hlo.Rates("test", {"bfloat16": 1e9}, 1e9), {"stage": 2}, lambda op, axes, b: ("stage", 1e-6))
+    ticks = pred.ticks
+    assert [[r.branch for r in row] for row in ticks.loop.runs] == [["f", "idle"], ["b", "f"], ["idle", "b"], ["f", "f"]]
+    assert np.allclose(ticks.cell_s, [[2e-6, 0], [6e-6, 2e-6], [0, 6e-6], [2e-6, 2e-6]])
+    assert np.allclose(ticks.tick_s, [2e-6, 6e-6, 6e-6, 2e-6])
+    assert pred.step_s == pytest.approx(16e-6 + 4 * (1e-6 + 36e-9))
+    assert pred.sequence_s["tick"] == pytest.approx(pred.step_s / 4)  # the mean trip
+    runs = {o.name: o.runs for o in pred.ops if o.computation in ("f", "b")}
+    assert runs == {"f_neg": 2, "b_neg1": 2, "b_neg2": 2, "b_neg3": 2}
+    assert pred.compute_s + pred.exposed_s == pytest.approx(pred.step_s)
+    assert pred.exposed_s == pytest.approx(4e-6)

@@ -38,7 +38,7 @@ UNGROUPED = {
 # process (functools.cache), and the others find its programs in the persistent cache (whose key
 # leaves out source locations: tests/harness/cache.py) without waiting for the other worker.
 SHARED_GROUPS = {**{m: "test_twins" for m in ("test_data_tensor", "test_memory", "test_remat", "test_sequence")},
-                 "test_pipeline_ticks": "test_pipeline"}  # test_pipeline's compiled steps
+                 "test_pipeline_ticks": "test_pipeline", "test_tick_prices": "test_pipeline"}  # test_pipeline's compiled steps
 
 
 def group_of(module: str) -> str | None:

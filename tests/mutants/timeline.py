@@ -16,6 +16,8 @@ STEP = ("tests/test_step_time_model.py",)
 DRAWING = ("tests/test_drawing_claims.py",)
 SRC_MEGASCALE = "twinshard/hlo/megascale.py"
 MEGASCALE = ("tests/test_megascale.py",)
+SRC_TICK_TIMING = "twinshard/hlo/tick_timing.py"
+TICKS = ("tests/test_step_time_model.py", "tests/test_tick_prices.py")
 
 
 def _m(id: str, category: str, file: str, original: str, replacement: str, tests: tuple[str, ...],
@@ -24,6 +26,15 @@ def _m(id: str, category: str, file: str, original: str, replacement: str, tests
 
 
 MUTANTS: list[Mutant] = [
+    # --- a pipeline's tick loop priced trip by trip (tick_timing.py)
+    *[_m(f"tick-price-{name}", "timing", SRC_TICK_TIMING, "ticks = tuple(max(row) for row in cells)",
+         f"ticks = tuple({trip} for row in cells)", TICKS, f"each trip priced at {why}, not the slowest stage's")
+      for name, trip, why in (("stage-zero", "row[0]", "stage 0's branch"),
+                              ("stages-summed", "sum(row)", "every stage's branch summed (one chip for all)"))],
+    _m("tick-price-nested-conds-longest", "timing", SRC_TICK_TIMING,
+       "    return Run(branches(switch)[k], tuple(_choices(mod, frame)))",
+       "    return Run(branches(switch)[k])", TICKS,
+       "the conds inside a tick's branch (embedding, head and loss) priced at their longest on every stage"),
     # --- across TPU slices: the megascale transfers read as DCN collectives
     _m("megascale-padded-buffer-counted", "schedule", SRC_MEGASCALE,
        "return min(reversed(seen), key=lambda s: s.bytes)", "return seen[0]", MEGASCALE,
@@ -101,10 +112,10 @@ MUTANTS: list[Mutant] = [
        "            t += wait\n    return t", "    return t", STEP,
        "the compute stream does not wait for a collective"),
     _m("timing-loop-trips-dropped", "timing", SRC_HLO_TIMING,
-       "took = trips * max(seconds[s.name] for s in inner)", "took = max(seconds[s.name] for s in inner)",
+       "spent = trips * max(seconds[s.name] for s in inner)", "spent = max(seconds[s.name] for s in inner)",
        STEP, "a while loop takes one run of its body"),
     _m("timing-shortest-branch", "timing", SRC_HLO_TIMING,
-       "took = trips * max(seconds[s.name] for s in inner)", "took = trips * min(seconds[s.name] for s in inner)",
+       "spent = trips * max(seconds[s.name] for s in inner)", "spent = trips * min(seconds[s.name] for s in inner)",
        STEP, "a conditional takes its shortest branch"),
     _m("timing-exposed-from-issue", "timing", SRC_HLO_TIMING,
        "            wait = max(begin + comm - t, 0.0)", "            wait = max(issue_s + comm - t, 0.0)",

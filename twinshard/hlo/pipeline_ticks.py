@@ -98,13 +98,19 @@ def pipeline_ticks(compiled: Any, mesh: Any, axis: str = "stage") -> Ticks:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(zip(spec.names, spec.shape))}; "
                          "pass the pipeline's axis (stage).")
     mod = parsed_module(full_text(compiled))
+    partitions = stage_partitions(spec, axis)
+    switch = tick_switch(mod)
+    if switch is None:
+        return _circular(mod, axis, len(partitions))
+    return _from_table(mod, *switch, partitions)
+
+
+def stage_partitions(spec, axis: str) -> list[int]:
+    """The first partition id of each stage of `axis` in a MeshSpec (row-major ids)."""
     stride = math.prod(spec.shape[spec.names.index(axis) + 1:])
     stages = spec.shape[spec.names.index(axis)]
-    partitions = [s * stride for s in range(stages)]  # the first partition of each stage (row-major ids)
-    switch = _tick_switch(mod)
-    if switch is None:
-        return _circular(mod, axis, stages)
-    return _from_table(mod, *switch, partitions)
+    partitions = [s * stride for s in range(stages)]
+    return partitions
 
 
 def _reaches(mod: Module, comp: str, seen: set[str] | None = None) -> set[str]:
@@ -118,19 +124,22 @@ def _reaches(mod: Module, comp: str, seen: set[str] | None = None) -> set[str]:
     return seen
 
 
-def _tick_switch(mod: Module) -> tuple[Instr, Instr] | None:
+def tick_switch(mod: Module) -> tuple[Instr, Instr] | None:
     """(the while in ENTRY, the conditional of 3 or more branches in its body), or None."""
     for loop in (i for i in mod.computations[mod.entry] if i.opcode == "while"):
         body = next(c for key, c in call_edges_of(loop) if key == "body")
         switches = [i for i in mod.computations[body] if i.opcode == "conditional"
-                    and len(_branches(i)) >= 3]
+                    and len(branches(i)) >= 3]
         if switches:
-            return loop, max(switches, key=lambda i: len(_branches(i)))
+            return loop, max(switches, key=lambda i: len(branches(i)))
     return None
 
 
-def _branches(cond: Instr) -> list[str]:
-    return re.findall(r"[\w.\-]+", cond.attrs.get("branch_computations", ""))
+def branches(cond: Instr) -> list[str]:
+    """A conditional's branch computations in index order (a pred's: true, then false)."""
+    if "branch_computations" in cond.attrs:
+        return re.findall(r"[\w.\-]+", cond.attrs["branch_computations"])
+    return [c for key in ("true_computation", "false_computation") for c in re.findall(r"[\w.\-]+", cond.attrs.get(key, ""))]
 
 
 def branch_op(mod: Module, branch: str) -> str | None:
@@ -159,20 +168,16 @@ def _from_table(mod: Module, loop: Instr, switch: Instr, partitions: list[int]) 
     if trips is None:
         raise Unreadable(f"while %{loop.name}: its trip count is neither known nor `i < constant`")
     body = next(c for key, c in call_edges_of(loop) if key == "body")
-    branches = _branches(switch)
-    ops = [branch_op(mod, b) for b in branches]
+    ops = [branch_op(mod, b) for b in branches(switch)]
     columns = []
     for p in partitions:
         frames = LoopFrames(mod, loop, p, Frame(mod, mod.entry, _no_argument, p))
         cells: list[Cell | None] = []
         for t in range(trips):
-            k = int(frames.at(t).value(switch.operands[0]))
-            k = k if 0 <= k < len(branches) else len(branches) - 1  # XLA runs the last branch out of range
+            k, inner = taken(frames.at(t), switch)
             if ops[k] is None:
                 cells.append(None)
                 continue
-            inner = frames.at(t).inner(switch, branches[k])
-            inner.params = lambda _, f=frames.at(t), o=switch.operands[k + 1]: f.value(o)
             # a W reads no fresh tokens: under the split backward its embedding gradient reads the ids its B kept
             # in a stash ring (int [slots, b, T], a token slice's shape), so its micro-batch comes from that B
             operand = switch.operands[k + 1]
@@ -182,6 +187,19 @@ def _from_table(mod: Module, loop: Instr, switch: Instr, partitions: list[int]) 
         columns.append(cells)
     grid = tuple(tuple(col[t] for col in columns) for t in range(trips))
     return Ticks(grid, "table", ((body, trips),))
+
+
+def taken(frame: Frame, cond: Instr) -> tuple[int, Frame]:
+    """(k, its frame): the branch a conditional in `frame` runs (its index evaluated; a pred's true is
+    branch 0) and that branch's frame, its parameter bound to operand k + 1."""
+    names = branches(cond)
+    k = int(frame.value(cond.operands[0]))
+    if parse_shape(frame.instrs[cond.operands[0]].shape_text).dtype == "pred":
+        k = 0 if k else 1
+    k = k if 0 <= k < len(names) else len(names) - 1  # XLA runs the last branch out of range
+    inner = frame.inner(cond, names[k])
+    inner.params = lambda _, o=cond.operands[k + 1]: frame.value(o)
+    return k, inner
 
 
 def _walk(mod: Module, frame: Frame, visit) -> None:
@@ -201,7 +219,7 @@ def _callees(frame: Frame, i: Instr) -> list[Frame]:
     if i.opcode != "conditional":
         return []
     out = []
-    for k, branch in enumerate(_branches(i)):
+    for k, branch in enumerate(branches(i)):
         inner = frame.inner(i, branch)
         inner.params = lambda _, o=i.operands[k + 1]: frame.value(o)
         out.append(inner)

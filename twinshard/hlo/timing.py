@@ -20,9 +20,12 @@ Nothing here knows a chip: `Rates` carries the peaks and efficiencies (twinshard
 fills one from the chip tables), so the reader installs alone with the ledger.
 The compute stream runs the ops in schedule order; a collective's transfer starts when it is issued
 (and its axis's link is free) and the op that completes it waits for it: that wait is its exposed
-time, the rest of its transfer is hidden. A while loop takes trips x its body. So the predicted step
-is the compute and memory time of the schedule plus the exposed communication; `compute_s +
-exposed_s == step_s` (conditionals aside: a step takes the longest branch, the totals count them all).
+time, the rest of its transfer is hidden. A while loop takes trips x its body, a conditional its
+longest branch; but a pipeline's tick loop (a switch over idle / F / B / W read from tables) takes
+the sum of its trips, each with the branch of its slowest stage (twinshard/hlo/tick_timing.py). So
+the predicted step is the compute and memory time of the schedule plus the exposed communication;
+`compute_s + exposed_s == step_s` (conditionals aside: the totals count every branch once a run; a
+tick loop's branches count the trips in which they set the tick's time, so there it holds).
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinshard.hlo.evaluate import full_text
 from twinshard.hlo.loops import call_edges_of
 from twinshard.hlo.matmul_flops import conv_flops, dot_flops
 from twinshard.hlo.parse import Instr, Module, Shape, base_opcode, hbm_bytes as _bytes, parse_shape, split_top
 from twinshard.hlo.records import flat_shapes, source_metadata
 from twinshard.hlo.schedule import Schedule, Sequence, Window, is_free, phase, schedule
+from twinshard.hlo.tick_timing import TickPrices, on_the_critical_path, price, tick_loop
 
 
 @dataclass(frozen=True)
@@ -130,8 +135,9 @@ class Prediction:
     rates: Rates
     ops: list[OpTime]
     collectives: list[CollectiveTime]
-    sequence_s: dict[str, float]  # one run of each sequence
+    sequence_s: dict[str, float]  # one run of each sequence (a tick loop's body: its mean trip)
     schedule: Schedule = field(repr=False)
+    ticks: TickPrices | None = None  # a pipeline's tick loop priced trip by trip
 
     @property
     def step_s(self) -> float:
@@ -189,6 +195,11 @@ class Prediction:
         for seq in self.schedule.loops:
             lines.append(f"  loop %{seq.name}: {seconds(self.sequence_s[seq.name])} per iteration, "
                          f"{seq.runs} runs per step")
+        if self.ticks is not None:
+            slow = [self.ticks.slowest(t) for t in range(len(self.ticks.tick_s))]
+            lines.append(f"  tick loop %{self.ticks.loop.body}: each trip its slowest stage's branch, "
+                         f"{min(self.ticks.tick_s) * 1e3:.3f}-{max(self.ticks.tick_s) * 1e3:.3f} ms; slowest stage "
+                         "by trip " + "".join(map(str, slow)))
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -199,6 +210,8 @@ class Prediction:
             "axes": {a: dataclasses.asdict(t) for a, t in self.axes.items()},
             "sequences": [{"name": s.name, "kind": s.kind, "runs": s.runs, "trips": s.trips,
                            "seconds": self.sequence_s[s.name]} for s in self.schedule.sequences.values()],
+            "ticks": None if self.ticks is None else {"tick_s": self.ticks.tick_s, "trip_s": self.ticks.trip_s,
+                                                       "cell_s": self.ticks.cell_s},
             "collectives": [collective_row(c) for c in self.collectives],
             "ops": [dataclasses.asdict(o) for o in self.ops],
         }
@@ -226,14 +239,23 @@ def predict(compiled_or_hlo_text: Any, rates: Rates, mesh: Any = None, link_seco
     mesh: what the program was compiled for ({'data': 4} or a Mesh; default one device); link_seconds:
     (op, mesh axes, ring bytes) -> (the axis charged, seconds), needed once a collective crosses an axis;
     causal_attention: the splash kernels' mask is causal (counted half)."""
-    sched = schedule(compiled_or_hlo_text, {"data": 1} if mesh is None else mesh)
+    mesh = {"data": 1} if mesh is None else mesh
+    if hasattr(compiled_or_hlo_text, "runtime_executable"):  # a Compiled: its tick tables' constants printed whole
+        compiled_or_hlo_text = full_text(compiled_or_hlo_text)
+    sched = schedule(compiled_or_hlo_text, mesh)
     pricer = _Pricer(sched.module, rates, link_seconds, causal_attention)
     ops: list[OpTime] = []
     colls: list[CollectiveTime] = []
     seconds: dict[str, float] = {}
+    loop, ticks = tick_loop(sched.module, mesh), None
     for seq in _innermost_first(sched):
         seconds[seq.name] = _simulate(seq, sched, pricer, seconds, ops, colls)
-    return Prediction(rates, ops, colls, seconds, sched)
+        if loop is not None and seq.name == loop.body:  # its branches are priced: price it trip by trip
+            ticks = price(loop, lambda name, took: _simulate(sched.sequences[name], sched, pricer, seconds, took=took))
+            seconds[seq.name] = ticks.loop_s / len(ticks.trip_s)
+    if ticks is not None:  # a branch's rows count the trips in which it sets the tick's time
+        ops, colls = on_the_critical_path(ticks, sched, ops, colls)
+    return Prediction(rates, ops, colls, seconds, sched, ticks)
 
 
 def _innermost_first(sched: Schedule) -> list[Sequence]:
@@ -253,8 +275,11 @@ def _innermost_first(sched: Schedule) -> list[Sequence]:
 
 
 def _simulate(seq: Sequence, sched: Schedule, pricer: _Pricer, seconds: dict[str, float],
-              ops: list[OpTime], colls: list[CollectiveTime]) -> float:
-    """One run of `seq`: its ops on the compute stream, its collectives on their links; its duration."""
+              ops: list[OpTime] | None = None, colls: list[CollectiveTime] | None = None,
+              took: Callable[[Instr], float | None] = lambda instr: None) -> float:
+    """One run of `seq`: its ops on the compute stream, its collectives on their links; its duration.
+    Rows are appended to `ops` and `colls` where given; `took(instr)`, where not None, is the seconds
+    of a loop, call or conditional instead of its priced ones (a tick's branch)."""
     issued = {w.issue: w for w in seq.windows}
     completing: dict[int, list[Window]] = {}
     for w in seq.windows:
@@ -271,24 +296,27 @@ def _simulate(seq: Sequence, sched: Schedule, pricer: _Pricer, seconds: dict[str
         inner = sched.branches(instr)
         if inner:
             trips = inner[0].trips if instr.opcode == "while" and inner[0].trips is not None else 1
-            took = trips * max(seconds[s.name] for s in inner)
-            row = OpTime(seq.name, instr.name, instr.opcode, "loop", 0.0, 0.0, 0.0, 0.0, took, t, seq.runs,
+            fixed = took(instr)
+            spent = trips * max(seconds[s.name] for s in inner) if fixed is None else fixed
+            row = OpTime(seq.name, instr.name, instr.opcode, "loop", 0.0, 0.0, 0.0, 0.0, spent, t, seq.runs,
                          _phase(instr, sched.module), _source(instr, sched.module))
         elif not is_free(instr):
             row = pricer.op(instr, seq, t)
         else:
             row = None
         if row is not None:
-            ops.append(row)
             t += row.seconds
+            if ops is not None:
+                ops.append(row)
         for w in completing.get(k, []):
             axis, comm, issue_s, begin = open_.pop(w.start)
             wait = max(begin + comm - t, 0.0)
             waits.setdefault(axis, []).append((t, t + wait))
             end = begin + comm  # the waits after this done begin after its transfer ends
             waited = sum(max(min(b, end) - max(a, begin), 0.0) for a, b in waits[axis])
-            colls.append(CollectiveTime(w, axis, comm, issue_s, begin, end, t + wait, wait, seq.runs,
-                                        max(comm - waited, 0.0)))
+            if colls is not None:
+                colls.append(CollectiveTime(w, axis, comm, issue_s, begin, end, t + wait, wait, seq.runs,
+                                            max(comm - waited, 0.0)))
             t += wait
     return t
 
