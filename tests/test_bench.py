@@ -125,6 +125,61 @@ def test_grad_accum_runs_micro_batches(tmp_path):
     assert "batch 8x32 in 2 micro-batches" in bench.markdown(doc)
 
 
+# A benchmark document written by hand, every field a different value, so a cell that reads the wrong field
+# or formats it wrongly shows: the second run has no single-device baseline, no XLA memory figure, no ledger.
+REPORT_DOC = {
+    "environment": {"backend": "tpu", "device_kind": "TPU v5 lite", "device_count": 4, "cpus_usable": 3, "cpu_count": 5,
+                    "load_avg_before": [0.5, 1.25, 2.0], "load_avg_after": [3.0, 4.5, 6.25], "jax": "0.12.0",
+                    "flax": "0.11.1", "git_commit": "abc1234", "time_utc": "2026-12-07 03:00"},
+    "model": {"d_model": 96, "num_layers": 3, "num_heads": 6, "num_kv_heads": 2, "d_ff": 320, "vocab_size": 512},
+    "preset": "tiny", "batch_size": 10, "seq_len": 48, "grad_accum": 5, "dtype": "bfloat16",
+    "command": "python -m launch.bench --preset=tiny", "steps": 7, "warmup": 2,
+    "fast_path": ["fast path on tpu v5e: remat=none (fits)"],
+    "peaks": {"bfloat16": {"n": 1024, "flops_per_s": 1.5e14, "reps": 9, "flops_per_s_after": 1.25e14}},
+    "chip": {"name": "v5e", "bf16": 197, "tf32": 131, "fp32": 98, "source": "the datasheet"},
+    "runs": [{"run": "fsdp/manual", "mesh": {"data": 2, "tensor": 2}, "lower_s": 1.25, "compile_s": 3.5,
+              "vs_single": {"compile_time": 1.75, "step_time": 0.6}, "init": {"wall_s": 7.25, "compile_s": 6.5},
+              "step_s": {"median": 0.0125, "min": 0.01, "max": 0.015}, "tokens_per_s": 54321.4,
+              "model_flops_per_s": 2.5e12, "fraction_of_measured_peak": 0.375, "mfu_nominal": 0.125,
+              "memory": {"xla": {"peak_estimate": 3 * 2 ** 20}, "model": {"total": 5.5 * 2 ** 20}},
+              "collectives": {"bytes_ratio": 0.875, "rows_match": False}},
+             {"run": "single", "mesh": {}, "lower_s": 0.5, "compile_s": 2.0, "init": {"wall_s": 4.0, "compile_s": 3.0},
+              "step_s": {"median": 0.02, "min": 0.0195, "max": 0.0215}, "tokens_per_s": 24000.0,
+              "model_flops_per_s": 8.5e9, "fraction_of_measured_peak": 0.07, "mfu_nominal": None,
+              "memory": {"xla": None, "model": {"total": 2 ** 20}}, "collectives": None}],
+}
+
+
+def test_the_report_draws_each_cell_from_its_own_field():
+    """launch.bench's Markdown section and summary lines of REPORT_DOC, cell by cell against the values
+    written by hand."""
+    head = ("run", "mesh", "lower s", "compile s", "compile / single", "init s (XLA compile)", "step ms (min-max)",
+            "tokens/s", "step / single", "model FLOP/s (causal attention counted half)", "% of peak",
+            "mem/dev MiB: XLA / model", "ledger/model bytes")
+    rows = [("fsdp/manual", "data:2,tensor:2", "1.25", "3.50", "1.75", "7.25 (6.50)", "12.5 (10.0-15.0)", "54,321",
+             "0.60", "2.5 TFLOP/s", "37.5 (MFU 12.5)", "3.0 / 5.5", "0.875 (rows differ)"),
+            ("single", "1 device", "0.50", "2.00", "-", "4.00 (3.00)", "20.0 (19.5-21.5)", "24,000", "-",
+             "8.5 GFLOP/s", "7.0", "- / 1.0", "-")]
+    want = ["### tiny on TPU v5 lite: batch 10x48 in 5 micro-batches, bfloat16", "",
+            "`python -m launch.bench --preset=tiny`", "",
+            "- model: d_model 96, 3 layers, 6 heads (2 key/value), d_ff 320, vocab 512; 7 timed steps after 2 warm-up",
+            "- machine: tpu (TPU v5 lite), 4 device(s), 3 usable CPUs of 5, load avg 0.50/1.25/2.00 before / "
+            "3.00/4.50/6.25 after; jax 0.12.0, flax 0.11.1, commit abc1234, 2026-12-07 03:00 UTC",
+            "- fast path on tpu v5e: remat=none (fits)",
+            "- measured matmul peak bfloat16 1024^3: 150 TFLOP/s (25th percentile time of 9, before the runs: "
+            "'% of peak' uses it; 125 TFLOP/s after the runs)",
+            "- nominal v5e: bf16 197 TFLOP/s, tf32 131, fp32 98 (the datasheet)", "",
+            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+    assert bench.markdown(REPORT_DOC).splitlines() == want
+    manual, single = REPORT_DOC["runs"]
+    assert bench.summary_line(manual) == (
+        "fsdp/manual      compile   3.50s  init   7.25s  step     12.5 ms     54,321 tok/s    2.5 TFLOP/s   37.5% "
+        "of peak (causal attention counted half)  ledger/model bytes 0.875")
+    assert bench.summary_line(single) == (
+        "single           compile   2.00s  init   4.00s  step     20.0 ms     24,000 tok/s    8.5 GFLOP/s    7.0% "
+        "of peak (causal attention counted half)")
+
+
 def test_bad_input_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="'tp' is not one of the benchmarked strategies"):
         bench.parse_meshes("fsdp=data:8,tensor:1;tp=data:1,tensor:8", ["single", "fsdp"])

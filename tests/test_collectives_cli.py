@@ -228,3 +228,26 @@ def test_every_note_links_a_docs_section_that_exists():
     for link in links:
         page, anchor = link.split("#")
         assert anchor in anchors(page), link
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "gpu"])
+@pytest.mark.parametrize("has_reduce_scatter", [False, True])
+def test_each_twins_notes_follow_its_strategy_platform_and_reduce_scatter(platform, has_reduce_scatter):
+    """twin_notes over every (strategy, twin, platform, model has a reduce-scatter): the manual twin gets none
+    (the model describes it, and its psum_scatter is a real reduce-scatter on every backend); the auto twin its
+    strategy's note and link; the explicit twin the shared note with its strategy's link; after them the
+    XLA:CPU reduce-scatter note, only on CPU and only where the model has a reduce-scatter."""
+    from launch import common, twin_notes as tn
+    from twinshard.parallel import support
+
+    assert set(tn.EXPLICIT_DOCS) == set(support.written_by("explicit"))  # every explicit twin has its link
+    cpu = [tn.CPU_REDUCE_SCATTER_NOTE] if (platform, has_reduce_scatter) == ("cpu", True) else []
+    for strategy in common.PARALLEL:
+        assert tn.twin_notes(strategy, "manual", platform, has_reduce_scatter) == [], strategy
+        what, doc = tn.AUTO_NOTES[strategy]
+        assert doc.startswith("docs/") and what not in (tn.EXPLICIT_NOTE, tn.CPU_REDUCE_SCATTER_NOTE)
+        assert tn.twin_notes(strategy, "auto", platform, has_reduce_scatter) == \
+            [f"{tn.MODEL_NOTE}{what} ({doc})."] + cpu, strategy
+        if strategy in tn.EXPLICIT_DOCS:
+            assert tn.twin_notes(strategy, "explicit", platform, has_reduce_scatter) == \
+                [f"{tn.MODEL_NOTE}{tn.EXPLICIT_NOTE} ({tn.EXPLICIT_DOCS[strategy]})."] + cpu, strategy

@@ -132,6 +132,74 @@ def test_a_shape_the_memory_model_puts_over_the_chip_keeps_its_remat():
     assert off_v5e.model.remat != "none" and off_v5e.train.grad_accum == 1  # measured on a v5e only
 
 
+# ----------------------------------------------------------------------------- every threshold at its edge
+
+def modelled(cfg) -> int:
+    """The memory model's bytes of `cfg`'s single-chip step without remat, in the numerics it runs (what the
+    fast path compares with HBM_SHARE of the chip)."""
+    from twinshard.cost.memory import memory
+    from twinshard.cost.weights import DTYPE_BYTES
+
+    m, t, w = cfg.model, cfg.train, DTYPE_BYTES[cfg.model.weight_dtype]
+    return memory(m, "single", {}, t.batch_size, m.context_length, dtype_bytes=DTYPE_BYTES[m.dtype],
+                  grad_accum=t.grad_accum, remat="none", param_bytes=w, state_bytes=w, tpu=True).total
+
+
+def test_remat_none_exactly_up_to_the_hbm_share_of_the_chip():
+    """The 160M shape at 8 x 2048 in one micro-batch, d_ff grown in steps of 64 until the memory model crosses
+    HBM_SHARE of a v5e: the last d_ff under the share runs without remat, the first over it keeps the preset's
+    remat, though it is well under the whole chip's HBM."""
+    from twinshard.hardware.chips import chip
+
+    hbm = chip("v5e").hbm_bytes
+    share = fast_path.HBM_SHARE * hbm
+
+    def run(step: int):
+        return path("llama_v5e", {**S160, "d_ff": 64 * step, "batch_size": 8, "grad_accum": 1}, shape_given=True)
+
+    under, over = 48, 1024  # d_ff 3072 (the shape's) fits, 65536 does not
+    assert modelled(run(under).cfg) <= share < modelled(run(over).cfg)
+    while over - under > 1:
+        mid = (under + over) // 2
+        under, over = (mid, over) if modelled(run(mid).cfg) <= share else (under, mid)
+    fits, too_big = run(under), run(over)
+    assert fits.cfg.model.remat == "none" and f"under {fast_path.HBM_SHARE:.0%} of the chip's" in fits.lines()[0]
+    assert too_big.cfg.model.remat == preset("llama_v5e").model.remat != "none"
+    assert share < modelled(too_big.cfg) < 0.9 * hbm  # just over the share, far from the whole chip
+
+
+@pytest.mark.parametrize("given, batch, accum, remat", [
+    ({}, 4, 1, "none"),  # the measured batch: one micro-batch of 4
+    ({"batch_size": 3}, 3, 1, "none"), ({"batch_size": 4}, 4, 1, "none"),  # up to one micro-batch: no split
+    ({"batch_size": 5}, 5, 1, "full"),  # 5 does not split into 4s: a micro-batch of 5 was not measured
+    ({"batch_size": 8}, 8, 2, "none"), ({"batch_size": 12}, 12, 3, "none"),
+    ({"batch_size": 8, "grad_accum": 1}, 8, 1, "full"),  # a given split wins; remat judged at that split
+    ({"batch_size": 8, "grad_accum": 4}, 8, 4, "none")])
+def test_the_measured_batch_splits_into_its_micro_batch_and_drops_remat_only_up_to_it(given, batch, accum, remat):
+    """llama_v5e measured best at micro-batches of 4 without remat (its preset: 2 sequences, remat full)."""
+    got = path("llama_v5e", given).cfg
+    assert (got.train.batch_size, got.train.grad_accum, got.model.remat) == (batch, accum, remat)
+
+
+@pytest.mark.parametrize("layers, unroll", [(1, None), (2, 2), (fast_path.UNROLL_MAX_LAYERS, fast_path.UNROLL_MAX_LAYERS),
+                                            (fast_path.UNROLL_MAX_LAYERS + 1, None)])
+def test_the_stack_is_unrolled_up_to_the_deepest_measured(layers, unroll):
+    assert chosen("llama_v5e", {"num_layers": layers}, shape_given=True).get("scan_unroll") == unroll
+
+
+def test_a_block_at_the_scoped_vmem_limit_fits_and_one_kib_less_does_not():
+    """--attention_block=1024 at head_dim 256 needs 18,176 KiB by splash_vmem_bytes: no line under a limit of
+    exactly that, one line naming the largest fitting block a KiB below it."""
+    shape = {"d_model": 1024, "num_heads": 4, "num_kv_heads": 1, "d_ff": 3072, "attention_block": 1024}
+    kib = splash_vmem_bytes(1024, 256) // 1024
+    assert kib * 1024 == splash_vmem_bytes(1024, 256)
+    at = path("llama_v5e", {**shape, "xla_tpu_scoped_vmem_limit_kib": kib}, shape_given=True).overruled
+    assert not [x for x in at if "attention_block" in x]
+    (line,) = [x for x in path("llama_v5e", {**shape, "xla_tpu_scoped_vmem_limit_kib": kib - 1},
+                               shape_given=True).overruled if "attention_block" in x]
+    assert "the largest block that fits is --attention_block=512" in line
+
+
 def test_int8_keeps_the_tokens_layout_and_deep_stacks_stay_scanned():
     assert "qkv_layout" not in chosen("llama_v5e", {"quantization": "int8_dw"})
     assert "scan_unroll" not in chosen("llama3_8b")  # 32 layers: past the 24 measured to compile in 73 s
@@ -207,3 +275,74 @@ def test_the_launchers_pass_the_flags_given_and_log_the_choices(monkeypatch):
         assert "by the memory model" in lines[0]
     finally:
         flags.FLAGS.unparse_flags()
+
+
+
+@pytest.fixture
+def on_v5e(monkeypatch):
+    """launch(*argv, cfg=None) -> (config, lines): launch.common.fast_path on a faked v5e for a fresh command
+    line (cfg: the flags' config unless given)."""
+    import jax
+    from absl import flags
+
+    from launch import common
+
+    common.define_model_flags()
+    chip = type("Device", (), {"platform": "tpu", "device_kind": "TPU v5 lite"})()
+    monkeypatch.setattr(jax, "devices", lambda *a: [chip])
+
+    def launch(*argv: str, cfg=None):
+        flags.FLAGS.unparse_flags()  # absl keeps an earlier parse's flags present
+        flags.FLAGS(["prog", *argv])
+        lines: list[str] = []
+        return common.fast_path(cfg or common.config_from_flags(flags.FLAGS), flags.FLAGS, "single",
+                                lines.append), lines
+
+    yield launch
+    flags.FLAGS.unparse_flags()
+
+
+def field(cfg, name: str):
+    return getattr(cfg.model if name in {f.name for f in dataclasses.fields(cfg.model)} else cfg.train, name)
+
+
+def test_every_option_the_fast_path_sets_yields_to_its_flag(on_v5e):
+    """Each option the fast path sets on some preset (every Choice name it makes), that preset launched with the
+    option's flag at the preset's own value: that value runs, the fast path's line does not list the option, and
+    the lines are the chooser's for that flag given (an overruling line where it disagrees)."""
+    first: dict[str, tuple[str, object]] = {}  # option -> (the first preset it is set on, the value set)
+    for name in PRESETS:
+        for c in path(name).choices:
+            first.setdefault(c.name, (name, c.value))
+    assert {c.name for name in PRESETS for c in path(name, shape_given=True).choices} <= set(first)
+    assert {"dtype", "weight_dtype", "logits_dtype", "norm_dtype", "qkv_layout", "scan_unroll", "remat",
+            "batch_size", "grad_accum"} <= set(first)
+    for option, (name, value) in first.items():
+        own = field(preset(name), option)
+        assert own != value
+        got, lines = on_v5e(f"--preset={name}", f"--{option}={own}")
+        assert field(got, option) == own, (option, name)
+        assert not any(f"{option}=" in part.split(" (")[0] for part in lines[0].split(": ", 1)[1].split("; ")), lines
+        assert lines == path(name, {option: own}).lines(), (option, lines)
+    _, lines = on_v5e("--preset=llama_v5e", "--d_model=1024", "--num_heads=4", "--num_kv_heads=1",
+                      "--attention_block=1024")  # the flag the VMEM check reads
+    assert any(line.startswith("--attention_block=1024 at head_dim 256 needs") for line in lines), lines
+
+
+def test_every_flag_that_changes_the_model_drops_the_presets_measured_batch(on_v5e):
+    """llama_v5e's measured batch (4 sequences without remat, its preset 2) is its own shape's and vocabulary's:
+    any shape flag, MoE flag or --tokenizer on the command line drops it (the shape rule decides instead), and
+    other flags keep it. The preset's config is run each time: only the flag's presence differs."""
+    from absl import flags
+
+    from launch import common
+
+    cfg = preset("llama_v5e")
+    assert on_v5e("--preset=llama_v5e", cfg=cfg)[0].train.batch_size == 4
+    for flag in (*common.SHAPE_FLAGS, *common.MOE_FLAGS, "tokenizer"):
+        kind = flags.FLAGS[flag]
+        value = {"int": 2, "float": 0.5}.get(kind.flag_type(), getattr(kind.parser, "enum_values", ["bytes"])[0])
+        got, lines = on_v5e("--preset=llama_v5e", f"--{flag}={value}", cfg=cfg)
+        assert got.train.batch_size == 2 and "by the memory model" in lines[0], (flag, lines)
+    for argv in (["--seed=3"], ["--steps=5"], ["--lr=0.002"], ["--logits_dtype=float32"], ["--optimizer=sgd"]):
+        assert on_v5e("--preset=llama_v5e", *argv, cfg=cfg)[0].train.batch_size == 4, argv

@@ -249,6 +249,71 @@ def test_bubbles_and_activations_equal_the_published_formulas():
     assert pipeline.build("interleaved", 4, 8, 2).in_flight() == [11, 9, 7, 5]
 
 
+def walk_the_table(sched: pipeline.Schedule) -> tuple[list[int], dict[str, int]]:
+    """What a device holds, counted by walking the table tick by tick (independently of Schedule.in_flight and
+    pipeline.buffers): per device the most (micro-batch, virtual stage) activations held at once, each from its
+    F to its last use (the whole backward B, or zb_h1's W, which reads the stash B kept of them); and per ring
+    the most values one device keeps in a tick: an input from its arrival (the tick after the previous virtual
+    stage's F sent it; virtual stage 0: its own F) to the backward that reads it (zb_h1: B), an output's
+    gradient from its arrival to that backward, zb_h1's stash from B to W."""
+    n, vs = sched.stages, sched.stages * sched.virtual
+    last_use = pipeline.WEIGHT if sched.name == "zb_h1" else pipeline.BACKWARD
+    backward = (pipeline.BACKWARD, pipeline.INPUT)
+    held = [set() for _ in range(n)]
+    rings = [{"act": set(), "grad": set(), "res": set()} for _ in range(n)]
+    peaks, sizes = [0] * n, {"act": 1, "grad": 1, "res": 1}
+    for row in sched.grid:
+        cells = [(s, a, (a.microbatch, a.stage)) for s, a in enumerate(row) if a is not None]
+        for s, a, key in cells:  # what an op makes in its own tick
+            if a.kind == pipeline.FORWARD:
+                held[s].add(key)
+                if a.stage == 0:
+                    rings[s]["act"].add(key)
+            if a.kind == pipeline.INPUT:
+                rings[s]["res"].add(key)
+            if a.kind == last_use:
+                held[s].remove(key)
+            peaks[s] = max(peaks[s], len(held[s]) + (a.kind == last_use))  # counted before the last use frees it
+        sizes = {r: max(sizes[r], *(len(dev[r]) for dev in rings)) for r in sizes}
+        for s, a, key in cells:  # last reads free their values ...
+            if a.kind in backward:
+                rings[s]["act"].remove(key)
+                if a.stage < vs - 1:
+                    rings[s]["grad"].remove(key)
+            if a.kind == pipeline.WEIGHT:
+                rings[s]["res"].remove(key)
+        for s, a, (i, j) in cells:  # ... before the hand-offs of this tick land
+            if a.kind == pipeline.FORWARD and j < vs - 1:
+                rings[(s + 1) % n]["act"].add((i, j + 1))
+            if a.kind in backward and j > 0:
+                rings[(s - 1) % n]["grad"].add((i, j - 1))
+    assert not any(held) and not any(v for dev in rings for v in dev.values()), sched.name  # every value freed
+    return peaks, sizes
+
+
+def test_activations_held_and_ring_sizes_are_the_walked_tables():
+    """Schedule.in_flight() and pipeline.buffers' ring sizes of every table (and the GSPMD twin's circular loop),
+    against walk_the_table; the bubble against the table's idle cells. GPipe holds all M, 1F1B S - s on stage s,
+    zb_h1 more than 1F1B on every stage but the first (the stash of a W put off); the walk's own sanity."""
+    cases = [pipeline.build(*c) for c in TABLE_CASES] + [pipeline.circular(n, m, v) for n, m in ((2, 2), (3, 4), (4, 8))
+                                                         for v in (1, 2)]
+    for sched in cases:
+        peaks, sizes = walk_the_table(sched)
+        assert sched.in_flight() == peaks, (sched.text(), sched.in_flight(), peaks)
+        if sched.name != "circular":  # (its loop is the GSPMD twin's: no rings)
+            assert pipeline.buffers(sched).sizes == sizes, (sched.text(), pipeline.buffers(sched).sizes, sizes)
+        idle = sum(a is None for row in sched.grid for a in row)
+        assert sched.bubble() == Fraction(idle, sched.ticks * sched.stages)
+        n, m = sched.stages, sched.microbatches
+        if sched.name == "gpipe":
+            assert peaks == [m] * n
+        if sched.name == "1f1b":
+            assert peaks == [n - s for s in range(n)]
+        if sched.name == "zb_h1":
+            ofob = walk_the_table(pipeline.build("1f1b", n, m))[0]
+            assert peaks[0] == ofob[0] and all(p > o for p, o in zip(peaks[1:], ofob[1:])), (peaks, ofob)
+
+
 def test_the_grid_prints_as_drawn():
     """1F1B at S = 2, M = 4 (pipeline.py's docstring draws it) and interleaved chunks labelled."""
     assert pipeline.build("1f1b", 2, 4).text() == (

@@ -4,16 +4,19 @@ against the compiled temporaries' growth per micro-batch.
 
 The programs are test_pipeline's (pp on 4 stages of tiny's 4 layers, micro-batches of 2 sequences;
 its xdist group, tests/harness/schedule.py): M = 4 is the twin tests' step, M = 8 its memory tests';
-interleaved (V = 2 chunks of one layer) its 2-stage twins'; only zb_h1 at M = 8 compiles here alone.
+interleaved (V = 2 chunks of one layer) its 2-stage twins'; pp_fsdp's (stage:2,data:2) its ledger tests'; only
+zb_h1 at M = 8 compiles here alone.
 """
 
 import functools
 import xml.etree.ElementTree as ET
 from fractions import Fraction
 
+import jax
 import pytest
 
-from test_pipeline import CFG, M, V, compiled_step, long_step
+import manual_parallel
+from test_pipeline import CFG, FSDP_MESH, M, V, compile_step, compiled_step, long_step, with_schedule
 from twinshard import cost
 from twinshard.hlo import draw_pipeline
 from twinshard.hlo.pipeline_ticks import Cell, pipeline_ticks
@@ -53,6 +56,21 @@ def test_the_compiled_tick_loop_runs_the_table(schedule):
     else:  # zb_h1: the W's fill 1F1B's idle ticks: 12 of 60 stage-ticks against 1F1B's 24 of 56
         assert ticks.bubble() == Fraction(12, 60) < Fraction(S - 1, M + S - 1)
     assert len({tuple(row[s] for row in ticks.grid) for s in range(S)}) == S
+
+
+@pytest.mark.pp_fsdp
+def test_pp_fsdp_reads_each_stage_at_its_own_partitions():
+    """pp_fsdp's manual 1F1B step on stage:2,data:2 (M = 4), read from its HLO, equals pipeline.build's grid
+    cell by cell. `stage` is the outer mesh axis, so stage s's devices are partitions 2s and 2s + 1: a reader
+    that took partition s for stage s would read stage 0's second data shard as stage 1 and draw stage 0's
+    ops twice. (The runner is built untrained: its program is test_pipeline's ledger test's, from the
+    persistent compilation cache; that module's trained runners are released before this one runs.)"""
+    runner = manual_parallel.make_runner("pp_fsdp", FSDP_MESH, with_schedule("1f1b"), devices=jax.devices()[:4])
+    ticks = pipeline_ticks(compile_step(runner), runner.mesh)
+    sched = pipeline.build("1f1b", 2, M)
+    assert ticks.form == "table" and ticks.stages == 2
+    assert [list(row) for row in ticks.grid] == table_cells(sched), ticks.text() + "\n" + sched.text()
+    assert [row[0] for row in ticks.grid] != [row[1] for row in ticks.grid]
 
 
 @pytest.mark.parametrize("impl", ["manual", "auto"])

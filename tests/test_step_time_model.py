@@ -1,10 +1,12 @@
 """The step-time model (twinshard/hlo/timing.py, twinshard/hardware/links.py, step_time.py) term by term, then
 whole against a brute-force simulator (tests/step_sim.py: event by event, float64, loops unrolled) on
-generated schedules. Pure Python on hand-written or generated HLO text: nothing compiles.
+generated schedules. Pure Python on hand-written or generated HLO text: nothing compiles but the reference
+convolutions of one test (a program of eight tiny convolutions run on ones).
 """
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import numpy as np
@@ -339,3 +341,44 @@ def test_a_tick_loop_takes_each_trip_at_its_slowest_stages_branch():
     assert runs == {"f_neg": 2, "b_neg1": 2, "b_neg2": 2, "b_neg3": 2}
     assert pred.compute_s + pred.exposed_s == pytest.approx(pred.step_s)
     assert pred.exposed_s == pytest.approx(4e-6)
+
+
+# Convolutions as JAX writes them, each (lhs shape, rhs shape, conv_general_dilated's arguments): padding, strides,
+# lhs (input) and rhs (kernel) dilation per spatial dimension, and each group count; with a dot as TPU writes one
+# (no spatial dimension) and two spatial dimensions that differ in every window field.
+CONVS = {
+    "valid": ((2, 3, 9), (4, 3, 3), {}),
+    "padded, strided": ((2, 3, 9), (4, 3, 4), dict(window_strides=(3,), padding=[(3, 2)])),
+    "input dilated": ((2, 3, 5), (4, 3, 3), dict(padding=[(2, 1)], lhs_dilation=(2,))),
+    "kernel dilated": ((2, 3, 9), (4, 3, 3), dict(padding=[(1, 1)], rhs_dilation=(2,))),
+    "feature groups": ((2, 6, 8), (9, 2, 3), dict(padding=[(1, 1)], feature_group_count=3)),
+    "batch groups": ((6, 3, 7), (4, 3, 3), dict(window_strides=(2,), padding=[(1, 2)], rhs_dilation=(2,),
+                                                batch_group_count=2)),
+    "2-d": ((2, 2, 6, 5), (3, 2, 3, 2), dict(window_strides=(2, 1), padding=[(1, 1), (0, 1)], lhs_dilation=(1, 2),
+                                              rhs_dilation=(2, 1))),
+    "a dot": ((4, 6), (5, 6), {}),
+}
+
+
+def test_a_convolutions_flops_count_the_products_that_land_on_real_input():
+    """Each of CONVS lowered by JAX, priced by the step-time model: 2 x the multiply-adds XLA runs, counted by
+    running it on ones (each output element is then its count of kernel taps on real input, not padding nor a
+    dilation hole, times the input features of its group)."""
+    import jax
+    import jax.numpy as jnp
+
+    def conv(args, lhs, rhs):
+        dims = "NCHW"[:lhs.ndim], "OIHW"[:rhs.ndim], "NCHW"[:lhs.ndim]
+        return jax.lax.conv_general_dilated(lhs, rhs, **{"window_strides": (1,) * (lhs.ndim - 2),
+                                                         "padding": [(0, 0)] * (lhs.ndim - 2), **args},
+                                            dimension_numbers=dims)
+
+    ones = [(jnp.ones(a, jnp.float32), jnp.ones(b, jnp.float32)) for a, b, _ in CONVS.values()]
+    products = jax.jit(lambda xs: [jnp.sum(conv(args, *x)) for (_, _, args), x in zip(CONVS.values(), xs)])(ones)
+    r = hlo.Rates("test", {"float32": 1e9}, 1e15)
+    for (name, (_, _, args)), x, n in zip(CONVS.items(), ones, products):
+        text = jax.jit(functools.partial(conv, args)).lower(*x).as_text(dialect="hlo")
+        for group in ("feature_group_count", "batch_group_count"):
+            assert (f"{group}={args.get(group)}" in text) == (group in args), (name, text)  # the case is what it says
+        (op,) = hlo.predict(text, r).ops
+        assert (op.opcode, op.flops) == ("convolution", 2 * float(n)), (name, text)
