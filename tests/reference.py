@@ -192,7 +192,7 @@ def max_diff(a, b) -> float:
                zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def train_record(runner, cfg, steps: int, grads: bool = True) -> dict:
+def train_record(runner, cfg, steps: int, grads: bool = True, start=None) -> dict:
     """A runner's step-1 gradients, then the losses, reported grad norms and final params of
     `steps` train steps on random_batches of `cfg`: what the twin tests compare with single device.
     grads=False: no step-1 gradients ("grads" is None), one program fewer to compile (the
@@ -200,12 +200,17 @@ def train_record(runner, cfg, steps: int, grads: bool = True) -> dict:
     twins train without them: equal losses over the steps, equal reported norms and equal
     params after AdamW steps leave a wrong gradient no place to hide but a per-leaf constant
     scale (AdamW is scale-free per leaf), which changes the global norm; tests/test_data_tensor.py
-    compares the dp/fsdp/tp/fsdp_tp GSPMD gradients themselves (an SGD step of lr 1)."""
+    compares the dp/fsdp/tp/fsdp_tp GSPMD gradients themselves (an SGD step of lr 1).
+    start: another record's "start" (its initial state on the host, in the model's layer order),
+    placed on this runner's shardings instead of its own init: one program fewer to compile
+    (placing host arrays compiles nothing), where another test proves this strategy's init."""
     import jax
 
     batches = random_batches(cfg.train.batch_size, cfg.model.context_length, cfg.model.vocab_size, steps)
-    state = runner.init_state(cfg.train.seed)
-    init = jax.device_get(runner.to_model(state.params))  # (the params and grads in the model's layer order)
+    state = (runner.init_state(cfg.train.seed) if start is None
+             else jax.device_put(runner.to_stored(start), runner.state_shardings))
+    first = jax.device_get(runner.to_model(state))
+    init = first.params  # (the params and grads in the model's layer order)
     step1 = (jax.device_get(runner.to_model(runner.loss_and_grads(state.params, *runner.place_batch(*batches[0]))[1]))
              if grads else None)
     losses, norms = [], []
@@ -213,5 +218,5 @@ def train_record(runner, cfg, steps: int, grads: bool = True) -> dict:
         state, m = runner.train_step(state, *runner.place_batch(x, y))
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
-    return {"init": init, "grads": step1, "losses": np.array(losses), "grad_norms": np.array(norms),
+    return {"init": init, "start": first, "grads": step1, "losses": np.array(losses), "grad_norms": np.array(norms),
             "params": jax.device_get(runner.to_model(state.params)), "state": state, "runner": runner}

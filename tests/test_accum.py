@@ -5,8 +5,10 @@ with every gradient sync once per step.
   `jax.value_and_grad`); the loss also matches the NumPy float64 model; micro-batches
   weigh by their tokens (a masked toy loss with unequal micro-batches, against NumPy).
 - fsdp and fsdp_tp x both twins at K = 2: losses, gradient norms and params after 2 AdamW
-  steps equal single-device K = 1 training; the step-1 gradients of fsdp_tp (the
-  FSDP gather-once path and the per-micro-batch TP path of both twins) too.
+  steps equal single-device K = 1 training (fsdp_tp: the FSDP gather-once path and the
+  per-micro-batch TP path of both twins). Their step-1 gradients, which a test compared with
+  two more compiles, are held by these: a wrong one changes the params after the steps or,
+  scaled per leaf (AdamW is scale-free), the global norm (tests/reference.py train_record).
 - manual twin (fsdp, tp, fsdp_tp): the compiled step's ledger equals the cost model with
   grad_accum = 2, and no data-axis collective sits inside a loop.
 - auto twin (auto_parallel/runner.py's per-data-shard vmap): the data-axis collectives do
@@ -167,16 +169,6 @@ def test_twin_accumulation_matches_single_device(impl, strategy):
     np.testing.assert_allclose(got["losses"], s["losses"], atol=LOSS_ATOL, rtol=0)
     np.testing.assert_allclose(got["norms"], s["norms"], rtol=NORM_RTOL)
     assert max_diff(got["params"], s["params"]) < PARAM_ATOL
-
-
-@pytest.mark.parametrize("impl", ["manual", "auto"])
-def test_fsdp_tp_accumulated_gradients_match_single_device(impl):
-    s = single()
-    r = runner(impl, "fsdp_tp")
-    params = jax.device_put(s["init"].params, r.state_shardings.params)
-    loss, grads = jax.device_get(r.loss_and_grads(params, *r.place_batch(*batches()[0])))
-    assert abs(float(loss) - s["loss"]) < LOSS_ATOL
-    assert max_diff(grads, s["grads"]) < GRAD_ATOL
 
 
 # ----------------------------------------------------------------------------- collectives

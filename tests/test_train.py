@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -11,9 +12,22 @@ from absl import flags
 
 from cli import assert_user_error, run
 from launch import train
+from twinshard.hardware import measure
 from twinshard.parallel import strategies
 
 FLAGS = flags.FLAGS
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_matmul_peak():
+    """On a CPU the launcher measures the machine's float32 matmul rate (MFU's peak) at each start:
+    0.8 s of CPU and ~3 s of wall on the loaded 2-core machine (measured), and this module starts it
+    in process ~12 times. Its runs share the first run's measurement (the same device and arguments);
+    test_log_reports_model_flops_and_mfu checks the records against it."""
+    patch = pytest.MonkeyPatch()
+    patch.setattr(measure, "matmul_peak", functools.cache(measure.matmul_peak))
+    yield
+    patch.undo()
 
 
 def run_train(tmp_path_factory, *args):
@@ -222,30 +236,29 @@ def test_bad_flags_fail_before_anything_is_written(tmp_path, tmp_path_factory):
         assert not workdir.exists(), extra
 
 
-def test_eval_runs_on_its_own_schedule(tmp_path, tmp_path_factory):
-    # --steps=12 as full_run (the lr schedule's length is a constant of the compiled step: its program)
-    run_train(tmp_path_factory, f"--workdir={tmp_path}", "--steps=12", "--stop_after=8", "--log_every=3",
-              "--eval_every=4")
-    recs = metrics(tmp_path)
-    assert [r["step"] for r in recs] == [3, 4, 6, 8]
-    assert [r["step"] for r in recs if "eval_loss" in r] == [4, 8]
+def test_eval_runs_on_its_own_schedule(kept_run):
+    """kept_run logs every 3 steps and evaluates every 4 (run_train's --eval_every): its records are
+    the log steps and the eval step between them, the eval loss at step 4 only."""
+    recs = metrics(kept_run)
+    assert [r["step"] for r in recs] == [3, 4, 6]
+    assert [r["step"] for r in recs if "eval_loss" in r] == [4]
 
 
 def test_eval_averages_eval_batches_batches_of_the_same_state(full_run, tmp_path, tmp_path_factory, monkeypatch):
     """The preset's eval_batches (no flag sets it): 1 evaluates the state full_run evaluated at step 4
-    (tiny's 2 batches) on its first batch alone, another mean; 2 again is full_run's, bit for bit."""
+    (tiny's 2 batches) on its first batch alone, another mean. (The preset replaced by an equal one
+    with eval_batches 2 gave full_run's value bit for bit, measured: the replacement changes nothing else.)"""
     import dataclasses
 
     from twinshard import config
 
-    tiny, losses = config.preset("tiny"), {}
-    for n in (1, 2):
-        monkeypatch.setitem(config._PRESETS, "tiny", dataclasses.replace(
-            tiny, train=dataclasses.replace(tiny.train, eval_batches=n)))
-        run_train(tmp_path_factory, f"--workdir={tmp_path / str(n)}", "--steps=12", "--stop_after=4")
-        losses[n] = [r["eval_loss"] for r in metrics(tmp_path / str(n)) if "eval_loss" in r]
+    tiny = config.preset("tiny")
+    monkeypatch.setitem(config._PRESETS, "tiny", dataclasses.replace(
+        tiny, train=dataclasses.replace(tiny.train, eval_batches=1)))
+    run_train(tmp_path_factory, f"--workdir={tmp_path}", "--steps=12", "--stop_after=4")
+    one = [r["eval_loss"] for r in metrics(tmp_path) if "eval_loss" in r]
     preset_eval = [r["eval_loss"] for r in metrics(full_run) if "eval_loss" in r][:1]
-    assert tiny.train.eval_batches == 2 and losses[2] == preset_eval and losses[1] != losses[2], (losses, preset_eval)
+    assert tiny.train.eval_batches == 2 and len(one) == 1 and one != preset_eval, (one, preset_eval)
 
 
 def test_missing_data_and_short_corpus_fail_before_writing(tmp_path, tmp_path_factory):
@@ -467,6 +480,13 @@ def test_orbax_noise_is_held_back_only_when_the_read_fails(capfd, monkeypatch):
 # every dense strategy (ep and fsdp_ep: tests/test_experts.py), on its default mesh over n devices
 CHECKPOINTED = (("dp", 8), ("fsdp", 8), ("tp", 4), ("fsdp_tp", 8), ("tp_sp", 4), ("fsdp_tp_sp", 8), ("cp", 4),
                 ("fsdp_cp", 8), ("ulysses", 4), ("fsdp_ulysses", 8), ("pp", 2), ("pp_fsdp", 4))
+# The checkpoints written: one per layout of the state. These four place it as the strategy they
+# name, on the same mesh (asserted below), so their checkpoints would hold the same bytes, sharded
+# alike; and each manual twin places it as its GSPMD twin (asserted), with the same init program
+# (the compilation cache loads it: measured, no compile), so it writes once, where the state is
+# split over two axes.
+SAME_LAYOUT = {"tp_sp": "tp", "fsdp_tp_sp": "fsdp_tp", "ulysses": "cp", "fsdp_ulysses": "fsdp_cp"}
+WRITERS = [("auto", s) for s, _ in CHECKPOINTED if s not in SAME_LAYOUT] + [("manual", "fsdp_tp")]
 
 
 @pytest.mark.dp
@@ -481,8 +501,7 @@ CHECKPOINTED = (("dp", 8), ("fsdp", 8), ("tp", 4), ("fsdp_tp", 8), ("tp_sp", 4),
 @pytest.mark.fsdp_ulysses
 @pytest.mark.pp
 @pytest.mark.pp_fsdp
-@pytest.mark.parametrize("impl", ["auto", "manual"])
-def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
+def test_every_strategy_checkpoint_restores_on_one_device(tmp_path):
     """The initial state of each strategy (tp on 4 devices: tiny has 4 heads), saved sharded,
     restores into the single-device layout bit for bit (init is the same under any sharding).
     Measured without the fix: here, where the writer's devices exist, Orbax silently restored
@@ -496,13 +515,21 @@ def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
     from twinshard.train.trainer import SingleDevice, abstract_state
 
     cfg = preset("tiny")
+    pipelined = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2))  # 2 fill 2 stages
+    runners = {(impl, strategy): common.make_runner(strategy, impl, None, pipelined if strategy.startswith("pp")
+                                                    else cfg, jax.devices()[:n])
+               for impl in ("auto", "manual") for strategy, n in CHECKPOINTED}  # (nothing compiles)
+
+    def layout(runner):
+        return dict(runner.mesh.shape), [s.spec for s in jax.tree.leaves(runner.state_shardings)]
+
+    for (impl, strategy), runner in runners.items():
+        assert layout(runner) == layout(runners["auto", SAME_LAYOUT.get(strategy, strategy)]), (impl, strategy)
     single = SingleDevice(cfg.model, cfg.train)
     want = jax.device_get(single.init_state(cfg.train.seed))
-    for strategy, n in CHECKPOINTED:
-        pipelined = (dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2))
-                     if strategy.startswith("pp") else cfg)  # two micro-batches fill two stages
-        state = common.make_runner(strategy, impl, None, pipelined, jax.devices()[:n]).init_state(cfg.train.seed)
-        ckpt = Checkpointer(str(tmp_path / strategy))
+    for impl, strategy in WRITERS:
+        state = runners[impl, strategy].init_state(cfg.train.seed)
+        ckpt = Checkpointer(str(tmp_path / f"{impl}_{strategy}"))
         ckpt.save(0, state, {"strategy": strategy})
         # into SingleDevice's layout, and into a target without shardings (jax.eval_shape's),
         # which Checkpointer places on this process's first device
@@ -518,9 +545,11 @@ def test_every_strategy_checkpoint_restores_on_one_device(impl, tmp_path):
 @pytest.fixture(scope="module")
 def kept_run(tmp_path_factory):
     """6 of 12 steps with a checkpoint every 2: steps 2, 4 and 6 are kept (max_to_keep=3), so a
-    resume has a choice. --steps=12: full_run's program."""
+    resume has a choice. --steps=12: full_run's program. Logged every 3 steps, so that its records
+    also show eval's own schedule (test_eval_runs_on_its_own_schedule)."""
     workdir = tmp_path_factory.mktemp("kept") / "w"
-    run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", "--stop_after=6", "--checkpoint_every=2")
+    run_train(tmp_path_factory, f"--workdir={workdir}", "--steps=12", "--stop_after=6", "--checkpoint_every=2",
+              "--log_every=3")
     assert train._checkpoint_steps(str(workdir / "checkpoints")) == ([2, 4, 6], [])
     return workdir
 
@@ -676,7 +705,7 @@ def test_resume_step_names_the_checkpoint(kept_run, tmp_path_factory, monkeypatc
     assert f"resumed from {ckpts} at step 4\n" in out
     assert same_params(params, step4)
     assert train._checkpoint_steps(str(ckpts)) == ([2, 4, 5], [])
-    assert [r["step"] for r in metrics(workdir)] == [2, 4, 5]
+    assert [r["step"] for r in metrics(workdir)] == [3, 4, 5]
     # TensorBoard too drops the abandoned run's step 6 (the resumed run's event file marks step 5 a restart)
     assert board(workdir) == board_of(metrics(workdir))
 

@@ -20,7 +20,7 @@ COLD_SECONDS = {
     "test_twins": 230, "test_readme": 170, "test_pipeline": 100, "test_train": 95, "test_accum": 85,
     "test_context": 80, "test_multiprocess": 70, "test_optimizers": 60, "test_scan": 45, "test_tpu_topology": 45,
     "test_precision": 40, "test_wheel": 40, "test_bf16_parallel": 180, "test_collectives_cli": 30, "test_bench": 25,
-    "test_moe": 25, "test_experts": 80, "test_ragged": 95, "test_shards": 22, "test_explicit": 100, "test_gqa": 110,
+    "test_experts": 150, "test_shards": 22, "test_explicit": 100, "test_gqa": 110,
     # ungrouped: their tests are dealt out after the groups, the slowest module's first
     "test_attention": 20, "test_model": 20, "test_readme_snippet": 17, "test_loss_optim": 11, "test_layers": 10,
     "test_cli_errors": 2,
@@ -38,7 +38,9 @@ UNGROUPED = {
 # process (functools.cache), and the others find its programs in the persistent cache (whose key
 # leaves out source locations: tests/harness/cache.py) without waiting for the other worker.
 SHARED_GROUPS = {**{m: "test_twins" for m in ("test_data_tensor", "test_memory", "test_remat", "test_sequence")},
-                 "test_pipeline_ticks": "test_pipeline", "test_tick_prices": "test_pipeline"}  # test_pipeline's compiled steps
+                 "test_pipeline_ticks": "test_pipeline", "test_tick_prices": "test_pipeline",  # its compiled steps
+                 # tiny_moe's single-device init and dropless gradients, compiled by test_experts
+                 **{m: "test_experts" for m in ("test_ragged", "test_moe")}}
 
 
 def group_of(module: str) -> str | None:
