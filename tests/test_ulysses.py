@@ -51,13 +51,26 @@ def single():
 
 
 @functools.cache
+def initial_state():
+    """The single-device initial train state of config(), on the host (`single` compiles its init)."""
+    return jax.device_get(SingleDevice(CFG.model, CFG.train).init_state(CFG.train.seed))
+
+
+def record(runner, grads: bool):
+    """reference.train_record of config() from `initial_state` placed in the runner's shardings: a
+    transfer where the sharded init (PlacedRunner's, the same code for every strategy, held bitwise by
+    test_data_tensor.py::test_initial_params_are_bitwise_single_device) is one more cold compile."""
+    runner.init_state = lambda seed: jax.device_put(initial_state(), runner.state_shardings)
+    return reference.train_record(runner, config(), STEPS, grads=grads)
+
+
+@functools.cache
 def twin(impl: str, strategy: str):
     """STEPS train steps of the twin on MESHES[strategy] (tests/reference.py: the manual twin's step-1
     gradients too)."""
     mesh = MESHES[strategy]
     n = math.prod(int(p.split(":")[1]) for p in mesh.split(","))
-    return reference.train_record(TWINS[impl].make_runner(strategy, mesh, config(), devices=jax.devices()[:n]), config(),
-                                  STEPS, grads=impl == "manual")
+    return record(TWINS[impl].make_runner(strategy, mesh, config(), devices=jax.devices()[:n]), grads=impl == "manual")
 
 
 @functools.cache
@@ -301,9 +314,7 @@ def test_explicit_twin_matches_single_device_with_the_manual_twins_all_to_alls(k
         assert_gradients_match_single_device(got, kv_heads)
         mine, theirs = got["ledger"].summary(), manual["ledger"].summary()
     else:
-        cfg = config()
-        got = reference.train_record(explicit_parallel.make_runner("ulysses", "context:4", cfg, devices=jax.devices()[:4]),
-                                     cfg, STEPS, grads=False)
+        got = record(explicit_parallel.make_runner("ulysses", "context:4", config(), devices=jax.devices()[:4]), grads=False)
         want = single()
         np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
         assert reference.max_diff(got["params"], want["params"]) < PARAM_ATOL
