@@ -22,7 +22,7 @@ import numpy as np
 import auto_parallel
 import manual_parallel
 import reference
-from twinshard import hlo
+from twinshard import cost, hlo
 from twinshard.config import Config, preset
 from twinshard.train.trainer import SingleDevice
 
@@ -65,6 +65,13 @@ def loss_and_grads(runner, cfg: Config) -> dict:
     return {"loss": float(value), "grads": jax.device_get(grads), "runner": runner,
             "temp": compiled.memory_analysis().temp_size_in_bytes,
             "ledger": None if single else hlo.ledger(compiled, runner.mesh)}
+
+
+def assert_ledger_without_optimizer(ledger: hlo.Ledger, model: cost.Cost) -> None:
+    """A compiled loss_and_grads' ledger against the cost model's rows but the optimizer's (its global
+    norm, run by the train step only), (op, axes) row by row: count and bytes."""
+    rows = cost.compare(ledger.summary(), cost.summarize([r for r in model.collectives if r.phase != "optimizer"]))
+    assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + ledger.table()
 
 
 def max_relative_diff(a, b) -> float:

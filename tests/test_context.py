@@ -5,7 +5,7 @@ does with K and V.
 tiny (T = 32, L = 2, B = 8); cp on context:4, fsdp_cp on data:2,context:2 (4 devices each), both
 in the zig-zag layout (the default; the contiguous one is checked on ring attention itself, where
 it differs: the positions). The step clips (grad_clip 0.25 < the ~0.7 norm), so fsdp_cp's global
-norm (a psum over `data`) is exercised. The GSPMD fsdp_cp twin also trains with grad_accum 2
+norm (a psum over `data`) is exercised. The GSPMD fsdp_cp twin also runs grad_accum 2
 (auto_parallel/runner.py's per-data-shard vmap runs cp's layout hooks: GSPMD.without_batch).
 """
 
@@ -22,6 +22,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 import auto_parallel
 import manual_parallel
 import reference
+from runners import loss_and_grads
 from test_data_tensor import synced_shapes  # the all-reduced shapes, one per execution
 from manual_parallel.ring_attention import ring_attention
 from twinshard.parallel import context
@@ -63,23 +64,22 @@ def single():
 
 
 @functools.cache
-def twin(impl: str, strategy: str, grad_accum: int = 1):
+def twin(impl: str, strategy: str):
     mesh = MESHES[strategy]
     n = math.prod(int(p.split(":")[1]) for p in mesh.split(","))
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
-    cfg = Config(CFG.model, dataclasses.replace(CFG.train, grad_accum=grad_accum))
-    return record(make(strategy, mesh, cfg, devices=jax.devices()[:n]), grads=impl == "manual")  # see reference
+    return record(make(strategy, mesh, CFG, devices=jax.devices()[:n]), grads=impl == "manual")  # see reference
 
 
 @functools.cache
-def compiled_step(impl: str, strategy: str, grad_accum: int = 1):
-    r = twin(impl, strategy, grad_accum)["runner"]
+def compiled_step(impl: str, strategy: str):
+    r = twin(impl, strategy)["runner"]
     xs = jax.ShapeDtypeStruct((CFG.train.batch_size, CFG.model.context_length), np.int32, sharding=r.batch_sharding)
     return r.train_step.lower(r.abstract_state(), xs, xs).compile()
 
 
-def compiled_ledger(impl: str, strategy: str, grad_accum: int = 1) -> hlo.Ledger:
-    return hlo.ledger(compiled_step(impl, strategy, grad_accum).as_text(), twin(impl, strategy, grad_accum)["runner"].mesh)
+def compiled_ledger(impl: str, strategy: str) -> hlo.Ledger:
+    return hlo.ledger(compiled_step(impl, strategy).as_text(), twin(impl, strategy)["runner"].mesh)
 
 
 # ----------------------------------------------------------------------------- the layout
@@ -125,26 +125,52 @@ def test_each_ring_step_sees_exactly_the_slices_ring_attention_computes(layout):
 # ----------------------------------------------------------------------------- ring attention
 
 
-@pytest.mark.parametrize("layout", context.LAYOUTS)
-def test_ring_attention_equals_full_attention(layout):
-    """C = 4 shards of T = 32 (a multiple of 2C): the ring's output and the gradients of q, k, v
-    equal the single-device reference attention's, position by position (the ring runs on the
-    layout-permuted sequence; the reference's results are permuted the same way)."""
-    c, (b, h, t, dh) = 4, (2, 2, 32, 8)
-    q, k, v = (jax.random.normal(key, (b, h, t, dh)) for key in jax.random.split(jax.random.key(0), 3))
-    perm, table = context.order(t, c, layout), context.shard_positions(t, c, layout)
-    mesh = jax.make_mesh((c,), ("context",), devices=jax.devices()[:c], axis_types=(AxisType.Auto,))
+RING_SHAPE, RING_C = (2, 2, 32, 8), 4  # [b, h, T, dh] over C = 4 shards (T a multiple of 2C)
+
+
+@functools.cache
+def ring_vjp(layout: str):
+    """Ring attention over RING_C context shards in `layout`, and its pullback: one program per layout,
+    (q, k, v, do) [b, h, T, dh] f32 in the layout's order -> (out, (dq, dk, dv)), the gradients of
+    sum(out * do); compiled once for both tests below."""
+    table = context.shard_positions(RING_SHAPE[2], RING_C, layout)
+    mesh = jax.make_mesh((RING_C,), ("context",), devices=jax.devices()[:RING_C], axis_types=(AxisType.Auto,))
     seq = P(None, None, "context")
     ring = jax.shard_map(lambda *a: ring_attention(*a, table, "context", layout), mesh=mesh, in_specs=(seq,) * 3,
                          out_specs=seq)
-    full = lambda *a: layers.causal_attention(*a, "reference")[:, :, perm]  # noqa: E731
-    weights = jax.random.normal(jax.random.key(1), (b, h, t, dh))  # a loss that weighs every output
-    got, grads = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(ring(*a) * weights), argnums=(0, 1, 2)))(
-        *(x[:, :, perm] for x in (q, k, v)))
-    want, want_grads = jax.value_and_grad(lambda *a: jnp.sum(full(*a) * weights), argnums=(0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+    @jax.jit
+    def forward_and_pullback(q, k, v, do):
+        out, pullback = jax.vjp(ring, q, k, v)
+        return out, pullback(do)
+
+    return forward_and_pullback
+
+
+def ring_against_float64(layout: str, q, k, v, do):
+    """ring_vjp(layout) on float64 q, k, v, do [b, h, T, dh] (in position order) cast to f32, and the
+    float64 reference (reference.attention_vjp), both in the layout's order: (out, grads), (want, want_grads)."""
+    perm = context.order(RING_SHAPE[2], RING_C, layout)
+    out, grads = ring_vjp(layout)(*(jnp.asarray(x[:, :, perm], jnp.float32) for x in (q, k, v, do)))
+    want, want_grads = reference.attention_vjp(q, k, v, np.tril(np.ones((RING_SHAPE[2],) * 2, bool)), do)
+    return ((np.asarray(out, np.float64), [np.asarray(g, np.float64) for g in grads]),
+            (want[:, :, perm], [w[:, :, perm] for w in want_grads]))
+
+
+@pytest.mark.parametrize("layout", context.LAYOUTS)
+def test_ring_attention_equals_full_attention(layout):
+    """C = 4 shards of T = 32 (a multiple of 2C): the ring's output and the gradients of q, k, v
+    equal full causal attention's (NumPy float64), position by position (the ring runs on the
+    layout-permuted sequence; the reference's results are permuted the same way), for the loss
+    sum(out * do), whose cotangent weighs every output. Measured: gradients within 4.3e-7."""
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.normal(size=RING_SHAPE) for _ in range(4))
+    (got, grads), (want, want_grads) = ring_against_float64(layout, q, k, v, do)
+    perm = context.order(RING_SHAPE[2], RING_C, layout)
+    np.testing.assert_allclose(np.sum(got * do[:, :, perm]), np.sum(want * do[:, :, perm]), rtol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)  # measured 2.8e-7
     for g, w in zip(grads, want_grads):
-        np.testing.assert_allclose(g, w[:, :, perm], atol=1e-5)
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", context.LAYOUTS)
@@ -155,21 +181,13 @@ def test_ring_attention_at_large_logits_equals_float64(layout):
     running max (exp of a score 88.7 above the max in use overflows float32). Output and
     gradients against NumPy float64 in float32: measured max errors 1.1e-5 (outputs, |v| ~ 1)
     and 4e-6 of the largest gradient; tolerances ~10x, as tests/test_attention.py's kernels."""
-    c, shape = 4, (2, 2, 32, 8)
     rng = np.random.default_rng(7)
-    q, k, v = reference.large_logits(rng, shape)
-    do = rng.normal(size=shape)
-    want, want_grads = reference.attention_vjp(q, k, v, np.tril(np.ones((32, 32), bool)), do)
-    perm, table = context.order(32, c, layout), context.shard_positions(32, c, layout)
-    mesh = jax.make_mesh((c,), ("context",), devices=jax.devices()[:c], axis_types=(AxisType.Auto,))
-    seq = P(None, None, "context")
-    ring = jax.shard_map(lambda *a: ring_attention(*a, table, "context", layout), mesh=mesh, in_specs=(seq,) * 3,
-                         out_specs=seq)
-    out, pullback = jax.vjp(jax.jit(ring), *(jnp.asarray(x[:, :, perm], jnp.float32) for x in (q, k, v)))
-    grads = pullback(jnp.asarray(do[:, :, perm], jnp.float32))
-    np.testing.assert_allclose(np.asarray(out, np.float64), want[:, :, perm], rtol=0, atol=1e-4)
+    q, k, v = reference.large_logits(rng, RING_SHAPE)
+    do = rng.normal(size=RING_SHAPE)
+    (out, grads), (want, want_grads) = ring_against_float64(layout, q, k, v, do)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-4)
     for name, g, w in zip("qkv", grads, want_grads):
-        rel = float(np.max(np.abs(np.asarray(g, np.float64) - w[:, :, perm])) / np.max(np.abs(w)))
+        rel = float(np.max(np.abs(g - w)) / np.max(np.abs(w)))
         assert rel < 5e-5, (name, rel)
 
 
@@ -194,14 +212,19 @@ def assert_matches_single_device(got, grads: bool):
 
 def test_auto_fsdp_cp_accumulates_in_the_context_layout():
     """grad_accum 2 on data:2,context:2: the runner's per-data-shard vmap runs ContextParallel's
-    hooks (the zig-zag positions for RoPE and the mask), so the step equals single device
-    (measured: losses 1.9e-6, gradients 1.9e-8, norms 8.8e-8 relative, params 7.2e-7; with plain
-    GSPMD hooks RoPE and the mask read the permuted index as the position). The ledger: every
-    `data` collective once per step (FSDP's 9 gathers before the micro-batch loop, the gradient
-    mean after it), the K/V gathers over `context` per micro-batch [B/(data K), H, T, dh]."""
+    hooks (the zig-zag positions for RoPE and the mask), so its loss_and_grads (compiled once: what
+    accumulation changes is all there) equals single device's step 1 (measured: loss 4.8e-7,
+    gradients 2.0e-8; with plain GSPMD hooks RoPE and the mask read the permuted index as the
+    position). The ledger: every `data` collective once (FSDP's 9 gathers before the micro-batch
+    loop, the gradient mean after it), the K/V gathers over `context` per micro-batch
+    [B/(data K), H, T, dh]."""
     k, m, L = 2, CFG.model, CFG.model.num_layers
-    assert_matches_single_device(twin("auto", "fsdp_cp", k), grads=False)
-    led = compiled_ledger("auto", "fsdp_cp", k)
+    cfg = Config(CFG.model, dataclasses.replace(CFG.train, grad_accum=k))
+    got = loss_and_grads(auto_parallel.make_runner("fsdp_cp", MESHES["fsdp_cp"], cfg, devices=jax.devices()[:4]), cfg)
+    want = single()
+    assert abs(got["loss"] - want["losses"][0]) < LOSS_ATOL
+    assert reference.max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    led = got["ledger"]
     assert all(r.multiplicity == 1 for r in led.filter(axes=("data",))), led.table()
     # the 7 stacked matrices, the embedding and the lm_head, whole
     testing.expect_collectives(led, "all-gather", ("data",), count=7 + 2)

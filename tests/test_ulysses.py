@@ -1,7 +1,8 @@
 """All-to-all sequence parallelism (ulysses, fsdp_ulysses) in both twins: the all-to-all pair, each
-twin against single-device training (with and without grouped-query attention, under
---remat=full and --grad_accum=2), the manual ledger against the cost model, what GSPMD inserts,
-and the configurations refused before compiling.
+twin against single-device training, and against single device's loss and gradients with grouped-query
+attention, under --remat=full and --grad_accum=2 (one compiled loss_and_grads each: `lag`), the
+manual ledger against the cost model, what GSPMD inserts, and the configurations refused before
+compiling.
 
 tests/runners.py's CFG (tiny, 8 heads, T = 32, B = 8, clipped steps); ulysses on context:4,
 fsdp_ulysses on data:2,context:2.
@@ -18,10 +19,11 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import auto_parallel
+import explicit_parallel
 import manual_parallel
 import reference
 from manual_parallel.collectives import heads_to_seq, seq_to_heads
-from runners import CFG
+from runners import CFG, assert_ledger_without_optimizer, loss_and_grads
 from twinshard import cost, hlo, testing
 from twinshard.config import Config, preset
 from twinshard.hardware import topology
@@ -29,9 +31,11 @@ from twinshard.parallel import context
 from twinshard.train.trainer import SingleDevice
 
 MESHES = {"ulysses": "context:4", "fsdp_ulysses": "data:2,context:2"}
+TWINS = {"auto": auto_parallel, "manual": manual_parallel, "explicit": explicit_parallel}
 STEPS = 3
 # Measured (JAX 0.12.0.1, XLA:CPU), every twin below vs single device: losses equal to 9.6e-7,
-# step-1 gradients to 2.6e-8, params after 3 AdamW steps to 1.0e-6; test_context.py's tolerances.
+# gradients (step 1, each `lag`) to 2.6e-8, params after 3 AdamW steps to 1.0e-6; test_context.py's
+# tolerances.
 LOSS_ATOL, GRAD_ATOL, NORM_RTOL, PARAM_ATOL = 1e-5, 2e-7, 1e-6, 2e-5
 
 
@@ -41,21 +45,64 @@ def config(kv_heads: int = 0, **train) -> Config:
 
 
 @functools.cache
-def single(kv_heads: int = 0):
-    cfg = config(kv_heads)
+def single():
+    cfg = config()
     return reference.train_record(SingleDevice(cfg.model, cfg.train), cfg, STEPS)
 
 
 @functools.cache
-def twin(impl: str, strategy: str, mesh: str | None = None, kv_heads: int = 0, remat: str = "none",
-         grad_accum: int = 1):
-    mesh = mesh or MESHES[strategy]
+def initial_state():
+    """The single-device initial train state of config(), on the host (`single` compiles its init)."""
+    return jax.device_get(SingleDevice(CFG.model, CFG.train).init_state(CFG.train.seed))
+
+
+def record(runner, grads: bool):
+    """reference.train_record of config() from `initial_state` placed in the runner's shardings: a
+    transfer where the sharded init (PlacedRunner's, the same code for every strategy, held bitwise by
+    test_data_tensor.py::test_initial_params_are_bitwise_single_device) is one more cold compile."""
+    runner.init_state = lambda seed: jax.device_put(initial_state(), runner.state_shardings)
+    return reference.train_record(runner, config(), STEPS, grads=grads)
+
+
+@functools.cache
+def twin(impl: str, strategy: str):
+    """STEPS train steps of the twin on MESHES[strategy] (tests/reference.py: the manual twin's step-1
+    gradients too)."""
+    mesh = MESHES[strategy]
     n = math.prod(int(p.split(":")[1]) for p in mesh.split(","))
+    return record(TWINS[impl].make_runner(strategy, mesh, config(), devices=jax.devices()[:n]), grads=impl == "manual")
+
+
+@functools.cache
+def lag(impl: str, strategy: str = "ulysses", mesh: str | None = None, kv_heads: int = 0, remat: str = "none",
+        grad_accum: int = 1) -> dict:
+    """The run's loss_and_grads compiled once on its config's initial params and first batch
+    (tests/runners.py): loss, gradients and ledger; impl 'single': one device. For the claims inside
+    loss_and_grads (GQA's repeats, remat, the micro-batches): a train step compiles in ~2x its CPU
+    seconds (measured, XLA:CPU), and test_twins_match_single_device trains each strategy."""
     cfg = config(kv_heads, grad_accum=grad_accum)
     cfg = Config(dataclasses.replace(cfg.model, remat=remat), cfg.train)
-    make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
-    return reference.train_record(make(strategy, mesh, cfg, devices=jax.devices()[:n]), cfg, STEPS,
-                                  grads=impl == "manual")
+    if impl == "single":
+        return loss_and_grads(SingleDevice(cfg.model, cfg.train), cfg)
+    mesh = mesh or MESHES[strategy]
+    n = math.prod(int(p.split(":")[1]) for p in mesh.split(","))
+    return loss_and_grads(TWINS[impl].make_runner(strategy, mesh, cfg, devices=jax.devices()[:n]), cfg)
+
+
+def assert_gradients_match_single_device(got, kv_heads: int = 0):
+    """Loss and every gradient leaf of a `lag` against single device's (multi-head: step 1 of `single`)."""
+    want = lag("single", kv_heads=kv_heads) if kv_heads else {"loss": single()["losses"][0], "grads": single()["grads"]}
+    assert abs(got["loss"] - want["loss"]) < LOSS_ATOL
+    assert reference.max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+
+
+def assert_lag_ledger_is_the_cost_model(got):
+    """A `lag`'s ledger against the cost model's rows but the optimizer's (loss_and_grads runs none)."""
+    runner, led = got["runner"], got["ledger"]
+    cfg = runner.cfg
+    assert_ledger_without_optimizer(led, cost.cost(cfg.model, runner.name, runner.sizes, cfg.train.batch_size,
+                                                   grad_accum=cfg.train.grad_accum))
+    return led
 
 
 def ledger(record) -> hlo.Ledger:
@@ -64,8 +111,8 @@ def ledger(record) -> hlo.Ledger:
     return hlo.ledger(r.train_step.lower(r.abstract_state(), xs, xs).compile().as_text(), r.mesh)
 
 
-def assert_matches_single_device(got, kv_heads: int = 0):
-    want = single(kv_heads)
+def assert_matches_single_device(got):
+    want = single()
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
     if got["grads"] is not None:
         assert reference.max_diff(got["grads"], want["grads"]) < GRAD_ATOL
@@ -119,29 +166,32 @@ def test_twins_match_single_device(impl, strategy):
 def test_grouped_query_attention_matches_single_device(kv_heads, mesh):
     """8 query heads: 2 kv heads on context:4 are each repeated twice first (context.kv_repeats), so the
     k, v all-to-alls carry 4 heads; 4 kv heads split two a device over context:2, one over context:4 (the
-    path 2 kv heads over context:2 also takes)."""
-    assert_matches_single_device(twin("manual", "ulysses", mesh, kv_heads), kv_heads)
+    path 2 kv heads over context:2 also takes). Loss and gradients against single device's."""
+    assert_gradients_match_single_device(lag("manual", mesh=mesh, kv_heads=kv_heads), kv_heads)
     if (kv_heads, mesh) == (2, "context:4"):
-        assert_matches_single_device(twin("auto", "ulysses", mesh, kv_heads), kv_heads)
-        assert_ledger_is_the_cost_model(twin("manual", "ulysses", mesh, kv_heads))
+        assert_gradients_match_single_device(lag("auto", mesh=mesh, kv_heads=kv_heads), kv_heads)
+        assert_lag_ledger_is_the_cost_model(lag("manual", mesh=mesh, kv_heads=kv_heads))
 
 
 @pytest.mark.ulysses  # the proof of ulysses's ledger under --remat (tests/test_proofs.py)
 def test_remat_full_saves_the_all_to_alls():
-    """--remat=full: equal to single device, and the ledger is the cost model's 16 all-to-alls (8 per
-    layer): the checkpointed layer's backward does not re-run the forward 4 (saves_exchanges)."""
-    got = twin("manual", "ulysses", remat="full")
-    assert_matches_single_device(got)
-    led = assert_ledger_is_the_cost_model(got)
+    """--remat=full: loss and gradients equal to single device, and the ledger is the cost model's
+    16 all-to-alls (8 per layer): the checkpointed layer's backward does not re-run the forward 4
+    (saves_exchanges)."""
+    got = lag("manual", remat="full")
+    assert_gradients_match_single_device(got)
+    led = assert_lag_ledger_is_the_cost_model(got)
     testing.expect_collectives(led, "all-to-all", ("context",), count=8 * CFG.model.num_layers)
 
 
 @pytest.mark.parametrize("impl", ["auto", "manual"])
 def test_fsdp_ulysses_accumulates(impl):
-    got = twin(impl, "fsdp_ulysses", grad_accum=2)
-    assert_matches_single_device(got)
+    """grad_accum 2: loss and gradients equal to single device; the manual ledger is the cost model's
+    at K = 2, the all-to-alls once per micro-batch."""
+    got = lag(impl, "fsdp_ulysses", grad_accum=2)
+    assert_gradients_match_single_device(got)
     if impl == "manual":
-        led = assert_ledger_is_the_cost_model(got)
+        led = assert_lag_ledger_is_the_cost_model(got)
         testing.expect_collectives(led, "all-to-all", ("context",), count=2 * 8 * CFG.model.num_layers)
 
 
@@ -254,19 +304,21 @@ def test_splash_inside_ulysses_compiles_for_a_tpu_pod_with_the_models_all_to_all
 def test_explicit_twin_matches_single_device_with_the_manual_twins_all_to_alls(kv_heads):
     """explicit_parallel/ulysses.py: a reshard of q, k, v to head shards and of the output back is
     an all-to-all each, forward and backward, as the manual twin writes them (count and bytes).
-    Measured against single device: losses 9.5e-7 (multi-head) and 3.8e-6 (2 kv heads repeated to
-    4), params after 3 steps 2.4e-7 and 8.3e-6. Its all-reduces are not the manual twin's: JAX's
-    rules reduce the norm gains' gradients inside the backward layer loop (explicit_parallel/runner.py)."""
-    import explicit_parallel
-
-    cfg = config(kv_heads)
-    got = reference.train_record(explicit_parallel.make_runner("ulysses", "context:4", cfg, devices=jax.devices()[:4]),
-                                 cfg, STEPS, grads=False)
-    want = single(kv_heads)
-    np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
-    assert reference.max_diff(got["params"], want["params"]) < PARAM_ATOL
-    manual = twin("manual", "ulysses", "context:4", kv_heads)
-    mine, theirs = ledger(got).summary(), ledger(manual).summary()
+    Multi-head: 3 steps against single device's training (measured: losses 9.5e-7, params 2.4e-7),
+    the train steps' all-to-alls; 2 kv heads (repeated to 4): loss and gradients against single
+    device's (measured: 9.5e-7, 1.3e-8), the loss_and_grads' all-to-alls (the optimizer runs none). Its all-reduces are not the
+    manual twin's: JAX's rules reduce the norm gains' gradients inside the backward layer loop
+    (explicit_parallel/runner.py)."""
+    if kv_heads:
+        got, manual = lag("explicit", kv_heads=kv_heads), lag("manual", kv_heads=kv_heads)
+        assert_gradients_match_single_device(got, kv_heads)
+        mine, theirs = got["ledger"].summary(), manual["ledger"].summary()
+    else:
+        got = record(explicit_parallel.make_runner("ulysses", "context:4", config(), devices=jax.devices()[:4]), grads=False)
+        want = single()
+        np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
+        assert reference.max_diff(got["params"], want["params"]) < PARAM_ATOL
+        mine, theirs = ledger(got).summary(), ledger(twin("manual", "ulysses")).summary()
     key = ("all-to-all", ("context",))
     assert (mine[key]["count"], mine[key]["bytes"]) == (theirs[key]["count"], theirs[key]["bytes"]), (mine, theirs)
 
