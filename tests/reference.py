@@ -200,7 +200,7 @@ def train_record(runner, cfg, steps: int, grads: bool = True) -> dict:
     twins train without them: equal losses over the steps, equal reported norms and equal
     params after AdamW steps leave a wrong gradient no place to hide but a per-leaf constant
     scale (AdamW is scale-free per leaf), which changes the global norm; tests/test_data_tensor.py
-    compares the dp/fsdp/tp/fsdp_tp GSPMD gradients themselves (an SGD step of lr 1)."""
+    compares the dp/fsdp/tp/fsdp_tp GSPMD gradients themselves (their loss_and_grads)."""
     import jax
 
     batches = random_batches(cfg.train.batch_size, cfg.model.context_length, cfg.model.vocab_size, steps)
