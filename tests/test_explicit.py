@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import explicit_parallel
 import reference
 from runners import CFG, MESHES, loss_and_grads
-from test_data_tensor import GRAD_ATOL, LOSS_ATOL, NORM_RTOL, PARAM_ATOL, STEPS, single
+from test_data_tensor import GRAD_ATOL, LOSS_ATOL, NORM_RTOL, PARAM_ATOL, STEPS
 from twinshard import hlo, testing
 from twinshard.config import Config, preset
 from twinshard.model import layers, matmuls
@@ -56,6 +56,13 @@ def runner(strategy: str, grad_accum: int = 1) -> explicit_parallel.ExplicitRunn
 def accum_cfg(grad_accum: int) -> Config:
     """CFG with grad_accum micro-batches and a batch of 16, so each of 8 data shards holds 2 rows."""
     return Config(M, dataclasses.replace(CFG.train, grad_accum=grad_accum, batch_size=16))
+
+
+@functools.cache
+def single() -> dict:
+    """Single-device training on CFG: tests/test_data_tensor.py's single() (the same init and train step:
+    one compile for the suite) without its step-1 gradient program, which nothing here compares."""
+    return reference.train_record(trainer.SingleDevice(CFG.model, CFG.train), CFG, STEPS, grads=False)
 
 
 @functools.cache
