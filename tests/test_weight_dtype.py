@@ -40,15 +40,19 @@ def config(weight_dtype: str) -> Config:
 
 @functools.cache
 def trained(weight_dtype: str, cache_dir: str):
+    """The runner, its state after STEPS steps and their losses, and the train step: compiled once, it
+    trains and its memory analysis is read."""
     cfg = config(weight_dtype)
     tokens = data.tokenize_to_memmap(data.DEFAULT_CORPUS, cfg.train.tokenizer, cache_dir)
     runner = SingleDevice(cfg.model, cfg.train)
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32)
+    train_step = runner.train_step.lower(runner.abstract_state(), batch, batch).compile()
     state, losses = runner.init_state(cfg.train.seed), []
     for step in range(STEPS):
         x, y = data.get_batch(tokens, cfg.train.batch_size, cfg.model.context_length, cfg.train.seed, step)
-        state, metrics = runner.train_step(state, *runner.place_batch(x, y))
+        state, metrics = train_step(state, *runner.place_batch(x, y))
         losses.append(metrics["loss"])
-    return runner, state, np.asarray(jax.device_get(losses))
+    return runner, state, np.asarray(jax.device_get(losses)), train_step
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def test_bf16_weights_train_like_float32(runs):
 
 
 def test_state_stays_in_the_weight_dtype(runs):
-    runner, state, _ = runs["bfloat16"]
+    runner, state, *_ = runs["bfloat16"]
     floats = {str(x.dtype) for x in jax.tree.leaves((state.params, state.opt_state.inner))
               if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim}
     assert floats == {"bfloat16"}
@@ -74,7 +78,7 @@ def test_state_stays_in_the_weight_dtype(runs):
 
 
 def test_checkpoint_restores_bf16(runs, tmp_path):
-    runner, state, _ = runs["bfloat16"]
+    runner, state, *_ = runs["bfloat16"]
     ckpt = Checkpointer(str(tmp_path / "ckpt"))
     ckpt.save(STEPS, state, {"model": dataclasses.asdict(runner.model_cfg)})
     restored, _ = ckpt.restore(runner.abstract_state(), {"model": dataclasses.asdict(runner.model_cfg)})
@@ -84,12 +88,11 @@ def test_checkpoint_restores_bf16(runs, tmp_path):
 
 @pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
 def test_memory_analysis_counts_the_weight_bytes(runs, weight_dtype):
-    runner, _, _ = runs[weight_dtype]
+    *_, train_step = runs[weight_dtype]
     cfg = config(weight_dtype)
-    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32)
-    ma = runner.train_step.lower(runner.abstract_state(), tokens, tokens).compile().memory_analysis()
+    ma = train_step.memory_analysis()
     model = cost.of_run(single_run(cfg)).memory
-    batch = 2 * tokens.size * 4
+    batch = 2 * cfg.train.batch_size * cfg.model.context_length * 4
     assert 0 <= ma.argument_size_in_bytes - model.params - model.optimizer - batch <= 64  # 4 scalar counters
     assert 0.85 <= ma.temp_size_in_bytes / model.temporaries <= 1.25, (ma.temp_size_in_bytes, model)
     if weight_dtype == "bfloat16":
