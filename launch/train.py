@@ -336,11 +336,13 @@ def main(argv):
     t, m = cfg.train, cfg.model
     meta = {"model": dataclasses.asdict(m), "train": dataclasses.asdict(t), **identity,
             "strategy": FLAGS.strategy, "impl": FLAGS.impl}
-    ckpt = Checkpointer(ckpt_dir, keep=FLAGS.keep)
+    # a Checkpointer makes its directory: before compiling only on a resume, whose directory exists
+    ckpt = Checkpointer(ckpt_dir, keep=FLAGS.keep) if resume else None
     if resume:  # the strategy, mesh and slice count may change (Orbax reshards); the model, data and optimisation may not
         _check_same_run(ckpt.read_meta(resume_from), meta, resume_from, ckpt.step_dir(resume_from))
     runner = common.runner_of(run)
     compiled = fit.check_step(runner, run)  # compiled, its memory_analysis checked, before any write
+    ckpt = ckpt or Checkpointer(ckpt_dir, keep=FLAGS.keep)
 
     import numpy as np
 
