@@ -49,7 +49,8 @@ class Runner(AutoRunner):
         slices = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731
 
         def one_slice(xs, ys):
-            loss, grads = accumulated_value_and_grad(self.slice_loss, params, xs, ys, k)
+            loss, grads = accumulated_value_and_grad(self.slice_loss, params, xs, ys, k,
+                                                    sum_dtype=self.cfg.train.grad_accum_dtype)
             return loss, jax.tree.map(jax.lax.with_sharding_constraint, grads, self.state_shardings.params)
 
         losses, grads = jax.vmap(one_slice, spmd_axis_name=DCN_AXIS)(slices(x), slices(y))  # [data], [data, *shard]

@@ -73,10 +73,11 @@ class AutoRunner(GlobalRunner):
         shard's gradient accumulated apart in a vmap, the mean over `data` after it the ONE sync."""
         k, d = self.cfg.train.grad_accum, self.sizes.get("data", 1)
         if k == 1 or d == 1:  # K = 1: the program without accumulation; tp: no gradient sync at all
-            return accumulated_value_and_grad(self.loss, params, x, y, k)
+            return accumulated_value_and_grad(self.loss, params, x, y, k, sum_dtype=self.cfg.train.grad_accum_dtype)
         shards = lambda a: a.reshape(d, a.shape[0] // d, *a.shape[1:])  # noqa: E731  [data, B/data, T]
         shared = self.par.gather_step(params, logical_axes(self.cfg.model), self.param_specs, self.cfg.model.dtype)
-        per_shard = jax.vmap(functools.partial(accumulated_value_and_grad, self.shard_loss, shared, grad_accum=k),
+        per_shard = jax.vmap(functools.partial(accumulated_value_and_grad, self.shard_loss, shared, grad_accum=k,
+                                               sum_dtype=self.cfg.train.grad_accum_dtype),
                              spmd_axis_name="data")
         losses, grads = per_shard(shards(x), shards(y))  # [data], [data, *param]: each device its own
         # the mean over data in each gradient's own dtype (`shared`'s): jnp.mean sums bf16 in float32

@@ -101,7 +101,8 @@ class ExplicitRunner(GlobalRunner):
         """(mean loss, gradients) of x, y [B@data, T] over K micro-batches; the reshard of each gradient
         to its param's sharding is the step's ONE reduction per leaf."""
         typed = self.step_params(params)
-        loss, grads = accumulated_value_and_grad(self.loss, typed, x, y, self.cfg.train.grad_accum)
+        loss, grads = accumulated_value_and_grad(self.loss, typed, x, y, self.cfg.train.grad_accum,
+                                                  sum_dtype=self.cfg.train.grad_accum_dtype)
         # grads: in `typed`'s dtypes (accumulated_value_and_grad's rule); the weight dtype after the reshard
         sync = lambda g, p, s: jax.sharding.reshard(g, s).astype(p.dtype)  # noqa: E731
         return loss, jax.tree.map(sync, grads, params, self.state_shardings.params)

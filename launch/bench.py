@@ -73,6 +73,8 @@ common.define(flags.DEFINE_integer, "batch_size", None, "Global batch size in se
 common.define(flags.DEFINE_integer, "seed", None, "Seed for init and batches.")
 common.define(flags.DEFINE_integer, "grad_accum", None, "Micro-batches per step: the batch is split into "
               "grad_accum micro-batches whose gradients are accumulated (default 1).")
+common.define(flags.DEFINE_enum, "grad_accum_dtype", None, common.GRAD_ACCUM_DTYPES, "The micro-batches' gradient "
+              "sum: float32 (default), or weight: each param's dtype (the fast path's on a TPU with bf16 weights).")
 common.define(flags.DEFINE_string, "mesh", None, "Mesh, e.g. data:4,tensor:2 (default: from the device count).")
 common.define(flags.DEFINE_string, "dcn_mesh", None, "The mesh axes across slices (e.g. data:2) for the strategies "
               f"that cross them ({', '.join(strategies.CROSS_DCN)}); --mesh then names the axes inside a slice.")
@@ -118,7 +120,8 @@ def config_from_flags() -> Config:
     else:
         raise ValueError(f"--preset={FLAGS.preset}: unknown; choose one of "
                          f"{', '.join((*PRESETS, *BENCH_PRESETS))}.")
-    train = {k: getattr(FLAGS, k) for k in ("batch_size", "seed", "grad_accum") if getattr(FLAGS, k) is not None}
+    train = {k: getattr(FLAGS, k) for k in ("batch_size", "seed", "grad_accum", "grad_accum_dtype")
+             if getattr(FLAGS, k) is not None}
     try:
         cfg = Config(cfg.model, dataclasses.replace(cfg.train, **train))
     except ValueError as e:
@@ -348,7 +351,7 @@ def run(name: str, cfg: Config, strategies: Sequence[str], impls: Sequence[str],
     log(f"matmul peak {dtypes[0]} {n}^3 after the runs: {after['flops_per_s'] / 1e9:,.0f} GFLOP/s")
     return {"schema": 1, "command": command, "preset": name,
             "model": dataclasses.asdict(cfg.model), "batch_size": cfg.train.batch_size,
-            "grad_accum": cfg.train.grad_accum,
+            "grad_accum": cfg.train.grad_accum, "grad_accum_dtype": cfg.train.grad_accum_dtype,
             "seq_len": cfg.model.context_length, "dtype": cfg.model.dtype, "steps": steps, "warmup": warmup,
             "environment": env, "peaks": peaks, "chip": dataclasses.asdict(chip) if chip else None,
             "runs": records}
@@ -412,7 +415,7 @@ def main(argv):
 
 
 BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "devices", "steps", "warmup", "batch_size",
-               "seed", "grad_accum", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown", "profile",
+               "seed", "grad_accum", "grad_accum_dtype", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown", "profile",
                "profiled_steps")
 
 

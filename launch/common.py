@@ -29,7 +29,7 @@ from typing import Callable
 from absl import app, flags
 
 from twinshard.parallel import strategies, support
-from twinshard.config import CP_LAYOUTS, MOE_DISPATCHES, OPTIMIZERS, PIPELINE_SCHEDULES, Config, ModelConfig, TrainConfig, preset
+from twinshard.config import CP_LAYOUTS, GRAD_ACCUM_DTYPES, MOE_DISPATCHES, OPTIMIZERS, PIPELINE_SCHEDULES, Config, ModelConfig, TrainConfig, preset
 from twinshard.errors import guarded
 
 STRATEGIES = strategies.RUNS  # single (the single-device reference) and the parallel strategies
@@ -81,6 +81,8 @@ def define_model_flags() -> None:
            "its state is sharded like the params in every strategy.")
     define(flags.DEFINE_integer, "grad_accum", None, "Micro-batches per step: the batch is split into "
            "grad_accum micro-batches whose gradients are accumulated (default 1).")
+    define(flags.DEFINE_enum, "grad_accum_dtype", None, GRAD_ACCUM_DTYPES, "The micro-batches' gradient sum: "
+           "float32 (default), or weight: each param's dtype (the fast path's on a TPU with bf16 weights).")
     define(flags.DEFINE_integer, "microbatches", None, "Pipeline strategies (pp, pp_fsdp): micro-batches in flight per "
            "step, at least the number of stages (GPipe bubble: (S-1)/(M+S-1)).")
     define(flags.DEFINE_enum, "schedule", None, PIPELINE_SCHEDULES, "Pipeline schedule (default gpipe, both "
@@ -268,7 +270,7 @@ def fast_path(cfg: Config, FLAGS, strategy: str, log=print) -> Config:
 
     from twinshard.hardware import fast_path as chooser
 
-    given = {n: getattr(FLAGS, n) for n in (*MODEL_FLAGS, "batch_size", "grad_accum")
+    given = {n: getattr(FLAGS, n) for n in (*MODEL_FLAGS, "batch_size", "grad_accum", "grad_accum_dtype")
              if n in FLAGS and FLAGS[n].present}
     shape_given = any(n in FLAGS and FLAGS[n].present for n in (*SHAPE_FLAGS, *MOE_FLAGS, "tokenizer"))
     device = jax.devices()[0]
@@ -340,7 +342,7 @@ def config_from_flags(FLAGS) -> Config:
     cfg = preset(FLAGS.preset)
     model: ModelConfig = cfg.model
     overrides = {k: getattr(FLAGS, k) for k in ("steps", "batch_size", "lr", "seed", "optimizer", "grad_accum",
-                                                "microbatches", "schedule", "virtual_stages", "cp_layout")
+                                                "grad_accum_dtype", "microbatches", "schedule", "virtual_stages", "cp_layout")
                  if getattr(FLAGS, k) is not None}
     if FLAGS.tokenizer is not None:
         if FLAGS.vocab_size is not None:

@@ -149,7 +149,8 @@ class ManualRunner(PlacedRunner):
         """(mean loss over this device's tokens, its unsynchronized gradient in `params`' dtypes): K
         micro-batches under lax.scan."""
         local = functools.partial(self._local_loss, par=par)
-        return accumulated_value_and_grad(local, params, x, y, self.cfg.train.grad_accum)
+        return accumulated_value_and_grad(local, params, x, y, self.cfg.train.grad_accum,
+                                          sum_dtype=self.cfg.train.grad_accum_dtype)
 
     def _gather_step(self, params):
         """The strategy's `gather_step`: the params every micro-batch reads (FSDP: each matrix

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.extend
 import numpy as np
 
 import auto_parallel
@@ -79,3 +80,13 @@ def max_relative_diff(a, b) -> float:
     return max(float(np.max(np.abs(x - y)) / np.max(np.abs(y))) for x, y in
                zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
+
+def scans(jaxpr):
+    """Every scan equation of a jaxpr, at any depth (inside jit, shard_map, cond, other scans)."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scan":
+            yield e
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+                    yield from scans(getattr(sub, "jaxpr", sub))

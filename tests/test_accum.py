@@ -27,10 +27,12 @@ from flax import nnx
 import auto_parallel
 import manual_parallel
 import reference
+from runners import scans
 from twinshard import cost, hlo
+from twinshard.parallel import resolve
 from twinshard.config import Config, preset
 from twinshard.model import state_dict
-from twinshard.train.trainer import SingleDevice, accumulated_value_and_grad, graphdef
+from twinshard.train.trainer import SingleDevice, accumulated_value_and_grad, graphdef, zero_gradient
 
 BASE = preset("tiny")
 # batch 16: 2 sequences per device on data=8, so K = 2 splits every device's rows
@@ -150,6 +152,54 @@ def test_micro_batches_weigh_by_their_tokens():
     assert np.max(np.abs((means[0] + means[1]) / 2 - want)) > 0.1  # the test can tell
 
 
+def test_the_weight_sum_adds_in_each_params_dtype():
+    """--grad_accum_dtype=weight on hand-made gradients with a known answer: 4 micro-batches whose
+    gradients are 1 and three 2^-9. A bf16 sum rounds each 1 + 2^-9 back to 1 (its ulp at 1 is 2^-7):
+    0.25 after the mean over 4 tokens; float32 sums 1 + 3 * 2^-9 and casts once: 1.0078125 / 4. A float32
+    param sums in float32 under either setting."""
+    x = np.array([[1.0], [2.0**-9], [2.0**-9], [2.0**-9]], np.float32)  # row j: micro-batch j (strided split)
+    y = np.zeros((4, 1), np.int32)
+    loss = lambda p, xm, ym: jnp.sum(p["w"] * xm) / ym.size  # noqa: E731  summed: d/dw = sum of xm
+
+    def grad(dtype, sum_dtype):
+        w = {"w": jnp.ones((1,), dtype)}
+        return float(jax.jit(lambda p: accumulated_value_and_grad(loss, p, x, y, 4, sum_dtype=sum_dtype))(w)[1]["w"][0])
+
+    assert grad(jnp.bfloat16, "weight") == 0.25
+    assert grad(jnp.bfloat16, "float32") == 1.0078125 / 4
+    assert grad(jnp.float32, "weight") == grad(jnp.float32, "float32") == np.float32(1 + 3 * 2.0**-9) / 4
+    with pytest.raises(ValueError, match=r"^sum_dtype='bf16': choose one of float32, weight\.$"):
+        zero_gradient(jnp.ones((1,), jnp.bfloat16), "bf16")
+
+
+def _carry_dtypes(fn, *args, shape) -> set[str]:
+    """The dtypes of every scan output ending in `shape` in fn's jaxpr (traced, not compiled): the carries of
+    that shape (the auto twin's per-data-shard vmap puts [data] in front)."""
+    return {str(v.aval.dtype) for e in scans(jax.make_jaxpr(fn)(*args).jaxpr) for v in e.outvars
+            if v.aval.shape[-len(shape):] == shape}
+
+
+@pytest.mark.parametrize("twin", ["single", "auto", "manual", "explicit"])
+def test_every_twin_sums_in_the_dtype_the_flag_names(twin):
+    """bf16 weights and compute, K = 2 on dp: the micro-batch scan carries the embedding's gradient in
+    float32 by default and in bf16 with grad_accum_dtype=weight (a twin that drops the setting fails)."""
+    import explicit_parallel
+
+    got = {}
+    for sum_dtype in ("float32", "weight"):
+        cfg = Config(dataclasses.replace(CFG.model, dtype="bfloat16", weight_dtype="bfloat16"),
+                     dataclasses.replace(CFG.train, grad_accum=K, grad_accum_dtype=sum_dtype))
+        r = (SingleDevice(cfg.model, cfg.train) if twin == "single" else
+             {"auto": auto_parallel, "manual": manual_parallel, "explicit": explicit_parallel}[twin]
+             .make_runner("dp", MESHES["dp"], cfg))
+        params = r.abstract_state().params if twin != "single" else jax.eval_shape(lambda: r.init_state(0)).params
+        tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32,
+                                      sharding=getattr(r, "batch_sharding", None))
+        got[sum_dtype] = _carry_dtypes(r.loss_and_grads, params, tokens, tokens,
+                                       shape=params["token_embeddings"]["weight"].shape)  # [padded vocab, d]
+    assert got == {"float32": {"float32"}, "weight": {"bfloat16"}}
+
+
 # ----------------------------------------------------------------------------- both twins
 
 
@@ -242,6 +292,13 @@ def test_memory_with_grad_accum(strategy):
         assert two.accumulator == 4 * (CFG.model.num_params() - norms) // t + 4 * norms
         assert two.gathered_weights == 4 * (CFG.model.num_params() - norms) // t
     assert two.backward_layer * 2 == one.backward_layer  # one layer's working set, of one micro-batch
+    # --grad_accum_dtype=weight with bf16 weights: the sum in 2 bytes an element, through the resolved run too
+    assert cost.memory(CFG.model, strategy, mesh, 16, 32, 4, grad_accum=2, accum_bytes=2).accumulator * 2 == two.accumulator
+    if strategy == "dp":
+        cfg = Config(dataclasses.replace(CFG.model, weight_dtype="bfloat16"),
+                     dataclasses.replace(CFG.train, grad_accum=2, grad_accum_dtype="weight"))
+        run = resolve.resolve_run("dp", "manual", MESHES["dp"], cfg)
+        assert cost.of_run(run).memory.accumulator == two.accumulator // 2
     assert two.total == one.total - one.activations + two.activations + two.accumulator \
         + two.gathered_weights - one.gathered_weights - one.backward_layer + two.backward_layer
 

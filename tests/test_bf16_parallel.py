@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jax_core
 
 import auto_parallel
 import manual_parallel
 import reference
+from runners import scans
 from twinshard import cost, hlo
 from twinshard.parallel import pipeline
 from twinshard.config import Config, preset
@@ -209,17 +209,6 @@ def test_manual_pipelines_hand_bf16_between_stages(name, data):
         assert_all_bf16(gathers, "FSDP gathers", led)
         assert [r.multiplicity for r in gathers] == [1] * 9, led.table()
         assert gathers.total_bytes() == matrix_bytes(c.cfg, stages)
-
-
-def scans(jaxpr):
-    """Every scan equation of a jaxpr, at any depth (inside jit, shard_map, cond, other scans)."""
-    for e in jaxpr.eqns:
-        if e.primitive.name == "scan":
-            yield e
-        for p in e.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                if isinstance(sub, (jax_core.ClosedJaxpr, jax_core.Jaxpr)):
-                    yield from scans(getattr(sub, "jaxpr", sub))
 
 
 def test_one_f_one_b_sums_the_micro_batch_gradients_in_float32():

@@ -32,9 +32,9 @@ def path(name: str, given: dict | None = None, where=V5E, strategy: str = "singl
 # What tools/tpu_bench.sh ran each preset with (BENCHMARKS.md, "TPU (one v5e)"), at the preset's batch
 TPU_BENCH = {
     "gpt2_125m": {"dtype": "bfloat16", **BF16_NUMERICS, "qkv_layout": "heads", "scan_unroll": 12,
-                  "grad_accum": 4},  # 64 sequences as 4 micro-batches of 16
+                  "grad_accum": 4, "grad_accum_dtype": "weight"},  # 64 sequences as 4 micro-batches of 16
     "gpt2_350m": {"dtype": "bfloat16", **BF16_NUMERICS, "qkv_layout": "heads", "scan_unroll": 24,
-                  "grad_accum": 8},  # the preset's remat is none already; micro-batches of 8
+                  "grad_accum": 8, "grad_accum_dtype": "weight"},  # the preset's remat is none already; micro-batches of 8
     "llama_v5e": {**BF16_NUMERICS, "qkv_layout": "heads", "scan_unroll": 14, "remat": "none", "batch_size": 4},
 }
 
@@ -42,6 +42,18 @@ TPU_BENCH = {
 @pytest.mark.parametrize("name", TPU_BENCH)
 def test_each_preset_on_a_v5e_gets_what_tpu_bench_measured_best(name):
     assert chosen(name) == TPU_BENCH[name]
+
+
+def test_the_gradient_sum_is_bf16_only_where_bf16_weights_are_summed_over_micro_batches():
+    assert "grad_accum_dtype" not in chosen("llama_v5e")  # 4 sequences: one micro-batch, nothing to sum
+    assert chosen("llama_v5e", {"batch_size": 8})["grad_accum_dtype"] == "weight"  # 2 micro-batches of 4
+    assert "grad_accum_dtype" not in chosen("gpt2_125m", {"weight_dtype": "float32"})  # float32 weights: float32 sums
+    assert "grad_accum_dtype" not in chosen("gpt2_125m", {"grad_accum": 1})
+    assert chosen("gpt2_125m", {"grad_accum": 2})["grad_accum_dtype"] == "weight"
+    flagged = path("gpt2_125m", {"grad_accum_dtype": "float32"})  # the flag wins, and says so
+    assert flagged.cfg.train.grad_accum_dtype == "float32"
+    assert any(line.startswith("--grad_accum_dtype=float32 wins") for line in flagged.overruled)
+    assert "grad_accum_dtype" not in chosen("gpt2_125m", strategy="fsdp")  # one chip's option
 
 
 def test_a_given_batch_is_split_into_the_measured_micro_batch_not_changed():

@@ -41,8 +41,8 @@ TOGETHER = {"moe_dispatch": {"capacity_factor": 0.0}}  # ragged is dropless: Mod
 DERIVED = {"d_model": {"d_ff"}}  # a new width re-derives d_ff (common.with_model_flags)
 # Each launcher's train flags (None: the preset's) and a value of each that differs from tiny's.
 TRAIN_VALUES = {"steps": 7, "batch_size": 4, "lr": 1e-3, "seed": 7, "optimizer": "lion", "grad_accum": 2,
-                "microbatches": 2, "schedule": "1f1b", "cp_layout": "contiguous", "virtual_stages": 2}
-TRAIN_FLAGS = {"train": tuple(TRAIN_VALUES), "bench": ("batch_size", "seed", "grad_accum"),
+                "grad_accum_dtype": "weight", "microbatches": 2, "schedule": "1f1b", "cp_layout": "contiguous", "virtual_stages": 2}
+TRAIN_FLAGS = {"train": tuple(TRAIN_VALUES), "bench": ("batch_size", "seed", "grad_accum", "grad_accum_dtype"),
                "plan": ("batch_size", "optimizer")}
 PLAN_DEFAULTS = {"optimizer": "adamw"}  # launch.plan's own flag default (not None: the planner needs one)
 

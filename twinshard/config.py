@@ -27,6 +27,7 @@ ATTENTION_IMPLS = ("auto", "reference", "recompute", "xla", "cudnn", "splash")  
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_dot_except_mlp", "minimal")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")  # twinshard/parallel/pipeline.py  # twinshard.train.optim.make_optimizer
+GRAD_ACCUM_DTYPES = ("float32", "weight")  # the micro-batch gradient sum (twinshard.train.trainer.accumulated_value_and_grad)
 CP_LAYOUTS = ("zigzag", "contiguous")  # context parallelism's token layout (twinshard/parallel/context.py)
 # How a mixture of experts moves its tokens to the experts (twinshard/model/moe.py): "dense", the
 # GShard capacity buffers and einsums; "ragged", dropless rows sorted by expert and jax.lax.ragged_dot
@@ -296,6 +297,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end
     optimizer: str = "adamw"  # one of OPTIMIZERS (twinshard.train.optim.make_optimizer)
     grad_accum: int = 1  # micro-batches per step (gradients accumulated under lax.scan)
+    grad_accum_dtype: str = "float32"  # their sum: float32, or weight (each param's own dtype)
     microbatches: int = 1  # pipeline strategies: micro-batches in flight per step (twinshard/parallel/pipeline.py)
     schedule: str = "gpipe"  # pipeline schedule: gpipe, 1f1b, interleaved, zb_h1 (twinshard/parallel/support.py: which twin)
     virtual_stages: int = 1  # interleaved: chunks of L/(S V) layers per stage, placed round-robin
@@ -309,6 +311,9 @@ class TrainConfig:
                              f"{', '.join(OPTIMIZERS)}.")
         if self.grad_accum < 1:
             raise ValueError(f"TrainConfig.grad_accum={self.grad_accum} must be >= 1 (1: no accumulation).")
+        if self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+            raise ValueError(f"TrainConfig.grad_accum_dtype={self.grad_accum_dtype!r} is not a gradient-sum dtype; "
+                             f"choose one of {', '.join(GRAD_ACCUM_DTYPES)}.")
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"TrainConfig.schedule={self.schedule!r} is not a pipeline schedule; choose one of "
                              f"{', '.join(PIPELINE_SCHEDULES)}.")

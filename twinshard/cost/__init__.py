@@ -216,12 +216,14 @@ def of_run(run: Run, gpu: bool = False, tpu: bool = False) -> Cost:
     t, m = run.cfg.train, run.cfg.model
     w = DTYPE_BYTES[m.weight_dtype]
     return _priced(m, run.strategy, dict(run.mesh), t.batch_size, m.context_length, DTYPE_BYTES[m.dtype],
-                   t.grad_accum, t.microbatches, t.optimizer, None, t.schedule, gpu, w, w, False, t.virtual_stages, tpu)
+                   t.grad_accum, t.microbatches, t.optimizer, None, t.schedule, gpu, w, w, False, t.virtual_stages, tpu,
+                   accum_bytes=w if t.grad_accum_dtype == "weight" else 4)
 
 
 def _priced(cfg: ModelConfig, strategy: str, shape: dict[str, int], batch_size: int, seq: int, dtype_bytes: int,
             grad_accum: int, microbatches: int, optimizer: str, remat: str | None, schedule: str, gpu: bool,
-            param_bytes: int, state_bytes: int, master: bool, virtual: int = 1, tpu: bool = False) -> Cost:
+            param_bytes: int, state_bytes: int, master: bool, virtual: int = 1, tpu: bool = False,
+            accum_bytes: int = 4) -> Cost:
     """The rows, FLOPs and memory of checked input (`cost`'s arguments, or a resolved run's)."""
     if remat is not None:  # tp_sp's collectives depend on it (its re-gathers), the others' do not
         cfg = dataclasses.replace(cfg, remat=remat)
@@ -232,7 +234,8 @@ def _priced(cfg: ModelConfig, strategy: str, shape: dict[str, int], batch_size: 
     return Cost(strategy, shape, batch_size, seq, dtype_bytes, rows,
                 flops(cfg, batch_size, seq, math.prod(shape.values())),
                 memory(cfg, strategy, shape, batch_size, seq, dtype_bytes, grad_accum, microbatches, optimizer,
-                       remat, schedule, gpu, param_bytes, state_bytes, master, virtual, tpu=tpu), notes)
+                       remat, schedule, gpu, param_bytes, state_bytes, master, virtual, tpu=tpu,
+                       accum_bytes=accum_bytes), notes)
 
 
 _PMAX = ("the cross-entropy max is an all-reduce with max (pmax), a row `all-reduce max` of the ledger; "

@@ -23,7 +23,7 @@ class Memory:
     optimizer: int
     activations: int
     gathered_weights: int  # transient FSDP working set (0 without FSDP)
-    accumulator: int = 0  # float32 gradient accumulator of grad_accum > 1 (0 without accumulation)
+    accumulator: int = 0  # the gradient sum of grad_accum > 1, float32 or the weight dtype (0 without accumulation)
     # one layer's residuals (rebuilt under remat) or their cotangents: saved_per_layer(..., "none")
     backward_layer: int = 0
     master: int = 0  # float32 master copy of params stored narrower (`master=True`; 0 otherwise)
@@ -246,9 +246,11 @@ def ring_attention_memory(b: int, h: int, tc: int, dh: int, c: int, kv_heads: in
 def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int, seq: int,
            dtype_bytes: int = 4, grad_accum: int = 1, microbatches: int = 1,
            optimizer: str = "adamw", remat: str | None = None, schedule: str = "gpipe", gpu: bool = False,
-           param_bytes: int = F32, state_bytes: int = F32, master: bool = False, virtual: int = 1, tpu: bool = False) -> Memory:
+           param_bytes: int = F32, state_bytes: int = F32, master: bool = False, virtual: int = 1, tpu: bool = False,
+           accum_bytes: int = F32) -> Memory:
     """Bytes per device; `remat` defaults to cfg.remat, `gpu` or `tpu` picks the "auto" attention kernel,
-    `param_bytes` / `state_bytes` per param / optimizer-state element, `master` a float32 copy,
+    `param_bytes` / `state_bytes` per param / optimizer-state element, `accum_bytes` per element of the
+    micro-batch gradient sum (--grad_accum_dtype), `master` a float32 copy,
     `virtual` a pipeline stage's chunks (interleaved)."""
     mesh_lib.check_strategy(strategy)
     if schedule not in PIPELINE_SCHEDULES:
@@ -305,8 +307,8 @@ def memory(cfg: ModelConfig, strategy: str, mesh: Mapping[str, int], batch: int,
     if grad_accum == 1:
         return Memory(params, params, opt, acts, gathered, 0, backward_layer, copy)
     # under FSDP the accumulator holds the WHOLE matrices' gradient (gather_step): full over data
-    accumulator = masters
+    accumulator = masters * accum_bytes // F32
     if "embed" in rules:
-        accumulator = sum(w.count * local_bytes(cfg, w, mesh, t, F32) for w in weights(cfg))
+        accumulator = sum(w.count * local_bytes(cfg, w, mesh, t, accum_bytes) for w in weights(cfg))
         gathered = sum(w.count * local_bytes(cfg, w, mesh, t, dtype_bytes) for w in weights(cfg) if w.is_matrix)
     return Memory(params, params, opt, acts, gathered, accumulator, backward_layer, copy)
