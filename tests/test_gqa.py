@@ -344,7 +344,8 @@ def test_saved_residuals_with_gqa_are_the_memory_model(kv, mesh):
 def _flags(**given):
     from launch import common
 
-    names = ("preset", "steps", "batch_size", "lr", "seed", "optimizer", "grad_accum", "microbatches", "schedule",
+    names = ("preset", "steps", "batch_size", "lr", "seed", "optimizer", "grad_accum", "grad_accum_dtype", "microbatches",
+             "schedule",
              "virtual_stages", "cp_layout", "tokenizer", "strategy", "mesh", "dcn_mesh", "dtype", "attention", "scan_unroll", "remat",
              "collective_matmul", *common.SHAPE_FLAGS, *common.MOE_FLAGS)
     return types.SimpleNamespace(**{"devices": 8, "strategy": "single", **{n: None for n in names},

@@ -52,6 +52,7 @@ STEP: dict[str, tuple[Config | ModelConfig, object]] = {
 }
 # option -> the test that observes it where the one-device step does not show it
 ELSEWHERE = {
+    "grad_accum_dtype": "tests/test_accum.py::test_every_twin_sums_in_the_dtype_the_flag_names",
     "async_collectives": "tests/test_xla_options.py::test_the_options_make_the_all_reduce_asynchronous_with_compute_beside_it",
     "collective_matmul": "tests/test_sequence.py::test_collective_matmul_equals_the_all_gather",
     "seed": "tests/test_data.py::test_get_batch_deterministic_in_seed_and_step",
