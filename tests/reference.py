@@ -192,7 +192,19 @@ def max_diff(a, b) -> float:
                zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def train_record(runner, cfg, steps: int, grads: bool = True, start=None) -> dict:
+def first_step_gradients(opt_state, train) -> dict:
+    """The gradients an AdamW train step took from a fresh state, read back from the state it returns
+    (in the model's layer order): optax.scale_by_adam's first moment is then (1 - beta1) g s, where
+    clip_and_guard scaled g by s = min(1, grad_clip / (norm + 1e-6)) with the norm it keeps
+    (GuardState.grad_norm). Two float32 roundings away from g (~1e-7 relative)."""
+    import jax
+
+    norm = float(opt_state.grad_norm)
+    scale = min(1.0, train.grad_clip / (norm + 1e-6)) if train.grad_clip > 0 else 1.0
+    return jax.tree.map(lambda mu: np.asarray(mu, np.float64) / ((1 - train.beta1) * scale), opt_state.inner[0].mu)
+
+
+def train_record(runner, cfg, steps: int, grads: bool | str = True, start=None, step=None) -> dict:
     """A runner's step-1 gradients, then the losses, reported grad norms and final params of
     `steps` train steps on random_batches of `cfg`: what the twin tests compare with single device.
     grads=False: no step-1 gradients ("grads" is None), one program fewer to compile (the
@@ -203,7 +215,12 @@ def train_record(runner, cfg, steps: int, grads: bool = True, start=None) -> dic
     compares the dp/fsdp/tp/fsdp_tp GSPMD gradients themselves (their loss_and_grads).
     start: another record's "start" (its initial state on the host, in the model's layer order),
     placed on this runner's shardings instead of its own init: one program fewer to compile
-    (placing host arrays compiles nothing), where another test proves this strategy's init."""
+    (placing host arrays compiles nothing), where another test proves this strategy's init.
+    grads="first_step": the step-1 gradients read from the first train step's AdamW moment
+    (first_step_gradients): the gradients the train step itself computed, with no loss_and_grads to
+    compile (AdamW only).
+    step: the runner's train step compiled ahead (train_step.lower(...).compile()), trained with instead
+    of runner.train_step: a test that also reads that compiled program traces and lowers it once."""
     import jax
 
     batches = random_batches(cfg.train.batch_size, cfg.model.context_length, cfg.model.vocab_size, steps)
@@ -212,10 +229,13 @@ def train_record(runner, cfg, steps: int, grads: bool = True, start=None) -> dic
     first = jax.device_get(runner.to_model(state))
     init = first.params  # (the params and grads in the model's layer order)
     step1 = (jax.device_get(runner.to_model(runner.loss_and_grads(state.params, *runner.place_batch(*batches[0]))[1]))
-             if grads else None)
+             if grads is True else None)
     losses, norms = [], []
     for x, y in batches:
-        state, m = runner.train_step(state, *runner.place_batch(x, y))
+        state, m = (step or runner.train_step)(state, *runner.place_batch(x, y))
+        if grads == "first_step" and not losses:  # (read before the next step donates the state)
+            assert cfg.train.optimizer == "adamw", cfg.train.optimizer
+            step1 = first_step_gradients(jax.device_get(runner.to_model(state).opt_state), cfg.train)
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
     return {"init": init, "start": first, "grads": step1, "losses": np.array(losses), "grad_norms": np.array(norms),

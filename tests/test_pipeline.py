@@ -40,18 +40,22 @@ STEPS = 5
 # to 9.5e-7, step-1 gradients 7.9e-7 relative (4e-8 absolute), reported norms 1.2e-7 relative,
 # params after 5 AdamW steps 6.8e-5 (auto) / 8.9e-6 (manual): AdamW turns rounding noise
 # where |g| ~ eps into parameter noise (docs/design.md, JAX facts), and a pipeline sums each
-# gradient over micro-batches in another order than one big batch.
+# gradient over micro-batches in another order than one big batch. Each twin's step-1 gradients are
+# read from its first train step (run()), the GSPMD twins' too: 1e-8 absolute from single device's
+# loss_and_grads (GPipe, both twins), 1.8e-8 (1F1B, zb_h1, manual interleaved).
 LOSS_ATOL, GRAD_ATOL, NORM_RTOL, PARAM_ATOL = 2e-5, 5e-7, 1e-6, 3e-4
 
 
-def run(runner, grads: bool = True):
-    """grads=False for the GSPMD twins: no step-1 gradients (tests/reference.py)."""
-    return reference.train_record(runner, CFG, STEPS, grads)
+def run(runner, grads: bool | str = "first_step", step=None, start=None):
+    """A twin's record: its step-1 gradients read from its first train step (tests/reference.py), no
+    loss_and_grads compiled; step: the runner's train step compiled ahead, which the ledger and memory
+    tests read (traced and lowered once). Single device's gradients are its loss_and_grads' (grads=True)."""
+    return reference.train_record(runner, CFG, STEPS, grads, start=start, step=step)
 
 
 @functools.cache
 def single():
-    return run(SingleDevice(CFG.model, CFG.train))
+    return run(SingleDevice(CFG.model, CFG.train), grads=True)
 
 
 V = 2  # --schedule=interleaved's chunks per stage: on 2 stages of tiny's 4 layers, chunks of one layer
@@ -73,10 +77,15 @@ def twin(impl: str, stages: int, schedule: str = "gpipe"):
 
 @functools.cache
 def _twin(impl: str, stages: int, schedule: str):
-    """(interleaved: step-1 gradients in both twins, what the chunks' placement shows first)"""
+    return run(pp_runner(impl, stages, schedule), step=compiled_step(impl, stages, schedule))
+
+
+@functools.cache
+def pp_runner(impl: str, stages: int, schedule: str):
+    """The pp runner twin() trains, untrained: test_pipeline_ticks and test_tick_prices read its compiled
+    step (compiled_step) without training it."""
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
-    return run(make("pp", f"stage:{stages}", with_schedule(schedule), devices=jax.devices()[:stages]),
-               grads=impl == "manual" or schedule in pipeline.INTERLEAVED)
+    return make("pp", f"stage:{stages}", with_schedule(schedule), devices=jax.devices()[:stages])
 
 
 max_diff = reference.max_diff
@@ -88,8 +97,7 @@ max_diff = reference.max_diff
 def test_pipeline_matches_single_device(impl, stages):
     got, want = twin(impl, stages), single()
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
-    if impl == "manual":  # the GSPMD twin's record has no step-1 gradients
-        assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL  # (read from the twin's first step: run())
     np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
@@ -370,9 +378,10 @@ def test_one_f_one_b_memory_does_not_grow_with_microbatches():
     1F1B's stay (S saved stage inputs; a micro-batch's residuals live within its backward op).
     Measured (tiny, L=4, XLA:CPU, temp bytes M=4 -> 8): GPipe 6,080,024 -> 9,894,424,
     1F1B 1,583,592 -> 1,583,656 (S = 2: 8,484,248 -> 14,866,584 and 3,073,784 -> 3,073,848).
-    At M = 4 the programs are the twin tests' (S = 4, batch 8): only M = 8 compiles here."""
+    At M = 4 the programs are the twin tests' (S = 4, batch 8, compiled_step): only M = 8 compiles here."""
     def temp(schedule, m):
-        return long_step(schedule, m)[0].memory_analysis().temp_size_in_bytes
+        step = compiled_step("manual", 4, schedule) if m == M else long_step(schedule, m)[0]
+        return step.memory_analysis().temp_size_in_bytes
 
     gpipe, ofob = [temp("gpipe", m) for m in (4, 8)], [temp("1f1b", m) for m in (4, 8)]
     assert gpipe[1] > 1.5 * gpipe[0], gpipe
@@ -407,11 +416,12 @@ def compile_step(r, batch: int = CFG.train.batch_size):
 
 @functools.cache
 def compiled_step(impl: str, stages: int, schedule: str):
-    return compile_step(twin(impl, stages, schedule)["runner"])
+    """pp_runner's train step, compiled once: twin() trains with it, the ledger and memory tests read it."""
+    return compile_step(pp_runner(impl, stages, schedule))
 
 
 def compiled_ledger(impl: str, stages: int, schedule: str = "gpipe") -> hlo.Ledger:
-    return hlo.ledger(compiled_step(impl, stages, schedule).as_text(), twin(impl, stages, schedule)["runner"].mesh)
+    return hlo.ledger(compiled_step(impl, stages, schedule).as_text(), pp_runner(impl, stages, schedule).mesh)
 
 
 @pytest.mark.pp
@@ -422,7 +432,7 @@ def test_manual_ledger_equals_the_cost_model_exactly(stages, schedule):
     psums, the loss, the global norm. Each hop goes one stage on, the last stage sending
     nothing, and the backward hop one stage back (the model's patterns, compared exactly)."""
     led = compiled_ledger("manual", stages, schedule)
-    model = cost.cost(CFG.model, "pp", twin("manual", stages)["runner"].sizes, CFG.train.batch_size,
+    model = cost.cost(CFG.model, "pp", pp_runner("manual", stages, schedule).sizes, CFG.train.batch_size,
                       microbatches=M, schedule=schedule)
     rows = cost.compare(led.summary(), model.summary())
     assert all(r["match"] for r in rows), cost.compare_table(rows) + "\n" + led.table()
@@ -662,22 +672,31 @@ def fsdp_twin(impl: str, schedule: str = "gpipe"):
 
 @functools.cache
 def _fsdp_twin(impl: str, schedule: str):
+    """The GSPMD twin starts from single device's init, placed (its init program not compiled): that its
+    own init is single device's on this mesh is test_train.py's test_every_strategy_checkpoint_restores_on_one_device's
+    claim (pp_fsdp on stage:2,data:2, bitwise), the interleaved layers' order test_interleaved_matches_single_device's."""
+    return run(fsdp_runner(impl, schedule), step=fsdp_step(impl, schedule),
+               start=single()["start"] if impl == "auto" else None)
+
+
+@functools.cache
+def fsdp_runner(impl: str, schedule: str):
+    """The pp_fsdp runner fsdp_twin() trains, untrained (test_pipeline_ticks reads its compiled step)."""
     make = {"auto": auto_parallel, "manual": manual_parallel}[impl].make_runner
-    return run(make("pp_fsdp", FSDP_MESH, with_schedule(schedule), devices=jax.devices()[:4]), grads=impl == "manual")
+    return make("pp_fsdp", FSDP_MESH, with_schedule(schedule), devices=jax.devices()[:4])
 
 
 @pytest.mark.pp_fsdp
 @pytest.mark.parametrize("impl, schedule", [("auto", "gpipe"), ("auto", "interleaved"), ("manual", "gpipe"),
                                             ("manual", "1f1b"), ("manual", "zb_h1"), ("manual", "interleaved")])
 def test_pp_fsdp_matches_single_device(impl, schedule):
-    """Measured (XLA:CPU): losses to 2e-6, step-1 gradients 1.4e-8, params after 5 AdamW steps
-    3.6e-6 (manual 1F1B) / 8.6e-7 (GPipe, both twins). interleaved: V = 2 chunks of one layer on
+    """Measured (XLA:CPU): losses to 2e-6, step-1 gradients (both twins', read from the first step)
+    1.6e-8 (GPipe) / 1.8e-8 (1F1B, zb_h1), params after 5 AdamW steps 3.6e-6 (manual 1F1B) / 7.5e-7 (auto). interleaved: V = 2 chunks of one layer on
     each stage, each data shard's micro-batches going round the stage ring (the state's layers
     round-robin, the record in the model's order): manual losses 2.4e-6, gradients 1.2e-8, params 6.6e-7."""
     got, want = fsdp_twin(impl, schedule), single()
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
-    if impl == "manual":  # the GSPMD twin's record has no step-1 gradients
-        assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL
+    assert max_diff(got["grads"], want["grads"]) < GRAD_ATOL  # (read from the twin's first step: run())
     np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
     assert max_diff(got["params"], want["params"]) < PARAM_ATOL
 
@@ -698,11 +717,11 @@ def test_pp_fsdp_places_layers_on_stages_and_d_model_on_data(impl):
 
 @functools.cache
 def fsdp_step(impl: str, schedule: str):
-    return compile_step(fsdp_twin(impl, schedule)["runner"])  # (always called with both arguments)
+    return compile_step(fsdp_runner(impl, schedule))  # (always called with both arguments)
 
 
 def fsdp_ledger(impl: str, schedule: str = "gpipe") -> hlo.Ledger:
-    return hlo.ledger(fsdp_step(impl, schedule).as_text(), fsdp_twin(impl, schedule)["runner"].mesh)
+    return hlo.ledger(fsdp_step(impl, schedule).as_text(), fsdp_runner(impl, schedule).mesh)
 
 
 FSDP_HOP = CFG.train.batch_size // (2 * M) * CFG.model.context_length * CFG.model.d_model * 4  # [1, T, D] f32

@@ -12,11 +12,9 @@ import functools
 import xml.etree.ElementTree as ET
 from fractions import Fraction
 
-import jax
 import pytest
 
-import manual_parallel
-from test_pipeline import CFG, FSDP_MESH, M, V, compile_step, compiled_step, long_step, with_schedule
+from test_pipeline import CFG, M, V, compiled_step, fsdp_runner, fsdp_step, long_step
 from twinshard import cost
 from twinshard.hlo import draw_pipeline
 from twinshard.hlo.pipeline_ticks import Cell, pipeline_ticks
@@ -30,7 +28,8 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 @functools.cache
 def read(impl: str, schedule: str, stages: int = S):
-    """The reader's Ticks of the twin tests' compiled step (M = 4; interleaved: on 2 stages)."""
+    """The reader's Ticks of the twin tests' compiled step (M = 4; interleaved: on 2 stages), its runner
+    untrained (test_pipeline.pp_runner): tracing and lowering the step is all it costs here."""
     return pipeline_ticks(compiled_step(impl, stages, schedule), {"stage": stages})
 
 
@@ -63,10 +62,9 @@ def test_pp_fsdp_reads_each_stage_at_its_own_partitions():
     """pp_fsdp's manual 1F1B step on stage:2,data:2 (M = 4), read from its HLO, equals pipeline.build's grid
     cell by cell. `stage` is the outer mesh axis, so stage s's devices are partitions 2s and 2s + 1: a reader
     that took partition s for stage s would read stage 0's second data shard as stage 1 and draw stage 0's
-    ops twice. (The runner is built untrained: its program is test_pipeline's ledger test's, from the
-    persistent compilation cache; that module's trained runners are released before this one runs.)"""
-    runner = manual_parallel.make_runner("pp_fsdp", FSDP_MESH, with_schedule("1f1b"), devices=jax.devices()[:4])
-    ticks = pipeline_ticks(compile_step(runner), runner.mesh)
+    ops twice. (Untrained, as every step read here: its program is test_pipeline's ledger test's, from the
+    persistent compilation cache.)"""
+    ticks = pipeline_ticks(fsdp_step("manual", "1f1b"), fsdp_runner("manual", "1f1b").mesh)
     sched = pipeline.build("1f1b", 2, M)
     assert ticks.form == "table" and ticks.stages == 2
     assert [list(row) for row in ticks.grid] == table_cells(sched), ticks.text() + "\n" + sched.text()
