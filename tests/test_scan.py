@@ -23,7 +23,7 @@ import pytest
 import manual_parallel
 from twinshard import cost, hlo
 from twinshard.config import Config, preset
-from twinshard.train.trainer import SingleDevice, create_params
+from twinshard.train.trainer import SingleDevice, create_params, init_key
 
 BASE = preset("tiny")
 DEPTHS = (2, 8)
@@ -63,8 +63,10 @@ def test_manual_fsdp_step_does_not_grow_with_depth():
 
 
 def test_init_does_not_grow_with_depth():
-    """One random call per stacked weight kind, of shape [L, ...], not one per layer."""
-    sizes = [instructions(jax.jit(functools.partial(create_params, config(n).model, 0)).lower().compile())
+    """One random call per stacked weight kind, of shape [L, ...], not one per layer. The init with its key
+    as an argument (trainer.init_key), as the runners take it: at L = 2 the program init_on_host
+    draws in the last test (one compile for both)."""
+    sizes = [instructions(jax.jit(functools.partial(create_params, config(n).model)).lower(init_key(0)).compile())
              for n in DEPTHS]
     assert sizes[1] == pytest.approx(sizes[0], rel=0.02), sizes
 
@@ -115,7 +117,7 @@ def test_init_takes_its_key_as_an_argument_and_draws_on_the_host_for_one_tpu_chi
     copied over: the same values, params and optimizer state, as the init compiled for the device."""
     from types import SimpleNamespace
 
-    from twinshard.train.trainer import draws_on_host, init_key, init_on_host, init_state
+    from twinshard.train.trainer import draws_on_host, init_on_host, init_state
 
     tpu, cpu = SimpleNamespace(platform="tpu"), SimpleNamespace(platform="cpu")
     assert draws_on_host([tpu]) and not draws_on_host([tpu, tpu]) and not draws_on_host([cpu])
