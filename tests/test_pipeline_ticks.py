@@ -14,7 +14,7 @@ from fractions import Fraction
 
 import pytest
 
-from test_pipeline import CFG, M, V, compiled_step, fsdp_runner, fsdp_step, long_step
+from test_pipeline import CFG, M, V, reading
 from twinshard import cost
 from twinshard.hlo import draw_pipeline
 from twinshard.hlo.pipeline_ticks import Cell, pipeline_ticks
@@ -28,9 +28,9 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 @functools.cache
 def read(impl: str, schedule: str, stages: int = S):
-    """The reader's Ticks of the twin tests' compiled step (M = 4; interleaved: on 2 stages), its runner
-    untrained (test_pipeline.pp_runner): tracing and lowering the step is all it costs here."""
-    return pipeline_ticks(compiled_step(impl, stages, schedule), {"stage": stages})
+    """The reader's Ticks of the twin tests' compiled step (M = 4; interleaved: on 2 stages): its text as
+    test_pipeline kept it (test_pipeline.reading), else compiled from an untrained runner."""
+    return pipeline_ticks(reading("pp", impl, stages, schedule)[0], {"stage": stages})
 
 
 def table_cells(sched: pipeline.Schedule) -> list[list[Cell | None]]:
@@ -62,9 +62,8 @@ def test_pp_fsdp_reads_each_stage_at_its_own_partitions():
     """pp_fsdp's manual 1F1B step on stage:2,data:2 (M = 4), read from its HLO, equals pipeline.build's grid
     cell by cell. `stage` is the outer mesh axis, so stage s's devices are partitions 2s and 2s + 1: a reader
     that took partition s for stage s would read stage 0's second data shard as stage 1 and draw stage 0's
-    ops twice. (Untrained, as every step read here: its program is test_pipeline's ledger test's, from the
-    persistent compilation cache.)"""
-    ticks = pipeline_ticks(fsdp_step("manual", "1f1b"), fsdp_runner("manual", "1f1b").mesh)
+    ops twice. (Its program is test_pipeline's ledger test's: the text that module kept, test_pipeline.reading.)"""
+    ticks = pipeline_ticks(reading("pp_fsdp", "manual", "1f1b")[0], {"stage": 2, "data": 2})  # FSDP_MESH
     sched = pipeline.build("1f1b", 2, M)
     assert ticks.form == "table" and ticks.stages == 2
     assert [list(row) for row in ticks.grid] == table_cells(sched), ticks.text() + "\n" + sched.text()
@@ -144,8 +143,7 @@ def temp_slope(schedule: str) -> tuple[float, float, float]:
         return cost.memory(CFG.model, "pp", {"stage": S, "data": 1}, 2 * m, CFG.model.context_length,
                            microbatches=m, schedule=s).temporaries
 
-    steps = compiled_step("manual", S, schedule), long_step(schedule, 2 * M)[0]
-    temp = [step.memory_analysis().temp_size_in_bytes for step in steps]
+    temp = [reading("pp", "manual", S, schedule)[1], reading("long", schedule, 2 * M)[1]]
     unit = (model("gpipe", 2 * M) - model("gpipe", M)) / M
     return (temp[1] - temp[0]) / M, (model(schedule, 2 * M) - model(schedule, M)) / M, unit
 
