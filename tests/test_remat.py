@@ -45,14 +45,15 @@ from jax.ad_checkpoint import print_saved_residuals
 
 import manual_parallel
 from launch import common
-from runners import assert_ledger_without_optimizer, loss_and_grads, max_relative_diff, twin_runner
+from runners import CFG, assert_ledger_without_optimizer, loss_and_grads, max_relative_diff, single_loss_and_grads
+from runners import twin_runner
 from twinshard import cost, hlo
 from twinshard.config import REMAT_POLICIES, Config, preset
 from twinshard.parallel import strategies
 from twinshard.train.trainer import create_params, loss_fn
 
-BASE = preset("tiny")
-CFG = Config(dataclasses.replace(BASE.model, num_heads=8), BASE.train)
+# tests/runners.py's CFG (its grad_clip is the optimizer's, which loss_and_grads does not run): its
+# remat=none single-device program is test_data_tensor's step-1 reference, traced once per process
 B, T, L = CFG.train.batch_size, CFG.model.context_length, CFG.model.num_layers
 MESHES = {"fsdp": "data:8,tensor:1", "tp": "data:1,tensor:8", "fsdp_tp": "data:2,tensor:4", "cp": "context:8"}
 GRAD_RTOL = 2e-6
@@ -89,6 +90,8 @@ def make_runner(name: str, policy: str):
 @functools.cache
 def run(name: str, policy: str) -> dict:
     """Compile the runner's loss_and_grads once; its gradients, temp bytes and ledger."""
+    if name == "single":
+        return single_loss_and_grads(config(policy))
     return loss_and_grads(make_runner(name, policy), CFG)
 
 
