@@ -212,7 +212,7 @@ def train_record(runner, cfg, steps: int, grads: bool | str = True, start=None, 
     twins train without them: equal losses over the steps, equal reported norms and equal
     params after AdamW steps leave a wrong gradient no place to hide but a per-leaf constant
     scale (AdamW is scale-free per leaf), which changes the global norm; tests/test_data_tensor.py
-    compares the dp/fsdp/tp/fsdp_tp GSPMD gradients themselves (their loss_and_grads).
+    compares the dp/fsdp/tp/fsdp_tp GSPMD gradients themselves (their train step's first AdamW moment).
     start: another record's "start" (its initial state on the host, in the model's layer order),
     placed on this runner's shardings instead of its own init: one program fewer to compile
     (placing host arrays compiles nothing), where another test proves this strategy's init.

@@ -68,6 +68,14 @@ def loss_and_grads(runner, cfg: Config) -> dict:
             "ledger": None if single else hlo.ledger(compiled, runner.mesh)}
 
 
+@functools.cache
+def single_loss_and_grads(cfg: Config) -> dict:
+    """loss_and_grads of cfg's single-device runner, once per process: test_remat's remat=none cell,
+    test_data_tensor's step-1 reference, and tiny_moe's dropless program that test_experts (both
+    twins) and test_ragged compare with (one worker runs a SHARED_GROUPS group: it traces once)."""
+    return loss_and_grads(SingleDevice(cfg.model, cfg.train), cfg)
+
+
 def assert_ledger_without_optimizer(ledger: hlo.Ledger, model: cost.Cost) -> None:
     """A compiled loss_and_grads' ledger against the cost model's rows but the optimizer's (its global
     norm, run by the train step only), (op, axes) row by row: count and bytes."""

@@ -8,8 +8,8 @@ Config: tests/runners.py's CFG and MESHES (the tiny preset with num_heads 8; gra
 every AdamW step runs the clipped branch). test_memory, test_remat and test_sequence compile the
 same programs (tests/conftest.py's SHARED_GROUPS). Each twin's train step is compiled once,
 ahead of time (its ledger and its compile log come from that compile), and trains STEPS steps on
-reference.random_batches; each twin's gradient program (tests/runners.py loss_and_grads, the one
-test_loss_chunks and test_remat compile) gives its step-1 gradients.
+reference.random_batches; its first step's AdamW moment gives the step-1 gradients it computed
+(step1_gradients), against single device's gradient program (tests/runners.py, test_remat's too).
 
 Numerics (measured, JAX 0.12.0.1 XLA:CPU, 8 simulated devices, 5 steps):
 - init: bitwise equal to single-device init under every sharding.
@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 import auto_parallel
 import manual_parallel
 import reference
-from runners import CFG, CLIP, MESHES, loss_and_grads
+from runners import CFG, CLIP, MESHES, single_loss_and_grads
 from twinshard import cost, hlo
 from twinshard.train import compile_cache, trainer
 from twinshard.testing import expect_bytes, expect_collectives, expect_no_collective, expect_parsed
@@ -90,25 +90,40 @@ def placement(state: trainer.TrainState):
 
 
 def train(step, state, place):
-    """Losses, reported grad norms and the final state of `step` over STEPS random batches."""
-    losses, norms = [], []
+    """Losses, reported grad norms, step-1 gradients (step1_gradients) and the final state of `step`
+    over STEPS random batches."""
+    losses, norms, grads = [], [], None
     for x, y in reference.random_batches(B, T, M.vocab_size, STEPS):
         state, metrics = step(state, *place(x, y))
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
-    return np.array(losses), np.array(norms), state
+        grads = step1_gradients(state, norms[0]) if grads is None else grads
+    return np.array(losses), np.array(norms), grads, state
+
+
+def step1_gradients(state: trainer.TrainState, norm: float):
+    """The gradients the train step computed on its first batch, read back from its first AdamW moment:
+    mu_1 = (1 - beta1) clip(g), clip(g) = g min(1, CLIP / (norm + 1e-6)) (optim.clip_and_guard, in
+    float32 as here), undone in float64. A gradient program beside each twin's step cost one compile
+    more per twin (~2.7 s of CPU, and as much again to trace and lower)."""
+    mu = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu"))
+    scale = min(np.float32(1), np.float32(CLIP) / (np.float32(norm) + np.float32(1e-6)))
+    return jax.tree.map(lambda m: np.asarray(m, np.float64) / ((1 - CFG.train.beta1) * np.float64(scale)), mu)
 
 
 @functools.cache
 def single():
-    """The single-device record (reference.train_record); test_sequence compares with it too."""
-    return reference.train_record(trainer.SingleDevice(CFG.model, CFG.train), CFG, STEPS)
+    """The single-device record (reference.train_record); test_sequence compares with it too. Its
+    step-1 gradients: the gradient program (tests/runners.py), which test_remat's remat=none cell
+    compiles and shares in-process."""
+    record = reference.train_record(trainer.SingleDevice(CFG.model, CFG.train), CFG, STEPS, grads=False)
+    return {**record, "grads": single_loss_and_grads(CFG)["grads"]}
 
 
 @functools.cache
 def twin(impl: str, strategy: str) -> dict:
     """The twin's train step compiled ahead of time (its ledger, XLA's log of the compile), the
-    placement of its initial state, STEPS AdamW steps of it, and its step-1 gradients."""
+    placement of its initial state, STEPS AdamW steps of it, and the step-1 gradients it computed."""
     runner = TWINS[impl].make_runner(strategy, MESHES[strategy], CFG)
     xs = jax.ShapeDtypeStruct((B, T), np.int32, sharding=runner.batch_sharding)
     # the GSPMD twins' compile runs past the persistent cache: a hit skips the SPMD partitioner,
@@ -121,9 +136,8 @@ def twin(impl: str, strategy: str) -> dict:
         compile_log = log.read()
     state = runner.init_state(CFG.train.seed)
     out = {"runner": runner, "mesh": dict(runner.mesh.shape), "ledger": hlo.ledger(compiled, runner.mesh),
-           "compile_log": compile_log, "init": jax.device_get(state.params), "placed": placement(state),
-           "grads": loss_and_grads(runner, CFG)["grads"]}  # at single device's init (the twin's own, bitwise)
-    out["losses"], out["grad_norms"], out["state"] = train(compiled, state, runner.place_batch)  # donates `state`
+           "compile_log": compile_log, "init": jax.device_get(state.params), "placed": placement(state)}
+    out["losses"], out["grad_norms"], out["grads"], out["state"] = train(compiled, state, runner.place_batch)  # donates `state`
     out["params"] = jax.device_get(out["state"].params)
     return out
 
@@ -150,7 +164,7 @@ def test_adamw_matches_single_device(impl, strategy):
 
 # test_auto_sgd_matches_single_device (the GSPMD twin trained with SGD of lr 1, each update its
 # gradient, against single device) went: test_adamw_matches_single_device[auto-*] compares the
-# GSPMD gradients themselves, from the gradient program other modules compile too.
+# GSPMD gradients themselves, those its train step computed (step1_gradients).
 
 
 def test_reported_grad_norm_is_the_unclipped_float64_norm():

@@ -45,14 +45,15 @@ from jax.ad_checkpoint import print_saved_residuals
 
 import manual_parallel
 from launch import common
-from runners import assert_ledger_without_optimizer, loss_and_grads, max_relative_diff, twin_runner
-from twinshard import cost, hlo
+from runners import CFG, assert_ledger_without_optimizer, loss_and_grads, max_relative_diff, single_loss_and_grads
+from runners import twin_runner
+from twinshard import cost, hlo, testing
 from twinshard.config import REMAT_POLICIES, Config, preset
 from twinshard.parallel import strategies
 from twinshard.train.trainer import create_params, loss_fn
 
-BASE = preset("tiny")
-CFG = Config(dataclasses.replace(BASE.model, num_heads=8), BASE.train)
+# tests/runners.py's CFG (its grad_clip is the optimizer's, which loss_and_grads does not run): its
+# remat=none single-device program is test_data_tensor's step-1 reference, traced once per process
 B, T, L = CFG.train.batch_size, CFG.model.context_length, CFG.model.num_layers
 MESHES = {"fsdp": "data:8,tensor:1", "tp": "data:1,tensor:8", "fsdp_tp": "data:2,tensor:4", "cp": "context:8"}
 GRAD_RTOL = 2e-6
@@ -89,6 +90,8 @@ def make_runner(name: str, policy: str):
 @functools.cache
 def run(name: str, policy: str) -> dict:
     """Compile the runner's loss_and_grads once; its gradients, temp bytes and ledger."""
+    if name == "single":
+        return single_loss_and_grads(config(policy))
     return loss_and_grads(make_runner(name, policy), CFG)
 
 
@@ -166,7 +169,10 @@ REMAT_MESHES = {"pp": "stage:2", "pp_fsdp": "stage:2,data:4", "ep": "data:2,expe
 def test_manual_ledger_under_full_remat_equals_the_cost_model(strategy):
     """A checkpointed layer's backward recomputes its math, never its communication: the compiled
     loss_and_grads' collectives under full are the cost model's rows but the optimizer's, row for row
-    (fsdp_cp's ring saves each received K/V block: no forward permute runs again in the backward loop)."""
+    (fsdp_cp's ring saves each received K/V block: no forward permute runs again in the backward loop;
+    ep's and fsdp_ep's layer policy saves the exchanged buffers: 4 all_to_alls a MoE layer, where
+    recomputing the forward pair would make 6; test_experts' test_remat_never_repeats_an_exchange,
+    which compiled ep's train step under full for that count, merged here)."""
     family = strategies.get(strategy).family
     model = preset("tiny_moe").model if family == "experts" else CFG.model
     train = dataclasses.replace(CFG.train, microbatches=2) if family == "pipeline" else CFG.train
@@ -178,6 +184,8 @@ def test_manual_ledger_under_full_remat_equals_the_cost_model(strategy):
     tokens = jax.ShapeDtypeStruct((train.batch_size, model.context_length), np.int32, sharding=runner.batch_sharding)
     led = hlo.ledger(runner.loss_and_grads.lower(runner.abstract_state().params, tokens, tokens).compile(), runner.mesh)
     assert_ledger_without_optimizer(led, cost.of_run(run))
+    if family == "experts":
+        testing.expect_collectives(led, "all-to-all", ("expert",), count=4 * model.moe_layers)
 
 
 def test_auto_twins_recompute_collectives_under_remat():

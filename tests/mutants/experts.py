@@ -1,7 +1,7 @@
 """Mutants of the mixture of experts and expert parallelism (ep, fsdp_ep), the first dense layers."""
 
 from .base import (
-    COST, EXPERTS, MOE, Mutant, RAGGED, SRC_COST_FLOPS, SRC_COST_ROWS, SRC_MODEL, SRC_STRATEGIES, TPU, TRAIN,
+    COST, EXPERTS, MOE, Mutant, RAGGED, REMAT, SRC_COST_FLOPS, SRC_COST_ROWS, SRC_MODEL, SRC_STRATEGIES, TPU, TRAIN,
 )
 
 MUTANTS: list[Mutant] = [
@@ -40,7 +40,7 @@ MUTANTS: list[Mutant] = [
     Mutant("ep-remat-repeats-exchanges", "experts", "manual_parallel/ep.py",
            "return prim.name in _EXCHANGES",
            "return False",
-           (f"{EXPERTS}::test_remat_never_repeats_an_exchange",),
+           (f"{REMAT}::test_manual_ledger_under_full_remat_equals_the_cost_model[ep]",),
            "a checkpointed layer does not save the exchanged buffers: its backward re-runs both all_to_alls"),
     # the dropless path (moe_dispatch=ragged: moe.moe_ffn_ragged, the ragged_all_to_all pair)
     Mutant("ragged-unsorted-by-the-sort", "experts", "twinshard/model/moe.py",
