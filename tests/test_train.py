@@ -381,19 +381,28 @@ def test_checkpoints_move_between_device_counts_and_strategies(full_run, moves_r
                 assert rb[key] == pytest.approx(ra[key], abs=1e-4), (ra["step"], key)
 
 
+@functools.cache
+def logits_program(cfg):
+    """The model's logits [1, T, V] of params and a [1, T] window, jitted once for every greedy() call of
+    cfg (a fixed [1, T]: one compile, shared by the restored and the fresh params)."""
+    import jax
+    from flax import nnx
+
+    from twinshard.train.trainer import graphdef
+
+    return jax.jit(lambda p, x: nnx.merge(graphdef(cfg), p)(x)[0])
+
+
 def greedy(params, cfg, prompt: str, n: int) -> str:
     """Greedy decoding written out here (prompt + n < context_length): argmax over the real
     (unpadded) vocab of the logits after the prefix."""
-    import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     from twinshard.train.tokenizer import get_encoding
-    from twinshard.train.trainer import graphdef
 
     enc = get_encoding("bytes")
-    logits_of = jax.jit(lambda p, x: nnx.merge(graphdef(cfg), p)(x)[0])  # one compile: a fixed [1, T]
+    logits_of = logits_program(cfg)
     ids = enc.encode_ordinary(prompt)
     for _ in range(n):  # causal: the zeros after the prefix do not change its logits
         window = np.zeros((1, cfg.context_length), np.int32)
