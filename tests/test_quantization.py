@@ -78,9 +78,11 @@ def test_the_product_and_its_gradients_are_per_channel_int8(mode):
     assert float(np.abs(y - x @ w).max()) > 1e-2 and float(np.abs(dx - g @ w.T).max()) > 1e-2  # rounded: can fail
 
 
+@functools.cache
 def dots(cfg) -> list[tuple]:
     """(input dtypes, output dtype, output shape) of every dot_general of the traced gradient step, scans
-    and custom rules included; with scan_unroll 1 each scanned layer's dots appear once."""
+    and custom rules included; with scan_unroll 1 each scanned layer's dots appear once. Traced once per
+    config (a test reads it twice)."""
     return [(tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype), eqn.outvars[0].aval.shape)
             for eqn in gradient_step_equations(cfg, CFG.train.batch_size) if eqn.primitive.name == "dot_general"]
 

@@ -56,21 +56,24 @@ def initial_state():
     return jax.device_get(SingleDevice(CFG.model, CFG.train).init_state(CFG.train.seed))
 
 
-def record(runner, grads: bool):
+def record(runner):
     """reference.train_record of config() from `initial_state` placed in the runner's shardings: a
     transfer where the sharded init (PlacedRunner's, the same code for every strategy, held bitwise by
     test_data_tensor.py::test_initial_params_are_bitwise_single_device) is one more cold compile."""
     runner.init_state = lambda seed: jax.device_put(initial_state(), runner.state_shardings)
-    return reference.train_record(runner, config(), STEPS, grads=grads)
+    return reference.train_record(runner, config(), STEPS, grads=False)
 
 
 @functools.cache
 def twin(impl: str, strategy: str):
-    """STEPS train steps of the twin on MESHES[strategy] (tests/reference.py: the manual twin's step-1
-    gradients too)."""
+    """STEPS train steps of the twin on MESHES[strategy], without step-1 gradients (one loss_and_grads
+    fewer to compile: ~3 s of CPU each, measured): equal losses, reported norms and params after AdamW
+    steps leave a wrong gradient no place to hide (tests/reference.py train_record), and the manual
+    twin's gradients themselves are compared in three variants of each strategy's program: 2 kv heads
+    and --remat=full (ulysses), --grad_accum=2 (fsdp_ulysses)."""
     mesh = MESHES[strategy]
     n = math.prod(int(p.split(":")[1]) for p in mesh.split(","))
-    return record(TWINS[impl].make_runner(strategy, mesh, config(), devices=jax.devices()[:n]), grads=impl == "manual")
+    return record(TWINS[impl].make_runner(strategy, mesh, config(), devices=jax.devices()[:n]))
 
 
 @functools.cache
@@ -114,8 +117,6 @@ def ledger(record) -> hlo.Ledger:
 def assert_matches_single_device(got):
     want = single()
     np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
-    if got["grads"] is not None:
-        assert reference.max_diff(got["grads"], want["grads"]) < GRAD_ATOL
     np.testing.assert_allclose(got["grad_norms"], want["grad_norms"], rtol=NORM_RTOL)
     assert reference.max_diff(got["params"], want["params"]) < PARAM_ATOL
 
@@ -162,11 +163,14 @@ def test_twins_match_single_device(impl, strategy):
     assert_matches_single_device(twin(impl, strategy))
 
 
-@pytest.mark.parametrize("kv_heads, mesh", [(2, "context:4"), (4, "context:2"), (4, "context:4")])
+# (4 kv heads on context:4, one a device with no repeat, went: its exchange and attention are those of
+# 2 kv heads on context:4 after their repeat, one of the 4 a device, and its code path, no repeat, is
+# 4 kv heads on context:2's; one cold compile less.)
+@pytest.mark.parametrize("kv_heads, mesh", [(2, "context:4"), (4, "context:2")])
 def test_grouped_query_attention_matches_single_device(kv_heads, mesh):
     """8 query heads: 2 kv heads on context:4 are each repeated twice first (context.kv_repeats), so the
-    k, v all-to-alls carry 4 heads; 4 kv heads split two a device over context:2, one over context:4 (the
-    path 2 kv heads over context:2 also takes). Loss and gradients against single device's."""
+    k, v all-to-alls carry 4 heads, one a device; 4 kv heads split two a device over context:2 (no
+    repeat). Loss and gradients against single device's."""
     assert_gradients_match_single_device(lag("manual", mesh=mesh, kv_heads=kv_heads), kv_heads)
     if (kv_heads, mesh) == (2, "context:4"):
         assert_gradients_match_single_device(lag("auto", mesh=mesh, kv_heads=kv_heads), kv_heads)
@@ -314,7 +318,7 @@ def test_explicit_twin_matches_single_device_with_the_manual_twins_all_to_alls(k
         assert_gradients_match_single_device(got, kv_heads)
         mine, theirs = got["ledger"].summary(), manual["ledger"].summary()
     else:
-        got = record(explicit_parallel.make_runner("ulysses", "context:4", config(), devices=jax.devices()[:4]), grads=False)
+        got = record(explicit_parallel.make_runner("ulysses", "context:4", config(), devices=jax.devices()[:4]))
         want = single()
         np.testing.assert_allclose(got["losses"], want["losses"], atol=LOSS_ATOL, rtol=0)
         assert reference.max_diff(got["params"], want["params"]) < PARAM_ATOL
