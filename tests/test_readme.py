@@ -7,8 +7,9 @@ What the test changes, and why (each variant only adds flags; absl keeps the las
 
 - the `pip install uv && uv run [--locked] [--extra tpu]` prefix is the environment this
   test already runs in: the rest runs with this interpreter;
-- the main job trains `--steps=4 --stop_after=2` instead of 200 steps (minutes on 2
-  cores), and the resume after it `--steps=4` (a resume must keep the run's --steps);
+- the main job trains `--steps=2 --stop_after=1` instead of 200 steps (minutes on 2
+  cores; a step of `small` is ~2 s of CPU here), and the resume after it `--steps=2` (a resume
+  must keep the run's --steps);
   the bf16 example and the memory example train `--steps=4`; the bench runs
   `--strategies=single` instead of its four default strategies x both twins (each run compiles its
   own step; tests/test_bench.py runs the strategies), with a 512^3 peak matmul timed 3 times
@@ -43,9 +44,9 @@ UV_PREFIX = re.compile(r"^(pip install uv && )?uv run( --locked)?( --extra tpu)?
 # README command -> flags this test adds (see the module docstring)
 VARIANTS = {
     "pip install uv && uv run --locked python -m launch.train --preset=small --workdir=runs/small":
-        ["--steps=4", "--stop_after=2"],
+        ["--steps=2", "--stop_after=1"],
     'uv run python -m launch.sample --workdir=runs/small --prompt="ROMEO:"': ["--max_new_tokens=20"],
-    "uv run python -m launch.train --preset=small --workdir=runs/small --resume": ["--steps=4"],
+    "uv run python -m launch.train --preset=small --workdir=runs/small --resume": ["--steps=2"],
     "uv run python -m launch.train --preset=tiny --strategy=fsdp_tp --impl=manual --mesh=data:2,tensor:4 "
     "--workdir=runs/ftp": [],
     "uv run python -m launch.compare --preset=tiny --strategy=tp --devices=4 --steps=10 --plot=tp.png": ["--steps=3"],
@@ -167,12 +168,12 @@ def out(readme_runs, start: str) -> str:
 
 def test_main_job_samples_and_resumes(readme_runs):
     cwd, _ = readme_runs
-    assert "done: step 2 of 4" in out(readme_runs, "--preset=small --workdir=runs/small")
+    assert "done: step 1 of 2" in out(readme_runs, "--preset=small --workdir=runs/small")
     assert out(readme_runs, "launch.sample --workdir=runs/small").startswith("ROMEO:")
     resumed = out(readme_runs, "--workdir=runs/small --resume")
-    assert "at step 2" in resumed and "done: step 4 of 4" in resumed
+    assert "at step 1" in resumed and "done: step 2 of 2" in resumed
     steps = [json.loads(line)["step"] for line in (cwd / "runs/small/metrics.jsonl").read_text().splitlines()]
-    assert steps == [4]  # small logs every 10 steps and at the last one; the stop at 2 is no log step
+    assert steps == [2]  # small logs every 10 steps and at the last one; the stop at 1 is no log step
 
 
 def test_strategy_compare_and_collectives_examples(readme_runs):
