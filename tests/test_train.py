@@ -221,6 +221,23 @@ def test_a_config_field_newer_than_the_checkpoint_reads_as_its_default():
         _check_same("model", older, {**now, "first_dense_layers": 1}, "ckpt/3")
 
 
+def test_restore_compares_the_checkpoints_settings_before_reading_its_arrays(tmp_path):
+    """Checkpointer.restore itself refuses a checkpoint written with other settings, naming the field
+    (launch.train checks before it compiles, so its runs never reach this check: the API is tested here),
+    and restores one written with the same."""
+    import jax.numpy as jnp
+
+    from twinshard.train.checkpoint import CheckpointError, Checkpointer
+
+    ckpt, state = Checkpointer(str(tmp_path / "ckpt")), {"w": jnp.arange(4.0)}
+    meta = {"model": {"d_model": 64, "num_layers": 2}, "train": {"batch_size": 8}}
+    ckpt.save(3, state, meta)
+    with pytest.raises(CheckpointError, match=r"different model .*'num_layers': \(2, 3\)"):
+        ckpt.restore(state, {**meta, "model": {"d_model": 64, "num_layers": 3}})
+    restored, got = ckpt.restore(state, meta)
+    assert got == meta and restored["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_bad_flags_fail_before_anything_is_written(tmp_path, tmp_path_factory):
     workdir = tmp_path / "never"
     cases = [(["--stop_after=12"], "stop_after=12 must be between 1 and steps-1"),
