@@ -258,7 +258,7 @@ MUTANTS: list[Mutant] = [
     Mutant("blind4-config-default-weight-sum", "blind4", SRC_CONFIG,
            'grad_accum_dtype: str = "float32"  # their sum',
            'grad_accum_dtype: str = "weight"  # their sum',
-           ACCUM_FLAG_TESTS,
+           (ACCUM, FAST_PATH, FLAG_PRECEDENCE),  # the same grep's hits; first run with ACCUM_FLAG_TESTS: missed
            "the default gradient sum is the weight dtype: bf16 weights sum in bf16 unless the flag says float32"),
     Mutant("blind4-manual-runner-sum-dtype-dropped", "blind4", SRC_MANUAL_RUNNER,
            "return accumulated_value_and_grad(local, params, x, y, self.cfg.train.grad_accum,\n"
