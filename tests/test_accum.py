@@ -33,7 +33,8 @@ from twinshard import cost, hlo
 from twinshard.parallel import resolve
 from twinshard.config import Config, preset
 from twinshard.model import state_dict
-from twinshard.train.trainer import SingleDevice, accumulated_value_and_grad, graphdef, zero_gradient
+from twinshard.train.trainer import (SingleDevice, accumulated_value_and_grad, graphdef, loss_fn, unrolled_stacks,
+                                     zero_gradient)
 
 BASE = preset("tiny")
 # batch 16: 2 sequences per device on data=8, so K = 2 splits every device's rows
@@ -182,6 +183,66 @@ def test_the_weight_sum_adds_in_each_params_dtype():
     assert grad(jnp.float32, "weight") == grad(jnp.float32, "float32") == np.float32(1 + 3 * 2.0**-9) / 4
     with pytest.raises(ValueError, match=r"^sum_dtype='bf16': choose one of float32, weight\.$"):
         zero_gradient(jnp.ones((1,), jnp.bfloat16), "bf16")
+
+
+def test_summing_layer_by_layer_equals_the_full_batch():
+    """sum_by_layer (per_layer=("layers",)): each layer's gradient summed in an array of its own, the stack rebuilt
+    after: K = 2's gradient equals the full batch's (as the stacked sum does, above), each layer in its place
+    (the two layers' gradients differ, so a stack rebuilt in another order fails)."""
+    s = single()
+    step = jax.jit(functools.partial(accumulated_value_and_grad, functools.partial(loss_fn, cfg=CFG.model),
+                                     grad_accum=K, per_layer=("layers",)))
+    loss, grads = jax.device_get(step(s["init"].params, *batches()[0]))
+    np.testing.assert_allclose(float(loss), s["loss"], rtol=2e-6)
+    assert max_diff(grads, s["grads"]) < GRAD_ATOL / 10
+    assert max_diff(grads["layers"], jax.tree.map(lambda g: g[::-1], s["grads"]["layers"])) > 100 * GRAD_ATOL
+    with pytest.raises(ValueError, match=r"per_layer=\('blocks',\): \['blocks'\] not among the params' keys"):
+        accumulated_value_and_grad(loss_fn, s["init"].params, *batches()[0], K, per_layer=("blocks",))
+
+
+def test_the_stacks_summed_by_layer_are_the_unrolled_ones():
+    """unrolled_stacks: a stack of more than one layer whose scan is fully unrolled, with micro-batches to sum."""
+    m = CFG.model  # 2 layers
+    assert unrolled_stacks(dataclasses.replace(m, scan_unroll=2), 2) == ("layers",)
+    assert unrolled_stacks(dataclasses.replace(m, scan_unroll=3), 4) == ("layers",)
+    assert unrolled_stacks(dataclasses.replace(m, scan_unroll=1), 2) == ()  # rolled: restacked each micro-batch
+    assert unrolled_stacks(dataclasses.replace(m, scan_unroll=2), 1) == ()  # nothing to sum
+    assert unrolled_stacks(dataclasses.replace(m, num_layers=1, scan_unroll=1), 2) == ()  # one layer
+    moe = preset("tiny_moe").model  # its dense_layers, then layers
+    deep = dataclasses.replace(moe, num_layers=5, first_dense_layers=2)  # dense 2, experts 3
+    assert unrolled_stacks(dataclasses.replace(deep, scan_unroll=3), 2) == ("dense_layers", "layers")
+    assert unrolled_stacks(dataclasses.replace(deep, scan_unroll=2), 2) == ("dense_layers",)
+
+
+@pytest.mark.parametrize("unroll", [1, L], ids=["rolled", "unrolled"])
+def test_the_single_device_step_sums_in_the_flags_dtype_an_unrolled_stack_by_layer(unroll):
+    """SingleDevice.train_step's own gradient (launch.train's single-device step, where a TPU's fast path sets
+    --grad_accum_dtype=weight and unrolls the stack), bf16 weights, K = 4: the micro-batch scan carries each
+    stacked leaf's sum in the flag's dtype; as L arrays of one layer when the stack is unrolled, as the [L, ...]
+    stack when it is rolled (traced, not compiled)."""
+    got = {}
+    for sum_dtype in ("float32", "weight"):
+        cfg = Config(dataclasses.replace(CFG.model, dtype="bfloat16", weight_dtype="bfloat16", scan_unroll=unroll),
+                     dataclasses.replace(CFG.train, grad_accum=4, grad_accum_dtype=sum_dtype))
+        r = SingleDevice(cfg.model, cfg.train)
+        state = jax.eval_shape(lambda: r.init_state(0))
+        tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32)
+        (micro,) = [e for e in scans(jax.make_jaxpr(r.train_step)(state, tokens, tokens).jaxpr)
+                    if e.params["length"] == 4]  # the layer scans run L = 2
+        carries, _ = micro.params["ft_out"].update(micro.outvars).unpack()  # (carries, ys)
+        stacked = _stacked_leaves(state.params)
+        layer = [v for v in carries if v.aval.shape in {p.shape[1:] for p in stacked}]
+        stack = [v for v in carries if v.aval.shape in {p.shape for p in stacked}]
+        got[sum_dtype] = (len(layer), len(stack), {str(v.aval.dtype) for v in layer + stack})
+    counts = (L * len(stacked), 0) if unroll == L else (0, len(stacked))
+    assert got == {"float32": (*counts, {"float32"}), "weight": (*counts, {"bfloat16"})}
+
+
+def _stacked_leaves(params) -> list:
+    """The stack's leaves [L, ...] whose one-layer shape no other param has (the final norm's gain is a layer
+    norm's shape)."""
+    others = {p.shape for k, v in params.items() if k != "layers" for p in jax.tree.leaves(v)}
+    return [p for p in jax.tree.leaves(params["layers"]) if p.shape[1:] not in others]
 
 
 def _carry_dtypes(fn, *args, shape) -> set[str]:

@@ -126,6 +126,16 @@ def test_rope_matches_pairwise_rotation(rng):
     np.testing.assert_allclose(got, ref.rope(x, pos, 10000.0), rtol=RTOL, atol=ATOL)
 
 
+def test_rope_on_halves_is_rope_on_pairs_permuted(rng):
+    """The heads layout's RoPE: features as (evens, odds) halves, each pair's two features dh/2 apart, rotated
+    as the NumPy float64 reference rotates the pairs they came from (its output permuted the same way)."""
+    perm = layers.evens_then_odds(8)
+    assert perm.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    x, pos = rng.normal(size=(2, 3, 7, 8)), np.arange(3, 10)
+    got = layers.apply_rope_halves(f32(x[..., perm]), jnp.asarray(pos), 10000.0, 16)
+    np.testing.assert_allclose(got, ref.rope(x, pos, 10000.0)[..., perm], rtol=RTOL, atol=ATOL)
+
+
 def test_rope_preserves_norm_and_relative_position(rng):
     q, k = rng.normal(size=(1, 16)), rng.normal(size=(1, 16))
     rot = lambda v, p: layers.apply_rope(f32(np.repeat(v, 1, 0)), jnp.asarray([p]), 10000.0, 64)  # noqa: E731

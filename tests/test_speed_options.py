@@ -139,6 +139,27 @@ def _single_all_on() -> dict:
     return loss_and_grads(twin_runner("single", ALL_ON), ALL_ON)
 
 
+def test_heads_layout_attends_as_the_tokens_layout_in_float32():
+    """The heads layout projects q and k with each head's features as (evens, odds), so RoPE rotates two
+    contiguous halves (layers.apply_rope_halves); one permutation of both leaves every score q.k as it was:
+    the layer equals the tokens layout's to float32 rounding. Its q [B, h, T, dh] is the tokens layout's
+    with that permutation (v as it was)."""
+    from flax import nnx
+
+    from twinshard.model import attention
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(B, CFG.model.context_length, CFG.model.d_model)),
+                    jnp.float32)
+    tokens, heads = (attention.CausalSelfAttention(model(qkv_layout=layout, dtype="float32"), rngs=nnx.Rngs(0))
+                     for layout in ("tokens", "heads"))
+    np.testing.assert_allclose(heads(x), tokens(x), rtol=1e-5, atol=1e-6)
+    dh, (wq, _, wv, _) = CFG.model.head_dim, tokens.weights()
+    as_heads = lambda p: p.reshape(*p.shape[:2], -1, dh).transpose(0, 2, 1, 3)  # noqa: E731  [B, T, h*dh] -> [B, h, T, dh]
+    np.testing.assert_allclose(attention.project_heads(x, wq, dh, halves=True),
+                               as_heads(x @ wq)[..., layers.evens_then_odds(dh)], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(attention.project_heads(x, wv, dh), as_heads(x @ wv), rtol=1e-5, atol=1e-6)
+
+
 def test_heads_layout_is_refused_where_the_strategy_places_its_own_matmuls():
     cfg = Config(model(qkv_layout="heads"), CFG.train)
     runner = auto_parallel.make_runner("tp_sp", MESHES["tp"], cfg)

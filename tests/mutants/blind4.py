@@ -241,8 +241,8 @@ MUTANTS: list[Mutant] = [
            "the remat choice's memory model prices AdamW's moments in float32 under bf16 weights"),
     # ------------------------------------------------------------------ the gradient sum (train/trainer.py, config.py, the twins' runners)
     Mutant("blind4-trainer-step-sum-dtype-dropped", "blind4", SRC_TRAINER,
-           "                                           grad_accum=train_cfg.grad_accum, sum_dtype=train_cfg.grad_accum_dtype)\n",
-           "                                           grad_accum=train_cfg.grad_accum)\n",
+           "                                           grad_accum=train_cfg.grad_accum, sum_dtype=train_cfg.grad_accum_dtype,\n",
+           "                                           grad_accum=train_cfg.grad_accum,\n",
            ACCUM_SUM_TESTS,
            "train_step's default value_and_grad sums in float32 whatever --grad_accum_dtype says"),
     Mutant("blind4-trainer-single-sum-dtype-dropped", "blind4", SRC_TRAINER,

@@ -7,7 +7,9 @@ from .base import (
     SRC_OPTIM, SRC_REMAT, SRC_RUNNER, SRC_STRATEGIES, SRC_TP, SRC_TRAINER, TPU, TRAIN,
 )
 from .base import GRADIENT_BYTES
-from .base import QUANTIZATION, SRC_QUANTIZE, SRC_RESOLVE
+from .base import QUANTIZATION, SRC_ATTENTION, SRC_QUANTIZE, SRC_RESOLVE
+
+SPEED_OPTIONS = "tests/test_speed_options.py"
 
 MUTANTS: list[Mutant] = [
     # --- optimizer (twinshard/train/optim.py, twinshard/train/trainer.py)
@@ -67,8 +69,8 @@ MUTANTS: list[Mutant] = [
            "norm_eps: float = 1e-6",
            (LAYERS, MODEL), "RMSNorm eps default 1e-6 instead of the spec's 1e-5"),
     Mutant("rope-sign", "layers", SRC_LAYERS,
-           "rot_even = x_even * cos - x_odd * sin",
-           "rot_even = x_even * cos + x_odd * sin",
+           "return even * cos - odd * sin, even * sin + odd * cos",
+           "return even * cos + odd * sin, even * sin + odd * cos",
            (LAYERS, MODEL), "RoPE rotates the even features the wrong way"),
     Mutant("rope-frequencies", "layers", SRC_LAYERS,
            "inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)",
@@ -600,4 +602,33 @@ MUTANTS: list[Mutant] = [
            'if model.quantization == "int4" and "tensor" in declared.split_axes:',
            (f"{QUANTIZATION}::test_tensor_parallelism_is_refused_before_anything_is_built", QUANTIZATION),
            "tp quantizes each shard of a split contraction by its own absmax, silently unlike single device"),
+    # the fast path's RoPE on halves and the layer-by-layer gradient sum (both measured on one v5e at the 160M shape)
+    Mutant("rope-halves-pairs-swapped", "layers", SRC_LAYERS,
+           "return jnp.concatenate(_rotate(evens, odds, cos, sin), axis=-1).astype(x.dtype)",
+           "return jnp.concatenate(_rotate(odds, evens, cos, sin), axis=-1).astype(x.dtype)",
+           (LAYERS, SPEED_OPTIONS), "the heads layout's RoPE takes each pair's odd feature as its even one"),
+    Mutant("rope-halves-interleaved-order", "layers", SRC_LAYERS,
+           "return np.concatenate([np.arange(0, dh, 2), np.arange(1, dh, 2)])",
+           "return np.arange(dh).reshape(2, -1).T.reshape(-1)",
+           (LAYERS, SPEED_OPTIONS), "evens_then_odds is the inverse permutation (the interleave of two halves)"),
+    Mutant("heads-layout-k-not-permuted", "layers", SRC_ATTENTION,
+           "halves = (True, True, False)",
+           "halves = (True, False, False)",
+           (SPEED_OPTIONS,), "the heads layout permutes q's features but not k's: every score changes"),
+    Mutant("heads-layout-permutes-the-output", "layers", SRC_ATTENTION,
+           "w = w.reshape(d, -1, dh // 2, 2).swapaxes(-1, -2).reshape(d, -1, dh)",
+           "w = w.reshape(d, -1, 2, dh // 2).swapaxes(-1, -2).reshape(d, -1, dh)",
+           (SPEED_OPTIONS,), "project_heads permutes w's columns by the inverse of evens_then_odds"),
+    Mutant("sum-by-layer-restacked-reversed", "accumulation", SRC_TRAINER,
+           "return {**rest, **{k: jax.tree.map(lambda *a: jnp.stack(a), *layers[k]) for k in stacks}}",
+           "return {**rest, **{k: jax.tree.map(lambda *a: jnp.stack(a[::-1]), *layers[k]) for k in stacks}}",
+           (ACCUM,), "the layers summed apart are restacked in reverse order"),
+    Mutant("unrolled-stacks-off-by-one", "accumulation", SRC_TRAINER,
+           "return tuple(name for name, stack in cfg.stacks if 1 < stack.num_layers <= cfg.scan_unroll)",
+           "return tuple(name for name, stack in cfg.stacks if 1 < stack.num_layers < cfg.scan_unroll)",
+           (ACCUM,), "a stack unrolled exactly to its depth is not summed by layer"),
+    Mutant("train-step-sums-stacked", "accumulation", SRC_TRAINER,
+           "                                           per_layer=unrolled_stacks(cfg, train_cfg.grad_accum))",
+           "                                           )",
+           (ACCUM,), "the single-device step sums the unrolled stack's gradient as one [L, ...] array"),
 ]

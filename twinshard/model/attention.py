@@ -66,16 +66,26 @@ class CausalSelfAttention(nnx.Module):
                              f"row-parallel matmuls this strategy places itself ({type(par).__name__}); "
                              "pass --qkv_layout=tokens.")
         x = par.enter_tensor_parallel(x)
-        q, k, v = (checkpoint_name(project_heads(x, w, self.head_dim), n) for w, n in zip(ws, QKV_NAMES))
-        out = layers.attend_rotated(q, k, v, par.positions(x.shape[-2]), self.theta, self.max_len, attend)
+        # q and k with each head's features as (evens, odds): the same permutation of both leaves every
+        # score q.k as it was, and RoPE rotates two contiguous halves (layers.apply_rope_halves); v as is.
+        halves = (True, True, False)
+        q, k, v = (checkpoint_name(project_heads(x, w, self.head_dim, h), n) for w, n, h in zip(ws, QKV_NAMES, halves))
+        out = layers.attend_rotated(q, k, v, par.positions(x.shape[-2]), self.theta, self.max_len, attend,
+                                    halves=True)
         return checkpoint_name(par.exit_tensor_parallel(merge_project(checkpoint_name(out, CONTEXT), wo)),
                                OUT_PROJ)
 
 
-def project_heads(x: jax.Array, w: jax.Array, head_dim: int) -> jax.Array:
+def project_heads(x: jax.Array, w: jax.Array, head_dim: int, halves: bool = False) -> jax.Array:
     """x [B, T, D] @ w [D, h*dh] straight into the attention kernel's layout [B, h, T, dh] (no transpose
-    after the matmul: ModelConfig.qkv_layout="heads")."""
-    spec, w = "btd,dhk->bhtk", w.reshape(w.shape[0], -1, head_dim)  # [D, h, dh]
+    after the matmul: ModelConfig.qkv_layout="heads"); halves: each head's features in the order
+    layers.evens_then_odds, by permuting w's columns ([D, h, dh/2, 2] -> [D, h, 2, dh/2], a weight-sized
+    transpose) rather than the [B, h, T, dh] output."""
+    d, dh = w.shape[0], head_dim
+    w = w.reshape(d, -1, dh)  # [D, h, dh]
+    if halves:
+        w = w.reshape(d, -1, dh // 2, 2).swapaxes(-1, -2).reshape(d, -1, dh)
+    spec = "btd,dhk->bhtk"
     return jnp.einsum(spec, x, w, out_sharding=matmuls.partial_sums(spec, x, w))
 
 

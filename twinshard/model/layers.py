@@ -168,12 +168,36 @@ def rope_tables(head_dim: int, theta: float, max_len: int) -> tuple[np.ndarray, 
 
 def apply_rope(x: Array, positions: Array, theta: float, max_len: int) -> Array:
     """Rotate interleaved (even, odd) feature pairs. x: [..., T, dh], positions: [T]."""
-    cos_table, sin_table = rope_tables(x.shape[-1], float(theta), int(max_len))
-    cos, sin = jnp.asarray(cos_table)[positions], jnp.asarray(sin_table)[positions]  # [T, dh/2]
-    x_even, x_odd = x[..., 0::2], x[..., 1::2]
-    rot_even = x_even * cos - x_odd * sin
-    rot_odd = x_even * sin + x_odd * cos
+    cos, sin = _rope_at(x.shape[-1], positions, theta, max_len)
+    rot_even, rot_odd = _rotate(x[..., 0::2], x[..., 1::2], cos, sin)
     return jnp.stack([rot_even, rot_odd], axis=-1).reshape(x.shape).astype(x.dtype)
+
+
+def apply_rope_halves(x: Array, positions: Array, theta: float, max_len: int) -> Array:
+    """apply_rope on features that come as (evens, odds) halves: for x' = x[..., evens_then_odds(dh)],
+    apply_rope_halves(x') == apply_rope(x)[..., evens_then_odds(dh)]. Each pair's two features sit dh/2
+    apart, so the rotation reads two contiguous halves where apply_rope reads stride-2 slices (on a TPU
+    a relayout of q and k in every layer, forward and backward: 30 ms of a 795 ms step at the 160M shape
+    on one v5e, BENCHMARKS.md "TPU (one v5e)"). x: [..., T, dh], positions: [T]."""
+    cos, sin = _rope_at(x.shape[-1], positions, theta, max_len)
+    evens, odds = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate(_rotate(evens, odds, cos, sin), axis=-1).astype(x.dtype)
+
+
+def evens_then_odds(dh: int) -> np.ndarray:
+    """The permutation of a head's dh features that puts RoPE's pairs dh/2 apart: [0, 2, ..., 1, 3, ...]."""
+    return np.concatenate([np.arange(0, dh, 2), np.arange(1, dh, 2)])
+
+
+def _rope_at(dh: int, positions: Array, theta: float, max_len: int) -> tuple[Array, Array]:
+    """RoPE's cos and sin at `positions` [T]: each [T, dh/2]."""
+    cos_table, sin_table = rope_tables(dh, float(theta), int(max_len))
+    return jnp.asarray(cos_table)[positions], jnp.asarray(sin_table)[positions]
+
+
+def _rotate(even: Array, odd: Array, cos: Array, sin: Array) -> tuple[Array, Array]:
+    """Each (even, odd) pair rotated by its angle: the pair's two new features."""
+    return even * cos - odd * sin, even * sin + odd * cos
 
 
 def causal_mask(t: int) -> Array:
@@ -455,9 +479,11 @@ def attend_heads(q: Array, k: Array, v: Array, positions: Array, head_dim: int, 
 
 
 def attend_rotated(q: Array, k: Array, v: Array, positions: Array, theta: float, max_len: int,
-                   attend=causal_attention) -> Array:
-    """`attend` after RoPE at `positions` [T]: q [B, h, T, dh], k, v [B, hk, T, dh] -> [B, h, T, dh]."""
-    return attend(apply_rope(q, positions, theta, max_len), apply_rope(k, positions, theta, max_len), v)
+                   attend=causal_attention, halves: bool = False) -> Array:
+    """`attend` after RoPE at `positions` [T]: q [B, h, T, dh], k, v [B, hk, T, dh] -> [B, h, T, dh];
+    halves: q's and k's features come as (evens, odds) halves (apply_rope_halves)."""
+    rope = apply_rope_halves if halves else apply_rope
+    return attend(rope(q, positions, theta, max_len), rope(k, positions, theta, max_len), v)
 
 
 def causal_self_attention(

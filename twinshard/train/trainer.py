@@ -145,16 +145,20 @@ def all_tokens(y: jax.Array) -> jax.Array:
 def accumulated_value_and_grad(loss: Callable[..., jax.Array], params: Params, x: jax.Array,
                                y: jax.Array, grad_accum: int,
                                count: Callable[[jax.Array], jax.Array] = all_tokens,
-                               sum_dtype: str = "float32") -> tuple[jax.Array, Params]:
+                               sum_dtype: str = "float32", per_layer: tuple[str, ...] = ()) -> tuple[jax.Array, Params]:
     """(mean token loss, its gradient) over x, y [B, T] as K = grad_accum micro-batches, each adding
     its SUMMED loss; divided by the token count once after the scan. K = 1: plain value_and_grad.
     The gradient comes back in each param's dtype whatever K (the accumulator cast once). The sum runs in
     float32, or with sum_dtype="weight" in each param's own dtype (--grad_accum_dtype: bf16 weights add
     bf16 gradients, as frameworks that accumulate into the param's .grad do; on one v5e 17 ms less a step
     at the 160M shape's 16 micro-batches, BENCHMARKS "TPU (one v5e)").
-    Inside shard_map it adds no collective (the caller synchronizes once)."""
+    Inside shard_map it adds no collective (the caller synchronizes once).
+    per_layer: keys of params holding a stack of layers [L, ...] (`unrolled_stacks`) whose gradient is summed
+    layer by layer (`sum_by_layer`)."""
     if grad_accum == 1:
         return jax.value_and_grad(loss)(params, x, y)
+    if per_layer:
+        return sum_by_layer(loss, params, x, y, grad_accum, count, sum_dtype, per_layer)
 
     def summed(p, xm, ym):  # xm, ym: [B/K, T]
         tokens = count(ym)
@@ -172,6 +176,42 @@ def accumulated_value_and_grad(loss: Callable[..., jax.Array], params: Params, x
     # The one rule of gradient bytes: a gradient leaves accumulation in its param's dtype, so every twin's
     # data-parallel reduction after this moves it in the weight dtype (bf16 weights: half of float32's bytes).
     return jnp.sum(loss_sums) / total, jax.tree.map(lambda g, p: per_token(g, total).astype(p.dtype), grad_sum, params)
+
+
+def sum_by_layer(loss: Callable[..., jax.Array], params: Params, x: jax.Array, y: jax.Array, grad_accum: int,
+                 count: Callable[[jax.Array], jax.Array], sum_dtype: str,
+                 stacks: tuple[str, ...]) -> tuple[jax.Array, Params]:
+    """accumulated_value_and_grad with each layer of params[stack] [L, ...] carried through the micro-batch
+    loop as a param of its own (restacked inside it, where XLA reads each layer back from its own array): the
+    running sum is then L arrays a leaf, and XLA adds each layer's weight gradient into its sum in the
+    matmul that makes it, instead of writing the [L, ...] gradient out and adding it after (on one v5e at the
+    160M shape: 783.9 ms a step against 795.2, BENCHMARKS.md "TPU (one v5e)"). Only for a fully unrolled
+    stack: a rolled scan would restack its L arrays every micro-batch."""
+    unknown = [k for k in stacks if k not in params]
+    if unknown:
+        raise ValueError(f"per_layer={stacks}: {unknown} not among the params' keys {sorted(params)}.")
+    rest = {k: v for k, v in params.items() if k not in stacks}
+    layers = {k: [jax.tree.map(lambda a, i=i: a[i], params[k]) for i in range(_depth(params[k]))] for k in stacks}
+
+    def whole(rest: Params, layers: dict) -> Params:  # the params as the model takes them, [L, ...] stacks
+        return {**rest, **{k: jax.tree.map(lambda *a: jnp.stack(a), *layers[k]) for k in stacks}}
+
+    loss_sum, (rest_grad, layer_grads) = accumulated_value_and_grad(
+        lambda p, xm, ym: loss(whole(*p), xm, ym), (rest, layers), x, y, grad_accum, count, sum_dtype)
+    return loss_sum, whole(rest_grad, layer_grads)
+
+
+def _depth(stack: Params) -> int:
+    """L of a stack of layers whose every leaf is [L, ...]."""
+    return jax.tree.leaves(stack)[0].shape[0]
+
+
+def unrolled_stacks(cfg: ModelConfig, grad_accum: int) -> tuple[str, ...]:
+    """The params' keys of the layer stacks `sum_by_layer` should sum: each stack of more than one layer whose
+    scan is fully unrolled (ModelConfig.scan_unroll >= its depth), where there are micro-batches to sum."""
+    if grad_accum == 1:
+        return ()
+    return tuple(name for name, stack in cfg.stacks if 1 < stack.num_layers <= cfg.scan_unroll)
 
 
 def zero_gradient(p: jax.Array, sum_dtype: str = "float32") -> jax.Array:
@@ -215,7 +255,8 @@ def train_step(state: TrainState, x: jax.Array, y: jax.Array, *, cfg: ModelConfi
     """One step on x, y [B, T]; `value_and_grad(params, x, y)` -> (loss, grads) replaces the default."""
     if value_and_grad is None:
         value_and_grad = functools.partial(accumulated_value_and_grad, functools.partial(loss_fn, cfg=cfg, par=par),
-                                           grad_accum=train_cfg.grad_accum, sum_dtype=train_cfg.grad_accum_dtype)
+                                           grad_accum=train_cfg.grad_accum, sum_dtype=train_cfg.grad_accum_dtype,
+                                           per_layer=unrolled_stacks(cfg, train_cfg.grad_accum))
     loss, grads = value_and_grad(state.params, x, y)
     state, metrics = apply_gradients(state, grads, tx, train_cfg)
     return state, {"loss": loss, **metrics}
