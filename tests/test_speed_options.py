@@ -139,21 +139,24 @@ def _single_all_on() -> dict:
     return loss_and_grads(twin_runner("single", ALL_ON), ALL_ON)
 
 
-def test_heads_layout_attends_as_the_tokens_layout_in_float32():
-    """The heads layout projects q and k with each head's features as (evens, odds), so RoPE rotates two
-    contiguous halves (layers.apply_rope_halves); one permutation of both leaves every score q.k as it was:
-    the layer equals the tokens layout's to float32 rounding. Its q [B, h, T, dh] is the tokens layout's
-    with that permutation (v as it was)."""
+@pytest.mark.parametrize("heads", [8, 1], ids=["head_dim 8", "head_dim 64, halves"])
+def test_heads_layout_attends_as_the_tokens_layout_in_float32(heads, monkeypatch):
+    """Where layers.rope_on_halves (here forced at head_dim 64, as at 256 on a TPU), the heads layout projects q
+    and k with each head's features as (evens, odds), so RoPE rotates two contiguous halves; one permutation of
+    both leaves every score q.k as it was: either way the layer equals the tokens layout's to float32
+    rounding. Its q [B, h, T, dh] is the tokens layout's with that permutation (v as it was)."""
     from flax import nnx
 
     from twinshard.model import attention
 
+    assert [layers.rope_on_halves(dh) for dh in (8, 64, 128, 256, 512)] == [False, False, False, True, True]
+    monkeypatch.setattr(layers, "rope_on_halves", lambda dh: dh == 64)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(B, CFG.model.context_length, CFG.model.d_model)),
                     jnp.float32)
-    tokens, heads = (attention.CausalSelfAttention(model(qkv_layout=layout, dtype="float32"), rngs=nnx.Rngs(0))
-                     for layout in ("tokens", "heads"))
-    np.testing.assert_allclose(heads(x), tokens(x), rtol=1e-5, atol=1e-6)
-    dh, (wq, _, wv, _) = CFG.model.head_dim, tokens.weights()
+    tokens, heads_layout = (attention.CausalSelfAttention(model(qkv_layout=layout, dtype="float32", num_heads=heads),
+                                                          rngs=nnx.Rngs(0)) for layout in ("tokens", "heads"))
+    np.testing.assert_allclose(heads_layout(x), tokens(x), rtol=1e-5, atol=1e-6)
+    dh, (wq, _, wv, _) = CFG.model.d_model // heads, tokens.weights()
     as_heads = lambda p: p.reshape(*p.shape[:2], -1, dh).transpose(0, 2, 1, 3)  # noqa: E731  [B, T, h*dh] -> [B, h, T, dh]
     np.testing.assert_allclose(attention.project_heads(x, wq, dh, halves=True),
                                as_heads(x @ wq)[..., layers.evens_then_odds(dh)], rtol=1e-5, atol=1e-6)

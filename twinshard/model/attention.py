@@ -66,12 +66,12 @@ class CausalSelfAttention(nnx.Module):
                              f"row-parallel matmuls this strategy places itself ({type(par).__name__}); "
                              "pass --qkv_layout=tokens.")
         x = par.enter_tensor_parallel(x)
-        # q and k with each head's features as (evens, odds): the same permutation of both leaves every
-        # score q.k as it was, and RoPE rotates two contiguous halves (layers.apply_rope_halves); v as is.
-        halves = (True, True, False)
-        q, k, v = (checkpoint_name(project_heads(x, w, self.head_dim, h), n) for w, n, h in zip(ws, QKV_NAMES, halves))
-        out = layers.attend_rotated(q, k, v, par.positions(x.shape[-2]), self.theta, self.max_len, attend,
-                                    halves=True)
+        # q and k with each head's features as (evens, odds) where layers.rope_on_halves: the same permutation of
+        # both leaves every score q.k as it was, and RoPE rotates two contiguous halves; v as is.
+        halves = layers.rope_on_halves(self.head_dim)
+        permuted = (halves, halves, False)  # q, k, v
+        q, k, v = (checkpoint_name(project_heads(x, w, self.head_dim, p), n) for w, n, p in zip(ws, QKV_NAMES, permuted))
+        out = layers.attend_rotated(q, k, v, par.positions(x.shape[-2]), self.theta, self.max_len, attend, halves)
         return checkpoint_name(par.exit_tensor_parallel(merge_project(checkpoint_name(out, CONTEXT), wo)),
                                OUT_PROJ)
 
