@@ -414,9 +414,11 @@ def main(argv):
     return 0
 
 
-BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "devices", "steps", "warmup", "batch_size",
+# Every flag the bench defines: each changes what it runs or where it writes, so the recorded command reruns it
+# (--dcn_mesh the mesh across slices; --skip_memory_check, --device_memory_gib whether a run is refused).
+BENCH_FLAGS = ("preset", "strategies", "impls", "mesh", "dcn_mesh", "devices", "steps", "warmup", "batch_size",
                "seed", "grad_accum", "grad_accum_dtype", *common.MODEL_FLAGS, "matmul_size", "matmul_reps", "json", "markdown", "profile",
-               "profiled_steps")
+               "profiled_steps", "skip_memory_check", "device_memory_gib")
 
 
 def argv_flags() -> list[str]:

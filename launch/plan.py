@@ -200,11 +200,12 @@ def report(fit: list[Plan], over: list[Plan], skipped: list[Skipped], topo: Topo
                    if link.all_to_all != 1 and _has_all_to_all(best, axis) else "")
                 for axis, link in best.links.items()]
         out += [f"  memory: {_breakdown(best)}"]
-    if pipeline_schedules(fit, over):
-        out += ["", *schedule_section(pipeline_schedules(fit, over), rank_by)]
     else:
         out.append("== no plan fits in memory: more chips, --dtype=bfloat16, a smaller --batch_size or "
                    "--context_length would help ==")
+    schedules = pipeline_schedules(fit, over)  # shown whether or not a plan fits: which schedule comes closest
+    if schedules:
+        out += ["", *schedule_section(schedules, rank_by)]
     if over:
         out += ["", "== too big for HBM =="]
         out += [f"{p.strategy} {p.label()}: needs {human(p.memory)} > {human(p.hbm_usable)} usable "

@@ -252,19 +252,29 @@ def _carry_dtypes(fn, *args, shape) -> set[str]:
             if v.aval.shape[-len(shape):] == shape}
 
 
-@pytest.mark.parametrize("twin", ["single", "auto", "manual", "explicit"])
-def test_every_twin_sums_in_the_dtype_the_flag_names(twin):
-    """bf16 weights and compute, K = 2 on dp: the micro-batch scan carries the embedding's gradient in
-    float32 by default and in bf16 with grad_accum_dtype=weight (a twin that drops the setting fails)."""
+def _accumulating_runner(twin: str, strategy: str, cfg: Config):
+    """The runner of `twin` on dp's mesh, or hsdp's two slices of fsdp:4 (test_hsdp's), or the single device."""
     import explicit_parallel
 
+    if twin == "single":
+        return SingleDevice(cfg.model, cfg.train)
+    module = {"auto": auto_parallel, "manual": manual_parallel, "explicit": explicit_parallel}[twin]
+    if strategy == "hsdp":  # its own step: per slice a micro-batch loop, then the mean across slices
+        return module.runner_of(resolve.resolve_run("hsdp", twin, "fsdp:4", cfg, dcn_spec="data:2"))
+    return module.make_runner(strategy, MESHES[strategy], cfg)
+
+
+@pytest.mark.parametrize("twin, strategy", [("single", "dp"), ("auto", "dp"), ("manual", "dp"), ("explicit", "dp"),
+                                            ("auto", "hsdp"), ("manual", "hsdp")])
+def test_every_twin_sums_in_the_dtype_the_flag_names(twin, strategy):
+    """bf16 weights and compute, K = 2 on dp, and on hsdp (which runs its own micro-batch loop in each
+    slice): the micro-batch scan carries the embedding's gradient in float32 by default and in bf16 with
+    grad_accum_dtype=weight (a twin that drops the setting fails)."""
     got = {}
     for sum_dtype in ("float32", "weight"):
         cfg = Config(dataclasses.replace(CFG.model, dtype="bfloat16", weight_dtype="bfloat16"),
                      dataclasses.replace(CFG.train, grad_accum=K, grad_accum_dtype=sum_dtype))
-        r = (SingleDevice(cfg.model, cfg.train) if twin == "single" else
-             {"auto": auto_parallel, "manual": manual_parallel, "explicit": explicit_parallel}[twin]
-             .make_runner("dp", MESHES["dp"], cfg))
+        r = _accumulating_runner(twin, strategy, cfg)
         params = r.abstract_state().params if twin != "single" else jax.eval_shape(lambda: r.init_state(0)).params
         tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32,
                                       sharding=getattr(r, "batch_sharding", None))

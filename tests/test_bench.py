@@ -125,6 +125,21 @@ def test_grad_accum_runs_micro_batches(tmp_path):
     assert "batch 8x32 in 2 micro-batches" in bench.markdown(doc)
 
 
+def test_the_recorded_command_holds_every_flag_the_bench_defines(monkeypatch):
+    """bench.argv_flags (the command the record keeps to rerun it) serializes the given flags among
+    BENCH_FLAGS, so BENCH_FLAGS must be every flag launch/bench.py defines: each changes what runs (the
+    model, the train config, the meshes, the memory check) or what is written. The defined set is read
+    from absl: running bench.py's top level again under another program name registers each flag it
+    defines (its own and common's define_*_flags) as a key flag of that name (common.define)."""
+    program = "bench_flags_of_this_test"
+    spec = importlib.util.spec_from_file_location("bench_again", bench.__file__)
+    monkeypatch.setattr("sys.argv", [program])
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    defined = {f.name for f in FLAGS.get_key_flags_for_module(program)}
+    assert {"preset", "grad_accum", "grad_accum_dtype", "dcn_mesh", "d_model"} <= defined  # the reading reads them
+    assert sorted(bench.BENCH_FLAGS) == sorted(defined)
+
+
 # A benchmark document written by hand, every field a different value, so a cell that reads the wrong field
 # or formats it wrongly shows: the second run has no single-device baseline, no XLA memory figure, no ledger.
 REPORT_DOC = {

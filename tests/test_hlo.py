@@ -431,7 +431,8 @@ def test_snippets_are_valid_hlo_and_survive_xla_reprint(name: str, text: str) ->
         return sorted((r.op, r.axes, r.shape, r.bytes, r.multiplicity,
                        tuple(sorted(r.replica_groups)), r.source_target_pairs, r.pattern) for r in led)
 
-    mesh = {DONE_FUSION: TPU_16, "tick_loop.hlo": {"stage": 2}}.get(name, MESH)  # each snippet's own partitions
+    two_stages = {"stage": 2}  # each snippet's own partitions
+    mesh = {DONE_FUSION: TPU_16, "tick_loop.hlo": two_stages, "tick_loop_nested.hlo": two_stages}.get(name, MESH)
     a, b = hlo.ledger(text, mesh), hlo.ledger(printed, mesh)
     expect_parsed(a)
     expect_parsed(b)

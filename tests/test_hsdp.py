@@ -9,6 +9,7 @@ tests/runners.py caches for the other twin tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -91,6 +92,31 @@ def test_manual_ledger_equals_the_cost_model_exactly():
     r = twin("manual")
     rows = cost.compare(r["ledger"].summary(), cost.summarize(_step_rows(r["run"])))
     assert not [row for row in rows if not row["match"]], cost.compare_table(rows) + "\n" + r["ledger"].table()
+
+
+def test_each_cost_row_moves_its_tensors_dtype_under_bf16_weights():
+    """The cost model's hsdp step for CFG's model with bf16 weights and float32 compute, on data:2 (DCN) x
+    fsdp:4, counted by hand. The manual twin casts each matrix's shard to the compute dtype before gathering
+    it (manual_parallel/fsdp.py), so its gathers, its gradient's reduce-scatter and the scattered shard's
+    mean across slices move float32 (4 B); the norm gains are never gathered, so their means (over fsdp,
+    then over data) move the weight dtype (2 B); the global norm and the loss are float32 scalars."""
+    model = dataclasses.replace(CFG.model, weight_dtype="bfloat16")
+    v, d, f, layers = model.padded_vocab_size, model.d_model, model.d_ff, model.num_layers  # 384, 64, 192, 2
+    # (name, leaves x layers, elements of one): the embedding is not gathered again in the backward
+    matrices = [("token_embeddings", 1, v * d), ("q", layers, d * d), ("k, v", 2 * layers, d * d),
+                ("o", layers, d * d), ("w1, w3", 2 * layers, d * f), ("w2", layers, f * d), ("lm_head", 1, d * v)]
+    gains = [(2, layers * d), (1, d)]  # (leaves, elements of one): ln1 and ln2, each [L, D]; ln_final [D]
+    f32, bf16, fsdp = 4, 2, 4
+    want = [("forward", "all-gather", ("fsdp",), n, n * size * f32) for _, n, size in matrices]
+    want += [("backward", "all-gather", ("fsdp",), n, n * size * f32) for name, n, size in matrices
+             if name != "token_embeddings"]
+    want += [("backward", "reduce-scatter", ("fsdp",), n, n * size * f32 // fsdp) for _, n, size in matrices]
+    want += [("backward", "all-reduce", ("fsdp",), n, n * size * bf16) for n, size in gains]
+    want += [("backward", "all-reduce", ("data",), n, n * size * f32 // fsdp) for _, n, size in matrices]
+    want += [("backward", "all-reduce", ("data",), n, n * size * bf16) for n, size in gains]
+    want += [("optimizer", "all-reduce", ("fsdp",), 1, f32), ("metrics", "all-reduce", ("data", "fsdp"), 1, f32)]
+    rows = cost.cost(model, "hsdp", {"data": 2, "fsdp": 4}, CFG.train.batch_size).collectives
+    assert sorted((r.phase, r.op, r.axes, r.count, r.bytes) for r in rows) == sorted(want)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ zb_h1 at M = 8 compiles here alone.
 """
 
 import functools
+import pathlib
 import xml.etree.ElementTree as ET
 from fractions import Fraction
 
@@ -18,6 +19,8 @@ from test_pipeline import CFG, M, V, reading
 from twinshard import cost
 from twinshard.hlo import draw_pipeline
 from twinshard.hlo.pipeline_ticks import Cell, pipeline_ticks
+from twinshard.hlo.records import parsed_module
+from twinshard.hlo.tick_timing import tick_loop
 from twinshard.parallel import pipeline
 
 pytestmark = pytest.mark.pp
@@ -123,6 +126,27 @@ def test_the_picture_draws_the_reading(schedule, stages, n):
             assert g.find(SVG + "text").text == drawn[key].label(chunked=schedule == "interleaved")
     assert drawn == {(t, s): c for t, row in enumerate(ticks.grid) for s, c in enumerate(row) if c is not None}
     assert {c.chunk for c in drawn.values()} == set(range(V if schedule == "interleaved" else 1))
+
+
+def test_each_conditional_in_a_branch_takes_the_branch_its_index_names():
+    """tests/hlo_snippets/tick_loop_nested.hlo (2 stages, 4 ticks, the table [[f, idle], [b, f], [idle, b],
+    [f, f]]): inside f a pred conditional on "last stage?" (stage == 1), whose true runs its first branch
+    %head (lax.cond's true_computation) and false %pass, and inside %head an s32 one on the chunk tick // 2
+    that runs branch 0 %no_loss or 1 %loss. Every (tick, stage) with the conditionals it passes and the
+    branch each takes, by hand: a pred read inverted puts the head on stage 0."""
+    text = (pathlib.Path(__file__).parent / "hlo_snippets" / "tick_loop_nested.hlo").read_text()
+    table = [["f", "idle"], ["b", "f"], ["idle", "b"], ["f", "f"]]
+
+    def choices(t: int, s: int) -> tuple:
+        if table[t][s] != "f":
+            return ()
+        if s != 1:  # pred false
+            return (("last_stage", "pass"),)
+        return (("last_stage", "head"), ("loss_of_chunk", ["no_loss", "loss"][t // 2]))
+
+    loop = tick_loop(parsed_module(text), {"stage": 2})
+    assert [[(r.branch, r.choices) for r in row] for row in loop.runs] == \
+        [[(table[t][s], choices(t, s)) for s in range(2)] for t in range(4)]
 
 
 # ----------------------------------------------------------------------------- memory per micro-batch

@@ -69,6 +69,24 @@ def test_bad_topologies_are_one_line_errors(text, needle):
     assert str(e.value).startswith(f"--topology={text}: ") and needle in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("headroom", [0.25, 0.9999])
+@pytest.mark.parametrize("with_pipelines", [True, False])
+def test_the_report_says_no_plan_fits_exactly_when_none_does(headroom, with_pipelines):
+    """Whether a plan fits and whether a pipeline plan exists are two questions: tiny on v5e:2x2 fits every
+    plan at the default headroom and none with 0.01% of HBM usable (--hbm_headroom=0.9999: 1.7 MB a chip), with
+    its pp and pp_fsdp plans kept or filtered out. The report says "no plan fits" when no plan
+    fits, whatever the pipelines, and shows the pipeline schedules when a pipeline plan exists, fitting or not."""
+    topo, cfg = hardware_links.parse_topology("v5e:2x2"), preset("tiny")
+    plans, skipped = plans_lib.plan_all(cfg.model, topo, cfg.train.batch_size, headroom=headroom)
+    kept = [p for p in plans if with_pipelines or p.strategy not in cost.PIPELINES]
+    fit, over = plans_lib.rank(kept, "serial")
+    assert (len(fit), len(over)) == ((len(kept), 0) if headroom == 0.25 else (0, len(kept)))
+    assert any(p.strategy in cost.PIPELINES for p in kept) == with_pipelines
+    text = planner.report(fit, over, skipped, topo, "tiny", cfg, 3, 1.0, headroom, "serial")
+    assert ("== no plan fits in memory" in text) == (not fit), text
+    assert ("== pipeline schedules on" in text) == with_pipelines, text
+
+
 def test_any_slice_of_the_pod_plans_with_a_note_above_googles_largest_job():
     """v5p slices up to the whole 16x20x28 pod (8960 chips, in any orientation), beyond the 6144 chips
     Google schedules as one slice: planned, and the report says so."""

@@ -244,6 +244,31 @@ def at_s4(schedule: str, m: int, virtual: int = 1, **kwargs) -> Plan:
                               **kwargs)
 
 
+# The M each schedule may run, by hand, for batch 12 on v5e:2x2: pp on stage:4 has 12 rows a stage, pp_fsdp on
+# stage:2,data:2 has 6; M divides them, from S up, and for interleaved is a multiple of S (Megatron's table
+# runs the micro-batches in rounds of S): {S: (every schedule's, interleaved's)}.
+M_BY_HAND = {4: ([4, 6, 12], [4, 12]), 2: ([2, 3, 6], [2, 6])}
+
+
+def test_each_schedule_is_planned_at_the_best_m_it_can_run():
+    """Every pipeline plan of plan_all (llm_1b with 16 layers: V = 2 and 4 split both meshes' stages) is
+    one per (schedule, V) of schedule_choices, at the best of its Ms of M_BY_HAND (each evaluated, then
+    ranked). On stage:2 interleaved V = 4 runs M = 2 or 6, multiples of S that V does not divide: searched
+    over multiples of V it would have no M at all."""
+    plans, _ = plans_lib.plan_all(LLM_16, V5E, 12)
+    pipelines = [p for p in plans if p.mesh.get("stage", 1) > 1]
+    assert {(p.strategy, p.mesh["stage"]) for p in pipelines} == {("pp", 4), ("pp_fsdp", 2)}
+    for strategy, stages in (("pp", 4), ("pp_fsdp", 2)):
+        mine = [p for p in pipelines if p.strategy == strategy]
+        assert [(p.schedule, p.virtual) for p in mine] == plans_lib.schedule_choices(16, stages)
+        for p in mine:
+            every, interleaved = M_BY_HAND[stages]
+            tried = [plans_lib.evaluate(LLM_16, V5E, strategy, p.mesh, 12, microbatches=m, schedule=p.schedule,
+                                        virtual=p.virtual) for m in (interleaved if p.virtual > 1 else every)]
+            fit, over = plans_lib.rank(tried, "serial")
+            assert p.microbatches == (fit or over)[0].microbatches, (p.label(), [(q.microbatches, q.fits) for q in tried])
+
+
 def test_at_s4_m8_interleaved_and_zb_h1_beat_1f1b_by_their_bubble():
     """S = 4, M = 8: each plan's bubble is its published formula (GPipe and 1F1B (S-1)/(M+S-1) = 3/11,
     interleaved (S-1)/(V M+S-1) = 3/19 and 3/35, zb_h1 (S-1)/(3M+S-1) = 1/9), and interleaved (V = 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -323,14 +324,20 @@ def test_a_called_computation_runs_at_each_call_and_a_conditional_takes_its_long
     assert pred.axes["data"].comm_s == pytest.approx(2 * 64e-6 + 16e-6)  # the totals count every branch
 
 
+@functools.cache
+def tick_loop_prediction() -> hlo.Prediction:
+    text = (pathlib.Path(__file__).parent / "hlo_snippets" / "tick_loop.hlo").read_text()
+    return hlo.predict(text, hlo.Rates("test", {"bfloat16": 1e9}, 1e9), {"stage": 2},
+                       lambda op, axes, b: ("stage", 1e-6))
+
+
 def test_a_tick_loop_takes_each_trip_at_its_slowest_stages_branch():
     """tick_loop.hlo: 2 stages, 4 ticks; each picks idle (0 s), f (2 us) or b (6 us) from the table
     [[f, idle], [b, f], [idle, b], [f, f]] by its partition id, then a permute of 1 us. Each trip is its
     slowest stage's branch: 2 + 6 + 6 + 2 = 16 us (stage 0 alone: 10, stage 1 alone: 10, both summed:
     20, the longest branch every trip: 24), plus per trip the permute and the counter's and the
     table's 36 B at 1 GB/s. The rows add up to it: f's and b's ops count the 2 trips each sets the time."""
-    text = (pathlib.Path(__file__).parent / "hlo_snippets" / "tick_loop.hlo").read_text()
-    pred = hlo.predict(text, hlo.Rates("test", {"bfloat16": 1e9}, 1e9), {"stage": 2}, lambda op, axes, b: ("stage", 1e-6))
+    pred = tick_loop_prediction()
     ticks = pred.ticks
     assert [[r.branch for r in row] for row in ticks.loop.runs] == [["f", "idle"], ["b", "f"], ["idle", "b"], ["f", "f"]]
     assert np.allclose(ticks.cell_s, [[2e-6, 0], [6e-6, 2e-6], [0, 6e-6], [2e-6, 2e-6]])
@@ -341,6 +348,25 @@ def test_a_tick_loop_takes_each_trip_at_its_slowest_stages_branch():
     assert runs == {"f_neg": 2, "b_neg1": 2, "b_neg2": 2, "b_neg3": 2}
     assert pred.compute_s + pred.exposed_s == pytest.approx(pred.step_s)
     assert pred.exposed_s == pytest.approx(4e-6)
+
+
+def test_a_tick_loops_record_and_table_show_its_trips_in_their_units():
+    """tick_loop.hlo's ticks as the previous test works them out: cells [[2, 0], [6, 2], [0, 6], [2, 2]] us,
+    each tick the slowest cell (the first of equals: stages 0, 0, 1, 0), each trip its tick + the permute's
+    1 us + 36 ns of scalars. as_dict holds them in seconds under their own names; the table prints the ticks'
+    range in ms (2 us = 0.002 ms) and the slowest stage of each trip."""
+    cells = [[2e-6, 0.0], [6e-6, 2e-6], [0.0, 6e-6], [2e-6, 2e-6]]
+    ticks = [max(row) for row in cells]
+    record = tick_loop_prediction().as_dict()["ticks"]
+    assert set(record) == {"tick_s", "trip_s", "cell_s"}
+    assert record["tick_s"] == pytest.approx(ticks)
+    assert record["trip_s"] == pytest.approx([t + 1e-6 + 36e-9 for t in ticks])
+    assert [c for row in record["cell_s"] for c in row] == pytest.approx([c for row in cells for c in row])
+    line = next(x for x in tick_loop_prediction().table().splitlines() if "tick loop" in x)
+    low, high, slowest = re.search(r", ([\d.]+)-([\d.]+) ms; slowest stage by trip (\d+)$", line).groups()
+    in_ms = pytest.approx([min(ticks) * 1e3, max(ticks) * 1e3], abs=5e-4)  # 0.002-0.006 to the 3 decimals printed
+    assert [float(low), float(high)] == in_ms
+    assert slowest == "".join(str(row.index(max(row))) for row in cells) == "0010"
 
 
 # Convolutions as JAX writes them, each (lhs shape, rhs shape, conv_general_dilated's arguments): padding, strides,

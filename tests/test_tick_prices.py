@@ -6,6 +6,7 @@ group, tests/harness/schedule.py), priced at unit rates: nothing new compiles.
 """
 
 import functools
+import pathlib
 
 import pytest
 
@@ -50,4 +51,68 @@ def test_each_trip_takes_its_slowest_stages_branch_of_the_table(schedule):
     assert loop_row.seconds != pytest.approx(sum(other + sum(row) for row in by_table))
     longest = max(pred.sequence_s[b] for b in ticks.loop.branches)
     assert loop_row.seconds < 0.8 * table.ticks * (other + longest)
+    assert pred.compute_s + pred.exposed_s == pytest.approx(pred.step_s)
+
+
+# ----------------------------------------------------------------------------- what the CPU programs lack
+# tests/hlo_snippets/tick_loop_nested.hlo: 2 stages, 4 ticks of the table [[f, idle], [b, f], [idle, b], [f, f]],
+# with a pred conditional in f (the last stage runs %head, the others %pass), an s32 conditional nested in %head
+# (chunk = tick // 2: chunk 0 runs %no_loss, chunk 1 %loss) and a collective in b. The compiled pipelines here
+# have none of these (no cond in a taken branch's cond, no pred index, no collective under the switch).
+NESTED = (pathlib.Path(__file__).parent / "hlo_snippets" / "tick_loop_nested.hlo").read_text()
+NEG, PERMUTE = 2e-6, 1e-6  # a negate of f32[250]: 2,000 B at 1 GB/s; each permute as link_seconds prices it
+TABLE = [["f", "idle"], ["b", "f"], ["idle", "b"], ["f", "f"]]
+LAST = 1
+
+
+@functools.cache
+def nested() -> hlo.Prediction:
+    return hlo.predict(NESTED, hlo.Rates("test", {"bfloat16": 1e9}, 1e9), {"stage": 2},
+                       lambda op, axes, ring_bytes: ("stage", PERMUTE))
+
+
+def computations_run(t: int, s: int) -> list[str]:
+    """What stage s runs in tick t, by hand: the table's branch; f then %head (the last stage) or %pass, and
+    in %head the loss on chunk 1 only."""
+    branch = TABLE[t][s]
+    if branch != "f":
+        return [branch]
+    if s != LAST:
+        return ["f", "pass"]
+    return ["f", "head", "loss" if t // 2 == 1 else "no_loss"]
+
+
+def seconds_by_hand(computation: str) -> float:
+    """Each computation's own ops: f, head 1 negate; loss 4; b 3 negates and its permute; the rest nothing."""
+    return {"f": NEG, "head": NEG, "loss": 4 * NEG, "b": 3 * NEG + PERMUTE}.get(computation, 0.0)
+
+
+def test_a_conditional_inside_a_taken_branch_is_priced_as_taken():
+    """Each stage-tick is the branches it takes, nested ones too, not their longest: stage 1's F costs
+    f + head + no_loss = 4 us in tick 1 (chunk 0) and f + head + loss = 12 us in tick 3 (chunk 1), stage 0's
+    F f + pass = 2 us. Each trip is its slowest stage, 2 + 7 + 7 + 12 = 28 us, plus per trip the body's
+    permute (1 us) and its scalars' 57 B at 1 GB/s: dynamic-slice 8, reshape 8, convert 8, compare 9 (two
+    s32 in, a pred out), divide 12, add 12."""
+    ticks = nested().ticks
+    cells = [[sum(seconds_by_hand(c) for c in computations_run(t, s)) for s in range(2)] for t in range(4)]
+    assert [[r.branch for r in row] for row in ticks.loop.runs] == TABLE
+    assert [c for row in ticks.cell_s for c in row] == pytest.approx([c for row in cells for c in row])
+    assert ticks.tick_s == pytest.approx([max(row) for row in cells])
+    assert nested().step_s == pytest.approx(sum(max(row) + PERMUTE + 57e-9 for row in cells))
+
+
+def test_the_rows_under_the_switch_count_the_trips_their_stage_sets_the_time():
+    """Every op and collective under the switch counts the trips in which the slowest stage (the first of
+    equals) runs its computation: f in trips 0 and 3, pass 0, head and loss 3, b 1 and 2 (its permute too),
+    no_loss and idle never; the body's ops every trip. So the rows add up to the step."""
+    pred = nested()
+    slowest = [max(range(2), key=lambda s: pred.ticks.cell_s[t][s]) for t in range(4)]
+    assert slowest == [0, 0, 1, 1]
+    trips = {c: sum(c in computations_run(t, s) for t, s in enumerate(slowest))
+             for c in ("idle", "f", "pass", "head", "no_loss", "loss", "b")}
+    rows = [(o.computation, o.name, o.runs) for o in pred.ops] + \
+        [(c.window.computation, c.window.start, c.runs) for c in pred.collectives]
+    assert {(comp, name): runs for comp, name, runs in rows} == \
+        {(comp, name): trips.get(comp, 4 if comp == "tick" else 1) for comp, name, _ in rows}
+    assert {c for c, _, _ in rows} == {"f", "head", "loss", "b", "tick", "main"}  # every priced computation
     assert pred.compute_s + pred.exposed_s == pytest.approx(pred.step_s)
