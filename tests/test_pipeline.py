@@ -510,20 +510,22 @@ def branch_dots(text: str) -> list[dict]:
 def test_zb_h1_splits_the_backward_in_the_compiled_program():
     """zb_h1's compiled tick (S = 4, one layer a stage; manual_parallel/pp_split.py): B (the input
     gradient) re-runs the stage's forward (1F1B's backward does too: a stage keeps inputs) and walks
-    its input gradients, and has no weight-gradient dot; W has one weight-gradient dot per matrix, of
-    that weight's shape (the layer's 7 and the lm_head, under its lax.cond), and nothing else: no
-    forward, input-gradient or attention dot. Measured: B 8 forward, 8 input-gradient and 6 attention
-    dots; W 8 weight-gradient dots."""
+    its input gradients, and its one weight-gradient dot is the lm_head's, under the head's lax.cond
+    (the head's whole backward runs in B); W has one weight-gradient dot per block matrix, of that
+    weight's shape (the layer's 7), and nothing else: no forward, input-gradient or attention dot.
+    Measured: B 8 forward, 8 input-gradient, 6 attention and 1 weight-gradient dots; W 7."""
     idle, forward, _, b, w = branch_dots(compiled_step("manual", 4, "zb_h1").as_text())
     m = CFG.model
-    matrices = [(m.d_model, m.num_heads * m.head_dim), (m.d_model, m.kv_dim), (m.d_model, m.kv_dim),
-                (m.num_heads * m.head_dim, m.d_model), (m.d_model, m.d_ff), (m.d_ff, m.d_model),
-                (m.d_model, m.d_ff), (m.d_model, m.padded_vocab_size)]  # wq wk wv wo w1 w2 w3, lm_head
+    blocks = [(m.d_model, m.num_heads * m.head_dim), (m.d_model, m.kv_dim), (m.d_model, m.kv_dim),
+              (m.num_heads * m.head_dim, m.d_model), (m.d_model, m.d_ff), (m.d_ff, m.d_model),
+              (m.d_model, m.d_ff)]  # wq wk wv wo w1 w2 w3
+    lm_head = (m.d_model, m.padded_vocab_size)
     assert idle == {**dict.fromkeys(("forward", "input", "weight", "batched"), 0), "shapes": []}
-    assert forward["weight"] == forward["input"] == 0 and forward["forward"] == len(matrices)
-    assert b["weight"] == 0 and b["forward"] == b["input"] == len(matrices) and b["batched"] > forward["batched"], b
+    assert forward["weight"] == forward["input"] == 0 and forward["forward"] == len(blocks) + 1
+    assert b["forward"] == b["input"] == len(blocks) + 1 and b["batched"] > forward["batched"], b
+    assert b["shapes"] == [lm_head], b  # x^T dy: [in, out] (XLA may write it as dy^T x: no)
     assert (w["forward"], w["input"], w["batched"]) == (0, 0, 0), w
-    assert sorted(w["shapes"]) == sorted(matrices), w  # x^T dy: [in, out] (XLA may write it as dy^T x: no)
+    assert sorted(w["shapes"]) == sorted(blocks), w
 
 
 @pytest.mark.parametrize("stages", STAGES)
