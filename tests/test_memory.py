@@ -123,9 +123,9 @@ def hand_terms(m, b: int, seq: int) -> dict[str, int]:
     return {"layer": b * seq * (11 * d + 3 * f + 4 + h), "scores": 2 * b * h * seq * seq}
 
 
-def head_bytes(m, rows: int, seq: int) -> int:
-    """ln_final's input and output [rows, T, D] and the logits [rows, T, V], plus the f32 loss's exp."""
-    return (2 * rows * seq * m.d_model + rows * seq * m.padded_vocab_size) * 4 + rows * seq * m.padded_vocab_size * 4
+def head_bytes(m, rows: int, seq: int, loss: bool = True) -> int:
+    """ln_final's input and output [rows, T, D] and the logits [rows, T, V], plus (loss) the f32 loss's exp."""
+    return (2 * rows * seq * m.d_model + (1 + loss) * rows * seq * m.padded_vocab_size) * 4
 
 
 @pytest.mark.parametrize("strategy", ["pp", "pp_fsdp"])
@@ -134,9 +134,10 @@ def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     """S = 2 stages of L/S = 2 layers, M = 4 micro-batches of b/M rows (pp_fsdp: data 2, b = B/2).
     GPipe saves a stage's layers in each of the M + S - 1 ticks and runs the head on all b rows;
     1F1B saves one micro-batch's layers, a ring of the S stage inputs it holds and one of the one
-    gradient it waits to use [b/M, T, D] (and a spare slot each), the head per micro-batch; zb_h1
+    gradient it waits to use [b/M, T, D] (and a spare slot each), the head per micro-batch (its
+    backward alone, without the loss's f32 exp beside the logits: manual_parallel/pp.py `_output_grad`); zb_h1
     1F1B's and S + 1 stashes kept from B to W (manual_parallel/pp_split.py), each per token every
-    tapped op's output gradient and its distinct operands (float32 here, ids int32); interleaved
+    block's tapped op's output gradient and its distinct operands (float32 here); interleaved
     (V = 2) one chunk's layer (a backward re-runs one chunk), the stage inputs of every chunk in flight
     (the table's peak, 5 on stage 0: its Megatron warm-up of (S-1) 2 + (V-1) S forwards and one) and 2
     gradients (stage 1 holds those of B0.1 and B1.1 when it runs B0.0). pp_fsdp: the matrices over
@@ -157,10 +158,10 @@ def test_pipeline_memory_is_the_hand_count(strategy, schedule):
     kv = m.kv_dim
     dys = (D + hd + kv + kv + D + D + F + F + D)  # ln1, q, k, v, wo, ln2, w1, w3, w2
     operands = (D + D + hd + D + D + F)  # x^ of ln1, its output (q, k, v), wo's input, x^ of ln2, its output, the gate
-    ends = (1 + D) + (D + D + D + V)  # embedding: ids, dy; head: x^, lm_head's input, dy of ln_final, of the logits
-    kept = (S + 1) * bm * T * (Ls * (dys + operands) + ends) * 4 if schedule == "zb_h1" else 0
+    kept = (S + 1) * bm * T * Ls * (dys + operands) * 4 if schedule == "zb_h1" else 0  # the blocks' alone
+    gpipe = schedule == "gpipe"
     want = {"params": params, "grads": params, "optimizer": 2 * params,
-            "activations": saved * 4 + kept + head_bytes(m, b if schedule == "gpipe" else bm, T),
+            "activations": saved * 4 + kept + (head_bytes(m, b, T) if gpipe else head_bytes(m, bm, T, loss=False)),
             "gathered_weights": mats * 4 if data > 1 else 0, "accumulator": mats * 4 if data > 1 else 0,
             "backward_layer": (one["layer"] + one["scores"]) * 4, "master": 0}
     mesh = {"stage": S, "data": data, "tensor": 1}

@@ -116,3 +116,31 @@ def test_the_rows_under_the_switch_count_the_trips_their_stage_sets_the_time():
         {(comp, name): trips.get(comp, 4 if comp == "tick" else 1) for comp, name, _ in rows}
     assert {c for c, _, _ in rows} == {"f", "head", "loss", "b", "tick", "main"}  # every priced computation
     assert pred.compute_s + pred.exposed_s == pytest.approx(pred.step_s)
+
+
+# A tick table as XLA:TPU may hand it to the loop: moved to another memory space by an async copy, the
+# switch's index read from the copy's destination at the partition's column (the zb_h1 step of
+# gpt2_350m on v5e:2x2, JAX 0.12 / libtpu 0.0.50.1, wrote one).
+TABLE_THROUGH_AN_ASYNC_COPY = """HloModule table_copy, is_scheduled=true, num_partitions=4
+
+ENTRY %main () -> s32[] {
+  %table = s32[4]{0} constant({3, 1, 4, 1})
+  %start = (s32[4]{0:S(1)}, s32[4]{0}, u32[]) copy-start(%table)
+  %moved = s32[4]{0:S(1)} copy-done(%start)
+  %p = u32[] partition-id()
+  %slot = s32[1]{0} dynamic-slice(%moved, %p), dynamic_slice_sizes={1}
+  ROOT %index = s32[] reshape(%slot)
+}
+"""
+
+
+def test_the_reader_follows_a_table_through_an_async_copy():
+    """Each partition reads its own column of the copied table; the copy's third element (its context) is
+    not a value the reader makes up."""
+    from twinshard.hlo.evaluate import Frame, Unreadable
+    from twinshard.hlo.parse import parse_module
+
+    mod = parse_module(TABLE_THROUGH_AN_ASYNC_COPY)
+    assert [int(Frame(mod, mod.entry, None, p).value("index")) for p in range(4)] == [3, 1, 4, 1]
+    with pytest.raises(Unreadable, match="context"):
+        Frame(mod, mod.entry, None, 0).value("start").get(2)

@@ -120,25 +120,33 @@ MUTANTS: list[Mutant] = [
            "interleaved layers stored chunk-major (local chunk, then device), not device-major: the split over "
            "stage hands device 0 the chunks of devices 0 and 1"),
     # ------------------------------------------------------------------ the split backward and the scheduled loop (pp_split.py, pp.py, auto pp)
-    Mutant("blind3-split-head-grad-on-first", "blind3", SRC_PP_SPLIT,
-           "d_head = lax.cond(last, lambda: vjp(head, part(HEAD), dys.head), lambda: zeros(HEAD))",
-           "d_head = lax.cond(first, lambda: vjp(head, part(HEAD), dys.head), lambda: zeros(HEAD))",
+    Mutant("blind3-pp-head-backward-on-first", "blind3", SRC_MANUAL_PP,
+           "return lax.cond(last, head_backward, lambda o, head: (ring_grad, head), out, head)",
+           "return lax.cond((lax.axis_index(STAGE) == 0) & (chunk == 0), head_backward, "
+           "lambda o, head: (ring_grad, head), out, head)",
            (PIPELINE, BF16_PARALLEL, MEMORY),
-           "W computes the head's (ln_final, lm_head) gradient on the first virtual stage, not the last"),
-    Mutant("blind3-pp-out-grad-last-stage-any-chunk", "blind3", SRC_MANUAL_PP,
-           "return jnp.where(last_virtual(c), jnp.zeros_like(one), grads_in[grad[t, stage]])",
-           "return jnp.where(stage == n - 1, jnp.zeros_like(one), grads_in[grad[t, stage]])",
+           "the head's backward (the ln_final and lm_head gradient, the output's gradient) runs on the first "
+           "virtual stage, not the last"),
+    Mutant("blind3-split-w-overwrites-the-sum", "blind3", SRC_PP_SPLIT,
+           "s, lax.dynamic_index_in_dim(s, l, 0, keepdims=False) + d.astype(s.dtype), l, 0), sums, d_layer), None",
+           "s, d.astype(s.dtype), l, 0), sums, d_layer), None",
            (PIPELINE, BF16_PARALLEL),
-           "the last DEVICE's every chunk takes a zero output gradient, not only the last virtual stage's "
-           "(interleaved: its earlier chunks lose the gradient sent back from stage 0)"),
+           "W writes each layer's weight gradient over its sum instead of adding it: the blocks keep the last "
+           "micro-batch's gradient alone"),
+    Mutant("blind3-pp-out-grad-last-stage-any-chunk", "blind3", SRC_MANUAL_PP,
+           "last = (lax.axis_index(STAGE) == lax.axis_size(STAGE) - 1) & (chunk == v - 1)",
+           "last = lax.axis_index(STAGE) == lax.axis_size(STAGE) - 1",
+           (PIPELINE, BF16_PARALLEL),
+           "the last DEVICE's every chunk runs the head's backward for its output gradient, not only the last "
+           "virtual stage's (interleaved: its earlier chunks lose the gradient sent back from stage 0)"),
     Mutant("blind3-pp-stash-kept-at-w", "blind3", SRC_MANUAL_PP,
            "keep_at = into([[r if k == pipeline.INPUT else -1 for k, r in zip(kr, rr)]",
            "keep_at = into([[r if k == pipeline.WEIGHT else -1 for k, r in zip(kr, rr)]",
            (PIPELINE, BF16_PARALLEL, PIPELINE_TICKS),
            "zb_h1's stash is written to its slot at W's tick, not B's: W reads a slot no B wrote"),
     Mutant("blind3-pp-loss-not-averaged", "blind3", SRC_MANUAL_PP,
-           "    return lax.psum(loss, STAGE) / m, grads\n",
-           "    return lax.psum(loss, STAGE), grads\n",
+           "        return lax.psum(loss, STAGE) / m, sums\n",
+           "        return lax.psum(loss, STAGE), sums\n",
            (PIPELINE, BF16_PARALLEL),
            "the scheduled pipeline's loss is the SUM of its micro-batches' mean losses (the / M dropped; the "
            "gradient keeps its 1/M seed)"),

@@ -83,6 +83,10 @@ def by_name(mod: Module, comp: str) -> dict[str, Instr]:
     return index[comp]
 
 
+def _no_value(instr: Instr, what: str):
+    raise Unreadable(f"%{instr.name} ({instr.opcode}): {what} is not an integer the reader computes")
+
+
 class Frame:
     """One run of computation `comp`: `params(k)` gives its parameter k; `partition` its partition id."""
 
@@ -112,6 +116,10 @@ class Frame:
         if op in ("fusion", "call"):
             callee = next(c for key, c in call_edges_of(i) if key in ("calls", "to_apply"))
             return self.inner(i, callee).root()
+        if op == "copy-start":  # an async copy to another memory space: (destination, source, context)
+            return Lazy(lambda k: self.value(i.operands[0]) if k < 2 else _no_value(i, "its context"))
+        if op == "copy-done":
+            return self.value(i.operands[0]).get(0)
         if op in ("partition-id", "replica-id"):
             return np.array(self.partition if op == "partition-id" else 0, np.int64)
         shape = parse_shape(i.shape_text)
