@@ -27,7 +27,7 @@ from runners import CFG, MESHES, initial_params, loss_and_grads, max_relative_di
 from traced import gradient_step_equations
 from launch import fit
 from twinshard import cost
-from twinshard.config import Config
+from twinshard.config import Config, rope_on_halves
 from twinshard.splash_blocks import splash_block
 from twinshard.parallel.resolve import single_run
 from twinshard.hardware import topology
@@ -141,7 +141,7 @@ def _single_all_on() -> dict:
 
 @pytest.mark.parametrize("heads", [8, 1], ids=["head_dim 8", "head_dim 64, halves"])
 def test_heads_layout_attends_as_the_tokens_layout_in_float32(heads, monkeypatch):
-    """Where layers.rope_on_halves (here forced at head_dim 64, as at 256 on a TPU), the heads layout projects q
+    """Where twinshard.config.rope_on_halves (here forced at head_dim 64, as at 256 on a TPU), the heads layout projects q
     and k with each head's features as (evens, odds), so RoPE rotates two contiguous halves; one permutation of
     both leaves every score q.k as it was: either way the layer equals the tokens layout's to float32
     rounding. Its q [B, h, T, dh] is the tokens layout's with that permutation (v as it was)."""
@@ -149,8 +149,8 @@ def test_heads_layout_attends_as_the_tokens_layout_in_float32(heads, monkeypatch
 
     from twinshard.model import attention
 
-    assert [layers.rope_on_halves(dh) for dh in (8, 64, 128, 256, 512)] == [False, False, False, True, True]
-    monkeypatch.setattr(layers, "rope_on_halves", lambda dh: dh == 64)
+    assert [rope_on_halves(dh) for dh in (8, 64, 128, 256, 512)] == [False, False, False, True, True]
+    monkeypatch.setattr(attention, "rope_on_halves", lambda dh: dh == 64)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(B, CFG.model.context_length, CFG.model.d_model)),
                     jnp.float32)
     tokens, heads_layout = (attention.CausalSelfAttention(model(qkv_layout=layout, dtype="float32", num_heads=heads),

@@ -615,7 +615,7 @@ MUTANTS: list[Mutant] = [
            "permuted = (halves, halves, False)  # q, k, v",
            "permuted = (halves, False, False)  # q, k, v",
            (SPEED_OPTIONS,), "the heads layout permutes q's features but not k's: every score changes"),
-    Mutant("rope-halves-at-every-head-dim", "layers", SRC_LAYERS,
+    Mutant("rope-halves-at-every-head-dim", "layers", SRC_CONFIG,
            "return head_dim % 256 == 0",
            "return head_dim % 128 == 0",
            (SPEED_OPTIONS,), "RoPE on halves of 64 lanes too (measured no faster at head_dim 128, slower at 64)"),

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from twinshard.config import Config
+from twinshard.config import Config, rope_on_halves
 from twinshard.splash_blocks import SCOPED_VMEM_KIB, splash_fitting, splash_vmem_bytes
 
 # A micro-batch of this many tokens ran fastest at every measured shape with T >= 1024: llama_v5e 4 x 2048 (73.6% MFU
@@ -85,8 +85,6 @@ def _one_chip(cfg: Config, preset: str, given: Mapping[str, Any], shape_given: b
     """qkv_layout, scan_unroll, remat and micro-batching of a single-device run."""
     m, t, out = cfg.model, cfg.train, []
     if m.quantization == "none":  # the heads layout's einsums are not quantized (ModelConfig refuses the pair)
-        from twinshard.model.layers import rope_on_halves
-
         halves = "; q and k on RoPE halves at this head_dim: -3.8% at the 160M shape" if rope_on_halves(m.head_dim) else ""
         out.append(Choice("qkv_layout", "heads", "q, k, v einsummed into the splash kernel's [B, h, T, dh]: with the two "
                           f"bf16 options -7.6% on gpt2_125m, -5.1% on llama_v5e{halves}"))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from twinshard.config import ModelConfig
+from twinshard.config import ModelConfig, rope_on_halves
 from twinshard.model import layers, matmuls
 from twinshard.model.hooks import SINGLE_DEVICE, Parallelism
 from twinshard.model.linear import Linear, use
@@ -66,9 +66,9 @@ class CausalSelfAttention(nnx.Module):
                              f"row-parallel matmuls this strategy places itself ({type(par).__name__}); "
                              "pass --qkv_layout=tokens.")
         x = par.enter_tensor_parallel(x)
-        # q and k with each head's features as (evens, odds) where layers.rope_on_halves: the same permutation of
+        # q and k with each head's features as (evens, odds) where rope_on_halves: the same permutation of
         # both leaves every score q.k as it was, and RoPE rotates two contiguous halves; v as is.
-        halves = layers.rope_on_halves(self.head_dim)
+        halves = rope_on_halves(self.head_dim)
         permuted = (halves, halves, False)  # q, k, v
         q, k, v = (checkpoint_name(project_heads(x, w, self.head_dim, p), n) for w, n, p in zip(ws, QKV_NAMES, permuted))
         out = layers.attend_rotated(q, k, v, par.positions(x.shape[-2]), self.theta, self.max_len, attend, halves)

@@ -178,18 +178,10 @@ def apply_rope_halves(x: Array, positions: Array, theta: float, max_len: int) ->
     apply_rope_halves(x') == apply_rope(x)[..., evens_then_odds(dh)]. Each pair's two features sit dh/2
     apart, so the rotation reads two contiguous halves where apply_rope reads stride-2 slices (on a TPU a
     relayout of q and k in every layer, forward and backward, where the halves are whole vregs:
-    rope_on_halves). x: [..., T, dh], positions: [T]."""
+    twinshard.config.rope_on_halves). x: [..., T, dh], positions: [T]."""
     cos, sin = _rope_at(x.shape[-1], positions, theta, max_len)
     evens, odds = jnp.split(x, 2, axis=-1)
     return jnp.concatenate(_rotate(evens, odds, cos, sin), axis=-1).astype(x.dtype)
-
-
-def rope_on_halves(head_dim: int) -> bool:
-    """Whether the heads layout rotates q and k on halves (apply_rope_halves): where each half is whole vregs
-    of a TPU's 128 lanes. Measured on one v5e (jax 0.10.2, qkv_layout=heads), a step with halves against
-    stride-2 pairs: head_dim 256 (the 160M shape) 764.7 against 795.2 ms; 64 (gpt2_125m, halves of 32 lanes)
-    147.1 against 131.3 ms; 128 (llama_v5e) 254.6 against 255.0 ms."""
-    return head_dim % 256 == 0
 
 
 def evens_then_odds(dh: int) -> np.ndarray:
