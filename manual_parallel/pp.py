@@ -80,15 +80,12 @@ class PipelineRunner(ManualRunner):
         return jax.tree.map(lambda w: lax.dynamic_slice_in_dim(w, chunk * k, k, 0), layers)
 
     def _add_to_chunk(self, sums, d_chunk, chunk):
-        """sums [L/S, ...] with d_chunk [L/(S V), ...] added into chunk's rows, in place: a dynamic-update-slice
-        of the rows' sum, so only the chunk's rows are read and written (the transpose of `_chunk`'s slice
-        would zero-fill all L/S rows and add them all)."""
+        """sums [L/S, ...] with d_chunk [L/(S V), ...] added into chunk's rows, in place (pipeline_split.add_rows:
+        the transpose of `_chunk`'s slice would zero-fill all L/S rows and add them all)."""
         v = self.cfg.train.virtual_stages
         if v == 1:
             return jax.tree.map(lambda s, d: s + d.astype(s.dtype), sums, d_chunk)
-        k = jax.tree.leaves(sums)[0].shape[0] // v
-        return jax.tree.map(lambda s, d: lax.dynamic_update_slice_in_dim(
-            s, lax.dynamic_slice_in_dim(s, chunk * k, k, 0) + d.astype(s.dtype), chunk * k, 0), sums, d_chunk)
+        return pipeline_split.add_rows(sums, d_chunk, chunk * (jax.tree.leaves(sums)[0].shape[0] // v))
 
     def _inputs(self, model, chunk, tokens, arrived, par):
         """What a chunk of this stage works on [B/M, T, D]: virtual stage 0 embeds `tokens`, the others take

@@ -15,8 +15,8 @@ re-run.
 Only the blocks are split. The head (ln_final, lm_head, the loss; the last stage) runs its whole
 backward in B, its weight gradient added in place under its lax.cond (manual_parallel/pp.py
 `_output_grad`): deferring it would keep the logits' gradient [B/M, T, V] in every stage's stash. The
-embedding's gradient is taken once after the tick loop from its outputs' gradients (pp.py
-`_embedding_grad`), as under 1F1B.
+embedding's gradient is added in B too, under its own lax.cond on virtual stage 0 (pp.py
+`_add_embedding_grad`), as in 1F1B's backward.
 """
 
 from __future__ import annotations
@@ -33,6 +33,18 @@ from twinshard.model import taps
 from twinshard.model.transformer import layer_graphdef
 
 EMBED, HEAD = ("token_embeddings",), ("ln_final", "lm_head")  # the params outside the blocks
+
+
+def add_rows(sums, d_rows, start):
+    """sums (leaves [n, ...]) with d_rows (leaves [k, ...]) added into rows [start, start + k), in place: a
+    dynamic-update-slice of those rows' sum, so only they are read and written (the transpose of a slice
+    would zero-fill all n rows and add them all). W adds a layer's rows, pp.py a chunk's."""
+    def add(s, d):
+        k = d.shape[0]
+        return lax.dynamic_update_slice_in_dim(s, lax.dynamic_slice_in_dim(s, start, k, 0) + d.astype(s.dtype),
+                                               start, 0)
+
+    return jax.tree.map(add, sums, d_rows)
 
 
 class Shapes(NamedTuple):
@@ -105,8 +117,8 @@ class SplitBackward:
 
     def weight_grad(self, stash: list, sums: dict) -> dict:
         """W: `sums` (like the blocks' params [L/S, ...]) with the blocks' weight gradient from a B's stash
-        added, layer by layer in place (a dynamic-update-slice of layer l's rows: no [L/S, ...] gradient
-        built and then added)."""
+        added, layer by layer in place (`add_rows` of layer l's row: no [L/S, ...] gradient built and then
+        added)."""
         n = len(self.shapes.inputs)
         operands, dys = stash[:n], stash[n:]
 
@@ -120,8 +132,7 @@ class SplitBackward:
         def block(sums, xs):  # layer l's params, operands and dy's
             l, layer, ins, dy = xs
             d_layer = jax.vjp(outputs(ins), layer)[1](dy)[0]
-            return jax.tree.map(lambda s, d: lax.dynamic_update_index_in_dim(
-                s, lax.dynamic_index_in_dim(s, l, 0, keepdims=False) + d.astype(s.dtype), l, 0), sums, d_layer), None
+            return add_rows(sums, jax.tree.map(lambda d: d[None], d_layer), l), None
 
         # unrolled: in a loop the stash's slot and the sums travel as the loop's operands, in its layout, and
         # XLA:TPU copied each whole stash ring and the w1 / w3 sums into it every W (gpt2_350m, v5e:2x2: 1.85

@@ -128,11 +128,11 @@ MUTANTS: list[Mutant] = [
            "the head's backward (the ln_final and lm_head gradient, the output's gradient) runs on the first "
            "virtual stage, not the last"),
     Mutant("blind3-split-w-overwrites-the-sum", "blind3", SRC_PP_SPLIT,
-           "s, lax.dynamic_index_in_dim(s, l, 0, keepdims=False) + d.astype(s.dtype), l, 0), sums, d_layer), None",
-           "s, d.astype(s.dtype), l, 0), sums, d_layer), None",
+           "return lax.dynamic_update_slice_in_dim(s, lax.dynamic_slice_in_dim(s, start, k, 0) + d.astype(s.dtype),",
+           "return lax.dynamic_update_slice_in_dim(s, d.astype(s.dtype),",
            (PIPELINE, BF16_PARALLEL),
-           "W writes each layer's weight gradient over its sum instead of adding it: the blocks keep the last "
-           "micro-batch's gradient alone"),
+           "W (and an interleaved chunk's backward: one add_rows) writes each layer's weight gradient over its sum "
+           "instead of adding it: the blocks keep the last micro-batch's gradient alone"),
     Mutant("blind3-pp-out-grad-last-stage-any-chunk", "blind3", SRC_MANUAL_PP,
            "last = (lax.axis_index(STAGE) == lax.axis_size(STAGE) - 1) & (chunk == v - 1)",
            "last = lax.axis_index(STAGE) == lax.axis_size(STAGE) - 1",
