@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from twinshard.config import PRESETS, ModelConfig, preset
+from twinshard.config import PRESETS, ModelConfig, preset, rope_on_halves
 from twinshard.splash_blocks import splash_block, splash_fitting, splash_vmem_bytes
 from twinshard.hardware import fast_path
 
@@ -358,3 +358,20 @@ def test_every_flag_that_changes_the_model_drops_the_presets_measured_batch(on_v
         assert got.train.batch_size == 2 and "by the memory model" in lines[0], (flag, lines)
     for argv in (["--seed=3"], ["--steps=5"], ["--lr=0.002"], ["--logits_dtype=float32"], ["--optimizer=sgd"]):
         assert on_v5e("--preset=llama_v5e", *argv, cfg=cfg)[0].train.batch_size == 4, argv
+
+
+@pytest.mark.parametrize("name, given, halves", [
+    ("gpt2_125m", {}, False),  # head_dim 64 (d_model 768 is a multiple of 256: the head's width decides)
+    ("llama_v5e", {}, False),  # head_dim 128
+    ("gpt2_125m", {"d_model": 1024, "num_heads": 4}, True),  # the 160M shape's head_dim 256
+    ("gpt2_125m", {"d_model": 1536, "num_heads": 3, "qkv_layout": "tokens"}, False),  # halves need the heads layout
+])
+def test_the_qkv_layout_line_claims_rope_halves_exactly_where_the_model_rotates_halves(name, given, halves):
+    """The heads layout's reason names RoPE on halves iff config.rope_on_halves(head_dim) holds, the rule the
+    attention itself applies (twinshard.model.attention.project_heads): never by d_model, which is a multiple
+    of 256 for gpt2_125m's 12 heads of 64 too."""
+    got = path(name, given, shape_given=bool(given))
+    line = got.lines()[0]
+    assert got.cfg.model.head_dim == got.cfg.model.d_model // got.cfg.model.num_heads
+    assert ("RoPE halves" in line) == halves == (got.cfg.model.qkv_layout == "heads"
+                                                  and rope_on_halves(got.cfg.model.head_dim)), line

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import re
+import types
 from fractions import Fraction
 
 import jax
@@ -153,6 +154,26 @@ def test_interleaved_stores_each_device_its_chunks_round_robin(impl):
     held = {s.index[0].start // 2: np.asarray(s.data) for s in shards}  # stage -> its [2, D, F] rows
     np.testing.assert_array_equal(held[0], model_w1[[0, 2]])
     np.testing.assert_array_equal(held[1], model_w1[[1, 3]])
+
+
+@pytest.mark.parametrize("rows, v", [(4, 2), (6, 2), (6, 3), (3, 1)])
+def test_a_chunk_is_its_own_rows_and_its_gradient_is_added_there_alone(rows, v):
+    """The manual twin's chunk c of a stage's `rows` layers [L/S, ...] in V chunks is rows [c k, (c + 1) k),
+    k = L/(S V), and its gradient is added into those rows alone (PipelineRunner._chunk, _add_to_chunk; V = 1:
+    all rows). The twins' runs above hold one layer a chunk (k = 1), where row c and row c k are the same row:
+    here k is 2 or 3. Eager, on the host: nothing compiles."""
+    from manual_parallel.pp import PipelineRunner
+
+    fake = types.SimpleNamespace(cfg=types.SimpleNamespace(train=types.SimpleNamespace(virtual_stages=v)))
+    k = rows // v
+    layers = {"w": np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)}  # row r holds 3r, 3r + 1, 3r + 2
+    for c in range(v):
+        np.testing.assert_array_equal(PipelineRunner._chunk(fake, layers, c)["w"], layers["w"][c * k:(c + 1) * k])
+        sums = {"w": np.full((rows, 3), 10.0, np.float32)}
+        d = {"w": np.ones((k, 3), np.float32) * (c + 1)}
+        want = sums["w"].copy()
+        want[c * k:(c + 1) * k] += c + 1
+        np.testing.assert_array_equal(PipelineRunner._add_to_chunk(fake, sums, d, c)["w"], want)
 
 
 def test_an_interleaved_checkpoint_holds_the_model_order(tmp_path):
