@@ -238,6 +238,29 @@ def test_the_single_device_step_sums_in_the_flags_dtype_an_unrolled_stack_by_lay
     assert got == {"float32": (*counts, {"float32"}), "weight": (*counts, {"bfloat16"})}
 
 
+def test_every_unrolled_stack_is_carried_layer_by_layer():
+    """A model of two stacks (tiny_moe with its first 2 layers dense: dense_layers [2, ...], then the experts'
+    layers [2, ...]), unrolled, K = 4: SingleDevice.train_step's micro-batch scan carries no leaf of either
+    stack whole, so each stack unrolled_stacks names reaches sum_by_layer (the test above has one stack; here a
+    stack left out would be summed as [2, ...] with the same values). Traced, not compiled."""
+    moe = preset("tiny_moe")
+    cfg = Config(dataclasses.replace(moe.model, num_layers=4, first_dense_layers=2, scan_unroll=2),
+                 dataclasses.replace(moe.train, grad_accum=4))
+    assert unrolled_stacks(cfg.model, 4) == ("dense_layers", "layers")
+    r = SingleDevice(cfg.model, cfg.train)
+    state = jax.eval_shape(lambda: r.init_state(0))
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.context_length), np.int32)
+    (micro,) = [e for e in scans(jax.make_jaxpr(r.train_step)(state, tokens, tokens).jaxpr)
+                if e.params["length"] == 4]  # the layer scans run 2
+    carries, _ = micro.params["ft_out"].update(micro.outvars).unpack()  # (carries, ys)
+    carried = [v.aval.shape for v in carries]
+    for stack in ("dense_layers", "layers"):
+        whole = {p.shape for p in jax.tree.leaves(state.params[stack])}
+        assert not whole & set(carried), (stack, whole & set(carried))
+        for p in jax.tree.leaves(state.params[stack]):  # each layer's own array, at least L of each shape
+            assert carried.count(p.shape[1:]) >= p.shape[0], (stack, p.shape)
+
+
 def _stacked_leaves(params) -> list:
     """The stack's leaves [L, ...] whose one-layer shape no other param has (the final norm's gain is a layer
     norm's shape)."""
