@@ -124,3 +124,36 @@ def test_the_compilation_cache_is_keyed_by_the_library_sources(tmp_path, monkeyp
     keep.mkdir()
     cache.prune(keep)
     assert sorted(p.name for p in jax_cache.iterdir()) == [keep.name, "recent0123456789"]
+
+
+KEYED = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_compilation_cache_dir", sys.argv[2])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", float(sys.argv[3]))
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from harness import suite_profile
+programs = suite_profile.record_programs()
+f = lambda x: jnp.sin(x) * 3.0 + 0.125
+for n in (7, 7, 9):  # the same program twice (its executable dropped between), then another shape
+    jax.jit(f).lower(np.ones(n, np.float32)).compile()
+    jax.clear_caches()
+rows = [{"test": "t", "compiled": programs}]
+print(json.dumps({"programs": programs, "twice": suite_profile.compiled_twice(rows)}))
+"""
+
+
+@pytest.mark.parametrize("floor, cold", [(60.0, 3), (0.0, 2)])
+def test_the_suite_profile_keys_each_cold_compile_and_names_a_program_compiled_twice(tmp_path, floor, cold):
+    """tests/harness/suite_profile.py records each cold compile with its persistent-cache key. A program under the
+    cache's floor of compile seconds is not written to the cache, so dropping its executable compiles it cold
+    again, under the same key: compiled_twice names it. Above the floor, the second compile is a cache hit and
+    nothing is listed twice."""
+    done = subprocess.run([sys.executable, "-c", KEYED, str(cli.ROOT / "tests"), str(tmp_path / "cache"), str(floor)],
+                          capture_output=True, text=True, timeout=120, env=cli.env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = __import__("json").loads(done.stdout.splitlines()[-1])
+    keys = [key for _, _, key in got["programs"]]
+    assert len(keys) == cold and all(keys) and len(set(keys)) == 2, got
+    assert list(got["twice"].values()) == ([["t", "t"]] if cold == 3 else []), got

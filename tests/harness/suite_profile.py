@@ -5,8 +5,9 @@ thread of the process: what a test costs on a loaded machine, where wall time is
 and the seconds jax reports through jax.monitoring (public listeners) for tracing, lowering to
 MLIR and the XLA backend compile (wall seconds; a persistent-cache hit reports no backend compile); the controller prints one
 row per module and writes FILE (JSON lines, one per test). Each row also lists the programs
-compiled cold ("compiled": [jitted function, seconds]); the launchers forked by
-tests/harness/zygote.py append theirs, one line per command, to FILE-launchers.jsonl.
+compiled cold ("compiled": [jitted function, seconds, persistent-cache key or null]); the launchers forked by
+tests/harness/zygote.py append theirs, one line per command, to FILE-launchers.jsonl. The summary ends with
+the programs compiled cold more than once: one cache key compiled twice is a program two tests did not share.
 Only the first pytest (the controller, which sets _OWNER to its pid) and its xdist workers (its
 children) record: not a pytest that a test starts (tools/mutate.py's runs inherit the variables;
 measured: such a run's summary merged and deleted the workers' files).
@@ -29,7 +30,8 @@ def record_programs() -> list[list]:
     import jax
 
     programs: list[list] = []
-    hit = [False]
+    hit, key = [False], [None]
+    _record_cache_keys(key)
 
     def on_event(event: str, **_) -> None:
         if event == CACHE_HIT:
@@ -40,13 +42,46 @@ def record_programs() -> list[list]:
             hit[0] = False
 
     def on_end(event: str, duration: float, fun_name: str = "?", **_) -> None:
-        if event == BACKEND_COMPILE and not hit[0]:
-            programs.append([fun_name, round(duration, 3)])
+        if event == BACKEND_COMPILE:
+            if not hit[0]:
+                programs.append([fun_name, round(duration, 3), key[0]])
+            key[0] = None
 
     jax.monitoring.register_event_listener(on_event)
     jax.monitoring.register_scalar_listener(on_start)
     jax.monitoring.register_event_duration_secs_listener(on_end)
     return programs
+
+
+def _record_cache_keys(key: list) -> None:
+    """Set key[0] to the persistent-cache key of each compile as jax resolves it (None where the cache is
+    not used: libtpu's ahead-of-time compiles). jax has no public hook for it: this wraps a private
+    function of jax 0.12 (jax._src.compiler._resolve_compilation_strategy, which returns (key, options)),
+    once per process, and records no key where it is missing."""
+    from jax._src import compiler
+
+    resolve = getattr(compiler, "_resolve_compilation_strategy", None)
+    if resolve is None or getattr(resolve, "keyed", False):
+        return
+
+    def keyed(*args, **kwargs):
+        out = resolve(*args, **kwargs)
+        key[0] = out[0]
+        return out
+
+    keyed.keyed = True
+    compiler._resolve_compilation_strategy = keyed
+
+
+def compiled_twice(rows: list[dict]) -> dict[str, list[str]]:
+    """Cache key -> the tests (or launcher commands) that compiled it cold, for every key compiled cold more
+    than once in `rows` (the profile's test rows and launcher rows)."""
+    where: dict[str, list[str]] = {}
+    for r in rows:
+        for entry in r.get("compiled", []):
+            if len(entry) > 2 and entry[2]:
+                where.setdefault(entry[2], []).append(r.get("test") or " ".join(r.get("argv", []))[:80])
+    return {k: v for k, v in where.items() if len(v) > 1}
 
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -134,3 +169,11 @@ if ACTIVE:
             other = m["wall"] - m["compile"] - m["trace"] - m["lower"]
             write(f"{name:<28} {m['wall']:8.1f} {m['cpu']:8.1f} {m['compile']:8.1f} {m['trace']:7.1f} {m['lower']:7.1f} {other:8.1f}"
                   f" {m['programs']:8.0f}")
+        launchers = pathlib.Path(_PROFILE + "-launchers.jsonl")
+        every = rows + [json.loads(line) for line in (launchers.read_text().splitlines() if launchers.exists() else [])]
+        cold = [e for r in every for e in r.get("compiled", [])]
+        twice = compiled_twice(every)
+        write(f"programs compiled cold: {len(cold)} ({sum(1 for e in cold if len(e) > 2 and not e[2])} without a "
+              f"cache key: libtpu's); cache keys compiled more than once: {len(twice)}")
+        for k, where in list(twice.items())[:10]:
+            write(f"  {k[:60]}: {', '.join(where)}")
