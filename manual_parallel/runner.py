@@ -57,8 +57,8 @@ class ManualParallelism(Parallelism):
     def layer_policy(self, policy):
         """The layer's policy, plus `saves_reductions`: a checkpointed layer's backward pass
         recomputes matmuls, never a reduction (tp, fsdp_tp: Megatron g; tp_sp: its reduce-scatter,
-        but it re-gathers the sequence shards, see tp_sp.py; dp and fsdp run no
-        all-reduce in a layer's forward, so for them this adds nothing)."""
+        but it re-gathers the sequence shards, and under full saves the layer input alone, see
+        tp_sp.py; dp and fsdp run no all-reduce in a layer's forward, so for them this adds nothing)."""
         return also_saving(policy, saves_reductions)
 
 

@@ -9,6 +9,7 @@ from jax import lax
 
 from manual_parallel.collectives import all_gather_matmul, copy_to_tp, gather_sequence, scatter_sequence
 from manual_parallel.tp import TENSOR, TensorParallel
+from twinshard.model.remat import REMAT_POLICIES
 
 __all__ = ["SequenceParallel", "CollectiveMatmul",
            "parallelism"]
@@ -26,6 +27,14 @@ class SequenceParallel(TensorParallel):
     def exit_tensor_parallel(self, x):
         """Partial sums [b, T, D] (after O, W2, or the embedding lookup) -> this shard's [b, T/t, D]."""
         return scatter_sequence(x, TENSOR)
+
+    def layer_policy(self, policy):
+        """remat full: nothing_saveable as it is, the layer input [b, T/t, D] alone, as MaxText's full remat
+        (and the GSPMD twin): the backward loop re-runs the attention block's scatter_sequence (L more
+        reduce-scatters of [b, T/t, D] a step; the sequence gathers re-run under any policy) where saving
+        its output held one more [b, T/t, D] a layer (the 128B on fsdp 16 x tensor 16: 2.7 GB a chip, past
+        a v5e's HBM). Other policies also save the reductions (ManualParallelism.layer_policy)."""
+        return policy if policy is REMAT_POLICIES["full"] else super().layer_policy(policy)
 
     def weight(self, w, axes):
         """RMSNorm gains run on sequence shards: f makes their gradient the sum over all tokens.

@@ -123,8 +123,8 @@ def test_fsdp_splits_weights_flat_where_data_does_not_divide_d_model():
         ("fsdp_cp", "data:1536,context:4 flat"), ("fsdp_cp", "data:768,context:8 flat"),
         ("fsdp_ulysses", "data:1536,context:4 flat"), ("fsdp_ulysses", "data:768,context:8 flat"),
         ("fsdp_tp", "data:768,tensor:8 flat"), ("fsdp_tp", "data:384,tensor:16 flat"),
-        ("fsdp_tp_sp", "data:768,tensor:8 flat"), ("fsdp_tp_sp", "data:384,tensor:16 flat"),
-        ("fsdp_cp", "data:384,context:16 flat"), ("fsdp_ulysses", "data:384,context:16 flat"),
+        ("fsdp_tp_sp", "data:768,tensor:8 flat"), ("fsdp_cp", "data:384,context:16 flat"),
+        ("fsdp_tp_sp", "data:384,tensor:16 flat"), ("fsdp_ulysses", "data:384,context:16 flat"),
         ("fsdp_ulysses", "data:192,context:32 flat"), ("fsdp_cp", "data:192,context:32 flat"),
         ("fsdp_ulysses", "data:96,context:64 flat"), ("fsdp_tp_sp", "data:192,tensor:32 flat"),
         ("tp_sp", "data:192,tensor:32"), ("fsdp_tp_sp", "data:96,tensor:64 flat"), ("tp_sp", "data:96,tensor:64")]

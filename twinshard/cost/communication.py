@@ -142,7 +142,10 @@ def _tp_sp_micro_batch_rows(ctx: Ctx, batch: int) -> list[Row]:
         row(ctx, "backward", "all-reduce", ("tensor",), 2 * L + 1, ctx.cfg.d_model * F32,
             "copy_to_tp backward: psum of each RMSNorm gain's gradient [D] f32 (its tokens' share; the gain "
             "is cast to float32 before the hook)"),
-    ]
+    ] + ([row(ctx, "backward", "reduce-scatter", ("tensor",), L, a // t,
+              f"scatter_sequence after output_proj recomputed under remat=full (SequenceParallel.layer_policy "
+              f"saves the layer input alone; the MLP's recompute reads the residual stream it rebuilds)")]
+         if ctx.cfg.remat == "full" else [])
     if ctx.cfg.collective_matmul:  # collectives.all_gather_matmul: t - 1 hops of a chunk each
         hops = 2 * L * (t - 1)
         return rows + [

@@ -195,8 +195,8 @@ def _saved_per_layer_sequence(cfg: ModelConfig, remat: str, b: int, seq: int, t:
     if remat == "none":  # 4 [b,T/t,D] + 4 [b,T/t,1] + 2 gathered [b,T,D] + q, k, v, o, lse + ...
         return (b * seq * (7 * d // t + 2 * kv + 2 * d + 3 * f // t + h // t) + 4 * b * seq // t
                 + _kv_slices(cfg, remat, t))
-    if remat == "full":  # the layer input and the attention block's reduce-scatter output, [b,T/t,D]
-        return 2 * b * seq * d // t
+    if remat == "full":  # the layer input [b,T/t,D] alone (manual_parallel/tp_sp.py's layer_policy)
+        return b * seq * d // t
     no_batch = b * seq * (3 * d // t + 2 * kv + 2 * f // t)  # the two [b,T/t,D] above, q, k, v, w1 and w3 outputs
     if remat == "dots_no_batch":
         return no_batch
