@@ -7,7 +7,8 @@ MLIR and the XLA backend compile (wall seconds; a persistent-cache hit reports n
 row per module and writes FILE (JSON lines, one per test). Each row also lists the programs
 compiled cold ("compiled": [jitted function, seconds, persistent-cache key or null]); the launchers forked by
 tests/harness/zygote.py append theirs, one line per command, to FILE-launchers.jsonl. The summary ends with
-the programs compiled cold more than once: one cache key compiled twice is a program two tests did not share.
+the programs compiled cold more than once and the seconds their repeats cost: one cache key compiled twice is
+a program two tests did not share, or one under the cache's floor of compile seconds (conftest: 0.5 s).
 Only the first pytest (the controller, which sets _OWNER to its pid) and its xdist workers (its
 children) record: not a pytest that a test starts (tools/mutate.py's runs inherit the variables;
 measured: such a run's summary merged and deleted the workers' files).
@@ -73,15 +74,21 @@ def _record_cache_keys(key: list) -> None:
     compiler._resolve_compilation_strategy = keyed
 
 
-def compiled_twice(rows: list[dict]) -> dict[str, list[str]]:
-    """Cache key -> the tests (or launcher commands) that compiled it cold, for every key compiled cold more
-    than once in `rows` (the profile's test rows and launcher rows)."""
-    where: dict[str, list[str]] = {}
+def compiled_twice(rows: list[dict]) -> dict[str, list[tuple[str, float]]]:
+    """Cache key -> [(test or launcher command, compile seconds)] of every key compiled cold more than once in
+    `rows` (the profile's test rows and launcher rows)."""
+    where: dict[str, list[tuple[str, float]]] = {}
     for r in rows:
         for entry in r.get("compiled", []):
             if len(entry) > 2 and entry[2]:
-                where.setdefault(entry[2], []).append(r.get("test") or " ".join(r.get("argv", []))[:80])
+                where.setdefault(entry[2], []).append((r.get("test") or " ".join(r.get("argv", []))[:80], entry[1]))
     return {k: v for k, v in where.items() if len(v) > 1}
+
+
+def repeated_seconds(compiles: list[tuple[str, float]]) -> float:
+    """The compile seconds one key's repeats cost: all but its longest compile."""
+    seconds = [s for _, s in compiles]
+    return sum(seconds) - max(seconds)
 
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -172,8 +179,9 @@ if ACTIVE:
         launchers = pathlib.Path(_PROFILE + "-launchers.jsonl")
         every = rows + [json.loads(line) for line in (launchers.read_text().splitlines() if launchers.exists() else [])]
         cold = [e for r in every for e in r.get("compiled", [])]
-        twice = compiled_twice(every)
+        twice = sorted(compiled_twice(every).items(), key=lambda kv: -repeated_seconds(kv[1]))
         write(f"programs compiled cold: {len(cold)} ({sum(1 for e in cold if len(e) > 2 and not e[2])} without a "
-              f"cache key: libtpu's); cache keys compiled more than once: {len(twice)}")
-        for k, where in list(twice.items())[:10]:
-            write(f"  {k[:60]}: {', '.join(where)}")
+              f"cache key: libtpu's); compiled more than once: {len(twice)} programs, "
+              f"{sum(repeated_seconds(w) for _, w in twice):.1f} s of compile on their repeats; the costliest:")
+        for k, where in twice[:5]:
+            write(f"  {repeated_seconds(where):6.2f} s {k[:48]}: {len(where)} x, in {', '.join(t for t, _ in where[:3])}")
