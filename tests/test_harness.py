@@ -136,11 +136,13 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", float(sys.argv[3
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 from harness import suite_profile
 programs = suite_profile.record_programs()
+second = suite_profile.record_programs()  # a second recorder of the process sees the same keys
 f = lambda x: jnp.sin(x) * 3.0 + 0.125
 for n in (7, 7, 9):  # the same program twice (its executable dropped between), then another shape
     jax.jit(f).lower(np.ones(n, np.float32)).compile()
     jax.clear_caches()
 rows = [{"test": "t", "compiled": programs}]
+assert second == programs, (second, programs)
 print(json.dumps({"programs": programs, "twice": suite_profile.compiled_twice(rows)}))
 """
 

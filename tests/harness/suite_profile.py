@@ -31,8 +31,8 @@ def record_programs() -> list[list]:
     import jax
 
     programs: list[list] = []
-    hit, key = [False], [None]
-    _record_cache_keys(key)
+    hit = [False]
+    _record_cache_keys()
 
     def on_event(event: str, **_) -> None:
         if event == CACHE_HIT:
@@ -43,10 +43,8 @@ def record_programs() -> list[list]:
             hit[0] = False
 
     def on_end(event: str, duration: float, fun_name: str = "?", **_) -> None:
-        if event == BACKEND_COMPILE:
-            if not hit[0]:
-                programs.append([fun_name, round(duration, 3), key[0]])
-            key[0] = None
+        if event == BACKEND_COMPILE and not hit[0]:
+            programs.append([fun_name, round(duration, 3), _KEY[0]])
 
     jax.monitoring.register_event_listener(on_event)
     jax.monitoring.register_scalar_listener(on_start)
@@ -54,8 +52,13 @@ def record_programs() -> list[list]:
     return programs
 
 
-def _record_cache_keys(key: list) -> None:
-    """Set key[0] to the persistent-cache key of each compile as jax resolves it (None where the cache is
+# the persistent-cache key of the compile in progress, one per process (every listener of record_programs reads
+# it): jax resolves one, or None, before each backend compile
+_KEY: list = [None]
+
+
+def _record_cache_keys() -> None:
+    """Set _KEY[0] to the persistent-cache key of each compile as jax resolves it (None where the cache is
     not used: libtpu's ahead-of-time compiles). jax has no public hook for it: this wraps a private
     function of jax 0.12 (jax._src.compiler._resolve_compilation_strategy, which returns (key, options)),
     once per process, and records no key where it is missing."""
@@ -67,7 +70,7 @@ def _record_cache_keys(key: list) -> None:
 
     def keyed(*args, **kwargs):
         out = resolve(*args, **kwargs)
-        key[0] = out[0]
+        _KEY[0] = out[0]
         return out
 
     keyed.keyed = True
