@@ -241,6 +241,19 @@ def test_text_json_and_compare():
     assert "DIFFERS" in table and "TOTAL" in table
 
 
+@pytest.mark.parametrize("field, value, match", [("count", 4, False), ("bytes", 1024 + 2, False),
+                                                 ("ring_bytes", 1.0, True), ("count", 3, True)])
+def test_compare_matches_a_row_on_its_count_and_its_bytes_each(field, value, match):
+    """A measured row matches the model's when its count AND its bytes agree, each on its own (3 all-reduces
+    of 1024 B; ring bytes are derived, reported, not compared): one more collective, or two bytes more of
+    the same count, is a row that DIFFERS."""
+    model = {("all-reduce", ("data",)): {"count": 3, "bytes": 1024, "ring_bytes": 1536.0}}
+    measured = {("all-reduce", ("data",)): {**model["all-reduce", ("data",)], field: value}}
+    (row,) = cost.compare(measured, model)
+    assert row["match"] is match and row[f"measured_{field}"] == value
+    assert ("DIFFERS" in cost.compare_table([row])) is not match
+
+
 def test_permute_rows_say_who_sends_to_whom():
     """pp on stage:2 with M=4 (GPipe, M+S-1 = 5 ticks): one hop per tick one stage on, the last
     stage sending nothing (a line), and one back; cp's ring over context:4 forward, the reverse

@@ -8,12 +8,15 @@ import pathlib
 import re
 import sys
 
+import jax
 import pytest
 
 from twinshard import hlo
 from twinshard.config import Config, preset
 from twinshard.hardware import chips, links, plan, topology
 from twinshard.hlo.timing import Rates, predict
+from twinshard.train.optim import make_optimizer
+from twinshard.train.trainer import abstract_state
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tools"))
 
@@ -68,6 +71,66 @@ def test_the_dot_hides_its_share_of_the_transfers_and_the_rest_is_exposed():
     assert pred.step_s == pytest.approx(a + b)
 
 
+@pytest.mark.parametrize("kind, op, ring", [("ALL_REDUCE", "all-reduce", 2 * 3 / 4), ("ALL_GATHER", "all-gather", 3 / 4),
+                                             ("REDUCE_SCATTER", "reduce-scatter", 3), ("ALL_TO_ALL", "all-to-all", 3 / 4)])
+def test_each_transfer_type_is_its_collective_with_its_ring_bytes(kind, op, ring):
+    """A megascale transfer's type names the collective across the 4 slices (MESH), and a ring of 4 sends
+    its op's share of the payload: 2 x 3/4 for an all-reduce, 3/4 for a gather or an all-to-all, 3 x the
+    (scattered) result for a reduce-scatter."""
+    across = hlo.ledger(_program(kind), MESH).filter(axes="dcn")
+    assert sorted((r.name, r.op, r.bytes, r.ring_bytes) for r in across) == [
+        ("send", op, 2**20, ring * 2**20), ("send.1", op, 4096, ring * 4096)]
+
+
+# the transfer `a` of _program inside a loop of 3 trips (the backward's layer loop, where XLA issues a
+# layer's gradient all-reduce across slices)
+LOOP = f"""HloModule m, is_scheduled=true, num_partitions=2
+
+%body (t: (s32[], f32[256,1024])) -> (s32[], f32[256,1024]) {{
+  %t = (s32[], f32[256,1024]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %p = f32[256,1024]{{1,0}} get-tuple-element(%t), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %after-all = token[] after-all()
+  %send = (f32[256,1024]{{1,0}}, u32[], token[]) send(%p, %after-all), channel_id=2, {_transfer("a")}
+  %recv = (f32[256,1024]{{1,0}}, u32[], token[]) recv(%after-all), channel_id=1, {_transfer("a")}
+  %send-done = token[] send-done(%send), channel_id=2, is_host_transfer=true
+  %recv-done = (f32[256,1024]{{1,0}}, token[]) recv-done(%recv), channel_id=1, is_host_transfer=true
+  %got = f32[256,1024]{{1,0}} get-tuple-element(%recv-done), index=0
+  ROOT %out = (s32[], f32[256,1024]{{1,0}}) tuple(%next, %got)
+}}
+
+%cond (c: (s32[], f32[256,1024])) -> pred[] {{
+  %c = (s32[], f32[256,1024]{{1,0}}) parameter(0)
+  %j = s32[] get-tuple-element(%c), index=0
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %three), direction=LT
+}}
+
+ENTRY %main (p: f32[256,1024]) -> f32[256,1024] {{
+  %p = f32[256,1024]{{1,0}} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[256,1024]{{1,0}}) tuple(%zero, %p)
+  %w = (s32[], f32[256,1024]{{1,0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"3"}}}}
+  ROOT %r = f32[256,1024]{{1,0}} get-tuple-element(%w), index=1
+}}
+"""
+
+
+def test_the_report_counts_a_transfer_in_a_loop_once_a_trip():
+    """launch.plan --compile's report on a step whose DCN all-reduce runs in a loop of 3 trips: 3 x its 1 MiB
+    cross DCN, and the DCN lane prices all three at v5e's DCN rate (no compile: the step is LOOP)."""
+    topo = links.with_slices(links.parse_topology(TOPOLOGY), 4)
+    hsdp_plan = plan.evaluate(SMALL.model, topo, "fsdp", INSIDE, 4 * SMALL.train.batch_size)
+    analysis = {"argument_size_in_bytes": 2**20, "output_size_in_bytes": 2**20, "alias_size_in_bytes": 0,
+                "temp_size_in_bytes": 0}
+    _, doc = ls.compiled_report(hsdp_plan, topo, {"hlo": LOOP, "mesh": MESH, "compile_s": 0.0,
+                                                  "memory_analysis": analysis})
+    assert doc["dcn_bytes"] == 3 * 2**20
+    assert doc["predicted"]["axes"]["dcn"]["comm_s"] == pytest.approx(3 * 2 * 3 / 4 * 2**20 / chips.V5E_DCN_BYTES_PER_S)
+
+
 # ----------------------------------------------------------------------------- a compiled HSDP step
 
 TOPOLOGY, SLICES, INSIDE = "v5e:2x2", 2, {"data": 4, "tensor": 1}
@@ -111,6 +174,35 @@ def test_the_dcn_term_is_the_planners_at_v5es_dcn_bandwidth(hsdp):
     assert dcn["comm_s"] == pytest.approx(2 * (SLICES - 1) / SLICES * doc["dcn_bytes"] / rate)
     assert "hsdp dcn:2 x data:4,tensor:1 (the auto twin, dcn outermost)" in text
     assert re.search(r"^all-reduce sum +dcn\(DCN\) ", text, re.M) and "axis dcn (DCN): communication" in text
+
+
+@needs_libtpu
+def test_each_slice_trains_its_share_of_the_global_batch(hsdp):
+    """compile_step is given the global batch (SLICES x SMALL's) and compiles a slice's share of it: each
+    chip's program reads batch / (slices x data) rows of x and of y."""
+    _, _, step = hsdp
+    entry = next(line for line in step["hlo"].splitlines() if line.startswith("ENTRY"))
+    rows = SLICES * SMALL.train.batch_size // (SLICES * INSIDE["data"])
+    assert re.findall(r"s32\[(\d+),(\d+)\]", entry) == [(str(rows), str(SMALL.model.context_length))] * 2
+
+
+@needs_libtpu
+def test_across_slices_fsdp_splits_each_weight_over_dcn_then_data():
+    """across=True (fsdp over every chip): each weight's d_model split over (dcn, data), the DCN axis
+    outermost as the [slices, chips] grid lays the devices; across=False (hsdp) no weight is split over dcn.
+    The lowered program's argument shardings say so (lowered, not compiled)."""
+    grid = ls.hybrid_devices(TOPOLOGY, SLICES)
+    assert [d.slice_index for d in grid[:, 0]] == list(range(SLICES))  # slice i is row i
+    shardings = {}
+    for across in (True, False):
+        lowered, mesh = ls.step_lowered(SMALL, "fsdp", INSIDE, grid, across)
+        main = next(line for line in lowered.as_text().splitlines() if "func.func public @main" in line)
+        shardings[across] = re.findall(r"sdy.sharding = #sdy.sharding<@mesh, \[(.*?)\]>", main)
+    assert mesh == {"dcn": SLICES, **INSIDE}
+    # the state's shardings (params, moments; in, then out) and x, y: hsdp's with each `data` split over (dcn, data)
+    assert [a.replace('{"data"}', '{"dcn", "data"}') for a in shardings[False]] == shardings[True]
+    assert sum('"dcn"' in a for a in shardings[False]) == 2  # hsdp: only x and y [slices x B, T] cross slices
+    assert sum('{"dcn", "data"}' in a for a in shardings[True]) > 2 * len(jax.tree.leaves(abstract_state(SMALL.model, make_optimizer(SMALL.train)).params))
 
 
 # ----------------------------------------------------------------------------- the tool
