@@ -45,6 +45,16 @@ def test_the_peak_time_is_a_percentile_within_the_samples(times):
     assert p25(times) == pytest.approx(np.percentile(times, 25))  # linear interpolation
 
 
+def test_the_matmul_peak_counts_two_flops_a_multiply_add(doc):
+    """The recorded peak is an [n, n] x [n, n] matmul's 2 n^3 FLOPs (a multiply and an add each) over the
+    25th-percentile time of its samples, and over their median beside it."""
+    peak = doc["peaks"]["float32"]
+    n, times = peak["n"], peak["times_s"]
+    assert len(times) == peak["reps"] and peak["p25_s"] == p25(times) and peak["median_s"] == np.median(times)
+    assert peak["flops_per_s"] * peak["p25_s"] == pytest.approx(2 * n**3)
+    assert peak["flops_per_s_median"] * peak["median_s"] == pytest.approx(2 * n**3)
+
+
 def test_writes_every_field(doc):
     env = doc["environment"]
     assert env["cpu_count"] >= 1 and len(env["load_avg_before"]) == 3 and len(env["load_avg_after"]) == 3

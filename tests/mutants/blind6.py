@@ -43,6 +43,7 @@ LOSS_CHUNKS = "tests/test_loss_chunks.py"
 COLLECTIVES_CLI = "tests/test_collectives_cli.py"
 WEIGHT_DTYPE = "tests/test_weight_dtype.py"
 SEQUENCE = "tests/test_sequence.py"
+CONTEXT = "tests/test_context.py"
 STRATEGIES = "tests/test_strategies.py"
 MEMORY_FIT = "tests/test_memory_fit.py"
 README = "tests/test_readme.py"
@@ -253,7 +254,7 @@ MUTANTS: list[Mutant] = [
     Mutant("blind6-comm-ring-shifts-per-layer-c", "blind6", SRC_COST_ROWS,
            "n = 2 * (c - 1) * ctx.L",
            "n = 2 * c * ctx.L",
-           (SEQUENCE, STRATEGIES),
+           (COST, CONTEXT, SEQUENCE),  # grep's hits for the ring's rows (first selection: SEQUENCE, STRATEGIES)
            "ring attention modelled with C K/V shifts each per layer, not C - 1"),
     # ------------------------------------------------------------------ the --slices ranking (hardware/plan.py)
     Mutant("blind6-plan-dcn-all-reduce-once", "blind6", SRC_PLAN,
