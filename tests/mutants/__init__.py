@@ -1,5 +1,5 @@
 """The curated mutants of tools/mutate.py: small, realistic bugs, one line each, one module a family
-(parallel, sequence, pipeline, experts, explicit, model, ledger, launch, timeline, kinds, blind, blind3, blind4, blind5, blind6; base.py: the record and
+(parallel, sequence, pipeline, experts, explicit, model, ledger, launch, timeline, kinds, blind, blind3, blind4, blind5, blind6, blind7; base.py: the record and
 the shared file paths and test selections).
 
 A mutant replaces `original` (which must occur exactly once in `file`, else the
@@ -26,11 +26,11 @@ adds mutants for its placement table, each named collective (forward and
 backward) and its cost-model rows.
 """
 
-from . import blind, blind3, blind4, blind5, blind6, experts, explicit, kinds, launch, ledger, model, parallel, pipeline, sequence, timeline
+from . import blind, blind3, blind4, blind5, blind6, blind7, experts, explicit, kinds, launch, ledger, model, parallel, pipeline, sequence, timeline
 from .base import Mutant
 
 __all__ = ["MUTANTS", "Mutant"]
 
 # one family a module, in this order (--list, a full run)
-MUTANTS: list[Mutant] = [m for family in (parallel, sequence, pipeline, experts, explicit, model, ledger, launch, timeline, kinds, blind, blind3, blind4, blind5, blind6)
+MUTANTS: list[Mutant] = [m for family in (parallel, sequence, pipeline, experts, explicit, model, ledger, launch, timeline, kinds, blind, blind3, blind4, blind5, blind6, blind7)
                           for m in family.MUTANTS]
