@@ -69,7 +69,8 @@ def test_overlapping_and_nested_async_pairs_complete_where_their_own_done_is():
         assert w.synchronous == (w.start == "sync")
     # the wrapper's record is the reduce-scatter inside the computation it calls
     rs = next(w for w in sched.entry.windows if w.start == "rs-start")
-    assert [(r.name, r.computation, r.shape) for r in rs.records] == [("rs", "async_rs", (4, 4))]
+    # its computation is called from the start and from the done: it runs once a start, not once more a done
+    assert [(r.name, r.computation, r.shape, r.multiplicity) for r in rs.records] == [("rs", "async_rs", (4, 4), 1)]
     each_record_in_one_window(sched)
 
 
@@ -91,6 +92,38 @@ def test_window_sizes_are_their_records():
     loop = read("schedule_loop_carried.hlo")  # without a done in their computation: the start's result part
     assert {w.start: w.tensor for w in loop.windows()} == {
         "ar-start": "f32[4,4]", "first": "f32[16,4]", "next": "f32[16,4]", "shift-start": "f32[4,4]"}
+
+
+# One all-reduce of two operands (XLA combines small all-reduces so): f32[4,4] and f32[8], 64 + 32 B.
+TUPLE_ALL_REDUCE = """HloModule tuple_all_reduce, is_scheduled=true, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %add = f32[] add(%x, %y)
+}
+
+ENTRY %main (p: f32[4,4], q: f32[8], a: f32[64,64]) -> ((f32[4,4], f32[8]), f32[64,64]) {
+  %p = f32[4,4]{1,0} parameter(0)
+  %q = f32[8]{0} parameter(1)
+  %a = f32[64,64]{1,0} parameter(2)
+  %ar-start = (f32[4,4]{1,0}, f32[8]{0}) all-reduce-start(%p, %q), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+  %mm = f32[64,64]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ar-done = (f32[4,4]{1,0}, f32[8]{0}) all-reduce-done(%ar-start)
+  ROOT %out = ((f32[4,4]{1,0}, f32[8]{0}), f32[64,64]{1,0}) tuple(%ar-done, %mm)
+}
+"""
+
+
+def test_a_tuple_collectives_window_is_all_its_operands():
+    """One async all-reduce of two operands over data (a ring of 2): one window holding the matmul, with both
+    records, and its bytes (64 + 32), ring bytes (2 x 1/2 of them) and tensors those of both operands."""
+    sched = hlo.schedule(TUPLE_ALL_REDUCE, MESH)
+    (w,) = sched.entry.windows
+    assert (w.start, w.finish, w.op, w.axes, w.inside) == ("ar-start", "ar-done", "all-reduce", ("data",), ("mm",))
+    assert [(r.shape, r.bytes) for r in w.records] == [((4, 4), 64), ((8,), 32)]
+    assert (w.bytes, w.ring_bytes, w.tensor) == (96, 96.0, "f32[4,4] f32[8]")
+    each_record_in_one_window(sched)
 
 
 def test_a_loop_inside_a_window_and_pairs_carried_across_the_loop():
