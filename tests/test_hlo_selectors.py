@@ -276,3 +276,19 @@ def test_expect_no_collective_refuses_to_pass_over_an_unparsed_line_of_that_op()
             expect_no_collective(led, op)
     for op in ("all-to-all", "reduce-scatter"):
         expect_no_collective(led, op)
+
+
+
+@pytest.mark.parametrize("want, matches", [
+    ("tp.py", True), ("manual_parallel/tp.py", True), ("/repo/manual_parallel/tp.py", True), ("tp.py:42", True),
+    ("manual_parallel/tp.py:42", True),
+    ("tp.py:4", False), ("tp.py:420", False), ("tp.py:2", False),  # a line is the whole number, not a prefix
+    ("p.py", False), ("parallel/tp.py", False), ("xtp.py", False),  # a file is whole path components
+    ("tp.py:43", False), ("ep.py:42", False)])
+def test_a_source_is_whole_path_components_and_a_whole_line(want: str, matches: bool) -> None:
+    """The `source` selector's rule on one record's `path:line` (/repo/manual_parallel/tp.py:42), value by
+    value: `tp.py:4` is not line 42, `parallel/tp.py` not manual_parallel/tp.py."""
+    from twinshard.hlo.records import source_matches
+
+    assert source_matches("/repo/manual_parallel/tp.py:42", want) is matches
+    assert not source_matches("", want)  # a record without metadata matches no source
