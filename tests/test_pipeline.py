@@ -837,6 +837,10 @@ def test_one_batch_split_check_offers_only_counts_that_split_every_data_shard():
     with pytest.raises(ValueError, match=r"^batch=6 does not split into data=2 x microbatches=4 equal micro-batches "
                                          r"\(each data shard's B/data rows into M\); choose microbatches from \[3\] "):
         pipeline.check(4, 6, 2, 4, data=2)
+    # fewer rows than stages: no count to offer, only the batch (launch.plan's refusal of such a batch too)
+    with pytest.raises(ValueError, match=r"^batch=2 does not split into microbatches=4 equal micro-batches; no count "
+                                         r"of at least stage=4 splits its 2 rows: a --batch_size that is a multiple of 4\.$"):
+        pipeline.check(4, 2, 4, 4)
 
 
 def test_pp_fsdp_bad_batch_split_is_a_clear_error():

@@ -318,3 +318,17 @@ def test_a_schedule_that_does_not_fit_is_not_the_one_named():
     text = "\n".join(planner.schedule_section(tight, "serial"))
     assert text.splitlines()[-1] == "best schedule for this shape: interleaved V=2 M=2", text
     assert planner.train_flags(tight[0], "llm_1b", preset("llm_1b")).count("--schedule=interleaved --virtual_stages=2")
+
+
+@pytest.mark.parametrize("batch, planned", [(2, ()), (4, (2,)), (8, (2, 4))])
+def test_a_pipeline_is_planned_only_at_micro_batch_counts_of_at_least_its_stages(batch, planned):
+    """tiny (2 layers) on v5e:2x2: pp_fsdp on stage:2,data:2 splits each data shard's batch/2 rows into M >= 2
+    micro-batches. At batch 2 a shard's one row makes none, and the skip names the batch's split (a count the
+    user could pick: none), not a micro-batch count below the stages; at 4 and 8 every plan's M is one of the
+    counts by hand, its best."""
+    plans, skipped = plans_lib.plan_all(preset("tiny").model, links.parse_topology("v5e:2x2"), batch)
+    ms = {p.microbatches for p in plans if p.strategy == "pp_fsdp"}
+    assert ms <= set(planned) and bool(ms) == bool(planned)
+    why = [s.why for s in skipped if s.strategy == "pp_fsdp"]
+    assert why == ([] if planned else [
+        "batch=2 does not split into data=2 x microbatches=2 equal micro-batches (each data shard's B/data rows into M)"])

@@ -322,8 +322,10 @@ def check(num_layers: int, batch: int, stages: int, microbatches: int, grad_accu
         fits = [m for m in range(stages, batch // data + 1) if batch % (data * m) == 0]
         split = f"data={data} x microbatches={microbatches}" if data > 1 else f"microbatches={microbatches}"
         rows = " (each data shard's B/data rows into M)" if data > 1 else ""
-        raise ValueError(f"batch={batch} does not split into {split} equal micro-batches{rows}; choose microbatches "
-                         f"from {fits} or a --batch_size that is a multiple of {data * microbatches}.")
+        fix = (f"choose microbatches from {fits} or a --batch_size that is a multiple of {data * microbatches}" if fits
+               else f"no count of at least stage={stages} splits its {batch // data} rows: a --batch_size that is a "
+                    f"multiple of {data * microbatches}")
+        raise ValueError(f"batch={batch} does not split into {split} equal micro-batches{rows}; {fix}.")
 
 
 @dataclass(frozen=True)
