@@ -15,6 +15,7 @@ launch/plan.py, launch/fit.py).
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 
 import jax
@@ -149,6 +150,21 @@ def test_the_model_check_takes_the_first_memory_source_present(sources, absent, 
         sources[name] = None if name == "flag" else types.SimpleNamespace(device_kind="cpu", memory_stats=lambda: None)
     with pytest.raises(ValueError, match=r"and a device has [\d.]+ GiB \(" + named):
         fit.check_model(single_run(preset("tiny")), topology)
+
+
+
+def test_each_memory_source_gives_its_own_bytes(sources, monkeypatch) -> None:
+    """fit.limit's bytes per device from each source, exactly: --device_memory_gib=2 is 2 GiB (2^31 B, not
+    2e9), the accelerator's bytes_limit as it is, and on a CPU host of 8 simulated devices each its eighth
+    of the host's memory (nothing after compiling: XLA:CPU allocates from the host as it goes)."""
+    assert fit.limit(after_compile=False) == (2 * 2**30, "--device_memory_gib=2")
+    sources["flag"] = None
+    assert fit.limit(after_compile=False) == (16 * GIB, "TPU v5 lite's bytes_limit")
+    cpu = types.SimpleNamespace(device_kind="cpu", memory_stats=lambda: None)
+    monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [cpu] * 8)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert fit.limit(after_compile=False) == (host // 8, f"this host's {host / GIB:.1f} GiB shared by 8 device(s)")
+    assert fit.limit(after_compile=True) is None
 
 
 class Compiled:

@@ -332,3 +332,18 @@ def test_a_pipeline_is_planned_only_at_micro_batch_counts_of_at_least_its_stages
     why = [s.why for s in skipped if s.strategy == "pp_fsdp"]
     assert why == ([] if planned else [
         "batch=2 does not split into data=2 x microbatches=2 equal micro-batches (each data shard's B/data rows into M)"])
+
+
+def test_each_precision_flag_sets_its_own_bytes(tmp_path):
+    """launch.plan --param_dtype=bfloat16 --optimizer_dtype=float32 --master_weights: the params and their
+    gradients 2 bytes, AdamW's two moments 4 each, the master copy 4 (each plan's memory, per chip, is
+    those multiples of one parameter's bytes), and the assumptions say so."""
+    out = tmp_path / "plan.json"
+    proc = run("-m", "launch.plan", "--preset=tiny", "--topology=v5e:2x2", "--param_dtype=bfloat16",
+               "--optimizer_dtype=float32", "--master_weights", f"--json={out}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["assumptions"]["precision"] == {"params": "bfloat16", "optimizer": "float32", "master": True}
+    for plan in doc["plans"]:
+        m = plan["memory"]
+        assert m["grads"] == m["params"] and m["optimizer"] == 4 * m["params"] and m["master"] == 2 * m["params"], plan
