@@ -261,3 +261,20 @@ def test_collectives_overwrites_nothing_without_force(tmp_path):
         proc = collectives(*extra, f"--{flag}={kept}")
         assert_user_error(proc, f"--{flag}={kept} exists; pass --force to overwrite it, or another path.")
         assert kept.read_text() == "earlier run" and proc.stdout == ""
+
+
+def test_an_existing_output_is_refused_only_where_a_force_flag_could_allow_it(tmp_path):
+    """common.check_output_path on a file that exists: a launcher with --force (launch.collectives) refuses it
+    unless --force is given; one without (launch.bench's --json, launch.plan's: force=None, a record rewritten
+    each run) writes over it. A directory is never a file path."""
+    from launch import common
+
+    out = tmp_path / "run.json"
+    out.write_text("{}")
+    with pytest.raises(ValueError, match=rf"^--json={out} exists; pass --force to overwrite it, or another path\.$"):
+        common.check_output_path(str(out), "json", force=False)
+    common.check_output_path(str(out), "json", force=True)
+    common.check_output_path(str(out), "json")  # no --force flag at all
+    with pytest.raises(ValueError, match=rf"^--json={tmp_path} is a directory; pass a file path\.$"):
+        common.check_output_path(str(tmp_path), "json")
+    assert out.read_text() == "{}"  # nothing written or removed by the checks

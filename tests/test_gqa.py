@@ -395,6 +395,10 @@ def test_shape_flags_give_any_shape_and_name_themselves_in_errors():
         common.config_from_flags(_flags(d_model=66))
     with pytest.raises(ValueError, match=r"--vocab_size=100 is below the 257 ids of the preset's tokenizer bytes"):
         common.config_from_flags(_flags(vocab_size=100))
+    # the boundary: exactly the tokenizer's 257 ids is a vocabulary (its padding rounds it up), one fewer is not
+    assert common.config_from_flags(_flags(vocab_size=257)).model.vocab_size == 257
+    with pytest.raises(ValueError, match=r"^--vocab_size=256 is below the 257 ids .*pass --vocab_size >= 257"):
+        common.config_from_flags(_flags(vocab_size=256))
     with pytest.raises(ValueError, match=r"--vocab_size=300 and --tokenizer=bytes: .*pass one of them"):
         common.config_from_flags(_flags(vocab_size=300, tokenizer="bytes"))
 
