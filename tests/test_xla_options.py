@@ -59,6 +59,24 @@ def _schedule_beside(options: tuple[tuple[str, str], ...], independent):
     return hlo.schedule(compiled, {"data": 4})
 
 
+# Pure (no compile), first: a limit libtpu cannot take aborts the process in the compiles below.
+def test_the_options_are_tpu_options_of_a_mesh_on_by_default():
+    assert TINY.async_collectives
+    assert trainer.compiler_options(TINY, "tpu", 16) == xla_options.ASYNC_COLLECTIVES
+    assert trainer.compiler_options(TINY, "tpu", 1) is None  # one chip: no collective to hide
+    assert trainer.compiler_options(TINY, "cpu", 16) is None  # XLA:CPU refuses TPU options
+    assert trainer.compiler_options(dataclasses.replace(TINY, async_collectives=False), "tpu", 16) is None
+    # a scoped VMEM limit asked for in the config: the larger of it and the reduce-scatter fusion's 32 MiB
+    for asked, got in ((16384, "32768"), (98304, "98304")):
+        options = trainer.compiler_options(dataclasses.replace(TINY, xla_tpu_scoped_vmem_limit_kib=asked), "tpu", 16)
+        assert options == {**xla_options.ASYNC_COLLECTIVES, "xla_tpu_scoped_vmem_limit_kib": got}
+    # the limit alone where the async set is off: one chip, or async_collectives=False; nothing off a TPU
+    asked = dataclasses.replace(TINY, xla_tpu_scoped_vmem_limit_kib=16384)
+    for cfg, devices in ((asked, 1), (dataclasses.replace(asked, async_collectives=False), 16)):
+        assert trainer.compiler_options(cfg, "tpu", devices) == {"xla_tpu_scoped_vmem_limit_kib": "16384"}
+    assert trainer.compiler_options(asked, "gpu", 16) is None and trainer.compiler_options(asked, "cpu", 1) is None
+
+
 @needs_libtpu
 def test_libtpu_accepts_each_option_and_refuses_an_unknown_one():
     # One compile with every option (the one the next test reads): libtpu refuses a whole compile for any
@@ -88,23 +106,6 @@ def test_an_elementwise_fusion_runs_beside_the_all_reduce_only_with_the_kloop_op
     for options, hidden in ((without, False), (xla_options.ASYNC_COLLECTIVES, True)):
         (window,) = [w for w in _reduction_beside(options, _elementwise).windows() if w.op == "all-reduce"]
         assert window.synchronous != hidden and bool(window.inside) == hidden
-
-
-def test_the_options_are_tpu_options_of_a_mesh_on_by_default():
-    assert TINY.async_collectives
-    assert trainer.compiler_options(TINY, "tpu", 16) == xla_options.ASYNC_COLLECTIVES
-    assert trainer.compiler_options(TINY, "tpu", 1) is None  # one chip: no collective to hide
-    assert trainer.compiler_options(TINY, "cpu", 16) is None  # XLA:CPU refuses TPU options
-    assert trainer.compiler_options(dataclasses.replace(TINY, async_collectives=False), "tpu", 16) is None
-    # a scoped VMEM limit asked for in the config: the larger of it and the reduce-scatter fusion's 32 MiB
-    for asked, got in ((16384, "32768"), (98304, "98304")):
-        options = trainer.compiler_options(dataclasses.replace(TINY, xla_tpu_scoped_vmem_limit_kib=asked), "tpu", 16)
-        assert options == {**xla_options.ASYNC_COLLECTIVES, "xla_tpu_scoped_vmem_limit_kib": got}
-    # the limit alone where the async set is off: one chip, or async_collectives=False; nothing off a TPU
-    asked = dataclasses.replace(TINY, xla_tpu_scoped_vmem_limit_kib=16384)
-    for cfg, devices in ((asked, 1), (dataclasses.replace(asked, async_collectives=False), 16)):
-        assert trainer.compiler_options(cfg, "tpu", devices) == {"xla_tpu_scoped_vmem_limit_kib": "16384"}
-    assert trainer.compiler_options(asked, "gpu", 16) is None and trainer.compiler_options(asked, "cpu", 1) is None
 
 
 def _auto_fsdp_tp_gradient_reductions(options: dict[str, str]) -> list:
