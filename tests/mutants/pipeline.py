@@ -83,4 +83,9 @@ MUTANTS: list[Mutant] = [
            "    if batch % microbatches:",
            ("tests/test_pipeline.py::test_pp_fsdp_bad_batch_split_is_a_clear_error",),
            "a batch that does not split into data x M micro-batches is not refused before compiling"),
+    Mutant("pp-check-empty-counts-offered", "pipeline", "twinshard/parallel/pipeline.py",
+           "{data * microbatches}\" if fits\n",
+           "{data * microbatches}\" if fits or True\n",
+           ("tests/test_pipeline.py::test_one_batch_split_check_offers_only_counts_that_split_every_data_shard",),
+           "a batch with fewer rows than stages is told to 'choose microbatches from []' again, not the --batch_size fix"),
 ]
